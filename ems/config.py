@@ -1,0 +1,302 @@
+"""Configuration: `EmsConfig`, `CcConfig`, `CcConfig_v1`, and this package's pool settings.
+
+The SDK's fields keep their names, order and defaults. The pool settings are this package's additions; each one
+left as None is read from its environment variable, else takes its default (`resolve_settings`):
+
+| field                 | environment variable       | default        | meaning                                          |
+|-----------------------|----------------------------|----------------|--------------------------------------------------|
+| pool_nodes            | EMS_POOL_NODES (a,b,...)   | none: embedded | "host:port" of each pool node                    |
+| pool_capacity         | EMS_POOL_CAPACITY          | 1GiB           | bytes the embedded pool may hold                 |
+| read_cache_capacity   | EMS_READ_CACHE_CAPACITY    | 256MiB         | local read cache, with remote nodes (0: off)     |
+| staging_capacity      | EMS_STAGING_CAPACITY       | 512MiB         | staging bytes in flight before requests wait     |
+| max_inflight          | EMS_MAX_INFLIGHT           | 8              | async requests queued or running at once         |
+| kernel_backend        | EMS_KERNEL_BACKEND         | auto           | auto, triton, torch or memcpy                    |
+| connect_timeout_ms    | EMS_CONNECT_TIMEOUT_MS     | 3000           | connecting to (and authenticating with) a node   |
+| device                | EMS_DEVICE                 | see below      | device of V0 `KvBufferWrapper` addresses         |
+
+`device` default: the registered KV cache's device; else `npu:<device_id>` when torch_npu is already imported,
+`cuda:<device_id>` when CUDA is available, otherwise `cpu`.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+from ems.errors import invalid_argument
+from ems.kernels.base import KernelBackend
+
+_NAME_RE = re.compile(r"[0-9a-z._-]{1,512}")
+_KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+
+
+def parse_size(name: str, value: Union[int, str]) -> int:
+    """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB", "4096"."""
+    if isinstance(value, bool):
+        raise invalid_argument(f"{name} must be a size, got a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise invalid_argument(f"{name} must be >= 0, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise invalid_argument(f"{name} must be an int or a size string like '512MiB', got {type(value).__name__}")
+    match = _SIZE_RE.fullmatch(value)
+    if match is None:
+        raise invalid_argument(f"{name}: cannot read {value!r} as a size (e.g. 512MiB, 4GiB, 1000000)")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    base = 1024 if "I" in unit else 1000
+    scale = 1 if unit in ("", "B") else base ** ("KMGT".index(unit[0]) + 1)
+    return int(number * scale)
+
+
+def _check_name(field_name: str, value: object) -> None:
+    if not isinstance(value, str) or _NAME_RE.fullmatch(value) is None:
+        raise invalid_argument(f"{field_name} must be 1-512 characters of [0-9a-z._-], got {value!r}")
+
+
+def _check_int(field_name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise invalid_argument(f"{field_name} must be an int >= {minimum}, got {value!r}")
+
+
+class KvCacheType(str, enum.Enum):
+    GQA = "GQA"
+    MHA = "MHA"
+    MLA = "MLA"  # every TP rank holds the same latent KV: ranks share keys
+    MQA = "MQA"
+
+
+@dataclass(frozen=True)
+class CcConfig:
+    rank_id: int
+    device_id: int
+    model_id: str
+    tp_world_size: int = 1
+    pp_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        _check_int(f"{cls}.rank_id", self.rank_id, 0)
+        _check_int(f"{cls}.device_id", self.device_id, 0)
+        _check_name(f"{cls}.model_id", self.model_id)
+        _check_int(f"{cls}.tp_world_size", self.tp_world_size, 1)
+        _check_int(f"{cls}.pp_world_size", self.pp_world_size, 1)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank_id % self.tp_world_size
+
+    @property
+    def pp_rank(self) -> int:
+        return (self.rank_id // self.tp_world_size) % self.pp_world_size
+
+    @property
+    def shares_kv_across_tp(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
+    rank_in_tp_group: int = 0
+    rank_in_pp_group: int = 0
+    llm_engine: str = "vllm"
+    kvcache_type: Union[KvCacheType, str] = KvCacheType.MHA
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int("CcConfig_v1.rank_in_tp_group", self.rank_in_tp_group, 0)
+        _check_int("CcConfig_v1.rank_in_pp_group", self.rank_in_pp_group, 0)
+        if self.rank_in_tp_group >= self.tp_world_size:
+            raise invalid_argument(
+                f"CcConfig_v1.rank_in_tp_group ({self.rank_in_tp_group}) must be < tp_world_size ({self.tp_world_size})"
+            )
+        if self.rank_in_pp_group >= self.pp_world_size:
+            raise invalid_argument(
+                f"CcConfig_v1.rank_in_pp_group ({self.rank_in_pp_group}) must be < pp_world_size ({self.pp_world_size})"
+            )
+        if not isinstance(self.llm_engine, str) or not self.llm_engine:
+            raise invalid_argument(f"CcConfig_v1.llm_engine must be a non-empty str, got {self.llm_engine!r}")
+        try:
+            kind = KvCacheType(self.kvcache_type.upper() if isinstance(self.kvcache_type, str) else self.kvcache_type)
+        except ValueError:
+            raise invalid_argument(
+                f"CcConfig_v1.kvcache_type must be one of GQA, MHA, MLA, MQA, got {self.kvcache_type!r}"
+            ) from None
+        object.__setattr__(self, "kvcache_type", kind)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank_in_tp_group
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank_in_pp_group
+
+    @property
+    def shares_kv_across_tp(self) -> bool:
+        return self.kvcache_type == KvCacheType.MLA
+
+
+_POOL_SETTINGS = (
+    "pool_nodes",
+    "pool_capacity",
+    "read_cache_capacity",
+    "staging_capacity",
+    "max_inflight",
+    "kernel_backend",
+    "connect_timeout_ms",
+    "device",
+)
+
+
+@dataclass(init=False, eq=True)
+class EmsConfig:
+    """`EmsConfig(access_id=None, access_key=None, cc_config=None, cc_config_v1=None, **pool_settings)`.
+
+    The pool settings are keyword-only; see the module docstring for each one. An unknown keyword raises
+    `EmsException(EMS_INVALID_ARGUMENT)`.
+    """
+
+    access_id: Optional[str] = None
+    access_key: Optional[str] = field(default=None, repr=False)  # a secret: never in logs
+    cc_config: Optional[CcConfig] = None
+    cc_config_v1: Optional[CcConfig_v1] = None
+    pool_nodes: Optional[List[str]] = None
+    pool_capacity: Optional[Union[int, str]] = None
+    read_cache_capacity: Optional[Union[int, str]] = None
+    staging_capacity: Optional[Union[int, str]] = None
+    max_inflight: Optional[int] = None
+    kernel_backend: Optional[str] = None
+    connect_timeout_ms: Optional[int] = None
+    device: Optional[str] = None
+
+    def __init__(
+        self,
+        access_id: Optional[str] = None,
+        access_key: Optional[str] = None,
+        cc_config: Optional[CcConfig] = None,
+        cc_config_v1: Optional[CcConfig_v1] = None,
+        **pool_settings: object,
+    ) -> None:
+        unknown = sorted(set(pool_settings) - set(_POOL_SETTINGS))
+        if unknown:
+            raise invalid_argument(f"EmsConfig: unknown settings {unknown}; known: {list(_POOL_SETTINGS)}")
+        self.access_id = access_id
+        self.access_key = access_key
+        self.cc_config = cc_config
+        self.cc_config_v1 = cc_config_v1
+        for name in _POOL_SETTINGS:
+            setattr(self, name, pool_settings.get(name))
+
+    @property
+    def context_caching_config(self) -> Optional[CcConfig]:
+        return self.cc_config_v1 if self.cc_config_v1 is not None else self.cc_config
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The pool settings after environment variables and defaults are applied, all checked."""
+
+    pool_nodes: tuple[str, ...]
+    pool_capacity: int
+    read_cache_capacity: int
+    staging_capacity: int
+    max_inflight: int
+    kernel_backend: KernelBackend
+    connect_timeout_ms: int
+    device: Optional[str] = None
+
+    @property
+    def embedded(self) -> bool:
+        return not self.pool_nodes
+
+
+def _setting(value: object, env: str, default: object) -> object:
+    if value is not None:
+        return value
+    from_env = os.environ.get(env)
+    return from_env if from_env not in (None, "") else default
+
+
+def _parse_node(index: int, node: object) -> str:
+    if not isinstance(node, str):
+        raise invalid_argument(f"pool_nodes[{index}] must be a 'host:port' string, got {node!r}")
+    host, sep, port = node.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise invalid_argument(f"pool_nodes[{index}] must be 'host:port' with a port in 1..65535, got {node!r}")
+    return f"{host.strip('[]')}:{int(port)}"
+
+
+def _int_setting(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    _check_int(name, value, minimum)
+    return int(value)  # type: ignore[arg-type]
+
+
+def resolve_settings(config: EmsConfig) -> Settings:
+    """Apply environment variables and defaults to `config`'s pool settings, checking each one."""
+    nodes_value = _setting(config.pool_nodes, "EMS_POOL_NODES", [])
+    if isinstance(nodes_value, str):
+        nodes_value = [n for n in nodes_value.split(",") if n.strip()]
+    if not isinstance(nodes_value, (list, tuple)):
+        raise invalid_argument(f"pool_nodes must be a list of 'host:port' strings, got {nodes_value!r}")
+    nodes = tuple(_parse_node(i, n) for i, n in enumerate(nodes_value))
+    if len(set(nodes)) != len(nodes):
+        raise invalid_argument(f"pool_nodes lists a node twice: {list(nodes)}")
+    backend_value = _setting(config.kernel_backend, "EMS_KERNEL_BACKEND", "auto")
+    try:
+        backend = KernelBackend(str(backend_value).lower())
+    except ValueError:
+        raise invalid_argument(
+            f"kernel_backend must be one of auto, triton, torch, memcpy, got {backend_value!r}"
+        ) from None
+    device = _setting(config.device, "EMS_DEVICE", None)
+    if device is not None and not isinstance(device, str):
+        raise invalid_argument(f"device must be a device string such as 'cpu' or 'npu:0', got {device!r}")
+    settings = Settings(
+        pool_nodes=nodes,
+        pool_capacity=parse_size("pool_capacity", _setting(config.pool_capacity, "EMS_POOL_CAPACITY", "1GiB")),
+        read_cache_capacity=parse_size(
+            "read_cache_capacity", _setting(config.read_cache_capacity, "EMS_READ_CACHE_CAPACITY", "256MiB")
+        ),
+        staging_capacity=parse_size(
+            "staging_capacity", _setting(config.staging_capacity, "EMS_STAGING_CAPACITY", "512MiB")
+        ),
+        max_inflight=_int_setting("max_inflight", _setting(config.max_inflight, "EMS_MAX_INFLIGHT", 8), 1),
+        kernel_backend=backend,
+        connect_timeout_ms=_int_setting(
+            "connect_timeout_ms", _setting(config.connect_timeout_ms, "EMS_CONNECT_TIMEOUT_MS", 3000), 1
+        ),
+        device=device,
+    )
+    if settings.pool_capacity <= 0:
+        raise invalid_argument("pool_capacity must be > 0")
+    if settings.staging_capacity <= 0:
+        raise invalid_argument("staging_capacity must be > 0")
+    return settings
+
+
+def check_config(config: object) -> EmsConfig:
+    """Check the SDK fields of an `EmsConfig` (the pool settings are checked by `resolve_settings`)."""
+    if not isinstance(config, EmsConfig):
+        raise invalid_argument(f"config must be an EmsConfig, got {type(config).__name__}")
+    if (config.access_id is None) != (config.access_key is None):
+        raise invalid_argument("access_id and access_key must be given together")
+    if config.access_id is not None:
+        _check_name("EmsConfig.access_id", config.access_id)
+        if not isinstance(config.access_key, str) or _KEY_RE.fullmatch(config.access_key) is None:
+            raise invalid_argument("EmsConfig.access_key must be 32-256 characters of [0-9A-Za-z+/=]")
+    if config.cc_config is not None and config.cc_config_v1 is not None:
+        raise invalid_argument("give one of EmsConfig.cc_config and EmsConfig.cc_config_v1, not both")
+    if config.cc_config is not None and not isinstance(config.cc_config, CcConfig):
+        raise invalid_argument(f"EmsConfig.cc_config must be a CcConfig, got {type(config.cc_config).__name__}")
+    if config.cc_config_v1 is not None and not isinstance(config.cc_config_v1, CcConfig_v1):
+        raise invalid_argument(
+            f"EmsConfig.cc_config_v1 must be a CcConfig_v1, got {type(config.cc_config_v1).__name__}"
+        )
+    return config

@@ -1,0 +1,1 @@
+"""Pool node server."""

@@ -1,0 +1,203 @@
+"""The pool as one client sees it: routing, per-node fan-out with deadlines, and the local read cache.
+
+Contract:
+* Each key has one owning node (`transport.routing`, rendezvous hashing of its route key). A call sends one batched
+  request per owning node, nodes in parallel, and waits at most the option's timeout (0: no limit). A node that
+  fails or does not answer in time fails only its own keys; its error is reported in `PoolOutcome.errors`.
+* The local read cache (remote pools only) keeps what this client wrote when `write_rcache` is set and serves reads
+  first; with `read_local_only` a read never leaves the process. The embedded pool is local, so it always serves.
+* Results come back in request order; interpreting them (the consecutive prefix, raising when nothing was
+  reachable) is the caller's job.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generic, List, Optional, Sequence, TypeVar
+
+import numpy as np
+
+from ems.errors import EmsErrorCode
+from ems.store import KvStore
+from ems.transport.base import NodeClient, TransportError
+from ems.transport.inprocess import InProcessNode
+from ems.transport.routing import node_seeds, owners
+from ems.types import CcKvOption
+from ems.value_format import Buffer
+
+T = TypeVar("T")
+
+
+@dataclass
+class PoolOutcome(Generic[T]):
+    """Per-key results in request order, and the errors of the nodes that failed."""
+
+    results: List[T]
+    errors: List[TransportError] = field(default_factory=list)
+    nodes_contacted: int = 0
+
+    @property
+    def unreachable(self) -> bool:
+        """Every node this call needed failed."""
+        return self.nodes_contacted > 0 and len(self.errors) == self.nodes_contacted
+
+    def first_error(self) -> Optional[TransportError]:
+        """The error to raise for an unreachable pool: a timeout if any node timed out."""
+        for error in self.errors:
+            if error.status_code() == EmsErrorCode.EMS_IO_TIMEOUT:
+                return error
+        return self.errors[0] if self.errors else None
+
+
+def timeout_seconds(option: CcKvOption) -> float:
+    """The option's timeout in seconds; 0 (no limit) becomes a very long wait."""
+    return option.timeout / 1000.0 if option.timeout > 0 else 365 * 24 * 3600.0
+
+
+class PoolClient:
+    """Routes batched put/get/exists to the owning nodes; see the module docstring."""
+
+    def __init__(self, nodes: Sequence[NodeClient], read_cache_capacity: int = 0) -> None:
+        if not nodes:
+            raise ValueError("a PoolClient needs at least one node")
+        self.nodes = list(nodes)
+        self.is_local = all(isinstance(n, InProcessNode) for n in self.nodes)
+        self._seeds = node_seeds([n.address for n in self.nodes])
+        self.read_cache: Optional[KvStore] = (
+            KvStore(read_cache_capacity, verify_on_put=False)
+            if read_cache_capacity > 0 and not self.is_local
+            else None
+        )
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._executor_lock = threading.Lock()
+
+    # ---- fan-out ----
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=max(2, 4 * len(self.nodes)), thread_name_prefix="ems-pool"
+                )
+            return self._executor
+
+    def _fan_out(
+        self,
+        route_keys: Sequence[bytes],
+        wanted: np.ndarray,
+        call: Callable[[NodeClient, np.ndarray, float], list],
+        results: list,
+        timeout_s: float,
+    ) -> PoolOutcome:
+        """Run `call(node, indices, timeout)` for the wanted keys of each owning node; fill `results`."""
+        outcome = PoolOutcome(results)
+        indices = np.nonzero(wanted)[0]
+        if indices.size == 0:
+            return outcome
+        owner = owners([route_keys[i] for i in indices], self._seeds)
+        per_node = [(self.nodes[n], indices[owner == n]) for n in np.unique(owner)]
+        outcome.nodes_contacted = len(per_node)
+        if len(per_node) == 1 and (self.is_local or len(self.nodes) == 1):
+            node, idx = per_node[0]
+            try:
+                for i, value in zip(idx.tolist(), call(node, idx, timeout_s)):
+                    results[i] = value
+            except TransportError as error:
+                outcome.errors.append(error)
+            return outcome
+        deadline = time.monotonic() + timeout_s
+        futures = {self._pool().submit(call, node, idx, timeout_s): (node, idx) for node, idx in per_node}
+        done, not_done = concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        for future in done:
+            node, idx = futures[future]
+            try:
+                for i, value in zip(idx.tolist(), future.result()):
+                    results[i] = value
+            except TransportError as error:
+                outcome.errors.append(error)
+            except Exception as error:  # a transport bug must not become a wrong block: fail the node's keys
+                outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, f"{node.address}: {error!r}"))
+        for future in not_done:
+            node, _ = futures[future]
+            outcome.errors.append(
+                TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer within {timeout_s:.3f} s")
+            )
+        return outcome
+
+    # ---- batched operations ----
+
+    def put(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        values: Sequence[Sequence[Buffer]],
+        option: CcKvOption,
+    ) -> PoolOutcome[bool]:
+        """Store each value at its owning node; `results[i]` is True where the node acknowledged it."""
+        results: list = [False] * len(keys)
+        outcome = self._fan_out(
+            route_keys,
+            np.ones(len(keys), dtype=bool),
+            lambda node, idx, t: node.put([keys[i] for i in idx], [values[i] for i in idx], t),
+            results,
+            timeout_seconds(option),
+        )
+        if self.read_cache is not None and option.write_rcache:
+            for i in np.nonzero(results)[0].tolist():
+                self.read_cache.put(keys[i], values[i])
+        return outcome
+
+    def get(
+        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption
+    ) -> PoolOutcome[Optional[Buffer]]:
+        """Each key's stored value, or None; the read cache first, then (unless local-only) the owning node."""
+        results: list = [None] * len(keys)
+        if self.read_cache is not None:
+            results = self.read_cache.get_many(keys)
+        wanted = np.fromiter((r is None for r in results), dtype=bool, count=len(keys))
+        if option.read_local_only and not self.is_local:
+            return PoolOutcome(results)
+        return self._fan_out(
+            route_keys,
+            wanted,
+            lambda node, idx, t: node.get([keys[i] for i in idx], t),
+            results,
+            timeout_seconds(option),
+        )
+
+    def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
+        """Whether each key is held (read cache first, then the owning node unless local-only)."""
+        results: list = [False] * len(keys)
+        if self.read_cache is not None:
+            results = self.read_cache.contains_many(keys)
+        if option.read_local_only and not self.is_local:
+            return PoolOutcome(results)
+        return self._fan_out(
+            route_keys,
+            ~np.asarray(results, dtype=bool),
+            lambda node, idx, t: node.exists([keys[i] for i in idx], t),
+            results,
+            timeout_seconds(option),
+        )
+
+    def healthy(self, timeout_s: float = 1.0) -> bool:
+        """True when at least one node answers a ping within `timeout_s` (the pool is usable)."""
+        if self.is_local:
+            return True
+        futures = [self._pool().submit(node.ping, timeout_s) for node in self.nodes]
+        done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
+        return any(f.result() for f in done if f.exception() is None)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            try:
+                node.close()
+            except Exception:  # closing must release every node even if one fails
+                pass
+        with self._executor_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None

@@ -1,0 +1,124 @@
+"""The stored value format: a fixed header, then the payload (the block's bytes).
+
+Every value in the pool carries a 40-byte little-endian header, so that a value written by a differently shaped
+engine, a torn write or a damaged byte is detected and treated as a miss, never copied into an engine's cache:
+
+    magic u32 'EMSV' | version u16 | kind u16 | layout_sig u64 | tokens_digest u64 | payload_len u64 | checksum u64
+
+`layout_sig` is the registered layout's signature (V1) or 0 (V0 raw values); `tokens_digest` identifies how many
+tokens of each layer group the value holds; `checksum` is XXH3-64 of the payload.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import xxhash
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+MAGIC = 0x56534D45  # b"EMSV" read as little-endian u32
+VERSION = 1
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "<u2"),
+        ("kind", "<u2"),
+        ("layout_sig", "<u8"),
+        ("tokens_digest", "<u8"),
+        ("payload_len", "<u8"),
+        ("checksum", "<u8"),
+    ]
+)
+HEADER_SIZE = HEADER_DTYPE.itemsize  # 40
+
+
+class ValueKind(enum.IntEnum):
+    RAW_V0 = 1  # concatenated KvBufferWrapper ranges
+    BLOCKS_V1 = 2  # one block: per layer group `[tokens, planes, row]`
+
+
+def checksum(parts: Sequence[Buffer]) -> int:
+    """XXH3-64 of the concatenation of `parts` (streamed, no copy)."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+def tokens_digest(token_counts: np.ndarray) -> np.ndarray:
+    """One u64 per block from its per-group token counts.
+
+    token_counts: int `[blocks, groups]`. Vectorised: sum over groups of count * odd multiplier, mod 2**64.
+    """
+    counts = np.asarray(token_counts, dtype=np.uint64)
+    multipliers = (np.arange(counts.shape[1], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+    return (counts * multipliers).sum(axis=1, dtype=np.uint64)
+
+
+@dataclass(frozen=True)
+class ExpectedValues:
+    """What a request expects each of its values to be; anything else is a miss."""
+
+    kind: ValueKind
+    layout_sig: int
+    tokens_digest: np.ndarray  # u64 [n]
+    payload_len: np.ndarray  # int64 [n]
+
+
+def build_headers(expected: ExpectedValues, checksums: Sequence[int]) -> list[bytes]:
+    """The header of each value, as `bytes` of `HEADER_SIZE` (vectorised packing)."""
+    n = len(checksums)
+    headers = np.zeros(n, dtype=HEADER_DTYPE)
+    headers["magic"] = MAGIC
+    headers["version"] = VERSION
+    headers["kind"] = int(expected.kind)
+    headers["layout_sig"] = expected.layout_sig
+    headers["tokens_digest"] = expected.tokens_digest
+    headers["payload_len"] = expected.payload_len
+    headers["checksum"] = np.asarray(checksums, dtype=np.uint64)
+    packed = headers.tobytes()
+    return [packed[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]
+
+
+def parse_header(value: Buffer) -> Optional[np.void]:
+    """The header fields of a stored value, or None when it is too short or not an EMS value."""
+    if len(value) < HEADER_SIZE:
+        return None
+    header = np.frombuffer(value, dtype=HEADER_DTYPE, count=1)[0]
+    if int(header["magic"]) != MAGIC or int(header["version"]) != VERSION:
+        return None
+    return header
+
+
+def is_well_formed(value: Buffer) -> bool:
+    """Header present, length consistent and checksum right: what a pool node checks before storing."""
+    header = parse_header(value)
+    if header is None or len(value) != HEADER_SIZE + int(header["payload_len"]):
+        return False
+    return checksum([memoryview(value)[HEADER_SIZE:]]) == int(header["checksum"])
+
+
+def valid_prefix(values: Sequence[Optional[Buffer]], expected: ExpectedValues) -> int:
+    """How many values, from the first, are present and exactly what `expected` describes (checksum included)."""
+    n = len(values)
+    for i in range(n):
+        value = values[i]
+        if value is None or len(value) != HEADER_SIZE + int(expected.payload_len[i]):
+            return i
+        header = parse_header(value)
+        if (
+            header is None
+            or int(header["kind"]) != int(expected.kind)
+            or int(header["layout_sig"]) != expected.layout_sig
+            or int(header["tokens_digest"]) != int(expected.tokens_digest[i])
+            or int(header["payload_len"]) != int(expected.payload_len[i])
+            or checksum([memoryview(value)[HEADER_SIZE:]]) != int(header["checksum"])
+        ):
+            return i
+    return n

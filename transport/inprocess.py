@@ -1,0 +1,30 @@
+"""The in-process transport: the embedded pool, a `KvStore` living in this process."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ems.store import KvStore
+from ems.transport.base import NodeClient
+from ems.value_format import Buffer
+
+
+class InProcessNode(NodeClient):
+    """A `NodeClient` over a `KvStore` in this process: no copies beyond the store's own, no threads."""
+
+    address = "embedded"
+
+    def __init__(self, store: KvStore) -> None:
+        self.store = store
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
+        return self.store.put_many(keys, values)
+
+    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
+        return list(self.store.get_many(keys))
+
+    def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:
+        return self.store.contains_many(keys)
+
+    def ping(self, timeout_s: float) -> bool:
+        return True
