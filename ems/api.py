@@ -1,0 +1,119 @@
+"""`Ems`: process-wide start-up of the SDK.
+
+`Ems.init(config)` runs once per process: a second call with an equal config is a no-op, with another config it
+raises `EmsException(EMS_INVALID_ARGUMENT)`. With no pool nodes configured the pool is embedded in the process
+(the same store code a pool node runs); with nodes, at least one must answer within `connect_timeout_ms`, else
+`EmsException(EMS_IO_ERROR)`. `Ems.get_cc()` returns the `ContextCaching` object, or None when init failed or the
+config had no cc_config. `Ems.check_health()` is True while the pool is reachable.
+`Ems.shutdown()` (this package's addition) releases everything, after which `init` may run again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Optional
+
+from ems.config import EmsConfig, Settings, check_config, resolve_settings
+from ems.context_caching import ContextCaching
+from ems.errors import EmsErrorCode, EmsException, invalid_argument
+from ems.pool_client import PoolClient
+from ems.store import KvStore
+from ems.transport.base import NodeClient
+from ems.transport.inprocess import InProcessNode
+
+logger = logging.getLogger("ems")
+
+
+def _configure_logging() -> None:
+    directory = os.environ.get("EMS_SDK_LOG")
+    if not directory or any(getattr(h, "_ems_sdk_log", False) for h in logger.handlers):
+        return
+    os.makedirs(directory, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(directory, f"ems-sdk-{os.getpid()}.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s"))
+    handler._ems_sdk_log = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def _connect_pool(config: EmsConfig, settings: Settings) -> PoolClient:
+    if settings.embedded:
+        return PoolClient([InProcessNode(KvStore(settings.pool_capacity))])
+    from ems.transport.remote import connect  # UCX is needed only with remote nodes
+
+    nodes: list[NodeClient] = [
+        connect(
+            address,
+            access_id=config.access_id,
+            access_key=config.access_key,
+            connect_timeout_ms=settings.connect_timeout_ms,
+        )
+        for address in settings.pool_nodes
+    ]
+    pool = PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity)
+    if not pool.healthy(settings.connect_timeout_ms / 1000.0):
+        pool.close()
+        raise EmsException(
+            EmsErrorCode.EMS_IO_ERROR,
+            f"no pool node answered within {settings.connect_timeout_ms} ms: {list(settings.pool_nodes)}",
+        )
+    return pool
+
+
+class Ems:
+    """Process-wide entry point of the SDK (class methods only)."""
+
+    _lock = threading.Lock()
+    _config: Optional[EmsConfig] = None
+    _settings: Optional[Settings] = None
+    _pool: Optional[PoolClient] = None
+    _cc: Optional[ContextCaching] = None
+
+    @classmethod
+    def init(cls, config: EmsConfig) -> None:
+        check_config(config)
+        with cls._lock:
+            if cls._config is not None:
+                if config == cls._config:
+                    return
+                raise invalid_argument("Ems.init was already called with a different config (once per process)")
+            settings = resolve_settings(config)
+            _configure_logging()
+            pool = _connect_pool(config, settings)
+            cc_config = config.context_caching_config
+            cls._cc = ContextCaching(cc_config, config.access_id, pool, settings) if cc_config is not None else None
+            cls._config, cls._settings, cls._pool = config, settings, pool
+            logger.info(
+                "EMS initialised: pool %s", "embedded" if settings.embedded else ", ".join(settings.pool_nodes)
+            )
+
+    @classmethod
+    def get_cc(cls) -> Optional[ContextCaching]:
+        return cls._cc
+
+    @classmethod
+    def check_health(cls) -> bool:
+        pool = cls._pool
+        if pool is None:
+            return False
+        try:
+            return pool.healthy(1.0)
+        except Exception:  # a health probe reports, it never raises
+            return False
+
+    @classmethod
+    def settings(cls) -> Optional[Settings]:
+        """The resolved pool settings (this package's addition), or None before init."""
+        return cls._settings
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """Finish pending async calls, close connections and forget the config (this package's addition)."""
+        with cls._lock:
+            if cls._cc is not None:
+                cls._cc.close()
+            if cls._pool is not None:
+                cls._pool.close()
+            cls._config = cls._settings = cls._pool = cls._cc = None

@@ -1,0 +1,78 @@
+"""Device plumbing: resolving device names, importing torch_npu only when an NPU appears, side streams.
+
+Work on an accelerator runs on a side stream that first waits for the engine's current stream (so a save sees the
+KV the engine just computed) and is synchronised before control returns to the caller (so the engine may reuse or
+read the blocks at once). On CPU everything is synchronous already.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from typing import Iterator, Optional
+
+import torch
+
+from ems.errors import EmsErrorCode, EmsException
+
+
+def ensure_backend_for(device_type: str) -> None:
+    """Import torch_npu the first time an `npu` device is named (never at `import ems`)."""
+    if device_type == "npu" and "torch_npu" not in sys.modules:
+        try:
+            importlib.import_module("torch_npu")
+        except ImportError as exc:
+            raise EmsException(
+                EmsErrorCode.EMS_INTERNAL_ERROR, f"an npu device needs torch_npu, which failed to import: {exc}"
+            ) from exc
+
+
+def parse_device(spec: str) -> torch.device:
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as exc:
+        raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, f"device: cannot parse {spec!r}: {exc}") from exc
+    ensure_backend_for(device.type)
+    return device
+
+
+def default_raw_device(device_id: int, registered: Optional[torch.device]) -> torch.device:
+    """Where V0 addresses live when the config does not say: see `ems.config`."""
+    if registered is not None:
+        return registered
+    if "torch_npu" in sys.modules:
+        return torch.device("npu", device_id)
+    if torch.cuda.is_available():
+        return torch.device("cuda", device_id)
+    return torch.device("cpu")
+
+
+def device_module(device: torch.device):  # type: ignore[no-untyped-def]
+    """torch.cuda / torch.npu for an accelerator device."""
+    ensure_backend_for(device.type)
+    return getattr(torch, device.type)
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device) -> Iterator[None]:
+    """Run the block's device work on a side stream ordered after the engine's current stream, then wait for it."""
+    if device.type == "cpu":
+        yield
+        return
+    module = device_module(device)
+    stream = module.Stream(device=device)
+    stream.wait_stream(module.current_stream(device))
+    with module.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 host buffer for staging to/from `device`: page-locked when the device can use that."""
+    if device.type != "cpu":
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            pass  # no pinning available: plain memory still works, only slower
+    return torch.empty(nbytes, dtype=torch.uint8)

@@ -1,0 +1,53 @@
+"""Storage keys and routing keys, deterministic across processes and machines (never Python's `hash()`).
+
+A storage key is `namespace (16 bytes) | form byte | the caller's key`. The namespace is a BLAKE2b digest of
+everything a stored value depends on besides the caller's key: tenant, model, tensor- and pipeline-parallel rank
+(dropped for MLA, where every TP rank holds the same KV, so ranks share keys), and for V1 the registered layout's
+signature. Routing keys are what the DESIGN routes by: the block hash (V1) or `distribute_key` (V0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional, Sequence
+
+from ems.config import CcConfig
+from ems.types import PrimaryKey
+
+FORM_V0 = b"\x00"
+FORM_V1 = b"\x01"
+
+
+def namespace(tenant: Optional[str], cc_config: CcConfig, layout_signature: Optional[int]) -> bytes:
+    parts = [
+        f"tenant={tenant or ''}",
+        f"model={cc_config.model_id}",
+        f"tp={'shared' if cc_config.shares_kv_across_tp else f'{cc_config.tp_rank}/{cc_config.tp_world_size}'}",
+        f"pp={cc_config.pp_rank}/{cc_config.pp_world_size}",
+        f"layout={layout_signature if layout_signature is not None else 'raw'}",
+    ]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).digest()
+
+
+def encode_hash(block_hash: int) -> bytes:
+    """A block hash (any Python int, negative or wider than 64 bits) as minimal signed little-endian bytes."""
+    return block_hash.to_bytes((block_hash.bit_length() + 8) // 8, "little", signed=True)
+
+
+def v1_keys(ns: bytes, hashes: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
+    """(storage keys, routing keys) of V1 block hashes."""
+    routes = [encode_hash(h) for h in hashes]
+    prefix = ns + FORM_V1
+    return [prefix + r for r in routes], routes
+
+
+def v0_keys(ns: bytes, key_list: Sequence[PrimaryKey]) -> tuple[list[bytes], list[bytes]]:
+    """(storage keys, routing keys) of V0 PrimaryKeys; routing by `distribute_key` only."""
+    prefix = ns + FORM_V0
+    storage, routes = [], []
+    for key in key_list:
+        dk = key.distribute_key.encode()
+        ak = key.attribute_key.encode()
+        routes.append(dk)
+        storage.append(prefix + len(dk).to_bytes(2, "little") + dk + ak)
+    return storage, routes

@@ -1,0 +1,149 @@
+"""The registered KV-cache layout: layer groups, their tensors and strides, and the layout signature.
+
+`register_layout(kvcache, store_layer_group_desc)` checks what an engine registers and records it; it moves no data.
+`kvcache[layer][0 or 1]` is that layer's K or V tensor, `[blocks, block_size, heads, head_size]`. Tensors need not be
+contiguous as a whole (engines hand out views), but each token row (`heads * head_size` elements) must be. Layer
+groups may differ in block size, heads, head_size and dtype; within a group every tensor has one shape and dtype.
+The signature covers everything a stored value's bytes depend on (each group's layers, dtype, heads, head_size), so
+a differently shaped engine never reads foreign bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import xxhash
+
+from ems.errors import invalid_argument
+from ems.kernels.base import PlaneSet
+from ems.types import StoreLayerGroupDesc
+
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "npu")
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """One layer group: its layers, the largest block it stores, and its tensors as kernel planes."""
+
+    index: int
+    layer_ids: tuple[int, ...]
+    store_block_size: int
+    planes: PlaneSet
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies in a stored value: every plane's row."""
+        return self.planes.num_planes * self.planes.row_bytes
+
+    def describe(self) -> str:
+        t = self.planes.planes[0]
+        return (
+            f"layers={','.join(map(str, self.layer_ids))};dtype={str(t.dtype).replace('torch.', '')};"
+            f"heads={t.shape[2]};head_size={t.shape[3]}"
+        )
+
+
+@dataclass(frozen=True)
+class RegisteredLayout:
+    groups: tuple[LayerGroup, ...]
+    num_layers: int
+    device: torch.device
+    signature: int  # u64, XXH3 of every group's description
+
+    @property
+    def min_store_block_size(self) -> int:
+        return min(g.store_block_size for g in self.groups)
+
+    @property
+    def min_num_slots(self) -> int:
+        return min(g.planes.num_slots for g in self.groups)
+
+
+def _check_tensor(name: str, tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise invalid_argument(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 4:
+        raise invalid_argument(
+            f"{name} must have shape [blocks, block_size, heads, head_size], got {tuple(tensor.shape)}"
+        )
+    if any(int(d) <= 0 for d in tensor.shape):
+        raise invalid_argument(f"{name} has an empty dimension: {tuple(tensor.shape)}")
+    heads, head_size = int(tensor.shape[2]), int(tensor.shape[3])
+    row_contiguous = (head_size == 1 or tensor.stride(3) == 1) and (heads == 1 or tensor.stride(2) == head_size)
+    if not row_contiguous:
+        raise invalid_argument(
+            f"{name}: each token row (heads*head_size elements) must be contiguous; strides are {tensor.stride()}"
+        )
+    if tensor.device.type not in SUPPORTED_DEVICE_TYPES:
+        raise invalid_argument(f"{name} is on {tensor.device}; supported devices are {SUPPORTED_DEVICE_TYPES}")
+    if tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise invalid_argument(f"{name} has dtype {tensor.dtype}, which is not a KV-cache dtype")
+    return tensor
+
+
+def _group_descs(
+    num_layers: int, block_size: int, store_layer_group_desc: Optional[Sequence[StoreLayerGroupDesc]]
+) -> list[StoreLayerGroupDesc]:
+    if store_layer_group_desc is None:
+        return [StoreLayerGroupDesc(store_block_size=block_size, layer_ids=list(range(num_layers)))]
+    if not isinstance(store_layer_group_desc, (list, tuple)) or not store_layer_group_desc:
+        raise invalid_argument("store_layer_group_desc must be a non-empty list of StoreLayerGroupDesc or None")
+    seen: dict[int, int] = {}
+    for g, desc in enumerate(store_layer_group_desc):
+        if not isinstance(desc, StoreLayerGroupDesc):
+            raise invalid_argument(
+                f"store_layer_group_desc[{g}] must be a StoreLayerGroupDesc, got {type(desc).__name__}"
+            )
+        for layer in desc.layer_ids:
+            if layer >= num_layers:
+                raise invalid_argument(
+                    f"store_layer_group_desc[{g}].layer_ids names layer {layer}, but kvcache has {num_layers} layers"
+                )
+            if layer in seen:
+                raise invalid_argument(
+                    f"store_layer_group_desc[{g}].layer_ids repeats layer {layer} (already in group {seen[layer]})"
+                )
+            seen[layer] = g
+    missing = sorted(set(range(num_layers)) - set(seen))
+    if missing:
+        raise invalid_argument(f"store_layer_group_desc misses layers {missing}: every layer must be in one group")
+    return list(store_layer_group_desc)
+
+
+def register_layout(
+    kvcache: object, store_layer_group_desc: Optional[Sequence[StoreLayerGroupDesc]] = None
+) -> RegisteredLayout:
+    """Check `kvcache` (and the optional layer groups) and record the layout; raises EmsException on bad input."""
+    if not isinstance(kvcache, (list, tuple)) or not kvcache:
+        raise invalid_argument("kvcache must be a non-empty list (layers) of [K, V] tensor pairs")
+    tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer, pair in enumerate(kvcache):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise invalid_argument(f"kvcache[{layer}] must be [K, V]: a list of exactly 2 tensors")
+        tensors.append((_check_tensor(f"kvcache[{layer}][0]", pair[0]), _check_tensor(f"kvcache[{layer}][1]", pair[1])))
+    device = tensors[0][0].device
+    for layer, pair in enumerate(tensors):
+        for kv, tensor in enumerate(pair):
+            if tensor.device != device:
+                raise invalid_argument(f"kvcache[{layer}][{kv}] is on {tensor.device}, kvcache[0][0] on {device}")
+    descs = _group_descs(len(tensors), int(tensors[0][0].shape[1]), store_layer_group_desc)
+    groups = []
+    for g, desc in enumerate(descs):
+        first_layer = desc.layer_ids[0]
+        reference = tensors[first_layer][0]
+        planes: list[torch.Tensor] = []
+        for layer in desc.layer_ids:
+            for kv, tensor in enumerate(tensors[layer]):
+                if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
+                    where = "store_layer_group_desc" if store_layer_group_desc is not None else "one layer group"
+                    raise invalid_argument(
+                        f"kvcache[{layer}][{kv}] is {tuple(tensor.shape)} {tensor.dtype}, but kvcache[{first_layer}][0] "
+                        f"is {tuple(reference.shape)} {reference.dtype}: tensors of {where} must match "
+                        "(register layers of other shapes as separate StoreLayerGroupDesc groups)"
+                    )
+                planes.append(tensor)
+        groups.append(LayerGroup(g, tuple(desc.layer_ids), desc.store_block_size, PlaneSet(tuple(planes))))
+    signature = xxhash.xxh3_64_intdigest("|".join(g.describe() for g in groups).encode())
+    return RegisteredLayout(tuple(groups), len(tensors), device, signature)

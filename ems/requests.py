@@ -1,0 +1,315 @@
+"""Binding and checking the arguments of save/load/exists, before anything moves.
+
+`bind_request(op, args, kwargs, layout)` turns the three call forms of the SDK into one typed request:
+
+* V0:                      `(option, key_list, value_list)`
+* V1, slot_mapping form:   `(slot_mapping, hashes, offsets, option=None)`
+* V1, chunk_descs form:    `(hashes=..., chunk_descs=..., option=None)`
+
+Every check happens here, vectorised where it concerns tokens: a bad argument raises
+`EmsException(EMS_INVALID_ARGUMENT)` naming the argument and the offending index, and nothing has been written.
+A slot outside the registered cache never reaches a kernel (that would be memory corruption).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ems.errors import EmsErrorCode, EmsException, invalid_argument
+from ems.layout import RegisteredLayout
+from ems.types import DEFAULT_OPTION, CcKvOption, KvBufferWrapper, PrimaryKey
+
+MAX_U64 = (1 << 64) - 1
+
+
+class Operation(str, enum.Enum):
+    SAVE = "save"
+    LOAD = "load"
+
+
+@dataclass(frozen=True)
+class RawRequest:
+    """V0: value i is the concatenation of the device ranges `segments[seg_start[i]:seg_start[i+1]]`."""
+
+    option: CcKvOption
+    keys: List[PrimaryKey]
+    ptrs: np.ndarray  # int64 [S] device addresses
+    lengths: np.ndarray  # int64 [S] bytes
+    seg_start: np.ndarray  # int64 [n+1]
+
+    @property
+    def total(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True)
+class SlotRequest:
+    """V1 slot_mapping: block i is `hashes[i]`, the tokens `slots[tok_start[i]:tok_start[i+1]]`."""
+
+    option: CcKvOption
+    hashes: List[int]
+    slots: np.ndarray  # int64 [T]
+    offsets: np.ndarray  # int64 [n] tokens per block
+
+    @property
+    def total(self) -> int:
+        return len(self.hashes)
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """V1 chunk_descs: block i of group g is the run `starts[g, i] .. starts[g, i] + lengths[g, i] - 1`."""
+
+    option: CcKvOption
+    hashes: List[int]
+    starts: np.ndarray  # int64 [G, n]
+    lengths: np.ndarray  # int64 [G, n]
+
+    @property
+    def total(self) -> int:
+        return len(self.hashes)
+
+
+Request = Union[RawRequest, SlotRequest, ChunkRequest]
+
+_V0_NAMES = ("option", "key_list", "value_list")
+_V1_NAMES = ("slot_mapping", "hashes", "offsets", "option")
+
+
+def _bind_names(op: str, names: Sequence[str], args: tuple, kwargs: dict, extra: Sequence[str] = ()) -> dict:
+    if len(args) > len(names):
+        raise invalid_argument(f"{op}() takes at most {len(names)} positional arguments ({', '.join(names)})")
+    bound = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in names and name not in extra:
+            raise invalid_argument(f"{op}() got an unexpected argument {name!r}")
+        if name in bound:
+            raise invalid_argument(f"{op}() got argument {name!r} twice")
+        bound[name] = value
+    return bound
+
+
+def _option(value: object, required: bool) -> CcKvOption:
+    if value is None:
+        if required:
+            raise invalid_argument("option must be a CcKvOption, not None")
+        return DEFAULT_OPTION
+    if not isinstance(value, CcKvOption):
+        raise invalid_argument(f"option must be a CcKvOption, got {type(value).__name__}")
+    return value
+
+
+def int_array(name: str, value: object) -> np.ndarray:
+    """An int64 numpy copy of a list/tuple/ndarray/tensor of integers; floats, bools and strings are refused."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise invalid_argument(f"{name} must hold integers, got a {value.dtype} tensor")
+        array = value.detach().to("cpu").numpy()
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            array = np.asarray(value)
+        except (ValueError, OverflowError):
+            array = np.asarray(value, dtype=object)
+    else:
+        raise invalid_argument(f"{name} must be a list of ints, got {type(value).__name__}")
+    if array.ndim != 1:
+        raise invalid_argument(f"{name} must be a flat list of ints, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        for i, item in enumerate(array.tolist()):
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise invalid_argument(f"{name}[{i}] must be an int, got {type(item).__name__} {item!r}")
+        raise invalid_argument(f"{name} holds integers outside the int64 range")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise invalid_argument(f"{name} holds integers outside the int64 range")
+    return array.astype(np.int64, copy=True)
+
+
+def _hashes(value: object) -> List[int]:
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        value = int_array("hashes", value).tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise invalid_argument("hashes must be a non-empty list of ints")
+    hashes = list(value)
+    for i, h in enumerate(hashes):
+        if type(h) is not int:
+            if isinstance(h, np.integer):
+                hashes[i] = int(h)
+            else:
+                raise invalid_argument(f"hashes[{i}] must be an int, got {type(h).__name__} {h!r}")
+    if len(set(hashes)) != len(hashes):
+        seen: dict[int, int] = {}
+        for i, h in enumerate(hashes):
+            if h in seen:
+                raise invalid_argument(f"hashes[{i}] repeats hashes[{seen[h]}] ({h:#x}): keys must be unique in a call")
+            seen[h] = i
+    return hashes
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+def _check_no_repeats(name: str, slots: np.ndarray) -> None:
+    """A load must not write one slot twice (which copy would win is undefined)."""
+    order = np.argsort(slots, kind="stable")
+    repeated = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
+    if repeated.size:
+        i, j = sorted((int(order[repeated[0]]), int(order[repeated[0] + 1])))
+        raise invalid_argument(f"{name}: slot {int(slots[j])} at index {j} repeats index {i}; a load writes each slot once")
+
+
+def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotRequest:
+    for name in ("slot_mapping", "hashes", "offsets"):
+        if b.get(name) is None:
+            raise invalid_argument(f"{op.value}(): {name} is required for the slot_mapping form")
+    option = _option(b.get("option"), required=False)
+    slots = int_array("slot_mapping", b["slot_mapping"])
+    if slots.size == 0:
+        raise invalid_argument("slot_mapping must not be empty")
+    hashes = _hashes(b["hashes"])
+    offsets = int_array("offsets", b["offsets"])
+    if len(offsets) != len(hashes):
+        raise invalid_argument(f"len(hashes) ({len(hashes)}) != len(offsets) ({len(offsets)})")
+    if (offsets <= 0).any():
+        i = _first(offsets <= 0)
+        raise invalid_argument(f"offsets[{i}] = {int(offsets[i])}: each block holds at least one token")
+    limit = layout.min_store_block_size
+    if (offsets > limit).any():
+        i = _first(offsets > limit)
+        raise invalid_argument(f"offsets[{i}] = {int(offsets[i])} exceeds the store block size {limit}")
+    if int(offsets.sum()) != len(slots):
+        raise invalid_argument(f"sum(offsets) ({int(offsets.sum())}) != len(slot_mapping) ({len(slots)})")
+    num_slots = layout.min_num_slots
+    bad = (slots < 0) | (slots >= num_slots)
+    if bad.any():
+        i = _first(bad)
+        raise invalid_argument(
+            f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})"
+        )
+    if op is Operation.LOAD:
+        _check_no_repeats("slot_mapping", slots)
+    return SlotRequest(option, hashes, slots, offsets)
+
+
+def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkRequest:
+    if b.get("hashes") is None:
+        raise invalid_argument(f"{op.value}(): hashes is required with chunk_descs")
+    option = _option(b.get("option"), required=False)
+    hashes = _hashes(b["hashes"])
+    descs = b["chunk_descs"]
+    groups = len(layout.groups)
+    if not isinstance(descs, (list, tuple)) or len(descs) != groups:
+        got = len(descs) if isinstance(descs, (list, tuple)) else type(descs).__name__
+        raise invalid_argument(f"chunk_descs must hold one list per layer group ({groups}), got {got}")
+    n = len(hashes)
+    starts = np.empty((groups, n), dtype=np.int64)
+    lengths = np.empty((groups, n), dtype=np.int64)
+    for g, (group, runs) in enumerate(zip(layout.groups, descs)):
+        if not isinstance(runs, (list, tuple)) or len(runs) != n:
+            got = len(runs) if isinstance(runs, (list, tuple)) else type(runs).__name__
+            raise invalid_argument(f"len(chunk_descs[{g}]) must equal len(hashes) ({n}), got {got}")
+        try:
+            pairs = np.asarray(runs)
+        except ValueError:
+            pairs = np.asarray(runs, dtype=object)
+        if pairs.shape != (n, 2) or pairs.dtype.kind not in "iu":
+            for i, run in enumerate(runs):
+                if (
+                    not isinstance(run, (list, tuple))
+                    or len(run) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in run)
+                ):
+                    raise invalid_argument(f"chunk_descs[{g}][{i}] must be a (start_slot, length) pair of ints, got {run!r}")
+            raise invalid_argument(f"chunk_descs[{g}] holds integers outside the int64 range")
+        starts[g], lengths[g] = pairs[:, 0], pairs[:, 1]
+        planes = group.planes
+        problems = [
+            (starts[g] < 0, "start_slot is negative"),
+            (lengths[g] <= 0, "length must be >= 1"),
+            (lengths[g] > group.store_block_size, f"length exceeds the group's store block size {group.store_block_size}"),
+            (starts[g] + lengths[g] > planes.num_slots, f"the run leaves the registered cache ({planes.num_slots} slots)"),
+        ]
+        for mask, why in problems:
+            if mask.any():
+                i = _first(mask)
+                raise invalid_argument(
+                    f"chunk_descs[{g}][{i}] = ({int(starts[g, i])}, {int(lengths[g, i])}): {why}"
+                )
+        if op is Operation.LOAD:
+            from ems.planning import expand_runs  # the one place runs become slots
+
+            _check_no_repeats(f"chunk_descs[{g}]", expand_runs(starts[g], lengths[g]))
+    return ChunkRequest(option, hashes, starts, lengths)
+
+
+def _bind_raw(op: Operation, b: dict) -> RawRequest:
+    option = _option(b.get("option"), required=True)
+    key_list, value_list = b.get("key_list"), b.get("value_list")
+    if not isinstance(key_list, (list, tuple)) or not key_list:
+        raise invalid_argument("key_list must be a non-empty list of PrimaryKey")
+    if not isinstance(value_list, (list, tuple)):
+        raise invalid_argument(f"value_list must be a list of lists of KvBufferWrapper, got {type(value_list).__name__}")
+    if len(value_list) != len(key_list):
+        raise invalid_argument(f"len(value_list) ({len(value_list)}) != len(key_list) ({len(key_list)})")
+    seen: dict[PrimaryKey, int] = {}
+    for i, key in enumerate(key_list):
+        if not isinstance(key, PrimaryKey):
+            raise invalid_argument(f"key_list[{i}] must be a PrimaryKey, got {type(key).__name__}")
+        if key in seen:
+            raise invalid_argument(f"key_list[{i}] repeats key_list[{seen[key]}] ({key}): keys must be unique")
+        seen[key] = i
+    ptrs: list[int] = []
+    lengths: list[int] = []
+    counts = np.zeros(len(key_list) + 1, dtype=np.int64)
+    for i, buffers in enumerate(value_list):
+        if not isinstance(buffers, (list, tuple)) or not buffers:
+            raise invalid_argument(f"value_list[{i}] must be a non-empty list of KvBufferWrapper")
+        for j, buffer in enumerate(buffers):
+            if not isinstance(buffer, KvBufferWrapper):
+                raise invalid_argument(f"value_list[{i}][{j}] must be a KvBufferWrapper, got {type(buffer).__name__}")
+            if buffer.data_ptr + buffer.length > MAX_U64:
+                raise invalid_argument(f"value_list[{i}][{j}]: the range wraps around the address space")
+            ptrs.append(buffer.data_ptr)
+            lengths.append(buffer.length)
+        counts[i + 1] = len(buffers)
+    if max(ptrs) > np.iinfo(np.int64).max:
+        raise invalid_argument("value_list holds an address above 2**63, which no device maps")
+    return RawRequest(option, list(key_list), np.asarray(ptrs, np.int64), np.asarray(lengths, np.int64), np.cumsum(counts))
+
+
+def bind_request(op: Operation, args: tuple, kwargs: dict, layout: Optional[RegisteredLayout]) -> Request:
+    """The request the arguments describe, fully checked against `layout` (None before registration)."""
+    v0 = (args and isinstance(args[0], CcKvOption)) or "key_list" in kwargs or "value_list" in kwargs
+    if v0:
+        return _bind_raw(op, _bind_names(op.value, _V0_NAMES, args, kwargs))
+    b = _bind_names(op.value, _V1_NAMES, args, kwargs, extra=("chunk_descs",))
+    if layout is None:
+        raise invalid_argument(f"{op.value}(): V1 calls need register_kvcache() first")
+    if b.get("chunk_descs") is not None:
+        if b.get("slot_mapping") is not None or b.get("offsets") is not None:
+            raise invalid_argument(
+                f"{op.value}(): give either slot_mapping + offsets or chunk_descs, not both semantics at once"
+            )
+        return _bind_chunks(op, b, layout)
+    if b.get("slot_mapping") is None and b.get("offsets") is None and b.get("hashes") is not None:
+        raise invalid_argument(f"{op.value}(): give slot_mapping + offsets, or chunk_descs, with hashes")
+    return _bind_slots(op, b, layout)
+
+
+def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> tuple[Union[List[int], List[PrimaryKey]], CcKvOption]:
+    """exists(hashes, option=None): V1 block hashes, or V0 PrimaryKeys."""
+    if kwargs:
+        raise invalid_argument(f"exists() got unexpected arguments {sorted(kwargs)}")
+    checked_option = _option(option, required=False)
+    if isinstance(hashes, (list, tuple)) and hashes and all(isinstance(k, PrimaryKey) for k in hashes):
+        return list(hashes), checked_option
+    return _hashes(hashes), checked_option
+
+
+def internal_error(message: str) -> EmsException:
+    return EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, message)

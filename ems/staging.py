@@ -1,0 +1,104 @@
+"""Reusable staging buffers, bounded in bytes.
+
+A request leases one staging buffer (on the device, plus its host twin when the device is not the CPU), fills
+it, and releases it on every path, error paths included. Buffers are kept for reuse, rounded up to powers of two.
+The bytes leased and kept never exceed the capacity: a request that would exceed it waits until others release
+theirs (back-pressure, never unbounded memory). A request larger than the whole capacity runs alone, with a
+buffer that is freed afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ems.devices import host_buffer
+
+MIN_BUFFER = 1 << 16
+
+
+@dataclass
+class StagingLease:
+    """A leased staging buffer: `device` and `host` are uint8 `[capacity]` (the same tensor on CPU)."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    capacity: int
+
+    def host_array(self) -> np.ndarray:
+        return self.host.numpy()
+
+    def host_view(self) -> memoryview:
+        return memoryview(self.host.numpy()).cast("B")
+
+
+def _round_up(nbytes: int) -> int:
+    return max(MIN_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+class StagingPool:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self._free: list[StagingLease] = []
+        self._free_bytes = 0
+        self._leased_bytes = 0
+        self._cond = threading.Condition()
+
+    @staticmethod
+    def _cost(lease: StagingLease) -> int:
+        return lease.capacity * (1 if lease.device is lease.host else 2)
+
+    def _take_free(self, nbytes: int, device: torch.device) -> Optional[StagingLease]:
+        fits = [f for f in self._free if f.capacity >= nbytes and f.device.device == device]
+        if not fits:
+            return None
+        best = min(fits, key=lambda f: f.capacity)
+        self._free.remove(best)
+        self._free_bytes -= self._cost(best)
+        return best
+
+    def acquire(self, nbytes: int, device: torch.device) -> StagingLease:
+        """A buffer of at least `nbytes` on `device`; waits while the pool is at capacity."""
+        size = _round_up(nbytes)
+        cost = size * (1 if device.type == "cpu" else 2)
+        with self._cond:
+            while True:
+                lease = self._take_free(nbytes, device)
+                if lease is not None:
+                    self._leased_bytes += self._cost(lease)
+                    return lease
+                while self._free and self._leased_bytes + self._free_bytes + cost > self.capacity:
+                    dropped = max(self._free, key=lambda f: f.capacity)
+                    self._free.remove(dropped)
+                    self._free_bytes -= self._cost(dropped)
+                if self._leased_bytes + cost <= self.capacity or self._leased_bytes == 0:
+                    self._leased_bytes += cost
+                    break
+                self._cond.wait()
+        try:
+            device_buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            host = device_buffer if device.type == "cpu" else host_buffer(size, device)
+        except BaseException:
+            with self._cond:
+                self._leased_bytes -= cost
+                self._cond.notify_all()
+            raise
+        return StagingLease(device_buffer, host, size)
+
+    def release(self, lease: StagingLease) -> None:
+        cost = self._cost(lease)
+        with self._cond:
+            self._leased_bytes -= cost
+            if self._leased_bytes + self._free_bytes + cost <= self.capacity:
+                self._free.append(lease)
+                self._free_bytes += cost
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._free.clear()
+            self._free_bytes = 0
