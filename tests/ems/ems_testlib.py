@@ -1,0 +1,119 @@
+"""Helpers for the tests in tests/ems: random paged KV caches, poisoning, exact byte comparison."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ems import CcConfig, ContextCaching, EmsConfig
+from ems.config import resolve_settings
+from ems.pool_client import PoolClient
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8]
+
+
+def fill_random(t: torch.Tensor, gen: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Overwrite `t` (any view) in place with fresh random data: never zeros, every byte pattern likely."""
+    if t.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        info = torch.iinfo(t.dtype)
+        src = torch.randint(max(info.min, -(1 << 30)), min(info.max, 1 << 30), t.shape, dtype=t.dtype, generator=gen)
+        src[src == 0] = 1
+    else:
+        src = (torch.randn(t.shape, dtype=torch.float32, generator=gen) * 3 + 0.5).to(t.dtype)
+        src[src == 0] = 1.5
+    t.copy_(src)
+    return t
+
+
+def make_cache(
+    layers: int = 2,
+    blocks: int = 6,
+    block_size: int = 4,
+    heads: int = 2,
+    head_size: int = 8,
+    dtype: torch.dtype = torch.float16,
+    interleaved: bool = False,
+    device: str = "cpu",
+) -> List[List[torch.Tensor]]:
+    """`[layers][K, V]` of `[blocks, block_size, heads, head_size]`, filled with random data.
+
+    interleaved: one tensor `[blocks, 2, block_size, heads, head_size]` per layer, K = t[:, 0], V = t[:, 1]."""
+    cache = []
+    for _ in range(layers):
+        if interleaved:
+            t = torch.empty(blocks, 2, block_size, heads, head_size, dtype=dtype, device=device)
+            if device != "meta":
+                fill_random(t)
+            cache.append([t[:, 0], t[:, 1]])
+        else:
+            pair = [torch.empty(blocks, block_size, heads, head_size, dtype=dtype, device=device) for _ in range(2)]
+            if device != "meta":
+                for t in pair:
+                    fill_random(t)
+            cache.append(pair)
+    return cache
+
+
+def tensors(cache) -> list[torch.Tensor]:
+    return [t for pair in cache for t in pair]
+
+
+def snapshot(cache) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors(cache)]
+
+
+def poison(cache) -> list[torch.Tensor]:
+    """Overwrite the whole cache with new random data; return a copy of what it now holds."""
+    for t in tensors(cache):
+        fill_random(t)
+    return snapshot(cache)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def expected_after_load(original: Sequence[torch.Tensor], poisoned: Sequence[torch.Tensor], slots) -> list[torch.Tensor]:
+    """Per tensor: the poisoned contents with the rows of `slots` taken from `original`."""
+    out = []
+    slots = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+    for o, p in zip(original, poisoned):
+        e = p.clone()
+        if slots.numel():
+            bs = o.shape[1]
+            e[slots // bs, slots % bs] = o[slots // bs, slots % bs]
+        out.append(e)
+    return out
+
+
+def assert_cache_equals(cache, expected: Sequence[torch.Tensor]) -> None:
+    for i, (t, e) in enumerate(zip(tensors(cache), expected)):
+        if not bytes_equal(t, e):
+            diff = (as_bytes(t) != as_bytes(e)).reshape(t.shape[0], t.shape[1], -1).any(-1).nonzero().tolist()
+            raise AssertionError(f"tensor {i} differs at [block, offset] rows {diff[:10]}")
+
+
+def slots_of_blocks(block_ids: Sequence[int], block_size: int, offsets: Optional[Sequence[int]] = None) -> list[int]:
+    """The slot_mapping of whole blocks (or their first `offsets[i]` tokens)."""
+    offsets = offsets or [block_size] * len(block_ids)
+    return [b * block_size + o for b, n in zip(block_ids, offsets) for o in range(n)]
+
+
+def direct_cc(nodes, *, model_id: str = "test-model", cc_config=None, tenant=None, **settings) -> ContextCaching:
+    """A `ContextCaching` around `PoolClient(nodes)`, without `Ems.init`."""
+    cc_config = cc_config or CcConfig(rank_id=0, device_id=0, model_id=model_id)
+    resolved = resolve_settings(EmsConfig(**settings))
+    return ContextCaching(cc_config, tenant, PoolClient(list(nodes)), resolved)
+
+
+def store_of_ems():
+    """The embedded store behind the initialised `Ems` (white-box: for 'nothing was written' checks)."""
+    from ems import Ems
+
+    return Ems._pool.nodes[0].store  # type: ignore[union-attr]

@@ -1,0 +1,201 @@
+"""Every call form round-trips bytes exactly: V0, V1 slot_mapping, V1 chunk_descs; dtypes; partial blocks; interleaved
+views; layer groups of different shapes; sync and async forms. Loads go into a poisoned cache and must touch only the
+slots they name."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
+from ems_testlib import (
+    DTYPES,
+    assert_cache_equals,
+    bytes_equal,
+    expected_after_load,
+    fill_random,
+    make_cache,
+    poison,
+    slots_of_blocks,
+    snapshot,
+)
+
+
+def _call(cc, name: str, sync: bool, *args, **kwargs):
+    if sync:
+        return getattr(cc, name)(*args, **kwargs)
+    future = getattr(cc, "async_" + name)(*args, **kwargs)
+    return cc.get_result(future)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["separate", "interleaved"])
+def test_slot_mapping_roundtrip(cc, dtype, interleaved, sync):
+    bs = 4
+    cache = make_cache(layers=3, blocks=8, block_size=bs, heads=2, head_size=6, dtype=dtype, interleaved=interleaved)
+    cc.register_kvcache(cache)
+    # non-adjacent blocks in arbitrary order, tokens within blocks shuffled, last block partial
+    offsets = [bs, bs, bs, 3]
+    blocks = [5, 1, 7, 2]
+    slots = []
+    for b, n in zip(blocks, offsets):
+        block = [b * bs + o for o in range(n)]
+        random.Random(b).shuffle(block)
+        slots += block
+    hashes = [random.getrandbits(64) for _ in blocks]
+    original = snapshot(cache)
+    assert _call(cc, "save", sync, slots, hashes, offsets).success == 4
+    poisoned = poison(cache)
+    result = _call(cc, "load", sync, slots, hashes, offsets)
+    assert (result.success, result.total) == (4, 4)
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+
+
+def test_load_into_other_slots_moves_the_rows(cc):
+    """A block saved from slots A and loaded into slots B lands in B, token by token in order."""
+    cache = make_cache(layers=2, blocks=6, block_size=4, dtype=torch.bfloat16)
+    cc.register_kvcache(cache)
+    src = [0, 1, 2, 3, 9, 10]
+    dst = [20, 21, 22, 23, 5, 4]
+    original = snapshot(cache)
+    assert cc.save(src, [11, 12], [4, 2]).success == 2
+    poisoned = poison(cache)
+    assert cc.load(dst, [11, 12], [4, 2]).success == 2
+    expected = [p.clone() for p in poisoned]
+    for e, o in zip(expected, original):
+        for s, d in zip(src, dst):
+            e[d // 4, d % 4] = o[s // 4, s % 4]
+    assert_cache_equals(cache, expected)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_chunk_descs_roundtrip_with_layer_groups(cc, sync):
+    """Three layer groups with different block sizes, heads, head sizes and dtypes; runs of varied lengths."""
+    g0 = make_cache(layers=2, blocks=5, block_size=4, heads=2, head_size=8, dtype=torch.float16)
+    g1 = make_cache(layers=1, blocks=3, block_size=8, heads=1, head_size=5, dtype=torch.float32)
+    g2 = make_cache(layers=2, blocks=4, block_size=2, heads=3, head_size=4, dtype=torch.int8, interleaved=True)
+    cache = [g0[0], g1[0], g2[0], g0[1], g2[1]]  # groups interleaved in layer order
+    groups = [
+        StoreLayerGroupDesc(store_block_size=4, layer_ids=[0, 3]),
+        StoreLayerGroupDesc(store_block_size=8, layer_ids=[1]),
+        StoreLayerGroupDesc(store_block_size=2, layer_ids=[2, 4]),
+    ]
+    cc.register_kvcache(cache, groups)
+    hashes = [-5, 2**63 + 7, 42]
+    chunk_descs = [
+        [(8, 4), (1, 3), (17, 2)],  # group 0: 20 slots
+        [(16, 8), (0, 5), (9, 1)],  # group 1: 24 slots
+        [(6, 2), (0, 1), (3, 2)],  # group 2: 8 slots (run 3..4 crosses a block boundary)
+    ]
+    original = snapshot(cache)
+    result = _call(cc, "save", sync, hashes=hashes, chunk_descs=chunk_descs)
+    assert (result.success, result.total) == (3, 3)
+    poisoned = poison(cache)
+    assert _call(cc, "load", sync, hashes=hashes, chunk_descs=chunk_descs).success == 3
+    layer_group = {0: 0, 3: 0, 1: 1, 2: 2, 4: 2}
+    expected = []
+    for i, (o, p) in enumerate(zip(original, poisoned)):
+        runs = chunk_descs[layer_group[i // 2]]
+        slots = [s + k for s, n in runs for k in range(n)]
+        expected += expected_after_load([o], [p], slots)
+    assert_cache_equals(cache, expected)
+
+
+def test_slot_mapping_with_layer_groups(cc):
+    """slot_mapping on a multi-group layout: every group takes the same slots."""
+    g0 = make_cache(layers=1, blocks=4, block_size=4, heads=2, head_size=8, dtype=torch.float16)
+    g1 = make_cache(layers=1, blocks=4, block_size=4, heads=4, head_size=2, dtype=torch.float32)
+    cache = [g0[0], g1[0]]
+    cc.register_kvcache(
+        cache, [StoreLayerGroupDesc(store_block_size=4, layer_ids=[0]), StoreLayerGroupDesc(4, [1])]
+    )
+    slots = [13, 2, 7, 8, 9]
+    original = snapshot(cache)
+    assert cc.save(slots, [1, 2], [3, 2]).success == 2
+    poisoned = poison(cache)
+    assert cc.load(slots, [1, 2], [3, 2]).success == 2
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+
+
+def _v0_buffers(sizes_per_key, dtype=torch.float32):
+    """One random CPU tensor per buffer; value i is its buffers concatenated."""
+    tensors = [[fill_random(torch.empty(n, dtype=dtype)) for n in sizes] for sizes in sizes_per_key]
+    values = [[KvBufferWrapper(t.data_ptr(), t.numel() * t.element_size()) for t in ts] for ts in tensors]
+    return tensors, values
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_v0_roundtrip(cc, sync):
+    option = CcKvOption()
+    keys = [PrimaryKey("req-1", f"layer-{i}") for i in range(4)]
+    tensors, values = _v0_buffers([[16, 3], [1], [100, 7, 9], [33]])
+    original = [[t.clone() for t in ts] for ts in tensors]
+    result = _call(cc, "save", sync, option, keys, values)
+    assert (result.success, result.total) == (4, 4)
+    for ts in tensors:
+        for t in ts:
+            fill_random(t)
+    assert _call(cc, "load", sync, option, keys, values).success == 4
+    for ts, os_ in zip(tensors, original):
+        for t, o in zip(ts, os_):
+            assert bytes_equal(t, o)
+    assert cc.exists(keys).success == 4
+
+
+def test_v0_value_loads_into_differently_split_buffers(cc):
+    """A V0 value is its buffers' bytes concatenated: loading into another split of the same length works."""
+    option = CcKvOption()
+    key = [PrimaryKey("d", "a")]
+    src = fill_random(torch.empty(64, dtype=torch.int8))
+    assert cc.save(option, key, [[KvBufferWrapper(src.data_ptr(), 64)]]).success == 1
+    dst = fill_random(torch.empty(120, dtype=torch.int8))
+    before = dst.clone()
+    parts = [KvBufferWrapper(dst.data_ptr() + 16, 10), KvBufferWrapper(dst.data_ptr() + 40, 54)]
+    assert cc.load(option, key, [parts]).success == 1
+    expected = before.clone()
+    expected[16:26] = src[:10]
+    expected[40:94] = src[10:64]
+    assert bytes_equal(dst, expected)
+    # a split of another total length is a different value: a miss, nothing written
+    dst2 = fill_random(torch.empty(63, dtype=torch.int8))
+    before2 = dst2.clone()
+    assert cc.load(option, key, [[KvBufferWrapper(dst2.data_ptr(), 63)]]).success == 0
+    assert bytes_equal(dst2, before2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "memcpy"])
+def test_forced_kernel_backends_roundtrip(backend):
+    Ems.init(
+        EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend)
+    )
+    cc = Ems.get_cc()
+    cache = make_cache(layers=2, blocks=6, block_size=4, dtype=torch.bfloat16, interleaved=True)
+    cc.register_kvcache(cache)
+    assert cc.kernel_backend == backend
+    slots = slots_of_blocks([4, 0, 2], 4, [4, 4, 1])
+    original = snapshot(cache)
+    assert cc.save(slots, [1, 2, 3], [4, 4, 1]).success == 3
+    assert cc.save(hashes=[7, 8], chunk_descs=[[(0, 4), (10, 3)]]).success == 2
+    poisoned = poison(cache)
+    assert cc.load(slots, [1, 2, 3], [4, 4, 1]).success == 3
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+    poisoned = poison(cache)
+    assert cc.load(hashes=[7, 8], chunk_descs=[[(0, 4), (10, 3)]]).success == 2
+    assert_cache_equals(cache, expected_after_load(original, poisoned, [0, 1, 2, 3, 10, 11, 12]))
+
+
+def test_same_block_saved_by_slot_mapping_loads_by_chunk_descs(cc):
+    """Both V1 forms describe the same value for the same tokens: they share keys and bytes."""
+    cache = make_cache(layers=2, blocks=4, block_size=4, dtype=torch.float32)
+    cc.register_kvcache(cache)
+    original = snapshot(cache)
+    assert cc.save([4, 5, 6, 7], [99], [4]).success == 1
+    poisoned = poison(cache)
+    assert cc.load(hashes=[99], chunk_descs=[[(12, 4)]]).success == 1
+    expected = [p.clone() for p in poisoned]
+    for e, o in zip(expected, original):
+        e[3] = o[1]
+    assert_cache_equals(cache, expected)
