@@ -105,6 +105,9 @@ class CopyBackend(abc.ABC):
 
     #: the name shown in logs and in the demo's table, e.g. "triton", "torch", "memcpy"
     name: str = "abstract"
+    #: device operations (kernel launches, copies, plan-table uploads) this backend has queued so far; perf
+    #: scripts read differences of it. Counting only: never used for control flow.
+    ops_issued: int = 0
 
     @abc.abstractmethod
     def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,20 +1,78 @@
 """Backend selection: which `CopyBackend` serves a device.
 
-`auto`: the vectorised torch path on CPU (Triton kernels arrive for cuda/npu with the kernels work). A forced
-choice comes from `EmsConfig(kernel_backend=...)` or `EMS_KERNEL_BACKEND`.
+Contract: `get_backend(device, requested)` obeys `requested` (the package's config layer has already resolved
+`EmsConfig(kernel_backend=...)` against `EMS_KERNEL_BACKEND`) and returns one cached backend per (device,
+request):
+
+| requested | cuda / npu | cpu |
+|---|---|---|
+| auto | triton if `triton` imports, else torch (one warning) | torch (the CPU production path) |
+| triton | triton; RuntimeError if `triton` cannot be imported | the Triton interpreter; RuntimeError unless `TRITON_INTERPRET=1` was set before Triton kernels were first built in the process |
+| torch | torch | torch |
+| memcpy | memcpy | memcpy |
+
+The choice is logged once at INFO on `ems.kernels` per (device, backend); each backend has `.name`.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import logging
 
 import torch
 
 from ems.kernels.base import CopyBackend, KernelBackend
+from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.torch_backend import TorchBackend
+
+log = logging.getLogger("ems.kernels")
+
+
+def triton_importable() -> bool:
+    """True when a `triton` module (upstream or triton-ascend) is installed; does not import it."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _make(device: torch.device, kind: KernelBackend) -> CopyBackend:
+    if kind == KernelBackend.TORCH:
+        return TorchBackend()
+    if kind == KernelBackend.MEMCPY:
+        return MemcpyBackend()
+    if kind == KernelBackend.TRITON:
+        if not triton_importable():
+            raise RuntimeError(
+                "kernel backend 'triton' requested but no triton module is installed "
+                "(pip install triton for cuda/the interpreter, triton-ascend for npu)"
+            )
+        from ems.kernels.triton_backend import TritonBackend
+
+        return TritonBackend(device)  # raises a clear RuntimeError on CPU without the interpreter
+    # AUTO
+    if device.type in ("cuda", "npu"):
+        if triton_importable():
+            from ems.kernels.triton_backend import TritonBackend
+
+            return TritonBackend(device)
+        log.warning("no triton module installed: %s uses the torch copy path (slower, more device ops)", device)
+    return TorchBackend()
+
+
+def get_backend(device: torch.device, requested: KernelBackend = KernelBackend.AUTO) -> CopyBackend:
+    """The backend for `device` (one instance per device and request, however the arguments are spelt)."""
+    return _cached_backend(torch.device(device), KernelBackend(requested))
 
 
 @functools.lru_cache(maxsize=None)
-def get_backend(device: torch.device, requested: KernelBackend = KernelBackend.AUTO) -> CopyBackend:
-    """The backend for `device` (cached per device and request)."""
-    return TorchBackend()
+def _cached_backend(device: torch.device, kind: KernelBackend) -> CopyBackend:
+    backend = _make(device, kind)
+    _log_choice(device, backend.describe(), kind.value)
+    return backend
+
+
+get_backend.cache_clear = _cached_backend.cache_clear  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(device: torch.device, backend: str, requested: str) -> None:
+    log.info("ems.kernels: %s copies with the %s backend (requested: %s)", device, backend, requested)

@@ -1,0 +1,90 @@
+"""The memcpy path: what an engine without gather kernels does — one copy per (block-or-run piece, plane).
+
+Contract: `MemcpyBackend` implements `CopyBackend` (base.py) on any device torch can copy on. Slots are cut into
+pieces (consecutive slots inside one block, `plan.py`); each (piece, plane) is ONE copy when the plane's rows are
+contiguous inside a block (`slot_stride == row_elems`), else one copy per token. Raw segments cost one copy each.
+`ops_issued` counts the copies, so a save's device operations grow with blocks × planes: the cost the kernels
+remove. It is a comparison baseline and a last-resort fallback, not a fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ems.kernels.base import CopyBackend, PlaneSet
+from ems.kernels.plan import check_slots, runs_to_slots, slots_to_pieces
+from ems.kernels.raw_memory import raw_tensor
+from ems.kernels.torch_backend import plane_rows
+
+
+class MemcpyBackend(CopyBackend):
+    name = "memcpy"
+
+    def __init__(self) -> None:
+        self.ops_issued = 0
+
+    def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        expected = (int(slots.numel()), planes.num_planes, planes.row_elems)
+        if tuple(stage.shape) != expected or stage.dtype != planes.dtype or not stage.is_contiguous():
+            raise ValueError(f"staging must be contiguous {planes.dtype} {expected}, got {tuple(stage.shape)}")
+        check_slots(slots, planes.num_slots)
+        starts, counts, firsts = slots_to_pieces(slots, planes.block_size)
+        views = [plane_rows(planes, p) for p in range(planes.num_planes)]
+        contiguous = [s == planes.row_elems for s in planes.slot_strides]
+        bs = planes.block_size
+        # one Python iteration per (piece, plane) — deliberately: this path models per-block copies
+        for start, count, first in zip(starts.tolist(), counts.tolist(), firsts.tolist()):
+            blk, off = divmod(start, bs)
+            for p, rows in enumerate(views):
+                if contiguous[p]:
+                    cache = rows[blk, off : off + count]
+                    staged = stage[first : first + count, p]
+                    if gather:
+                        staged.copy_(cache)
+                    else:
+                        cache.copy_(staged)
+                    self.ops_issued += 1
+                else:
+                    for k in range(count):
+                        if gather:
+                            stage[first + k, p].copy_(rows[blk, off + k])
+                        else:
+                            rows[blk, off + k].copy_(stage[first + k, p])
+                    self.ops_issued += count
+
+    def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
+        self._rows(planes, slots, out, gather=True)
+
+    def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
+        self._rows(planes, slots, src, gather=False)
+
+    def gather_runs(
+        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        self._rows(planes, runs_to_slots(starts, lengths), out, gather=True)
+
+    def scatter_runs(
+        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
+    ) -> None:
+        self._rows(planes, runs_to_slots(starts, lengths), src, gather=False)
+
+    def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        if int(lengths.sum()) != stage.numel() or stage.dtype != torch.uint8:
+            raise ValueError("the staging buffer must be uint8 with exactly sum(lengths) bytes")
+        position = 0
+        for ptr, length in zip(ptrs.tolist(), lengths.tolist()):
+            if ptr <= 0 or length <= 0:
+                raise ValueError(f"bad segment (ptr={ptr}, length={length})")
+            raw = raw_tensor(ptr, length, stage.device)
+            if gather:
+                stage[position : position + length].copy_(raw)
+            else:
+                raw.copy_(stage[position : position + length])
+            position += length
+            self.ops_issued += 1
+
+    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, out, gather=True)
+
+    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, src, gather=False)

@@ -1,0 +1,112 @@
+"""Backend selection, validation, and the Triton backend's one-warning fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ems.kernels.base import KernelBackend, PlaneSet
+from ems.kernels.memcpy_backend import MemcpyBackend
+from ems.kernels.select import get_backend, triton_importable
+from kernel_cases import as_bytes, make_layout, poisoned, reference_gather
+
+CPU = torch.device("cpu")
+needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
+
+
+def test_auto_on_cpu_is_torch() -> None:
+    assert get_backend(CPU).name == "torch"
+    assert get_backend(CPU, KernelBackend.TORCH).name == "torch"
+    assert get_backend(CPU, KernelBackend.MEMCPY).name == "memcpy"
+    assert get_backend(CPU) is get_backend(CPU, KernelBackend.AUTO)  # cached
+
+
+@needs_triton
+def test_forced_triton_on_cpu_runs_the_interpreter() -> None:
+    backend = get_backend(CPU, KernelBackend.TRITON)
+    assert backend.name == "triton"
+    assert "interpreter" in backend.describe()
+
+
+def test_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    get_backend.cache_clear()
+    from ems.kernels import select
+
+    select._log_choice.cache_clear()
+    with caplog.at_level(logging.INFO, logger="ems.kernels"):
+        get_backend(CPU, KernelBackend.MEMCPY)
+        get_backend.cache_clear()
+        get_backend(CPU, KernelBackend.MEMCPY)
+    lines = [r for r in caplog.records if r.name == "ems.kernels" and "memcpy" in r.getMessage()]
+    assert len(lines) == 1
+
+
+@needs_triton
+def test_triton_on_cpu_without_interpreter_explains() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import torch\n"
+        "from ems.kernels import get_backend, KernelBackend\n"
+        "try:\n"
+        "    get_backend(torch.device('cpu'), KernelBackend.TRITON)\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "RAISED" in done.stdout and "TRITON_INTERPRET=1" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("kind", ["triton", "memcpy"])
+def test_out_of_range_slot_is_refused(kind: str) -> None:
+    if kind == "triton" and not triton_importable():
+        pytest.skip("triton is not installed")
+    backend = get_backend(CPU, KernelBackend(kind))
+    gen = torch.Generator().manual_seed(1)
+    _, planes = make_layout("plain", layers=1, blocks=2, block_size=4, heads=1, head_size=4,
+                            dtype=torch.float16, gen=gen)
+    out = poisoned([2, 2, 4], torch.float16)
+    for bad in ([0, 8], [-1, 0]):
+        with pytest.raises(ValueError):
+            backend.gather_slots(planes, torch.tensor(bad, dtype=torch.int64), out)
+    with pytest.raises(ValueError):
+        backend.gather_slots(planes, torch.tensor([0, 1, 2], dtype=torch.int64), out)  # wrong out shape
+
+
+@needs_triton
+def test_compile_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import ems.kernels.triton_backend as tb
+
+    backend = tb.TritonBackend(CPU)
+
+    class Broken:
+        def __getitem__(self, grid: tuple) -> "Broken":
+            return self
+
+        def __call__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("simulated compile failure")
+
+    monkeypatch.setattr(tb, "_build", lambda: {"rows": Broken(), "segments": Broken(), "interpreted": True})
+    gen = torch.Generator().manual_seed(2)
+    _, planes = make_layout("plain", layers=1, blocks=3, block_size=4, heads=1, head_size=6,
+                            dtype=torch.bfloat16, gen=gen)
+    slots = [1, 2, 9, 0]
+    with caplog.at_level(logging.WARNING, logger="ems.kernels"):
+        for _ in range(3):
+            out = poisoned([4, 2, 6], torch.bfloat16)
+            backend.gather_slots(planes, torch.tensor(slots), out)
+            assert torch.equal(as_bytes(out), as_bytes(reference_gather(planes, slots)))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "ems.kernels"]
+    assert len(warnings) == 1 and "torch" in warnings[0].getMessage()
+    assert "fell back" in backend.describe()
+
+
+def test_planeset_rejects_mixed_planes() -> None:
+    with pytest.raises(ValueError):
+        PlaneSet(())
+    assert isinstance(get_backend(CPU, KernelBackend.MEMCPY), MemcpyBackend)
