@@ -7,6 +7,8 @@ Contract:
 * Capacity is a hard limit in bytes (keys, values and a fixed per-entry overhead); when full, the least recently
   used entries are evicted. A value that alone exceeds the capacity is refused. Never an out-of-memory.
 * `get` returns the stored immutable `bytes` object: the caller may read it after the entry is evicted.
+  `put_owned` stores a buffer the caller hands over without copying it (a pool node's receive buffer); the caller
+  promises never to write to it again, and `get` then returns that buffer.
 * Thread-safe: one lock, held only for index updates, never while checksumming or copying.
 """
 
@@ -42,7 +44,7 @@ class KvStore:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self._capacity = capacity_bytes
         self._verify_on_put = verify_on_put
-        self._entries: "OrderedDict[bytes, bytes]" = OrderedDict()
+        self._entries: "OrderedDict[bytes, Buffer]" = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=capacity_bytes)
@@ -52,12 +54,16 @@ class KvStore:
         return self._capacity
 
     @staticmethod
-    def _charge(key: bytes, value: bytes) -> int:
-        return len(key) + len(value) + ENTRY_OVERHEAD
+    def _charge(key: bytes, value: Buffer) -> int:
+        return len(key) + memoryview(value).nbytes + ENTRY_OVERHEAD
 
     def put(self, key: bytes, parts: Sequence[Buffer]) -> bool:
         """Store the concatenation of `parts` under `key` (replacing any old value); False if refused."""
         value = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        return self.put_owned(key, value)
+
+    def put_owned(self, key: bytes, value: Buffer) -> bool:
+        """Store `value` itself (no copy) under `key`; the caller never writes to it again. False if refused."""
         charge = self._charge(key, value)
         if charge > self._capacity or (self._verify_on_put and not is_well_formed(value)):
             with self._lock:
@@ -79,7 +85,7 @@ class KvStore:
     def put_many(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> list[bool]:
         return [self.put(key, parts) for key, parts in zip(keys, values)]
 
-    def get(self, key: bytes) -> Optional[bytes]:
+    def get(self, key: bytes) -> Optional[Buffer]:
         with self._lock:
             value = self._entries.get(key)
             if value is None:
@@ -89,7 +95,7 @@ class KvStore:
             self._stats.hits += 1
             return value
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+    def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]:
         return [self.get(key) for key in keys]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:

@@ -1,0 +1,114 @@
+"""`python -m ems.pool` / `ems-pool`: run one pool node.
+
+    ems-pool --listen HOST:PORT --capacity 4GiB [--keys-file PATH] [--log-level info]
+
+Contract:
+* Prints exactly one line to stdout when it serves, `ems-pool ready on HOST:PORT` (the real port when 0 was asked),
+  and flushes it; logs go to stderr.
+* Access keys: `--keys-file PATH` (lines `access_id:access_key`; blank lines and `#` comments skipped) and/or the
+  environment variable EMS_POOL_KEYS (`id:key,id:key`). Never on the command line, where `ps` would show them.
+  With no keys the node accepts anonymous clients.
+* SIGTERM and SIGINT stop it cleanly (exit status 0). A bad option exits with status 2 and a message.
+* UCX listens on every interface; HOST is what the ready line reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Optional, Sequence
+
+_ID_RE = re.compile(r"[0-9a-z._-]{1,512}")
+_KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
+
+
+def parse_keys(lines: Sequence[str], source: str) -> dict[str, str]:
+    """`access_id:access_key` entries → {id: key}; ValueError naming the source and line on a bad entry."""
+    keys: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        access_id, sep, access_key = line.partition(":")
+        if not sep or not _ID_RE.fullmatch(access_id) or not _KEY_RE.fullmatch(access_key):
+            raise ValueError(
+                f"{source} entry {number}: expected access_id:access_key with an id of [0-9a-z._-] (1-512) and a key"
+                " of 32-256 characters of [0-9A-Za-z+/=]"
+            )
+        keys[access_id] = access_key
+    return keys
+
+
+def load_keys(keys_file: Optional[str]) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    if keys_file:
+        with open(keys_file, encoding="utf-8") as f:
+            keys.update(parse_keys(f.read().splitlines(), keys_file))
+    env = os.environ.get("EMS_POOL_KEYS", "")
+    if env.strip():
+        keys.update(parse_keys(env.split(","), "EMS_POOL_KEYS"))
+    return keys
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"--listen must be HOST:PORT (port 0 picks one), got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+async def _run(host: str, port: int, capacity: int, keys: dict[str, str]) -> None:
+    from ems.pool.server import PoolServer
+    from ems.store import KvStore
+
+    server = PoolServer(KvStore(capacity), keys)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bound = await server.start(port)
+    logging.getLogger("ems.pool").info(
+        "serving %s bytes, %s", capacity, f"{len(keys)} tenant keys" if keys else "anonymous clients accepted"
+    )
+    print(f"ems-pool ready on {host}:{bound}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        logging.getLogger("ems.pool").info("stopped")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ems-pool", description="An EMS memory-pool node (UCX).")
+    parser.add_argument("--listen", type=_parse_listen, default=("0.0.0.0", 0), help="HOST:PORT (port 0: pick one)")
+    parser.add_argument("--capacity", default="1GiB", help="bytes this node holds, e.g. 512MiB, 4GiB")
+    parser.add_argument("--keys-file", default=None, help="file of access_id:access_key lines")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    import ems.transport.ucx_config  # noqa: F401 - UCX environment defaults, before ucxx loads
+
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ems-pool %(levelname)s %(message)s"
+    )
+    from ems.config import parse_size
+    from ems.errors import EmsException
+
+    try:
+        capacity = parse_size("--capacity", args.capacity)
+        if capacity <= 0:
+            raise ValueError("--capacity must be > 0")
+        keys = load_keys(args.keys_file)
+    except (EmsException, ValueError, OSError) as error:
+        parser.error(str(error))
+    host, port = args.listen
+    asyncio.run(_run(host, port, capacity, keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

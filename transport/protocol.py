@@ -1,0 +1,318 @@
+"""The pool-node wire protocol, version 1: frames, limits and the data-segment plan (pure functions, no I/O).
+
+Contract:
+* Every exchange starts with one fixed 32-byte little-endian **header** frame:
+
+      magic u32 'EMSP' | version u16 | op u16 | status u16 | flags u16 | count u32 | meta_len u32 | reserved u32 |
+      data_len u64
+
+  followed by one **meta** frame of `meta_len` bytes (absent when 0), then the **data** frames (`data_len` bytes in
+  all). Frames are UCX tagged messages on one endpoint, so their order is the send order.
+* Handshake (once per connection): client HELLO (meta: access_id, may be empty) → node CHALLENGE (meta: 32-byte
+  nonce; flags: AUTH_REQUIRED) → client AUTH (meta: HMAC-SHA256(key, nonce ‖ access_id) or empty) → node AUTH reply
+  (status OK, or AUTH_FAILED with a UTF-8 message in meta, then the node closes). The key never crosses the wire.
+* PUT meta: value_lens u64[count] | key_lens u32[count] | chunk_lens u64[chunks] | keys. `flags` of the header
+  carries nothing; the chunk count is `(meta_len - 12*count - sum(key_lens)) / 8`. GET/EXISTS meta: key_lens
+  u32[count] | keys. PING: nothing.
+* Replies: PUT/EXISTS meta u8[count] (1 = stored / held); GET meta i64[count] (value length, -1 = miss) and then one
+  data frame per segment of the present values.
+* Values travel in **segments** (`segment_plan`): a value of at least SEGMENT_BYTES is a segment of its own (sent
+  without copying); runs of smaller values are packed into segments of about SEGMENT_BYTES, so a batch of small
+  values costs few messages. A PUT splits segments further into chunks (e.g. a value's header and payload parts),
+  which must never cross a segment boundary.
+* Every length is checked against the limits below before anything is allocated; a frame that breaks a rule raises
+  `ProtocolError`, and the receiver closes that connection (never the server).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
+VERSION = 1
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "<u2"),
+        ("op", "<u2"),
+        ("status", "<u2"),
+        ("flags", "<u2"),
+        ("count", "<u4"),
+        ("meta_len", "<u4"),
+        ("reserved", "<u4"),
+        ("data_len", "<u8"),
+    ]
+)
+HEADER_SIZE = HEADER_DTYPE.itemsize  # 32
+
+# Frame limits: a peer announcing more is malformed, and its connection is closed.
+MAX_KEYS = 1 << 16  # keys per request
+MAX_KEY_BYTES = 4096  # one key
+MAX_META_BYTES = 64 << 20  # one meta frame
+MAX_VALUE_BYTES = 1 << 30  # one value
+MAX_DATA_BYTES = 4 << 30  # all data frames of one request or reply
+MAX_CHUNKS = 4 * MAX_KEYS  # data frames of one PUT
+MAX_ID_BYTES = 512  # access_id
+NONCE_BYTES = 32
+MAC_BYTES = 32
+
+SEGMENT_BYTES = 1 << 20  # values this large travel alone; smaller ones are packed up to about this size
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    PUT = 4
+    GET = 5
+    EXISTS = 6
+    PING = 7
+
+
+REPLY = 0x8000  # op | REPLY in a node's answer to a request
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    AUTH_FAILED = 1
+    BAD_REQUEST = 2
+    SERVER_ERROR = 3
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    AUTH_REQUIRED = 1  # CHALLENGE: the node only serves clients that prove a configured key
+
+
+class ProtocolError(Exception):
+    """A frame broke the protocol: the connection it came from must be closed."""
+
+
+def pack_header(
+    op: int, *, count: int = 0, meta_len: int = 0, data_len: int = 0, status: Status = Status.OK, flags: int = 0
+) -> np.ndarray:
+    """A header frame as a 32-byte uint8 array (ready to send)."""
+    header = np.zeros(1, dtype=HEADER_DTYPE)
+    header["magic"] = MAGIC
+    header["version"] = VERSION
+    header["op"] = op
+    header["status"] = int(status)
+    header["flags"] = flags
+    header["count"] = count
+    header["meta_len"] = meta_len
+    header["data_len"] = data_len
+    return header.view(np.uint8)
+
+
+@dataclass(frozen=True)
+class Header:
+    op: int
+    status: int
+    flags: int
+    count: int
+    meta_len: int
+    data_len: int
+
+
+def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
+    """Parse and check a header frame against the limits; ProtocolError if it is not one."""
+    raw = np.frombuffer(frame, dtype=np.uint8)
+    if raw.size != HEADER_SIZE:
+        raise ProtocolError(f"header frame of {raw.size} bytes, expected {HEADER_SIZE}")
+    h = raw.view(HEADER_DTYPE)[0]
+    if int(h["magic"]) != MAGIC:
+        raise ProtocolError(f"bad magic {int(h['magic']):#x}")
+    if int(h["version"]) != VERSION:
+        raise ProtocolError(f"unsupported protocol version {int(h['version'])} (this side speaks {VERSION})")
+    header = Header(
+        op=int(h["op"]),
+        status=int(h["status"]),
+        flags=int(h["flags"]),
+        count=int(h["count"]),
+        meta_len=int(h["meta_len"]),
+        data_len=int(h["data_len"]),
+    )
+    if header.op & ~REPLY not in Op.__members__.values():
+        raise ProtocolError(f"unknown op {header.op}")
+    if header.count > MAX_KEYS:
+        raise ProtocolError(f"{header.count} keys in one request, limit {MAX_KEYS}")
+    if header.meta_len > MAX_META_BYTES:
+        raise ProtocolError(f"meta frame of {header.meta_len} bytes, limit {MAX_META_BYTES}")
+    if header.data_len > MAX_DATA_BYTES:
+        raise ProtocolError(f"{header.data_len} data bytes in one request, limit {MAX_DATA_BYTES}")
+    return header
+
+
+# ---- authentication ----
+
+
+def auth_mac(access_key: str, nonce: bytes, access_id: str) -> bytes:
+    """HMAC-SHA256 proving knowledge of `access_key` for this nonce and tenant (the key never travels)."""
+    return hmac.new(access_key.encode(), b"ems-auth-v1\0" + nonce + access_id.encode(), hashlib.sha256).digest()
+
+
+def check_mac(access_key: str, nonce: bytes, access_id: str, mac: bytes) -> bool:
+    return hmac.compare_digest(auth_mac(access_key, nonce, access_id), mac)
+
+
+def check_access_id(raw: bytes) -> str:
+    if len(raw) > MAX_ID_BYTES:
+        raise ProtocolError(f"access_id of {len(raw)} bytes, limit {MAX_ID_BYTES}")
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("access_id is not ASCII") from None
+
+
+# ---- segments ----
+
+
+def segment_plan(value_lens: np.ndarray) -> np.ndarray:
+    """int64 `[values]`: the segment index of each value (vectorised; both sides compute the same plan).
+
+    A value of at least SEGMENT_BYTES is a segment of its own; each run of smaller values is cut into segments
+    where its running byte count crosses a multiple of SEGMENT_BYTES.
+    """
+    lens = np.asarray(value_lens, dtype=np.int64)
+    if lens.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    big = lens >= SEGMENT_BYTES
+    small_lens = np.where(big, 0, lens)
+    cum_small = np.cumsum(small_lens) - small_lens  # small bytes before each value
+    # small bytes before the current run of smalls: the running value at the last big value
+    run_base = np.maximum.accumulate(np.where(big, cum_small, 0))
+    bucket = (cum_small - run_base) // SEGMENT_BYTES
+    starts = np.ones(lens.size, dtype=bool)
+    starts[1:] = big[1:] | big[:-1] | (bucket[1:] != bucket[:-1])
+    return np.cumsum(starts) - 1
+
+
+def segment_bounds(value_lens: np.ndarray, plan: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets of each value inside its segment, byte size of each segment), both int64."""
+    lens = np.asarray(value_lens, dtype=np.int64)
+    nseg = int(plan[-1]) + 1 if plan.size else 0
+    sizes = np.bincount(plan, weights=lens, minlength=nseg).astype(np.int64) if plan.size else np.zeros(0, np.int64)
+    seg_start = np.cumsum(sizes) - sizes
+    offsets = (np.cumsum(lens) - lens) - seg_start[plan] if plan.size else np.zeros(0, np.int64)
+    return offsets, sizes
+
+
+# ---- meta frames ----
+
+
+def encode_keys(keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
+    """(key_lens u32, concatenated keys), checking the limits."""
+    if len(keys) > MAX_KEYS:
+        raise ValueError(f"{len(keys)} keys in one request, limit {MAX_KEYS}")
+    lens = np.fromiter((len(k) for k in keys), dtype=np.uint32, count=len(keys))
+    if lens.size and int(lens.max()) > MAX_KEY_BYTES:
+        raise ValueError(f"a key of {int(lens.max())} bytes, limit {MAX_KEY_BYTES}")
+    return lens, b"".join(keys)
+
+
+def split_keys(key_lens: np.ndarray, blob: memoryview | bytes) -> list[bytes]:
+    """The keys of a meta frame, checking the limits; ProtocolError when they do not add up."""
+    if key_lens.size and int(key_lens.max()) > MAX_KEY_BYTES:
+        raise ProtocolError(f"a key of {int(key_lens.max())} bytes, limit {MAX_KEY_BYTES}")
+    ends = np.cumsum(key_lens, dtype=np.int64)
+    if (int(ends[-1]) if ends.size else 0) != len(blob):
+        raise ProtocolError("key lengths do not match the key bytes")
+    blob = bytes(blob)
+    starts = (ends - key_lens).tolist()
+    return [blob[a:b] for a, b in zip(starts, ends.tolist())]
+
+
+def encode_keys_meta(keys: Sequence[bytes]) -> bytes:
+    """GET/EXISTS request meta."""
+    lens, blob = encode_keys(keys)
+    return lens.tobytes() + blob
+
+
+def decode_keys_meta(count: int, meta: memoryview | bytes) -> list[bytes]:
+    if len(meta) < 4 * count:
+        raise ProtocolError("meta frame shorter than its key lengths")
+    key_lens = np.frombuffer(meta, dtype="<u4", count=count)
+    return split_keys(key_lens, memoryview(meta)[4 * count :])
+
+
+def encode_put_meta(keys: Sequence[bytes], value_lens: np.ndarray, chunk_lens: np.ndarray) -> bytes:
+    lens, blob = encode_keys(keys)
+    return (
+        np.asarray(value_lens, dtype="<u8").tobytes()
+        + lens.tobytes()
+        + np.asarray(chunk_lens, dtype="<u8").tobytes()
+        + blob
+    )
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    keys: list[bytes]
+    value_lens: np.ndarray  # int64 [count]
+    chunk_lens: np.ndarray  # int64 [chunks]
+    plan: np.ndarray  # segment of each value
+    value_offsets: np.ndarray  # offset of each value in its segment
+    segment_sizes: np.ndarray
+    chunk_segments: np.ndarray  # segment of each chunk
+    chunk_offsets: np.ndarray  # offset of each chunk in its segment
+
+
+def decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> PutRequest:
+    """Parse and check a PUT meta frame: lengths within limits, chunks adding up and inside segments."""
+    meta = memoryview(meta)
+    if len(meta) < 12 * count:
+        raise ProtocolError("PUT meta frame shorter than its lengths")
+    value_lens = np.frombuffer(meta, dtype="<u8", count=count).astype(np.int64)
+    key_lens = np.frombuffer(meta, dtype="<u4", count=count, offset=8 * count)
+    key_bytes = int(key_lens.sum(dtype=np.int64))
+    rest = len(meta) - 12 * count - key_bytes
+    if rest < 0 or rest % 8:
+        raise ProtocolError("PUT meta frame does not add up")
+    nchunks = rest // 8
+    if nchunks > MAX_CHUNKS:
+        raise ProtocolError(f"{nchunks} chunks in one PUT, limit {MAX_CHUNKS}")
+    chunk_lens = np.frombuffer(meta, dtype="<u8", count=nchunks, offset=12 * count).astype(np.int64)
+    keys = split_keys(key_lens, meta[12 * count + 8 * nchunks :])
+    if value_lens.size and (int(value_lens.max()) > MAX_VALUE_BYTES or int(value_lens.min()) < 0):
+        raise ProtocolError(f"a value of {int(value_lens.max())} bytes, limit {MAX_VALUE_BYTES}")
+    if int(value_lens.sum()) != data_len or int(chunk_lens.sum()) != data_len:
+        raise ProtocolError("value and chunk lengths do not match data_len")
+    if chunk_lens.size and int(chunk_lens.min()) <= 0:
+        raise ProtocolError("an empty chunk")
+    plan = segment_plan(value_lens)
+    value_offsets, segment_sizes = segment_bounds(value_lens, plan)
+    seg_ends = np.cumsum(segment_sizes)
+    chunk_ends = np.cumsum(chunk_lens)
+    # every segment end must be a chunk end: no chunk crosses a segment boundary
+    if not np.isin(seg_ends, chunk_ends).all():
+        raise ProtocolError("a data chunk crosses a segment boundary")
+    chunk_starts = chunk_ends - chunk_lens
+    chunk_segments = np.searchsorted(seg_ends, chunk_starts, side="right")
+    seg_starts = seg_ends - segment_sizes
+    chunk_offsets = chunk_starts - seg_starts[chunk_segments] if chunk_lens.size else chunk_starts
+    return PutRequest(
+        keys, value_lens, chunk_lens, plan, value_offsets, segment_sizes, chunk_segments, chunk_offsets
+    )
+
+
+def decode_flags(count: int, meta: memoryview | bytes) -> list[bool]:
+    if len(meta) != count:
+        raise ProtocolError(f"reply of {len(meta)} flags for {count} keys")
+    return np.frombuffer(meta, dtype=np.uint8).astype(bool).tolist()
+
+
+def decode_get_lens(count: int, data_len: int, meta: memoryview | bytes) -> np.ndarray:
+    if len(meta) != 8 * count:
+        raise ProtocolError(f"GET reply meta of {len(meta)} bytes for {count} keys")
+    lens = np.frombuffer(meta, dtype="<i8", count=count).astype(np.int64)
+    if lens.size and (int(lens.max()) > MAX_VALUE_BYTES or int(lens.min()) < -1):
+        raise ProtocolError("GET reply value length out of range")
+    if int(lens[lens > 0].sum()) != data_len:
+        raise ProtocolError("GET reply lengths do not match data_len")
+    return lens
