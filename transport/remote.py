@@ -1,18 +1,21 @@
 """`connect(address, ...)`: the `NodeClient` for one configured remote pool node (what the package init calls).
 
-Contract: returns a connected, authenticated `UcxNode`, or raises `TransportError` within about
-`connect_timeout_ms`: EMS_IO_ERROR when the node is unreachable or refuses the credentials (the message says
-which), EMS_IO_TIMEOUT when it accepts the connection but does not answer. The returned client reconnects by itself
-after later failures (see `transport.ucx`). A caller that prefers to start while a node is down can build
-`UcxNode(...)` directly: it connects lazily on its first call.
+Contract: tries to connect and authenticate within `connect_timeout_ms`, then
+* returns the connected `UcxNode` on success;
+* raises `TransportError(EMS_IO_ERROR)` at once when the node refuses the credentials (wrong or missing
+  access_id/access_key: a configuration error that waiting will not fix; the message says so);
+* returns the not-yet-connected node when the node is unreachable or silent: it connects lazily and by itself on
+  a later call (after a 0.5 s back-off), so an engine can start while some nodes are down. Its `ping` answers False
+  until then, which is what the caller's health check sees.
+A malformed address raises `TransportError(EMS_IO_ERROR)`.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ems.transport.base import NodeClient
-from ems.transport.ucx import UcxNode
+from ems.transport.base import NodeClient, TransportError
+from ems.transport.ucx import Failure, UcxNode
 
 
 def connect(
@@ -20,8 +23,9 @@ def connect(
 ) -> NodeClient:
     node = UcxNode(address, access_id=access_id, access_key=access_key, connect_timeout_ms=connect_timeout_ms)
     try:
-        node.connect_now(connect_timeout_ms / 1000.0 + 0.5)
-    except BaseException:
-        node.close()
-        raise
+        node.connect_now(connect_timeout_ms / 1000.0)
+    except TransportError:
+        if node.last_failure == Failure.REFUSED:
+            node.close()
+            raise
     return node

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import socket
 import threading
 import time
@@ -85,6 +86,15 @@ def resolve(address: str) -> tuple[str, int]:
         raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{address}: cannot resolve {host!r}: {error}") from None
 
 
+class Failure(enum.Enum):
+    """What the last failed call of a `UcxNode` ran into."""
+
+    NONE = "none"
+    UNREACHABLE = "unreachable"  # connection refused, reset or lost; malformed replies
+    TIMEOUT = "timeout"
+    REFUSED = "refused"  # the node answered with an error (authentication failed)
+
+
 class _Refused(Exception):
     """The node answered with an error status (its message is in args[0])."""
 
@@ -110,6 +120,7 @@ class UcxNode(NodeClient):
         self._ep: Any = None
         self._retry_at = 0.0
         self._last_error: Optional[TransportError] = None
+        self.last_failure = Failure.NONE
 
     # ---- NodeClient ----
 
@@ -163,12 +174,14 @@ class UcxNode(NodeClient):
                 )
             future = self._runtime.submit(self._run(request))
             try:
-                return future.result(timeout=max(0.0, deadline - time.monotonic()))
+                result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                self.last_failure = Failure.NONE
+                return result
             except concurrent.futures.TimeoutError:
                 future.cancel()
                 raise self._fail(EmsErrorCode.EMS_IO_TIMEOUT, f"no answer within {timeout_s:.3f} s") from None
             except _Refused as error:
-                raise self._fail(EmsErrorCode.EMS_IO_ERROR, str(error)) from None
+                raise self._fail(EmsErrorCode.EMS_IO_ERROR, str(error), Failure.REFUSED) from None
             except P.ProtocolError as error:
                 raise self._fail(EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {error}") from None
             except TransportError as error:
@@ -213,12 +226,15 @@ class UcxNode(NodeClient):
             _abort(ep)
             raise
 
-    def _fail(self, code: EmsErrorCode, message: str) -> TransportError:
+    def _fail(self, code: EmsErrorCode, message: str, failure: Optional[Failure] = None) -> TransportError:
         """Record a failure: drop the connection (a late reply must never answer a later request), back off."""
         error = TransportError(code, message if message.startswith(self.address) else f"{self.address}: {message}")
         self._drop()
         self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
         self._last_error = error
+        if failure is None:
+            failure = Failure.TIMEOUT if code == EmsErrorCode.EMS_IO_TIMEOUT else Failure.UNREACHABLE
+        self.last_failure = failure
         return error
 
     def _drop(self) -> None:

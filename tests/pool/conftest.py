@@ -1,0 +1,3 @@
+"""Fixtures for tests against real pool-node processes (defined in pool_testlib)."""
+
+from pool_testlib import node_clients, pool_nodes  # noqa: F401

@@ -1,0 +1,159 @@
+"""Helpers for tests with real pool-node processes: start/stop/kill/pause nodes, make well-formed values."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import numpy as np
+import pytest
+
+from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
+
+READY_PREFIX = "ems-pool ready on "
+START_TIMEOUT_S = 30.0
+
+
+class PoolProcess:
+    """One `python -m ems.pool` process on 127.0.0.1."""
+
+    def __init__(self, capacity: str = "256MiB", keys: Optional[dict[str, str]] = None, port: int = 0) -> None:
+        self.capacity = capacity
+        self.keys = keys
+        self.port = port
+        self.proc: Optional[subprocess.Popen] = None
+        self.log = tempfile.NamedTemporaryFile(prefix="ems-pool-", suffix=".log", delete=False)
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.pop("EMS_POOL_KEYS", None)
+        if self.keys:
+            env["EMS_POOL_KEYS"] = ",".join(f"{i}:{k}" for i, k in self.keys.items())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ems.pool", "--listen", f"127.0.0.1:{self.port}", "--capacity", self.capacity,
+             "--log-level", "info"],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            text=True,
+        )
+        line = read_line(self.proc, START_TIMEOUT_S)
+        if not line.startswith(READY_PREFIX):
+            self.kill()
+            raise RuntimeError(f"pool node did not start: {line!r}; log: {self.log_text()}")
+        self.port = int(line[len(READY_PREFIX):].rsplit(":", 1)[1])
+
+    def log_text(self) -> str:
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout_s)
+
+    def restart(self) -> None:
+        """Kill and start again on the same port."""
+        self.kill()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.kill()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The next stdout line of `proc`, or '' when it exits or `timeout_s` passes."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout_s):
+            return ""
+        return proc.stdout.readline()
+    finally:
+        sel.close()
+
+
+def make_values(n: int, size: int, seed: int = 0) -> list[list[bytes]]:
+    """`n` well-formed EMS values (header part + payload part) of `size` payload bytes each, random content."""
+    rng = np.random.default_rng(seed)
+    payload = rng.integers(0, 256, n * size, dtype=np.uint8).tobytes()
+    payloads = [payload[i * size : (i + 1) * size] for i in range(n)]
+    expected = ExpectedValues(ValueKind.RAW_V0, 0, np.zeros(n, np.uint64), np.full(n, size, np.int64))
+    headers = build_headers(expected, [checksum([p]) for p in payloads])
+    return [[h, p] for h, p in zip(headers, payloads)]
+
+
+def joined(value: list[bytes]) -> bytes:
+    return b"".join(value)
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()
+
+
+KEY_A = "A" * 40
+KEY_B = "b" * 36 + "+/=="
+
+
+@pytest.fixture
+def pool_nodes():
+    """`start(capacity=..., keys=...)` → a running `PoolProcess`; all are killed when the test ends."""
+    started: list[PoolProcess] = []
+
+    def start(capacity: str = "256MiB", keys=None) -> PoolProcess:
+        node = PoolProcess(capacity, keys)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.cleanup()
+
+
+@pytest.fixture
+def node_clients():
+    """`make(address, **kw)` → a `UcxNode`; all are closed when the test ends."""
+    from ems.transport.ucx import UcxNode
+
+    made: list = []
+
+    def make(address: str, **kwargs):
+        kwargs.setdefault("connect_timeout_ms", 2000)
+        node = UcxNode(address, **kwargs)
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        node.close()
