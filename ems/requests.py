@@ -119,9 +119,13 @@ def int_array(name: str, value: object) -> np.ndarray:
         raise invalid_argument(f"{name} must be a list of ints, got {type(value).__name__}")
     if array.ndim != 1:
         raise invalid_argument(f"{name} must be a flat list of ints, got shape {array.shape}")
+    # numpy turns [0, True] into ints and [0, 1.0] into floats: look at the caller's own items for the culprit
+    items = value if isinstance(value, (list, tuple)) else None
+    if items is not None and array.dtype.kind in "iu" and bool in set(map(type, items)):
+        array = np.asarray(items, dtype=object)
     if array.size and array.dtype.kind not in "iu":
-        for i, item in enumerate(array.tolist()):
-            if isinstance(item, bool) or not isinstance(item, int):
+        for i, item in enumerate(items if items is not None else array.tolist()):
+            if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer)):
                 raise invalid_argument(f"{name}[{i}] must be an int, got {type(item).__name__} {item!r}")
         raise invalid_argument(f"{name} holds integers outside the int64 range")
     if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
@@ -217,7 +221,8 @@ def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkReque
             pairs = np.asarray(runs)
         except ValueError:
             pairs = np.asarray(runs, dtype=object)
-        if pairs.shape != (n, 2) or pairs.dtype.kind not in "iu":
+        has_bool = any(isinstance(x, (bool, np.bool_)) for run in runs if isinstance(run, (list, tuple)) for x in run)
+        if pairs.shape != (n, 2) or pairs.dtype.kind not in "iu" or has_bool:
             for i, run in enumerate(runs):
                 if (
                     not isinstance(run, (list, tuple))
