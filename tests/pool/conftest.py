@@ -1,3 +1,3 @@
 """Fixtures for tests against real pool-node processes (defined in pool_testlib)."""
 
-from pool_testlib import node_clients, pool_nodes  # noqa: F401
+from pool_testlib import node_clients, pool_nodes, shared_node  # noqa: F401

@@ -157,3 +157,11 @@ def node_clients():
     yield make
     for node in made:
         node.close()
+
+
+@pytest.fixture(scope="module")
+def shared_node():
+    """One anonymous node shared by a module's tests that neither stop it nor depend on its contents."""
+    node = PoolProcess("512MiB")
+    yield node
+    node.cleanup()
