@@ -3,7 +3,15 @@
 Contract: `TorchBackend` implements `CopyBackend` (base.py) with one indexing op per plane, whatever the number
 of blocks or tokens (plus one host→device copy of the row indices off CPU); `ops_issued` counts them.
 
-How: plane p is viewed as a 2-D row table `[N, row_elems]` over its own storage with row stride
+How (CPU, the common case): all planes are rows of ONE table: a view of the address span from the lowest to
+the highest plane byte, with the widest int element (8/4/2/1 bytes) and a row stride that divides every plane's
+address offset and strides. Row index `[t, p]` is computed for all tokens and planes at once (broadcast), and a
+gather is ONE `index_select(span, 0, idx, out=out.view(T * P, row))` into the contiguous staging buffer (torch's
+per-row fast path), a scatter one `index_copy_`. The span view only ever touches the indexed rows; it is used
+within the call and never outlives the planes. Measured on this 2-core host (1 thread, 1 KiB rows, 16 planes):
+gather 6.9 vs 5.3 GB/s per-plane, scatter 4.3 vs 2.3 GB/s.
+
+Otherwise (other devices, or a span too odd to view): plane p is viewed as a 2-D row table `[N, row_elems]` over its own storage with row stride
 `g = gcd(block_stride, slot_stride)`, so slot s is row `(s // block_size) * block_stride / g +
 (s % block_size) * slot_stride / g` of it — one row index per token, shared by every plane with the same
 strides. A gather is then `index_select(table, 0, rows, out=out[:, p, :])`, which writes straight into the
@@ -16,7 +24,7 @@ in one launch).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,6 +33,41 @@ from ems.kernels.plan import runs_to_slots  # noqa: F401 - also re-exported for 
 from ems.kernels.raw_memory import raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
+
+
+def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
+    """CPU only: (table `[N, row_units]`, row index `[T * P]` int64, int dtype) viewing every plane in one span,
+    or None when the layout does not allow it."""
+    if planes.device.type != "cpu":
+        return None
+    esize = planes.element_size
+    addrs = [int(p.data_ptr()) for p in planes.planes]
+    bstr = [b * esize for b in planes.block_strides]
+    sstr = [s * esize for s in planes.slot_strides]
+    lo = min(addrs)
+    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + planes.row_bytes
+             for a, b, s in zip(addrs, bstr, sstr))
+    if hi - lo > _MAX_SPAN:
+        return None
+    offs = [a - lo for a in addrs]
+    width = next(w for w in (8, 4, 2, 1)
+                 if all(q % w == 0 for q in offs + bstr + sstr + [planes.row_bytes, lo, int(stage.data_ptr())]))
+    g = 0
+    for q in offs + bstr + sstr:
+        g = math.gcd(g, q)
+    g = g or width
+    units = planes.row_bytes // width
+    n_rows = ((hi - lo) // width - units) // (g // width) + 1
+    dtype = _INT_OF_WIDTH[width]
+    table = raw_tensor(lo, hi - lo, planes.device).view(dtype).as_strided((n_rows, units), (g // width, 1))
+    slots = slots.to("cpu", torch.int64)
+    blocks = torch.div(slots, planes.block_size, rounding_mode="floor")
+    within = slots - blocks * planes.block_size
+    idx = (torch.tensor(offs, dtype=torch.int64) // g
+           + blocks[:, None] * torch.tensor(bstr, dtype=torch.int64) // g
+           + within[:, None] * torch.tensor(sstr, dtype=torch.int64) // g)
+    return table, idx.reshape(-1), dtype
 
 
 def plane_rows(planes: PlaneSet, p: int) -> torch.Tensor:
@@ -82,6 +125,12 @@ class TorchBackend(CopyBackend):
         out_int = self._int_view(planes, out)
         if slots.numel() == 0:
             return
+        span = _span_table(planes, slots, out)
+        if span is not None:
+            table, idx, dtype = span
+            torch.index_select(table, 0, idx, out=out.view(-1).view(torch.uint8).view(dtype).view(idx.numel(), -1))
+            self.ops_issued += 1
+            return
         for p, (table, rows) in enumerate(self._plan(planes, slots)):
             torch.index_select(table, 0, rows, out=out_int[:, p, :])
             self.ops_issued += 1
@@ -89,6 +138,12 @@ class TorchBackend(CopyBackend):
     def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
         src_int = self._int_view(planes, src)
         if slots.numel() == 0:
+            return
+        span = _span_table(planes, slots, src)
+        if span is not None:
+            table, idx, dtype = span
+            table.index_copy_(0, idx, src.reshape(-1).view(torch.uint8).view(dtype).view(idx.numel(), -1))
+            self.ops_issued += 1
             return
         for p, (table, rows) in enumerate(self._plan(planes, slots)):
             table.index_copy_(0, rows, src_int[:, p, :])
