@@ -1,0 +1,264 @@
+"""Units: the LRU `KvStore` (order, capacity accounting, malformed values refused) and the `StagingPool` (bounded,
+back-pressure, an oversized request runs alone)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ems.staging import MIN_BUFFER, StagingPool
+from ems.store import ENTRY_OVERHEAD, KvStore
+from ems.value_format import (
+    HEADER_SIZE,
+    ExpectedValues,
+    ValueKind,
+    build_headers,
+    checksum,
+    is_well_formed,
+    parse_header,
+    valid_prefix,
+)
+from fault_injection import damage
+from ems_testlib import direct_cc, make_cache, slots_of_blocks
+
+
+def value(payload: bytes, sig: int = 7) -> bytes:
+    expected = ExpectedValues(ValueKind.BLOCKS_V1, sig, np.array([len(payload)], np.uint64), np.array([len(payload)]))
+    return build_headers(expected, [checksum([payload])])[0] + payload
+
+
+def charge(key: bytes, v: bytes) -> int:
+    return len(key) + len(v) + ENTRY_OVERHEAD
+
+
+# ------------------------------------------------------------------ value format
+
+
+def test_value_format_roundtrip_and_damage():
+    v = value(b"payload-bytes")
+    assert len(v) == HEADER_SIZE + 13 and is_well_formed(v)
+    assert parse_header(v)["payload_len"] == 13
+    for mode in ("flip", "truncate", "empty"):
+        assert not is_well_formed(damage(v, mode))
+    for position in (0, 4, 24, 32):  # magic, version, payload_len, checksum: a node can see these are wrong
+        assert not is_well_formed(damage(v, "header", position))
+    # layout_sig/tokens_digest are only checkable by the client, which knows what it expects (valid_prefix)
+    assert not is_well_formed(v + b"x")
+    assert parse_header(b"short") is None
+
+
+def test_valid_prefix_checks_every_field():
+    payloads = [b"a" * 10, b"b" * 10, b"c" * 10]
+    expected = ExpectedValues(ValueKind.BLOCKS_V1, 7, np.array([1, 1, 1], np.uint64), np.array([10, 10, 10]))
+    headers = build_headers(expected, [checksum([p]) for p in payloads])
+    values = [h + p for h, p in zip(headers, payloads)]
+    assert valid_prefix(values, expected) == 3
+    assert valid_prefix([values[0], None, values[2]], expected) == 1
+    assert valid_prefix([values[0], values[1], damage(values[2], "flip")], expected) == 2
+    other_sig = ExpectedValues(ValueKind.BLOCKS_V1, 8, expected.tokens_digest, expected.payload_len)
+    assert valid_prefix(values, other_sig) == 0
+    other_kind = ExpectedValues(ValueKind.RAW_V0, 7, expected.tokens_digest, expected.payload_len)
+    assert valid_prefix(values, other_kind) == 0
+    other_tokens = ExpectedValues(ValueKind.BLOCKS_V1, 7, np.array([1, 2, 1], np.uint64), expected.payload_len)
+    assert valid_prefix(values, other_tokens) == 1
+
+
+# ------------------------------------------------------------------ KvStore
+
+
+def test_store_lru_order():
+    values = {k: value(bytes([i + 1]) * 100) for i, k in enumerate([b"a", b"b", b"c", b"d"])}
+    store = KvStore(3 * charge(b"a", values[b"a"]))
+    for k in (b"a", b"b", b"c"):
+        assert store.put(k, [values[k]])
+    assert store.get(b"a") == values[b"a"]  # a becomes the most recently used
+    assert store.put(b"d", [values[b"d"]])
+    assert store.contains_many([b"a", b"b", b"c", b"d"]) == [True, False, True, True]
+    assert store.stats().evictions == 1
+    assert store.put(b"e", [values[b"a"]])  # evicts c, the least recently used now
+    assert store.contains_many([b"a", b"c", b"d", b"e"]) == [True, False, True, True]
+
+
+def test_store_capacity_accounting():
+    store = KvStore(10_000)
+    v1, v2 = value(b"x" * 500), value(b"y" * 1500)
+    assert store.put(b"k1", [v1]) and store.put(b"k2", [v2[:100], v2[100:]])  # parts are concatenated
+    assert store.get(b"k2") == v2
+    assert store.stats().used_bytes == charge(b"k1", v1) + charge(b"k2", v2)
+    assert store.put(b"k1", [v2])  # replacing a key re-charges it
+    assert store.stats().used_bytes == 2 * charge(b"k1", v2)
+    assert store.stats().entries == 2
+    assert store.delete(b"k1") and not store.delete(b"k1")
+    assert store.stats().used_bytes == charge(b"k2", v2)
+    store.clear()
+    assert store.stats().used_bytes == 0 and store.stats().entries == 0
+    with pytest.raises(ValueError):
+        KvStore(0)
+
+
+def test_store_many_tiny_values_stay_within_capacity():
+    store = KvStore(5000)
+    for i in range(500):
+        assert store.put(i.to_bytes(4, "little"), [value(b"")])
+        assert store.stats().used_bytes <= 5000
+    assert store.stats().entries == 5000 // charge(b"1234", value(b""))
+
+
+def test_store_refuses_value_larger_than_capacity_without_evicting():
+    small = value(b"s" * 10)
+    store = KvStore(1000)
+    assert store.put(b"small", [small])
+    assert not store.put(b"big", [value(b"b" * 1000)])
+    assert store.contains_many([b"small", b"big"]) == [True, False]
+    assert store.stats().rejected_puts == 1 and store.stats().evictions == 0
+
+
+@pytest.mark.parametrize("mode,position", [("flip", None), ("header", 0), ("header", 32), ("truncate", None), ("empty", None)])
+def test_store_refuses_malformed_values(mode, position):
+    store = KvStore(10_000)
+    good = value(b"z" * 64)
+    assert not store.put(b"k", [damage(good, mode, position)])
+    assert not store.put(b"k", [b"not an ems value at all, long enough for a header........"])
+    assert store.stats().entries == 0 and store.stats().rejected_puts == 2
+    assert store.get(b"k") is None
+    lenient = KvStore(10_000, verify_on_put=False)  # the client read cache stores what it already verified
+    assert lenient.put(b"k", [b"anything"])
+
+
+def test_store_get_survives_eviction():
+    v = value(b"q" * 200)
+    store = KvStore(charge(b"k", v))
+    got = store.get(b"k") if store.put(b"k", [v]) else None
+    assert store.put(b"j", [value(b"r" * 200)])
+    assert store.get(b"k") is None
+    assert got == v
+
+
+def test_store_thread_safety():
+    store = KvStore(50_000)
+    values = [value(bytes([i]) * random.Random(i).randint(1, 900)) for i in range(64)]
+    errors = []
+
+    def worker(t):
+        rng = random.Random(t)
+        try:
+            for _ in range(500):
+                i = rng.randrange(64)
+                key = i.to_bytes(2, "little")
+                if rng.random() < 0.5:
+                    store.put(key, [values[i]])
+                else:
+                    got = store.get(key)
+                    assert got is None or got == values[i]
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    stats = store.stats()
+    assert stats.used_bytes <= 50_000
+    assert stats.used_bytes == sum(charge(k, bytes(store._entries[k])) for k in store._entries)
+
+
+# ------------------------------------------------------------------ StagingPool
+
+
+def _footprint(pool: StagingPool) -> int:
+    return pool._leased_bytes + pool._free_bytes
+
+
+def test_staging_reuses_buffers():
+    pool = StagingPool(1 << 20)
+    cpu = torch.device("cpu")
+    a = pool.acquire(100_000, cpu)
+    assert a.capacity >= 100_000 and a.device is a.host
+    buffer = a.device
+    pool.release(a)
+    b = pool.acquire(70_000, cpu)
+    assert b.device is buffer
+    pool.release(b)
+    assert _footprint(pool) <= pool.capacity
+
+
+def test_staging_bigger_than_capacity_runs_alone():
+    pool = StagingPool(MIN_BUFFER)
+    cpu = torch.device("cpu")
+    big = pool.acquire(10 * MIN_BUFFER, cpu)
+    assert big.capacity >= 10 * MIN_BUFFER
+    pool.release(big)
+    assert pool._free == [] and _footprint(pool) == 0  # not kept
+
+    small = pool.acquire(1000, cpu)
+    started, done = threading.Event(), threading.Event()
+
+    def take_big():
+        started.set()
+        lease = pool.acquire(10 * MIN_BUFFER, cpu)  # waits for the small lease to go
+        done.set()
+        pool.release(lease)
+
+    th = threading.Thread(target=take_big)
+    th.start()
+    started.wait()
+    time.sleep(0.1)
+    assert not done.is_set()
+    pool.release(small)
+    th.join(10)
+    assert done.is_set()
+
+
+def test_staging_stays_within_capacity_under_threads():
+    capacity = 4 * MIN_BUFFER
+    pool = StagingPool(capacity)
+    cpu = torch.device("cpu")
+    peak = [0]
+    lock = threading.Lock()
+    errors = []
+
+    def worker(t):
+        rng = random.Random(t)
+        try:
+            for _ in range(50):
+                lease = pool.acquire(rng.randint(1, 2 * MIN_BUFFER), cpu)
+                with lock:
+                    peak[0] = max(peak[0], _footprint(pool))
+                lease.device[:8] = t
+                time.sleep(0.0005)
+                assert int(lease.device[0]) == t  # nobody else holds this buffer
+                pool.release(lease)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not any(th.is_alive() for th in threads), "staging deadlocked"
+    assert not errors
+    assert peak[0] <= capacity
+    assert pool._leased_bytes == 0
+
+
+def test_save_bigger_than_staging_capacity_completes(fault_node_factory):
+    node = fault_node_factory()
+    cc = direct_cc([node], staging_capacity=MIN_BUFFER)
+    try:
+        cache = make_cache(layers=4, blocks=16, block_size=16, heads=4, head_size=32, dtype=torch.float32)
+        cc.register_kvcache(cache)  # 16 blocks x 32 KiB = 512 KiB in one request
+        slots = slots_of_blocks(range(16), 16)
+        futures = [cc.async_save(slots, list(range(100 * k, 100 * k + 16)), [16] * 16) for k in range(3)]
+        assert [f.result(timeout=60).success for f in futures] == [16, 16, 16]
+        assert cc.load(slots, list(range(16)), [16] * 16).success == 16
+        assert cc._staging._leased_bytes == 0
+    finally:
+        cc.close()
