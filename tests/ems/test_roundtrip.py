@@ -199,3 +199,47 @@ def test_same_block_saved_by_slot_mapping_loads_by_chunk_descs(cc):
     for e, o in zip(expected, original):
         e[3] = o[1]
     assert_cache_equals(cache, expected)
+
+
+def test_tensor_arguments_as_engines_pass_them(cc):
+    """vLLM hands slot_mapping as an int tensor (int32 or int64); hashes and offsets may be numpy/torch too."""
+    cache = make_cache(layers=2, blocks=6, block_size=4, dtype=torch.float16)
+    cc.register_kvcache(cache)
+    slots = [17, 16, 3, 2, 1, 0, 9]
+    original = snapshot(cache)
+    t32 = torch.tensor(slots, dtype=torch.int32)
+    assert cc.save(t32, torch.tensor([5, 6, 7]), torch.tensor([2, 4, 1])).success == 3
+    poisoned = poison(cache)
+    import numpy as np
+
+    assert cc.load(torch.tensor(slots, dtype=torch.int64), np.array([5, 6, 7]), np.array([2, 4, 1], np.int32)).success == 3
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+
+
+def test_store_block_size_larger_than_engine_block(cc):
+    """A stored block may span several engine blocks (store_block_size 16 over engine blocks of 4)."""
+    cache = make_cache(layers=2, blocks=8, block_size=4, dtype=torch.float32)
+    cc.register_kvcache(cache, [StoreLayerGroupDesc(store_block_size=16, layer_ids=[0, 1])])
+    slots = slots_of_blocks([7, 2, 5, 0], 4) + [12, 13, 14]
+    original = snapshot(cache)
+    assert cc.save(slots, [1, 2], [16, 3]).success == 2
+    poisoned = poison(cache)
+    assert cc.load(slots, [1, 2], [16, 3]).success == 2
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+    original = snapshot(cache)
+    assert cc.save(hashes=[3], chunk_descs=[[(2, 16)]]).success == 1  # one run over five engine blocks
+    poisoned = poison(cache)
+    assert cc.load(hashes=[3], chunk_descs=[[(2, 16)]]).success == 1
+    assert_cache_equals(cache, expected_after_load(original, poisoned, list(range(2, 18))))
+
+
+def test_reregistering_replaces_the_layout(cc):
+    a = make_cache(layers=1, blocks=4, block_size=4, dtype=torch.float16)
+    cc.register_kvcache(a)
+    assert cc.save([0, 1, 2, 3], [1], [4]).success == 1
+    b = make_cache(layers=1, blocks=4, block_size=4, dtype=torch.float16)
+    cc.register_kvcache(b)  # same shape: same namespace, the block is found and lands in the new tensors
+    poisoned = poison(b)
+    assert cc.load([4, 5, 6, 7], [1], [4]).success == 1
+    assert bytes_equal(b[0][0][1], a[0][0][0]) and bytes_equal(b[0][1][1], a[0][1][0])
+    assert bytes_equal(b[0][0][0], poisoned[0][0])
