@@ -281,7 +281,7 @@ class TritonBackend(CopyBackend):
         t = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
         if self.device.type != "cpu":
             self.ops_issued += 1
-            return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t.to(self.device)
+            return t.to(self.device)  # small: a few int64 per piece; pinning per call would cost more
         return t
 
     def _torch(self) -> TorchBackend:

@@ -1,0 +1,212 @@
+"""One-shot check of the Triton kernels on an accelerator: correctness against the torch path, then speed.
+
+Contract: `python perf/gpu_check.py OUT [--device cuda|npu|cpu] [--tiny]` runs in a few minutes on one card:
+
+1. correctness: the Triton backend vs the torch backend, gather and scatter, by slot, by run and by raw segment,
+   over dtypes (fp16, bf16, fp32, int8, fp8 e4m3 bytes), odd rows, K/V-interleaved and padded views; any mismatch
+   is printed and makes the exit status 1;
+2. speed: saves of n whole blocks (random order) for the MHA/GQA/MLA layouts of perf/bench_kernels.py at their
+   real layer counts: Triton GB/s vs the card's device-to-device copy of the same bytes (`copy_` of one contiguous
+   buffer: the limit), vs the memcpy path and the torch path, plus device ops per save. GB/s counts bytes read +
+   written (2 × the save) for every path, so ratios equal time ratios.
+
+Prints a table and writes the figures (JSON, with the device name) to OUT. `--device cpu --tiny` runs the same code
+through the Triton interpreter at toy sizes (a smoke test of this script without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def _best(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _rand(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.view(torch.uint8).random_(1, 255)
+    return t
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def correctness(device: torch.device, tiny: bool) -> List[str]:
+    """Triton vs torch on fresh random data; returns a list of failures (empty = pass)."""
+    from ems.kernels.base import PlaneSet
+    from ems.kernels.torch_backend import TorchBackend
+    from ems.kernels.triton_backend import TritonBackend
+
+    tri, ref = TritonBackend(device), TorchBackend()
+    failures: List[str] = []
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]
+    shapes = [(3, 5), (1, 7), (4, 128)] if tiny else [(3, 5), (1, 7), (8, 128), (1, 576), (40, 128)]
+    blocks, bs = (6, 8) if tiny else (64, 16)
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        for heads, head_size in shapes:
+            for layout in ("plain", "kv_interleaved", "padded_slot"):
+                planes_list = []
+                for _ in range(2):  # two layers
+                    if layout == "plain":
+                        planes_list += [_rand((blocks, bs, heads, head_size), dtype, device) for _ in range(2)]
+                    elif layout == "kv_interleaved":
+                        t = _rand((blocks, 2, bs, heads, head_size), dtype, device)
+                        planes_list += [t[:, 0], t[:, 1]]
+                    else:
+                        row = heads * head_size
+                        for _ in range(2):
+                            t = _rand((blocks, bs, row + 3), dtype, device)
+                            planes_list.append(t[:, :, :row].unflatten(-1, (heads, head_size)))
+                planes = PlaneSet(tuple(planes_list))
+                case = f"{dtype} {heads}x{head_size} {layout}"
+                n = planes.num_slots
+                slots = torch.cat([torch.arange(bs, 3 * bs), torch.randint(0, n, (2 * bs,), generator=gen)])
+                shape = (slots.numel(), planes.num_planes, planes.row_elems)
+                a, b = _rand(shape, dtype, device), _rand(shape, dtype, device)
+                tri.gather_slots(planes, slots, a)
+                ref.gather_slots(planes, slots, b)
+                if not torch.equal(_bytes(a), _bytes(b)):
+                    failures.append(f"gather_slots {case}")
+                starts, lengths = torch.tensor([1, bs + 3, 2 * bs]), torch.tensor([bs + 1, 2, 2 * bs + 1])
+                tokens = int(lengths.sum())
+                a = _rand((tokens,) + shape[1:], dtype, device)
+                b = _rand((tokens,) + shape[1:], dtype, device)
+                tri.gather_runs(planes, starts, lengths, a)
+                ref.gather_runs(planes, starts, lengths, b)
+                if not torch.equal(_bytes(a), _bytes(b)):
+                    failures.append(f"gather_runs {case}")
+                # scatter: triton writes, torch reads back; the rest of every plane is unchanged
+                uniq = torch.randperm(n, generator=gen)[: 2 * bs]
+                src = _rand((uniq.numel(),) + shape[1:], dtype, device)
+                everything = torch.arange(n)
+                before = torch.empty((n,) + shape[1:], dtype=dtype, device=device)
+                ref.gather_slots(planes, everything, before)
+                tri.scatter_slots(planes, uniq, src)
+                after = torch.empty_like(before)
+                ref.gather_slots(planes, everything, after)
+                expect = before.clone()
+                expect[uniq.to(device)] = src
+                if not torch.equal(_bytes(after), _bytes(expect)):
+                    failures.append(f"scatter_slots {case}")
+    # raw segments, odd and aligned
+    buf = _rand((1 << 16,), torch.uint8, device)
+    for offs, lens in (([3, 1000, 40000], [997, 5, 20001]), ([0, 4096, 8192], [4096, 64, 40000])):
+        ptrs = torch.tensor([buf.data_ptr() + o for o in offs])
+        ln = torch.tensor(lens)
+        out = _rand((int(ln.sum()),), torch.uint8, device)
+        tri.gather_segments(ptrs, ln, out)
+        want = torch.cat([buf[o:o + n] for o, n in zip(offs, lens)])
+        if not torch.equal(out, want):
+            failures.append(f"gather_segments {offs}")
+    return failures
+
+
+def speed(device: torch.device, tiny: bool, reps: int) -> List[Dict[str, object]]:
+    import bench_kernels as bk
+
+    from ems.kernels.memcpy_backend import MemcpyBackend
+    from ems.kernels.torch_backend import TorchBackend
+    from ems.kernels.triton_backend import TritonBackend
+
+    paths = {"triton": TritonBackend(device), "memcpy": MemcpyBackend(), "torch": TorchBackend()}
+    configs = [(m, 16, 4) for m in bk.MODELS] if tiny else [
+        (m, bs, n) for m in bk.MODELS for bs, n in ((16, 64), (16, 1024), (128, 8), (128, 128))
+    ]
+    rows: List[Dict[str, object]] = []
+    for model, bs, n in configs:
+        layers = 2 if tiny else model.layers
+        save_bytes = 2 * layers * n * bs * model.heads * model.head_size * torch.empty(0, dtype=model.dtype).element_size()
+        if save_bytes > 2e9:  # keeps the whole check within a few minutes and well inside device memory
+            continue
+        planes = bk.make_cache(model, layers, 2 * n + 1, bs, device)
+        chosen = torch.randperm(2 * n + 1)[:n]
+        slots = (chosen[:, None] * bs + torch.arange(bs)).reshape(-1)
+        out = torch.empty(slots.numel(), planes.num_planes, planes.row_elems, dtype=model.dtype, device=device)
+        src = torch.empty_like(out)
+        dst = torch.empty_like(out)
+        moved = 2 * out.numel() * out.element_size()  # read + write
+        row: Dict[str, object] = {"model": model.name, "layers": layers, "block_size": bs, "blocks": n,
+                                  "row_bytes": planes.row_bytes, "save_MB": out.numel() * out.element_size() / 1e6}
+        limit = _best(lambda: dst.copy_(src), device, reps)
+        row["d2d_copy_GBps"] = moved / limit / 1e9
+        for name, backend in paths.items():
+            before = backend.ops_issued
+            backend.gather_slots(planes, slots, out)
+            row[f"{name}_ops"] = backend.ops_issued - before
+            t = _best(lambda b=backend: b.gather_slots(planes, slots, out), device, 1 if name == "memcpy" else reps)
+            row[f"{name}_GBps"] = moved / t / 1e9
+            row[f"{name}/copy"] = limit / t
+        rows.append(row)
+        print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              file=sys.stderr)
+        del planes, out, src, dst
+    return rows
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="file for the figures (JSON)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (for --device cpu: the Triton interpreter)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        if not args.tiny:
+            ap.error("--device cpu runs the Triton interpreter: add --tiny")
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel is built (kernels are built lazily)
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = device.type
+    t0 = time.perf_counter()
+    failures = correctness(device, args.tiny)
+    print(f"correctness: {'PASS' if not failures else 'FAIL'} ({time.perf_counter() - t0:.1f} s)")
+    for f in failures:
+        print("  mismatch:", f)
+    rows = speed(device, args.tiny, 1 if args.tiny else args.reps)
+    cols = ["model", "layers", "block_size", "blocks", "row_bytes", "save_MB", "d2d_copy_GBps",
+            "triton_GBps", "triton/copy", "memcpy_GBps", "triton_ops", "memcpy_ops", "torch_GBps", "torch_ops"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    Path(args.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "tiny": args.tiny,
+                                          "correct": not failures, "failures": failures, "rows": rows}, indent=1))
+    print(f"figures written to {args.out} ({time.perf_counter() - t0:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
