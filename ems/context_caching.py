@@ -165,7 +165,10 @@ class ContextCaching:
         request, plan, device = self._bind(Operation.SAVE, args, kwargs)
         backend = self._backend_for(device)
         profile.mark("plan")
-        lease = self._staging.acquire(plan.staging_bytes, device)
+        try:
+            lease = self._staging.acquire(plan.staging_bytes, device)
+        except BaseException as exc:  # e.g. the allocator refusing the staging buffer: still an EmsException
+            raise _as_ems_exception(exc) from exc
         try:
             with side_stream(device):
                 plan.gather(backend, lease.device)
