@@ -364,3 +364,17 @@ def test_slow_node_within_timeout_is_fine(faulty):
     poisoned = poison(cache)
     assert cc.load([0, 1, 2], [1], [3], CcKvOption(timeout=0)).success == 1
     assert_cache_equals(cache, expected_after_load(original, poisoned, [0, 1, 2]))
+
+
+@pytest.mark.parametrize("method", ["save", "async_save"])
+def test_staging_allocation_failure_is_an_ems_exception(cc, method):
+    """EmsException is the only exception type: an allocator refusing the staging buffer is EMS_INTERNAL_ERROR."""
+    t = fill_random(torch.empty(16))
+    keys = [PrimaryKey("a", "b")]
+    with pytest.raises(EmsException) as info:
+        getattr(cc, method)(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 2**62)]])
+    assert info.value.status_code() == EmsErrorCode.EMS_INTERNAL_ERROR
+    assert cc._staging._leased_bytes == 0
+    # the client still works afterwards (no leaked staging or in-flight slot)
+    w = [[KvBufferWrapper(t.data_ptr(), 64)]]
+    assert cc.get_result(cc.async_save(CcKvOption(), keys, w)).success == 1
