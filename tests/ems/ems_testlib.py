@@ -21,8 +21,8 @@ def fill_random(t: torch.Tensor, gen: Optional[torch.Generator] = None) -> torch
         src = torch.randint(max(info.min, -(1 << 30)), min(info.max, 1 << 30), t.shape, dtype=t.dtype, generator=gen)
         src[src == 0] = 1
     else:
-        src = (torch.randn(t.shape, dtype=torch.float32, generator=gen) * 3 + 0.5).to(t.dtype)
-        src[src == 0] = 1.5
+        src = torch.randn(t.shape, dtype=torch.float32, generator=gen) * 3 + 0.5
+        src = torch.where(src.to(t.dtype).to(torch.float32) == 0, torch.full_like(src, 1.5), src).to(t.dtype)
     t.copy_(src)
     return t
 

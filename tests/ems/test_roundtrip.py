@@ -243,3 +243,21 @@ def test_reregistering_replaces_the_layout(cc):
     assert cc.load([4, 5, 6, 7], [1], [4]).success == 1
     assert bytes_equal(b[0][0][1], a[0][0][0]) and bytes_equal(b[0][1][1], a[0][1][0])
     assert bytes_equal(b[0][0][0], poisoned[0][0])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float64, torch.int32, torch.uint8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2],
+    ids=str,
+)
+def test_other_kv_dtypes_roundtrip(cc, dtype):
+    cache = make_cache(layers=2, blocks=4, block_size=4, heads=3, head_size=5, dtype=dtype)
+    cc.register_kvcache(cache)
+    slots = [3, 9, 4, 15, 0]
+    original = snapshot(cache)
+    assert cc.save(slots, [1, 2], [3, 2]).success == 2
+    assert cc.save(hashes=[3], chunk_descs=[[(10, 3)]]).success == 1
+    poisoned = poison(cache)
+    assert cc.load(slots, [1, 2], [3, 2]).success == 2
+    assert cc.load(hashes=[3], chunk_descs=[[(10, 3)]]).success == 1
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots + [10, 11, 12]))
