@@ -134,7 +134,9 @@ def int_array(name: str, value: object) -> np.ndarray:
 
 
 def _hashes(value: object) -> List[int]:
-    if isinstance(value, (np.ndarray, torch.Tensor)):
+    if isinstance(value, np.ndarray) and value.dtype.kind == "u" and value.ndim == 1:
+        value = value.tolist()  # u64 hashes are keys, not offsets: no int64 limit (lists of them are accepted too)
+    elif isinstance(value, (np.ndarray, torch.Tensor)):
         value = int_array("hashes", value).tolist()
     if not isinstance(value, (list, tuple)) or not value:
         raise invalid_argument("hashes must be a non-empty list of ints")
