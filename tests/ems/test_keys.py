@@ -188,3 +188,15 @@ def test_large_and_negative_hashes_end_to_end(cc):
     import numpy as np
 
     assert cc.exists(np.array([-1, 0, 5], dtype=np.int64)).success == 2  # numpy hashes name the same keys
+
+
+def test_u64_hash_arrays_name_the_same_keys_as_lists(cc):
+    """Engines often hold u64 hashes in numpy arrays; values >= 2**63 are valid hashes."""
+    cc.register_kvcache(make_cache(layers=1, blocks=2, block_size=4))
+    hashes = [2**64 - 1, 2**63 + 5, 3]
+    assert cc.save([0, 1, 2], hashes, [1, 1, 1]).success == 3
+    import numpy as np
+
+    assert cc.exists(np.array(hashes, dtype=np.uint64)).success == 3
+    assert cc.exists([np.uint64(h) for h in hashes]).success == 3
+    assert cc.load([4, 5, 6], np.array(hashes, dtype=np.uint64), [1, 1, 1]).success == 3
