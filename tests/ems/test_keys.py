@@ -200,3 +200,23 @@ def test_u64_hash_arrays_name_the_same_keys_as_lists(cc):
     assert cc.exists(np.array(hashes, dtype=np.uint64)).success == 3
     assert cc.exists([np.uint64(h) for h in hashes]).success == 3
     assert cc.load([4, 5, 6], np.array(hashes, dtype=np.uint64), [1, 1, 1]).success == 3
+
+
+def test_v0_routing_by_distribute_key_and_v1_spread(fault_node_factory):
+    nodes = [fault_node_factory(address=f"node-{i}:70{i}") for i in range(3)]
+    cc = direct_cc(nodes)
+    try:
+        bufs = [fill_random(torch.empty(8, dtype=torch.int8)) for _ in range(12)]
+        values = [[KvBufferWrapper(b.data_ptr(), 8)] for b in bufs]
+        keys = [PrimaryKey(f"req-{i // 4}", f"layer-{i % 4}") for i in range(12)]
+        assert cc.save(CcKvOption(), keys, values).success == 12
+        for group in range(3):  # each distribute_key's 4 keys live on one node
+            holders = [n for n in nodes if any(f"req-{group}".encode() in k for k in n.stored_keys())]
+            assert len(holders) == 1
+        cc.register_kvcache(make_cache(layers=1, blocks=16, block_size=4))
+        assert cc.save(list(range(64)), list(range(64)), [1] * 64).success == 64
+        counts = [n.store.stats().entries for n in nodes]
+        assert sum(counts) == 76 and min(counts) > 5  # 64 block hashes spread over all three nodes
+        assert cc.exists(list(range(64))).success == 64
+    finally:
+        cc.close()

@@ -261,3 +261,30 @@ def test_other_kv_dtypes_roundtrip(cc, dtype):
     assert cc.load(slots, [1, 2], [3, 2]).success == 2
     assert cc.load(hashes=[3], chunk_descs=[[(10, 3)]]).success == 1
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots + [10, 11, 12]))
+
+
+@pytest.mark.parametrize("backend", ["auto", "memcpy"])
+def test_strided_views_roundtrip(backend):
+    """Views engines hand out: a head slice (slot stride > row), a block slice with a storage offset, padded blocks."""
+    Ems.init(
+        EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend)
+    )
+    cc = Ems.get_cc()
+    base_k = fill_random(torch.empty(7, 4, 4, 8, dtype=torch.float16))
+    base_v = fill_random(torch.empty(6, 5, 2, 8, dtype=torch.float16))
+    k = base_k[1:, :, 1:3]  # storage offset, slot stride 32 elements, rows of 16
+    v = base_v[:, :4]  # padded blocks: block stride 80, 4 slots used
+    assert k.shape == v.shape == (6, 4, 2, 8)
+    cache = [[k, v]]
+    cc.register_kvcache(cache)
+    slots = [23, 0, 5, 6, 12, 1]
+    original = snapshot(cache)
+    outside_k = base_k.clone()
+    outside_v = base_v.clone()
+    assert cc.save(slots, [1, 2], [4, 2]).success == 2
+    poisoned = poison(cache)
+    assert cc.load(slots, [1, 2], [4, 2]).success == 2
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+    # bytes outside the views were never touched
+    assert bytes_equal(base_k[0], outside_k[0]) and bytes_equal(base_k[:, :, 0], outside_k[:, :, 0])
+    assert bytes_equal(base_k[:, :, 3], outside_k[:, :, 3]) and bytes_equal(base_v[:, 4], outside_v[:, 4])
