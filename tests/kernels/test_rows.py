@@ -157,3 +157,35 @@ def test_many_blocks_one_launch(backend: CopyBackend) -> None:
         assert counts == [2 * 4, 20 * 4]  # one copy per (block, plane)
     if backend.name == "torch":
         assert counts[0] == counts[1]
+
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    given = None
+
+if given is not None:
+
+    @settings(max_examples=12, deadline=None)
+    @given(
+        data=st.data(),
+        block_size=st.sampled_from([1, 3, 4, 16]),
+        head_size=st.integers(1, 9),
+        layout=st.sampled_from(LAYOUTS),
+    )
+    def test_property_gather_scatter(data: st.DataObject, block_size: int, head_size: int, layout: str) -> None:
+        """Any slot list (repeats, any order) gathers like the reference; any distinct slots scatter exactly."""
+        from ems.kernels.triton_backend import TritonBackend
+        from ems.kernels.torch_backend import TorchBackend
+        from ems.kernels.memcpy_backend import MemcpyBackend
+
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+        bases, planes = make_layout(layout, layers=1, blocks=5, block_size=block_size, heads=2,
+                                    head_size=head_size, dtype=torch.float16, gen=gen)
+        n = planes.num_slots
+        slots = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12))
+        distinct = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12, unique=True))
+        for backend in (TritonBackend(torch.device("cpu")), TorchBackend(), MemcpyBackend()):
+            _gather_check(backend, planes, slots)
+            _scatter_check(backend, bases, planes, distinct, gen)
