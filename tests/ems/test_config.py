@@ -191,3 +191,48 @@ def test_config_type_checks():
         lambda: Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), cc_config_v1=CcConfig_v1(0, 0, "m"))), "cc_config"
     )
     assert Ems.get_cc() is None
+
+
+def test_bad_device_setting_fails_init_cleanly():
+    _invalid(lambda: Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), device="not-a-device")), "device")
+    assert Ems.get_cc() is None and Ems.check_health() is False
+    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), pool_capacity="1MiB"))
+    assert Ems.get_cc() is not None
+
+
+def test_sdk_log_directory(monkeypatch, tmp_path):
+    import logging
+    import os
+
+    monkeypatch.setenv("EMS_SDK_LOG", str(tmp_path / "logs"))
+    logger = logging.getLogger("ems")
+    before = list(logger.handlers)
+    try:
+        Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), pool_capacity="1MiB"))
+        path = tmp_path / "logs" / f"ems-sdk-{os.getpid()}.log"
+        for h in logger.handlers:
+            h.flush()
+        assert path.exists() and "EMS initialised" in path.read_text()
+    finally:
+        for h in logger.handlers[:]:
+            if h not in before:
+                logger.removeHandler(h)
+                h.close()
+        logger.setLevel(logging.NOTSET)
+
+
+def test_profiling_logs_stages(monkeypatch, caplog):
+    import logging
+
+    from ems.context_caching import _Profile
+    from ems_testlib import make_cache
+
+    monkeypatch.setattr(_Profile, "enabled", True)
+    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), pool_capacity="1MiB"))
+    cc = Ems.get_cc()
+    cc.register_kvcache(make_cache(blocks=2, block_size=2))
+    with caplog.at_level(logging.INFO, logger="ems.profile"):
+        cc.save([0, 1], [1], [2])
+        cc.load([0, 1], [1], [2])
+    text = caplog.text
+    assert "save 1/1 blocks" in text and "load 1/1 blocks" in text

@@ -378,3 +378,31 @@ def test_staging_allocation_failure_is_an_ems_exception(cc, method):
     # the client still works afterwards (no leaked staging or in-flight slot)
     w = [[KvBufferWrapper(t.data_ptr(), 64)]]
     assert cc.get_result(cc.async_save(CcKvOption(), keys, w)).success == 1
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_transport_bug_is_an_ems_exception_never_a_wrong_block(fault_node_factory, nodes):
+    """A node raising something other than TransportError (a transport bug) still yields EmsException / 0 hits."""
+    made = [fault_node_factory(address=f"n{i}:1") for i in range(nodes)]
+    cc = direct_cc(made)
+    try:
+        cache = make_cache(layers=1, blocks=4, block_size=BS)
+        cc.register_kvcache(cache)
+        assert cc.save([0, 1], [1], [2]).success == 1
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("transport bug")
+
+        for node in made:
+            node.get = broken
+            node.exists = broken
+            node.put = broken
+        poisoned = poison(cache)
+        with pytest.raises(EmsException):
+            cc.load([0, 1], [1], [2])
+        with pytest.raises(EmsException):
+            cc.save([0, 1], [1], [2])
+        assert cc.exists([1]).success == 0
+        assert_cache_equals(cache, poisoned)
+    finally:
+        cc.close()
