@@ -1,14 +1,11 @@
-"""Shared fixtures. Never imports triton and never sets TRITON_INTERPRET (tests/kernels has its own conftest)."""
+"""Fixtures shared by every test folder. Never imports triton and never sets TRITON_INTERPRET (tests/kernels has
+its own conftest for that)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from ems import Ems
-
-_EMS_ENV = (
+EMS_SETTING_ENV = (
     "EMS_POOL_NODES",
     "EMS_POOL_CAPACITY",
     "EMS_READ_CACHE_CAPACITY",
@@ -20,10 +17,12 @@ _EMS_ENV = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _clean_ems_env(monkeypatch):
-    """Every test starts with no EMS_* settings in the environment and no initialised `Ems`, and leaves none."""
-    for name in _EMS_ENV:
+@pytest.fixture
+def clean_ems(monkeypatch):
+    """No EMS_* pool settings in the environment and no initialised `Ems`, before and after the test."""
+    from ems import Ems
+
+    for name in EMS_SETTING_ENV:
         monkeypatch.delenv(name, raising=False)
     Ems.shutdown()
     yield
@@ -32,7 +31,7 @@ def _clean_ems_env(monkeypatch):
 
 @pytest.fixture
 def fault_node_factory():
-    """Build `FaultyNode`s around embedded stores; releases any injected hang at teardown."""
+    """Build `FaultyNode`s (tests/fault_injection.py) around embedded stores; releases injected hangs at teardown."""
     from fault_injection import FaultyNode
     from ems.store import KvStore
     from ems.transport.inprocess import InProcessNode

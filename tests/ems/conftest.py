@@ -7,6 +7,12 @@ import pytest
 from ems import CcConfig, Ems, EmsConfig
 
 
+@pytest.fixture(autouse=True)
+def _isolated_ems(clean_ems):
+    """Every test here starts without EMS_* settings in the environment and without an initialised `Ems`."""
+    yield
+
+
 @pytest.fixture
 def cc():
     """An initialised embedded SDK (64 MiB pool); shut down after the test."""
