@@ -192,3 +192,57 @@ def test_concurrent_saves_and_loads(cc, use_async):
         w.join(60)
     assert not any(w.is_alive() for w in workers), "a worker hung"
     assert not errors, errors[0]
+
+
+def test_concurrent_traffic_under_eviction_never_loads_wrong_bytes(fault_node_factory):
+    """A pool far too small for the traffic: loads miss, but whatever they load is exact and the rest untouched."""
+    from ems.store import ENTRY_OVERHEAD
+    from ems.value_format import HEADER_SIZE
+
+    layers, heads, head_size = 2, 2, 8
+    block_value = HEADER_SIZE + BS * layers * 2 * heads * head_size * 2
+    node = fault_node_factory(6 * (block_value + 32 + ENTRY_OVERHEAD))
+    cc = direct_cc([node])
+    threads, ops, per_thread = 4, 15, 3
+    cache = make_cache(layers=layers, blocks=threads * per_thread, block_size=BS, heads=heads, head_size=head_size)
+    cc.register_kvcache(cache)
+    errors: list[BaseException] = []
+    outcomes: list[int] = []
+
+    def worker(t: int) -> None:
+        try:
+            gen = torch.Generator().manual_seed(100 + t)
+            mine = list(range(t * per_thread, (t + 1) * per_thread))
+            lo, hi = mine[0], mine[-1] + 1
+            for op in range(ops):
+                slots = slots_of_blocks(mine, BS)
+                hashes = [(t << 40) | (op << 8) | i for i in range(per_thread)]
+                for layer in cache:
+                    for tensor in layer:
+                        fill_random(tensor[lo:hi], gen)
+                saved = [tensor[lo:hi].clone() for layer in cache for tensor in layer]
+                cc.save(slots, hashes, [BS] * per_thread)
+                for layer in cache:
+                    for tensor in layer:
+                        fill_random(tensor[lo:hi], gen)
+                poisoned = [tensor[lo:hi].clone() for layer in cache for tensor in layer]
+                n = cc.load(slots, hashes, [BS] * per_thread).success
+                outcomes.append(n)
+                want = expected_after_load(saved, poisoned, [s - lo * BS for s in slots[: n * BS]])
+                for g, w in zip([tensor[lo:hi] for layer in cache for tensor in layer], want):
+                    assert bytes_equal(g, w), f"thread {t} op {op}: wrong bytes after a {n}-block load"
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert not any(w.is_alive() for w in workers)
+        assert not errors, errors[0]
+        assert node.store.stats().used_bytes <= node.store.capacity_bytes
+        assert len(outcomes) == threads * ops
+    finally:
+        cc.close()
