@@ -109,3 +109,38 @@ def test_load_stops_at_the_first_unsaved_block(req, data):
     assert cc.load(slots, hashes, offsets).success == prefix
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots[: bounds[prefix]]))
     Ems.shutdown()
+
+
+@SETTINGS
+@given(data=st.data())
+def test_v0_ranges_roundtrip_and_nothing_else(data):
+    """V0: random non-overlapping ranges of one arena, grouped into keys; load writes exactly those ranges."""
+    from ems import CcKvOption, KvBufferWrapper, PrimaryKey
+    from ems_testlib import fill_random
+
+    cc = _fresh_cc()
+    arena_size = 4096
+    cuts = sorted(data.draw(st.sets(st.integers(1, arena_size - 1), min_size=2, max_size=24)))
+    pieces = [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    keep = data.draw(st.lists(st.booleans(), min_size=len(pieces), max_size=len(pieces)))
+    ranges = [p for p, k in zip(pieces, keep) if k] or pieces[:1]
+    order = data.draw(st.permutations(ranges))
+    # group consecutive ranges of the shuffled order into keys of 1..3 buffers
+    groups, i = [], 0
+    while i < len(order):
+        n = data.draw(st.integers(1, 3))
+        groups.append(order[i : i + n])
+        i += n
+    arena = fill_random(torch.empty(arena_size, dtype=torch.int8))
+    base = arena.data_ptr()
+    keys = [PrimaryKey(f"d{data.draw(st.integers(0, 2))}", f"a{j}") for j in range(len(groups))]
+    values = [[KvBufferWrapper(base + a, b - a) for a, b in g] for g in groups]
+    original = arena.clone()
+    assert cc.save(CcKvOption(), keys, values).success == len(keys)
+    fill_random(arena)
+    expected = arena.clone()
+    for a, b in order:
+        expected[a:b] = original[a:b]
+    assert cc.load(CcKvOption(), keys, values).success == len(keys)
+    assert torch.equal(arena, expected)
+    Ems.shutdown()
