@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ems.kernels.base import CopyBackend, PlaneSet
@@ -36,38 +37,58 @@ _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
 
 
+_span_cache: Dict[Tuple[object, ...], Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, torch.dtype]]] = {}
+
+
+def _span_layout(planes: PlaneSet, stage: torch.Tensor) -> Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, torch.dtype]]:
+    """(table, plane row offsets [P], block steps [P], slot steps [P], int dtype), cached per addresses and strides:
+    the table is an address view that owns no memory, so the cache never keeps a freed cache alive."""
+    esize = planes.element_size
+    addrs = [int(p.data_ptr()) for p in planes.planes]
+    bstr = [b * esize for b in planes.block_strides]
+    sstr = [s * esize for s in planes.slot_strides]
+    key = (tuple(addrs), tuple(bstr), tuple(sstr), planes.num_blocks, planes.block_size, planes.row_bytes,
+           int(stage.data_ptr()) % 8)
+    if key in _span_cache:
+        return _span_cache[key]
+    lo = min(addrs)
+    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + planes.row_bytes
+             for a, b, s in zip(addrs, bstr, sstr))
+    result = None
+    if hi - lo <= _MAX_SPAN:
+        offs = [a - lo for a in addrs]
+        width = next(w for w in (8, 4, 2, 1)
+                     if all(q % w == 0 for q in offs + bstr + sstr + [planes.row_bytes, lo, int(stage.data_ptr())]))
+        g = 0
+        for q in offs + bstr + sstr:
+            g = math.gcd(g, q)
+        g = g or width
+        units = planes.row_bytes // width
+        n_rows = ((hi - lo) // width - units) // (g // width) + 1
+        dtype = _INT_OF_WIDTH[width]
+        table = raw_tensor(lo, hi - lo, planes.device).view(dtype).as_strided((n_rows, units), (g // width, 1))
+        result = (table, np.array(offs, np.int64) // g, np.array(bstr, np.int64) // g, np.array(sstr, np.int64) // g,
+                  dtype)
+    if len(_span_cache) > 256:
+        _span_cache.clear()
+    _span_cache[key] = result
+    return result
+
+
 def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
     """CPU only: (table `[N, row_units]`, row index `[T * P]` int64, int dtype) viewing every plane in one span,
     or None when the layout does not allow it."""
     if planes.device.type != "cpu":
         return None
-    esize = planes.element_size
-    addrs = [int(p.data_ptr()) for p in planes.planes]
-    bstr = [b * esize for b in planes.block_strides]
-    sstr = [s * esize for s in planes.slot_strides]
-    lo = min(addrs)
-    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + planes.row_bytes
-             for a, b, s in zip(addrs, bstr, sstr))
-    if hi - lo > _MAX_SPAN:
+    layout = _span_layout(planes, stage)
+    if layout is None:
         return None
-    offs = [a - lo for a in addrs]
-    width = next(w for w in (8, 4, 2, 1)
-                 if all(q % w == 0 for q in offs + bstr + sstr + [planes.row_bytes, lo, int(stage.data_ptr())]))
-    g = 0
-    for q in offs + bstr + sstr:
-        g = math.gcd(g, q)
-    g = g or width
-    units = planes.row_bytes // width
-    n_rows = ((hi - lo) // width - units) // (g // width) + 1
-    dtype = _INT_OF_WIDTH[width]
-    table = raw_tensor(lo, hi - lo, planes.device).view(dtype).as_strided((n_rows, units), (g // width, 1))
-    slots = slots.to("cpu", torch.int64)
-    blocks = torch.div(slots, planes.block_size, rounding_mode="floor")
-    within = slots - blocks * planes.block_size
-    idx = (torch.tensor(offs, dtype=torch.int64) // g
-           + blocks[:, None] * torch.tensor(bstr, dtype=torch.int64) // g
-           + within[:, None] * torch.tensor(sstr, dtype=torch.int64) // g)
-    return table, idx.reshape(-1), dtype
+    table, offs, bstep, sstep, dtype = layout
+    s = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+    blocks = s // planes.block_size
+    within = s - blocks * planes.block_size
+    idx = offs[None, :] + blocks[:, None] * bstep[None, :] + within[:, None] * sstep[None, :]
+    return table, torch.from_numpy(idx.reshape(-1)), dtype
 
 
 def plane_rows(planes: PlaneSet, p: int) -> torch.Tensor:

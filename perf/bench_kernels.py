@@ -270,6 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def goals_text(rows: List[Row], cpu: bool) -> str:
+    rows = [r for r in rows if "triton-interpreter" not in r.gbps]  # the interpreter row is a toy-size aside
     big = [r for r in rows if r.row_bytes >= 1024 and "kernel" in r.gbps]
     ratios = [r.gbps["kernel"] / r.gbps["limit"] for r in big]
     at16 = [r.gbps["kernel"] / r.gbps["memcpy"] for r in rows if r.block_size == 16 and "memcpy" in r.gbps]
@@ -288,6 +289,11 @@ def goals_text(rows: List[Row], cpu: bool) -> str:
         f"- kernel-path device ops per save constant in the number of blocks: {'met' if constant else 'NOT met'}"
         f" ({', '.join(sorted({str(v[0]) for v in by_model.values()}))} ops per save)",
     ]
+    small = [r.gbps["kernel"] / r.gbps["limit"] for r in big if r.save_bytes <= 8e6]
+    large = [r.gbps["kernel"] / r.gbps["limit"] for r in big if r.save_bytes > 8e6]
+    if small and large:
+        lines.append(f"- kernel/limit by save size (rows >= 1 KiB): <= 8 MB median {sorted(small)[len(small) // 2]:.2f} "
+                     f"(the limit copy stays in cache there), > 8 MB median {sorted(large)[len(large) // 2]:.2f}")
     return "\n".join(lines)
 
 
