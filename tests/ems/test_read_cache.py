@@ -3,6 +3,7 @@ read_local_only never leaves the process, and whatever it serves is still verifi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
@@ -69,5 +70,27 @@ def test_damaged_read_cache_entry_is_a_miss(fault_node_factory):
         poisoned = poison(cache)
         assert cc.load(slots_of_blocks([0], BS), [1], [BS], CcKvOption(read_local_only=True)).success == 0
         assert_cache_equals(cache, poisoned)
+    finally:
+        cc.close()
+
+
+@pytest.mark.xfail(
+    reason="design question: a read-cache entry that fails verification (damaged, or another writer's newer value "
+    "for the same key) shadows the node's good copy; the load could fall back to the owning node",
+    strict=True,
+)
+def test_unverifiable_read_cache_entry_does_not_shadow_the_node(fault_node_factory):
+    node = fault_node_factory()
+    cc, pool, cache = _cc(node)
+    try:
+        original = snapshot(cache)
+        assert cc.save(slots_of_blocks([0], BS), [1], [BS]).success == 1
+        (key,) = list(pool.read_cache._entries)
+        value = bytearray(pool.read_cache._entries[key])
+        value[-1] ^= 0xFF
+        pool.read_cache._entries[key] = bytes(value)
+        poisoned = poison(cache)
+        assert cc.load(slots_of_blocks([0], BS), [1], [BS]).success == 1  # the node still has the good value
+        assert_cache_equals(cache, expected_after_load(original, poisoned, slots_of_blocks([0], BS)))
     finally:
         cc.close()
