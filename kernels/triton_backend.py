@@ -28,7 +28,7 @@ Design (Ascend first):
   them, and integer moves are bit-exact for every dtype, fp8 included).
 * **Tiles** hold at most `TILE_ELEMS` = 4096 elements: 16 KB of data at int32, plus the int32 offset and mask
   tensors (~36 KB), well under the ~96 KB of double-buffered unified buffer. Only tile sizes and the gather/
-  scatter direction are `tl.constexpr`; lengths, counts, strides are runtime values and the piece count is not
+  scatter direction are `tl.constexpr`; lengths, counts, strides are runtime values and no integer argument is
   specialised, so a new request never recompiles.
 * **Raw segments** (V0): one launch for all segments; the table holds each segment's offset from the staging
   buffer's address (int64, may be negative), its length and its staging position, segments cut into chunks of
@@ -76,7 +76,9 @@ def _build() -> Dict[str, Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n_pieces"])
+    # no integer argument is specialised: a value of 1 would become a constexpr (and break `.to`), and every new
+    # value class would be a new compile (seconds per save on Ascend)
+    @triton.jit(do_not_specialize=["n_pieces", "n_planes", "row_elems", "block_size"])
     def _rows_kernel(
         cache_ptr,  # intW: the lowest-addressed plane; plane p starts plane_table[p] units after it
         stage_ptr,  # intW [T * P * R]: staging, token-major
