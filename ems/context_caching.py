@@ -226,7 +226,7 @@ class ContextCaching:
 
     def _load(self, request: Request, plan: Plan, device: torch.device) -> CcResult:
         profile = _Profile("load")
-        outcome = self._pool.get(plan.route_keys, plan.keys, request.option)
+        outcome = self._pool.get(plan.route_keys, plan.keys, request.option, plan.expected)
         profile.mark("get")
         hits = valid_prefix(outcome.results, plan.expected)
         self._raise_if_unreachable(outcome, hits)

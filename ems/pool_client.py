@@ -26,7 +26,7 @@ from ems.transport.base import NodeClient, TransportError
 from ems.transport.inprocess import InProcessNode
 from ems.transport.routing import node_seeds, owners
 from ems.types import CcKvOption
-from ems.value_format import Buffer
+from ems.value_format import Buffer, ExpectedValues, matches
 
 T = TypeVar("T")
 
@@ -151,12 +151,25 @@ class PoolClient:
         return outcome
 
     def get(
-        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        option: CcKvOption,
+        expected: Optional[ExpectedValues] = None,
     ) -> PoolOutcome[Optional[Buffer]]:
-        """Each key's stored value, or None; the read cache first, then (unless local-only) the owning node."""
+        """Each key's stored value, or None; the read cache first, then (unless local-only) the owning node.
+
+        With `expected`, a read-cache entry that is not exactly the expected value (damaged, or written by another
+        layout) is dropped from the read cache and fetched from its node instead, so it never shadows a good copy.
+        """
         results: list = [None] * len(keys)
         if self.read_cache is not None:
             results = self.read_cache.get_many(keys)
+            if expected is not None:
+                for i, value in enumerate(results):
+                    if value is not None and not matches(value, expected, i):
+                        self.read_cache.delete(keys[i])
+                        results[i] = None
         wanted = np.fromiter((r is None for r in results), dtype=bool, count=len(keys))
         if option.read_local_only and not self.is_local:
             return PoolOutcome(results)

@@ -104,21 +104,24 @@ def is_well_formed(value: Buffer) -> bool:
     return checksum([memoryview(value)[HEADER_SIZE:]]) == int(header["checksum"])
 
 
+def matches(value: Optional[Buffer], expected: ExpectedValues, i: int) -> bool:
+    """Whether `value` is present and exactly value i of `expected` (header fields, length and checksum)."""
+    if value is None or len(value) != HEADER_SIZE + int(expected.payload_len[i]):
+        return False
+    header = parse_header(value)
+    return (
+        header is not None
+        and int(header["kind"]) == int(expected.kind)
+        and int(header["layout_sig"]) == expected.layout_sig
+        and int(header["tokens_digest"]) == int(expected.tokens_digest[i])
+        and int(header["payload_len"]) == int(expected.payload_len[i])
+        and checksum([memoryview(value)[HEADER_SIZE:]]) == int(header["checksum"])
+    )
+
+
 def valid_prefix(values: Sequence[Optional[Buffer]], expected: ExpectedValues) -> int:
     """How many values, from the first, are present and exactly what `expected` describes (checksum included)."""
-    n = len(values)
-    for i in range(n):
-        value = values[i]
-        if value is None or len(value) != HEADER_SIZE + int(expected.payload_len[i]):
+    for i, value in enumerate(values):
+        if not matches(value, expected, i):
             return i
-        header = parse_header(value)
-        if (
-            header is None
-            or int(header["kind"]) != int(expected.kind)
-            or int(header["layout_sig"]) != expected.layout_sig
-            or int(header["tokens_digest"]) != int(expected.tokens_digest[i])
-            or int(header["payload_len"]) != int(expected.payload_len[i])
-            or checksum([memoryview(value)[HEADER_SIZE:]]) != int(header["checksum"])
-        ):
-            return i
-    return n
+    return len(values)

@@ -74,11 +74,6 @@ def test_damaged_read_cache_entry_is_a_miss(fault_node_factory):
         cc.close()
 
 
-@pytest.mark.xfail(
-    reason="design question: a read-cache entry that fails verification (damaged, or another writer's newer value "
-    "for the same key) shadows the node's good copy; the load could fall back to the owning node",
-    strict=True,
-)
 def test_unverifiable_read_cache_entry_does_not_shadow_the_node(fault_node_factory):
     node = fault_node_factory()
     cc, pool, cache = _cc(node)
