@@ -100,7 +100,7 @@ class PoolClient:
         owner = owners([route_keys[i] for i in indices], self._seeds)
         per_node = [(self.nodes[n], indices[owner == n]) for n in np.unique(owner)]
         outcome.nodes_contacted = len(per_node)
-        if len(per_node) == 1 and (self.is_local or len(self.nodes) == 1):
+        if self.is_local:  # in-process: nothing can hang, so no thread hop
             node, idx = per_node[0]
             try:
                 for i, value in zip(idx.tolist(), call(node, idx, timeout_s)):
