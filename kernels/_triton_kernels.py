@@ -1,0 +1,94 @@
+"""The Triton kernel source (see triton_backend.py for the design and the launch contract).
+
+Imported only on first use, by `triton_backend._build()`: Triton decides at definition time whether a kernel runs
+in its interpreter (`TRITON_INTERPRET=1`), and importing triton at `import ems` would cost every user. Kept a
+module of its own (not a closure) because Triton's compiler resolves `tl` and the annotations from the kernel's
+module globals (triton-ascend 3.2 fails with "NameError: tl is not defined" otherwise).
+
+Kernels (all offsets in moved units: elements of the signed int type the launch views the buffers as):
+* `rows_kernel` copies pieces (consecutive slots inside one block) of every plane between the paged cache and the
+  token-major staging buffer `[T, P, R]`; one scalar int64 base per (piece, plane, row tile), int32 tile offsets.
+* `segments_kernel` copies raw address ranges, addressed relative to the staging buffer, into/out of it.
+"""
+
+import triton
+import triton.language as tl
+
+# no integer argument is specialised: a value of 1 would become a constexpr (and break `.to`), and every new
+# value class would be a new compile (seconds per save on Ascend)
+@triton.jit(do_not_specialize=["n_pieces", "n_planes", "row_elems", "block_size"])
+def rows_kernel(
+    cache_ptr,  # intW: the lowest-addressed plane; plane p starts plane_table[p] units after it
+    stage_ptr,  # intW [T * P * R]: staging, token-major
+    plane_table_ptr,  # int64 [3, P]: offset from cache_ptr, block stride, slot stride (units)
+    pieces_ptr,  # int64 [3, N]: start slot, row count, first token
+    n_pieces,
+    n_planes,
+    row_elems,  # R, units per row
+    block_size,
+    GATHER: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rr = tl.arange(0, ROWS)
+    cc = tl.arange(0, COLS)
+    token_units = n_planes.to(tl.int64) * row_elems  # staging stride of one token (int64 scalar)
+    token_units32 = token_units.to(tl.int32)  # host checked ROWS * token_units < 2**31
+    for i in range(pid, n_pieces, nprog):
+        start = tl.load(pieces_ptr + i)
+        count = tl.load(pieces_ptr + n_pieces + i).to(tl.int32)
+        first_token = tl.load(pieces_ptr + 2 * n_pieces + i)
+        blk = start // block_size
+        off = start - blk * block_size
+        for p in range(0, n_planes):
+            slot_stride = tl.load(plane_table_ptr + 2 * n_planes + p)
+            cache_row = (
+                tl.load(plane_table_ptr + p)
+                + blk * tl.load(plane_table_ptr + n_planes + p)
+                + off * slot_stride
+            )
+            stage_row = first_token * token_units + p * row_elems
+            slot_stride32 = slot_stride.to(tl.int32)  # host checked ROWS * slot_stride < 2**31
+            for r0 in range(0, count, ROWS):
+                row_ok = (r0 + rr) < count
+                for c0 in range(0, row_elems, COLS):
+                    cols = c0 + cc
+                    mask = row_ok[:, None] & (cols < row_elems)[None, :]
+                    cache_off = rr[:, None] * slot_stride32 + cols[None, :]
+                    stage_off = rr[:, None] * token_units32 + cols[None, :]
+                    if GATHER:
+                        x = tl.load(cache_ptr + cache_row + cache_off, mask=mask)
+                        tl.store(stage_ptr + stage_row + stage_off, x, mask=mask)
+                    else:
+                        x = tl.load(stage_ptr + stage_row + stage_off, mask=mask)
+                        tl.store(cache_ptr + cache_row + cache_off, x, mask=mask)
+                cache_row += ROWS * slot_stride
+                stage_row += ROWS * token_units
+
+@triton.jit(do_not_specialize=["n_chunks"])
+def segments_kernel(
+    stage_ptr,  # intW [total]: staging; segment sources are addressed relative to it
+    chunks_ptr,  # int64 [3, C]: source offset from stage_ptr (units, may be negative), length, staging offset
+    n_chunks,
+    GATHER: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cc = tl.arange(0, TILE)
+    for i in range(pid, n_chunks, nprog):
+        raw = tl.load(chunks_ptr + i)
+        length = tl.load(chunks_ptr + n_chunks + i).to(tl.int32)
+        staged = tl.load(chunks_ptr + 2 * n_chunks + i)
+        for c0 in range(0, length, TILE):
+            cols = c0 + cc
+            mask = cols < length
+            if GATHER:
+                x = tl.load(stage_ptr + raw + cols, mask=mask)
+                tl.store(stage_ptr + staged + cols, x, mask=mask)
+            else:
+                x = tl.load(stage_ptr + staged + cols, mask=mask)
+                tl.store(stage_ptr + raw + cols, x, mask=mask)
+
