@@ -134,8 +134,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    load = ", load average %.1f at start (shared host)" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+            f"({torch.get_num_threads()} threads), python {platform.python_version()}{load}")
 
 
 def format_table(rows: List[Row], paths: List[str]) -> str:
@@ -212,6 +213,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         block_counts = [4, 32]
     rows: List[Row] = []
     t0 = time.perf_counter()
+    host = machine()
     for model in MODELS:
         layers = cpu_layers[model.name] if cpu else model.layers
         for bs in (16, 64, 128):
@@ -259,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     section = (
         f"\n## Kernels: gather paths vs one contiguous copy ({datetime.date.today().isoformat()}, {device})\n\n"
         f"Command: `{' '.join(['python', 'perf/bench_kernels.py'] + (argv if argv is not None else sys.argv[1:]))}`"
-        f" at commit {commit}. Machine: {machine()}. Kernel path: {kernel_desc}. {scaled} "
+        f" at commit {commit}. Machine: {host}. Kernel path: {kernel_desc}. {scaled} "
         f"A save = n whole blocks in random order from a cache of 2n+1 blocks, one allocation per (layer, K/V). "
         f"GB/s = bytes of the save / best time of interleaved rounds. Plot: `perf/{Path(args.plot).name}`.\n\n"
         f"{table}\n\n{goals}\n"
