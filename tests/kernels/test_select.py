@@ -110,3 +110,33 @@ def test_planeset_rejects_mixed_planes() -> None:
     with pytest.raises(ValueError):
         PlaneSet(())
     assert isinstance(get_backend(CPU, KernelBackend.MEMCPY), MemcpyBackend)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", ["cuda"])  # "npu" is unknown to torch without torch_npu
+def test_auto_on_accelerators_is_triton(device: str) -> None:
+    """Building the backend touches no device (kernels and core counts are resolved at first launch)."""
+    backend = get_backend(torch.device(device), KernelBackend.AUTO)
+    assert backend.name == "triton"
+
+
+@needs_triton
+def test_bad_segments_are_refused() -> None:
+    backend = get_backend(CPU, KernelBackend.TRITON)
+    buf = torch.ones(64, dtype=torch.uint8)
+    out = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        backend.gather_segments(torch.tensor([0]), torch.tensor([8]), out)  # null address
+    with pytest.raises(ValueError):
+        backend.gather_segments(torch.tensor([buf.data_ptr()]), torch.tensor([4]), out)  # lengths != out size
+    with pytest.raises(ValueError):
+        backend.gather_segments(torch.tensor([buf.data_ptr()]), torch.tensor([8]), out.view(2, 4))  # not 1-D
+
+
+@needs_triton
+def test_mismatched_planes_are_refused() -> None:
+    backend = get_backend(CPU, KernelBackend.TRITON)
+    a = torch.ones(2, 4, 1, 8, dtype=torch.float16)
+    b = torch.ones(3, 4, 1, 8, dtype=torch.float16)
+    with pytest.raises(ValueError):
+        backend.gather_slots(PlaneSet((a, b)), torch.tensor([0]), torch.empty(1, 2, 8, dtype=torch.float16))
