@@ -189,3 +189,19 @@ if given is not None:
         for backend in (TritonBackend(torch.device("cpu")), TorchBackend(), MemcpyBackend()):
             _gather_check(backend, planes, slots)
             _scatter_check(backend, bases, planes, distinct, gen)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_per_plane_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend's per-plane path (used off CPU, or when planes are too far apart for one span view)."""
+    import ems.kernels.torch_backend as tbk
+
+    monkeypatch.setattr(tbk, "_MAX_SPAN", 0)
+    monkeypatch.setattr(tbk, "_span_cache", {})
+    gen = torch.Generator().manual_seed(17)
+    bases, planes = make_layout(layout, layers=2, blocks=4, block_size=4, heads=3, head_size=5,
+                                dtype=torch.bfloat16, gen=gen)
+    backend = tbk.TorchBackend()
+    _gather_check(backend, planes, [3, 4, 5, 15, 0, 0, 9])
+    _scatter_check(backend, bases, planes, [1, 2, 14, 7], gen)
+    assert backend.ops_issued == 3 * planes.num_planes  # two gathers and one scatter, one op per plane each
