@@ -111,7 +111,7 @@ class ContextCaching:
             layout.num_layers,
             len(layout.groups),
             layout.device,
-            backend.name,
+            backend.describe(),
         )
 
     @property
@@ -121,7 +121,7 @@ class ContextCaching:
     @property
     def kernel_backend(self) -> str:
         """The copy backend serving the registered cache's device (or the V0 device)."""
-        return self._backend_for(self._layout.device if self._layout else self._raw_device_now()).name
+        return self._backend_for(self._layout.device if self._layout else self._raw_device_now()).describe()
 
     # ---------------------------------------------------------------- helpers
 
