@@ -139,6 +139,31 @@ def test_store_get_survives_eviction():
     assert got == v
 
 
+def test_store_reuses_evicted_buffers_at_capacity():
+    values = [value(bytes([i]) * 4000, sig=i) for i in range(40)]
+    store = KvStore(4 * charge(b"k00", values[0]))
+    for i, v in enumerate(values):
+        assert store.put(b"k%02d" % i, [v])
+    stats = store.stats()
+    assert stats.entries == 4 and stats.evictions == 36
+    assert stats.reused_buffers >= 35  # a full pool writes into what it evicted, not into fresh memory
+    assert stats.used_bytes + stats.spare_bytes <= stats.capacity_bytes
+    assert [bytes(store.get(b"k%02d" % i)) for i in range(36, 40)] == values[36:]
+
+
+def test_store_never_reuses_a_buffer_a_reader_holds():
+    values = [value(bytes([i]) * 4000, sig=i) for i in range(30)]
+    store = KvStore(2 * charge(b"k00", values[0]))
+    assert store.put(b"k00", [values[0]])
+    held = store.get(b"k00")
+    for i in range(1, 30):  # k00 is evicted, then same-size puts look for spare buffers
+        assert store.put(b"k%02d" % i, [values[i]])
+    assert store.get(b"k00") is None
+    assert bytes(held) == values[0]
+    with pytest.raises(TypeError):
+        held[0] = 0  # readers get read-only views
+
+
 def test_store_thread_safety():
     store = KvStore(50_000)
     values = [value(bytes([i]) * random.Random(i).randint(1, 900)) for i in range(64)]
