@@ -216,13 +216,15 @@ def run(args: argparse.Namespace) -> int:
         ("load GB/s (verification loads)", f"{load_gbps:.2f}"),
         ("plain copy GB/s, same bytes (limit)", f"{copy_gbps:.2f}"),
         ("save / load vs plain copy", f"{save_gbps / copy_gbps:.2f} / {load_gbps / copy_gbps:.2f}"),
-        ("blocks verified byte-exact", f"{verified}/{total_blocks}"),
+        ("blocks loaded after the wipe", f"{loaded}/{total_blocks} (the rest was evicted: a miss, never wrong)"
+         if loaded < total_blocks else f"{loaded}/{total_blocks}"),
+        ("loaded blocks verified byte-exact", f"{verified}/{loaded}"),
     ]
     width = max(len(k) for k, _ in rows)
     print("EMS demo (embedded pool)")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    ok = verified == total_blocks == loaded
+    ok = verified == loaded > 0
     print("RESULT: OK, every loaded byte verified" if ok else "RESULT: FAILED verification")
     return 0 if ok else 1
 
