@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import enum
 import socket
@@ -27,6 +28,7 @@ from ems.errors import EmsErrorCode
 from ems.transport import protocol as P
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.ucx_config import init_ucx
+from ems.transport.ucx_endpoint import create_endpoint
 from ems.value_format import Buffer
 
 RECONNECT_BACKOFF_S = 0.5
@@ -44,22 +46,52 @@ class UcxRuntime:
         ready = threading.Event()
         failure: list[BaseException] = []
 
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
+        def start() -> None:
+            # ucxx binds its notifier thread to the *running* loop, so it must be initialised from inside it
             try:
                 init_ucx()
             except BaseException as error:  # reported to the creating thread
                 failure.append(error)
+                self.loop.stop()
+            finally:
                 ready.set()
-                return
-            ready.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(start)
             self.loop.run_forever()
 
+        self.live: set = set()  # endpoints in use, aborted at exit
         self.thread = threading.Thread(target=run, name="ems-ucx", daemon=True)
         self.thread.start()
         ready.wait()
         if failure:
             raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"UCX failed to start: {failure[0]!r}")
+        # ucxx's notifier thread is not a daemon: stop it before the interpreter joins threads at exit, or the
+        # process never exits (threading's own exit hook runs before `atexit`)
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Abort every endpoint and stop the loop thread, before the interpreter tears objects down (UCX callbacks
+        into half-destroyed Python objects crash the process)."""
+        if not self.thread.is_alive():
+            return
+
+        def stop() -> None:
+            for ep in list(self.live):
+                _abort(ep)
+            self.live.clear()
+            try:
+                import ucxx
+
+                ucxx.stop_notifier_thread()
+            except Exception:  # nothing to stop
+                pass
+            self.loop.stop()
+
+        self.loop.call_soon_threadsafe(stop)
+        self.thread.join(5.0)
 
     @classmethod
     def get(cls) -> "UcxRuntime":
@@ -84,6 +116,15 @@ def resolve(address: str) -> tuple[str, int]:
         return socket.gethostbyname(host.strip("[]")), int(port)
     except OSError as error:
         raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{address}: cannot resolve {host!r}: {error}") from None
+
+
+class _Call:
+    """One request's shared state between the calling thread and the UCX loop."""
+
+    __slots__ = ("abandoned",)
+
+    def __init__(self) -> None:
+        self.abandoned = False
 
 
 class Failure(enum.Enum):
@@ -172,13 +213,16 @@ class UcxNode(NodeClient):
                     self._last_error.status_code(),
                     f"{self._last_error.message()} (next reconnect attempt in {self._retry_at - now:.2f} s)",
                 )
-            future = self._runtime.submit(self._run(request))
+            call = _Call()
+            future = self._runtime.submit(self._run(request, call))
             try:
                 result = future.result(timeout=max(0.0, deadline - time.monotonic()))
                 self.last_failure = Failure.NONE
                 return result
             except concurrent.futures.TimeoutError:
-                future.cancel()
+                # Never cancel a request UCX still works on: its buffers must outlive it. Mark the call abandoned
+                # and abort the endpoint (in `_fail`); UCX then fails the request, which ends on its own.
+                call.abandoned = True
                 raise self._fail(EmsErrorCode.EMS_IO_TIMEOUT, f"no answer within {timeout_s:.3f} s") from None
             except _Refused as error:
                 raise self._fail(EmsErrorCode.EMS_IO_ERROR, str(error), Failure.REFUSED) from None
@@ -193,18 +237,18 @@ class UcxNode(NodeClient):
         finally:
             self._lock.release()
 
-    async def _run(self, request: Callable[[Any], Awaitable[Any]]) -> Any:
-        """On the UCX loop: connect if needed, then run the request on the endpoint."""
+    async def _run(self, request: Callable[[Any], Awaitable[Any]], call: "_Call") -> Any:
+        """On the UCX loop: connect if needed, then run the request on the endpoint (unless its caller gave up)."""
         if self._ep is None:
-            self._ep = await asyncio.wait_for(self._open(), self._connect_timeout_s)
+            # create_endpoint bounds the connection exchange itself; the outer bound is a safety net only
+            self._ep = await asyncio.wait_for(self._open(), self._connect_timeout_s + 1.0)
+        if call.abandoned:
+            return None
+        self._runtime.live.add(self._ep)
         return await request(self._ep)
 
     async def _open(self) -> Any:
-        import ucxx
-
-        ep = await ucxx.create_endpoint(
-            self._ip, self._port, endpoint_error_handling=True, connect_timeout=self._connect_timeout_s
-        )
+        ep = await create_endpoint(self._ip, self._port, self._connect_timeout_s)
         try:
             access_id = self._access_id.encode("ascii")
             await _send_all(ep, [P.pack_header(P.Op.HELLO, meta_len=len(access_id)), access_id])
@@ -244,6 +288,7 @@ class UcxNode(NodeClient):
     def _drop_on_loop(self) -> None:
         ep, self._ep = self._ep, None
         if ep is not None:
+            self._runtime.live.discard(ep)
             _abort(ep)
 
 

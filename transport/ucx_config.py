@@ -28,7 +28,10 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_TCP_TX_SEG_SIZE": "1m",
     "UCX_TCP_RX_SEG_SIZE": "1m",
 }
-PROGRESS_MODE = os.environ.get("EMS_UCX_PROGRESS_MODE", "blocking")
+PROGRESS_MODE = os.environ.get("EMS_UCX_PROGRESS_MODE", "thread")
+# Python futures completed by ucxx's notifier thread: without them every pending request is awaited by polling
+# with asyncio.sleep(0), i.e. a core at 100% whenever a receive is posted (a pool node always has one).
+PYTHON_FUTURE = os.environ.get("EMS_UCX_PYTHON_FUTURE", "1") != "0"
 
 _lock = threading.Lock()
 _initialised = False
@@ -53,5 +56,7 @@ def init_ucx() -> None:
         apply_env_defaults()
         import ucxx
 
-        ucxx.init(progress_mode=PROGRESS_MODE)
+        ucxx.init(
+            progress_mode=PROGRESS_MODE, enable_python_future=PYTHON_FUTURE and PROGRESS_MODE.startswith("thread")
+        )
         _initialised = True

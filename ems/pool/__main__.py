@@ -80,6 +80,12 @@ async def _run(host: str, port: int, capacity: int, keys: dict[str, str]) -> Non
         await stop.wait()
     finally:
         await server.stop()
+        try:
+            import ucxx
+
+            ucxx.stop_notifier_thread()
+        except Exception:  # nothing to stop
+            pass
         logging.getLogger("ems.pool").info("stopped")
 
 
@@ -107,7 +113,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(error))
     host, port = args.listen
     asyncio.run(_run(host, port, capacity, keys))
-    return 0
+    # Listener and connections are closed; UCX's own threads would keep the interpreter from exiting.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import selectors
 import signal
@@ -47,6 +48,7 @@ class PoolProcess:
             stderr=self.log,
             env=env,
             text=True,
+            preexec_fn=_die_with_parent,
         )
         line = read_line(self.proc, START_TIMEOUT_S)
         if not line.startswith(READY_PREFIX):
@@ -75,9 +77,17 @@ class PoolProcess:
         return self.proc.wait(timeout_s)
 
     def restart(self) -> None:
-        """Kill and start again on the same port."""
+        """Kill and start again on the same port (retrying while the old socket still holds it)."""
         self.kill()
-        self.start()
+        deadline = time.monotonic() + 15.0
+        while True:
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def cleanup(self) -> None:
         self.kill()
@@ -85,6 +95,11 @@ class PoolProcess:
             self.proc.stdout.close()
         self.log.close()
         os.unlink(self.log.name)
+
+
+def _die_with_parent() -> None:
+    """Child side: SIGKILL when the test process dies, so a crashed test never leaves a node running."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def read_line(proc: subprocess.Popen, timeout_s: float) -> str:

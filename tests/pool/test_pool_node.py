@@ -1,0 +1,253 @@
+"""Pool-node processes: command line, eviction, three nodes with routing, failures (kill, SIGSTOP, restart),
+authentication and tenant isolation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ems.errors import EmsErrorCode
+from ems.pool.__main__ import parse_keys
+from ems.pool_client import PoolClient
+from ems.transport.base import TransportError
+from ems.transport.remote import connect
+from ems.types import CcKvOption
+from pool_testlib import KEY_A, KEY_B, READY_PREFIX, PoolProcess, joined, make_values, read_line, wait_until
+
+pytestmark = pytest.mark.slow
+MARGIN_S = 0.5
+
+
+# ---- command line ----
+
+
+def test_ready_line_and_clean_sigterm(pool_nodes, node_clients):
+    node = pool_nodes()
+    assert node.port > 0
+    assert node_clients(node.address).ping(2.0)
+    assert node.terminate() == 0
+    assert "Traceback" not in node.log_text()
+
+
+def test_sigint_stops_cleanly(pool_nodes):
+    node = pool_nodes()
+    node.proc.send_signal(signal.SIGINT)
+    assert node.proc.wait(10) == 0
+
+
+@pytest.mark.parametrize(
+    "args", [["--capacity", "lots"], ["--listen", "nohost"], ["--capacity", "0"], ["--keys-file", "/nonexistent"]]
+)
+def test_bad_options_exit_2(args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2 and READY_PREFIX not in proc.stdout, (proc.stdout, proc.stderr)
+
+
+def test_keys_file_and_env(tmp_path, monkeypatch):
+    path = tmp_path / "keys"
+    path.write_text(f"# tenants\nalpha:{KEY_A}\n\nbeta:{KEY_B}\n")
+    assert parse_keys(path.read_text().splitlines(), "f") == {"alpha": KEY_A, "beta": KEY_B}
+    with pytest.raises(ValueError, match="entry 1"):
+        parse_keys(["alpha:short"], "f")
+    with pytest.raises(ValueError):
+        parse_keys(["Upper:" + KEY_A], "f")
+
+
+def test_keys_file_node_authenticates(tmp_path, node_clients):
+    path = tmp_path / "keys"
+    path.write_text(f"alpha:{KEY_A}\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ems.pool", "--listen", "127.0.0.1:0", "--keys-file", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        line = read_line(proc, 30)
+        assert line.startswith(READY_PREFIX)
+        address = line.split()[-1]
+        assert node_clients(address, access_id="alpha", access_key=KEY_A).ping(2.0)
+        assert not node_clients(address).ping(2.0)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+# ---- storage ----
+
+
+def test_eviction_under_pressure(pool_nodes, node_clients):
+    node = node_clients(pool_nodes(capacity="8MiB").address)
+    values = make_values(24, 512 * 1024)
+    keys = [f"e{i}".encode() for i in range(24)]
+    for i in range(0, 24, 4):  # 12 MiB into 8 MiB, in batches
+        assert all(node.put(keys[i : i + 4], values[i : i + 4], 5.0))
+    held = node.exists(keys, 5.0)
+    assert not held[0] and all(held[-8:])  # the oldest went, the newest stay
+    assert 10 <= sum(held) < 16
+    got = node.get(keys[-4:], 5.0)
+    assert [bytes(g) for g in got] == [joined(v) for v in values[-4:]]
+    # a value larger than the whole node is refused, not an out-of-memory
+    assert node.put([b"huge"], make_values(1, 9 << 20), 10.0) == [False]
+
+
+# ---- three nodes ----
+
+
+def _three(pool_nodes, **kw):
+    nodes = [pool_nodes() for _ in range(3)]
+    clients = [connect(n.address, connect_timeout_ms=2000) for n in nodes]
+    return nodes, PoolClient(clients)
+
+
+def test_three_nodes_route_and_round_trip(pool_nodes):
+    nodes, pool = _three(pool_nodes)
+    try:
+        n = 60
+        keys = [f"r{i}".encode() for i in range(n)]
+        values = make_values(n, 20_000)
+        option = CcKvOption(timeout=5000)
+        out = pool.put(keys, keys, values, option)
+        assert all(out.results) and not out.errors and out.nodes_contacted == 3
+        got = pool.get(keys, keys, option)
+        assert [bytes(v) for v in got.results] == [joined(v) for v in values]
+        # each key is on exactly its owner
+        from ems.transport.routing import node_seeds, owners
+
+        owner = owners(keys, node_seeds([c.address for c in pool.nodes]))
+        for i, client in enumerate(pool.nodes):
+            held = np.array(client.exists(keys, 5.0))
+            assert (held == (owner == i)).all()
+    finally:
+        pool.close()
+
+
+def test_node_killed_mid_run_fails_only_its_keys(pool_nodes):
+    nodes, pool = _three(pool_nodes)
+    try:
+        keys = [f"k{i}".encode() for i in range(60)]
+        values = make_values(60, 10_000)
+        option = CcKvOption(timeout=3000)
+        assert all(pool.put(keys, keys, values, option).results)
+        nodes[1].kill()
+        t0 = time.monotonic()
+        got = pool.get(keys, keys, option)
+        assert time.monotonic() - t0 < 3.0 + MARGIN_S
+        from ems.transport.routing import node_seeds, owners
+
+        owner = owners(keys, node_seeds([n.address for n in nodes]))
+        for i in range(60):
+            if owner[i] == 1:
+                assert got.results[i] is None
+            else:
+                assert bytes(got.results[i]) == joined(values[i])
+        assert len(got.errors) == 1 and nodes[1].address in got.errors[0].message()
+        assert got.errors[0].status_code() == EmsErrorCode.EMS_IO_ERROR
+        # saves keep working on the survivors
+        assert sum(pool.put(keys, keys, values, option).results) == int((owner != 1).sum())
+    finally:
+        pool.close()
+
+
+def test_sigstopped_node_costs_only_the_timeout(pool_nodes):
+    nodes, pool = _three(pool_nodes)
+    try:
+        keys = [f"s{i}".encode() for i in range(30)]
+        values = make_values(30, 10_000)
+        assert all(pool.put(keys, keys, values, CcKvOption(timeout=3000)).results)
+        nodes[2].pause()
+        for timeout_ms in (300, 800):
+            option = CcKvOption(timeout=timeout_ms)
+            for call in (
+                lambda: pool.get(keys, keys, option),
+                lambda: pool.exists(keys, keys, option),
+                lambda: pool.put(keys, keys, values, option),
+            ):
+                t0 = time.monotonic()
+                out = call()
+                elapsed = time.monotonic() - t0
+                assert elapsed < timeout_ms / 1000 + MARGIN_S, elapsed
+                assert len(out.errors) == 1
+                assert sum(bool(r) for r in out.results) > 0  # the other nodes answered
+            time.sleep(0.6)  # past the reconnect back-off, so the next round really waits on the hung node
+        # the client thread is not stuck: one direct call also returns within its timeout
+        direct = pool.nodes[2]
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as info:
+            direct.get(keys, 0.4)
+        assert time.monotonic() - t0 < 0.4 + MARGIN_S
+        assert info.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
+        nodes[2].resume()
+        assert wait_until(lambda: direct.ping(1.0), 10.0)
+    finally:
+        pool.close()
+
+
+def test_restarted_node_client_reconnects(pool_nodes, node_clients):
+    node = pool_nodes()
+    client = node_clients(node.address)
+    values = make_values(2, 5000)
+    assert all(client.put([b"a", b"b"], values, 5.0))
+    node.restart()  # same port, empty store
+    with pytest.raises(TransportError):
+        client.get([b"a"], 2.0)  # the old connection is gone
+    assert wait_until(lambda: client.ping(1.0), 10.0)
+    assert client.get([b"a"], 2.0) == [None]  # a restarted node is empty: a miss, never a wrong block
+    assert all(client.put([b"a"], values[:1], 5.0))
+
+
+def test_backoff_does_not_hammer(pool_nodes, node_clients):
+    node = pool_nodes()
+    client = node_clients(node.address)
+    assert client.ping(2.0)
+    node.kill()
+    with pytest.raises(TransportError):
+        client.get([b"x"], 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="next reconnect attempt"):
+        client.get([b"x"], 1.0)
+    assert time.monotonic() - t0 < 0.1
+
+
+# ---- access ----
+
+
+def test_wrong_or_missing_key_is_refused(pool_nodes, node_clients):
+    node = pool_nodes(keys={"alpha": KEY_A})
+    for kwargs in ({}, {"access_id": "alpha", "access_key": KEY_B}, {"access_id": "other", "access_key": KEY_A}):
+        with pytest.raises(TransportError) as info:
+            connect(node.address, connect_timeout_ms=2000, **kwargs)
+        assert info.value.status_code() == EmsErrorCode.EMS_IO_ERROR
+        assert "authentication failed" in info.value.message()
+    good = connect(node.address, access_id="alpha", access_key=KEY_A, connect_timeout_ms=2000)
+    try:
+        assert good.ping(1.0)
+    finally:
+        good.close()
+    assert KEY_A not in node.log_text()
+
+
+def test_tenants_are_isolated(pool_nodes, node_clients):
+    node = pool_nodes(keys={"alpha": KEY_A, "beta": KEY_B})
+    a = node_clients(node.address, access_id="alpha", access_key=KEY_A)
+    b = node_clients(node.address, access_id="beta", access_key=KEY_B)
+    va, vb = make_values(1, 3000, seed=1), make_values(1, 3000, seed=2)
+    assert a.put([b"same-key"], va, 5.0) == [True]
+    assert b.exists([b"same-key"], 5.0) == [False]
+    assert b.get([b"same-key"], 5.0) == [None]
+    assert b.put([b"same-key"], vb, 5.0) == [True]  # b's own key, not an overwrite of a's
+    assert bytes(a.get([b"same-key"], 5.0)[0]) == joined(va[0])
+    assert bytes(b.get([b"same-key"], 5.0)[0]) == joined(vb[0])
+
+
+def test_anonymous_node_accepts_anyone(shared_node, node_clients):
+    assert node_clients(shared_node.address).ping(2.0)
+    assert node_clients(shared_node.address, access_id="alpha", access_key=KEY_A).ping(2.0)

@@ -1,0 +1,81 @@
+"""`create_endpoint`: ucxx's client connect, made safe to time out.
+
+Contract: `await create_endpoint(ip, port, timeout_s)` returns a `ucxx` Endpoint (error handling on) or raises
+(`TimeoutError` when the peer does not finish the exchange in time). Unlike `ucxx.create_endpoint` (0.52), a timeout
+never frees a buffer that UCX may still write: ucxx's peer-info exchange wraps a posted stream receive in
+`asyncio.wait_for` and drops its buffer on timeout, so a node that was merely paused (SIGSTOP) later answers into
+freed memory and corrupts the client's heap. Here the UCX endpoint is closed first (which cancels the receive) and
+the exchange buffers are kept in `_GRAVEYARD` until UCX reports their requests finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from typing import Any
+
+_FMT = "QQ"
+_GRAVEYARD: list[tuple[Any, ...]] = []  # (ucx endpoint, request, buffers...) of abandoned connects
+_GRAVEYARD_LIMIT = 4096
+
+
+def _bury(*objects: Any) -> None:
+    """Keep `objects` alive while UCX may still use them; forget the oldest entries whose requests completed."""
+    _GRAVEYARD.append(objects)
+    if len(_GRAVEYARD) > _GRAVEYARD_LIMIT // 2:
+        _GRAVEYARD[:] = [g for g in _GRAVEYARD if not _request_done(g[1])]
+    if len(_GRAVEYARD) > _GRAVEYARD_LIMIT:
+        del _GRAVEYARD[: len(_GRAVEYARD) - _GRAVEYARD_LIMIT]  # never grows without bound, even if UCX never answers
+
+
+def _waiter(request: Any) -> "asyncio.Future[Any]":
+    """A task waiting on `request` whose late failure (after we gave up on it) is consumed, not logged."""
+    task = asyncio.ensure_future(request.wait())
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
+def _request_done(request: Any) -> bool:
+    try:
+        return bool(request.completed)
+    except Exception:  # older ucxx: assume it may still be in use
+        return False
+
+
+async def create_endpoint(ip: str, port: int, timeout_s: float) -> Any:
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.endpoint import Endpoint
+    from ucxx._lib_async.utils import hash64bits
+    from ucxx.core import _get_ctx
+
+    ctx = _get_ctx()
+    ctx.continuous_ucx_progress()
+    ucx_ep = ucx_api.UCXEndpoint.create(ctx.worker, ip, port, True)
+    if not ctx.progress_mode.startswith("thread"):
+        ctx.worker.progress()
+    msg_tag = hash64bits("msg_tag", os.urandom(16), ucx_ep.handle)
+    my_info = struct.pack(_FMT, msg_tag, hash64bits(msg_tag))
+    peer_info = bytearray(len(my_info))
+    my_arr, peer_arr = Array(my_info), Array(peer_info)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    request = None
+    try:
+        request = ucx_ep.stream_recv(peer_arr)
+        await asyncio.wait_for(asyncio.shield(_waiter(request)), max(0.0, deadline - loop.time()))
+        request = ucx_ep.stream_send(my_arr)
+        await asyncio.wait_for(asyncio.shield(_waiter(request)), max(0.0, deadline - loop.time()))
+    except BaseException:
+        try:
+            ucx_ep.close_blocking(period=10**8, max_attempts=1)
+        except Exception:  # already failed: nothing more to release
+            pass
+        _bury(ucx_ep, request, my_info, peer_info, my_arr, peer_arr)
+        raise
+    peer_tag, checksum = struct.unpack(_FMT, peer_info)
+    if hash64bits(peer_tag) != checksum:
+        ucx_ep.close_blocking(period=10**8, max_attempts=1)
+        raise ConnectionError("UCX peer-info checksum mismatch")
+    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
