@@ -27,6 +27,8 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_TCP_TX_SEG_SIZE": "1m",
     "UCX_TCP_RX_SEG_SIZE": "1m",
+    # a restarted node must get its port back at once, not after the old connections' TIME_WAIT
+    "UCX_TCP_CM_REUSEADDR": "y",
 }
 PROGRESS_MODE = os.environ.get("EMS_UCX_PROGRESS_MODE", "thread")
 # Python futures completed by ucxx's notifier thread: without them every pending request is awaited by polling
