@@ -29,6 +29,8 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_TCP_RX_SEG_SIZE": "1m",
     # a restarted node must get its port back at once, not after the old connections' TIME_WAIT
     "UCX_TCP_CM_REUSEADDR": "y",
+    # ucxx warns on stdout whenever a large batch drains its pool of pre-made futures (harmless, refilled at once)
+    "UCXX_LOG_LEVEL": "ERROR",
 }
 PROGRESS_MODE = os.environ.get("EMS_UCX_PROGRESS_MODE", "thread")
 # Python futures completed by ucxx's notifier thread: without them every pending request is awaited by polling
