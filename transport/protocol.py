@@ -27,12 +27,12 @@ Contract:
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
 VERSION = 1
@@ -59,8 +59,6 @@ MAX_VALUE_BYTES = 1 << 30  # one value
 MAX_DATA_BYTES = 4 << 30  # all data frames of one request or reply
 MAX_CHUNKS = 4 * MAX_KEYS  # data frames of one PUT
 MAX_ID_BYTES = 512  # access_id
-NONCE_BYTES = 32
-MAC_BYTES = 32
 
 SEGMENT_BYTES = 1 << 20  # values this large travel alone; smaller ones are packed up to about this size
 
@@ -149,16 +147,7 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
     return header
 
 
-# ---- authentication ----
-
-
-def auth_mac(access_key: str, nonce: bytes, access_id: str) -> bytes:
-    """HMAC-SHA256 proving knowledge of `access_key` for this nonce and tenant (the key never travels)."""
-    return hmac.new(access_key.encode(), b"ems-auth-v1\0" + nonce + access_id.encode(), hashlib.sha256).digest()
-
-
-def check_mac(access_key: str, nonce: bytes, access_id: str, mac: bytes) -> bool:
-    return hmac.compare_digest(auth_mac(access_key, nonce, access_id), mac)
+# ---- authentication (transport/auth.py) ----
 
 
 def check_access_id(raw: bytes) -> str:
