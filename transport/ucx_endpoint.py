@@ -6,6 +6,10 @@ never frees a buffer that UCX may still write: ucxx's peer-info exchange wraps a
 `asyncio.wait_for` and drops its buffer on timeout, so a node that was merely paused (SIGSTOP) later answers into
 freed memory and corrupts the client's heap. Here the UCX endpoint is closed first (which cancels the receive) and
 the exchange buffers are kept in `_GRAVEYARD` until UCX reports their requests finished.
+
+`install_safe_listener_exchange()` applies the same fix to the listening side (a pool node), whose ucxx listener
+handler uses the same exchange: a client paused mid-connect would otherwise make the node's heap corrupt later. It
+replaces `ucxx._lib_async.listener.exchange_peer_info` (the name that module calls) with `exchange_peer_info` below.
 """
 
 from __future__ import annotations
@@ -43,9 +47,44 @@ def _request_done(request: Any) -> bool:
         return False
 
 
+async def exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool, connect_timeout: float = 5.0) -> dict:
+    """ucxx's peer-info exchange (same signature and result), closing the endpoint and keeping the buffers alive
+    when it fails or times out, so UCX never writes into freed memory."""
+    from ucxx._lib.arr import Array
+    from ucxx._lib_async.utils import hash64bits
+
+    my_info = struct.pack(_FMT, msg_tag, hash64bits(msg_tag))
+    peer_info = bytearray(len(my_info))
+    my_arr, peer_arr = Array(my_info), Array(peer_info)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + connect_timeout
+    request = None
+    steps = ("send", "recv") if listener else ("recv", "send")
+    try:
+        for step in steps:
+            request = endpoint.stream_send(my_arr) if step == "send" else endpoint.stream_recv(peer_arr)
+            await asyncio.wait_for(asyncio.shield(_waiter(request)), max(0.0, deadline - loop.time()))
+    except BaseException:
+        try:
+            endpoint.close_blocking(period=10**8, max_attempts=1)
+        except Exception:  # already failed: nothing more to release
+            pass
+        _bury(endpoint, request, my_info, peer_info, my_arr, peer_arr)
+        raise
+    peer_tag, checksum = struct.unpack(_FMT, peer_info)
+    if hash64bits(peer_tag) != checksum:
+        raise RuntimeError("UCX peer-info checksum mismatch")
+    return {"msg_tag": peer_tag, "checksum": checksum}
+
+
+def install_safe_listener_exchange() -> None:
+    import ucxx._lib_async.listener as listener_module
+
+    listener_module.exchange_peer_info = exchange_peer_info
+
+
 async def create_endpoint(ip: str, port: int, timeout_s: float) -> Any:
     import ucxx._lib.libucxx as ucx_api
-    from ucxx._lib.arr import Array
     from ucxx._lib_async.endpoint import Endpoint
     from ucxx._lib_async.utils import hash64bits
     from ucxx.core import _get_ctx
@@ -56,26 +95,9 @@ async def create_endpoint(ip: str, port: int, timeout_s: float) -> Any:
     if not ctx.progress_mode.startswith("thread"):
         ctx.worker.progress()
     msg_tag = hash64bits("msg_tag", os.urandom(16), ucx_ep.handle)
-    my_info = struct.pack(_FMT, msg_tag, hash64bits(msg_tag))
-    peer_info = bytearray(len(my_info))
-    my_arr, peer_arr = Array(my_info), Array(peer_info)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    request = None
     try:
-        request = ucx_ep.stream_recv(peer_arr)
-        await asyncio.wait_for(asyncio.shield(_waiter(request)), max(0.0, deadline - loop.time()))
-        request = ucx_ep.stream_send(my_arr)
-        await asyncio.wait_for(asyncio.shield(_waiter(request)), max(0.0, deadline - loop.time()))
-    except BaseException:
-        try:
-            ucx_ep.close_blocking(period=10**8, max_attempts=1)
-        except Exception:  # already failed: nothing more to release
-            pass
-        _bury(ucx_ep, request, my_info, peer_info, my_arr, peer_arr)
-        raise
-    peer_tag, checksum = struct.unpack(_FMT, peer_info)
-    if hash64bits(peer_tag) != checksum:
+        peer = await exchange_peer_info(ucx_ep, msg_tag, listener=False, connect_timeout=timeout_s)
+    except RuntimeError:
         ucx_ep.close_blocking(period=10**8, max_attempts=1)
-        raise ConnectionError("UCX peer-info checksum mismatch")
-    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer_tag, "msg_recv": msg_tag})
+        raise ConnectionError("UCX peer-info checksum mismatch") from None
+    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer["msg_tag"], "msg_recv": msg_tag})

@@ -26,6 +26,7 @@ import numpy as np
 from ems.store import KvStore
 from ems.transport import protocol as P
 from ems.transport.ucx_config import init_ucx
+from ems.transport.ucx_endpoint import install_safe_listener_exchange
 
 log = logging.getLogger("ems.pool")
 
@@ -62,6 +63,7 @@ class PoolServer:
         import ucxx
 
         init_ucx()
+        install_safe_listener_exchange()  # a client paused mid-connect must not corrupt this node's heap
         self._listener = ucxx.create_listener(self._serve, port=port, endpoint_error_handling=True)
         self.port = int(self._listener.port)
         return self.port
