@@ -6,9 +6,10 @@ must run inside the event loop thread that will drive UCX (the progress mode hoo
 module before anything imports `ucxx`: UCX reads its global options when the library loads.
 
 Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes"):
-* progress mode "blocking": the event loop sleeps on the UCX worker's file descriptor. It moved 1 MiB messages as
-  fast as busy "polling" (which burns a core per process even when idle) and 2-4x faster than the default
-  progress thread.
+* progress mode "thread" with Python futures: a UCX progress thread drives the worker and ucxx's notifier thread
+  completes asyncio futures, so a waiting coroutine sleeps. The "polling" and "blocking" modes measured a little
+  faster (1.6-1.7 vs 1.4 GB/s, 1 MiB messages) but ucxx 0.52 awaits every request there by polling with
+  asyncio.sleep(0): any process with a posted receive (a pool node always has one) burns a whole core.
 * UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE = 1m: the 8 KiB default splits every large message into many small
   TCP sends; 1 MiB segments doubled loopback throughput.
 * endpoint error handling stays ON: it lets UCX report a dead peer (peer failure / keepalive) instead of hanging or

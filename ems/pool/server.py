@@ -1,7 +1,7 @@
 """The pool-node server: a `KvStore` served over UCX (`ems.transport.protocol`, version 1).
 
 Contract:
-* One asyncio event loop drives UCX (blocking progress mode, see `transport.ucx_config`) and every connection;
+* One asyncio event loop serves every connection (UCX progress settings: `transport.ucx_config`);
   each connection is served by one coroutine, requests in order, so many clients are served at once. Checksumming
   and storing large PUTs runs in worker threads so one big request does not stall the others.
 * Handshake first (`protocol` docstring). With access keys configured, a client must prove one (HMAC over a
