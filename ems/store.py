@@ -112,6 +112,16 @@ class KvStore:
 
     # ---- writes ----
 
+    def allocate(self, nbytes: int) -> bytearray:
+        """A writable buffer of `nbytes` for `put_owned`: a recycled spare of that size when there is one."""
+        with self._lock:
+            spares = self._spare.get(nbytes)
+            if spares:
+                self._spare_bytes -= nbytes
+                self._stats.reused_buffers += 1
+                return spares.pop()
+        return bytearray(nbytes)
+
     def put(self, key: bytes, parts: Sequence[Buffer]) -> bool:
         """Store the concatenation of `parts` under `key` (replacing any old value); False if refused."""
         views = [memoryview(p).cast("B") for p in parts]

@@ -159,7 +159,8 @@ class PoolServer:
     async def _put(self, ep, header: P.Header, prefix: bytes) -> None:
         meta = await _recv_meta(ep, header.meta_len)
         request = P.decode_put_meta(header.count, header.data_len, meta)
-        segments = [np.empty(int(size), dtype=np.uint8) for size in request.segment_sizes.tolist()]
+        # receive into buffers recycled from evicted values where the store has them (no first-touch page faults)
+        segments = [self.store.allocate(int(size)) for size in request.segment_sizes.tolist()]
         views = [memoryview(s) for s in segments]
         ends = (request.chunk_offsets + request.chunk_lens).tolist()
         await asyncio.gather(
@@ -169,7 +170,8 @@ class PoolServer:
             )
         )
         keys = _namespaced(prefix, request.keys)
-        values = _split_values(views, request.plan, request.value_offsets, request.value_lens, request.segment_sizes)
+        values = _split_values(segments, request.plan, request.value_offsets, request.value_lens, request.segment_sizes)
+        del views
         if header.data_len > OFFLOAD_BYTES:
             stored = await asyncio.get_running_loop().run_in_executor(self._executor, self._store_all, keys, values)
         else:
@@ -218,17 +220,17 @@ def _namespaced(prefix: bytes, keys: Sequence[bytes]) -> list[bytes]:
 
 
 def _split_values(
-    views: list[memoryview], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray
-) -> list[memoryview]:
-    """Each value of a PUT: a value alone in its segment keeps the receive buffer; packed ones are copied out, so a
-    small value never pins its whole segment in memory (the store charges only the value's bytes)."""
+    segments: list[bytearray], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray
+) -> list:
+    """Each value of a PUT: a value alone in its segment is stored as the receive buffer itself (so the store can
+    recycle it once evicted); packed ones are copied out, so a small value never pins its whole segment in memory
+    (the store charges only the value's bytes)."""
     out: list = []
     for seg, off, n in zip(plan.tolist(), offsets.tolist(), lens.tolist()):
-        view = views[seg]
         if n == int(sizes[seg]):
-            out.append(view.toreadonly())
+            out.append(segments[seg])
         else:
-            out.append(bytes(view[off : off + n]))
+            out.append(bytes(memoryview(segments[seg])[off : off + n]))
     return out
 
 
