@@ -38,13 +38,6 @@ def exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The slots of consecutive runs, concatenated: int64 `[sum(lengths)]`."""
-    first = exclusive_cumsum(lengths)
-    run_of_token = np.repeat(np.arange(len(lengths)), lengths)
-    return starts[run_of_token] + (np.arange(first[-1]) - first[run_of_token])
-
-
 @dataclass(frozen=True)
 class GroupRegion:
     """One layer group's staging region and what fills it."""

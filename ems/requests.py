@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
+from ems.kernels.plan import runs_to_slots
 from ems.layout import RegisteredLayout
 from ems.types import DEFAULT_OPTION, CcKvOption, KvBufferWrapper, PrimaryKey
 
@@ -248,9 +249,8 @@ def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkReque
                     f"chunk_descs[{g}][{i}] = ({int(starts[g, i])}, {int(lengths[g, i])}): {why}"
                 )
         if op is Operation.LOAD:
-            from ems.planning import expand_runs  # the one place runs become slots
-
-            _check_no_repeats(f"chunk_descs[{g}]", expand_runs(starts[g], lengths[g]))
+            slots = runs_to_slots(torch.from_numpy(starts[g]), torch.from_numpy(lengths[g])).numpy()
+            _check_no_repeats(f"chunk_descs[{g}]", slots)
     return ChunkRequest(option, hashes, starts, lengths)
 
 

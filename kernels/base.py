@@ -27,6 +27,8 @@ from typing import Tuple
 
 import torch
 
+from ems.kernels.plan import runs_to_slots
+
 
 class KernelBackend(str, enum.Enum):
     """Which implementation moves the bytes (`EMS_KERNEL_BACKEND`)."""
@@ -152,3 +154,40 @@ class CopyBackend(abc.ABC):
 
     def describe(self) -> str:
         return self.name
+
+
+class DirectionalCopyBackend(CopyBackend):
+    """A backend written as two directional primitives: rows by slot, and raw segments.
+
+    Runs become slots (`plan.runs_to_slots`); the primitive regroups consecutive slots into contiguous pieces.
+    """
+
+    @abc.abstractmethod
+    def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        """gather: stage[t, p] = row slots[t] of plane p; otherwise the inverse."""
+
+    @abc.abstractmethod
+    def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        """gather: concatenate the raw ranges into stage; otherwise the inverse."""
+
+    def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
+        self._rows(planes, slots, out, gather=True)
+
+    def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
+        self._rows(planes, slots, src, gather=False)
+
+    def gather_runs(
+        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        self._rows(planes, runs_to_slots(starts, lengths), out, gather=True)
+
+    def scatter_runs(
+        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
+    ) -> None:
+        self._rows(planes, runs_to_slots(starts, lengths), src, gather=False)
+
+    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, out, gather=True)
+
+    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, src, gather=False)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from ems.kernels.base import CopyBackend, PlaneSet
-from ems.kernels.plan import check_slots, runs_to_slots, slots_to_pieces
+from ems.kernels.base import DirectionalCopyBackend, PlaneSet
+from ems.kernels.plan import check_slots, slots_to_pieces
 from ems.kernels.raw_memory import raw_tensor
 from ems.kernels.torch_backend import plane_rows
 
 
-class MemcpyBackend(CopyBackend):
+class MemcpyBackend(DirectionalCopyBackend):
     name = "memcpy"
 
     def __init__(self) -> None:
@@ -52,22 +52,6 @@ class MemcpyBackend(CopyBackend):
                             rows[blk, off + k].copy_(stage[first + k, p])
                     self.ops_issued += count
 
-    def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
-        self._rows(planes, slots, out, gather=True)
-
-    def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
-        self._rows(planes, slots, src, gather=False)
-
-    def gather_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        self._rows(planes, runs_to_slots(starts, lengths), out, gather=True)
-
-    def scatter_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
-    ) -> None:
-        self._rows(planes, runs_to_slots(starts, lengths), src, gather=False)
-
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
         if int(lengths.sum()) != stage.numel() or stage.dtype != torch.uint8:
             raise ValueError("the staging buffer must be uint8 with exactly sum(lengths) bytes")
@@ -83,8 +67,3 @@ class MemcpyBackend(CopyBackend):
             position += length
             self.ops_issued += 1
 
-    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
-        self._segments(ptrs, lengths, out, gather=True)
-
-    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
-        self._segments(ptrs, lengths, src, gather=False)

@@ -55,8 +55,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PlaneSet
-from ems.kernels.plan import check_slots, runs_to_slots, slots_to_pieces, split_segments
+from ems.kernels.base import DirectionalCopyBackend, PlaneSet
+from ems.kernels.plan import check_slots, slots_to_pieces, split_segments
 from ems.kernels.torch_backend import TorchBackend
 
 log = logging.getLogger("ems.kernels")
@@ -135,7 +135,7 @@ class _PlaneInfo:
     max_slot_stride: int
 
 
-class TritonBackend(CopyBackend):
+class TritonBackend(DirectionalCopyBackend):
     """Triton kernels on one device type (npu, cuda, or cpu through the interpreter)."""
 
     name = "triton"
@@ -259,22 +259,6 @@ class TritonBackend(CopyBackend):
             return
         self.ops_issued += 1
 
-    def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
-        self._rows(planes, slots, out, gather=True)
-
-    def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
-        self._rows(planes, slots, src, gather=False)
-
-    def gather_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        self._rows(planes, runs_to_slots(starts, lengths), out, gather=True)
-
-    def scatter_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
-    ) -> None:
-        self._rows(planes, runs_to_slots(starts, lengths), src, gather=False)
-
     # ---------------------------------------------------------------- segments
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
         self._check_device(stage)
@@ -309,8 +293,3 @@ class TritonBackend(CopyBackend):
             return
         self.ops_issued += 1
 
-    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
-        self._segments(ptrs, lengths, out, gather=True)
-
-    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
-        self._segments(ptrs, lengths, src, gather=False)
