@@ -15,29 +15,19 @@ import argparse
 import datetime
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from bench_kernels import machine
+from benchlib import best_of, machine
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.demo import Engine, plain_copy_gbps
 
 HERE = Path(__file__).resolve().parent
 LAYERS, HEADS, HEAD_SIZE = 16, 8, 128
 REQUEST_BYTES = 32 << 20
-
-
-def best_seconds(fn: Callable[[], None], rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -> dict:
@@ -67,7 +57,7 @@ def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -
         if pool_state == "full":
             for _ in range(4):
                 save_new()  # fill the pool so that the timed saves evict
-        save_s = best_seconds(save_new, rounds)
+        save_s = best_of(save_new, rounds)
         last = (next(counter) - 1) * blocks
         hashes = list(range(last, last + blocks))
 
@@ -75,7 +65,7 @@ def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -
             if cc.load(slots, hashes, offsets, option).success != blocks:
                 raise RuntimeError("load incomplete")
 
-        load_s = best_seconds(load, rounds)
+        load_s = best_of(load, rounds)
         copy = plain_copy_gbps(request_bytes, device, repeats=rounds)
     finally:
         Ems.shutdown()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from benchlib import machine
 from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
 from ems.kernels.select import get_backend
 
@@ -123,20 +123,6 @@ def bench_one(model: Model, layers: int, block_size: int, blocks: int, device: t
     nbytes = out.numel() * out.element_size()
     return Row(model.name, layers, block_size, blocks, planes.row_bytes, nbytes,
                {k: nbytes / t / 1e9 for k, t in best.items()}, ops)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", load average %.1f at start (shared host)" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), python {platform.python_version()}{load}")
 
 
 def format_table(rows: List[Row], paths: List[str]) -> str:

@@ -29,21 +29,13 @@ sys.path.insert(0, str(ROOT / "tests" / "pool"))
 import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
+from benchlib import best_of  # noqa: E402
+
 from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx import UcxNode, UcxRuntime  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-
-
-def best_of(fn, repeats: int) -> float:
-    """Shortest wall time of `repeats` runs (the machine is shared: the minimum is the least disturbed)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 # ---- raw UCXX: a sink/echo peer in another process ----
