@@ -29,7 +29,7 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
 from ems.keys import namespace, v0_keys, v1_keys
 from ems.layout import RegisteredLayout, register_layout
-from ems.planning import BlockPlan, Plan, plan_blocks, plan_raw
+from ems.planning import Plan, plan_blocks, plan_raw
 from ems.pool_client import PoolClient, PoolOutcome
 from ems.requests import Operation, RawRequest, Request, bind_exists, bind_request
 from ems.staging import StagingLease, StagingPool

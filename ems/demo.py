@@ -166,16 +166,14 @@ def run(args: argparse.Namespace) -> int:
     option = CcKvOption(timeout=10_000)
     bs = args.block_size
     asked = hit = saved = 0
-    save_s = load_s = 0.0
+    save_s = 0.0
     progress = not args.no_progress and sys.stderr.isatty()
 
     # Phase 1: serving. Load the cached prefix, compute the rest, save the new blocks asynchronously.
     for req in tqdm(requests, desc="serving", disable=not progress):
         block_ids = engine.allocate(len(req.hashes))
         slots = engine.slots(block_ids)
-        start = time.perf_counter()
         result = cc.load(slots, req.hashes, [bs] * len(req.hashes), option)
-        load_s += time.perf_counter() - start
         asked += result.total
         hit += result.success
         new = slice(result.success, None)
@@ -188,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             saved += saved_result.success
             if saved_result.success != saved_result.total:
                 print(f"warning: saved only {saved_result.success}/{saved_result.total} blocks", file=sys.stderr)
-    serve_hit, serve_asked, serve_load_s = hit, asked, load_s
+    serve_hit, serve_asked = hit, asked
 
     # Phase 2: verification. Wipe the cache; load every request into fresh blocks and compare every byte.
     engine.wipe()

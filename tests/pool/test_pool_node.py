@@ -3,11 +3,9 @@ authentication and tenant isolation."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -19,7 +17,7 @@ from ems.pool_client import PoolClient
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
 from ems.types import CcKvOption
-from pool_testlib import KEY_A, KEY_B, READY_PREFIX, PoolProcess, joined, make_values, read_line, wait_until
+from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, wait_until
 
 pytestmark = pytest.mark.slow
 MARGIN_S = 0.5
