@@ -8,27 +8,48 @@
     cc.load(slot_mapping, hashes, offsets)
 """
 
-from ems.api import Ems
-from ems.config import CcConfig, CcConfig_v1, EmsConfig, KvCacheType
-from ems.context_caching import ContextCaching
-from ems.errors import EmsErrorCode, EmsException
-from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CcConfig",
-    "CcConfig_v1",
-    "CcFuture",
-    "CcKvOption",
-    "CcResult",
-    "ContextCaching",
-    "Ems",
-    "EmsConfig",
-    "EmsErrorCode",
-    "EmsException",
-    "KvBufferWrapper",
-    "KvCacheType",
-    "PrimaryKey",
-    "StoreLayerGroupDesc",
-]
+# Where each public name lives. Imported on first use (PEP 562), so that `python -m ems.pool` and other
+# torch-free parts (store, transport, config) start without importing torch.
+_EXPORTS = {
+    "CcConfig": "ems.config",
+    "CcConfig_v1": "ems.config",
+    "CcFuture": "ems.types",
+    "CcKvOption": "ems.types",
+    "CcResult": "ems.types",
+    "ContextCaching": "ems.context_caching",
+    "Ems": "ems.api",
+    "EmsConfig": "ems.config",
+    "EmsErrorCode": "ems.errors",
+    "EmsException": "ems.errors",
+    "KvBufferWrapper": "ems.types",
+    "KvCacheType": "ems.config",
+    "PrimaryKey": "ems.types",
+    "StoreLayerGroupDesc": "ems.types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from ems.api import Ems
+    from ems.config import CcConfig, CcConfig_v1, EmsConfig, KvCacheType
+    from ems.context_caching import ContextCaching
+    from ems.errors import EmsErrorCode, EmsException
+    from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ems' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -24,10 +24,12 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import TYPE_CHECKING, List, Optional, Union
 
 from ems.errors import invalid_argument
-from ems.kernels.base import KernelBackend
+
+if TYPE_CHECKING:
+    from ems.kernels.base import KernelBackend
 
 _NAME_RE = re.compile(r"[0-9a-z._-]{1,512}")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -248,6 +250,8 @@ def resolve_settings(config: EmsConfig) -> Settings:
     nodes = tuple(_parse_node(i, n) for i, n in enumerate(nodes_value))
     if len(set(nodes)) != len(nodes):
         raise invalid_argument(f"pool_nodes lists a node twice: {list(nodes)}")
+    from ems.kernels.base import KernelBackend  # here, not at import: the pool node never needs torch
+
     backend_value = _setting(config.kernel_backend, "EMS_KERNEL_BACKEND", "auto")
     try:
         backend = KernelBackend(str(backend_value).lower())

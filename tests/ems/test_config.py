@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ems import CcConfig, CcConfig_v1, Ems, EmsConfig, EmsErrorCode, EmsException, KvCacheType
-from ems.config import KernelBackend, parse_size, resolve_settings
+from ems.config import parse_size, resolve_settings
+from ems.kernels import KernelBackend
 
 VALID_KEY = "A" * 31 + "b+/="
 
