@@ -103,7 +103,7 @@ class ContextCaching:
         """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
         `[blocks, block_size, heads, head_size]`. Moves no data. Registering again replaces the layout."""
         layout = register_layout(kvcache, store_layer_group_desc)
-        backend = get_backend(layout.device, self._settings.kernel_backend)
+        backend = self._backend_for(layout.device)
         self._layout = layout
         self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
         logger.info(
@@ -131,7 +131,13 @@ class ContextCaching:
         return default_raw_device(self._cc_config.device_id, self._layout.device if self._layout else None)
 
     def _backend_for(self, device: torch.device) -> CopyBackend:
-        return get_backend(device, self._settings.kernel_backend)
+        try:
+            return get_backend(device, self._settings.kernel_backend)
+        except RuntimeError as exc:  # e.g. triton forced where it cannot run: the setting is at fault
+            raise EmsException(
+                EmsErrorCode.EMS_INVALID_ARGUMENT,
+                f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
+            ) from exc
 
     def _check_open(self) -> None:
         if self._closed:

@@ -237,3 +237,25 @@ def test_profiling_logs_stages(monkeypatch, caplog):
         cc.load([0, 1], [1], [2])
     text = caplog.text
     assert "save 1/1 blocks" in text and "load 1/1 blocks" in text
+
+
+def test_forcing_triton_where_it_cannot_run_is_an_invalid_argument(clean_ems, monkeypatch):
+    """Without TRITON_INTERPRET the triton backend cannot serve CPU tensors: a clear EmsException, not a RuntimeError."""
+    import torch
+
+    from ems import CcConfig, Ems, EmsConfig, EmsErrorCode, EmsException
+    from ems.kernels.select import get_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    get_backend.cache_clear()
+    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), kernel_backend="triton"))
+    kv = [[torch.randn(4, 4, 2, 8) for _ in range(2)]]
+    try:
+        Ems.get_cc().register_kvcache(kv)
+    except EmsException as exc:
+        assert exc.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
+        assert "kernel_backend" in exc.message()
+    else:  # the interpreter was already active in this process (kernel tests ran first): triton serves the CPU
+        assert "triton" in Ems.get_cc().kernel_backend
+    finally:
+        get_backend.cache_clear()
