@@ -42,7 +42,13 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolClient:
     if settings.embedded:
         # values come from this process's own checksummed staging: re-verifying them on put would only repeat work
         return PoolClient([InProcessNode(KvStore(settings.pool_capacity, verify_on_put=False))])
-    from ems.transport.remote import connect  # UCX is needed only with remote nodes
+    try:
+        from ems.transport.remote import connect  # UCX is needed only with remote nodes
+    except ImportError as exc:
+        raise EmsException(
+            EmsErrorCode.EMS_INTERNAL_ERROR,
+            f"pool_nodes need UCX (pip install 'ems-kvcache[ucx]'): {exc}",
+        ) from exc
 
     nodes: list[NodeClient] = [
         connect(
