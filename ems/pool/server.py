@@ -220,7 +220,7 @@ def _namespaced(prefix: bytes, keys: Sequence[bytes]) -> list[bytes]:
 
 
 def _split_values(
-    segments: list[bytearray], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray
+    segments: list[np.ndarray], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray
 ) -> list:
     """Each value of a PUT: a value alone in its segment is stored as the receive buffer itself (so the store can
     recycle it once evicted); packed ones are copied out, so a small value never pins its whole segment in memory
