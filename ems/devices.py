@@ -56,16 +56,21 @@ def device_module(device: torch.device):  # type: ignore[no-untyped-def]
 
 @contextlib.contextmanager
 def side_stream(device: torch.device) -> Iterator[None]:
-    """Run the block's device work on a side stream ordered after the engine's current stream, then wait for it."""
-    if device.type == "cpu":
-        yield
-        return
-    module = device_module(device)
-    stream = module.Stream(device=device)
-    stream.wait_stream(module.current_stream(device))
-    with module.stream(stream):
-        yield
-    stream.synchronize()
+    """Run the block's device work on a side stream ordered after the engine's current stream, then wait for it.
+
+    The work also runs under `torch.inference_mode()`: engines often allocate their KV cache inside inference mode,
+    and in-place writes to such tensors are refused outside it (writes to ordinary tensors are allowed inside it).
+    """
+    with torch.inference_mode():
+        if device.type == "cpu":
+            yield
+            return
+        module = device_module(device)
+        stream = module.Stream(device=device)
+        stream.wait_stream(module.current_stream(device))
+        with module.stream(stream):
+            yield
+        stream.synchronize()
 
 
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

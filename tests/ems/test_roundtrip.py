@@ -288,3 +288,37 @@ def test_strided_views_roundtrip(backend):
     # bytes outside the views were never touched
     assert bytes_equal(base_k[0], outside_k[0]) and bytes_equal(base_k[:, :, 0], outside_k[:, :, 0])
     assert bytes_equal(base_k[:, :, 3], outside_k[:, :, 3]) and bytes_equal(base_v[:, 4], outside_v[:, 4])
+
+
+@pytest.mark.parametrize("backend", ["torch", "memcpy"])
+@pytest.mark.parametrize("mode", ["inference_mode", "requires_grad"])
+def test_caches_allocated_as_engines_do_round_trip(mode, backend):
+    """vLLM-style caches: allocated under torch.inference_mode(), or leaf tensors that require grad."""
+    import torch
+
+    from ems.store import KvStore
+    from ems.transport.inprocess import InProcessNode
+    from ems_testlib import direct_cc
+
+    if mode == "inference_mode":
+        with torch.inference_mode():
+            kv = [[torch.randn(6, 4, 2, 8) for _ in range(2)] for _ in range(3)]
+    else:
+        kv = [[torch.randn(6, 4, 2, 8, requires_grad=True) for _ in range(2)] for _ in range(3)]
+    cc = direct_cc([InProcessNode(KvStore(1 << 24))], kernel_backend=backend)
+    try:
+        cc.register_kvcache(kv)
+        slots = list(range(4, 12))
+        with torch.no_grad():
+            original = [[t[1:3].clone() for t in layer] for layer in kv]
+        assert cc.save(slots, [11, 12], [4, 4]).success == 2
+        with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+            for layer in kv:
+                for t in layer:
+                    t.fill_(-7.0)
+        assert cc.load(slots, [11, 12], [4, 4]).success == 2
+        for layer, want in zip(kv, original):
+            for t, w in zip(layer, want):
+                assert torch.equal(t.detach()[1:3], w)
+    finally:
+        cc.close()
