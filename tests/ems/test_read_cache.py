@@ -58,15 +58,20 @@ def test_read_local_only_never_calls_the_node(fault_node_factory):
         cc.close()
 
 
+def _damage_the_read_cache_entry(pool) -> None:
+    """Flip the last payload byte of the read cache's only entry (white-box: the node keeps its good copy)."""
+    (key,) = list(pool.read_cache._entries)
+    value = bytearray(pool.read_cache._entries[key])
+    value[-1] ^= 0xFF
+    pool.read_cache._entries[key] = bytes(value)
+
+
 def test_damaged_read_cache_entry_is_a_miss(fault_node_factory):
     node = fault_node_factory()
     cc, pool, cache = _cc(node)
     try:
         assert cc.save(slots_of_blocks([0], BS), [1], [BS]).success == 1
-        (key,) = list(pool.read_cache._entries)
-        value = bytearray(pool.read_cache._entries[key])
-        value[-1] ^= 0xFF
-        pool.read_cache._entries[key] = bytes(value)
+        _damage_the_read_cache_entry(pool)
         poisoned = poison(cache)
         assert cc.load(slots_of_blocks([0], BS), [1], [BS], CcKvOption(read_local_only=True)).success == 0
         assert_cache_equals(cache, poisoned)
@@ -80,10 +85,7 @@ def test_unverifiable_read_cache_entry_does_not_shadow_the_node(fault_node_facto
     try:
         original = snapshot(cache)
         assert cc.save(slots_of_blocks([0], BS), [1], [BS]).success == 1
-        (key,) = list(pool.read_cache._entries)
-        value = bytearray(pool.read_cache._entries[key])
-        value[-1] ^= 0xFF
-        pool.read_cache._entries[key] = bytes(value)
+        _damage_the_read_cache_entry(pool)
         poisoned = poison(cache)
         assert cc.load(slots_of_blocks([0], BS), [1], [BS]).success == 1  # the node still has the good value
         assert_cache_equals(cache, expected_after_load(original, poisoned, slots_of_blocks([0], BS)))
