@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ems.errors import EmsErrorCode, EmsException, invalid_argument
+from ems.errors import invalid_argument
 from ems.kernels.plan import runs_to_slots
 from ems.layout import RegisteredLayout
 from ems.types import DEFAULT_OPTION, CcKvOption, KvBufferWrapper, PrimaryKey
@@ -316,7 +316,3 @@ def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> tuple
     if isinstance(hashes, (list, tuple)) and hashes and all(isinstance(k, PrimaryKey) for k in hashes):
         return list(hashes), checked_option
     return _hashes(hashes), checked_option
-
-
-def internal_error(message: str) -> EmsException:
-    return EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, message)
