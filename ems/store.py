@@ -109,9 +109,7 @@ class KvStore:
                 return
             if self._drop_spare(nbytes):
                 continue
-            if not self._entries:
-                if reusable:  # only the spare we would reuse is left; it fits by construction
-                    return
+            if not self._entries:  # nothing left to evict: a value up to the capacity fits by now
                 return
             evicted_key, evicted = self._entries.popitem(last=False)
             self._used -= self._charge(evicted_key, evicted)
