@@ -106,7 +106,7 @@ class Engine:
 
 
 def plain_copy_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> float:
-    """GB/s of one contiguous copy of `nbytes` (read + write counted as the bytes moved, like the saves)."""
+    """GB/s of one contiguous copy of `nbytes`: bytes copied / time, the same measure as the save and load rows."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ems.kernels.base import CopyBackend, PlaneSet
-from ems.kernels.plan import runs_to_slots  # noqa: F401 - also re-exported for older imports
+from ems.kernels.plan import runs_to_slots
 from ems.kernels.raw_memory import raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
