@@ -6,6 +6,9 @@
     cc.register_kvcache(kvcache)          # [layers][K, V] of [blocks, block_size, heads, head_size]
     cc.save(slot_mapping, hashes, offsets)
     cc.load(slot_mapping, hashes, offsets)
+
+The EMS SDK's names and module paths work too (one type under two names or paths): `ContextCache_v1` is
+`ContextCaching`, `KVCacheType` is `KvCacheType`, and `ems.cc_v1.cc_config` holds `CcConfig_v1` and `KVCacheType`.
 """
 
 import importlib
@@ -21,12 +24,14 @@ _EXPORTS = {
     "CcFuture": "ems.types",
     "CcKvOption": "ems.types",
     "CcResult": "ems.types",
+    "ContextCache_v1": "ems.context_caching",
     "ContextCaching": "ems.context_caching",
     "Ems": "ems.api",
     "EmsConfig": "ems.config",
     "EmsErrorCode": "ems.errors",
     "EmsException": "ems.errors",
     "KvBufferWrapper": "ems.types",
+    "KVCacheType": "ems.config",
     "KvCacheType": "ems.config",
     "PrimaryKey": "ems.types",
     "StoreLayerGroupDesc": "ems.types",
@@ -36,8 +41,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from ems.api import Ems
-    from ems.config import CcConfig, CcConfig_v1, EmsConfig, KvCacheType
-    from ems.context_caching import ContextCaching
+    from ems.config import CcConfig, CcConfig_v1, EmsConfig, KVCacheType, KvCacheType
+    from ems.context_caching import ContextCache_v1, ContextCaching
     from ems.errors import EmsErrorCode, EmsException
     from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
 

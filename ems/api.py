@@ -3,8 +3,12 @@
 `Ems.init(config)` runs once per process: a second call with an equal config is a no-op, with another config it
 raises `EmsException(EMS_INVALID_ARGUMENT)`. With no pool nodes configured the pool is embedded in the process
 (the same store code a pool node runs); with nodes, at least one must answer within `connect_timeout_ms`, else
-`EmsException(EMS_IO_ERROR)`. `Ems.get_cc()` returns the `ContextCaching` object, or None when init failed or the
-config had no cc_config. `Ems.check_health()` is True while the pool is reachable.
+`EmsException(EMS_RECOVERD_ERROR)`: a recoverable failure (the SDK's code): nothing is initialised, `Ems.check_health()`
+keeps probing the configured nodes and turns True once one answers, and `Ems.init` may then be called again (any
+config). A node that refuses the credentials raises `EMS_IO_ERROR` (retrying will not help). `Ems.get_cc()` returns
+the `ContextCaching` object, or None when init failed or the config had no cc_config. `Ems.check_health()` is True
+while the pool is reachable. The config is checked (all fields, whatever was changed after construction) and
+snapshotted at init: changing it afterwards has no effect.
 `Ems.shutdown()` (this package's addition) releases everything, after which `init` may run again.
 """
 
@@ -59,14 +63,15 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolClient:
         )
         for address in settings.pool_nodes
     ]
-    pool = PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity)
-    if not pool.healthy(settings.connect_timeout_ms / 1000.0):
-        pool.close()
-        raise EmsException(
-            EmsErrorCode.EMS_IO_ERROR,
-            f"no pool node answered within {settings.connect_timeout_ms} ms: {list(settings.pool_nodes)}",
-        )
-    return pool
+    return PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity)
+
+
+def _unreachable(settings: Settings) -> EmsException:
+    return EmsException(
+        EmsErrorCode.EMS_RECOVERD_ERROR,
+        f"no pool node answered within {settings.connect_timeout_ms} ms: {list(settings.pool_nodes)}; the pool is "
+        "not reachable yet: call Ems.init again later (Ems.check_health() turns True once a node answers)",
+    )
 
 
 class Ems:
@@ -77,10 +82,12 @@ class Ems:
     _settings: Optional[Settings] = None
     _pool: Optional[PoolClient] = None
     _cc: Optional[ContextCaching] = None
+    # after an EMS_RECOVERD_ERROR: the config and its (not yet answering) pool, which check_health probes
+    _pending: Optional[tuple[EmsConfig, PoolClient]] = None
 
     @classmethod
     def init(cls, config: EmsConfig) -> None:
-        check_config(config)
+        config = check_config(config)  # a checked snapshot: the caller may go on mutating its own objects
         with cls._lock:
             if cls._config is not None:
                 if config == cls._config:
@@ -88,13 +95,33 @@ class Ems:
                 raise invalid_argument("Ems.init was already called with a different config (once per process)")
             settings = resolve_settings(config)
             _configure_logging()
-            pool = _connect_pool(config, settings)
+            pool = cls._take_pending(config)
+            if pool is None:
+                pool = _connect_pool(config, settings)
+            if not settings.embedded and not pool.healthy(settings.connect_timeout_ms / 1000.0):
+                cls._pending = (config, pool)
+                raise _unreachable(settings)
             cc_config = config.context_caching_config
-            cls._cc = ContextCaching(cc_config, config.access_id, pool, settings) if cc_config is not None else None
+            try:
+                cls._cc = ContextCaching(cc_config, config.access_id, pool, settings) if cc_config is not None else None
+            except BaseException:
+                pool.close()
+                raise
             cls._config, cls._settings, cls._pool = config, settings, pool
             logger.info(
                 "EMS initialised: pool %s", "embedded" if settings.embedded else ", ".join(settings.pool_nodes)
             )
+
+    @classmethod
+    def _take_pending(cls, config: EmsConfig) -> Optional[PoolClient]:
+        """The pool of an earlier init that raised EMS_RECOVERD_ERROR, when the config is the same; else close it."""
+        pending, cls._pending = cls._pending, None
+        if pending is None:
+            return None
+        if pending[0] == config:
+            return pending[1]
+        pending[1].close()
+        return None
 
     @classmethod
     def get_cc(cls) -> Optional[ContextCaching]:
@@ -102,7 +129,11 @@ class Ems:
 
     @classmethod
     def check_health(cls) -> bool:
+        """True while the pool is reachable. After an init that raised EMS_RECOVERD_ERROR it probes the configured
+        nodes, so an engine can poll it and call `Ems.init` again once it is True. Never raises."""
         pool = cls._pool
+        if pool is None and cls._pending is not None:
+            pool = cls._pending[1]
         if pool is None:
             return False
         try:
@@ -123,4 +154,6 @@ class Ems:
                 cls._cc.close()
             if cls._pool is not None:
                 cls._pool.close()
-            cls._config = cls._settings = cls._pool = cls._cc = None
+            if cls._pending is not None:
+                cls._pending[1].close()
+            cls._config = cls._settings = cls._pool = cls._cc = cls._pending = None

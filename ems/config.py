@@ -16,10 +16,21 @@ left as None is read from its environment variable, else takes its default (`res
 
 `device` default: the registered KV cache's device; else `npu:<device_id>` when torch_npu is already imported,
 `cuda:<device_id>` when CUDA is available, otherwise `cpu`.
+
+Identifiers, as deployments write them (`model_id="cc_kvstore@_@ds_default_ns_001"`, `llm_engine="vllm@deepseek"`):
+`model_id` and `llm_engine` are 1-512 printable characters (no control characters); `access_id` is 1-512
+printable ASCII characters (it travels to the pool nodes). They are hashed into the key namespace, so any such
+value is safe. `access_key` is 32-256 of `[0-9A-Za-z+/=]`, or None / "" for a pool without keys (anonymous: no
+proof is sent; a node with keys then refuses the client at `Ems.init`).
+
+Configs are mutable, as in the EMS SDK (an engine may set `cfg.kvcache_type = KVCacheType.MLA` after building
+it): fields are checked when a config is built and again, all of them, at `Ems.init` (`check_config`), which
+keeps a checked snapshot; changing a config after `Ems.init` has no effect on the running SDK.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import os
 import re
@@ -31,7 +42,8 @@ from ems.errors import invalid_argument
 if TYPE_CHECKING:
     from ems.kernels.base import KernelBackend
 
-_NAME_RE = re.compile(r"[0-9a-z._-]{1,512}")
+MAX_IDENTIFIER_CHARS = 512
+_ACCESS_ID_RE = re.compile(r"[\x20-\x7e]{1,%d}" % MAX_IDENTIFIER_CHARS)  # printable ASCII
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 
@@ -55,9 +67,22 @@ def parse_size(name: str, value: Union[int, str]) -> int:
     return int(number * scale)
 
 
-def _check_name(field_name: str, value: object) -> None:
-    if not isinstance(value, str) or _NAME_RE.fullmatch(value) is None:
-        raise invalid_argument(f"{field_name} must be 1-512 characters of [0-9a-z._-], got {value!r}")
+def check_identifier(field_name: str, value: object, ascii_only: bool = False) -> str:
+    """An identifier (model_id, llm_engine, access_id): 1-512 printable characters, no control characters;
+    printable ASCII with `ascii_only`. Raises EMS_INVALID_ARGUMENT naming the field and the fault."""
+    if not isinstance(value, str):
+        raise invalid_argument(f"{field_name} must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_IDENTIFIER_CHARS:
+        raise invalid_argument(f"{field_name} must be 1-{MAX_IDENTIFIER_CHARS} characters, got {len(value)}")
+    if ascii_only and _ACCESS_ID_RE.fullmatch(value) is None:
+        bad = next(c for c in value if not " " <= c <= "~")
+        raise invalid_argument(f"{field_name} must be printable ASCII; it holds {bad!r} at index {value.index(bad)}")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise invalid_argument(
+            f"{field_name} must not hold control or unprintable characters; it holds {bad!r} at index {value.index(bad)}"
+        )
+    return value
 
 
 def _check_int(field_name: str, value: object, minimum: int) -> None:
@@ -72,8 +97,14 @@ class KvCacheType(str, enum.Enum):
     MQA = "MQA"
 
 
-@dataclass(frozen=True)
+KVCacheType = KvCacheType  # the EMS SDK's name (`ems.cc_v1.cc_config.KVCacheType`): one type, two names
+
+
+@dataclass
 class CcConfig:
+    """`CcConfig(rank_id, device_id, model_id, tp_world_size=1, pp_world_size=1)`; mutable, checked at build time
+    and again at `Ems.init`."""
+
     rank_id: int
     device_id: int
     model_id: str
@@ -81,10 +112,14 @@ class CcConfig:
     pp_world_size: int = 1
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (raises EMS_INVALID_ARGUMENT naming it); normalises `kvcache_type` in CcConfig_v1."""
         cls = type(self).__name__
         _check_int(f"{cls}.rank_id", self.rank_id, 0)
         _check_int(f"{cls}.device_id", self.device_id, 0)
-        _check_name(f"{cls}.model_id", self.model_id)
+        check_identifier(f"{cls}.model_id", self.model_id)
         _check_int(f"{cls}.tp_world_size", self.tp_world_size, 1)
         _check_int(f"{cls}.pp_world_size", self.pp_world_size, 1)
 
@@ -101,15 +136,19 @@ class CcConfig:
         return False
 
 
-@dataclass(frozen=True)
+@dataclass
 class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
+    """`CcConfig` plus `rank_in_tp_group=0, rank_in_pp_group=0, llm_engine="vllm", kvcache_type=MHA`.
+
+    `kvcache_type` is a `KVCacheType` (or its name, any case); engines often set it after construction."""
+
     rank_in_tp_group: int = 0
     rank_in_pp_group: int = 0
     llm_engine: str = "vllm"
     kvcache_type: Union[KvCacheType, str] = KvCacheType.MHA
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         _check_int("CcConfig_v1.rank_in_tp_group", self.rank_in_tp_group, 0)
         _check_int("CcConfig_v1.rank_in_pp_group", self.rank_in_pp_group, 0)
         if self.rank_in_tp_group >= self.tp_world_size:
@@ -120,15 +159,14 @@ class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
             raise invalid_argument(
                 f"CcConfig_v1.rank_in_pp_group ({self.rank_in_pp_group}) must be < pp_world_size ({self.pp_world_size})"
             )
-        if not isinstance(self.llm_engine, str) or not self.llm_engine:
-            raise invalid_argument(f"CcConfig_v1.llm_engine must be a non-empty str, got {self.llm_engine!r}")
+        check_identifier("CcConfig_v1.llm_engine", self.llm_engine)
         try:
             kind = KvCacheType(self.kvcache_type.upper() if isinstance(self.kvcache_type, str) else self.kvcache_type)
         except ValueError:
             raise invalid_argument(
                 f"CcConfig_v1.kvcache_type must be one of GQA, MHA, MLA, MQA, got {self.kvcache_type!r}"
             ) from None
-        object.__setattr__(self, "kvcache_type", kind)
+        self.kvcache_type = kind
 
     @property
     def tp_rank(self) -> int:
@@ -286,15 +324,22 @@ def resolve_settings(config: EmsConfig) -> Settings:
 
 
 def check_config(config: object) -> EmsConfig:
-    """Check the SDK fields of an `EmsConfig` (the pool settings are checked by `resolve_settings`)."""
+    """Check the SDK fields of an `EmsConfig`, its CcConfig included (configs are mutable: whatever was changed
+    after construction is checked here), and return a checked snapshot: a deep copy with `access_key` "" turned
+    into None (anonymous) and `kvcache_type` normalised. The pool settings are checked by `resolve_settings`."""
     if not isinstance(config, EmsConfig):
         raise invalid_argument(f"config must be an EmsConfig, got {type(config).__name__}")
-    if (config.access_id is None) != (config.access_key is None):
-        raise invalid_argument("access_id and access_key must be given together")
+    if config.access_key is not None and not isinstance(config.access_key, str):
+        raise invalid_argument(f"EmsConfig.access_key must be a str or None, got {type(config.access_key).__name__}")
+    anonymous = config.access_key in (None, "")
+    if not anonymous and config.access_id is None:
+        raise invalid_argument("EmsConfig.access_key needs an access_id: give access_id and access_key together")
     if config.access_id is not None:
-        _check_name("EmsConfig.access_id", config.access_id)
-        if not isinstance(config.access_key, str) or _KEY_RE.fullmatch(config.access_key) is None:
-            raise invalid_argument("EmsConfig.access_key must be 32-256 characters of [0-9A-Za-z+/=]")
+        check_identifier("EmsConfig.access_id", config.access_id, ascii_only=True)
+    if not anonymous and _KEY_RE.fullmatch(config.access_key) is None:  # type: ignore[arg-type]
+        raise invalid_argument(
+            "EmsConfig.access_key must be 32-256 characters of [0-9A-Za-z+/=], or empty for a pool without keys"
+        )
     if config.cc_config is not None and config.cc_config_v1 is not None:
         raise invalid_argument("give one of EmsConfig.cc_config and EmsConfig.cc_config_v1, not both")
     if config.cc_config is not None and not isinstance(config.cc_config, CcConfig):
@@ -303,4 +348,9 @@ def check_config(config: object) -> EmsConfig:
         raise invalid_argument(
             f"EmsConfig.cc_config_v1 must be a CcConfig_v1, got {type(config.cc_config_v1).__name__}"
         )
-    return config
+    snapshot = copy.deepcopy(config)
+    if snapshot.context_caching_config is not None:
+        snapshot.context_caching_config.validate()
+    if anonymous:
+        snapshot.access_key = None
+    return snapshot

@@ -304,12 +304,12 @@ class ContextCaching:
     # ---------------------------------------------------------------- exists
 
     def exists(self, hashes: Any, option: Optional[CcKvOption] = None, **kwargs: Any) -> CcResult:
-        """How many of `hashes` (V1 block hashes, or V0 PrimaryKeys), from the first, the pool holds.
+        """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
         A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising."""
         self._check_open()
         items, checked_option = bind_exists(hashes, option, kwargs)
-        if isinstance(items[0], PrimaryKey):
+        if isinstance(items[0], (PrimaryKey, str)):
             keys, route_keys = v0_keys(self._v0_namespace, items)  # type: ignore[arg-type]
         else:
             if self._layout is None:
@@ -331,3 +331,6 @@ class ContextCaching:
         self._closed = True
         self._executor.shutdown(wait=True)
         self._staging.clear()
+
+
+ContextCache_v1 = ContextCaching  # the EMS SDK's name of its V1 client: one type, two names

@@ -3,7 +3,9 @@
 A storage key is `namespace (16 bytes) | form byte | the caller's key`. The namespace is a BLAKE2b digest of
 everything a stored value depends on besides the caller's key: tenant, model, tensor- and pipeline-parallel rank
 (dropped for MLA, where every TP rank holds the same KV, so ranks share keys), and for V1 the registered layout's
-signature. Routing keys are what the DESIGN routes by: the block hash (V1) or `distribute_key` (V0).
+signature. Routing keys are what the DESIGN routes by: the block hash (V1), `distribute_key` (V0 `PrimaryKey`),
+or the whole key (V0 plain `str`, the SDK's older form: such a key routes by itself). Each form has its own form
+byte, so a `str` key never collides with a `PrimaryKey` or a block hash.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import hashlib
 from typing import Optional, Sequence
 
 from ems.config import CcConfig
-from ems.types import PrimaryKey
+from ems.types import PrimaryKey, V0Key
 
 FORM_V0 = b"\x00"
 FORM_V1 = b"\x01"
+FORM_V0_STR = b"\x02"
 
 
 def namespace(tenant: Optional[str], cc_config: CcConfig, layout_signature: Optional[int]) -> bytes:
@@ -41,11 +44,18 @@ def v1_keys(ns: bytes, hashes: Sequence[int]) -> tuple[list[bytes], list[bytes]]
     return [prefix + r for r in routes], routes
 
 
-def v0_keys(ns: bytes, key_list: Sequence[PrimaryKey]) -> tuple[list[bytes], list[bytes]]:
-    """(storage keys, routing keys) of V0 PrimaryKeys; routing by `distribute_key` only."""
+def v0_keys(ns: bytes, key_list: Sequence[V0Key]) -> tuple[list[bytes], list[bytes]]:
+    """(storage keys, routing keys) of V0 keys (already checked): a PrimaryKey routes by `distribute_key` only, a
+    plain `str` key by itself."""
     prefix = ns + FORM_V0
+    str_prefix = ns + FORM_V0_STR
     storage, routes = [], []
     for key in key_list:
+        if isinstance(key, str):
+            raw = key.encode("utf-8")
+            routes.append(raw)
+            storage.append(str_prefix + raw)
+            continue
         dk = key.distribute_key.encode()
         ak = key.attribute_key.encode()
         routes.append(dk)

@@ -3,9 +3,12 @@
 `register_layout(kvcache, store_layer_group_desc)` checks what an engine registers and records it; it moves no data.
 `kvcache[layer][0 or 1]` is that layer's K or V tensor, `[blocks, block_size, heads, head_size]`. Tensors need not be
 contiguous as a whole (engines hand out views), but each token row (`heads * head_size` elements) must be. Layer
-groups may differ in block size, heads, head_size and dtype; within a group every tensor has one shape and dtype.
-The signature covers everything a stored value's bytes depend on (each group's layers, dtype, heads, head_size), so
-a differently shaped engine never reads foreign bytes.
+groups may differ in block size, heads, head_size and dtype. Within a group every tensor has the same number of
+blocks and block size (a slot names one row of each), while K and V may differ in heads, head size and dtype: MLA
+with split K/V (DeepSeek on Ascend) registers per layer K = the latent `[blocks, block_size, 1, 512]` and V = the
+rope part `[blocks, block_size, 1, 64]`. The signature covers everything a stored value's bytes depend on (each
+group's layers and every plane's dtype, heads and head_size), so a differently shaped engine never reads foreign
+bytes.
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ class LayerGroup:
     @property
     def token_bytes(self) -> int:
         """Bytes one token occupies in a stored value: every plane's row."""
-        return self.planes.num_planes * self.planes.row_bytes
+        return self.planes.token_bytes
 
     def describe(self) -> str:
-        t = self.planes.planes[0]
-        return (
-            f"layers={','.join(map(str, self.layer_ids))};dtype={str(t.dtype).replace('torch.', '')};"
-            f"heads={t.shape[2]};head_size={t.shape[3]}"
-        )
+        def spec(t: torch.Tensor) -> str:
+            return f"dtype={str(t.dtype).replace('torch.', '')};heads={t.shape[2]};head_size={t.shape[3]}"
+
+        layers = f"layers={','.join(map(str, self.layer_ids))}"
+        if self.planes.uniform:
+            return f"{layers};{spec(self.planes.planes[0])}"
+        return f"{layers};planes=" + "/".join(spec(t) for t in self.planes.planes)
 
 
 @dataclass(frozen=True)
@@ -136,12 +141,13 @@ def register_layout(
         planes: list[torch.Tensor] = []
         for layer in desc.layer_ids:
             for kv, tensor in enumerate(tensors[layer]):
-                if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
+                if tensor.shape[:2] != reference.shape[:2]:
                     where = "store_layer_group_desc" if store_layer_group_desc is not None else "one layer group"
                     raise invalid_argument(
-                        f"kvcache[{layer}][{kv}] is {tuple(tensor.shape)} {tensor.dtype}, but kvcache[{first_layer}][0] "
-                        f"is {tuple(reference.shape)} {reference.dtype}: tensors of {where} must match "
-                        "(register layers of other shapes as separate StoreLayerGroupDesc groups)"
+                        f"kvcache[{layer}][{kv}] is {tuple(tensor.shape)}, but kvcache[{first_layer}][0] is "
+                        f"{tuple(reference.shape)}: tensors of {where} must have the same [blocks, block_size] "
+                        "(heads, head_size and dtype may differ; register layers with other blocks as separate "
+                        "StoreLayerGroupDesc groups)"
                     )
                 planes.append(tensor)
         groups.append(LayerGroup(g, tuple(desc.layer_ids), desc.store_block_size, PlaneSet(tuple(planes))))

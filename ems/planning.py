@@ -1,8 +1,8 @@
 """Request planning: a checked request → storage keys, expected values and the copy plan (host, numpy).
 
-Staging layout. A V1 plan gives each layer group g one region of the staging buffer, `[T_g, P_g, row_g]`
-(tokens × planes × row elements, token-major), where `T_g` counts the group's tokens over all blocks in request
-order. Block i's part of group g is the contiguous byte range of its tokens in that region, so a stored value is
+Staging layout. A V1 plan gives each layer group g one region of the staging buffer, `[T_g, token_bytes_g]`
+(token-major; a token is every plane's row back to back, planes possibly of different row sizes and dtypes), where
+`T_g` counts the group's tokens over all blocks in request order. Block i's part of group g is the contiguous byte range of its tokens in that region, so a stored value is
 `header | part of group 0 | part of group 1 | ...` without any repacking: `payload_parts` hands those ranges to the
 transport as they lie. A V0 plan concatenates every value's device ranges. Regions start on 64-byte boundaries.
 
@@ -58,11 +58,11 @@ class GroupRegion:
         return self.tokens * self.group.token_bytes
 
     def view(self, staging: torch.Tensor, tokens: Optional[int] = None) -> torch.Tensor:
-        """The region (or its first `tokens` tokens) as `[tokens, planes, row_elems]` of the group's dtype."""
-        planes = self.group.planes
+        """The region (or its first `tokens` tokens) as uint8 `[tokens, token_bytes]`: each token is every plane's
+        row back to back (planes may differ in row size and dtype: MLA split K/V)."""
         count = self.tokens if tokens is None else tokens
         raw = staging[self.offset : self.offset + count * self.group.token_bytes]
-        return raw.view(planes.dtype).view(count, planes.num_planes, planes.row_elems)
+        return raw.view(count, self.group.token_bytes)
 
     def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
         out = self.view(staging)

@@ -23,7 +23,7 @@ import torch
 from ems.errors import invalid_argument
 from ems.kernels.plan import runs_to_slots
 from ems.layout import RegisteredLayout
-from ems.types import DEFAULT_OPTION, CcKvOption, KvBufferWrapper, PrimaryKey
+from ems.types import DEFAULT_OPTION, CcKvOption, KvBufferWrapper, PrimaryKey, V0Key, check_str_key
 
 MAX_U64 = (1 << 64) - 1
 
@@ -38,7 +38,7 @@ class RawRequest:
     """V0: value i is the concatenation of the device ranges `segments[seg_start[i]:seg_start[i+1]]`."""
 
     option: CcKvOption
-    keys: List[PrimaryKey]
+    keys: List[V0Key]  # PrimaryKey or plain str keys
     ptrs: np.ndarray  # int64 [S] device addresses
     lengths: np.ndarray  # int64 [S] bytes
     seg_start: np.ndarray  # int64 [n+1]
@@ -258,15 +258,14 @@ def _bind_raw(op: Operation, b: dict) -> RawRequest:
     option = _option(b.get("option"), required=True)
     key_list, value_list = b.get("key_list"), b.get("value_list")
     if not isinstance(key_list, (list, tuple)) or not key_list:
-        raise invalid_argument("key_list must be a non-empty list of PrimaryKey")
+        raise invalid_argument("key_list must be a non-empty list of PrimaryKey or str keys")
     if not isinstance(value_list, (list, tuple)):
         raise invalid_argument(f"value_list must be a list of lists of KvBufferWrapper, got {type(value_list).__name__}")
     if len(value_list) != len(key_list):
         raise invalid_argument(f"len(value_list) ({len(value_list)}) != len(key_list) ({len(key_list)})")
-    seen: dict[PrimaryKey, int] = {}
+    _check_v0_keys("key_list", key_list)
+    seen: dict[V0Key, int] = {}
     for i, key in enumerate(key_list):
-        if not isinstance(key, PrimaryKey):
-            raise invalid_argument(f"key_list[{i}] must be a PrimaryKey, got {type(key).__name__}")
         if key in seen:
             raise invalid_argument(f"key_list[{i}] repeats key_list[{seen[key]}] ({key}): keys must be unique")
         seen[key] = i
@@ -289,6 +288,15 @@ def _bind_raw(op: Operation, b: dict) -> RawRequest:
     return RawRequest(option, list(key_list), np.asarray(ptrs, np.int64), np.asarray(lengths, np.int64), np.cumsum(counts))
 
 
+def _check_v0_keys(name: str, keys: Sequence[object]) -> None:
+    """Every V0 key is a PrimaryKey or a plain str key (the SDK's older form) within the limits."""
+    for i, key in enumerate(keys):
+        if isinstance(key, str):
+            check_str_key(f"{name}[{i}]", key)
+        elif not isinstance(key, PrimaryKey):
+            raise invalid_argument(f"{name}[{i}] must be a PrimaryKey or a str key, got {type(key).__name__}")
+
+
 def bind_request(op: Operation, args: tuple, kwargs: dict, layout: Optional[RegisteredLayout]) -> Request:
     """The request the arguments describe, fully checked against `layout` (None before registration)."""
     v0 = (args and isinstance(args[0], CcKvOption)) or "key_list" in kwargs or "value_list" in kwargs
@@ -308,11 +316,12 @@ def bind_request(op: Operation, args: tuple, kwargs: dict, layout: Optional[Regi
     return _bind_slots(op, b, layout)
 
 
-def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> tuple[Union[List[int], List[PrimaryKey]], CcKvOption]:
-    """exists(hashes, option=None): V1 block hashes, or V0 PrimaryKeys."""
+def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> tuple[Union[List[int], List[V0Key]], CcKvOption]:
+    """exists(hashes, option=None): V1 block hashes, or V0 keys (PrimaryKey or str)."""
     if kwargs:
         raise invalid_argument(f"exists() got unexpected arguments {sorted(kwargs)}")
     checked_option = _option(option, required=False)
-    if isinstance(hashes, (list, tuple)) and hashes and all(isinstance(k, PrimaryKey) for k in hashes):
+    if isinstance(hashes, (list, tuple)) and hashes and isinstance(hashes[0], (PrimaryKey, str)):
+        _check_v0_keys("hashes", hashes)
         return list(hashes), checked_option
     return _hashes(hashes), checked_option

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 
-MAX_KEY_CHARS = 127  # a V0 key is "under 128 characters"
+MAX_KEY_CHARS = 127  # a V0 PrimaryKey field is "under 128 characters"
+MAX_STR_KEY_CHARS = 1024  # a V0 plain-str key (the SDK's older form, e.g. "vllm@tenant@pp1@tp1@0@<hash>")
+
+V0Key = Union["PrimaryKey", str]
 
 
 def _require_int(name: str, value: object, minimum: Optional[int] = None) -> int:
@@ -70,6 +73,18 @@ class PrimaryKey:
                 raise invalid_argument(
                     f"PrimaryKey.{name} is {len(value)} characters; a key must be under {MAX_KEY_CHARS + 1}"
                 )
+
+
+def check_str_key(name: str, key: str) -> bytes:
+    """A V0 plain-str key as the UTF-8 bytes it is stored and routed by; EMS_INVALID_ARGUMENT naming `name`."""
+    if not key:
+        raise invalid_argument(f"{name} must not be an empty str")
+    if len(key) > MAX_STR_KEY_CHARS:
+        raise invalid_argument(f"{name} is {len(key)} characters; a str key holds at most {MAX_STR_KEY_CHARS}")
+    try:
+        return key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_argument(f"{name} is not encodable as UTF-8: {exc.reason} at index {exc.start}") from None
 
 
 @dataclass(frozen=True)

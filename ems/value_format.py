@@ -7,6 +7,14 @@ engine, a torn write or a damaged byte is detected and treated as a miss, never 
 
 `layout_sig` is the registered layout's signature (V1) or 0 (V0 raw values); `tokens_digest` identifies how many
 tokens of each layer group the value holds; `checksum` is XXH3-64 of the payload.
+
+Versions. `version` names the payload's format. A client accepts only values of its own `VERSION`: a value written
+by another version is a miss (recomputed, then overwritten), never a wrong block. A pool node, which only checks
+that a value is well formed (header, length, checksum), stores every version it knows (`NODE_VERSIONS`), so
+clients and nodes can be upgraded in any order.
+* 1: a V1 value is per layer group `[tokens, planes, row]`, every plane of the group with one row size and dtype.
+* 2: a V1 value is per layer group, token by token, every plane's row back to back; planes may differ in row size
+  and dtype (MLA with split K/V). The layout signature names every plane's dtype, heads and head size.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import xxhash
 Buffer = Union[bytes, bytearray, memoryview]
 
 MAGIC = 0x56534D45  # b"EMSV" read as little-endian u32
-VERSION = 1
+VERSION = 2
+NODE_VERSIONS = frozenset(range(1, VERSION + 1))  # what a pool node stores (see the module docstring)
 HEADER_DTYPE = np.dtype(
     [
         ("magic", "<u4"),
@@ -86,19 +95,21 @@ def build_headers(expected: ExpectedValues, checksums: Sequence[int]) -> list[by
     return [packed[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]
 
 
-def parse_header(value: Buffer) -> Optional[np.void]:
-    """The header fields of a stored value, or None when it is too short or not an EMS value."""
+def parse_header(value: Buffer, versions: frozenset[int] = frozenset({VERSION})) -> Optional[np.void]:
+    """The header fields of a stored value, or None when it is too short, not an EMS value, or of a version not in
+    `versions` (by default this client's own)."""
     if len(value) < HEADER_SIZE:
         return None
     header = np.frombuffer(value, dtype=HEADER_DTYPE, count=1)[0]
-    if int(header["magic"]) != MAGIC or int(header["version"]) != VERSION:
+    if int(header["magic"]) != MAGIC or int(header["version"]) not in versions:
         return None
     return header
 
 
 def is_well_formed(value: Buffer) -> bool:
-    """Header present, length consistent and checksum right: what a pool node checks before storing."""
-    header = parse_header(value)
+    """Header of a known version (`NODE_VERSIONS`), length consistent and checksum right: what a pool node checks
+    before storing."""
+    header = parse_header(value, NODE_VERSIONS)
     if header is None or len(value) != HEADER_SIZE + int(header["payload_len"]):
         return False
     return checksum([memoryview(value)[HEADER_SIZE:]]) == int(header["checksum"])

@@ -8,8 +8,13 @@ buffer; a load scatters them back. Three request forms reduce to three pairs of 
   other, so the tokens of run r are `cumsum(lengths)[r-1] ...`;
 * segments (V0 KvBufferWrapper): raw device address ranges, concatenated.
 
-Layout of a group's staging region: `[tokens, planes, row_elems]`, token-major, so that the rows of consecutive
-tokens of one block (all layers' K and V) form one contiguous byte range: that range is the stored value.
+Layout of a group's staging region: token-major, one token = the rows of every plane one after the other
+(`PlaneSet.token_bytes` bytes; plane p's row at byte `PlaneSet.plane_offsets[p]` of the token), so that the rows
+of consecutive tokens of one block (all layers' K and V) form one contiguous byte range: that range is the stored
+value. Planes may differ in row size and dtype (MLA with split K/V: K = the 512-wide latent, V = the 64-wide rope
+part); when they all match, the region is exactly the typed array `[tokens, planes, row_elems]`.
+Staging arguments (`out`, `src`) are contiguous tensors of any dtype holding exactly `tokens * token_bytes` bytes
+(typically uint8 `[tokens, token_bytes]`, or `[tokens, planes, row_elems]` of the planes' dtype when uniform).
 
 Rules every backend keeps:
 * A gather writes every element of `out`; a scatter writes exactly the rows it names and nothing else.
@@ -44,9 +49,10 @@ class PlaneSet:
     """The registered tensors of one layer group, as the copy backends see them.
 
     planes: P tensors; plane `2*i + kv` is the K (kv=0) or V (kv=1) tensor of the group's i-th layer. Each is
-        `[num_blocks, block_size, heads, head_size]`, all of one dtype, device and shape. Each token row
-        (`heads * head_size` elements) is contiguous; blocks and slots may be strided (views such as K and V
-        interleaved per block).
+        `[num_blocks, block_size, heads_p, head_size_p]` on one device, all with the same `num_blocks` and
+        `block_size` (a slot names the same row of every plane); heads, head size and dtype may differ per plane
+        (MLA with split K/V). Each token row (`heads_p * head_size_p` elements) is contiguous; blocks and slots may
+        be strided (views such as K and V interleaved per block).
     Slot s of plane p is the row at element offset
         `(s // block_size) * block_strides[p] + (s % block_size) * slot_strides[p]` from `planes[p]`'s data pointer.
     """
@@ -56,6 +62,14 @@ class PlaneSet:
     def __post_init__(self) -> None:
         if not self.planes:
             raise ValueError("a PlaneSet needs at least one plane")
+        first = self.planes[0]
+        for p in self.planes:
+            if p.dim() != 4 or p.shape[:2] != first.shape[:2] or p.device != first.device:
+                raise ValueError(
+                    "every plane of a PlaneSet must be [num_blocks, block_size, heads, head_size] with the same "
+                    f"num_blocks, block_size and device; got {tuple(p.shape)} on {p.device} and "
+                    f"{tuple(first.shape)} on {first.device}"
+                )
 
     @property
     def num_planes(self) -> int:
@@ -74,20 +88,58 @@ class PlaneSet:
         return self.num_blocks * self.block_size
 
     @property
+    def uniform(self) -> bool:
+        """Whether every plane has one row shape and dtype (then `row_elems`, `dtype`, ... describe them all)."""
+        first = self.planes[0]
+        return all(p.shape[2:] == first.shape[2:] and p.dtype == first.dtype for p in self.planes)
+
+    def _uniform_only(self, what: str) -> torch.Tensor:
+        if not self.uniform:
+            raise ValueError(f"PlaneSet.{what} is per plane here (planes differ in row size or dtype): use plane_{what}")
+        return self.planes[0]
+
+    @property
     def row_elems(self) -> int:
-        return int(self.planes[0].shape[2] * self.planes[0].shape[3])
+        first = self._uniform_only("row_elems")
+        return int(first.shape[2] * first.shape[3])
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.planes[0].dtype
+        return self._uniform_only("dtype").dtype
 
     @property
     def element_size(self) -> int:
-        return self.planes[0].element_size()
+        return self._uniform_only("element_size").element_size()
 
     @property
     def row_bytes(self) -> int:
         return self.row_elems * self.element_size
+
+    @property
+    def plane_row_elems(self) -> Tuple[int, ...]:
+        return tuple(int(p.shape[2] * p.shape[3]) for p in self.planes)
+
+    @property
+    def plane_element_sizes(self) -> Tuple[int, ...]:
+        return tuple(p.element_size() for p in self.planes)
+
+    @property
+    def plane_row_bytes(self) -> Tuple[int, ...]:
+        return tuple(r * e for r, e in zip(self.plane_row_elems, self.plane_element_sizes))
+
+    @property
+    def plane_offsets(self) -> Tuple[int, ...]:
+        """Byte offset of plane p's row inside one token of staging."""
+        offsets, position = [], 0
+        for nbytes in self.plane_row_bytes:
+            offsets.append(position)
+            position += nbytes
+        return tuple(offsets)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in staging: every plane's row."""
+        return sum(self.plane_row_bytes)
 
     @property
     def device(self) -> torch.device:
@@ -95,11 +147,33 @@ class PlaneSet:
 
     @property
     def block_strides(self) -> Tuple[int, ...]:
+        """Per plane, in that plane's elements."""
         return tuple(int(p.stride(0)) for p in self.planes)
 
     @property
     def slot_strides(self) -> Tuple[int, ...]:
+        """Per plane, in that plane's elements."""
         return tuple(int(p.stride(1)) for p in self.planes)
+
+    @property
+    def block_stride_bytes(self) -> Tuple[int, ...]:
+        return tuple(s * e for s, e in zip(self.block_strides, self.plane_element_sizes))
+
+    @property
+    def slot_stride_bytes(self) -> Tuple[int, ...]:
+        return tuple(s * e for s, e in zip(self.slot_strides, self.plane_element_sizes))
+
+    def staging_bytes(self, stage: torch.Tensor, tokens: int, what: str) -> torch.Tensor:
+        """`stage` checked (device, contiguity, exactly `tokens * token_bytes` bytes) and viewed as uint8
+        `[tokens, token_bytes]`; ValueError naming `what` otherwise."""
+        nbytes = stage.numel() * stage.element_size()
+        if stage.device != self.device or not stage.is_contiguous() or nbytes != tokens * self.token_bytes:
+            raise ValueError(
+                f"{what} must be a contiguous tensor of {tokens} x {self.token_bytes} bytes on {self.device}, got "
+                f"{stage.dtype} {tuple(stage.shape)} ({nbytes} bytes) on {stage.device}"
+                f"{'' if stage.is_contiguous() else ' (not contiguous)'}"
+            )
+        return stage.reshape(-1).view(torch.uint8).view(tokens, self.token_bytes)
 
 
 class CopyBackend(abc.ABC):
@@ -116,14 +190,14 @@ class CopyBackend(abc.ABC):
         """out[t, p, :] = row `slots[t]` of plane p.
 
         slots: int64 `[T]` (CPU); repeats and any order allowed.
-        out: `[T, P, row_elems]`, contiguous, `planes.dtype`, on `planes.device`.
+        out: contiguous staging of `T * planes.token_bytes` bytes on `planes.device` (see the module docstring).
         """
 
     @abc.abstractmethod
     def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
         """Row `slots[t]` of plane p = src[t, p, :]; no other row changes.
 
-        slots: int64 `[T]` (CPU), no repeats. src: `[T, P, row_elems]`, contiguous, on `planes.device`.
+        slots: int64 `[T]` (CPU), no repeats. src: contiguous staging of `T * planes.token_bytes` bytes.
         """
 
     @abc.abstractmethod
@@ -132,7 +206,7 @@ class CopyBackend(abc.ABC):
     ) -> None:
         """Run r (slots `starts[r] .. starts[r] + lengths[r] - 1`) fills tokens `sum(lengths[:r]) ...` of out.
 
-        starts, lengths: int64 `[R]` (CPU), lengths >= 1. out: `[sum(lengths), P, row_elems]`, contiguous.
+        starts, lengths: int64 `[R]` (CPU), lengths >= 1. out: contiguous, `sum(lengths) * token_bytes` bytes.
         """
 
     @abc.abstractmethod

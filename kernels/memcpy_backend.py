@@ -4,7 +4,7 @@ Contract: `MemcpyBackend` implements `CopyBackend` (base.py) on any device torch
 pieces (consecutive slots inside one block, `plan.py`); each (piece, plane) is ONE copy when the plane's rows are
 contiguous inside a block (`slot_stride == row_elems`), else one copy per token. Raw segments cost one copy each.
 `ops_issued` counts the copies, so a save's device operations grow with blocks × planes: the cost the kernels
-remove. It is a comparison baseline and a last-resort fallback, not a fast path.
+remove. Bytes move as uint8 views, so planes of different row sizes and dtypes (MLA split K/V) need nothing else. It is a comparison baseline and a last-resort fallback, not a fast path.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ class MemcpyBackend(DirectionalCopyBackend):
         self.ops_issued = 0
 
     def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
-        expected = (int(slots.numel()), planes.num_planes, planes.row_elems)
-        if tuple(stage.shape) != expected or stage.dtype != planes.dtype or not stage.is_contiguous():
-            raise ValueError(f"staging must be contiguous {planes.dtype} {expected}, got {tuple(stage.shape)}")
+        stage_bytes = planes.staging_bytes(stage, int(slots.numel()), "out" if gather else "src")
         check_slots(slots, planes.num_slots)
         starts, counts, firsts = slots_to_pieces(slots, planes.block_size)
-        views = [plane_rows(planes, p) for p in range(planes.num_planes)]
-        contiguous = [s == planes.row_elems for s in planes.slot_strides]
+        views = [plane_rows(planes, p).view(torch.uint8) for p in range(planes.num_planes)]  # [blocks, bs, row_bytes]
+        columns = [stage_bytes[:, off : off + nbytes] for off, nbytes in zip(planes.plane_offsets, planes.plane_row_bytes)]
+        contiguous = [s == r for s, r in zip(planes.slot_strides, planes.plane_row_elems)]
         bs = planes.block_size
         # one Python iteration per (piece, plane) — deliberately: this path models per-block copies
         for start, count, first in zip(starts.tolist(), counts.tolist(), firsts.tolist()):
@@ -38,7 +37,7 @@ class MemcpyBackend(DirectionalCopyBackend):
             for p, rows in enumerate(views):
                 if contiguous[p]:
                     cache = rows[blk, off : off + count]
-                    staged = stage[first : first + count, p]
+                    staged = columns[p][first : first + count]
                     if gather:
                         staged.copy_(cache)
                     else:
@@ -47,9 +46,9 @@ class MemcpyBackend(DirectionalCopyBackend):
                 else:
                     for k in range(count):
                         if gather:
-                            stage[first + k, p].copy_(rows[blk, off + k])
+                            columns[p][first + k].copy_(rows[blk, off + k])
                         else:
-                            rows[blk, off + k].copy_(stage[first + k, p])
+                            rows[blk, off + k].copy_(columns[p][first + k])
                     self.ops_issued += count
 
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:

@@ -1,24 +1,27 @@
 """Vectorised torch gather/scatter: the CPU production path, and the fallback on any device.
 
-Contract: `TorchBackend` implements `CopyBackend` (base.py) with one indexing op per plane, whatever the number
-of blocks or tokens (plus one host→device copy of the row indices off CPU); `ops_issued` counts them.
+Contract: `TorchBackend` implements `CopyBackend` (base.py) with one indexing op per save on CPU, one per plane
+elsewhere, whatever the number of blocks or tokens (plus one host→device copy of the row indices off CPU);
+`ops_issued` counts them. Planes may differ in row size and dtype (MLA with split K/V).
 
 How (CPU, the common case): all planes are rows of ONE table: a view of the address span from the lowest to
 the highest plane byte, with the widest int element (8/4/2/1 bytes) and a row stride that divides every plane's
-address offset and strides. Row index `[t, p]` is computed for all tokens and planes at once (broadcast), and a
-gather is ONE `index_select(span, 0, idx, out=out.view(T * P, row))` into the contiguous staging buffer (torch's
-per-row fast path), a scatter one `index_copy_`. The span view only ever touches the indexed rows; it is used
-within the call and never outlives the planes. Measured on this 2-core host (1 thread, 1 KiB rows, 16 planes):
-gather 6.9 vs 5.3 GB/s per-plane, scatter 4.3 vs 2.3 GB/s.
+address offset and strides. A table row is a *sub-row*: the gcd of the planes' row bytes, so plane p's row is
+`row_bytes[p] / sub` consecutive sub-rows (one when all planes match: then a sub-row is a whole row). Sub-row
+index `[t, j]` is computed for all tokens and sub-rows at once (broadcast), and since staging holds each token's
+plane rows back to back, a gather is ONE `index_select(span, 0, idx, out=staging.view(T * J, sub))` into the
+contiguous staging buffer (torch's per-row fast path), a scatter one `index_copy_`. The span view only ever touches
+the indexed rows; it is used within the call and never outlives the planes. Measured on this 2-core host
+(1 thread, 1 KiB rows, 16 planes): gather 6.9 vs 5.3 GB/s per-plane, scatter 4.3 vs 2.3 GB/s.
 
-Otherwise (other devices, or a span too odd to view): plane p is viewed as a 2-D row table `[N, row_elems]` over its own storage with row stride
-`g = gcd(block_stride, slot_stride)`, so slot s is row `(s // block_size) * block_stride / g +
-(s % block_size) * slot_stride / g` of it — one row index per token, shared by every plane with the same
-strides. A gather is then `index_select(table, 0, rows, out=out[:, p, :])`, which writes straight into the
-strided staging slice in one pass (no temporary); a scatter is `index_copy_`. Elements move as a signed int of
-the element's width, so every dtype (fp8 included) is copied bit for bit. Raw V0 segments are the exception:
-torch has no batched copy between arbitrary addresses, so they cost one copy each (the Triton backend does them
-in one launch).
+Otherwise (other devices, or a span too odd to view): plane p is viewed as a 2-D row table `[N, row_units_p]` over
+its own storage with row stride `g = gcd(block_stride, slot_stride)`, so slot s is row `(s // block_size) *
+block_stride / g + (s % block_size) * slot_stride / g` of it — one row index per token, shared by every plane with
+the same strides. A gather is then `index_select(table, 0, rows, out=<plane p's column range of staging>)`, which
+writes straight into the strided staging slice in one pass (no temporary); a scatter is `index_copy_`. Elements
+move as the widest signed int dividing the plane's row, strides and addresses, so every dtype (fp8 included) is
+copied bit for bit. Raw V0 segments are the exception: torch has no batched copy between arbitrary addresses, so
+they cost one copy each (the Triton backend does them in one launch).
 """
 
 from __future__ import annotations
@@ -37,78 +40,102 @@ _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
 
 
-_span_cache: Dict[Tuple[object, ...], Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, torch.dtype]]] = {}
+_span_cache: Dict[Tuple[object, ...], Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
 
 
-def _span_layout(planes: PlaneSet, stage: torch.Tensor) -> Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, torch.dtype]]:
-    """(table, plane row offsets [P], block steps [P], slot steps [P], int dtype), cached per addresses and strides:
-    the table is an address view that owns no memory, so the cache never keeps a freed cache alive."""
-    esize = planes.element_size
+def _widest(quantities: List[int], widths: Tuple[int, ...] = (8, 4, 2, 1)) -> int:
+    return next(w for w in widths if all(q % w == 0 for q in quantities))
+
+
+def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(table `[N, sub_units]`, and per sub-row j of a token: its plane's row offset, block step, slot step, and
+    its step inside the plane's row), all in table rows; cached per addresses and strides. The table is an address
+    view that owns no memory, so the cache never keeps a freed cache alive. None when no span view fits."""
     addrs = [int(p.data_ptr()) for p in planes.planes]
-    bstr = [b * esize for b in planes.block_strides]
-    sstr = [s * esize for s in planes.slot_strides]
-    key = (tuple(addrs), tuple(bstr), tuple(sstr), planes.num_blocks, planes.block_size, planes.row_bytes,
-           int(stage.data_ptr()) % 8)
+    bstr, sstr, rbytes = list(planes.block_stride_bytes), list(planes.slot_stride_bytes), list(planes.plane_row_bytes)
+    key = (tuple(addrs), tuple(bstr), tuple(sstr), tuple(rbytes), planes.num_blocks, planes.block_size, stage_addr % 8)
     if key in _span_cache:
         return _span_cache[key]
     lo = min(addrs)
-    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + planes.row_bytes
-             for a, b, s in zip(addrs, bstr, sstr))
+    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + r
+             for a, b, s, r in zip(addrs, bstr, sstr, rbytes))
     result = None
     if hi - lo <= _MAX_SPAN:
         offs = [a - lo for a in addrs]
-        width = next(w for w in (8, 4, 2, 1)
-                     if all(q % w == 0 for q in offs + bstr + sstr + [planes.row_bytes, lo, int(stage.data_ptr())]))
-        g = 0
+        sub = 0
+        for r in rbytes:
+            sub = math.gcd(sub, r)
+        width = _widest(offs + bstr + sstr + [sub, lo, stage_addr])
+        g = sub
         for q in offs + bstr + sstr:
             g = math.gcd(g, q)
-        g = g or width
-        units = planes.row_bytes // width
-        n_rows = ((hi - lo) // width - units) // (g // width) + 1
-        dtype = _INT_OF_WIDTH[width]
-        table = raw_tensor(lo, hi - lo, planes.device).view(dtype).as_strided((n_rows, units), (g // width, 1))
-        result = (table, np.array(offs, np.int64) // g, np.array(bstr, np.int64) // g, np.array(sstr, np.int64) // g,
-                  dtype)
+        units, step = sub // width, g // width
+        n_rows = ((hi - lo) // width - units) // step + 1
+        table = raw_tensor(lo, hi - lo, planes.device).view(_INT_OF_WIDTH[width]).as_strided((n_rows, units), (step, 1))
+        per_plane = np.array([r // sub for r in rbytes], np.int64)  # sub-rows of each plane's row
+        plane_of = np.repeat(np.arange(planes.num_planes), per_plane)
+        within = np.arange(int(per_plane.sum()), dtype=np.int64) - np.repeat(np.cumsum(per_plane) - per_plane, per_plane)
+        result = (
+            table,
+            (np.array(offs, np.int64) // g)[plane_of],
+            (np.array(bstr, np.int64) // g)[plane_of],
+            (np.array(sstr, np.int64) // g)[plane_of],
+            within * (sub // g),
+            np.array([units], np.int64),
+        )
     if len(_span_cache) > 256:
         _span_cache.clear()
     _span_cache[key] = result
     return result
 
 
-def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
-    """CPU only: (table `[N, row_units]`, row index `[T * P]` int64, int dtype) viewing every plane in one span,
-    or None when the layout does not allow it."""
+def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """CPU only: (table `[N, sub_units]`, sub-row index `[T * J]` int64) viewing every plane in one span, or None
+    when the layout does not allow it."""
     if planes.device.type != "cpu":
         return None
-    layout = _span_layout(planes, stage)
+    layout = _span_layout(planes, int(stage.data_ptr()))
     if layout is None:
         return None
-    table, offs, bstep, sstep, dtype = layout
+    table, offs, bstep, sstep, jstep, _units = layout
     s = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
     blocks = s // planes.block_size
     within = s - blocks * planes.block_size
-    idx = offs[None, :] + blocks[:, None] * bstep[None, :] + within[:, None] * sstep[None, :]
-    return table, torch.from_numpy(idx.reshape(-1)), dtype
+    idx = (offs + jstep)[None, :] + blocks[:, None] * bstep[None, :] + within[:, None] * sstep[None, :]
+    return table, torch.from_numpy(idx.reshape(-1))
 
 
 def plane_rows(planes: PlaneSet, p: int) -> torch.Tensor:
-    """Plane p as `[num_blocks, block_size, row_elems]`, aliasing the registered memory."""
+    """Plane p as `[num_blocks, block_size, row_elems_p]`, aliasing the registered memory."""
     plane = planes.planes[p]
     return plane.as_strided(
-        (planes.num_blocks, planes.block_size, planes.row_elems),
+        (planes.num_blocks, planes.block_size, planes.plane_row_elems[p]),
         (plane.stride(0), plane.stride(1), 1),
     )
 
 
-def _row_table(planes: PlaneSet, p: int) -> Tuple[torch.Tensor, int, int]:
-    """Plane p as an int `[N, row_elems]` row table with row stride g; returns (table, block_step, slot_step)
-    where slot s is row `(s // block_size) * block_step + (s % block_size) * slot_step`."""
-    plane = planes.planes[p]
-    bstride, sstride = int(plane.stride(0)), int(plane.stride(1))
+def _plane_width(planes: PlaneSet, p: int, stage_addr: int) -> int:
+    """The widest int moving plane p between the cache and its column range of staging."""
+    return _widest([planes.plane_row_bytes[p], planes.block_stride_bytes[p], planes.slot_stride_bytes[p],
+                    int(planes.planes[p].data_ptr()), stage_addr + planes.plane_offsets[p], planes.token_bytes])
+
+
+def _row_table(planes: PlaneSet, p: int, width: int) -> Tuple[torch.Tensor, int, int]:
+    """Plane p as an int `[N, row_units]` row table (ints of `width` bytes) with row stride g; returns
+    (table, block_step, slot_step) where slot s is row `(s // block_size) * block_step + (s % block_size) * slot_step`."""
+    bstride, sstride = planes.block_stride_bytes[p] // width, planes.slot_stride_bytes[p] // width
     g = math.gcd(bstride, sstride) or 1
     rows = (planes.num_blocks - 1) * (bstride // g) + (planes.block_size - 1) * (sstride // g) + 1
-    table = plane.as_strided((rows, planes.row_elems), (g, 1)).view(_INT_OF_WIDTH[planes.element_size])
+    units = planes.plane_row_bytes[p] // width
+    flat = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
+    table = flat.as_strided((rows, units), (g, 1))
     return table, bstride // g, sstride // g
+
+
+def _stage_columns(planes: PlaneSet, stage_bytes: torch.Tensor, p: int, width: int) -> torch.Tensor:
+    """Plane p's rows in staging: `[T, row_units_p]` ints of `width` bytes, a strided view of `stage_bytes`."""
+    off = planes.plane_offsets[p]
+    return stage_bytes[:, off : off + planes.plane_row_bytes[p]].view(_INT_OF_WIDTH[width])
 
 
 class TorchBackend(CopyBackend):
@@ -117,58 +144,52 @@ class TorchBackend(CopyBackend):
     def __init__(self) -> None:
         self.ops_issued = 0
 
-    def _plan(self, planes: PlaneSet, slots: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """Per plane: (row table, row indices on the device); planes with equal strides share the indices."""
+    def _plan(self, planes: PlaneSet, slots: torch.Tensor, stage_addr: int) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per plane: (move width, row table, row indices on the device); planes with equal steps share indices."""
         slots = slots.to("cpu", torch.int64)
         blocks = torch.div(slots, planes.block_size, rounding_mode="floor")
         offsets = slots - blocks * planes.block_size
         index_of: Dict[Tuple[int, int], torch.Tensor] = {}
         plan = []
         for p in range(planes.num_planes):
-            table, bstep, sstep = _row_table(planes, p)
+            width = _plane_width(planes, p, stage_addr)
+            table, bstep, sstep = _row_table(planes, p, width)
             rows = index_of.get((bstep, sstep))
             if rows is None:
                 rows = (blocks * bstep + offsets * sstep).to(planes.device, non_blocking=True)
                 if planes.device.type != "cpu":
                     self.ops_issued += 1
                 index_of[(bstep, sstep)] = rows
-            plan.append((table, rows))
+            plan.append((width, table, rows))
         return plan
 
-    @staticmethod
-    def _int_view(planes: PlaneSet, stage: torch.Tensor) -> torch.Tensor:
-        expected = (stage.shape[0], planes.num_planes, planes.row_elems)
-        if stage.dim() != 3 or tuple(stage.shape) != expected or stage.dtype != planes.dtype:
-            raise ValueError(f"staging must be {planes.dtype} {expected}, got {stage.dtype} {tuple(stage.shape)}")
-        return stage.view(_INT_OF_WIDTH[planes.element_size])
+    def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        stage_bytes = planes.staging_bytes(stage, int(slots.numel()), "out" if gather else "src")
+        if slots.numel() == 0:
+            return
+        span = _span_table(planes, slots, stage)
+        if span is not None:
+            table, idx = span
+            flat = stage_bytes.view(-1).view(table.dtype).view(idx.numel(), -1)
+            if gather:
+                torch.index_select(table, 0, idx, out=flat)
+            else:
+                table.index_copy_(0, idx, flat)
+            self.ops_issued += 1
+            return
+        for p, (width, table, rows) in enumerate(self._plan(planes, slots, int(stage.data_ptr()))):
+            columns = _stage_columns(planes, stage_bytes, p, width)
+            if gather:
+                torch.index_select(table, 0, rows, out=columns)
+            else:
+                table.index_copy_(0, rows, columns)
+            self.ops_issued += 1
 
     def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
-        out_int = self._int_view(planes, out)
-        if slots.numel() == 0:
-            return
-        span = _span_table(planes, slots, out)
-        if span is not None:
-            table, idx, dtype = span
-            torch.index_select(table, 0, idx, out=out.view(-1).view(torch.uint8).view(dtype).view(idx.numel(), -1))
-            self.ops_issued += 1
-            return
-        for p, (table, rows) in enumerate(self._plan(planes, slots)):
-            torch.index_select(table, 0, rows, out=out_int[:, p, :])
-            self.ops_issued += 1
+        self._rows(planes, slots, out, gather=True)
 
     def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
-        src_int = self._int_view(planes, src)
-        if slots.numel() == 0:
-            return
-        span = _span_table(planes, slots, src)
-        if span is not None:
-            table, idx, dtype = span
-            table.index_copy_(0, idx, src.reshape(-1).view(torch.uint8).view(dtype).view(idx.numel(), -1))
-            self.ops_issued += 1
-            return
-        for p, (table, rows) in enumerate(self._plan(planes, slots)):
-            table.index_copy_(0, rows, src_int[:, p, :])
-            self.ops_issued += 1
+        self._rows(planes, slots, src, gather=False)
 
     def gather_runs(
         self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor

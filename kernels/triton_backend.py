@@ -12,7 +12,10 @@ Design (Ascend first):
   `slot_stride == row_elems` the ROWS rows of a tile are one contiguous span of the cache.
 * **All planes in one launch, through a plane table.** Each plane is addressed as `base + plane_off[p]` where
   `base` is the plane with the lowest address and `plane_off` (int64, in moved units, >= 0) comes from a small
-  table next to the per-plane block and slot strides. Measured against the alternative, one launch per plane
+  table next to the per-plane block and slot strides, row length and staging offset inside a token: planes of one
+  group may differ in row size and dtype (MLA with split K/V: K = the 512-wide latent, V = the 64-wide rope part,
+  possibly of another dtype) and still cost ONE launch; the column loop runs to each plane's own row length and
+  the tile width COLS covers the widest row. Measured against the alternative, one launch per plane
   (same kernel, a one-plane table each), in the 3.7.1 interpreter counting builder ops, 8 layers (P = 16),
   512 tokens of 4×128 fp16: whole blocks 62 k ops in 1 launch vs 75 k ops in 16 launches; scattered slots
   1.00 M vs 1.19 M ops (per-plane launches reload the piece table P times). On devices the difference is launch
@@ -131,7 +134,8 @@ class _PlaneInfo:
     table: torch.Tensor  # int64 [3, P] on the device
     width: int
     dtype: torch.dtype
-    row_units: int
+    max_row_units: int  # the widest plane's row
+    token_units: int  # one token of staging: every plane's row
     max_slot_stride: int
 
 
@@ -169,24 +173,22 @@ class TritonBackend(DirectionalCopyBackend):
 
     def _planes(self, planes: PlaneSet, stage: torch.Tensor) -> _PlaneInfo:
         ptrs = tuple(int(p.data_ptr()) for p in planes.planes)
-        esize = planes.element_size
-        bstr = tuple(s * esize for s in planes.block_strides)
-        sstr = tuple(s * esize for s in planes.slot_strides)
-        width, wdtype = move_width(ptrs + (int(stage.data_ptr()),), (planes.row_bytes,) + bstr + sstr)
+        bstr, sstr = planes.block_stride_bytes, planes.slot_stride_bytes
+        rbytes, soffs = planes.plane_row_bytes, planes.plane_offsets
+        width, wdtype = move_width(ptrs + (int(stage.data_ptr()),), rbytes + soffs + bstr + sstr)
         for p in planes.planes:
-            if p.dtype != planes.dtype or p.shape != planes.planes[0].shape or p.device != planes.device:
-                raise ValueError("all planes of a PlaneSet must share dtype, shape and device")
             if (p.shape[3] > 1 and p.stride(3) != 1) or (p.shape[2] > 1 and p.stride(2) != p.shape[3]):
                 raise ValueError("each token row (heads * head_size) must be contiguous")
         low = int(np.argmin(ptrs))
         plane = planes.planes[low]
-        base = plane.as_strided((planes.num_blocks, planes.block_size, planes.row_elems),
+        base = plane.as_strided((planes.num_blocks, planes.block_size, planes.plane_row_elems[low]),
                                 (plane.stride(0), plane.stride(1), 1)).view(wdtype)
-        key = (planes.device, ptrs, bstr, sstr, width)
+        key = (planes.device, ptrs, bstr, sstr, rbytes, width)
         table = self._table_cache.get(key)
         if table is None:
             host = torch.tensor(
-                [[(a - ptrs[low]) // width for a in ptrs], [b // width for b in bstr], [s // width for s in sstr]],
+                [[(a - ptrs[low]) // width for a in ptrs], [b // width for b in bstr], [s // width for s in sstr],
+                 [r // width for r in rbytes], [o // width for o in soffs]],
                 dtype=torch.int64,
             )
             table = host.to(self.device)
@@ -195,17 +197,13 @@ class TritonBackend(DirectionalCopyBackend):
             if len(self._table_cache) > 64:  # registrations are few; never grow without bound
                 self._table_cache.clear()
             self._table_cache[key] = table
-        return _PlaneInfo(base, table, width, wdtype, planes.row_bytes // width, max(sstr) // width)
+        return _PlaneInfo(base, table, width, wdtype, max(rbytes) // width, planes.token_bytes // width,
+                          max(sstr) // width)
 
     def _check_stage(self, planes: PlaneSet, stage: torch.Tensor, tokens: int, what: str) -> None:
         self._check_device(stage)
         self._check_device(planes.planes[0])
-        expected = (tokens, planes.num_planes, planes.row_elems)
-        if tuple(stage.shape) != expected or stage.dtype != planes.dtype or not stage.is_contiguous():
-            raise ValueError(
-                f"{what} must be contiguous {planes.dtype} {expected}, got {stage.dtype} {tuple(stage.shape)}"
-                f"{'' if stage.is_contiguous() else ' (not contiguous)'}"
-            )
+        planes.staging_bytes(stage, tokens, what)
 
     def _upload(self, table: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
@@ -238,10 +236,10 @@ class TritonBackend(DirectionalCopyBackend):
         if slots.numel() == 0:
             return
         info = self._planes(planes, stage)
-        r = info.row_units
+        r = info.max_row_units
         cols = min(_next_pow2(r), self.tile_elems)
         rows = max(1, min(self.tile_elems // cols, _next_pow2(planes.block_size)))
-        token_units = planes.num_planes * r
+        token_units = info.token_units
         if rows * max(token_units, info.max_slot_stride) + cols > _INT32_MAX or r > _INT32_MAX:
             raise ValueError("a tile's offsets would overflow int32; rows this large are not supported")
         starts, counts, first = slots_to_pieces(slots, planes.block_size)
@@ -249,8 +247,8 @@ class TritonBackend(DirectionalCopyBackend):
         grid = (min(_program_count(self.device), int(starts.size)),)
         try:
             _build()["rows"][grid](
-                info.base, stage.view(-1).view(info.dtype), info.table, pieces,
-                int(starts.size), planes.num_planes, r, planes.block_size,
+                info.base, stage.reshape(-1).view(torch.uint8).view(info.dtype), info.table, pieces,
+                int(starts.size), planes.num_planes, token_units, planes.block_size,
                 GATHER=gather, ROWS=rows, COLS=cols,
             )
         except Exception as err:  # noqa: BLE001 - compile/launch failure: validated inputs, nothing written yet

@@ -120,7 +120,11 @@ V0_CASES = [
     ("duplicate_keys", lambda w: (CcKvOption(), [PrimaryKey("a", "b"), PrimaryKey("a", "b")], [[w], [w]]), ["key_list[1]"]),
     ("len_values", lambda w: (CcKvOption(), [PrimaryKey("a", "b")], [[w], [w]]), ["len(value_list)"]),
     ("empty_keys", lambda w: (CcKvOption(), [], []), ["key_list"]),
-    ("key_not_primary", lambda w: (CcKvOption(), ["a"], [[w]]), ["key_list[0]"]),
+    ("key_not_primary", lambda w: (CcKvOption(), [b"a"], [[w]]), ["key_list[0]", "PrimaryKey or a str"]),
+    ("key_empty_str", lambda w: (CcKvOption(), [""], [[w]]), ["key_list[0]", "empty"]),
+    ("key_long_str", lambda w: (CcKvOption(), ["k" * 1025], [[w]]), ["key_list[0]", "1024"]),
+    ("key_surrogate_str", lambda w: (CcKvOption(), ["a\udc80"], [[w]]), ["key_list[0]", "UTF-8"]),
+    ("duplicate_str_keys", lambda w: (CcKvOption(), ["k", "k"], [[w], [w]]), ["key_list[1]"]),
     ("value_not_wrapper", lambda w: (CcKvOption(), [PrimaryKey("a", "b")], [[(1, 2)]]), ["value_list[0][0]"]),
     ("value_empty", lambda w: (CcKvOption(), [PrimaryKey("a", "b")], [[]]), ["value_list[0]"]),
     ("value_not_list", lambda w: (CcKvOption(), [PrimaryKey("a", "b")], "x"), ["value_list"]),
@@ -243,8 +247,9 @@ REGISTER_CASES = [
     ("not_tensor", lambda: ([[_kv(), np.ones((4, 4, 2, 8))]], None), ["kvcache[0][1]"]),
     ("three_dims", lambda: ([[_kv((4, 4, 16)), _kv((4, 4, 16))]], None), ["kvcache[0][0]"]),
     ("empty_dim", lambda: ([[_kv((0, 4, 2, 8)), _kv((0, 4, 2, 8))]], None), ["kvcache[0][0]"]),
-    ("shape_differs", lambda: ([[_kv(), _kv()], [_kv(), _kv((BLOCKS, BS, 2, 4))]], None), ["kvcache[1][1]"]),
-    ("dtype_differs", lambda: ([[_kv(), _kv(dtype=torch.bfloat16)]], None), ["kvcache[0][1]"]),
+    # heads, head_size and dtype may differ inside a group (MLA split K/V); blocks and block_size may not
+    ("blocks_differ", lambda: ([[_kv(), _kv()], [_kv(), _kv((BLOCKS + 1, BS, 2, 4))]], None), ["kvcache[1][1]", "block"]),
+    ("block_size_differs", lambda: ([[_kv(), _kv((BLOCKS, BS * 2, 2, 8), torch.bfloat16)]], None), ["kvcache[0][1]"]),
     (
         "row_not_contiguous",
         lambda: ([[_kv(), torch.ones(BLOCKS, BS, 8, 2, dtype=torch.float16).transpose(2, 3)]], None),
@@ -271,7 +276,7 @@ REGISTER_CASES = [
     ("groups_not_desc", lambda: ([[_kv(), _kv()]], [(BS, [0])]), ["store_layer_group_desc[0]"]),
     (
         "group_shapes_differ",
-        lambda: ([[_kv(), _kv()], [_kv((BLOCKS, BS, 4, 8)), _kv((BLOCKS, BS, 4, 8))]], [StoreLayerGroupDesc(BS, [0, 1])]),
+        lambda: ([[_kv(), _kv()], [_kv((BLOCKS, 2 * BS, 4, 8)), _kv((BLOCKS, 2 * BS, 4, 8))]], [StoreLayerGroupDesc(BS, [0, 1])]),
         ["kvcache[1][0]"],
     ),
 ]

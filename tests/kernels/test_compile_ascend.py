@@ -22,7 +22,7 @@ from ems.kernels.triton_backend import _build
 
 k = _build()
 assert not k["interpreted"]
-ints = {"n_pieces": "i32", "n_planes": "i32", "row_elems": "i32", "block_size": "i32"}
+ints = {"n_pieces": "i32", "n_planes": "i32", "token_units": "i32", "block_size": "i32"}
 jobs = []
 for gather in (True, False):
     for width in ("i8", "i16", "i32"):

@@ -21,7 +21,7 @@ from ems.kernels.triton_backend import _build
 
 k = _build()
 assert not k["interpreted"]
-ints = {"n_pieces": "i32", "n_planes": "i32", "row_elems": "i32", "block_size": "i32"}
+ints = {"n_pieces": "i32", "n_planes": "i32", "token_units": "i32", "block_size": "i32"}
 for gather in (True, False):
     for width in ("i8", "i16", "i32"):
         sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
