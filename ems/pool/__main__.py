@@ -6,7 +6,8 @@ Contract:
 * Prints exactly one line to stdout when it serves, `ems-pool ready on HOST:PORT` (the real port when 0 was asked),
   and flushes it; logs go to stderr.
 * Access keys: `--keys-file PATH` (lines `access_id:access_key`; blank lines and `#` comments skipped) and/or the
-  environment variable EMS_POOL_KEYS (`id:key,id:key`). Never on the command line, where `ps` would show them.
+  environment variable EMS_POOL_KEYS (`id:key,id:key`; an id holding ',' needs the file). Never on the command
+  line, where `ps` would show them. Ids are printable ASCII (`cc_kvstore@_@ds_default_ns_001` is fine).
   With no keys the node accepts anonymous clients.
 * SIGTERM and SIGINT stop it cleanly (exit status 0). A bad option exits with status 2 and a message.
 * UCX listens on every interface; HOST is what the ready line reports.
@@ -23,7 +24,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-_ID_RE = re.compile(r"[0-9a-z._-]{1,512}")
+_ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 
 
@@ -34,11 +35,11 @@ def parse_keys(lines: Sequence[str], source: str) -> dict[str, str]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        access_id, sep, access_key = line.partition(":")
+        access_id, sep, access_key = line.rpartition(":")  # a key never holds ':', an id may
         if not sep or not _ID_RE.fullmatch(access_id) or not _KEY_RE.fullmatch(access_key):
             raise ValueError(
-                f"{source} entry {number}: expected access_id:access_key with an id of [0-9a-z._-] (1-512) and a key"
-                " of 32-256 characters of [0-9A-Za-z+/=]"
+                f"{source} entry {number}: expected access_id:access_key with an id of 1-512 printable ASCII "
+                "characters and a key of 32-256 characters of [0-9A-Za-z+/=]"
             )
         keys[access_id] = access_key
     return keys

@@ -57,7 +57,12 @@ def test_keys_file_and_env(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="entry 1"):
         parse_keys(["alpha:short"], "f")
     with pytest.raises(ValueError):
-        parse_keys(["Upper:" + KEY_A], "f")
+        parse_keys(["t\u00e9nant:" + KEY_A], "f")  # ids are printable ASCII
+    with pytest.raises(ValueError):
+        parse_keys([":" + KEY_A], "f")
+    # ids as deployments write them: '@', upper case, even ':' (the key never holds one)
+    assert parse_keys(["cc_kvstore@_@ns:001:" + KEY_A, "Upper:" + KEY_B], "f") == {
+        "cc_kvstore@_@ns:001": KEY_A, "Upper": KEY_B}
 
 
 def test_keys_file_node_authenticates(tmp_path, node_clients):
