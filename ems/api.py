@@ -83,7 +83,7 @@ class Ems:
     _pool: Optional[PoolClient] = None
     _cc: Optional[ContextCaching] = None
     # after an EMS_RECOVERD_ERROR: the config and its (not yet answering) pool, which check_health probes
-    _pending: Optional[tuple[EmsConfig, PoolClient]] = None
+    _pending: tuple[EmsConfig, PoolClient] | None = None
 
     @classmethod
     def init(cls, config: EmsConfig) -> None:
@@ -113,7 +113,7 @@ class Ems:
             )
 
     @classmethod
-    def _take_pending(cls, config: EmsConfig) -> Optional[PoolClient]:
+    def _take_pending(cls, config: EmsConfig) -> PoolClient | None:
         """The pool of an earlier init that raised EMS_RECOVERD_ERROR, when the config is the same; else close it."""
         pending, cls._pending = cls._pending, None
         if pending is None:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ems.kernels.base import KernelBackend
 
 MAX_IDENTIFIER_CHARS = 512
-_ACCESS_ID_RE = re.compile(r"[\x20-\x7e]{1,%d}" % MAX_IDENTIFIER_CHARS)  # printable ASCII
+_ACCESS_ID_RE = re.compile(rf"[\x20-\x7e]{{1,{MAX_IDENTIFIER_CHARS}}}")  # printable ASCII
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 

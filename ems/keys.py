@@ -14,7 +14,7 @@ import hashlib
 from typing import Optional, Sequence
 
 from ems.config import CcConfig
-from ems.types import PrimaryKey, V0Key
+from ems.types import V0Key
 
 FORM_V0 = b"\x00"
 FORM_V1 = b"\x01"

@@ -23,7 +23,14 @@ import torch
 from ems.errors import invalid_argument
 from ems.kernels.plan import runs_to_slots
 from ems.layout import RegisteredLayout
-from ems.types import DEFAULT_OPTION, CcKvOption, KvBufferWrapper, PrimaryKey, V0Key, check_str_key
+from ems.types import (
+    DEFAULT_OPTION,
+    CcKvOption,
+    KvBufferWrapper,
+    PrimaryKey,
+    V0Key,
+    check_str_key,
+)
 
 MAX_U64 = (1 << 64) - 1
 

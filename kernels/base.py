@@ -116,19 +116,19 @@ class PlaneSet:
         return self.row_elems * self.element_size
 
     @property
-    def plane_row_elems(self) -> Tuple[int, ...]:
+    def plane_row_elems(self) -> tuple[int, ...]:
         return tuple(int(p.shape[2] * p.shape[3]) for p in self.planes)
 
     @property
-    def plane_element_sizes(self) -> Tuple[int, ...]:
+    def plane_element_sizes(self) -> tuple[int, ...]:
         return tuple(p.element_size() for p in self.planes)
 
     @property
-    def plane_row_bytes(self) -> Tuple[int, ...]:
+    def plane_row_bytes(self) -> tuple[int, ...]:
         return tuple(r * e for r, e in zip(self.plane_row_elems, self.plane_element_sizes))
 
     @property
-    def plane_offsets(self) -> Tuple[int, ...]:
+    def plane_offsets(self) -> tuple[int, ...]:
         """Byte offset of plane p's row inside one token of staging."""
         offsets, position = [], 0
         for nbytes in self.plane_row_bytes:
@@ -146,21 +146,21 @@ class PlaneSet:
         return self.planes[0].device
 
     @property
-    def block_strides(self) -> Tuple[int, ...]:
+    def block_strides(self) -> tuple[int, ...]:
         """Per plane, in that plane's elements."""
         return tuple(int(p.stride(0)) for p in self.planes)
 
     @property
-    def slot_strides(self) -> Tuple[int, ...]:
+    def slot_strides(self) -> tuple[int, ...]:
         """Per plane, in that plane's elements."""
         return tuple(int(p.stride(1)) for p in self.planes)
 
     @property
-    def block_stride_bytes(self) -> Tuple[int, ...]:
+    def block_stride_bytes(self) -> tuple[int, ...]:
         return tuple(s * e for s, e in zip(self.block_strides, self.plane_element_sizes))
 
     @property
-    def slot_stride_bytes(self) -> Tuple[int, ...]:
+    def slot_stride_bytes(self) -> tuple[int, ...]:
         return tuple(s * e for s, e in zip(self.slot_strides, self.plane_element_sizes))
 
     def staging_bytes(self, stage: torch.Tensor, tokens: int, what: str) -> torch.Tensor:

@@ -27,7 +27,7 @@ they cost one copy each (the Triton backend does them in one launch).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import numpy as np
 import torch
@@ -40,14 +40,14 @@ _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
 
 
-_span_cache: Dict[Tuple[object, ...], Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
+_span_cache: dict[tuple[object, ...], Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
 
 
-def _widest(quantities: List[int], widths: Tuple[int, ...] = (8, 4, 2, 1)) -> int:
+def _widest(quantities: list[int], widths: tuple[int, ...] = (8, 4, 2, 1)) -> int:
     return next(w for w in widths if all(q % w == 0 for q in quantities))
 
 
-def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """(table `[N, sub_units]`, and per sub-row j of a token: its plane's row offset, block step, slot step, and
     its step inside the plane's row), all in table rows; cached per addresses and strides. The table is an address
     view that owns no memory, so the cache never keeps a freed cache alive. None when no span view fits."""
@@ -89,7 +89,7 @@ def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[Tuple[torch.Tens
     return result
 
 
-def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """CPU only: (table `[N, sub_units]`, sub-row index `[T * J]` int64) viewing every plane in one span, or None
     when the layout does not allow it."""
     if planes.device.type != "cpu":
@@ -120,7 +120,7 @@ def _plane_width(planes: PlaneSet, p: int, stage_addr: int) -> int:
                     int(planes.planes[p].data_ptr()), stage_addr + planes.plane_offsets[p], planes.token_bytes])
 
 
-def _row_table(planes: PlaneSet, p: int, width: int) -> Tuple[torch.Tensor, int, int]:
+def _row_table(planes: PlaneSet, p: int, width: int) -> tuple[torch.Tensor, int, int]:
     """Plane p as an int `[N, row_units]` row table (ints of `width` bytes) with row stride g; returns
     (table, block_step, slot_step) where slot s is row `(s // block_size) * block_step + (s % block_size) * slot_step`."""
     bstride, sstride = planes.block_stride_bytes[p] // width, planes.slot_stride_bytes[p] // width
@@ -144,12 +144,12 @@ class TorchBackend(CopyBackend):
     def __init__(self) -> None:
         self.ops_issued = 0
 
-    def _plan(self, planes: PlaneSet, slots: torch.Tensor, stage_addr: int) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+    def _plan(self, planes: PlaneSet, slots: torch.Tensor, stage_addr: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per plane: (move width, row table, row indices on the device); planes with equal steps share indices."""
         slots = slots.to("cpu", torch.int64)
         blocks = torch.div(slots, planes.block_size, rounding_mode="floor")
         offsets = slots - blocks * planes.block_size
-        index_of: Dict[Tuple[int, int], torch.Tensor] = {}
+        index_of: dict[tuple[int, int], torch.Tensor] = {}
         plan = []
         for p in range(planes.num_planes):
             width = _plane_width(planes, p, stage_addr)

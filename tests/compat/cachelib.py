@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
 POISON = 0xA5
-Cache = List[Tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)
+Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)
 
 
 def random_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -16,7 +16,7 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator
     return raw.to(torch.uint8).view(dtype)
 
 
-def make_cache(layers: int, blocks: int, block_size: int, k_row: Tuple[int, int], v_row: Tuple[int, int],
+def make_cache(layers: int, blocks: int, block_size: int, k_row: tuple[int, int], v_row: tuple[int, int],
                k_dtype: torch.dtype, v_dtype: torch.dtype, seed: int) -> Cache:
     """`layers` of (K `[blocks, block_size, *k_row]`, V `[blocks, block_size, *v_row]`), random bytes."""
     gen = torch.Generator().manual_seed(seed)
@@ -30,7 +30,7 @@ def mla_cache(layers: int, blocks: int, block_size: int, k_dtype: torch.dtype, v
     return make_cache(layers, blocks, block_size, (1, 512), (1, 64), k_dtype, v_dtype, seed)
 
 
-def as_dict(cache: Cache) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+def as_dict(cache: Cache) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The cache as vLLM hands it to a connector: layer name -> (K, V)."""
     return {f"model.layers.{i}.self_attn.attn": kv for i, kv in enumerate(cache)}
 
@@ -65,5 +65,5 @@ def assert_poisoned(cache: Cache, block_ids: Sequence[int]) -> None:
                 assert bool((t[b].contiguous().view(torch.uint8) == POISON).all()), f"block {b} was written"
 
 
-def all_blocks_except(cache: Cache, written: Sequence[int]) -> List[int]:
+def all_blocks_except(cache: Cache, written: Sequence[int]) -> list[int]:
     return [b for b in range(int(cache[0][0].shape[0])) if b not in set(written)]

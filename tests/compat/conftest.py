@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 
-from pool_testlib import PoolProcess, pool_nodes  # noqa: E402,F401
+from pool_testlib import PoolProcess, pool_nodes  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +28,7 @@ def two_nodes():
 
 
 @pytest.fixture(params=["embedded", "nodes"])
-def pool(request) -> Optional[List[str]]:
+def pool(request) -> list[str] | None:
     """None for the embedded pool, else the addresses of two real pool nodes."""
     if request.param == "embedded":
         return None

@@ -18,14 +18,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ems import CcConfig, CcConfig_v1, CcKvOption, ContextCache_v1, Ems, EmsConfig, EmsErrorCode, EmsException
-from ems import KvBufferWrapper
+from ems import (
+    CcConfig,
+    CcConfig_v1,
+    CcKvOption,
+    ContextCache_v1,
+    Ems,
+    EmsConfig,
+    EmsErrorCode,
+    EmsException,
+    KvBufferWrapper,
+)
 from ems.cc_v1.cc_config import KVCacheType
 
 MODEL_ID = "cc_kvstore@_@ds_default_ns_001"  # identifiers as real deployments write them
@@ -33,7 +42,7 @@ ACCESS_ID = "cc_kvstore@_@ds_default_ns_001"
 LLM_ENGINE = "vllm@deepseek"
 
 
-def chained_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0) -> List[int]:
+def chained_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
     """Per full block, Python's `hash()` of (previous hash, the block's tokens): signed, often negative."""
     hashes, previous = [], seed
     for b in range(len(token_ids) // block_size):
@@ -42,7 +51,7 @@ def chained_block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 
     return hashes
 
 
-def whole_block_slots(block_ids: Sequence[int], block_size: int) -> List[int]:
+def whole_block_slots(block_ids: Sequence[int], block_size: int) -> list[int]:
     return (np.asarray(block_ids)[:, None] * block_size + np.arange(block_size)).ravel().tolist()
 
 
@@ -55,8 +64,8 @@ class HealthChecker:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self.answers: List[bool] = []
-        self.errors: List[BaseException] = []
+        self.answers: list[bool] = []
+        self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="ems-health", daemon=True)
         self.thread.start()
@@ -65,7 +74,7 @@ class HealthChecker:
         while not self._stop.wait(self.interval_s):
             try:
                 self.answers.append(Ems.check_health())
-            except BaseException as exc:  # an adapter would log it; the test fails on any
+            except BaseException as exc:  # noqa: BLE001 - an adapter would log it; the test fails on any
                 self.errors.append(exc)
 
     def stop(self) -> None:
@@ -76,8 +85,8 @@ class HealthChecker:
 class V0Engine:
     """The V0 generation: str keys, raw buffers over the engine's own cache tensors."""
 
-    def __init__(self, kv_caches: List[Tuple[torch.Tensor, torch.Tensor]], rank: int = 0, tp_size: int = 1,
-                 pool_nodes: Optional[List[str]] = None) -> None:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rank: int = 0, tp_size: int = 1,
+                 pool_nodes: list[str] | None = None) -> None:
         self.kv_caches = kv_caches
         self.block_size = int(kv_caches[0][0].shape[1])
         cc_config = CcConfig(model_id=MODEL_ID, rank_id=rank, device_id=0)
@@ -89,10 +98,10 @@ class V0Engine:
         self.k_bytes = kv_caches[0][0][0].numel() * kv_caches[0][0].element_size()
         self.v_bytes = kv_caches[0][1][0].numel() * kv_caches[0][1].element_size()
 
-    def keys(self, hashes: Sequence[int]) -> List[str]:
+    def keys(self, hashes: Sequence[int]) -> list[str]:
         return [f"{self.key_prefix}@{h}" for h in hashes]
 
-    def values(self, block_ids: Sequence[int]) -> List[List[KvBufferWrapper]]:
+    def values(self, block_ids: Sequence[int]) -> list[list[KvBufferWrapper]]:
         return [
             [buffer for k, v in self.kv_caches for buffer in (KvBufferWrapper(k[b].data_ptr(), self.k_bytes),
                                                               KvBufferWrapper(v[b].data_ptr(), self.v_bytes))]
@@ -119,24 +128,24 @@ class V1Engine:
     """The V1 generation: CcConfig_v1, slot_mapping semantics, futures polled from the engine loop."""
 
     def __init__(self, *, rank_in_tp: int = 0, tp_size: int = 1, is_mla: bool = False,
-                 pool_nodes: Optional[List[str]] = None, access_key: str = "", connect_timeout_ms: int = 3000,
-                 health_interval_s: Optional[float] = None) -> None:
+                 pool_nodes: list[str] | None = None, access_key: str = "", connect_timeout_ms: int = 3000,
+                 health_interval_s: float | None = None) -> None:
         self.config = CcConfig_v1(rank_id=rank_in_tp, device_id=rank_in_tp, model_id=MODEL_ID,
                                   tp_world_size=tp_size, pp_world_size=1, rank_in_tp_group=rank_in_tp,
                                   rank_in_pp_group=0, llm_engine=LLM_ENGINE)
         if is_mla:
             self.config.kvcache_type = KVCacheType.MLA  # set after construction, as the adapters do
-        extra: Dict[str, object] = {"connect_timeout_ms": connect_timeout_ms}
+        extra: dict[str, object] = {"connect_timeout_ms": connect_timeout_ms}
         if pool_nodes:
             extra["pool_nodes"] = pool_nodes
         self.ems_config = EmsConfig(access_id=ACCESS_ID, access_key=access_key, cc_config_v1=self.config, **extra)
-        self.context_caching: Optional[ContextCache_v1] = None
+        self.context_caching: ContextCache_v1 | None = None
         self.need_reinit = False
-        self.init_error: Optional[EmsException] = None
+        self.init_error: EmsException | None = None
         self.init_ems()
         self.block_size = 0
-        self.load_futures: Dict[str, Tuple[Pending, int]] = {}
-        self.save_futures: Dict[str, Pending] = {}
+        self.load_futures: dict[str, tuple[Pending, int]] = {}
+        self.save_futures: dict[str, Pending] = {}
         self.health = HealthChecker(health_interval_s) if health_interval_s else None
 
     def init_ems(self) -> bool:
@@ -151,7 +160,7 @@ class V1Engine:
                 self.need_reinit = True
             return False
 
-    def register_kv_caches(self, kv_caches: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         as_list = [[layer[i] for i in range(len(layer))] for layer in kv_caches.values()]
         self.block_size = int(as_list[0][0].shape[1])
         assert self.context_caching is not None
@@ -171,7 +180,7 @@ class V1Engine:
             offsets=[self.block_size] * len(block_ids), option=option())
         self.load_futures[req_id] = (Pending(future), computed_blocks)
 
-    def finished_saves(self) -> List[Tuple[str, int]]:
+    def finished_saves(self) -> list[tuple[str, int]]:
         """(req_id, tokens saved) of the saves that are done; never blocks (is_ready, then get_result)."""
         cc = self.context_caching
         done = []
@@ -182,7 +191,7 @@ class V1Engine:
             del self.save_futures[req_id]
         return done
 
-    def finished_loads(self) -> List[Tuple[str, int]]:
+    def finished_loads(self) -> list[tuple[str, int]]:
         """(req_id, computed tokens = loaded blocks * block_size + locally computed) of the loads that are done."""
         cc = self.context_caching
         done = []
@@ -194,10 +203,10 @@ class V1Engine:
             del self.load_futures[req_id]
         return done
 
-    def drain(self, timeout_s: float = 30.0) -> Tuple[Dict[str, int], Dict[str, int]]:
+    def drain(self, timeout_s: float = 30.0) -> tuple[dict[str, int], dict[str, int]]:
         """Run the engine loop (poll, 'compute', poll) until every save and load finished."""
-        saved: Dict[str, int] = {}
-        loaded: Dict[str, int] = {}
+        saved: dict[str, int] = {}
+        loaded: dict[str, int] = {}
         deadline = time.monotonic() + timeout_s
         while self.save_futures or self.load_futures:
             saved.update(self.finished_saves())

@@ -10,11 +10,18 @@ import time
 import numpy as np
 import pytest
 import torch
+from cachelib import as_dict, assert_poisoned, make_cache, poison
+from sdk_engines import (
+    ACCESS_ID,
+    LLM_ENGINE,
+    MODEL_ID,
+    V1Engine,
+    option,
+    whole_block_slots,
+)
 
 import ems
-from cachelib import as_dict, assert_poisoned, make_cache, poison
 from ems import CcConfig, CcConfig_v1, Ems, EmsConfig, EmsErrorCode, EmsException
-from sdk_engines import ACCESS_ID, LLM_ENGINE, MODEL_ID, V1Engine, option, whole_block_slots
 
 BS = 4
 

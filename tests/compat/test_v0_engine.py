@@ -7,8 +7,14 @@ import random
 
 import pytest
 import torch
-
-from cachelib import all_blocks_except, assert_blocks_equal, assert_poisoned, mla_cache, make_cache, poison
+from cachelib import (
+    all_blocks_except,
+    assert_blocks_equal,
+    assert_poisoned,
+    make_cache,
+    mla_cache,
+    poison,
+)
 from sdk_engines import V0Engine, chained_block_hashes
 
 BS = 4

@@ -7,10 +7,15 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 import torch
-
-from cachelib import as_dict, all_blocks_except, assert_blocks_equal, assert_poisoned, make_cache, poison
+from cachelib import (
+    all_blocks_except,
+    as_dict,
+    assert_blocks_equal,
+    assert_poisoned,
+    make_cache,
+    poison,
+)
 from sdk_engines import V1Engine, chained_block_hashes, option, whole_block_slots
 
 BS = 4
@@ -53,7 +58,7 @@ def test_v1_slot_mapping_async_polling_with_health_checks(pool):
         expected["req-0"] += BS  # locally computed blocks are added by the engine, not by the SDK
         expected["miss"] = 1 * BS
         assert loaded == expected
-        for _req_id, (hashes, ids) in requests.items():
+        for (hashes, ids) in requests.values():
             assert_blocks_equal(cache, ids, original, ids)
         assert_blocks_equal(cache, [16], original, requests["req-2"][1][:1])
         assert_poisoned(cache, [0, 17, 18] + list(range(19, 24)))  # nothing after the first miss

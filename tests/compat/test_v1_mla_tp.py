@@ -10,11 +10,25 @@ import random
 
 import pytest
 import torch
+from cachelib import (
+    all_blocks_except,
+    as_dict,
+    assert_blocks_equal,
+    assert_poisoned,
+    copy_blocks,
+    mla_cache,
+    poison,
+)
+from sdk_engines import (
+    ACCESS_ID,
+    V1Engine,
+    chained_block_hashes,
+    option,
+    whole_block_slots,
+)
 
-from cachelib import all_blocks_except, as_dict, assert_blocks_equal, assert_poisoned, copy_blocks, mla_cache, poison
 from ems import Ems
 from ems.context_caching import ContextCaching
-from sdk_engines import ACCESS_ID, V1Engine, chained_block_hashes, option, whole_block_slots
 
 BS = 4
 LAYERS, BLOCKS = 3, 12
