@@ -1,20 +1,21 @@
 """Vectorised torch gather/scatter: the CPU production path, and the fallback on any device.
 
-Contract: `TorchBackend` implements `CopyBackend` (base.py) with one indexing op per save on CPU, one per plane
-elsewhere, whatever the number of blocks or tokens (plus one host→device copy of the row indices off CPU);
-`ops_issued` counts them. Planes may differ in row size and dtype (MLA with split K/V).
+Contract: `TorchBackend` implements `CopyBackend` (base.py) with one indexing op per save on CPU when every
+plane has one row size, else one per plane, whatever the number of blocks or tokens (plus one host→device copy of
+the row indices off CPU); `ops_issued` counts them. Planes may differ in row size and dtype (MLA with split K/V).
 
-How (CPU, the common case): all planes are rows of ONE table: a view of the address span from the lowest to
-the highest plane byte, with the widest int element (8/4/2/1 bytes) and a row stride that divides every plane's
-address offset and strides. A table row is a *sub-row*: the gcd of the planes' row bytes, so plane p's row is
-`row_bytes[p] / sub` consecutive sub-rows (one when all planes match: then a sub-row is a whole row). Sub-row
-index `[t, j]` is computed for all tokens and sub-rows at once (broadcast), and since staging holds each token's
-plane rows back to back, a gather is ONE `index_select(span, 0, idx, out=staging.view(T * J, sub))` into the
-contiguous staging buffer (torch's per-row fast path), a scatter one `index_copy_`. The span view only ever touches
-the indexed rows; it is used within the call and never outlives the planes. Measured on this 2-core host
-(1 thread, 1 KiB rows, 16 planes): gather 6.9 vs 5.3 GB/s per-plane, scatter 4.3 vs 2.3 GB/s.
+How (CPU, planes of one row size: the common case): all planes are rows of ONE table: a view of the address span
+from the lowest to the highest plane byte, with the widest int element (8/4/2/1 bytes) and a row stride that
+divides every plane's address offset and strides. Row index `[t, p]` is computed for all tokens and planes at once
+(broadcast), and since staging holds each token's plane rows back to back, a gather is ONE
+`index_select(span, 0, idx, out=staging.view(T * P, row))` into the contiguous staging buffer (torch's per-row fast
+path), a scatter one `index_copy_`. The span view only ever touches the indexed rows; it is used within the call
+and never outlives the planes. Measured on this 2-core host (1 thread, 1 KiB rows, 16 planes): gather 6.9 vs
+5.3 GB/s per-plane, scatter 4.3 vs 2.3 GB/s. Planes of different row sizes (MLA split K/V) take the per-plane path
+below: one span table of gcd-sized sub-rows would also be one op, but measured slower (DeepSeek rows 1024 + 128
+bytes, 8 layers, 4096 tokens, 1 thread: gather 0.73 GB/s as 128-byte sub-rows vs 2.62 GB/s per plane).
 
-Otherwise (other devices, or a span too odd to view): plane p is viewed as a 2-D row table `[N, row_units_p]` over
+Otherwise (other devices, a span too odd to view, or planes of different row sizes): plane p is viewed as a 2-D row table `[N, row_units_p]` over
 its own storage with row stride `g = gcd(block_stride, slot_stride)`, so slot s is row `(s // block_size) *
 block_stride / g + (s % block_size) * slot_stride / g` of it — one row index per token, shared by every plane with
 the same strides. A gather is then `index_select(table, 0, rows, out=<plane p's column range of staging>)`, which
@@ -40,49 +41,38 @@ _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
 
 
-_span_cache: dict[tuple[object, ...], Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
+_span_cache: dict[tuple[object, ...], Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]]] = {}
 
 
 def _widest(quantities: list[int], widths: tuple[int, ...] = (8, 4, 2, 1)) -> int:
     return next(w for w in widths if all(q % w == 0 for q in quantities))
 
 
-def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """(table `[N, sub_units]`, and per sub-row j of a token: its plane's row offset, block step, slot step, and
-    its step inside the plane's row), all in table rows; cached per addresses and strides. The table is an address
-    view that owns no memory, so the cache never keeps a freed cache alive. None when no span view fits."""
+def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]]:
+    """(table, plane row offsets [P], block steps [P], slot steps [P]) for planes of ONE row size, cached per
+    addresses and strides: the table is an address view that owns no memory, so the cache never keeps a freed cache
+    alive. None when no span view fits."""
     addrs = [int(p.data_ptr()) for p in planes.planes]
-    bstr, sstr, rbytes = list(planes.block_stride_bytes), list(planes.slot_stride_bytes), list(planes.plane_row_bytes)
-    key = (tuple(addrs), tuple(bstr), tuple(sstr), tuple(rbytes), planes.num_blocks, planes.block_size, stage_addr % 8)
+    bstr, sstr = list(planes.block_stride_bytes), list(planes.slot_stride_bytes)
+    row_bytes = planes.plane_row_bytes[0]
+    key = (tuple(addrs), tuple(bstr), tuple(sstr), row_bytes, planes.num_blocks, planes.block_size, stage_addr % 8)
     if key in _span_cache:
         return _span_cache[key]
     lo = min(addrs)
-    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + r
-             for a, b, s, r in zip(addrs, bstr, sstr, rbytes))
+    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + row_bytes
+             for a, b, s in zip(addrs, bstr, sstr))
     result = None
     if hi - lo <= _MAX_SPAN:
         offs = [a - lo for a in addrs]
-        sub = 0
-        for r in rbytes:
-            sub = math.gcd(sub, r)
-        width = _widest(offs + bstr + sstr + [sub, lo, stage_addr])
-        g = sub
+        width = _widest(offs + bstr + sstr + [row_bytes, lo, stage_addr])
+        g = 0
         for q in offs + bstr + sstr:
             g = math.gcd(g, q)
-        units, step = sub // width, g // width
-        n_rows = ((hi - lo) // width - units) // step + 1
-        table = raw_tensor(lo, hi - lo, planes.device).view(_INT_OF_WIDTH[width]).as_strided((n_rows, units), (step, 1))
-        per_plane = np.array([r // sub for r in rbytes], np.int64)  # sub-rows of each plane's row
-        plane_of = np.repeat(np.arange(planes.num_planes), per_plane)
-        within = np.arange(int(per_plane.sum()), dtype=np.int64) - np.repeat(np.cumsum(per_plane) - per_plane, per_plane)
-        result = (
-            table,
-            (np.array(offs, np.int64) // g)[plane_of],
-            (np.array(bstr, np.int64) // g)[plane_of],
-            (np.array(sstr, np.int64) // g)[plane_of],
-            within * (sub // g),
-            np.array([units], np.int64),
-        )
+        g = g or width
+        units = row_bytes // width
+        n_rows = ((hi - lo) // width - units) // (g // width) + 1
+        table = raw_tensor(lo, hi - lo, planes.device).view(_INT_OF_WIDTH[width]).as_strided((n_rows, units), (g // width, 1))
+        result = (table, np.array(offs, np.int64) // g, np.array(bstr, np.int64) // g, np.array(sstr, np.int64) // g)
     if len(_span_cache) > 256:
         _span_cache.clear()
     _span_cache[key] = result
@@ -90,18 +80,18 @@ def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[tuple[torch.Tens
 
 
 def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU only: (table `[N, sub_units]`, sub-row index `[T * J]` int64) viewing every plane in one span, or None
-    when the layout does not allow it."""
-    if planes.device.type != "cpu":
+    """CPU only: (table `[N, row_units]`, row index `[T * P]` int64) viewing every plane in one span, or None when
+    the layout does not allow it (planes of different row sizes included: see the module docstring)."""
+    if planes.device.type != "cpu" or len(set(planes.plane_row_bytes)) != 1:
         return None
     layout = _span_layout(planes, int(stage.data_ptr()))
     if layout is None:
         return None
-    table, offs, bstep, sstep, jstep, _units = layout
+    table, offs, bstep, sstep = layout
     s = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
     blocks = s // planes.block_size
     within = s - blocks * planes.block_size
-    idx = (offs + jstep)[None, :] + blocks[:, None] * bstep[None, :] + within[:, None] * sstep[None, :]
+    idx = offs[None, :] + blocks[:, None] * bstep[None, :] + within[:, None] * sstep[None, :]
     return table, torch.from_numpy(idx.reshape(-1))
 
 
