@@ -28,6 +28,8 @@ they cost one copy each (the Triton backend does them in one launch).
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from typing import Optional
 
 import numpy as np
@@ -41,14 +43,20 @@ _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
 
 
-_span_cache: dict[tuple[object, ...], Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]]] = {}
+SpanLayout = tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]
+# Least-recently-used span layouts. An engine uses one registered cache (a few entries: staging alignments); every
+# re-registration adds entries for new addresses, each costing ~0.06 MiB of RSS (its address-view objects), so the
+# cache keeps only the most recent few.
+SPAN_CACHE_ENTRIES = 16
+_span_cache: "OrderedDict[tuple[object, ...], Optional[SpanLayout]]" = OrderedDict()
+_span_lock = threading.Lock()
 
 
 def _widest(quantities: list[int], widths: tuple[int, ...] = (8, 4, 2, 1)) -> int:
     return next(w for w in widths if all(q % w == 0 for q in quantities))
 
 
-def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]]:
+def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[SpanLayout]:
     """(table, plane row offsets [P], block steps [P], slot steps [P]) for planes of ONE row size, cached per
     addresses and strides: the table is an address view that owns no memory, so the cache never keeps a freed cache
     alive. None when no span view fits."""
@@ -56,8 +64,10 @@ def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[tuple[torch.Tens
     bstr, sstr = list(planes.block_stride_bytes), list(planes.slot_stride_bytes)
     row_bytes = planes.plane_row_bytes[0]
     key = (tuple(addrs), tuple(bstr), tuple(sstr), row_bytes, planes.num_blocks, planes.block_size, stage_addr % 8)
-    if key in _span_cache:
-        return _span_cache[key]
+    with _span_lock:
+        if key in _span_cache:
+            _span_cache.move_to_end(key)
+            return _span_cache[key]
     lo = min(addrs)
     hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + row_bytes
              for a, b, s in zip(addrs, bstr, sstr))
@@ -73,9 +83,10 @@ def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[tuple[torch.Tens
         n_rows = ((hi - lo) // width - units) // (g // width) + 1
         table = raw_tensor(lo, hi - lo, planes.device).view(_INT_OF_WIDTH[width]).as_strided((n_rows, units), (g // width, 1))
         result = (table, np.array(offs, np.int64) // g, np.array(bstr, np.int64) // g, np.array(sstr, np.int64) // g)
-    if len(_span_cache) > 256:
-        _span_cache.clear()
-    _span_cache[key] = result
+    with _span_lock:
+        _span_cache[key] = result
+        while len(_span_cache) > SPAN_CACHE_ENTRIES:
+            _span_cache.popitem(last=False)
     return result
 
 

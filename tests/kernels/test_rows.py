@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import List
 
 import pytest
@@ -197,7 +198,7 @@ def test_torch_per_plane_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> N
     import ems.kernels.torch_backend as tbk
 
     monkeypatch.setattr(tbk, "_MAX_SPAN", 0)
-    monkeypatch.setattr(tbk, "_span_cache", {})
+    monkeypatch.setattr(tbk, "_span_cache", OrderedDict())
     gen = torch.Generator().manual_seed(17)
     bases, planes = make_layout(layout, layers=2, blocks=4, block_size=4, heads=3, head_size=5,
                                 dtype=torch.bfloat16, gen=gen)
