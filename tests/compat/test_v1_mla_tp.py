@@ -1,8 +1,8 @@
 """The V1 generation with DeepSeek-style MLA: `CcConfig_v1` with `kvcache_type = KVCacheType.MLA` set after
 construction, split K/V registered per layer (K = latent `[blocks, bs, 1, 512]`, V = rope `[blocks, bs, 1, 64]`,
 possibly of different dtypes), two TP ranks holding the same KV at different block ids: both save the same blocks,
-they are stored once, and both load them byte-exact. Embedded pool (two ranks on one pool) and two real nodes
-(the ranks as successive inits of this process, sharing the nodes)."""
+they are stored once, and both load them byte-exact. Embedded pool (two ranks on one pool), two real nodes (the
+ranks as successive inits of this process, sharing the nodes), and two rank processes saving at once."""
 
 from __future__ import annotations
 
@@ -131,3 +131,31 @@ def test_without_mla_tp_ranks_keep_their_own_keys():
                                                                                         torch.bfloat16, 2))
     assert rank1.cc.exists(hashes).success == 0
     rank1.cc.close()
+
+
+def test_mla_two_rank_processes_concurrently(two_nodes):
+    """Each TP rank its own process, as engines run them, saving the same blocks at once on two real nodes; both
+    load them byte-exact."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("ucxx")
+    script = Path(__file__).resolve().parent / "tp_rank.py"
+    seed = random.randrange(1 << 30)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), json.dumps({"nodes": [n.address for n in two_nodes], "rank": rank,
+                                                      "seed": seed, "k_dtype": "bfloat16", "v_dtype": "float32"})],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for out in outs:
+        assert out == {"init_error": None, "save_tokens": 5 * BS, "exists": 5, "load_tokens": 5 * BS,
+                       "exact": True, "untouched": True}
