@@ -13,7 +13,9 @@ from typing import Callable, List, Optional, Union
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 
 MAX_KEY_CHARS = 127  # a V0 PrimaryKey field is "under 128 characters"
-MAX_STR_KEY_CHARS = 1024  # a V0 plain-str key (the SDK's older form, e.g. "vllm@tenant@pp1@tp1@0@<hash>")
+# a V0 plain-str key (the SDK's older form, e.g. "vllm@tenant@pp1@tp1@0@<hash>"), in UTF-8 bytes: well within the
+# wire protocol's key size once the 17-byte namespace is in front
+MAX_STR_KEY_BYTES = 1024
 
 V0Key = Union["PrimaryKey", str]
 
@@ -79,12 +81,13 @@ def check_str_key(name: str, key: str) -> bytes:
     """A V0 plain-str key as the UTF-8 bytes it is stored and routed by; EMS_INVALID_ARGUMENT naming `name`."""
     if not key:
         raise invalid_argument(f"{name} must not be an empty str")
-    if len(key) > MAX_STR_KEY_CHARS:
-        raise invalid_argument(f"{name} is {len(key)} characters; a str key holds at most {MAX_STR_KEY_CHARS}")
     try:
-        return key.encode("utf-8")
+        raw = key.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise invalid_argument(f"{name} is not encodable as UTF-8: {exc.reason} at index {exc.start}") from None
+    if len(raw) > MAX_STR_KEY_BYTES:
+        raise invalid_argument(f"{name} is {len(raw)} bytes in UTF-8; a str key holds at most {MAX_STR_KEY_BYTES}")
+    return raw
 
 
 @dataclass(frozen=True)

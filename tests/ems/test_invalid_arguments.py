@@ -123,6 +123,7 @@ V0_CASES = [
     ("key_not_primary", lambda w: (CcKvOption(), [b"a"], [[w]]), ["key_list[0]", "PrimaryKey or a str"]),
     ("key_empty_str", lambda w: (CcKvOption(), [""], [[w]]), ["key_list[0]", "empty"]),
     ("key_long_str", lambda w: (CcKvOption(), ["k" * 1025], [[w]]), ["key_list[0]", "1024"]),
+    ("key_long_utf8_str", lambda w: (CcKvOption(), ["\u00e9" * 513], [[w]]), ["key_list[0]", "1026 bytes"]),
     ("key_surrogate_str", lambda w: (CcKvOption(), ["a\udc80"], [[w]]), ["key_list[0]", "UTF-8"]),
     ("duplicate_str_keys", lambda w: (CcKvOption(), ["k", "k"], [[w], [w]]), ["key_list[1]"]),
     ("value_not_wrapper", lambda w: (CcKvOption(), [PrimaryKey("a", "b")], [[(1, 2)]]), ["value_list[0][0]"]),
