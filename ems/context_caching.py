@@ -15,11 +15,12 @@ verify, nor any block after the first miss.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -48,10 +49,23 @@ def consecutive_prefix(flags: Sequence[bool]) -> int:
     return len(flags)
 
 
-def _as_ems_exception(exc: BaseException) -> EmsException:
+def _as_ems_exception(exc: Exception) -> EmsException:
     if isinstance(exc, EmsException):
         return exc
     return EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def _ems_errors() -> Iterator[None]:
+    """Turn any `Exception` into an `EmsException` (EMS_INTERNAL_ERROR unless it already is one). `KeyboardInterrupt`,
+    `SystemExit` and other `BaseException`s pass through unchanged: the caller's process must be able to stop."""
+    try:
+        yield
+    except Exception as exc:
+        converted = _as_ems_exception(exc)
+        if converted is exc:
+            raise
+        raise converted from exc
 
 
 class _Profile:
@@ -162,8 +176,9 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- save
 
-    def _begin_save(self, args: tuple, kwargs: dict) -> Callable[[], CcResult]:
-        """Check, plan and copy the blocks out of the engine's cache; return the rest of the save as a job.
+    def _begin_save(self, args: tuple, kwargs: dict) -> tuple[Callable[[], CcResult], Callable[[], None]]:
+        """Check, plan and copy the blocks out of the engine's cache; return (the rest of the save as a job, the
+        way to give its staging back should the job never run).
 
         When this returns, every byte the save needs is in host staging: the engine may overwrite the blocks.
         """
@@ -171,19 +186,17 @@ class ContextCaching:
         request, plan, device = self._bind(Operation.SAVE, args, kwargs)
         backend = self._backend_for(device)
         profile.mark("plan")
-        try:
+        with _ems_errors():  # e.g. the allocator refusing the staging buffer: still an EmsException
             lease = self._staging.acquire(plan.staging_bytes, device)
-        except BaseException as exc:  # e.g. the allocator refusing the staging buffer: still an EmsException
-            raise _as_ems_exception(exc) from exc
         try:
-            with side_stream(device):
+            with _ems_errors(), side_stream(device):
                 plan.gather(backend, lease.device)
                 if lease.host is not lease.device:
                     lease.host[: plan.staging_bytes].copy_(lease.device[: plan.staging_bytes], non_blocking=True)
             profile.mark("gather")
-        except BaseException as exc:
+        except BaseException:  # the lease goes back on every path, interrupts included
             self._staging.release(lease)
-            raise _as_ems_exception(exc) from exc
+            raise
 
         def finish() -> CcResult:
             try:
@@ -201,16 +214,14 @@ class ContextCaching:
             profile.report(result, plan.staging_bytes)
             return result
 
-        return finish
+        return finish, lambda: self._staging.release(lease)
 
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
-        finish = self._begin_save(args, kwargs)
-        try:
+        finish, _ = self._begin_save(args, kwargs)
+        with _ems_errors():
             return finish()
-        except BaseException as exc:
-            raise _as_ems_exception(exc) from exc
 
     def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `save`, but returns a `CcFuture` at once.
@@ -222,9 +233,14 @@ class ContextCaching:
         """
         self._inflight.acquire()
         try:
-            finish = self._begin_save(args, kwargs)
-            return self._submit(finish)
+            finish, abandon = self._begin_save(args, kwargs)
         except BaseException:
+            self._inflight.release()
+            raise
+        try:
+            return self._submit(finish)
+        except BaseException:  # never submitted (e.g. shut down meanwhile): give back what the job held
+            abandon()
             self._inflight.release()
             raise
 
@@ -260,10 +276,8 @@ class ContextCaching:
         `success` is the number of blocks, from the first, that were found and verified: exactly those are
         written; nothing after the first miss is touched."""
         request, plan, device = self._bind(Operation.LOAD, args, kwargs)
-        try:
+        with _ems_errors():
             return self._load(request, plan, device)
-        except BaseException as exc:
-            raise _as_ems_exception(exc) from exc
 
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
@@ -281,9 +295,8 @@ class ContextCaching:
     def _submit(self, job: Callable[[], CcResult]) -> CcFuture:
         def run() -> CcResult:
             try:
-                return job()
-            except BaseException as exc:
-                raise _as_ems_exception(exc) from exc
+                with _ems_errors():
+                    return job()
             finally:
                 self._inflight.release()
 

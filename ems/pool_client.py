@@ -1,9 +1,13 @@
 """The pool as one client sees it: routing, per-node fan-out with deadlines, and the local read cache.
 
 Contract:
-* Each key has one owning node (`transport.routing`, rendezvous hashing of its route key). A call sends one batched
-  request per owning node, nodes in parallel, and waits at most the option's timeout (0: no limit). A node that
-  fails or does not answer in time fails only its own keys; its error is reported in `PoolOutcome.errors`.
+* Each key has one owning node (`transport.routing`, rendezvous hashing of its route key). A call sends batched
+  requests per owning node, nodes in parallel, and waits at most the option's timeout (0, or anything above
+  `MAX_TIMEOUT_MS`: that maximum). A node that fails or does not answer in time fails only its own keys (those of
+  its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
+* A node's keys are split, in request order, into requests within the wire protocol's limits (`RequestLimits`:
+  keys, data bytes, meta bytes and data frames per request) and sent one after the other, so a call of any size
+  works; the caller never sees the split.
 * The local read cache (remote pools only) keeps what this client wrote when `write_rcache` is set and serves reads
   first; with `read_local_only` a read never leaves the process. The embedded pool is local, so it always serves.
 * Results come back in request order; interpreting them (the consecutive prefix, raising when nothing was
@@ -16,19 +20,24 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generic, List, Optional, Sequence, TypeVar
+from typing import Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from ems.errors import EmsErrorCode
 from ems.store import KvStore
+from ems.transport import protocol
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.inprocess import InProcessNode
 from ems.transport.routing import node_seeds, owners
-from ems.types import CcKvOption
-from ems.value_format import Buffer, ExpectedValues, matches
+from ems.types import MAX_TIMEOUT_MS, CcKvOption
+from ems.value_format import HEADER_SIZE, Buffer, ExpectedValues, matches
 
 T = TypeVar("T")
+Costs = Tuple[np.ndarray, np.ndarray, np.ndarray]  # per key: data bytes, meta bytes, data frames
+
+PUT_META_PER_KEY = 12  # value length u64 + key length u32 (+ 8 per data frame)
+KEY_META_PER_KEY = 4  # key length u32
 
 
 @dataclass
@@ -53,17 +62,54 @@ class PoolOutcome(Generic[T]):
 
 
 def timeout_seconds(option: CcKvOption) -> float:
-    """The option's timeout in seconds; 0 (no limit) becomes a very long wait."""
-    return option.timeout / 1000.0 if option.timeout > 0 else 365 * 24 * 3600.0
+    """The option's timeout in seconds, clamped to `MAX_TIMEOUT_MS`; 0 (no limit) is that maximum too."""
+    timeout_ms = option.timeout if 0 < option.timeout < MAX_TIMEOUT_MS else MAX_TIMEOUT_MS
+    return timeout_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The most one request to one node may carry (defaults: the wire protocol's limits)."""
+
+    max_keys: int = protocol.MAX_KEYS
+    max_data_bytes: int = protocol.MAX_DATA_BYTES
+    max_meta_bytes: int = protocol.MAX_META_BYTES
+    max_chunks: int = protocol.MAX_CHUNKS
+
+
+def split_batches(limits: RequestLimits, data: np.ndarray, meta: np.ndarray, chunks: np.ndarray) -> List[slice]:
+    """Consecutive slices of items (costs per item: data bytes, meta bytes, data frames) such that each slice keeps
+    every limit; an item that alone exceeds one still travels, alone (the node then refuses it)."""
+    n = len(data)
+    cums = [np.concatenate(([0], np.cumsum(c, dtype=np.int64))) for c in (data, meta, chunks)]
+    caps = (limits.max_data_bytes, limits.max_meta_bytes, limits.max_chunks)
+    batches: List[slice] = []
+    start = 0
+    while start < n:
+        end = min(n, start + limits.max_keys)
+        for cum, cap in zip(cums, caps):
+            # the largest end with cum[end] - cum[start] <= cap
+            end = min(end, int(np.searchsorted(cum, cum[start] + cap, side="right")) - 1)
+        end = max(end, start + 1)
+        batches.append(slice(start, end))
+        start = end
+    return batches
+
+
+def _key_meta(keys: Sequence[bytes], idx: np.ndarray, per_key: int) -> np.ndarray:
+    return np.fromiter((len(keys[i]) + per_key for i in idx.tolist()), dtype=np.int64, count=idx.size)
 
 
 class PoolClient:
     """Routes batched put/get/exists to the owning nodes; see the module docstring."""
 
-    def __init__(self, nodes: Sequence[NodeClient], read_cache_capacity: int = 0) -> None:
+    def __init__(
+        self, nodes: Sequence[NodeClient], read_cache_capacity: int = 0, limits: RequestLimits = RequestLimits()
+    ) -> None:
         if not nodes:
             raise ValueError("a PoolClient needs at least one node")
         self.nodes = list(nodes)
+        self.limits = limits
         self.is_local = all(isinstance(n, InProcessNode) for n in self.nodes)
         self._seeds = node_seeds([n.address for n in self.nodes])
         self.read_cache: Optional[KvStore] = (
@@ -89,10 +135,12 @@ class PoolClient:
         route_keys: Sequence[bytes],
         wanted: np.ndarray,
         call: Callable[[NodeClient, np.ndarray, float], list],
+        costs: Callable[[np.ndarray], Costs],
         results: list,
         timeout_s: float,
     ) -> PoolOutcome:
-        """Run `call(node, indices, timeout)` for the wanted keys of each owning node; fill `results`."""
+        """Run `call(node, indices, timeout)` for the wanted keys of each owning node, in requests within the limits
+        (`costs(indices)` → per-key data bytes, meta bytes, data frames); fill `results`."""
         outcome = PoolOutcome(results)
         indices = np.nonzero(wanted)[0]
         if indices.size == 0:
@@ -100,24 +148,39 @@ class PoolClient:
         owner = owners([route_keys[i] for i in indices], self._seeds)
         per_node = [(self.nodes[n], indices[owner == n]) for n in np.unique(owner)]
         outcome.nodes_contacted = len(per_node)
+        deadline = time.monotonic() + timeout_s
+
+        def run(node: NodeClient, idx: np.ndarray) -> tuple[list, Optional[TransportError]]:
+            """The node's answers for a prefix of `idx` (all of it unless it failed), and its error if any."""
+            answers: list = []
+            for batch in split_batches(self.limits, *costs(idx)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return answers, TransportError(
+                        EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer within {timeout_s:.3f} s"
+                    )
+                try:
+                    answers.extend(call(node, idx[batch], remaining))
+                except TransportError as error:
+                    return answers, error
+            return answers, None
+
+        def collect(idx: np.ndarray, answers: list, error: Optional[TransportError]) -> None:
+            for i, value in zip(idx.tolist(), answers):
+                results[i] = value
+            if error is not None:
+                outcome.errors.append(error)
+
         if self.is_local:  # in-process: nothing can hang, so no thread hop
             node, idx = per_node[0]
-            try:
-                for i, value in zip(idx.tolist(), call(node, idx, timeout_s)):
-                    results[i] = value
-            except TransportError as error:
-                outcome.errors.append(error)
+            collect(idx, *run(node, idx))
             return outcome
-        deadline = time.monotonic() + timeout_s
-        futures = {self._pool().submit(call, node, idx, timeout_s): (node, idx) for node, idx in per_node}
+        futures = {self._pool().submit(run, node, idx): (node, idx) for node, idx in per_node}
         done, not_done = concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         for future in done:
             node, idx = futures[future]
             try:
-                for i, value in zip(idx.tolist(), future.result()):
-                    results[i] = value
-            except TransportError as error:
-                outcome.errors.append(error)
+                collect(idx, *future.result())
             except Exception as error:  # a transport bug must not become a wrong block: fail the node's keys
                 outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, f"{node.address}: {error!r}"))
         for future in not_done:
@@ -138,10 +201,19 @@ class PoolClient:
     ) -> PoolOutcome[bool]:
         """Store each value at its owning node; `results[i]` is True where the node acknowledged it."""
         results: list = [False] * len(keys)
+
+        def costs(idx: np.ndarray) -> Costs:
+            parts = np.fromiter((len(values[i]) for i in idx.tolist()), dtype=np.int64, count=idx.size)
+            data = np.fromiter(
+                (sum(memoryview(p).nbytes for p in values[i]) for i in idx.tolist()), dtype=np.int64, count=idx.size
+            )
+            return data, _key_meta(keys, idx, PUT_META_PER_KEY) + 8 * parts, parts
+
         outcome = self._fan_out(
             route_keys,
             np.ones(len(keys), dtype=bool),
             lambda node, idx, t: node.put([keys[i] for i in idx], [values[i] for i in idx], t),
+            costs,
             results,
             timeout_seconds(option),
         )
@@ -173,10 +245,20 @@ class PoolClient:
         wanted = np.fromiter((r is None for r in results), dtype=bool, count=len(keys))
         if option.read_local_only and not self.is_local:
             return PoolOutcome(results)
+
+        def costs(idx: np.ndarray) -> Costs:
+            # the reply carries the values: expected sizes bound it (an unexpected value is refused anyway)
+            if expected is None:
+                data = np.zeros(idx.size, dtype=np.int64)
+            else:
+                data = np.asarray(expected.payload_len, dtype=np.int64)[idx] + HEADER_SIZE
+            return data, _key_meta(keys, idx, KEY_META_PER_KEY), np.zeros(idx.size, dtype=np.int64)
+
         return self._fan_out(
             route_keys,
             wanted,
             lambda node, idx, t: node.get([keys[i] for i in idx], t),
+            costs,
             results,
             timeout_seconds(option),
         )
@@ -192,6 +274,7 @@ class PoolClient:
             route_keys,
             ~np.asarray(results, dtype=bool),
             lambda node, idx, t: node.exists([keys[i] for i in idx], t),
+            lambda idx: (np.zeros(idx.size, np.int64), _key_meta(keys, idx, KEY_META_PER_KEY), np.zeros(idx.size, np.int64)),
             results,
             timeout_seconds(option),
         )

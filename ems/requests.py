@@ -33,6 +33,10 @@ from ems.types import (
 )
 
 MAX_U64 = (1 << 64) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# A block hash is any signed int64 (Python's hash() values) or unsigned u64 (engines' xxhash/sha digests in numpy
+# u64 arrays): -2**63 .. 2**64 - 1. Wider ints are refused: a key must stay within the wire protocol's key size.
+MIN_HASH, MAX_HASH = INT64_MIN, MAX_U64
 
 
 class Operation(str, enum.Enum):
@@ -132,18 +136,27 @@ def int_array(name: str, value: object) -> np.ndarray:
     if items is not None and array.dtype.kind in "iu" and bool in set(map(type, items)):
         array = np.asarray(items, dtype=object)
     if array.size and array.dtype.kind not in "iu":
-        for i, item in enumerate(items if items is not None else array.tolist()):
+        # object arrays and lists numpy could not type: every item must be an int within int64 (rare path, per item)
+        source = items if items is not None else array.tolist()
+        for i, item in enumerate(source):
             if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer)):
                 raise invalid_argument(f"{name}[{i}] must be an int, got {type(item).__name__} {item!r}")
-        raise invalid_argument(f"{name} holds integers outside the int64 range")
+            if not INT64_MIN <= int(item) <= INT64_MAX:
+                raise invalid_argument(f"{name}[{i}] = {_describe_int(int(item))} is outside the int64 range")
+        return np.fromiter((int(item) for item in source), dtype=np.int64, count=len(source))
     if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
         raise invalid_argument(f"{name} holds integers outside the int64 range")
     return array.astype(np.int64, copy=True)
 
 
+def _describe_int(value: int) -> str:
+    """An int for a message: in full unless it is huge."""
+    return str(value) if value.bit_length() <= 128 else f"a {value.bit_length()}-bit int"
+
+
 def _hashes(value: object) -> List[int]:
-    if isinstance(value, np.ndarray) and value.dtype.kind == "u" and value.ndim == 1:
-        value = value.tolist()  # u64 hashes are keys, not offsets: no int64 limit (lists of them are accepted too)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "uO" and value.ndim == 1:
+        value = value.tolist()  # u64 hashes are keys, not offsets: no int64 limit; object arrays are checked as lists
     elif isinstance(value, (np.ndarray, torch.Tensor)):
         value = int_array("hashes", value).tolist()
     if not isinstance(value, (list, tuple)) or not value:
@@ -155,6 +168,10 @@ def _hashes(value: object) -> List[int]:
                 hashes[i] = int(h)
             else:
                 raise invalid_argument(f"hashes[{i}] must be an int, got {type(h).__name__} {h!r}")
+        if not MIN_HASH <= hashes[i] <= MAX_HASH:
+            raise invalid_argument(
+                f"hashes[{i}] = {_describe_int(hashes[i])} is outside the accepted range -2**63 .. 2**64 - 1"
+            )
     if len(set(hashes)) != len(hashes):
         seen: dict[int, int] = {}
         for i, h in enumerate(hashes):

@@ -21,9 +21,12 @@ from ems.devices import host_buffer
 MIN_BUFFER = 1 << 16
 
 
-@dataclass
+@dataclass(eq=False)
 class StagingLease:
-    """A leased staging buffer: `device` and `host` are uint8 `[capacity]` (the same tensor on CPU)."""
+    """A leased staging buffer: `device` and `host` are uint8 `[capacity]` (the same tensor on CPU).
+
+    Leases compare by identity (`eq=False`): a field-wise `==` would compare tensors, which raises for tensors of
+    different sizes and is ambiguous for equal ones."""
 
     device: torch.Tensor
     host: torch.Tensor
@@ -57,9 +60,14 @@ class StagingPool:
         if not fits:
             return None
         best = min(fits, key=lambda f: f.capacity)
-        self._free.remove(best)
-        self._free_bytes -= self._cost(best)
+        self._drop_free(best)
         return best
+
+    def _drop_free(self, lease: StagingLease) -> None:
+        """Take `lease` (by identity) out of the free list."""
+        index = next(i for i, f in enumerate(self._free) if f is lease)
+        del self._free[index]
+        self._free_bytes -= self._cost(lease)
 
     def acquire(self, nbytes: int, device: torch.device) -> StagingLease:
         """A buffer of at least `nbytes` on `device`; waits while the pool is at capacity."""
@@ -72,9 +80,7 @@ class StagingPool:
                     self._leased_bytes += self._cost(lease)
                     return lease
                 while self._free and self._leased_bytes + self._free_bytes + cost > self.capacity:
-                    dropped = max(self._free, key=lambda f: f.capacity)
-                    self._free.remove(dropped)
-                    self._free_bytes -= self._cost(dropped)
+                    self._drop_free(max(self._free, key=lambda f: f.capacity))
                 if self._leased_bytes + cost <= self.capacity or self._leased_bytes == 0:
                     self._leased_bytes += cost
                     break
@@ -82,7 +88,7 @@ class StagingPool:
         try:
             device_buffer = torch.empty(size, dtype=torch.uint8, device=device)
             host = device_buffer if device.type == "cpu" else host_buffer(size, device)
-        except BaseException:
+        except BaseException:  # any failure (even an interrupt) must return the reserved bytes, then propagate
             with self._cond:
                 self._leased_bytes -= cost
                 self._cond.notify_all()

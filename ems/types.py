@@ -16,6 +16,7 @@ MAX_KEY_CHARS = 127  # a V0 PrimaryKey field is "under 128 characters"
 # a V0 plain-str key (the SDK's older form, e.g. "vllm@tenant@pp1@tp1@0@<hash>"), in UTF-8 bytes: well within the
 # wire protocol's key size once the 17-byte namespace is in front
 MAX_STR_KEY_BYTES = 1024
+MAX_TIMEOUT_MS = 365 * 24 * 3600 * 1000  # the longest wait a request honours: larger timeouts (and 0) mean this
 
 V0Key = Union["PrimaryKey", str]
 
@@ -41,7 +42,8 @@ class CcKvOption:
 
     write_rcache: keep a copy of what this request writes in the client's local read cache.
     read_local_only: a read never goes to another node (local read cache, or the embedded pool).
-    timeout: milliseconds for the whole request, >= 0; 0 means no limit (the request waits for the pool).
+    timeout: milliseconds for the whole request, >= 0; 0 means no limit (the request waits for the pool). Any
+        int >= 0 is accepted; a timeout above `MAX_TIMEOUT_MS` (365 days), like 0, waits at most that long.
     """
 
     write_rcache: bool = True

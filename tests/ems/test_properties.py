@@ -34,7 +34,7 @@ def requests(draw):
         n = draw(st.integers(1, min(block_size, left)))
         offsets.append(n)
         left -= n
-    hashes = draw(st.lists(st.integers(-(2**80), 2**80), min_size=len(offsets), max_size=len(offsets), unique=True))
+    hashes = draw(st.lists(st.integers(-(2**63), 2**64 - 1), min_size=len(offsets), max_size=len(offsets), unique=True))
     return dict(
         shape=dict(layers=layers, blocks=blocks, block_size=block_size, heads=heads, head_size=head_size, dtype=dtype,
                    interleaved=interleaved),
