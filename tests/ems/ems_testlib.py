@@ -105,11 +105,15 @@ def slots_of_blocks(block_ids: Sequence[int], block_size: int, offsets: Optional
     return [b * block_size + o for b, n in zip(block_ids, offsets) for o in range(n)]
 
 
-def direct_cc(nodes, *, model_id: str = "test-model", cc_config=None, tenant=None, **settings) -> ContextCaching:
-    """A `ContextCaching` around `PoolClient(nodes)`, without `Ems.init`."""
+def direct_cc(
+    nodes, *, model_id: str = "test-model", cc_config=None, tenant=None, limits=None, **settings
+) -> ContextCaching:
+    """A `ContextCaching` around `PoolClient(nodes)` (with request `limits`, default the protocol's), without
+    `Ems.init`."""
     cc_config = cc_config or CcConfig(rank_id=0, device_id=0, model_id=model_id)
     resolved = resolve_settings(EmsConfig(**settings))
-    return ContextCaching(cc_config, tenant, PoolClient(list(nodes)), resolved)
+    pool = PoolClient(list(nodes)) if limits is None else PoolClient(list(nodes), limits=limits)
+    return ContextCaching(cc_config, tenant, pool, resolved)
 
 
 def store_of_ems():
