@@ -35,7 +35,7 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Union
+from typing import TYPE_CHECKING, List, Optional, Union, cast
 
 from ems.errors import invalid_argument
 
@@ -48,7 +48,7 @@ _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 
 
-def parse_size(name: str, value: Union[int, str]) -> int:
+def parse_size(name: str, value: object) -> int:
     """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB", "4096"."""
     if isinstance(value, bool):
         raise invalid_argument(f"{name} must be a size, got a bool")
@@ -275,7 +275,7 @@ def _int_setting(name: str, value: object, minimum: int) -> int:
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
     _check_int(name, value, minimum)
-    return int(value)  # type: ignore[arg-type]
+    return cast(int, value)  # _check_int let only ints through
 
 
 def resolve_settings(config: EmsConfig) -> Settings:

@@ -20,8 +20,9 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union, cast, overload
 
+import numpy as np
 import torch
 
 from ems.config import CcConfig, Settings
@@ -34,10 +35,15 @@ from ems.planning import Plan, plan_blocks, plan_raw
 from ems.pool_client import PoolClient, PoolOutcome
 from ems.requests import Operation, RawRequest, Request, bind_exists, bind_request
 from ems.staging import StagingLease, StagingPool
-from ems.types import CcFuture, CcKvOption, CcResult, PrimaryKey, StoreLayerGroupDesc
-from ems.value_format import build_headers, checksum, valid_prefix
+from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
+from ems.value_format import Buffer, build_headers, checksum, valid_prefix
 
 logger = logging.getLogger("ems")
+
+# The argument types of the public call forms (what `requests.bind_request` accepts).
+IntList = Union[Sequence[int], np.ndarray, torch.Tensor]  # slot_mapping, offsets
+HashList = Union[Sequence[int], np.ndarray, torch.Tensor]  # block hashes: int64 or u64 values
+ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
 profile_logger = logging.getLogger("ems.profile")
 
 
@@ -135,7 +141,7 @@ class ContextCaching:
     @property
     def kernel_backend(self) -> str:
         """The copy backend serving the registered cache's device (or the V0 device)."""
-        return self._backend_for(self._layout.device if self._layout else self._raw_device_now()).describe()
+        return str(self._backend_for(self._layout.device if self._layout else self._raw_device_now()).describe())
 
     # ---------------------------------------------------------------- helpers
 
@@ -216,12 +222,38 @@ class ContextCaching:
 
         return finish, lambda: self._staging.release(lease)
 
+    @overload
+    def save(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcResult: ...
+
+    @overload
+    def save(
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
+    ) -> CcResult: ...
+
+    @overload
+    def save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcResult: ...
+
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
         finish, _ = self._begin_save(args, kwargs)
         with _ems_errors():
             return finish()
+
+    @overload
+    def async_save(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcFuture: ...
+
+    @overload
+    def async_save(
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
+    ) -> CcFuture: ...
+
+    @overload
+    def async_save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcFuture: ...
 
     def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `save`, but returns a `CcFuture` at once.
@@ -256,7 +288,8 @@ class ContextCaching:
         if hits:
             lease: StagingLease = self._staging.acquire(plan.prefix_staging_bytes(hits), device)
             try:
-                plan.fill_from_values(lease.host_array(), outcome.results, hits)
+                # valid_prefix verified the first `hits` values: none of them is None
+                plan.fill_from_values(lease.host_array(), cast(List[Buffer], outcome.results), hits)
                 profile.mark("fill")
                 nbytes = plan.prefix_staging_bytes(hits)
                 with side_stream(device):
@@ -270,6 +303,19 @@ class ContextCaching:
         profile.report(result, plan.prefix_staging_bytes(hits))
         return result
 
+    @overload
+    def load(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcResult: ...
+
+    @overload
+    def load(
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
+    ) -> CcResult: ...
+
+    @overload
+    def load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcResult: ...
+
     def load(self, *args: Any, **kwargs: Any) -> CcResult:
         """Load blocks from the pool into the places the arguments name (the same three forms as `save`).
 
@@ -278,6 +324,19 @@ class ContextCaching:
         request, plan, device = self._bind(Operation.LOAD, args, kwargs)
         with _ems_errors():
             return self._load(request, plan, device)
+
+    @overload
+    def async_load(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcFuture: ...
+
+    @overload
+    def async_load(
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
+    ) -> CcFuture: ...
+
+    @overload
+    def async_load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcFuture: ...
 
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
@@ -316,7 +375,9 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- exists
 
-    def exists(self, hashes: Any, option: Optional[CcKvOption] = None, **kwargs: Any) -> CcResult:
+    def exists(
+        self, hashes: Union[HashList, Sequence[V0Key]], option: Optional[CcKvOption] = None, **kwargs: Any
+    ) -> CcResult:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
         A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising."""
@@ -327,7 +388,7 @@ class ContextCaching:
         else:
             if self._layout is None:
                 raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
-            keys, route_keys = v1_keys(self._v1_namespace, items)  # type: ignore[arg-type]
+            keys, route_keys = v1_keys(self._v1_namespace, items)
         try:
             outcome = self._pool.exists(route_keys, keys, checked_option)
         except Exception as exc:  # the contract: a failing pool is a miss, not an exception

@@ -105,7 +105,10 @@ class BlockPlan:
         for region in self.regions:
             token_bytes = region.group.token_bytes
             ranges.append(
-                (region.offset + int(region.tok_start[i]) * token_bytes, region.offset + int(region.tok_start[i + 1]) * token_bytes)
+                (
+                    region.offset + int(region.tok_start[i]) * token_bytes,
+                    region.offset + int(region.tok_start[i + 1]) * token_bytes,
+                )
             )
         return ranges
 

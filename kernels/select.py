@@ -7,9 +7,11 @@ request):
 | requested | cuda / npu | cpu |
 |---|---|---|
 | auto | triton if `triton` imports, else torch (one warning) | torch (the CPU production path) |
-| triton | triton; RuntimeError if `triton` cannot be imported | the Triton interpreter; RuntimeError unless `TRITON_INTERPRET=1` was set before Triton kernels were first built in the process |
+| triton | triton; RuntimeError if `triton` cannot be imported | the Triton interpreter (*) |
 | torch | torch | torch |
 | memcpy | memcpy | memcpy |
+
+(*) RuntimeError unless `TRITON_INTERPRET=1` was set before Triton kernels were first built in the process.
 
 The choice is logged once at INFO on `ems.kernels` per (device, backend); each backend has `.name`.
 """

@@ -155,13 +155,14 @@ def speed(device: torch.device, tiny: bool, reps: int) -> List[Dict[str, object]
         moved = 2 * out.numel() * out.element_size()  # read + write
         row: Dict[str, object] = {"model": model.name, "layers": layers, "block_size": bs, "blocks": n,
                                   "row_bytes": planes.row_bytes, "save_MB": out.numel() * out.element_size() / 1e6}
-        limit = _best(lambda: dst.copy_(src), device, reps)
+        limit = _best(lambda d=dst, s=src: d.copy_(s), device, reps)
         row["d2d_copy_GBps"] = moved / limit / 1e9
         for name, backend in paths.items():
             before = backend.ops_issued
             backend.gather_slots(planes, slots, out)
             row[f"{name}_ops"] = backend.ops_issued - before
-            t = _best(lambda b=backend: b.gather_slots(planes, slots, out), device, 1 if name == "memcpy" else reps)
+            t = _best(lambda b=backend, p=planes, s=slots, o=out: b.gather_slots(p, s, o), device,
+                      1 if name == "memcpy" else reps)
             row[f"{name}_GBps"] = moved / t / 1e9
             row[f"{name}/copy"] = limit / t
         rows.append(row)

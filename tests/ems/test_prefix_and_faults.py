@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
-from ems.config import CcConfig_v1
 from ems.store import ENTRY_OVERHEAD
 from ems.value_format import HEADER_SIZE
 from fault_injection import is_block

@@ -3,8 +3,6 @@ read_local_only never leaves the process, and whatever it serves is still verifi
 
 from __future__ import annotations
 
-import pytest
-import torch
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.config import resolve_settings

@@ -18,7 +18,7 @@ CLIENT = str(Path(__file__).resolve().parent / "e2e_client.py")
 
 def run_client(**args) -> dict:
     proc = subprocess.run([sys.executable, CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=90)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, (proc.stdout, proc.stderr[-3000:])
     return json.loads(lines[-1])
 
