@@ -246,3 +246,62 @@ def test_staging_pool_reuses_and_drops_leases_of_every_size():
     for lease in held:
         pool.release(lease)
     assert pool._leased_bytes == 0
+
+
+# ---------------------------------------------------------------- the same model, driven (and shrunk) by hypothesis
+
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule  # noqa: E402
+
+
+class CallSequence(RuleBasedStateMachine):
+    """Each rule is one call of the model above; hypothesis picks the order, forms and sizes (through the rule's
+    seed) and shrinks a failing sequence to a short one."""
+
+    @initialize()
+    def start(self) -> None:
+        Ems.shutdown()
+        self.model = Model(seed=7)
+
+    def reseed(self, seed: int) -> None:
+        self.model.rng = random.Random(seed)
+        torch.manual_seed(seed)
+
+    @rule(seed=st.integers(0, 2**32), form=st.sampled_from(["slots", "chunks"]), use_async=st.booleans())
+    def v1_save(self, seed: int, form: str, use_async: bool) -> None:
+        self.reseed(seed)
+        self.model.v1_save(form, use_async)
+
+    @rule(seed=st.integers(0, 2**32), form=st.sampled_from(["slots", "chunks"]), use_async=st.booleans())
+    def v1_load(self, seed: int, form: str, use_async: bool) -> None:
+        self.reseed(seed)
+        self.model.v1_load(form, use_async)
+
+    @rule(seed=st.integers(0, 2**32))
+    def v1_exists(self, seed: int) -> None:
+        self.reseed(seed)
+        self.model.v1_exists()
+
+    @rule(seed=st.integers(0, 2**32), use_async=st.booleans())
+    def v0_save(self, seed: int, use_async: bool) -> None:
+        self.reseed(seed)
+        self.model.v0_save(use_async)
+
+    @rule(seed=st.integers(0, 2**32), use_async=st.booleans())
+    def v0_load(self, seed: int, use_async: bool) -> None:
+        self.reseed(seed)
+        self.model.v0_load(use_async)
+
+    def teardown(self) -> None:
+        Ems.shutdown()
+
+
+CallSequence.TestCase.settings = hypothesis_settings(
+    max_examples=8, stateful_step_count=20, deadline=None, derandomize=True
+)
+
+
+@pytest.mark.usefixtures("clean_ems")
+class TestCallSequence(CallSequence.TestCase):
+    pass
