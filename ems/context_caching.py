@@ -36,7 +36,7 @@ from ems.pool_client import PoolClient, PoolOutcome
 from ems.requests import Operation, RawRequest, Request, bind_exists, bind_request
 from ems.staging import StagingLease, StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
-from ems.value_format import Buffer, build_headers, checksum, valid_prefix
+from ems.value_format import HEADER_SIZE, Buffer, build_headers, checksum, valid_prefix
 
 logger = logging.getLogger("ems")
 
@@ -210,7 +210,8 @@ class ContextCaching:
                 headers = build_headers(plan.expected, [checksum(p) for p in parts])
                 values = [[header, *p] for header, p in zip(headers, parts)]
                 profile.mark("checksum")
-                outcome = self._pool.put(plan.route_keys, plan.keys, values, request.option)
+                value_lens = plan.expected.payload_len + HEADER_SIZE
+                outcome = self._pool.put(plan.route_keys, plan.keys, values, request.option, value_lens)
                 profile.mark("put")
             finally:
                 self._staging.release(lease)

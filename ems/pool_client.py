@@ -198,15 +198,22 @@ class PoolClient:
         keys: Sequence[bytes],
         values: Sequence[Sequence[Buffer]],
         option: CcKvOption,
+        value_lens: Optional[np.ndarray] = None,
     ) -> PoolOutcome[bool]:
-        """Store each value at its owning node; `results[i]` is True where the node acknowledged it."""
+        """Store each value at its owning node; `results[i]` is True where the node acknowledged it.
+
+        `value_lens` (int64, bytes of each value, its parts together) saves measuring every part when the caller
+        knows them; it is only used to split requests at the limits."""
         results: list = [False] * len(keys)
 
         def costs(idx: np.ndarray) -> Costs:
             parts = np.fromiter((len(values[i]) for i in idx.tolist()), dtype=np.int64, count=idx.size)
-            data = np.fromiter(
-                (sum(memoryview(p).nbytes for p in values[i]) for i in idx.tolist()), dtype=np.int64, count=idx.size
-            )
+            if value_lens is not None:
+                data = np.asarray(value_lens, dtype=np.int64)[idx]
+            else:
+                data = np.fromiter(
+                    (sum(memoryview(p).nbytes for p in values[i]) for i in idx.tolist()), dtype=np.int64, count=idx.size
+                )
             return data, _key_meta(keys, idx, PUT_META_PER_KEY) + 8 * parts, parts
 
         outcome = self._fan_out(

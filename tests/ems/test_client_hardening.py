@@ -307,3 +307,22 @@ def test_span_cache_is_safe_under_concurrent_calls(cc):
     for th in threads:
         th.join()
     assert not errors
+
+
+def test_pool_client_measures_values_itself_when_not_told_their_sizes():
+    from ems.pool_client import PoolClient
+    from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
+
+    node = RecordingNode()
+    pool = PoolClient([node], limits=RequestLimits(max_data_bytes=2500))
+    keys = [b"k%d" % i for i in range(10)]
+    payloads = [bytes([i]) * 960 for i in range(10)]
+    expected = ExpectedValues(ValueKind.RAW_V0, 0, np.zeros(10, np.uint64), np.full(10, 960, np.int64))
+    values = [[h, p] for h, p in zip(build_headers(expected, [checksum([p]) for p in payloads]), payloads)]
+    outcome = pool.put(keys, keys, values, CcKvOption())
+    assert outcome.results == [True] * 10 and not outcome.errors
+    puts = [r for r in node.requests if r[0] == "put"]
+    assert len(puts) == 5 and all(data <= 2500 for _, _, data in puts)
+    got = pool.get(keys, keys, CcKvOption())
+    assert [bytes(v) for v in got.results] == [b"".join(bytes(p) for p in v) for v in values]
+    pool.close()
