@@ -385,7 +385,7 @@ class ContextCaching:
         self._check_open()
         items, checked_option = bind_exists(hashes, option, kwargs)
         if isinstance(items[0], (PrimaryKey, str)):
-            keys, route_keys = v0_keys(self._v0_namespace, items)  # type: ignore[arg-type]
+            keys, route_keys = v0_keys(self._v0_namespace, items)
         else:
             if self._layout is None:
                 raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")

@@ -2,9 +2,10 @@
 
 Staging layout. A V1 plan gives each layer group g one region of the staging buffer, `[T_g, token_bytes_g]`
 (token-major; a token is every plane's row back to back, planes possibly of different row sizes and dtypes), where
-`T_g` counts the group's tokens over all blocks in request order. Block i's part of group g is the contiguous byte range of its tokens in that region, so a stored value is
-`header | part of group 0 | part of group 1 | ...` without any repacking: `payload_parts` hands those ranges to the
-transport as they lie. A V0 plan concatenates every value's device ranges. Regions start on 64-byte boundaries.
+`T_g` counts the group's tokens over all blocks in request order. Block i's part of group g is the contiguous byte
+range of its tokens in that region, so a stored value is `header | part of group 0 | part of group 1 | ...` without
+any repacking: `payload_parts` hands those ranges to the transport as they lie. A V0 plan concatenates every value's
+device ranges. Regions start on 64-byte boundaries.
 
 No per-token Python loops: token positions, slots and byte offsets are numpy expressions; only per-block objects
 (keys, memoryviews) are built per block.

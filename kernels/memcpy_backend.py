@@ -4,7 +4,8 @@ Contract: `MemcpyBackend` implements `CopyBackend` (base.py) on any device torch
 pieces (consecutive slots inside one block, `plan.py`); each (piece, plane) is ONE copy when the plane's rows are
 contiguous inside a block (`slot_stride == row_elems`), else one copy per token. Raw segments cost one copy each.
 `ops_issued` counts the copies, so a save's device operations grow with blocks × planes: the cost the kernels
-remove. Bytes move as uint8 views, so planes of different row sizes and dtypes (MLA split K/V) need nothing else. It is a comparison baseline and a last-resort fallback, not a fast path.
+remove. Bytes move as uint8 views, so planes of different row sizes and dtypes (MLA split K/V) need nothing else.
+It is a comparison baseline and a last-resort fallback, not a fast path.
 """
 
 from __future__ import annotations

@@ -15,14 +15,14 @@ and never outlives the planes. Measured on this 2-core host (1 thread, 1 KiB row
 below: one span table of gcd-sized sub-rows would also be one op, but measured slower (DeepSeek rows 1024 + 128
 bytes, 8 layers, 4096 tokens, 1 thread: gather 0.73 GB/s as 128-byte sub-rows vs 2.62 GB/s per plane).
 
-Otherwise (other devices, a span too odd to view, or planes of different row sizes): plane p is viewed as a 2-D row table `[N, row_units_p]` over
-its own storage with row stride `g = gcd(block_stride, slot_stride)`, so slot s is row `(s // block_size) *
-block_stride / g + (s % block_size) * slot_stride / g` of it — one row index per token, shared by every plane with
-the same strides. A gather is then `index_select(table, 0, rows, out=<plane p's column range of staging>)`, which
-writes straight into the strided staging slice in one pass (no temporary); a scatter is `index_copy_`. Elements
-move as the widest signed int dividing the plane's row, strides and addresses, so every dtype (fp8 included) is
-copied bit for bit. Raw V0 segments are the exception: torch has no batched copy between arbitrary addresses, so
-they cost one copy each (the Triton backend does them in one launch).
+Otherwise (other devices, a span too odd to view, or planes of different row sizes): plane p is viewed as a 2-D row
+table `[N, row_units_p]` over its own storage with row stride `g = gcd(block_stride, slot_stride)`, so slot s is row
+`(s // block_size) * block_stride / g + (s % block_size) * slot_stride / g` of it — one row index per token, shared
+by every plane with the same strides. A gather is then `index_select(table, 0, rows, out=<plane p's column range of
+staging>)`, which writes straight into the strided staging slice in one pass (no temporary); a scatter is
+`index_copy_`. Elements move as the widest signed int dividing the plane's row, strides and addresses, so every
+dtype (fp8 included) is copied bit for bit. Raw V0 segments are the exception: torch has no batched copy between
+arbitrary addresses, so they cost one copy each (the Triton backend does them in one launch).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_v1_slot_mapping_async_polling_with_health_checks(pool):
         expected["req-0"] += BS  # locally computed blocks are added by the engine, not by the SDK
         expected["miss"] = 1 * BS
         assert loaded == expected
-        for (hashes, ids) in requests.values():
+        for _, ids in requests.values():
             assert_blocks_equal(cache, ids, original, ids)
         assert_blocks_equal(cache, [16], original, requests["req-2"][1][:1])
         assert_poisoned(cache, [0, 17, 18] + list(range(19, 24)))  # nothing after the first miss
