@@ -35,10 +35,14 @@ def exercise(cc: ContextCaching, buffer: torch.Tensor) -> list[CcResult]:
     results.append(cc.load(option=option, key_list=keys, value_list=values))
     results.append(cc.get_result(cc.async_save(option, keys, values)))
     results.append(cc.get_result(cc.async_load(option, keys, values)))
+    str_keys = ["vllm@tenant@pp0@tp0@0@abc", "vllm@tenant@pp0@tp0@0@def"]  # the SDK's older plain-str keys
+    results.append(cc.save(option, str_keys, values))
+    results.append(cc.load(option, str_keys, values))
     # exists: V1 hashes in any container, or V0 keys
     results.append(cc.exists([11, 12]))
     results.append(cc.exists(np.array([11, 12], dtype=np.int64), option))
     results.append(cc.exists(keys, option=option))
+    results.append(cc.exists(str_keys))
     return results
 
 
