@@ -29,6 +29,8 @@ from ems.transport import protocol as P
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import create_endpoint
+from ems.transport.ucx_frames import new_canary, recv_header_frame, recv_into, send_all
+from ems.transport.ucx_frames import recv_meta as _recv_meta
 from ems.value_format import Buffer
 
 RECONNECT_BACKOFF_S = 0.5
@@ -305,9 +307,14 @@ async def _ping(ep: Any) -> None:
 
 
 async def _put(ep: Any, header: np.ndarray, meta: bytes, chunks: list, count: int) -> list[bool]:
-    await _send_all(ep, [header, meta, *chunks])
+    # the reply is awaited while the data goes out: a node that refuses the request before receiving its data
+    # (too large for its in-flight budget) answers at once, and that answer must not wait behind unsent data
+    sends = asyncio.ensure_future(_send_all(ep, [header, meta, *chunks]))
+    sends.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is reported by the reply
     reply = await _recv_header(ep, P.Op.PUT | P.REPLY)
-    return P.decode_flags(count, await _recv_meta(ep, reply.meta_len))
+    flags = P.decode_flags(count, await _recv_meta(ep, reply.meta_len))
+    await sends
+    return flags
 
 
 async def _exists(ep: Any, header: np.ndarray, meta: bytes, count: int) -> list[bool]:
@@ -325,7 +332,8 @@ async def _get(ep: Any, header: np.ndarray, meta: bytes, count: int) -> list[Opt
     plan = P.segment_plan(present_lens)
     offsets, sizes = P.segment_bounds(present_lens, plan)
     segments = [np.empty(int(s), dtype=np.uint8) for s in sizes.tolist()]
-    await asyncio.gather(*(ep.recv(s) for s in segments if s.size))
+    canary = new_canary()  # every segment's received length is verified (ucx_frames)
+    await asyncio.gather(*(recv_into(ep, memoryview(s), canary) for s in segments if s.size))
     views = [memoryview(s).toreadonly() for s in segments]
     out: list[Optional[Buffer]] = [None] * count
     for i, seg, off, n in zip(present.tolist(), plan.tolist(), offsets.tolist(), present_lens.tolist()):
@@ -377,32 +385,17 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
 
 
 async def _send_all(ep: Any, frames: list) -> None:
-    """Post every frame at once (UCX keeps their order on the endpoint) and wait for all."""
-    frames = [f for f in frames if len(f)]
-    if len(frames) == 1:
-        await ep.send(frames[0])
-    else:
-        await asyncio.gather(*(ep.send(f) for f in frames))
+    await send_all(ep, frames)
 
 
 async def _recv_header(ep: Any, expected_op: int) -> P.Header:
-    frame = np.empty(P.HEADER_SIZE, dtype=np.uint8)
-    await ep.recv(frame)
-    header = P.unpack_header(frame)
+    header = P.unpack_header(await recv_header_frame(ep))
     if header.status != P.Status.OK:
         message = (await _recv_meta(ep, header.meta_len)).decode("utf-8", "replace") if header.meta_len else ""
         raise _Refused(message or f"node answered status {header.status}")
     if header.op != expected_op:
         raise P.ProtocolError(f"expected op {expected_op:#x}, got {header.op:#x}")
     return header
-
-
-async def _recv_meta(ep: Any, meta_len: int) -> bytes:
-    if meta_len == 0:
-        return b""
-    frame = bytearray(meta_len)
-    await ep.recv(frame)
-    return bytes(frame)
 
 
 def _abort(ep: Any) -> None:

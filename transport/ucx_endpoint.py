@@ -101,3 +101,52 @@ async def create_endpoint(ip: str, port: int, timeout_s: float) -> Any:
         ucx_ep.close_blocking(period=10**8, max_attempts=1)
         raise ConnectionError("UCX peer-info checksum mismatch") from None
     return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer["msg_tag"], "msg_recv": msg_tag})
+
+
+# ---- the peer of an endpoint (ucp_ep_query through ctypes: ucxx 0.52 does not expose it) ----
+
+_EP_ATTR_FIELD_REMOTE_SOCKADDR = 1 << 2
+_EP_ATTR_REMOTE_OFFSET = 8 + 32 + 128  # field_mask u64, name[UCP_ENTITY_NAME_MAX], local sockaddr_storage
+_ucp_ep_query: Any = None
+
+
+def _load_ep_query() -> Any:
+    global _ucp_ep_query
+    if _ucp_ep_query is None:
+        import ctypes
+
+        path = None
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                if "/libucp.so" in line:
+                    path = line.split(None, 5)[-1].strip()
+                    break
+        if path is None:
+            raise OSError("libucp is not loaded")
+        query = ctypes.CDLL(path).ucp_ep_query
+        query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        query.restype = ctypes.c_int
+        _ucp_ep_query = query
+    return _ucp_ep_query
+
+
+def peer_host(ep: Any) -> str:
+    """The IP address of the peer of a ucxx Endpoint ("?" when UCX cannot say)."""
+    import ctypes
+    import socket
+
+    try:
+        query = _load_ep_query()
+        attr = ctypes.create_string_buffer(1024)
+        ctypes.c_uint64.from_buffer(attr).value = _EP_ATTR_FIELD_REMOTE_SOCKADDR
+        if query(ctypes.c_void_p(ep.ucp_endpoint), attr) != 0:
+            return "?"
+        raw = attr.raw[_EP_ATTR_REMOTE_OFFSET : _EP_ATTR_REMOTE_OFFSET + 128]
+        family = int.from_bytes(raw[:2], "little")
+        if family == socket.AF_INET:
+            return socket.inet_ntop(socket.AF_INET, raw[4:8])
+        if family == socket.AF_INET6:
+            return socket.inet_ntop(socket.AF_INET6, raw[8:24])
+    except (OSError, AttributeError, ValueError):
+        pass
+    return "?"

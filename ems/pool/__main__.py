@@ -1,6 +1,8 @@
 """`python -m ems.pool` / `ems-pool`: run one pool node.
 
     ems-pool --listen HOST:PORT --capacity 4GiB [--keys-file PATH] [--log-level info]
+             [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
+             [--max-connections N] [--max-connections-per-peer N]
 
 Contract:
 * Prints exactly one line to stdout when it serves, `ems-pool ready on HOST:PORT` (the real port when 0 was asked),
@@ -11,18 +13,26 @@ Contract:
   With no keys the node accepts anonymous clients.
 * SIGTERM and SIGINT stop it cleanly (exit status 0). A bad option exits with status 2 and a message.
 * UCX listens on every interface; HOST is what the ready line reports.
+* Limits (`ems.pool.server.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
+  connections together (default: the capacity, at least 64 MiB); `--handshake-timeout` (10 s) and
+  `--stall-timeout` (30 s, the longest wait for the next frame of a started request); `--max-connections` (1024)
+  and `--max-connections-per-peer` (64).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import re
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ems.pool.server import NodeLimits
 
 _ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -56,6 +66,22 @@ def load_keys(keys_file: Optional[str]) -> dict[str, str]:
     return keys
 
 
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def _parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
@@ -63,11 +89,11 @@ def _parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def _run(host: str, port: int, capacity: int, keys: dict[str, str]) -> None:
+async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits") -> None:
     from ems.pool.server import PoolServer
     from ems.store import KvStore
 
-    server = PoolServer(KvStore(capacity), keys)
+    server = PoolServer(KvStore(capacity), keys, limits)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -96,6 +122,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--capacity", default="1GiB", help="bytes this node holds, e.g. 512MiB, 4GiB")
     parser.add_argument("--keys-file", default=None, help="file of access_id:access_key lines")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--max-inflight", default=None, help="bytes of requests in flight (default: the capacity)")
+    parser.add_argument("--handshake-timeout", type=_positive_float, default=10.0, help="seconds (default 10)")
+    parser.add_argument(
+        "--stall-timeout", type=_positive_float, default=30.0, help="seconds between frames of a request (default 30)"
+    )
+    parser.add_argument("--max-connections", type=_positive_int, default=1024, help="connections in all")
+    parser.add_argument("--max-connections-per-peer", type=_positive_int, default=64, help="per peer IP address")
     args = parser.parse_args(argv)
     import ems.transport.ucx_config  # noqa: F401 - UCX environment defaults, before ucxx loads
 
@@ -110,10 +143,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if capacity <= 0:
             raise ValueError("--capacity must be > 0")
         keys = load_keys(args.keys_file)
+        from ems.pool.server import NodeLimits
+
+        limits = NodeLimits.for_capacity(
+            capacity,
+            handshake_timeout_s=args.handshake_timeout,
+            stall_timeout_s=args.stall_timeout,
+            max_connections=args.max_connections,
+            max_connections_per_peer=args.max_connections_per_peer,
+        )
+        if args.max_inflight is not None:
+            inflight = parse_size("--max-inflight", args.max_inflight)
+            if inflight <= 0:
+                raise ValueError("--max-inflight must be > 0")
+            limits = dataclasses.replace(limits, inflight_bytes=inflight)
     except (EmsException, ValueError, OSError) as error:
         parser.error(str(error))
     host, port = args.listen
-    asyncio.run(_run(host, port, capacity, keys))
+    asyncio.run(_run(host, port, capacity, keys, limits))
     # Listener and connections are closed; UCX's own threads would keep the interpreter from exiting.
     logging.shutdown()
     sys.stdout.flush()

@@ -8,6 +8,20 @@ Contract:
   fresh nonce) or is refused with AUTH_FAILED; without keys every client is accepted under the tenant it names.
 * Every key is stored under its tenant's namespace (`tenant_prefix(access_id) + key`), so one tenant can never
   read, overwrite or test another's keys.
+* Every received frame has its length verified (`transport.ucx_frames`): a short frame can never leave a recycled
+  buffer's old bytes (another tenant's value) in a stored value.
+* Memory (`NodeLimits`): the bytes of requests in flight (PUT meta and data being received and stored, GET replies
+  being sent), all connections together, stay within `inflight_bytes`. A PUT that could never fit is refused before
+  its data is received (status BAD_REQUEST with a message, then the connection is closed, since its data frames
+  are left unread); one that must wait for room waits at most `stall_timeout_s`, then is refused the same way. A GET
+  reply never exceeds MAX_DATA_BYTES nor the budget: the values beyond it are answered as misses (so loads stop
+  there), and a key named many times is looked up once. Replies are sent in windows of SEND_WINDOW_BYTES.
+* Timeouts: a connection must finish the handshake within `handshake_timeout_s`; once a request has started,
+  every frame of it (in either direction) must complete within `stall_timeout_s` of the previous one. A connection
+  that breaks either is aborted. An authenticated connection may stay idle between requests (clients keep one).
+* Connections: at most `max_connections` in all and `max_connections_per_peer` per peer IP address; beyond that a
+  new connection is aborted at once.
+* Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are shut down (`pool.sockets`).
 * A malformed or oversized frame, or any transport error, closes that connection only.
 * `stop()` closes the listener and every connection; the caller then lets the loop finish.
 """
@@ -15,24 +29,52 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import struct
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Awaitable, Optional, Sequence
 
 import numpy as np
 
+from ems.pool.sockets import SocketReaper
 from ems.store import KvStore
 from ems.transport import protocol as P
 from ems.transport.ucx_config import init_ucx
-from ems.transport.ucx_endpoint import install_safe_listener_exchange
+from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
+from ems.transport.ucx_frames import new_canary, recv_header_frame, recv_into, recv_meta, send_all
 
 log = logging.getLogger("ems.pool")
 
-HANDSHAKE_TIMEOUT_S = 10.0
 # PUTs with more data than this are checksummed and stored off the event loop
 OFFLOAD_BYTES = 256 << 10
+# a GET reply's data frames are posted this many bytes at a time (UCX holds per-send state for each posted frame)
+SEND_WINDOW_BYTES = 32 << 20
+WATCHDOG_PERIOD_S = 0.5
+REAP_PERIOD_S = 2.0
+MIN_INFLIGHT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    """What one node allows (`python -m ems.pool` options of the same names)."""
+
+    inflight_bytes: int
+    handshake_timeout_s: float = 10.0
+    stall_timeout_s: float = 30.0
+    max_connections: int = 1024
+    max_connections_per_peer: int = 64
+
+    @classmethod
+    def for_capacity(cls, capacity_bytes: int, **overrides: Any) -> "NodeLimits":
+        """The defaults for a node of `capacity_bytes`: in-flight bytes up to the capacity (at least 64 MiB), so a
+        GET of distinct keys always fits the budget and the node's memory stays under twice its capacity."""
+        overrides.setdefault("inflight_bytes", max(capacity_bytes, MIN_INFLIGHT_BYTES))
+        return cls(**overrides)
 
 
 def tenant_prefix(access_id: str) -> bytes:
@@ -45,15 +87,74 @@ class _Closed(Exception):
     """The peer closed the connection (not an error worth a warning)."""
 
 
+class _Refusal(Exception):
+    """A request the node answers with BAD_REQUEST and a message, then closes the connection."""
+
+
+class _Stage(enum.Enum):
+    HANDSHAKE = "handshake"
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+class _Connection:
+    """One client connection's state, as the watchdog sees it."""
+
+    __slots__ = ("ep", "peer", "stage", "deadline", "aborted")
+
+    def __init__(self, ep: Any, peer: str, deadline: float) -> None:
+        self.ep = ep
+        self.peer = peer
+        self.stage = _Stage.HANDSHAKE
+        self.deadline = deadline
+        self.aborted = False
+
+
+class ByteBudget:
+    """Bytes of requests in flight, all connections together (used on the event loop only)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self.peak = 0
+        self._freed = asyncio.Event()
+
+    async def acquire(self, nbytes: int, timeout_s: float) -> bool:
+        """Take `nbytes` (<= total), waiting up to `timeout_s` for others to release; False if it did not fit."""
+        deadline = time.monotonic() + timeout_s
+        while self.used + nbytes > self.total:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self._freed.set()
+
+
 class PoolServer:
     """Serves one `KvStore`; see the module docstring."""
 
-    def __init__(self, store: KvStore, access_keys: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self, store: KvStore, access_keys: Optional[dict[str, str]] = None, limits: Optional[NodeLimits] = None
+    ) -> None:
         self.store = store
         self.access_keys = dict(access_keys or {})
-        self._listener = None
-        self._endpoints: set = set()
+        self.limits = limits or NodeLimits.for_capacity(store.capacity_bytes)
+        self.budget = ByteBudget(self.limits.inflight_bytes)
+        self._listener: Any = None
+        self._connections: dict[Any, _Connection] = {}
+        self._per_peer: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
+        self._tasks: list[asyncio.Task] = []
         self.port = 0
 
     # ---- life cycle ----
@@ -66,55 +167,117 @@ class PoolServer:
         install_safe_listener_exchange()  # a client paused mid-connect must not corrupt this node's heap
         self._listener = ucxx.create_listener(self._serve, port=port, endpoint_error_handling=True)
         self.port = int(self._listener.port)
+        self._tasks = [asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._reaper())]
         return self.port
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        for ep in list(self._endpoints):
+        for ep in list(self._connections):
             _abort(ep)
-        self._endpoints.clear()
+        self._connections.clear()
+        self._per_peer.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _watchdog(self) -> None:
+        """Abort connections past their deadline (never cancelling a UCX request: the abort fails it)."""
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            now = time.monotonic()
+            for conn in list(self._connections.values()):
+                if conn.stage != _Stage.IDLE and now > conn.deadline and not conn.aborted:
+                    log.warning("closing a connection from %s: stalled in %s", conn.peer, conn.stage.value)
+                    conn.aborted = True
+                    _abort(conn.ep)
+
+    async def _reaper(self) -> None:
+        reaper = SocketReaper(self.port)
+        while True:
+            await asyncio.sleep(REAP_PERIOD_S)
+            if reaper.sweep():
+                log.warning("shut down %d abandoned sockets on port %d (not UCX clients)", reaper.reaped, self.port)
 
     # ---- one connection ----
 
-    async def _serve(self, ep) -> None:
-        self._endpoints.add(ep)
+    def _progress(self, conn: _Connection) -> None:
+        conn.stage = _Stage.BUSY
+        conn.deadline = time.monotonic() + self.limits.stall_timeout_s
+
+    async def _timed(self, conn: _Connection, step: Awaitable[Any]) -> Any:
+        """One frame of a request: when it completes, the next frame has `stall_timeout_s` again."""
+        result = await step
+        self._progress(conn)
+        return result
+
+    def _admit(self, ep: Any) -> Optional[_Connection]:
+        peer = peer_host(ep)
+        if len(self._connections) >= self.limits.max_connections:
+            log.warning("refused a connection from %s: %d connections open", peer, len(self._connections))
+            return None
+        if self._per_peer[peer] >= self.limits.max_connections_per_peer:
+            log.warning("refused a connection from %s: %d connections from it open", peer, self._per_peer[peer])
+            return None
+        conn = _Connection(ep, peer, time.monotonic() + self.limits.handshake_timeout_s)
+        self._connections[ep] = conn
+        self._per_peer[peer] += 1
+        return conn
+
+    async def _serve(self, ep: Any) -> None:
+        conn = self._admit(ep)
+        if conn is None:
+            _abort(ep)
+            return
         try:
-            tenant = await asyncio.wait_for(self._handshake(ep), HANDSHAKE_TIMEOUT_S)
+            tenant = await self._handshake(ep)
             if tenant is None:
                 return
             prefix = tenant_prefix(tenant)
             while True:
+                conn.stage = _Stage.IDLE
                 header = await _recv_header(ep)
-                await self._dispatch(ep, header, prefix)
+                self._progress(conn)
+                try:
+                    await self._dispatch(conn, header, prefix)
+                except _Refusal as refusal:
+                    log.warning("refused a request from %s: %s", conn.peer, refusal)
+                    message = str(refusal).encode()
+                    reply = P.pack_header(header.op | P.REPLY, status=P.Status.BAD_REQUEST, meta_len=len(message))
+                    await self._timed(conn, send_all(ep, [reply, message]))
+                    await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
+                    return
         except _Closed:
             log.debug("client left")
         except P.ProtocolError as error:
-            log.warning("closing a connection: malformed request: %s", error)
-        except asyncio.TimeoutError:
-            log.warning("closing a connection: no handshake within %.0f s", HANDSHAKE_TIMEOUT_S)
+            log.warning("closing a connection from %s: malformed request: %s", conn.peer, error)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # any transport failure ends this connection only
-            log.info("closing a connection: %r", error)
+            if conn.aborted:
+                log.debug("connection from %s aborted: %r", conn.peer, error)
+            else:
+                log.info("closing a connection from %s: %r", conn.peer, error)
         finally:
-            self._endpoints.discard(ep)
+            if self._connections.pop(ep, None) is not None:
+                self._per_peer[conn.peer] -= 1
+                if self._per_peer[conn.peer] <= 0:
+                    del self._per_peer[conn.peer]
             _abort(ep)
 
-    async def _handshake(self, ep) -> Optional[str]:
+    async def _handshake(self, ep: Any) -> Optional[str]:
         hello = await _recv_header(ep)
         if hello.op != P.Op.HELLO or hello.data_len or hello.meta_len > P.MAX_ID_BYTES:
             raise P.ProtocolError(f"expected HELLO, got op {hello.op}")
-        access_id = P.check_access_id(await _recv_meta(ep, hello.meta_len))
+        access_id = P.check_access_id(await recv_meta(ep, hello.meta_len))
         nonce = os.urandom(P.NONCE_BYTES)
         flags = P.Flags.AUTH_REQUIRED if self.access_keys else P.Flags.NONE
-        await _send_all(ep, [P.pack_header(P.Op.CHALLENGE, meta_len=len(nonce), flags=flags), nonce])
+        await send_all(ep, [P.pack_header(P.Op.CHALLENGE, meta_len=len(nonce), flags=flags), nonce])
         auth = await _recv_header(ep)
         if auth.op != P.Op.AUTH or auth.data_len or auth.meta_len not in (0, P.MAC_BYTES):
             raise P.ProtocolError(f"expected AUTH, got op {auth.op}")
-        mac = await _recv_meta(ep, auth.meta_len)
+        mac = await recv_meta(ep, auth.meta_len)
         if self.access_keys:
             key = self.access_keys.get(access_id)
             if not access_id or key is None or not P.check_mac(key, nonce, access_id, mac):
@@ -125,91 +288,139 @@ class PoolServer:
                 )
                 log.warning("refused a client (access_id %r): %s", access_id, reason)
                 message = f"authentication failed: {reason}".encode()
-                await _send_all(
+                await send_all(
                     ep,
                     [P.pack_header(P.Op.AUTH | P.REPLY, status=P.Status.AUTH_FAILED, meta_len=len(message)), message],
                 )
                 await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
                 return None
-        await _send_all(ep, [P.pack_header(P.Op.AUTH | P.REPLY)])
+        await send_all(ep, [P.pack_header(P.Op.AUTH | P.REPLY)])
         log.debug("client connected as tenant %r", access_id)
         return access_id
 
-    async def _dispatch(self, ep, header: P.Header, prefix: bytes) -> None:
+    async def _dispatch(self, conn: _Connection, header: P.Header, prefix: bytes) -> None:
         op = header.op
+        ep = conn.ep
         if op == P.Op.PING:
             if header.meta_len or header.data_len or header.count:
                 raise P.ProtocolError("PING carries nothing")
-            await _send_all(ep, [P.pack_header(P.Op.PING | P.REPLY)])
+            await self._timed(conn, send_all(ep, [P.pack_header(P.Op.PING | P.REPLY)]))
         elif op == P.Op.PUT:
-            await self._put(ep, header, prefix)
+            await self._put(conn, header, prefix)
         elif op in (P.Op.GET, P.Op.EXISTS):
             if header.data_len:
                 raise P.ProtocolError("GET/EXISTS carry no data")
-            meta = await _recv_meta(ep, header.meta_len)
-            keys = _namespaced(prefix, P.decode_keys_meta(header.count, meta))
-            if op == P.Op.EXISTS:
-                flags = np.asarray(self.store.contains_many(keys), dtype=np.uint8).tobytes()
-                await _send_all(ep, [P.pack_header(op | P.REPLY, count=len(keys), meta_len=len(flags)), flags])
-            else:
-                await self._get(ep, keys)
+            await self._take(header.meta_len)
+            try:
+                meta = await self._timed(conn, recv_meta(ep, header.meta_len))
+                keys = _namespaced(prefix, P.decode_keys_meta(header.count, meta))
+                del meta
+                if op == P.Op.EXISTS:
+                    flags = np.asarray(self.store.contains_many(keys), dtype=np.uint8).tobytes()
+                    reply = P.pack_header(op | P.REPLY, count=len(keys), meta_len=len(flags))
+                    await self._timed(conn, send_all(ep, [reply, flags]))
+                    return
+            finally:
+                self.budget.release(header.meta_len)
+            await self._get(conn, keys)
         else:
             raise P.ProtocolError(f"unexpected op {op} after the handshake")
 
-    async def _put(self, ep, header: P.Header, prefix: bytes) -> None:
-        meta = await _recv_meta(ep, header.meta_len)
-        request = P.decode_put_meta(header.count, header.data_len, meta)
-        # receive into buffers recycled from evicted values where the store has them (no first-touch page faults)
-        segments = [self.store.allocate(int(size)) for size in request.segment_sizes.tolist()]
-        views = [memoryview(s) for s in segments]
-        ends = (request.chunk_offsets + request.chunk_lens).tolist()
-        await asyncio.gather(
-            *(
-                ep.recv(views[s][a:b])
-                for s, a, b in zip(request.chunk_segments.tolist(), request.chunk_offsets.tolist(), ends)
+    async def _take(self, nbytes: int) -> None:
+        """Reserve `nbytes` of the in-flight budget for a request, or refuse it (`_Refusal`)."""
+        if nbytes > self.budget.total:
+            raise _Refusal(
+                f"a request of {nbytes} bytes exceeds this node's in-flight limit of {self.budget.total} bytes"
             )
-        )
-        keys = _namespaced(prefix, request.keys)
-        values = _split_values(segments, request.plan, request.value_offsets, request.value_lens, request.segment_sizes)
-        del views
-        if header.data_len > OFFLOAD_BYTES:
-            stored = await asyncio.get_running_loop().run_in_executor(self._executor, self._store_all, keys, values)
-        else:
-            stored = self._store_all(keys, values)
+        if not await self.budget.acquire(nbytes, self.limits.stall_timeout_s):
+            raise _Refusal(f"node busy: no room for a request of {nbytes} bytes within {self.limits.stall_timeout_s} s")
+
+    async def _put(self, conn: _Connection, header: P.Header, prefix: bytes) -> None:
+        ep = conn.ep
+        charge = header.meta_len + header.data_len
+        await self._take(charge)  # before anything of the request is received
+        try:
+            meta = await self._timed(conn, recv_meta(ep, header.meta_len))
+            request = P.decode_put_meta(header.count, header.data_len, meta)
+            del meta
+            # receive into buffers recycled from evicted values where the store has them (no first-touch page
+            # faults); every receive verifies its length, so a recycled buffer's old bytes can never be stored
+            segments = [self.store.allocate(int(size)) for size in request.segment_sizes.tolist()]
+            views = [memoryview(s) for s in segments]
+            ends = (request.chunk_offsets + request.chunk_lens).tolist()
+            canary = new_canary()
+            await asyncio.gather(
+                *(
+                    self._timed(conn, recv_into(ep, views[s][a:b], canary))
+                    for s, a, b in zip(request.chunk_segments.tolist(), request.chunk_offsets.tolist(), ends)
+                )
+            )
+            del views
+            keys = _namespaced(prefix, request.keys)
+            values = _split_values(
+                segments, request.plan, request.value_offsets, request.value_lens, request.segment_sizes
+            )
+            del segments
+            if header.data_len > OFFLOAD_BYTES:
+                loop = asyncio.get_running_loop()
+                stored = await loop.run_in_executor(self._executor, self._store_all, keys, values)
+            else:
+                stored = self._store_all(keys, values)
+            del values
+        finally:
+            self.budget.release(charge)
         flags = np.asarray(stored, dtype=np.uint8).tobytes()
-        await _send_all(ep, [P.pack_header(P.Op.PUT | P.REPLY, count=len(keys), meta_len=len(flags)), flags])
+        reply = P.pack_header(P.Op.PUT | P.REPLY, count=len(keys), meta_len=len(flags))
+        await self._timed(conn, send_all(ep, [reply, flags]))
 
     def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[bool]:
         return [self.store.put_owned(k, v) for k, v in zip(keys, values)]
 
-    async def _get(self, ep, keys: Sequence[bytes]) -> None:
-        values = self.store.get_many(keys)
+    async def _get(self, conn: _Connection, keys: Sequence[bytes]) -> None:
+        ep = conn.ep
+        found = dict(zip(dict.fromkeys(keys), self.store.get_many(list(dict.fromkeys(keys)))))  # each key once
+        values = [found[k] for k in keys]
+        del found
         lens = np.fromiter(
             (-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values)
         )
-        present = np.nonzero(lens >= 0)[0]
-        present_lens = lens[present]
-        plan = P.segment_plan(present_lens)
-        offsets, sizes = P.segment_bounds(present_lens, plan)
-        frames: list = []
-        counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
-        # one frame per segment: a lone value is sent from the store itself, packed small values are copied once
-        for seg, n in enumerate(counts.tolist()):
-            if n == 1 and int(sizes[seg]) >= P.SEGMENT_BYTES:
-                frames.append(values[int(present[np.searchsorted(plan, seg)])])
-                continue
-            buf = np.empty(int(sizes[seg]), dtype=np.uint8)
-            first = int(np.searchsorted(plan, seg))
-            for j in range(first, first + n):
-                value = values[int(present[j])]
-                size = int(present_lens[j])
-                buf[int(offsets[j]) : int(offsets[j]) + size] = np.frombuffer(value, dtype=np.uint8)
-            if buf.size:
-                frames.append(buf)
-        meta = lens.astype("<i8").tobytes()
-        total = int(present_lens.sum())
-        header = P.pack_header(P.Op.GET | P.REPLY, count=len(keys), meta_len=len(meta), data_len=total)
-        await _send_all(ep, [header, meta, *frames])
+        # never more than the protocol or the budget allows in one reply: the values beyond are misses
+        limit = min(P.MAX_DATA_BYTES, self.budget.total)
+        running = np.cumsum(np.maximum(lens, 0))
+        lens[(running > limit) & (lens >= 0)] = -1
+        total = int(lens[lens > 0].sum())
+        if not await self.budget.acquire(total, self.limits.stall_timeout_s):
+            log.warning("GET from %s answered with misses: no room for %d reply bytes", conn.peer, total)
+            lens[:] = -1
+            total = 0
+        try:
+            present = np.nonzero(lens >= 0)[0]
+            present_lens = lens[present]
+            plan = P.segment_plan(present_lens)
+            offsets, sizes = P.segment_bounds(present_lens, plan)
+            frames: list = []
+            counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
+            # one frame per segment: a lone value is sent from the store itself, packed small values are copied once
+            for seg, n in enumerate(counts.tolist()):
+                if n == 1 and int(sizes[seg]) >= P.SEGMENT_BYTES:
+                    frames.append(values[int(present[np.searchsorted(plan, seg)])])
+                    continue
+                buf = np.empty(int(sizes[seg]), dtype=np.uint8)
+                first = int(np.searchsorted(plan, seg))
+                for j in range(first, first + n):
+                    value = values[int(present[j])]
+                    size = int(present_lens[j])
+                    buf[int(offsets[j]) : int(offsets[j]) + size] = np.frombuffer(value, dtype=np.uint8)
+                if buf.size:
+                    frames.append(buf)
+            del values
+            meta = lens.astype("<i8").tobytes()
+            header = P.pack_header(P.Op.GET | P.REPLY, count=len(keys), meta_len=len(meta), data_len=total)
+            await self._timed(conn, send_all(ep, [header, meta]))
+            for window in _windows(frames, SEND_WINDOW_BYTES):
+                await self._timed(conn, send_all(ep, window))
+        finally:
+            self.budget.release(total)
 
 
 # ---- helpers ----
@@ -234,42 +445,34 @@ def _split_values(
     return out
 
 
-async def _recv_header(ep) -> P.Header:
-    frame = np.empty(P.HEADER_SIZE, dtype=np.uint8)
+async def _recv_header(ep: Any) -> P.Header:
     try:
-        await ep.recv(frame)
+        frame = await recv_header_frame(ep)
+    except P.ProtocolError:
+        raise
     except Exception as error:
-        if "truncat" in repr(error).lower() or "mismatch" in repr(error).lower():
-            raise P.ProtocolError(f"frame of the wrong size where a header was expected: {error}") from None
         raise _Closed() from error
     return P.unpack_header(frame)
 
 
-async def _recv_meta(ep, meta_len: int) -> bytes:
-    if meta_len > P.MAX_META_BYTES:
-        raise P.ProtocolError(f"meta frame of {meta_len} bytes, limit {P.MAX_META_BYTES}")
-    if meta_len == 0:
-        return b""
-    frame = bytearray(meta_len)
-    try:
-        await ep.recv(frame)
-    except Exception as error:
-        if "truncat" in repr(error).lower() or "mismatch" in repr(error).lower():
-            raise P.ProtocolError(f"meta frame of the wrong size: {error}") from None
-        raise
-    return bytes(frame)
+def _windows(frames: list, window_bytes: int) -> list[list]:
+    """Consecutive groups of `frames` of at most `window_bytes` each (a larger frame alone)."""
+    groups: list[list] = []
+    current: list = []
+    size = 0
+    for frame in frames:
+        nbytes = memoryview(frame).nbytes
+        if current and size + nbytes > window_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(frame)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
 
 
-async def _send_all(ep, frames: list) -> None:
-    """Post every frame at once (UCX keeps their order on the endpoint) and wait for all."""
-    frames = [f for f in frames if len(f)]
-    if len(frames) == 1:
-        await ep.send(frames[0])
-    else:
-        await asyncio.gather(*(ep.send(f) for f in frames))
-
-
-def _abort(ep) -> None:
+def _abort(ep: Any) -> None:
     try:
         ep.abort(period=10**8)
     except Exception:  # already closed by the peer or by us

@@ -1,0 +1,103 @@
+"""Receiving and sending protocol frames on a ucxx endpoint, with every received length verified.
+
+Contract:
+* `recv_header(ep)` returns the parsed header of a frame of exactly `HEADER_SIZE` bytes; `recv_meta(ep, n)` the
+  `n` bytes of a meta frame; `recv_into(ep, view, canary)` fills `view` with one frame of exactly `len(view)`
+  bytes. A frame of another length raises `ProtocolError` (the caller closes that connection), and a buffer that
+  received a short frame is never handed on.
+* `send_all(ep, frames)` posts every frame at once (UCX keeps their order on the endpoint) and waits for all.
+
+Why this design. ucxx 0.52 completes a tagged receive of a message *shorter* than the buffer without an error and
+does not report how many bytes arrived (its Python `Request` exposes no receive info; a longer message does fail,
+"Message truncated"). A short frame therefore leaves the buffer's tail as it was, and a pool node receives values
+into buffers recycled from other tenants' evicted values. Asking UCX for the length first (`tag_probe`) needs the
+message to be there already, i.e. polling, and active messages would give up receiving into recycled buffers; so
+the length is verified from the buffer itself, at the cost of writing 8 bytes before and comparing 8 bytes after
+each receive (no extra pass over the data, which zero-filling every recycled buffer would cost):
+* Header frames: the buffer is filled with 0xFF first. A valid header's last byte is the top byte of `data_len`,
+  always 0 (`data_len` <= MAX_DATA_BYTES < 2**56), so a frame of fewer than 32 bytes leaves 0xFF there and is
+  refused, whatever it contains: the check is exact.
+* Meta and data frames of n >= 8 bytes: the last 8 bytes are set to a secret random canary (fresh per request,
+  `new_canary()`); when they still hold it after the receive, fewer than n - 7 bytes arrived and the frame is
+  refused. A genuine frame ends with the canary with probability 2**-64, and a sender cannot aim for it without
+  knowing it. A frame short by 1-7 bytes is not detected, but then the bytes it did not write are the canary's,
+  never what the buffer held before, so no byte of another tenant is exposed (and a value so damaged fails its
+  checksum, since the sender cannot know those bytes).
+* Frames under 8 bytes are zero-filled before the receive: nothing stale can remain in them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+
+from ems.transport import protocol as P
+
+CANARY_BYTES = 8
+_HEADER_FILL = 0xFF
+
+
+def new_canary() -> bytes:
+    """A fresh secret canary for the receives of one request."""
+    return os.urandom(CANARY_BYTES)
+
+
+def _wrong_size(error: BaseException) -> bool:
+    text = repr(error).lower()
+    return "truncat" in text or "mismatch" in text
+
+
+async def recv_into(ep: Any, view: memoryview, canary: bytes) -> None:
+    """Receive one frame of exactly `view.nbytes` bytes into `view` (writable, format "B"); see the docstring."""
+    n = view.nbytes
+    if n == 0:
+        return
+    if n >= CANARY_BYTES:
+        view[n - CANARY_BYTES :] = canary
+    else:
+        view[:] = bytes(n)
+    try:
+        await ep.recv(view)
+    except Exception as error:
+        if _wrong_size(error):
+            raise P.ProtocolError(f"a frame longer than the {n} bytes announced") from None
+        raise
+    if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
+        raise P.ProtocolError(f"a frame shorter than the {n} bytes announced")
+
+
+async def recv_header_frame(ep: Any) -> np.ndarray:
+    """The raw 32 bytes of a header frame; ProtocolError when the frame had another length."""
+    frame = np.full(P.HEADER_SIZE, _HEADER_FILL, dtype=np.uint8)
+    try:
+        await ep.recv(frame)
+    except Exception as error:
+        if _wrong_size(error):
+            raise P.ProtocolError(f"a frame longer than {P.HEADER_SIZE} bytes where a header was expected") from None
+        raise
+    if frame[-1] == _HEADER_FILL:
+        raise P.ProtocolError(f"a frame shorter than {P.HEADER_SIZE} bytes where a header was expected")
+    return frame
+
+
+async def recv_meta(ep: Any, meta_len: int) -> bytes:
+    """A meta frame of exactly `meta_len` bytes (checked against the protocol limit first)."""
+    if meta_len > P.MAX_META_BYTES:
+        raise P.ProtocolError(f"meta frame of {meta_len} bytes, limit {P.MAX_META_BYTES}")
+    if meta_len == 0:
+        return b""
+    frame = bytearray(meta_len)
+    await recv_into(ep, memoryview(frame), new_canary())
+    return bytes(frame)
+
+
+async def send_all(ep: Any, frames: list) -> None:
+    """Post every frame at once (UCX keeps their order on the endpoint) and wait for all."""
+    frames = [f for f in frames if len(f)]
+    if len(frames) == 1:
+        await ep.send(frames[0])
+    else:
+        await asyncio.gather(*(ep.send(f) for f in frames))
