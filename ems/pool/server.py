@@ -197,8 +197,9 @@ class PoolServer:
         reaper = SocketReaper(self.port)
         while True:
             await asyncio.sleep(REAP_PERIOD_S)
-            if reaper.sweep():
-                log.warning("shut down %d abandoned sockets on port %d (not UCX clients)", reaper.reaped, self.port)
+            closed = reaper.sweep()
+            if closed:
+                log.warning("closed %d sockets UCX abandoned on port %d (not UCX clients)", closed, self.port)
 
     # ---- one connection ----
 

@@ -24,10 +24,13 @@ START_TIMEOUT_S = 30.0
 class PoolProcess:
     """One `python -m ems.pool` process on 127.0.0.1."""
 
-    def __init__(self, capacity: str = "256MiB", keys: Optional[dict[str, str]] = None, port: int = 0) -> None:
+    def __init__(
+        self, capacity: str = "256MiB", keys: Optional[dict[str, str]] = None, port: int = 0, args: tuple = ()
+    ) -> None:
         self.capacity = capacity
         self.keys = keys
         self.port = port
+        self.args = tuple(args)
         self.proc: Optional[subprocess.Popen] = None
         self.log = tempfile.NamedTemporaryFile(prefix="ems-pool-", suffix=".log", delete=False)
         self.start()
@@ -43,7 +46,7 @@ class PoolProcess:
             env["EMS_POOL_KEYS"] = ",".join(f"{i}:{k}" for i, k in self.keys.items())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ems.pool", "--listen", f"127.0.0.1:{self.port}", "--capacity", self.capacity,
-             "--log-level", "info"],
+             "--log-level", "info", *self.args],
             stdout=subprocess.PIPE,
             stderr=self.log,
             env=env,
@@ -59,6 +62,36 @@ class PoolProcess:
     def log_text(self) -> str:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+    def rss_bytes(self) -> int:
+        """The node's resident memory (VmRSS)."""
+        with open(f"/proc/{self.proc.pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def fd_count(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def close_wait_sockets(self) -> int:
+        """Sockets of the node in CLOSE_WAIT (the peer closed, the node did not)."""
+        inodes = set()
+        for name in os.listdir(f"/proc/{self.proc.pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{self.proc.pid}/fd/{name}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        count = 0
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table, encoding="ascii") as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    count += fields[3] == "08" and fields[9] in inodes
+        return count
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
@@ -143,11 +176,12 @@ KEY_B = "b" * 36 + "+/=="
 
 @pytest.fixture
 def pool_nodes():
-    """`start(capacity=..., keys=...)` → a running `PoolProcess`; all are killed when the test ends."""
+    """`start(capacity=..., keys=..., args=(extra options,))` → a running `PoolProcess`; all are killed when the test
+    ends."""
     started: list[PoolProcess] = []
 
-    def start(capacity: str = "256MiB", keys=None) -> PoolProcess:
-        node = PoolProcess(capacity, keys)
+    def start(capacity: str = "256MiB", keys=None, args: tuple = ()) -> PoolProcess:
+        node = PoolProcess(capacity, keys, args=args)
         started.append(node)
         return node
 
