@@ -1,0 +1,171 @@
+"""Defects 3, 4 and 5 of issue 7: a node's memory, sockets and connections stay bounded whatever clients do.
+
+* in-flight bytes: a request that can never fit is refused before its data is received, with a clear status the
+  client reports as an error (never a hang); a GET reply never exceeds the budget (values beyond it are misses),
+  even when it names one key 1,500 times;
+* a raw TCP connection that sends junk instead of a UCX handshake does not leave a socket behind;
+* a connection that stalls in the handshake or mid-request is dropped after a bounded time; connections per peer
+  are capped."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ems.errors import EmsErrorCode
+from ems.transport import protocol as P
+from ems.transport.base import TransportError
+from pool_testlib import joined, make_values, wait_until
+from raw_ucx import CLOSED, SILENT, RawSession, Reply
+
+pytestmark = pytest.mark.slow
+MiB = 1 << 20
+
+
+def test_a_put_that_cannot_fit_is_refused_before_its_data(pool_nodes, node_clients):
+    node = pool_nodes("8MiB")
+    base_rss = node.rss_bytes()
+    announced = 768 * MiB
+    with RawSession(node.port) as raw:
+        raw.login()
+        meta = P.encode_put_meta([b"huge"], np.array([announced]), np.array([announced]))
+        t0 = time.monotonic()
+        raw.send(P.pack_header(P.Op.PUT, count=1, meta_len=len(meta), data_len=announced), meta)  # and no data
+        reply = raw.reply(timeout_s=5.0)
+        waited = time.monotonic() - t0
+    assert isinstance(reply, Reply), reply
+    assert reply.header.status == P.Status.BAD_REQUEST and "in-flight limit" in reply.message, reply
+    assert waited < 5.0
+    assert node.rss_bytes() - base_rss < 32 * MiB
+    assert node_clients(node.address).ping(2.0)
+
+
+def test_a_client_put_over_the_budget_fails_clearly(pool_nodes, node_clients):
+    node = pool_nodes("64MiB", args=("--max-inflight", "16MiB"))
+    client = node_clients(node.address)
+    big = make_values(1, 20 * MiB, seed=1)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as info:
+        client.put([b"big"], big, 10.0)
+    assert time.monotonic() - t0 < 5.0
+    assert info.value.status_code() == EmsErrorCode.EMS_IO_ERROR
+    assert "in-flight limit" in info.value.message()
+    time.sleep(0.6)  # the client's reconnect back-off
+    small = make_values(2, 100_000, seed=2)
+    assert client.put([b"s0", b"s1"], small, 5.0) == [True, True]
+    assert [bytes(v) for v in client.get([b"s0", b"s1"], 5.0)] == [joined(v) for v in small]
+
+
+def test_concurrent_puts_wait_for_room_instead_of_failing(pool_nodes, node_clients):
+    node = pool_nodes("128MiB", args=("--max-inflight", "8MiB"))
+    errors: list = []
+
+    def work(tag: int) -> None:
+        try:
+            client = node_clients(node.address)
+            for r in range(3):
+                values = make_values(1, 6 * MiB, seed=tag * 10 + r)
+                key = f"c{tag}-{r}".encode()
+                assert client.put([key], values, 20.0) == [True]
+                assert bytes(client.get([key], 20.0)[0]) == joined(values[0])
+        except BaseException as error:  # reported to the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+def test_a_get_naming_one_key_1500_times_is_bounded(pool_nodes, node_clients):
+    node = pool_nodes("8MiB")  # in-flight budget: 64 MiB
+    client = node_clients(node.address)
+    value = make_values(1, MiB, seed=5)
+    assert client.put([b"one"], value, 5.0) == [True]
+    base_rss = node.rss_bytes()
+    got = client.get([b"one"] * 1500, 30.0)
+    hits = [g for g in got if g is not None]
+    assert 0 < len(hits) <= 64
+    assert all(g is not None for g in got[: len(hits)]) and all(g is None for g in got[len(hits):])  # a prefix
+    assert bytes(hits[0]) == joined(value[0]) and bytes(hits[-1]) == joined(value[0])
+    assert node.rss_bytes() - base_rss < 160 * MiB, (node.rss_bytes() - base_rss) / MiB
+
+
+def test_junk_tcp_connections_leave_no_socket_behind(pool_nodes, node_clients):
+    node = pool_nodes("8MiB")
+    assert node_clients(node.address).ping(2.0)
+    base_fds = node.fd_count()
+    junk = np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    for _ in range(60):
+        with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:
+            s.sendall(junk)
+            time.sleep(0.02)
+    assert wait_until(lambda: node.close_wait_sockets() == 0 and node.fd_count() <= base_fds + 2, 20.0, 0.5), (
+        node.close_wait_sockets(), node.fd_count(), base_fds)
+    assert wait_until(lambda: node_clients(node.address).ping(2.0), 20.0, 0.5)
+    assert "closed" in node.log_text() and node.proc.poll() is None
+
+
+def test_a_stalled_put_is_dropped(pool_nodes, node_clients):
+    node = pool_nodes("8MiB", args=("--stall-timeout", "1"))
+    base_fds = node.fd_count()
+    sessions = [RawSession(node.port) for _ in range(12)]
+    try:
+        for raw in sessions:
+            raw.login()
+            meta = P.encode_put_meta([b"stall"], np.array([4 * MiB]), np.array([4 * MiB]))
+            raw.send(P.pack_header(P.Op.PUT, count=1, meta_len=len(meta), data_len=4 * MiB), meta)  # then nothing
+        t0 = time.monotonic()
+        outcomes = [raw.reply(timeout_s=6.0) for raw in sessions]
+        assert time.monotonic() - t0 < 8.0
+        # dropped outright, or (the ones still waiting for in-flight room) refused as busy and then dropped
+        assert all(o == CLOSED or (isinstance(o, Reply) and o.header.status == P.Status.BAD_REQUEST)
+                   for o in outcomes), outcomes
+    finally:
+        for raw in sessions:
+            raw.close()
+    assert wait_until(lambda: node.fd_count() <= base_fds + 2, 10.0, 0.5), (node.fd_count(), base_fds)
+    assert node_clients(node.address).ping(2.0)
+
+
+@pytest.mark.parametrize("sent", ["nothing", "hello-only"])
+def test_an_unfinished_handshake_is_dropped(pool_nodes, sent):
+    node = pool_nodes("8MiB", args=("--handshake-timeout", "1"))
+    with RawSession(node.port) as raw:
+        if sent == "hello-only":
+            assert isinstance(raw.hello(), Reply)
+        t0 = time.monotonic()
+        outcome = raw.recv(P.HEADER_SIZE, timeout_s=5.0)
+        assert outcome == CLOSED and time.monotonic() - t0 < 3.5, outcome
+
+
+def test_connections_per_peer_are_capped(pool_nodes, node_clients):
+    node = pool_nodes("8MiB", args=("--max-connections-per-peer", "4"))
+    sessions = [RawSession(node.port) for _ in range(4)]
+    try:
+        for raw in sessions:
+            raw.login()
+        with RawSession(node.port) as extra:
+            assert extra.hello() in (CLOSED, SILENT)
+        assert isinstance(sessions[0].get([b"x"]), list)  # the admitted ones still work
+    finally:
+        for raw in sessions:
+            raw.close()
+    assert wait_until(lambda: node_clients(node.address).ping(1.0), 10.0, 0.3)
+
+
+def test_bad_limit_options_exit_2():
+    import subprocess
+    import sys
+
+    for args in (["--stall-timeout", "0"], ["--max-inflight", "-1"], ["--max-connections", "x"]):
+        proc = subprocess.run([sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30,
+                              env={k: v for k, v in os.environ.items() if k != "EMS_POOL_KEYS"})
+        assert proc.returncode == 2, (args, proc.stderr)
