@@ -14,7 +14,8 @@ Contract:
 * SIGTERM and SIGINT stop it cleanly (exit status 0). A bad option exits with status 2 and a message.
 * UCX listens on every interface; HOST is what the ready line reports.
 * Limits (`ems.pool.server.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
-  connections together (default: the capacity, at least 64 MiB); `--handshake-timeout` (10 s) and
+  connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB,
+  at least 64 MiB); `--handshake-timeout` (10 s) and
   `--stall-timeout` (30 s, the longest wait for the next frame of a started request); `--max-connections` (1024)
   and `--max-connections-per-peer` (64).
 """
@@ -116,13 +117,31 @@ async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits
         logging.getLogger("ems.pool").info("stopped")
 
 
+def _tune_malloc() -> None:
+    """glibc: allocations of 128 KiB and more get their own mapping, returned to the system when freed, and two
+    arenas at most. By default the mmap threshold rises to the largest block freed so far (up to 32 MiB), so the
+    MiB-sized value buffers a node churns through end up in fragmented heaps it never returns: measured on a
+    256 MiB node under mixed load, 66 MiB less resident memory at rest with this (docs/pool-nodes.md)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MALLOC_MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc: keep its defaults
+        pass
+
+
+MALLOC_MMAP_THRESHOLD = 128 << 10
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="ems-pool", description="An EMS memory-pool node (UCX).")
     parser.add_argument("--listen", type=_parse_listen, default=("0.0.0.0", 0), help="HOST:PORT (port 0: pick one)")
     parser.add_argument("--capacity", default="1GiB", help="bytes this node holds, e.g. 512MiB, 4GiB")
     parser.add_argument("--keys-file", default=None, help="file of access_id:access_key lines")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--max-inflight", default=None, help="bytes of requests in flight (default: the capacity)")
+    parser.add_argument("--max-inflight", default=None, help="bytes of requests in flight (default: the capacity, see docs)")
     parser.add_argument("--handshake-timeout", type=_positive_float, default=10.0, help="seconds (default 10)")
     parser.add_argument(
         "--stall-timeout", type=_positive_float, default=30.0, help="seconds between frames of a request (default 30)"
@@ -160,6 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (EmsException, ValueError, OSError) as error:
         parser.error(str(error))
     host, port = args.listen
+    _tune_malloc()
     asyncio.run(_run(host, port, capacity, keys, limits))
     # Listener and connections are closed; UCX's own threads would keep the interpreter from exiting.
     logging.shutdown()

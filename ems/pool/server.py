@@ -71,9 +71,11 @@ class NodeLimits:
 
     @classmethod
     def for_capacity(cls, capacity_bytes: int, **overrides: Any) -> "NodeLimits":
-        """The defaults for a node of `capacity_bytes`: in-flight bytes up to the capacity (at least 64 MiB), so a
-        GET of distinct keys always fits the budget and the node's memory stays under twice its capacity."""
-        overrides.setdefault("inflight_bytes", max(capacity_bytes, MIN_INFLIGHT_BYTES))
+        """The defaults for a node of `capacity_bytes`: in-flight bytes equal to the capacity up to 4 GiB (so a GET
+        of distinct keys always fits and a request of the protocol's largest size can be received), a quarter of it
+        above 16 GiB, never under 64 MiB."""
+        default = max(MIN_INFLIGHT_BYTES, min(capacity_bytes, max(capacity_bytes // 4, P.MAX_DATA_BYTES)))
+        overrides.setdefault("inflight_bytes", default)
         return cls(**overrides)
 
 
@@ -183,10 +185,20 @@ class PoolServer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _watchdog(self) -> None:
-        """Abort connections past their deadline (never cancelling a UCX request: the abort fails it)."""
+        """Abort connections past their deadline (never cancelling a UCX request: the abort fails it); log the
+        memory figures now and then (debug)."""
+        next_report = time.monotonic()
         while True:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             now = time.monotonic()
+            if now >= next_report and log.isEnabledFor(logging.DEBUG):
+                next_report = now + 5.0
+                stats = self.store.stats()
+                log.debug(
+                    "memory: store %d used + %d spare of %d, in flight %d (peak %d) of %d, %d connections",
+                    stats.used_bytes, stats.spare_bytes, stats.capacity_bytes, self.budget.used, self.budget.peak,
+                    self.budget.total, len(self._connections),
+                )
             for conn in list(self._connections.values()):
                 if conn.stage != _Stage.IDLE and now > conn.deadline and not conn.aborted:
                     log.warning("closing a connection from %s: stalled in %s", conn.peer, conn.stage.value)

@@ -169,3 +169,48 @@ def test_bad_limit_options_exit_2():
         proc = subprocess.run([sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30,
                               env={k: v for k, v in os.environ.items() if k != "EMS_POOL_KEYS"})
         assert proc.returncode == 2, (args, proc.stderr)
+
+
+def test_resident_memory_stays_within_capacity_plus_in_flight(pool_nodes):
+    """Mixed puts and gets from four clients with eviction churn: the node's resident memory stays within its base,
+    its capacity, its in-flight budget and a fixed allowance for UCX and Python (docs/pool-nodes.md, "Memory")."""
+    from ems.transport.ucx import UcxNode
+
+    node = pool_nodes("64MiB", args=("--max-inflight", "24MiB"))
+    base = node.rss_bytes()
+    stop = time.monotonic() + 6.0
+    pools = {s: make_values(6, s, seed=s) for s in (3000, 60_000, 300_000, MiB, 3 * MiB)}
+    errors: list = []
+
+    def work(tag: int) -> None:
+        client = UcxNode(node.address, connect_timeout_ms=3000)
+        rng = np.random.default_rng(tag)
+        try:
+            i = 0
+            while time.monotonic() < stop:
+                size = int(rng.choice(list(pools)))
+                n = int(rng.integers(1, 7))
+                keys = [f"{tag}-{size}-{(i + j) % 60}".encode() for j in range(n)]
+                if rng.random() < 0.6:
+                    client.put(keys, pools[size][:n], 10.0)
+                else:
+                    for k, got in zip(keys, client.get(keys, 10.0)):
+                        if got is not None and bytes(got) not in {joined(v) for v in pools[size]}:
+                            errors.append(f"wrong bytes for {k!r}")
+                i += n
+        except TransportError as error:  # a busy refusal is allowed, a wrong byte is not
+            if "busy" not in error.message():
+                errors.append(error)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    peak = base
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, node.rss_bytes())
+        time.sleep(0.1)
+    assert not errors, errors[:5]
+    allowance = 64 * MiB + 24 * MiB + 48 * MiB  # capacity + in-flight budget + UCX buffers, Python, heap slack
+    assert peak - base < allowance, (peak - base) / MiB
