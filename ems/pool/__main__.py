@@ -90,7 +90,8 @@ def _parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits") -> None:
+async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits") -> int:
+    """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen)."""
     from ems.pool.server import PoolServer
     from ems.store import KvStore
 
@@ -99,7 +100,12 @@ async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    bound = await server.start(port)
+    try:
+        bound = await server.start(port, host)
+    except OSError as error:
+        print(f"ems-pool: cannot listen on {host}:{port}: {error}", file=sys.stderr, flush=True)
+        await server.stop()
+        return 1
     logging.getLogger("ems.pool").info(
         "serving %s bytes, %s", capacity, f"{len(keys)} tenant keys" if keys else "anonymous clients accepted"
     )
@@ -115,6 +121,40 @@ async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits
         except Exception:  # nothing to stop
             pass
         logging.getLogger("ems.pool").info("stopped")
+    return 0
+
+
+def _device_of(host: str) -> Optional[str]:
+    """The network interface that holds IPv4 address `host` (Linux), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        wanted = socket.inet_aton(host)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if answer[20:24] == wanted:
+                return name
+    return None
+
+
+def _restrict_ucx_devices(host: str) -> None:
+    """For a specific listen address, UCX's data connections use only that address's interface (UCX_NET_DEVICES,
+    unless the environment sets it): otherwise UCX opens a listening socket on every interface for them."""
+    from ems.pool.server import WILDCARD_HOSTS
+
+    if host in WILDCARD_HOSTS or "UCX_NET_DEVICES" in os.environ:
+        return
+    device = _device_of(host)
+    if device is not None:
+        os.environ["UCX_NET_DEVICES"] = device
 
 
 def _tune_malloc() -> None:
@@ -149,6 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-connections", type=_positive_int, default=1024, help="connections in all")
     parser.add_argument("--max-connections-per-peer", type=_positive_int, default=64, help="per peer IP address")
     args = parser.parse_args(argv)
+    host, port = args.listen
+    _restrict_ucx_devices(host)
     import ems.transport.ucx_config  # noqa: F401 - UCX environment defaults, before ucxx loads
 
     logging.basicConfig(
@@ -178,13 +220,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             limits = dataclasses.replace(limits, inflight_bytes=inflight)
     except (EmsException, ValueError, OSError) as error:
         parser.error(str(error))
-    host, port = args.listen
     _tune_malloc()
-    asyncio.run(_run(host, port, capacity, keys, limits))
+    status = asyncio.run(_run(host, port, capacity, keys, limits))
     # Listener and connections are closed; UCX's own threads would keep the interpreter from exiting.
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from ems.store import KvStore
 from ems.transport import protocol as P
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
+from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_frames import new_canary, recv_header_frame, recv_into, recv_meta, send_all
 
 log = logging.getLogger("ems.pool")
@@ -57,6 +58,7 @@ SEND_WINDOW_BYTES = 32 << 20
 WATCHDOG_PERIOD_S = 0.5
 REAP_PERIOD_S = 2.0
 MIN_INFLIGHT_BYTES = 64 << 20
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,17 @@ class PoolServer:
 
     # ---- life cycle ----
 
-    async def start(self, port: int) -> int:
-        """Start listening (UCX listens on every interface); returns the port."""
+    async def start(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start listening on `host:port` (every interface for a wildcard host); returns the port. OSError when UCX
+        cannot listen there."""
         import ucxx
 
         init_ucx()
         install_safe_listener_exchange()  # a client paused mid-connect must not corrupt this node's heap
-        self._listener = ucxx.create_listener(self._serve, port=port, endpoint_error_handling=True)
+        if host in WILDCARD_HOSTS:
+            self._listener = ucxx.create_listener(self._serve, port=port, endpoint_error_handling=True)
+        else:
+            self._listener = BoundListener(host, port, self._serve)
         self.port = int(self._listener.port)
         self._tasks = [asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._reaper())]
         return self.port

@@ -254,3 +254,52 @@ def test_tenants_are_isolated(pool_nodes, node_clients):
 def test_anonymous_node_accepts_anyone(shared_node, node_clients):
     assert node_clients(shared_node.address).ping(2.0)
     assert node_clients(shared_node.address, access_id="alpha", access_key=KEY_A).ping(2.0)
+
+
+# ---- --listen binds where it says (issue 7) ----
+
+
+def _listening_addresses(pid: int) -> set[str]:
+    """Local addresses of the TCP sockets `pid` listens on (IPv4, as dotted quads)."""
+    import os
+    import socket
+    import struct
+
+    inodes = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    addr = fields[1].split(":")[0]
+                    out.add(socket.inet_ntoa(struct.pack("<I", int(addr, 16))) if len(addr) == 8 else addr)
+    return out
+
+
+def test_listen_on_loopback_binds_only_loopback(pool_nodes, node_clients):
+    node = pool_nodes()  # --listen 127.0.0.1:0
+    assert node_clients(node.address).ping(2.0)
+    addresses = _listening_addresses(node.proc.pid)
+    assert addresses == {"127.0.0.1"}, addresses
+    values = make_values(2, 3 << 20, seed=9)
+    client = node_clients(node.address)
+    assert client.put([b"l0", b"l1"], values, 5.0) == [True, True]
+    assert [bytes(v) for v in client.get([b"l0", b"l1"], 5.0)] == [joined(v) for v in values]
+
+
+def test_listen_on_an_address_of_no_interface_refuses_to_start():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ems.pool", "--listen", "192.0.2.123:0", "--capacity", "8MiB"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0 and READY_PREFIX not in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert "cannot listen on 192.0.2.123:0" in proc.stderr
