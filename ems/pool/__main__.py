@@ -12,7 +12,9 @@ Contract:
   line, where `ps` would show them. Ids are printable ASCII (`cc_kvstore@_@ds_default_ns_001` is fine).
   With no keys the node accepts anonymous clients.
 * SIGTERM and SIGINT stop it cleanly (exit status 0). A bad option exits with status 2 and a message.
-* UCX listens on every interface; HOST is what the ready line reports.
+* `--listen HOST:PORT` binds there: a wildcard HOST (0.0.0.0, ::) listens on every interface; a specific address
+  binds the UCX listener to it (`transport.ucx_listener`) and limits UCX's data connections to its interface
+  (UCX_NET_DEVICES, unless set); when UCX cannot listen there, the node exits with status 1 and UCX's reason.
 * Limits (`ems.pool.server.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB,
   at least 64 MiB); `--handshake-timeout` (10 s) and
