@@ -16,7 +16,9 @@ Contract:
   New buffers are uninitialised numpy arrays: every byte is written before a value is stored, so zero-filling them
   would only add a pass.
   An evicted buffer is reused only when no reader still holds it (its reference count says so), so a reader never
-  sees its bytes change.
+  sees its bytes change. `allocate` hands such a buffer out with the evicted value's bytes (possibly another
+  tenant's) still in it: its caller must overwrite every byte before `put_owned`, and a pool node does so only
+  through receives whose length is verified (`transport.ucx_frames`), so old bytes are never stored again.
 * Thread-safe: one lock, held only for index updates, never while checksumming or copying.
 """
 

@@ -21,7 +21,11 @@ Contract:
   values costs few messages. A PUT splits segments further into chunks (e.g. a value's header and payload parts),
   which must never cross a segment boundary.
 * Every length is checked against the limits below before anything is allocated; a frame that breaks a rule raises
-  `ProtocolError`, and the receiver closes that connection (never the server).
+  `ProtocolError`, and the receiver closes that connection (never the server). Every frame must arrive with exactly
+  its announced length; receivers verify it (`ucx_frames`), since UCX does not report a short message.
+* A node may refuse a request it will not receive (too large for its in-flight budget, or busy): it answers the
+  request's reply op with status BAD_REQUEST and a UTF-8 message as meta, then closes the connection, whose
+  remaining frames it never read.
 """
 
 from __future__ import annotations
