@@ -10,8 +10,8 @@ node asked to listen on 127.0.0.1 was reachable on every interface. Here the UCP
 `ucp_listener_create` with the requested address (ctypes, the libucp ucxx already loaded). Turning a connection
 request into a ucxx endpoint still needs a ucxx listener object (`create_endpoint_from_conn_request` takes one), so
 one is created on a free port as that factory and its listening socket is released at once (see
-`_retire_listening_socket`): it never accepts a connection. The rest follows ucxx's own listener handler (peer-info exchange, here the timeout-safe one of
-`ucx_endpoint`, then the `Endpoint`).
+`_retire_listening_socket`): it never accepts a connection. The rest follows ucxx's own listener handler
+(peer-info exchange, here the timeout-safe one of `ucx_endpoint`, then the `Endpoint`).
 """
 
 from __future__ import annotations

@@ -16,10 +16,9 @@ Contract:
   binds the UCX listener to it (`transport.ucx_listener`) and limits UCX's data connections to its interface
   (UCX_NET_DEVICES, unless set); when UCX cannot listen there, the node exits with status 1 and UCX's reason.
 * Limits (`ems.pool.server.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
-  connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB,
-  at least 64 MiB); `--handshake-timeout` (10 s) and
-  `--stall-timeout` (30 s, the longest wait for the next frame of a started request); `--max-connections` (1024)
-  and `--max-connections-per-peer` (64).
+  connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
+  `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
+  request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
 """
 
 from __future__ import annotations
@@ -183,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--capacity", default="1GiB", help="bytes this node holds, e.g. 512MiB, 4GiB")
     parser.add_argument("--keys-file", default=None, help="file of access_id:access_key lines")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--max-inflight", default=None, help="bytes of requests in flight (default: the capacity, see docs)")
+    parser.add_argument("--max-inflight", default=None, help="bytes of requests in flight (default: see docs)")
     parser.add_argument("--handshake-timeout", type=_positive_float, default=10.0, help="seconds (default 10)")
     parser.add_argument(
         "--stall-timeout", type=_positive_float, default=30.0, help="seconds between frames of a request (default 30)"

@@ -1,8 +1,9 @@
 """Reaping TCP connections that UCX abandoned on a pool node's listening port (Linux `/proc`).
 
 Contract: `SocketReaper(port).sweep()`, called every few seconds, finds this process's sockets whose local port is
-`port` and that sit in CLOSE_WAIT (the peer has closed) in two sweeps in a row. It shuts such a socket down (`shutdown(SHUT_RDWR)` on a duplicate descriptor: the peer sees the connection
-end, UCX's event handler sees a hang-up); a socket UCX still holds at the next sweep is closed. Returns how many it
+`port` and that sit in CLOSE_WAIT (the peer has closed) in two sweeps in a row. It shuts such a socket down
+(`shutdown(SHUT_RDWR)` on a duplicate descriptor: the peer sees the connection end, UCX's event handler sees a
+hang-up); a socket UCX still holds at the next sweep is closed. Returns how many it
 closed. Off Linux (no `/proc/net/tcp`) it does nothing.
 
 Why: UCX 1.21's sockaddr connection manager reads the first ~2 KB a client sends on the listening port and, when

@@ -186,10 +186,13 @@ def test_fuzz_the_node(pool_nodes, node_clients):
     elapsed = time.monotonic() - t0
     assert wait_until(lambda: node.fd_count() <= base_fds + 4, 15.0, 0.5), (node.fd_count(), base_fds)
     final_rss, final_fds = node.rss_bytes(), node.fd_count()
-    FIGURES.update(cases=CASES, survived=CASES - outcomes.get("LEAK", 0) - sum(
-        n for o, n in outcomes.items() if o.startswith("error")), seconds=round(elapsed, 1),
-        rss_growth_mib=round((final_rss - base_rss) / MiB, 1), rss_peak_growth_mib=round((rss_peak - base_rss) / MiB, 1),
-        fd_growth=final_fds - base_fds, fd_peak_growth=fds_peak - base_fds, outcomes=outcomes)
+    failed = outcomes.get("LEAK", 0) + sum(n for o, n in outcomes.items() if o.startswith("error"))
+    FIGURES.update(
+        cases=CASES, survived=CASES - failed, seconds=round(elapsed, 1),
+        rss_growth_mib=round((final_rss - base_rss) / MiB, 1),
+        rss_peak_growth_mib=round((rss_peak - base_rss) / MiB, 1),
+        fd_growth=final_fds - base_fds, fd_peak_growth=fds_peak - base_fds, outcomes=outcomes,
+    )
     print(f"\nfuzz figures: {FIGURES}")
     assert "LEAK" not in outcomes, outcomes
     assert not any(o.startswith("error") for o in outcomes), outcomes
