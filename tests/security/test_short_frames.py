@@ -44,8 +44,10 @@ def test_short_data_frame_cannot_read_a_recycled_v0_value(pool_nodes, node_clien
     assert alpha.put([b"secret"], [first], 5.0) == [True]
     assert alpha.put([b"secret"], [second], 5.0) == [True]  # the first value's buffer is now a spare of its size
     put_outcome, got = _short_put_then_get(node.port, len(joined(first)))
+    assert isinstance(got, list), got
+    assert got[0] != joined(first), "tenant beta read tenant alpha's value"
+    assert got[0] is None, "a short frame stored a value"
     assert put_outcome == CLOSED, put_outcome  # the node refused the short frame and dropped that connection
-    assert isinstance(got, list) and got[0] is None, "a short frame stored a value"
     assert bytes(alpha.get([b"secret"], 5.0)[0]) == joined(second)  # the victim is unharmed
     assert node.proc.poll() is None
 
@@ -63,8 +65,10 @@ def test_short_data_frame_cannot_read_a_block_saved_twice_through_the_api(pool_n
     assert saved["saves"] == [1, 1] and saved["load"] == 1 and saved["load_exact"], saved
     assert saved["value_len"] >= P.SEGMENT_BYTES  # a 1 MiB block travels (and is stored) as its own buffer
     put_outcome, got = _short_put_then_get(node.port, saved["value_len"])
+    assert isinstance(got, list), got
+    assert got[0] is None or len(got[0]) != saved["value_len"], "tenant beta read tenant alpha's block"
+    assert got[0] is None, "a short frame stored a value"
     assert put_outcome == CLOSED, put_outcome
-    assert isinstance(got, list) and got[0] is None, "a short frame exposed another tenant's block"
 
 
 @pytest.mark.parametrize("length", [1, 16, 24, 31])
