@@ -214,6 +214,20 @@ def test_staging_reuses_buffers():
     assert _footprint(pool) <= pool.capacity
 
 
+def test_staging_takes_any_free_buffer_of_several_sizes():
+    """Regression: taking the best-fitting free buffer when it is not the first one in the free list compared leases
+    with `==` (tensor contents: an error for different sizes, an ambiguous bool for equal ones)."""
+    pool = StagingPool(1 << 22)
+    cpu = torch.device("cpu")
+    leases = [pool.acquire(size, cpu) for size in (4 * MIN_BUFFER, MIN_BUFFER, 2 * MIN_BUFFER, 2 * MIN_BUFFER)]
+    for lease in leases:
+        pool.release(lease)
+    for size in (MIN_BUFFER, 2 * MIN_BUFFER, 2 * MIN_BUFFER, 4 * MIN_BUFFER):
+        lease = pool.acquire(size, cpu)
+        assert lease.capacity == size
+    pool.clear()
+
+
 def test_staging_bigger_than_capacity_runs_alone():
     pool = StagingPool(MIN_BUFFER)
     cpu = torch.device("cpu")
