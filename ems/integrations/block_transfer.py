@@ -1,0 +1,253 @@
+"""Whole engine blocks through the public `ContextCaching` API: keys, lookups, loads, async saves, statistics.
+
+Contract (no engine imports):
+* A registered slot is one engine block (`kv_layouts`), so a save or load of blocks `ids` under `hashes` is
+  `save(slot_mapping=ids, hashes=keys, offsets=[1]*n)`.
+* Keys: `block_keys(hashes, tp_rank, tp_size, shared)` folds the tensor-parallel rank into each block hash
+  (`hash128 << 16 | tp_size << 8 | tp_rank`; MLA's `shared` tag `0xFFFF` is one key for all ranks), so one process
+  (an engine's scheduler) can ask for every rank's blocks in a single `exists` call: `lookup` counts a block as hit
+  only if every rank holds it. Engine hashes may be bytes (vLLM's sha256 block hashes: the first 16 bytes are used)
+  or ints.
+* `BlockMover.load` is synchronous and returns which engine blocks did *not* arrive (a pool that fails, partly or
+  wholly, is reported, never raised: the engine recomputes those blocks). `save_async` returns once the blocks are
+  copied out of the engine's cache (`ContextCaching.async_save`); failures only cost future misses.
+* `TransferStats` counts lookups (hit/miss blocks), loads and saves (blocks, failed blocks, bytes, seconds);
+  `drain()` hands over and resets what was counted since the last call. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+from ems.context_caching import ContextCaching
+from ems.errors import EmsException
+from ems.types import CcFuture, CcKvOption, CcResult
+
+logger = logging.getLogger("ems.integrations")
+
+EngineHash = bytes | int
+SHARED_TAG = 0xFFFF
+MAX_TP = 255
+
+
+def _hash128(h: EngineHash) -> int:
+    if isinstance(h, (bytes, bytearray)):
+        return int.from_bytes(bytes(h[:16]), "little")
+    if isinstance(h, int):
+        return h & ((1 << 128) - 1)
+    raise TypeError(f"block hash must be bytes or int, got {type(h).__name__}")
+
+
+def rank_tag(tp_rank: int, tp_size: int, shared: bool) -> int:
+    if shared:
+        return SHARED_TAG
+    if not 0 <= tp_rank < tp_size <= MAX_TP:
+        raise ValueError(f"tp_rank {tp_rank} / tp_size {tp_size} out of range (tp_size <= {MAX_TP})")
+    return (tp_size << 8) | tp_rank
+
+
+def block_keys(hashes: Sequence[EngineHash], tp_rank: int, tp_size: int, shared: bool) -> list[int]:
+    """The pool keys of one rank's blocks."""
+    tag = rank_tag(tp_rank, tp_size, shared)
+    return [(_hash128(h) << 16) | tag for h in hashes]
+
+
+def lookup_keys(hashes: Sequence[EngineHash], tp_size: int, shared: bool) -> list[int]:
+    """Every rank's keys, block by block (block 0 of ranks 0..tp-1, then block 1, ...)."""
+    if shared:
+        return block_keys(hashes, 0, 1, True)
+    tags = [rank_tag(r, tp_size, False) for r in range(tp_size)]
+    return [(base << 16) | tag for base in map(_hash128, hashes) for tag in tags]
+
+
+@dataclass
+class TransferStats:
+    lookup_hit_blocks: int = 0
+    lookup_miss_blocks: int = 0
+    load_blocks: int = 0
+    load_failed_blocks: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    save_blocks: int = 0
+    save_failed_blocks: int = 0
+    save_bytes: int = 0
+    save_seconds: float = 0.0
+
+    def add(self, other: TransferStats) -> TransferStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TransferStats:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def summary(self) -> dict[str, int | float]:
+        """What an operator reads: hits, misses, bytes and GB/s each way."""
+        return {
+            "hit_blocks": self.lookup_hit_blocks,
+            "miss_blocks": self.lookup_miss_blocks,
+            "hit_rate": round(self.lookup_hit_blocks / max(1, self.lookup_hit_blocks + self.lookup_miss_blocks), 4),
+            "loaded_blocks": self.load_blocks,
+            "load_failed_blocks": self.load_failed_blocks,
+            "loaded_bytes": self.load_bytes,
+            "load_GBps": round(self.load_bytes / self.load_seconds / 1e9, 3) if self.load_seconds > 0 else 0.0,
+            "saved_blocks": self.save_blocks,
+            "save_failed_blocks": self.save_failed_blocks,
+            "saved_bytes": self.save_bytes,
+            "save_GBps": round(self.save_bytes / self.save_seconds / 1e9, 3) if self.save_seconds > 0 else 0.0,
+        }
+
+
+@dataclass
+class StatsSink:
+    """Thread-safe `TransferStats` accumulator (`add(**counts)`, `drain()`)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stats: TransferStats = field(default_factory=TransferStats)
+    total: TransferStats = field(default_factory=TransferStats)  # everything ever counted, never reset
+
+    def add(self, **counts: float) -> None:
+        with self.lock:
+            self.stats.add(TransferStats(**counts))
+            self.total.add(TransferStats(**counts))
+
+    def drain(self) -> TransferStats:
+        with self.lock:
+            out, self.stats = self.stats, TransferStats()
+        return out
+
+    def totals(self) -> TransferStats:
+        with self.lock:
+            return TransferStats(**self.total.to_dict())
+
+
+def lookup(
+    cc: ContextCaching,
+    hashes: Sequence[EngineHash],
+    tp_size: int,
+    shared: bool,
+    option: CcKvOption | None = None,
+    stats: StatsSink | None = None,
+) -> int:
+    """How many of `hashes`, from the first, every rank holds in the pool (a failing pool: 0)."""
+    if not hashes:
+        return 0
+    result = cc.exists(lookup_keys(hashes, tp_size, shared), option)
+    ranks = 1 if shared else tp_size
+    hits = result.success // ranks
+    if stats is not None:
+        stats.add(lookup_hit_blocks=hits, lookup_miss_blocks=len(hashes) - hits)
+    return hits
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    loaded: int  # blocks written, from the first
+    failed_block_ids: list[int]  # engine blocks that were promised but not written
+
+
+class BlockMover:
+    """Loads and saves one rank's whole engine blocks (see the module contract)."""
+
+    def __init__(
+        self,
+        cc: ContextCaching,
+        block_bytes: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        shared: bool = False,
+        option: CcKvOption | None = None,
+        stats: StatsSink | None = None,
+    ) -> None:
+        self._cc = cc
+        self._block_bytes = block_bytes
+        self._tp_rank, self._tp_size, self._shared = tp_rank, tp_size, shared
+        self._option = option or CcKvOption()
+        self.stats = stats or StatsSink()
+        self._pending: set[CcFuture] = set()
+        self._lock = threading.Lock()
+        # MLA: every rank holds the same latent KV; rank 0 alone writes it
+        self.saves = not shared or tp_rank == 0
+
+    def keys(self, hashes: Sequence[EngineHash]) -> list[int]:
+        return block_keys(hashes, self._tp_rank, self._tp_size, self._shared)
+
+    def load(self, block_ids: Sequence[int], hashes: Sequence[EngineHash]) -> LoadOutcome:
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
+        n = len(block_ids)
+        if n == 0:
+            return LoadOutcome(0, [])
+        start = time.perf_counter()
+        try:
+            result = self._cc.load(list(block_ids), self.keys(hashes), [1] * n, self._option)
+            loaded = min(result.success, n)
+        except EmsException as exc:  # pool unreachable or timed out: nothing was written
+            logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
+            loaded = 0
+        self.stats.add(
+            load_blocks=loaded,
+            load_failed_blocks=n - loaded,
+            load_bytes=loaded * self._block_bytes,
+            load_seconds=time.perf_counter() - start if loaded else 0.0,
+        )
+        return LoadOutcome(loaded, list(block_ids[loaded:]))
+
+    def save_async(self, block_ids: Sequence[int], hashes: Sequence[EngineHash]) -> None:
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
+        n = len(block_ids)
+        if n == 0 or not self.saves:
+            return
+        start = time.perf_counter()
+        try:
+            future = self._cc.async_save(list(block_ids), self.keys(hashes), [1] * n, self._option)
+        except EmsException as exc:
+            logger.warning("save of %d blocks failed (later lookups miss them): %s", n, exc.message())
+            self.stats.add(save_failed_blocks=n)
+            return
+        with self._lock:
+            self._pending.add(future)
+
+        def done(f: CcFuture) -> None:
+            try:
+                result: CcResult = f.result()
+                saved = min(result.success, n)
+            except EmsException as exc:
+                logger.warning("save of %d blocks failed (later lookups miss them): %s", n, exc.message())
+                saved = 0
+            self.stats.add(
+                save_blocks=saved,
+                save_failed_blocks=n - saved,
+                save_bytes=saved * self._block_bytes,
+                save_seconds=time.perf_counter() - start if saved else 0.0,
+            )
+            with self._lock:
+                self._pending.discard(f)
+
+        future.add_done_callback(done)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def wait(self, timeout: float = 30.0) -> bool:
+        """Wait until every async save has finished (True) or `timeout` seconds passed (False)."""
+        deadline = time.monotonic() + timeout
+        while self.pending():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True

@@ -1,0 +1,138 @@
+"""Engine-connector settings: the keys of vLLM's `kv_connector_extra_config`, checked, and the `EmsConfig` they make.
+
+Contract (no engine imports): `ConnectorConfig.from_extra(extra)` reads every key below (an unknown key or a bad
+value raises `EmsException(EMS_INVALID_ARGUMENT)` naming it); `ems_config(model_id, kvcache_type)` builds the
+`EmsConfig` every process of one engine passes to `Ems.init` (equal configs, so a process that hosts both the
+scheduler's and a worker's connector initialises once). With no pool nodes in the config nor in `EMS_POOL_NODES`
+and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_local_pool`) is used.
+
+| key                 | default                    | meaning                                                       |
+|---------------------|----------------------------|---------------------------------------------------------------|
+| pool_nodes          | `EMS_POOL_NODES`, else none | "host:port" list (or comma-separated string) of pool nodes     |
+| local_pool          | "auto"                     | "auto": no nodes → share the host's local node; "off": embedded|
+| local_pool_dir      | `EMS_LOCAL_POOL_DIR`/tmp    | where the local node's address is recorded                    |
+| local_pool_capacity | "2GiB"                     | capacity of a local node this engine starts                   |
+| model_id            | derived from the model     | key namespace: engines that share blocks must agree           |
+| timeout_ms          | 5000                       | `CcKvOption.timeout` of every lookup, load and save           |
+| load_failure_policy | "recompute"                | set as vLLM's `kv_load_failure_policy` ("recompute" or "fail") |
+| access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
+| pool_capacity, read_cache_capacity, staging_capacity, max_inflight, kernel_backend, connect_timeout_ms, device | as `EmsConfig` | `EmsConfig` pool settings |
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ems.config import CcConfig_v1, EmsConfig
+from ems.errors import invalid_argument
+
+EMS_SETTINGS = (
+    "pool_capacity",
+    "read_cache_capacity",
+    "staging_capacity",
+    "max_inflight",
+    "kernel_backend",
+    "connect_timeout_ms",
+    "device",
+)
+KEYS = (
+    "pool_nodes",
+    "local_pool",
+    "local_pool_dir",
+    "local_pool_capacity",
+    "model_id",
+    "timeout_ms",
+    "load_failure_policy",
+    "access_id",
+    "access_key",
+) + EMS_SETTINGS
+
+
+class LocalPoolMode(str, enum.Enum):
+    AUTO = "auto"
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    pool_nodes: tuple[str, ...] = ()
+    local_pool: LocalPoolMode = LocalPoolMode.AUTO
+    local_pool_dir: str | None = None
+    local_pool_capacity: str = "2GiB"
+    model_id: str | None = None
+    timeout_ms: int = 5000
+    load_failure_policy: str = "recompute"
+    access_id: str | None = None
+    access_key: str | None = field(default=None, repr=False)
+    ems_settings: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            raise invalid_argument(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(KEYS)}")
+        nodes: Any = extra.get("pool_nodes") or os.environ.get("EMS_POOL_NODES") or ()
+        if isinstance(nodes, str):
+            nodes = [n.strip() for n in nodes.split(",") if n.strip()]
+        if not isinstance(nodes, (list, tuple)) or not all(isinstance(n, str) for n in nodes):
+            raise invalid_argument(f"kv_connector_extra_config.pool_nodes must be a list of 'host:port', got {nodes!r}")
+        try:
+            mode = LocalPoolMode(str(extra.get("local_pool", "auto")).lower())
+        except ValueError:
+            raise invalid_argument(
+                f"kv_connector_extra_config.local_pool must be 'auto' or 'off', got {extra.get('local_pool')!r}"
+            ) from None
+        timeout = extra.get("timeout_ms", 5000)
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+            raise invalid_argument(f"kv_connector_extra_config.timeout_ms must be an int >= 0, got {timeout!r}")
+        policy = extra.get("load_failure_policy", "recompute")
+        if policy not in ("recompute", "fail"):
+            raise invalid_argument(
+                f"kv_connector_extra_config.load_failure_policy must be 'recompute' or 'fail', got {policy!r}"
+            )
+        model_id = extra.get("model_id")
+        if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
+            raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")
+        return cls(
+            pool_nodes=tuple(nodes),
+            local_pool=mode,
+            local_pool_dir=extra.get("local_pool_dir"),
+            local_pool_capacity=str(extra.get("local_pool_capacity", "2GiB")),
+            model_id=model_id,
+            timeout_ms=timeout,
+            load_failure_policy=policy,
+            access_id=extra.get("access_id"),
+            access_key=extra.get("access_key") or (os.environ.get("EMS_ACCESS_KEY") if extra.get("access_id") else None),
+            ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra),
+        )
+
+    def resolve_nodes(self) -> tuple[str, ...]:
+        """The pool nodes to use: the configured ones, else the host's local node (started if needed), else none
+        (embedded pool, private to each process)."""
+        if self.pool_nodes or self.local_pool == LocalPoolMode.OFF:
+            return self.pool_nodes
+        from ems.integrations.local_pool import ensure_local_pool
+
+        return (ensure_local_pool(self.local_pool_dir, self.local_pool_capacity).address,)
+
+    def ems_config(self, model_id: str, kvcache_type: str, nodes: tuple[str, ...]) -> EmsConfig:
+        cc = CcConfig_v1(rank_id=0, device_id=0, model_id=model_id, llm_engine="vllm", kvcache_type=kvcache_type)
+        settings = dict(self.ems_settings)
+        if nodes:
+            settings["pool_nodes"] = list(nodes)
+        return EmsConfig(access_id=self.access_id, access_key=self.access_key, cc_config_v1=cc, **settings)
+
+
+def derive_model_id(*parts: object) -> str:
+    """A model id from what identifies the model's KV (name or path, revision, dtypes, block size):
+    its readable tail plus a digest of all parts, within `[0-9a-z._-]`."""
+    name = re.sub(r"[^0-9a-z._-]+", "-", str(parts[0]).rstrip("/").rsplit("/", 1)[-1].lower()).strip("-") or "model"
+    digest = hashlib.blake2b("\n".join(map(str, parts)).encode(), digest_size=8).hexdigest()
+    return f"{name[:64]}-{digest}"

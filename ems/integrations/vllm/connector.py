@@ -1,0 +1,342 @@
+"""`EmsConnector`: vLLM's `KVConnectorBase_V1` over the EMS pool (written against vLLM 0.32's interface).
+
+Load it with
+`--kv-transfer-config '{"kv_connector":"EmsConnector","kv_connector_module_path":"ems.integrations.vllm",
+"kv_role":"kv_both","kv_connector_extra_config":{...}}'` (keys: `ems.integrations.connector_config`).
+
+Contract:
+* Scheduler side: `get_num_new_matched_tokens` asks the pool (`exists`, one call, every TP rank's keys) for the
+  request's full prompt blocks after the local prefix-cache hit, by vLLM's own `request.block_hashes`, and never
+  claims the block holding the last prompt token (vLLM must compute at least one token). Loads are synchronous
+  (before the forward pass); `update_state_after_alloc` records them, `build_connector_meta` sends the loads and
+  the full prompt blocks computed by this step (each block once per request) to the workers.
+* Worker side: `register_kv_caches` registers each layer's tensor as two planes whose rows are whole vLLM blocks
+  (`kv_layouts`), `start_load_kv` loads, `wait_for_save` starts `async_save`s (they return once the blocks are
+  copied out, so vLLM may reuse the blocks at once, and `request_finished` never holds blocks). Blocks promised
+  but not loaded are reported by `get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets
+  vLLM's `kv_load_failure_policy` to `load_failure_policy`, "recompute" by default): never a wrong prefix.
+* TP: each rank saves its shard under rank-tagged keys; a lookup hits only where every rank has the block. MLA:
+  one shared key per block, saved by rank 0. Pipeline parallelism and several KV cache groups are refused.
+* `get_kv_connector_stats`: `EmsConnectorStats` (lookup hits/misses from the scheduler; blocks, bytes, seconds
+  loaded and saved from the workers; `reduce()` adds GB/s).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ems import CcKvOption, Ems
+from ems.integrations import kv_layouts
+from ems.integrations.block_transfer import BlockMover, StatsSink, TransferStats, lookup
+from ems.integrations.connector_config import ConnectorConfig, derive_model_id
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("ems.integrations.vllm")
+
+# What this process registered with its (process-wide) ContextCaching: a worker's real KV cache, or the scheduler's
+# one-block shadow of the same layout. A worker always registers (replacing a shadow); the scheduler only when
+# nothing is registered yet, so that it never replaces a worker's cache in a process that hosts both.
+_registered_lock = threading.Lock()
+_registered: str | None = None
+
+
+@dataclass
+class BlockTransfer:
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class EmsConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+class EmsConnectorStats(KVConnectorStats):
+    """`data` is a `TransferStats` dict; `reduce()` gives hits, misses, bytes and GB/s each way."""
+
+    def reset(self) -> None:
+        self.data = TransferStats().to_dict()
+
+    def aggregate(self, other: KVConnectorStats) -> EmsConnectorStats:
+        merged = TransferStats.from_dict(self.data).add(TransferStats.from_dict(other.data))
+        self.data = merged.to_dict()
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return TransferStats.from_dict(self.data).summary()
+
+    def is_empty(self) -> bool:
+        return TransferStats.from_dict(self.data).is_empty()
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    block_ids: list[int]
+    next_save: int  # index of the first prompt block not yet saved (or known to be in the pool)
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return extract_layer_index(name), name
+    except (ImportError, ValueError, IndexError, AttributeError):  # a name without a layer index: order by name after the indexed ones
+        return 1 << 30, name
+
+
+class EmsConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("EmsConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._config = ConnectorConfig.from_extra(extra)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("EmsConnector does not support pipeline parallelism yet (pipeline_parallel_size > 1)")
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"EmsConnector supports one KV cache group, this model has {len(groups)} (hybrid model)")
+        self._block_size = int(vllm_config.cache_config.block_size)
+        hash_block_size = int(kv_cache_config.hash_block_size or self._block_size)
+        if self._block_size % hash_block_size:
+            raise ValueError(f"block size {self._block_size} is not a multiple of the hash block size {hash_block_size}")
+        self._hash_stride = self._block_size // hash_block_size
+        self._tp_size = int(parallel.tensor_parallel_size)
+        self._mla = bool(vllm_config.model_config.use_mla)
+        self._option = CcKvOption(timeout=self._config.timeout_ms)
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        self._layer_names = sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order)
+        self._shapes = [self._spec_shape(name) for name in self._layer_names]
+        self._stats = StatsSink()
+        model = vllm_config.model_config
+        model_id = self._config.model_id or derive_model_id(
+            model.model, model.revision, model.dtype, vllm_config.cache_config.cache_dtype, self._block_size
+        )
+        nodes = self._config.resolve_nodes()
+        Ems.init(self._config.ems_config(model_id, "MLA" if self._mla else "MHA", nodes))
+        cc = Ems.get_cc()
+        if cc is None:
+            raise RuntimeError("Ems.init gave no ContextCaching")
+        self._cc = cc
+        # scheduler state
+        self._lookups: dict[str, tuple[int, int, int]] = {}  # req_id -> (start block, hit blocks, asked blocks)
+        self._requests: dict[str, _RequestState] = {}
+        self._loads: dict[str, BlockTransfer] = {}
+        # worker state
+        self._mover: BlockMover | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._kv_transfer_config.kv_load_failure_policy = self._config.load_failure_policy
+        logger.info(
+            "EmsConnector (%s): pool %s, model_id %s, %d layers, block %d tokens, %d B/block, tp %d%s",
+            role.name,
+            ",".join(nodes) or "embedded",
+            model_id,
+            len(self._layer_names),
+            self._block_size,
+            sum(s.block_bytes for s in self._shapes),
+            self._tp_size,
+            ", MLA" if self._mla else "",
+        )
+
+    def _spec_shape(self, layer: str) -> kv_layouts.PlaneShape:
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        if per_layer is not None:
+            spec = per_layer[layer]
+        return kv_layouts.plane_shape(int(spec.real_page_size_bytes), spec.dtype)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        hashes = request.block_hashes
+        if self._hash_stride == 1:
+            return list(hashes)
+        return list(hashes[self._hash_stride - 1 :: self._hash_stride])
+
+    def _ensure_lookup_layout(self) -> None:
+        global _registered
+        with _registered_lock:
+            if _registered is None:
+                self._cc.register_kvcache(kv_layouts.shadow_kvcache(self._shapes), kv_layouts.store_groups(self._shapes))
+                _registered = "shadow"
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        full = min((request.num_prompt_tokens - 1) // self._block_size, len(request.block_hashes) // self._hash_stride)
+        start = num_computed_tokens // self._block_size
+        if full <= start:
+            self._lookups.pop(request.request_id, None)
+            return 0, False
+        self._ensure_lookup_layout()
+        hits = lookup(self._cc, self._hashes(request)[start:full], self._tp_size, self._mla, self._option)
+        self._lookups[request.request_id] = (start, hits, full - start)
+        return hits * self._block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        start, _hits, asked = self._lookups.pop(rid, (request.num_computed_tokens // self._block_size, 0, 0))
+        loaded = num_external_tokens // self._block_size
+        if asked:
+            self._stats.add(lookup_hit_blocks=loaded, lookup_miss_blocks=asked - loaded)
+        block_ids = list(blocks.get_block_ids()[0])
+        if loaded > 0:
+            hashes = self._hashes(request)
+            self._loads[rid] = BlockTransfer(rid, block_ids[start : start + loaded], hashes[start : start + loaded])
+        self._requests[rid] = _RequestState(request, block_ids, start + loaded)
+
+    def _add_saves(self, meta: EmsConnectorMetadata, state: _RequestState, computed_after_step: int) -> None:
+        request = state.request
+        upto = min(
+            computed_after_step // self._block_size,
+            request.num_prompt_tokens // self._block_size,
+            len(request.block_hashes) // self._hash_stride,
+            len(state.block_ids),
+        )
+        if upto > state.next_save:
+            hashes = self._hashes(request)[state.next_save : upto]
+            meta.saves.append(BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes))
+            state.next_save = upto
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = EmsConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            if (load := self._loads.pop(new.req_id, None)) is not None:
+                meta.loads.append(load)
+            self._add_saves(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            if (load := self._loads.pop(rid, None)) is not None:
+                meta.loads.append(load)
+            self._add_saves(meta, state, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._loads.pop(rid, None)
+        self._lookups.pop(rid, None)
+        return False, None  # saves copied the blocks out already: vLLM may free them now
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        global _registered
+        missing = [n for n in self._layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"register_kv_caches: no tensor for layers {missing[:4]}")
+        planes = [kv_layouts.block_planes(kv_caches[n], self._num_blocks, name=n) for n in self._layer_names]
+        shapes = [kv_layouts.shape_of(p) for p in planes]
+        if shapes != self._shapes:
+            raise ValueError(
+                f"KV cache tensors ({shapes[0]}, ...) do not match vLLM's KV cache spec ({self._shapes[0]}, ...): "
+                "the scheduler could not address this worker's blocks"
+            )
+        with _registered_lock:
+            self._cc.register_kvcache([list(p) for p in planes], kv_layouts.store_groups(shapes))
+            _registered = "worker"
+        tp_rank = 0
+        if self._tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        self._mover = BlockMover(
+            self._cc,
+            sum(s.block_bytes for s in shapes),
+            tp_rank=tp_rank,
+            tp_size=self._tp_size,
+            shared=self._mla,
+            option=self._option,
+            stats=self._stats,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._mover is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, EmsConnectorMetadata):
+            return
+        for load in meta.loads:
+            outcome = self._mover.load(load.block_ids, load.hashes)
+            self._load_errors.update(outcome.failed_block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # whole blocks of every layer are saved at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._mover is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, EmsConnectorMetadata):
+            return
+        for save in meta.saves:
+            self._mover.save_async(save.block_ids, save.hashes)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        stats = self._stats.drain()
+        return None if stats.is_empty() else EmsConnectorStats(data=stats.to_dict())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return EmsConnectorStats(data=dict(data)) if data is not None else EmsConnectorStats(data=TransferStats().to_dict())
+
+    def totals(self) -> TransferStats:
+        """Everything this connector counted since it started (this package's addition, for tests and tools)."""
+        return self._stats.totals()
+
+    def shutdown(self) -> None:
+        if self._mover is not None and not self._mover.wait(timeout=30.0):
+            logger.warning("EmsConnector shutdown: %d saves still pending after 30 s", self._mover.pending())

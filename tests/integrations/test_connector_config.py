@@ -1,0 +1,74 @@
+"""connector_config: every kv_connector_extra_config key is read and checked; engines' processes build equal
+EmsConfigs; model ids are deterministic and valid."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ems import EmsErrorCode, EmsException
+from ems.integrations.connector_config import (
+    KEYS,
+    ConnectorConfig,
+    LocalPoolMode,
+    derive_model_id,
+)
+
+
+def test_defaults_and_every_key(monkeypatch):
+    config = ConnectorConfig.from_extra(None)
+    assert config.pool_nodes == () and config.local_pool == LocalPoolMode.AUTO and config.timeout_ms == 5000
+    assert config.load_failure_policy == "recompute"
+    full = ConnectorConfig.from_extra({
+        "pool_nodes": "10.0.0.1:7700, 10.0.0.2:7700", "local_pool": "off", "local_pool_dir": "/x",
+        "local_pool_capacity": "1GiB", "model_id": "m-1", "timeout_ms": 100, "load_failure_policy": "fail",
+        "access_id": "team-a", "access_key": "k" * 32, "pool_capacity": "1GiB", "read_cache_capacity": 0,
+        "staging_capacity": "64MiB", "max_inflight": 4, "kernel_backend": "torch", "connect_timeout_ms": 500,
+        "device": "cpu",
+    })
+    assert full.pool_nodes == ("10.0.0.1:7700", "10.0.0.2:7700") and full.local_pool == LocalPoolMode.OFF
+    assert full.resolve_nodes() == full.pool_nodes
+    ems_config = full.ems_config("m-1", "MLA", full.pool_nodes)
+    assert ems_config.pool_nodes == ["10.0.0.1:7700", "10.0.0.2:7700"] and ems_config.max_inflight == 4
+    assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
+    assert len(KEYS) == 16
+    monkeypatch.setenv("EMS_POOL_NODES", "h:1")
+    assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
+
+
+def test_equal_configs_for_every_process():
+    a = ConnectorConfig.from_extra({"local_pool": "off", "max_inflight": 2})
+    b = ConnectorConfig.from_extra({"local_pool": "off", "max_inflight": 2})
+    assert a.ems_config("m", "MHA", ()) == b.ems_config("m", "MHA", ())
+    assert a.resolve_nodes() == ()  # off: embedded
+
+
+@pytest.mark.parametrize("extra", [
+    {"nonsense": 1}, {"local_pool": "maybe"}, {"timeout_ms": -1}, {"timeout_ms": True},
+    {"load_failure_policy": "ignore"}, {"model_id": "Bad Id"}, {"pool_nodes": 7},
+])
+def test_bad_values_name_the_key(extra):
+    with pytest.raises(EmsException) as info:
+        ConnectorConfig.from_extra(extra)
+    assert info.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert next(iter(extra)) in info.value.message() or "unknown" in info.value.message()
+
+
+def test_model_ids():
+    a = derive_model_id("/models/Llama-3.1-8B-Instruct/", None, "bfloat16", "auto", 32)
+    assert a == derive_model_id("/models/Llama-3.1-8B-Instruct/", None, "bfloat16", "auto", 32)
+    assert a != derive_model_id("/models/Llama-3.1-8B-Instruct/", None, "bfloat16", "fp8", 32)
+    assert a.startswith("llama-3.1-8b-instruct-") and re.fullmatch(r"[0-9a-z._-]{1,512}", a)
+    assert re.fullmatch(r"[0-9a-z._-]{1,512}", derive_model_id("???", 1))
+
+
+def test_import_ems_never_imports_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys, ems; from ems import Ems, EmsConfig; import ems.integrations.connector_config, "
+            "ems.integrations.block_transfer, ems.integrations.kv_layouts, ems.integrations.local_pool; "
+            "print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"

