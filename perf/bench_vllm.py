@@ -98,25 +98,32 @@ def main() -> None:
     import torch
     import vllm
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
+                            check=False).stdout.strip()
     lines = [
         "",
         f"## vLLM: time to first token, cold vs from the pool ({time.strftime('%Y-%m-%d')}, cpu)",
         "",
-        f"Command: `.venv-vllm/bin/python perf/bench_vllm.py --tokens {args.tokens}` at commit {commit}. Machine: "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs (load average "
-        f"{load_before:.1f} at start: noisy), vllm {vllm.__version__} (CPU attention), torch {torch.__version__}. "
-        "Random Llama, hidden 1024, 8 layers, 16 heads, 8 KV heads, bf16, block 32; one run. Engine A and engine B "
-        "are separate processes sharing the host's local pool node (started by the connector). TTFT = "
-        "`generate(max_tokens=1)` of one prompt. Plot: `perf/vllm.png`.",
+        (
+            f"Command: `.venv-vllm/bin/python perf/bench_vllm.py --tokens {args.tokens}` at commit {commit}. "
+            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs "
+            f"(load average {load_before:.1f} at start: noisy), vllm {vllm.__version__} (CPU attention), torch "
+            f"{torch.__version__}. Random Llama, hidden 1024, 8 layers, 16 heads, 8 KV heads, bf16, block 32; one "
+            "run. Engine A and engine B are separate processes sharing the host's local pool node (started by the "
+            "connector). TTFT = `generate(max_tokens=1)` of one prompt. Compare within engine B (side by side); "
+            "engine A's cold time swings with the shared machine's load. Plot: `perf/vllm.png`."
+        ),
         "",
         "| engine / prompt | tokens | cached tokens | TTFT s |",
         "|---|---|---|---|",
         *[f"| {label} | {args.tokens} | {r['num_cached_tokens']} | {r['seconds']:.3f} |" for label, r in rows],
         "",
-        f"Cold / pooled TTFT in engine B, side by side: **{speedup:.1f}x**. Engine B loaded {worker['load_blocks']} "
-        f"blocks ({worker['load_bytes'] / 2**20:.1f} MiB) at {load_gbps:.2f} GB/s (pool node over UCX loopback, "
-        "lookup + get + verify + scatter); the last block (holding the prompt's last token) is always computed.",
+        (
+            f"Cold / pooled TTFT in engine B, side by side: **{speedup:.1f}x**. Engine B loaded "
+            f"{worker['load_blocks']} blocks ({worker['load_bytes'] / 2**20:.1f} MiB) at {load_gbps:.2f} GB/s "
+            "(`ContextCaching.load` from the pool node over UCX loopback: get + verify + scatter; the lookup is "
+            "not timed); the block holding the prompt's last token is always computed."
+        ),
         "",
     ]
     with open(args.results, "a") as f:
