@@ -54,13 +54,13 @@ def setup(tmp_path_factory):
     stop_local_pool(pool_dir)
 
 
-def engine(setup, name: str, rounds, connector: bool = True, multiprocessing: bool = False, kill_pid=None) -> dict:
+def engine(setup, name: str, rounds, connector: bool = True, multiprocessing: bool = False, before_round=None,
+           extra=None) -> dict:
     spec = {
         "model": setup["model"], "prompts": setup["prompts"], "rounds": rounds, "connector": connector,
-        "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000}, "num_blocks": 48, "max_tokens": 6,
+        "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000, **(extra or {})}, "num_blocks": 48,
+        "max_tokens": 6, "before_round": before_round or {},
     }
-    if kill_pid:
-        spec["between_rounds"] = {"kill_pid": kill_pid}
     spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -110,17 +110,28 @@ def test_second_engine_serves_prefixes_from_the_pool(setup, reference):
     assert worker["load_bytes"] > 0 and worker["save_blocks"] > 0  # prompts 3 and 4's new blocks
 
 
-def test_emptied_then_killed_pool_only_costs_recomputation(setup, reference):
+def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, reference):
+    """Engine C on an emptied pool computes everything; then (prefix cache reset) the scheduler finds prompt 0's
+    blocks in the pool, the node is killed just before the worker loads them: the load reports every promised
+    block as failed and vLLM recomputes them; later requests see a dead pool as misses. Outputs stay exact."""
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
+    prompts = setup["prompts"]
     stop_local_pool(setup["pool_dir"])
-    node = ensure_local_pool(setup["pool_dir"], "256MiB")  # a fresh, empty node; killed after the first round
-    c = engine(setup, "c", [[0, 2], [5, 4, 3]], kill_pid=node.pid)
-    first, second = c["rounds"]
-    for r in first + second:
+    node = ensure_local_pool(setup["pool_dir"], "256MiB")  # a fresh, empty node
+    c = engine(
+        setup, "c", [[0, 2], [0], [5, 4, 3]],
+        before_round={"1": {"reset_prefix_cache": True, "kill_pid_at_next_load": node.pid}},
+        extra={"read_cache_capacity": 0},  # else the worker's own read cache would still serve its saves
+    )
+    first, second, third = c["rounds"]
+    for r in first + second + third:
         assert r["tokens"] == reference[r["prompt"]], r["prompt"]
     assert [r["num_cached_tokens"] for r in first] == [0, 0]  # nothing in an emptied pool
-    assert second[0]["num_cached_tokens"] == 0 and second[1]["num_cached_tokens"] == 0
-    assert second[2]["num_cached_tokens"] == 3 * BLOCK  # engine C's own prefix cache still serves prompt 0's blocks
-    assert c["stats"]["worker"]["load_failed_blocks"] == 0  # a dead node is a miss at lookup, never a bad load
-    assert c["stats"]["worker"]["save_failed_blocks"] > 0  # saves after the kill failed, quietly
+    worker, scheduler = c["stats"]["worker"], c["stats"]["scheduler"]
+    promised = full_blocks(len(prompts[0])) // BLOCK
+    assert scheduler["lookup_hit_blocks"] == promised  # round 2's lookup, before the kill
+    assert worker["load_blocks"] == 0 and worker["load_failed_blocks"] == promised  # reported, recomputed
+    assert third[0]["num_cached_tokens"] == 0 and third[1]["num_cached_tokens"] == 0  # dead pool: misses
+    assert third[2]["num_cached_tokens"] == 3 * BLOCK  # engine C's own prefix cache (prompt 0, recomputed)
+    assert worker["save_failed_blocks"] > 0  # saves after the kill failed, quietly

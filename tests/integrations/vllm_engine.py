@@ -5,7 +5,11 @@
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
        "extra": {kv_connector_extra_config}, "num_blocks": int, "max_model_len": int,
        "rounds": [[prompt indexes], ...] (default: one round with every prompt),
-       "between_rounds": {"kill_pid": pid} (optional; done before round 2)}
+       "before_round": {"<round index>": {"reset_prefix_cache": bool, "kill_pid": pid,
+                                          "kill_pid_at_next_load": pid}}}
+  kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
+  start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
+  load fails and vLLM must recompute (single-process mode only).
 OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s}, ...], ...], "stats": {...}}
 """
 
@@ -33,6 +37,33 @@ def make_tiny_llama(path: str, hidden: int = 128, layers: int = 2, heads: int = 
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(200):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
+def kill_at_next_load(pid: int) -> None:
+    """Fault injection: kill `pid` inside the worker connector's next start_load_kv that has loads to do."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    original = worker.start_load_kv
+
+    def start_load_kv(forward_context, **kwargs):
+        meta = worker._connector_metadata
+        if meta is not None and getattr(meta, "loads", None):
+            kill(pid)
+            worker.start_load_kv = original
+        return original(forward_context, **kwargs)
+
+    worker.start_load_kv = start_load_kv
 
 
 def run(spec: dict) -> dict:
@@ -66,9 +97,13 @@ def run(spec: dict) -> dict:
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     out_rounds = []
     for r, indexes in enumerate(rounds):
-        if r == 1 and spec.get("between_rounds", {}).get("kill_pid"):
-            os.kill(int(spec["between_rounds"]["kill_pid"]), signal.SIGKILL)
-            time.sleep(0.5)
+        before = spec.get("before_round", {}).get(str(r), {})
+        if before.get("reset_prefix_cache") and not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        if before.get("kill_pid"):
+            kill(int(before["kill_pid"]))
+        if before.get("kill_pid_at_next_load"):
+            kill_at_next_load(int(before["kill_pid_at_next_load"]))
         results = []
         for i in indexes:  # one request at a time: TTFT and num_cached_tokens per prompt
             start = time.perf_counter()
