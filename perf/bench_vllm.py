@@ -88,10 +88,10 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(9, 3.2))
     ax.barh([label for label, _ in rows][::-1], [r["seconds"] for _, r in rows][::-1], color=["#2a7", "#c44", "#c44"])
     ax.set_xlabel(f"time to first token, s ({args.tokens}-token prompt)")
-    ax.set_title(f"vLLM (CPU) + EmsConnector: TTFT cold vs from the pool ({speedup:.1f}x)")
+    ax.set_title(f"vLLM (CPU) + EmsConnector: TTFT cold vs from the pool, {speedup:.1f}x", fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
 

@@ -136,8 +136,29 @@ def ensure_local_pool(directory: str | None = None, capacity: str = "2GiB", star
         return _start(directory, capacity, start_timeout)
 
 
+def _gone(pid: int) -> bool:
+    for proc in _children:
+        if proc.pid == pid:
+            return proc.poll() is not None  # our own child: reap it (a zombie still answers kill(pid, 0))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def stop_local_pool(directory: str | None = None, timeout: float = 10.0) -> bool:
-    """Stop the recorded node (True if one was running) and forget it."""
+    """Stop the recorded node (True if one was running) and forget it: SIGTERM, then SIGKILL after `timeout`
+    seconds; returns once the process is gone."""
     directory = directory or default_dir()
     with _locked(directory):
         record = read_record(directory)
@@ -150,16 +171,8 @@ def stop_local_pool(directory: str | None = None, timeout: float = 10.0) -> bool
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
-    deadline = time.monotonic() + timeout
-    for proc in _children:
-        if proc.pid == pid:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout)
-            return True
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
+    if not _wait_gone(pid, timeout):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid, timeout)
     return True

@@ -135,3 +135,18 @@ def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, r
     assert third[0]["num_cached_tokens"] == 0 and third[1]["num_cached_tokens"] == 0  # dead pool: misses
     assert third[2]["num_cached_tokens"] == 3 * BLOCK  # engine C's own prefix cache (prompt 0, recomputed)
     assert worker["save_failed_blocks"] > 0  # saves after the kill failed, quietly
+
+
+def test_stats_object_aggregates_and_reduces():
+    from ems.integrations.block_transfer import TransferStats
+    from ems.integrations.vllm import EmsConnector, EmsConnectorStats
+
+    empty = EmsConnector.build_kv_connector_stats()
+    assert isinstance(empty, EmsConnectorStats) and empty.is_empty()
+    a = EmsConnector.build_kv_connector_stats(TransferStats(lookup_hit_blocks=3, lookup_miss_blocks=1).to_dict())
+    b = EmsConnector.build_kv_connector_stats(TransferStats(load_blocks=3, load_bytes=2_000_000, load_seconds=0.001).to_dict())
+    merged = a.aggregate(b).reduce()
+    assert merged["hit_blocks"] == 3 and merged["miss_blocks"] == 1 and merged["loaded_blocks"] == 3
+    assert merged["load_GBps"] == 2.0
+    a.reset()
+    assert a.is_empty()

@@ -197,7 +197,7 @@ class EmsConnector(KVConnectorBase_V1):
         full = min((request.num_prompt_tokens - 1) // self._block_size, len(request.block_hashes) // self._hash_stride)
         start = num_computed_tokens // self._block_size
         if full <= start:
-            self._lookups.pop(request.request_id, None)
+            self._lookups[request.request_id] = (start, 0, 0)  # nothing to ask; saves start after the local hit
             return 0, False
         self._ensure_lookup_layout()
         hits = lookup(self._cc, self._hashes(request)[start:full], self._tp_size, self._mla, self._option)
