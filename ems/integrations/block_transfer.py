@@ -23,9 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from ems.context_caching import ContextCaching
-from ems.errors import EmsException
-from ems.types import CcFuture, CcKvOption, CcResult
+from ems import CcFuture, CcKvOption, CcResult, ContextCaching, EmsException
 
 logger = logging.getLogger("ems.integrations")
 

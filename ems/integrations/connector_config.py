@@ -29,8 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ems.config import CcConfig_v1, EmsConfig
-from ems.errors import invalid_argument
+from ems import CcConfig_v1, EmsConfig, EmsErrorCode, EmsException
+
+
+def invalid_argument(message: str) -> EmsException:
+    return EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, message)
 
 EMS_SETTINGS = (
     "pool_capacity",

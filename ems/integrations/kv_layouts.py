@@ -26,10 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ems.errors import invalid_argument
-from ems.types import StoreLayerGroupDesc
+from ems import EmsErrorCode, EmsException, StoreLayerGroupDesc
 
 KvTensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+def invalid_argument(message: str) -> EmsException:
+    return EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, message)
 
 
 class KvLayoutKind(str, enum.Enum):

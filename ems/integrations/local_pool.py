@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ems.errors import EmsErrorCode, EmsException
+from ems import EmsErrorCode, EmsException
 
 HOST = "127.0.0.1"
 
