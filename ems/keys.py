@@ -33,7 +33,7 @@ def namespace(tenant: Optional[str], cc_config: CcConfig, layout_signature: Opti
 
 
 def encode_hash(block_hash: int) -> bytes:
-    """A block hash as minimal signed little-endian bytes: at most 9 for the accepted range -2**63 .. 2**64 - 1
+    """A block hash as minimal signed little-endian bytes: at most 33 for the accepted range -2**255 .. 2**256 - 1
     (`requests` refuses wider ints; this encoding itself is injective over every int)."""
     return block_hash.to_bytes((block_hash.bit_length() + 8) // 8, "little", signed=True)
 

@@ -34,9 +34,10 @@ from ems.types import (
 
 MAX_U64 = (1 << 64) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-# A block hash is any signed int64 (Python's hash() values) or unsigned u64 (engines' xxhash/sha digests in numpy
-# u64 arrays): -2**63 .. 2**64 - 1. Wider ints are refused: a key must stay within the wire protocol's key size.
-MIN_HASH, MAX_HASH = INT64_MIN, MAX_U64
+# A block hash is any int from -2**255 to 2**256 - 1: signed int64 (Python's hash() values), unsigned u64 (xxhash
+# digests in numpy u64 arrays) and whole SHA-256 digests (vLLM's block hashes, wider keys that fold in a rank). Wider
+# ints are refused: a key stays a few dozen bytes, far inside the wire protocol's key size.
+MIN_HASH, MAX_HASH = -(1 << 255), (1 << 256) - 1
 
 
 class Operation(str, enum.Enum):
@@ -170,7 +171,7 @@ def _hashes(value: object) -> List[int]:
                 raise invalid_argument(f"hashes[{i}] must be an int, got {type(h).__name__} {h!r}")
         if not MIN_HASH <= hashes[i] <= MAX_HASH:
             raise invalid_argument(
-                f"hashes[{i}] = {_describe_int(hashes[i])} is outside the accepted range -2**63 .. 2**64 - 1"
+                f"hashes[{i}] = {_describe_int(hashes[i])} is outside the accepted range -2**255 .. 2**256 - 1"
             )
     if len(set(hashes)) != len(hashes):
         seen: dict[int, int] = {}

@@ -16,7 +16,8 @@ and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_l
 | timeout_ms          | 5000                       | `CcKvOption.timeout` of every lookup, load and save           |
 | load_failure_policy | "recompute"                | set as vLLM's `kv_load_failure_policy` ("recompute" or "fail") |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
-| pool_capacity, read_cache_capacity, staging_capacity, max_inflight, kernel_backend, connect_timeout_ms, device | as `EmsConfig` | `EmsConfig` pool settings |
+| pool_capacity, read_cache_capacity, staging_capacity, | as `EmsConfig` | `EmsConfig` pool settings |
+| max_inflight, kernel_backend, connect_timeout_ms, device |  |  |
 """
 
 from __future__ import annotations

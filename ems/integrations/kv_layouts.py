@@ -5,13 +5,11 @@ row `b` of the two planes together covers exactly the bytes of engine block `b` 
 does inside a block), so one registered "slot" is one engine block, moved as opaque bytes, and `register_kvcache`
 sees a contiguous row per slot (the one thing it requires). Nothing is copied. The layouts:
 
-| kind          | engine tensor(s)                                    | who                                        | planes           |
-|---------------|-----------------------------------------------------|--------------------------------------------|------------------|
-| BLOCK_FIRST   | one tensor, dim 0 = blocks, each block's bytes one  | vLLM >= 0.2x per-layer `[B, H, N, C]` views | block bytes cut  |
-|               | contiguous run: CPU `[B, kv_heads, N, 2*head]`,     | (CPU attention, flash-attn NHD/HND, MLA    | in two halves    |
-|               | MLA latent `[B, N, D]`, flashinfer `[B, 2, N, H, D]`| with H == 1)                               |                  |
-| KV_FIRST      | one tensor `[2, B, N, H, D]`                        | CUDA flash-attention (vLLM 0.x)            | `t[0]`, `t[1]`   |
-| KV_PAIR       | `(K, V)`, each `[B, N, H, D]`                        | vllm-ascend                                | `K`, `V`         |
+- BLOCK_FIRST: one tensor, dim 0 = blocks, each block's bytes one contiguous run (CPU `[B, kv_heads, N, 2*head]`,
+  MLA latent `[B, N, D]`, flashinfer `[B, 2, N, H, D]`; vLLM >= 0.2x per-layer `[B, H, N, C]` views: CPU attention,
+  flash-attn NHD/HND, MLA with H == 1). Planes: the block bytes cut in two halves.
+- KV_FIRST: one tensor `[2, B, N, H, D]` (CUDA flash-attention, vLLM 0.x). Planes: `t[0]`, `t[1]`.
+- KV_PAIR: `(K, V)`, each `[B, N, H, D]` (vllm-ascend). Planes: `K`, `V`.
 
 A block whose bytes are not one dense run (e.g. a heads-outermost layout) raises `EmsException(EMS_INVALID_ARGUMENT)`.
 `plane_shape(...)` describes one layer's plane without tensors, so a process that holds no KV cache (vLLM's

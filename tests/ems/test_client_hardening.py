@@ -148,7 +148,7 @@ def test_v0_values_are_split_by_bytes(recording):
 # ---------------------------------------------------------------- hashes, arrays, timeouts
 
 
-@pytest.mark.parametrize("bad", [1 << 40000, 2**64, -(2**63) - 1, 2**200], ids=["2**40000", "2**64", "-2**63-1", "2**200"])
+@pytest.mark.parametrize("bad", [1 << 40000, 2**256, -(2**255) - 1, 2**300], ids=["2**40000", "2**256", "-2**255-1", "2**300"])
 def test_hashes_outside_the_accepted_range_are_invalid_arguments(cc, bad):
     cc.register_kvcache(make_cache(layers=1, blocks=4, block_size=2))
     calls = [
@@ -168,14 +168,14 @@ def test_hashes_outside_the_accepted_range_are_invalid_arguments(cc, bad):
     assert "hashes[1]" in info.value.message()
 
 
-def test_the_whole_int64_and_u64_range_is_accepted(cc):
-    cache = make_cache(layers=1, blocks=4, block_size=2)
+def test_int64_u64_and_sha256_wide_hashes_are_accepted(cc):
+    cache = make_cache(layers=1, blocks=8, block_size=2)
     cc.register_kvcache(cache)
-    edges = [-(2**63), -1, 0, 2**63 - 1, 2**63, 2**64 - 1]
-    assert cc.save(list(range(6)), edges, [1] * 6) == CcResult(6, 6)
-    assert cc.exists(edges) == CcResult(6, 6)
-    assert cc.exists(np.array(edges[:4], dtype=np.int64)) == CcResult(4, 4)
-    assert cc.exists(np.array(edges, dtype=object)) == CcResult(6, 6)
+    edges = [-(2**255), -(2**63), -1, 0, 2**63 - 1, 2**64 - 1, 2**200, 2**256 - 1]
+    assert cc.save(list(range(8)), edges, [1] * 8) == CcResult(8, 8)
+    assert cc.exists(edges) == CcResult(8, 8)
+    assert cc.exists(np.array(edges[1:5], dtype=np.int64)) == CcResult(4, 4)
+    assert cc.exists(np.array(edges, dtype=object)) == CcResult(8, 8)
 
 
 def test_object_arrays_of_ints_are_accepted_and_checked_per_item(cc):

@@ -19,7 +19,8 @@ def test_one_node_shared_reused_and_replaced(tmp_path):
     directory = str(tmp_path)
     try:
         # four processes race to find-or-start: one node between them
-        code = "import sys; from ems.integrations.local_pool import ensure_local_pool as e; print(e(sys.argv[1], '16MiB').address)"
+        code = ("import sys; from ems.integrations.local_pool import ensure_local_pool as e; "
+                "print(e(sys.argv[1], '16MiB').address)")
         procs = [subprocess.Popen([sys.executable, "-c", code, directory], stdout=subprocess.PIPE, text=True)
                  for _ in range(4)]
         addresses = {p.communicate(timeout=120)[0].strip() for p in procs}

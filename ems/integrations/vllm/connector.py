@@ -103,7 +103,8 @@ def _layer_order(name: str) -> tuple[int, str]:
         from vllm.model_executor.models.utils import extract_layer_index
 
         return extract_layer_index(name), name
-    except (ImportError, ValueError, IndexError, AttributeError):  # a name without a layer index: order by name after the indexed ones
+    # a name without a layer index: order by name after the indexed ones
+    except (ImportError, ValueError, IndexError, AttributeError):
         return 1 << 30, name
 
 
