@@ -24,7 +24,6 @@ from ems.context_caching import ContextCaching
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 from ems.pool_client import PoolClient
 from ems.store import KvStore
-from ems.transport.base import NodeClient
 from ems.transport.inprocess import InProcessNode
 
 logger = logging.getLogger("ems")
@@ -54,22 +53,25 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolClient:
             f"pool_nodes need UCX (pip install 'ems-kvcache[ucx]'): {exc}",
         ) from exc
 
-    nodes: list[NodeClient] = [
-        connect(
+    from ems.cluster import open_remote_pool  # a fixed node list, or the members etcd reports
+
+    return open_remote_pool(
+        settings,
+        lambda address: connect(
             address,
             access_id=config.access_id,
             access_key=config.access_key,
             connect_timeout_ms=settings.connect_timeout_ms,
-        )
-        for address in settings.pool_nodes
-    ]
-    return PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity)
+        ),
+    )
 
 
 def _unreachable(settings: Settings) -> EmsException:
     return EmsException(
         EmsErrorCode.EMS_RECOVERD_ERROR,
-        f"no pool node answered within {settings.connect_timeout_ms} ms: {list(settings.pool_nodes)}; the pool is "
+        f"no pool node answered within {settings.connect_timeout_ms} ms: {list(settings.pool_nodes)}"
+        + (f" (and those of etcd {settings.pool_etcd}, cluster {settings.pool_cluster!r})" if settings.pool_etcd else "")
+        + "; the pool is "
         "not reachable yet: call Ems.init again later (Ems.check_health() turns True once a node answers)",
     )
 
@@ -109,7 +111,7 @@ class Ems:
                 raise
             cls._config, cls._settings, cls._pool = config, settings, pool
             logger.info(
-                "EMS initialised: pool %s", "embedded" if settings.embedded else ", ".join(settings.pool_nodes)
+                "EMS initialised: pool %s", "embedded" if settings.embedded else ", ".join(n.address for n in pool.nodes)
             )
 
     @classmethod

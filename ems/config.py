@@ -13,6 +13,9 @@ left as None is read from its environment variable, else takes its default (`res
 | kernel_backend        | EMS_KERNEL_BACKEND         | auto           | auto, triton, torch or memcpy                    |
 | connect_timeout_ms    | EMS_CONNECT_TIMEOUT_MS     | 3000           | connecting to (and authenticating with) a node   |
 | device                | EMS_DEVICE                 | see below      | device of V0 `KvBufferWrapper` addresses         |
+| pool_etcd             | EMS_POOL_ETCD              | none           | etcd `http://HOST:PORT`: nodes come and go there |
+| pool_cluster          | EMS_POOL_CLUSTER           | default        | the cluster's name in etcd ([0-9a-z._-])         |
+| pool_replicas         | EMS_POOL_REPLICAS          | 1              | owners (copies) of each block, >= 1              |
 
 `device` default: the registered KV cache's device; else `npu:<device_id>` when torch_npu is already imported,
 `cuda:<device_id>` when CUDA is available, otherwise `cpu`.
@@ -26,6 +29,9 @@ proof is sent; a node with keys then refuses the client at `Ems.init`).
 Configs are mutable, as in the EMS SDK (an engine may set `cfg.kvcache_type = KVCacheType.MLA` after building
 it): fields are checked when a config is built and again, all of them, at `Ems.init` (`check_config`), which
 keeps a checked snapshot; changing a config after `Ems.init` has no effect on the running SDK.
+
+With `pool_etcd` the pool is the nodes registered in etcd under `pool_cluster`, plus any `pool_nodes` (always in
+the set); see `ems.cluster` and docs/pool-nodes.md.
 """
 
 from __future__ import annotations
@@ -190,6 +196,9 @@ _POOL_SETTINGS = (
     "kernel_backend",
     "connect_timeout_ms",
     "device",
+    "pool_etcd",
+    "pool_cluster",
+    "pool_replicas",
 )
 
 
@@ -213,6 +222,9 @@ class EmsConfig:
     kernel_backend: Optional[str] = None
     connect_timeout_ms: Optional[int] = None
     device: Optional[str] = None
+    pool_etcd: Optional[str] = None
+    pool_cluster: Optional[str] = None
+    pool_replicas: Optional[int] = None
 
     def __init__(
         self,
@@ -249,10 +261,13 @@ class Settings:
     kernel_backend: KernelBackend
     connect_timeout_ms: int
     device: Optional[str] = None
+    pool_etcd: Optional[str] = None
+    pool_cluster: str = "default"
+    pool_replicas: int = 1
 
     @property
     def embedded(self) -> bool:
-        return not self.pool_nodes
+        return not self.pool_nodes and self.pool_etcd is None
 
 
 def _setting(value: object, env: str, default: object) -> object:
@@ -315,12 +330,33 @@ def resolve_settings(config: EmsConfig) -> Settings:
             "connect_timeout_ms", _setting(config.connect_timeout_ms, "EMS_CONNECT_TIMEOUT_MS", 3000), 1
         ),
         device=device,
+        **_cluster_settings(config),
     )
     if settings.pool_capacity <= 0:
         raise invalid_argument("pool_capacity must be > 0")
     if settings.staging_capacity <= 0:
         raise invalid_argument("staging_capacity must be > 0")
     return settings
+
+
+_CLUSTER_RE = re.compile(r"[0-9a-z._-]{1,512}")
+
+
+def _cluster_settings(config: EmsConfig) -> dict:
+    """pool_etcd, pool_cluster, pool_replicas, checked."""
+    etcd = _setting(config.pool_etcd, "EMS_POOL_ETCD", None)
+    if etcd is not None:
+        from ems.transport.etcd import parse_url
+
+        try:
+            parse_url(etcd if isinstance(etcd, str) else "")
+        except ValueError:
+            raise invalid_argument(f"pool_etcd must be an etcd endpoint like 'http://127.0.0.1:2379', got {etcd!r}")
+    cluster = _setting(config.pool_cluster, "EMS_POOL_CLUSTER", "default")
+    if not isinstance(cluster, str) or _CLUSTER_RE.fullmatch(cluster) is None:
+        raise invalid_argument(f"pool_cluster must be 1-512 characters of [0-9a-z._-] (an etcd key part), got {cluster!r}")
+    replicas = _int_setting("pool_replicas", _setting(config.pool_replicas, "EMS_POOL_REPLICAS", 1), 1)
+    return {"pool_etcd": etcd, "pool_cluster": cluster, "pool_replicas": replicas}
 
 
 def check_config(config: object) -> EmsConfig:

@@ -1,13 +1,17 @@
 """The pool as one client sees it: routing, per-node fan-out with deadlines, and the local read cache.
 
 Contract:
-* Each key has one owning node (`transport.routing`, rendezvous hashing of its route key). A call sends batched
-  requests per owning node, nodes in parallel, and waits at most the option's timeout (0, or anything above
-  `MAX_TIMEOUT_MS`: that maximum). A node that fails or does not answer in time fails only its own keys (those of
-  its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
+* Each key has `replicas` owning nodes among the live ones (`transport.routing.ranked_owners`, rendezvous hashing of
+  its route key; `ems.placement.Members` holds the live set, which membership may change between calls). A call
+  sends batched requests per node it needs, nodes in parallel, and waits at most the option's timeout in all (0, or
+  anything above `MAX_TIMEOUT_MS`: that maximum). A node that fails or does not answer in time fails only its own
+  keys (those of its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
 * A node's keys are split, in request order, into requests within the wire protocol's limits (`RequestLimits`:
   keys, data bytes, meta bytes and data frames per request) and sent one after the other, so a call of any size
   works; the caller never sees the split.
+* A put goes to every owner of each key at once; see `put` for when a value counts as stored. A read asks each
+  key's first owner, and sends what it missed, found damaged (not the `expected` value) or could not get from a
+  failed node to the next owner, until the deadline.
 * The local read cache (remote pools only) keeps what this client wrote when `write_rcache` is set and serves reads
   first; with `read_local_only` a read never leaves the process. The embedded pool is local, so it always serves.
 * Results come back in request order; interpreting them (the consecutive prefix, raising when nothing was
@@ -20,16 +24,17 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from ems.errors import EmsErrorCode
+from ems.placement import Members
 from ems.store import KvStore
 from ems.transport import protocol
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.inprocess import InProcessNode
-from ems.transport.routing import node_seeds, owners
+from ems.transport.routing import ranked_owners
 from ems.types import MAX_TIMEOUT_MS, CcKvOption
 from ems.value_format import HEADER_SIZE, Buffer, ExpectedValues, matches
 
@@ -47,6 +52,8 @@ class PoolOutcome(Generic[T]):
     results: List[T]
     errors: List[TransportError] = field(default_factory=list)
     nodes_contacted: int = 0
+    #: a get's present values were all checked against `expected` already (the caller need not check them again)
+    verified: bool = False
 
     @property
     def unreachable(self) -> bool:
@@ -104,14 +111,21 @@ class PoolClient:
     """Routes batched put/get/exists to the owning nodes; see the module docstring."""
 
     def __init__(
-        self, nodes: Sequence[NodeClient], read_cache_capacity: int = 0, limits: RequestLimits = RequestLimits()
+        self,
+        nodes: Sequence[NodeClient],
+        read_cache_capacity: int = 0,
+        replicas: int = 1,
+        connect: Optional[Callable[[str], NodeClient]] = None,
+        limits: RequestLimits = RequestLimits(),
     ) -> None:
-        if not nodes:
+        if not nodes and connect is None:
             raise ValueError("a PoolClient needs at least one node")
-        self.nodes = list(nodes)
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.replicas = replicas
         self.limits = limits
-        self.is_local = all(isinstance(n, InProcessNode) for n in self.nodes)
-        self._seeds = node_seeds([n.address for n in self.nodes])
+        self.members = Members(nodes, connect)
+        self.is_local = bool(nodes) and all(isinstance(n, InProcessNode) for n in nodes)
         self.read_cache: Optional[KvStore] = (
             KvStore(read_cache_capacity, verify_on_put=False)
             if read_cache_capacity > 0 and not self.is_local
@@ -119,6 +133,21 @@ class PoolClient:
         )
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._executor_lock = threading.Lock()
+        self._on_close: list[Callable[[], None]] = []
+        self.membership: Optional[Any] = None  # the etcd membership watcher keeping `members` current, if any
+
+    @property
+    def nodes(self) -> list[NodeClient]:
+        """The nodes placement uses now (the live set)."""
+        return list(self.members.view.nodes)
+
+    def set_members(self, addresses: Sequence[str]) -> None:
+        """Route to exactly these nodes from now on (membership changes; see `ems.placement.Members`)."""
+        self.members.set(addresses)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Run `callback` first when this client closes (e.g. stop a membership watch)."""
+        self._on_close.append(callback)
 
     # ---- fan-out ----
 
@@ -126,9 +155,62 @@ class PoolClient:
         with self._executor_lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=max(2, 4 * len(self.nodes)), thread_name_prefix="ems-pool"
+                    max_workers=max(8, 4 * len(self.members.view.nodes)), thread_name_prefix="ems-pool"
                 )
             return self._executor
+
+    def _run_jobs(
+        self,
+        jobs: list[tuple[NodeClient, np.ndarray]],
+        call: Callable[[NodeClient, np.ndarray, float], list],
+        costs: Callable[[np.ndarray], Costs],
+        deadline: float,
+        outcome: PoolOutcome,
+    ) -> list[tuple[list, bool]]:
+        """Run `call(node, indices, timeout)` for each job's keys, nodes in parallel, in requests within the limits
+        (`costs(indices)` → per-key data bytes, meta bytes, data frames), until `deadline`. Per job: the answers for
+        a prefix of its keys (all of them unless its node failed) and whether the node failed (its error is added
+        to `outcome.errors`)."""
+
+        def run(node: NodeClient, idx: np.ndarray) -> tuple[list, Optional[TransportError]]:
+            answers: list = []
+            for batch in split_batches(self.limits, *costs(idx)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return answers, TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer in time")
+                try:
+                    answers.extend(call(node, idx[batch], remaining))
+                except TransportError as error:
+                    return answers, error
+            return answers, None
+
+        out: list[tuple[list, bool]] = [([], True)] * len(jobs)
+        if self.is_local:  # in-process: nothing can hang, so no thread hop
+            for j, (node, idx) in enumerate(jobs):
+                answers, error = run(node, idx)
+                if error is not None:
+                    outcome.errors.append(error)
+                out[j] = (answers, error is not None)
+            return out
+        timeout_s = max(0.0, deadline - time.monotonic())
+        futures = {self._pool().submit(run, node, idx): j for j, (node, idx) in enumerate(jobs)}
+        done, not_done = concurrent.futures.wait(futures, timeout=timeout_s)
+        for future in done:
+            node = jobs[futures[future]][0]
+            try:
+                answers, error = future.result()
+            except Exception as exc:  # a transport bug must not become a wrong block: fail the node's keys
+                outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, f"{node.address}: {exc!r}"))
+                continue
+            if error is not None:
+                outcome.errors.append(error)
+            out[futures[future]] = (answers, error is not None)
+        for future in not_done:
+            node = jobs[futures[future]][0]
+            outcome.errors.append(
+                TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer within {timeout_s:.3f} s")
+            )
+        return out
 
     def _fan_out(
         self,
@@ -138,56 +220,65 @@ class PoolClient:
         costs: Callable[[np.ndarray], Costs],
         results: list,
         timeout_s: float,
+        accept: Callable[[int, object], bool],
     ) -> PoolOutcome:
-        """Run `call(node, indices, timeout)` for the wanted keys of each owning node, in requests within the limits
-        (`costs(indices)` → per-key data bytes, meta bytes, data frames); fill `results`."""
+        """A read: ask each wanted key's first owner; a key not answered with an accepted value goes to its next
+        owner in rank order, round by round, until the deadline. A miss or a damaged value uses up one of the key's
+        `replicas` tries; a node that failed (lost, timed out) does not, and is skipped for the rest of the call, so
+        a key whose owner died is read from the owners after it (also before membership drops the dead node).
+        Fills `results`."""
         outcome = PoolOutcome(results)
-        indices = np.nonzero(wanted)[0]
-        if indices.size == 0:
+        pending = np.nonzero(wanted)[0]
+        if pending.size == 0:
             return outcome
-        owner = owners([route_keys[i] for i in indices], self._seeds)
-        per_node = [(self.nodes[n], indices[owner == n]) for n in np.unique(owner)]
-        outcome.nodes_contacted = len(per_node)
+        view = self.members.view
+        n = len(view.nodes)
+        if n == 0:
+            outcome.nodes_contacted = 1
+            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
+            return outcome
+        depth = n if self.replicas > 1 or n > 1 else 1  # a failed owner passes its keys on: rank every node
+        ranks = ranked_owners([route_keys[i] for i in pending.tolist()], view.seeds, depth)
+        pos = np.zeros(pending.size, dtype=np.int64)  # each pending key's next rank to ask
+        tries = np.zeros(pending.size, dtype=np.int64)  # answers (miss or damaged) each key has had
+        failed = np.zeros(n, dtype=bool)
+        contacted = np.zeros(n, dtype=bool)
         deadline = time.monotonic() + timeout_s
-
-        def run(node: NodeClient, idx: np.ndarray) -> tuple[list, Optional[TransportError]]:
-            """The node's answers for a prefix of `idx` (all of it unless it failed), and its error if any."""
-            answers: list = []
-            for batch in split_batches(self.limits, *costs(idx)):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return answers, TransportError(
-                        EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer within {timeout_s:.3f} s"
-                    )
-                try:
-                    answers.extend(call(node, idx[batch], remaining))
-                except TransportError as error:
-                    return answers, error
-            return answers, None
-
-        def collect(idx: np.ndarray, answers: list, error: Optional[TransportError]) -> None:
-            for i, value in zip(idx.tolist(), answers):
-                results[i] = value
-            if error is not None:
-                outcome.errors.append(error)
-
-        if self.is_local:  # in-process: nothing can hang, so no thread hop
-            node, idx = per_node[0]
-            collect(idx, *run(node, idx))
-            return outcome
-        futures = {self._pool().submit(run, node, idx): (node, idx) for node, idx in per_node}
-        done, not_done = concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-        for future in done:
-            node, idx = futures[future]
-            try:
-                collect(idx, *future.result())
-            except Exception as error:  # a transport bug must not become a wrong block: fail the node's keys
-                outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, f"{node.address}: {error!r}"))
-        for future in not_done:
-            node, _ = futures[future]
-            outcome.errors.append(
-                TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer within {timeout_s:.3f} s")
-            )
+        while pending.size:
+            rows = np.arange(pending.size)
+            candidate = ranks[rows, np.minimum(pos, depth - 1)]
+            while True:  # skip owners that already failed in this call
+                skip = failed[candidate] & (pos < depth)
+                if not skip.any():
+                    break
+                pos[skip] += 1
+                candidate = ranks[rows, np.minimum(pos, depth - 1)]
+            keep = pos < depth
+            pending, ranks, pos, tries, candidate = pending[keep], ranks[keep], pos[keep], tries[keep], candidate[keep]
+            if pending.size == 0:
+                break
+            node_ids = np.unique(candidate).tolist()
+            jobs = [(view.nodes[j], pending[candidate == j]) for j in node_ids]
+            contacted[node_ids] = True
+            answers = self._run_jobs(jobs, call, costs, deadline, outcome)
+            accepted = np.zeros(len(results), dtype=bool)
+            answered = np.zeros(len(results), dtype=bool)
+            for j, (_, idx), (values, node_failed) in zip(node_ids, jobs, answers):
+                failed[j] |= node_failed
+                got = idx[: len(values)]  # a node that failed midway answered a prefix of its keys
+                answered[got] = True
+                for i, value in zip(got.tolist(), values):
+                    if accept(i, value):
+                        results[i] = value
+                        accepted[i] = True
+            got = answered[pending]
+            pos[got] += 1
+            tries[got] += 1
+            keep = ~accepted[pending] & (tries < self.replicas) & (pos < depth)
+            pending, ranks, pos, tries = pending[keep], ranks[keep], pos[keep], tries[keep]
+            if time.monotonic() >= deadline:
+                break
+        outcome.nodes_contacted = int(contacted.sum())
         return outcome
 
     # ---- batched operations ----
@@ -200,11 +291,26 @@ class PoolClient:
         option: CcKvOption,
         value_lens: Optional[np.ndarray] = None,
     ) -> PoolOutcome[bool]:
-        """Store each value at its owning node; `results[i]` is True where the node acknowledged it.
+        """Store each value at its `replicas` owning nodes in parallel; `results[i]` is True when the value is
+        stored: at least one owner acknowledged it and no owner that answered refused it. An owner that failed as a
+        whole (lost, timed out) does not undo the others' acknowledgements: the value is stored with fewer copies,
+        and the failure is in `errors`. With one replica this is exactly "the owner acknowledged it".
 
         `value_lens` (int64, bytes of each value, its parts together) saves measuring every part when the caller
         knows them; it is only used to split requests at the limits."""
         results: list = [False] * len(keys)
+        outcome: PoolOutcome[bool] = PoolOutcome(results)
+        view = self.members.view
+        if not keys:
+            return outcome
+        if not view.nodes:
+            outcome.nodes_contacted = 1
+            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
+            return outcome
+        ranks = ranked_owners(route_keys, view.seeds, self.replicas)
+        node_ids = np.unique(ranks)
+        jobs = [(view.nodes[n], np.nonzero((ranks == n).any(axis=1))[0]) for n in node_ids.tolist()]
+        outcome.nodes_contacted = len(jobs)
 
         def costs(idx: np.ndarray) -> Costs:
             parts = np.fromiter((len(values[i]) for i in idx.tolist()), dtype=np.int64, count=idx.size)
@@ -216,14 +322,22 @@ class PoolClient:
                 )
             return data, _key_meta(keys, idx, PUT_META_PER_KEY) + 8 * parts, parts
 
-        outcome = self._fan_out(
-            route_keys,
-            np.ones(len(keys), dtype=bool),
+        answers = self._run_jobs(
+            jobs,
             lambda node, idx, t: node.put([keys[i] for i in idx], [values[i] for i in idx], t),
             costs,
-            results,
-            timeout_seconds(option),
+            time.monotonic() + timeout_seconds(option),
+            outcome,
         )
+        acked = np.zeros(len(keys), dtype=bool)
+        refused = np.zeros(len(keys), dtype=bool)
+        for (_, idx), (flags, _) in zip(jobs, answers):
+            ok = np.asarray(flags, dtype=bool)
+            got = idx[: len(flags)]  # a node that failed midway acknowledged a prefix of its keys
+            acked[got[ok]] = True
+            refused[got[~ok]] = True
+        stored = acked & ~refused
+        outcome.results = results = stored.tolist()
         if self.read_cache is not None and option.write_rcache:
             for i in np.nonzero(results)[0].tolist():
                 self.read_cache.put(keys[i], values[i])
@@ -252,6 +366,12 @@ class PoolClient:
         wanted = np.fromiter((r is None for r in results), dtype=bool, count=len(keys))
         if option.read_local_only and not self.is_local:
             return PoolOutcome(results)
+        # With replicas, a damaged copy sends the key on to the next owner, so each value is checked here (once:
+        # `verified` tells the caller). With one owner there is nowhere to go: the caller checks, as before.
+        verify = expected is not None and self.replicas > 1
+
+        def accept(i: int, value: object) -> bool:
+            return value is not None and (not verify or matches(value, expected, i))  # type: ignore[arg-type]
 
         def costs(idx: np.ndarray) -> Costs:
             # the reply carries the values: expected sizes bound it (an unexpected value is refused anyway)
@@ -261,14 +381,17 @@ class PoolClient:
                 data = np.asarray(expected.payload_len, dtype=np.int64)[idx] + HEADER_SIZE
             return data, _key_meta(keys, idx, KEY_META_PER_KEY), np.zeros(idx.size, dtype=np.int64)
 
-        return self._fan_out(
+        outcome = self._fan_out(
             route_keys,
             wanted,
             lambda node, idx, t: node.get([keys[i] for i in idx], t),
             costs,
             results,
             timeout_seconds(option),
+            accept,
         )
+        outcome.verified = verify
+        return outcome
 
     def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
         """Whether each key is held (read cache first, then the owning node unless local-only)."""
@@ -284,22 +407,27 @@ class PoolClient:
             lambda idx: (np.zeros(idx.size, np.int64), _key_meta(keys, idx, KEY_META_PER_KEY), np.zeros(idx.size, np.int64)),
             results,
             timeout_seconds(option),
+            lambda i, held: bool(held),
         )
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """True when at least one node answers a ping within `timeout_s` (the pool is usable)."""
         if self.is_local:
             return True
-        futures = [self._pool().submit(node.ping, timeout_s) for node in self.nodes]
+        nodes = self.nodes
+        if not nodes:
+            return False
+        futures = [self._pool().submit(node.ping, timeout_s) for node in nodes]
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
         return any(f.result() for f in done if f.exception() is None)
 
     def close(self) -> None:
-        for node in self.nodes:
+        for callback in self._on_close:
             try:
-                node.close()
-            except Exception:  # closing must release every node even if one fails
+                callback()
+            except Exception:  # closing must release everything even if one step fails
                 pass
+        self.members.close()
         with self._executor_lock:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)

@@ -3,6 +3,10 @@
 Each key goes to the node with the highest score `mix(hash(route_key) ^ seed(node))`. There is no master to fail,
 every client computes the same owner from the same node list (order does not matter), and adding or removing one
 of N nodes moves only the ~1/N of keys that node wins or held. Scores are computed vectorised in numpy.
+
+Replication (`ranked_owners`): a key's k owners are its k highest-scoring nodes, best first. Rank 0 is exactly
+`owners`, and when a node leaves, each key whose owners included it gains the next node of its own ranking, so the
+other k-1 copies stay where they are.
 """
 
 from __future__ import annotations
@@ -29,10 +33,24 @@ def node_seeds(node_ids: Sequence[str]) -> np.ndarray:
     return np.array([xxhash.xxh3_64_intdigest(n.encode()) for n in node_ids], dtype=np.uint64)
 
 
+def _scores(route_keys: Sequence[bytes], seeds: np.ndarray) -> np.ndarray:
+    key_hashes = np.fromiter((xxhash.xxh3_64_intdigest(k) for k in route_keys), dtype=np.uint64, count=len(route_keys))
+    return _mix64(key_hashes[:, None] ^ seeds[None, :])
+
+
 def owners(route_keys: Sequence[bytes], seeds: np.ndarray) -> np.ndarray:
     """int64 `[keys]`: the index of each key's owning node."""
     if len(seeds) == 1:
         return np.zeros(len(route_keys), dtype=np.int64)
-    key_hashes = np.fromiter((xxhash.xxh3_64_intdigest(k) for k in route_keys), dtype=np.uint64, count=len(route_keys))
-    scores = _mix64(key_hashes[:, None] ^ seeds[None, :])
-    return np.argmax(scores, axis=1).astype(np.int64)
+    return np.argmax(_scores(route_keys, seeds), axis=1).astype(np.int64)
+
+
+def ranked_owners(route_keys: Sequence[bytes], seeds: np.ndarray, k: int) -> np.ndarray:
+    """int64 `[keys, min(k, nodes)]`: each key's k owning nodes, highest score first (column 0 is `owners`)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    k = min(k, len(seeds))
+    if k == 1:
+        return owners(route_keys, seeds)[:, None]
+    order = np.argsort(_scores(route_keys, seeds), axis=1, kind="stable")[:, ::-1]
+    return np.ascontiguousarray(order[:, :k]).astype(np.int64)

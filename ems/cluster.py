@@ -1,0 +1,60 @@
+"""Opening a remote pool: a fixed node list, or the live set that etcd membership reports (`pool_etcd`).
+
+Contract (`open_remote_pool`):
+* Without `pool_etcd`: a `PoolClient` over `pool_nodes`, fixed for the process's life.
+* With `pool_etcd`: the pool is `pool_nodes` (always members) plus every node registered under `pool_cluster`; a
+  `MembershipWatcher` keeps the set current, so nodes can join, drain and leave while engines run. etcd is read
+  once at start; if it cannot be reached then and there are no `pool_nodes`, `EmsException(EMS_RECOVERD_ERROR)`
+  (recoverable: `Ems.init` may be called again). With
+  `pool_nodes` the engine starts on them and picks up etcd's members once it answers. When etcd goes away later,
+  the engine keeps the last set it saw and goes on serving.
+* `pool_replicas` is handed to the `PoolClient` (k owners per block).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from ems.config import Settings
+from ems.errors import EmsErrorCode, EmsException
+from ems.pool_client import PoolClient
+from ems.transport.base import NodeClient
+from ems.transport.etcd import EtcdError
+from ems.transport.membership import MembershipWatcher, NodeInfo
+
+log = logging.getLogger("ems")
+
+
+def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -> PoolClient:
+    static = list(settings.pool_nodes)
+    nodes = [connect(address) for address in static]
+    if settings.pool_etcd is None:
+        return PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas)
+    pool = PoolClient(
+        nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas, connect=connect
+    )
+
+    def on_change(members: dict[str, NodeInfo]) -> None:
+        pool.set_members(sorted(set(static) | set(members)))
+
+    watcher = MembershipWatcher(settings.pool_etcd, settings.pool_cluster, on_change)
+    try:
+        watcher.start()
+    except EtcdError as error:
+        if not static:
+            pool.close()
+            raise EmsException(
+                EmsErrorCode.EMS_RECOVERD_ERROR,
+                f"pool_etcd: cannot read the members of {settings.pool_cluster!r} yet (call Ems.init again later): {error}",
+            ) from None
+        log.warning("pool_etcd unreachable; starting on pool_nodes and watching for etcd: %s", error)
+        watcher.start_background()
+    pool.on_close(watcher.close)
+    pool.membership = watcher
+    return pool
+
+
+def membership_of(pool: PoolClient) -> Optional[MembershipWatcher]:
+    """The membership watcher behind `pool`, or None for a fixed node list."""
+    return getattr(pool, "membership", None)

@@ -1,0 +1,93 @@
+"""`Members`: the set of pool nodes a `PoolClient` places keys on, which membership may change while calls run.
+
+Contract:
+* `view` is an immutable snapshot (`View`: the nodes, in the order they joined, and their rendezvous seeds;
+  placement does not depend on the order). A call takes
+  one snapshot and uses it throughout, so a change never mixes two placements inside one call.
+* `set(addresses)` makes exactly those nodes the live set: a new address gets a client from `connect` (a remote
+  node connects lazily if it is not up yet), an address that returns reuses its old client. A node that left is
+  not closed at once: calls already running on it finish (a draining node still answers them); it is closed
+  `RETIRE_S` seconds later, at the next change, or at `close()`.
+* Without `connect` (a fixed node list) the set cannot change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ems.transport.base import NodeClient
+from ems.transport.routing import node_seeds
+
+log = logging.getLogger("ems")
+
+RETIRE_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    nodes: tuple[NodeClient, ...]
+    seeds: np.ndarray
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(n.address for n in self.nodes)
+
+
+def _view(nodes: Sequence[NodeClient]) -> View:
+    return View(tuple(nodes), node_seeds([n.address for n in nodes]))
+
+
+class Members:
+    """The live node set; see the module docstring. Thread-safe."""
+
+    def __init__(self, nodes: Sequence[NodeClient], connect: Optional[Callable[[str], NodeClient]] = None) -> None:
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._live: dict[str, NodeClient] = {n.address: n for n in nodes}
+        self._retired: dict[str, tuple[NodeClient, float]] = {}
+        self.view = _view(list(self._live.values()))
+        self.changes = 0
+
+    def set(self, addresses: Sequence[str]) -> None:
+        if self._connect is None:
+            raise ValueError("this pool has a fixed node list")
+        wanted = set(addresses)
+        with self._lock:
+            if wanted == set(self._live):
+                return
+            added = sorted(wanted - set(self._live))
+            removed = sorted(set(self._live) - wanted)
+            for address in added:
+                old = self._retired.pop(address, None)
+                self._live[address] = old[0] if old else self._connect(address)
+            now = time.monotonic()
+            for address in removed:
+                self._retired[address] = (self._live.pop(address), now)
+            self.view = _view(list(self._live.values()))
+            self.changes += 1
+            expired = [a for a, (_, since) in self._retired.items() if now - since > RETIRE_S]
+            to_close = [self._retired.pop(a)[0] for a in expired]
+        log.info("pool members: +%s -%s, now %d node(s)", added, removed, len(self.view.nodes))
+        _close_all(to_close)
+
+    def close(self) -> None:
+        with self._lock:
+            nodes = list(self._live.values()) + [n for n, _ in self._retired.values()]
+            self._live.clear()
+            self._retired.clear()
+            self.view = _view([])
+        _close_all(nodes)
+
+
+def _close_all(nodes: Sequence[NodeClient]) -> None:
+    for node in nodes:
+        try:
+            node.close()
+        except Exception:  # closing must release every node even if one fails
+            pass

@@ -1,0 +1,227 @@
+"""Pool membership on etcd: nodes register themselves, engines watch who is in the pool.
+
+Layout: node `HOST:PORT` of cluster `NAME` is the key `/ems/pool/NAME/nodes/HOST:PORT`, its value JSON
+`{"address": "HOST:PORT", "metrics": "HOST:PORT" or null}`, attached to a lease the node keeps alive. etcd holds
+only who is in the pool; data never goes through it (clients place keys by rendezvous hashing over the live set).
+
+Contract:
+* `Registration` (node side): `start()` grants a lease of `ttl_s` seconds and puts the key (raises `EtcdError` if
+  etcd cannot be reached); a thread refreshes the lease every `ttl_s / 3` seconds and, if etcd lost it (etcd was
+  down longer than the TTL), registers again with a new lease. `deregister()` deletes the key and revokes the lease
+  (best effort), so watchers see the node leave at once instead of after the TTL. A node that dies without
+  deregistering disappears when its lease expires.
+* `MembershipWatcher` (engine side): `start()` reads the current members (raises `EtcdError` if etcd cannot be
+  reached), then a thread watches the prefix and calls `on_change(members)` after every change, with the whole new
+  set. If the watch breaks (etcd stopped, network lost) the watcher keeps the last set it saw, retries every
+  `retry_s` seconds, and on reconnecting reads the whole set again (so changes made meanwhile are not lost).
+  `connected` says whether the watch is live now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from ems.transport.etcd import EtcdClient, EtcdError, WatchEvent, WatchHandle
+
+log = logging.getLogger("ems.membership")
+
+DEFAULT_CLUSTER = "default"
+
+
+def cluster_prefix(cluster: str) -> bytes:
+    return f"/ems/pool/{cluster}/nodes/".encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    address: str
+    metrics: Optional[str] = None
+
+    def encode(self) -> bytes:
+        return json.dumps({"address": self.address, "metrics": self.metrics}).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> Optional["NodeInfo"]:
+        try:
+            data = json.loads(raw)
+            return NodeInfo(str(data["address"]), data.get("metrics") or None)
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def read_members(client: EtcdClient, cluster: str) -> tuple[dict[str, NodeInfo], int]:
+    """The registered nodes of `cluster` by address, and the revision they were read at."""
+    kvs, revision = client.get_prefix(cluster_prefix(cluster))
+    members: dict[str, NodeInfo] = {}
+    for kv in kvs:
+        info = NodeInfo.decode(kv.value)
+        if info is not None:
+            members[info.address] = info
+        else:
+            log.warning("ignoring an unreadable membership entry %r", kv.key)
+    return members, revision
+
+
+class Registration:
+    """One node's entry in the pool; see the module docstring."""
+
+    def __init__(self, url: str, cluster: str, info: NodeInfo, ttl_s: int = 5) -> None:
+        if ttl_s < 2:
+            raise ValueError(f"the lease TTL must be >= 2 s, got {ttl_s}")
+        self.client = EtcdClient(url, timeout_s=max(1.0, ttl_s / 3))
+        self.key = cluster_prefix(cluster) + info.address.encode()
+        self.info = info
+        self.ttl_s = ttl_s
+        self.lease = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _register(self) -> None:
+        lease = self.client.grant(self.ttl_s)
+        self.client.put(self.key, self.info.encode(), lease)
+        self.lease = lease
+
+    def start(self) -> None:
+        self._register()
+        self._thread = threading.Thread(target=self._keep_alive, name="ems-pool-lease", daemon=True)
+        self._thread.start()
+
+    def _keep_alive(self) -> None:
+        unreachable = False
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self.client.keepalive(self.lease) <= 0:
+                    log.warning("etcd lost this node's lease; registering again")
+                    self._register()
+                if unreachable:
+                    log.info("etcd reachable again")
+                unreachable = False
+            except EtcdError as error:
+                if not unreachable:
+                    log.warning("cannot refresh the membership lease (still serving): %s", error)
+                unreachable = True
+
+    def deregister(self) -> None:
+        """Leave the pool now (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        try:
+            self.client.delete(self.key)
+            if self.lease:
+                self.client.revoke(self.lease)
+        except EtcdError as error:
+            log.warning("could not deregister from etcd (the lease will expire): %s", error)
+        self.lease = 0
+
+
+class MembershipWatcher:
+    """An engine's view of who is in the pool; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        cluster: str,
+        on_change: Callable[[dict[str, NodeInfo]], None],
+        retry_s: float = 0.5,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.client = EtcdClient(url, timeout_s=timeout_s)
+        self.cluster = cluster
+        self.prefix = cluster_prefix(cluster)
+        self.on_change = on_change
+        self.retry_s = retry_s
+        self.members: dict[str, NodeInfo] = {}
+        self.connected = False
+        self._revision = 0
+        self._handle = WatchHandle()
+        self._stopped = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> dict[str, NodeInfo]:
+        """Read the members, hand them to `on_change` (in this thread), then watch; raises `EtcdError`."""
+        members, self._revision = read_members(self.client, self.cluster)
+        self._publish(members, force=True)
+        self._start_thread(resync=False)
+        return dict(self.members)
+
+    def start_background(self) -> None:
+        """Watch without a first read here: the thread reads the members once etcd answers."""
+        self._start_thread(resync=True)
+
+    def _start_thread(self, resync: bool) -> None:
+        self._thread = threading.Thread(target=self._run, args=(resync,), name="ems-membership", daemon=True)
+        self._thread.start()
+
+    def _publish(self, members: dict[str, NodeInfo], force: bool = False) -> None:
+        if members == self.members and not force:
+            return
+        self.members = members
+        try:
+            self.on_change(dict(members))
+        except Exception:  # a failing listener must not stop the watch
+            log.exception("membership listener failed")
+
+    def _apply(self, events: list[WatchEvent]) -> None:
+        members = dict(self.members)
+        for event in events:
+            address = event.key[len(self.prefix):].decode(errors="replace")
+            if event.deleted:
+                members.pop(address, None)
+            else:
+                info = NodeInfo.decode(event.value)
+                if info is not None:
+                    members[info.address] = info
+            self._revision = max(self._revision, event.revision)
+        self._publish(members)
+
+    def _on_created(self) -> None:
+        if not self.connected:
+            log.info("watching pool membership on %s", self.client.url)
+        self.connected = True
+
+    def _run(self, resync: bool) -> None:
+        while not self._stopped.is_set():
+            try:
+                if resync:
+                    members, self._revision = read_members(self.client, self.cluster)
+                    self._publish(members)
+                    resync = False
+                self.client.watch_prefix(
+                    self.prefix, self._revision + 1, self._apply, self._handle, on_created=self._on_created
+                )
+            except EtcdError as error:
+                if self.connected or not resync:
+                    log.warning("pool membership: etcd unreachable, keeping the last %d node(s): %s",
+                                len(self.members), error)
+                self.connected = False
+                resync = True
+                self._stopped.wait(self.retry_s)
+            except Exception:  # never let the watch thread die: keep the last set and retry
+                log.exception("pool membership watch failed")
+                self.connected = False
+                resync = True
+                self._stopped.wait(self.retry_s)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._handle.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
+    """Poll `predicate` until true or `timeout_s` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True
