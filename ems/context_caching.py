@@ -10,6 +10,9 @@ Failure semantics: bad arguments raise `EmsException(EMS_INVALID_ARGUMENT)` befo
 whose keys partly fail returns the consecutive prefix; one that reached no node raises `EMS_IO_ERROR` (or
 `EMS_IO_TIMEOUT`); `exists` never raises for pool failures, it reports 0 hits. A load never writes a block it did not
 verify, nor any block after the first miss.
+
+Counters (`metrics()`, `ems.cc_metrics`): every finished call adds its blocks, bytes and stage times once (no
+per-block work); they are registered with prometheus_client's default registry when it is installed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union, cas
 import numpy as np
 import torch
 
+from ems.cc_metrics import CcMetrics
 from ems.config import CcConfig, Settings
 from ems.devices import default_raw_device, parse_device, side_stream
 from ems.errors import EmsErrorCode, EmsException
@@ -62,12 +66,15 @@ def _as_ems_exception(exc: Exception) -> EmsException:
 
 
 @contextlib.contextmanager
-def _ems_errors() -> Iterator[None]:
+def _ems_errors(on_error: Optional[Callable[[], None]] = None) -> Iterator[None]:
     """Turn any `Exception` into an `EmsException` (EMS_INTERNAL_ERROR unless it already is one). `KeyboardInterrupt`,
-    `SystemExit` and other `BaseException`s pass through unchanged: the caller's process must be able to stop."""
+    `SystemExit` and other `BaseException`s pass through unchanged: the caller's process must be able to stop.
+    `on_error` (the error counter) runs first for every `Exception`."""
     try:
         yield
     except Exception as exc:
+        if on_error is not None:
+            on_error()
         converted = _as_ems_exception(exc)
         if converted is exc:
             raise
@@ -75,19 +82,21 @@ def _ems_errors() -> Iterator[None]:
 
 
 class _Profile:
-    """Stage timings of one request, logged when ENABLE_CC_PROFILING=1."""
+    """Stage timings of one request: added to the counters, and logged when ENABLE_CC_PROFILING=1."""
 
     enabled = os.environ.get("ENABLE_CC_PROFILING") == "1"
 
-    def __init__(self, op: str) -> None:
+    def __init__(self, op: str, metrics: Optional[CcMetrics] = None) -> None:
         self.op = op
+        self.metrics = metrics
         self.marks: list[tuple[str, float]] = [("start", time.perf_counter())]
 
     def mark(self, stage: str) -> None:
-        if self.enabled:
-            self.marks.append((stage, time.perf_counter()))
+        self.marks.append((stage, time.perf_counter()))
 
     def report(self, result: CcResult, nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.record(self.op, result.success, result.total, nbytes, self.marks)
         if not self.enabled:
             return
         stages = ", ".join(
@@ -114,6 +123,8 @@ class ContextCaching:
         )
         self._inflight = threading.BoundedSemaphore(settings.max_inflight)
         self._closed = False
+        self._metrics = CcMetrics(cc_config.rank_id)
+        self._metrics.register()
 
     # ---------------------------------------------------------------- registration
 
@@ -188,7 +199,7 @@ class ContextCaching:
 
         When this returns, every byte the save needs is in host staging: the engine may overwrite the blocks.
         """
-        profile = _Profile("save")
+        profile = _Profile("save", self._metrics)
         request, plan, device = self._bind(Operation.SAVE, args, kwargs)
         backend = self._backend_for(device)
         profile.mark("plan")
@@ -240,7 +251,7 @@ class ContextCaching:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
         finish, _ = self._begin_save(args, kwargs)
-        with _ems_errors():
+        with _ems_errors(self._metrics.record_error):
             return finish()
 
     @overload
@@ -280,16 +291,19 @@ class ContextCaching:
     # ---------------------------------------------------------------- load
 
     def _load(self, request: Request, plan: Plan, device: torch.device) -> CcResult:
-        profile = _Profile("load")
+        profile = _Profile("load", self._metrics)
         outcome = self._pool.get(plan.route_keys, plan.keys, request.option, plan.expected)
         profile.mark("get")
-        hits = valid_prefix(outcome.results, plan.expected)
+        if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
+            hits = consecutive_prefix([value is not None for value in outcome.results])
+        else:
+            hits = valid_prefix(outcome.results, plan.expected)
         self._raise_if_unreachable(outcome, hits)
         profile.mark("verify")
         if hits:
             lease: StagingLease = self._staging.acquire(plan.prefix_staging_bytes(hits), device)
             try:
-                # valid_prefix verified the first `hits` values: none of them is None
+                # the first `hits` values were verified (by valid_prefix or the pool): none of them is None
                 plan.fill_from_values(lease.host_array(), cast(List[Buffer], outcome.results), hits)
                 profile.mark("fill")
                 nbytes = plan.prefix_staging_bytes(hits)
@@ -323,7 +337,7 @@ class ContextCaching:
         `success` is the number of blocks, from the first, that were found and verified: exactly those are
         written; nothing after the first miss is touched."""
         request, plan, device = self._bind(Operation.LOAD, args, kwargs)
-        with _ems_errors():
+        with _ems_errors(self._metrics.record_error):
             return self._load(request, plan, device)
 
     @overload
@@ -355,7 +369,7 @@ class ContextCaching:
     def _submit(self, job: Callable[[], CcResult]) -> CcFuture:
         def run() -> CcResult:
             try:
-                with _ems_errors():
+                with _ems_errors(self._metrics.record_error):
                     return job()
             finally:
                 self._inflight.release()
@@ -395,17 +409,22 @@ class ContextCaching:
         except Exception as exc:  # the contract: a failing pool is a miss, not an exception
             logger.warning("exists: pool failure reported as 0 hits: %s", exc)
             return CcResult(0, len(keys))
-        if outcome.unreachable:
-            return CcResult(0, len(keys))
-        return CcResult(consecutive_prefix(outcome.results), len(keys))
+        result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
+        self._metrics.record_exists(result.success, result.total)
+        return result
 
     # ---------------------------------------------------------------- lifecycle
+
+    def metrics(self) -> dict[str, float]:
+        """This process's counters since start (this package's addition); keys in `ems.cc_metrics`."""
+        return self._metrics.snapshot()
 
     def close(self) -> None:
         """Wait for pending async calls, then release threads and staging buffers."""
         self._closed = True
         self._executor.shutdown(wait=True)
         self._staging.clear()
+        self._metrics.unregister()
 
 
 ContextCache_v1 = ContextCaching  # the EMS SDK's name of its V1 client: one type, two names

@@ -3,6 +3,9 @@
     ems-pool --listen HOST:PORT --capacity 4GiB [--keys-file PATH] [--log-level info]
              [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
              [--max-connections N] [--max-connections-per-peer N]
+             [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]]
+             [--metrics HOST:PORT]
+    ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)   (see ems.pool.status)
 
 Contract:
 * Prints exactly one line to stdout when it serves, `ems-pool ready on HOST:PORT` (the real port when 0 was asked),
@@ -19,6 +22,11 @@ Contract:
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
+* `--metrics HOST:PORT` serves Prometheus `/metrics` and `/healthz` (`ems.pool.metrics`; needs prometheus_client).
+* `--etcd URL` registers the node in etcd under `--cluster` (`ems.transport.membership`) before the ready line,
+  as `--advertise` (default: the `--listen` host and the bound port); etcd unreachable at start exits with
+  status 1. On SIGTERM/SIGINT the node first deregisters and reports `/healthz` 503, keeps serving for `--drain`
+  seconds (so engines see it leave and calls in flight finish), then stops (`ems.pool.cluster_node`).
 """
 
 from __future__ import annotations
@@ -91,12 +99,17 @@ def _parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits") -> int:
-    """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen)."""
+async def _run(
+    host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits", args: argparse.Namespace
+) -> int:
+    """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen, register or serve metrics)."""
+    from ems.pool.cluster_node import NodeExtras
     from ems.pool.server import PoolServer
     from ems.store import KvStore
 
-    server = PoolServer(KvStore(capacity), keys, limits)
+    store = KvStore(capacity)
+    extras = NodeExtras(store, args)
+    server = PoolServer(store, keys, limits, metrics=extras.metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,10 +123,19 @@ async def _run(host: str, port: int, capacity: int, keys: dict[str, str], limits
     logging.getLogger("ems.pool").info(
         "serving %s bytes, %s", capacity, f"{len(keys)} tenant keys" if keys else "anonymous clients accepted"
     )
+    try:
+        extras.start(f"{host}:{bound}")
+    except Exception as error:  # e.g. etcd unreachable, metrics port taken
+        print(f"ems-pool: cannot serve: {error}", file=sys.stderr, flush=True)
+        extras.close()
+        await server.stop()
+        return 1
     print(f"ems-pool ready on {host}:{bound}", flush=True)
     try:
         await stop.wait()
+        await extras.drain()
     finally:
+        extras.close()
         await server.stop()
         try:
             import ucxx
@@ -177,6 +199,11 @@ MALLOC_MMAP_THRESHOLD = 128 << 10
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"]:
+        from ems.pool.status import main as status_main
+
+        return status_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ems-pool", description="An EMS memory-pool node (UCX).")
     parser.add_argument("--listen", type=_parse_listen, default=("0.0.0.0", 0), help="HOST:PORT (port 0: pick one)")
     parser.add_argument("--capacity", default="1GiB", help="bytes this node holds, e.g. 512MiB, 4GiB")
@@ -189,6 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--max-connections", type=_positive_int, default=1024, help="connections in all")
     parser.add_argument("--max-connections-per-peer", type=_positive_int, default=64, help="per peer IP address")
+    from ems.pool.cluster_node import add_arguments
+
+    add_arguments(parser)
     args = parser.parse_args(argv)
     host, port = args.listen
     _restrict_ucx_devices(host)
@@ -222,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (EmsException, ValueError, OSError) as error:
         parser.error(str(error))
     _tune_malloc()
-    status = asyncio.run(_run(host, port, capacity, keys, limits))
+    status = asyncio.run(_run(host, port, capacity, keys, limits, args))
     # Listener and connections are closed; UCX's own threads would keep the interpreter from exiting.
     logging.shutdown()
     sys.stdout.flush()

@@ -24,6 +24,7 @@ Contract:
 * Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are shut down (`pool.sockets`).
 * A malformed or oversized frame, or any transport error, closes that connection only.
 * `stop()` closes the listener and every connection; the caller then lets the loop finish.
+* With `metrics` (`ems.pool.metrics.NodeMetrics`), each request, connection and refused handshake is counted once.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Optional, Sequence
 
 import numpy as np
 
@@ -48,6 +49,9 @@ from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
 from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_frames import new_canary, recv_header_frame, recv_into, recv_meta, send_all
+
+if TYPE_CHECKING:
+    from ems.pool.metrics import NodeMetrics
 
 log = logging.getLogger("ems.pool")
 
@@ -148,9 +152,14 @@ class PoolServer:
     """Serves one `KvStore`; see the module docstring."""
 
     def __init__(
-        self, store: KvStore, access_keys: Optional[dict[str, str]] = None, limits: Optional[NodeLimits] = None
+        self,
+        store: KvStore,
+        access_keys: Optional[dict[str, str]] = None,
+        limits: Optional[NodeLimits] = None,
+        metrics: Optional["NodeMetrics"] = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics
         self.access_keys = dict(access_keys or {})
         self.limits = limits or NodeLimits.for_capacity(store.capacity_bytes)
         self.budget = ByteBudget(self.limits.inflight_bytes)
@@ -249,6 +258,9 @@ class PoolServer:
         if conn is None:
             _abort(ep)
             return
+        if self.metrics is not None:
+            self.metrics.connections.inc()
+            self.metrics.connections_opened.inc()
         try:
             tenant = await self._handshake(ep)
             if tenant is None:
@@ -284,6 +296,8 @@ class PoolServer:
                 if self._per_peer[conn.peer] <= 0:
                     del self._per_peer[conn.peer]
             _abort(ep)
+            if self.metrics is not None:
+                self.metrics.connections.dec()
 
     async def _handshake(self, ep: Any) -> Optional[str]:
         hello = await _recv_header(ep)
@@ -306,6 +320,8 @@ class PoolServer:
                     else "unknown access_id or wrong access_key"
                 )
                 log.warning("refused a client (access_id %r): %s", access_id, reason)
+                if self.metrics is not None:
+                    self.metrics.auth_failures.inc()
                 message = f"authentication failed: {reason}".encode()
                 await send_all(
                     ep,
@@ -318,6 +334,19 @@ class PoolServer:
         return access_id
 
     async def _dispatch(self, conn: _Connection, header: P.Header, prefix: bytes) -> None:
+        if self.metrics is None:
+            await self._serve_request(conn, header, prefix)
+            return
+        started, ok, nbytes = time.perf_counter(), False, 0
+        try:
+            nbytes = await self._serve_request(conn, header, prefix)
+            ok = True
+        finally:
+            name = P.Op(header.op).name.lower() if header.op in P.Op._value2member_map_ else "other"
+            self.metrics.request(name, ok, time.perf_counter() - started, nbytes)
+
+    async def _serve_request(self, conn: _Connection, header: P.Header, prefix: bytes) -> int:
+        """Serve one request; returns the value bytes it moved (for the metrics)."""
         op = header.op
         ep = conn.ep
         if op == P.Op.PING:
@@ -338,12 +367,13 @@ class PoolServer:
                     flags = np.asarray(self.store.contains_many(keys), dtype=np.uint8).tobytes()
                     reply = P.pack_header(op | P.REPLY, count=len(keys), meta_len=len(flags))
                     await self._timed(conn, send_all(ep, [reply, flags]))
-                    return
+                    return 0
             finally:
                 self.budget.release(header.meta_len)
-            await self._get(conn, keys)
+            return await self._get(conn, keys)
         else:
             raise P.ProtocolError(f"unexpected op {op} after the handshake")
+        return header.data_len
 
     async def _take(self, nbytes: int) -> None:
         """Reserve `nbytes` of the in-flight budget for a request, or refuse it (`_Refusal`)."""
@@ -385,6 +415,8 @@ class PoolServer:
                 stored = await loop.run_in_executor(self._executor, self._store_all, keys, values)
             else:
                 stored = self._store_all(keys, values)
+            if self.metrics is not None and not all(stored):
+                self.metrics.count_damaged(values, stored)
             del values
         finally:
             self.budget.release(charge)
@@ -395,7 +427,7 @@ class PoolServer:
     def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[bool]:
         return [self.store.put_owned(k, v) for k, v in zip(keys, values)]
 
-    async def _get(self, conn: _Connection, keys: Sequence[bytes]) -> None:
+    async def _get(self, conn: _Connection, keys: Sequence[bytes]) -> int:
         ep = conn.ep
         found = dict(zip(dict.fromkeys(keys), self.store.get_many(list(dict.fromkeys(keys)))))  # each key once
         values = [found[k] for k in keys]
@@ -440,6 +472,7 @@ class PoolServer:
                 await self._timed(conn, send_all(ep, window))
         finally:
             self.budget.release(total)
+        return total
 
 
 # ---- helpers ----

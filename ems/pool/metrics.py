@@ -1,0 +1,127 @@
+"""A pool node's Prometheus metrics, and the HTTP endpoint that serves them (`ems-pool --metrics HOST:PORT`).
+
+Contract:
+* `NodeMetrics` owns its own `CollectorRegistry` (never the process-wide default): per-request counters and a
+  latency histogram updated by the server once per request (never per value), plus a collector that reads the
+  store's own statistics when scraped. Exposition is `prometheus_client`'s.
+* Metric names (all prefixed `ems_pool_`): `requests_total{op,status}`, `request_bytes_total{op}` (PUT: received,
+  GET: sent), `request_seconds{op}` (histogram), `auth_failures_total`, `checksum_failures_total` (PUT values
+  refused as damaged), `connections` (open now), `connections_opened_total`, and from the store: `held_bytes`,
+  `values`, `capacity_bytes`, `evictions_total`, `get_hits_total`, `get_misses_total`, `puts_total`,
+  `rejected_puts_total`.
+* `MetricsServer` serves `GET /metrics` (text exposition) and `GET /healthz` (200 `ok` while serving, 503
+  `draining` once the node is leaving) from a daemon thread; anything else is 404.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from typing import Callable, Iterator, Optional, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from ems.store import KvStore
+from ems.value_format import Buffer, is_well_formed
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: KvStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator:
+        stats = self.store.stats()
+        yield GaugeMetricFamily("ems_pool_held_bytes", "Bytes of values held (keys included)", value=stats.used_bytes)
+        yield GaugeMetricFamily("ems_pool_values", "Values held", value=stats.entries)
+        yield GaugeMetricFamily("ems_pool_capacity_bytes", "Bytes this node may hold", value=stats.capacity_bytes)
+        yield CounterMetricFamily("ems_pool_evictions", "Values evicted to make room", value=stats.evictions)
+        yield CounterMetricFamily("ems_pool_get_hits", "Keys found by GET", value=stats.hits)
+        yield CounterMetricFamily("ems_pool_get_misses", "Keys not found by GET", value=stats.misses)
+        yield CounterMetricFamily("ems_pool_puts", "Values stored", value=stats.puts)
+        yield CounterMetricFamily(
+            "ems_pool_rejected_puts", "Values refused (damaged, or larger than the capacity)", value=stats.rejected_puts
+        )
+
+
+class NodeMetrics:
+    """Counters of one pool node; see the module docstring."""
+
+    def __init__(self, store: KvStore) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ems_pool_requests", "Requests served", ["op", "status"], registry=r)
+        self.request_bytes = Counter("ems_pool_request_bytes", "Value bytes received or sent", ["op"], registry=r)
+        self.latency = Histogram(
+            "ems_pool_request_seconds", "Time to serve one request", ["op"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.auth_failures = Counter("ems_pool_auth_failures", "Clients refused at the handshake", registry=r)
+        self.checksum_failures = Counter("ems_pool_checksum_failures", "PUT values refused as damaged", registry=r)
+        self.connections = Gauge("ems_pool_connections", "Client connections open now", registry=r)
+        self.connections_opened = Counter("ems_pool_connections_opened", "Client connections accepted", registry=r)
+        self.registry.register(_StoreCollector(store))
+
+    def request(self, op: str, ok: bool, seconds: float, nbytes: int = 0) -> None:
+        """Count one request (called once per request)."""
+        self.requests.labels(op, "ok" if ok else "error").inc()
+        self.latency.labels(op).observe(seconds)
+        if nbytes:
+            self.request_bytes.labels(op).inc(nbytes)
+
+    def count_damaged(self, values: Sequence[Buffer], stored: Sequence[bool]) -> None:
+        """Count the refused PUT values that are damaged (called only when a PUT had refusals: rare)."""
+        damaged = sum(1 for v, ok in zip(values, stored) if not ok and not is_well_formed(v))
+        if damaged:
+            self.checksum_failures.inc(damaged)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """`/metrics` and `/healthz` over HTTP; see the module docstring."""
+
+    def __init__(self, host: str, port: int, metrics: NodeMetrics, healthy: Callable[[], bool]) -> None:
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server name
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._reply(200, owner.metrics.exposition(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok = owner.healthy()
+                    self._reply(200 if ok else 503, b"ok\n" if ok else b"draining\n", "text/plain")
+                else:
+                    self._reply(404, b"not found\n", "text/plain")
+
+            def _reply(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet: no per-scrape logs
+                pass
+
+        self.metrics = metrics
+        self.healthy = healthy
+        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.address = f"{host}:{self._httpd.server_address[1]}"
+        self._thread: Optional[threading.Thread] = threading.Thread(
+            target=self._httpd.serve_forever, name="ems-pool-metrics", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,170 @@
+"""`ems-pool status`: one line per pool node, from the nodes' own metrics.
+
+    ems-pool status --etcd http://HOST:2379 [--cluster NAME] [--interval 1.0] [--timeout 2.0]
+    ems-pool status --nodes METRICS_HOST:PORT[,METRICS_HOST:PORT...]
+
+Contract:
+* The node list comes from etcd membership (each node registers its `--metrics` address there) or from `--nodes`
+  (their metrics endpoints). Each node's `/metrics` is read twice, `--interval` seconds apart, and parsed with
+  `prometheus_client`'s parser.
+* Prints a header and one line per node, sorted by address: `NODE STATE HELD/CAPACITY VALUES HIT-RATE REQ/S`.
+  STATE is `up`, `down` (its metrics did not answer) or `no-metrics` (registered without `--metrics`). HIT-RATE is
+  GET hits / (hits + misses) since the node started (`-` before its first GET); REQ/S is requests served per second
+  over the interval. Then a total line.
+* Exit status: 0 when every node is up, 1 when any is down or none is registered, 2 on bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import sys
+import time
+import urllib.request
+from typing import Optional, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclasses.dataclass
+class Sample:
+    """What one scrape says about a node."""
+
+    held_bytes: float = 0.0
+    capacity_bytes: float = 0.0
+    values: float = 0.0
+    hits: float = 0.0
+    misses: float = 0.0
+    requests: float = 0.0
+
+
+@dataclasses.dataclass
+class NodeStatus:
+    address: str
+    metrics: Optional[str]
+    state: str
+    sample: Optional[Sample] = None
+    requests_per_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        if self.sample is None or self.sample.hits + self.sample.misses == 0:
+            return None
+        return self.sample.hits / (self.sample.hits + self.sample.misses)
+
+
+def parse_metrics(text: str) -> Sample:
+    """The figures status needs from one `/metrics` exposition."""
+    sample = Sample()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "ems_pool_held_bytes":
+                sample.held_bytes = s.value
+            elif s.name == "ems_pool_capacity_bytes":
+                sample.capacity_bytes = s.value
+            elif s.name == "ems_pool_values":
+                sample.values = s.value
+            elif s.name == "ems_pool_get_hits_total":
+                sample.hits = s.value
+            elif s.name == "ems_pool_get_misses_total":
+                sample.misses = s.value
+            elif s.name == "ems_pool_requests_total":
+                sample.requests += s.value
+    return sample
+
+
+def scrape(metrics_address: str, timeout_s: float) -> Optional[Sample]:
+    """One node's sample, or None when its endpoint does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=timeout_s) as response:
+            return parse_metrics(response.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def collect(nodes: dict[str, Optional[str]], interval_s: float, timeout_s: float) -> list[NodeStatus]:
+    """Scrape every node (address → metrics address) twice, `interval_s` apart, all nodes in parallel."""
+    addresses = sorted(nodes)
+    with_metrics = [a for a in addresses if nodes[a]]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(with_metrics)))) as pool:
+        first = dict(zip(with_metrics, pool.map(lambda a: scrape(nodes[a], timeout_s), with_metrics)))
+        t0 = time.monotonic()
+        if interval_s > 0:
+            time.sleep(interval_s)
+        second = dict(zip(with_metrics, pool.map(lambda a: scrape(nodes[a], timeout_s), with_metrics)))
+        elapsed = max(time.monotonic() - t0, 1e-9)
+    out = []
+    for address in addresses:
+        if not nodes[address]:
+            out.append(NodeStatus(address, None, "no-metrics"))
+            continue
+        a, b = first.get(address), second.get(address)
+        if b is None:
+            out.append(NodeStatus(address, nodes[address], "down"))
+            continue
+        rate = (b.requests - a.requests) / elapsed if a is not None and interval_s > 0 else 0.0
+        out.append(NodeStatus(address, nodes[address], "up", b, max(rate, 0.0)))
+    return out
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def render(statuses: Sequence[NodeStatus]) -> str:
+    rows = [("NODE", "STATE", "HELD/CAPACITY", "VALUES", "HIT-RATE", "REQ/S")]
+    held = capacity = values = rps = 0.0
+    for st in statuses:
+        if st.sample is None:
+            rows.append((st.address, st.state, "-", "-", "-", "-"))
+            continue
+        s = st.sample
+        held, capacity, values, rps = held + s.held_bytes, capacity + s.capacity_bytes, values + s.values, rps + st.requests_per_s
+        hit = "-" if st.hit_rate is None else f"{100 * st.hit_rate:.1f}%"
+        rows.append((st.address, st.state, f"{_size(s.held_bytes)}/{_size(s.capacity_bytes)}", f"{s.values:.0f}", hit,
+                     f"{st.requests_per_s:.1f}"))
+    up = sum(st.state == "up" for st in statuses)
+    rows.append((f"total: {up}/{len(statuses)} up", "", f"{_size(held)}/{_size(capacity)}", f"{values:.0f}", "",
+                 f"{rps:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ems-pool status", description="One line per pool node, from its metrics.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--etcd", help="etcd endpoint http://HOST:PORT the nodes register in")
+    source.add_argument("--nodes", help="comma-separated METRICS_HOST:PORT of each node")
+    parser.add_argument("--cluster", default="default", help="the cluster's name in etcd")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between the two scrapes (req/s)")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for etcd and for each node")
+    args = parser.parse_args(argv)
+    if args.interval < 0 or args.timeout <= 0:
+        parser.error("--interval must be >= 0 and --timeout > 0")
+    if args.etcd:
+        from ems.transport.etcd import EtcdClient, EtcdError
+        from ems.transport.membership import read_members
+
+        try:
+            members, _ = read_members(EtcdClient(args.etcd, timeout_s=args.timeout), args.cluster)
+        except (EtcdError, ValueError) as error:
+            print(f"ems-pool status: {error}", file=sys.stderr)
+            return 1
+        nodes = {address: info.metrics for address, info in members.items()}
+    else:
+        nodes = {n.strip(): n.strip() for n in args.nodes.split(",") if n.strip()}
+    if not nodes:
+        print(f"ems-pool status: no nodes registered in cluster {args.cluster!r}", file=sys.stderr)
+        return 1
+    statuses = collect(nodes, args.interval, args.timeout)
+    print(render(statuses), flush=True)
+    return 0 if all(st.state == "up" for st in statuses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
