@@ -111,9 +111,9 @@ def collect(nodes: dict[str, Optional[str]], interval_s: float, timeout_s: float
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f}TiB"
 
 
 def render(statuses: Sequence[NodeStatus]) -> str:
