@@ -13,6 +13,7 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Iterator, Optional, Sequence
 
@@ -40,7 +41,7 @@ class CcMetrics:
             v[f"{op}_bytes"] += nbytes
             if len(marks) > 1:
                 v[f"{op}_seconds"] += marks[-1][1] - marks[0][1]
-            for (_, before), (stage, at) in zip(marks, marks[1:]):
+            for (_, before), (stage, at) in itertools.pairwise(marks):
                 key = f"{op}_stage_{stage}_seconds"
                 v[key] = v.get(key, 0.0) + (at - before)
 

@@ -19,7 +19,13 @@ import http.server
 import threading
 from typing import Callable, Iterator, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -89,7 +95,7 @@ class MetricsServer:
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server name
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     self._reply(200, owner.metrics.exposition(), CONTENT_TYPE_LATEST)
@@ -106,7 +112,7 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet: no per-scrape logs
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self.metrics = metrics

@@ -12,6 +12,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from ems.transport.inprocess import InProcessNode
+from ems.transport.routing import node_seeds, ranked_owners
 from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors
 from fault_injection import FaultyNode
 
@@ -20,8 +22,6 @@ from ems.config import resolve_settings
 from ems.keys import v1_keys
 from ems.pool_client import PoolClient
 from ems.store import KvStore
-from ems.transport.inprocess import InProcessNode
-from ems.transport.routing import node_seeds, ranked_owners
 
 BS = 4
 
@@ -175,7 +175,7 @@ def test_empty_member_set_fails_calls_cleanly():
 
 
 def test_metrics_count_calls_blocks_and_bytes():
-    nodes, pool, cc = _cluster(2, 1)
+    _, pool, cc = _cluster(2, 1)
     try:
         cache = make_cache(layers=2, blocks=4, block_size=BS, heads=2, head_size=8)
         cc.register_kvcache(cache)

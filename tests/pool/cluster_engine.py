@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
 
-from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException  # noqa: E402
-from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors  # noqa: E402
+from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException
 
 BS, BLOCKS = 4, 64
 OPTION = CcKvOption(timeout=3000)

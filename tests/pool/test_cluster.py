@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from cluster_testlib import ClusterNode, Engine, etcd  # noqa: F401 - the fixture
+from cluster_testlib import ClusterNode, Engine
 
 pytestmark = pytest.mark.slow
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
@@ -35,7 +35,7 @@ def _value(samples: dict, name: str, **labels) -> float:
 
 def _status(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ems.pool", "status", *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, check=False)
 
 
 def _wait(predicate, timeout_s: float) -> bool:
@@ -47,7 +47,7 @@ def _wait(predicate, timeout_s: float) -> bool:
     return True
 
 
-def test_grow_kill_drain_and_etcd_restart(etcd):  # noqa: F811 - the fixture
+def test_grow_kill_drain_and_etcd_restart(etcd):
     cluster = "scenario"
     nodes = [ClusterNode(etcd.url, cluster) for _ in range(3)]
     engines: list[Engine] = []
@@ -149,9 +149,8 @@ def test_grow_kill_drain_and_etcd_restart(etcd):  # noqa: F811 - the fixture
             etcd.start()  # leave the module's etcd running for later tests
 
 
-def test_node_exits_1_when_etcd_is_unreachable_and_status_reports_it(etcd):  # noqa: F811 - the fixture
+def test_node_exits_1_when_etcd_is_unreachable_and_status_reports_it(etcd):
     from cluster_testlib import free_port
-
     from pool_testlib import PoolProcess
 
     with pytest.raises(RuntimeError, match="did not start"):
