@@ -6,9 +6,14 @@ import threading
 import time
 
 import pytest
-
 from ems.transport.etcd import EtcdClient, EtcdError, WatchHandle, parse_url, prefix_end
-from ems.transport.membership import MembershipWatcher, NodeInfo, Registration, read_members, wait_for
+from ems.transport.membership import (
+    MembershipWatcher,
+    NodeInfo,
+    Registration,
+    read_members,
+    wait_for,
+)
 
 
 def test_prefix_end_and_url():
