@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ems.store import KvStore
+
+if TYPE_CHECKING:
+    from ems.pool.metrics import MetricsServer, NodeMetrics
+    from ems.transport.membership import Registration
 
 log = logging.getLogger("ems.pool")
 
@@ -66,13 +70,13 @@ class NodeExtras:
 
     def __init__(self, store: KvStore, args: argparse.Namespace) -> None:
         self.args = args
-        self.metrics = None
+        self.metrics: Optional[NodeMetrics] = None
         if args.metrics is not None:
             from ems.pool.metrics import NodeMetrics
 
             self.metrics = NodeMetrics(store)
-        self._server = None
-        self._registration = None
+        self._server: Optional[MetricsServer] = None
+        self._registration: Optional[Registration] = None
         self.draining = False
 
     def start(self, address: str) -> None:

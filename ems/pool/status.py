@@ -86,13 +86,14 @@ def scrape(metrics_address: str, timeout_s: float) -> Optional[Sample]:
 def collect(nodes: dict[str, Optional[str]], interval_s: float, timeout_s: float) -> list[NodeStatus]:
     """Scrape every node (address → metrics address) twice, `interval_s` apart, all nodes in parallel."""
     addresses = sorted(nodes)
-    with_metrics = [a for a in addresses if nodes[a]]
+    targets = {a: m for a, m in nodes.items() if m}
+    with_metrics = sorted(targets)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(with_metrics)))) as pool:
-        first = dict(zip(with_metrics, pool.map(lambda a: scrape(nodes[a], timeout_s), with_metrics)))
+        first = dict(zip(with_metrics, pool.map(lambda a: scrape(targets[a], timeout_s), with_metrics)))
         t0 = time.monotonic()
         if interval_s > 0:
             time.sleep(interval_s)
-        second = dict(zip(with_metrics, pool.map(lambda a: scrape(nodes[a], timeout_s), with_metrics)))
+        second = dict(zip(with_metrics, pool.map(lambda a: scrape(targets[a], timeout_s), with_metrics)))
         elapsed = max(time.monotonic() - t0, 1e-9)
     out = []
     for address in addresses:
