@@ -12,6 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 from cluster_testlib import ClusterNode, Engine
@@ -36,6 +38,16 @@ def _value(samples: dict, name: str, **labels) -> float:
 def _status(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ems.pool", "status", *args], capture_output=True, text=True,
                           timeout=60, check=False)
+
+
+def _healthz(node: ClusterNode) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{node.metrics_address}/healthz", timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0
 
 
 def _wait(predicate, timeout_s: float) -> bool:
@@ -116,7 +128,9 @@ def test_grow_kill_drain_and_etcd_restart(etcd):
         e2.send(op="traffic", seconds=3.0, blocks=list(range(12)))
         time.sleep(1.0)
         drained = nodes[1]
-        assert drained.terminate(timeout_s=20) == 0
+        drained.proc.terminate()
+        assert _wait(lambda: _healthz(drained) == 503, 5)  # deregistered, still serving for --drain seconds
+        assert drained.proc.wait(20) == 0
         traffic = e2.reply(60)
         assert traffic["calls"] > 0 and traffic["errors"] == 0 and traffic["wrong"] == 0, traffic
         live.discard(drained.address)
