@@ -351,7 +351,9 @@ def _cluster_settings(config: EmsConfig) -> dict:
         try:
             parse_url(etcd if isinstance(etcd, str) else "")
         except ValueError:
-            raise invalid_argument(f"pool_etcd must be an etcd endpoint like 'http://127.0.0.1:2379', got {etcd!r}")
+            raise invalid_argument(
+                f"pool_etcd must be an etcd endpoint like 'http://127.0.0.1:2379', got {etcd!r}"
+            ) from None
     cluster = _setting(config.pool_cluster, "EMS_POOL_CLUSTER", "default")
     if not isinstance(cluster, str) or _CLUSTER_RE.fullmatch(cluster) is None:
         raise invalid_argument(f"pool_cluster must be 1-512 characters of [0-9a-z._-] (an etcd key part), got {cluster!r}")
