@@ -9,7 +9,8 @@ Contract:
 * Keys and values are bytes (base64 on the wire, as the gateway wants). Revisions and lease ids are ints.
 * Every unary call returns within `timeout_s` or raises `EtcdError` (unreachable, refused, malformed reply).
 * `watch_prefix` blocks, calling `on_events` for each batch, until the stream ends (etcd stopped, connection lost:
-  it raises `EtcdError`) or `stop()` is called on the returned handle from another thread (it returns).
+  it raises `EtcdError`), nothing arrives for `idle_s` seconds (`WatchIdle`: a half-open connection after a network
+  partition would otherwise wait forever), or `stop()` is called on the handle from another thread (it returns).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from typing import Callable, Optional
 
 class EtcdError(Exception):
     """etcd could not be reached, refused the call, or answered something unreadable."""
+
+
+class WatchIdle(EtcdError):
+    """A watch saw nothing for `idle_s` seconds (a quiet prefix, or a connection silently lost): watch again."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +179,7 @@ class EtcdClient:
         on_events: Callable[[list[WatchEvent]], None],
         handle: Optional[WatchHandle] = None,
         on_created: Optional[Callable[[], None]] = None,
+        idle_s: Optional[float] = None,
     ) -> None:
         """Stream changes under `prefix` from `start_revision` on; see the module docstring."""
         handle = handle or WatchHandle()
@@ -191,7 +197,7 @@ class EtcdClient:
             if response.status != 200:
                 raise EtcdError(f"etcd at {self.url} refused a watch (HTTP {response.status})")
             if conn.sock is not None:
-                conn.sock.settimeout(None)  # a watch waits for changes as long as it takes; stop() ends it
+                conn.sock.settimeout(idle_s)  # a watch waits for changes up to idle_s; stop() ends it at once
             handle._attach(conn)
             while True:
                 line = response.readline()
@@ -225,6 +231,8 @@ class EtcdClient:
         except (OSError, http.client.HTTPException, ValueError) as error:
             if handle.stopped:
                 return
+            if isinstance(error, TimeoutError):
+                raise WatchIdle(f"etcd at {self.url}: nothing on the watch for {idle_s} s") from None
             raise EtcdError(f"etcd at {self.url}: watch lost: {error!r}") from None
         finally:
             conn.close()

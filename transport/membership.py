@@ -14,7 +14,8 @@ Contract:
   reached), then a thread watches the prefix and calls `on_change(members)` after every change, with the whole new
   set. If the watch breaks (etcd stopped, network lost) the watcher keeps the last set it saw, retries every
   `retry_s` seconds, and on reconnecting reads the whole set again (so changes made meanwhile are not lost).
-  `connected` says whether the watch is live now.
+  A watch quiet for `idle_s` seconds is re-established the same way (one range read), so a connection lost without
+  a reset cannot freeze the view. `connected` says whether the watch is live now.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ems.transport.etcd import EtcdClient, EtcdError, WatchEvent, WatchHandle
+from ems.transport.etcd import EtcdClient, EtcdError, WatchEvent, WatchHandle, WatchIdle
 
 log = logging.getLogger("ems.membership")
 
@@ -131,14 +132,18 @@ class MembershipWatcher:
         on_change: Callable[[dict[str, NodeInfo]], None],
         retry_s: float = 0.5,
         timeout_s: float = 2.0,
+        idle_s: float = 60.0,
     ) -> None:
         self.client = EtcdClient(url, timeout_s=timeout_s)
         self.cluster = cluster
         self.prefix = cluster_prefix(cluster)
         self.on_change = on_change
         self.retry_s = retry_s
+        self.idle_s = idle_s
         self.members: dict[str, NodeInfo] = {}
         self.connected = False
+        self.renewals = 0  # quiet watches renewed
+        self.disconnects = 0  # watches lost (etcd unreachable)
         self._revision = 0
         self._handle = WatchHandle()
         self._stopped = threading.Event()
@@ -194,12 +199,16 @@ class MembershipWatcher:
                     self._publish(members)
                     resync = False
                 self.client.watch_prefix(
-                    self.prefix, self._revision + 1, self._apply, self._handle, on_created=self._on_created
+                    self.prefix, self._revision + 1, self._apply, self._handle, self._on_created, self.idle_s
                 )
+            except WatchIdle:
+                resync = True  # quiet for idle_s: read the set again and watch anew (still connected)
+                self.renewals += 1
             except EtcdError as error:
                 if self.connected or not resync:
                     log.warning("pool membership: etcd unreachable, keeping the last %d node(s): %s",
                                 len(self.members), error)
+                    self.disconnects += 1
                 self.connected = False
                 resync = True
                 self._stopped.wait(self.retry_s)

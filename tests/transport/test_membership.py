@@ -89,3 +89,18 @@ def test_registration_watcher_and_resync_after_an_etcd_restart(etcd):
         a.deregister()
         if etcd.proc is None or etcd.proc.poll() is not None:
             etcd.start()
+
+
+def test_a_quiet_watch_is_renewed_and_still_sees_changes(etcd):
+    watcher = MembershipWatcher(etcd.url, "quiet", lambda m: None, retry_s=0.1, idle_s=0.3)
+    try:
+        assert watcher.start() == {}
+        time.sleep(1.0)  # three idle periods: the watch is renewed, the view stays connected
+        assert watcher.connected and watcher.renewals >= 2 and watcher.disconnects == 0
+        node = Registration(etcd.url, "quiet", NodeInfo("10.0.0.3:1"), ttl_s=2)
+        node.start()
+        assert wait_for(lambda: set(watcher.members) == {"10.0.0.3:1"}, 5)
+        node.deregister()
+        assert wait_for(lambda: watcher.members == {}, 5)
+    finally:
+        watcher.close()
