@@ -116,10 +116,14 @@ class Engine:
         self.proc.stdin.flush()
 
     def reply(self, timeout_s: float = 60) -> dict:
-        line = read_line(self.proc, timeout_s)
-        if not line:
-            raise RuntimeError(f"engine gave no answer; stderr: {self._stderr()}")
-        return json.loads(line)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = read_line(self.proc, max(0.0, deadline - time.monotonic()))
+            if not line:
+                raise RuntimeError(f"engine gave no answer; stderr: {self._stderr()}")
+            if line.startswith("{"):
+                return json.loads(line)
+            # anything else is a library writing to stdout (UCXX logs endpoint errors there): not a reply
 
     def call(self, timeout_s: float = 60, **command) -> dict:
         self.send(**command)

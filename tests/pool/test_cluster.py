@@ -183,4 +183,4 @@ def test_engine_init_fails_clearly_without_etcd(clean_ems):
     with pytest.raises(EmsException) as info:
         Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"),
                            pool_etcd=f"http://127.0.0.1:{free_port()}", connect_timeout_ms=500))
-    assert info.value.status_code() == EmsErrorCode.EMS_IO_ERROR and "pool_etcd" in info.value.message()
+    assert info.value.status_code() == EmsErrorCode.EMS_RECOVERD_ERROR and "pool_etcd" in info.value.message()
