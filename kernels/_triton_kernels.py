@@ -94,3 +94,72 @@ def segments_kernel(
                 x = tl.load(stage_ptr + staged + cols, mask=mask)
                 tl.store(stage_ptr + raw + cols, x, mask=mask)
 
+
+
+@triton.jit(do_not_specialize=["n_pieces", "n_planes", "block_size"])
+def pieces_kernel(
+    cache_ptr,  # intW: the lowest-addressed plane; plane p starts plane_table[0, p] units after it
+    stage_ptr,  # intW: value-major staging (plane-major inside a value's part)
+    plane_table_ptr,  # int64 [5, P]: offset from cache_ptr, block stride, slot stride, row units, token offset
+    pieces_ptr,  # int64 [5, N]: start slot, row count, part base (units), value tokens, index in value
+    n_pieces,
+    n_planes,
+    block_size,
+    GATHER: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    SPAN: tl.constexpr,  # a contiguous run's tile: ROWS * COLS elements along the run
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rr = tl.arange(0, ROWS)
+    cc = tl.arange(0, COLS)
+    ss = tl.arange(0, SPAN)
+    for i in range(pid, n_pieces, nprog):
+        start = tl.load(pieces_ptr + i)
+        count = tl.load(pieces_ptr + n_pieces + i).to(tl.int32)
+        base = tl.load(pieces_ptr + 2 * n_pieces + i)
+        tokens = tl.load(pieces_ptr + 3 * n_pieces + i)
+        index = tl.load(pieces_ptr + 4 * n_pieces + i)
+        blk = start // block_size
+        off = start - blk * block_size
+        for p in range(0, n_planes):
+            slot_stride = tl.load(plane_table_ptr + 2 * n_planes + p)
+            row_units64 = tl.load(plane_table_ptr + 3 * n_planes + p)
+            row_units = row_units64.to(tl.int32)  # per plane: MLA split K/V
+            cache_row = (
+                tl.load(plane_table_ptr + p)
+                + blk * tl.load(plane_table_ptr + n_planes + p)
+                + off * slot_stride
+            )
+            # plane-major inside the value: this plane's rows of the value are one run, this piece a slice of it
+            stage_row = base + tokens * tl.load(plane_table_ptr + 4 * n_planes + p) + index * row_units64
+            if slot_stride == row_units64:
+                # rows contiguous in the cache too: the piece is ONE span on both sides, tiled along its length
+                span = count * row_units  # host checked block_size * row units < 2**31
+                for c0 in range(0, span, SPAN):
+                    at = c0 + ss
+                    mask = at < span
+                    if GATHER:
+                        x = tl.load(cache_ptr + cache_row + at, mask=mask)
+                        tl.store(stage_ptr + stage_row + at, x, mask=mask)
+                    else:
+                        x = tl.load(stage_ptr + stage_row + at, mask=mask)
+                        tl.store(cache_ptr + cache_row + at, x, mask=mask)
+            else:
+                slot_stride32 = slot_stride.to(tl.int32)  # host checked ROWS * slot_stride < 2**31
+                for r0 in range(0, count, ROWS):
+                    row_ok = (r0 + rr) < count
+                    for c0 in range(0, row_units, COLS):
+                        cols = c0 + cc
+                        mask = row_ok[:, None] & (cols < row_units)[None, :]
+                        cache_off = rr[:, None] * slot_stride32 + cols[None, :]
+                        stage_off = rr[:, None] * row_units + cols[None, :]
+                        if GATHER:
+                            x = tl.load(cache_ptr + cache_row + cache_off, mask=mask)
+                            tl.store(stage_ptr + stage_row + stage_off, x, mask=mask)
+                        else:
+                            x = tl.load(stage_ptr + stage_row + stage_off, mask=mask)
+                            tl.store(cache_ptr + cache_row + cache_off, x, mask=mask)
+                    cache_row += ROWS * slot_stride
+                    stage_row += ROWS * row_units64

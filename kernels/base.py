@@ -16,6 +16,14 @@ part); when they all match, the region is exactly the typed array `[tokens, plan
 Staging arguments (`out`, `src`) are contiguous tensors of any dtype holding exactly `tokens * token_bytes` bytes
 (typically uint8 `[tokens, token_bytes]`, or `[tokens, planes, row_elems]` of the planes' dtype when uniform).
 
+Value-major staging (`gather_pieces` / `scatter_pieces`, what V1 plans use since value format 3): the staging
+buffer holds whole stored values; inside one value's part of a group, plane p's rows of that value's `n` tokens are
+one contiguous run at `base + n * plane_offsets[p]` (plane-major: `[planes][tokens][row]`). A *piece* is a run of
+consecutive slots inside one cache block and one value: int64 row `(start_slot, count, base, value_tokens,
+index_in_value)`, its plane-p rows at `base + value_tokens * plane_offsets[p] + (index_in_value + k) * row_bytes[p]`.
+Where a plane's rows are contiguous in the cache (`slot_stride == row_elems`), a piece of that plane is ONE span of
+`count * row_bytes` bytes on both sides: backends move it as a span, not row by row.
+
 Rules every backend keeps:
 * A gather writes every element of `out`; a scatter writes exactly the rows it names and nothing else.
 * Plan arrays (`slots`, `starts`, `lengths`, `ptrs`, segment `lengths`) arrive as int64 CPU tensors, already
@@ -30,6 +38,7 @@ import enum
 from dataclasses import dataclass
 from typing import Tuple
 
+import numpy as np
 import torch
 
 from ems.kernels.plan import runs_to_slots
@@ -226,8 +235,45 @@ class CopyBackend(abc.ABC):
     def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
         """The inverse of `gather_segments`: bytes at ptrs[i] = src[sum(lengths[:i]) : ... + lengths[i]]."""
 
+    @abc.abstractmethod
+    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        """gather: plane rows of every piece into value-major staging; otherwise the inverse (see the docstring)."""
+
+    def gather_pieces(self, planes: PlaneSet, pieces: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy every piece (int64 `[5, N]` CPU: start slot, count, base, value tokens, index in value) of every
+        plane into value-major staging `out` (contiguous, any dtype); bytes no piece names are left unchanged."""
+        self._pieces(planes, pieces, out, gather=True)
+
+    def scatter_pieces(self, planes: PlaneSet, pieces: torch.Tensor, src: torch.Tensor) -> None:
+        """The inverse of `gather_pieces`: writes exactly the rows the pieces name, nothing else."""
+        self._pieces(planes, pieces, src, gather=False)
+
     def describe(self) -> str:
         return self.name
+
+
+def check_pieces(planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, what: str) -> tuple[np.ndarray, torch.Tensor]:
+    """Validate a piece table against the planes and the staging buffer; return it as int64 numpy `[5, N]` and the
+    staging as flat uint8. ValueError naming `what` on anything out of range (a bad piece is memory corruption)."""
+    if stage.device != planes.device or not stage.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous tensor on {planes.device}")
+    flat = stage.reshape(-1).view(torch.uint8)
+    table = pieces.detach().to("cpu", torch.int64).numpy()
+    if table.ndim != 2 or table.shape[0] != 5:
+        raise ValueError(f"pieces must be int64 [5, N], got {tuple(table.shape)}")
+    if table.shape[1] == 0:
+        return table, flat
+    start, count, base, tokens, index = table
+    bs = planes.block_size
+    if int(count.min()) < 1 or int(start.min()) < 0 or int((start + count).max()) > planes.num_slots:
+        raise ValueError(f"piece slots out of range [0, {planes.num_slots})")
+    if int(((start % bs) + count).max()) > bs:
+        raise ValueError("a piece must stay inside one cache block")
+    if int(index.min()) < 0 or int((index + count - tokens).max()) > 0 or int(base.min()) < 0:
+        raise ValueError("a piece must stay inside its value")
+    if int((base + tokens * planes.token_bytes).max()) > flat.numel():
+        raise ValueError(f"pieces reach past the end of {what} ({flat.numel()} bytes)")
+    return table, flat
 
 
 class DirectionalCopyBackend(CopyBackend):

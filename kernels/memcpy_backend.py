@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ems.kernels.base import DirectionalCopyBackend, PlaneSet
+from ems.kernels.base import DirectionalCopyBackend, PlaneSet, check_pieces
 from ems.kernels.plan import check_slots, slots_to_pieces
 from ems.kernels.raw_memory import raw_tensor
 from ems.kernels.torch_backend import plane_rows
@@ -51,6 +51,25 @@ class MemcpyBackend(DirectionalCopyBackend):
                         else:
                             rows[blk, off + k].copy_(columns[p][first + k])
                     self.ops_issued += count
+
+    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")
+        views = [plane_rows(planes, p).view(torch.uint8) for p in range(planes.num_planes)]  # [blocks, bs, row_bytes]
+        contiguous = [s == r for s, r in zip(planes.slot_strides, planes.plane_row_elems)]
+        bs = planes.block_size
+        # one Python iteration per (piece, plane) — deliberately: this path models per-block copies
+        for start, count, base, tokens, index in table.T.tolist():
+            blk, off = divmod(start, bs)
+            for p, rows in enumerate(views):
+                row = planes.plane_row_bytes[p]
+                at = base + tokens * planes.plane_offsets[p] + index * row
+                staged = flat[at : at + count * row].view(count, row)
+                cache = rows[blk, off : off + count]
+                if gather:
+                    staged.copy_(cache)
+                else:
+                    cache.copy_(staged)
+                self.ops_issued += 1 if contiguous[p] else count
 
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
         if int(lengths.sum()) != stage.numel() or stage.dtype != torch.uint8:

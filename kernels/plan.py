@@ -75,3 +75,29 @@ def split_segments(
     pos = k * chunk
     length = np.minimum(lengths[seg] - pos, chunk)
     return offsets[seg] + pos, length.astype(np.int64), dst_first[seg] + pos
+
+
+def value_pieces(slots: np.ndarray, block_size: int, tok_start: np.ndarray, part_base: np.ndarray
+                 ) -> Tuple[np.ndarray, np.ndarray]:
+    """The pieces of value-major staging (see base.py): runs of consecutive slots inside one cache block AND one value.
+
+    slots: int64 `[T]`, the tokens of every value in order; tok_start: int64 `[n + 1]`, value i's tokens are
+    `tok_start[i] .. tok_start[i + 1] - 1`; part_base: int64 `[n]`, where value i's part starts in staging (bytes).
+    Returns (table int64 `[5, N]`: start slot, count, base, value tokens, index in value; value of each piece `[N]`).
+    Whole-block values give one piece per (value, block); vectorised, no per-token Python.
+    """
+    s = np.asarray(slots, dtype=np.int64).reshape(-1)
+    bounds = np.asarray(tok_start, dtype=np.int64)
+    if s.size == 0:
+        return np.zeros((5, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    new = np.empty(s.size, dtype=bool)
+    new[0] = True
+    new[1:] = (s[1:] != s[:-1] + 1) | (s[1:] % block_size == 0)
+    new[bounds[1:-1][bounds[1:-1] < s.size]] = True  # a value starts a piece (empty values start none)
+    first = np.flatnonzero(new).astype(np.int64)
+    counts = np.diff(np.append(first, s.size)).astype(np.int64)
+    value = np.searchsorted(bounds, first, side="right").astype(np.int64) - 1
+    value_tokens = np.diff(bounds)[value]
+    table = np.stack([s[first], counts, np.asarray(part_base, dtype=np.int64)[value], value_tokens,
+                      first - bounds[value]])
+    return table, value

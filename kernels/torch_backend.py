@@ -30,12 +30,12 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PlaneSet
+from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
 from ems.kernels.plan import runs_to_slots
 from ems.kernels.raw_memory import raw_tensor
 
@@ -139,6 +139,114 @@ def _stage_columns(planes: PlaneSet, stage_bytes: torch.Tensor, p: int, width: i
     return stage_bytes[:, off : off + planes.plane_row_bytes[p]].view(_INT_OF_WIDTH[width])
 
 
+def single_row_pieces(table: np.ndarray) -> np.ndarray:
+    """Pieces cut into one-token pieces (for planes whose rows are strided inside a block): vectorised."""
+    start, count, base, tokens, index = table
+    piece = np.repeat(np.arange(count.size), count)
+    step = np.arange(piece.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    return np.stack([start[piece] + step, np.ones(piece.size, np.int64), base[piece], tokens[piece], index[piece] + step])
+
+
+def _gcd(values: np.ndarray, also: int = 0) -> int:
+    return int(np.gcd.reduce(np.append(values, also).astype(np.int64)))
+
+
+def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_units: int, dtype: torch.dtype
+                ) -> torch.Tensor:
+    """`rows` rows of `row_units` ints at `first` bytes + k * step_units of the flat uint8 buffer (a strided view)."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    end = first + ((rows - 1) * step_units + row_units) * width
+    return flat[first:end].view(dtype).as_strided((rows, row_units), (step_units, 1))
+
+
+class _SpanMover:
+    """Moves M spans of L bytes between a source table (a strided row view of the cache) and staging, in one op
+    (the staging spans at a constant step: a strided view) or two (any other staging offsets: through a temporary)."""
+
+    @staticmethod
+    def move(source_rows: Callable[[int, int], torch.Tensor], src_off: np.ndarray, flat: torch.Tensor,
+             dst_off: np.ndarray, length: int, base_addr: int, gather: bool) -> int:
+        """source_rows(width, g) -> the cache table (ints of `width`, rows `length` bytes at a stride of g bytes);
+        src_off: byte offsets of the spans from the table's first byte; dst_off: byte offsets in `flat`.
+        Returns the number of ops issued."""
+        g = _gcd(src_off) or length
+        width = _widest([g, length, base_addr, int(flat.data_ptr()), _gcd(dst_off)])
+        dtype = _INT_OF_WIDTH[width]
+        table = source_rows(width, g)
+        idx = torch.from_numpy(src_off // g).to(flat.device, non_blocking=True)
+        units = length // width
+        m = dst_off.size
+        step = int(dst_off[1] - dst_off[0]) if m > 1 else length
+        if step >= length and (m <= 2 or bool(np.all(np.diff(dst_off) == step))):
+            staged = _spans_view(flat, int(dst_off[0]), m, units, step // width, dtype)
+            if gather:
+                torch.index_select(table, 0, idx, out=staged)
+            else:
+                table.index_copy_(0, idx, staged)
+            return 1
+        gd = _gcd(dst_off) or length
+        rows = int(dst_off.max()) // gd + 1
+        dst_table = _spans_view(flat, 0, rows, units, gd // width, dtype)
+        dst_idx = torch.from_numpy(dst_off // gd).to(flat.device, non_blocking=True)
+        if gather:
+            dst_table.index_copy_(0, dst_idx, table.index_select(0, idx))
+        else:
+            table.index_copy_(0, idx, dst_table.index_select(0, dst_idx))
+        return 2
+
+
+def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int:
+    """The torch path of `CopyBackend.gather_pieces` / `scatter_pieces` (table and flat already checked): each
+    (piece, plane) is one span where the plane's rows are contiguous in a block; every piece of one length of every
+    plane moves in one op when the planes share one row size and one address span (CPU), else one op per plane.
+    Returns the number of ops issued."""
+    row_bytes = planes.plane_row_bytes
+    if any(s != r for s, r in zip(planes.slot_stride_bytes, row_bytes)):
+        table = single_row_pieces(table)
+    start, count, base, tokens, index = table
+    bs = planes.block_size
+    blocks, within = start // bs, start % bs
+    addrs = np.array([int(p.data_ptr()) for p in planes.planes], dtype=np.int64)
+    bstr, sstr = np.array(planes.block_stride_bytes, np.int64), np.array(planes.slot_stride_bytes, np.int64)
+    poffs, rbytes = np.array(planes.plane_offsets, np.int64), np.array(row_bytes, np.int64)
+    lengths = np.unique(count)
+    one_span = planes.device.type == "cpu" and len(set(row_bytes)) == 1
+    lo = int(addrs.min())
+    if one_span:
+        hi = int((addrs + (planes.num_blocks - 1) * bstr + (bs - 1) * sstr + rbytes).max())
+        one_span = hi - lo <= _MAX_SPAN
+    ops = 0
+    for c in lengths.tolist():
+        sel = slice(None) if lengths.size == 1 else (count == c)
+        b, w = blocks[sel], within[sel]
+        if one_span:
+            src = (addrs - lo)[None, :] + b[:, None] * bstr[None, :] + w[:, None] * sstr[None, :]
+            dst = (base[sel][:, None] + tokens[sel][:, None] * poffs[None, :] + index[sel][:, None] * rbytes[None, :])
+            length = c * int(rbytes[0])
+            span = hi - lo
+
+            def rows_of(width: int, g: int, length: int = length, span: int = span) -> torch.Tensor:
+                n = (span - length) // g + 1
+                return raw_tensor(lo, span, planes.device).view(_INT_OF_WIDTH[width]).as_strided(
+                    (n, length // width), (g // width, 1))
+
+            ops += _SpanMover.move(rows_of, src.reshape(-1), flat, dst.reshape(-1), length, lo, gather)
+            continue
+        for p in range(planes.num_planes):
+            length = c * int(rbytes[p])
+            src = b * bstr[p] + w * sstr[p]
+            dst = base[sel] + tokens[sel] * poffs[p] + index[sel] * rbytes[p]
+
+            def rows_of(width: int, g: int, p: int = p, length: int = length) -> torch.Tensor:
+                plane = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
+                span = (planes.num_blocks - 1) * planes.block_stride_bytes[p] + (bs - 1) * planes.slot_stride_bytes[p]
+                span += int(rbytes[p])
+                return plane.as_strided(((span - length) // g + 1, length // width), (g // width, 1))
+
+            ops += _SpanMover.move(rows_of, src, flat, dst, length, int(addrs[p]), gather)
+    return ops
+
+
 class TorchBackend(CopyBackend):
     name = "torch"
 
@@ -201,6 +309,11 @@ class TorchBackend(CopyBackend):
         self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
     ) -> None:
         self.scatter_slots(planes, runs_to_slots(starts, lengths), src)
+
+    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")
+        if table.shape[1]:
+            self.ops_issued += move_pieces(planes, table, flat, gather)
 
     def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
         position = 0

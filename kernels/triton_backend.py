@@ -58,7 +58,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ems.kernels.base import DirectionalCopyBackend, PlaneSet
+from ems.kernels.base import DirectionalCopyBackend, PlaneSet, check_pieces
 from ems.kernels.plan import check_slots, slots_to_pieces, split_segments
 from ems.kernels.torch_backend import TorchBackend
 
@@ -82,7 +82,8 @@ def _build() -> Dict[str, Any]:
     """Define the kernels (first use only). Returns {"rows": jit fn, "segments": jit fn, "interpreted": bool}."""
     from ems.kernels import _triton_kernels as k
 
-    return {"rows": k.rows_kernel, "segments": k.segments_kernel, "interpreted": interpreter_active()}
+    return {"rows": k.rows_kernel, "pieces": k.pieces_kernel, "segments": k.segments_kernel,
+            "interpreted": interpreter_active()}
 
 
 def kernels_interpreted() -> Optional[bool]:
@@ -171,11 +172,12 @@ class TritonBackend(DirectionalCopyBackend):
         if t.device.type != self.device.type:
             raise ValueError(f"tensor on {t.device}, backend serves {self.device.type}")
 
-    def _planes(self, planes: PlaneSet, stage: torch.Tensor) -> _PlaneInfo:
+    def _planes(self, planes: PlaneSet, stage: torch.Tensor, extra: Tuple[int, ...] = ()) -> _PlaneInfo:
+        """`extra`: further byte quantities the move width must divide (value-major part bases)."""
         ptrs = tuple(int(p.data_ptr()) for p in planes.planes)
         bstr, sstr = planes.block_stride_bytes, planes.slot_stride_bytes
         rbytes, soffs = planes.plane_row_bytes, planes.plane_offsets
-        width, wdtype = move_width(ptrs + (int(stage.data_ptr()),), rbytes + soffs + bstr + sstr)
+        width, wdtype = move_width(ptrs + (int(stage.data_ptr()),), rbytes + soffs + bstr + sstr + extra)
         for p in planes.planes:
             if (p.shape[3] > 1 and p.stride(3) != 1) or (p.shape[2] > 1 and p.stride(2) != p.shape[3]):
                 raise ValueError("each token row (heads * head_size) must be contiguous")
@@ -254,6 +256,41 @@ class TritonBackend(DirectionalCopyBackend):
         except Exception as err:  # noqa: BLE001 - compile/launch failure: validated inputs, nothing written yet
             fb = self._fail(err)
             (fb.gather_slots if gather else fb.scatter_slots)(planes, slots, stage)
+            return
+        self.ops_issued += 1
+
+    # ---------------------------------------------------------------- pieces (value-major staging)
+    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+        what = "out" if gather else "src"
+        self._check_device(stage)
+        self._check_device(planes.planes[0])
+        table, flat = check_pieces(planes, pieces, stage, what)
+        if self._fallback is not None:
+            fb = self._fallback
+            (fb.gather_pieces if gather else fb.scatter_pieces)(planes, pieces, stage)
+            return
+        if table.shape[1] == 0:
+            return
+        info = self._planes(planes, stage, (int(np.gcd.reduce(table[2])),))
+        width = info.width
+        r = info.max_row_units
+        cols = min(_next_pow2(r), self.tile_elems)
+        rows = max(1, min(self.tile_elems // cols, _next_pow2(planes.block_size)))
+        if planes.block_size * max(r, info.max_slot_stride) + max(rows, cols) > _INT32_MAX:
+            raise ValueError("a piece's offsets would overflow int32; rows this large are not supported")
+        units = table.copy()
+        units[2] //= width
+        uploaded = self._upload(units)
+        grid = (min(_program_count(self.device), int(units.shape[1])),)
+        try:
+            _build()["pieces"][grid](
+                info.base, flat[: flat.numel() // width * width].view(info.dtype),
+                info.table, uploaded, int(units.shape[1]), planes.num_planes, planes.block_size,
+                GATHER=gather, ROWS=rows, COLS=cols, SPAN=self.tile_elems,
+            )
+        except Exception as err:  # noqa: BLE001 - compile/launch failure: validated inputs, nothing written yet
+            fb = self._fail(err)
+            (fb.gather_pieces if gather else fb.scatter_pieces)(planes, pieces, stage)
             return
         self.ops_issued += 1
 

@@ -29,6 +29,11 @@ for gather in (True, False):
         sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
                **ints, "GATHER": "constexpr", "ROWS": "constexpr", "COLS": "constexpr"}
         jobs.append(ASTSource(fn=k["rows"], signature=sig, constants={"GATHER": gather, "ROWS": 16, "COLS": 256}))
+        sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
+               "n_pieces": "i32", "n_planes": "i32", "block_size": "i32", "GATHER": "constexpr", "ROWS": "constexpr",
+               "COLS": "constexpr", "SPAN": "constexpr"}
+        jobs.append(ASTSource(fn=k["pieces"], signature=sig,
+                              constants={"GATHER": gather, "ROWS": 16, "COLS": 256, "SPAN": 4096}))
     sig = {"stage_ptr": "*i32", "chunks_ptr": "*i64", "n_chunks": "i32", "GATHER": "constexpr", "TILE": "constexpr"}
     jobs.append(ASTSource(fn=k["segments"], signature=sig, constants={"GATHER": gather, "TILE": 4096}))
 for src in jobs:

@@ -28,6 +28,12 @@ for gather in (True, False):
                **ints, "GATHER": "constexpr", "ROWS": "constexpr", "COLS": "constexpr"}
         triton.compile(ASTSource(fn=k["rows"], signature=sig, constexprs={"GATHER": gather, "ROWS": 16, "COLS": 256}),
                        target=GPUTarget("cuda", 90, 32))
+        sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
+               "n_pieces": "i32", "n_planes": "i32", "block_size": "i32", "GATHER": "constexpr", "ROWS": "constexpr",
+               "COLS": "constexpr", "SPAN": "constexpr"}
+        triton.compile(ASTSource(fn=k["pieces"], signature=sig,
+                                 constexprs={"GATHER": gather, "ROWS": 16, "COLS": 256, "SPAN": 4096}),
+                       target=GPUTarget("cuda", 90, 32))
     sig = {"stage_ptr": "*i32", "chunks_ptr": "*i64", "n_chunks": "i32", "GATHER": "constexpr", "TILE": "constexpr"}
     triton.compile(ASTSource(fn=k["segments"], signature=sig, constexprs={"GATHER": gather, "TILE": 4096}),
                    target=GPUTarget("cuda", 90, 32))
