@@ -1,11 +1,13 @@
 """Engine-side counters of one `ContextCaching`: calls, blocks, hits, misses, bytes, seconds and stage times.
 
 Contract:
-* `record(op, success, total, nbytes, marks)` is called once per finished save or load (never per block) with the
-  call's stage marks; `record_exists(hits, total)` once per `exists`. Updates take one lock.
+* `record_job(record)` is called once per finished save or load (never per block) with its `ems.jobs.JobRecord`
+  (blocks, bytes, and bytes and seconds per stage); `record(op, success, total, nbytes, marks)` takes the same
+  from bare stage marks; `record_exists(hits, total)` once per `exists`. Updates take one lock.
 * `snapshot()` returns a flat dict (`ContextCaching.metrics()`): for op in save/load: `{op}_calls`, `{op}_blocks`
   (requested), `{op}_blocks_ok` (saved, or loaded hits), `{op}_bytes` (moved), `{op}_seconds` (wall time of the
-  calls), `{op}_gbps` (bytes / seconds / 1e9), `{op}_stage_{stage}_seconds` (time per stage, summed); plus
+  calls), `{op}_gbps` (bytes / seconds / 1e9), `{op}_stage_{stage}_seconds` and `_bytes` (per stage, summed:
+  plan, gather, copy, encode, send for saves; plan, receive, verify, copy, scatter for loads); plus
   `load_misses` (requested − hit), `exists_calls`, `exists_hits`, `exists_misses`, `errors` (calls that raised).
 * `register()` adds a collector to `prometheus_client`'s default registry when it is installed (names
   `ems_cc_*`, a `rank` label), `unregister()` removes it; without prometheus_client both do nothing.
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ems.jobs import JobRecord
 
 
 class CcMetrics:
@@ -44,6 +49,21 @@ class CcMetrics:
             for (_, before), (stage, at) in itertools.pairwise(marks):
                 key = f"{op}_stage_{stage}_seconds"
                 v[key] = v.get(key, 0.0) + (at - before)
+
+    def record_job(self, record: "JobRecord") -> None:
+        """Add one finished job (see `ems.jobs`): its blocks, bytes and per-stage bytes and seconds."""
+        op = record.kind.value
+        v = self._values
+        with self._lock:
+            v[f"{op}_calls"] += 1
+            v[f"{op}_blocks"] += record.blocks_total
+            v[f"{op}_blocks_ok"] += record.blocks_ok
+            v[f"{op}_bytes"] += record.nbytes
+            v[f"{op}_seconds"] += record.seconds
+            for stage, stage_record in record.stages.items():
+                key = f"{op}_stage_{stage.value}"
+                v[f"{key}_seconds"] = v.get(f"{key}_seconds", 0.0) + stage_record.seconds
+                v[f"{key}_bytes"] = v.get(f"{key}_bytes", 0) + stage_record.nbytes
 
     def record_exists(self, hits: int, total: int) -> None:
         with self._lock:
@@ -119,7 +139,7 @@ class _Collector:
         blocks.add_metric([rank, "exists", "hit"], s["exists_hits"])
         blocks.add_metric([rank, "exists", "miss"], s["exists_misses"])
         for key, value in s.items():
-            if "_stage_" in key:
+            if "_stage_" in key and key.endswith("_seconds"):
                 op, _, rest = key.partition("_stage_")
                 stages.add_metric([rank, op, rest[: -len("_seconds")]], value)
         errors = CounterMetricFamily("ems_cc_errors", "Calls that raised", labels=["rank"])

@@ -7,6 +7,7 @@ left as None is read from its environment variable, else takes its default (`res
 |-----------------------|----------------------------|----------------|--------------------------------------------------|
 | pool_nodes            | EMS_POOL_NODES (a,b,...)   | none: embedded | "host:port" of each pool node                    |
 | pool_capacity         | EMS_POOL_CAPACITY          | 1GiB           | bytes the embedded pool may hold                 |
+| pool_prefault         | EMS_POOL_PREFAULT          | 0              | embedded pool bytes pre-faulted at `Ems.init`    |
 | read_cache_capacity   | EMS_READ_CACHE_CAPACITY    | 256MiB         | local read cache, with remote nodes (0: off)     |
 | staging_capacity      | EMS_STAGING_CAPACITY       | 512MiB         | staging bytes in flight before requests wait     |
 | max_inflight          | EMS_MAX_INFLIGHT           | 8              | async requests queued or running at once         |
@@ -190,6 +191,7 @@ class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
 _POOL_SETTINGS = (
     "pool_nodes",
     "pool_capacity",
+    "pool_prefault",
     "read_cache_capacity",
     "staging_capacity",
     "max_inflight",
@@ -216,6 +218,7 @@ class EmsConfig:
     cc_config_v1: Optional[CcConfig_v1] = None
     pool_nodes: Optional[List[str]] = None
     pool_capacity: Optional[Union[int, str]] = None
+    pool_prefault: Optional[Union[int, str]] = None
     read_cache_capacity: Optional[Union[int, str]] = None
     staging_capacity: Optional[Union[int, str]] = None
     max_inflight: Optional[int] = None
@@ -264,6 +267,7 @@ class Settings:
     pool_etcd: Optional[str] = None
     pool_cluster: str = "default"
     pool_replicas: int = 1
+    pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store)
 
     @property
     def embedded(self) -> bool:
@@ -331,6 +335,7 @@ def resolve_settings(config: EmsConfig) -> Settings:
         ),
         device=device,
         **_cluster_settings(config),
+        pool_prefault=parse_size("pool_prefault", _setting(config.pool_prefault, "EMS_POOL_PREFAULT", 0)),
     )
     if settings.pool_capacity <= 0:
         raise invalid_argument("pool_capacity must be > 0")

@@ -1,18 +1,19 @@
 """`ContextCaching`: the save/load/exists pipeline behind the SDK's calls.
 
-One save: check the arguments (`requests`) → plan keys and copies (`planning`) → lease staging → gather the named
-rows into it with the device's copy backend (`ems.kernels`) → copy to host (accelerators) → checksum and header per
-value → one batched put per owning pool node (`PoolClient`) → `CcResult(consecutive acknowledged blocks, total)`.
-A load mirrors it: batched get → keep the prefix of values that are present and exactly what the request expects
-(header and checksum) → copy that prefix into staging → host → device → scatter only the hit prefix into the cache.
+One save: check the arguments (`requests`) → plan keys, values and copies (`planning`) → a `SaveJob` (`jobs`):
+gather → encode → send, each stage recorded → `CcResult(consecutive acknowledged blocks, total)`. A load is a
+`LoadJob`: receive → verify → scatter, writing only the prefix of values that are present and exactly what the
+request expects (header and checksum). On the embedded pool (CPU) both run in one pass over the store's own
+buffers; otherwise through staging (see `jobs`). Every finished job's `JobRecord` goes to `self.jobs` (a
+`JobLedger`: what metrics read) and, with ENABLE_CC_PROFILING=1, to the `ems.profile` log.
 
 Failure semantics: bad arguments raise `EmsException(EMS_INVALID_ARGUMENT)` before anything moves; a save or load
 whose keys partly fail returns the consecutive prefix; one that reached no node raises `EMS_IO_ERROR` (or
 `EMS_IO_TIMEOUT`); `exists` never raises for pool failures, it reports 0 hits. A load never writes a block it did not
 verify, nor any block after the first miss.
 
-Counters (`metrics()`, `ems.cc_metrics`): every finished call adds its blocks, bytes and stage times once (no
-per-block work); they are registered with prometheus_client's default registry when it is installed.
+Counters (`metrics()`, `ems.cc_metrics`): every finished call adds its job record (blocks, bytes, and bytes and
+time per stage) once (no per-block work); they are registered with prometheus_client's default registry when it is installed.
 """
 
 from __future__ import annotations
@@ -20,27 +21,25 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
-import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union, cast, overload
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union, overload
 
 import numpy as np
 import torch
 
 from ems.cc_metrics import CcMetrics
 from ems.config import CcConfig, Settings
-from ems.devices import default_raw_device, parse_device, side_stream
+from ems.devices import default_raw_device, parse_device
 from ems.errors import EmsErrorCode, EmsException
+from ems.jobs import JobKind, JobLedger, JobRecord, LoadJob, SaveJob, Stage
 from ems.kernels import CopyBackend, get_backend
 from ems.keys import namespace, v0_keys, v1_keys
 from ems.layout import RegisteredLayout, register_layout
 from ems.planning import Plan, plan_blocks, plan_raw
 from ems.pool_client import PoolClient, PoolOutcome
 from ems.requests import Operation, RawRequest, Request, bind_exists, bind_request
-from ems.staging import StagingLease, StagingPool
+from ems.staging import StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
-from ems.value_format import HEADER_SIZE, Buffer, build_headers, checksum, valid_prefix
 
 logger = logging.getLogger("ems")
 
@@ -48,7 +47,6 @@ logger = logging.getLogger("ems")
 IntList = Union[Sequence[int], np.ndarray, torch.Tensor]  # slot_mapping, offsets
 HashList = Union[Sequence[int], np.ndarray, torch.Tensor]  # block hashes: int64 or u64 values
 ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
-profile_logger = logging.getLogger("ems.profile")
 
 
 def consecutive_prefix(flags: Sequence[bool]) -> int:
@@ -81,30 +79,6 @@ def _ems_errors(on_error: Optional[Callable[[], None]] = None) -> Iterator[None]
         raise converted from exc
 
 
-class _Profile:
-    """Stage timings of one request: added to the counters, and logged when ENABLE_CC_PROFILING=1."""
-
-    enabled = os.environ.get("ENABLE_CC_PROFILING") == "1"
-
-    def __init__(self, op: str, metrics: Optional[CcMetrics] = None) -> None:
-        self.op = op
-        self.metrics = metrics
-        self.marks: list[tuple[str, float]] = [("start", time.perf_counter())]
-
-    def mark(self, stage: str) -> None:
-        self.marks.append((stage, time.perf_counter()))
-
-    def report(self, result: CcResult, nbytes: int) -> None:
-        if self.metrics is not None:
-            self.metrics.record(self.op, result.success, result.total, nbytes, self.marks)
-        if not self.enabled:
-            return
-        stages = ", ".join(
-            f"{name} {1e3 * (t - self.marks[i][1]):.2f} ms" for i, (name, t) in enumerate(self.marks[1:])
-        )
-        profile_logger.info("%s %d/%d blocks, %d bytes: %s", self.op, result.success, result.total, nbytes, stages)
-
-
 class ContextCaching:
     """The EMS Context Caching client of one process (get it from `Ems.get_cc()`)."""
 
@@ -125,6 +99,7 @@ class ContextCaching:
         self._closed = False
         self._metrics = CcMetrics(cc_config.rank_id)
         self._metrics.register()
+        self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
 
     # ---------------------------------------------------------------- registration
 
@@ -191,48 +166,35 @@ class ContextCaching:
             if error is not None:
                 raise EmsException(error.status_code(), f"no pool node could be reached: {error.message()}")
 
+    def _job_done(self, record: JobRecord) -> None:
+        """A finished job's record goes to the ledger and to the counters (`metrics()`): one account of each call."""
+        self.jobs.add(record)
+        self._metrics.record_job(record)
+
     # ---------------------------------------------------------------- save
 
     def _begin_save(self, args: tuple, kwargs: dict) -> tuple[Callable[[], CcResult], Callable[[], None]]:
-        """Check, plan and copy the blocks out of the engine's cache; return (the rest of the save as a job, the
-        way to give its staging back should the job never run).
+        """Check, plan and copy the blocks out of the engine's cache; return (the rest of the save, the way to give
+        its buffers back should it never run).
 
-        When this returns, every byte the save needs is in host staging: the engine may overwrite the blocks.
+        When this returns, every byte the save needs is out of the engine's cache: the engine may overwrite it.
         """
-        profile = _Profile("save", self._metrics)
-        request, plan, device = self._bind(Operation.SAVE, args, kwargs)
-        backend = self._backend_for(device)
-        profile.mark("plan")
-        with _ems_errors():  # e.g. the allocator refusing the staging buffer: still an EmsException
-            lease = self._staging.acquire(plan.staging_bytes, device)
-        try:
-            with _ems_errors(), side_stream(device):
-                plan.gather(backend, lease.device)
-                if lease.host is not lease.device:
-                    lease.host[: plan.staging_bytes].copy_(lease.device[: plan.staging_bytes], non_blocking=True)
-            profile.mark("gather")
-        except BaseException:  # the lease goes back on every path, interrupts included
-            self._staging.release(lease)
-            raise
+        record = JobRecord(JobKind.SAVE)
+        with record.stage(Stage.PLAN):
+            request, plan, device = self._bind(Operation.SAVE, args, kwargs)
+            backend = self._backend_for(device)
+        job = SaveJob(plan, device, backend, self._pool, self._staging, request.option, record)
+        with _ems_errors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
+            job.begin()
 
         def finish() -> CcResult:
-            try:
-                parts = plan.payload_parts(lease.host_view())
-                headers = build_headers(plan.expected, [checksum(p) for p in parts])
-                values = [[header, *p] for header, p in zip(headers, parts)]
-                profile.mark("checksum")
-                value_lens = plan.expected.payload_len + HEADER_SIZE
-                outcome = self._pool.put(plan.route_keys, plan.keys, values, request.option, value_lens)
-                profile.mark("put")
-            finally:
-                self._staging.release(lease)
+            outcome = job.finish()
             successes = consecutive_prefix(outcome.results)
             self._raise_if_unreachable(outcome, successes)
-            result = CcResult(successes, plan.total)
-            profile.report(result, plan.staging_bytes)
-            return result
+            self._job_done(record.finish(successes, plan.total, int(plan.expected.payload_len.sum())))
+            return CcResult(successes, plan.total)
 
-        return finish, lambda: self._staging.release(lease)
+        return finish, job.abandon
 
     @overload
     def save(
@@ -290,33 +252,18 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- load
 
-    def _load(self, request: Request, plan: Plan, device: torch.device) -> CcResult:
-        profile = _Profile("load", self._metrics)
-        outcome = self._pool.get(plan.route_keys, plan.keys, request.option, plan.expected)
-        profile.mark("get")
-        if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
-            hits = consecutive_prefix([value is not None for value in outcome.results])
-        else:
-            hits = valid_prefix(outcome.results, plan.expected)
+    def _load(self, request: Request, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
+        job = LoadJob(plan, device, self._backend_for(device), self._pool, self._staging, request.option, record)
+        hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
-        profile.mark("verify")
-        if hits:
-            lease: StagingLease = self._staging.acquire(plan.prefix_staging_bytes(hits), device)
-            try:
-                # the first `hits` values were verified (by valid_prefix or the pool): none of them is None
-                plan.fill_from_values(lease.host_array(), cast(List[Buffer], outcome.results), hits)
-                profile.mark("fill")
-                nbytes = plan.prefix_staging_bytes(hits)
-                with side_stream(device):
-                    if lease.host is not lease.device:
-                        lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
-                    plan.scatter_prefix(self._backend_for(device), lease.device, hits)
-                profile.mark("scatter")
-            finally:
-                self._staging.release(lease)
-        result = CcResult(hits, plan.total)
-        profile.report(result, plan.prefix_staging_bytes(hits))
-        return result
+        self._job_done(record.finish(hits, plan.total, int(plan.expected.payload_len[:hits].sum())))
+        return CcResult(hits, plan.total)
+
+    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device, JobRecord]:
+        record = JobRecord(JobKind.LOAD)
+        with record.stage(Stage.PLAN):
+            request, plan, device = self._bind(Operation.LOAD, args, kwargs)
+        return request, plan, device, record
 
     @overload
     def load(
@@ -336,9 +283,9 @@ class ContextCaching:
 
         `success` is the number of blocks, from the first, that were found and verified: exactly those are
         written; nothing after the first miss is touched."""
-        request, plan, device = self._bind(Operation.LOAD, args, kwargs)
+        request, plan, device, record = self._bind_load(args, kwargs)
         with _ems_errors(self._metrics.record_error):
-            return self._load(request, plan, device)
+            return self._load(request, plan, device, record)
 
     @overload
     def async_load(
@@ -358,8 +305,8 @@ class ContextCaching:
         the future is done. Bad arguments raise here."""
         self._inflight.acquire()
         try:
-            request, plan, device = self._bind(Operation.LOAD, args, kwargs)
-            return self._submit(lambda: self._load(request, plan, device))
+            request, plan, device, record = self._bind_load(args, kwargs)
+            return self._submit(lambda: self._load(request, plan, device, record))
         except BaseException:
             self._inflight.release()
             raise

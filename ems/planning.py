@@ -1,25 +1,29 @@
 """Request planning: a checked request → storage keys, expected values and the copy plan (host, numpy).
 
-Staging layout. A V1 plan gives each layer group g one region of the staging buffer, `[T_g, token_bytes_g]`
-(token-major; a token is every plane's row back to back, planes possibly of different row sizes and dtypes), where
-`T_g` counts the group's tokens over all blocks in request order. Block i's part of group g is the contiguous byte
-range of its tokens in that region, so a stored value is `header | part of group 0 | part of group 1 | ...` without
-any repacking: `payload_parts` hands those ranges to the transport as they lie. A V0 plan concatenates every value's
-device ranges. Regions start on 64-byte boundaries.
+Staging layout (V1, value format 3). The staging buffer holds the stored values themselves, back to back (each
+starting on a 64-byte boundary): value i is `header | part of group 0 | part of group 1 | ...`, and block i's part
+of group g holds its `n` tokens plane-major, `[planes][n][row]` (planes may differ in row size and dtype: MLA split
+K/V). Where a plane's rows are contiguous in the engine's cache, the rows of one (block, plane) are thus ONE span on
+both sides, and the copy backends move whole spans (`CopyBackend.gather_pieces`). The header's 40 bytes are left
+for the save job to fill, so a value goes to the pool as one buffer without any repacking. The same per-value
+piece tables let a job gather one value straight into the store's buffer, or scatter straight from a stored value
+(`gather_value` / `scatter_value`: the embedded pool's one pass). A V0 plan concatenates every value's device
+ranges; its header travels as a separate part.
 
-No per-token Python loops: token positions, slots and byte offsets are numpy expressions; only per-block objects
-(keys, memoryviews) are built per block.
+No per-token Python loops: token positions, slots, pieces and byte offsets are numpy expressions; only per-block
+objects (keys, memoryviews) are built per block.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 import numpy as np
 import torch
 
 from ems.kernels.base import CopyBackend
+from ems.kernels.plan import value_pieces
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
@@ -39,51 +43,32 @@ def exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The slots of runs (lengths >= 0), in order: int64 `[sum(lengths)]`."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (np.arange(first.size, dtype=np.int64) - first)
+
+
 @dataclass(frozen=True)
 class GroupRegion:
-    """One layer group's staging region and what fills it."""
+    """One layer group's pieces in every value of a request."""
 
     group: LayerGroup
-    offset: int  # bytes from the start of the staging buffer
-    tok_start: np.ndarray  # int64 [n + 1]: block i's tokens are tokens tok_start[i] .. tok_start[i + 1] - 1
-    slots: Optional[np.ndarray]  # int64 [T_g] for the slot_mapping form, else None
-    starts: Optional[np.ndarray]  # int64 [n] runs for the chunk_descs form, else None
-    lengths: Optional[np.ndarray]
+    pieces: np.ndarray  # int64 [5, N]: start slot, count, part offset INSIDE its value, value tokens, index in value
+    piece_start: np.ndarray  # int64 [n + 1]: value i's pieces are pieces[:, piece_start[i] : piece_start[i + 1]]
+    piece_value: np.ndarray  # int64 [N]
 
-    @property
-    def tokens(self) -> int:
-        return int(self.tok_start[-1])
+    def absolute(self, value_start: np.ndarray, values: int) -> torch.Tensor:
+        """The pieces of the first `values` values with bases in staging (value i at value_start[i])."""
+        end = int(self.piece_start[values])
+        table = self.pieces[:, :end].copy()
+        table[2] += value_start[self.piece_value[:end]]
+        return torch.from_numpy(table)
 
-    @property
-    def nbytes(self) -> int:
-        return self.tokens * self.group.token_bytes
-
-    def view(self, staging: torch.Tensor, tokens: Optional[int] = None) -> torch.Tensor:
-        """The region (or its first `tokens` tokens) as uint8 `[tokens, token_bytes]`: each token is every plane's
-        row back to back (planes may differ in row size and dtype: MLA split K/V)."""
-        count = self.tokens if tokens is None else tokens
-        raw = staging[self.offset : self.offset + count * self.group.token_bytes]
-        return raw.view(count, self.group.token_bytes)
-
-    def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
-        out = self.view(staging)
-        if self.slots is not None:
-            backend.gather_slots(self.group.planes, torch.from_numpy(self.slots), out)
-        else:
-            backend.gather_runs(self.group.planes, torch.from_numpy(self.starts), torch.from_numpy(self.lengths), out)
-
-    def scatter_prefix(self, backend: CopyBackend, staging: torch.Tensor, blocks: int) -> None:
-        """Write the tokens of the first `blocks` blocks back into the cache, nothing else."""
-        tokens = int(self.tok_start[blocks])
-        if tokens == 0:
-            return
-        src = self.view(staging, tokens)
-        if self.slots is not None:
-            backend.scatter_slots(self.group.planes, torch.from_numpy(self.slots[:tokens]), src)
-        else:
-            backend.scatter_runs(
-                self.group.planes, torch.from_numpy(self.starts[:blocks]), torch.from_numpy(self.lengths[:blocks]), src
-            )
+    def of_value(self, i: int) -> torch.Tensor:
+        """Value i's pieces with bases inside the value (for a buffer holding just that value)."""
+        return torch.from_numpy(self.pieces[:, int(self.piece_start[i]) : int(self.piece_start[i + 1])])
 
 
 @dataclass(frozen=True)
@@ -94,51 +79,70 @@ class BlockPlan:
     route_keys: List[bytes]
     expected: ExpectedValues
     regions: List[GroupRegion]
+    value_start: np.ndarray  # int64 [n + 1]: value i at staging bytes value_start[i] .. + value_len(i)
     staging_bytes: int
 
     @property
     def total(self) -> int:
         return len(self.keys)
 
-    def part_ranges(self, i: int) -> list[tuple[int, int]]:
-        """(start, stop) byte ranges in staging of block i's parts, group by group."""
-        ranges = []
-        for region in self.regions:
-            token_bytes = region.group.token_bytes
-            ranges.append(
-                (
-                    region.offset + int(region.tok_start[i]) * token_bytes,
-                    region.offset + int(region.tok_start[i + 1]) * token_bytes,
-                )
-            )
-        return ranges
+    @property
+    def header_in_staging(self) -> bool:
+        """Each value's header has its 40 bytes in staging, before the payload."""
+        return True
 
-    def payload_parts(self, host: memoryview) -> list[list[Buffer]]:
-        return [[host[a:b] for a, b in self.part_ranges(i)] for i in range(self.total)]
+    def value_len(self, i: int) -> int:
+        return HEADER_SIZE + int(self.expected.payload_len[i])
+
+    def payloads(self, host: memoryview) -> list[Buffer]:
+        """Each value's payload in staging (what the checksum covers)."""
+        starts = self.value_start.tolist()
+        lens = self.expected.payload_len.tolist()
+        return [host[a + HEADER_SIZE : a + HEADER_SIZE + n] for a, n in zip(starts, lens)]
+
+    def stored_values(self, host: memoryview, headers: Sequence[bytes]) -> list[list[Buffer]]:
+        """The values as the pool stores them: the headers written into their places, each value one buffer."""
+        starts = self.value_start.tolist()
+        lens = self.expected.payload_len.tolist()
+        values: list[list[Buffer]] = []
+        for a, n, header in zip(starts, lens, headers):
+            host[a : a + HEADER_SIZE] = header
+            values.append([host[a : a + HEADER_SIZE + n]])
+        return values
 
     def fill_from_values(self, host: np.ndarray, values: Sequence[Buffer], blocks: int) -> None:
-        """Copy the payloads of the first `blocks` (already verified) values into their staging ranges."""
+        """Copy the first `blocks` (already verified) values into their places in staging: one copy per value."""
+        starts = self.value_start.tolist()
         for i in range(blocks):
-            payload = np.frombuffer(values[i], dtype=np.uint8, offset=HEADER_SIZE)
-            position = 0
-            for a, b in self.part_ranges(i):
-                host[a:b] = payload[position : position + (b - a)]
-                position += b - a
+            value = np.frombuffer(values[i], dtype=np.uint8)
+            host[starts[i] : starts[i] + value.size] = value
 
     def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
+        """Every value's payload into staging: one backend call per layer group."""
         for region in self.regions:
-            region.gather(backend, staging)
+            backend.gather_pieces(region.group.planes, region.absolute(self.value_start, self.total), staging)
 
     def scatter_prefix(self, backend: CopyBackend, staging: torch.Tensor, blocks: int) -> None:
+        """Write the tokens of the first `blocks` values back into the cache, nothing else."""
         for region in self.regions:
-            region.scatter_prefix(backend, staging, blocks)
+            if int(region.piece_start[blocks]):
+                backend.scatter_pieces(region.group.planes, region.absolute(self.value_start, blocks), staging)
+
+    def gather_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
+        """Value i's payload straight into `value` (uint8, the whole value: header space first)."""
+        for region in self.regions:
+            if region.piece_start[i + 1] > region.piece_start[i]:
+                backend.gather_pieces(region.group.planes, region.of_value(i), value)
+
+    def scatter_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
+        """Value i's rows into the cache straight from the stored value (uint8, verified)."""
+        for region in self.regions:
+            if region.piece_start[i + 1] > region.piece_start[i]:
+                backend.scatter_pieces(region.group.planes, region.of_value(i), value)
 
     def prefix_staging_bytes(self, blocks: int) -> int:
-        """Bytes of staging a load of the first `blocks` blocks touches (regions keep their offsets)."""
-        if blocks == 0:
-            return 0
-        last = self.regions[-1]
-        return last.offset + int(last.tok_start[blocks]) * last.group.token_bytes
+        """Bytes of staging a load of the first `blocks` blocks touches."""
+        return int(self.value_start[blocks])
 
 
 @dataclass(frozen=True)
@@ -156,9 +160,34 @@ class RawPlan:
     def total(self) -> int:
         return len(self.keys)
 
-    def payload_parts(self, host: memoryview) -> list[list[Buffer]]:
+    @property
+    def header_in_staging(self) -> bool:
+        return False
+
+    def value_len(self, i: int) -> int:
+        return HEADER_SIZE + int(self.expected.payload_len[i])
+
+    def payloads(self, host: memoryview) -> list[Buffer]:
         starts = self.value_start.tolist()
-        return [[host[starts[i] : starts[i + 1]]] for i in range(self.total)]
+        return [host[starts[i] : starts[i + 1]] for i in range(self.total)]
+
+    def stored_values(self, host: memoryview, headers: Sequence[bytes]) -> list[list[Buffer]]:
+        return [[header, payload] for header, payload in zip(headers, self.payloads(host))]
+
+    def _segments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.request
+        a, b = int(r.seg_start[i]), int(r.seg_start[i + 1])
+        return torch.from_numpy(r.ptrs[a:b]), torch.from_numpy(r.lengths[a:b])
+
+    def gather_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
+        ptrs, lengths = self._segments(i)
+        if ptrs.numel():
+            backend.gather_segments(ptrs, lengths, value[HEADER_SIZE:])
+
+    def scatter_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
+        ptrs, lengths = self._segments(i)
+        if ptrs.numel():
+            backend.scatter_segments(ptrs, lengths, value[HEADER_SIZE:])
 
     def fill_from_values(self, host: np.ndarray, values: Sequence[Buffer], blocks: int) -> None:
         starts = self.value_start.tolist()
@@ -187,27 +216,31 @@ Plan = Union[BlockPlan, RawPlan]
 def plan_blocks(request: Union[SlotRequest, ChunkRequest], layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
     keys, route_keys = v1_keys(namespace, request.hashes)
     n = request.total
+    groups = layout.groups
+    counts = np.empty((n, len(groups)), dtype=np.int64)
+    for g in range(len(groups)):
+        counts[:, g] = request.offsets if isinstance(request, SlotRequest) else request.lengths[g]
+    token_bytes = np.array([g.token_bytes for g in groups], dtype=np.int64)
+    part_bytes = counts * token_bytes[None, :]
+    payload_len = part_bytes.sum(axis=1)
+    value_start = exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
+    part_offset = HEADER_SIZE + np.cumsum(part_bytes, axis=1) - part_bytes  # [n, G], inside the value
     regions: list[GroupRegion] = []
-    counts = np.empty((n, len(layout.groups)), dtype=np.int64)
-    offset = 0
-    for g, group in enumerate(layout.groups):
+    for g, group in enumerate(groups):
         if isinstance(request, SlotRequest):
-            tokens = request.offsets
-            region = GroupRegion(group, offset, exclusive_cumsum(tokens), request.slots, None, None)
+            slots = request.slots
         else:
-            tokens = request.lengths[g]
-            region = GroupRegion(group, offset, exclusive_cumsum(tokens), None, request.starts[g], request.lengths[g])
-        counts[:, g] = tokens
-        regions.append(region)
-        offset = _align(offset + region.nbytes)
-    token_bytes = np.array([g.token_bytes for g in layout.groups], dtype=np.int64)
+            slots = _expand_runs(request.starts[g], request.lengths[g])
+        table, value = value_pieces(slots, group.planes.block_size, exclusive_cumsum(counts[:, g]), part_offset[:, g])
+        piece_start = np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64)
+        regions.append(GroupRegion(group, table, piece_start, value))
     expected = ExpectedValues(
         kind=ValueKind.BLOCKS_V1,
         layout_sig=layout.signature,
         tokens_digest=tokens_digest(counts),
-        payload_len=counts @ token_bytes,
+        payload_len=payload_len,
     )
-    return BlockPlan(keys, route_keys, expected, regions, max(offset, ALIGN))
+    return BlockPlan(keys, route_keys, expected, regions, value_start, max(int(value_start[-1]), ALIGN))
 
 
 def plan_raw(request: RawRequest, namespace: bytes) -> RawPlan:

@@ -149,6 +149,13 @@ class PoolClient:
         """Run `callback` first when this client closes (e.g. stop a membership watch)."""
         self._on_close.append(callback)
 
+    @property
+    def local_store(self) -> Optional[KvStore]:
+        """The embedded pool's store when this client's only node is in-process (the one-pass data path), else None."""
+        if len(self.nodes) == 1 and isinstance(self.nodes[0], InProcessNode):
+            return self.nodes[0].store
+        return None
+
     # ---- fan-out ----
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:

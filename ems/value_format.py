@@ -15,6 +15,11 @@ clients and nodes can be upgraded in any order.
 * 1: a V1 value is per layer group `[tokens, planes, row]`, every plane of the group with one row size and dtype.
 * 2: a V1 value is per layer group, token by token, every plane's row back to back; planes may differ in row size
   and dtype (MLA with split K/V). The layout signature names every plane's dtype, heads and head size.
+* 3 (now): a V1 value is per layer group, plane by plane: plane p's rows of the block's n tokens back to back
+  (`[planes][n][row]`; planes may still differ in row size and dtype). A (block, plane) is then one contiguous
+  run in the value AND, where the engine's rows are contiguous in a block, in the cache: gather and scatter move
+  whole spans instead of token rows. Same header; only the payload's order changed, so a version-2 value (same
+  length, same checksum rules) must be, and is, a miss for a version-3 client.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import xxhash
 Buffer = Union[bytes, bytearray, memoryview]
 
 MAGIC = 0x56534D45  # b"EMSV" read as little-endian u32
-VERSION = 2
+VERSION = 3
 NODE_VERSIONS = frozenset(range(1, VERSION + 1))  # what a pool node stores (see the module docstring)
 HEADER_DTYPE = np.dtype(
     [
@@ -47,7 +52,7 @@ HEADER_SIZE = HEADER_DTYPE.itemsize  # 40
 
 class ValueKind(enum.IntEnum):
     RAW_V0 = 1  # concatenated KvBufferWrapper ranges
-    BLOCKS_V1 = 2  # one block: per layer group `[tokens, planes, row]`
+    BLOCKS_V1 = 2  # one block: per layer group `[planes, tokens, row]` (version 3)
 
 
 def checksum(parts: Sequence[Buffer]) -> int:
@@ -81,15 +86,15 @@ class ExpectedValues:
 
 
 def build_headers(expected: ExpectedValues, checksums: Sequence[int]) -> list[bytes]:
-    """The header of each value, as `bytes` of `HEADER_SIZE` (vectorised packing)."""
+    """The header of each of the first `len(checksums)` values, as `bytes` of `HEADER_SIZE` (vectorised)."""
     n = len(checksums)
     headers = np.zeros(n, dtype=HEADER_DTYPE)
     headers["magic"] = MAGIC
     headers["version"] = VERSION
     headers["kind"] = int(expected.kind)
     headers["layout_sig"] = expected.layout_sig
-    headers["tokens_digest"] = expected.tokens_digest
-    headers["payload_len"] = expected.payload_len
+    headers["tokens_digest"] = expected.tokens_digest[:n]  # the first n values (a save may stop early)
+    headers["payload_len"] = expected.payload_len[:n]
     headers["checksum"] = np.asarray(checksums, dtype=np.uint64)
     packed = headers.tobytes()
     return [packed[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]

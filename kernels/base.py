@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -67,6 +68,7 @@ class PlaneSet:
     """
 
     planes: Tuple[torch.Tensor, ...]
+    # (the shape and stride properties are cached per instance: a PlaneSet's tensors never change shape)
 
     def __post_init__(self) -> None:
         if not self.planes:
@@ -96,7 +98,7 @@ class PlaneSet:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    @property
+    @functools.cached_property
     def uniform(self) -> bool:
         """Whether every plane has one row shape and dtype (then `row_elems`, `dtype`, ... describe them all)."""
         first = self.planes[0]
@@ -124,19 +126,19 @@ class PlaneSet:
     def row_bytes(self) -> int:
         return self.row_elems * self.element_size
 
-    @property
+    @functools.cached_property
     def plane_row_elems(self) -> tuple[int, ...]:
         return tuple(int(p.shape[2] * p.shape[3]) for p in self.planes)
 
-    @property
+    @functools.cached_property
     def plane_element_sizes(self) -> tuple[int, ...]:
         return tuple(p.element_size() for p in self.planes)
 
-    @property
+    @functools.cached_property
     def plane_row_bytes(self) -> tuple[int, ...]:
         return tuple(r * e for r, e in zip(self.plane_row_elems, self.plane_element_sizes))
 
-    @property
+    @functools.cached_property
     def plane_offsets(self) -> tuple[int, ...]:
         """Byte offset of plane p's row inside one token of staging."""
         offsets, position = [], 0
@@ -145,7 +147,7 @@ class PlaneSet:
             position += nbytes
         return tuple(offsets)
 
-    @property
+    @functools.cached_property
     def token_bytes(self) -> int:
         """Bytes of one token in staging: every plane's row."""
         return sum(self.plane_row_bytes)
@@ -154,21 +156,21 @@ class PlaneSet:
     def device(self) -> torch.device:
         return self.planes[0].device
 
-    @property
+    @functools.cached_property
     def block_strides(self) -> tuple[int, ...]:
         """Per plane, in that plane's elements."""
         return tuple(int(p.stride(0)) for p in self.planes)
 
-    @property
+    @functools.cached_property
     def slot_strides(self) -> tuple[int, ...]:
         """Per plane, in that plane's elements."""
         return tuple(int(p.stride(1)) for p in self.planes)
 
-    @property
+    @functools.cached_property
     def block_stride_bytes(self) -> tuple[int, ...]:
         return tuple(s * e for s, e in zip(self.block_strides, self.plane_element_sizes))
 
-    @property
+    @functools.cached_property
     def slot_stride_bytes(self) -> tuple[int, ...]:
         return tuple(s * e for s, e in zip(self.slot_strides, self.plane_element_sizes))
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -159,40 +160,68 @@ def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_
     return flat[first:end].view(dtype).as_strided((rows, row_units), (step_units, 1))
 
 
-class _SpanMover:
-    """Moves M spans of L bytes between a source table (a strided row view of the cache) and staging, in one op
-    (the staging spans at a constant step: a strided view) or two (any other staging offsets: through a temporary)."""
+@dataclass
+class _PieceLayout:
+    """What `move_pieces` needs about one PlaneSet, computed once and kept on it (per-layout tables: the per-call
+    work is then a few vectorised numpy expressions and one op)."""
 
-    @staticmethod
-    def move(source_rows: Callable[[int, int], torch.Tensor], src_off: np.ndarray, flat: torch.Tensor,
-             dst_off: np.ndarray, length: int, base_addr: int, gather: bool) -> int:
-        """source_rows(width, g) -> the cache table (ints of `width`, rows `length` bytes at a stride of g bytes);
-        src_off: byte offsets of the spans from the table's first byte; dst_off: byte offsets in `flat`.
-        Returns the number of ops issued."""
-        g = _gcd(src_off) or length
-        width = _widest([g, length, base_addr, int(flat.data_ptr()), _gcd(dst_off)])
-        dtype = _INT_OF_WIDTH[width]
-        table = source_rows(width, g)
-        idx = torch.from_numpy(src_off // g).to(flat.device, non_blocking=True)
-        units = length // width
-        m = dst_off.size
-        step = int(dst_off[1] - dst_off[0]) if m > 1 else length
-        if step >= length and (m <= 2 or bool(np.all(np.diff(dst_off) == step))):
-            staged = _spans_view(flat, int(dst_off[0]), m, units, step // width, dtype)
-            if gather:
-                torch.index_select(table, 0, idx, out=staged)
-            else:
-                table.index_copy_(0, idx, staged)
-            return 1
-        gd = _gcd(dst_off) or length
-        rows = int(dst_off.max()) // gd + 1
-        dst_table = _spans_view(flat, 0, rows, units, gd // width, dtype)
-        dst_idx = torch.from_numpy(dst_off // gd).to(flat.device, non_blocking=True)
+    contiguous: bool  # every plane's rows are contiguous inside a block
+    one_span: bool  # planes of one row size, CPU, one address span: one table for all planes
+    lo: int  # lowest plane address (one_span) ...
+    span: int  # ... and the bytes from it to the end of the highest plane
+    off: np.ndarray  # int64 [P]: plane address - lo
+    bstr: np.ndarray
+    sstr: np.ndarray
+    poffs: np.ndarray
+    rbytes: np.ndarray
+    g: int  # gcd of every plane offset and stride (one_span): the table's row stride
+    tables: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
+
+
+def _piece_layout(planes: PlaneSet) -> _PieceLayout:
+    layout = planes.__dict__.get("_torch_piece_layout")
+    if layout is not None:
+        return layout
+    addrs = np.array([int(p.data_ptr()) for p in planes.planes], dtype=np.int64)
+    bstr, sstr = np.array(planes.block_stride_bytes, np.int64), np.array(planes.slot_stride_bytes, np.int64)
+    rbytes = np.array(planes.plane_row_bytes, np.int64)
+    lo = int(addrs.min())
+    hi = int((addrs + (planes.num_blocks - 1) * bstr + (planes.block_size - 1) * sstr + rbytes).max())
+    one_span = planes.device.type == "cpu" and len(set(planes.plane_row_bytes)) == 1 and hi - lo <= _MAX_SPAN
+    off = addrs - lo
+    layout = _PieceLayout(
+        contiguous=bool(np.all(sstr == rbytes)), one_span=one_span, lo=lo, span=hi - lo, off=off, bstr=bstr,
+        sstr=sstr, poffs=np.array(planes.plane_offsets, np.int64), rbytes=rbytes,
+        g=_gcd(np.concatenate([off, bstr, sstr])) or int(rbytes[0]),
+    )
+    planes.__dict__["_torch_piece_layout"] = layout  # lives and dies with the PlaneSet (never keeps a cache alive)
+    return layout
+
+
+def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, dst_off: np.ndarray, length: int,
+                width: int, gather: bool) -> int:
+    """Move M spans of `length` bytes between rows `src_idx` of `table` and staging offsets `dst_off` (bytes): ONE
+    op when the staging spans sit at a constant step (a strided view), else two (through a temporary)."""
+    dtype = table.dtype
+    idx = torch.from_numpy(src_idx).to(flat.device, non_blocking=True)
+    units = length // width
+    m = dst_off.size
+    step = int(dst_off[1] - dst_off[0]) if m > 1 else length
+    if step >= length and (m <= 2 or bool(np.all(np.diff(dst_off) == step))):
+        staged = _spans_view(flat, int(dst_off[0]), m, units, step // width, dtype)
         if gather:
-            dst_table.index_copy_(0, dst_idx, table.index_select(0, idx))
+            torch.index_select(table, 0, idx, out=staged)
         else:
-            table.index_copy_(0, idx, dst_table.index_select(0, dst_idx))
-        return 2
+            table.index_copy_(0, idx, staged)
+        return 1
+    gd = _gcd(dst_off) or length
+    dst_table = _spans_view(flat, 0, int(dst_off.max()) // gd + 1, units, gd // width, dtype)
+    dst_idx = torch.from_numpy(dst_off // gd).to(flat.device, non_blocking=True)
+    if gather:
+        dst_table.index_copy_(0, dst_idx, table.index_select(0, idx))
+    else:
+        table.index_copy_(0, idx, dst_table.index_select(0, dst_idx))
+    return 2
 
 
 def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int:
@@ -200,50 +229,41 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather:
     (piece, plane) is one span where the plane's rows are contiguous in a block; every piece of one length of every
     plane moves in one op when the planes share one row size and one address span (CPU), else one op per plane.
     Returns the number of ops issued."""
-    row_bytes = planes.plane_row_bytes
-    if any(s != r for s, r in zip(planes.slot_stride_bytes, row_bytes)):
+    lay = _piece_layout(planes)
+    if not lay.contiguous:
         table = single_row_pieces(table)
     start, count, base, tokens, index = table
     bs = planes.block_size
-    blocks, within = start // bs, start % bs
-    addrs = np.array([int(p.data_ptr()) for p in planes.planes], dtype=np.int64)
-    bstr, sstr = np.array(planes.block_stride_bytes, np.int64), np.array(planes.slot_stride_bytes, np.int64)
-    poffs, rbytes = np.array(planes.plane_offsets, np.int64), np.array(row_bytes, np.int64)
-    lengths = np.unique(count)
-    one_span = planes.device.type == "cpu" and len(set(row_bytes)) == 1
-    lo = int(addrs.min())
-    if one_span:
-        hi = int((addrs + (planes.num_blocks - 1) * bstr + (bs - 1) * sstr + rbytes).max())
-        one_span = hi - lo <= _MAX_SPAN
+    blocks, within = np.divmod(start, bs)
+    lengths = [int(count[0])] if int(count.min()) == int(count.max()) else np.unique(count).tolist()
+    flat_addr = int(flat.data_ptr())
     ops = 0
-    for c in lengths.tolist():
-        sel = slice(None) if lengths.size == 1 else (count == c)
-        b, w = blocks[sel], within[sel]
-        if one_span:
-            src = (addrs - lo)[None, :] + b[:, None] * bstr[None, :] + w[:, None] * sstr[None, :]
-            dst = (base[sel][:, None] + tokens[sel][:, None] * poffs[None, :] + index[sel][:, None] * rbytes[None, :])
-            length = c * int(rbytes[0])
-            span = hi - lo
-
-            def rows_of(width: int, g: int, length: int = length, span: int = span) -> torch.Tensor:
-                n = (span - length) // g + 1
-                return raw_tensor(lo, span, planes.device).view(_INT_OF_WIDTH[width]).as_strided(
-                    (n, length // width), (g // width, 1))
-
-            ops += _SpanMover.move(rows_of, src.reshape(-1), flat, dst.reshape(-1), length, lo, gather)
+    for c in lengths:
+        sel = slice(None) if len(lengths) == 1 else (count == c)
+        b, w, bb, tt, ii = blocks[sel], within[sel], base[sel], tokens[sel], index[sel]
+        if lay.one_span:
+            length = c * int(lay.rbytes[0])
+            dst = (bb[:, None] + tt[:, None] * lay.poffs[None, :] + ii[:, None] * lay.rbytes[None, :]).reshape(-1)
+            width = _widest([lay.g, length, lay.lo, flat_addr, _gcd(dst)])
+            key = (length, width)
+            rows = lay.tables.get(key)
+            if rows is None:
+                n = (lay.span - length) // lay.g + 1
+                rows = raw_tensor(lay.lo, lay.span, planes.device).view(_INT_OF_WIDTH[width]).as_strided(
+                    (n, length // width), (lay.g // width, 1))
+                lay.tables[key] = rows
+            src = (lay.off[None, :] + b[:, None] * lay.bstr[None, :] + w[:, None] * lay.sstr[None, :]).reshape(-1)
+            ops += _move_spans(rows, src // lay.g, flat, dst, length, width, gather)
             continue
         for p in range(planes.num_planes):
-            length = c * int(rbytes[p])
-            src = b * bstr[p] + w * sstr[p]
-            dst = base[sel] + tokens[sel] * poffs[p] + index[sel] * rbytes[p]
-
-            def rows_of(width: int, g: int, p: int = p, length: int = length) -> torch.Tensor:
-                plane = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
-                span = (planes.num_blocks - 1) * planes.block_stride_bytes[p] + (bs - 1) * planes.slot_stride_bytes[p]
-                span += int(rbytes[p])
-                return plane.as_strided(((span - length) // g + 1, length // width), (g // width, 1))
-
-            ops += _SpanMover.move(rows_of, src, flat, dst, length, int(addrs[p]), gather)
+            length = c * int(lay.rbytes[p])
+            g = math.gcd(int(lay.bstr[p]), int(lay.sstr[p])) or length
+            dst = bb + tt * lay.poffs[p] + ii * lay.rbytes[p]
+            width = _widest([g, length, int(planes.planes[p].data_ptr()), flat_addr, _gcd(dst)])
+            plane = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
+            span = (planes.num_blocks - 1) * int(lay.bstr[p]) + (bs - 1) * int(lay.sstr[p]) + int(lay.rbytes[p])
+            rows = plane.as_strided(((span - length) // g + 1, length // width), (g // width, 1))
+            ops += _move_spans(rows, (b * lay.bstr[p] + w * lay.sstr[p]) // g, flat, dst, length, width, gather)
     return ops
 
 

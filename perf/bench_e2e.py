@@ -3,10 +3,14 @@
 Contract: `python perf/bench_e2e.py [--device cpu] [--rounds N] [--no-results]`. For a 16-layer GQA model (8 KV
 heads × 128, fp16, one allocation per layer and K/V as vLLM lays them out) and 16/64/128 tokens per block, it saves
 and loads one request of scattered whole blocks (~32 MiB) with `ContextCaching.save` / `.load` and times one
-contiguous `copy_` of the same bytes (the limit), interleaved, best of N rounds (the machines are shared and noisy).
-Two pool states: "growing" (every save lands in fresh memory: the store grows, first-touch page faults) and "full"
-(the pool is at capacity, so every save evicts and reuses the evicted buffers: the steady state of a long-running
-engine). Prints a table, writes perf/e2e.png, appends the figures and the command to perf/RESULTS.md.
+contiguous `copy_` of the same bytes (the limit), the three interleaved round by round, best of N rounds (the
+machines are shared and noisy: ratios are the figures to read). Pool states: "growing, arena" (every save lands in
+memory the store has not used yet, pre-faulted at `Ems.init`: `pool_prefault`, its start-up cost in the table),
+"growing, no arena" (the same without pre-faulting: first-touch page faults on the hot path) and "full" (the pool
+is at capacity, so every save evicts and reuses the evicted buffers: the steady state of a long-running engine).
+It also measures the fixed cost of one call: a 1-block save minus the time one copy of that block's bytes takes.
+Prints a table and the stage table of the jobs (bytes and time per stage, from `ContextCaching.jobs`), writes
+perf/e2e.png, appends the figures and the command to perf/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -15,28 +19,40 @@ import argparse
 import datetime
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from benchlib import best_of, machine
+from benchlib import machine
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
-from ems.demo import Engine, plain_copy_gbps
+from ems.demo import Engine
+from ems.jobs import JobKind, JobRecord, stage_table
 
 HERE = Path(__file__).resolve().parent
 LAYERS, HEADS, HEAD_SIZE = 16, 8, 128
 REQUEST_BYTES = 32 << 20
+STATES = ("growing, arena", "growing, no arena", "full")
 
 
-def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -> dict:
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -> tuple[dict, list[JobRecord]]:
     token_bytes = LAYERS * 2 * HEADS * HEAD_SIZE * 2
     blocks = REQUEST_BYTES // (token_bytes * block_size)
     request_bytes = blocks * block_size * token_bytes
     # "full": room for ~3 requests, so every save evicts; "growing": room for every save of the run.
-    capacity = 3 * request_bytes if pool_state == "full" else (rounds * 2 + 4) * request_bytes
-    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-e2e"), pool_capacity=capacity))
+    capacity = 3 * request_bytes + (1 << 20) if pool_state == "full" else (rounds + 4) * (request_bytes + (1 << 20))
+    prefault = capacity if pool_state == "growing, arena" else 0
+    start = time.perf_counter()
+    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-e2e"), pool_capacity=capacity, pool_prefault=prefault))
+    init_s = time.perf_counter() - start
     try:
         cc = Ems.get_cc()
         engine = Engine(LAYERS, 4 * blocks, block_size, HEADS, HEAD_SIZE, torch.float16, device)
@@ -48,41 +64,62 @@ def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -
         offsets = [block_size] * blocks
         option = CcKvOption(timeout=30_000)
         counter = iter(range(1 << 30))
+        source = torch.randn(request_bytes // 4, dtype=torch.float32, device=device)
+        target = torch.empty_like(source)
+        target.copy_(source)  # fault the copy's target in: the limit is a copy into memory in use
 
         def save_new() -> None:  # new hashes each round: a real save of blocks the pool has not seen
             base = next(counter) * blocks
             if cc.save(slots, list(range(base, base + blocks)), offsets, option).success != blocks:
                 raise RuntimeError("save incomplete")
 
+        def load() -> None:
+            last = (next(counter) - 1) * blocks
+            if cc.load(slots, list(range(last, last + blocks)), offsets, option).success != blocks:
+                raise RuntimeError("load incomplete")
+
         if pool_state == "full":
             for _ in range(4):
                 save_new()  # fill the pool so that the timed saves evict
-        save_s = best_of(save_new, rounds)
-        last = (next(counter) - 1) * blocks
-        hashes = list(range(last, last + blocks))
-
-        def load() -> None:
-            if cc.load(slots, hashes, offsets, option).success != blocks:
-                raise RuntimeError("load incomplete")
-
-        load_s = best_of(load, rounds)
-        copy = plain_copy_gbps(request_bytes, device, repeats=rounds)
+        save_s = load_s = copy_s = float("inf")
+        records: dict[str, JobRecord] = {}
+        for _ in range(rounds):  # interleaved: each round sees the same machine
+            t = _timed(save_new)
+            if t < save_s:
+                save_s, records["save"] = t, cc.jobs.last(JobKind.SAVE)  # type: ignore[assignment]
+            t = _timed(load)
+            if t < load_s:
+                load_s, records["load"] = t, cc.jobs.last(JobKind.LOAD)  # type: ignore[assignment]
+            copy_s = min(copy_s, _timed(lambda: target.copy_(source)))
+        one_block_bytes = block_size * token_bytes
+        small_copy_s = min(_timed(lambda: target[: one_block_bytes // 4].copy_(source[: one_block_bytes // 4]))
+                           for _ in range(3 * rounds))
+        one_s = float("inf")
+        for i in range(3 * rounds):
+            one_s = min(one_s, _timed(lambda: cc.save(slots[:block_size], [(1 << 40) + i], [block_size], option)))
+        store_stats = Ems._pool.nodes[0].store.stats()  # type: ignore[union-attr]
     finally:
         Ems.shutdown()
+    copy = request_bytes / copy_s / 1e9
     save, load_gbps = request_bytes / save_s / 1e9, request_bytes / load_s / 1e9
-    return {
+    row = {
         "block": block_size, "pool": pool_state, "blocks": blocks, "MiB": request_bytes / 2**20,
         "save": save, "load": load_gbps, "copy": copy, "save/copy": save / copy, "load/copy": load_gbps / copy,
+        "fixed_us": 1e6 * max(0.0, one_s - small_copy_s), "one_us": 1e6 * one_s,
+        "init_s": init_s, "prefault_s": store_stats.prefault_seconds,
     }
+    return row, [records["save"], records["load"]]
 
 
 def table(rows: list[dict]) -> str:
-    head = "| tokens/block | pool | blocks | MiB | save GB/s | load GB/s | plain copy GB/s | save/copy | load/copy |"
-    lines = [head, "|" + "---|" * 9]
+    head = ("| tokens/block | pool | blocks | MiB | save GB/s | load GB/s | plain copy GB/s | save/copy | load/copy "
+            "| 1-block save µs | fixed cost µs | pool start-up s |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         lines.append(
             f"| {r['block']} | {r['pool']} | {r['blocks']} | {r['MiB']:.0f} | {r['save']:.2f} | {r['load']:.2f} "
-            f"| {r['copy']:.2f} | {r['save/copy']:.2f} | {r['load/copy']:.2f} |"
+            f"| {r['copy']:.2f} | {r['save/copy']:.2f} | {r['load/copy']:.2f} | {r['one_us']:.0f} | {r['fixed_us']:.0f} "
+            f"| {r['init_s']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -93,9 +130,9 @@ def plot(rows: list[dict], target: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['block']} tok\n{r['pool']}" for r in rows]
+    labels = [f"{r['block']} tok\n{r['pool'].replace(', ', chr(10))}" for r in rows]
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     ax.bar(x - 0.2, [r["save/copy"] for r in rows], 0.4, label="save / plain copy")
     ax.bar(x + 0.2, [r["load/copy"] for r in rows], 0.4, label="load / plain copy")
     ax.set_xticks(x, labels)
@@ -114,9 +151,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     host = machine()
-    rows = [bench(bs, state, device, args.rounds) for bs in (16, 64, 128) for state in ("growing", "full")]
+    results = [bench(bs, state, device, args.rounds) for bs in (16, 64, 128) for state in STATES]
+    rows = [row for row, _ in results]
+    stages = stage_table([rec for row, recs in results if row["block"] == 16 for rec in recs])
+    stages = stages.replace("| job |", "| job (16 tokens/block; rows: growing+arena, growing, full) |", 1)
     text = table(rows)
     print(text)
+    print()
+    print(stages)
     if args.no_results:
         return 0
     plot(rows, HERE / "e2e.png")
@@ -127,7 +169,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"\n## End to end on the embedded pool: save/load vs one contiguous copy ({datetime.date.today()}, {device})\n\n"
             f"Command: `{command}` at commit {commit}. Machine: {host}. One request of ~32 MiB of scattered whole blocks "
             f"through `ContextCaching.save`/`load` (checks, planning, gather, checksums, store; get, verify, scatter), "
-            f"best of {args.rounds} rounds; the limit is one `copy_` of the same bytes. Plot: `perf/e2e.png`.\n\n{text}\n"
+            f"best of {args.rounds} interleaved rounds; the limit is one `copy_` of the same bytes. Fixed cost: a 1-block "
+            f"save minus one copy of its bytes. Pool start-up: `Ems.init` with `pool_prefault` (the arena). "
+            f"Plot: `perf/e2e.png`.\n\n{text}\n\nStages of the best save and load (from `ContextCaching.jobs`):\n\n"
+            f"{stages}\n"
         )
     return 0
 

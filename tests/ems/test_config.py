@@ -229,10 +229,9 @@ def test_sdk_log_directory(monkeypatch, tmp_path):
 def test_profiling_logs_stages(monkeypatch, caplog):
     import logging
 
-    from ems.context_caching import _Profile
     from ems_testlib import make_cache
 
-    monkeypatch.setattr(_Profile, "enabled", True)
+    monkeypatch.setenv("ENABLE_CC_PROFILING", "1")
     Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), pool_capacity="1MiB"))
     cc = Ems.get_cc()
     cc.register_kvcache(make_cache(blocks=2, block_size=2))

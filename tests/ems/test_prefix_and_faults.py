@@ -366,14 +366,21 @@ def test_slow_node_within_timeout_is_fine(faulty):
 
 
 @pytest.mark.parametrize("method", ["save", "async_save"])
-def test_staging_allocation_failure_is_an_ems_exception(cc, method):
-    """EmsException is the only exception type: an allocator refusing the staging buffer is EMS_INTERNAL_ERROR."""
+def test_staging_allocation_failure_is_an_ems_exception(cc, method, monkeypatch):
+    """EmsException is the only exception type: an allocator refusing the value's buffer is EMS_INTERNAL_ERROR, and
+    nothing stays reserved. (The embedded pool gathers straight into the store's buffers: the store allocates.)"""
     t = fill_random(torch.empty(16))
     keys = [PrimaryKey("a", "b")]
+    # a value larger than the whole pool is refused before anything is allocated: a miss, not an error
+    assert cc.get_result(cc.async_save(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 2**62)]])).success == 0
+    store = Ems._pool.nodes[0].store
+    used = store.stats().used_bytes
+    monkeypatch.setattr("ems.store._new_buffer", lambda nbytes: (_ for _ in ()).throw(MemoryError("no memory")))
     with pytest.raises(EmsException) as info:
-        getattr(cc, method)(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 2**62)]])
+        getattr(cc, method)(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 64)]])
     assert info.value.status_code() == EmsErrorCode.EMS_INTERNAL_ERROR
-    assert cc._staging._leased_bytes == 0
+    monkeypatch.undo()
+    assert cc._staging._leased_bytes == 0 and store.stats().used_bytes == used  # the reservation was released
     # the client still works afterwards (no leaked staging or in-flight slot)
     w = [[KvBufferWrapper(t.data_ptr(), 64)]]
     assert cc.get_result(cc.async_save(CcKvOption(), keys, w)).success == 1

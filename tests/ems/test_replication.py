@@ -190,7 +190,7 @@ def test_metrics_count_calls_blocks_and_bytes():
         assert m["load_bytes"] == 3 * block_bytes
         assert (m["exists_calls"], m["exists_hits"], m["exists_misses"]) == (1, 2, 2)
         assert m["save_seconds"] > 0 and m["save_gbps"] > 0
-        assert m["save_stage_put_seconds"] > 0 and m["load_stage_get_seconds"] > 0
+        assert m["save_stage_send_seconds"] > 0 and m["load_stage_receive_seconds"] > 0
         prometheus = pytest.importorskip("prometheus_client")
         text = prometheus.generate_latest().decode()
         assert 'ems_cc_blocks_total{op="load",rank="0",result="miss"} 1.0' in text

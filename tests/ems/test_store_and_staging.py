@@ -45,8 +45,11 @@ def test_value_format_roundtrip_and_damage():
     assert parse_header(v)["payload_len"] == 13
     for mode in ("flip", "truncate", "empty"):
         assert not is_well_formed(damage(v, mode))
-    for position in (0, 4, 24, 32):  # magic, version, payload_len, checksum: a node can see these are wrong
+    for position in (0, 5, 24, 32):  # magic, version, payload_len, checksum: a node can see these are wrong
         assert not is_well_formed(damage(v, "header", position))
+    # version 3 -> 2: a well-formed value of a version nodes still store, but never this client's: a miss
+    older = damage(v, "header", 4)
+    assert is_well_formed(older) and parse_header(older) is None
     # layout_sig/tokens_digest are only checkable by the client, which knows what it expects (valid_prefix)
     assert not is_well_formed(v + b"x")
     assert parse_header(b"short") is None
