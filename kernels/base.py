@@ -260,20 +260,29 @@ def check_pieces(planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, wh
     if stage.device != planes.device or not stage.is_contiguous():
         raise ValueError(f"{what} must be a contiguous tensor on {planes.device}")
     flat = stage.reshape(-1).view(torch.uint8)
-    table = pieces.detach().to("cpu", torch.int64).numpy()
+    if pieces.dtype == torch.int64 and pieces.device.type == "cpu" and not pieces.requires_grad:
+        table = pieces.numpy()
+    else:
+        table = pieces.detach().to("cpu", torch.int64).numpy()
     if table.ndim != 2 or table.shape[0] != 5:
         raise ValueError(f"pieces must be int64 [5, N], got {tuple(table.shape)}")
     if table.shape[1] == 0:
         return table, flat
     start, count, base, tokens, index = table
     bs = planes.block_size
-    if int(count.min()) < 1 or int(start.min()) < 0 or int((start + count).max()) > planes.num_slots:
+    end = index + count
+    # every lower bound in one reduction, every upper bound (as a difference that must be <= 0) in another
+    if int(count.min()) < 1 or int(table[[0, 2, 4]].min()) < 0:
+        raise ValueError("pieces need slots >= 0, counts >= 1, bases >= 0 and indices >= 0")
+    over = np.stack([start + count - planes.num_slots, start % bs + count - bs, end - tokens,
+                     base + tokens * planes.token_bytes - flat.numel()]).max(axis=1)
+    if int(over[0]) > 0:
         raise ValueError(f"piece slots out of range [0, {planes.num_slots})")
-    if int(((start % bs) + count).max()) > bs:
+    if int(over[1]) > 0:
         raise ValueError("a piece must stay inside one cache block")
-    if int(index.min()) < 0 or int((index + count - tokens).max()) > 0 or int(base.min()) < 0:
+    if int(over[2]) > 0:
         raise ValueError("a piece must stay inside its value")
-    if int((base + tokens * planes.token_bytes).max()) > flat.numel():
+    if int(over[3]) > 0:
         raise ValueError(f"pieces reach past the end of {what} ({flat.numel()} bytes)")
     return table, flat
 

@@ -175,6 +175,7 @@ class _PieceLayout:
     poffs: np.ndarray
     rbytes: np.ndarray
     g: int  # gcd of every plane offset and stride (one_span): the table's row stride
+    unit: int  # gcd of g, the lowest address and every plane's row bytes and token offset: divides every span
     tables: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
 
 
@@ -193,6 +194,7 @@ def _piece_layout(planes: PlaneSet) -> _PieceLayout:
         contiguous=bool(np.all(sstr == rbytes)), one_span=one_span, lo=lo, span=hi - lo, off=off, bstr=bstr,
         sstr=sstr, poffs=np.array(planes.plane_offsets, np.int64), rbytes=rbytes,
         g=_gcd(np.concatenate([off, bstr, sstr])) or int(rbytes[0]),
+        unit=_gcd(np.concatenate([off, bstr, sstr, rbytes, np.array(planes.plane_offsets, np.int64)]), lo),
     )
     planes.__dict__["_torch_piece_layout"] = layout  # lives and dies with the PlaneSet (never keeps a cache alive)
     return layout
@@ -203,7 +205,9 @@ def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, ds
     """Move M spans of `length` bytes between rows `src_idx` of `table` and staging offsets `dst_off` (bytes): ONE
     op when the staging spans sit at a constant step (a strided view), else two (through a temporary)."""
     dtype = table.dtype
-    idx = torch.from_numpy(src_idx).to(flat.device, non_blocking=True)
+    idx = torch.from_numpy(src_idx)
+    if flat.device.type != "cpu":
+        idx = idx.to(flat.device, non_blocking=True)
     units = length // width
     m = dst_off.size
     step = int(dst_off[1] - dst_off[0]) if m > 1 else length
@@ -244,7 +248,8 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather:
         if lay.one_span:
             length = c * int(lay.rbytes[0])
             dst = (bb[:, None] + tt[:, None] * lay.poffs[None, :] + ii[:, None] * lay.rbytes[None, :]).reshape(-1)
-            width = _widest([lay.g, length, lay.lo, flat_addr, _gcd(dst)])
+            # every staging offset is a part base plus multiples of `unit`: their gcd divides unit and the bases
+            width = _widest([math.gcd(lay.unit, int(bb[0]) if bb.size == 1 else _gcd(bb)), length, flat_addr])
             key = (length, width)
             rows = lay.tables.get(key)
             if rows is None:
