@@ -268,6 +268,20 @@ def check_pieces(planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, wh
         raise ValueError(f"pieces must be int64 [5, N], got {tuple(table.shape)}")
     if table.shape[1] == 0:
         return table, flat
+    if table.shape[1] == 1:  # one piece (a one-block value): the same checks on Python ints, no numpy calls
+        start, count, base, tokens, index = table[:, 0].tolist()
+        bs = planes.block_size
+        if count < 1 or start < 0 or base < 0 or index < 0:
+            raise ValueError("pieces need slots >= 0, counts >= 1, bases >= 0 and indices >= 0")
+        if start + count > planes.num_slots:
+            raise ValueError(f"piece slots out of range [0, {planes.num_slots})")
+        if start % bs + count > bs:
+            raise ValueError("a piece must stay inside one cache block")
+        if index + count > tokens:
+            raise ValueError("a piece must stay inside its value")
+        if base + tokens * planes.token_bytes > flat.numel():
+            raise ValueError(f"pieces reach past the end of {what} ({flat.numel()} bytes)")
+        return table, flat
     start, count, base, tokens, index = table
     bs = planes.block_size
     end = index + count

@@ -228,12 +228,45 @@ def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, ds
     return 2
 
 
+def _one_span_rows(planes: PlaneSet, lay: _PieceLayout, length: int, width: int) -> torch.Tensor:
+    """The cached table viewing every plane as rows of `length` bytes at a stride of `lay.g` (ints of `width`)."""
+    key = (length, width)
+    rows = lay.tables.get(key)
+    if rows is None:
+        n = (lay.span - length) // lay.g + 1
+        rows = raw_tensor(lay.lo, lay.span, planes.device).view(_INT_OF_WIDTH[width]).as_strided(
+            (n, length // width), (lay.g // width, 1))
+        lay.tables[key] = rows
+    return rows
+
+
+def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torch.Tensor, gather: bool) -> int:
+    """One piece (a one-block value) of every plane: P spans, the staging ones back to back at a constant step
+    (plane-major value): one op, a handful of numpy and torch calls (the per-call cost of a small save)."""
+    start, count, base, tokens, index = piece
+    blk, within = divmod(start, planes.block_size)
+    row = int(lay.rbytes[0])
+    length = count * row
+    first = base + index * row
+    width = _widest([math.gcd(lay.unit, base), length, int(flat.data_ptr())])
+    rows = _one_span_rows(planes, lay, length, width)
+    idx = torch.from_numpy((lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g)
+    staged = _spans_view(flat, first, planes.num_planes, length // width, tokens * row // width, rows.dtype)
+    if gather:
+        torch.index_select(rows, 0, idx, out=staged)
+    else:
+        rows.index_copy_(0, idx, staged)
+    return 1
+
+
 def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int:
     """The torch path of `CopyBackend.gather_pieces` / `scatter_pieces` (table and flat already checked): each
     (piece, plane) is one span where the plane's rows are contiguous in a block; every piece of one length of every
     plane moves in one op when the planes share one row size and one address span (CPU), else one op per plane.
     Returns the number of ops issued."""
     lay = _piece_layout(planes)
+    if table.shape[1] == 1 and lay.one_span and lay.contiguous:
+        return _move_one_piece(planes, lay, table[:, 0].tolist(), flat, gather)
     if not lay.contiguous:
         table = single_row_pieces(table)
     start, count, base, tokens, index = table
@@ -250,13 +283,7 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather:
             dst = (bb[:, None] + tt[:, None] * lay.poffs[None, :] + ii[:, None] * lay.rbytes[None, :]).reshape(-1)
             # every staging offset is a part base plus multiples of `unit`: their gcd divides unit and the bases
             width = _widest([math.gcd(lay.unit, int(bb[0]) if bb.size == 1 else _gcd(bb)), length, flat_addr])
-            key = (length, width)
-            rows = lay.tables.get(key)
-            if rows is None:
-                n = (lay.span - length) // lay.g + 1
-                rows = raw_tensor(lay.lo, lay.span, planes.device).view(_INT_OF_WIDTH[width]).as_strided(
-                    (n, length // width), (lay.g // width, 1))
-                lay.tables[key] = rows
+            rows = _one_span_rows(planes, lay, length, width)
             src = (lay.off[None, :] + b[:, None] * lay.bstr[None, :] + w[:, None] * lay.sstr[None, :]).reshape(-1)
             ops += _move_spans(rows, src // lay.g, flat, dst, length, width, gather)
             continue

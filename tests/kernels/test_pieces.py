@@ -59,6 +59,11 @@ def _check(backend: CopyBackend, bases: list[torch.Tensor], planes: PlaneSet, sl
     assert torch.equal(out, expected)
     if backend.name == "triton" and len(slots):
         assert backend.ops_issued - ops == 1  # ONE launch per call (CPU: no table upload)
+    if backend.name != "triton":  # piece by piece (the one-piece fast paths) gives the same bytes
+        one_by_one = torch.full((total,), POISON, dtype=torch.uint8)
+        for k in range(pieces.shape[1]):
+            backend.gather_pieces(planes, pieces[:, k : k + 1].contiguous(), one_by_one)
+        assert torch.equal(one_by_one, expected)
     # scatter fresh random values back into the same slots: exactly those rows change, to exactly those bytes
     src = random_tensor([total], torch.uint8, gen)
     before = [b.clone() for b in bases]
