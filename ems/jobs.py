@@ -314,7 +314,11 @@ class LoadJob:
         """(blocks written, the pool's outcome)."""
         plan, record = self.plan, self.record
         with record.stage(Stage.RECEIVE):
-            outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
+            store = self.pool.local_store if self.one_pass else None
+            if store is not None:  # the embedded store itself: no routing, batching or deadlines to apply
+                outcome = PoolOutcome(store.get_many(plan.keys), nodes_contacted=1)
+            else:
+                outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
         if self.one_pass:
             return self._verify_and_scatter_each(outcome.results), outcome
         with record.stage(Stage.VERIFY, int(plan.expected.payload_len.sum())):

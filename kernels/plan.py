@@ -90,6 +90,12 @@ def value_pieces(slots: np.ndarray, block_size: int, tok_start: np.ndarray, part
     bounds = np.asarray(tok_start, dtype=np.int64)
     if s.size == 0:
         return np.zeros((5, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if bounds.size == 2:  # one value (a one-block call): one piece when its slots are one run inside a block
+        first_slot, last_slot = int(s[0]), int(s[-1])
+        if (last_slot - first_slot == s.size - 1 and first_slot // block_size == last_slot // block_size
+                and (s.size < 3 or bool(np.all(np.diff(s) == 1)))):
+            table = np.array([[first_slot], [s.size], [int(part_base[0])], [s.size], [0]], dtype=np.int64)
+            return table, np.zeros(1, dtype=np.int64)
     new = np.empty(s.size, dtype=bool)
     new[0] = True
     new[1:] = (s[1:] != s[:-1] + 1) | (s[1:] % block_size == 0)

@@ -6,6 +6,8 @@ with gaps between them (headers). The Triton case runs in the interpreter: small
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 from ems.kernels.base import CopyBackend, PlaneSet
@@ -134,3 +136,18 @@ def test_value_pieces_whole_blocks_are_one_piece_per_block() -> None:
     slots = np.concatenate([np.arange(16) + 16 * b for b in (5, 2, 9)])
     table, value = value_pieces(slots, 16, np.array([0, 16, 32, 48]), np.array([40, 2000, 4000]))
     assert table.shape == (5, 3) and table[1].tolist() == [16, 16, 16] and value.tolist() == [0, 1, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 3))
+def test_value_pieces_cover_every_slot_in_order(block_size: int, slots: list[int], values: int) -> None:
+    """Whatever the slots, the pieces name them all, in order, each inside one block and one value."""
+    s = np.asarray(slots, np.int64)
+    cuts = np.linspace(0, s.size, values + 1).astype(np.int64)
+    table, value = value_pieces(s, block_size, cuts, np.arange(values, dtype=np.int64) * 1000)
+    start, count, base, tokens, index = table
+    expanded = np.concatenate([np.arange(a, a + c) for a, c in zip(start, count)])
+    assert expanded.tolist() == slots
+    assert np.all(start // block_size == (start + count - 1) // block_size)
+    assert np.all(base == value * 1000) and np.all(tokens == np.diff(cuts)[value])
+    assert np.all(cuts[value] + index + count <= cuts[value + 1])
