@@ -15,6 +15,13 @@ and never outlives the planes. Measured on this 2-core host (1 thread, 1 KiB row
 below: one span table of gcd-sized sub-rows would also be one op, but measured slower (DeepSeek rows 1024 + 128
 bytes, 8 layers, 4096 tokens, 1 thread: gather 0.73 GB/s as 128-byte sub-rows vs 2.62 GB/s per plane).
 
+Value-major pieces (`gather_pieces`, what V1 plans use): the same span table, with rows as long as a whole run of
+a (block, plane) (`count * row` bytes, the rows of a plane being contiguous in a block), so a one-block value is ONE
+`index_select` of P runs into the value's contiguous plane-major part (`_move_one_piece`, the embedded pool's
+per-block call: a few µs of Python around the copy); several values' runs go in one op when the staging runs sit
+at a constant step, else through a temporary (two passes). Per-layout numbers (addresses, strides, the span tables)
+are computed once and kept on the `PlaneSet`. Planes whose rows are strided inside a block move token by token.
+
 Otherwise (other devices, a span too odd to view, or planes of different row sizes): plane p is viewed as a 2-D row
 table `[N, row_units_p]` over its own storage with row stride `g = gcd(block_stride, slot_stride)`, so slot s is row
 `(s // block_size) * block_stride / g + (s % block_size) * slot_stride / g` of it — one row index per token, shared

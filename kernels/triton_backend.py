@@ -10,6 +10,11 @@ Design (Ascend first):
   one scalar int64 base plus small int32 `tl.arange` offsets. Whole-block slot mappings and chunk_descs runs thus
   cost one tile loop per (block, plane), not one per token; scattered slots degrade to one piece per token. When
   `slot_stride == row_elems` the ROWS rows of a tile are one contiguous span of the cache.
+* **Value-major pieces** (`gather_pieces`, what V1 plans use): a piece also names its value's part in staging
+  (base, the value's token count, its index there), plane p's rows of the piece sit back to back there; where
+  `slot_stride == row_elems` the piece of a plane is ONE span on both sides and the kernel tiles it along its
+  length (`SPAN` = ROWS * COLS elements per tile: the same unified-buffer budget, one int64 base plus int32
+  offsets), else 2-D tiles as below. Still one launch per call (one per layer group).
 * **All planes in one launch, through a plane table.** Each plane is addressed as `base + plane_off[p]` where
   `base` is the plane with the lowest address and `plane_off` (int64, in moved units, >= 0) comes from a small
   table next to the per-plane block and slot strides, row length and staging offset inside a token: planes of one
