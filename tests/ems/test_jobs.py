@@ -53,6 +53,9 @@ def test_records_account_for_every_byte(cc):
     totals = cc.jobs.totals(JobKind.LOAD)
     assert totals.jobs == 2 and totals.blocks_ok == 2 and totals.stages[Stage.SCATTER].nbytes == 2 * payload
     assert "scatter" in stage_table([save, load])
+    metrics = cc.metrics()  # the counters read the same job records
+    assert metrics["save_stage_gather_bytes"] == 2 * payload and metrics["load_stage_scatter_bytes"] == 2 * payload
+    assert metrics["save_blocks_ok"] == 2 and metrics["load_blocks"] == 3 and metrics["load_stage_verify_seconds"] > 0
 
 
 def test_a_damaged_value_stops_the_one_pass_load_there(cc):
