@@ -22,9 +22,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from ems.kernels.base import CopyBackend, PlaneSet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -116,6 +119,7 @@ def correctness(device: torch.device, tiny: bool) -> List[str]:
                 expect[uniq.to(device)] = src
                 if not torch.equal(_bytes(after), _bytes(expect)):
                     failures.append(f"scatter_slots {case}")
+                failures += [f"{what} {case}" for what in pieces_check(tri, ref, planes, slots, uniq, device)]
     # raw segments, odd and aligned
     buf = _rand((1 << 16,), torch.uint8, device)
     for offs, lens in (([3, 1000, 40000], [997, 5, 20001]), ([0, 4096, 8192], [4096, 64, 40000])):
@@ -126,6 +130,44 @@ def correctness(device: torch.device, tiny: bool) -> List[str]:
         want = torch.cat([buf[o:o + n] for o, n in zip(offs, lens)])
         if not torch.equal(out, want):
             failures.append(f"gather_segments {offs}")
+    return failures
+
+
+def pieces_check(tri: "CopyBackend", ref: "CopyBackend", planes: "PlaneSet", slots: torch.Tensor,
+                 unique: torch.Tensor, device: torch.device) -> List[str]:
+    """Value-major pieces (what V1 saves use): Triton vs torch gather into values with 40-byte gaps (headers), and
+    a Triton scatter read back by torch; returns the failed checks."""
+    import numpy as np
+
+    from ems.kernels.plan import value_pieces
+
+    def layout(s: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        t = s.numel()
+        counts = [t // 3, t // 3, t - 2 * (t // 3)]
+        tok_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        sizes = (40 + np.asarray(counts) * planes.token_bytes + 63) // 64 * 64
+        starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        table, _ = value_pieces(s.numpy(), planes.block_size, tok_start, starts[:-1] + 40)
+        return torch.from_numpy(table), int(starts[-1])
+
+    failures: List[str] = []
+    pieces, total = layout(slots)
+    a = torch.full((total,), 0xA5, dtype=torch.uint8, device=device)
+    b = a.clone()
+    tri.gather_pieces(planes, pieces, a)
+    ref.gather_pieces(planes, pieces, b)
+    if not torch.equal(a, b):
+        failures.append("gather_pieces")
+    pieces, total = layout(unique)
+    src = _rand((total,), torch.uint8, device)
+    tri.scatter_pieces(planes, pieces, src)
+    lo = torch.zeros(total, dtype=torch.uint8, device=device)
+    hi = torch.full((total,), 0xFF, dtype=torch.uint8, device=device)
+    ref.gather_pieces(planes, pieces, lo)
+    ref.gather_pieces(planes, pieces, hi)
+    written = lo == hi  # bytes a gather writes (whatever the poison)
+    if not torch.equal(lo[written], src[written]):
+        failures.append("scatter_pieces")
     return failures
 
 
