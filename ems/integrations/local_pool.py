@@ -7,9 +7,13 @@ returns the address of one `python -m ems.pool` node on 127.0.0.1 that every pro
 * `dir/pool.json` records `{"address": "127.0.0.1:PORT", "pid": PID}`; `dir/pool.lock` (an `fcntl` lock)
   serialises finding and starting, so concurrent processes start one node between them.
 * A recorded node that accepts a TCP connection on its port is reused. Otherwise a new node is started with
-  `--listen 127.0.0.1:0 --capacity CAPACITY` in its own session (it outlives the engine that started it, so a later
-  engine finds its blocks), its `ems-pool ready on HOST:PORT` line is read (at most `start_timeout` seconds), and
-  the file is rewritten. Its stderr goes to `dir/pool.log`.
+  `--listen 127.0.0.1:0 --capacity CAPACITY`, its `ems-pool ready on HOST:PORT` line is read (at most
+  `start_timeout` seconds), and the file is rewritten. Its stderr goes to `dir/pool.log`. Replacing a recorded
+  node that no longer answers is logged as a warning (the blocks it held are gone: later lookups miss).
+* The node is detached from the process that starts it: a short-lived launcher process starts it in its own session
+  and exits, so the node's parent is init (or the host's subreaper), never the engine. It outlives the engine that
+  started it, so a later engine finds its blocks, and an engine's shutdown that kills its own process tree (vLLM
+  SIGKILLs every descendant of an EngineCore that does not exit within its grace period) does not kill it.
 * `stop_local_pool(dir)` stops the recorded node (SIGTERM) and removes the record.
 * `default_dir()`: `$EMS_LOCAL_POOL_DIR`, else `<tmp>/ems-local-pool-<uid>`.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import select
 import signal
@@ -33,6 +38,8 @@ from dataclasses import dataclass
 from ems import EmsErrorCode, EmsException
 
 HOST = "127.0.0.1"
+
+logger = logging.getLogger("ems.integrations")
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ def read_record(directory: str) -> dict | None:
 
 
 def answers(address: str, timeout: float = 1.0) -> bool:
+    """True when something accepts a TCP connection at `address` (the node's UCX listener)."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
@@ -79,51 +87,78 @@ def answers(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
+# Runs as `python -c _LAUNCHER NODE_ARGV...`: starts the node in a new session with the launcher's stdin, stdout (the
+# caller's pipe) and stderr (pool.log), writes `pid N` to that pipe, and exits without waiting, so the node is
+# reparented away from the caller's process tree.
+_LAUNCHER = (
+    "import os, subprocess, sys\n"
+    "p = subprocess.Popen(sys.argv[1:], start_new_session=True)\n"
+    "sys.stdout.write(f'pid {p.pid}\\n'); sys.stdout.flush()\n"
+    "os._exit(0)\n"
+)
+_READY = "ems-pool ready on "
+
+
 def _start(directory: str, capacity: str, start_timeout: float) -> LocalPool:
+    deadline = time.monotonic() + start_timeout
+    node_argv = [sys.executable, "-m", "ems.pool", "--listen", f"{HOST}:0", "--capacity", capacity]
     with open(os.path.join(directory, "pool.log"), "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ems.pool", "--listen", f"{HOST}:0", "--capacity", capacity],
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, *node_argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,
             start_new_session=True,
             env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
         )
-    if proc.stdout is None:  # cannot happen with stdout=PIPE; keeps the type checker honest
+    if launcher.stdout is None:  # cannot happen with stdout=PIPE; keeps the type checker honest
         raise EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, "no stdout pipe to the local pool node")
-    deadline = time.monotonic() + start_timeout
-    line = b""
-    while not line.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or proc.poll() is not None:
-            proc.kill()
+    pid: int | None = None
+    try:
+        lines = _read_lines(launcher.stdout.fileno(), 2, deadline)  # `pid N`, then the node's ready line
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            launcher.wait(timeout=max(0.1, deadline - time.monotonic()))  # reap it (it exits at once)
+        if lines and lines[0].startswith("pid "):
+            pid = int(lines[0][4:])
+        if pid is None or len(lines) < 2 or not lines[1].startswith(_READY):
             raise EmsException(
                 EmsErrorCode.EMS_IO_ERROR,
-                f"the local pool node did not start within {start_timeout} s (see {directory}/pool.log)",
+                f"the local pool node did not start within {start_timeout} s (got {lines!r}; see {directory}/pool.log)",
             )
-        ready, _, _ = select.select([proc.stdout], [], [], left)
-        if ready:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                continue
-            line += chunk
-    text = line.decode(errors="replace").strip()
-    prefix = "ems-pool ready on "
-    if not text.startswith(prefix):
-        proc.kill()
-        raise EmsException(EmsErrorCode.EMS_IO_ERROR, f"unexpected line from the local pool node: {text!r}")
-    proc.stdout.close()
-    address = text[len(prefix):]
-    record = {"address": address, "pid": proc.pid}
+    except BaseException:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        raise
+    finally:
+        launcher.stdout.close()
+    address = lines[1][len(_READY):]
+    record = {"address": address, "pid": pid}
     tmp = _record_path(directory) + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f)
     os.replace(tmp, _record_path(directory))
-    _children.append(proc)  # reaped by whoever outlives it; kept so Python does not warn
-    return LocalPool(address, proc.pid, True)
+    return LocalPool(address, pid, True)
 
 
-_children: list[subprocess.Popen] = []
+def _read_lines(fd: int, count: int, deadline: float) -> list[str]:
+    """Up to `count` newline-terminated lines from `fd`, stopping at end of file or at `deadline`."""
+    data = b""
+    while data.count(b"\n") < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:  # every writer is gone: the node exited (or never started)
+            break
+        data += chunk
+    return [line.strip() for line in data.decode(errors="replace").splitlines()[:count]]
 
 
 def ensure_local_pool(directory: str | None = None, capacity: str = "2GiB", start_timeout: float = 60.0) -> LocalPool:
@@ -133,18 +168,33 @@ def ensure_local_pool(directory: str | None = None, capacity: str = "2GiB", star
         record = read_record(directory)
         if record is not None and answers(str(record["address"])):
             return LocalPool(str(record["address"]), int(record["pid"]), False)
-        return _start(directory, capacity, start_timeout)
+        started = _start(directory, capacity, start_timeout)
+        if record is not None:
+            logger.warning(
+                "the local pool node recorded in %s (pid %s at %s, process %s) does not answer: started a new, "
+                "empty node (pid %d at %s); blocks saved to the old node are lost",
+                directory, record["pid"], record["address"], "gone" if _gone(int(record["pid"])) else "still there",
+                started.pid, started.address,
+            )
+        else:
+            logger.info("started the local pool node (pid %d at %s, record in %s)", started.pid, started.address,
+                        directory)
+        return started
 
 
 def _gone(pid: int) -> bool:
-    for proc in _children:
-        if proc.pid == pid:
-            return proc.poll() is not None  # our own child: reap it (a zombie still answers kill(pid, 0))
+    """True when `pid` no longer runs (no such process, or a zombie its parent has not reaped yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    return False
+    except PermissionError:  # someone else's process reuses the pid
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
