@@ -356,6 +356,12 @@ class ContextCaching:
         except Exception as exc:  # the contract: a failing pool is a miss, not an exception
             logger.warning("exists: pool failure reported as 0 hits: %s", exc)
             return CcResult(0, len(keys))
+        if outcome.errors:  # said once per call, so that misses caused by a failing node are not silent
+            error = outcome.first_error()
+            logger.warning(
+                "exists: %d of %d pool node(s) failed, their keys count as misses: %s",
+                len(outcome.errors), outcome.nodes_contacted, error.message() if error is not None else "",
+            )
         result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
         self._metrics.record_exists(result.success, result.total)
         return result

@@ -4,6 +4,7 @@ saves and their statistics, through the real embedded pool and a real pool node 
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 
 import pytest
@@ -110,7 +111,7 @@ def test_load_reports_the_blocks_that_did_not_arrive(cc):
     assert stats.load_bytes == stats.load_blocks * mover._block_bytes
 
 
-def test_dead_pool_node_is_a_miss_never_an_exception(tmp_path):
+def test_dead_pool_node_is_a_miss_never_an_exception(tmp_path, caplog):
     """A real pool node: saves and loads work, then the node is killed: lookups report 0, loads report every
     block failed, saves count failures; nothing raises."""
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
@@ -130,7 +131,9 @@ def test_dead_pool_node_is_a_miss_never_an_exception(tmp_path):
         assert lookup(cc, hashes, 1, False) == 4
         assert mover.load([4, 5, 6, 7], hashes).loaded == 4
         stop_local_pool(str(tmp_path))
-        assert lookup(cc, hashes, 1, False) == 0
+        with caplog.at_level(logging.WARNING, logger="ems"):
+            assert lookup(cc, hashes, 1, False) == 0
+        assert any("exists" in r.getMessage() and node.address in r.getMessage() for r in caplog.records)  # said why
         outcome = mover.load([4, 5, 6, 7], hashes)
         assert outcome.loaded == 0 and outcome.failed_block_ids == [4, 5, 6, 7]
         mover.save_async([8], [vllm_hash(9)])
