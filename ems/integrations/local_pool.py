@@ -123,7 +123,8 @@ def _start(directory: str, capacity: str, start_timeout: float) -> LocalPool:
         if pid is None or len(lines) < 2 or not lines[1].startswith(_READY):
             raise EmsException(
                 EmsErrorCode.EMS_IO_ERROR,
-                f"the local pool node did not start within {start_timeout} s (got {lines!r}; see {directory}/pool.log)",
+                f"the local pool node did not start (it exited, or no ready line within {start_timeout} s; "
+                f"got {lines!r}; see {directory}/pool.log)",
             )
     except BaseException:
         if pid is not None:
