@@ -87,6 +87,8 @@ def reference(setup):
 
 
 def test_second_engine_serves_prefixes_from_the_pool(setup, reference):
+    from ems.integrations.local_pool import answers, read_record
+
     prompts = setup["prompts"]
     # engine A, vLLM's default multi-process mode: computes and saves prompts 0-2
     a = engine(setup, "a", [[0, 1, 2]], multiprocessing=True)
@@ -94,8 +96,13 @@ def test_second_engine_serves_prefixes_from_the_pool(setup, reference):
         assert r["tokens"] == reference[r["prompt"]]
     assert a["rounds"][0][0]["num_cached_tokens"] == 0
     assert a["rounds"][0][1]["num_cached_tokens"] == 3 * BLOCK  # vLLM's own prefix cache, not the pool
+    # the node engine A's worker started outlived A's shutdown (vLLM kills an EngineCore's whole process tree when
+    # it exits slowly); engine B must find that node, not start an empty one
+    node = read_record(setup["pool_dir"])
+    assert node is not None and answers(str(node["address"])), f"engine A's local pool node is gone: {node}"
     # engine B, a new process: the same prompts come from the pool; 3 shares only the prefix; 4 is unseen
     b = engine(setup, "b", [[0, 1, 2, 3, 4]])
+    assert read_record(setup["pool_dir"]) == node, "engine B did not use engine A's local pool node"
     cached = {r["prompt"]: r["num_cached_tokens"] for r in b["rounds"][0]}
     for r in b["rounds"][0]:
         assert r["tokens"] == reference[r["prompt"]], r["prompt"]
