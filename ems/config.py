@@ -188,7 +188,7 @@ class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
         return self.kvcache_type == KvCacheType.MLA
 
 
-_POOL_SETTINGS = (
+POOL_SETTINGS = (
     "pool_nodes",
     "pool_capacity",
     "pool_prefault",
@@ -237,14 +237,14 @@ class EmsConfig:
         cc_config_v1: Optional[CcConfig_v1] = None,
         **pool_settings: object,
     ) -> None:
-        unknown = sorted(set(pool_settings) - set(_POOL_SETTINGS))
+        unknown = sorted(set(pool_settings) - set(POOL_SETTINGS))
         if unknown:
-            raise invalid_argument(f"EmsConfig: unknown settings {unknown}; known: {list(_POOL_SETTINGS)}")
+            raise invalid_argument(f"EmsConfig: unknown settings {unknown}; known: {list(POOL_SETTINGS)}")
         self.access_id = access_id
         self.access_key = access_key
         self.cc_config = cc_config
         self.cc_config_v1 = cc_config_v1
-        for name in _POOL_SETTINGS:
+        for name in POOL_SETTINGS:
             setattr(self, name, pool_settings.get(name))
 
     @property

@@ -16,8 +16,7 @@ and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_l
 | timeout_ms          | 5000                       | `CcKvOption.timeout` of every lookup, load and save           |
 | load_failure_policy | "recompute"                | set as vLLM's `kv_load_failure_policy` ("recompute" or "fail") |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
-| pool_capacity, read_cache_capacity, staging_capacity, | as `EmsConfig` | `EmsConfig` pool settings |
-| max_inflight, kernel_backend, connect_timeout_ms, device |  |  |
+| every other `EmsConfig` pool setting (pool_capacity, pool_etcd, pool_replicas, ...) | as `EmsConfig` | see README |
 """
 
 from __future__ import annotations
@@ -31,20 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ems import CcConfig_v1, EmsConfig, EmsErrorCode, EmsException
+from ems.config import POOL_SETTINGS
 
 
 def invalid_argument(message: str) -> EmsException:
     return EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, message)
 
-EMS_SETTINGS = (
-    "pool_capacity",
-    "read_cache_capacity",
-    "staging_capacity",
-    "max_inflight",
-    "kernel_backend",
-    "connect_timeout_ms",
-    "device",
-)
+# Every `EmsConfig` pool setting except `pool_nodes` (resolved here, with the local pool): one list, config's own.
+EMS_SETTINGS = tuple(name for name in POOL_SETTINGS if name != "pool_nodes")
 KEYS = (
     "pool_nodes",
     "local_pool",
@@ -120,11 +113,16 @@ class ConnectorConfig:
     def resolve_nodes(self) -> tuple[str, ...]:
         """The pool nodes to use: the configured ones, else the host's local node (started if needed), else none
         (embedded pool, private to each process)."""
-        if self.pool_nodes or self.local_pool == LocalPoolMode.OFF:
+        if self.pool_nodes or self.local_pool == LocalPoolMode.OFF or self.uses_etcd:
             return self.pool_nodes
         from ems.integrations.local_pool import ensure_local_pool
 
         return (ensure_local_pool(self.local_pool_dir, self.local_pool_capacity).address,)
+
+    @property
+    def uses_etcd(self) -> bool:
+        """Nodes come from etcd membership (`pool_etcd` here or `EMS_POOL_ETCD`): no local pool is started."""
+        return bool(dict(self.ems_settings).get("pool_etcd") or os.environ.get("EMS_POOL_ETCD"))
 
     def ems_config(self, model_id: str, kvcache_type: str, nodes: tuple[str, ...]) -> EmsConfig:
         cc = CcConfig_v1(rank_id=0, device_id=0, model_id=model_id, llm_engine="vllm", kvcache_type=kvcache_type)

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from ems import EmsErrorCode, EmsException
+from ems.config import POOL_SETTINGS
 from ems.integrations.connector_config import (
     KEYS,
     ConnectorConfig,
@@ -32,9 +33,23 @@ def test_defaults_and_every_key(monkeypatch):
     ems_config = full.ems_config("m-1", "MLA", full.pool_nodes)
     assert ems_config.pool_nodes == ["10.0.0.1:7700", "10.0.0.2:7700"] and ems_config.max_inflight == 4
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
-    assert len(KEYS) == 16
+    assert len(KEYS) == 9 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
+
+
+def test_cluster_settings_reach_ems_config_and_etcd_starts_no_local_pool(monkeypatch):
+    monkeypatch.delenv("EMS_POOL_NODES", raising=False)
+    monkeypatch.delenv("EMS_POOL_ETCD", raising=False)
+    config = ConnectorConfig.from_extra(
+        {"pool_etcd": "http://127.0.0.1:2379", "pool_cluster": "prod", "pool_replicas": 2, "pool_prefault": 0}
+    )
+    assert config.uses_etcd and config.resolve_nodes() == ()  # no local node: membership comes from etcd
+    ems_config = config.ems_config("m", "MHA", config.resolve_nodes())
+    assert ems_config.pool_etcd == "http://127.0.0.1:2379" and ems_config.pool_cluster == "prod"
+    assert ems_config.pool_replicas == 2
+    monkeypatch.setenv("EMS_POOL_ETCD", "http://127.0.0.1:2379")
+    assert ConnectorConfig.from_extra({}).uses_etcd
 
 
 def test_equal_configs_for_every_process():
