@@ -50,11 +50,16 @@ def test_counters_follow_requests_refusals_and_connections():
         big = make_values(12, 500_000)  # 6 MB into 4 MiB: evictions
         assert all(client.put([f"b{i}".encode() for i in range(12)], big, 5.0))
 
-        # a request is counted once its reply is sent: the last one may still be finishing on the node
+        # a request is counted once its reply is sent, and the refused connection is closed a moment after its
+        # refusal: the last of either may still be finishing on the node
         deadline = time.monotonic() + 10
         while True:
             m = _scrape(metrics)
-            if m.get(("ems_pool_requests_total", (("op", "put"), ("status", "ok")))) == 2 or time.monotonic() > deadline:
+            settled = (
+                m.get(("ems_pool_requests_total", (("op", "put"), ("status", "ok")))) == 2
+                and m.get(("ems_pool_connections", ())) == 1
+            )
+            if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert m[("ems_pool_auth_failures_total", ())] == 1
