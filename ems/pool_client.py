@@ -192,7 +192,9 @@ class PoolClient:
             return answers, None
 
         out: list[tuple[list, bool]] = [([], True)] * len(jobs)
-        if self.is_local:  # in-process: nothing can hang, so no thread hop
+        if self.is_local or (len(jobs) == 1 and jobs[0][0].self_timed):
+            # in-process, nothing can hang; a lone node whose transport bounds every call by its deadline itself
+            # needs no watching thread either: no thread hop
             for j, (node, idx) in enumerate(jobs):
                 answers, error = run(node, idx)
                 if error is not None:
@@ -399,6 +401,43 @@ class PoolClient:
         )
         outcome.verified = verify
         return outcome
+
+    def get_into(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        option: CcKvOption,
+    ) -> PoolOutcome[bool]:
+        """Place each key's value in the caller's writable buffer `outs[i]` (read cache first, then, unless
+        local-only, the owning node, which receives it there without an intermediate copy when it travels alone);
+        `results[i]` is True where a value of exactly `len(outs[i])` bytes is now in `outs[i]`. A buffer whose
+        result is False holds unspecified bytes. Nothing is allocated per value on the UCX path."""
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
+        results: list = [False] * len(keys)
+        if self.read_cache is not None:
+            for i, value in enumerate(self.read_cache.get_many(keys)):
+                out = memoryview(outs[i]).cast("B")  # type: ignore[arg-type]
+                if value is not None and memoryview(value).nbytes == out.nbytes:
+                    out[:] = memoryview(value).cast("B")  # type: ignore[arg-type]
+                    results[i] = True
+        if option.read_local_only and not self.is_local:
+            return PoolOutcome(results)
+
+        def costs(idx: np.ndarray) -> Costs:
+            data = np.fromiter((memoryview(outs[i]).nbytes for i in idx.tolist()), dtype=np.int64, count=idx.size)
+            return data, _key_meta(keys, idx, KEY_META_PER_KEY), np.zeros(idx.size, dtype=np.int64)
+
+        return self._fan_out(
+            route_keys,
+            ~np.asarray(results, dtype=bool),
+            lambda node, idx, t: node.get_into([keys[i] for i in idx], [outs[i] for i in idx], t),
+            costs,
+            results,
+            timeout_seconds(option),
+            lambda i, placed: bool(placed),  # a miss (or a value of another length) asks the next owner
+        )
 
     def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
         """Whether each key is held (read cache first, then the owning node unless local-only)."""

@@ -27,6 +27,8 @@ class NodeClient(abc.ABC):
 
     #: "host:port" of a remote node, or "embedded"
     address: str = "?"
+    #: True when every call returns or raises within its `timeout_s` by itself (no caller-side thread needed)
+    self_timed: bool = False
 
     @abc.abstractmethod
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
@@ -35,6 +37,22 @@ class NodeClient(abc.ABC):
     @abc.abstractmethod
     def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
         """The stored value of each key, or None where the node has none."""
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], timeout_s: float) -> list[bool]:
+        """Place each key's stored value in the caller's writable buffer `outs[i]`; True where the node had a value
+        of exactly `len(outs[i])` bytes and it is now there (False: a miss, or a value of another length; that
+        buffer's bytes are then unspecified). Transports override this to receive in place."""
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
+        placed = []
+        for value, out in zip(self.get(keys, timeout_s), outs):
+            target = memoryview(out).cast("B")  # type: ignore[arg-type]
+            if value is None or memoryview(value).nbytes != target.nbytes:
+                placed.append(False)
+                continue
+            target[:] = memoryview(value).cast("B")  # type: ignore[arg-type]
+            placed.append(True)
+        return placed
 
     @abc.abstractmethod
     def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:

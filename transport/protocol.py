@@ -1,13 +1,24 @@
-"""The pool-node wire protocol, version 1: frames, limits and the data-segment plan (pure functions, no I/O).
+"""The pool-node wire protocol, version 2: frames, limits and the data-segment plan (pure functions, no I/O).
 
 Contract:
-* Every exchange starts with one fixed 32-byte little-endian **header** frame:
+* Every exchange starts with one fixed 32-byte little-endian **header**:
 
-      magic u32 'EMSP' | version u16 | op u16 | status u16 | flags u16 | count u32 | meta_len u32 | reserved u32 |
-      data_len u64
+      magic u32 'EMSP' | version u16 | op u16 | status u16 | flags u16 | count u32 | meta_len u32 |
+      request_id u32 | data_len u64
 
-  followed by one **meta** frame of `meta_len` bytes (absent when 0), then the **data** frames (`data_len` bytes in
-  all). Frames are UCX tagged messages on one endpoint, so their order is the send order.
+  followed by the **meta** (`meta_len` bytes, absent when 0), then the **data** (`data_len` bytes in all). Frames
+  are UCX tagged messages on one endpoint; on one tag their order is the send order.
+* Two framings. **Classic** (flags without INLINE; the handshake is always classic): the header, the meta and each
+  data frame are separate messages on the connection's base tag, and the reply comes back the same way; a node
+  serves classic requests of one connection one after the other.
+  **Inline** (flags INLINE, what `UcxNode` sends): one **head** message on the base tag carries the header, then the
+  meta when `head_layout` says it fits, then all the data when that fits too, zero-padded to a multiple of 8 bytes
+  (HEAD_BYTES at most). Every other frame of the request travels on the request's own tag (`request_id` hashed with
+  the connection's tag), and so does the whole reply, which is inline the same way. Several inline requests may be
+  in flight on one connection; the node serves them concurrently (within its in-flight budget) and each reply finds
+  its caller by its tag, so replies may come back in any order.
+* Versions: a node answers a HELLO of another version with a header of its own version, status BAD_REQUEST and a
+  message, then closes; a client refuses a reply of another version. No frame of another version is ever read.
 * Handshake (once per connection): client HELLO (meta: access_id, may be empty) → node CHALLENGE (meta: 32-byte
   nonce; flags: AUTH_REQUIRED) → client AUTH (meta: HMAC-SHA256(key, nonce ‖ access_id) or empty) → node AUTH reply
   (status OK, or AUTH_FAILED with a UTF-8 message in meta, then the node closes). The key never crosses the wire.
@@ -32,14 +43,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
-VERSION = 1
+VERSION = 2
 HEADER_DTYPE = np.dtype(
     [
         ("magic", "<u4"),
@@ -49,11 +60,12 @@ HEADER_DTYPE = np.dtype(
         ("flags", "<u2"),
         ("count", "<u4"),
         ("meta_len", "<u4"),
-        ("reserved", "<u4"),
+        ("request_id", "<u4"),
         ("data_len", "<u8"),
     ]
 )
 HEADER_SIZE = HEADER_DTYPE.itemsize  # 32
+Buffer_ = Any  # anything exposing the buffer protocol (bytes, memoryview, a numpy array)
 
 # Frame limits: a peer announcing more is malformed, and its connection is closed.
 MAX_KEYS = 1 << 16  # keys per request
@@ -65,6 +77,8 @@ MAX_CHUNKS = 4 * MAX_KEYS  # data frames of one PUT
 MAX_ID_BYTES = 512  # access_id
 
 SEGMENT_BYTES = 1 << 20  # values this large travel alone; smaller ones are packed up to about this size
+HEAD_BYTES = 8 << 10  # the largest head message of the inline framing (header + meta + small data + padding)
+MAX_REQUEST_ID = (1 << 32) - 1
 
 
 class Op(enum.IntEnum):
@@ -90,17 +104,37 @@ class Status(enum.IntEnum):
 class Flags(enum.IntFlag):
     NONE = 0
     AUTH_REQUIRED = 1  # CHALLENGE: the node only serves clients that prove a configured key
+    INLINE = 2  # a request (and its reply) in the inline framing, on the request's own tag
+
+
+ALL_FLAGS = Flags.AUTH_REQUIRED | Flags.INLINE
 
 
 class ProtocolError(Exception):
     """A frame broke the protocol: the connection it came from must be closed."""
 
 
+class VersionMismatch(ProtocolError):
+    """A well-formed header of another protocol version (`version`): refused, never read further."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"the peer speaks protocol version {version}, this side speaks {VERSION}")
+        self.version = version
+
+
 def pack_header(
-    op: int, *, count: int = 0, meta_len: int = 0, data_len: int = 0, status: Status = Status.OK, flags: int = 0
+    op: int,
+    *,
+    count: int = 0,
+    meta_len: int = 0,
+    data_len: int = 0,
+    status: Status = Status.OK,
+    flags: int = 0,
+    request_id: int = 0,
 ) -> np.ndarray:
     """A header frame as a 32-byte uint8 array (ready to send)."""
     header = np.zeros(1, dtype=HEADER_DTYPE)
+    header["request_id"] = request_id
     header["magic"] = MAGIC
     header["version"] = VERSION
     header["op"] = op
@@ -120,6 +154,11 @@ class Header:
     count: int
     meta_len: int
     data_len: int
+    request_id: int = 0
+
+    @property
+    def inline(self) -> bool:
+        return bool(self.flags & Flags.INLINE)
 
 
 def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
@@ -131,7 +170,7 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
     if int(h["magic"]) != MAGIC:
         raise ProtocolError(f"bad magic {int(h['magic']):#x}")
     if int(h["version"]) != VERSION:
-        raise ProtocolError(f"unsupported protocol version {int(h['version'])} (this side speaks {VERSION})")
+        raise VersionMismatch(int(h["version"]))
     header = Header(
         op=int(h["op"]),
         status=int(h["status"]),
@@ -139,7 +178,10 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
         count=int(h["count"]),
         meta_len=int(h["meta_len"]),
         data_len=int(h["data_len"]),
+        request_id=int(h["request_id"]),
     )
+    if header.flags & ~int(ALL_FLAGS):
+        raise ProtocolError(f"unknown flags {header.flags:#x}")
     if header.op & ~REPLY not in Op.__members__.values():
         raise ProtocolError(f"unknown op {header.op}")
     if header.count > MAX_KEYS:
@@ -149,6 +191,48 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
     if header.data_len > MAX_DATA_BYTES:
         raise ProtocolError(f"{header.data_len} data bytes in one request, limit {MAX_DATA_BYTES}")
     return header
+
+
+# ---- the inline framing ----
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Where the parts of an inline request or reply travel: in the head message or as frames of their own."""
+
+    meta_inline: bool
+    data_inline: bool
+    length: int  # bytes of the head message (a multiple of 8)
+
+
+def head_layout(meta_len: int, data_len: int) -> HeadLayout:
+    """The head of an inline message (both sides compute the same): the meta goes inline when it fits in
+    HEAD_BYTES, the data too when meta and data together fit; the head is padded to a multiple of 8 bytes, so its
+    last 8 bytes are always inline bytes (the receiver's canary check, `ucx_frames.recv_head`)."""
+    room = HEAD_BYTES - HEADER_SIZE
+    meta_inline = meta_len <= room
+    data_inline = meta_inline and meta_len + data_len <= room
+    body = (meta_len if meta_inline else 0) + (data_len if data_inline else 0)
+    return HeadLayout(meta_inline, data_inline, HEADER_SIZE + ((body + 7) & ~7))
+
+
+def pack_head(header: np.ndarray, meta: bytes | memoryview, data: Sequence[Buffer_] = ()) -> np.ndarray:
+    """An inline head: `header` (from `pack_header`, with flags INLINE), then `meta` and `data` where
+    `head_layout` puts them inline (the caller sends the rest as frames of their own), zero-padded."""
+    h = header.view(HEADER_DTYPE)[0]
+    layout = head_layout(int(h["meta_len"]), int(h["data_len"]))
+    head = np.zeros(layout.length, dtype=np.uint8)
+    head[:HEADER_SIZE] = header
+    at = HEADER_SIZE
+    if layout.meta_inline and len(meta):
+        head[at : at + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
+        at += len(meta)
+    if layout.data_inline:
+        for part in data:
+            view = np.frombuffer(part, dtype=np.uint8)
+            head[at : at + view.size] = view
+            at += view.size
+    return head
 
 
 # ---- authentication (transport/auth.py) ----

@@ -5,9 +5,14 @@ Contract:
   coroutine submitted to it. The calling thread waits at most `timeout_s`; on timeout the request is cancelled and
   the endpoint aborted (a late reply can never be read as the answer to a later request), and `TransportError
   (EMS_IO_TIMEOUT)` is raised. Lost connections, refused handshakes and malformed replies raise `EMS_IO_ERROR`.
-* One connection per node, one request at a time on it (a lock; waiting for it counts against the timeout).
-* Lazy reconnect: a call on a dropped connection reconnects first. After a failure, calls within
-  `RECONNECT_BACKOFF_S` fail at once with the last error instead of hammering a dead node.
+* One connection per node, several requests in flight on it (protocol version 2, inline framing): each request has
+  a request id, its frames after the head and its whole reply travel on its own tag, so concurrent calls (async
+  saves, TP ranks) overlap on one connection. An exists or any small request is one message each way.
+* `get_into` receives values straight into caller-provided buffers (a value alone in its segment is received in
+  place, length-verified; small packed values are copied out of their segment), so a load allocates nothing.
+* Lazy reconnect: a call on a dropped connection reconnects first (concurrent calls share one connect). After a
+  failure, calls within `RECONNECT_BACKOFF_S` fail at once with the last error instead of hammering a dead node.
+  A timeout or failure aborts the endpoint (the other requests in flight on it fail too).
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels.
 """
 
@@ -29,7 +34,7 @@ from ems.transport import protocol as P
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import create_endpoint
-from ems.transport.ucx_frames import new_canary, recv_header_frame, recv_into, send_all
+from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, send_all
 from ems.transport.ucx_frames import recv_meta as _recv_meta
 from ems.value_format import Buffer
 
@@ -123,10 +128,11 @@ def resolve(address: str) -> tuple[str, int]:
 class _Call:
     """One request's shared state between the calling thread and the UCX loop."""
 
-    __slots__ = ("abandoned",)
+    __slots__ = ("abandoned", "ep")
 
     def __init__(self) -> None:
         self.abandoned = False
+        self.ep: Any = None  # the endpoint the request ran on (only that one is dropped when it fails)
 
 
 class Failure(enum.Enum):
@@ -145,6 +151,8 @@ class _Refused(Exception):
 class UcxNode(NodeClient):
     """A remote pool node over UCX; see the module docstring."""
 
+    self_timed = True
+
     def __init__(
         self,
         address: str,
@@ -159,8 +167,9 @@ class UcxNode(NodeClient):
         self._access_key = access_key
         self._connect_timeout_s = connect_timeout_ms / 1000.0
         self._runtime = UcxRuntime.get()
-        self._lock = threading.Lock()
-        self._ep: Any = None
+        self._ep: Any = None  # touched on the UCX loop only, like the two below
+        self._connecting: Optional[asyncio.Future] = None
+        self._next_id = 0
         self._retry_at = 0.0
         self._last_error: Optional[TransportError] = None
         self.last_failure = Failure.NONE
@@ -170,22 +179,29 @@ class UcxNode(NodeClient):
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
         if not keys:
             return []
-        header, meta, chunks = _build_put(keys, values)
-        return self._call(lambda ep: _put(ep, header, meta, chunks, len(keys)), timeout_s)
+        meta, chunks, data_len = _build_put(keys, values)
+        return self._call(lambda ep, rid: _put(ep, rid, meta, chunks, data_len, len(keys)), timeout_s)
 
     def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
         if not keys:
             return []
         meta = P.encode_keys_meta(keys)
-        header = P.pack_header(P.Op.GET, count=len(keys), meta_len=len(meta))
-        return self._call(lambda ep: _get(ep, header, meta, len(keys)), timeout_s)
+        return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), None), timeout_s)
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], timeout_s: float) -> list[bool]:
+        if not keys:
+            return []
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
+        views = [_writable_bytes(o) for o in outs]
+        meta = P.encode_keys_meta(keys)
+        return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), views), timeout_s)
 
     def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:
         if not keys:
             return []
         meta = P.encode_keys_meta(keys)
-        header = P.pack_header(P.Op.EXISTS, count=len(keys), meta_len=len(meta))
-        return self._call(lambda ep: _exists(ep, header, meta, len(keys)), timeout_s)
+        return self._call(lambda ep, rid: _exists(ep, rid, meta, len(keys)), timeout_s)
 
     def ping(self, timeout_s: float) -> bool:
         try:
@@ -195,59 +211,67 @@ class UcxNode(NodeClient):
             return False
 
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        self._drop()
 
     def connect_now(self, timeout_s: float) -> None:
         """Connect (and authenticate) now instead of on the first call; TransportError on failure."""
-        self._call(lambda ep: _noop(), timeout_s)
+        self._call(lambda ep, rid: _noop(), timeout_s)
 
     # ---- machinery ----
 
-    def _call(self, request: Callable[[Any], Awaitable[Any]], timeout_s: float) -> Any:
+    def _call(self, request: Callable[[Any, int], Awaitable[Any]], timeout_s: float) -> Any:
         deadline = time.monotonic() + max(0.0, timeout_s)
-        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
-            raise TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{self.address}: busy for {timeout_s:.3f} s")
+        now = time.monotonic()
+        if now < self._retry_at and self._last_error is not None:
+            raise TransportError(
+                self._last_error.status_code(),
+                f"{self._last_error.message()} (next reconnect attempt in {self._retry_at - now:.2f} s)",
+            )
+        call = _Call()
+        future = self._runtime.submit(self._run(request, call))
         try:
-            now = time.monotonic()
-            if now < self._retry_at and self._last_error is not None:
-                raise TransportError(
-                    self._last_error.status_code(),
-                    f"{self._last_error.message()} (next reconnect attempt in {self._retry_at - now:.2f} s)",
-                )
-            call = _Call()
-            future = self._runtime.submit(self._run(request, call))
-            try:
-                result = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                self.last_failure = Failure.NONE
-                return result
-            except concurrent.futures.TimeoutError:
-                # Never cancel a request UCX still works on: its buffers must outlive it. Mark the call abandoned
-                # and abort the endpoint (in `_fail`); UCX then fails the request, which ends on its own.
-                call.abandoned = True
-                raise self._fail(EmsErrorCode.EMS_IO_TIMEOUT, f"no answer within {timeout_s:.3f} s") from None
-            except _Refused as error:
-                raise self._fail(EmsErrorCode.EMS_IO_ERROR, str(error), Failure.REFUSED) from None
-            except P.ProtocolError as error:
-                raise self._fail(EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {error}") from None
-            except TransportError as error:
-                raise self._fail(error.status_code(), error.message()) from None
-            except (asyncio.TimeoutError, TimeoutError):
-                raise self._fail(EmsErrorCode.EMS_IO_TIMEOUT, "connect timed out") from None
-            except Exception as error:  # UCX errors: connection refused, reset, peer failure
-                raise self._fail(EmsErrorCode.EMS_IO_ERROR, f"connection failed: {error!r}") from None
-        finally:
-            self._lock.release()
+            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            self.last_failure = Failure.NONE
+            return result
+        except concurrent.futures.TimeoutError:
+            # Never cancel a request UCX still works on: its buffers must outlive it. Mark the call abandoned
+            # and abort the endpoint (in `_fail`); UCX then fails the request, which ends on its own.
+            call.abandoned = True
+            raise self._fail(call, EmsErrorCode.EMS_IO_TIMEOUT, f"no answer within {timeout_s:.3f} s") from None
+        except _Refused as error:
+            raise self._fail(call, EmsErrorCode.EMS_IO_ERROR, str(error), Failure.REFUSED) from None
+        except P.ProtocolError as error:
+            raise self._fail(call, EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {error}") from None
+        except TransportError as error:
+            raise self._fail(call, error.status_code(), error.message()) from None
+        except (asyncio.TimeoutError, TimeoutError):
+            raise self._fail(call, EmsErrorCode.EMS_IO_TIMEOUT, "connect timed out") from None
+        except Exception as error:  # UCX errors: connection refused, reset, peer failure
+            raise self._fail(call, EmsErrorCode.EMS_IO_ERROR, f"connection failed: {error!r}") from None
 
-    async def _run(self, request: Callable[[Any], Awaitable[Any]], call: "_Call") -> Any:
-        """On the UCX loop: connect if needed, then run the request on the endpoint (unless its caller gave up)."""
+    async def _run(self, request: Callable[[Any, int], Awaitable[Any]], call: "_Call") -> Any:
+        """On the UCX loop: connect if needed (one connect shared by concurrent calls), then run the request on
+        the endpoint under a fresh request id (unless its caller gave up)."""
         if self._ep is None:
-            # create_endpoint bounds the connection exchange itself; the outer bound is a safety net only
-            self._ep = await asyncio.wait_for(self._open(), self._connect_timeout_s + 1.0)
+            if self._connecting is None:
+                # create_endpoint bounds the connection exchange itself; the outer bound is a safety net only
+                self._connecting = asyncio.ensure_future(asyncio.wait_for(self._open(), self._connect_timeout_s + 1.0))
+                self._connecting.add_done_callback(self._connected)
+            await asyncio.shield(self._connecting)
+        ep = self._ep
+        if ep is None:
+            raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.address}: connection lost")
+        call.ep = ep
         if call.abandoned:
             return None
-        self._runtime.live.add(self._ep)
-        return await request(self._ep)
+        self._next_id = self._next_id % P.MAX_REQUEST_ID + 1
+        return await request(ep, self._next_id)
+
+    def _connected(self, connecting: asyncio.Future) -> None:
+        self._connecting = None
+        if not connecting.cancelled() and connecting.exception() is None:
+            self._ep = connecting.result()
+            self._runtime.live.add(self._ep)
 
     async def _open(self) -> Any:
         ep = await create_endpoint(self._ip, self._port, self._connect_timeout_s)
@@ -272,10 +296,12 @@ class UcxNode(NodeClient):
             _abort(ep)
             raise
 
-    def _fail(self, code: EmsErrorCode, message: str, failure: Optional[Failure] = None) -> TransportError:
-        """Record a failure: drop the connection (a late reply must never answer a later request), back off."""
+    def _fail(
+        self, call: _Call, code: EmsErrorCode, message: str, failure: Optional[Failure] = None
+    ) -> TransportError:
+        """Record a failure: drop the call's connection (a late reply must never answer a later request), back off."""
         error = TransportError(code, message if message.startswith(self.address) else f"{self.address}: {message}")
-        self._drop()
+        self._runtime.call_soon(self._drop_on_loop, call.ep)
         self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
         self._last_error = error
         if failure is None:
@@ -284,11 +310,13 @@ class UcxNode(NodeClient):
         return error
 
     def _drop(self) -> None:
-        # `_ep` is only touched on the UCX loop; this runs after any cancellation already queued there
-        self._runtime.call_soon(self._drop_on_loop)
+        self._runtime.call_soon(self._drop_on_loop, None)
 
-    def _drop_on_loop(self) -> None:
-        ep, self._ep = self._ep, None
+    def _drop_on_loop(self, ep: Any) -> None:
+        """Drop the current connection when it is `ep` (None: whatever it is); a newer one is left alone. An `ep`
+        that failed before it became current is aborted all the same."""
+        if ep is None or ep is self._ep:
+            ep, self._ep = self._ep, None
         if ep is not None:
             self._runtime.live.discard(ep)
             _abort(ep)
@@ -301,44 +329,107 @@ async def _noop() -> None:
     return None
 
 
-async def _ping(ep: Any) -> None:
-    await ep.send(P.pack_header(P.Op.PING))
-    await _recv_header(ep, P.Op.PING | P.REPLY)
+async def _request(
+    ep: Any, rid: int, op: int, *, count: int = 0, meta: bytes = b"", data: Sequence[Any] = (), data_len: int = 0
+) -> tuple[P.Header, memoryview]:
+    """Send one inline request (head on the base tag, the rest on tag `rid`) and receive its reply's head (on tag
+    `rid`): the reply header (status OK, the expected op) and its inline bytes; the reply's meta frame, when it did
+    not fit inline, is received too and returned in place of the inline bytes."""
+    header = P.pack_header(op, count=count, meta_len=len(meta), data_len=data_len, flags=P.Flags.INLINE,
+                           request_id=rid)
+    layout = P.head_layout(len(meta), data_len)
+    head = P.pack_head(header, meta, data)
+    frames = ([] if layout.meta_inline else [meta]) + ([] if layout.data_inline else list(data))
+    await ep.send(head)
+    sends = None
+    if frames:
+        # the reply is awaited while the rest goes out: a node that refuses the request before receiving its data
+        # (too large for its in-flight budget) answers at once, and that answer must not wait behind unsent data
+        sends = asyncio.ensure_future(send_all(ep, frames, rid))
+        sends.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is reported by the reply
+    reply, body = await recv_head(ep, rid)
+    if reply.status != P.Status.OK:
+        text = bytes(body[: reply.meta_len]) if P.head_layout(reply.meta_len, 0).meta_inline else b""
+        raise _Refused(text.decode("utf-8", "replace") or f"node answered status {reply.status}")
+    if reply.op != op | P.REPLY or not reply.inline or reply.request_id != rid:
+        raise P.ProtocolError(f"expected op {op | P.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})")
+    if not P.head_layout(reply.meta_len, reply.data_len).meta_inline:
+        body = memoryview(await _recv_meta(ep, reply.meta_len, rid))
+    if sends is not None:
+        await sends
+    return reply, body
 
 
-async def _put(ep: Any, header: np.ndarray, meta: bytes, chunks: list, count: int) -> list[bool]:
-    # the reply is awaited while the data goes out: a node that refuses the request before receiving its data
-    # (too large for its in-flight budget) answers at once, and that answer must not wait behind unsent data
-    sends = asyncio.ensure_future(_send_all(ep, [header, meta, *chunks]))
-    sends.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is reported by the reply
-    reply = await _recv_header(ep, P.Op.PUT | P.REPLY)
-    flags = P.decode_flags(count, await _recv_meta(ep, reply.meta_len))
-    await sends
-    return flags
+async def _ping(ep: Any, rid: int) -> None:
+    await _request(ep, rid, P.Op.PING)
 
 
-async def _exists(ep: Any, header: np.ndarray, meta: bytes, count: int) -> list[bool]:
-    await _send_all(ep, [header, meta])
-    reply = await _recv_header(ep, P.Op.EXISTS | P.REPLY)
-    return P.decode_flags(count, await _recv_meta(ep, reply.meta_len))
+async def _put(ep: Any, rid: int, meta: bytes, chunks: list, data_len: int, count: int) -> list[bool]:
+    reply, body = await _request(ep, rid, P.Op.PUT, count=count, meta=meta, data=chunks, data_len=data_len)
+    return P.decode_flags(count, body[: reply.meta_len])
 
 
-async def _get(ep: Any, header: np.ndarray, meta: bytes, count: int) -> list[Optional[Buffer]]:
-    await _send_all(ep, [header, meta])
-    reply = await _recv_header(ep, P.Op.GET | P.REPLY)
-    lens = P.decode_get_lens(count, reply.data_len, await _recv_meta(ep, reply.meta_len))
+async def _exists(ep: Any, rid: int, meta: bytes, count: int) -> list[bool]:
+    reply, body = await _request(ep, rid, P.Op.EXISTS, count=count, meta=meta)
+    return P.decode_flags(count, body[: reply.meta_len])
+
+
+async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[memoryview]]) -> list:
+    """GET: the values (`outs` None: read-only views of fresh segments), or, with `outs`, whether each value was
+    placed in its caller buffer (a value of another length than its buffer counts as a miss)."""
+    reply, body = await _request(ep, rid, P.Op.GET, count=count, meta=meta)
+    lens = P.decode_get_lens(count, reply.data_len, body[: reply.meta_len])
+    inline = P.head_layout(reply.meta_len, reply.data_len).data_inline
     present = np.nonzero(lens >= 0)[0]
     present_lens = lens[present]
     plan = P.segment_plan(present_lens)
     offsets, sizes = P.segment_bounds(present_lens, plan)
-    segments = [np.empty(int(s), dtype=np.uint8) for s in sizes.tolist()]
+    fits = (
+        None if outs is None
+        else np.fromiter((outs[i].nbytes for i in present.tolist()), dtype=np.int64, count=present.size) == present_lens
+    )
+    segments: list = []
+    receives = []
     canary = new_canary()  # every segment's received length is verified (ucx_frames)
-    await asyncio.gather(*(recv_into(ep, memoryview(s), canary) for s in segments if s.size))
-    views = [memoryview(s).toreadonly() for s in segments]
-    out: list[Optional[Buffer]] = [None] * count
-    for i, seg, off, n in zip(present.tolist(), plan.tolist(), offsets.tolist(), present_lens.tolist()):
-        out[i] = views[seg][off : off + n]
-    return out
+    seg_start = 0
+    counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
+    first = np.cumsum(counts) - counts
+    for seg, size in enumerate(sizes.tolist()):
+        if inline:
+            segments.append(body[reply.meta_len + seg_start : reply.meta_len + seg_start + size])
+        elif fits is not None and counts[seg] == 1 and fits[first[seg]] and size:
+            target = outs[int(present[first[seg]])]  # type: ignore[index]
+            segments.append(target)  # received in place
+            receives.append(recv_into(ep, target, canary, rid))
+        else:
+            buf = memoryview(np.empty(size, dtype=np.uint8))
+            segments.append(buf)
+            if size:
+                receives.append(recv_into(ep, buf, canary, rid))
+        seg_start += size
+    if receives:
+        await asyncio.gather(*receives)
+    if outs is None:
+        views = [s if isinstance(s, memoryview) and s.readonly else memoryview(s).toreadonly() for s in segments]
+        out: list = [None] * count
+        for i, seg, off, n in zip(present.tolist(), plan.tolist(), offsets.tolist(), present_lens.tolist()):
+            out[i] = views[seg][off : off + n]
+        return out
+    placed = [False] * count
+    for j, (i, seg, off, n) in enumerate(zip(present.tolist(), plan.tolist(), offsets.tolist(), present_lens.tolist())):
+        if not fits[j]:  # type: ignore[index]
+            continue
+        if segments[seg] is not outs[i]:
+            outs[i][:] = segments[seg][off : off + n]
+        placed[i] = True
+    return placed
+
+
+def _writable_bytes(buffer: Buffer) -> memoryview:
+    view = memoryview(buffer)  # type: ignore[arg-type]
+    if view.readonly:
+        raise ValueError("get_into needs writable buffers")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _as_bytes(part: Buffer) -> memoryview:
@@ -346,9 +437,9 @@ def _as_bytes(part: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tuple[np.ndarray, bytes, list]:
-    """The PUT frames: a value big enough to be its own segment goes out part by part without a copy; small values
-    are packed into one buffer per segment."""
+def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tuple[bytes, list, int]:
+    """The PUT meta, its data chunks and their byte count: a value big enough to be its own segment goes out part by
+    part without a copy; small values are packed into one buffer per segment."""
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     parts = [[_as_bytes(p) for p in parts] for parts in values]
@@ -377,8 +468,7 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
             packed[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[index]
             at += p.nbytes
     meta = P.encode_put_meta(keys, lens, np.asarray(chunk_lens, dtype=np.int64))
-    header = P.pack_header(P.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum()))
-    return header, meta, chunks
+    return meta, chunks, int(lens.sum())
 
 
 # ---- frames ----

@@ -6,6 +6,9 @@ Contract:
   bytes. A frame of another length raises `ProtocolError` (the caller closes that connection), and a buffer that
   received a short frame is never handed on.
 * `send_all(ep, frames)` posts every frame at once (UCX keeps their order on the endpoint) and waits for all.
+* `recv_head(ep)` receives the head message of a request or reply (classic: a 32-byte header; inline:
+  `protocol.head_layout`) and returns `(header, body)`, the body being the head's inline bytes, verified too.
+* Every function takes `tag`: None for the connection's base tag, else a request id (the request's own tag).
 
 Why this design. ucxx 0.52 completes a tagged receive of a message *shorter* than the buffer without an error and
 does not report how many bytes arrived (its Python `Request` exposes no receive info; a longer message does fail,
@@ -24,6 +27,11 @@ each receive (no extra pass over the data, which zero-filling every recycled buf
   never what the buffer held before, so no byte of another tenant is exposed (and a value so damaged fails its
   checksum, since the sender cannot know those bytes).
 * Frames under 8 bytes are zero-filled before the receive: nothing stale can remain in them.
+* Head messages (up to HEAD_BYTES, of a length known only once the header is read) are received into a fresh
+  buffer whose header part is 0xFF and whose rest is the canary repeated every 8 bytes. The header check above is
+  exact; an inline head's length is a multiple of 8 (`head_layout`), so its last 8 bytes are the aligned canary
+  when fewer than length - 7 bytes arrived (refused), and the 8 bytes after it are still the canary unless the
+  message was longer than announced (refused too). The buffer is fresh, so nothing stale can be in it either way.
 """
 
 from __future__ import annotations
@@ -50,7 +58,11 @@ def _wrong_size(error: BaseException) -> bool:
     return "truncat" in text or "mismatch" in text
 
 
-async def recv_into(ep: Any, view: memoryview, canary: bytes) -> None:
+def _tagged(tag: Any) -> dict:
+    return {} if tag is None else {"tag": tag}
+
+
+async def recv_into(ep: Any, view: memoryview, canary: bytes, tag: Any = None) -> None:
     """Receive one frame of exactly `view.nbytes` bytes into `view` (writable, format "B"); see the docstring."""
     n = view.nbytes
     if n == 0:
@@ -60,7 +72,7 @@ async def recv_into(ep: Any, view: memoryview, canary: bytes) -> None:
     else:
         view[:] = bytes(n)
     try:
-        await ep.recv(view)
+        await ep.recv(view, **_tagged(tag))
     except Exception as error:
         if _wrong_size(error):
             raise P.ProtocolError(f"a frame longer than the {n} bytes announced") from None
@@ -69,11 +81,11 @@ async def recv_into(ep: Any, view: memoryview, canary: bytes) -> None:
         raise P.ProtocolError(f"a frame shorter than the {n} bytes announced")
 
 
-async def recv_header_frame(ep: Any) -> np.ndarray:
+async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
     """The raw 32 bytes of a header frame; ProtocolError when the frame had another length."""
     frame = np.full(P.HEADER_SIZE, _HEADER_FILL, dtype=np.uint8)
     try:
-        await ep.recv(frame)
+        await ep.recv(frame, **_tagged(tag))
     except Exception as error:
         if _wrong_size(error):
             raise P.ProtocolError(f"a frame longer than {P.HEADER_SIZE} bytes where a header was expected") from None
@@ -83,21 +95,46 @@ async def recv_header_frame(ep: Any) -> np.ndarray:
     return frame
 
 
-async def recv_meta(ep: Any, meta_len: int) -> bytes:
+async def recv_head(ep: Any, tag: Any = None) -> tuple[P.Header, memoryview]:
+    """A head message: its parsed header and its inline bytes (empty for a classic header); see the docstring.
+    ProtocolError when it had another length than its header announces."""
+    canary = np.frombuffer(new_canary(), dtype=np.uint8)
+    buf = np.empty(P.HEAD_BYTES, dtype=np.uint8)
+    buf.reshape(-1, CANARY_BYTES)[:] = canary
+    buf[: P.HEADER_SIZE] = _HEADER_FILL
+    try:
+        await ep.recv(buf, **_tagged(tag))
+    except Exception as error:
+        if _wrong_size(error):
+            raise P.ProtocolError(f"a message longer than {P.HEAD_BYTES} bytes where a head was expected") from None
+        raise
+    if buf[P.HEADER_SIZE - 1] == _HEADER_FILL:
+        raise P.ProtocolError(f"a frame shorter than {P.HEADER_SIZE} bytes where a header was expected")
+    header = P.unpack_header(buf[: P.HEADER_SIZE])
+    length = P.head_layout(header.meta_len, header.data_len).length if header.inline else P.HEADER_SIZE
+    if length > P.HEADER_SIZE and (buf[length - CANARY_BYTES : length] == canary).all():
+        raise P.ProtocolError(f"a head shorter than the {length} bytes announced")
+    if length + CANARY_BYTES <= P.HEAD_BYTES and not (buf[length : length + CANARY_BYTES] == canary).all():
+        raise P.ProtocolError(f"a head longer than the {length} bytes announced")
+    return header, memoryview(buf)[P.HEADER_SIZE : length]
+
+
+async def recv_meta(ep: Any, meta_len: int, tag: Any = None) -> bytes:
     """A meta frame of exactly `meta_len` bytes (checked against the protocol limit first)."""
     if meta_len > P.MAX_META_BYTES:
         raise P.ProtocolError(f"meta frame of {meta_len} bytes, limit {P.MAX_META_BYTES}")
     if meta_len == 0:
         return b""
     frame = bytearray(meta_len)
-    await recv_into(ep, memoryview(frame), new_canary())
+    await recv_into(ep, memoryview(frame), new_canary(), tag)
     return bytes(frame)
 
 
-async def send_all(ep: Any, frames: list) -> None:
+async def send_all(ep: Any, frames: list, tag: Any = None) -> None:
     """Post every frame at once (UCX keeps their order on the endpoint) and wait for all."""
     frames = [f for f in frames if len(f)]
+    kw = _tagged(tag)
     if len(frames) == 1:
-        await ep.send(frames[0])
+        await ep.send(frames[0], **kw)
     else:
-        await asyncio.gather(*(ep.send(f) for f in frames))
+        await asyncio.gather(*(ep.send(f, **kw) for f in frames))

@@ -1,8 +1,10 @@
 """The pool-node server: a `KvStore` served over UCX (`ems.transport.protocol`, version 1).
 
 Contract:
-* One asyncio event loop serves every connection (UCX progress settings: `transport.ucx_config`);
-  each connection is served by one coroutine, requests in order, so many clients are served at once. Checksumming
+* One asyncio event loop serves every connection (UCX progress settings: `transport.ucx_config`). Each
+  connection's heads are read by one coroutine; classic requests are served in order, inline requests (protocol
+  docstring) each in a task of their own, up to MAX_REQUESTS_PER_CONNECTION at once, so concurrent calls of one
+  client overlap. Checksumming
   and storing large PUTs runs in worker threads so one big request does not stall the others.
 * Handshake first (`protocol` docstring). With access keys configured, a client must prove one (HMAC over a
   fresh nonce) or is refused with AUTH_FAILED; without keys every client is accepted under the tenant it names.
@@ -17,7 +19,8 @@ Contract:
   reply never exceeds MAX_DATA_BYTES nor the budget: the values beyond it are answered as misses (so loads stop
   there), and a key named many times is looked up once. Replies are sent in windows of SEND_WINDOW_BYTES.
 * Timeouts: a connection must finish the handshake within `handshake_timeout_s`; once a request has started,
-  every frame of it (in either direction) must complete within `stall_timeout_s` of the previous one. A connection
+  every frame of it (in either direction) must complete within `stall_timeout_s` of the previous one of the same
+  request (a deadline per request in flight). A connection
   that breaks either is aborted. An authenticated connection may stay idle between requests (clients keep one).
 * Connections: at most `max_connections` in all and `max_connections_per_peer` per peer IP address; beyond that a
   new connection is aborted at once.
@@ -48,7 +51,7 @@ from ems.transport import protocol as P
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
 from ems.transport.ucx_listener import BoundListener
-from ems.transport.ucx_frames import new_canary, recv_header_frame, recv_into, recv_meta, send_all
+from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, recv_meta, send_all
 
 if TYPE_CHECKING:
     from ems.pool.metrics import NodeMetrics
@@ -63,6 +66,8 @@ WATCHDOG_PERIOD_S = 0.5
 REAP_PERIOD_S = 2.0
 MIN_INFLIGHT_BYTES = 64 << 20
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+# inline requests of one connection served at once; the connection's next head waits for a free slot
+MAX_REQUESTS_PER_CONNECTION = 32
 
 
 @dataclass(frozen=True)
@@ -106,16 +111,77 @@ class _Stage(enum.Enum):
 
 
 class _Connection:
-    """One client connection's state, as the watchdog sees it."""
+    """One client connection's state, as the watchdog sees it: a deadline per request in flight."""
 
-    __slots__ = ("ep", "peer", "stage", "deadline", "aborted")
+    __slots__ = ("ep", "peer", "stage", "deadline", "aborted", "requests", "tasks", "slots")
 
     def __init__(self, ep: Any, peer: str, deadline: float) -> None:
         self.ep = ep
         self.peer = peer
         self.stage = _Stage.HANDSHAKE
-        self.deadline = deadline
+        self.deadline = deadline  # of the handshake
         self.aborted = False
+        self.requests: dict[int, float] = {}  # request key -> deadline of its next frame
+        self.tasks: set[asyncio.Task] = set()  # inline requests being served
+        self.slots = asyncio.Semaphore(MAX_REQUESTS_PER_CONNECTION)
+
+    def overdue(self, now: float) -> Optional[str]:
+        if self.stage == _Stage.HANDSHAKE:
+            return "handshake" if now > self.deadline else None
+        return "a request" if any(now > d for d in self.requests.values()) else None
+
+
+class _Channel:
+    """Where one request's frames and reply travel: classic (base tag, in order) or inline (its own tag)."""
+
+    __slots__ = ("conn", "header", "body", "tag", "key", "server")
+
+    def __init__(self, server: "PoolServer", conn: _Connection, header: P.Header, body: memoryview, key: int) -> None:
+        self.server = server
+        self.conn = conn
+        self.header = header
+        self.body = body  # the head's inline bytes
+        self.tag = header.request_id if header.inline else None
+        self.key = key
+
+    async def timed(self, step: Awaitable[Any]) -> Any:
+        """One frame: when it completes, the next frame of this request has `stall_timeout_s` again."""
+        result = await step
+        self.conn.requests[self.key] = time.monotonic() + self.server.limits.stall_timeout_s
+        return result
+
+    async def meta(self) -> bytes:
+        h = self.header
+        if h.inline and P.head_layout(h.meta_len, h.data_len).meta_inline:
+            return bytes(self.body[: h.meta_len])
+        return await self.timed(recv_meta(self.conn.ep, h.meta_len, self.tag))
+
+    def inline_data(self) -> Optional[memoryview]:
+        """The request's data when it came inline in the head, else None (it comes as frames)."""
+        h = self.header
+        if h.inline and P.head_layout(h.meta_len, h.data_len).data_inline:
+            return self.body[h.meta_len : h.meta_len + h.data_len]
+        return None
+
+    async def reply(self, op: int, *, count: int = 0, meta: bytes = b"", data: Sequence[Any] = (),
+                    data_len: int = 0, status: P.Status = P.Status.OK) -> None:
+        """Send the reply: inline on the request's tag (the data in the head when it fits, else frames in windows
+        of SEND_WINDOW_BYTES), or classic on the base tag."""
+        ep = self.conn.ep
+        inline = self.header.inline
+        header = P.pack_header(op | P.REPLY, count=count, meta_len=len(meta), data_len=data_len, status=status,
+                               flags=P.Flags.INLINE if inline else 0, request_id=self.header.request_id)
+        if inline:
+            layout = P.head_layout(len(meta), data_len)
+            head = P.pack_head(header, meta, data)
+            first = [head] if layout.meta_inline else [head, meta]
+            await self.timed(send_all(ep, first, self.tag))
+            if layout.data_inline:
+                return
+        else:
+            await self.timed(send_all(ep, [header, meta]))
+        for window in _windows(list(data), SEND_WINDOW_BYTES):
+            await self.timed(send_all(ep, window, self.tag))
 
 
 class ByteBudget:
@@ -215,8 +281,9 @@ class PoolServer:
                     self.budget.total, len(self._connections),
                 )
             for conn in list(self._connections.values()):
-                if conn.stage != _Stage.IDLE and now > conn.deadline and not conn.aborted:
-                    log.warning("closing a connection from %s: stalled in %s", conn.peer, conn.stage.value)
+                stalled = conn.overdue(now)
+                if stalled is not None and not conn.aborted:
+                    log.warning("closing a connection from %s: stalled in %s", conn.peer, stalled)
                     conn.aborted = True
                     _abort(conn.ep)
 
@@ -229,16 +296,6 @@ class PoolServer:
                 log.warning("closed %d sockets UCX abandoned on port %d (not UCX clients)", closed, self.port)
 
     # ---- one connection ----
-
-    def _progress(self, conn: _Connection) -> None:
-        conn.stage = _Stage.BUSY
-        conn.deadline = time.monotonic() + self.limits.stall_timeout_s
-
-    async def _timed(self, conn: _Connection, step: Awaitable[Any]) -> Any:
-        """One frame of a request: when it completes, the next frame has `stall_timeout_s` again."""
-        result = await step
-        self._progress(conn)
-        return result
 
     def _admit(self, ep: Any) -> Optional[_Connection]:
         peer = peer_host(ep)
@@ -265,20 +322,31 @@ class PoolServer:
             tenant = await self._handshake(ep)
             if tenant is None:
                 return
+            conn.stage = _Stage.IDLE
             prefix = tenant_prefix(tenant)
-            while True:
-                conn.stage = _Stage.IDLE
-                header = await _recv_header(ep)
-                self._progress(conn)
+            classic = -1  # the watchdog's key for the classic request being served (inline ones: request ids)
+            while not conn.aborted:
+                await conn.slots.acquire()
                 try:
-                    await self._dispatch(conn, header, prefix)
-                except _Refusal as refusal:
-                    log.warning("refused a request from %s: %s", conn.peer, refusal)
-                    message = str(refusal).encode()
-                    reply = P.pack_header(header.op | P.REPLY, status=P.Status.BAD_REQUEST, meta_len=len(message))
-                    await self._timed(conn, send_all(ep, [reply, message]))
-                    await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
-                    return
+                    header, body = await _recv_head(ep)
+                except BaseException:
+                    conn.slots.release()
+                    raise
+                if header.inline:
+                    # served concurrently: its other frames and its reply travel on its own tag
+                    key = header.request_id
+                    if key in conn.requests:
+                        conn.slots.release()
+                        raise P.ProtocolError(f"request id {key} already in flight")
+                    conn.requests[key] = time.monotonic() + self.limits.stall_timeout_s
+                    task = asyncio.ensure_future(self._serve_request(_Channel(self, conn, header, body, key), prefix))
+                    conn.tasks.add(task)
+                    continue
+                conn.requests[classic] = time.monotonic() + self.limits.stall_timeout_s
+                try:
+                    await self._serve_request(_Channel(self, conn, header, body, classic), prefix)
+                finally:
+                    conn.slots.release()
         except _Closed:
             log.debug("client left")
         except P.ProtocolError as error:
@@ -295,12 +363,54 @@ class PoolServer:
                 self._per_peer[conn.peer] -= 1
                 if self._per_peer[conn.peer] <= 0:
                     del self._per_peer[conn.peer]
-            _abort(ep)
+            conn.aborted = True
+            _abort(ep)  # fails the UCX requests of the inline requests still in flight: their tasks end by themselves
+            if conn.tasks:
+                await asyncio.gather(*conn.tasks, return_exceptions=True)
             if self.metrics is not None:
                 self.metrics.connections.dec()
 
+    async def _serve_request(self, channel: _Channel, prefix: bytes) -> None:
+        """One request, start to reply. A refusal answers BAD_REQUEST and closes the connection; any other failure
+        closes it too (an inline request's failure aborts the endpoint, which ends the connection's loop)."""
+        conn = channel.conn
+        inline = channel.header.inline
+        try:
+            try:
+                await self._dispatch(channel, prefix)
+            except _Refusal as refusal:
+                log.warning("refused a request from %s: %s", conn.peer, refusal)
+                await channel.reply(channel.header.op, meta=str(refusal).encode(), status=P.Status.BAD_REQUEST)
+                await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
+                raise _Closed() from None
+        except BaseException as error:
+            if not inline:
+                raise
+            if not conn.aborted:
+                if isinstance(error, P.ProtocolError):
+                    log.warning("closing a connection from %s: malformed request: %s", conn.peer, error)
+                elif not isinstance(error, (_Closed, asyncio.CancelledError)):
+                    log.info("closing a connection from %s: %r", conn.peer, error)
+                conn.aborted = True
+                _abort(conn.ep)
+        finally:
+            conn.requests.pop(channel.key, None)
+            if inline:
+                conn.slots.release()
+                task = asyncio.current_task()
+                if task is not None:
+                    conn.tasks.discard(task)
+
     async def _handshake(self, ep: Any) -> Optional[str]:
-        hello = await _recv_header(ep)
+        try:
+            hello = await _recv_header(ep)
+        except P.VersionMismatch as mismatch:
+            log.warning("refused a client: %s", mismatch)
+            message = f"protocol version {mismatch.version} is not supported: this node speaks {P.VERSION}".encode()
+            reply = P.pack_header(P.Op.HELLO | P.REPLY, status=P.Status.BAD_REQUEST, meta_len=len(message))
+            await send_all(ep, [reply, message])
+            await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
+            return None
         if hello.op != P.Op.HELLO or hello.data_len or hello.meta_len > P.MAX_ID_BYTES:
             raise P.ProtocolError(f"expected HELLO, got op {hello.op}")
         access_id = P.check_access_id(await recv_meta(ep, hello.meta_len))
@@ -333,44 +443,44 @@ class PoolServer:
         log.debug("client connected as tenant %r", access_id)
         return access_id
 
-    async def _dispatch(self, conn: _Connection, header: P.Header, prefix: bytes) -> None:
+    async def _dispatch(self, channel: _Channel, prefix: bytes) -> None:
         if self.metrics is None:
-            await self._serve_request(conn, header, prefix)
+            await self._serve_op(channel, prefix)
             return
+        header = channel.header
         started, ok, nbytes = time.perf_counter(), False, 0
         try:
-            nbytes = await self._serve_request(conn, header, prefix)
+            nbytes = await self._serve_op(channel, prefix)
             ok = True
         finally:
             name = P.Op(header.op).name.lower() if header.op in P.Op._value2member_map_ else "other"
             self.metrics.request(name, ok, time.perf_counter() - started, nbytes)
 
-    async def _serve_request(self, conn: _Connection, header: P.Header, prefix: bytes) -> int:
-        """Serve one request; returns the value bytes it moved (for the metrics)."""
+    async def _serve_op(self, channel: _Channel, prefix: bytes) -> int:
+        """Serve one request's operation; returns the value bytes it moved (for the metrics)."""
+        header = channel.header
         op = header.op
-        ep = conn.ep
         if op == P.Op.PING:
             if header.meta_len or header.data_len or header.count:
                 raise P.ProtocolError("PING carries nothing")
-            await self._timed(conn, send_all(ep, [P.pack_header(P.Op.PING | P.REPLY)]))
+            await channel.reply(op)
         elif op == P.Op.PUT:
-            await self._put(conn, header, prefix)
+            await self._put(channel, prefix)
         elif op in (P.Op.GET, P.Op.EXISTS):
             if header.data_len:
                 raise P.ProtocolError("GET/EXISTS carry no data")
             await self._take(header.meta_len)
             try:
-                meta = await self._timed(conn, recv_meta(ep, header.meta_len))
+                meta = await channel.meta()
                 keys = _namespaced(prefix, P.decode_keys_meta(header.count, meta))
                 del meta
                 if op == P.Op.EXISTS:
                     flags = np.asarray(self.store.contains_many(keys), dtype=np.uint8).tobytes()
-                    reply = P.pack_header(op | P.REPLY, count=len(keys), meta_len=len(flags))
-                    await self._timed(conn, send_all(ep, [reply, flags]))
+                    await channel.reply(op, count=len(keys), meta=flags)
                     return 0
             finally:
                 self.budget.release(header.meta_len)
-            return await self._get(conn, keys)
+            return await self._get(channel, keys)
         else:
             raise P.ProtocolError(f"unexpected op {op} after the handshake")
         return header.data_len
@@ -384,27 +494,35 @@ class PoolServer:
         if not await self.budget.acquire(nbytes, self.limits.stall_timeout_s):
             raise _Refusal(f"node busy: no room for a request of {nbytes} bytes within {self.limits.stall_timeout_s} s")
 
-    async def _put(self, conn: _Connection, header: P.Header, prefix: bytes) -> None:
-        ep = conn.ep
+    async def _put(self, channel: _Channel, prefix: bytes) -> None:
+        header = channel.header
+        ep = channel.conn.ep
         charge = header.meta_len + header.data_len
-        await self._take(charge)  # before anything of the request is received
+        await self._take(charge)  # before anything of the request beyond its head is received
         try:
-            meta = await self._timed(conn, recv_meta(ep, header.meta_len))
+            meta = await channel.meta()
             request = P.decode_put_meta(header.count, header.data_len, meta)
             del meta
             # receive into buffers recycled from evicted values where the store has them (no first-touch page
             # faults); every receive verifies its length, so a recycled buffer's old bytes can never be stored
             segments = [self.store.allocate(int(size)) for size in request.segment_sizes.tolist()]
-            views = [memoryview(s) for s in segments]
-            ends = (request.chunk_offsets + request.chunk_lens).tolist()
-            canary = new_canary()
-            await asyncio.gather(
-                *(
-                    self._timed(conn, recv_into(ep, views[s][a:b], canary))
-                    for s, a, b in zip(request.chunk_segments.tolist(), request.chunk_offsets.tolist(), ends)
+            inline = channel.inline_data()
+            if inline is not None:
+                # the data came in the (verified) head: copy it over every byte of the segments
+                starts = np.cumsum(request.segment_sizes) - request.segment_sizes
+                for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
+                    seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
+            else:
+                views = [memoryview(s) for s in segments]
+                ends = (request.chunk_offsets + request.chunk_lens).tolist()
+                canary = new_canary()
+                await asyncio.gather(
+                    *(
+                        channel.timed(recv_into(ep, views[s][a:b], canary, channel.tag))
+                        for s, a, b in zip(request.chunk_segments.tolist(), request.chunk_offsets.tolist(), ends)
+                    )
                 )
-            )
-            del views
+                del views
             keys = _namespaced(prefix, request.keys)
             values = _split_values(
                 segments, request.plan, request.value_offsets, request.value_lens, request.segment_sizes
@@ -421,14 +539,13 @@ class PoolServer:
         finally:
             self.budget.release(charge)
         flags = np.asarray(stored, dtype=np.uint8).tobytes()
-        reply = P.pack_header(P.Op.PUT | P.REPLY, count=len(keys), meta_len=len(flags))
-        await self._timed(conn, send_all(ep, [reply, flags]))
+        await channel.reply(P.Op.PUT, count=len(keys), meta=flags)
 
     def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[bool]:
         return [self.store.put_owned(k, v) for k, v in zip(keys, values)]
 
-    async def _get(self, conn: _Connection, keys: Sequence[bytes]) -> int:
-        ep = conn.ep
+    async def _get(self, channel: _Channel, keys: Sequence[bytes]) -> int:
+        conn = channel.conn
         found = dict(zip(dict.fromkeys(keys), self.store.get_many(list(dict.fromkeys(keys)))))  # each key once
         values = [found[k] for k in keys]
         del found
@@ -466,10 +583,7 @@ class PoolServer:
                     frames.append(buf)
             del values
             meta = lens.astype("<i8").tobytes()
-            header = P.pack_header(P.Op.GET | P.REPLY, count=len(keys), meta_len=len(meta), data_len=total)
-            await self._timed(conn, send_all(ep, [header, meta]))
-            for window in _windows(frames, SEND_WINDOW_BYTES):
-                await self._timed(conn, send_all(ep, window))
+            await channel.reply(P.Op.GET, count=len(keys), meta=meta, data=frames, data_len=total)
         finally:
             self.budget.release(total)
         return total
@@ -505,6 +619,15 @@ async def _recv_header(ep: Any) -> P.Header:
     except Exception as error:
         raise _Closed() from error
     return P.unpack_header(frame)
+
+
+async def _recv_head(ep: Any) -> tuple[P.Header, memoryview]:
+    try:
+        return await recv_head(ep)
+    except P.ProtocolError:
+        raise
+    except Exception as error:
+        raise _Closed() from error
 
 
 def _windows(frames: list, window_bytes: int) -> list[list]:

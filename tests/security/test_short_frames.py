@@ -114,7 +114,7 @@ def test_client_refuses_a_short_reply_segment():
     from ems.errors import EmsErrorCode
     from ems.transport.base import TransportError
     from ems.transport.ucx import UcxNode, UcxRuntime
-    from ems.transport.ucx_frames import recv_header_frame, recv_meta, send_all
+    from ems.transport.ucx_frames import recv_head, recv_header_frame, recv_meta, send_all
 
     value = joined(make_values(1, 300_000, seed=3)[0])
 
@@ -126,11 +126,13 @@ def test_client_refuses_a_short_reply_segment():
             await send_all(ep, [P.pack_header(P.Op.CHALLENGE, meta_len=len(nonce)), nonce])
             await recv_header_frame(ep)
             await send_all(ep, [P.pack_header(P.Op.AUTH | P.REPLY)])
-            header = P.unpack_header(await recv_header_frame(ep))
-            await recv_meta(ep, header.meta_len)
+            header, _ = await recv_head(ep)  # the GET, inline (protocol version 2)
+            rid = header.request_id
             lens = np.array([len(value)], "<i8").tobytes()
-            reply = P.pack_header(P.Op.GET | P.REPLY, count=1, meta_len=8, data_len=len(value))
-            await send_all(ep, [reply, lens, np.frombuffer(value[:10], np.uint8)])  # 10 bytes of 300,040
+            reply = P.pack_header(P.Op.GET | P.REPLY, count=1, meta_len=8, data_len=len(value),
+                                  flags=P.Flags.INLINE, request_id=rid)
+            # the head (header and lens) and then a data frame of 10 bytes of 300,040, on the request's tag
+            await send_all(ep, [P.pack_head(reply, lens), np.frombuffer(value[:10], np.uint8)], rid)
             await asyncio.sleep(2.0)
         except Exception:  # the client hung up
             pass

@@ -1,4 +1,4 @@
-"""Wire protocol v1 (pure functions): header round trip and limits, segment plans, meta frames, the HMAC proof."""
+"""Wire protocol v2 (pure functions): header round trip and limits, segment plans, meta frames, the HMAC proof."""
 
 from __future__ import annotations
 
@@ -103,3 +103,34 @@ def test_auth_mac_binds_key_nonce_and_tenant():
     assert not P.check_mac("L" * 40, nonce, "tenant-a", mac)
     assert not P.check_mac(key, b"m" * 32, "tenant-a", mac)
     assert not P.check_mac(key, nonce, "tenant-b", mac)
+
+
+def test_version_mismatch_and_unknown_flags_are_refused():
+    header = P.pack_header(P.Op.PING)
+    header.view(P.HEADER_DTYPE)["version"] = 1
+    with pytest.raises(P.VersionMismatch) as info:
+        P.unpack_header(header)
+    assert info.value.version == 1
+    with pytest.raises(P.ProtocolError, match="flags"):
+        P.unpack_header(P.pack_header(P.Op.PING, flags=0x80))
+    assert P.unpack_header(P.pack_header(P.Op.GET, request_id=P.MAX_REQUEST_ID)).request_id == P.MAX_REQUEST_ID
+
+
+@given(st.integers(0, 3 * P.HEAD_BYTES), st.integers(0, 3 * P.HEAD_BYTES))
+def test_head_layout_properties(meta_len, data_len):
+    layout = P.head_layout(meta_len, data_len)
+    assert layout.length % 8 == 0 and P.HEADER_SIZE <= layout.length <= P.HEAD_BYTES
+    assert layout.data_inline <= layout.meta_inline
+    body = meta_len * layout.meta_inline + data_len * layout.data_inline
+    assert body <= layout.length - P.HEADER_SIZE < body + 8
+    assert layout.meta_inline == (meta_len <= P.HEAD_BYTES - P.HEADER_SIZE)
+
+
+def test_pack_head_puts_meta_and_data_inline():
+    meta, data = b"m" * 13, [b"ab", np.frombuffer(b"cde", np.uint8)]
+    header = P.pack_header(P.Op.PUT, count=1, meta_len=len(meta), data_len=5, flags=P.Flags.INLINE, request_id=3)
+    head = P.pack_head(header, meta, data)
+    assert len(head) == P.HEADER_SIZE + 24
+    assert bytes(head[P.HEADER_SIZE : P.HEADER_SIZE + 18]) == meta + b"abcde" and not head[P.HEADER_SIZE + 18 :].any()
+    parsed = P.unpack_header(head[: P.HEADER_SIZE])
+    assert parsed.inline and parsed.request_id == 3
