@@ -496,43 +496,45 @@ class PoolServer:
 
     async def _put(self, channel: _Channel, prefix: bytes) -> None:
         header = channel.header
-        ep = channel.conn.ep
         charge = header.meta_len + header.data_len
         await self._take(charge)  # before anything of the request beyond its head is received
         try:
             meta = await channel.meta()
             request = P.decode_put_meta(header.count, header.data_len, meta)
             del meta
-            # receive into buffers recycled from evicted values where the store has them (no first-touch page
-            # faults); every receive verifies its length, so a recycled buffer's old bytes can never be stored
-            segments = [self.store.allocate(int(size)) for size in request.segment_sizes.tolist()]
-            inline = channel.inline_data()
-            if inline is not None:
-                # the data came in the (verified) head: copy it over every byte of the segments
-                starts = np.cumsum(request.segment_sizes) - request.segment_sizes
-                for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
-                    seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
-            else:
-                views = [memoryview(s) for s in segments]
-                ends = (request.chunk_offsets + request.chunk_lens).tolist()
-                canary = new_canary()
-                await asyncio.gather(
-                    *(
-                        channel.timed(recv_into(ep, views[s][a:b], canary, channel.tag))
-                        for s, a, b in zip(request.chunk_segments.tolist(), request.chunk_offsets.tolist(), ends)
-                    )
-                )
-                del views
             keys = _namespaced(prefix, request.keys)
-            values = _split_values(
-                segments, request.plan, request.value_offsets, request.value_lens, request.segment_sizes
-            )
+            # Receive into buffers recycled from evicted values where the store has them (no first-touch page
+            # faults); every receive verifies its length, so a recycled buffer's old bytes can never be stored.
+            # A value alone in its segment is stored as that buffer: room for it is reserved first, so a full
+            # node's evictions hand their buffers straight to the next receive (steady-state recycling).
+            sizes = request.segment_sizes
+            lone = request.value_lens == sizes[request.plan]  # each value: alone in its segment
+            reserves = np.zeros(sizes.size, dtype=np.int64)
+            key_lens = np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
+            reserves[request.plan[lone]] = [
+                self.store.charge_of(int(k), int(n)) for k, n in zip(key_lens[lone], request.value_lens[lone])
+            ]
+            reserves[reserves > self.store.capacity_bytes] = 0  # refused by `put_owned` anyway: nothing to reserve
+            segments: list = []
+            try:
+                for size, reserve in zip(sizes.tolist(), reserves.tolist()):
+                    segments.append(self.store.allocate(int(size), reserve=int(reserve)))
+                await self._receive_put(channel, request, segments)
+            except BaseException:
+                for seg, reserve in zip(segments, reserves.tolist()):
+                    self.store.recycle(seg, reserved=int(reserve))  # every receive into it has ended
+                raise
+            values = _split_values(segments, request.plan, request.value_offsets, request.value_lens, sizes)
+            reserved = np.where(lone, reserves[request.plan], 0).tolist()
+            for seg, reserve in zip(segments, reserves.tolist()):
+                if reserve == 0:  # a packed segment: its values were copied out
+                    self.store.recycle(seg)
             del segments
             if header.data_len > OFFLOAD_BYTES:
                 loop = asyncio.get_running_loop()
-                stored = await loop.run_in_executor(self._executor, self._store_all, keys, values)
+                stored = await loop.run_in_executor(self._executor, self._store_all, keys, values, reserved)
             else:
-                stored = self._store_all(keys, values)
+                stored = self._store_all(keys, values, reserved)
             if self.metrics is not None and not all(stored):
                 self.metrics.count_damaged(values, stored)
             del values
@@ -541,8 +543,36 @@ class PoolServer:
         flags = np.asarray(stored, dtype=np.uint8).tobytes()
         await channel.reply(P.Op.PUT, count=len(keys), meta=flags)
 
-    def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> list[bool]:
-        return [self.store.put_owned(k, v) for k, v in zip(keys, values)]
+    def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview], reserved: Sequence[int]) -> list[bool]:
+        """Store each value; `reserved[i]`: the bytes `allocate` reserved for it (released on every path)."""
+        return [self.store.put_owned(k, v, reserved=r) for k, v, r in zip(keys, values, reserved)]
+
+    async def _receive_put(self, channel: _Channel, request: P.PutRequest, segments: list) -> None:
+        """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
+        by length-verified receives on the request's tag. Returns only once every receive has ended (so a failed
+        request's buffers can be recycled: UCX writes into none of them any more)."""
+        inline = channel.inline_data()
+        if inline is not None:
+            starts = np.cumsum(request.segment_sizes) - request.segment_sizes
+            for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
+                seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
+            return
+        views = [memoryview(s) for s in segments]
+        ends = (request.chunk_offsets + request.chunk_lens).tolist()
+        canary = new_canary()
+        outcomes = await asyncio.gather(
+            *(
+                channel.timed(recv_into(channel.conn.ep, views[s][a:b], canary, channel.tag))
+                for s, a, b in zip(request.chunk_segments.tolist(), request.chunk_offsets.tolist(), ends)
+            ),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                if not channel.conn.aborted:  # the others' receives would still be posted: end them all
+                    channel.conn.aborted = True
+                    _abort(channel.conn.ep)
+                raise outcome
 
     async def _get(self, channel: _Channel, keys: Sequence[bytes]) -> int:
         conn = channel.conn

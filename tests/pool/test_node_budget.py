@@ -43,3 +43,28 @@ def test_send_windows_keep_order_and_bound(sizes):
     groups = _windows(frames, 20)
     assert [f for g in groups for f in g] == frames
     assert all(sum(map(len, g)) <= 20 or len(g) == 1 for g in groups)
+
+
+def test_a_full_node_receives_new_keys_into_recycled_buffers():
+    """The node's path for a lone value (`allocate` with a reservation, fill, `put_owned(reserved=)`, as
+    `PoolServer._put` does) with new keys at capacity: the buffers it evicts are the ones it receives into next
+    (issue 8: without the reservation `_insert` dropped them before the next allocation), and a stored value is never
+    a recycled buffer's old bytes."""
+    import numpy as np
+
+    from ems.store import KvStore
+    from pool_testlib import joined, make_values
+
+    value_len = (1 << 20) + 40
+    store = KvStore(6 * value_len)
+    values = [joined(v) for v in make_values(40, 1 << 20, seed=11)]
+    for i, value in enumerate(values):
+        key = f"new-{i}".encode()
+        reserve = store.charge_of(len(key), value_len)
+        buffer = store.allocate(value_len, reserve=reserve)
+        buffer[:] = np.frombuffer(value, np.uint8)
+        assert store.put_owned(key, buffer, reserved=reserve)
+    stats = store.stats()
+    assert stats.reused_buffers >= 30, stats
+    assert stats.used_bytes + stats.spare_bytes <= store.capacity_bytes
+    assert bytes(store.get(b"new-39")) == values[39] and store.get(b"new-0") is None
