@@ -1,11 +1,16 @@
-"""Pool-node throughput, side by side in one run: EMS pool (1 and 3 local nodes) vs raw UCXX vs Redis.
+"""Pool-node figures, side by side in one run: the EMS pool over UCX vs raw UCXX vs Redis vs Mooncake Store.
 
-For each value size, the same batch of well-formed EMS values (header + payload) is saved and loaded:
-* ems-1 / ems-3: through `PoolClient` + `UcxNode` to 1 or 3 `python -m ems.pool` processes (routing, per-node
-  fan-out, protocol, checksum on the node);
-* raw-ucxx: the same bytes as one UCX tagged message per value, same UCX settings, to an echo/sink peer;
-* redis: a local redis-server (no persistence), pipelined SET / GET of the same values.
-Prints a table, writes perf/pool.png. Usage: python perf/bench_pool.py [--quick]
+Throughput, for each value size (default 1 MiB), on the same batch of well-formed EMS values (header + payload):
+* ems-1 / ems-3: `PoolClient` + `UcxNode` to 1 or 3 `python -m ems.pool` processes (routing, protocol v2, the node
+  checks each value's XXH3 before storing); loads with `PoolClient.get_into` (received into reused buffers);
+* raw: the same bytes as one UCX tagged message per value, same UCX settings, to a sink/source peer process;
+* redis: a local redis-server (no persistence), pipelined SET / GET of the same values;
+* mooncake: Mooncake Store (`mooncake_master` on loopback, TCP transfer engine, the segment in a second process),
+  `batch_put_from` / `batch_get_into` of the same values from registered buffers (skipped, with the reason printed,
+  when it cannot run).
+Per call (median of many): exists of 1 key, save and load of one 1 MiB value, next to a raw UCXX round trip, Redis
+EXISTS/SET/GET and Mooncake `is_exist`/put/get; and 1-value saves per second to one node, 1 vs 8 in flight on one
+connection. Prints tables, writes perf/pool.png. Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake]
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -29,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests" / "pool"))
 import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
-from benchlib import best_of  # noqa: E402
+from benchlib import best_of, machine  # noqa: E402
 
 from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx import UcxNode, UcxRuntime  # noqa: E402
@@ -48,14 +55,25 @@ async def main():
     import ucxx
     async def handle(ep):
         hdr = np.empty(3, np.uint64)
+        pool = {}
         while True:
             try:
                 await ep.recv(hdr)
             except Exception:
                 return
             op, n, size = (int(x) for x in hdr)
-            if op == 0:  # sink n messages of size, then ack
-                bufs = [np.empty(size, np.uint8) for _ in range(n)]
+            if op == 2:  # a round trip: answer `size` bytes
+                await ep.send(np.ones(max(size, 1), np.uint8))
+                continue
+            if op == 3:  # sink one message of `size` per request, ack each
+                buf = np.empty(size, np.uint8)
+                await ep.recv(buf)
+                await ep.send(np.ones(1, np.uint8))
+                continue
+            if op == 0:  # sink n messages of size into reused buffers (no page faults, like a warm node), then ack
+                if len(pool.get(size, [])) < n:
+                    pool[size] = [np.ones(size, np.uint8) for _ in range(n)]
+                bufs = pool[size][:n]
                 await asyncio.gather(*(ep.recv(b) for b in bufs))
                 await ep.send(np.ones(1, np.uint8))
             else:  # send n messages of size
@@ -76,6 +94,7 @@ class RawUcx:
         from ems.transport.ucx_endpoint import create_endpoint
 
         self.ep = self.rt.submit(create_endpoint("127.0.0.1", port, 5.0)).result(10)
+        self._bufs: dict = {}
 
     def put(self, values: list) -> None:
         async def run() -> None:
@@ -88,10 +107,34 @@ class RawUcx:
     def get(self, n: int, size: int) -> None:
         async def run() -> None:
             await self.ep.send(np.array([1, n, size], np.uint64))
-            bufs = [np.empty(size, np.uint8) for _ in range(n)]
+            if len(self._bufs.get(size, [])) < n:  # reused receive buffers, as `get_into` is given
+                self._bufs[size] = [np.ones(size, np.uint8) for _ in range(n)]
+            bufs = self._bufs[size][:n]
             await asyncio.gather(*(self.ep.recv(b) for b in bufs))
 
         self.rt.submit(run()).result(120)
+
+    def round_trip(self, size: int = 8) -> None:
+        async def run() -> None:
+            await self.ep.send(np.array([2, 0, size], np.uint64))
+            await self.ep.recv(np.empty(max(size, 1), np.uint8))
+
+        self.rt.submit(run()).result(10)
+
+    def put_one(self, value: np.ndarray) -> None:
+        async def run() -> None:
+            await self.ep.send(np.array([3, 1, value.size], np.uint64))
+            await self.ep.send(value)
+            await self.ep.recv(np.empty(1, np.uint8))
+
+        self.rt.submit(run()).result(10)
+
+    def get_one(self, out: np.ndarray) -> None:
+        async def run() -> None:
+            await self.ep.send(np.array([1, 1, out.size], np.uint64))
+            await self.ep.recv(out)
+
+        self.rt.submit(run()).result(10)
 
     def close(self) -> None:
         self.rt.call_soon(self.ep.abort)
@@ -146,98 +189,294 @@ class Redis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class Mooncake:
+    """Mooncake Store on loopback: `mooncake_master`, one storage process holding the segment (the peer the data
+    crosses TCP to, like a pool node), and this process as a client with registered source/destination buffers."""
+
+    SEGMENT = r"""
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", "127.0.0.1:" + sys.argv[1])
+print("ready", rc, flush=True)
+while True:
+    time.sleep(1)
+"""
+
+    def __init__(self, segment_bytes: int, buffer_bytes: int) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+        if not Path(exe).exists():
+            raise RuntimeError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        port = 50600 + os.getpid() % 300
+        self.procs = [subprocess.Popen(
+            [exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", "--default_kv_lease_ttl=50",
+             "--enable_http_metadata_server=false", f"--metrics_port={port + 1}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        time.sleep(1.5)
+        seg = subprocess.Popen([sys.executable, "-u", "-c", self.SEGMENT, str(port), str(segment_bytes)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(seg)
+        line = seg.stdout.readline() if seg.stdout else ""
+        if not line.startswith("ready 0"):
+            self.close()
+            raise RuntimeError(f"Mooncake storage process did not start: {line!r}")
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", f"127.0.0.1:{port}")
+        if rc != 0:
+            self.close()
+            raise RuntimeError(f"Mooncake client setup failed: {rc}")
+        self.src = np.empty(buffer_bytes, np.uint8)
+        self.dst = np.empty(buffer_bytes, np.uint8)
+        for buf in (self.src, self.dst):
+            if self.store.register_buffer(buf.ctypes.data, buf.nbytes) != 0:
+                raise RuntimeError("Mooncake register_buffer failed")
+        self.generation = 0
+
+    def load_values(self, flat: list) -> None:
+        at = 0
+        for f in flat:
+            self.src[at : at + len(f)] = np.frombuffer(f, np.uint8)
+            at += len(f)
+
+    def put(self, keys: list, size: int) -> list:
+        """batch_put_from of the values in `src` under fresh keys (Mooncake does not overwrite); the keys used."""
+        self.generation += 1
+        names = [f"{k.decode()}-{self.generation}" for k in keys]
+        ptrs = [self.src.ctypes.data + i * size for i in range(len(keys))]
+        codes = self.store.batch_put_from(names, ptrs, [size] * len(keys))
+        if any(c != 0 for c in codes):
+            raise RuntimeError(f"Mooncake batch_put_from: {set(codes)}")
+        self.last = names
+        return names
+
+    def get(self, names: list, size: int) -> None:
+        ptrs = [self.dst.ctypes.data + i * size for i in range(len(names))]
+        got = self.store.batch_get_into(names, ptrs, [size] * len(names))
+        if any(g != size for g in got):
+            raise RuntimeError(f"Mooncake batch_get_into: {set(got)}")
+
+    def clear(self) -> None:
+        time.sleep(0.1)  # past the 50 ms lease
+        self.store.remove_all()
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except Exception:  # never set up
+            pass
+        for proc in reversed(self.procs):
+            proc.kill()
+            proc.wait()
+
+
+def median_us(fn: Callable[[], object], calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e6
+
+
+def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, option: CcKvOption) -> float:
+    """1-value saves per second on one PoolClient (one connection per node), `in_flight` callers at once."""
+    per = total // in_flight
+    errors: list = []
+
+    def worker(t: int) -> None:
+        for i in range(per):
+            key = f"conc-{in_flight}-{t}-{i}".encode()
+            if not pool.put([key], [key], [value], option).results[0]:
+                errors.append(key)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(in_flight)]
+    start = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} saves failed")
+    return per * in_flight / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller batches and fewer repeats")
+    parser.add_argument("--sweep", action="store_true", help="value sizes 64 KiB .. 16 MiB (default: 1 MiB only)")
+    parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per call, MiB")
     args = parser.parse_args()
     batch = (16 if args.quick else args.batch_mib) << 20
-    repeats = 2 if args.quick else 3
+    repeats = 3 if args.quick else 5
+    calls = 40 if args.quick else 150
+    sizes = SIZES if args.sweep else [1 << 20]
     option = CcKvOption(timeout=60_000, write_rcache=False)
+    print(f"# {machine()}")
 
     nodes = [PoolProcess("2GiB") for _ in range(3)]
     raw = RawUcx()
     red = Redis()
+    moon: Optional[Mooncake] = None
+    moon_reason = "--no-mooncake"
+    if not args.no_mooncake:
+        try:
+            moon = Mooncake(1 << 30, batch + (16 << 20))
+        except Exception as error:  # reported in the table's notes
+            moon_reason = f"{type(error).__name__}: {error}"
+            print(f"Mooncake skipped: {moon_reason}", flush=True)
     rows = []
+    per_call: dict = {}
     try:
         pools = {
             "ems-1": PoolClient([UcxNode(nodes[0].address, connect_timeout_ms=5000)]),
             "ems-3": PoolClient([UcxNode(n.address, connect_timeout_ms=5000) for n in nodes]),
         }
-        for size in SIZES:
+        for size in sizes:
             n = max(2, batch // size)
             values = make_values(n, size - 40, seed=size)  # each value (with its 40-byte header) is `size` bytes
             flat = [b"".join(v) for v in values]
             total = n * size
             keys = [f"bench-{size}-{i}".encode() for i in range(n)]
-            row = {"size": size}
+            outs = [np.empty(size, np.uint8) for _ in range(n)]
+            row: dict = {"size": size}
             for name, pool in pools.items():
                 ks = [name.encode() + k for k in keys]
                 row[f"{name} save"] = total / best_of(lambda: pool.put(ks, ks, values, option), repeats) / 1e9
-                out = pool.get(ks, ks, option)
-                if any(o is None for o in out.results):
+                out = pool.get_into(ks, ks, outs, option)
+                if not all(out.results) or bytes(outs[-1]) != flat[-1]:
                     raise RuntimeError(f"{name}: a value did not come back ({out.errors})")
-                row[f"{name} load"] = total / best_of(lambda: pool.get(ks, ks, option), repeats) / 1e9
+                row[f"{name} load"] = total / best_of(lambda: pool.get_into(ks, ks, outs, option), repeats) / 1e9
             arrays = [np.frombuffer(f, np.uint8) for f in flat]
             row["raw save"] = total / best_of(lambda: raw.put(arrays), repeats) / 1e9
             row["raw load"] = total / best_of(lambda: raw.get(n, size), repeats) / 1e9
             row["redis save"] = total / best_of(lambda: red.put(keys, flat), repeats) / 1e9
             row["redis load"] = total / best_of(lambda: red.get(keys), repeats) / 1e9
             red.client.flushall()
+            if moon is not None:
+                moon.load_values(flat)
+                row["mooncake save"] = total / best_of(lambda: moon.put(keys, size), repeats) / 1e9
+                names = moon.last
+                row["mooncake load"] = total / best_of(lambda: moon.get(names, size), repeats) / 1e9
+                moon.clear()
             rows.append(row)
             print(_fmt_row(row), flush=True)
-        for pool in pools.values():
-            pool.close()
+
+        # ---- per call: one 1 MiB value, one key ----
+        pool = pools["ems-1"]
+        one = make_values(1, (1 << 20) - 40, seed=99)
+        one_flat = b"".join(one[0])
+        one_out = np.empty(len(one_flat), np.uint8)
+        assert pool.put([b"one"], [b"one"], one, option).results == [True]
+        per_call["exists"] = {
+            "ems": median_us(lambda: pool.exists([b"one"], [b"one"], option), calls),
+            "raw": median_us(lambda: raw.round_trip(8), calls),
+            "redis": median_us(lambda: red.client.exists(b"one"), calls),
+        }
+        per_call["save 1 MiB"] = {
+            "ems": median_us(lambda: pool.put([b"one"], [b"one"], one, option), calls),
+            "raw": median_us(lambda: raw.put_one(np.frombuffer(one_flat, np.uint8)), calls),
+            "redis": median_us(lambda: red.client.set(b"one", one_flat), calls),
+        }
+        per_call["load 1 MiB"] = {
+            "ems": median_us(lambda: pool.get_into([b"one"], [b"one"], [one_out], option), calls),
+            "raw": median_us(lambda: raw.get_one(one_out), calls),
+            "redis": median_us(lambda: red.client.get(b"one"), calls),
+        }
+        if moon is not None:
+            moon.load_values([one_flat])
+            name = moon.put([b"one"], len(one_flat))
+            per_call["exists"]["mooncake"] = median_us(lambda: moon.store.is_exist(name[0]), calls)
+            per_call["save 1 MiB"]["mooncake"] = median_us(lambda: moon.put([b"one"], len(one_flat)), calls)
+            per_call["load 1 MiB"]["mooncake"] = median_us(lambda: moon.get(name, len(one_flat)), calls)
+            moon.clear()
+        total_saves = 48 if args.quick else 160
+        conc = {k: saves_per_second(pool, one[0], k, total_saves, option) for k in (1, 8)}
+        for p in pools.values():
+            p.close()
     finally:
         raw.close()
         red.close()
+        if moon is not None:
+            moon.close()
         for node in nodes:
             node.cleanup()
     print()
-    print(table(rows))
-    plot(rows, ROOT / "perf" / "pool.png")
+    print(table(rows, moon is not None))
+    print()
+    print(per_call_table(per_call, conc))
+    if moon is None:
+        print(f"\nMooncake not measured: {moon_reason}")
+    plot(rows, ROOT / "perf" / "pool.png", moon is not None)
 
 
-COLUMNS = ["ems-1 save", "ems-1 load", "ems-3 save", "ems-3 load", "raw save", "raw load", "redis save", "redis load"]
+def _columns(with_moon: bool) -> list:
+    cols = ["ems-1 save", "ems-1 load", "ems-3 save", "ems-3 load", "raw save", "raw load", "redis save", "redis load"]
+    return cols + (["mooncake save", "mooncake load"] if with_moon else [])
 
 
 def _fmt_row(row: dict) -> str:
-    return f"{row['size'] >> 10:>6} KiB " + " ".join(f"{row[c]:>6.2f}" for c in COLUMNS)
+    return f"{row['size'] >> 10:>6} KiB " + " ".join(f"{c} {v:.2f}" for c, v in row.items() if c != "size")
 
 
-def table(rows: list) -> str:
+def table(rows: list, with_moon: bool) -> str:
+    cols = _columns(with_moon)
+    ratio_names = ["ems-1/raw save", "ems-1/raw load", "ems-1/redis save", "ems-1/redis load"]
+    if with_moon:
+        ratio_names += ["ems-1/mooncake save", "ems-1/mooncake load"]
     lines = [
-        "| value | " + " | ".join(COLUMNS) + " | ems-1/raw save | ems-1/raw load | ems-1/redis save | ems-1/redis load |",
-        "|---" * (len(COLUMNS) + 5) + "|",
+        "| value | " + " | ".join(cols + ratio_names) + " |",
+        "|---" * (len(cols) + len(ratio_names) + 1) + "|",
     ]
     for r in rows:
         ratios = [r["ems-1 save"] / r["raw save"], r["ems-1 load"] / r["raw load"],
                   r["ems-1 save"] / r["redis save"], r["ems-1 load"] / r["redis load"]]
+        if with_moon:
+            ratios += [r["ems-1 save"] / r["mooncake save"], r["ems-1 load"] / r["mooncake load"]]
         lines.append(
-            f"| {r['size'] >> 10} KiB | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS) + " | "
+            f"| {r['size'] >> 10} KiB | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " | "
             + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
         )
     return "GB/s (best of runs)\n" + "\n".join(lines)
 
 
-def plot(rows: list, path: Path) -> None:
+def per_call_table(per_call: dict, conc: dict) -> str:
+    peers = ["ems", "raw", "redis", "mooncake"]
+    lines = ["| call (median µs) | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
+    for name, figures in per_call.items():
+        lines.append(f"| {name} | " + " | ".join(f"{figures[p]:.0f}" if p in figures else "—" for p in peers) + " |")
+    lines.append("")
+    lines.append(f"1-value (1 MiB) saves per second to one node on one connection: 1 in flight {conc[1]:.0f}/s, "
+                 f"8 in flight {conc[8]:.0f}/s ({conc[8] / conc[1]:.2f}x)")
+    return "\n".join(lines)
+
+
+def plot(rows: list, path: Path, with_moon: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r["size"] >> 10 for r in rows]
+    names = ["ems-1", "ems-3", "raw", "redis"] + (["mooncake"] if with_moon else [])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, op in zip(axes, ["save", "load"]):
-        for name in ["ems-1", "ems-3", "raw", "redis"]:
-            ax.plot(sizes, [r[f"{name} {op}"] for r in rows], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("value size (KiB)")
-        ax.set_title(op)
+        if len(rows) == 1:
+            ax.bar(names, [rows[0][f"{name} {op}"] for name in names])
+            ax.set_title(f"{op}, {rows[0]['size'] >> 10} KiB values")
+        else:
+            sizes = [r["size"] >> 10 for r in rows]
+            for name in names:
+                ax.plot(sizes, [r[f"{name} {op}"] for r in rows], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("value size (KiB)")
+            ax.set_title(op)
+            ax.legend()
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("GB/s")
-    axes[1].legend()
-    fig.suptitle("EMS pool nodes vs raw UCXX vs Redis, loopback (2 cores)")
+    fig.suptitle("EMS pool nodes vs raw UCXX vs Redis vs Mooncake, loopback (2 shared cores)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

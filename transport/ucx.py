@@ -340,13 +340,12 @@ async def _request(
     layout = P.head_layout(len(meta), data_len)
     head = P.pack_head(header, meta, data)
     frames = ([] if layout.meta_inline else [meta]) + ([] if layout.data_inline else list(data))
-    await ep.send(head)
-    sends = None
-    if frames:
-        # the reply is awaited while the rest goes out: a node that refuses the request before receiving its data
-        # (too large for its in-flight budget) answers at once, and that answer must not wait behind unsent data
-        sends = asyncio.ensure_future(send_all(ep, frames, rid))
-        sends.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is reported by the reply
+    # the head, the rest of the request and the reply's receive are all posted at once (no wait for a send to
+    # complete first: different tags, so their order does not matter); the reply is awaited while the rest goes
+    # out: a node that refuses the request before receiving its data (too large for its in-flight budget) answers
+    # at once, and that answer must not wait behind unsent data
+    sends = asyncio.ensure_future(_send_request(ep, head, frames, rid))
+    sends.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is reported by the reply
     reply, body = await recv_head(ep, rid)
     if reply.status != P.Status.OK:
         text = bytes(body[: reply.meta_len]) if P.head_layout(reply.meta_len, 0).meta_inline else b""
@@ -355,9 +354,15 @@ async def _request(
         raise P.ProtocolError(f"expected op {op | P.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})")
     if not P.head_layout(reply.meta_len, reply.data_len).meta_inline:
         body = memoryview(await _recv_meta(ep, reply.meta_len, rid))
-    if sends is not None:
-        await sends
+    await sends
     return reply, body
+
+
+async def _send_request(ep: Any, head: np.ndarray, frames: list, rid: int) -> None:
+    if frames:
+        await asyncio.gather(ep.send(head), send_all(ep, frames, rid))
+    else:
+        await ep.send(head)
 
 
 async def _ping(ep: Any, rid: int) -> None:

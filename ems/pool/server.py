@@ -171,16 +171,19 @@ class _Channel:
         inline = self.header.inline
         header = P.pack_header(op | P.REPLY, count=count, meta_len=len(meta), data_len=data_len, status=status,
                                flags=P.Flags.INLINE if inline else 0, request_id=self.header.request_id)
+        windows = _windows(list(data), SEND_WINDOW_BYTES)
         if inline:
             layout = P.head_layout(len(meta), data_len)
             head = P.pack_head(header, meta, data)
             first = [head] if layout.meta_inline else [head, meta]
-            await self.timed(send_all(ep, first, self.tag))
             if layout.data_inline:
-                return
+                windows = []
+            elif windows:  # the head goes out with the first window of data (one wait less)
+                first += windows.pop(0)
+            await self.timed(send_all(ep, first, self.tag))
         else:
             await self.timed(send_all(ep, [header, meta]))
-        for window in _windows(list(data), SEND_WINDOW_BYTES):
+        for window in windows:
             await self.timed(send_all(ep, window, self.tag))
 
 
