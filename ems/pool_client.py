@@ -418,9 +418,9 @@ class PoolClient:
         results: list = [False] * len(keys)
         if self.read_cache is not None:
             for i, value in enumerate(self.read_cache.get_many(keys)):
-                out = memoryview(outs[i]).cast("B")  # type: ignore[arg-type]
+                out = memoryview(outs[i]).cast("B")
                 if value is not None and memoryview(value).nbytes == out.nbytes:
-                    out[:] = memoryview(value).cast("B")  # type: ignore[arg-type]
+                    out[:] = memoryview(value).cast("B")
                     results[i] = True
         if option.read_local_only and not self.is_local:
             return PoolOutcome(results)

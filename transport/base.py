@@ -46,11 +46,11 @@ class NodeClient(abc.ABC):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         placed = []
         for value, out in zip(self.get(keys, timeout_s), outs):
-            target = memoryview(out).cast("B")  # type: ignore[arg-type]
+            target = memoryview(out).cast("B")
             if value is None or memoryview(value).nbytes != target.nbytes:
                 placed.append(False)
                 continue
-            target[:] = memoryview(value).cast("B")  # type: ignore[arg-type]
+            target[:] = memoryview(value).cast("B")
             placed.append(True)
         return placed
 

@@ -431,7 +431,7 @@ async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[m
 
 
 def _writable_bytes(buffer: Buffer) -> memoryview:
-    view = memoryview(buffer)  # type: ignore[arg-type]
+    view = memoryview(buffer)
     if view.readonly:
         raise ValueError("get_into needs writable buffers")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
