@@ -193,7 +193,8 @@ from ems.pool_client import PoolClient, PoolOutcome  # noqa: E402
 from ems.staging import StagingLease, StagingPool  # noqa: E402
 from ems.store import KvStore  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
-from ems.value_format import HEADER_SIZE, Buffer, build_headers, checksum, matches, valid_prefix  # noqa: E402
+from ems.buffers import Buffer  # noqa: E402
+from ems.value_format import HEADER_SIZE, build_headers, checksum, matches, valid_prefix  # noqa: E402
 
 
 def readable_tensor(value: Buffer) -> torch.Tensor:

@@ -27,7 +27,8 @@ from ems.kernels.plan import value_pieces
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
-from ems.value_format import HEADER_SIZE, Buffer, ExpectedValues, ValueKind, tokens_digest
+from ems.buffers import Buffer
+from ems.value_format import HEADER_SIZE, ExpectedValues, ValueKind, tokens_digest
 
 ALIGN = 64
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Generic, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
+from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
 from ems.placement import Members
 from ems.store import KvStore
@@ -36,7 +37,7 @@ from ems.transport.base import NodeClient, TransportError
 from ems.transport.inprocess import InProcessNode
 from ems.transport.routing import ranked_owners
 from ems.types import MAX_TIMEOUT_MS, CcKvOption
-from ems.value_format import HEADER_SIZE, Buffer, ExpectedValues, matches
+from ems.value_format import HEADER_SIZE, ExpectedValues, matches
 
 T = TypeVar("T")
 Costs = Tuple[np.ndarray, np.ndarray, np.ndarray]  # per key: data bytes, meta bytes, data frames
@@ -153,7 +154,8 @@ class PoolClient:
     def local_store(self) -> Optional[KvStore]:
         """The embedded pool's store when this client's only node is in-process (the one-pass data path), else None."""
         if len(self.nodes) == 1 and isinstance(self.nodes[0], InProcessNode):
-            return self.nodes[0].store
+            store = self.nodes[0].store
+            return store if isinstance(store, KvStore) else None
         return None
 
     # ---- fan-out ----

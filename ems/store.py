@@ -44,7 +44,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ems.value_format import Buffer, is_well_formed
+from ems.buffers import Buffer
+from ems.value_format import is_well_formed
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
 # References to a retired value inside `_retire`: the caller's local, the parameter, getrefcount's argument.

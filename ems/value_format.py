@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import numpy as np
 import xxhash
 
-Buffer = Union[bytes, bytearray, memoryview]
+from ems.buffers import Buffer
 
 MAGIC = 0x56534D45  # b"EMSV" read as little-endian u32
 VERSION = 3

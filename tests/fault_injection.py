@@ -18,10 +18,10 @@ import threading
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
+from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
 from ems.keys import encode_hash
 from ems.transport.base import NodeClient, TransportError
-from ems.value_format import Buffer
 
 NAMESPACE_PREFIX = 17  # 16-byte namespace + 1 form byte
 

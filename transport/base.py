@@ -4,15 +4,29 @@ A `NodeClient` carries batched requests to one node: the embedded store in this 
 remote pool node (`ucx.py`). Every call takes `timeout_s` and must return or raise within it, even when the node
 hangs; a node that fails raises `TransportError` with `EMS_IO_ERROR` (lost, refused, malformed reply) or
 `EMS_IO_TIMEOUT` (no answer in time). Per-key outcomes (a refused put, a missing key) are results, not errors.
+
+Layering: the transport imports nothing of `ems` but the leaf modules `ems.errors` and `ems.buffers` (the `Buffer`
+type both sides share), and the in-process node reaches the embedded store only through `LocalStore`, so
+`ems.transport.*` never imports `ems.store` (tests/transport/test_layering.py checks it).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
+from ems.buffers import Buffer
 from ems.errors import EmsErrorCode, EmsException
-from ems.value_format import Buffer
+
+
+class LocalStore(Protocol):
+    """What the in-process node needs of a store in this process (`ems.store.KvStore` is one)."""
+
+    def put_many(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> list[bool]: ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]: ...
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
 
 class TransportError(EmsException):

@@ -1,20 +1,20 @@
-"""The in-process transport: the embedded pool, a `KvStore` living in this process."""
+"""The in-process transport: the embedded pool, a store living in this process (an `ems.store.KvStore`, reached
+through the `LocalStore` protocol so that the transport does not import the store)."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ems.store import KvStore
-from ems.transport.base import NodeClient
-from ems.value_format import Buffer
+from ems.buffers import Buffer
+from ems.transport.base import LocalStore, NodeClient
 
 
 class InProcessNode(NodeClient):
-    """A `NodeClient` over a `KvStore` in this process: no copies beyond the store's own, no threads."""
+    """A `NodeClient` over a store in this process: no copies beyond the store's own, no threads."""
 
     address = "embedded"
 
-    def __init__(self, store: KvStore) -> None:
+    def __init__(self, store: LocalStore) -> None:
         self.store = store
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:

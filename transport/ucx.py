@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
+from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
 from ems.transport import protocol as P
 from ems.transport.base import NodeClient, TransportError
@@ -36,7 +37,6 @@ from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import create_endpoint
 from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, send_all
 from ems.transport.ucx_frames import recv_meta as _recv_meta
-from ems.value_format import Buffer
 
 RECONNECT_BACKOFF_S = 0.5
 ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)

@@ -1,0 +1,14 @@
+"""Bytes-like types shared by the client side (`ems/`) and the transport (`ems.transport`): one definition that
+both import.
+
+A leaf module: it imports nothing of `ems`, so the transport can use it without importing the store or any other
+client module (tests/transport/test_layering.py checks the transport's imports).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+#: bytes-like values as they cross a transport and live in the pool: stored values, their parts, callers' receive
+#: buffers
+Buffer = Union[bytes, bytearray, memoryview]
