@@ -18,7 +18,7 @@ Contract:
 * `--listen HOST:PORT` binds there: a wildcard HOST (0.0.0.0, ::) listens on every interface; a specific address
   binds the UCX listener to it (`transport.ucx_listener`) and limits UCX's data connections to its interface
   (UCX_NET_DEVICES, unless set); when UCX cannot listen there, the node exits with status 1 and UCX's reason.
-* Limits (`ems.pool.server.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
+* Limits (`ems.transport.ucx_server.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
@@ -42,7 +42,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from ems.pool.server import NodeLimits
+    from ems.transport.ucx_server import NodeLimits
 
 _ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -104,7 +104,7 @@ async def _run(
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen, register or serve metrics)."""
     from ems.pool.cluster_node import NodeExtras
-    from ems.pool.server import PoolServer
+    from ems.transport.ucx_server import PoolServer
     from ems.store import KvStore
 
     store = KvStore(capacity)
@@ -171,7 +171,7 @@ def _device_of(host: str) -> Optional[str]:
 def _restrict_ucx_devices(host: str) -> None:
     """For a specific listen address, UCX's data connections use only that address's interface (UCX_NET_DEVICES,
     unless the environment sets it): otherwise UCX opens a listening socket on every interface for them."""
-    from ems.pool.server import WILDCARD_HOSTS
+    from ems.transport.ucx_server import WILDCARD_HOSTS
 
     if host in WILDCARD_HOSTS or "UCX_NET_DEVICES" in os.environ:
         return
@@ -235,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if capacity <= 0:
             raise ValueError("--capacity must be > 0")
         keys = load_keys(args.keys_file)
-        from ems.pool.server import NodeLimits
+        from ems.transport.ucx_server import NodeLimits
 
         limits = NodeLimits.for_capacity(
             capacity,

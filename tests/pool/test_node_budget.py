@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ems.pool.server import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits, _windows
+from ems.transport.ucx_server import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits, _windows
 from ems.transport import protocol as P
 
 GiB = 1 << 30
