@@ -6,68 +6,15 @@ module of its own (not a closure) because Triton's compiler resolves `tl` and th
 module globals (triton-ascend 3.2 fails with "NameError: tl is not defined" otherwise).
 
 Kernels (all offsets in moved units: elements of the signed int type the launch views the buffers as):
-* `rows_kernel` copies pieces (consecutive slots inside one block) of every plane between the paged cache and the
-  token-major staging buffer (a token = every plane's row, back to back; planes may differ in row size and dtype:
-  MLA split K/V); one scalar int64 base per (piece, plane, row tile), int32 tile offsets.
+* `pieces_kernel` copies pieces (consecutive slots inside one block and one value) of every plane between the paged
+  cache and value-major staging (plane-major inside a value; planes may differ in row size and dtype: MLA split
+  K/V): one span per (piece, plane) where the plane's rows are contiguous in a block, else 2-D tiles; one scalar
+  int64 base per (piece, plane, tile), int32 tile offsets.
 * `segments_kernel` copies raw address ranges, addressed relative to the staging buffer, into/out of it.
 """
 
 import triton
 import triton.language as tl
-
-# no integer argument is specialised: a value of 1 would become a constexpr (and break `.to`), and every new
-# value class would be a new compile (seconds per save on Ascend)
-@triton.jit(do_not_specialize=["n_pieces", "n_planes", "token_units", "block_size"])
-def rows_kernel(
-    cache_ptr,  # intW: the lowest-addressed plane; plane p starts plane_table[0, p] units after it
-    stage_ptr,  # intW [T * token_units]: staging, token-major; plane p's row at plane_table[4, p] in a token
-    plane_table_ptr,  # int64 [5, P]: offset from cache_ptr, block stride, slot stride, row units, staging offset
-    pieces_ptr,  # int64 [3, N]: start slot, row count, first token
-    n_pieces,
-    n_planes,
-    token_units,  # units of one token in staging: the sum of every plane's row units
-    block_size,
-    GATHER: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    rr = tl.arange(0, ROWS)
-    cc = tl.arange(0, COLS)
-    token_units64 = token_units.to(tl.int64)  # staging stride of one token (int64 scalar)
-    token_units32 = token_units.to(tl.int32)  # host checked ROWS * token_units < 2**31
-    for i in range(pid, n_pieces, nprog):
-        start = tl.load(pieces_ptr + i)
-        count = tl.load(pieces_ptr + n_pieces + i).to(tl.int32)
-        first_token = tl.load(pieces_ptr + 2 * n_pieces + i)
-        blk = start // block_size
-        off = start - blk * block_size
-        for p in range(0, n_planes):
-            slot_stride = tl.load(plane_table_ptr + 2 * n_planes + p)
-            row_units = tl.load(plane_table_ptr + 3 * n_planes + p).to(tl.int32)  # per plane: MLA split K/V
-            cache_row = (
-                tl.load(plane_table_ptr + p)
-                + blk * tl.load(plane_table_ptr + n_planes + p)
-                + off * slot_stride
-            )
-            stage_row = first_token * token_units64 + tl.load(plane_table_ptr + 4 * n_planes + p)
-            slot_stride32 = slot_stride.to(tl.int32)  # host checked ROWS * slot_stride < 2**31
-            for r0 in range(0, count, ROWS):
-                row_ok = (r0 + rr) < count
-                for c0 in range(0, row_units, COLS):
-                    cols = c0 + cc
-                    mask = row_ok[:, None] & (cols < row_units)[None, :]
-                    cache_off = rr[:, None] * slot_stride32 + cols[None, :]
-                    stage_off = rr[:, None] * token_units32 + cols[None, :]
-                    if GATHER:
-                        x = tl.load(cache_ptr + cache_row + cache_off, mask=mask)
-                        tl.store(stage_ptr + stage_row + stage_off, x, mask=mask)
-                    else:
-                        x = tl.load(stage_ptr + stage_row + stage_off, mask=mask)
-                        tl.store(cache_ptr + cache_row + cache_off, x, mask=mask)
-                cache_row += ROWS * slot_stride
-                stage_row += ROWS * token_units64
 
 @triton.jit(do_not_specialize=["n_chunks"])
 def segments_kernel(
@@ -95,7 +42,8 @@ def segments_kernel(
                 tl.store(stage_ptr + raw + cols, x, mask=mask)
 
 
-
+# no integer argument is specialised: a value of 1 would become a constexpr (and break `.to`), and every new
+# value class would be a new compile (seconds per save on Ascend)
 @triton.jit(do_not_specialize=["n_pieces", "n_planes", "block_size"])
 def pieces_kernel(
     cache_ptr,  # intW: the lowest-addressed plane; plane p starts plane_table[0, p] units after it

@@ -1,33 +1,26 @@
 """The copy-backend contract: what every gather/scatter implementation (Triton, torch, memcpy) must do.
 
-A save gathers the scattered token rows it names out of the registered paged KV cache into a contiguous staging
-buffer; a load scatters them back. Three request forms reduce to three pairs of operations:
+A save gathers the token rows it names out of the registered paged KV cache into a contiguous staging buffer; a
+load scatters them back. Two request forms reduce to two pairs of operations:
 
-* slots (V1 slot_mapping): token t is the row at slot `slots[t]` of every plane;
-* runs (V1 chunk_descs): run r is `lengths[r]` consecutive slots from `starts[r]`; runs are laid out one after the
-  other, so the tokens of run r are `cumsum(lengths)[r-1] ...`;
-* segments (V0 KvBufferWrapper): raw device address ranges, concatenated.
+* pieces (V1 plans, value format 3: `gather_pieces` / `scatter_pieces`);
+* segments (V0 KvBufferWrapper): raw device address ranges, concatenated (`gather_segments` / `scatter_segments`).
 
-Layout of a group's staging region: token-major, one token = the rows of every plane one after the other
-(`PlaneSet.token_bytes` bytes; plane p's row at byte `PlaneSet.plane_offsets[p]` of the token), so that the rows
-of consecutive tokens of one block (all layers' K and V) form one contiguous byte range: that range is the stored
-value. Planes may differ in row size and dtype (MLA with split K/V: K = the 512-wide latent, V = the 64-wide rope
-part); when they all match, the region is exactly the typed array `[tokens, planes, row_elems]`.
-Staging arguments (`out`, `src`) are contiguous tensors of any dtype holding exactly `tokens * token_bytes` bytes
-(typically uint8 `[tokens, token_bytes]`, or `[tokens, planes, row_elems]` of the planes' dtype when uniform).
-
-Value-major staging (`gather_pieces` / `scatter_pieces`, what V1 plans use since value format 3): the staging
-buffer holds whole stored values; inside one value's part of a group, plane p's rows of that value's `n` tokens are
-one contiguous run at `base + n * plane_offsets[p]` (plane-major: `[planes][tokens][row]`). A *piece* is a run of
+Value-major staging: the staging buffer holds whole stored values; inside one value's part of a group, plane p's
+rows of that value's `n` tokens are one contiguous run at `base + n * plane_offsets[p]` (plane-major:
+`[planes][tokens][row]`; `PlaneSet.token_bytes` is the sum of every plane's row bytes). Planes may differ in row
+size and dtype (MLA with split K/V: K = the 512-wide latent, V = the 64-wide rope part). A *piece* is a run of
 consecutive slots inside one cache block and one value: int64 row `(start_slot, count, base, value_tokens,
-index_in_value)`, its plane-p rows at `base + value_tokens * plane_offsets[p] + (index_in_value + k) * row_bytes[p]`.
-Where a plane's rows are contiguous in the cache (`slot_stride == row_elems`), a piece of that plane is ONE span of
-`count * row_bytes` bytes on both sides: backends move it as a span, not row by row.
+index_in_value)`, its plane-p rows at `base + value_tokens * plane_offsets[p] + (index_in_value + k) * row_bytes[p]`
+(`plan.value_pieces` builds the table). Where a plane's rows are contiguous in the cache (`slot_stride ==
+row_elems`), a piece of that plane is ONE span of `count * row_bytes` bytes on both sides: backends move it as a
+span, not row by row.
 
 Rules every backend keeps:
-* A gather writes every element of `out`; a scatter writes exactly the rows it names and nothing else.
-* Plan arrays (`slots`, `starts`, `lengths`, `ptrs`, segment `lengths`) arrive as int64 CPU tensors, already
-  validated (every slot inside the cache); a backend moves them to the device itself.
+* A gather writes exactly the staging bytes its pieces name (a segment gather: all of `out`); a scatter writes
+  exactly the rows it names and nothing else.
+* Plan arrays (piece tables, segment `ptrs` and `lengths`) arrive as int64 CPU tensors; a backend validates piece
+  tables (`check_pieces`: a bad piece is memory corruption) and moves plan arrays to the device itself.
 * Work is queued on the caller's current stream of the device; the caller synchronises.
 """
 
@@ -41,8 +34,6 @@ from typing import Tuple
 
 import numpy as np
 import torch
-
-from ems.kernels.plan import runs_to_slots
 
 
 class KernelBackend(str, enum.Enum):
@@ -174,57 +165,15 @@ class PlaneSet:
     def slot_stride_bytes(self) -> tuple[int, ...]:
         return tuple(s * e for s, e in zip(self.slot_strides, self.plane_element_sizes))
 
-    def staging_bytes(self, stage: torch.Tensor, tokens: int, what: str) -> torch.Tensor:
-        """`stage` checked (device, contiguity, exactly `tokens * token_bytes` bytes) and viewed as uint8
-        `[tokens, token_bytes]`; ValueError naming `what` otherwise."""
-        nbytes = stage.numel() * stage.element_size()
-        if stage.device != self.device or not stage.is_contiguous() or nbytes != tokens * self.token_bytes:
-            raise ValueError(
-                f"{what} must be a contiguous tensor of {tokens} x {self.token_bytes} bytes on {self.device}, got "
-                f"{stage.dtype} {tuple(stage.shape)} ({nbytes} bytes) on {stage.device}"
-                f"{'' if stage.is_contiguous() else ' (not contiguous)'}"
-            )
-        return stage.reshape(-1).view(torch.uint8).view(tokens, self.token_bytes)
-
 
 class CopyBackend(abc.ABC):
-    """Moves token rows between a `PlaneSet` and staging memory on the same device."""
+    """Moves token rows between a `PlaneSet` and value-major staging (and raw segments) on the same device."""
 
     #: the name shown in logs and in the demo's table, e.g. "triton", "torch", "memcpy"
     name: str = "abstract"
     #: device operations (kernel launches, copies, plan-table uploads) this backend has queued so far; perf
     #: scripts read differences of it. Counting only: never used for control flow.
     ops_issued: int = 0
-
-    @abc.abstractmethod
-    def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """out[t, p, :] = row `slots[t]` of plane p.
-
-        slots: int64 `[T]` (CPU); repeats and any order allowed.
-        out: contiguous staging of `T * planes.token_bytes` bytes on `planes.device` (see the module docstring).
-        """
-
-    @abc.abstractmethod
-    def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Row `slots[t]` of plane p = src[t, p, :]; no other row changes.
-
-        slots: int64 `[T]` (CPU), no repeats. src: contiguous staging of `T * planes.token_bytes` bytes.
-        """
-
-    @abc.abstractmethod
-    def gather_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """Run r (slots `starts[r] .. starts[r] + lengths[r] - 1`) fills tokens `sum(lengths[:r]) ...` of out.
-
-        starts, lengths: int64 `[R]` (CPU), lengths >= 1. out: contiguous, `sum(lengths) * token_bytes` bytes.
-        """
-
-    @abc.abstractmethod
-    def scatter_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
-    ) -> None:
-        """The inverse of `gather_runs`: writes exactly the slots the runs name."""
 
     @abc.abstractmethod
     def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
@@ -299,40 +248,3 @@ def check_pieces(planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, wh
     if int(over[3]) > 0:
         raise ValueError(f"pieces reach past the end of {what} ({flat.numel()} bytes)")
     return table, flat
-
-
-class DirectionalCopyBackend(CopyBackend):
-    """A backend written as two directional primitives: rows by slot, and raw segments.
-
-    Runs become slots (`plan.runs_to_slots`); the primitive regroups consecutive slots into contiguous pieces.
-    """
-
-    @abc.abstractmethod
-    def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
-        """gather: stage[t, p] = row slots[t] of plane p; otherwise the inverse."""
-
-    @abc.abstractmethod
-    def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
-        """gather: concatenate the raw ranges into stage; otherwise the inverse."""
-
-    def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
-        self._rows(planes, slots, out, gather=True)
-
-    def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
-        self._rows(planes, slots, src, gather=False)
-
-    def gather_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        self._rows(planes, runs_to_slots(starts, lengths), out, gather=True)
-
-    def scatter_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
-    ) -> None:
-        self._rows(planes, runs_to_slots(starts, lengths), src, gather=False)
-
-    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
-        self._segments(ptrs, lengths, out, gather=True)
-
-    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
-        self._segments(ptrs, lengths, src, gather=False)

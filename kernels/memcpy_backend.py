@@ -1,8 +1,8 @@
 """The memcpy path: what an engine without gather kernels does — one copy per (block-or-run piece, plane).
 
-Contract: `MemcpyBackend` implements `CopyBackend` (base.py) on any device torch can copy on. Slots are cut into
-pieces (consecutive slots inside one block, `plan.py`); each (piece, plane) is ONE copy when the plane's rows are
-contiguous inside a block (`slot_stride == row_elems`), else one copy per token. Raw segments cost one copy each.
+Contract: `MemcpyBackend` implements `CopyBackend` (base.py) on any device torch can copy on. Each (piece, plane)
+is ONE copy (counted as one when the plane's rows are contiguous inside a block, `slot_stride == row_elems`, else
+as one per token). Raw segments cost one copy each.
 `ops_issued` counts the copies, so a save's device operations grow with blocks × planes: the cost the kernels
 remove. Bytes move as uint8 views, so planes of different row sizes and dtypes (MLA split K/V) need nothing else.
 It is a comparison baseline and a last-resort fallback, not a fast path.
@@ -12,45 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from ems.kernels.base import DirectionalCopyBackend, PlaneSet, check_pieces
-from ems.kernels.plan import check_slots, slots_to_pieces
+from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
 from ems.kernels.raw_memory import raw_tensor
 from ems.kernels.torch_backend import plane_rows
 
 
-class MemcpyBackend(DirectionalCopyBackend):
+class MemcpyBackend(CopyBackend):
     name = "memcpy"
 
     def __init__(self) -> None:
         self.ops_issued = 0
-
-    def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
-        stage_bytes = planes.staging_bytes(stage, int(slots.numel()), "out" if gather else "src")
-        check_slots(slots, planes.num_slots)
-        starts, counts, firsts = slots_to_pieces(slots, planes.block_size)
-        views = [plane_rows(planes, p).view(torch.uint8) for p in range(planes.num_planes)]  # [blocks, bs, row_bytes]
-        columns = [stage_bytes[:, off : off + nbytes] for off, nbytes in zip(planes.plane_offsets, planes.plane_row_bytes)]
-        contiguous = [s == r for s, r in zip(planes.slot_strides, planes.plane_row_elems)]
-        bs = planes.block_size
-        # one Python iteration per (piece, plane) — deliberately: this path models per-block copies
-        for start, count, first in zip(starts.tolist(), counts.tolist(), firsts.tolist()):
-            blk, off = divmod(start, bs)
-            for p, rows in enumerate(views):
-                if contiguous[p]:
-                    cache = rows[blk, off : off + count]
-                    staged = columns[p][first : first + count]
-                    if gather:
-                        staged.copy_(cache)
-                    else:
-                        cache.copy_(staged)
-                    self.ops_issued += 1
-                else:
-                    for k in range(count):
-                        if gather:
-                            columns[p][first + k].copy_(rows[blk, off + k])
-                        else:
-                            rows[blk, off + k].copy_(columns[p][first + k])
-                    self.ops_issued += count
 
     def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
         table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")
@@ -70,6 +41,12 @@ class MemcpyBackend(DirectionalCopyBackend):
                 else:
                     cache.copy_(staged)
                 self.ops_issued += 1 if contiguous[p] else count
+
+    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, out, gather=True)
+
+    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, src, gather=False)
 
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
         if int(lengths.sum()) != stage.numel() or stage.dtype != torch.uint8:

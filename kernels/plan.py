@@ -1,9 +1,10 @@
-"""Host-side (numpy, vectorised) planning shared by the Triton and memcpy backends.
+"""Host-side (numpy, vectorised) planning for the copy backends and the request planner.
 
-A *piece* is a run of consecutive slots that stays inside one block: `(start_slot, count, first_token)`, with
-`1 <= count <= block_size`. Rows of one piece of one plane sit at a constant stride (the plane's slot stride), so
-a piece is one 2-D tile loop for a kernel and one strided copy for the memcpy path. A slot mapping of whole
-blocks becomes one piece per block; scattered slots become one piece per token.
+* `value_pieces` cuts the tokens of a V1 plan into *pieces* (see base.py): runs of consecutive slots inside one
+  cache block and one stored value, so that a piece of one plane is one span (rows contiguous in a block) or one
+  strided tile loop; whole-block values give one piece per (value, block), scattered slots one piece per token.
+* `runs_to_slots` expands chunk_descs runs into slots (request parsing); `split_segments` cuts raw V0 segments
+  into chunks for the segment kernel.
 
 Nothing here loops over tokens in Python: every function is O(tokens) numpy.
 """
@@ -14,26 +15,6 @@ from typing import Tuple
 
 import numpy as np
 import torch
-
-
-def slots_to_pieces(slots: torch.Tensor, block_size: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split a slot list into pieces.
-
-    slots: int64 `[T]` (CPU). Returns int64 arrays `starts [N]`, `counts [N]`, `first_tokens [N]` with
-    `sum(counts) == T`; piece n covers tokens `first_tokens[n] .. + counts[n] - 1`, which map to slots
-    `starts[n] .. + counts[n] - 1`, all inside block `starts[n] // block_size`.
-    """
-    s = slots.detach().to("cpu", torch.int64).numpy().reshape(-1)
-    if s.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    # a piece starts at token 0, where the slot does not follow its predecessor, or at a block's first slot
-    new = np.empty(s.size, dtype=bool)
-    new[0] = True
-    new[1:] = (s[1:] != s[:-1] + 1) | (s[1:] % block_size == 0)
-    first = np.flatnonzero(new).astype(np.int64)
-    counts = np.diff(np.append(first, s.size)).astype(np.int64)
-    return s[first].astype(np.int64), counts, first
 
 
 def runs_to_slots(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -49,14 +30,6 @@ def runs_to_slots(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     run_of_token = np.repeat(np.arange(ln.size), ln)
     out = st[run_of_token] + (np.arange(total, dtype=np.int64) - first_token[run_of_token])
     return torch.from_numpy(out.astype(np.int64))
-
-
-def check_slots(slots: torch.Tensor, num_slots: int) -> None:
-    """Raise ValueError unless every slot is inside `[0, num_slots)` (a wrong slot is memory corruption)."""
-    if slots.dtype != torch.int64 or slots.dim() != 1:
-        raise ValueError(f"slots must be a 1-D int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-        raise ValueError(f"slot out of range [0, {num_slots}): min {int(slots.min())}, max {int(slots.max())}")
 
 
 def split_segments(

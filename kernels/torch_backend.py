@@ -1,117 +1,43 @@
 """Vectorised torch gather/scatter: the CPU production path, and the fallback on any device.
 
-Contract: `TorchBackend` implements `CopyBackend` (base.py) with one indexing op per save on CPU when every
-plane has one row size, else one per plane, whatever the number of blocks or tokens (plus one host→device copy of
-the row indices off CPU); `ops_issued` counts them. Planes may differ in row size and dtype (MLA with split K/V).
+Contract: `TorchBackend` implements `CopyBackend` (base.py); `ops_issued` counts its indexing ops (and host→device
+index copies off CPU). Planes may differ in row size and dtype (MLA with split K/V). Every dtype (fp8 included) is
+copied bit for bit: elements move as the widest signed int dividing the rows, strides, offsets and addresses.
 
-How (CPU, planes of one row size: the common case): all planes are rows of ONE table: a view of the address span
-from the lowest to the highest plane byte, with the widest int element (8/4/2/1 bytes) and a row stride that
-divides every plane's address offset and strides. Row index `[t, p]` is computed for all tokens and planes at once
-(broadcast), and since staging holds each token's plane rows back to back, a gather is ONE
-`index_select(span, 0, idx, out=staging.view(T * P, row))` into the contiguous staging buffer (torch's per-row fast
-path), a scatter one `index_copy_`. The span view only ever touches the indexed rows; it is used within the call
-and never outlives the planes. Measured on this 2-core host (1 thread, 1 KiB rows, 16 planes): gather 6.9 vs
-5.3 GB/s per-plane, scatter 4.3 vs 2.3 GB/s. Planes of different row sizes (MLA split K/V) take the per-plane path
-below: one span table of gcd-sized sub-rows would also be one op, but measured slower (DeepSeek rows 1024 + 128
-bytes, 8 layers, 4096 tokens, 1 thread: gather 0.73 GB/s as 128-byte sub-rows vs 2.62 GB/s per plane).
-
-Value-major pieces (`gather_pieces`, what V1 plans use): the same span table, with rows as long as a whole run of
-a (block, plane) (`count * row` bytes, the rows of a plane being contiguous in a block), so a one-block value is ONE
+Value-major pieces (`gather_pieces`, what V1 plans use; `move_pieces`): on CPU, when every plane has one row size,
+all planes are rows of ONE table, a view of the address span from the lowest to the highest plane byte whose rows
+are as long as a whole run of a (block, plane) (`count * row` bytes, the rows of a plane being contiguous in a
+block), at a row stride dividing every plane's address offset and strides. A one-block value is then ONE
 `index_select` of P runs into the value's contiguous plane-major part (`_move_one_piece`, the embedded pool's
-per-block call: a few µs of Python around the copy); several values' runs go in one op when the staging runs sit
-at a constant step, else through a temporary (two passes). Per-layout numbers (addresses, strides, the span tables)
-are computed once and kept on the `PlaneSet`. Planes whose rows are strided inside a block move token by token.
+per-block call: a few µs of Python around the copy); several values' runs go in one op per piece length when the
+staging runs sit at a constant step, else through a temporary (two passes). Otherwise (other devices, a span too
+far apart to view, planes of different row sizes) each plane is its own run table: one op per (plane, piece
+length). Per-layout numbers (addresses, strides, the span tables) are computed once and kept on the `PlaneSet`; the
+span views only touch the indexed rows and never outlive the planes. Planes whose rows are strided inside a block
+move token by token (`single_row_pieces`).
 
-Otherwise (other devices, a span too odd to view, or planes of different row sizes): plane p is viewed as a 2-D row
-table `[N, row_units_p]` over its own storage with row stride `g = gcd(block_stride, slot_stride)`, so slot s is row
-`(s // block_size) * block_stride / g + (s % block_size) * slot_stride / g` of it — one row index per token, shared
-by every plane with the same strides. A gather is then `index_select(table, 0, rows, out=<plane p's column range of
-staging>)`, which writes straight into the strided staging slice in one pass (no temporary); a scatter is
-`index_copy_`. Elements move as the widest signed int dividing the plane's row, strides and addresses, so every
-dtype (fp8 included) is copied bit for bit. Raw V0 segments are the exception: torch has no batched copy between
-arbitrary addresses, so they cost one copy each (the Triton backend does them in one launch).
+Raw V0 segments are the exception: torch has no batched copy between arbitrary addresses, so they cost one copy
+each (the Triton backend does them in one launch).
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 import torch
 
 from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
-from ems.kernels.plan import runs_to_slots
 from ems.kernels.raw_memory import raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
 
 
-SpanLayout = tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]
-# Least-recently-used span layouts. An engine uses one registered cache (a few entries: staging alignments); every
-# re-registration adds entries for new addresses, each costing ~0.06 MiB of RSS (its address-view objects), so the
-# cache keeps only the most recent few.
-SPAN_CACHE_ENTRIES = 16
-_span_cache: "OrderedDict[tuple[object, ...], Optional[SpanLayout]]" = OrderedDict()
-_span_lock = threading.Lock()
-
-
 def _widest(quantities: list[int], widths: tuple[int, ...] = (8, 4, 2, 1)) -> int:
     return next(w for w in widths if all(q % w == 0 for q in quantities))
-
-
-def _span_layout(planes: PlaneSet, stage_addr: int) -> Optional[SpanLayout]:
-    """(table, plane row offsets [P], block steps [P], slot steps [P]) for planes of ONE row size, cached per
-    addresses and strides: the table is an address view that owns no memory, so the cache never keeps a freed cache
-    alive. None when no span view fits."""
-    addrs = [int(p.data_ptr()) for p in planes.planes]
-    bstr, sstr = list(planes.block_stride_bytes), list(planes.slot_stride_bytes)
-    row_bytes = planes.plane_row_bytes[0]
-    key = (tuple(addrs), tuple(bstr), tuple(sstr), row_bytes, planes.num_blocks, planes.block_size, stage_addr % 8)
-    with _span_lock:
-        if key in _span_cache:
-            _span_cache.move_to_end(key)
-            return _span_cache[key]
-    lo = min(addrs)
-    hi = max(a + (planes.num_blocks - 1) * b + (planes.block_size - 1) * s + row_bytes
-             for a, b, s in zip(addrs, bstr, sstr))
-    result = None
-    if hi - lo <= _MAX_SPAN:
-        offs = [a - lo for a in addrs]
-        width = _widest(offs + bstr + sstr + [row_bytes, lo, stage_addr])
-        g = 0
-        for q in offs + bstr + sstr:
-            g = math.gcd(g, q)
-        g = g or width
-        units = row_bytes // width
-        n_rows = ((hi - lo) // width - units) // (g // width) + 1
-        table = raw_tensor(lo, hi - lo, planes.device).view(_INT_OF_WIDTH[width]).as_strided((n_rows, units), (g // width, 1))
-        result = (table, np.array(offs, np.int64) // g, np.array(bstr, np.int64) // g, np.array(sstr, np.int64) // g)
-    with _span_lock:
-        _span_cache[key] = result
-        while len(_span_cache) > SPAN_CACHE_ENTRIES:
-            _span_cache.popitem(last=False)
-    return result
-
-
-def _span_table(planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU only: (table `[N, row_units]`, row index `[T * P]` int64) viewing every plane in one span, or None when
-    the layout does not allow it (planes of different row sizes included: see the module docstring)."""
-    if planes.device.type != "cpu" or len(set(planes.plane_row_bytes)) != 1:
-        return None
-    layout = _span_layout(planes, int(stage.data_ptr()))
-    if layout is None:
-        return None
-    table, offs, bstep, sstep = layout
-    s = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
-    blocks = s // planes.block_size
-    within = s - blocks * planes.block_size
-    idx = offs[None, :] + blocks[:, None] * bstep[None, :] + within[:, None] * sstep[None, :]
-    return table, torch.from_numpy(idx.reshape(-1))
 
 
 def plane_rows(planes: PlaneSet, p: int) -> torch.Tensor:
@@ -121,30 +47,6 @@ def plane_rows(planes: PlaneSet, p: int) -> torch.Tensor:
         (planes.num_blocks, planes.block_size, planes.plane_row_elems[p]),
         (plane.stride(0), plane.stride(1), 1),
     )
-
-
-def _plane_width(planes: PlaneSet, p: int, stage_addr: int) -> int:
-    """The widest int moving plane p between the cache and its column range of staging."""
-    return _widest([planes.plane_row_bytes[p], planes.block_stride_bytes[p], planes.slot_stride_bytes[p],
-                    int(planes.planes[p].data_ptr()), stage_addr + planes.plane_offsets[p], planes.token_bytes])
-
-
-def _row_table(planes: PlaneSet, p: int, width: int) -> tuple[torch.Tensor, int, int]:
-    """Plane p as an int `[N, row_units]` row table (ints of `width` bytes) with row stride g; returns
-    (table, block_step, slot_step) where slot s is row `(s // block_size) * block_step + (s % block_size) * slot_step`."""
-    bstride, sstride = planes.block_stride_bytes[p] // width, planes.slot_stride_bytes[p] // width
-    g = math.gcd(bstride, sstride) or 1
-    rows = (planes.num_blocks - 1) * (bstride // g) + (planes.block_size - 1) * (sstride // g) + 1
-    units = planes.plane_row_bytes[p] // width
-    flat = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
-    table = flat.as_strided((rows, units), (g, 1))
-    return table, bstride // g, sstride // g
-
-
-def _stage_columns(planes: PlaneSet, stage_bytes: torch.Tensor, p: int, width: int) -> torch.Tensor:
-    """Plane p's rows in staging: `[T, row_units_p]` ints of `width` bytes, a strided view of `stage_bytes`."""
-    off = planes.plane_offsets[p]
-    return stage_bytes[:, off : off + planes.plane_row_bytes[p]].view(_INT_OF_WIDTH[width])
 
 
 def single_row_pieces(table: np.ndarray) -> np.ndarray:
@@ -311,63 +213,6 @@ class TorchBackend(CopyBackend):
 
     def __init__(self) -> None:
         self.ops_issued = 0
-
-    def _plan(self, planes: PlaneSet, slots: torch.Tensor, stage_addr: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Per plane: (move width, row table, row indices on the device); planes with equal steps share indices."""
-        slots = slots.to("cpu", torch.int64)
-        blocks = torch.div(slots, planes.block_size, rounding_mode="floor")
-        offsets = slots - blocks * planes.block_size
-        index_of: dict[tuple[int, int], torch.Tensor] = {}
-        plan = []
-        for p in range(planes.num_planes):
-            width = _plane_width(planes, p, stage_addr)
-            table, bstep, sstep = _row_table(planes, p, width)
-            rows = index_of.get((bstep, sstep))
-            if rows is None:
-                rows = (blocks * bstep + offsets * sstep).to(planes.device, non_blocking=True)
-                if planes.device.type != "cpu":
-                    self.ops_issued += 1
-                index_of[(bstep, sstep)] = rows
-            plan.append((width, table, rows))
-        return plan
-
-    def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
-        stage_bytes = planes.staging_bytes(stage, int(slots.numel()), "out" if gather else "src")
-        if slots.numel() == 0:
-            return
-        span = _span_table(planes, slots, stage)
-        if span is not None:
-            table, idx = span
-            flat = stage_bytes.view(-1).view(table.dtype).view(idx.numel(), -1)
-            if gather:
-                torch.index_select(table, 0, idx, out=flat)
-            else:
-                table.index_copy_(0, idx, flat)
-            self.ops_issued += 1
-            return
-        for p, (width, table, rows) in enumerate(self._plan(planes, slots, int(stage.data_ptr()))):
-            columns = _stage_columns(planes, stage_bytes, p, width)
-            if gather:
-                torch.index_select(table, 0, rows, out=columns)
-            else:
-                table.index_copy_(0, rows, columns)
-            self.ops_issued += 1
-
-    def gather_slots(self, planes: PlaneSet, slots: torch.Tensor, out: torch.Tensor) -> None:
-        self._rows(planes, slots, out, gather=True)
-
-    def scatter_slots(self, planes: PlaneSet, slots: torch.Tensor, src: torch.Tensor) -> None:
-        self._rows(planes, slots, src, gather=False)
-
-    def gather_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        self.gather_slots(planes, runs_to_slots(starts, lengths), out)
-
-    def scatter_runs(
-        self, planes: PlaneSet, starts: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor
-    ) -> None:
-        self.scatter_slots(planes, runs_to_slots(starts, lengths), src)
 
     def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
         table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")

@@ -5,29 +5,27 @@ Contract: `TritonBackend(device)` implements `CopyBackend` (see base.py) with on
 host→device copy of the plan table on a real device), whatever the number of blocks, tokens or planes.
 
 Design (Ascend first):
-* **Pieces.** The host (numpy, vectorised) cuts the slots into pieces: runs of consecutive slots inside one block
-  (`plan.py`). A piece of one plane is `count` rows at a constant stride, copied as 2-D tiles `[ROWS, COLS]` from
-  one scalar int64 base plus small int32 `tl.arange` offsets. Whole-block slot mappings and chunk_descs runs thus
-  cost one tile loop per (block, plane), not one per token; scattered slots degrade to one piece per token. When
-  `slot_stride == row_elems` the ROWS rows of a tile are one contiguous span of the cache.
-* **Value-major pieces** (`gather_pieces`, what V1 plans use): a piece also names its value's part in staging
-  (base, the value's token count, its index there), plane p's rows of the piece sit back to back there; where
-  `slot_stride == row_elems` the piece of a plane is ONE span on both sides and the kernel tiles it along its
-  length (`SPAN` = ROWS * COLS elements per tile: the same unified-buffer budget, one int64 base plus int32
-  offsets), else 2-D tiles as below. Still one launch per call (one per layer group).
-* **All planes in one launch, through a plane table.** Each plane is addressed as `base + plane_off[p]` where
-  `base` is the plane with the lowest address and `plane_off` (int64, in moved units, >= 0) comes from a small
-  table next to the per-plane block and slot strides, row length and staging offset inside a token: planes of one
-  group may differ in row size and dtype (MLA with split K/V: K = the 512-wide latent, V = the 64-wide rope part,
-  possibly of another dtype) and still cost ONE launch; the column loop runs to each plane's own row length and
-  the tile width COLS covers the widest row. Measured against the alternative, one launch per plane
-  (same kernel, a one-plane table each), in the 3.7.1 interpreter counting builder ops, 8 layers (P = 16),
-  512 tokens of 4×128 fp16: whole blocks 62 k ops in 1 launch vs 75 k ops in 16 launches; scattered slots
-  1.00 M vs 1.19 M ops (per-plane launches reload the piece table P times). On devices the difference is launch
-  overhead: per-plane costs P = 2 × layers launches (80 for a 40-layer model: ~80 × 5 µs on a GPU, ~80 × 20-40 µs
-  on an NPU) against one; with the table a save costs 2 device ops (table upload + launch) whatever its planes,
-  blocks and tokens. Cross-allocation pointer arithmetic is plain 64-bit address arithmetic on GPUs and NPUs
-  (global memory is one flat address space); offsets are kept >= 0 by basing on the lowest plane.
+* **Pieces.** The host (numpy, vectorised: `plan.value_pieces`) cuts a plan's slots into pieces: runs of
+  consecutive slots inside one cache block and one stored value. A piece names its value's part in value-major
+  staging (base, the value's token count, its index there); plane p's rows of the piece sit back to back there.
+  Where `slot_stride == row_elems` the piece of a plane is ONE span on both sides and the kernel tiles it along
+  its length (`SPAN` = ROWS * COLS elements per tile: the same unified-buffer budget, one int64 base plus int32
+  offsets); otherwise `count` rows at a constant stride, copied as 2-D tiles `[ROWS, COLS]` from one scalar int64
+  base plus small int32 `tl.arange` offsets. Whole-block values cost one tile loop per (block, plane), not one per
+  token; scattered slots degrade to one piece per token. One launch per call (one per layer group).
+* **All planes in one launch, through a plane table.** Each plane is addressed as `base + plane_off[p]` where `base`
+  is the plane with the lowest address and `plane_off` (int64, in moved units, >= 0) comes from a small table next to
+  the per-plane block and slot strides, row length and token offset (`plane_offsets`): planes of one group may differ
+  in row size and dtype (MLA with split K/V: K = the 512-wide latent, V = the 64-wide rope part, possibly of another
+  dtype) and still cost ONE launch; the column loop runs to each plane's own row length and the tile width COLS
+  covers the widest row. Measured (on the former token-major kernel, same plane table) against the alternative, one
+  launch per plane (same kernel, a one-plane table each), in the 3.7.1 interpreter counting builder ops, 8 layers (P
+  = 16), 512 tokens of 4×128 fp16: whole blocks 62 k ops in 1 launch vs 75 k ops in 16 launches; scattered slots 1.00
+  M vs 1.19 M ops (per-plane launches reload the piece table P times). On devices the difference is launch overhead:
+  per-plane costs P = 2 × layers launches (80 for a 40-layer model: ~80 × 5 µs on a GPU, ~80 × 20-40 µs on an NPU)
+  against one; with the table a save costs 2 device ops (table upload + launch) whatever its planes, blocks and
+  tokens. Cross-allocation pointer arithmetic is plain 64-bit address arithmetic on GPUs and NPUs (global memory is
+  one flat address space); offsets are kept >= 0 by basing on the lowest plane.
 * **Grid** = number of vector cores (npu, queried lazily from the triton-ascend driver), 4 programs per SM (cuda:
   a program moves one tile at a time, so one per SM would leave the memory system idle), 4 in the interpreter;
   capped at 65535 and at the number of pieces. Each program loops over pieces `pid, pid + grid, ...`.
@@ -63,8 +61,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ems.kernels.base import DirectionalCopyBackend, PlaneSet, check_pieces
-from ems.kernels.plan import check_slots, slots_to_pieces, split_segments
+from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
+from ems.kernels.plan import split_segments
 from ems.kernels.torch_backend import TorchBackend
 
 log = logging.getLogger("ems.kernels")
@@ -84,11 +82,10 @@ def interpreter_active() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _build() -> Dict[str, Any]:
-    """Define the kernels (first use only). Returns {"rows": jit fn, "segments": jit fn, "interpreted": bool}."""
+    """Define the kernels (first use only). Returns {"pieces": jit fn, "segments": jit fn, "interpreted": bool}."""
     from ems.kernels import _triton_kernels as k
 
-    return {"rows": k.rows_kernel, "pieces": k.pieces_kernel, "segments": k.segments_kernel,
-            "interpreted": interpreter_active()}
+    return {"pieces": k.pieces_kernel, "segments": k.segments_kernel, "interpreted": interpreter_active()}
 
 
 def kernels_interpreted() -> Optional[bool]:
@@ -137,15 +134,14 @@ class _PlaneInfo:
     base view would keep a freed KV cache alive."""
 
     base: torch.Tensor  # intW view of the lowest-addressed plane
-    table: torch.Tensor  # int64 [3, P] on the device
+    table: torch.Tensor  # int64 [5, P] on the device
     width: int
     dtype: torch.dtype
     max_row_units: int  # the widest plane's row
-    token_units: int  # one token of staging: every plane's row
     max_slot_stride: int
 
 
-class TritonBackend(DirectionalCopyBackend):
+class TritonBackend(CopyBackend):
     """Triton kernels on one device type (npu, cuda, or cpu through the interpreter)."""
 
     name = "triton"
@@ -204,13 +200,7 @@ class TritonBackend(DirectionalCopyBackend):
             if len(self._table_cache) > 64:  # registrations are few; never grow without bound
                 self._table_cache.clear()
             self._table_cache[key] = table
-        return _PlaneInfo(base, table, width, wdtype, max(rbytes) // width, planes.token_bytes // width,
-                          max(sstr) // width)
-
-    def _check_stage(self, planes: PlaneSet, stage: torch.Tensor, tokens: int, what: str) -> None:
-        self._check_device(stage)
-        self._check_device(planes.planes[0])
-        planes.staging_bytes(stage, tokens, what)
+        return _PlaneInfo(base, table, width, wdtype, max(rbytes) // width, max(sstr) // width)
 
     def _upload(self, table: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
@@ -230,39 +220,6 @@ class TritonBackend(DirectionalCopyBackend):
             self.device, type(err).__name__, err,
         )
         return self._torch()
-
-    # ---------------------------------------------------------------- rows
-    def _rows(self, planes: PlaneSet, slots: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
-        what = "out" if gather else "src"
-        self._check_stage(planes, stage, int(slots.numel()), what)
-        check_slots(slots, planes.num_slots)
-        if self._fallback is not None:
-            fb = self._fallback
-            (fb.gather_slots if gather else fb.scatter_slots)(planes, slots, stage)
-            return
-        if slots.numel() == 0:
-            return
-        info = self._planes(planes, stage)
-        r = info.max_row_units
-        cols = min(_next_pow2(r), self.tile_elems)
-        rows = max(1, min(self.tile_elems // cols, _next_pow2(planes.block_size)))
-        token_units = info.token_units
-        if rows * max(token_units, info.max_slot_stride) + cols > _INT32_MAX or r > _INT32_MAX:
-            raise ValueError("a tile's offsets would overflow int32; rows this large are not supported")
-        starts, counts, first = slots_to_pieces(slots, planes.block_size)
-        pieces = self._upload(np.stack([starts, counts, first]))
-        grid = (min(_program_count(self.device), int(starts.size)),)
-        try:
-            _build()["rows"][grid](
-                info.base, stage.reshape(-1).view(torch.uint8).view(info.dtype), info.table, pieces,
-                int(starts.size), planes.num_planes, token_units, planes.block_size,
-                GATHER=gather, ROWS=rows, COLS=cols,
-            )
-        except Exception as err:  # noqa: BLE001 - compile/launch failure: validated inputs, nothing written yet
-            fb = self._fail(err)
-            (fb.gather_slots if gather else fb.scatter_slots)(planes, slots, stage)
-            return
-        self.ops_issued += 1
 
     # ---------------------------------------------------------------- pieces (value-major staging)
     def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
@@ -300,6 +257,12 @@ class TritonBackend(DirectionalCopyBackend):
         self.ops_issued += 1
 
     # ---------------------------------------------------------------- segments
+    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, out, gather=True)
+
+    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, src, gather=False)
+
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
         self._check_device(stage)
         p = ptrs.detach().to("cpu", torch.int64).numpy().reshape(-1)

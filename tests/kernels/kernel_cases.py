@@ -1,4 +1,4 @@
-"""Layouts, random data and an independent per-token reference for the kernel tests.
+"""Layouts, random data and an independent per-token reference (value-major pieces) for the kernel tests.
 
 Every layout factory returns `(bases, planes)`: the allocations that hold the cache (so a test can check that a
 scatter touched nothing but the named rows, padding included) and the `PlaneSet` viewing them. Data are random
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from ems.kernels.base import PlaneSet
+from ems.kernels.base import CopyBackend, PlaneSet
+from ems.kernels.plan import value_pieces
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]
 POISON = 0xA5
@@ -23,12 +25,6 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator
     shape = list(shape)
     raw = torch.randint(1, 256, shape[:-1] + [shape[-1] * esize], dtype=torch.int32, generator=gen)
     return raw.to(torch.uint8).view(dtype)
-
-
-def poisoned(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    esize = torch.empty(0, dtype=dtype).element_size()
-    shape = list(shape)
-    return torch.full(shape[:-1] + [shape[-1] * esize], POISON, dtype=torch.uint8).view(dtype)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -71,23 +67,120 @@ def make_layout(
     return bases, PlaneSet(tuple(planes))
 
 
-def reference_gather(planes: PlaneSet, slots: Sequence[int]) -> torch.Tensor:
-    """out [T, P, row] by a plain per-token loop (independent of every backend)."""
+# (K row, K dtype, V row, V dtype): heads x head_size per plane (MLA with split K/V)
+SPLITS = [
+    ((1, 32), torch.bfloat16, (1, 8), torch.bfloat16),  # DeepSeek's 512/64 shape, scaled down for the interpreter
+    ((1, 24), torch.float16, (1, 4), torch.float32),  # V of another dtype (4-byte elements)
+    ((1, 7), torch.int8, (2, 3), torch.float16),  # odd byte rows: moved as int8
+    ((2, 5), torch.float8_e4m3fn, (1, 6), torch.bfloat16),
+]
+
+
+def split_layout(kind: str, layers: int, blocks: int, block_size: int, split, gen: torch.Generator
+                 ) -> Tuple[List[torch.Tensor], PlaneSet]:
+    """kind: "plain" (one allocation per plane) or "block_packed" (one allocation per layer: each block holds its
+    K rows then its V rows, as some engines pack a layer's latent and rope per block)."""
+    (kh, kd), kdt, (vh, vd), vdt = split
+    bases: List[torch.Tensor] = []
+    planes: List[torch.Tensor] = []
+    for _ in range(layers):
+        if kind == "plain":
+            k = random_tensor([blocks, block_size, kh, kd], kdt, gen)
+            v = random_tensor([blocks, block_size, vh, vd], vdt, gen)
+            bases += [k, v]
+            planes += [k, v]
+        else:
+            kbytes = block_size * kh * kd * torch.empty(0, dtype=kdt).element_size()
+            vbytes = block_size * vh * vd * torch.empty(0, dtype=vdt).element_size()
+            raw = random_tensor([blocks, kbytes + vbytes], torch.uint8, gen)
+            bases.append(raw)
+            planes.append(raw[:, :kbytes].view(kdt).view(blocks, block_size, kh, kd))
+            planes.append(raw[:, kbytes:].view(vdt).view(blocks, block_size, vh, vd))
+    return bases, PlaneSet(tuple(planes))
+
+
+GAP = 40  # bytes before every value (a header)
+
+
+def values_layout(counts: Sequence[int], token_bytes: int, align: int = 8) -> Tuple[np.ndarray, np.ndarray, int]:
+    """tok_start [n + 1], part_base [n] with a GAP before each value (values `align`-byte aligned), total bytes."""
+    tok_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    sizes = GAP + np.asarray(counts, np.int64) * token_bytes
+    starts = np.concatenate(([0], np.cumsum((sizes + align - 1) // align * align)))
+    return tok_start, starts[:-1] + GAP, int(starts[-1])
+
+
+def reference_pieces(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarray, part_base: np.ndarray,
+                     total: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the value-major staging a gather must produce, the mask of the bytes it writes), by a per-token loop
+    independent of every backend."""
+    out = torch.full((total,), POISON, dtype=torch.uint8)
+    mask = torch.zeros(total, dtype=torch.bool)
     bs = planes.block_size
-    rows = [
-        torch.stack([p[s // bs, s % bs].reshape(-1) for p in planes.planes]) for s in slots
-    ]
-    if not rows:
-        return torch.empty(0, planes.num_planes, planes.row_elems, dtype=planes.dtype)
-    return torch.stack(rows)
+    for i in range(len(part_base)):
+        n = int(tok_start[i + 1] - tok_start[i])
+        for j in range(n):
+            s = slots[int(tok_start[i]) + j]
+            for p, plane in enumerate(planes.planes):
+                row = planes.plane_row_bytes[p]
+                at = int(part_base[i]) + n * planes.plane_offsets[p] + j * row
+                out[at : at + row] = plane[s // bs, s % bs].reshape(-1).view(torch.uint8)
+                mask[at : at + row] = True
+    return out, mask
 
 
-def reference_scatter(planes: PlaneSet, slots: Sequence[int], src: torch.Tensor) -> None:
+def pieces_case(planes: PlaneSet, slots: Sequence[int], counts: Sequence[int], align: int = 8
+                ) -> Tuple[torch.Tensor, np.ndarray, np.ndarray, int]:
+    """(piece table, tok_start, part_base, total staging bytes) for `slots` cut into values of `counts` tokens."""
+    tok_start, part_base, total = values_layout(counts, planes.token_bytes, align)
+    table, _ = value_pieces(np.asarray(slots, np.int64), planes.block_size, tok_start, part_base)
+    return torch.from_numpy(table), tok_start, part_base, total
+
+
+def check_pieces_roundtrip(backend: CopyBackend, bases: List[torch.Tensor], planes: PlaneSet, slots: Sequence[int],
+                           counts: Sequence[int], gen: torch.Generator, align: int = 8, scatter: bool = True) -> None:
+    """Gather like the reference (ONE launch on the Triton path; piece by piece gives the same bytes); then, unless
+    `scatter` is False (slots with repeats), scatter fresh bytes: exactly the named rows change, padding and every
+    other row stay, and a gather reads the new bytes back."""
+    pieces, tok_start, part_base, total = pieces_case(planes, slots, counts, align)
+    expected, written = reference_pieces(planes, slots, tok_start, part_base, total)
+    out = torch.full((total,), POISON, dtype=torch.uint8)
+    ops = backend.ops_issued
+    backend.gather_pieces(planes, pieces, out)
+    assert torch.equal(out, expected)
+    if backend.name == "triton" and len(slots):
+        assert backend.ops_issued - ops == 1  # ONE launch per call (CPU: no table upload)
+    if backend.name != "triton":  # piece by piece (the one-piece fast paths) gives the same bytes
+        one_by_one = torch.full((total,), POISON, dtype=torch.uint8)
+        for k in range(pieces.shape[1]):
+            backend.gather_pieces(planes, pieces[:, k : k + 1].contiguous(), one_by_one)
+        assert torch.equal(one_by_one, expected)
+    if not scatter:
+        return
+    src = random_tensor([total], torch.uint8, gen)
+    before = [as_bytes(b).clone() for b in bases]
+    want = [b.clone() for b in before]  # the reference scatter, on byte copies of the bases
     bs = planes.block_size
-    for t, s in enumerate(slots):
-        for p, plane in enumerate(planes.planes):
-            plane[s // bs, s % bs] = src[t, p].reshape(plane.shape[2], plane.shape[3])
+    for i in range(len(part_base)):
+        n = int(tok_start[i + 1] - tok_start[i])
+        for j in range(n):
+            s = slots[int(tok_start[i]) + j]
+            for p, plane in enumerate(planes.planes):
+                row = planes.plane_row_bytes[p]
+                at = int(part_base[i]) + n * planes.plane_offsets[p] + j * row
+                owner = _owner(bases, plane)
+                first = (plane[s // bs, s % bs].data_ptr() - bases[owner].data_ptr())
+                want[owner][first : first + row] = src[at : at + row]
+    backend.scatter_pieces(planes, pieces, src)
+    for got, w in zip(bases, want):
+        assert torch.equal(as_bytes(got), w)
+    again = torch.full((total,), POISON, dtype=torch.uint8)
+    backend.gather_pieces(planes, pieces, again)
+    assert torch.equal(again[written], src[written])
 
 
-def runs_slots(starts: Sequence[int], lengths: Sequence[int]) -> List[int]:
-    return [s + k for s, n in zip(starts, lengths) for k in range(n)]
+def _owner(bases: List[torch.Tensor], plane: torch.Tensor) -> int:
+    for i, b in enumerate(bases):
+        if b.untyped_storage().data_ptr() == plane.untyped_storage().data_ptr():
+            return i
+    raise LookupError("plane without a base")

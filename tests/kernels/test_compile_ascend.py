@@ -22,13 +22,9 @@ from ems.kernels.triton_backend import _build
 
 k = _build()
 assert not k["interpreted"]
-ints = {"n_pieces": "i32", "n_planes": "i32", "token_units": "i32", "block_size": "i32"}
 jobs = []
 for gather in (True, False):
     for width in ("i8", "i16", "i32"):
-        sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
-               **ints, "GATHER": "constexpr", "ROWS": "constexpr", "COLS": "constexpr"}
-        jobs.append(ASTSource(fn=k["rows"], signature=sig, constants={"GATHER": gather, "ROWS": 16, "COLS": 256}))
         sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
                "n_pieces": "i32", "n_planes": "i32", "block_size": "i32", "GATHER": "constexpr", "ROWS": "constexpr",
                "COLS": "constexpr", "SPAN": "constexpr"}

@@ -21,13 +21,8 @@ from ems.kernels.triton_backend import _build
 
 k = _build()
 assert not k["interpreted"]
-ints = {"n_pieces": "i32", "n_planes": "i32", "token_units": "i32", "block_size": "i32"}
 for gather in (True, False):
     for width in ("i8", "i16", "i32"):
-        sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
-               **ints, "GATHER": "constexpr", "ROWS": "constexpr", "COLS": "constexpr"}
-        triton.compile(ASTSource(fn=k["rows"], signature=sig, constexprs={"GATHER": gather, "ROWS": 16, "COLS": 256}),
-                       target=GPUTarget("cuda", 90, 32))
         sig = {"cache_ptr": "*" + width, "stage_ptr": "*" + width, "plane_table_ptr": "*i64", "pieces_ptr": "*i64",
                "n_pieces": "i32", "n_planes": "i32", "block_size": "i32", "GATHER": "constexpr", "ROWS": "constexpr",
                "COLS": "constexpr", "SPAN": "constexpr"}

@@ -12,69 +12,13 @@ import pytest
 import torch
 from ems.kernels.base import CopyBackend, PlaneSet
 from ems.kernels.plan import value_pieces
-from kernel_cases import POISON, make_layout, random_tensor
-from test_split_planes import SPLITS, _split_layout
+from kernel_cases import DTYPES, SPLITS, check_pieces_roundtrip, make_layout, pieces_case, split_layout
 
-GAP = 40  # bytes before every value (a header)
-
-
-def _values(counts: list[int], token_bytes: int, align: int = 8) -> tuple[np.ndarray, np.ndarray, int]:
-    """tok_start [n + 1], part_base [n] with a GAP before each value (values `align`-byte aligned), total bytes."""
-    tok_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    sizes = GAP + np.asarray(counts, np.int64) * token_bytes
-    starts = np.concatenate(([0], np.cumsum((sizes + align - 1) // align * align)))
-    return tok_start, starts[:-1] + GAP, int(starts[-1])
-
-
-def _reference_gather(planes: PlaneSet, slots: list[int], tok_start: np.ndarray, part_base: np.ndarray,
-                      total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the staging a gather must produce, the mask of the bytes it writes)."""
-    out = torch.full((total,), POISON, dtype=torch.uint8)
-    mask = torch.zeros(total, dtype=torch.bool)
-    bs = planes.block_size
-    for i in range(len(part_base)):
-        n = int(tok_start[i + 1] - tok_start[i])
-        for j in range(n):
-            s = slots[int(tok_start[i]) + j]
-            for p, plane in enumerate(planes.planes):
-                row = planes.plane_row_bytes[p]
-                at = int(part_base[i]) + n * planes.plane_offsets[p] + j * row
-                out[at : at + row] = plane[s // bs, s % bs].reshape(-1).view(torch.uint8)
-                mask[at : at + row] = True
-    return out, mask
-
-
-def _case(planes: PlaneSet, slots: list[int], counts: list[int], align: int = 8
-          ) -> tuple[torch.Tensor, np.ndarray, np.ndarray, int]:
-    tok_start, part_base, total = _values(counts, planes.token_bytes, align)
-    table, _ = value_pieces(np.asarray(slots, np.int64), planes.block_size, tok_start, part_base)
-    return torch.from_numpy(table), tok_start, part_base, total
-
+LAYOUTS = ["plain", "kv_interleaved", "padded_block", "padded_slot"]
 
 def _check(backend: CopyBackend, bases: list[torch.Tensor], planes: PlaneSet, slots: list[int], counts: list[int],
-           gen: torch.Generator, align: int = 8) -> None:
-    pieces, tok_start, part_base, total = _case(planes, slots, counts, align)
-    expected, written = _reference_gather(planes, slots, tok_start, part_base, total)
-    out = torch.full((total,), POISON, dtype=torch.uint8)
-    ops = backend.ops_issued
-    backend.gather_pieces(planes, pieces, out)
-    assert torch.equal(out, expected)
-    if backend.name == "triton" and len(slots):
-        assert backend.ops_issued - ops == 1  # ONE launch per call (CPU: no table upload)
-    if backend.name != "triton":  # piece by piece (the one-piece fast paths) gives the same bytes
-        one_by_one = torch.full((total,), POISON, dtype=torch.uint8)
-        for k in range(pieces.shape[1]):
-            backend.gather_pieces(planes, pieces[:, k : k + 1].contiguous(), one_by_one)
-        assert torch.equal(one_by_one, expected)
-    # scatter fresh random values back into the same slots: exactly those rows change, to exactly those bytes
-    src = random_tensor([total], torch.uint8, gen)
-    before = [b.clone() for b in bases]
-    backend.scatter_pieces(planes, pieces, src)
-    again = torch.full((total,), POISON, dtype=torch.uint8)
-    backend.gather_pieces(planes, pieces, again)
-    assert torch.equal(again[written], src[written])
-    changed = sum(int((b.view(torch.uint8) != a.view(torch.uint8)).sum()) for a, b in zip(before, bases))
-    assert changed <= int(written.sum())
+           gen: torch.Generator, align: int = 8, scatter: bool = True) -> None:
+    check_pieces_roundtrip(backend, bases, planes, slots, counts, gen, align, scatter)
 
 
 def _slot_cases(blocks: int, bs: int, gen: torch.Generator) -> list[tuple[list[int], list[int]]]:
@@ -91,7 +35,7 @@ def _slot_cases(blocks: int, bs: int, gen: torch.Generator) -> list[tuple[list[i
     ]
 
 
-@pytest.mark.parametrize("kind", ["plain", "kv_interleaved", "padded_block", "padded_slot"])
+@pytest.mark.parametrize("kind", LAYOUTS)
 def test_pieces_uniform_layouts(backend: CopyBackend, kind: str) -> None:
     gen = torch.Generator().manual_seed(7)
     bs = 4
@@ -106,7 +50,7 @@ def test_pieces_odd_value_offsets(backend: CopyBackend) -> None:
     bases, planes = make_layout("plain", 2, 6, 4, 2, 8, torch.float16, gen)
     for slots, counts in _slot_cases(6, 4, gen):
         _check(backend, bases, planes, slots, counts, gen, align=1)
-    pieces, _, _, total = _case(planes, list(range(8)), [3, 5], align=1)
+    pieces, _, _, total = pieces_case(planes, list(range(8)), [3, 5], align=1)
     out = torch.zeros(total + 3, dtype=torch.uint8)[3:]  # an odd staging address too
     backend.gather_pieces(planes, pieces, out)
 
@@ -116,9 +60,135 @@ def test_pieces_odd_value_offsets(backend: CopyBackend) -> None:
 def test_pieces_split_planes(backend: CopyBackend, kind: str, split) -> None:
     gen = torch.Generator().manual_seed(11)
     bs = 4
-    bases, planes = _split_layout(kind, 2, 6, bs, split, gen)
+    bases, planes = split_layout(kind, 2, 6, bs, split, gen)
     for slots, counts in _slot_cases(6, bs, gen):
         _check(backend, bases, planes, slots, counts, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pieces_dtypes_layouts(backend: CopyBackend, dtype: torch.dtype, layout: str) -> None:
+    """Every dtype (fp8 included) on every strided view, bit for bit: whole blocks, a partial block, gaps and
+    unordered slots; repeats and any order in a gather (a value may name one slot twice)."""
+    gen = torch.Generator().manual_seed(hash((str(dtype), layout)) % 2**31)
+    bases, planes = make_layout(layout, layers=2, blocks=6, block_size=8, heads=3, head_size=5, dtype=dtype, gen=gen)
+    _check(backend, bases, planes, list(range(8, 24)) + [40, 41, 42], [8, 8, 3], gen)
+    _check(backend, bases, planes, [47, 0, 5, 5, 33, 12, 12, 12, 7, 8], [4, 6], gen, scatter=False)
+    perm = torch.randperm(planes.num_slots, generator=gen)[:13].tolist()
+    _check(backend, bases, planes, perm, [5, 8], gen)
+
+
+@pytest.mark.parametrize("heads,head_size,dtype", [
+    (1, 7, torch.int8),  # 7-byte rows: moved as int8
+    (3, 5, torch.float16),  # 30-byte rows: int16
+    (2, 3, torch.float16),  # 12-byte rows: int32 although a head is 6 bytes
+    (1, 576, torch.bfloat16),  # MLA latent
+])
+def test_pieces_odd_rows(backend: CopyBackend, heads: int, head_size: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(heads * 1000 + head_size)
+    bases, planes = make_layout("kv_interleaved", layers=1, blocks=4, block_size=4, heads=heads,
+                                head_size=head_size, dtype=dtype, gen=gen)
+    _check(backend, bases, planes, [3, 4, 5, 6, 7, 8, 15, 2, 2], [9], gen, scatter=False)
+    _check(backend, bases, planes, [9, 10, 11, 0, 14], [3, 2], gen)
+
+
+def test_pieces_tile_edges(backend: CopyBackend) -> None:
+    """Pieces longer than one tile: several span tiles per piece (contiguous rows), several row and column tiles
+    per piece (strided rows), masks at every edge."""
+    gen = torch.Generator().manual_seed(7)
+    if hasattr(backend, "tile_elems"):
+        backend.tile_elems = 64  # tiny tiles, so small data crosses many tile edges
+    # row = 3 * 33 = 99 fp32 units -> 2 column tiles of 64; a 16-slot piece = 1584 units -> 25 span tiles
+    bases, planes = make_layout("plain", layers=1, blocks=3, block_size=16, heads=3, head_size=33,
+                                dtype=torch.float32, gen=gen)
+    _check(backend, bases, planes, list(range(0, 48)), [16, 20, 12], gen)
+    # strided rows (padded slots): 2-D tiles, ROWS x COLS, a 16-slot block needs several row tiles
+    bases, planes = make_layout("padded_slot", layers=1, blocks=4, block_size=16, heads=1, head_size=5,
+                                dtype=torch.float32, gen=gen)
+    _check(backend, bases, planes, list(range(3, 64)), [13, 16, 32], gen)
+
+
+def test_pieces_default_tiles_cross_column_edge(backend: CopyBackend) -> None:
+    """A row wider than the default interpreter tile (16384 units), strided and contiguous."""
+    gen = torch.Generator().manual_seed(11)
+    for layout in ("plain", "padded_slot"):
+        bases, planes = make_layout(layout, layers=1, blocks=2, block_size=2, heads=1, head_size=16389,
+                                    dtype=torch.float32, gen=gen)
+        _check(backend, bases, planes, [3, 0, 1], [1, 2], gen)
+
+
+def test_pieces_many_blocks_one_launch(backend: CopyBackend) -> None:
+    """Device ops per call do not grow with blocks on the kernel path; they do on the memcpy path."""
+    gen = torch.Generator().manual_seed(9)
+    bases, planes = make_layout("plain", layers=2, blocks=40, block_size=4, heads=1, head_size=8,
+                                dtype=torch.float16, gen=gen)
+    counts = []
+    for n_blocks in (2, 20):
+        pieces, _, _, total = pieces_case(planes, list(range(4 * n_blocks)), [4] * n_blocks)
+        before = backend.ops_issued
+        backend.gather_pieces(planes, pieces, torch.zeros(total, dtype=torch.uint8))
+        counts.append(backend.ops_issued - before)
+    if backend.name == "triton":
+        assert counts == [1, 1]  # CPU: no table upload, one launch
+    if backend.name == "memcpy":
+        assert counts == [2 * 4, 20 * 4]  # one copy per (block, plane)
+    if backend.name == "torch":
+        assert counts[0] == counts[1] <= 2  # one span table for every plane (headers between values: 2 passes)
+
+
+def test_pieces_split_planes_one_launch(backend: CopyBackend) -> None:
+    """Split K/V (planes of different row sizes and dtypes) keeps the kernel path at one launch per call."""
+    gen = torch.Generator().manual_seed(29)
+    _, planes = split_layout("plain", layers=3, blocks=12, block_size=2, split=SPLITS[1], gen=gen)
+    counts = []
+    for n_blocks in (1, 10):
+        pieces, _, _, total = pieces_case(planes, list(range(2 * n_blocks)), [2] * n_blocks)
+        before = backend.ops_issued
+        backend.gather_pieces(planes, pieces, torch.zeros(total, dtype=torch.uint8))
+        counts.append(backend.ops_issued - before)
+    if backend.name == "triton":
+        assert counts == [1, 1]
+    if backend.name == "torch":
+        assert counts == [6, 6]  # planes of different row sizes: one op per plane
+    if backend.name == "memcpy":
+        assert counts == [1 * 6, 10 * 6]  # one copy per (block, plane)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_per_plane_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend's per-plane path (used off CPU, or when planes are too far apart for one span view)."""
+    import ems.kernels.torch_backend as tbk
+
+    monkeypatch.setattr(tbk, "_MAX_SPAN", 0)
+    gen = torch.Generator().manual_seed(17)
+    bases, planes = make_layout(layout, layers=2, blocks=4, block_size=4, heads=3, head_size=5,
+                                dtype=torch.bfloat16, gen=gen)
+    backend = tbk.TorchBackend()
+    _check(backend, bases, planes, [3, 4, 5, 15, 0, 0, 9], [3, 4], gen, scatter=False)
+    _check(backend, bases, planes, [1, 2, 14, 7, 8, 9, 10, 11], [4, 4], gen)
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 3, 4, 16]), head_size=st.integers(1, 9),
+       layout=st.sampled_from(LAYOUTS))
+def test_property_pieces_every_backend(data: st.DataObject, block_size: int, head_size: int, layout: str) -> None:
+    """Any slot list (repeats, any order) cut into any values gathers like the reference on every backend; any
+    distinct slots scatter exactly."""
+    from conftest import FACTORIES
+    from ems.kernels.select import triton_importable
+
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    bases, planes = make_layout(layout, layers=1, blocks=5, block_size=block_size, heads=2, head_size=head_size,
+                                dtype=torch.float16, gen=gen)
+    n = planes.num_slots
+    slots = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12))
+    distinct = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12, unique=True))
+    cut = data.draw(st.integers(0, len(distinct)))
+    kinds = [k for k in FACTORIES if k != "triton" or triton_importable()]
+    for kind in kinds:
+        backend = FACTORIES[kind]()
+        _check(backend, bases, planes, slots, [len(slots)], gen, scatter=False)
+        _check(backend, bases, planes, distinct, [c for c in (cut, len(distinct) - cut) if c], gen)
 
 
 def test_pieces_rejects_out_of_range(backend: CopyBackend) -> None:

@@ -13,7 +13,7 @@ import torch
 from ems.kernels.base import KernelBackend, PlaneSet
 from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.select import get_backend, triton_importable
-from kernel_cases import as_bytes, make_layout, poisoned, reference_gather
+from kernel_cases import make_layout, pieces_case, reference_pieces
 
 CPU = torch.device("cpu")
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
@@ -62,19 +62,21 @@ def test_triton_on_cpu_without_interpreter_explains() -> None:
 
 
 @pytest.mark.parametrize("kind", ["triton", "memcpy"])
-def test_out_of_range_slot_is_refused(kind: str) -> None:
+def test_out_of_range_piece_is_refused(kind: str) -> None:
     if kind == "triton" and not triton_importable():
         pytest.skip("triton is not installed")
     backend = get_backend(CPU, KernelBackend(kind))
     gen = torch.Generator().manual_seed(1)
     _, planes = make_layout("plain", layers=1, blocks=2, block_size=4, heads=1, head_size=4,
                             dtype=torch.float16, gen=gen)
-    out = poisoned([2, 2, 4], torch.float16)
-    for bad in ([0, 8], [-1, 0]):
+    pieces, _, _, total = pieces_case(planes, [0, 1], [2])
+    out = torch.zeros(total, dtype=torch.uint8)
+    backend.gather_pieces(planes, pieces, out)
+    for bad in ([[7], [2], [40], [2], [0]], [[-1], [1], [40], [2], [0]]):  # past the cache; a negative slot
         with pytest.raises(ValueError):
-            backend.gather_slots(planes, torch.tensor(bad, dtype=torch.int64), out)
+            backend.gather_pieces(planes, torch.tensor(bad, dtype=torch.int64), out)
     with pytest.raises(ValueError):
-        backend.gather_slots(planes, torch.tensor([0, 1, 2], dtype=torch.int64), out)  # wrong out shape
+        backend.gather_pieces(planes, pieces, out[:-1])  # staging too short
 
 
 @needs_triton
@@ -91,16 +93,18 @@ def test_compile_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyP
         def __call__(self, *args: object, **kwargs: object) -> None:
             raise RuntimeError("simulated compile failure")
 
-    monkeypatch.setattr(tb, "_build", lambda: {"rows": Broken(), "segments": Broken(), "interpreted": True})
+    monkeypatch.setattr(tb, "_build", lambda: {"pieces": Broken(), "segments": Broken(), "interpreted": True})
     gen = torch.Generator().manual_seed(2)
     _, planes = make_layout("plain", layers=1, blocks=3, block_size=4, heads=1, head_size=6,
                             dtype=torch.bfloat16, gen=gen)
     slots = [1, 2, 9, 0]
+    pieces, tok_start, part_base, total = pieces_case(planes, slots, [3, 1])
+    expected, _ = reference_pieces(planes, slots, tok_start, part_base, total)
     with caplog.at_level(logging.WARNING, logger="ems.kernels"):
         for _ in range(3):
-            out = poisoned([4, 2, 6], torch.bfloat16)
-            backend.gather_slots(planes, torch.tensor(slots), out)
-            assert torch.equal(as_bytes(out), as_bytes(reference_gather(planes, slots)))
+            out = expected.clone().fill_(0xA5)
+            backend.gather_pieces(planes, pieces, out)
+            assert torch.equal(out, expected)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "ems.kernels"]
     assert len(warnings) == 1 and "torch" in warnings[0].getMessage()
     assert "fell back" in backend.describe()
@@ -139,4 +143,4 @@ def test_mismatched_planes_are_refused() -> None:
     a = torch.ones(2, 4, 1, 8, dtype=torch.float16)
     b = torch.ones(3, 4, 1, 8, dtype=torch.float16)
     with pytest.raises(ValueError):
-        backend.gather_slots(PlaneSet((a, b)), torch.tensor([0]), torch.empty(1, 2, 8, dtype=torch.float16))
+        backend.gather_pieces(PlaneSet((a, b)), torch.tensor([[0], [1], [0], [1], [0]]), torch.empty(32, dtype=torch.uint8))
