@@ -3,7 +3,8 @@
 Contract: `python perf/bench_kernels.py [--device cpu|cuda|npu] [--quick] [--no-results]` builds, for each model
 layout (40-layer MHA 40×128, 28-layer GQA 4×128, MLA 1×576 latent in K and V) and block size (16, 64, 128), a
 paged cache with one allocation per (layer, K/V) like vLLM, and saves a request of n scattered whole blocks
-(`slot_mapping` of full blocks, in random block order) with each path:
+(`slot_mapping` of full blocks, in random block order, one stored value per block: `gather_pieces` into
+value-major staging, what V1 saves do) with each path:
 
 * kernel — the device's production path (`auto`): the Triton kernels on cuda/npu, the vectorised torch path on CPU;
 * triton-interpreter — on CPU only, at the smallest size (it is ~1000× slower; correctness tool, not a path);
@@ -29,10 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from benchlib import machine
 from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
+from ems.kernels.plan import value_pieces
 from ems.kernels.select import get_backend
 
 HERE = Path(__file__).resolve().parent
@@ -108,15 +111,20 @@ def bench_one(model: Model, layers: int, block_size: int, blocks: int, device: t
     chosen = torch.randperm(num_blocks, generator=gen)[:blocks]
     slots = (chosen[:, None] * block_size + torch.arange(block_size)).reshape(-1).to(torch.int64)
     tokens = int(slots.numel())
-    out = torch.empty(tokens, planes.num_planes, planes.row_elems, dtype=model.dtype, device=device)
-    src = torch.empty_like(out).view(torch.uint8).random_(1, 255).view(model.dtype)
+    # one stored value per block, back to back in value-major staging (what a V1 save gathers: value format 3)
+    tok_start = np.arange(blocks + 1, dtype=np.int64) * block_size
+    part_base = np.arange(blocks, dtype=np.int64) * block_size * planes.token_bytes
+    pieces = torch.from_numpy(value_pieces(slots.numpy(), block_size, tok_start, part_base)[0])
+    out = torch.empty(tokens * planes.token_bytes, dtype=torch.uint8, device=device)
+    src = torch.empty_like(out).random_(1, 255)
     dst = torch.empty_like(out)
-    fns: Dict[str, Callable[[], None]] = {name: (lambda b=b: b.gather_slots(planes, slots, out)) for name, b in backends.items()}
+    fns: Dict[str, Callable[[], None]] = {name: (lambda b=b: b.gather_pieces(planes, pieces, out))
+                                          for name, b in backends.items()}
     fns["limit"] = lambda: dst.copy_(src)
     ops: Dict[str, int] = {}
     for name, b in backends.items():
         before = b.ops_issued
-        b.gather_slots(planes, slots, out)
+        b.gather_pieces(planes, pieces, out)
         ops[name] = b.ops_issued - before
     ops["limit"] = 1
     best = _time_rounds(fns, device, min_s, max_rounds)

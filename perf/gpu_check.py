@@ -2,13 +2,14 @@
 
 Contract: `python perf/gpu_check.py OUT [--device cuda|npu|cpu] [--tiny]` runs in a few minutes on one card:
 
-1. correctness: the Triton backend vs the torch backend, gather and scatter, by slot, by run and by raw segment,
-   over dtypes (fp16, bf16, fp32, int8, fp8 e4m3 bytes), odd rows, K/V-interleaved and padded views; any mismatch
-   is printed and makes the exit status 1;
-2. speed: saves of n whole blocks (random order) for the MHA/GQA/MLA layouts of perf/bench_kernels.py at their
-   real layer counts: Triton GB/s vs the card's device-to-device copy of the same bytes (`copy_` of one contiguous
-   buffer: the limit), vs the memcpy path and the torch path, plus device ops per save. GB/s counts bytes read +
-   written (2 × the save) for every path, so ratios equal time ratios.
+1. correctness: the Triton backend vs the torch backend, gather and scatter of value-major pieces (what V1 saves
+   use: whole blocks, runs crossing blocks, repeats, values with header gaps) and of raw segments, over dtypes
+   (fp16, bf16, fp32, int8, fp8 e4m3 bytes), odd rows, K/V-interleaved and padded views; any mismatch is printed
+   and makes the exit status 1;
+2. speed: saves of n whole blocks (random order, one stored value per block, `gather_pieces`) for the MHA/GQA/MLA
+   layouts of perf/bench_kernels.py at their real layer counts: Triton GB/s vs the card's device-to-device copy of
+   the same bytes (`copy_` of one contiguous buffer: the limit), vs the memcpy path and the torch path, plus device
+   ops per save. GB/s counts bytes read + written (2 × the save) for every path, so ratios equal time ratios.
 
 Prints a table and writes the figures (JSON, with the device name) to OUT. `--device cpu --tiny` runs the same code
 through the Triton interpreter at toy sizes (a smoke test of this script without a GPU).
@@ -76,50 +77,31 @@ def correctness(device: torch.device, tiny: bool) -> List[str]:
     for dtype in dtypes:
         for heads, head_size in shapes:
             for layout in ("plain", "kv_interleaved", "padded_slot"):
-                planes_list = []
+                bases, planes_list = [], []
                 for _ in range(2):  # two layers
                     if layout == "plain":
-                        planes_list += [_rand((blocks, bs, heads, head_size), dtype, device) for _ in range(2)]
+                        for _kv in range(2):
+                            t = _rand((blocks, bs, heads, head_size), dtype, device)
+                            bases.append(t)
+                            planes_list.append(t)
                     elif layout == "kv_interleaved":
                         t = _rand((blocks, 2, bs, heads, head_size), dtype, device)
+                        bases.append(t)
                         planes_list += [t[:, 0], t[:, 1]]
                     else:
                         row = heads * head_size
-                        for _ in range(2):
+                        for _kv in range(2):
                             t = _rand((blocks, bs, row + 3), dtype, device)
+                            bases.append(t)
                             planes_list.append(t[:, :, :row].unflatten(-1, (heads, head_size)))
                 planes = PlaneSet(tuple(planes_list))
                 case = f"{dtype} {heads}x{head_size} {layout}"
                 n = planes.num_slots
-                slots = torch.cat([torch.arange(bs, 3 * bs), torch.randint(0, n, (2 * bs,), generator=gen)])
-                shape = (slots.numel(), planes.num_planes, planes.row_elems)
-                a, b = _rand(shape, dtype, device), _rand(shape, dtype, device)
-                tri.gather_slots(planes, slots, a)
-                ref.gather_slots(planes, slots, b)
-                if not torch.equal(_bytes(a), _bytes(b)):
-                    failures.append(f"gather_slots {case}")
-                starts, lengths = torch.tensor([1, bs + 3, 2 * bs]), torch.tensor([bs + 1, 2, 2 * bs + 1])
-                tokens = int(lengths.sum())
-                a = _rand((tokens,) + shape[1:], dtype, device)
-                b = _rand((tokens,) + shape[1:], dtype, device)
-                tri.gather_runs(planes, starts, lengths, a)
-                ref.gather_runs(planes, starts, lengths, b)
-                if not torch.equal(_bytes(a), _bytes(b)):
-                    failures.append(f"gather_runs {case}")
-                # scatter: triton writes, torch reads back; the rest of every plane is unchanged
+                # whole blocks, runs crossing blocks, random slots with repeats (gather); distinct slots (scatter)
+                slots = torch.cat([torch.arange(bs, 3 * bs), torch.arange(1, 2 * bs + 3),
+                                   torch.randint(0, n, (2 * bs,), generator=gen)])
                 uniq = torch.randperm(n, generator=gen)[: 2 * bs]
-                src = _rand((uniq.numel(),) + shape[1:], dtype, device)
-                everything = torch.arange(n)
-                before = torch.empty((n,) + shape[1:], dtype=dtype, device=device)
-                ref.gather_slots(planes, everything, before)
-                tri.scatter_slots(planes, uniq, src)
-                after = torch.empty_like(before)
-                ref.gather_slots(planes, everything, after)
-                expect = before.clone()
-                expect[uniq.to(device)] = src
-                if not torch.equal(_bytes(after), _bytes(expect)):
-                    failures.append(f"scatter_slots {case}")
-                failures += [f"{what} {case}" for what in pieces_check(tri, ref, planes, slots, uniq, device)]
+                failures += [f"{what} {case}" for what in pieces_check(tri, ref, bases, planes, slots, uniq, device)]
     # raw segments, odd and aligned
     buf = _rand((1 << 16,), torch.uint8, device)
     for offs, lens in (([3, 1000, 40000], [997, 5, 20001]), ([0, 4096, 8192], [4096, 64, 40000])):
@@ -133,12 +115,14 @@ def correctness(device: torch.device, tiny: bool) -> List[str]:
     return failures
 
 
-def pieces_check(tri: "CopyBackend", ref: "CopyBackend", planes: "PlaneSet", slots: torch.Tensor,
-                 unique: torch.Tensor, device: torch.device) -> List[str]:
-    """Value-major pieces (what V1 saves use): Triton vs torch gather into values with 40-byte gaps (headers), and
-    a Triton scatter read back by torch; returns the failed checks."""
+def pieces_check(tri: "CopyBackend", ref: "CopyBackend", bases: List[torch.Tensor], planes: "PlaneSet",
+                 slots: torch.Tensor, unique: torch.Tensor, device: torch.device) -> List[str]:
+    """Value-major pieces (what V1 saves use): Triton vs torch gather into values with 40-byte gaps (headers); a
+    Triton scatter vs a torch scatter into a copy of the cache (every byte, padding included, must match); returns
+    the failed checks."""
     import numpy as np
 
+    from ems.kernels.base import PlaneSet
     from ems.kernels.plan import value_pieces
 
     def layout(s: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -160,7 +144,15 @@ def pieces_check(tri: "CopyBackend", ref: "CopyBackend", planes: "PlaneSet", slo
         failures.append("gather_pieces")
     pieces, total = layout(unique)
     src = _rand((total,), torch.uint8, device)
+    copies = [b.clone() for b in bases]
+    owner = [next(i for i, b in enumerate(bases) if b.untyped_storage().data_ptr() == p.untyped_storage().data_ptr())
+             for p in planes.planes]
+    twin = PlaneSet(tuple(copies[o].as_strided(p.shape, p.stride(), p.storage_offset())
+                          for o, p in zip(owner, planes.planes)))
     tri.scatter_pieces(planes, pieces, src)
+    ref.scatter_pieces(twin, pieces, src)
+    if not all(torch.equal(_bytes(b), _bytes(c)) for b, c in zip(bases, copies)):
+        failures.append("scatter_pieces (cache bytes)")
     lo = torch.zeros(total, dtype=torch.uint8, device=device)
     hi = torch.full((total,), 0xFF, dtype=torch.uint8, device=device)
     ref.gather_pieces(planes, pieces, lo)
@@ -173,8 +165,10 @@ def pieces_check(tri: "CopyBackend", ref: "CopyBackend", planes: "PlaneSet", slo
 
 def speed(device: torch.device, tiny: bool, reps: int) -> List[Dict[str, object]]:
     import bench_kernels as bk
+    import numpy as np
 
     from ems.kernels.memcpy_backend import MemcpyBackend
+    from ems.kernels.plan import value_pieces
     from ems.kernels.torch_backend import TorchBackend
     from ems.kernels.triton_backend import TritonBackend
 
@@ -191,19 +185,23 @@ def speed(device: torch.device, tiny: bool, reps: int) -> List[Dict[str, object]
         planes = bk.make_cache(model, layers, 2 * n + 1, bs, device)
         chosen = torch.randperm(2 * n + 1)[:n]
         slots = (chosen[:, None] * bs + torch.arange(bs)).reshape(-1)
-        out = torch.empty(slots.numel(), planes.num_planes, planes.row_elems, dtype=model.dtype, device=device)
+        # one stored value per block, back to back in value-major staging (what a V1 save gathers)
+        tok_start = np.arange(n + 1, dtype=np.int64) * bs
+        part_base = np.arange(n, dtype=np.int64) * bs * planes.token_bytes
+        pieces = torch.from_numpy(value_pieces(slots.numpy(), bs, tok_start, part_base)[0])
+        out = torch.empty(slots.numel() * planes.token_bytes, dtype=torch.uint8, device=device)
         src = torch.empty_like(out)
         dst = torch.empty_like(out)
-        moved = 2 * out.numel() * out.element_size()  # read + write
+        moved = 2 * out.numel()  # read + write
         row: Dict[str, object] = {"model": model.name, "layers": layers, "block_size": bs, "blocks": n,
-                                  "row_bytes": planes.row_bytes, "save_MB": out.numel() * out.element_size() / 1e6}
+                                  "row_bytes": planes.row_bytes, "save_MB": out.numel() / 1e6}
         limit = _best(lambda d=dst, s=src: d.copy_(s), device, reps)
         row["d2d_copy_GBps"] = moved / limit / 1e9
         for name, backend in paths.items():
             before = backend.ops_issued
-            backend.gather_slots(planes, slots, out)
+            backend.gather_pieces(planes, pieces, out)
             row[f"{name}_ops"] = backend.ops_issued - before
-            t = _best(lambda b=backend, p=planes, s=slots, o=out: b.gather_slots(p, s, o), device,
+            t = _best(lambda b=backend, p=planes, q=pieces, o=out: b.gather_pieces(p, q, o), device,
                       1 if name == "memcpy" else reps)
             row[f"{name}_GBps"] = moved / t / 1e9
             row[f"{name}/copy"] = limit / t
