@@ -7,7 +7,7 @@ bytes (never zeros); staging buffers are poisoned with 0xA5 before each run.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -116,6 +116,16 @@ def reference_pieces(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarr
     independent of every backend."""
     out = torch.full((total,), POISON, dtype=torch.uint8)
     mask = torch.zeros(total, dtype=torch.bool)
+    for at, row, source in _reference_rows(planes, slots, tok_start, part_base):
+        out[at : at + row] = source.reshape(-1).view(torch.uint8)
+        mask[at : at + row] = True
+    return out, mask
+
+
+def _reference_rows(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarray, part_base: np.ndarray
+                    ) -> Iterator[Tuple[int, int, torch.Tensor]]:
+    """(staging offset, row bytes, the cache row it holds) of every token row of every plane, by a per-token loop
+    independent of every backend: value i holds its tokens plane by plane."""
     bs = planes.block_size
     for i in range(len(part_base)):
         n = int(tok_start[i + 1] - tok_start[i])
@@ -123,10 +133,7 @@ def reference_pieces(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarr
             s = slots[int(tok_start[i]) + j]
             for p, plane in enumerate(planes.planes):
                 row = planes.plane_row_bytes[p]
-                at = int(part_base[i]) + n * planes.plane_offsets[p] + j * row
-                out[at : at + row] = plane[s // bs, s % bs].reshape(-1).view(torch.uint8)
-                mask[at : at + row] = True
-    return out, mask
+                yield int(part_base[i]) + n * planes.plane_offsets[p] + j * row, row, plane[s // bs, s % bs]
 
 
 def pieces_case(planes: PlaneSet, slots: Sequence[int], counts: Sequence[int], align: int = 8
@@ -160,17 +167,10 @@ def check_pieces_roundtrip(backend: CopyBackend, bases: List[torch.Tensor], plan
     src = random_tensor([total], torch.uint8, gen)
     before = [as_bytes(b).clone() for b in bases]
     want = [b.clone() for b in before]  # the reference scatter, on byte copies of the bases
-    bs = planes.block_size
-    for i in range(len(part_base)):
-        n = int(tok_start[i + 1] - tok_start[i])
-        for j in range(n):
-            s = slots[int(tok_start[i]) + j]
-            for p, plane in enumerate(planes.planes):
-                row = planes.plane_row_bytes[p]
-                at = int(part_base[i]) + n * planes.plane_offsets[p] + j * row
-                owner = _owner(bases, plane)
-                first = (plane[s // bs, s % bs].data_ptr() - bases[owner].data_ptr())
-                want[owner][first : first + row] = src[at : at + row]
+    for at, row, target in _reference_rows(planes, slots, tok_start, part_base):
+        owner = _owner(bases, target)
+        first = target.data_ptr() - bases[owner].data_ptr()
+        want[owner][first : first + row] = src[at : at + row]
     backend.scatter_pieces(planes, pieces, src)
     for got, w in zip(bases, want):
         assert torch.equal(as_bytes(got), w)
