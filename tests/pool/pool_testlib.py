@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import selectors
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Awaitable, Callable, Iterator, Optional
 
 import numpy as np
 import pytest
@@ -145,6 +146,28 @@ def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
         return proc.stdout.readline()
     finally:
         sel.close()
+
+
+@contextlib.contextmanager
+def client_of_scripted_node(serve: Callable[[Any], Awaitable[None]]) -> Iterator[Any]:
+    """A `UcxNode` connected to a listener whose every connection runs `serve(ep)`: a scripted node that sends what
+    a real node never would. The listener is closed on exit."""
+    import ucxx
+
+    from ems.transport.ucx import UcxNode, UcxRuntime
+
+    runtime = UcxRuntime.get()
+
+    async def listen():
+        return ucxx.create_listener(serve, port=0, endpoint_error_handling=True)
+
+    listener = runtime.submit(listen()).result(10)
+    node = UcxNode(f"127.0.0.1:{listener.port}", connect_timeout_ms=3000)
+    try:
+        yield node
+    finally:
+        node.close()
+        runtime.call_soon(listener.close)
 
 
 def make_values(n: int, size: int, seed: int = 0) -> list[list[bytes]]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ems.transport import protocol as P
-from pool_testlib import KEY_A, KEY_B, joined, make_values
+from pool_testlib import KEY_A, KEY_B, client_of_scripted_node, joined, make_values
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
 
 pytestmark = pytest.mark.slow
@@ -109,11 +109,8 @@ def test_client_refuses_a_short_reply_segment():
     """The client side: a GET reply segment shorter than announced raises instead of returning stale bytes."""
     import asyncio
 
-    import ucxx
-
     from ems.errors import EmsErrorCode
     from ems.transport.base import TransportError
-    from ems.transport.ucx import UcxNode, UcxRuntime
     from ems.transport.ucx_frames import recv_head, recv_header_frame, recv_meta, send_all
 
     value = joined(make_values(1, 300_000, seed=3)[0])
@@ -137,19 +134,9 @@ def test_client_refuses_a_short_reply_segment():
         except Exception:  # the client hung up
             pass
 
-    runtime = UcxRuntime.get()
-
-    async def listen():
-        return ucxx.create_listener(fake_node, port=0, endpoint_error_handling=True)
-
-    listener = runtime.submit(listen()).result(10)
-    node = UcxNode(f"127.0.0.1:{listener.port}", connect_timeout_ms=3000)
-    try:
+    with client_of_scripted_node(fake_node) as node:
         # the client's buffer for the segment first holds whatever was freed before: make that the value itself
         with pytest.raises(TransportError) as info:
             node.get([b"k"], 5.0)
         assert info.value.status_code() == EmsErrorCode.EMS_IO_ERROR
         assert "shorter" in info.value.message()
-    finally:
-        node.close()
-        runtime.call_soon(listener.close)

@@ -13,8 +13,8 @@ import pytest
 from ems.errors import EmsErrorCode
 from ems.transport import protocol as P
 from ems.transport.base import TransportError
-from ems.transport.ucx import UcxNode, UcxRuntime
-from pool_testlib import joined, make_values
+from ems.transport.ucx import UcxRuntime
+from pool_testlib import client_of_scripted_node, joined, make_values
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,6 @@ def test_node_refuses_another_protocol_version_at_the_handshake(shared_node, nod
 
 def test_client_refuses_a_node_of_another_version():
     """A node that answers the HELLO with a version-1 header: the client fails cleanly, never reads it."""
-    import ucxx
 
     async def old_node(ep) -> None:
         try:
@@ -138,21 +137,11 @@ def test_client_refuses_a_node_of_another_version():
         except Exception:  # the client hung up
             pass
 
-    runtime = UcxRuntime.get()
-
-    async def listen():
-        return ucxx.create_listener(old_node, port=0, endpoint_error_handling=True)
-
-    listener = runtime.submit(listen()).result(10)
-    node = UcxNode(f"127.0.0.1:{listener.port}", connect_timeout_ms=3000)
-    try:
+    with client_of_scripted_node(old_node) as node:
         with pytest.raises(TransportError) as info:
             node.ping(2.0) or node.exists([b"k"], 2.0)
         assert info.value.status_code() == EmsErrorCode.EMS_IO_ERROR
         assert "version 1" in info.value.message(), info.value.message()
-    finally:
-        node.close()
-        runtime.call_soon(listener.close)
 
 
 @pytest.mark.parametrize("cut", [8, 16, 100])
