@@ -10,7 +10,9 @@ are as long as a whole run of a (block, plane) (`count * row` bytes, the rows of
 block), at a row stride dividing every plane's address offset and strides. A one-block value is then ONE
 `index_select` of P runs into the value's contiguous plane-major part (`_move_one_piece`, the embedded pool's
 per-block call: a few µs of Python around the copy); several values' runs go in one op per piece length when the
-staging runs sit at a constant step, else through a temporary (two passes). Otherwise (other devices, a span too
+staging runs sit at a constant step, else in one op per plane (values of one size) or per value (a value's runs
+are back to back), whichever is fewer, and only otherwise through a temporary (two passes: measured 7x slower for
+32 one-block values, whose 40-byte headers break the constant step). Otherwise (other devices, a span too
 far apart to view, planes of different row sizes) each plane is its own run table: one op per (plane, piece
 length). Per-layout numbers (addresses, strides, the span tables) are computed once and kept on the `PlaneSet`; the
 span views only touch the indexed rows and never outlive the planes. Planes whose rows are strided inside a block
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
 from ems.kernels.raw_memory import raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MIN_OP_BYTES = 64 << 10  # below this per op, the two-pass path through a temporary is cheaper
 _MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
 
 
@@ -109,27 +112,55 @@ def _piece_layout(planes: PlaneSet) -> _PieceLayout:
     return layout
 
 
-def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, dst_off: np.ndarray, length: int,
-                width: int, gather: bool) -> int:
-    """Move M spans of `length` bytes between rows `src_idx` of `table` and staging offsets `dst_off` (bytes): ONE
-    op when the staging spans sit at a constant step (a strided view), else two (through a temporary)."""
-    dtype = table.dtype
+def _constant_step(offsets: np.ndarray, length: int) -> Optional[int]:
+    """The step between consecutive `offsets` (int64 `[M]`) when it is constant and at least `length`, else None."""
+    if offsets.size < 2:
+        return length
+    step = int(offsets[1] - offsets[0])
+    return step if step >= length and (offsets.size == 2 or bool(np.all(np.diff(offsets) == step))) else None
+
+
+def _move_run(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, first: int, step: int, length: int,
+              width: int, gather: bool) -> None:
+    """ONE op: M spans between rows `src_idx` of `table` and the staging spans at `first + k * step` (bytes)."""
     idx = torch.from_numpy(src_idx)
     if flat.device.type != "cpu":
         idx = idx.to(flat.device, non_blocking=True)
-    units = length // width
-    m = dst_off.size
-    step = int(dst_off[1] - dst_off[0]) if m > 1 else length
-    if step >= length and (m <= 2 or bool(np.all(np.diff(dst_off) == step))):
-        staged = _spans_view(flat, int(dst_off[0]), m, units, step // width, dtype)
-        if gather:
-            torch.index_select(table, 0, idx, out=staged)
-        else:
-            table.index_copy_(0, idx, staged)
+    staged = _spans_view(flat, first, src_idx.size, length // width, step // width, table.dtype)
+    if gather:
+        torch.index_select(table, 0, idx, out=staged)
+    else:
+        table.index_copy_(0, idx, staged)
+
+
+def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, dst_off: np.ndarray, length: int,
+                width: int, gather: bool) -> int:
+    """Move the spans of a grid `[M, P]` (M pieces × P planes; P may be 1) of `length` bytes between rows `src_idx`
+    of `table` and staging offsets `dst_off` (bytes). The staging side of one op must be spans at a constant step
+    (a strided view), so: ONE op when every span is; else one op per plane when each plane's spans are (values of
+    one size: the pieces of one plane sit a value apart), or one per piece when each piece's are (a piece's planes
+    are back to back in a plane-major value), whichever is fewer; else two (through a temporary). Returns ops."""
+    m, p = dst_off.shape
+    flat_dst, flat_src = dst_off.reshape(-1), src_idx.reshape(-1)
+    step = _constant_step(flat_dst, length)
+    if step is not None:
+        _move_run(table, flat_src, flat, int(flat_dst[0]), step, length, width, gather)
         return 1
-    gd = _gcd(dst_off) or length
-    dst_table = _spans_view(flat, 0, int(dst_off.max()) // gd + 1, units, gd // width, dtype)
-    dst_idx = torch.from_numpy(dst_off // gd).to(flat.device, non_blocking=True)
+    for axis in ((1, 0) if p <= m else (0, 1)):  # fewer, larger ops first
+        ops = p if axis == 1 else m
+        if ops > 16 and m * p * length < ops * _MIN_OP_BYTES:
+            continue  # many small ops cost more than the temporary's second pass
+        lines = [np.ascontiguousarray(dst_off[:, j] if axis == 1 else dst_off[j]) for j in range(ops)]
+        steps = [_constant_step(line, length) for line in lines]
+        if all(s is not None for s in steps):
+            for j, (line, line_step) in enumerate(zip(lines, steps)):
+                src_line = np.ascontiguousarray(src_idx[:, j] if axis == 1 else src_idx[j])
+                _move_run(table, src_line, flat, int(line[0]), line_step, length, width, gather)  # type: ignore[arg-type]
+            return ops
+    gd = _gcd(flat_dst) or length
+    dst_table = _spans_view(flat, 0, int(flat_dst.max()) // gd + 1, length // width, gd // width, table.dtype)
+    idx = torch.from_numpy(flat_src).to(flat.device, non_blocking=True)
+    dst_idx = torch.from_numpy(flat_dst // gd).to(flat.device, non_blocking=True)
     if gather:
         dst_table.index_copy_(0, dst_idx, table.index_select(0, idx))
     else:
@@ -189,11 +220,11 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather:
         b, w, bb, tt, ii = blocks[sel], within[sel], base[sel], tokens[sel], index[sel]
         if lay.one_span:
             length = c * int(lay.rbytes[0])
-            dst = (bb[:, None] + tt[:, None] * lay.poffs[None, :] + ii[:, None] * lay.rbytes[None, :]).reshape(-1)
+            dst = bb[:, None] + tt[:, None] * lay.poffs[None, :] + ii[:, None] * lay.rbytes[None, :]  # [M, P]
             # every staging offset is a part base plus multiples of `unit`: their gcd divides unit and the bases
             width = _widest([math.gcd(lay.unit, int(bb[0]) if bb.size == 1 else _gcd(bb)), length, flat_addr])
             rows = _one_span_rows(planes, lay, length, width)
-            src = (lay.off[None, :] + b[:, None] * lay.bstr[None, :] + w[:, None] * lay.sstr[None, :]).reshape(-1)
+            src = lay.off[None, :] + b[:, None] * lay.bstr[None, :] + w[:, None] * lay.sstr[None, :]
             ops += _move_spans(rows, src // lay.g, flat, dst, length, width, gather)
             continue
         for p in range(planes.num_planes):
@@ -204,7 +235,8 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather:
             plane = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
             span = (planes.num_blocks - 1) * int(lay.bstr[p]) + (bs - 1) * int(lay.sstr[p]) + int(lay.rbytes[p])
             rows = plane.as_strided(((span - length) // g + 1, length // width), (g // width, 1))
-            ops += _move_spans(rows, (b * lay.bstr[p] + w * lay.sstr[p]) // g, flat, dst, length, width, gather)
+            ops += _move_spans(rows, ((b * lay.bstr[p] + w * lay.sstr[p]) // g)[:, None], flat, dst[:, None], length,
+                               width, gather)
     return ops
 
 
