@@ -1,14 +1,15 @@
 """Request planning: a checked request → storage keys, expected values and the copy plan (host, numpy).
 
 Staging layout (V1, value format 3). The staging buffer holds the stored values themselves, back to back (each
-starting on a 64-byte boundary): value i is `header | part of group 0 | part of group 1 | ...`, and block i's part
-of group g holds its `n` tokens plane-major, `[planes][n][row]` (planes may differ in row size and dtype: MLA split
-K/V). Where a plane's rows are contiguous in the engine's cache, the rows of one (block, plane) are thus ONE span on
-both sides, and the copy backends move whole spans (`CopyBackend.gather_pieces`). The header's 40 bytes are left
-for the save job to fill, so a value goes to the pool as one buffer without any repacking. The same per-value
-piece tables let a job gather one value straight into the store's buffer, or scatter straight from a stored value
-(`gather_value` / `scatter_value`: the embedded pool's one pass). A V0 plan concatenates every value's device
-ranges; its header travels as a separate part.
+starting 24 bytes past a 64-byte boundary, so that its payload, after the 40-byte header, starts on one): value i
+is `header | part of group 0 | part of group 1 | ...`, and block i's part of group g holds its `n` tokens
+plane-major, `[planes][n][row]` (planes may differ in row size and dtype: MLA split K/V). Where a plane's rows are
+contiguous in the engine's cache, the rows of one (block, plane) are thus ONE span on both sides, and the copy
+backends move whole spans (`CopyBackend.gather_pieces`). The header's 40 bytes are left for the save job to fill,
+so a value goes to the pool as one buffer without any repacking. The same per-value piece tables let a job gather
+one value straight into the store's buffer, or scatter straight from a stored value (`gather_value` /
+`scatter_value`: the embedded pool's one pass). A V0 plan concatenates every value's device ranges; its header
+travels as a separate part.
 
 No per-token Python loops: token positions, slots, pieces and byte offsets are numpy expressions; only per-block
 objects (keys, memoryviews) are built per block.
@@ -31,6 +32,9 @@ from ems.buffers import Buffer
 from ems.value_format import HEADER_SIZE, ExpectedValues, ValueKind, tokens_digest
 
 ALIGN = 64
+# Values start 24 bytes past a cache line, so that each payload (after its 40-byte header) starts on one: the copy
+# backends then read and write whole cache lines (see `ems.store.BUFFER_LEAD`, the same rule for stored buffers).
+VALUE_LEAD = (-HEADER_SIZE) % ALIGN
 
 
 def _align(n: int) -> int:
@@ -224,7 +228,7 @@ def plan_blocks(request: Union[SlotRequest, ChunkRequest], layout: RegisteredLay
     token_bytes = np.array([g.token_bytes for g in groups], dtype=np.int64)
     part_bytes = counts * token_bytes[None, :]
     payload_len = part_bytes.sum(axis=1)
-    value_start = exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
+    value_start = VALUE_LEAD + exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
     part_offset = HEADER_SIZE + np.cumsum(part_bytes, axis=1) - part_bytes  # [n, G], inside the value
     regions: list[GroupRegion] = []
     for g, group in enumerate(groups):

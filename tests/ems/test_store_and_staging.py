@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from ems.layout import register_layout
+from ems.planning import plan_blocks
+from ems.requests import Operation, bind_request
 from ems.staging import MIN_BUFFER, StagingPool
 from ems.store import ENTRY_OVERHEAD, KvStore
 from ems.value_format import (
@@ -165,6 +168,42 @@ def test_store_never_reuses_a_buffer_a_reader_holds():
     assert bytes(held) == values[0]
     with pytest.raises(TypeError):
         held[0] = 0  # readers get read-only views
+
+
+@pytest.mark.parametrize("prefault", [0, 1 << 20])
+def test_store_buffers_put_each_payload_on_a_cache_line(prefault):
+    """Every buffer the store hands out (fresh, from the arena, recycled) has its payload, after the 40-byte header,
+    on a 64-byte boundary; a plan's staging places every payload the same way."""
+    store = KvStore(1 << 22, prefault_bytes=prefault)
+    for nbytes in (HEADER_SIZE + 1, HEADER_SIZE + 1000, 5000, 70_000):
+        reserve = store.charge_of(4, nbytes)
+        buffer = store.allocate(nbytes, reserve)
+        assert buffer.nbytes == nbytes and (buffer.__array_interface__["data"][0] + HEADER_SIZE) % 64 == 0
+        store.recycle(buffer, reserve)
+        again = store.allocate(nbytes, reserve)  # the recycled one
+        assert np.shares_memory(again, buffer) and store.stats().reused_buffers >= 1
+        store.recycle(again, reserve)
+    layout = register_layout(make_cache(layers=2, blocks=8, block_size=4, heads=1, head_size=8), None)
+    request = bind_request(Operation.SAVE, (slots_of_blocks([1, 3, 4], 4, [4, 3, 4]), [1, 2, 3], [4, 3, 4]), {}, layout)
+    plan = plan_blocks(request, layout, b"ns")
+    assert ((plan.value_start[:-1] + HEADER_SIZE) % 64 == 0).all()
+
+
+def test_store_never_recycles_a_view_of_memory_someone_else_holds():
+    """A value handed over with `put_owned` that is a view of a larger array (not the store's own allocation) is
+    never reused for another value once evicted: whoever holds the array would see its bytes change."""
+    store = KvStore(10_000)
+    payload = b"z" * 500
+    outside = np.zeros(HEADER_SIZE + 500 + 8, dtype=np.uint8)
+    view = outside[8:]
+    view[:] = np.frombuffer(value(payload), dtype=np.uint8)
+    assert store.put_owned(b"k", view)
+    del view
+    assert store.delete(b"k")
+    reserve = store.charge_of(1, HEADER_SIZE + 500)
+    fresh = store.allocate(HEADER_SIZE + 500, reserve)
+    assert not np.shares_memory(fresh, outside)
+    assert bytes(outside[8:]) == value(payload)
 
 
 def test_store_thread_safety():
