@@ -123,14 +123,21 @@ def _constant_step(offsets: np.ndarray, length: int) -> Optional[int]:
 def _move_run(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, first: int, step: int, length: int,
               width: int, gather: bool) -> None:
     """ONE op: M spans between rows `src_idx` of `table` and the staging spans at `first + k * step` (bytes)."""
-    idx = torch.from_numpy(src_idx)
-    if flat.device.type != "cpu":
-        idx = idx.to(flat.device, non_blocking=True)
     staged = _spans_view(flat, first, src_idx.size, length // width, step // width, table.dtype)
+    _select_or_place(table, src_idx, staged, gather)
+
+
+def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor, gather: bool) -> None:
+    """gather: staged = table[idx]; else table[idx] = staged (rows). On CPU the scatter is numpy's indexed
+    assignment, which copies whole rows (measured 12.5 GB/s for 32 KiB rows, against 8 GB/s for torch's
+    `index_copy_`); torch's `index_select` is the faster gather (15 vs 6 GB/s for numpy)."""
     if gather:
-        torch.index_select(table, 0, idx, out=staged)
+        index = torch.from_numpy(idx)
+        torch.index_select(table, 0, index if table.device.type == "cpu" else index.to(table.device), out=staged)
+    elif table.device.type == "cpu":
+        table.numpy()[idx] = staged.numpy()
     else:
-        table.index_copy_(0, idx, staged)
+        table.index_copy_(0, torch.from_numpy(idx).to(table.device, non_blocking=True), staged)
 
 
 def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, dst_off: np.ndarray, length: int,
@@ -190,12 +197,9 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
     first = base + index * row
     width = _widest([math.gcd(lay.unit, base), length, int(flat.data_ptr())])
     rows = _one_span_rows(planes, lay, length, width)
-    idx = torch.from_numpy((lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g)
+    idx = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
     staged = _spans_view(flat, first, planes.num_planes, length // width, tokens * row // width, rows.dtype)
-    if gather:
-        torch.index_select(rows, 0, idx, out=staged)
-    else:
-        rows.index_copy_(0, idx, staged)
+    _select_or_place(rows, idx, staged, gather)
     return 1
 
 
