@@ -58,6 +58,21 @@ def test_value_format_roundtrip_and_damage():
     assert parse_header(b"short") is None
 
 
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 9])
+def test_build_headers_small_and_vectorised_paths_agree(n, monkeypatch):
+    """A few headers are packed with struct, many with numpy: byte for byte the same, extreme fields included."""
+    import ems.value_format as vf
+
+    rng = np.random.default_rng(n)
+    expected = ExpectedValues(ValueKind.BLOCKS_V1, 2**64 - 1, rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1,
+                              rng.integers(0, 2**40, n))
+    checksums = [int(x) for x in rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1]
+    small = build_headers(expected, checksums)
+    monkeypatch.setattr(vf, "_FEW", -1)
+    assert build_headers(expected, checksums) == small
+    assert all(len(h) == HEADER_SIZE and parse_header(h) is not None for h in small)
+
+
 def test_valid_prefix_checks_every_field():
     payloads = [b"a" * 10, b"b" * 10, b"c" * 10]
     expected = ExpectedValues(ValueKind.BLOCKS_V1, 7, np.array([1, 1, 1], np.uint64), np.array([10, 10, 10]))
