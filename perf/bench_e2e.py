@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import subprocess
 import sys
 import time
@@ -166,6 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-results", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write the figures to this file (perf/bench_goals.py reads it)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for the API and the plain copy alike (default 1: on a shared, "
                          "oversubscribed host, 2-thread ops wait on each other's descheduled threads)")
@@ -191,6 +193,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(text)
     print()
     print(stages)
+    if args.json is not None:
+        figures = {"rows": rows, "fixed": {k: v for k, v in fixed.items() if k != "record"}, "clock": args.clock,
+                   "machine": host, "stages": stages}
+        args.json.write_text(json.dumps(figures, indent=1))
     if args.no_results:
         return 0
     plot(rows, HERE / "e2e.png")
