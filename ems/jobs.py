@@ -2,18 +2,30 @@
 
 A `SaveJob` runs gather → encode → send, a `LoadJob` receive → verify → scatter (plus `copy` between device and
 host staging on accelerators). Each job keeps a `JobRecord`: per stage the bytes it moved, the seconds it took and
-how many times it ran (once per chunk). That record is the one account of where a request's time went: the
-benchmarks print it, `ENABLE_CC_PROFILING=1` logs it (logger `ems.profile`), and a `JobLedger` sums records for
-metrics (per operation: calls, blocks, bytes and seconds per stage).
+how many times it ran (once per chunk). Pipelined stages overlap, so their seconds may add up to more than the
+job's wall time (`JobRecord.seconds`); `stage_table` prints both. That record is the one account of where a
+request's time went: the benchmarks print it, `ENABLE_CC_PROFILING=1` logs it (logger `ems.profile`), and a
+`JobLedger` sums records for metrics (per operation: calls, blocks, bytes and seconds per stage).
 
 Two ways through the stages (chosen by `ContextCaching`, not by the caller):
 * **One pass** (the embedded pool on CPU): chunk = one value. Gather writes the value's payload straight into a
   buffer from the store's arena, encode checksums it while it is still in cache and writes its header in place,
   send hands the buffer to the store (`put_owned`: no copy). A load receives the stored buffers, and per value
   verifies (header and checksum) then scatters straight from the stored bytes, stopping at the first miss.
-* **Staged** (remote pools, accelerators): chunk = the request. Gather into staging (one backend call per layer
-  group, headers' places left free), copy to host, encode every value, one batched put; a load gets, verifies the
-  prefix, copies it into staging and scatters it with one backend call per layer group.
+* **Pipelined** (remote pools, accelerators): the request's staging is one lease, cut into chunks of consecutive
+  values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 4 MiB, and within the pool's request limits). A save
+  gathers chunk k into its range of staging (one backend call per layer group; then device → host on
+  accelerators) and starts its encode (checksum, headers in place) and put on the pool client's pipeline threads
+  (`PoolClient.start`), then gathers chunk k+1 while k is encoded and on the wire; `begin` returns once every
+  chunk is gathered, `finish` waits for the puts and merges their outcomes. A load starts every chunk's receive
+  (`PoolClient.get_into`: values land in their places in staging) and its verification on the pipeline threads,
+  and scatters chunk k's verified prefix while later chunks arrive, stopping at the first miss. V0 loads (whose
+  staging has no room for the headers) receive one batch, verify, copy into staging and scatter.
+  `EMS_CHUNK_BYTES=0` makes the request one chunk (the same code, nothing overlapped: for comparisons).
+  Fencing: at most `PIPELINE_THREADS` calls run at once per client (the rest queue); the lease is released only
+  when every chunk call has returned (queued ones are cancelled), each bounded by the request's deadline; a
+  chunk whose call failed or timed out may leave UCX touching its buffer a moment longer (the endpoint is
+  aborted, not awaited), so then the lease is retired, never reused (`StagingPool.retire`).
 
 Failure semantics are `ContextCaching`'s: a job never writes a block it did not verify, nor one after the first
 miss, and gives back every buffer and lease on every path.
@@ -27,7 +39,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 profile_logger = logging.getLogger("ems.profile")
 
@@ -80,10 +92,26 @@ class JobRecord:
     seconds: float = 0.0
     stages: Dict[Stage, StageRecord] = field(default_factory=dict)
     _started: float = field(default_factory=time.perf_counter, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def stage(self, stage: Stage, nbytes: int = 0) -> "StageTimer":
         """Time the body of a `with` as (one run of) `stage`, moving `nbytes`."""
         return StageTimer(self, stage, nbytes)
+
+    def add(self, stage: Stage, nbytes: int, seconds: float) -> None:
+        """One run of `stage` (thread-safe: a pipelined job's chunks run stages on several threads)."""
+        with self._lock:
+            record = self.stages.get(stage)
+            if record is None:
+                record = self.stages[stage] = StageRecord()
+            record.seconds += seconds
+            record.nbytes += nbytes
+            record.runs += 1
+
+    @property
+    def stage_seconds(self) -> float:
+        """The stages' seconds added up (more than `seconds` where they overlapped)."""
+        return sum(r.seconds for r in self.stages.values())
 
     def finish(self, blocks_ok: int, blocks_total: int, nbytes: int) -> "JobRecord":
         self.blocks_ok, self.blocks_total, self.nbytes = blocks_ok, blocks_total, nbytes
@@ -113,13 +141,7 @@ class StageTimer:
         self._start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        stages = self._record.stages
-        record = stages.get(self._stage)
-        if record is None:
-            record = stages[self._stage] = StageRecord()
-        record.seconds += time.perf_counter() - self._start
-        record.nbytes += self._nbytes
-        record.runs += 1
+        self._record.add(self._stage, self._nbytes, time.perf_counter() - self._start)
 
 
 def _order(item: tuple[Stage, StageRecord]) -> int:
@@ -188,24 +210,114 @@ def stage_table(records: List[JobRecord]) -> str:
             share = r.seconds / record.seconds if record.seconds > 0 else 0.0
             lines.append(f"| {record.kind.value} | {record.path} | {stage.value} | {r.runs} | {r.nbytes / 2**20:.1f} "
                          f"| {1e3 * r.seconds:.2f} | {r.gbps:.2f} | {share:.0%} |")
+        # the job's wall time; its share is the stages' seconds over it (above 100%: the stages overlapped)
+        overlap = record.stage_seconds / record.seconds if record.seconds > 0 else 0.0
+        lines.append(f"| {record.kind.value} | {record.path} | **wall** | 1 | {record.nbytes / 2**20:.1f} "
+                     f"| {1e3 * record.seconds:.2f} | {record.nbytes / record.seconds / 1e9 if record.seconds > 0 else 0.0:.2f} "
+                     f"| stages {overlap:.0%} |")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------- the jobs
 # (imports here: the record types above import nothing of ems, so metrics code can use them without the data path)
 
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from ems.config import parse_size  # noqa: E402
 from ems.devices import side_stream  # noqa: E402
+from ems.errors import EmsErrorCode  # noqa: E402
 from ems.kernels import CopyBackend  # noqa: E402
-from ems.planning import Plan  # noqa: E402
-from ems.pool_client import PoolClient, PoolOutcome  # noqa: E402
+from ems.planning import BlockPlan, Plan, encode_range  # noqa: E402
+from ems.pool_client import PUT_META_PER_KEY, PoolClient, PoolOutcome, RequestLimits, deadline_of, split_batches  # noqa: E402
 from ems.staging import StagingLease, StagingPool  # noqa: E402
 from ems.store import KvStore  # noqa: E402
+from ems.transport.base import TransportError  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 from ems.buffers import Buffer  # noqa: E402
 from ems.value_format import HEADER_SIZE, build_headers, checksum, matches, valid_prefix  # noqa: E402
+
+CHUNK_ENV = "EMS_CHUNK_BYTES"
+DEFAULT_CHUNK_BYTES = 4 << 20  # see perf/RESULTS.md (API over UCX): 2-8 MiB are alike, 1 MiB pays per-call costs
+FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
+
+
+def chunk_bytes() -> int:
+    """The pipelined path's chunk size: `EMS_CHUNK_BYTES` (a size: "4MiB", "1048576"; 0: one chunk per request),
+    read at each job like ENABLE_CC_PROFILING; `DEFAULT_CHUNK_BYTES` when unset."""
+    text = os.environ.get(CHUNK_ENV, "").strip()
+    return parse_size(CHUNK_ENV, text) if text else DEFAULT_CHUNK_BYTES
+
+
+def plan_chunks(plan: Plan, limits: RequestLimits, target: int) -> list[tuple[int, int]]:
+    """The request's chunks, (first value, end) in order: consecutive values of about `target` bytes each (a value
+    larger than that is a chunk alone), each within `limits` so that it is one request to a node; `target` 0: the
+    whole request as one chunk (the pool client then splits it at the limits itself)."""
+    if target <= 0 or plan.total == 0:
+        return [(0, plan.total)]
+    parts = 1 if plan.header_in_staging else 2  # data frames per value: the value, or its header and payload
+    data = plan.expected.payload_len + HEADER_SIZE
+    meta = np.fromiter((len(k) for k in plan.keys), dtype=np.int64, count=plan.total) + PUT_META_PER_KEY + 8 * parts
+    frames = np.full(plan.total, parts, dtype=np.int64)
+    caps = dataclasses.replace(limits, max_data_bytes=min(limits.max_data_bytes, target))
+    return [(s.start, s.stop) for s in split_batches(caps, data, meta, frames)]
+
+
+def merge_outcomes(outcomes: List[PoolOutcome], total: int) -> PoolOutcome:
+    """One outcome for a request from its chunks' (in order): results concatenated (keys of chunks that never ran:
+    False), every error kept; nodes contacted add up, so the request is unreachable exactly when every chunk that
+    ran found every node it needed failed."""
+    results: list = [r for o in outcomes for r in o.results]
+    results += [False] * (total - len(results))
+    merged: PoolOutcome = PoolOutcome(results)
+    for o in outcomes:
+        merged.errors.extend(o.errors)
+        merged.nodes_contacted += o.nodes_contacted
+    merged.verified = bool(outcomes) and all(o.verified for o in outcomes)
+    return merged
+
+
+def _failed_chunk(count: int, code: EmsErrorCode, message: str) -> PoolOutcome:
+    """A chunk whose call did not give an outcome: none of its keys done, the failure as its one error."""
+    return PoolOutcome([False] * count, [TransportError(code, message)], nodes_contacted=1)
+
+
+def _chunk_outcome(future: "concurrent.futures.Future", count: int, deadline: float) -> Any:
+    """A chunk call's result, waiting at most until `deadline` (+ grace); a call that raised or did not return is
+    a failed chunk."""
+    try:
+        return future.result(timeout=max(0.0, deadline + FENCE_GRACE_S - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        return _failed_chunk(count, EmsErrorCode.EMS_IO_TIMEOUT, "chunk: no answer in time")
+    except concurrent.futures.CancelledError:
+        return PoolOutcome([False] * count)
+    except Exception as error:  # a bug below must not become a wrong block: the chunk's keys fail
+        return _failed_chunk(count, EmsErrorCode.EMS_IO_ERROR, f"chunk failed: {error!r}")
+
+
+def fence(futures: List["concurrent.futures.Future"], deadline: float) -> bool:
+    """Stop a request's chunk calls: cancel those not started, wait (bounded by `deadline` + grace) for the others.
+    True when none can touch the request's buffers any more: every call was cancelled, or returned an outcome
+    without errors (a failed or timed-out transfer is aborted on its endpoint, not awaited)."""
+    for future in futures:
+        future.cancel()
+    _, not_done = concurrent.futures.wait(futures, timeout=max(0.0, deadline + FENCE_GRACE_S - time.monotonic()))
+    if not_done:
+        return False
+    for future in futures:
+        if future.cancelled():
+            continue
+        if future.exception() is not None:
+            return False
+        result = future.result()
+        outcome = result[0] if isinstance(result, tuple) else result
+        if outcome.errors:
+            return False
+    return True
 
 
 def readable_tensor(value: Buffer) -> torch.Tensor:
@@ -234,6 +346,10 @@ class SaveJob:
         self._buffers: List[np.ndarray] = []
         self._reserved: List[int] = []  # the store's reservation for each buffer
         self._lease: Optional[StagingLease] = None
+        self._chunks: List[tuple[int, int]] = []
+        self._sends: List[concurrent.futures.Future] = []  # each chunk's encode + put, in order
+        self._stop = threading.Event()  # set: chunks not yet sent are not sent (an earlier one failed, or abandon)
+        self._deadline = 0.0
 
     def begin(self) -> None:
         try:
@@ -265,14 +381,42 @@ class SaveJob:
                 buffer[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
 
     def _begin_staged(self) -> None:
+        """Per chunk: gather into its range of staging (then to host), start its encode + put; next chunk."""
         plan, record = self.plan, self.record
+        self._deadline = deadline_of(self.option)
         self._lease = lease = self.staging.acquire(plan.staging_bytes, self.device)
-        with side_stream(self.device):
-            with record.stage(Stage.GATHER, int(plan.expected.payload_len.sum())):
-                plan.gather(self.backend, lease.device)
-            if lease.host is not lease.device:
-                with record.stage(Stage.COPY, plan.staging_bytes):
-                    lease.host[: plan.staging_bytes].copy_(lease.device[: plan.staging_bytes], non_blocking=True)
+        host = lease.host_view()
+        self._chunks = plan_chunks(plan, self.pool.limits, chunk_bytes())
+        for a, b in self._chunks:
+            lo, hi = int(plan.value_start[a]), int(plan.value_start[b])
+            with side_stream(self.device):  # waits for the chunk's device work at the end
+                with record.stage(Stage.GATHER, int(plan.expected.payload_len[a:b].sum())):
+                    plan.gather_range(self.backend, lease.device, a, b)
+                if lease.host is not lease.device:
+                    with record.stage(Stage.COPY, hi - lo):
+                        lease.host[lo:hi].copy_(lease.device[lo:hi], non_blocking=True)
+            self._sends.append(self.pool.start(functools.partial(self._send_chunk, host, a, b)))
+
+    def _send_chunk(self, host: memoryview, a: int, b: int) -> PoolOutcome:
+        """On a pipeline thread: checksum and header values a..b-1 in place, put them (by the request's deadline)."""
+        plan, record = self.plan, self.record
+        if self._stop.is_set():  # the save's prefix already ends before this chunk: not sent
+            return PoolOutcome([False] * (b - a))
+        try:
+            start = time.perf_counter()
+            values = encode_range(plan, host, a, b)
+            sent = time.perf_counter()
+            record.add(Stage.ENCODE, int(plan.expected.payload_len[a:b].sum()), sent - start)
+            value_lens = plan.expected.payload_len[a:b] + HEADER_SIZE
+            outcome = self.pool.put(plan.route_keys[a:b], plan.keys[a:b], values, self.option, value_lens,
+                                    deadline=self._deadline)
+            record.add(Stage.SEND, int(value_lens.sum()), time.perf_counter() - sent)
+        except BaseException:
+            self._stop.set()
+            raise
+        if not all(outcome.results):
+            self._stop.set()
+        return outcome
 
     def finish(self) -> PoolOutcome:
         """Store the values; the outcome's results say which keys were acknowledged."""
@@ -290,21 +434,20 @@ class SaveJob:
                 return outcome
             if self._lease is None:
                 raise RuntimeError("SaveJob.finish() before begin()")
-            host = self._lease.host_view()
-            with record.stage(Stage.ENCODE, int(plan.expected.payload_len.sum())):
-                headers = build_headers(plan.expected, [checksum([p]) for p in plan.payloads(host)])
-                values = plan.stored_values(host, headers)
-            value_lens = plan.expected.payload_len + HEADER_SIZE
-            with record.stage(Stage.SEND, int(value_lens.sum())):
-                return self.pool.put(plan.route_keys, plan.keys, values, self.option, value_lens)
+            outcomes = [_chunk_outcome(f, b - a, self._deadline) for f, (a, b) in zip(self._sends, self._chunks)]
+            return merge_outcomes(outcomes, plan.total)
         finally:
             self.abandon()
 
     def abandon(self) -> None:
-        """Give back the staging lease and any buffer not handed to the store (idempotent)."""
+        """Give back the staging lease and any buffer not handed to the store (idempotent). Chunks not yet sent are
+        not sent; the lease goes back only once no put in flight can read it any more (`fence`)."""
+        self._stop.set()
+        sends, self._sends = self._sends, []
+        clean = fence(sends, self._deadline) if sends else True
         lease, self._lease = self._lease, None
         if lease is not None:
-            self.staging.release(lease)
+            (self.staging.release if clean else self.staging.retire)(lease)
         buffers, self._buffers = self._buffers, []
         reserved, self._reserved = self._reserved, []
         if self.store is not None:
@@ -325,6 +468,8 @@ class LoadJob:
     def run(self) -> tuple[int, PoolOutcome]:
         """(blocks written, the pool's outcome)."""
         plan, record = self.plan, self.record
+        if not self.one_pass and isinstance(plan, BlockPlan):
+            return self._run_pipelined(plan)
         with record.stage(Stage.RECEIVE):
             store = self.pool.local_store if self.one_pass else None
             if store is not None:  # the embedded store itself: no routing, batching or deadlines to apply
@@ -333,6 +478,11 @@ class LoadJob:
                 outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
         if self.one_pass:
             return self._verify_and_scatter_each(outcome.results), outcome
+        return self._receive_copy_scatter(outcome)
+
+    def _receive_copy_scatter(self, outcome: PoolOutcome) -> tuple[int, PoolOutcome]:
+        """V0: verify the received prefix, copy it into staging, scatter it."""
+        plan, record = self.plan, self.record
         with record.stage(Stage.VERIFY, int(plan.expected.payload_len.sum())):
             if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
                 hits = next((i for i, v in enumerate(outcome.results) if v is None), len(outcome.results))
@@ -343,7 +493,7 @@ class LoadJob:
             lease = self.staging.acquire(nbytes, self.device)
             try:
                 with record.stage(Stage.COPY, nbytes):
-                    plan.fill_from_values(lease.host_array(), outcome.results, hits)  # type: ignore[arg-type]
+                    plan.fill_from_values(lease.host_array(), outcome.results, hits)
                     with side_stream(self.device):
                         if lease.host is not lease.device:
                             lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
@@ -353,6 +503,63 @@ class LoadJob:
             finally:
                 self.staging.release(lease)
         return hits, outcome
+
+    def _run_pipelined(self, plan: BlockPlan) -> tuple[int, PoolOutcome]:
+        """Every chunk's receive + verify started on the pipeline threads; scatter chunk k's verified prefix while
+        later chunks arrive; stop at the first miss (nothing after it is written)."""
+        record = self.record
+        deadline = deadline_of(self.option)
+        chunks = plan_chunks(plan, self.pool.limits, chunk_bytes())
+        stop = threading.Event()
+        lease = self.staging.acquire(plan.staging_bytes, self.device)
+        host = lease.host_view()
+        receives = [self.pool.start(functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop))
+                    for a, b in chunks]
+        outcomes: List[PoolOutcome] = []
+        hits = 0
+        clean = False
+        try:
+            for (a, b), future in zip(chunks, receives):
+                got = _chunk_outcome(future, b - a, deadline)
+                outcome, valid = got if isinstance(got, tuple) else (got, 0)
+                outcomes.append(outcome)
+                if valid:
+                    lo, hi = int(plan.value_start[a]), int(plan.value_start[a + valid])
+                    with side_stream(self.device):
+                        if lease.host is not lease.device:
+                            with record.stage(Stage.COPY, hi - lo):
+                                lease.device[lo:hi].copy_(lease.host[lo:hi], non_blocking=True)
+                        with record.stage(Stage.SCATTER, int(plan.expected.payload_len[a : a + valid].sum())):
+                            plan.scatter_range(self.backend, lease.device, a, a + valid)
+                    hits = a + valid
+                if valid < b - a:
+                    break
+        finally:
+            stop.set()
+            clean = fence(receives, deadline)
+            (self.staging.release if clean else self.staging.retire)(lease)
+        return hits, merge_outcomes(outcomes, plan.total)
+
+    def _receive_chunk(self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: float,
+                       stop: threading.Event) -> tuple[PoolOutcome, int]:
+        """On a pipeline thread: values a..b-1 straight into their places in staging, then how many of them, from
+        the first, are exactly the expected values."""
+        record = self.record
+        if stop.is_set():  # the load already stopped before this chunk
+            return PoolOutcome([False] * (b - a)), 0
+        expected = plan.expected.range(a, b)
+        start = time.perf_counter()
+        outs = plan.value_views(host, a, b)
+        outcome = self.pool.get_into(plan.route_keys[a:b], plan.keys[a:b], outs, self.option, expected, deadline)
+        received = time.perf_counter()
+        placed = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
+        record.add(Stage.RECEIVE, int(expected.payload_len[:placed].sum()) + HEADER_SIZE * placed, received - start)
+        if outcome.verified:  # the pool checked each value it placed (replicas: to fall back on damage)
+            valid = placed
+        else:
+            valid = valid_prefix(outs[:placed], expected)
+        record.add(Stage.VERIFY, int(expected.payload_len[:placed].sum()), time.perf_counter() - received)
+        return outcome, valid
 
     def _verify_and_scatter_each(self, values: List[Optional[Buffer]]) -> int:
         """Per value: verify (header, checksum: the bytes come into cache), then scatter it while they are there."""

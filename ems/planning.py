@@ -29,7 +29,7 @@ from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
 from ems.buffers import Buffer
-from ems.value_format import HEADER_SIZE, ExpectedValues, ValueKind, tokens_digest
+from ems.value_format import HEADER_SIZE, ExpectedValues, ValueKind, build_headers, checksum, tokens_digest
 
 ALIGN = 64
 # Values start 24 bytes past a cache line, so that each payload (after its 40-byte header) starts on one: the copy
@@ -64,12 +64,16 @@ class GroupRegion:
     piece_start: np.ndarray  # int64 [n + 1]: value i's pieces are pieces[:, piece_start[i] : piece_start[i + 1]]
     piece_value: np.ndarray  # int64 [N]
 
-    def absolute(self, value_start: np.ndarray, values: int) -> torch.Tensor:
-        """The pieces of the first `values` values with bases in staging (value i at value_start[i])."""
-        end = int(self.piece_start[values])
-        table = self.pieces[:, :end].copy()
-        table[2] += value_start[self.piece_value[:end]]
+    def absolute(self, value_start: np.ndarray, a: int, b: int) -> torch.Tensor:
+        """The pieces of values a..b-1 with bases in staging (value i at value_start[i])."""
+        start, end = int(self.piece_start[a]), int(self.piece_start[b])
+        table = self.pieces[:, start:end].copy()
+        table[2] += value_start[self.piece_value[start:end]]
         return torch.from_numpy(table)
+
+    def has_pieces(self, a: int, b: int) -> bool:
+        """Whether values a..b-1 hold any of this group's tokens."""
+        return bool(self.piece_start[b] > self.piece_start[a])
 
     def of_value(self, i: int) -> torch.Tensor:
         """Value i's pieces with bases inside the value (for a buffer holding just that value)."""
@@ -99,21 +103,29 @@ class BlockPlan:
     def value_len(self, i: int) -> int:
         return HEADER_SIZE + int(self.expected.payload_len[i])
 
-    def payloads(self, host: memoryview) -> list[Buffer]:
-        """Each value's payload in staging (what the checksum covers)."""
-        starts = self.value_start.tolist()
-        lens = self.expected.payload_len.tolist()
-        return [host[a + HEADER_SIZE : a + HEADER_SIZE + n] for a, n in zip(starts, lens)]
+    def payloads(self, host: memoryview, a: int = 0, b: int = -1) -> list[Buffer]:
+        """The payloads of values a..b-1 (b -1: to the end) in staging (what the checksum covers)."""
+        b = self.total if b < 0 else b
+        starts = self.value_start[a:b].tolist()
+        lens = self.expected.payload_len[a:b].tolist()
+        return [host[s + HEADER_SIZE : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
 
-    def stored_values(self, host: memoryview, headers: Sequence[bytes]) -> list[list[Buffer]]:
-        """The values as the pool stores them: the headers written into their places, each value one buffer."""
-        starts = self.value_start.tolist()
-        lens = self.expected.payload_len.tolist()
+    def stored_values(self, host: memoryview, headers: Sequence[bytes], a: int = 0) -> list[list[Buffer]]:
+        """Values a..a+len(headers)-1 as the pool stores them: the headers written into their places, each value one
+        buffer."""
+        starts = self.value_start[a : a + len(headers)].tolist()
+        lens = self.expected.payload_len[a : a + len(headers)].tolist()
         values: list[list[Buffer]] = []
-        for a, n, header in zip(starts, lens, headers):
-            host[a : a + HEADER_SIZE] = header
-            values.append([host[a : a + HEADER_SIZE + n]])
+        for s, n, header in zip(starts, lens, headers):
+            host[s : s + HEADER_SIZE] = header
+            values.append([host[s : s + HEADER_SIZE + n]])
         return values
+
+    def value_views(self, host: memoryview, a: int, b: int) -> list[memoryview]:
+        """Values a..b-1's places in staging, header included (where a load receives them in place)."""
+        starts = self.value_start[a:b].tolist()
+        lens = self.expected.payload_len[a:b].tolist()
+        return [host[s : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
 
     def fill_from_values(self, host: np.ndarray, values: Sequence[Buffer], blocks: int) -> None:
         """Copy the first `blocks` (already verified) values into their places in staging: one copy per value."""
@@ -122,16 +134,26 @@ class BlockPlan:
             value = np.frombuffer(values[i], dtype=np.uint8)
             host[starts[i] : starts[i] + value.size] = value
 
-    def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
-        """Every value's payload into staging: one backend call per layer group."""
+    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
+        """The payloads of values a..b-1 into their places in staging: one backend call per layer group."""
         for region in self.regions:
-            backend.gather_pieces(region.group.planes, region.absolute(self.value_start, self.total), staging)
+            if region.has_pieces(a, b):
+                backend.gather_pieces(region.group.planes, region.absolute(self.value_start, a, b), staging)
+
+    def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
+        """Write the tokens of values a..b-1 from their places in staging back into the cache, nothing else: one
+        backend call per layer group."""
+        for region in self.regions:
+            if region.has_pieces(a, b):
+                backend.scatter_pieces(region.group.planes, region.absolute(self.value_start, a, b), staging)
+
+    def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
+        """Every value's payload into staging."""
+        self.gather_range(backend, staging, 0, self.total)
 
     def scatter_prefix(self, backend: CopyBackend, staging: torch.Tensor, blocks: int) -> None:
         """Write the tokens of the first `blocks` values back into the cache, nothing else."""
-        for region in self.regions:
-            if int(region.piece_start[blocks]):
-                backend.scatter_pieces(region.group.planes, region.absolute(self.value_start, blocks), staging)
+        self.scatter_range(backend, staging, 0, blocks)
 
     def gather_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
         """Value i's payload straight into `value` (uint8, the whole value: header space first)."""
@@ -172,12 +194,13 @@ class RawPlan:
     def value_len(self, i: int) -> int:
         return HEADER_SIZE + int(self.expected.payload_len[i])
 
-    def payloads(self, host: memoryview) -> list[Buffer]:
-        starts = self.value_start.tolist()
-        return [host[starts[i] : starts[i + 1]] for i in range(self.total)]
+    def payloads(self, host: memoryview, a: int = 0, b: int = -1) -> list[Buffer]:
+        b = self.total if b < 0 else b
+        bounds = self.value_start[a : b + 1].tolist()
+        return [host[s:e] for s, e in zip(bounds[:-1], bounds[1:])]
 
-    def stored_values(self, host: memoryview, headers: Sequence[bytes]) -> list[list[Buffer]]:
-        return [[header, payload] for header, payload in zip(headers, self.payloads(host))]
+    def stored_values(self, host: memoryview, headers: Sequence[bytes], a: int = 0) -> list[list[Buffer]]:
+        return [[header, payload] for header, payload in zip(headers, self.payloads(host, a, a + len(headers)))]
 
     def _segments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.request
@@ -199,23 +222,41 @@ class RawPlan:
         for i in range(blocks):
             host[starts[i] : starts[i + 1]] = np.frombuffer(values[i], dtype=np.uint8, offset=HEADER_SIZE)
 
-    def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
+    def _range(self, staging: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Values a..b-1's segments (pointers, lengths) and their bytes in staging."""
         r = self.request
-        backend.gather_segments(torch.from_numpy(r.ptrs), torch.from_numpy(r.lengths), staging[: self.staging_bytes])
+        s, e = int(r.seg_start[a]), int(r.seg_start[b])
+        lo, hi = int(self.value_start[a]), int(self.value_start[b])
+        return torch.from_numpy(r.ptrs[s:e]), torch.from_numpy(r.lengths[s:e]), staging[lo:hi]
+
+    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
+        ptrs, lengths, span = self._range(staging, a, b)
+        if ptrs.numel():
+            backend.gather_segments(ptrs, lengths, span)
+
+    def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
+        ptrs, lengths, span = self._range(staging, a, b)
+        if ptrs.numel():
+            backend.scatter_segments(ptrs, lengths, span)
+
+    def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
+        self.gather_range(backend, staging, 0, self.total)
 
     def scatter_prefix(self, backend: CopyBackend, staging: torch.Tensor, blocks: int) -> None:
-        r = self.request
-        segments = int(r.seg_start[blocks])
-        if segments == 0:
-            return
-        nbytes = int(self.value_start[blocks])
-        backend.scatter_segments(torch.from_numpy(r.ptrs[:segments]), torch.from_numpy(r.lengths[:segments]), staging[:nbytes])
+        self.scatter_range(backend, staging, 0, blocks)
 
     def prefix_staging_bytes(self, blocks: int) -> int:
         return int(self.value_start[blocks])
 
 
 Plan = Union[BlockPlan, RawPlan]
+
+
+def encode_range(plan: Plan, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
+    """Checksum the staged payloads of values a..b-1 and give them their headers (written in place where the plan
+    has room for them): those values as the pool stores them."""
+    headers = build_headers(plan.expected, [checksum([p]) for p in plan.payloads(host, a, b)], a)
+    return plan.stored_values(host, headers, a)
 
 
 def plan_blocks(request: Union[SlotRequest, ChunkRequest], layout: RegisteredLayout, namespace: bytes) -> BlockPlan:

@@ -16,6 +16,10 @@ Contract:
   first; with `read_local_only` a read never leaves the process. The embedded pool is local, so it always serves.
 * Results come back in request order; interpreting them (the consecutive prefix, raising when nothing was
   reachable) is the caller's job.
+* Several calls of one request in flight (a job's chunks): `start(call)` runs a call on the client's pipeline
+  threads and returns its `Future`; `put` and `get_into` take an absolute `deadline` so the chunks of one request
+  share its timeout. The pipeline threads are apart from the fan-out threads, so a started call that fans out to
+  several nodes never waits for a thread it holds.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ from ems.types import MAX_TIMEOUT_MS, CcKvOption
 from ems.value_format import HEADER_SIZE, ExpectedValues, matches
 
 T = TypeVar("T")
+R = TypeVar("R")
 Costs = Tuple[np.ndarray, np.ndarray, np.ndarray]  # per key: data bytes, meta bytes, data frames
 
 PUT_META_PER_KEY = 12  # value length u64 + key length u32 (+ 8 per data frame)
 KEY_META_PER_KEY = 4  # key length u32
+PIPELINE_THREADS = 8  # calls started with `PoolClient.start` that run at once (more wait in order)
 
 
 @dataclass
@@ -73,6 +79,15 @@ def timeout_seconds(option: CcKvOption) -> float:
     """The option's timeout in seconds, clamped to `MAX_TIMEOUT_MS`; 0 (no limit) is that maximum too."""
     timeout_ms = option.timeout if 0 < option.timeout < MAX_TIMEOUT_MS else MAX_TIMEOUT_MS
     return timeout_ms / 1000.0
+
+
+def deadline_of(option: CcKvOption) -> float:
+    """The `time.monotonic()` by which a request started now must be done."""
+    return time.monotonic() + timeout_seconds(option)
+
+
+def _remaining(option: CcKvOption, deadline: Optional[float]) -> float:
+    return timeout_seconds(option) if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,7 @@ class PoolClient:
             else None
         )
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pipeline: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._executor_lock = threading.Lock()
         self._on_close: list[Callable[[], None]] = []
         self.membership: Optional[Any] = None  # the etcd membership watcher keeping `members` current, if any
@@ -167,6 +183,16 @@ class PoolClient:
                     max_workers=max(8, 4 * len(self.members.view.nodes)), thread_name_prefix="ems-pool"
                 )
             return self._executor
+
+    def start(self, call: Callable[[], R]) -> "concurrent.futures.Future[R]":
+        """Run `call` on the pipeline threads (at most `PIPELINE_THREADS` at once, the rest in the order started)
+        and return its future: how one request keeps several calls in flight (see the module docstring)."""
+        with self._executor_lock:
+            if self._pipeline is None:
+                self._pipeline = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=PIPELINE_THREADS, thread_name_prefix="ems-pipe"
+                )
+            return self._pipeline.submit(call)
 
     def _run_jobs(
         self,
@@ -301,6 +327,7 @@ class PoolClient:
         values: Sequence[Sequence[Buffer]],
         option: CcKvOption,
         value_lens: Optional[np.ndarray] = None,
+        deadline: Optional[float] = None,
     ) -> PoolOutcome[bool]:
         """Store each value at its `replicas` owning nodes in parallel; `results[i]` is True when the value is
         stored: at least one owner acknowledged it and no owner that answered refused it. An owner that failed as a
@@ -308,7 +335,8 @@ class PoolClient:
         and the failure is in `errors`. With one replica this is exactly "the owner acknowledged it".
 
         `value_lens` (int64, bytes of each value, its parts together) saves measuring every part when the caller
-        knows them; it is only used to split requests at the limits."""
+        knows them; it is only used to split requests at the limits. `deadline` (monotonic seconds) replaces the
+        option's timeout when given."""
         results: list = [False] * len(keys)
         outcome: PoolOutcome[bool] = PoolOutcome(results)
         view = self.members.view
@@ -337,7 +365,7 @@ class PoolClient:
             jobs,
             lambda node, idx, t: node.put([keys[i] for i in idx], [values[i] for i in idx], t),
             costs,
-            time.monotonic() + timeout_seconds(option),
+            time.monotonic() + _remaining(option, deadline),
             outcome,
         )
         acked = np.zeros(len(keys), dtype=bool)
@@ -410,36 +438,51 @@ class PoolClient:
         keys: Sequence[bytes],
         outs: Sequence[Buffer],
         option: CcKvOption,
+        expected: Optional[ExpectedValues] = None,
+        deadline: Optional[float] = None,
     ) -> PoolOutcome[bool]:
         """Place each key's value in the caller's writable buffer `outs[i]` (read cache first, then, unless
         local-only, the owning node, which receives it there without an intermediate copy when it travels alone);
         `results[i]` is True where a value of exactly `len(outs[i])` bytes is now in `outs[i]`. A buffer whose
-        result is False holds unspecified bytes. Nothing is allocated per value on the UCX path."""
+        result is False holds unspecified bytes. Nothing is allocated per value on the UCX path.
+
+        `expected` (value i of the call is `expected`'s value i) is `get`'s: a read-cache entry that is not the
+        expected value is dropped and fetched from its node, and with replicas each value a node placed is checked
+        (`outcome.verified`), so a damaged copy sends the key on to the next owner instead of being accepted. With
+        one owner the caller checks. `deadline` (monotonic seconds) replaces the option's timeout when given."""
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         results: list = [False] * len(keys)
         if self.read_cache is not None:
             for i, value in enumerate(self.read_cache.get_many(keys)):
                 out = memoryview(outs[i]).cast("B")
-                if value is not None and memoryview(value).nbytes == out.nbytes:
+                if value is not None and expected is not None and not matches(value, expected, i):
+                    self.read_cache.delete(keys[i])
+                elif value is not None and memoryview(value).nbytes == out.nbytes:
                     out[:] = memoryview(value).cast("B")
                     results[i] = True
         if option.read_local_only and not self.is_local:
             return PoolOutcome(results)
+        verify = expected is not None and self.replicas > 1
+
+        def accept(i: int, placed: object) -> bool:  # a miss (or a value of another length) asks the next owner
+            return bool(placed) and (not verify or matches(outs[i], expected, i))  # type: ignore[arg-type]
 
         def costs(idx: np.ndarray) -> Costs:
             data = np.fromiter((memoryview(outs[i]).nbytes for i in idx.tolist()), dtype=np.int64, count=idx.size)
             return data, _key_meta(keys, idx, KEY_META_PER_KEY), np.zeros(idx.size, dtype=np.int64)
 
-        return self._fan_out(
+        outcome = self._fan_out(
             route_keys,
             ~np.asarray(results, dtype=bool),
             lambda node, idx, t: node.get_into([keys[i] for i in idx], [outs[i] for i in idx], t),
             costs,
             results,
-            timeout_seconds(option),
-            lambda i, placed: bool(placed),  # a miss (or a value of another length) asks the next owner
+            _remaining(option, deadline),
+            accept,
         )
+        outcome.verified = verify
+        return outcome
 
     def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
         """Whether each key is held (read cache first, then the owning node unless local-only)."""
@@ -477,6 +520,7 @@ class PoolClient:
                 pass
         self.members.close()
         with self._executor_lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = None
+            for executor in (self._executor, self._pipeline):
+                if executor is not None:
+                    executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._pipeline = None

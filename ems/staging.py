@@ -4,7 +4,8 @@ A request leases one staging buffer (on the device, plus its host twin when the 
 it, and releases it on every path, error paths included. Buffers are kept for reuse, rounded up to powers of two.
 The bytes leased and kept never exceed the capacity: a request that would exceed it waits until others release
 theirs (back-pressure, never unbounded memory). A request larger than the whole capacity runs alone, with a
-buffer that is freed afterwards.
+buffer that is freed afterwards. A buffer a transfer may still touch after its request gave up (a timed-out
+receive) is retired instead of released: its bytes are given back, the buffer is never reused.
 """
 
 from __future__ import annotations
@@ -103,6 +104,20 @@ class StagingPool:
                 self._free.append(lease)
                 self._free_bytes += cost
             self._cond.notify_all()
+
+    def retire(self, lease: StagingLease) -> None:
+        """Give back `lease`'s bytes without keeping its buffer for reuse: for a buffer a transfer may still touch
+        (a request that timed out is aborted on its endpoint, not awaited). Its memory goes when the last holder
+        (the transfer's own reference) lets go, so nothing else is ever placed in it meanwhile."""
+        with self._cond:
+            self._leased_bytes -= self._cost(lease)
+            self._cond.notify_all()
+
+    @property
+    def leased_bytes(self) -> int:
+        """Bytes leased now (0 when every request has given its buffers back)."""
+        with self._cond:
+            return self._leased_bytes
 
     def clear(self) -> None:
         with self._cond:

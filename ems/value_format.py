@@ -87,9 +87,13 @@ class ExpectedValues:
     tokens_digest: np.ndarray  # u64 [n]
     payload_len: np.ndarray  # int64 [n]
 
+    def range(self, a: int, b: int) -> "ExpectedValues":
+        """Values a..b-1 (value 0 of the result is value a of this)."""
+        return ExpectedValues(self.kind, self.layout_sig, self.tokens_digest[a:b], self.payload_len[a:b])
 
-def build_headers(expected: ExpectedValues, checksums: Sequence[int]) -> list[bytes]:
-    """The header of each of the first `len(checksums)` values, as `bytes` of `HEADER_SIZE` (vectorised)."""
+
+def build_headers(expected: ExpectedValues, checksums: Sequence[int], start: int = 0) -> list[bytes]:
+    """The header of each of values start .. start + len(checksums) - 1, as `bytes` of `HEADER_SIZE` (vectorised)."""
     n = len(checksums)
     if n <= _FEW:  # a small call: struct is several times faster than numpy's per-call overhead
         return [_HEADER_STRUCT.pack(MAGIC, VERSION, int(expected.kind), expected.layout_sig,
@@ -100,8 +104,8 @@ def build_headers(expected: ExpectedValues, checksums: Sequence[int]) -> list[by
     headers["version"] = VERSION
     headers["kind"] = int(expected.kind)
     headers["layout_sig"] = expected.layout_sig
-    headers["tokens_digest"] = expected.tokens_digest[:n]  # the first n values (a save may stop early)
-    headers["payload_len"] = expected.payload_len[:n]
+    headers["tokens_digest"] = expected.tokens_digest[start : start + n]  # a save may stop early, or go by chunks
+    headers["payload_len"] = expected.payload_len[start : start + n]
     headers["checksum"] = np.asarray(checksums, dtype=np.uint64)
     packed = headers.tobytes()
     return [packed[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]

@@ -256,10 +256,10 @@ def test_an_interrupt_while_gathering_gives_the_lease_back(recording, monkeypatc
     cc.register_kvcache(make_cache(layers=1, blocks=8, block_size=2))
     from ems.planning import BlockPlan
 
-    def interrupted(self, backend, staging):
+    def interrupted(self, backend, staging, a, b):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(BlockPlan, "gather", interrupted)
+    monkeypatch.setattr(BlockPlan, "gather_range", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cc.save([0, 1], [3, 4], [1, 1])
     with pytest.raises(KeyboardInterrupt):

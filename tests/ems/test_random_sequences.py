@@ -11,7 +11,10 @@ evicted, so the model is exact (a hit is required, not merely allowed).
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 import numpy as np
 import pytest
 import torch
@@ -19,6 +22,7 @@ from ems_testlib import fill_random, make_cache, slots_of_blocks, snapshot, tens
 
 from ems import CcKvOption, CcResult, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.config import CcConfig
+from ems.jobs import JobKind, Stage
 
 BLOCK_SIZE = 4
 BLOCKS = 320
@@ -36,10 +40,14 @@ class Saved:
 class Model:
     """The SDK under test plus what it must have stored."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, pool_nodes: Optional[list[str]] = None) -> None:
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
-        Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id=f"seq-{seed}"), pool_capacity="256MiB"))
+        cc_config = CcConfig(rank_id=0, device_id=0, model_id=f"seq-{seed}")
+        if pool_nodes:  # a real node, no read cache: every load crosses the wire
+            Ems.init(EmsConfig(cc_config=cc_config, pool_nodes=pool_nodes, read_cache_capacity=0))
+        else:
+            Ems.init(EmsConfig(cc_config=cc_config, pool_capacity="256MiB"))
         self.cc = Ems.get_cc()
         # 4 KiB per block: 1 block stages 64 KiB, 300 blocks ~1.2 MiB, so leases of many sizes come and go
         self.cache = make_cache(layers=2, blocks=BLOCKS, block_size=BLOCK_SIZE, heads=2, head_size=64)
@@ -201,6 +209,30 @@ def test_long_random_sequences_of_mixed_sizes_and_forms(seed, clean_ems):
         assert model.loaded_blocks > 0
     finally:
         Ems.shutdown()
+
+
+def test_long_random_sequence_over_a_real_node_in_tiny_chunks(clean_ems, monkeypatch):
+    """The same sequence over a UCX pool node, every request cut into chunks of one or two values (the pipelined
+    path: several chunk puts and receives in flight, scatter while later chunks arrive)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
+    from pool_testlib import PoolProcess
+
+    monkeypatch.setenv("EMS_CHUNK_BYTES", "9KiB")
+    node = PoolProcess("256MiB")
+    try:
+        model = Model(44, pool_nodes=[node.address])
+        try:
+            for _ in range(120):
+                model.step()
+            assert model.loaded_blocks > 0
+            cc = Ems.get_cc()
+            assert cc._staging.leased_bytes == 0
+            saves, loads = cc.jobs.totals(JobKind.SAVE), cc.jobs.totals(JobKind.LOAD)
+            assert saves.stages[Stage.SEND].runs > 3 * saves.jobs and loads.stages[Stage.RECEIVE].runs > 2 * loads.jobs
+        finally:
+            Ems.shutdown()
+    finally:
+        node.cleanup()
 
 
 def test_sizes_one_then_eight_then_two_blocks(cc):
