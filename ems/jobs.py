@@ -13,19 +13,22 @@ Two ways through the stages (chosen by `ContextCaching`, not by the caller):
   send hands the buffer to the store (`put_owned`: no copy). A load receives the stored buffers, and per value
   verifies (header and checksum) then scatters straight from the stored bytes, stopping at the first miss.
 * **Pipelined** (remote pools, accelerators): the request's staging is one lease, cut into chunks of consecutive
-  values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 4 MiB, and within the pool's request limits). A save
+  values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 8 MiB, and within the pool's request limits). A save
   gathers chunk k into its range of staging (one backend call per layer group; then device → host on
   accelerators) and starts its encode (checksum, headers in place) and put on the pool client's pipeline threads
   (`PoolClient.start`), then gathers chunk k+1 while k is encoded and on the wire; `begin` returns once every
-  chunk is gathered, `finish` waits for the puts and merges their outcomes. A load starts every chunk's receive
+  chunk is gathered, `finish` waits for the puts and merges their outcomes. A load runs each chunk's receive
   (`PoolClient.get_into`: values land in their places in staging) and its verification on the pipeline threads,
   and scatters chunk k's verified prefix while later chunks arrive, stopping at the first miss. V0 loads (whose
   staging has no room for the headers) receive one batch, verify, copy into staging and scatter.
   `EMS_CHUNK_BYTES=0` makes the request one chunk (the same code, nothing overlapped: for comparisons).
-  Fencing: at most `PIPELINE_THREADS` calls run at once per client (the rest queue); the lease is released only
-  when every chunk call has returned (queued ones are cancelled), each bounded by the request's deadline; a
-  chunk whose call failed or timed out may leave UCX touching its buffer a moment longer (the endpoint is
-  aborted, not awaited), so then the lease is retired, never reused (`StagingPool.retire`).
+  In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk
+  k - depth has returned; a load starts chunk k + depth once chunk k verified), and at most `PIPELINE_THREADS`
+  chunk calls run at once per client (the rest queue, in order).
+  Fencing: the lease is released only when every chunk call has returned (queued ones are cancelled), each
+  bounded by the request's deadline; a chunk whose call failed or timed out may leave UCX touching its buffer a
+  moment longer (the endpoint is aborted, not awaited), so then the lease is retired, never reused
+  (`StagingPool.retire`).
 
 Failure semantics are `ContextCaching`'s: a job never writes a block it did not verify, nor one after the first
 miss, and gives back every buffer and lease on every path.
@@ -242,7 +245,8 @@ from ems.buffers import Buffer  # noqa: E402
 from ems.value_format import HEADER_SIZE, build_headers, checksum, matches, valid_prefix  # noqa: E402
 
 CHUNK_ENV = "EMS_CHUNK_BYTES"
-DEFAULT_CHUNK_BYTES = 4 << 20  # see perf/RESULTS.md (API over UCX): 2-8 MiB are alike, 1 MiB pays per-call costs
+DEFAULT_CHUNK_BYTES = 8 << 20  # perf/RESULTS.md (API over UCX): smaller chunks pay the per-request cost more often
+PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
 FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
 
 
@@ -254,17 +258,17 @@ def chunk_bytes() -> int:
 
 
 def plan_chunks(plan: Plan, limits: RequestLimits, target: int) -> list[tuple[int, int]]:
-    """The request's chunks, (first value, end) in order: consecutive values of about `target` bytes each (a value
-    larger than that is a chunk alone), each within `limits` so that it is one request to a node; `target` 0: the
-    whole request as one chunk (the pool client then splits it at the limits itself)."""
+    """The request's chunks, (first value, end) in order: consecutive values of at most `target` payload bytes each
+    (a larger value is a chunk alone), within `limits` (keys, meta, frames; data bytes: the pool client splits a
+    chunk whose headers take it over) so that a chunk is one request to a node; `target` 0: the whole request as
+    one chunk (the pool client then splits it at the limits itself)."""
     if target <= 0 or plan.total == 0:
         return [(0, plan.total)]
     parts = 1 if plan.header_in_staging else 2  # data frames per value: the value, or its header and payload
-    data = plan.expected.payload_len + HEADER_SIZE
     meta = np.fromiter((len(k) for k in plan.keys), dtype=np.int64, count=plan.total) + PUT_META_PER_KEY + 8 * parts
     frames = np.full(plan.total, parts, dtype=np.int64)
     caps = dataclasses.replace(limits, max_data_bytes=min(limits.max_data_bytes, target))
-    return [(s.start, s.stop) for s in split_batches(caps, data, meta, frames)]
+    return [(s.start, s.stop) for s in split_batches(caps, plan.expected.payload_len, meta, frames)]
 
 
 def merge_outcomes(outcomes: List[PoolOutcome], total: int) -> PoolOutcome:
@@ -395,18 +399,25 @@ class SaveJob:
                 if lease.host is not lease.device:
                     with record.stage(Stage.COPY, hi - lo):
                         lease.host[lo:hi].copy_(lease.device[lo:hi], non_blocking=True)
-            self._sends.append(self.pool.start(functools.partial(self._send_chunk, host, a, b)))
+            ahead = self._sends[-PIPELINE_DEPTH] if len(self._sends) >= PIPELINE_DEPTH else None
+            self._sends.append(self.pool.start(functools.partial(self._send_chunk, host, a, b, ahead)))
 
-    def _send_chunk(self, host: memoryview, a: int, b: int) -> PoolOutcome:
-        """On a pipeline thread: checksum and header values a..b-1 in place, put them (by the request's deadline)."""
+    def _send_chunk(self, host: memoryview, a: int, b: int, ahead: Optional[concurrent.futures.Future]) -> PoolOutcome:
+        """On a pipeline thread: checksum and header values a..b-1 in place, then, once the chunk `PIPELINE_DEPTH`
+        places ahead (`ahead`, started earlier: running or done) has returned, put them (by the request's
+        deadline)."""
         plan, record = self.plan, self.record
         if self._stop.is_set():  # the save's prefix already ends before this chunk: not sent
             return PoolOutcome([False] * (b - a))
         try:
             start = time.perf_counter()
             values = encode_range(plan, host, a, b)
+            record.add(Stage.ENCODE, int(plan.expected.payload_len[a:b].sum()), time.perf_counter() - start)
+            if ahead is not None:
+                concurrent.futures.wait([ahead], timeout=max(0.0, self._deadline - time.monotonic()))
+            if self._stop.is_set() or time.monotonic() >= self._deadline:
+                return PoolOutcome([False] * (b - a))
             sent = time.perf_counter()
-            record.add(Stage.ENCODE, int(plan.expected.payload_len[a:b].sum()), sent - start)
             value_lens = plan.expected.payload_len[a:b] + HEADER_SIZE
             outcome = self.pool.put(plan.route_keys[a:b], plan.keys[a:b], values, self.option, value_lens,
                                     deadline=self._deadline)
@@ -505,24 +516,33 @@ class LoadJob:
         return hits, outcome
 
     def _run_pipelined(self, plan: BlockPlan) -> tuple[int, PoolOutcome]:
-        """Every chunk's receive + verify started on the pipeline threads; scatter chunk k's verified prefix while
-        later chunks arrive; stop at the first miss (nothing after it is written)."""
+        """Chunks' receive + verify run on the pipeline threads, `PIPELINE_DEPTH` at once; scatter chunk k's
+        verified prefix while later chunks arrive; stop at the first miss (nothing after it is written)."""
         record = self.record
         deadline = deadline_of(self.option)
         chunks = plan_chunks(plan, self.pool.limits, chunk_bytes())
         stop = threading.Event()
         lease = self.staging.acquire(plan.staging_bytes, self.device)
         host = lease.host_view()
-        receives = [self.pool.start(functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop))
-                    for a, b in chunks]
+        receives: List[concurrent.futures.Future] = []
+
+        def start(k: int) -> None:
+            if k < len(chunks):
+                a, b = chunks[k]
+                receives.append(self.pool.start(functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop)))
+
         outcomes: List[PoolOutcome] = []
         hits = 0
         clean = False
         try:
-            for (a, b), future in zip(chunks, receives):
-                got = _chunk_outcome(future, b - a, deadline)
+            for k in range(PIPELINE_DEPTH):
+                start(k)
+            for k, (a, b) in enumerate(chunks):
+                got = _chunk_outcome(receives[k], b - a, deadline)
                 outcome, valid = got if isinstance(got, tuple) else (got, 0)
                 outcomes.append(outcome)
+                if valid == b - a:
+                    start(k + PIPELINE_DEPTH)  # before the scatter: chunk k + depth arrives while chunk k is written
                 if valid:
                     lo, hi = int(plan.value_start[a]), int(plan.value_start[a + valid])
                     with side_stream(self.device):

@@ -10,7 +10,15 @@ Throughput, for each value size (default 1 MiB), on the same batch of well-forme
   when it cannot run).
 Per call (median of many): exists of 1 key, save and load of one 1 MiB value, next to a raw UCXX round trip, Redis
 EXISTS/SET/GET and Mooncake `is_exist`/put/get; and 1-value saves per second to one node, 1 vs 8 in flight on one
-connection. Prints tables, writes perf/pool.png. Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake]
+connection. Prints tables, writes perf/pool.png.
+
+API over UCX (`--api-only` runs just this): `ContextCaching.save` / `.load` through `Ems.init(pool_nodes=[one node])`
+(no read cache: every load crosses the wire) of one request of 1 MiB blocks (16 layers x 8 KV heads x 128 fp16,
+16 tokens a block; 48 blocks by default), with the request cut into chunks of each `EMS_CHUNK_BYTES` in
+`CHUNK_MODES` (0: the request as one chunk, nothing overlapped), next to raw UCXX of the same bytes (the same values
+as single UCX messages to the peer above), interleaved round by round, best of N; prints the stage table of the
+best one-chunk and pipelined jobs (stages overlap: their sum against the job's wall time).
+Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--api-blocks N]
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 from benchlib import best_of, machine  # noqa: E402
+import torch  # noqa: E402
 
 from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx import UcxNode, UcxRuntime  # noqa: E402
@@ -307,12 +316,101 @@ def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, 
     return per * in_flight / (time.perf_counter() - start)
 
 
+CHUNK_MODES = ("0", "1MiB", "2MiB", "4MiB", "8MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
+
+
+def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str]:
+    """The API-over-UCX rows (see the module docstring): (the table, the stage table)."""
+    from ems import CcConfig, Ems, EmsConfig
+    from ems.demo import Engine
+    from ems.jobs import JobKind, stage_table
+
+    node = PoolProcess("1GiB")  # holds ~20 requests: later saves evict (the steady state)
+    load_before = os.getloadavg()[0]
+    saved_env = os.environ.get("EMS_CHUNK_BYTES")
+    value_bytes = (1 << 20) + 40  # a 1 MiB block and its header: what crosses the wire, for both peers
+    total = blocks * value_bytes
+    best = {mode: {"save": float("inf"), "load": float("inf")} for mode in CHUNK_MODES}
+    records: dict = {}
+    raw_save = raw_load = client_save = client_load = float("inf")
+    client: Optional[PoolClient] = None
+    try:
+        Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-api"), pool_nodes=[node.address], read_cache_capacity=0))
+        cc = Ems.get_cc()
+        engine = Engine(16, 2 * blocks, 16, 8, 128, torch.float16, torch.device("cpu"))
+        cc.register_kvcache(engine.kvcache)
+        for plane in engine.planes:
+            plane.copy_(torch.randn(plane.shape, dtype=torch.float32).to(plane.dtype))
+        slots = engine.slots(engine.allocate(blocks))
+        offsets = [16] * blocks
+        option = CcKvOption(timeout=60_000, write_rcache=False)
+        arrays = [np.ones(value_bytes, np.uint8) for _ in range(blocks)]
+        client = PoolClient([UcxNode(node.address, connect_timeout_ms=5000)])  # the transport alone, one call
+        values = make_values(blocks, value_bytes - 40, seed=blocks)
+        outs = [np.empty(value_bytes, np.uint8) for _ in range(blocks)]
+        counter = iter(range(1, 1 << 30))
+        for _ in range(rounds + 1):  # the first round warms up (connection, staging, node buffers): not counted
+            warm = not records
+            for mode in CHUNK_MODES:
+                os.environ["EMS_CHUNK_BYTES"] = mode
+                hashes = [next(counter) * 1000 + i for i in range(blocks)]
+                start = time.perf_counter()
+                if cc.save(slots, hashes, offsets, option).success != blocks:
+                    raise RuntimeError("save incomplete")
+                t = time.perf_counter() - start
+                if not warm and t < best[mode]["save"]:
+                    best[mode]["save"], records[(mode, "save")] = t, cc.jobs.last(JobKind.SAVE)
+                start = time.perf_counter()
+                if cc.load(slots, hashes, offsets, option).success != blocks:
+                    raise RuntimeError("load incomplete")
+                t = time.perf_counter() - start
+                if not warm and t < best[mode]["load"]:
+                    best[mode]["load"], records[(mode, "load")] = t, cc.jobs.last(JobKind.LOAD)
+            t_save = best_of(lambda: raw.put(arrays), 1)
+            t_load = best_of(lambda: raw.get(blocks, value_bytes), 1)
+            keys = [b"client-%d-%d" % (next(counter), i) for i in range(blocks)]
+            c_save = best_of(lambda: client.put(keys, keys, values, option), 1)  # type: ignore[union-attr]
+            c_load = best_of(lambda: client.get_into(keys, keys, outs, option), 1)  # type: ignore[union-attr]
+            if not warm:
+                raw_save, raw_load = min(raw_save, t_save), min(raw_load, t_load)
+                client_save, client_load = min(client_save, c_save), min(client_load, c_load)
+            records.setdefault("warm", None)
+    finally:
+        if client is not None:
+            client.close()
+        Ems.shutdown()
+        node.cleanup()
+        if saved_env is None:
+            os.environ.pop("EMS_CHUNK_BYTES", None)
+        else:
+            os.environ["EMS_CHUNK_BYTES"] = saved_env
+    raw_s, raw_l = total / raw_save / 1e9, total / raw_load / 1e9
+    lines = [f"API over UCX, 1 node, {blocks} blocks of 1 MiB ({total / 2**20:.0f} MiB a call), best of {rounds} "
+             f"interleaved rounds; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after",
+             "", "| EMS_CHUNK_BYTES | chunks | save GB/s | load GB/s | raw UCXX save | raw UCXX load | save/raw | load/raw |",
+             "|---|---|---|---|---|---|---|---|"]
+    for mode in CHUNK_MODES:
+        save, load = total / best[mode]["save"] / 1e9, total / best[mode]["load"] / 1e9
+        chunks = records[(mode, "save")].stages[next(iter(k for k in records[(mode, "save")].stages
+                                                          if k.value == "send"))].runs
+        lines.append(f"| {mode if mode != '0' else '0 (one chunk)'} | {chunks} | {save:.2f} | {load:.2f} | {raw_s:.2f} "
+                     f"| {raw_l:.2f} | {save / raw_s:.2f}x | {load / raw_l:.2f}x |")
+    c_s, c_l = total / client_save / 1e9, total / client_load / 1e9
+    lines.append(f"| PoolClient put / get_into alone (same values, one call) | - | {c_s:.2f} | {c_l:.2f} | {raw_s:.2f} "
+                 f"| {raw_l:.2f} | {c_s / raw_s:.2f}x | {c_l / raw_l:.2f}x |")
+    shown = [records[(m, op)] for m in ("0", "8MiB") for op in ("save", "load")]
+    stages = stage_table(shown).replace("| job |", "| job (one chunk, then 8 MiB chunks: the default) |", 1)
+    return "\n".join(lines), stages
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller batches and fewer repeats")
     parser.add_argument("--sweep", action="store_true", help="value sizes 64 KiB .. 16 MiB (default: 1 MiB only)")
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per call, MiB")
+    parser.add_argument("--api-only", action="store_true", help="only the API-over-UCX rows (and their raw peer)")
+    parser.add_argument("--api-blocks", type=int, default=48, help="1 MiB blocks per API call")
     args = parser.parse_args()
     batch = (16 if args.quick else args.batch_mib) << 20
     repeats = 3 if args.quick else 5
@@ -320,6 +418,16 @@ def main() -> None:
     sizes = SIZES if args.sweep else [1 << 20]
     option = CcKvOption(timeout=60_000, write_rcache=False)
     print(f"# {machine()}")
+    if args.api_only:
+        raw = RawUcx()
+        try:
+            api, api_stages = api_over_ucx(raw, args.api_blocks, repeats)
+        finally:
+            raw.close()
+        print(api)
+        print()
+        print(api_stages)
+        return
 
     nodes = [PoolProcess("2GiB") for _ in range(3)]
     raw = RawUcx()
@@ -415,6 +523,7 @@ def main() -> None:
         conc = {k: saves_per_second(pool, one[0], k, total_saves, option) for k in (1, 8)}
         for p in pools.values():
             p.close()
+        api, api_stages = api_over_ucx(raw, args.api_blocks, repeats)
     finally:
         raw.close()
         red.close()
@@ -426,6 +535,10 @@ def main() -> None:
     print(table(rows, moon is not None))
     print()
     print(per_call_table(per_call, conc))
+    print()
+    print(api)
+    print()
+    print(api_stages)
     if moon is None:
         print(f"\nMooncake not measured: {moon_reason}")
     for error in moon_errors:

@@ -6,6 +6,7 @@ processes (`python -m ems.pool`), through the public API.
 * A damaged value in chunk k (another layout, another length) stops the load at that block: the blocks before it
   are exact, nothing at or after it is written. With replicas, a damaged copy falls back to the good one.
 * A node paused or killed mid-request gives a consecutive prefix, within the timeout, never a wrong block.
+* A job keeps exactly `PIPELINE_DEPTH` chunk requests in flight when the node is slow, never more.
 * Every path gives the staging lease back (the staging pool's leased bytes return to zero): a clean request, a
   failed one, an interrupt while gathering with puts in flight, and `abandon()` with puts in flight to a node that
   does not answer.
@@ -222,9 +223,9 @@ def test_with_replicas_a_damaged_copy_falls_back_to_the_good_one(nodes, connect,
 
 
 def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(nodes, connect, monkeypatch):
-    import ems.pool_client
+    import ems.jobs
 
-    monkeypatch.setattr(ems.pool_client, "PIPELINE_THREADS", 1)  # one chunk at a time: the kill lands mid-request
+    monkeypatch.setattr(ems.jobs, "PIPELINE_DEPTH", 1)  # one chunk in flight: the kill lands mid-request
     node = nodes()
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=5)
@@ -244,16 +245,13 @@ def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(n
     start = time.monotonic()
     result = cc.load(slots, hashes, offsets, CcKvOption(timeout=2000))
     assert time.monotonic() - start < 2.0 + FENCE_GRACE_S
-    assert result.success in starts[1:3] and result.total == BLOCKS  # chunk 0, perhaps chunk 1 (under way)
+    assert result.success in starts[1:3] and result.total == BLOCKS  # chunk 0, perhaps chunk 1 (just started)
     written = slots_of_blocks(list(range(result.success)), BS, offsets[: result.success])
     assert_cache_equals(cache, expected_after_load(original, poisoned, written))
     _idle(cc)
 
 
 def test_a_node_paused_mid_save_gives_the_acknowledged_prefix_in_time(nodes, connect, monkeypatch):
-    import ems.pool_client
-
-    monkeypatch.setattr(ems.pool_client, "PIPELINE_THREADS", 1)
     node = nodes()
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=6)
@@ -351,3 +349,46 @@ def test_an_unreachable_node_fails_the_call_in_time(nodes, connect, monkeypatch)
             call(slots, hashes, offsets, CcKvOption(timeout=1000))
         assert time.monotonic() - start < 1.0 + FENCE_GRACE_S
         _idle(cc)
+
+
+def test_a_job_keeps_at_most_depth_chunk_requests_in_flight(fault_node_factory, monkeypatch):
+    """In process (a wrapped embedded store takes the pipelined path): with every call slowed down, a save and a
+    load each keep exactly `PIPELINE_DEPTH` chunk requests in flight, never more, and still write every block."""
+    import threading
+
+    from ems.jobs import PIPELINE_DEPTH
+
+    node = fault_node_factory()
+    node.delay_s = 0.02
+    lock = threading.Lock()
+    now = {"put": 0, "get": 0}
+    peak = {"put": 0, "get": 0}
+
+    def counted(op, call):
+        def run(*args, **kwargs):
+            with lock:
+                now[op] += 1
+                peak[op] = max(peak[op], now[op])
+            try:
+                return call(*args, **kwargs)
+            finally:
+                with lock:
+                    now[op] -= 1
+        return run
+
+    monkeypatch.setattr(node, "put", counted("put", node.put))
+    monkeypatch.setattr(node, "get", counted("get", node.get))
+    cc = direct_cc([node])
+    try:
+        cache, slots, hashes, offsets = _setup(cc, seed=10)
+        original = snapshot(cache)
+        _chunks(monkeypatch, TINY)
+        assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
+        assert cc.jobs.last(JobKind.SAVE).stages[Stage.SEND].runs > 2 * PIPELINE_DEPTH
+        poisoned = poison(cache)
+        assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
+        assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+        assert peak == {"put": PIPELINE_DEPTH, "get": PIPELINE_DEPTH}
+        _idle(cc)
+    finally:
+        cc.close()
