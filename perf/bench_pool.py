@@ -17,8 +17,9 @@ API over UCX (`--api-only` runs just this): `ContextCaching.save` / `.load` thro
 16 tokens a block; 48 blocks by default), with the request cut into chunks of each `EMS_CHUNK_BYTES` in
 `CHUNK_MODES` (0: the request as one chunk, nothing overlapped), next to raw UCXX of the same bytes (the same values
 as single UCX messages to the peer above), interleaved round by round, best of N; prints the stage table of the
-best one-chunk and pipelined jobs (stages overlap: their sum against the job's wall time).
-Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--api-blocks N]
+best one-chunk and pipelined jobs (stages overlap: their sum against the job's wall time), and `PoolClient.put` /
+`get_into` of the same values in one call (the transport alone).
+Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--api-blocks N] [--threads T]
 """
 
 from __future__ import annotations
@@ -411,7 +412,11 @@ def main() -> None:
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per call, MiB")
     parser.add_argument("--api-only", action="store_true", help="only the API-over-UCX rows (and their raw peer)")
     parser.add_argument("--api-blocks", type=int, default=48, help="1 MiB blocks per API call")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (as bench_e2e: on 2 shared cores, 2-thread gathers starve the "
+                             "UCX and node threads they should overlap with)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     batch = (16 if args.quick else args.batch_mib) << 20
     repeats = 3 if args.quick else 5
     calls = 40 if args.quick else 150
