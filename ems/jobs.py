@@ -88,7 +88,7 @@ class JobRecord:
     """One job's account: blocks done of total, bytes moved, and per stage bytes, seconds and runs."""
 
     kind: JobKind
-    path: str = ""  # "one-pass" or "staged"
+    path: str = ""  # "one-pass", "pipelined" or (V0 loads from pool nodes) "staged"
     blocks_ok: int = 0
     blocks_total: int = 0
     nbytes: int = 0
@@ -346,7 +346,7 @@ class SaveJob:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
         self.store: Optional[KvStore] = pool.local_store if device.type == "cpu" else None
-        self.record.path = "one-pass" if self.store is not None else "staged"
+        self.record.path = "one-pass" if self.store is not None else "pipelined"
         self._buffers: List[np.ndarray] = []
         self._reserved: List[int] = []  # the store's reservation for each buffer
         self._lease: Optional[StagingLease] = None
@@ -474,7 +474,7 @@ class LoadJob:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
         self.one_pass = device.type == "cpu" and pool.local_store is not None
-        self.record.path = "one-pass" if self.one_pass else "staged"
+        self.record.path = "one-pass" if self.one_pass else "pipelined" if isinstance(plan, BlockPlan) else "staged"
 
     def run(self) -> tuple[int, PoolOutcome]:
         """(blocks written, the pool's outcome)."""

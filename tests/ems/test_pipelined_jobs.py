@@ -129,7 +129,7 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     record = cc.jobs.last(JobKind.SAVE)
     chunks = len(plan_chunks(_plan(cc, slots, hashes, offsets), cc._pool.limits, parse_size("chunk", save_chunk)))
-    assert record.path == "staged" and record.stages[Stage.SEND].runs == chunks == record.stages[Stage.ENCODE].runs
+    assert record.path == "pipelined" and record.stages[Stage.SEND].runs == chunks == record.stages[Stage.ENCODE].runs
     assert chunks == {"0": 1, "1": BLOCKS}.get(save_chunk, chunks) and (chunks > 12 or save_chunk == "0")
     assert record.stages[Stage.GATHER].nbytes == record.nbytes
     _idle(cc)
