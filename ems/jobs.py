@@ -13,7 +13,7 @@ Two ways through the stages (chosen by `ContextCaching`, not by the caller):
   send hands the buffer to the store (`put_owned`: no copy). A load receives the stored buffers, and per value
   verifies (header and checksum) then scatters straight from the stored bytes, stopping at the first miss.
 * **Pipelined** (remote pools, accelerators): the request's staging is one lease, cut into chunks of consecutive
-  values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 16 MiB, and within the pool's request limits). A save
+  values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 32 MiB, and within the pool's request limits). A save
   gathers chunk k into its range of staging (one backend call per layer group; then device → host on
   accelerators) and starts its encode (checksum, headers in place) and put on the pool client's pipeline threads
   (`PoolClient.start`), then gathers chunk k+1 while k is encoded and on the wire; `begin` returns once every
@@ -245,7 +245,10 @@ from ems.buffers import Buffer  # noqa: E402
 from ems.value_format import HEADER_SIZE, build_headers, checksum, matches, valid_prefix  # noqa: E402
 
 CHUNK_ENV = "EMS_CHUNK_BYTES"
-DEFAULT_CHUNK_BYTES = 16 << 20  # perf/RESULTS.md (API over UCX): smaller chunks pay the per-request cost more often
+# perf/RESULTS.md (API over UCX): on a CPU-only host one chunk is fastest (the copies compete with the wire for the
+# same cores) and small chunks lose to per-request costs; 32 MiB keeps typical requests one chunk, and
+# PIPELINE_DEPTH x 32 MiB stays within the smallest default in-flight budget of a node (64 MiB: a chunk never waits)
+DEFAULT_CHUNK_BYTES = 32 << 20
 PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
 FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
 
