@@ -97,7 +97,8 @@ def build_headers(expected: ExpectedValues, checksums: Sequence[int], start: int
     n = len(checksums)
     if n <= _FEW:  # a small call: struct is several times faster than numpy's per-call overhead
         return [_HEADER_STRUCT.pack(MAGIC, VERSION, int(expected.kind), expected.layout_sig,
-                                    int(expected.tokens_digest[i]), int(expected.payload_len[i]), checksums[i])
+                                    int(expected.tokens_digest[start + i]), int(expected.payload_len[start + i]),
+                                    checksums[i])
                 for i in range(n)]
     headers = np.zeros(n, dtype=HEADER_DTYPE)
     headers["magic"] = MAGIC

@@ -60,7 +60,8 @@ def test_value_format_roundtrip_and_damage():
 
 @pytest.mark.parametrize("n", [1, 2, 4, 5, 9])
 def test_build_headers_small_and_vectorised_paths_agree(n, monkeypatch):
-    """A few headers are packed with struct, many with numpy: byte for byte the same, extreme fields included."""
+    """A few headers are packed with struct, many with numpy: byte for byte the same, extreme fields included, and
+    for values start.. of a request (a chunk) the same as those values' headers in the whole request."""
     import ems.value_format as vf
 
     rng = np.random.default_rng(n)
@@ -68,9 +69,12 @@ def test_build_headers_small_and_vectorised_paths_agree(n, monkeypatch):
                               rng.integers(0, 2**40, n))
     checksums = [int(x) for x in rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1]
     small = build_headers(expected, checksums)
+    chunks = [build_headers(expected, checksums[a : a + 2], a) for a in range(n)]  # values a, a+1 (a save's chunk)
     monkeypatch.setattr(vf, "_FEW", -1)
     assert build_headers(expected, checksums) == small
     assert all(len(h) == HEADER_SIZE and parse_header(h) is not None for h in small)
+    for a, chunk in enumerate(chunks):
+        assert chunk == small[a : a + 2] == build_headers(expected, checksums[a : a + 2], a)
 
 
 def test_valid_prefix_checks_every_field():
