@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 profile_logger = logging.getLogger("ems.profile")
 
@@ -306,6 +306,20 @@ def _chunk_outcome(future: "concurrent.futures.Future", count: int, deadline: fl
         return _failed_chunk(count, EmsErrorCode.EMS_IO_ERROR, f"chunk failed: {error!r}")
 
 
+def run_now(call: Callable[[], Any]) -> "concurrent.futures.Future":
+    """Run `call` in this thread; its result or exception as a finished future (what `fence` and `_chunk_outcome`
+    read). An interrupt is recorded too (the transfer may still touch its buffer: `fence` then says so), then
+    raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(call())
+    except BaseException as error:
+        future.set_exception(error)
+        if not isinstance(error, Exception):
+            raise
+    return future
+
+
 def fence(futures: List["concurrent.futures.Future"], deadline: float) -> bool:
     """Stop a request's chunk calls: cancel those not started, wait (bounded by `deadline` + grace) for the others.
     True when none can touch the request's buffers any more: every call was cancelled, or returned an outcome
@@ -357,6 +371,7 @@ class SaveJob:
         self._sends: List[concurrent.futures.Future] = []  # each chunk's encode + put, in order
         self._stop = threading.Event()  # set: chunks not yet sent are not sent (an earlier one failed, or abandon)
         self._deadline = 0.0
+        self._lone: Optional[Callable[[], PoolOutcome]] = None  # a one-chunk save's send, run by `finish`
 
     def begin(self) -> None:
         try:
@@ -402,6 +417,9 @@ class SaveJob:
                 if lease.host is not lease.device:
                     with record.stage(Stage.COPY, hi - lo):
                         lease.host[lo:hi].copy_(lease.device[lo:hi], non_blocking=True)
+            if len(self._chunks) == 1:  # nothing to overlap: `finish` sends it on its own thread (no thread hop)
+                self._lone = functools.partial(self._send_chunk, host, a, b, None)
+                return
             ahead = self._sends[-PIPELINE_DEPTH] if len(self._sends) >= PIPELINE_DEPTH else None
             self._sends.append(self.pool.start(functools.partial(self._send_chunk, host, a, b, ahead)))
 
@@ -448,6 +466,9 @@ class SaveJob:
                 return outcome
             if self._lease is None:
                 raise RuntimeError("SaveJob.finish() before begin()")
+            lone, self._lone = self._lone, None
+            if lone is not None:
+                self._sends.append(run_now(lone))
             outcomes = [_chunk_outcome(f, b - a, self._deadline) for f, (a, b) in zip(self._sends, self._chunks)]
             return merge_outcomes(outcomes, plan.total)
         finally:
@@ -532,7 +553,9 @@ class LoadJob:
         def start(k: int) -> None:
             if k < len(chunks):
                 a, b = chunks[k]
-                receives.append(self.pool.start(functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop)))
+                call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop)
+                # one chunk: nothing to overlap, so it runs here (no thread hop); else on the pipeline threads
+                receives.append(run_now(call) if len(chunks) == 1 else self.pool.start(call))
 
         outcomes: List[PoolOutcome] = []
         hits = 0

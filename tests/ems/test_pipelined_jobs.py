@@ -392,3 +392,29 @@ def test_a_job_keeps_at_most_depth_chunk_requests_in_flight(fault_node_factory, 
         _idle(cc)
     finally:
         cc.close()
+
+
+def test_one_chunk_runs_on_the_calling_thread(shared, connect, monkeypatch):
+    """A request of one chunk has nothing to overlap: its put and its receive run on the thread that finishes the
+    call, never on the pipeline threads (no thread hop per small call); several chunks do use them."""
+    import threading
+
+    from ems.pool_client import PoolClient
+
+    started: list = []
+    real_start = PoolClient.start
+    monkeypatch.setattr(PoolClient, "start", lambda self, call: started.append(call) or real_start(self, call))
+    cc = connect(shared.address)
+    cache, slots, hashes, offsets = _setup(cc, seed=3)
+    callers: set = set()
+    real_put, real_get = cc._pool.put, cc._pool.get_into
+    monkeypatch.setattr(cc._pool, "put", lambda *a, **k: callers.add(threading.get_ident()) or real_put(*a, **k))
+    monkeypatch.setattr(cc._pool, "get_into", lambda *a, **k: callers.add(threading.get_ident()) or real_get(*a, **k))
+    _chunks(monkeypatch, "0")
+    assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
+    assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
+    assert not started and callers == {threading.get_ident()}
+    _chunks(monkeypatch, TINY)
+    assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
+    assert started and len(callers) > 1
+    _idle(cc)
