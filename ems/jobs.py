@@ -21,7 +21,8 @@ Two ways through the stages (chosen by `ContextCaching`, not by the caller):
   (`PoolClient.get_into`: values land in their places in staging) and its verification on the pipeline threads,
   and scatters chunk k's verified prefix while later chunks arrive, stopping at the first miss. V0 loads (whose
   staging has no room for the headers) receive one batch, verify, copy into staging and scatter.
-  `EMS_CHUNK_BYTES=0` makes the request one chunk (the same code, nothing overlapped: for comparisons).
+  `EMS_CHUNK_BYTES=0` makes the request one chunk (the same code, nothing overlapped: for comparisons). A request
+  of one chunk has nothing to overlap, so its put (in `finish`) and its receive run on the calling thread.
   In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk
   k - depth has returned; a load starts chunk k + depth once chunk k verified), and at most `PIPELINE_THREADS`
   chunk calls run at once per client (the rest queue, in order).
