@@ -94,18 +94,25 @@ class _Arena:
         return self.array[start : start + nbytes]
 
 
-def _recyclable(value: Buffer, arena: Optional[_Arena] = None) -> bool:
-    """A buffer this store allocated (or a node received into): owning its memory, carved from the arena, or one
-    of `_new_buffer`'s aligned views of an array that only it holds."""
+def _store_made(value: Buffer, arena: Optional[_Arena] = None) -> bool:
+    """Whether `value` is a buffer of the kind this store makes (or a node received into): an array owning its
+    memory, carved from the arena, or a `_new_buffer` view (its base owns its memory and is at most a cache line
+    larger). Structural only: it says nothing about who else holds it."""
     if type(value) is not np.ndarray:
         return False
     base = value.base
-    if base is None or (arena is not None and base is arena.array):
-        return True
-    # `_new_buffer`'s view: its base owns its memory, is at most a cache line larger, and nothing else holds it
-    # (references: the view's own, getrefcount's argument, and `base` here)
-    return (type(base) is np.ndarray and base.base is None and base.nbytes <= value.nbytes + ARENA_ALIGN
-            and sys.getrefcount(base) <= 3)
+    return (base is None or (arena is not None and base is arena.array)
+            or (type(base) is np.ndarray and base.base is None and base.nbytes <= value.nbytes + ARENA_ALIGN))
+
+
+def _recyclable(value: Buffer, arena: Optional[_Arena] = None) -> bool:
+    """A store-made buffer whose memory nobody else can reach through its base: a `_new_buffer` view's base is held
+    by the view alone (references: the view's own, getrefcount's argument, and `base` here). The caller checks the
+    buffer's own references (`_retire`). Called with the store's lock held, so two checks never race."""
+    if not _store_made(value, arena):
+        return False
+    base = value.base  # type: ignore[union-attr]
+    return base is None or base is getattr(arena, "array", None) or sys.getrefcount(base) <= 3
 
 
 @dataclass
@@ -312,7 +319,7 @@ class KvStore:
             self._entries.move_to_end(key)
             self._stats.hits += 1
         # a read-only view: holds the buffer (so it is never reused under the reader) and cannot write to it
-        return memoryview(value).toreadonly() if _recyclable(value, self._arena) else value
+        return memoryview(value).toreadonly() if _store_made(value, self._arena) else value
 
     def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]:
         return [self.get(key) for key in keys]

@@ -225,6 +225,20 @@ def test_store_never_recycles_a_view_of_memory_someone_else_holds():
     assert bytes(outside[8:]) == value(payload)
 
 
+def test_store_get_is_read_only_whoever_else_holds_the_buffer():
+    """`get` hands out a read-only view of a store-made buffer however many references to it (or to the memory
+    behind it) exist at that moment: concurrent readers each hold one. (Before: a reader racing another could get
+    the writable array itself.)"""
+    store = KvStore(10_000)
+    assert store.put(b"k", [value(b"q" * 300)])
+    held = store._entries[b"k"]  # white-box: a second holder of the buffer and of its base, like a racing reader
+    base_holder = held.base
+    for _ in range(3):
+        got = store.get(b"k")
+        assert isinstance(got, memoryview) and got.readonly and got == value(b"q" * 300)
+    del held, base_holder
+
+
 def test_store_thread_safety():
     store = KvStore(50_000)
     values = [value(bytes([i]) * random.Random(i).randint(1, 900)) for i in range(64)]
