@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx import UcxNode, UcxRuntime  # noqa: E402
+from ems.transport.ucx_progress import recv, send  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -60,6 +61,7 @@ SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 RAW_PEER = r"""
 import asyncio, sys, numpy as np
 import ems.transport.ucx_config as cfg
+from ems.transport.ucx_progress import recv, send
 async def main():
     cfg.init_ucx()
     import ucxx
@@ -68,27 +70,27 @@ async def main():
         pool = {}
         while True:
             try:
-                await ep.recv(hdr)
+                await recv(ep, hdr)
             except Exception:
                 return
             op, n, size = (int(x) for x in hdr)
             if op == 2:  # a round trip: answer `size` bytes
-                await ep.send(np.ones(max(size, 1), np.uint8))
+                await send(ep, np.ones(max(size, 1), np.uint8))
                 continue
             if op == 3:  # sink one message of `size` per request, ack each
                 buf = np.empty(size, np.uint8)
-                await ep.recv(buf)
-                await ep.send(np.ones(1, np.uint8))
+                await recv(ep, buf)
+                await send(ep, np.ones(1, np.uint8))
                 continue
             if op == 0:  # sink n messages of size into reused buffers (no page faults, like a warm node), then ack
                 if len(pool.get(size, [])) < n:
                     pool[size] = [np.ones(size, np.uint8) for _ in range(n)]
                 bufs = pool[size][:n]
-                await asyncio.gather(*(ep.recv(b) for b in bufs))
-                await ep.send(np.ones(1, np.uint8))
+                await asyncio.gather(*(recv(ep, b) for b in bufs))
+                await send(ep, np.ones(1, np.uint8))
             else:  # send n messages of size
                 data = np.ones(size, np.uint8)
-                await asyncio.gather(*(ep.send(data) for _ in range(n)))
+                await asyncio.gather(*(send(ep, data) for _ in range(n)))
     lst = ucxx.create_listener(handle, port=0)
     print(lst.port, flush=True)
     await asyncio.Event().wait()
@@ -108,41 +110,41 @@ class RawUcx:
 
     def put(self, values: list) -> None:
         async def run() -> None:
-            await self.ep.send(np.array([0, len(values), len(values[0])], np.uint64))
-            await asyncio.gather(*(self.ep.send(v) for v in values))
-            await self.ep.recv(np.empty(1, np.uint8))
+            await send(self.ep, np.array([0, len(values), len(values[0])], np.uint64))
+            await asyncio.gather(*(send(self.ep, v) for v in values))
+            await recv(self.ep, np.empty(1, np.uint8))
 
         self.rt.submit(run()).result(120)
 
     def get(self, n: int, size: int) -> None:
         async def run() -> None:
-            await self.ep.send(np.array([1, n, size], np.uint64))
+            await send(self.ep, np.array([1, n, size], np.uint64))
             if len(self._bufs.get(size, [])) < n:  # reused receive buffers, as `get_into` is given
                 self._bufs[size] = [np.ones(size, np.uint8) for _ in range(n)]
             bufs = self._bufs[size][:n]
-            await asyncio.gather(*(self.ep.recv(b) for b in bufs))
+            await asyncio.gather(*(recv(self.ep, b) for b in bufs))
 
         self.rt.submit(run()).result(120)
 
     def round_trip(self, size: int = 8) -> None:
         async def run() -> None:
-            await self.ep.send(np.array([2, 0, size], np.uint64))
-            await self.ep.recv(np.empty(max(size, 1), np.uint8))
+            await send(self.ep, np.array([2, 0, size], np.uint64))
+            await recv(self.ep, np.empty(max(size, 1), np.uint8))
 
         self.rt.submit(run()).result(10)
 
     def put_one(self, value: np.ndarray) -> None:
         async def run() -> None:
-            await self.ep.send(np.array([3, 1, value.size], np.uint64))
-            await self.ep.send(value)
-            await self.ep.recv(np.empty(1, np.uint8))
+            await send(self.ep, np.array([3, 1, value.size], np.uint64))
+            await send(self.ep, value)
+            await recv(self.ep, np.empty(1, np.uint8))
 
         self.rt.submit(run()).result(10)
 
     def get_one(self, out: np.ndarray) -> None:
         async def run() -> None:
-            await self.ep.send(np.array([1, 1, out.size], np.uint64))
-            await self.ep.recv(out)
+            await send(self.ep, np.array([1, 1, out.size], np.uint64))
+            await recv(self.ep, out)
 
         self.rt.submit(run()).result(10)
 

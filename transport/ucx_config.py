@@ -17,12 +17,23 @@ Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes"):
   would be faster between processes on one host, but a pool client must survive its node dying.
 * UCX_WARN_UNUSED_ENV_VARS = n: otherwise UCX prints a warning to stdout, which pool nodes reserve for their
   ready line.
+* ucxx's notifier thread is replaced by `_notifier_thread` (same job, one hop less per completion): ucxx 0.52's
+  wakes on every batch of completed UCX requests, submits a coroutine to the event loop
+  (`run_coroutine_threadsafe`: a Task and a concurrent Future) and then sleeps until that Task has run; on 2 shared
+  cores that round trip (two more thread switches and GIL hand-overs per completion) was a large part of a small
+  call's latency. Here the thread only posts `worker.run_request_notifier` with `call_soon_threadsafe` (at most one
+  pending at a time) and goes straight back to waiting. The futures are still completed on the loop thread, as
+  asyncio requires.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import queue
 import threading
+from typing import Any
 
 UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -33,7 +44,9 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     # ucxx warns on stdout whenever a large batch drains its pool of pre-made futures (harmless, refilled at once)
     "UCXX_LOG_LEVEL": "ERROR",
 }
-PROGRESS_MODE = os.environ.get("EMS_UCX_PROGRESS_MODE", "thread")
+# "loop" (default): UCX progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode without its
+# polling waits); "thread", "thread-polling", "polling", "blocking": ucxx's own modes
+PROGRESS_MODE = os.environ.get("EMS_UCX_PROGRESS_MODE", "loop")
 # Python futures completed by ucxx's notifier thread: without them every pending request is awaited by polling
 # with asyncio.sleep(0), i.e. a core at 100% whenever a receive is posted (a pool node always has one).
 PYTHON_FUTURE = os.environ.get("EMS_UCX_PYTHON_FUTURE", "1") != "0"
@@ -52,6 +65,45 @@ def apply_env_defaults() -> None:
 apply_env_defaults()
 
 
+log = logging.getLogger("ems.transport")
+NOTIFIER_PERIOD_NS = 10**9  # how often the notifier thread looks at its shutdown queue when idle
+
+
+def _notifier_thread(event_loop: asyncio.AbstractEventLoop, worker: Any, q: "queue.Queue[str]") -> None:
+    """ucxx's notifier thread (same signature, same shutdown protocol), without the wait for the loop: see the module
+    docstring. `run_request_notifier` takes every completion queued so far, so one pending call serves all the
+    completions that arrive before it runs; a completion queued after it took the list wakes this thread again."""
+    import ucxx._lib.libucxx as ucx_api
+
+    asyncio.set_event_loop(event_loop)  # the futures pool creates its futures for this loop
+    ready = ucx_api.PythonRequestNotifierWaitState.Ready
+    shutdown = ucx_api.PythonRequestNotifierWaitState.Shutdown
+    pending = threading.Event()  # a run_request_notifier call is posted and has not started yet
+
+    def run() -> None:
+        pending.clear()  # before taking the list: a completion queued from now on posts another call
+        try:
+            worker.run_request_notifier()
+        except Exception:  # never lose the loop over one failed notification
+            log.exception("UCX request notifier failed")
+
+    while True:
+        worker.populate_python_futures_pool()
+        state = worker.wait_request_notifier(period_ns=NOTIFIER_PERIOD_NS)
+        if not q.empty() and q.get() == "shutdown":
+            break
+        if state == shutdown:
+            break
+        if state != ready or pending.is_set():
+            continue
+        pending.set()
+        try:
+            event_loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop is closed: nothing left to notify
+            break
+    worker.clear_python_futures_pool()
+
+
 def init_ucx() -> None:
     """Initialise ucxx once in this process, with the settings above."""
     global _initialised
@@ -60,8 +112,20 @@ def init_ucx() -> None:
             return
         apply_env_defaults()
         import ucxx
+        import ucxx._lib_async.application_context as app_context
 
-        ucxx.init(
-            progress_mode=PROGRESS_MODE, enable_python_future=PYTHON_FUTURE and PROGRESS_MODE.startswith("thread")
-        )
+        if os.environ.get("EMS_UCX_NOTIFIER", "ems") == "ems":
+            app_context._notifierThread = _notifier_thread  # the name start_notifier_thread() calls
+
+        if PROGRESS_MODE == "loop":
+            from ucxx.core import _get_ctx
+
+            from ems.transport.ucx_progress import install
+
+            ucxx.init(progress_mode="blocking", enable_python_future=False)
+            install(_get_ctx().worker, asyncio.get_running_loop())
+        else:
+            ucxx.init(
+                progress_mode=PROGRESS_MODE, enable_python_future=PYTHON_FUTURE and PROGRESS_MODE.startswith("thread")
+            )
         _initialised = True

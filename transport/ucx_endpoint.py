@@ -35,7 +35,9 @@ def _bury(*objects: Any) -> None:
 
 def _waiter(request: Any) -> "asyncio.Future[Any]":
     """A task waiting on `request` whose late failure (after we gave up on it) is consumed, not logged."""
-    task = asyncio.ensure_future(request.wait())
+    from ems.transport import ucx_progress
+
+    task = asyncio.ensure_future(ucx_progress.wait(request))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return task
 

@@ -6,6 +6,7 @@ Contract:
   bytes. A frame of another length raises `ProtocolError` (the caller closes that connection), and a buffer that
   received a short frame is never handed on.
 * `send_all(ep, frames)` posts every frame at once (UCX keeps their order on the endpoint) and waits for all.
+* Every send and receive goes through `ucx_progress` (UCX progressed on the event loop thread).
 * `recv_head(ep)` receives the head message of a request or reply (classic: a 32-byte header; inline:
   `protocol.head_layout`) and returns `(header, body)`, the body being the head's inline bytes, verified too.
 * Every function takes `tag`: None for the connection's base tag, else a request id (the request's own tag).
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ems.transport import protocol as P
+from ems.transport import ucx_progress as io
 
 CANARY_BYTES = 8
 _HEADER_FILL = 0xFF
@@ -58,10 +60,6 @@ def _wrong_size(error: BaseException) -> bool:
     return "truncat" in text or "mismatch" in text
 
 
-def _tagged(tag: Any) -> dict:
-    return {} if tag is None else {"tag": tag}
-
-
 async def recv_into(ep: Any, view: memoryview, canary: bytes, tag: Any = None) -> None:
     """Receive one frame of exactly `view.nbytes` bytes into `view` (writable, format "B"); see the docstring."""
     n = view.nbytes
@@ -72,7 +70,7 @@ async def recv_into(ep: Any, view: memoryview, canary: bytes, tag: Any = None) -
     else:
         view[:] = bytes(n)
     try:
-        await ep.recv(view, **_tagged(tag))
+        await io.recv(ep, view, tag)
     except Exception as error:
         if _wrong_size(error):
             raise P.ProtocolError(f"a frame longer than the {n} bytes announced") from None
@@ -85,7 +83,7 @@ async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
     """The raw 32 bytes of a header frame; ProtocolError when the frame had another length."""
     frame = np.full(P.HEADER_SIZE, _HEADER_FILL, dtype=np.uint8)
     try:
-        await ep.recv(frame, **_tagged(tag))
+        await io.recv(ep, frame, tag)
     except Exception as error:
         if _wrong_size(error):
             raise P.ProtocolError(f"a frame longer than {P.HEADER_SIZE} bytes where a header was expected") from None
@@ -103,7 +101,7 @@ async def recv_head(ep: Any, tag: Any = None) -> tuple[P.Header, memoryview]:
     buf.reshape(-1, CANARY_BYTES)[:] = canary
     buf[: P.HEADER_SIZE] = _HEADER_FILL
     try:
-        await ep.recv(buf, **_tagged(tag))
+        await io.recv(ep, buf, tag)
     except Exception as error:
         if _wrong_size(error):
             raise P.ProtocolError(f"a message longer than {P.HEAD_BYTES} bytes where a head was expected") from None
@@ -133,8 +131,7 @@ async def recv_meta(ep: Any, meta_len: int, tag: Any = None) -> bytes:
 async def send_all(ep: Any, frames: list, tag: Any = None) -> None:
     """Post every frame at once (UCX keeps their order on the endpoint) and wait for all."""
     frames = [f for f in frames if len(f)]
-    kw = _tagged(tag)
     if len(frames) == 1:
-        await ep.send(frames[0], **kw)
+        await io.send(ep, frames[0], tag)
     else:
-        await asyncio.gather(*(ep.send(f, **kw) for f in frames))
+        await asyncio.gather(*(io.send(ep, f, tag) for f in frames))

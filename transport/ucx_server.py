@@ -376,6 +376,9 @@ class PoolServer:
                     conn.requests[key] = time.monotonic() + self.limits.stall_timeout_s
                     task = asyncio.ensure_future(self._serve_request(_Channel(self, conn, header, body, key), prefix))
                     conn.tasks.add(task)
+                    # let the request run up to its first wait (a small one: its reply is posted) before this loop
+                    # prepares the next head's receive
+                    await asyncio.sleep(0)
                     continue
                 conn.requests[classic] = time.monotonic() + self.limits.stall_timeout_s
                 try:

@@ -1,0 +1,193 @@
+"""UCX progress on the event loop thread, and the tagged send/receive every frame of the transport goes through.
+
+Contract:
+* `install(worker, loop)` (called by `ucx_config.init_ucx` in progress mode "loop", the default) makes `loop` drive
+  `worker`: the worker's epoll descriptor is watched by the loop (`add_reader`); on each event, and right after
+  anything posts a request, the loop thread progresses the worker until it is idle, re-arms it, and completes the
+  asyncio future of every request that finished. A periodic progress (`TICK_S`) keeps UCX's keepalive and error
+  detection going while idle. Nothing spins: an idle process sleeps in the loop's `select`.
+* `send(ep, buffer, tag)` / `recv(ep, buffer, tag)` post one tagged message on a ucxx `Endpoint` now (before the
+  caller awaits anything) and return a future that ends when UCX completes it (raising UCX's error when it fails:
+  a peer that died, an aborted endpoint, a message longer than the buffer). `tag` None is the endpoint's base tag,
+  else it is hashed with it exactly as ucxx's `Endpoint.send/recv(tag=...)` do, so both sides interoperate with
+  ucxx's own calls. The buffer
+  is kept alive until UCX has finished with it, even when the caller stops waiting. On a loop without a driver
+  (progress mode "thread"), they are ucxx's `Endpoint.send/recv`, started as tasks.
+* `wait(request)`: the same for a request posted by other means (stream sends of the connection exchange).
+* Every call must come from the loop thread (the worker is single-threaded in this mode).
+
+Why (measured on this 2-core host, perf/RESULTS.md "Per-call cost over UCX"): with ucxx's "thread" progress mode,
+every completion goes through three threads (UCX's progress thread, ucxx's notifier thread, the event loop) and a
+Task; a bare 8-byte UCXX round trip took ~550-600 us. ucxx's own "blocking"/"polling" modes avoid the threads but
+await each request by polling with `asyncio.sleep(0)`: any process with a posted receive (a pool node always has one)
+burns a core. Here the completions are found by the progress call that produced them, so a round trip is one
+loop wake-up per side (~140 us in-loop on the same host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional
+
+log = logging.getLogger("ems.transport")
+
+TICK_S = 0.1  # idle progress period (keepalive, peer-failure detection, a missed wake-up never stalls longer)
+
+_drivers: dict[asyncio.AbstractEventLoop, "LoopProgress"] = {}
+
+
+class LoopProgress:
+    """Drives one UCX worker from one event loop; see the module docstring."""
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.event_loop = loop
+        self._waiting: dict[Any, tuple[asyncio.Future, Any]] = {}  # request -> (its future, the buffer UCX uses)
+        self._scheduled = False
+        self._closed = False
+        worker.init_blocking_progress_mode()
+        self._fd = worker.epoll_file_descriptor
+        loop.add_reader(self._fd, self.progress)
+        self._timer = loop.call_later(TICK_S, self._tick)
+
+    # ucxx keeps its progress objects in a dict keyed by loop and compares them by loop
+    def __hash__(self) -> int:
+        return hash(self.event_loop)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoopProgress) and other.event_loop is self.event_loop
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._timer.cancel()
+        try:
+            self.event_loop.remove_reader(self._fd)
+        except Exception:  # the loop is closed already
+            pass
+
+    def _tick(self) -> None:
+        if self._closed:
+            return
+        self.progress()
+        self._timer = self.event_loop.call_later(TICK_S, self._tick)
+
+    def kick(self) -> None:
+        """Progress soon (once, however many requests are posted before it runs)."""
+        if not self._scheduled:
+            self._scheduled = True
+            self.event_loop.call_soon(self.progress)
+
+    def progress(self) -> None:
+        """Progress until UCX is idle, complete the finished requests' futures, re-arm the epoll descriptor."""
+        self._scheduled = False
+        if self._closed:
+            return
+        worker = self.worker
+        while True:
+            while worker.progress_once():
+                pass
+            if self._waiting:
+                self._complete()
+            if worker.arm():
+                return
+
+    def _complete(self) -> None:
+        done = [r for r in self._waiting if r.completed]
+        for request in done:
+            future, _ = self._waiting.pop(request)
+            _settle(request, future)
+
+    def wait(self, request: Any, keep: Any = None) -> "asyncio.Future[None]":
+        """A future that ends when `request` does; `keep` (its buffer) stays referenced until then."""
+        future = self.event_loop.create_future()
+        if request.completed:
+            _settle(request, future)
+            return future
+        self._waiting[request] = (future, keep)
+        self.kick()
+        return future
+
+
+def _settle(request: Any, future: asyncio.Future) -> None:
+    if future.done():  # cancelled by its waiter: UCX has finished with the buffer all the same
+        return
+    try:
+        request.check_error()
+    except Exception as error:
+        future.set_exception(error)
+        return
+    future.set_result(None)
+
+
+def install(worker: Any, loop: asyncio.AbstractEventLoop) -> LoopProgress:
+    """Make `loop` drive `worker` (once per loop); ucxx's own progress for that loop is then never started."""
+    from ucxx._lib_async import application_context
+
+    driver = _drivers.get(loop)
+    if driver is None:
+        driver = LoopProgress(worker, loop)
+        _drivers[loop] = driver
+        application_context.ProgressTasks[loop] = driver
+    return driver
+
+
+def driver() -> Optional[LoopProgress]:
+    """The driver of the running loop, or None (ucxx's own progress)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return _drivers.get(loop)
+
+
+def _tag(ep: Any, kind: str, tag: Any) -> Any:
+    from ucxx._lib.libucxx import UCXXTag
+    from ucxx._lib_async.utils import hash64bits
+
+    base = ep._tags[kind]
+    return UCXXTag(base if tag is None else hash64bits(base, hash(tag)))
+
+
+def _endpoint(ep: Any) -> Any:
+    """The live ucxx C++ endpoint of `ep`; ucxx's own errors when it is closed or failed."""
+    from ucxx.exceptions import UCXCloseError
+
+    inner = ep._ep
+    if inner is None:
+        raise UCXCloseError("Endpoint closed")
+    inner.raise_on_error()
+    return inner
+
+
+def send(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
+    """Post one tagged send; see the module docstring."""
+    d = driver()
+    if d is None:
+        return asyncio.ensure_future(ep.send(buffer) if tag is None else ep.send(buffer, tag=tag))
+    from ucxx._lib.arr import Array
+
+    arr = Array(buffer)
+    return d.wait(_endpoint(ep).tag_send(arr, _tag(ep, "msg_send", tag)), arr)
+
+
+def recv(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
+    """Post one tagged receive into `buffer` (writable); see the module docstring."""
+    d = driver()
+    if d is None:
+        return asyncio.ensure_future(ep.recv(buffer) if tag is None else ep.recv(buffer, tag=tag))
+    from ucxx._lib.arr import Array
+    from ucxx._lib.libucxx import UCXXTagMaskFull
+
+    arr = Array(buffer)
+    return d.wait(_endpoint(ep).tag_recv(arr, _tag(ep, "msg_recv", tag), UCXXTagMaskFull), arr)
+
+
+def wait(request: Any, keep: Any = None) -> "asyncio.Future[Any]":
+    """Await a UCX request posted directly on a ucxx C++ object (driver mode) or through ucxx (`request.wait()`)."""
+    d = driver()
+    if d is None:
+        return asyncio.ensure_future(request.wait())
+    return d.wait(request, keep)
