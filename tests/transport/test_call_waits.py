@@ -1,0 +1,153 @@
+"""Calls from many threads on one connection while the node stalls or dies: every call ends in time with its own
+answer or a TransportError, never another call's answer; UCX progressed on the loop thread never spins while idle."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ems.transport import protocol as P
+from ems.transport.base import TransportError
+from pool_testlib import joined, make_values, wait_until
+
+pytestmark = pytest.mark.slow
+
+SLACK_S = 2.0  # how far past its timeout a call may end on this shared machine (bounded, not a speed claim)
+
+
+def _hammer(node, stop: threading.Event, thread: int, timeout_s: float, stored: dict, wrong: list, late: list,
+            outcomes: list) -> None:
+    """Random 1-key exists / get_into / put of small and segment-sized values until `stop`; records any answer
+    that is not this call's own and any call that ran past its timeout."""
+    rng = random.Random(thread)
+    step = 0
+    while not stop.is_set():
+        step += 1
+        key = rng.choice(sorted(stored))
+        op = rng.choice(["exists", "exists", "get_into", "put"])
+        started = time.monotonic()
+        try:
+            if op == "exists":
+                missing = f"none-{thread}-{step}".encode()
+                if node.exists([key, missing], timeout_s) != [True, False]:
+                    wrong.append((thread, step, op))
+            elif op == "get_into":
+                out = np.full(len(stored[key]), 7, np.uint8)
+                if node.get_into([key], [out], timeout_s) != [True] or bytes(out) != stored[key]:
+                    wrong.append((thread, step, op))
+            else:
+                size = rng.choice([100, 5000, P.SEGMENT_BYTES + 64])
+                value = make_values(1, size, seed=thread * 100_000 + step)
+                if node.put([f"p-{thread}-{step}".encode()], value, timeout_s) != [True]:
+                    wrong.append((thread, step, op))
+            outcomes.append("ok")
+        except TransportError as error:
+            outcomes.append(error.status_code().name)
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s + SLACK_S:
+            late.append((thread, step, op, elapsed))
+
+
+def _stored(node, count: int) -> dict:
+    values = make_values(count, 3000, seed=5) + make_values(2, P.SEGMENT_BYTES + 8, seed=6)
+    keys = [f"k{i}".encode() for i in range(len(values))]
+    assert node.put(keys, values, 20.0) == [True] * len(keys)
+    return {k: joined(v) for k, v in zip(keys, values)}
+
+
+def test_calls_from_many_threads_with_interleaved_timeouts(pool_nodes, node_clients):
+    """6 threads call one connection with a short timeout while the node is paused now and then (each pause longer
+    than the timeout): calls time out, the connection is dropped and re-made, and through all of it every call that
+    returns has its own answer and none runs past its timeout by more than SLACK_S."""
+    proc = pool_nodes("256MiB")
+    node = node_clients(proc.address)
+    stored = _stored(node, 6)
+    stop = threading.Event()
+    wrong: list = []
+    late: list = []
+    outcomes: list = []
+    threads = [
+        threading.Thread(target=_hammer, args=(node, stop, t, 0.25, stored, wrong, late, outcomes)) for t in range(6)
+    ]
+    for th in threads:
+        th.start()
+    try:
+        for _ in range(4):
+            time.sleep(0.6)
+            proc.pause()
+            time.sleep(0.4)
+            proc.resume()
+        time.sleep(0.8)
+    finally:
+        proc.resume()
+        stop.set()
+        for th in threads:
+            th.join(30)
+    assert not any(th.is_alive() for th in threads)
+    assert not wrong, wrong[:5]
+    assert not late, late[:5]
+    assert "ok" in outcomes and "EMS_IO_TIMEOUT" in outcomes, sorted(set(outcomes))
+    # the connection recovers: after the backoff, calls succeed again with their own answers
+    assert wait_until(lambda: _exists_ok(node, stored), 10.0)
+
+
+def _exists_ok(node, stored: dict) -> bool:
+    try:
+        return node.exists(sorted(stored), 2.0) == [True] * len(stored)
+    except TransportError:
+        return False
+
+
+def test_node_killed_mid_call_fails_bounded(pool_nodes, node_clients):
+    """The node dies (SIGKILL) while 6 threads have calls in flight with a long timeout: every call ends well before
+    its timeout (UCX reports the lost peer) with its own answer or a TransportError."""
+    proc = pool_nodes("256MiB")
+    node = node_clients(proc.address)
+    stored = _stored(node, 6)
+    stop = threading.Event()
+    wrong: list = []
+    late: list = []
+    outcomes: list = []
+    timeout_s = 20.0
+    threads = [
+        threading.Thread(target=_hammer, args=(node, stop, t, timeout_s, stored, wrong, late, outcomes))
+        for t in range(6)
+    ]
+    for th in threads:
+        th.start()
+    time.sleep(0.8)
+    killed_at = time.monotonic()
+    proc.kill()
+    stop.set()
+    for th in threads:
+        th.join(timeout_s + SLACK_S)
+    ended_after = time.monotonic() - killed_at
+    assert not any(th.is_alive() for th in threads)
+    assert not wrong, wrong[:5]
+    assert ended_after < timeout_s / 2, f"calls on a dead node took {ended_after:.1f} s to fail"
+    assert "ok" in outcomes
+    with pytest.raises(TransportError):
+        node.exists([b"k0"], 2.0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_connection_does_not_spin(pool_nodes, node_clients):
+    """A connected, idle client and its node (a receive always posted on both) sleep: neither uses a sizeable share
+    of a core (ucxx's own non-thread progress modes poll and burn a whole core here)."""
+    proc = pool_nodes("64MiB")
+    node = node_clients(proc.address)
+    assert node.ping(5.0)
+    node_cpu, own_cpu = _cpu_seconds(proc.proc.pid), _cpu_seconds(os.getpid())
+    time.sleep(2.0)
+    assert _cpu_seconds(proc.proc.pid) - node_cpu < 0.6
+    assert _cpu_seconds(os.getpid()) - own_cpu < 0.6
