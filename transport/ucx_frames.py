@@ -96,9 +96,8 @@ async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
 async def recv_head(ep: Any, tag: Any = None) -> tuple[P.Header, memoryview]:
     """A head message: its parsed header and its inline bytes (empty for a classic header); see the docstring.
     ProtocolError when it had another length than its header announces."""
-    canary = np.frombuffer(new_canary(), dtype=np.uint8)
-    buf = np.empty(P.HEAD_BYTES, dtype=np.uint8)
-    buf.reshape(-1, CANARY_BYTES)[:] = canary
+    canary = new_canary()
+    buf = np.frombuffer(bytearray(canary * (P.HEAD_BYTES // CANARY_BYTES)), dtype=np.uint8)
     buf[: P.HEADER_SIZE] = _HEADER_FILL
     try:
         await io.recv(ep, buf, tag)
@@ -110,9 +109,9 @@ async def recv_head(ep: Any, tag: Any = None) -> tuple[P.Header, memoryview]:
         raise P.ProtocolError(f"a frame shorter than {P.HEADER_SIZE} bytes where a header was expected")
     header = P.unpack_header(buf[: P.HEADER_SIZE])
     length = P.head_layout(header.meta_len, header.data_len).length if header.inline else P.HEADER_SIZE
-    if length > P.HEADER_SIZE and (buf[length - CANARY_BYTES : length] == canary).all():
+    if length > P.HEADER_SIZE and buf[length - CANARY_BYTES : length].tobytes() == canary:
         raise P.ProtocolError(f"a head shorter than the {length} bytes announced")
-    if length + CANARY_BYTES <= P.HEAD_BYTES and not (buf[length : length + CANARY_BYTES] == canary).all():
+    if length + CANARY_BYTES <= P.HEAD_BYTES and buf[length : length + CANARY_BYTES].tobytes() != canary:
         raise P.ProtocolError(f"a head longer than the {length} bytes announced")
     return header, memoryview(buf)[P.HEADER_SIZE : length]
 

@@ -515,7 +515,7 @@ class PoolServer:
                 keys = _namespaced(prefix, P.decode_keys_meta(header.count, meta))
                 del meta
                 if op == P.Op.EXISTS:
-                    flags = np.asarray(self.store.contains_many(keys), dtype=np.uint8).tobytes()
+                    flags = P.encode_flags(self.store.contains_many(keys))
                     await channel.reply(op, count=len(keys), meta=flags)
                     return 0
             finally:
@@ -580,7 +580,7 @@ class PoolServer:
             del values
         finally:
             self.budget.release(charge)
-        flags = np.asarray(stored, dtype=np.uint8).tobytes()
+        flags = P.encode_flags(stored)
         await channel.reply(P.Op.PUT, count=len(keys), meta=flags)
 
     def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview], reserved: Sequence[int]) -> list[bool]:
