@@ -112,6 +112,8 @@ class Flags(enum.IntFlag):
 
 
 ALL_FLAGS = Flags.AUTH_REQUIRED | Flags.INLINE
+_INLINE = int(Flags.INLINE)  # plain ints on the per-request path (IntFlag arithmetic is slow)
+_UNKNOWN_FLAGS = ~int(ALL_FLAGS)
 
 
 class ProtocolError(Exception):
@@ -154,7 +156,7 @@ class Header:
 
     @property
     def inline(self) -> bool:
-        return bool(self.flags & Flags.INLINE)
+        return bool(self.flags & _INLINE)
 
 
 _OPS = frozenset(int(op) for op in Op)
@@ -170,7 +172,7 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
         raise ProtocolError(f"bad magic {magic:#x}")
     if version != VERSION:
         raise VersionMismatch(version)
-    if flags & ~int(ALL_FLAGS):
+    if flags & _UNKNOWN_FLAGS:
         raise ProtocolError(f"unknown flags {flags:#x}")
     if op & ~REPLY not in _OPS:
         raise ProtocolError(f"unknown op {op}")
@@ -367,7 +369,8 @@ def decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> PutR
     seg_ends = np.cumsum(segment_sizes)
     chunk_ends = np.cumsum(chunk_lens)
     # every segment end must be a chunk end: no chunk crosses a segment boundary
-    if not np.isin(seg_ends, chunk_ends).all():
+    at = np.searchsorted(chunk_ends, seg_ends)  # chunk_ends is increasing (no empty chunk)
+    if (at >= chunk_ends.size).any() or (chunk_ends[np.minimum(at, chunk_ends.size - 1)] != seg_ends).any():
         raise ProtocolError("a data chunk crosses a segment boundary")
     chunk_starts = chunk_ends - chunk_lens
     chunk_segments = np.searchsorted(seg_ends, chunk_starts, side="right")

@@ -143,21 +143,31 @@ def driver() -> Optional[LoopProgress]:
     return _drivers.get(loop)
 
 
-def _tag(ep: Any, kind: str, tag: Any) -> Any:
-    from ucxx._lib.libucxx import UCXXTag
-    from ucxx._lib_async.utils import hash64bits
+_ucxx: dict[str, Any] = {}  # ucxx names, imported on first use (ucx_config must set UCX's environment first)
 
+
+def _names() -> dict[str, Any]:
+    if not _ucxx:
+        from ucxx._lib.arr import Array
+        from ucxx._lib.libucxx import UCXXTag, UCXXTagMaskFull
+        from ucxx._lib_async.utils import hash64bits
+        from ucxx.exceptions import UCXCloseError
+
+        _ucxx.update(Array=Array, Tag=UCXXTag, mask=UCXXTagMaskFull, hash=hash64bits, closed=UCXCloseError)
+    return _ucxx
+
+
+def _tag(ep: Any, kind: str, tag: Any) -> Any:
     base = ep._tags[kind]
-    return UCXXTag(base if tag is None else hash64bits(base, hash(tag)))
+    names = _names()
+    return names["Tag"](base if tag is None else names["hash"](base, hash(tag)))
 
 
 def _endpoint(ep: Any) -> Any:
     """The live ucxx C++ endpoint of `ep`; ucxx's own errors when it is closed or failed."""
-    from ucxx.exceptions import UCXCloseError
-
     inner = ep._ep
     if inner is None:
-        raise UCXCloseError("Endpoint closed")
+        raise _names()["closed"]("Endpoint closed")
     inner.raise_on_error()
     return inner
 
@@ -167,9 +177,7 @@ def send(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
     d = driver()
     if d is None:
         return asyncio.ensure_future(ep.send(buffer) if tag is None else ep.send(buffer, tag=tag))
-    from ucxx._lib.arr import Array
-
-    arr = Array(buffer)
+    arr = _names()["Array"](buffer)
     return d.wait(_endpoint(ep).tag_send(arr, _tag(ep, "msg_send", tag)), arr)
 
 
@@ -178,11 +186,9 @@ def recv(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
     d = driver()
     if d is None:
         return asyncio.ensure_future(ep.recv(buffer) if tag is None else ep.recv(buffer, tag=tag))
-    from ucxx._lib.arr import Array
-    from ucxx._lib.libucxx import UCXXTagMaskFull
-
-    arr = Array(buffer)
-    return d.wait(_endpoint(ep).tag_recv(arr, _tag(ep, "msg_recv", tag), UCXXTagMaskFull), arr)
+    names = _names()
+    arr = names["Array"](buffer)
+    return d.wait(_endpoint(ep).tag_recv(arr, _tag(ep, "msg_recv", tag), names["mask"]), arr)
 
 
 def wait(request: Any, keep: Any = None) -> "asyncio.Future[Any]":
