@@ -151,3 +151,25 @@ def test_idle_connection_does_not_spin(pool_nodes, node_clients):
     time.sleep(2.0)
     assert _cpu_seconds(proc.proc.pid) - node_cpu < 0.6
     assert _cpu_seconds(os.getpid()) - own_cpu < 0.6
+
+
+@pytest.mark.parametrize("size", [8, 5000, P.HEAD_BYTES - 100, P.HEAD_BYTES + 8, P.SEGMENT_BYTES - 40, P.SEGMENT_BYTES,
+                                  P.SEGMENT_BYTES + 5])
+def test_one_key_loads_every_size(shared_node, node_clients, size):
+    """1-key get / get_into (the node's and the client's 1-key paths) around the inline and segment limits: the
+    value itself, a miss for a missing key, and a miss (never a partial value) for a buffer of another length."""
+    node = node_clients(shared_node.address)
+    value = make_values(1, size, seed=size)
+    key = f"one-{size}".encode()
+    assert node.put([key], value, 10.0) == [True]
+    stored = joined(value[0])
+    got = node.get([key], 10.0)
+    assert got[0] is not None and bytes(got[0]) == stored
+    assert node.get([b"one-missing"], 10.0) == [None]
+    out = np.full(len(stored), 3, np.uint8)
+    assert node.get_into([key], [out], 10.0) == [True] and bytes(out) == stored
+    for other in (len(stored) - 1, len(stored) + 8):
+        assert node.get_into([key], [np.zeros(other, np.uint8)], 10.0) == [False]
+    assert node.get_into([b"one-missing"], [out], 10.0) == [False]
+    # the connection is still in step: a later call gets its own answer
+    assert node.exists([key, b"one-missing"], 10.0) == [True, False]
