@@ -44,7 +44,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 
@@ -164,7 +164,7 @@ _OPS = frozenset(int(op) for op in Op)
 
 def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
     """Parse and check a header frame against the limits; ProtocolError if it is not one."""
-    view = memoryview(frame)
+    view = memoryview(cast(Any, frame))
     if view.nbytes != HEADER_SIZE:
         raise ProtocolError(f"header frame of {view.nbytes} bytes, expected {HEADER_SIZE}")
     magic, version, op, status, flags, count, meta_len, request_id, data_len = _HEADER.unpack_from(view.cast("B"))
@@ -212,10 +212,11 @@ def head_layout(meta_len: int, data_len: int) -> HeadLayout:
 def pack_head(header: np.ndarray, meta: bytes | memoryview, data: Sequence[Buffer_] = ()) -> np.ndarray:
     """An inline head: `header` (from `pack_header`, with flags INLINE), then `meta` and `data` where
     `head_layout` puts them inline (the caller sends the rest as frames of their own), zero-padded."""
-    fields = _HEADER.unpack_from(memoryview(header).cast("B"))
+    raw = memoryview(cast(Any, header)).cast("B")
+    fields = _HEADER.unpack_from(raw)
     layout = head_layout(fields[6], fields[8])
     head = bytearray(layout.length)
-    head[:HEADER_SIZE] = memoryview(header).cast("B")
+    head[:HEADER_SIZE] = raw
     at = HEADER_SIZE
     if layout.meta_inline and len(meta):
         head[at : at + len(meta)] = meta

@@ -5,11 +5,13 @@ operator can override any of them), then calls `ucxx.init` with the chosen progr
 must run inside the event loop thread that will drive UCX (the progress mode hooks into that loop). Import this
 module before anything imports `ucxx`: UCX reads its global options when the library loads.
 
-Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes"):
-* progress mode "thread" with Python futures: a UCX progress thread drives the worker and ucxx's notifier thread
-  completes asyncio futures, so a waiting coroutine sleeps. The "polling" and "blocking" modes measured a little
-  faster (1.6-1.7 vs 1.4 GB/s, 1 MiB messages) but ucxx 0.52 awaits every request there by polling with
-  asyncio.sleep(0): any process with a posted receive (a pool node always has one) burns a whole core.
+Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Per-call cost over UCX"):
+* progress mode "loop" (default, `EMS_UCX_PROGRESS_MODE`): UCX is progressed on the event loop thread by
+  `ucx_progress` (ucxx's "blocking" mode, minus its polling waits), so a message costs one loop wake-up per side.
+  ucxx's "thread" mode (still selectable) runs a UCX progress thread and a notifier thread that completes asyncio
+  futures: three threads per completion, which made a bare 8-byte round trip ~0.6-0.7 ms on 2 shared cores against
+  ~0.3 ms here. ucxx's own "polling" and "blocking" modes await every request by polling with asyncio.sleep(0): any
+  process with a posted receive (a pool node always has one) burns a whole core; "loop" idles like "thread".
 * UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE = 1m: the 8 KiB default splits every large message into many small
   TCP sends; 1 MiB segments doubled loopback throughput.
 * endpoint error handling stays ON: it lets UCX report a dead peer (peer failure / keepalive) instead of hanging or
@@ -17,7 +19,8 @@ Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes"):
   would be faster between processes on one host, but a pool client must survive its node dying.
 * UCX_WARN_UNUSED_ENV_VARS = n: otherwise UCX prints a warning to stdout, which pool nodes reserve for their
   ready line.
-* ucxx's notifier thread is replaced by `_notifier_thread` (same job, one hop less per completion): ucxx 0.52's
+* In "thread" mode, ucxx's notifier thread is replaced by `_notifier_thread` (same job, one hop less per
+  completion; `EMS_UCX_NOTIFIER=ucxx` keeps ucxx's): ucxx 0.52's
   wakes on every batch of completed UCX requests, submits a coroutine to the event loop
   (`run_coroutine_threadsafe`: a Task and a concurrent Future) and then sleeps until that Task has run; on 2 shared
   cores that round trip (two more thread switches and GIL hand-overs per completion) was a large part of a small

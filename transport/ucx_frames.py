@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -113,7 +113,7 @@ async def recv_head(ep: Any, tag: Any = None) -> tuple[P.Header, memoryview]:
         raise P.ProtocolError(f"a head shorter than the {length} bytes announced")
     if length + CANARY_BYTES <= P.HEAD_BYTES and buf[length : length + CANARY_BYTES].tobytes() != canary:
         raise P.ProtocolError(f"a head longer than the {length} bytes announced")
-    return header, memoryview(buf)[P.HEADER_SIZE : length]
+    return header, memoryview(cast(Any, buf))[P.HEADER_SIZE : length]
 
 
 async def recv_meta(ep: Any, meta_len: int, tag: Any = None) -> bytes:

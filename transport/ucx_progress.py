@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 log = logging.getLogger("ems.transport")
 
@@ -176,7 +176,7 @@ def send(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
     """Post one tagged send; see the module docstring."""
     d = driver()
     if d is None:
-        return asyncio.ensure_future(ep.send(buffer) if tag is None else ep.send(buffer, tag=tag))
+        return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.send(buffer) if tag is None else ep.send(buffer, tag=tag)))
     arr = _names()["Array"](buffer)
     return d.wait(_endpoint(ep).tag_send(arr, _tag(ep, "msg_send", tag)), arr)
 
@@ -185,7 +185,7 @@ def recv(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
     """Post one tagged receive into `buffer` (writable); see the module docstring."""
     d = driver()
     if d is None:
-        return asyncio.ensure_future(ep.recv(buffer) if tag is None else ep.recv(buffer, tag=tag))
+        return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.recv(buffer) if tag is None else ep.recv(buffer, tag=tag)))
     names = _names()
     arr = names["Array"](buffer)
     return d.wait(_endpoint(ep).tag_recv(arr, _tag(ep, "msg_recv", tag), names["mask"]), arr)
@@ -195,5 +195,5 @@ def wait(request: Any, keep: Any = None) -> "asyncio.Future[Any]":
     """Await a UCX request posted directly on a ucxx C++ object (driver mode) or through ucxx (`request.wait()`)."""
     d = driver()
     if d is None:
-        return asyncio.ensure_future(request.wait())
+        return cast("asyncio.Future[Any]", asyncio.ensure_future(request.wait()))
     return d.wait(request, keep)

@@ -7,7 +7,9 @@ Contract:
   connection's heads are read by one coroutine; classic requests are served in order, inline requests (protocol
   docstring) each in a task of their own, up to MAX_REQUESTS_PER_CONNECTION at once, so concurrent calls of one
   client overlap. Checksumming
-  and storing large PUTs runs in worker threads so one big request does not stall the others.
+  and storing PUTs of more than OFFLOAD_BYTES (4 MiB) runs in worker threads so one big request does not stall the
+  others; smaller ones are checked on the loop (cheaper than the hop). A 1-key GET is answered without per-segment
+  work (`_get_one`), from the store's buffer.
 * Handshake first (`protocol` docstring). With access keys configured, a client must prove one (HMAC over a
   fresh nonce) or is refused with AUTH_FAILED; without keys every client is accepted under the tenant it names.
 * Every key is stored under its tenant's namespace (`tenant_prefix(access_id) + key`), so one tenant can never
