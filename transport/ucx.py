@@ -530,3 +530,4 @@ def _abort(ep: Any) -> None:
         ep.abort(period=ABORT_PERIOD_NS)
     except Exception:  # already closed
         pass
+    io.kick()  # the aborted requests' failures reach their callers now

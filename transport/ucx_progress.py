@@ -157,6 +157,14 @@ def _names() -> dict[str, Any]:
     return _ucxx
 
 
+def kick() -> None:
+    """Progress the running loop's worker soon (after an endpoint was aborted: its requests' failures are delivered
+    at once instead of at the next tick); nothing without a driver."""
+    d = driver()
+    if d is not None:
+        d.kick()
+
+
 def _tag(ep: Any, kind: str, tag: Any) -> Any:
     base = ep._tags[kind]
     names = _names()

@@ -51,6 +51,7 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.transport import protocol as P
+from ems.transport import ucx_progress
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
 from ems.transport.ucx_listener import BoundListener
@@ -746,3 +747,4 @@ def _abort(ep: Any) -> None:
         ep.abort(period=10**8)
     except Exception:  # already closed by the peer or by us
         pass
+    ucx_progress.kick()  # the aborted requests' failures reach their tasks now
