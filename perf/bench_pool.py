@@ -449,8 +449,10 @@ def main() -> None:
     sizes = SIZES if args.sweep else [1 << 20]
     option = CcKvOption(timeout=60_000, write_rcache=False)
     print(f"# {machine()}")
-    print(f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode "
-          f"{ems.transport.ucx_config.PROGRESS_MODE}")
+    UcxRuntime.get()  # starts UCX in this process: its progress mode is known from here on
+    print(f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode: this process "
+          f"{ems.transport.ucx_config.PROGRESS_MODE}, pool nodes and the raw peer "
+          f"{os.environ.get('EMS_UCX_PROGRESS_MODE') or getattr(ems.transport.ucx_config, 'NODE_PROGRESS_MODE', 'thread')}")
     if args.api_only:
         raw = RawUcx()
         try:

@@ -34,7 +34,7 @@ from ems.errors import EmsErrorCode
 from ems.transport import protocol as P
 from ems.transport import ucx_progress as io
 from ems.transport.base import NodeClient, TransportError
-from ems.transport.ucx_config import init_ucx
+from ems.transport.ucx_config import CLIENT_PROGRESS_MODE, init_ucx
 from ems.transport.ucx_endpoint import create_endpoint
 from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, send_all
 from ems.transport.ucx_frames import recv_meta as _recv_meta
@@ -57,7 +57,7 @@ class UcxRuntime:
         def start() -> None:
             # ucxx binds its notifier thread to the *running* loop, so it must be initialised from inside it
             try:
-                init_ucx()
+                init_ucx(CLIENT_PROGRESS_MODE)
             except BaseException as error:  # reported to the creating thread
                 failure.append(error)
                 self.loop.stop()

@@ -6,12 +6,18 @@ must run inside the event loop thread that will drive UCX (the progress mode hoo
 module before anything imports `ucxx`: UCX reads its global options when the library loads.
 
 Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Per-call cost over UCX"):
-* progress mode "loop" (default, `EMS_UCX_PROGRESS_MODE`): UCX is progressed on the event loop thread by
-  `ucx_progress` (ucxx's "blocking" mode, minus its polling waits), so a message costs one loop wake-up per side.
-  ucxx's "thread" mode (still selectable) runs a UCX progress thread and a notifier thread that completes asyncio
-  futures: three threads per completion, which made a bare 8-byte round trip ~0.6-0.7 ms on 2 shared cores against
-  ~0.3 ms here. ucxx's own "polling" and "blocking" modes await every request by polling with asyncio.sleep(0): any
-  process with a posted receive (a pool node always has one) burns a whole core; "loop" idles like "thread".
+* progress mode, by role unless EMS_UCX_PROGRESS_MODE sets it for every process: "loop" for a process that serves
+  UCX (a pool node: `init_ucx()`), "thread" for a client (`UcxRuntime`: `init_ucx(CLIENT_PROGRESS_MODE)`).
+  "loop": UCX is progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode, minus its polling
+  waits), so a message costs one loop wake-up per side; ucxx's "thread" mode runs a UCX progress thread and a
+  notifier thread that completes asyncio futures: three threads per completion (a bare 8-byte round trip
+  ~0.6-0.7 ms on 2 shared cores against ~0.3 ms with "loop" on both sides). But in "loop" mode every byte moves
+  only when the loop thread holds the GIL: in a process with a busy Python thread (an engine) each hand-over waits
+  for the interpreter's switch interval, and 48 MiB calls fell from ~3 GB/s to 0.06 GB/s (0.3-1.2 GB/s with
+  "thread", whose progress thread moves bytes without the GIL). A node runs nothing else, so it gets "loop";
+  clients live in engines, so they keep "thread" unless told otherwise (EMS_UCX_PROGRESS_MODE=loop for a client
+  process without busy Python threads). ucxx's own "polling" and "blocking" modes await every request by polling
+  with asyncio.sleep(0): any process with a posted receive burns a whole core; "loop" idles like "thread".
 * UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE = 1m: the 8 KiB default splits every large message into many small
   TCP sends; 1 MiB segments doubled loopback throughput.
 * endpoint error handling stays ON: it lets UCX report a dead peer (peer failure / keepalive) instead of hanging or
@@ -49,7 +55,11 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
 }
 # "loop" (default): UCX progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode without its
 # polling waits); "thread", "thread-polling", "polling", "blocking": ucxx's own modes
-PROGRESS_MODE = os.environ.get("EMS_UCX_PROGRESS_MODE", "loop")
+# The default depends on the process's role (`init_ucx(role)`): see the module docstring.
+NODE_PROGRESS_MODE = "loop"
+CLIENT_PROGRESS_MODE = "thread"
+PROGRESS_MODE_OVERRIDE = os.environ.get("EMS_UCX_PROGRESS_MODE") or None
+PROGRESS_MODE = PROGRESS_MODE_OVERRIDE or "(not started)"  # the mode this process runs, once `init_ucx` ran
 # Python futures completed by ucxx's notifier thread: without them every pending request is awaited by polling
 # with asyncio.sleep(0), i.e. a core at 100% whenever a receive is posted (a pool node always has one).
 PYTHON_FUTURE = os.environ.get("EMS_UCX_PYTHON_FUTURE", "1") != "0"
@@ -107,12 +117,14 @@ def _notifier_thread(event_loop: asyncio.AbstractEventLoop, worker: Any, q: "que
     worker.clear_python_futures_pool()
 
 
-def init_ucx() -> None:
-    """Initialise ucxx once in this process, with the settings above."""
-    global _initialised
+def init_ucx(default_mode: str = NODE_PROGRESS_MODE) -> None:
+    """Initialise ucxx once in this process, with the settings above; the progress mode is EMS_UCX_PROGRESS_MODE when
+    set, else `default_mode` (NODE_PROGRESS_MODE for a process serving UCX, CLIENT_PROGRESS_MODE for a client)."""
+    global _initialised, PROGRESS_MODE
     with _lock:
         if _initialised:
             return
+        PROGRESS_MODE = PROGRESS_MODE_OVERRIDE or default_mode
         apply_env_defaults()
         import ucxx
         import ucxx._lib_async.application_context as app_context

@@ -1,7 +1,7 @@
 """UCX progress on the event loop thread, and the tagged send/receive every frame of the transport goes through.
 
 Contract:
-* `install(worker, loop)` (called by `ucx_config.init_ucx` in progress mode "loop", the default) makes `loop` drive
+* `install(worker, loop)` (called by `ucx_config.init_ucx` in progress mode "loop", a node's default) makes `loop` drive
   `worker`: the worker's epoll descriptor is watched by the loop (`add_reader`); on each event, and right after
   anything posts a request, the loop thread progresses the worker until it is idle, re-arms it, and completes the
   asyncio future of every request that finished. A periodic progress (`TICK_S`) keeps UCX's keepalive and error
@@ -21,7 +21,8 @@ every completion goes through three threads (UCX's progress thread, ucxx's notif
 Task; a bare 8-byte UCXX round trip took ~550-600 us. ucxx's own "blocking"/"polling" modes avoid the threads but
 await each request by polling with `asyncio.sleep(0)`: any process with a posted receive (a pool node always has one)
 burns a core. Here the completions are found by the progress call that produced them, so a round trip is one
-loop wake-up per side (~140 us in-loop on the same host).
+loop wake-up per side (~140 us in-loop on the same host). The price: bytes move only while the loop thread holds
+the GIL, so a process with a busy Python thread starves it (`ucx_config` keeps clients on "thread" for that).
 """
 
 from __future__ import annotations
