@@ -26,6 +26,7 @@ Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import os
 import shutil
@@ -346,8 +347,8 @@ def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, 
 CHUNK_MODES = ("0", "1MiB", "4MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
 
 
-def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str]:
-    """The API-over-UCX rows (see the module docstring): (the table, the stage table)."""
+def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]:
+    """The API-over-UCX rows (see the module docstring): (the table, the stage table, the figures in GB/s)."""
     from ems import CcConfig, Ems, EmsConfig
     from ems.demo import Engine
     from ems.jobs import JobKind, stage_table
@@ -427,7 +428,9 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str]:
                  f"| {raw_l:.2f} | {c_s / raw_s:.2f}x | {c_l / raw_l:.2f}x |")
     shown = [records[(m, op)] for m in ("0", "32MiB") for op in ("save", "load")]
     stages = stage_table(shown).replace("| job |", "| job (one chunk, then 32 MiB chunks: the default) |", 1)
-    return "\n".join(lines), stages
+    figures = {mode: {op: total / best[mode][op] / 1e9 for op in ("save", "load")} for mode in CHUNK_MODES}
+    figures.update({"raw": {"save": raw_s, "load": raw_l}, "client": {"save": c_s, "load": c_l}, "blocks": blocks})
+    return "\n".join(lines), stages, figures
 
 
 def main() -> None:
@@ -438,6 +441,7 @@ def main() -> None:
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per call, MiB")
     parser.add_argument("--api-only", action="store_true", help="only the API-over-UCX rows (and their raw peer)")
     parser.add_argument("--api-blocks", type=int, default=48, help="1 MiB blocks per API call")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file (perf/bench_goals.py reads it)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (as bench_e2e: on 2 shared cores, 2-thread gathers starve the "
                              "UCX and node threads they should overlap with)")
@@ -456,7 +460,7 @@ def main() -> None:
     if args.api_only:
         raw = RawUcx()
         try:
-            api, api_stages = api_over_ucx(raw, args.api_blocks, repeats)
+            api, api_stages, _ = api_over_ucx(raw, args.api_blocks, repeats)
         finally:
             raw.close()
         print(api)
@@ -566,7 +570,7 @@ def main() -> None:
                 conc[k] = max(conc[k], saves_per_second(pool, one[0], k, total_saves, option))
         for p in pools.values():
             p.close()
-        api, api_stages = api_over_ucx(raw, args.api_blocks, repeats)
+        api, api_stages, api_figures = api_over_ucx(raw, args.api_blocks, repeats)
     finally:
         raw.close()
         red.close()
@@ -587,6 +591,12 @@ def main() -> None:
     for error in moon_errors:
         print(f"Mooncake failed: {error}")
     plot(rows, ROOT / "perf" / "pool.png", moon is not None)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": rows, "per_call": per_call, "in_flight": conc, "api": api_figures,
+                                         "api_table": api, "api_stages": api_stages, "machine": machine(),
+                                         "mooncake": None if moon is None else "measured",
+                                         "mooncake_note": moon_reason if moon is None else "; ".join(moon_errors)},
+                                        indent=1))
 
 
 def _columns(with_moon: bool) -> list:
