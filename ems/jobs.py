@@ -236,7 +236,7 @@ from ems.config import parse_size  # noqa: E402
 from ems.devices import side_stream  # noqa: E402
 from ems.errors import EmsErrorCode  # noqa: E402
 from ems.kernels import CopyBackend  # noqa: E402
-from ems.planning import BlockPlan, Plan, encode_range  # noqa: E402
+from ems.planning import BlockPlan, Plan, RawPlan, encode_range  # noqa: E402
 from ems.pool_client import PUT_META_PER_KEY, PoolClient, PoolOutcome, RequestLimits, deadline_of, split_batches  # noqa: E402
 from ems.staging import StagingLease, StagingPool  # noqa: E402
 from ems.store import KvStore  # noqa: E402
@@ -504,38 +504,40 @@ class LoadJob:
     def run(self) -> tuple[int, PoolOutcome]:
         """(blocks written, the pool's outcome)."""
         plan, record = self.plan, self.record
-        if not self.one_pass and isinstance(plan, BlockPlan):
-            return self._run_pipelined(plan)
-        with record.stage(Stage.RECEIVE):
-            store = self.pool.local_store if self.one_pass else None
-            if store is not None:  # the embedded store itself: no routing, batching or deadlines to apply
-                outcome = PoolOutcome(store.get_many(plan.keys), nodes_contacted=1)
-            else:
-                outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
         if self.one_pass:
+            with record.stage(Stage.RECEIVE):
+                store = self.pool.local_store
+                if store is not None:  # the embedded store itself: no routing, batching or deadlines to apply
+                    outcome = PoolOutcome(store.get_many(plan.keys), nodes_contacted=1)
+                else:
+                    outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
             return self._verify_and_scatter_each(outcome.results), outcome
-        return self._receive_copy_scatter(outcome)
+        if isinstance(plan, BlockPlan):
+            return self._run_pipelined(plan)
+        return self._receive_copy_scatter(plan)
 
-    def _receive_copy_scatter(self, outcome: PoolOutcome) -> tuple[int, PoolOutcome]:
-        """V0: verify the received prefix, copy it into staging, scatter it."""
-        plan, record = self.plan, self.record
+    def _receive_copy_scatter(self, plan: RawPlan) -> tuple[int, PoolOutcome]:
+        """V0 (its staging has no room for the headers): receive, verify the prefix, copy it into staging, scatter."""
+        record = self.record
+        with record.stage(Stage.RECEIVE):
+            outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
         with record.stage(Stage.VERIFY, int(plan.expected.payload_len.sum())):
             if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
                 hits = next((i for i, v in enumerate(outcome.results) if v is None), len(outcome.results))
             else:
                 hits = valid_prefix(outcome.results, plan.expected)
         if hits:
-            nbytes = plan.prefix_staging_bytes(hits)
+            nbytes = int(plan.value_start[hits])
             lease = self.staging.acquire(nbytes, self.device)
             try:
                 with record.stage(Stage.COPY, nbytes):
-                    plan.fill_from_values(lease.host_array(), outcome.results, hits)
+                    plan.fill_from_values(lease.host_array(), outcome.results, hits)  # type: ignore[arg-type]  # the first `hits` are present
                     with side_stream(self.device):
                         if lease.host is not lease.device:
                             lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
                 with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
                     with side_stream(self.device):
-                        plan.scatter_prefix(self.backend, lease.device, hits)
+                        plan.scatter_range(self.backend, lease.device, 0, hits)
             finally:
                 self.staging.release(lease)
         return hits, outcome

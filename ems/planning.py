@@ -29,12 +29,9 @@ from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
 from ems.buffers import Buffer
-from ems.value_format import HEADER_SIZE, ExpectedValues, ValueKind, build_headers, checksum, tokens_digest
+from ems.value_format import HEADER_SIZE, VALUE_LEAD, ExpectedValues, ValueKind, build_headers, checksum, tokens_digest
 
 ALIGN = 64
-# Values start 24 bytes past a cache line, so that each payload (after its 40-byte header) starts on one: the copy
-# backends then read and write whole cache lines (see `ems.store.BUFFER_LEAD`, the same rule for stored buffers).
-VALUE_LEAD = (-HEADER_SIZE) % ALIGN
 
 
 def _align(n: int) -> int:
@@ -113,26 +110,16 @@ class BlockPlan:
     def stored_values(self, host: memoryview, headers: Sequence[bytes], a: int = 0) -> list[list[Buffer]]:
         """Values a..a+len(headers)-1 as the pool stores them: the headers written into their places, each value one
         buffer."""
-        starts = self.value_start[a : a + len(headers)].tolist()
-        lens = self.expected.payload_len[a : a + len(headers)].tolist()
-        values: list[list[Buffer]] = []
-        for s, n, header in zip(starts, lens, headers):
-            host[s : s + HEADER_SIZE] = header
-            values.append([host[s : s + HEADER_SIZE + n]])
-        return values
+        views = self.value_views(host, a, a + len(headers))
+        for view, header in zip(views, headers):
+            view[:HEADER_SIZE] = header
+        return [[view] for view in views]
 
     def value_views(self, host: memoryview, a: int, b: int) -> list[memoryview]:
         """Values a..b-1's places in staging, header included (where a load receives them in place)."""
         starts = self.value_start[a:b].tolist()
         lens = self.expected.payload_len[a:b].tolist()
         return [host[s : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
-
-    def fill_from_values(self, host: np.ndarray, values: Sequence[Buffer], blocks: int) -> None:
-        """Copy the first `blocks` (already verified) values into their places in staging: one copy per value."""
-        starts = self.value_start.tolist()
-        for i in range(blocks):
-            value = np.frombuffer(values[i], dtype=np.uint8)
-            host[starts[i] : starts[i] + value.size] = value
 
     def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
         """The payloads of values a..b-1 into their places in staging: one backend call per layer group."""
@@ -147,14 +134,6 @@ class BlockPlan:
             if region.has_pieces(a, b):
                 backend.scatter_pieces(region.group.planes, region.absolute(self.value_start, a, b), staging)
 
-    def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
-        """Every value's payload into staging."""
-        self.gather_range(backend, staging, 0, self.total)
-
-    def scatter_prefix(self, backend: CopyBackend, staging: torch.Tensor, blocks: int) -> None:
-        """Write the tokens of the first `blocks` values back into the cache, nothing else."""
-        self.scatter_range(backend, staging, 0, blocks)
-
     def gather_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
         """Value i's payload straight into `value` (uint8, the whole value: header space first)."""
         for region in self.regions:
@@ -166,10 +145,6 @@ class BlockPlan:
         for region in self.regions:
             if region.piece_start[i + 1] > region.piece_start[i]:
                 backend.scatter_pieces(region.group.planes, region.of_value(i), value)
-
-    def prefix_staging_bytes(self, blocks: int) -> int:
-        """Bytes of staging a load of the first `blocks` blocks touches."""
-        return int(self.value_start[blocks])
 
 
 @dataclass(frozen=True)
@@ -239,14 +214,6 @@ class RawPlan:
         if ptrs.numel():
             backend.scatter_segments(ptrs, lengths, span)
 
-    def gather(self, backend: CopyBackend, staging: torch.Tensor) -> None:
-        self.gather_range(backend, staging, 0, self.total)
-
-    def scatter_prefix(self, backend: CopyBackend, staging: torch.Tensor, blocks: int) -> None:
-        self.scatter_range(backend, staging, 0, blocks)
-
-    def prefix_staging_bytes(self, blocks: int) -> int:
-        return int(self.value_start[blocks])
 
 
 Plan = Union[BlockPlan, RawPlan]

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.value_format import HEADER_SIZE, is_well_formed
+from ems.value_format import VALUE_LEAD, is_well_formed
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
 # References to a retired value inside `_retire`: the caller's local, the parameter, getrefcount's argument.
@@ -53,17 +53,13 @@ _UNSHARED_REFCOUNT = 3
 
 
 ARENA_ALIGN = 64  # cache line
-# Buffers start 24 bytes past a cache line, so that the payload after a value's 40-byte header starts ON one: the
-# gather and scatter write and read whole cache lines (measured: index_select into a 64-byte-aligned target 15 GB/s,
-# into one at 40 past a line 11.5 GB/s).
-BUFFER_LEAD = (-HEADER_SIZE) % ARENA_ALIGN
 
 
 def _new_buffer(nbytes: int) -> np.ndarray:
     """Uninitialised memory (no zero-filling pass: every byte is written before the value is stored), placed at
-    `BUFFER_LEAD` past a cache line: a view of a slightly larger array that nothing else holds."""
+    `VALUE_LEAD` past a cache line: a view of a slightly larger array that nothing else holds."""
     raw = np.empty(nbytes + ARENA_ALIGN, dtype=np.uint8)
-    skip = (BUFFER_LEAD - raw.__array_interface__["data"][0]) % ARENA_ALIGN
+    skip = (VALUE_LEAD - raw.__array_interface__["data"][0]) % ARENA_ALIGN
     return raw[skip : skip + nbytes]
 
 
@@ -87,7 +83,7 @@ class _Arena:
 
     def take(self, nbytes: int) -> Optional[np.ndarray]:
         """`nbytes` of pre-faulted memory, or None when the arena is used up (caller holds the store's lock)."""
-        start = (self.used - BUFFER_LEAD + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN + BUFFER_LEAD
+        start = (self.used - VALUE_LEAD + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN + VALUE_LEAD
         if start + nbytes > self.size:
             return None
         self.used = start + nbytes

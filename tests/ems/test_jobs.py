@@ -93,7 +93,7 @@ def test_one_pass_and_staged_values_are_identical(data):
     plan = _planned(cache, list(slots), list(range(n)), offsets)
     backend = get_backend(torch.device("cpu"))
     staging = torch.zeros(plan.staging_bytes, dtype=torch.uint8)
-    plan.gather(backend, staging)
+    plan.gather_range(backend, staging, 0, plan.total)
     for i in range(n):
         value = torch.zeros(plan.value_len(i), dtype=torch.uint8)
         plan.gather_value(backend, i, value)
