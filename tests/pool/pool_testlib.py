@@ -22,6 +22,25 @@ READY_PREFIX = "ems-pool ready on "
 START_TIMEOUT_S = 30.0
 
 
+def tcp_sockets(pid: int, state: str) -> list[list[str]]:
+    """The rows of /proc/net/tcp and tcp6 (split into fields) of the TCP sockets process `pid` holds in `state`
+    (the kernel's hex code: "0A" listening, "08" CLOSE_WAIT)."""
+    inodes = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            next(f)
+            rows += [fields for fields in map(str.split, f) if fields[3] == state and fields[9] in inodes]
+    return rows
+
+
 class PoolProcess:
     """One `python -m ems.pool` process on 127.0.0.1."""
 
@@ -77,22 +96,7 @@ class PoolProcess:
 
     def close_wait_sockets(self) -> int:
         """Sockets of the node in CLOSE_WAIT (the peer closed, the node did not)."""
-        inodes = set()
-        for name in os.listdir(f"/proc/{self.proc.pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{self.proc.pid}/fd/{name}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-        count = 0
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with open(table, encoding="ascii") as f:
-                next(f)
-                for line in f:
-                    fields = line.split()
-                    count += fields[3] == "08" and fields[9] in inodes
-        return count
+        return len(tcp_sockets(self.proc.pid, "08"))
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)

@@ -17,7 +17,7 @@ from ems.pool_client import PoolClient
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
 from ems.types import CcKvOption
-from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, wait_until
+from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, tcp_sockets, wait_until
 
 pytestmark = pytest.mark.slow
 MARGIN_S = 0.5
@@ -261,27 +261,13 @@ def test_anonymous_node_accepts_anyone(shared_node, node_clients):
 
 def _listening_addresses(pid: int) -> set[str]:
     """Local addresses of the TCP sockets `pid` listens on (IPv4, as dotted quads)."""
-    import os
     import socket
     import struct
 
-    inodes = set()
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
     out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:
-                    addr = fields[1].split(":")[0]
-                    out.add(socket.inet_ntoa(struct.pack("<I", int(addr, 16))) if len(addr) == 8 else addr)
+    for fields in tcp_sockets(pid, "0A"):
+        addr = fields[1].split(":")[0]
+        out.add(socket.inet_ntoa(struct.pack("<I", int(addr, 16))) if len(addr) == 8 else addr)
     return out
 
 
