@@ -166,12 +166,13 @@ def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, ds
             return ops
     gd = _gcd(flat_dst) or length
     dst_table = _spans_view(flat, 0, int(flat_dst.max()) // gd + 1, length // width, gd // width, table.dtype)
-    idx = torch.from_numpy(flat_src).to(flat.device, non_blocking=True)
     dst_idx = torch.from_numpy(flat_dst // gd).to(flat.device, non_blocking=True)
     if gather:
-        dst_table.index_copy_(0, dst_idx, table.index_select(0, idx))
+        rows = torch.empty((flat_src.size, length // width), dtype=table.dtype, device=table.device)
+        _select_or_place(table, flat_src, rows, gather=True)
+        dst_table.index_copy_(0, dst_idx, rows)
     else:
-        table.index_copy_(0, idx, dst_table.index_select(0, dst_idx))
+        _select_or_place(table, flat_src, dst_table.index_select(0, dst_idx), gather=False)
     return 2
 
 
