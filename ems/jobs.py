@@ -294,11 +294,16 @@ def _failed_chunk(count: int, code: EmsErrorCode, message: str) -> PoolOutcome:
     return PoolOutcome([False] * count, [TransportError(code, message)], nodes_contacted=1)
 
 
+def _fence_wait_s(deadline: float) -> float:
+    """How long a job still waits for a chunk call: until the request's deadline plus the grace."""
+    return max(0.0, deadline + FENCE_GRACE_S - time.monotonic())
+
+
 def _chunk_outcome(future: "concurrent.futures.Future", count: int, deadline: float) -> Any:
     """A chunk call's result, waiting at most until `deadline` (+ grace); a call that raised or did not return is
     a failed chunk."""
     try:
-        return future.result(timeout=max(0.0, deadline + FENCE_GRACE_S - time.monotonic()))
+        return future.result(timeout=_fence_wait_s(deadline))
     except concurrent.futures.TimeoutError:
         return _failed_chunk(count, EmsErrorCode.EMS_IO_TIMEOUT, "chunk: no answer in time")
     except concurrent.futures.CancelledError:
@@ -327,7 +332,7 @@ def fence(futures: List["concurrent.futures.Future"], deadline: float) -> bool:
     without errors (a failed or timed-out transfer is aborted on its endpoint, not awaited)."""
     for future in futures:
         future.cancel()
-    _, not_done = concurrent.futures.wait(futures, timeout=max(0.0, deadline + FENCE_GRACE_S - time.monotonic()))
+    _, not_done = concurrent.futures.wait(futures, timeout=_fence_wait_s(deadline))
     if not_done:
         return False
     for future in futures:
