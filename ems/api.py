@@ -44,7 +44,8 @@ def _configure_logging() -> None:
 def _connect_pool(config: EmsConfig, settings: Settings) -> PoolClient:
     if settings.embedded:
         # values come from this process's own checksummed staging: re-verifying them on put would only repeat work
-        store = KvStore(settings.pool_capacity, verify_on_put=False, prefault_bytes=settings.pool_prefault)
+        store = KvStore(settings.pool_capacity, verify_on_put=False, prefault_bytes=settings.pool_prefault,
+                        prefault_ahead=settings.pool_prefault_ahead)
         return PoolClient([InProcessNode(store)])
     try:
         from ems.transport.remote import connect  # UCX is needed only with remote nodes

@@ -1,7 +1,7 @@
 """Engine-side counters of one `ContextCaching`: calls, blocks, hits, misses, bytes, seconds and stage times.
 
 Contract:
-* `record_job(record)` is called once per finished save or load (never per block) with its `ems.jobs.JobRecord`
+* `record_job(record)` is called once per finished save or load (never per block) with its `ems.job_records.JobRecord`
   (blocks, bytes, and bytes and seconds per stage); `record(op, success, total, nbytes, marks)` takes the same
   from bare stage marks; `record_exists(hits, total)` once per `exists`. Updates take one lock.
 * `snapshot()` returns a flat dict (`ContextCaching.metrics()`): for op in save/load: `{op}_calls`, `{op}_blocks`
@@ -20,7 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 if TYPE_CHECKING:
-    from ems.jobs import JobRecord
+    from ems.job_records import JobRecord
 
 
 class CcMetrics:

@@ -8,6 +8,8 @@ left as None is read from its environment variable, else takes its default (`res
 | pool_nodes            | EMS_POOL_NODES (a,b,...)   | none: embedded | "host:port" of each pool node                    |
 | pool_capacity         | EMS_POOL_CAPACITY          | 1GiB           | bytes the embedded pool may hold                 |
 | pool_prefault         | EMS_POOL_PREFAULT          | 0              | embedded pool bytes pre-faulted at `Ems.init`    |
+| pool_prefault_ahead   | EMS_POOL_PREFAULT_AHEAD    | 256MiB         | embedded pool bytes kept faulted in ahead of use, |
+|                       |                            |                | in the background (0: none)                      |
 | read_cache_capacity   | EMS_READ_CACHE_CAPACITY    | 256MiB         | local read cache, with remote nodes (0: off)     |
 | staging_capacity      | EMS_STAGING_CAPACITY       | 512MiB         | staging bytes in flight before requests wait     |
 | max_inflight          | EMS_MAX_INFLIGHT           | 8              | async requests queued or running at once         |
@@ -192,6 +194,7 @@ POOL_SETTINGS = (
     "pool_nodes",
     "pool_capacity",
     "pool_prefault",
+    "pool_prefault_ahead",
     "read_cache_capacity",
     "staging_capacity",
     "max_inflight",
@@ -219,6 +222,7 @@ class EmsConfig:
     pool_nodes: Optional[List[str]] = None
     pool_capacity: Optional[Union[int, str]] = None
     pool_prefault: Optional[Union[int, str]] = None
+    pool_prefault_ahead: Optional[Union[int, str]] = None
     read_cache_capacity: Optional[Union[int, str]] = None
     staging_capacity: Optional[Union[int, str]] = None
     max_inflight: Optional[int] = None
@@ -268,6 +272,7 @@ class Settings:
     pool_cluster: str = "default"
     pool_replicas: int = 1
     pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store)
+    pool_prefault_ahead: int = 256 << 20  # embedded pool: bytes kept faulted in ahead of use, in the background
 
     @property
     def embedded(self) -> bool:
@@ -336,6 +341,9 @@ def resolve_settings(config: EmsConfig) -> Settings:
         device=device,
         **_cluster_settings(config),
         pool_prefault=parse_size("pool_prefault", _setting(config.pool_prefault, "EMS_POOL_PREFAULT", 0)),
+        pool_prefault_ahead=parse_size(
+            "pool_prefault_ahead", _setting(config.pool_prefault_ahead, "EMS_POOL_PREFAULT_AHEAD", "256MiB")
+        ),
     )
     if settings.pool_capacity <= 0:
         raise invalid_argument("pool_capacity must be > 0")

@@ -31,7 +31,8 @@ from ems.cc_metrics import CcMetrics
 from ems.config import CcConfig, Settings
 from ems.devices import default_raw_device, parse_device
 from ems.errors import EmsErrorCode, EmsException
-from ems.jobs import JobKind, JobLedger, JobRecord, LoadJob, SaveJob, Stage
+from ems.job_records import JobKind, JobLedger, JobRecord, Stage
+from ems.jobs import load_job, save_job
 from ems.kernels import CopyBackend, get_backend
 from ems.keys import namespace, v0_keys, v1_keys
 from ems.layout import RegisteredLayout, register_layout
@@ -183,7 +184,7 @@ class ContextCaching:
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
-        job = SaveJob(plan, device, backend, self._pool, self._staging, request.option, record)
+        job = save_job(plan, device, backend, self._pool, self._staging, request.option, record)
         with _ems_errors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
@@ -253,7 +254,7 @@ class ContextCaching:
     # ---------------------------------------------------------------- load
 
     def _load(self, request: Request, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
-        job = LoadJob(plan, device, self._backend_for(device), self._pool, self._staging, request.option, record)
+        job = load_job(plan, device, self._backend_for(device), self._pool, self._staging, request.option, record)
         hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
         self._job_done(record.finish(hits, plan.total, int(plan.expected.payload_len[:hits].sum())))

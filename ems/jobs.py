@@ -1,28 +1,25 @@
-"""Save and load jobs: one request's data path as explicit stages over chunks of blocks, each stage recorded.
+"""Save and load jobs: one request's data path as explicit stages, each recorded (`ems.job_records`).
 
-A `SaveJob` runs gather → encode → send, a `LoadJob` receive → verify → scatter (plus `copy` between device and
-host staging on accelerators). Each job keeps a `JobRecord`: per stage the bytes it moved, the seconds it took and
-how many times it ran (once per chunk). Pipelined stages overlap, so their seconds may add up to more than the
-job's wall time (`JobRecord.seconds`); `stage_table` prints both. That record is the one account of where a
-request's time went: the benchmarks print it, `ENABLE_CC_PROFILING=1` logs it (logger `ems.profile`), and a
-`JobLedger` sums records for metrics (per operation: calls, blocks, bytes and seconds per stage).
+A save runs gather → encode → send, a load receive → verify → scatter (plus `copy` between device and host
+staging on accelerators). `save_job` / `load_job` pick the job type for a request's path (never the caller):
 
-Two ways through the stages (chosen by `ContextCaching`, not by the caller):
-* **One pass** (the embedded pool on CPU): chunk = one value. Gather writes the value's payload straight into a
-  buffer from the store's arena, encode checksums it while it is still in cache and writes its header in place,
-  send hands the buffer to the store (`put_owned`: no copy). A load receives the stored buffers, and per value
-  verifies (header and checksum) then scatters straight from the stored bytes, stopping at the first miss.
-* **Pipelined** (remote pools, accelerators): the request's staging is one lease, cut into chunks of consecutive
-  values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 32 MiB, and within the pool's request limits). A save
-  gathers chunk k into its range of staging (one backend call per layer group; then device → host on
-  accelerators) and starts its encode (checksum, headers in place) and put on the pool client's pipeline threads
-  (`PoolClient.start`), then gathers chunk k+1 while k is encoded and on the wire; `begin` returns once every
-  chunk is gathered, `finish` waits for the puts and merges their outcomes. A load runs each chunk's receive
-  (`PoolClient.get_into`: values land in their places in staging) and its verification on the pipeline threads,
-  and scatters chunk k's verified prefix while later chunks arrive, stopping at the first miss. V0 loads (whose
-  staging has no room for the headers) receive one batch, verify, copy into staging and scatter.
-  `EMS_CHUNK_BYTES=0` makes the request one chunk (the same code, nothing overlapped: for comparisons). A request
-  of one chunk has nothing to overlap, so its put (in `finish`) and its receive run on the calling thread.
+* **Embedded** (`EmbeddedSave`, `EmbeddedLoad`: the embedded pool on CPU), one pass: a save takes every value's
+  buffer from the store at once (`KvStore.allocate_many`: usually back to back, the layout a plan packs values
+  in), gathers every value straight into those buffers with one backend call per layer group (the buffers' own
+  addresses as the values' places), checksums each payload and writes its header in place, and hands the buffers
+  to the store (no copy). A load takes the stored values, verifies the present prefix (header and checksum) and
+  scatters it straight from the stored bytes with one backend call per layer group. V0 values (raw ranges) move
+  value by value (torch has no batched copy between arbitrary addresses).
+* **Pipelined** (`PipelinedSave`, `PipelinedLoad`: remote pools, accelerators): the request's staging is one
+  lease, cut into chunks of consecutive values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 32 MiB, and within
+  the pool's request limits). A save gathers chunk k into its range of staging (one backend call per layer group;
+  then device → host on accelerators) and starts its encode (checksum, headers in place) and put on the pool
+  client's pipeline threads (`PoolClient.start`), then gathers chunk k+1 while k is encoded and on the wire;
+  `begin` returns once every chunk is gathered, `finish` waits for the puts and merges their outcomes. A load runs
+  each chunk's receive (`PoolClient.get_into`: values land in their places in staging) and its verification on
+  the pipeline threads, and scatters chunk k's verified prefix while later chunks arrive, stopping at the first
+  miss. `EMS_CHUNK_BYTES=0` makes the request one chunk. A request of one chunk has nothing to overlap, so its put
+  (in `finish`) and its receive run on the calling thread.
   In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk
   k - depth has returned; a load starts chunk k + depth once chunk k verified), and at most `PIPELINE_THREADS`
   chunk calls run at once per client (the rest queue, in order).
@@ -30,6 +27,8 @@ Two ways through the stages (chosen by `ContextCaching`, not by the caller):
   bounded by the request's deadline; a chunk whose call failed or timed out may leave UCX touching its buffer a
   moment longer (the endpoint is aborted, not awaited), so then the lease is retired, never reused
   (`StagingPool.retire`).
+* **Staged V0 load** (`StagedLoad`: V0 from pool nodes, whose staging has no room for the headers): receive one
+  batch, verify, copy into staging, scatter.
 
 Failure semantics are `ContextCaching`'s: a job never writes a block it did not verify, nor one after the first
 miss, and gives back every buffer and lease on every path.
@@ -37,213 +36,40 @@ miss, and gives back every buffer and lease on every path.
 
 from __future__ import annotations
 
-import enum
-import logging
+import concurrent.futures
+import dataclasses
+import functools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional, Protocol
 
-profile_logger = logging.getLogger("ems.profile")
+import numpy as np
+import torch
 
-
-class Stage(str, enum.Enum):
-    """The stages of a job, in the order they run."""
-
-    PLAN = "plan"  # check arguments, keys, piece tables
-    GATHER = "gather"  # engine cache → staging or the store's buffer
-    COPY = "copy"  # device ↔ host staging (accelerators only)
-    ENCODE = "encode"  # checksum and header per value
-    SEND = "send"  # to the pool (the embedded store's index, or the wire)
-    RECEIVE = "receive"  # from the pool
-    VERIFY = "verify"  # header and checksum per value, up to the first miss
-    SCATTER = "scatter"  # staging or the stored value → engine cache
-
-
-class JobKind(str, enum.Enum):
-    SAVE = "save"
-    LOAD = "load"
-
-
-@dataclass
-class StageRecord:
-    """What one stage did over a job (or, in a ledger, over many)."""
-
-    nbytes: int = 0
-    seconds: float = 0.0
-    runs: int = 0
-
-    def add(self, other: "StageRecord") -> None:
-        self.nbytes += other.nbytes
-        self.seconds += other.seconds
-        self.runs += other.runs
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class JobRecord:
-    """One job's account: blocks done of total, bytes moved, and per stage bytes, seconds and runs."""
-
-    kind: JobKind
-    path: str = ""  # "one-pass", "pipelined" or (V0 loads from pool nodes) "staged"
-    blocks_ok: int = 0
-    blocks_total: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    stages: Dict[Stage, StageRecord] = field(default_factory=dict)
-    _started: float = field(default_factory=time.perf_counter, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def stage(self, stage: Stage, nbytes: int = 0) -> "StageTimer":
-        """Time the body of a `with` as (one run of) `stage`, moving `nbytes`."""
-        return StageTimer(self, stage, nbytes)
-
-    def add(self, stage: Stage, nbytes: int, seconds: float) -> None:
-        """One run of `stage` (thread-safe: a pipelined job's chunks run stages on several threads)."""
-        with self._lock:
-            record = self.stages.get(stage)
-            if record is None:
-                record = self.stages[stage] = StageRecord()
-            record.seconds += seconds
-            record.nbytes += nbytes
-            record.runs += 1
-
-    @property
-    def stage_seconds(self) -> float:
-        """The stages' seconds added up (more than `seconds` where they overlapped)."""
-        return sum(r.seconds for r in self.stages.values())
-
-    def finish(self, blocks_ok: int, blocks_total: int, nbytes: int) -> "JobRecord":
-        self.blocks_ok, self.blocks_total, self.nbytes = blocks_ok, blocks_total, nbytes
-        self.seconds = time.perf_counter() - self._started
-        if profiling_enabled():
-            profile_logger.info("%s", self.summary())
-        return self
-
-    def summary(self) -> str:
-        stages = ", ".join(
-            f"{s.value} {1e3 * r.seconds:.2f} ms/{r.nbytes} B" for s, r in sorted(self.stages.items(), key=_order)
-        )
-        return (f"{self.kind.value} {self.blocks_ok}/{self.blocks_total} blocks, {self.nbytes} bytes, "
-                f"{1e3 * self.seconds:.2f} ms ({self.path}): {stages}")
-
-
-class StageTimer:
-    """`with record.stage(...)`: adds the body's time, bytes and one run to the record's stage, on every exit path.
-    (A plain class: a generator-based context manager costs several µs, and a small call runs about ten stages.)"""
-
-    __slots__ = ("_record", "_stage", "_nbytes", "_start")
-
-    def __init__(self, record: JobRecord, stage: Stage, nbytes: int) -> None:
-        self._record, self._stage, self._nbytes, self._start = record, stage, nbytes, 0.0
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self._record.add(self._stage, self._nbytes, time.perf_counter() - self._start)
-
-
-def _order(item: tuple[Stage, StageRecord]) -> int:
-    return list(Stage).index(item[0])
-
-
-def profiling_enabled() -> bool:
-    """ENABLE_CC_PROFILING=1 in the environment (read at each job: tests and tools may flip it)."""
-    return os.environ.get("ENABLE_CC_PROFILING") == "1"
-
-
-@dataclass
-class KindTotals:
-    """A ledger's sums for one kind of job."""
-
-    jobs: int = 0
-    blocks_ok: int = 0
-    blocks_total: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-    stages: Dict[Stage, StageRecord] = field(default_factory=dict)
-
-
-class JobLedger:
-    """Thread-safe sums of job records per kind, and the last record of each kind (what metrics read)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._totals: Dict[JobKind, KindTotals] = {k: KindTotals() for k in JobKind}
-        self._last: Dict[JobKind, Optional[JobRecord]] = {k: None for k in JobKind}
-
-    def add(self, record: JobRecord) -> None:
-        with self._lock:
-            totals = self._totals[record.kind]
-            totals.jobs += 1
-            totals.blocks_ok += record.blocks_ok
-            totals.blocks_total += record.blocks_total
-            totals.nbytes += record.nbytes
-            totals.seconds += record.seconds
-            for stage, stage_record in record.stages.items():
-                totals.stages.setdefault(stage, StageRecord()).add(stage_record)
-            self._last[record.kind] = record
-
-    def totals(self, kind: JobKind) -> KindTotals:
-        """A copy of the sums for `kind`."""
-        with self._lock:
-            t = self._totals[kind]
-            return KindTotals(t.jobs, t.blocks_ok, t.blocks_total, t.nbytes, t.seconds,
-                              {s: StageRecord(r.nbytes, r.seconds, r.runs) for s, r in t.stages.items()})
-
-    def last(self, kind: JobKind) -> Optional[JobRecord]:
-        with self._lock:
-            return self._last[kind]
-
-    def reset(self) -> None:
-        with self._lock:
-            self._totals = {k: KindTotals() for k in JobKind}
-            self._last = {k: None for k in JobKind}
-
-
-def stage_table(records: List[JobRecord]) -> str:
-    """A markdown table of the stages of `records` (one row per job and stage): bytes, ms, GB/s, share of the job."""
-    lines = ["| job | path | stage | runs | MiB | ms | GB/s | share of job |", "|---|---|---|---|---|---|---|---|"]
-    for record in records:
-        for stage, r in sorted(record.stages.items(), key=_order):
-            share = r.seconds / record.seconds if record.seconds > 0 else 0.0
-            lines.append(f"| {record.kind.value} | {record.path} | {stage.value} | {r.runs} | {r.nbytes / 2**20:.1f} "
-                         f"| {1e3 * r.seconds:.2f} | {r.gbps:.2f} | {share:.0%} |")
-        # the job's wall time; its share is the stages' seconds over it (above 100%: the stages overlapped)
-        overlap = record.stage_seconds / record.seconds if record.seconds > 0 else 0.0
-        lines.append(f"| {record.kind.value} | {record.path} | **wall** | 1 | {record.nbytes / 2**20:.1f} "
-                     f"| {1e3 * record.seconds:.2f} | {record.nbytes / record.seconds / 1e9 if record.seconds > 0 else 0.0:.2f} "
-                     f"| stages {overlap:.0%} |")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------- the jobs
-# (imports here: the record types above import nothing of ems, so metrics code can use them without the data path)
-
-import concurrent.futures  # noqa: E402
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from ems.config import parse_size  # noqa: E402
-from ems.devices import side_stream  # noqa: E402
-from ems.errors import EmsErrorCode  # noqa: E402
-from ems.kernels import CopyBackend  # noqa: E402
-from ems.planning import BlockPlan, Plan, RawPlan, encode_range  # noqa: E402
-from ems.pool_client import PUT_META_PER_KEY, PoolClient, PoolOutcome, RequestLimits, deadline_of, split_batches  # noqa: E402
-from ems.staging import StagingLease, StagingPool  # noqa: E402
-from ems.store import KvStore  # noqa: E402
-from ems.transport.base import TransportError  # noqa: E402
-from ems.types import CcKvOption  # noqa: E402
-from ems.buffers import Buffer  # noqa: E402
-from ems.value_format import HEADER_SIZE, build_headers, checksum, matches, valid_prefix  # noqa: E402
+from ems.buffers import Buffer
+from ems.config import parse_size
+from ems.devices import side_stream
+from ems.errors import EmsErrorCode
+from ems.job_records import (  # noqa: F401  (re-exported: the records' old home)
+    JobKind,
+    JobLedger,
+    JobRecord,
+    KindTotals,
+    Stage,
+    StageRecord,
+    profiling_enabled,
+    stage_table,
+)
+from ems.kernels import CopyBackend
+from ems.kernels.raw_memory import raw_tensor
+from ems.planning import BlockPlan, Plan, RawPlan, encode_range
+from ems.pool_client import PUT_META_PER_KEY, PoolClient, PoolOutcome, RequestLimits, deadline_of, split_batches
+from ems.staging import StagingLease, StagingPool
+from ems.store import KvStore
+from ems.transport.base import TransportError
+from ems.types import CcKvOption
+from ems.value_format import HEADER_SIZE, MAGIC, VERSION, checksum, header_struct, valid_prefix
 
 CHUNK_ENV = "EMS_CHUNK_BYTES"
 # perf/RESULTS.md (API over UCX): on a CPU-only host one chunk is fastest (the copies compete with the wire for the
@@ -252,7 +78,9 @@ CHUNK_ENV = "EMS_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 32 << 20
 PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
 FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
-
+# the embedded path views the address span of a request's buffers as one tensor: never one wider than this
+# (buffers from unrelated mappings; then it moves value by value)
+MAX_VALUE_SPAN = 1 << 40
 
 def chunk_bytes() -> int:
     """The pipelined path's chunk size: `EMS_CHUNK_BYTES` (a size: "4MiB", "1048576"; 0: one chunk per request),
@@ -359,19 +187,135 @@ def readable_tensor(value: Buffer) -> torch.Tensor:
     return torch.frombuffer(bytearray(value), dtype=torch.uint8)
 
 
-class SaveJob:
+
+
+def buffer_addresses(values: List[Any]) -> np.ndarray:
+    """int64 `[n]`: the address of each buffer's first byte (numpy arrays, or memoryviews of whole ones)."""
+    out = np.empty(len(values), dtype=np.int64)
+    for i, value in enumerate(values):
+        owner = value.obj if isinstance(value, memoryview) else value
+        if isinstance(owner, np.ndarray) and owner.nbytes == len(value):
+            out[i] = owner.ctypes.data
+        else:
+            out[i] = np.frombuffer(value, dtype=np.uint8).ctypes.data
+    return out
+
+
+def span_of(addresses: np.ndarray, lengths: np.ndarray) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+    """One uint8 CPU tensor over the address span of buffers (`addresses`, `lengths`: int64 `[n]`) and each
+    buffer's offset in it; None when the span is wider than `MAX_VALUE_SPAN`. The tensor aliases memory between
+    the buffers too: callers only touch bytes inside the buffers (a gather writes exactly the bytes its pieces
+    name, a scatter only reads)."""
+    lo = int(addresses.min())
+    hi = int((addresses + lengths).max())
+    if hi - lo > MAX_VALUE_SPAN:
+        return None
+    return raw_tensor(lo, hi - lo, torch.device("cpu")), addresses - lo
+
+
+class SaveJob(Protocol):
     """One save: `begin()` takes every byte out of the engine's cache (then the engine may overwrite it),
-    `finish()` stores them and returns the consecutive acknowledged prefix; `abandon()` gives everything back
-    when `finish` will never run. See the module docstring for the two paths."""
+    `finish()` stores them and returns the pool's outcome (which keys were acknowledged); `abandon()` gives
+    everything back when `finish` will never run (idempotent)."""
+
+    record: JobRecord
+
+    def begin(self) -> None: ...
+
+    def finish(self) -> PoolOutcome: ...
+
+    def abandon(self) -> None: ...
+
+
+class LoadJob(Protocol):
+    """One load: `run()` writes only the verified prefix and returns (blocks written, the pool's outcome)."""
+
+    record: JobRecord
+
+    def run(self) -> tuple[int, PoolOutcome]: ...
+
+
+class EmbeddedSave:
+    """The embedded pool's one-pass save (see the module docstring)."""
+
+    def __init__(self, plan: Plan, backend: CopyBackend, store: KvStore, record: JobRecord) -> None:
+        self.plan, self.backend, self.store, self.record = plan, backend, store, record
+        record.path = "one-pass"
+        self._buffers: List[np.ndarray] = []
+        self._reserved: List[int] = []  # the store's reservation for each buffer
+
+    def begin(self) -> None:
+        try:
+            self._begin()
+        except BaseException:  # interrupts included: nothing leaks
+            self.abandon()
+            raise
+
+    def _begin(self) -> None:
+        plan, store, record = self.plan, self.store, self.record
+        sizes = plan.expected.payload_len + HEADER_SIZE
+        charges = KvStore.charge_of(np.fromiter(map(len, plan.keys), dtype=np.int64, count=plan.total), sizes)
+        too_big = np.flatnonzero(charges > store.capacity_bytes)
+        count = int(too_big[0]) if too_big.size else plan.total  # a value larger than the pool, and after: refused
+        payload = int(plan.expected.payload_len[:count].sum())
+        with record.stage(Stage.GATHER, payload):
+            self._reserved = charges[:count].tolist()
+            self._buffers = buffers = store.allocate_many(sizes[:count], self._reserved)
+            if not count:
+                return
+            span = span_of(buffer_addresses(buffers), sizes[:count]) if isinstance(plan, BlockPlan) else None
+            if span is None:  # V0 raw ranges (one copy each anyway), or buffers too far apart to view as one
+                for i, buffer in enumerate(buffers):
+                    plan.gather_value(self.backend, i, torch.from_numpy(buffer))
+            else:
+                plan.gather_into(self.backend, span[0], span[1], count)  # type: ignore[union-attr]
+        with record.stage(Stage.ENCODE, payload):
+            write_headers(buffers, plan)
+
+    def finish(self) -> PoolOutcome:
+        """Hand the buffers to the store (no copy): every value that fitted the pool is acknowledged."""
+        plan = self.plan
+        try:
+            buffers, reserved = self._buffers, self._reserved
+            self._buffers, self._reserved = [], []  # the store owns them now (reservations released)
+            count = len(buffers)
+            with self.record.stage(Stage.SEND, int(plan.expected.payload_len[:count].sum()) + HEADER_SIZE * count):
+                self.store.put_owned_many(plan.keys[:count], buffers, reserved)
+            del buffers
+            outcome = PoolOutcome([True] * count + [False] * (plan.total - count))  # after: larger than the pool
+            outcome.nodes_contacted = 1
+            return outcome
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Give back every buffer not handed to the store (idempotent)."""
+        buffers, self._buffers = self._buffers, []
+        reserved, self._reserved = self._reserved, []
+        for buffer, reserve in zip(buffers, reserved):
+            self.store.recycle(buffer, reserve)
+
+
+def write_headers(buffers: List[np.ndarray], plan: Plan) -> None:
+    """Checksum the payload of each of `plan`'s first `len(buffers)` values in `buffers` (while a value's bytes are
+    the last ones read) and write its header in place."""
+    expected, count = plan.expected, len(buffers)
+    kind, signature = int(expected.kind), expected.layout_sig
+    for buffer, digest, length in zip(buffers, expected.tokens_digest[:count].tolist(),
+                                      expected.payload_len[:count].tolist()):
+        view = memoryview(buffer)
+        header_struct.pack_into(view, 0, MAGIC, VERSION, kind, signature, digest, length,
+                                checksum([view[HEADER_SIZE:]]))
+
+
+class PipelinedSave:
+    """A save through staging to pool nodes (or from an accelerator): see the module docstring."""
 
     def __init__(self, plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolClient,
                  staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
-        self.store: Optional[KvStore] = pool.local_store if device.type == "cpu" else None
-        self.record.path = "one-pass" if self.store is not None else "pipelined"
-        self._buffers: List[np.ndarray] = []
-        self._reserved: List[int] = []  # the store's reservation for each buffer
+        record.path = "pipelined"
         self._lease: Optional[StagingLease] = None
         self._chunks: List[tuple[int, int]] = []
         self._sends: List[concurrent.futures.Future] = []  # each chunk's encode + put, in order
@@ -381,34 +325,12 @@ class SaveJob:
 
     def begin(self) -> None:
         try:
-            if self.store is not None:
-                self._begin_one_pass(self.store)
-            else:
-                self._begin_staged()
+            self._begin()
         except BaseException:  # interrupts included: nothing leaks
             self.abandon()
             raise
 
-    def _begin_one_pass(self, store: KvStore) -> None:
-        plan, record = self.plan, self.record
-        checksums = []
-        for i in range(plan.total):  # chunk = one value: gathered and checksummed while in cache
-            nbytes = plan.value_len(i)
-            reserve = store.charge_of(len(plan.keys[i]), nbytes)
-            if reserve > store.capacity_bytes:  # refused like any value larger than the pool: not gathered
-                break
-            buffer = store.allocate(nbytes, reserve)
-            self._buffers.append(buffer)
-            self._reserved.append(reserve)
-            with record.stage(Stage.GATHER, nbytes - HEADER_SIZE):
-                plan.gather_value(self.backend, i, torch.from_numpy(buffer))
-            with record.stage(Stage.ENCODE, nbytes - HEADER_SIZE):
-                checksums.append(checksum([memoryview(buffer)[HEADER_SIZE:]]))
-        with record.stage(Stage.ENCODE):
-            for buffer, header in zip(self._buffers, build_headers(plan.expected, checksums)):
-                buffer[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
-
-    def _begin_staged(self) -> None:
+    def _begin(self) -> None:
         """Per chunk: gather into its range of staging (then to host), start its encode + put; next chunk."""
         plan, record = self.plan, self.record
         self._deadline = deadline_of(self.option)
@@ -457,95 +379,69 @@ class SaveJob:
         return outcome
 
     def finish(self) -> PoolOutcome:
-        """Store the values; the outcome's results say which keys were acknowledged."""
-        plan, record = self.plan, self.record
+        """Wait for every chunk's put; the merged outcome's results say which keys were acknowledged."""
         try:
-            if self.store is not None:
-                with record.stage(Stage.SEND, int(plan.expected.payload_len.sum()) + HEADER_SIZE * plan.total):
-                    buffers, reserved = self._buffers, self._reserved
-                    self._buffers, self._reserved = [], []  # the store owns them now (reservations released)
-                    results = [self.store.put_owned(k, b, r) for k, b, r in zip(plan.keys, buffers, reserved)]
-                    results += [False] * (plan.total - len(results))  # values larger than the pool
-                    del buffers
-                outcome = PoolOutcome(results)
-                outcome.nodes_contacted = 1
-                return outcome
             if self._lease is None:
-                raise RuntimeError("SaveJob.finish() before begin()")
+                raise RuntimeError("PipelinedSave.finish() before begin()")
             lone, self._lone = self._lone, None
             if lone is not None:
                 self._sends.append(run_now(lone))
             outcomes = [_chunk_outcome(f, b - a, self._deadline) for f, (a, b) in zip(self._sends, self._chunks)]
-            return merge_outcomes(outcomes, plan.total)
+            return merge_outcomes(outcomes, self.plan.total)
         finally:
             self.abandon()
 
     def abandon(self) -> None:
-        """Give back the staging lease and any buffer not handed to the store (idempotent). Chunks not yet sent are
-        not sent; the lease goes back only once no put in flight can read it any more (`fence`)."""
+        """Give back the staging lease (idempotent). Chunks not yet sent are not sent; the lease goes back only once
+        no put in flight can read it any more (`fence`)."""
         self._stop.set()
         sends, self._sends = self._sends, []
         clean = fence(sends, self._deadline) if sends else True
         lease, self._lease = self._lease, None
         if lease is not None:
             (self.staging.release if clean else self.staging.retire)(lease)
-        buffers, self._buffers = self._buffers, []
-        reserved, self._reserved = self._reserved, []
-        if self.store is not None:
-            for buffer, reserve in zip(buffers, reserved):
-                self.store.recycle(buffer, reserve)
 
 
-class LoadJob:
-    """One load: receive → verify → scatter, writing only the verified prefix (see the module docstring)."""
+class EmbeddedLoad:
+    """The embedded pool's one-pass load (see the module docstring)."""
 
-    def __init__(self, plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolClient,
+    def __init__(self, plan: Plan, backend: CopyBackend, store: KvStore, record: JobRecord) -> None:
+        self.plan, self.backend, self.store, self.record = plan, backend, store, record
+        record.path = "one-pass"
+
+    def run(self) -> tuple[int, PoolOutcome]:
+        plan, record = self.plan, self.record
+        with record.stage(Stage.RECEIVE):
+            values = self.store.get_many(plan.keys)  # the stored buffers themselves (read-only views)
+        outcome = PoolOutcome(values, nodes_contacted=1)
+        present = next((i for i, value in enumerate(values) if value is None), len(values))
+        with record.stage(Stage.VERIFY, int(plan.expected.payload_len[:present].sum())):
+            hits = valid_prefix(values[:present], plan.expected)
+        if not hits:
+            return 0, outcome
+        with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
+            span = None
+            if isinstance(plan, BlockPlan):
+                span = span_of(buffer_addresses(values[:hits]), plan.expected.payload_len[:hits] + HEADER_SIZE)
+            if span is None:  # V0 raw ranges, or stored values too far apart to view as one
+                for i in range(hits):
+                    plan.scatter_value(self.backend, i, readable_tensor(values[i]))  # type: ignore[arg-type]
+            else:
+                plan.scatter_from(self.backend, span[0], span[1], hits)  # type: ignore[union-attr]
+        return hits, outcome
+
+
+class PipelinedLoad:
+    """A load from pool nodes (or into an accelerator) through staging, chunk by chunk: see the module docstring."""
+
+    def __init__(self, plan: BlockPlan, device: torch.device, backend: CopyBackend, pool: PoolClient,
                  staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
-        self.one_pass = device.type == "cpu" and pool.local_store is not None
-        self.record.path = "one-pass" if self.one_pass else "pipelined" if isinstance(plan, BlockPlan) else "staged"
+        record.path = "pipelined"
 
     def run(self) -> tuple[int, PoolOutcome]:
-        """(blocks written, the pool's outcome)."""
-        plan, record = self.plan, self.record
-        if self.one_pass:
-            with record.stage(Stage.RECEIVE):
-                store = self.pool.local_store
-                if store is not None:  # the embedded store itself: no routing, batching or deadlines to apply
-                    outcome = PoolOutcome(store.get_many(plan.keys), nodes_contacted=1)
-                else:
-                    outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
-            return self._verify_and_scatter_each(outcome.results), outcome
-        if isinstance(plan, BlockPlan):
-            return self._run_pipelined(plan)
-        return self._receive_copy_scatter(plan)
-
-    def _receive_copy_scatter(self, plan: RawPlan) -> tuple[int, PoolOutcome]:
-        """V0 (its staging has no room for the headers): receive, verify the prefix, copy it into staging, scatter."""
-        record = self.record
-        with record.stage(Stage.RECEIVE):
-            outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
-        with record.stage(Stage.VERIFY, int(plan.expected.payload_len.sum())):
-            if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
-                hits = next((i for i, v in enumerate(outcome.results) if v is None), len(outcome.results))
-            else:
-                hits = valid_prefix(outcome.results, plan.expected)
-        if hits:
-            nbytes = int(plan.value_start[hits])
-            lease = self.staging.acquire(nbytes, self.device)
-            try:
-                with record.stage(Stage.COPY, nbytes):
-                    plan.fill_from_values(lease.host_array(), outcome.results, hits)  # type: ignore[arg-type]  # the first `hits` are present
-                    with side_stream(self.device):
-                        if lease.host is not lease.device:
-                            lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
-                with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
-                    with side_stream(self.device):
-                        plan.scatter_range(self.backend, lease.device, 0, hits)
-            finally:
-                self.staging.release(lease)
-        return hits, outcome
+        return self._run_pipelined(self.plan)
 
     def _run_pipelined(self, plan: BlockPlan) -> tuple[int, PoolOutcome]:
         """Chunks' receive + verify run on the pipeline threads, `PIPELINE_DEPTH` at once; scatter chunk k's
@@ -615,15 +511,63 @@ class LoadJob:
         record.add(Stage.VERIFY, int(expected.payload_len[:placed].sum()), time.perf_counter() - received)
         return outcome, valid
 
-    def _verify_and_scatter_each(self, values: List[Optional[Buffer]]) -> int:
-        """Per value: verify (header, checksum: the bytes come into cache), then scatter it while they are there."""
-        plan, record = self.plan, self.record
-        for i, value in enumerate(values):
-            nbytes = int(plan.expected.payload_len[i])
-            with record.stage(Stage.VERIFY, nbytes):
-                ok = matches(value, plan.expected, i)
-            if not ok:
-                return i
-            with record.stage(Stage.SCATTER, nbytes):
-                plan.scatter_value(self.backend, i, readable_tensor(value))  # type: ignore[arg-type]
-        return len(values)
+
+
+class StagedLoad:
+    """A V0 load from pool nodes (its staging has no room for the headers): see the module docstring."""
+
+    def __init__(self, plan: RawPlan, device: torch.device, backend: CopyBackend, pool: PoolClient,
+                 staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
+        self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
+        self.staging, self.option, self.record = staging, option, record
+        record.path = "staged"
+
+    def run(self) -> tuple[int, PoolOutcome]:
+        return self._receive_copy_scatter(self.plan)
+
+    def _receive_copy_scatter(self, plan: RawPlan) -> tuple[int, PoolOutcome]:
+        """V0 (its staging has no room for the headers): receive, verify the prefix, copy it into staging, scatter."""
+        record = self.record
+        with record.stage(Stage.RECEIVE):
+            outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
+        with record.stage(Stage.VERIFY, int(plan.expected.payload_len.sum())):
+            if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
+                hits = next((i for i, v in enumerate(outcome.results) if v is None), len(outcome.results))
+            else:
+                hits = valid_prefix(outcome.results, plan.expected)
+        if hits:
+            nbytes = int(plan.value_start[hits])
+            lease = self.staging.acquire(nbytes, self.device)
+            try:
+                with record.stage(Stage.COPY, nbytes):
+                    plan.fill_from_values(lease.host_array(), outcome.results, hits)  # type: ignore[arg-type]  # the first `hits` are present
+                    with side_stream(self.device):
+                        if lease.host is not lease.device:
+                            lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
+                with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
+                    with side_stream(self.device):
+                        plan.scatter_range(self.backend, lease.device, 0, hits)
+            finally:
+                self.staging.release(lease)
+        return hits, outcome
+
+
+
+def save_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolClient, staging: StagingPool,
+             option: CcKvOption, record: JobRecord) -> SaveJob:
+    """The save job for this request's path: embedded (CPU tensors, the embedded pool) or pipelined."""
+    store = pool.local_store
+    if store is not None and device.type == "cpu":
+        return EmbeddedSave(plan, backend, store, record)
+    return PipelinedSave(plan, device, backend, pool, staging, option, record)
+
+
+def load_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolClient, staging: StagingPool,
+             option: CcKvOption, record: JobRecord) -> LoadJob:
+    """The load job for this request's path: embedded, pipelined (V1) or staged (V0 from pool nodes)."""
+    store = pool.local_store
+    if store is not None and device.type == "cpu":
+        return EmbeddedLoad(plan, backend, store, record)
+    if isinstance(plan, BlockPlan):
+        return PipelinedLoad(plan, device, backend, pool, staging, option, record)
+    return StagedLoad(plan, device, backend, pool, staging, option, record)

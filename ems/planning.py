@@ -123,16 +123,28 @@ class BlockPlan:
 
     def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
         """The payloads of values a..b-1 into their places in staging: one backend call per layer group."""
-        for region in self.regions:
-            if region.has_pieces(a, b):
-                backend.gather_pieces(region.group.planes, region.absolute(self.value_start, a, b), staging)
+        self._move(backend, staging, self.value_start, a, b, gather=True)
 
     def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
         """Write the tokens of values a..b-1 from their places in staging back into the cache, nothing else: one
         backend call per layer group."""
+        self._move(backend, staging, self.value_start, a, b, gather=False)
+
+    def gather_into(self, backend: CopyBackend, span: torch.Tensor, value_offsets: np.ndarray, count: int) -> None:
+        """The payloads of values 0..count-1 into values placed anywhere in `span` (uint8): value i's header at
+        byte `value_offsets[i]` (int64 `[count]`), its payload after it. One backend call per layer group."""
+        self._move(backend, span, value_offsets, 0, count, gather=True)
+
+    def scatter_from(self, backend: CopyBackend, span: torch.Tensor, value_offsets: np.ndarray, count: int) -> None:
+        """The inverse of `gather_into`: the tokens of values 0..count-1 from their places in `span` into the cache."""
+        self._move(backend, span, value_offsets, 0, count, gather=False)
+
+    def _move(self, backend: CopyBackend, staging: torch.Tensor, value_start: np.ndarray, a: int, b: int,
+              gather: bool) -> None:
         for region in self.regions:
             if region.has_pieces(a, b):
-                backend.scatter_pieces(region.group.planes, region.absolute(self.value_start, a, b), staging)
+                move = backend.gather_pieces if gather else backend.scatter_pieces
+                move(region.group.planes, region.absolute(value_start, a, b), staging)
 
     def gather_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
         """Value i's payload straight into `value` (uint8, the whole value: header space first)."""

@@ -34,6 +34,7 @@ Contract:
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 import threading
@@ -64,11 +65,14 @@ def _new_buffer(nbytes: int) -> np.ndarray:
 
 
 class _Arena:
-    """One pre-faulted anonymous mapping, handed out by bumping a pointer (see the module docstring)."""
+    """One anonymous mapping of up to the store's capacity, handed out by bumping a pointer (see the module
+    docstring). Pages are populated (faulted in) `prefault_bytes` at once when it is built and then, when
+    `ahead` > 0, by a background thread that keeps `ahead` bytes populated past the bump pointer, so values
+    are written into memory that is already there."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, prefault_bytes: int = 0, ahead: int = 0) -> None:
         start = time.perf_counter()
-        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
             try:
@@ -76,18 +80,77 @@ class _Arena:
             except OSError:  # a kernel without transparent huge pages: plain pages, still pre-faulted
                 pass
         self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self.array[:: mmap.PAGESIZE] = 0  # write every page once: the faults happen here, not on the hot path
+        self.address = int(self.array.ctypes.data)
         self.size = nbytes
         self.used = 0
+        self.ahead = ahead
+        self.populated = 0  # bytes from the start known to be faulted in (grows only)
+        self._wake = threading.Condition()
+        self._closed = False
+        self._populate(min(prefault_bytes, nbytes))
         self.prefault_seconds = time.perf_counter() - start
+        if ahead > 0 and self.populated < nbytes:
+            threading.Thread(target=self._populate_ahead, name="ems-arena-prefault", daemon=True).start()
+
+    def _populate(self, end: int) -> None:
+        """Fault in the pages up to `end` (page-rounded): MADV_POPULATE_WRITE where the kernel has it (a system call
+        that runs without the GIL), else one write per page."""
+        begin, end = self.populated, min(self.size, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if end <= begin:
+            return
+        if _madvise(self.address + begin, end - begin, _MADV_POPULATE_WRITE) != 0:
+            self.array[begin:end:mmap.PAGESIZE] = 0  # pages not yet handed out: nothing is overwritten
+        self.populated = end
+
+    def _populate_ahead(self) -> None:
+        """The background thread: populate in steps until `ahead` bytes past `used` are there, then wait for takes."""
+        while True:
+            with self._wake:
+                while not self._closed and self.populated >= min(self.size, self.used + self.ahead):
+                    if self.populated >= self.size:
+                        return
+                    self._wake.wait()
+                if self._closed:
+                    return
+            self._populate(min(self.populated + _POPULATE_STEP, self.size))
+
+    def close(self) -> None:
+        """Stop the background thread (the mapping stays valid for as long as buffers of it are referenced)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
 
     def take(self, nbytes: int) -> Optional[np.ndarray]:
-        """`nbytes` of pre-faulted memory, or None when the arena is used up (caller holds the store's lock)."""
+        """`nbytes` of arena memory, or None when the arena is used up (caller holds the store's lock)."""
         start = (self.used - VALUE_LEAD + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN + VALUE_LEAD
         if start + nbytes > self.size:
             return None
         self.used = start + nbytes
+        if self.ahead > 0 and self.populated < min(self.size, self.used + self.ahead // 2):
+            with self._wake:  # the background thread falls behind: wake it (it may already be running)
+                self._wake.notify()
         return self.array[start : start + nbytes]
+
+    def release(self, buffer: np.ndarray) -> None:
+        """A buffer of this arena that will never be handed out again: give its whole pages back to the system
+        (the address range stays the arena's; touching it again would fault in zeroed pages)."""
+        offset = int(buffer.ctypes.data) - self.address
+        begin = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + buffer.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > begin:
+            _madvise(self.address + begin, end - begin, mmap.MADV_DONTNEED)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_POPULATE_STEP = 32 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) through ctypes: unlike `mmap.madvise` it releases the GIL, and takes any address."""
+    return int(_libc.madvise(address, length, advice))
 
 
 def _store_made(value: Buffer, arena: Optional[_Arena] = None) -> bool:
@@ -131,12 +194,15 @@ class StoreStats:
 class KvStore:
     """A bounded, thread-safe LRU store of EMS values."""
 
-    def __init__(self, capacity_bytes: int, verify_on_put: bool = True, prefault_bytes: int = 0) -> None:
+    def __init__(self, capacity_bytes: int, verify_on_put: bool = True, prefault_bytes: int = 0,
+                 prefault_ahead: int = 0) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        if prefault_bytes < 0:
-            raise ValueError(f"prefault_bytes must be >= 0, got {prefault_bytes}")
-        self._arena = _Arena(min(prefault_bytes, capacity_bytes)) if prefault_bytes > 0 else None
+        if prefault_bytes < 0 or prefault_ahead < 0:
+            raise ValueError(f"prefault_bytes and prefault_ahead must be >= 0, got {prefault_bytes}, {prefault_ahead}")
+        # the arena spans the capacity when it grows in the background, else just the bytes pre-faulted up front
+        arena_bytes = capacity_bytes if prefault_ahead > 0 else min(prefault_bytes, capacity_bytes)
+        self._arena = _Arena(arena_bytes, prefault_bytes, prefault_ahead) if arena_bytes > 0 else None
         self._capacity = capacity_bytes
         self._verify_on_put = verify_on_put
         self._entries: "OrderedDict[bytes, Buffer]" = OrderedDict()
@@ -165,22 +231,26 @@ class KvStore:
             self._spare.setdefault(len(value), []).append(value)
             self._spare_bytes += len(value)
 
-    def _drop_spare(self, keep_size: int) -> bool:
-        """Free one spare buffer, preferring sizes other than `keep_size`; False if there is none to drop."""
+    def _drop_spare(self, keep_size: int, keep_count: int) -> bool:
+        """Free one spare buffer, the oldest first and sizes other than `keep_size` first (of that size `keep_count`
+        stay); False if there is none to drop."""
         for size, buffers in self._spare.items():
-            if buffers and (size != keep_size or len(buffers) > 1):
-                buffers.pop()
+            if len(buffers) > (keep_count if size == keep_size else 0):
+                dropped = buffers.pop(0)
                 self._spare_bytes -= size
+                if self._arena is not None and dropped.base is self._arena.array:
+                    self._arena.release(dropped)  # lost to the arena: at least its pages go back to the system
                 return True
         return False
 
-    def _make_room(self, charge: int, nbytes: int) -> None:
-        """Evict (LRU first) and free spares until a value of `charge` fits, counting a reusable spare."""
+    def _make_room(self, charge: int, nbytes: int, count: int = 1) -> None:
+        """Evict (LRU first) and free spares until values of `charge` in all fit, counting the spares of `nbytes`
+        that `count` values of that size will reuse."""
         while True:
-            reusable = nbytes if self._spare.get(nbytes) else 0
+            reusable = nbytes * min(len(self._spare.get(nbytes, ())), count)
             if self._used + self._spare_bytes - reusable + charge <= self._capacity:
                 return
-            if self._drop_spare(nbytes):
+            if self._drop_spare(nbytes, count):
                 continue
             if not self._entries:  # nothing left to evict: a value up to the capacity fits by now
                 return
@@ -217,6 +287,60 @@ class KvStore:
             except BaseException:  # e.g. MemoryError: the reservation goes back
                 self._used -= reserve
                 raise
+
+    def allocate_many(self, sizes: Sequence[int], reserves: Sequence[int]) -> list[np.ndarray]:
+        """`allocate` for several values under one lock: value i gets `sizes[i]` bytes and reserves `reserves[i]`.
+        Buffers come in address order where the store can: recycled spares of one size are taken as the run most
+        recently evicted (a run that was allocated together comes back in its order), fresh ones from the arena
+        back to back, so a caller usually finds them at the offsets of a packed layout and copies them in one
+        operation. A `MemoryError` gives every reservation and buffer back."""
+        size_list = np.asarray(sizes, dtype=np.int64).tolist()
+        total = int(np.sum(reserves))
+        taken: list[np.ndarray] = []
+        with self._lock:
+            if total > 0 and size_list:
+                nbytes = size_list[0]
+                self._make_room(total, nbytes, size_list.count(nbytes))
+                self._used += total
+            try:
+                position = 0
+                while position < len(size_list):
+                    nbytes = size_list[position]
+                    same = position + 1
+                    while same < len(size_list) and size_list[same] == nbytes:
+                        same += 1
+                    spares = self._spare.get(nbytes)
+                    if spares:  # the newest spares in their order: a run evicted together, lowest address first
+                        count = min(len(spares), same - position)
+                        run = spares[len(spares) - count :]
+                        del spares[len(spares) - count :]
+                        self._spare_bytes -= nbytes * count
+                        self._stats.reused_buffers += count
+                        taken.extend(run)
+                        position += count
+                        continue
+                    taken.append(self._take_buffer(nbytes))
+                    position += 1
+            except BaseException:
+                self._used -= total
+                for buffer in taken:
+                    if _recyclable(buffer, self._arena):
+                        self._spare.setdefault(len(buffer), []).append(buffer)
+                        self._spare_bytes += len(buffer)
+                raise
+        return taken
+
+    def put_owned_many(self, keys: Sequence[bytes], values: Sequence[np.ndarray], reserved: Sequence[int]) -> None:
+        """`put_owned` of well-formed values under one lock (the embedded pool's save: the caller built them)."""
+        with self._lock:
+            for key, value, reserve in zip(keys, values, reserved):
+                self._used -= reserve
+                self._insert(key, value, self._charge(key, value))
+
+    def close(self) -> None:
+        """Stop the arena's background thread, if any (the store stays usable)."""
+        if self._arena is not None:
+            self._arena.close()
 
     @staticmethod
     def charge_of(key_len: int, nbytes: int) -> int:
@@ -318,7 +442,21 @@ class KvStore:
         return memoryview(value).toreadonly() if _store_made(value, self._arena) else value
 
     def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]:
-        return [self.get(key) for key in keys]
+        """`get` of each key under one lock (a hit is a read-only view, as `get` gives)."""
+        values: list[Optional[Buffer]] = []
+        with self._lock:
+            entries, stats = self._entries, self._stats
+            for key in keys:
+                value = entries.get(key)
+                if value is None:
+                    stats.misses += 1
+                else:
+                    entries.move_to_end(key)
+                    stats.hits += 1
+                values.append(value)
+        arena = self._arena
+        return [value if value is None or not _store_made(value, arena) else memoryview(value).toreadonly()
+                for value in values]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:

@@ -28,6 +28,8 @@ class LocalStore(Protocol):
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
+    def close(self) -> None: ...
+
 
 class TransportError(EmsException):
     """A node failed as a whole (connection, protocol or timeout)."""
