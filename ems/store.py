@@ -188,6 +188,7 @@ class StoreStats:
     reused_buffers: int = 0
     arena_bytes: int = 0
     arena_used_bytes: int = 0
+    arena_populated_bytes: int = 0  # arena bytes faulted in so far (at start-up, then ahead of use)
     prefault_seconds: float = 0.0
 
 
@@ -482,4 +483,5 @@ class KvStore:
             self._stats.used_bytes = self._used
             self._stats.spare_bytes = self._spare_bytes
             self._stats.arena_used_bytes = self._arena.used if self._arena is not None else 0
+            self._stats.arena_populated_bytes = self._arena.populated if self._arena is not None else 0
             return StoreStats(**vars(self._stats))

@@ -36,7 +36,7 @@ from ems.kernels.raw_memory import raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MIN_OP_BYTES = 64 << 10  # below this per op, the two-pass path through a temporary is cheaper
-_MAX_SPAN = 1 << 44  # never view an address span larger than this (planes from unrelated mappings)
+_MAX_SPAN = 1 << 47  # never view an address span larger than this (the whole user address space of x86-64)
 
 
 def _widest(quantities: list[int], widths: tuple[int, ...] = (8, 4, 2, 1)) -> int:
