@@ -213,6 +213,17 @@ def span_of(addresses: np.ndarray, lengths: np.ndarray) -> Optional[tuple[torch.
     return raw_tensor(lo, hi - lo, torch.device("cpu")), addresses - lo
 
 
+_AT_ZERO = np.zeros(1, dtype=np.int64)
+_AT_ZERO.flags.writeable = False
+
+
+def _span_of_values(values: List[Any], lengths: np.ndarray) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+    """`span_of` stored values, for reading; a lone value is its own span (no address arithmetic)."""
+    if len(values) == 1:
+        return readable_tensor(values[0]), _AT_ZERO
+    return span_of(buffer_addresses(values), lengths)
+
+
 class SaveJob(Protocol):
     """One save: `begin()` takes every byte out of the engine's cache (then the engine may overwrite it),
     `finish()` stores them and returns the pool's outcome (which keys were acknowledged); `abandon()` gives
@@ -263,7 +274,10 @@ class EmbeddedSave:
             self._buffers = buffers = store.allocate_many(sizes[:count], self._reserved)
             if not count:
                 return
-            span = span_of(buffer_addresses(buffers), sizes[:count]) if isinstance(plan, BlockPlan) else None
+            span: Optional[tuple[torch.Tensor, np.ndarray]] = None
+            if isinstance(plan, BlockPlan):  # a lone value is its own span
+                span = (torch.from_numpy(buffers[0]), _AT_ZERO) if count == 1 else span_of(buffer_addresses(buffers),
+                                                                                             sizes[:count])
             if span is None:  # V0 raw ranges (one copy each anyway), or buffers too far apart to view as one
                 for i, buffer in enumerate(buffers):
                     plan.gather_value(self.backend, i, torch.from_numpy(buffer))
@@ -422,7 +436,7 @@ class EmbeddedLoad:
         with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
             span = None
             if isinstance(plan, BlockPlan):
-                span = span_of(buffer_addresses(values[:hits]), plan.expected.payload_len[:hits] + HEADER_SIZE)
+                span = _span_of_values(values[:hits], plan.expected.payload_len[:hits] + HEADER_SIZE)
             if span is None:  # V0 raw ranges, or stored values too far apart to view as one
                 for i in range(hits):
                     plan.scatter_value(self.backend, i, readable_tensor(values[i]))  # type: ignore[arg-type]

@@ -238,34 +238,72 @@ def encode_range(plan: Plan, host: memoryview, a: int, b: int) -> list[list[Buff
     return plan.stored_values(host, headers, a)
 
 
+@dataclass(frozen=True)
+class _RequestShape:
+    """What a V1 plan derives from its tokens per block and group alone (not from slots or keys): the part that
+    repeats from step to step (an engine saves and loads requests of the same few shapes), so it is computed once
+    per shape (`_shape_of`) and the arrays are shared, read-only, by every plan of that shape."""
+
+    payload_len: np.ndarray  # int64 [n]
+    value_start: np.ndarray  # int64 [n + 1]
+    part_offset: np.ndarray  # int64 [n, G]: each group's part inside its value
+    token_start: np.ndarray  # int64 [G, n + 1]: each group's first token of each value
+    tokens_digest: np.ndarray  # u64 [n]
+    staging_bytes: int
+
+
+_SHAPES: dict[tuple[int, bytes], _RequestShape] = {}
+_MAX_SHAPES = 256  # a bounded cache: an engine uses a few shapes; anything else is recomputed
+
+
+def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
+    """The shape part of a plan for per-block token counts `counts` (int64 `[n, G]`), from the cache if seen."""
+    key = (layout.signature, counts.tobytes())
+    shape = _SHAPES.get(key)
+    if shape is not None:
+        return shape
+    token_bytes = np.array([g.token_bytes for g in layout.groups], dtype=np.int64)
+    part_bytes = counts * token_bytes[None, :]
+    payload_len = part_bytes.sum(axis=1)
+    value_start = VALUE_LEAD + exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
+    part_offset = HEADER_SIZE + np.cumsum(part_bytes, axis=1) - part_bytes
+    token_start = np.stack([exclusive_cumsum(counts[:, g]) for g in range(counts.shape[1])])
+    shape = _RequestShape(payload_len, value_start, part_offset, token_start, tokens_digest(counts),
+                          max(int(value_start[-1]), ALIGN))
+    for array in (shape.payload_len, shape.value_start, shape.part_offset, shape.token_start, shape.tokens_digest):
+        array.flags.writeable = False  # shared by every plan of this shape
+    if len(_SHAPES) >= _MAX_SHAPES:
+        _SHAPES.clear()
+    _SHAPES[key] = shape
+    return shape
+
+
 def plan_blocks(request: Union[SlotRequest, ChunkRequest], layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
     keys, route_keys = v1_keys(namespace, request.hashes)
     n = request.total
     groups = layout.groups
-    counts = np.empty((n, len(groups)), dtype=np.int64)
-    for g in range(len(groups)):
-        counts[:, g] = request.offsets if isinstance(request, SlotRequest) else request.lengths[g]
-    token_bytes = np.array([g.token_bytes for g in groups], dtype=np.int64)
-    part_bytes = counts * token_bytes[None, :]
-    payload_len = part_bytes.sum(axis=1)
-    value_start = VALUE_LEAD + exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
-    part_offset = HEADER_SIZE + np.cumsum(part_bytes, axis=1) - part_bytes  # [n, G], inside the value
+    if isinstance(request, SlotRequest):
+        counts = np.repeat(request.offsets[:, None], len(groups), axis=1) if len(groups) > 1 else request.offsets[:, None]
+    else:
+        counts = np.ascontiguousarray(request.lengths.T)
+    shape = _shape_of(counts, layout)
     regions: list[GroupRegion] = []
     for g, group in enumerate(groups):
         if isinstance(request, SlotRequest):
             slots = request.slots
         else:
             slots = _expand_runs(request.starts[g], request.lengths[g])
-        table, value = value_pieces(slots, group.planes.block_size, exclusive_cumsum(counts[:, g]), part_offset[:, g])
-        piece_start = np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64)
+        table, value = value_pieces(slots, group.planes.block_size, shape.token_start[g], shape.part_offset[:, g])
+        piece_start = (np.arange(2, dtype=np.int64) if n == 1 and value.size == 1
+                       else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64))
         regions.append(GroupRegion(group, table, piece_start, value))
     expected = ExpectedValues(
         kind=ValueKind.BLOCKS_V1,
         layout_sig=layout.signature,
-        tokens_digest=tokens_digest(counts),
-        payload_len=payload_len,
+        tokens_digest=shape.tokens_digest,
+        payload_len=shape.payload_len,
     )
-    return BlockPlan(keys, route_keys, expected, regions, value_start, max(int(value_start[-1]), ALIGN))
+    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
 
 
 def plan_raw(request: RawRequest, namespace: bytes) -> RawPlan:

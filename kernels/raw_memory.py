@@ -6,8 +6,7 @@ used. CPU ranges are plain host memory; CUDA ranges go through `__cuda_array_int
 
 from __future__ import annotations
 
-import ctypes
-
+import numpy as np
 import torch
 
 
@@ -24,11 +23,19 @@ class _CudaRange:
         }
 
 
+class _HostRange:
+    """The minimal object numpy accepts for a raw host range (constant cost: a ctypes array type per size is not)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
 def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 `[nbytes]` tensor aliasing `nbytes` bytes at address `ptr` on `device` (no copy)."""
     if device.type == "cpu":
-        array = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        return torch.frombuffer(array, dtype=torch.uint8, count=nbytes)
+        return torch.from_numpy(np.asarray(_HostRange(ptr, nbytes)))
     if device.type == "cuda":
         with torch.cuda.device(device):
             return torch.as_tensor(_CudaRange(ptr, nbytes), device=device)
