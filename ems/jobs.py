@@ -66,7 +66,7 @@ from ems.kernels.raw_memory import raw_tensor
 from ems.planning import BlockPlan, Plan, RawPlan, encode_range
 from ems.pool_client import PUT_META_PER_KEY, PoolClient, PoolOutcome, RequestLimits, deadline_of, split_batches
 from ems.staging import StagingLease, StagingPool
-from ems.store import KvStore
+from ems.store import ENTRY_OVERHEAD, KvStore
 from ems.transport.base import TransportError
 from ems.types import CcKvOption
 from ems.value_format import HEADER_SIZE, MAGIC, VERSION, checksum, header_struct, valid_prefix
@@ -265,7 +265,7 @@ class EmbeddedSave:
     def _begin(self) -> None:
         plan, store, record = self.plan, self.store, self.record
         sizes = plan.expected.payload_len + HEADER_SIZE
-        charges = KvStore.charge_of(np.fromiter(map(len, plan.keys), dtype=np.int64, count=plan.total), sizes)
+        charges = np.fromiter(map(len, plan.keys), dtype=np.int64, count=plan.total) + sizes + ENTRY_OVERHEAD
         too_big = np.flatnonzero(charges > store.capacity_bytes)
         count = int(too_big[0]) if too_big.size else plan.total  # a value larger than the pool, and after: refused
         payload = int(plan.expected.payload_len[:count].sum())
@@ -317,7 +317,7 @@ def write_headers(buffers: List[np.ndarray], plan: Plan) -> None:
     kind, signature = int(expected.kind), expected.layout_sig
     for buffer, digest, length in zip(buffers, expected.tokens_digest[:count].tolist(),
                                       expected.payload_len[:count].tolist()):
-        view = memoryview(buffer)
+        view = memoryview(buffer)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
         header_struct.pack_into(view, 0, MAGIC, VERSION, kind, signature, digest, length,
                                 checksum([view[HEADER_SIZE:]]))
 

@@ -6,8 +6,9 @@ For a 16-layer GQA model (8 KV heads × 128, fp16, one allocation per layer and 
 `ContextCaching.save` / `.load` and times one contiguous `copy_` of the same bytes (the limit), the three
 interleaved round by round, best of N rounds (the machines are shared and noisy: ratios are the figures to read).
 Pool states: "growing, arena" (every save lands in memory the store has not used yet, pre-faulted at `Ems.init`:
-`pool_prefault`, its start-up cost in the table), "growing, no arena" (the same without pre-faulting: first-touch
-page faults on the hot path) and "full" (the pool is at capacity, so every save evicts and reuses the evicted
+`pool_prefault`, its start-up cost in the table), "growing, default" (the default settings: the arena is faulted in
+`pool_prefault_ahead` bytes ahead of use by a background thread), "growing, no arena" (neither: first-touch page
+faults on the hot path) and "full" (the pool is at capacity, so every save evicts and reuses the evicted
 buffers: the steady state of a long-running engine). It also measures the fixed cost of one call: the best 1-block
 save/load/exists of a tiny layout (8 KiB per block). Prints a table and the stage table of the jobs (bytes and time
 per stage, from `ContextCaching.jobs`), writes perf/e2e.png, appends the figures and the command to
@@ -35,7 +36,7 @@ from ems.jobs import JobKind, JobRecord, stage_table
 HERE = Path(__file__).resolve().parent
 LAYERS, HEADS, HEAD_SIZE = 16, 8, 128
 REQUEST_BYTES = 32 << 20
-STATES = ("growing, arena", "growing, no arena", "full")
+STATES = ("growing, arena", "growing, default", "growing, no arena", "full")
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -55,8 +56,10 @@ def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -
     # "full": room for ~3 requests, so every save evicts; "growing": room for every save of the run.
     capacity = 3 * request_bytes + (1 << 20) if pool_state == "full" else (rounds + 4) * (request_bytes + (1 << 20))
     prefault = capacity if pool_state == "growing, arena" else 0
+    ahead = 0 if pool_state == "growing, no arena" else None  # None: the default (faulted in ahead, background)
     start = time.perf_counter()
-    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-e2e"), pool_capacity=capacity, pool_prefault=prefault))
+    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-e2e"), pool_capacity=capacity, pool_prefault=prefault,
+                       pool_prefault_ahead=ahead))
     init_s = time.perf_counter() - start
     try:
         cc = Ems.get_cc()
