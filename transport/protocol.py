@@ -24,7 +24,8 @@ Contract:
   (status OK, or AUTH_FAILED with a UTF-8 message in meta, then the node closes). The key never crosses the wire.
 * PUT meta: value_lens u64[count] | key_lens u32[count] | chunk_lens u64[chunks] | keys. `flags` of the header
   carries nothing; the chunk count is `(meta_len - 12*count - sum(key_lens)) / 8`. GET/EXISTS meta: key_lens
-  u32[count] | keys. PING: nothing.
+  u32[count] | keys. PING: nothing. SHM_OPEN, SHM_PUT, SHM_GET: see `transport/shm.py` (values in a region of
+  shared memory, never in data frames).
 * Replies: PUT/EXISTS meta u8[count] (1 = stored / held); GET meta i64[count] (value length, -1 = miss) and then one
   data frame per segment of the present values.
 * Values travel in **segments** (`segment_plan`): a value of at least SEGMENT_BYTES is a segment of its own (sent
@@ -93,6 +94,9 @@ class Op(enum.IntEnum):
     GET = 5
     EXISTS = 6
     PING = 7
+    SHM_OPEN = 8  # same-host shared memory (transport/shm.py): open this connection's region
+    SHM_PUT = 9  # a PUT whose values are in the region
+    SHM_GET = 10  # a GET whose values are placed in the region
 
 
 REPLY = 0x8000  # op | REPLY in a node's answer to a request

@@ -13,6 +13,8 @@ Contract:
 * Lazy reconnect: a call on a dropped connection reconnects first (concurrent calls share one connect). After a
   failure, calls within `RECONNECT_BACKOFF_S` fail at once with the last error instead of hammering a dead node.
   A timeout or failure aborts the endpoint (the other requests in flight on it fail too).
+* Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
+  connection (`transport.shm_client`); any call it cannot serve goes over UCX as above.
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels.
 """
 
@@ -34,6 +36,8 @@ from ems.errors import EmsErrorCode
 from ems.transport import protocol as P
 from ems.transport import ucx_progress as io
 from ems.transport.base import NodeClient, TransportError
+from ems.transport.shm import is_local_address
+from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode, shm_mode
 from ems.transport.ucx_config import CLIENT_PROGRESS_MODE, init_ucx
 from ems.transport.ucx_endpoint import create_endpoint
 from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, send_all
@@ -194,6 +198,7 @@ class UcxNode(NodeClient):
         access_id: Optional[str] = None,
         access_key: Optional[str] = None,
         connect_timeout_ms: int = 3000,
+        shm: Optional[ShmMode] = None,
     ) -> None:
         self.address = address
         self._ip, self._port = resolve(address)
@@ -207,12 +212,20 @@ class UcxNode(NodeClient):
         self._retry_at = 0.0
         self._last_error: Optional[TransportError] = None
         self.last_failure = Failure.NONE
+        wants_shm = (shm or shm_mode()) != ShmMode.OFF and is_local_address(self._ip)
+        self.shm: Optional[ShmClient] = ShmClient(self) if wants_shm else None
 
     # ---- NodeClient ----
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
         if not keys:
             return []
+        if self.shm is not None:
+            deadline = time.monotonic() + timeout_s
+            stored = self.shm.put(keys, values, timeout_s)
+            if stored is not None:
+                return stored
+            timeout_s = max(0.0, deadline - time.monotonic())
         meta, chunks, data_len = _build_put(keys, values)
         return self._call(lambda ep, rid: _put(ep, rid, meta, chunks, data_len, len(keys)), timeout_s)
 
@@ -228,6 +241,12 @@ class UcxNode(NodeClient):
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         views = [_writable_bytes(o) for o in outs]
+        if self.shm is not None:
+            deadline = time.monotonic() + timeout_s
+            placed = self.shm.get_into(keys, views, timeout_s)
+            if placed is not None:
+                return placed
+            timeout_s = max(0.0, deadline - time.monotonic())
         meta = P.encode_keys_meta(keys)
         return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), views), timeout_s)
 
@@ -246,6 +265,11 @@ class UcxNode(NodeClient):
 
     def close(self) -> None:
         self._drop()
+
+    def shm_buffer(self, nbytes: int, timeout_s: float) -> Optional[ShmBuffer]:
+        """`nbytes` of this connection's shared-memory region, which `put` / `get_into` move without a copy when
+        the values lie in it; None when there is no region (or no room in it)."""
+        return None if self.shm is None else self.shm.buffer(nbytes, timeout_s)
 
     def connect_now(self, timeout_s: float) -> None:
         """Connect (and authenticate) now instead of on the first call; TransportError on failure."""

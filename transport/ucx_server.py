@@ -31,6 +31,8 @@ Contract:
 * Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are shut down (`transport.ucx_sockets`).
 * A malformed or oversized frame, or any transport error, closes that connection only.
 * `stop()` closes the listener and every connection; the caller then lets the loop finish.
+* Same-host clients may move value bytes through a shared-memory region of their connection (`shm`:
+  `transport.shm_server`); off unless `shm` enables it (`python -m ems.pool` does by default).
 * With `metrics` (`ems.pool.metrics.NodeMetrics`), each request, connection and refused handshake is counted once.
 """
 
@@ -52,6 +54,8 @@ import numpy as np
 from ems.buffers import Buffer
 from ems.transport import protocol as P
 from ems.transport import ucx_progress
+from ems.transport.shm import ShmSettings
+from ems.transport.shm_server import ShmService
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
 from ems.transport.ucx_listener import BoundListener
@@ -263,6 +267,7 @@ class PoolServer:
         access_keys: Optional[dict[str, str]] = None,
         limits: Optional[NodeLimits] = None,
         metrics: Optional["NodeMetrics"] = None,
+        shm: Optional[ShmSettings] = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -275,6 +280,7 @@ class PoolServer:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
         self._tasks: list[asyncio.Task] = []
         self.port = 0
+        self.shm = ShmService(shm or ShmSettings(region_bytes=0), self)  # same-host shared memory; off by default
 
     # ---- life cycle ----
 
@@ -291,6 +297,7 @@ class PoolServer:
             self._listener = BoundListener(host, port, self._serve)
         self.port = int(self._listener.port)
         self._tasks = [asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._reaper())]
+        self.shm.start()
         return self.port
 
     async def stop(self) -> None:
@@ -299,6 +306,7 @@ class PoolServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        self.shm.stop()
         for ep in list(self._connections):
             _abort(ep)
         self._connections.clear()
@@ -407,6 +415,7 @@ class PoolServer:
                 if self._per_peer[conn.peer] <= 0:
                     del self._per_peer[conn.peer]
             conn.aborted = True
+            self.shm.forget(conn)
             _abort(ep)  # fails the UCX requests of the inline requests still in flight: their tasks end by themselves
             if conn.tasks:
                 await asyncio.gather(*conn.tasks, return_exceptions=True)
@@ -524,6 +533,8 @@ class PoolServer:
             finally:
                 self.budget.release(header.meta_len)
             return await self._get(channel, keys)
+        elif op in (P.Op.SHM_OPEN, P.Op.SHM_PUT, P.Op.SHM_GET):
+            return await self.shm.serve(channel, prefix)
         else:
             raise P.ProtocolError(f"unexpected op {op} after the handshake")
         return header.data_len

@@ -2,7 +2,7 @@
 
     ems-pool --listen HOST:PORT --capacity 4GiB [--keys-file PATH] [--log-level info]
              [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
-             [--max-connections N] [--max-connections-per-peer N]
+             [--max-connections N] [--max-connections-per-peer N] [--shm-bytes SIZE] [--shm-total SIZE]
              [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]]
              [--metrics HOST:PORT]
     ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)   (see ems.pool.status)
@@ -22,6 +22,8 @@ Contract:
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
+* Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
+  0 turns it off), `--shm-total` for all connections together (default 2GiB).
 * `--metrics HOST:PORT` serves Prometheus `/metrics` and `/healthz` (`ems.pool.metrics`; needs prometheus_client).
 * `--etcd URL` registers the node in etcd under `--cluster` (`ems.transport.membership`) before the ready line,
   as `--advertise` (default: the `--listen` host and the bound port); etcd unreachable at start exits with
@@ -42,6 +44,7 @@ import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
+    from ems.transport.shm import ShmSettings
     from ems.transport.ucx_server import NodeLimits
 
 _ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
@@ -100,7 +103,8 @@ def _parse_listen(value: str) -> tuple[str, int]:
 
 
 async def _run(
-    host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits", args: argparse.Namespace
+    host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits", args: argparse.Namespace,
+    shm: "ShmSettings",
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen, register or serve metrics)."""
     from ems.pool.cluster_node import NodeExtras
@@ -109,7 +113,7 @@ async def _run(
 
     store = KvStore(capacity)
     extras = NodeExtras(store, args)
-    server = PoolServer(store, keys, limits, metrics=extras.metrics)
+    server = PoolServer(store, keys, limits, metrics=extras.metrics, shm=shm)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -216,6 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--max-connections", type=_positive_int, default=1024, help="connections in all")
     parser.add_argument("--max-connections-per-peer", type=_positive_int, default=64, help="per peer IP address")
+    parser.add_argument("--shm-bytes", default="256MiB", help="shared memory per same-host connection (0: off)")
+    parser.add_argument("--shm-total", default="2GiB", help="shared memory of all connections together")
     from ems.pool.cluster_node import add_arguments
 
     add_arguments(parser)
@@ -249,10 +255,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if inflight <= 0:
                 raise ValueError("--max-inflight must be > 0")
             limits = dataclasses.replace(limits, inflight_bytes=inflight)
+        from ems.transport.shm import ShmSettings
+
+        shm = ShmSettings(parse_size("--shm-bytes", args.shm_bytes), parse_size("--shm-total", args.shm_total))
     except (EmsException, ValueError, OSError) as error:
         parser.error(str(error))
     _tune_malloc()
-    status = asyncio.run(_run(host, port, capacity, keys, limits, args))
+    status = asyncio.run(_run(host, port, capacity, keys, limits, args, shm))
     # Listener and connections are closed; UCX's own threads would keep the interpreter from exiting.
     logging.shutdown()
     sys.stdout.flush()

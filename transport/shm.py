@@ -1,0 +1,240 @@
+"""Same-host value bytes through shared memory: the region, its allocator and the SHM_* requests (no I/O here).
+
+Contract:
+* A **region** is one sealed memfd per authenticated connection, created by the node and mapped by that client
+  only: never shared between connections, never reused (a fresh memfd's pages are zero, so it can hold no stale
+  bytes of another connection), gone when the connection ends. Its size is fixed by the node and sealed
+  (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): a client cannot truncate it under the node (no SIGBUS there).
+* Opening (`SHM_OPEN`, an ordinary inline request on the authenticated connection): the client states its uid and
+  pid; the node answers a one-time token, the region's size, its own pid and the abstract Unix socket it listens
+  on (size 0: no region for this connection, the client uses UCX). The client connects to that socket, sends the
+  token and receives the memfd (SCM_RIGHTS). The node hands the descriptor over only for an unexpired token it
+  issued to a live connection, and only when the socket's peer credentials (SO_PEERCRED) are the uid and pid that
+  connection stated; the token is spent by the first attempt, right or wrong. The client, in turn, accepts the
+  descriptor only from the node's pid (SO_PEERCRED), and only tries at all when the node's address is one of this
+  host's own.
+* `SHM_PUT` meta: offsets u64[count] | value_lens u64[count] | key_lens u32[count] | keys; no data frames: value i
+  is region[offsets[i] : offsets[i] + value_lens[i]]. The reply is PUT's (u8[count], 1 = stored); the node copies
+  each value out of the region into its own buffer and verifies that copy (checksum) before storing it.
+* `SHM_GET` meta: offsets u64[count] | capacities u64[count] | key_lens u32[count] | keys. The reply meta is GET's
+  i64[count] (the value's length, -1 = miss); the value is in region[offsets[i]:] when (and only when) its length
+  equals capacities[i]. The client reads a range only after the reply: nothing is placed from a failed request.
+* Every range must lie inside the region (`ProtocolError` otherwise: the node closes the connection).
+* Concurrency (client side): `RangeAllocator` hands out disjoint page-aligned ranges, one per request in flight,
+  freed when the request's reply has come back. A request that failed or timed out may still be copied into by the
+  node, so its region is **poisoned**: no range of it is handed out again, and the connection is dropped anyway
+  (the next connection gets a fresh region).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ems.transport import protocol as P
+
+TOKEN_BYTES = 32
+PAGE = 4096
+MAX_SOCKET_NAME = 107  # sun_path
+DEFAULT_REGION_BYTES = 256 << 20  # per connection (`python -m ems.pool --shm-bytes`)
+DEFAULT_TOTAL_BYTES = 2 << 30  # all connections of one node together (`--shm-total`)
+_OPEN_REPLY = struct.Struct("<32sQI")  # token | region bytes | node pid; then the socket name
+_CREDS = struct.Struct("<II")  # uid | pid
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid (struct ucred)
+
+
+@dataclass(frozen=True)
+class ShmSettings:
+    """What a node offers: bytes per connection's region (0: shared memory off) and in all."""
+
+    region_bytes: int = DEFAULT_REGION_BYTES
+    total_bytes: int = DEFAULT_TOTAL_BYTES
+
+    def __post_init__(self) -> None:
+        if self.region_bytes < 0 or self.total_bytes < 0:
+            raise ValueError("shared-memory sizes must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.region_bytes > 0 and self.total_bytes >= self.region_bytes
+
+
+# ---- the region ----
+
+
+def create_region(nbytes: int) -> int:
+    """A sealed memfd of exactly `nbytes` (rounded up to pages), close-on-exec; its descriptor."""
+    import fcntl
+
+    size = (nbytes + PAGE - 1) // PAGE * PAGE
+    fd = os.memfd_create("ems-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_region(fd: int, nbytes: int) -> np.ndarray:
+    """The region behind `fd` as a writable uint8 array of `nbytes` (the mapping lives as long as the array)."""
+    if os.fstat(fd).st_size != nbytes:
+        raise OSError(f"shared-memory region of {os.fstat(fd).st_size} bytes, announced {nbytes}")
+    return np.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), dtype=np.uint8)
+
+
+def address_of(buffer: Any) -> tuple[int, int]:
+    """(address, byte length) of a contiguous buffer."""
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    return int(array.ctypes.data), int(array.nbytes)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of a Unix socket's peer, as the kernel recorded them."""
+    pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
+def is_local_address(ip: str) -> bool:
+    """True when `ip` is an address of this host (a node there can share memory with this process)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+# ---- the client's allocator ----
+
+
+@dataclass(frozen=True)
+class ShmRange:
+    offset: int
+    nbytes: int
+
+
+class RangeAllocator:
+    """Disjoint page-aligned ranges of a region of `size` bytes (first fit; thread-safe). `poison()` stops it for
+    good: a range a failed request held may still be written by the node, so nothing of the region is reused."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)]  # sorted, disjoint (start, end)
+        self._lock = threading.Lock()
+        self.poisoned = False
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> Optional[ShmRange]:
+        need = max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
+        with self._lock:
+            if self.poisoned:
+                return None
+            for i, (start, end) in enumerate(self._free):
+                if end - start >= need:
+                    if end - start == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (start + need, end)
+                    self.used += need
+                    return ShmRange(start, need)
+        return None
+
+    def free(self, taken: ShmRange) -> None:
+        with self._lock:
+            if self.poisoned:
+                return
+            start, end = taken.offset, taken.offset + taken.nbytes
+            self.used -= taken.nbytes
+            ranges = self._free
+            at = 0
+            while at < len(ranges) and ranges[at][0] < start:
+                at += 1
+            if at > 0 and ranges[at - 1][1] == start:
+                at -= 1
+                start = ranges[at][0]
+                del ranges[at]
+            if at < len(ranges) and ranges[at][0] == end:
+                end = ranges[at][1]
+                del ranges[at]
+            ranges.insert(at, (start, end))
+
+    def poison(self) -> None:
+        with self._lock:
+            self.poisoned = True
+            self._free = []
+
+
+# ---- requests ----
+
+
+def encode_open(uid: int, pid: int) -> bytes:
+    return _CREDS.pack(uid, pid)
+
+
+def decode_open(meta: bytes) -> tuple[int, int]:
+    if len(meta) != _CREDS.size:
+        raise P.ProtocolError(f"SHM_OPEN meta of {len(meta)} bytes, expected {_CREDS.size}")
+    uid, pid = _CREDS.unpack(meta)
+    return uid, pid
+
+
+@dataclass(frozen=True)
+class OpenReply:
+    token: bytes
+    region_bytes: int  # 0: no region for this connection
+    node_pid: int
+    socket_name: bytes  # abstract namespace (leading NUL)
+
+
+def encode_open_reply(reply: OpenReply) -> bytes:
+    return _OPEN_REPLY.pack(reply.token, reply.region_bytes, reply.node_pid) + reply.socket_name
+
+
+def decode_open_reply(meta: bytes) -> OpenReply:
+    if len(meta) < _OPEN_REPLY.size or len(meta) - _OPEN_REPLY.size > MAX_SOCKET_NAME:
+        raise P.ProtocolError(f"SHM_OPEN reply of {len(meta)} bytes")
+    token, region_bytes, node_pid = _OPEN_REPLY.unpack_from(meta)
+    return OpenReply(token, region_bytes, node_pid, bytes(meta[_OPEN_REPLY.size :]))
+
+
+@dataclass(frozen=True)
+class RangedRequest:
+    """A decoded SHM_PUT or SHM_GET: keys and, per key, a region offset and a length (PUT) or capacity (GET)."""
+
+    keys: list[bytes]
+    offsets: np.ndarray  # int64
+    lens: np.ndarray  # int64
+
+
+def encode_ranged(keys: Sequence[bytes], offsets: Sequence[int], lens: Sequence[int]) -> bytes:
+    key_lens, blob = P.encode_keys(keys)
+    return (
+        np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(lens, dtype="<u8").tobytes() + key_lens.tobytes()
+        + blob
+    )
+
+
+def decode_ranged(count: int, meta: memoryview | bytes, region_bytes: int) -> RangedRequest:
+    """Parse an SHM_PUT/SHM_GET meta and check every range against the region and the protocol's limits."""
+    meta = memoryview(meta)
+    if len(meta) < 20 * count:
+        raise P.ProtocolError("shared-memory request meta shorter than its lengths")
+    offsets = np.frombuffer(meta, dtype="<u8", count=count).astype(np.uint64)
+    lens = np.frombuffer(meta, dtype="<u8", count=count, offset=8 * count).astype(np.uint64)
+    key_lens = np.frombuffer(meta, dtype="<u4", count=count, offset=16 * count)
+    keys = P.split_keys(key_lens, meta[20 * count :])
+    if count and (int(lens.max()) > P.MAX_VALUE_BYTES or int(offsets.max()) > region_bytes):
+        raise P.ProtocolError("a shared-memory range out of bounds")
+    ends = offsets + lens  # no overflow: both are bounded above
+    if count and int(ends.max()) > region_bytes:
+        raise P.ProtocolError("a shared-memory range out of bounds")
+    return RangedRequest(keys, offsets.astype(np.int64), lens.astype(np.int64))

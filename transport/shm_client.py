@@ -1,0 +1,290 @@
+"""The client's side of same-host shared memory for one `UcxNode` (`transport/shm.py`: protocol and security).
+
+Contract:
+* `ShmClient.put` / `.get_into` move the values through the connection's region and return the same results as
+  the UCX calls, or None when the region cannot serve this call (no region: another host, shared memory off on
+  either side, a region too small for the call or busy with other calls, a connection newer than the region);
+  the caller then uses UCX with the time left. A call that fails or times out raises the UCX path's
+  `TransportError` (it ran on the same connection, which is dropped), and poisons the region: nothing of it is
+  handed out again, since the node may still be copying.
+* The region is opened lazily by the first call on a connection (one thread opens; concurrent calls use UCX
+  meanwhile) and belongs to that connection only: a reconnect opens a fresh one. A connection whose node offered
+  no region, or whose hand-over failed, is not asked again.
+* Zero copy where the caller's buffers already lie in the region (`buffer(nbytes)` hands out such buffers: a
+  staging area the caller fills and reads in place): their offsets go on the wire as they are. Otherwise a save
+  copies its values into a range of the region first, and a load copies each placed value out of one.
+* A value is placed in a load's buffer only from a reply with status OK that gives it exactly that buffer's length.
+* `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import numpy as np
+
+from ems.buffers import Buffer
+from ems.errors import EmsErrorCode, EmsException
+from ems.transport import protocol as P
+from ems.transport import shm as S
+
+if TYPE_CHECKING:
+    from ems.transport.ucx import UcxNode
+
+log = logging.getLogger("ems.transport")
+
+HANDOVER_TIMEOUT_S = 2.0
+_STALE = object()  # a request found the connection newer than the region: the caller falls back to UCX
+
+
+class ShmMode(str, enum.Enum):
+    AUTO = "auto"  # shared memory with a node on this host
+    OFF = "off"
+
+
+def shm_mode(value: Optional[str] = None) -> ShmMode:
+    """The mode named by `value`, else by EMS_POOL_SHM, else AUTO; EMS_INVALID_ARGUMENT for another name."""
+    raw = value if value is not None else os.environ.get("EMS_POOL_SHM", ShmMode.AUTO.value)
+    try:
+        return ShmMode(raw.strip().lower())
+    except ValueError:
+        raise EmsException(
+            EmsErrorCode.EMS_INVALID_ARGUMENT, f"EMS_POOL_SHM must be 'auto' or 'off', got {raw!r}"
+        ) from None
+
+
+@dataclass(eq=False)
+class ClientRegion:
+    """A mapped region and the connection (endpoint) it belongs to."""
+
+    ep: Any
+    array: np.ndarray
+    allocator: S.RangeAllocator
+
+    def __post_init__(self) -> None:
+        self.base = int(self.array.ctypes.data)
+
+    def offset_of(self, address: int, nbytes: int) -> int:
+        """The region offset of `nbytes` at `address`, or -1 when they are not inside the region."""
+        offset = address - self.base
+        return offset if 0 <= offset and offset + nbytes <= self.array.nbytes else -1
+
+
+class ShmBuffer:
+    """A range of a region lent to a caller (`ShmClient.buffer`): `array` is writable uint8 memory that calls of this
+    client move without a copy. `release()` returns it; `retire()` when a failed call may still touch it."""
+
+    def __init__(self, region: ClientRegion, taken: S.ShmRange, nbytes: int) -> None:
+        self.region = region
+        self.taken = taken
+        self.array = region.array[taken.offset : taken.offset + nbytes]
+
+    def release(self) -> None:
+        self.region.allocator.free(self.taken)
+
+    def retire(self) -> None:
+        self.region.allocator.poison()
+
+
+class ShmClient:
+    """Shared memory for one `UcxNode`; see the module docstring."""
+
+    def __init__(self, node: "UcxNode") -> None:
+        self.node = node
+        self._region: Optional[ClientRegion] = None
+        self._no_region_on: Any = None  # the endpoint whose node offered no region (not asked again)
+        self._opening = threading.Lock()
+
+    # ---- calls ----
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> Optional[list[bool]]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        deadline = time.monotonic() + timeout_s
+        region = self.region(deadline)
+        if region is None:
+            return None
+        parts = [[_as_bytes(p) for p in ps] for ps in values]
+        lens = [sum(p.nbytes for p in ps) for ps in parts]
+        offsets = _offsets_in(region, parts, lens)
+        taken: Optional[S.ShmRange] = None
+        if offsets is None:
+            taken = region.allocator.alloc(sum(lens))
+            if taken is None:
+                return None
+            offsets, at = [], taken.offset
+            for ps in parts:
+                offsets.append(at)
+                for p in ps:
+                    region.array[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
+                    at += p.nbytes
+        meta = S.encode_ranged(keys, offsets, lens)
+        body = self._send(region, P.Op.SHM_PUT, meta, len(keys), taken, deadline)
+        if body is _STALE:
+            return None
+        return P.decode_flags(len(keys), body)
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], timeout_s: float) -> Optional[list[bool]]:
+        deadline = time.monotonic() + timeout_s
+        region = self.region(deadline)
+        if region is None:
+            return None
+        caps = [o.nbytes for o in outs]
+        offsets = _offsets_in(region, [[o] for o in outs], caps)
+        taken: Optional[S.ShmRange] = None
+        if offsets is None:
+            taken = region.allocator.alloc(sum(caps))
+            if taken is None:
+                return None
+            offsets = (taken.offset + np.cumsum(caps) - np.asarray(caps, dtype=np.int64)).tolist()
+        meta = S.encode_ranged(keys, offsets, caps)
+        body = self._send(region, P.Op.SHM_GET, meta, len(keys), taken, deadline, keep=True)
+        try:
+            if body is _STALE:
+                return None
+            if len(body) != 8 * len(keys):
+                raise self._malformed(f"SHM_GET reply meta of {len(body)} bytes for {len(keys)} keys")
+            lens = np.frombuffer(body, dtype="<i8").tolist()
+            placed = [n >= 0 and n == cap for n, cap in zip(lens, caps)]
+            if taken is not None:
+                for out, offset, ok in zip(outs, offsets, placed):
+                    if ok and out.nbytes:
+                        np.frombuffer(out, dtype=np.uint8)[:] = region.array[offset : offset + out.nbytes]
+            return placed
+        finally:
+            if taken is not None:
+                region.allocator.free(taken)
+
+    def buffer(self, nbytes: int, timeout_s: float) -> Optional[ShmBuffer]:
+        """`nbytes` of the current connection's region for the caller to fill or read in place, or None."""
+        region = self.region(time.monotonic() + timeout_s)
+        if region is None:
+            return None
+        taken = region.allocator.alloc(nbytes)
+        return None if taken is None else ShmBuffer(region, taken, nbytes)
+
+    # ---- machinery ----
+
+    def _send(self, region: ClientRegion, op: int, meta: bytes, count: int, taken: Optional[S.ShmRange],
+              deadline: float, keep: bool = False) -> Any:
+        """Run one SHM request on the region's connection; its reply meta (or _STALE). `taken` is freed after a
+        success unless `keep` (the caller still reads it), and the region is poisoned after a failure."""
+        from ems.transport.ucx import _request
+
+        async def run(ep: Any, rid: int) -> Any:
+            if ep is not region.ep:
+                return _STALE
+            reply, body = await _request(ep, rid, op, count=count, meta=meta)
+            return bytes(body[: reply.meta_len])
+
+        try:
+            result = self.node._call(run, max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            region.allocator.poison()
+            if self._region is region:
+                self._region = None
+            raise
+        if taken is not None and not keep:
+            region.allocator.free(taken)
+        return result
+
+    def _malformed(self, message: str) -> Exception:
+        from ems.transport.base import TransportError
+
+        if self._region is not None:
+            self._region.allocator.poison()
+            self._region = None
+        self.node.close()
+        return TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.node.address}: malformed reply: {message}")
+
+    def region(self, deadline: float) -> Optional[ClientRegion]:
+        """The current connection's region, opened now if it has none; None when there is none to use."""
+        ep = self.node._ep  # a reference read: the loop thread replaces it, requests check it again there
+        region = self._region
+        if region is not None and region.ep is ep and ep is not None and not region.allocator.poisoned:
+            return region
+        if ep is not None and ep is self._no_region_on:
+            return None
+        if not self._opening.acquire(blocking=False):
+            return None  # another thread is opening it: this call goes over UCX
+        try:
+            return self._open(deadline)
+        finally:
+            self._opening.release()
+
+    def _open(self, deadline: float) -> Optional[ClientRegion]:
+        from ems.transport.ucx import _request
+
+        meta = S.encode_open(os.getuid(), os.getpid())
+
+        async def run(ep: Any, rid: int) -> tuple[Any, S.OpenReply]:
+            reply, body = await _request(ep, rid, P.Op.SHM_OPEN, meta=meta)
+            return ep, S.decode_open_reply(bytes(body[: reply.meta_len]))
+
+        ep, offer = self.node._call(run, max(0.0, deadline - time.monotonic()))
+        if offer.region_bytes == 0:
+            self._no_region_on = ep
+            return None
+        try:
+            array = _receive_region(offer, min(HANDOVER_TIMEOUT_S, max(0.0, deadline - time.monotonic())))
+        except (OSError, ValueError) as error:
+            log.info("%s: no shared memory (using UCX): %s", self.node.address, error)
+            self._no_region_on = ep
+            return None
+        region = ClientRegion(ep, array, S.RangeAllocator(array.nbytes))
+        self._region = region
+        return region
+
+
+def _receive_region(offer: S.OpenReply, timeout_s: float) -> np.ndarray:
+    """Present the token on the node's Unix socket and map the descriptor it hands over."""
+    if not offer.socket_name.startswith(b"\0"):
+        raise ValueError("the node's socket is not an abstract one")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(max(0.01, timeout_s))
+        sock.connect(offer.socket_name)
+        pid, _uid = S.peer_credentials(sock)
+        if pid != offer.node_pid:
+            raise ValueError(f"the socket's peer is pid {pid}, not the node's pid {offer.node_pid}")
+        sock.sendall(offer.token)
+        message, fds, _flags, _addr = socket.recv_fds(sock, 1, 4)
+    try:
+        if message != b"\1" or len(fds) != 1:
+            raise ValueError("the node refused the mapping")
+        return S.map_region(fds[0], offer.region_bytes)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequence[int]) -> Optional[list[int]]:
+    """Each value's region offset when every value's parts lie back to back inside the region, else None."""
+    offsets = []
+    for ps, n in zip(parts, lens):
+        if not ps:
+            return None
+        address, _ = S.address_of(ps[0])
+        offset = region.offset_of(address, n)
+        if offset < 0:
+            return None
+        at = address
+        for p in ps:
+            part_address, size = S.address_of(p)
+            if part_address != at:
+                return None
+            at += size
+        offsets.append(offset)
+    return offsets
+
+
+def _as_bytes(part: Buffer) -> memoryview:
+    view = memoryview(part)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+

@@ -1,0 +1,299 @@
+"""The node's side of same-host shared memory (`transport/shm.py` has the protocol and the security model).
+
+Contract:
+* `ShmService(settings, server)` belongs to one `PoolServer`. `start()` listens on a fresh abstract Unix socket
+  (a random name, so no other process can predict it or take it first); `stop()` closes it and every region.
+* `serve(channel, prefix)` answers SHM_OPEN, SHM_PUT and SHM_GET of one authenticated connection (keys in the
+  tenant's namespace `prefix`, as every request). SHM_OPEN makes the connection's region (a fresh sealed memfd),
+  replacing any earlier one of that connection, or answers size 0 when shared memory is off or the node's total
+  (`ShmSettings.total_bytes`) is taken. A data request on a connection without a region is malformed.
+* `forget(conn)` drops a connection's region when the connection ends (the server calls it on every path): its
+  pending token dies with it, and the memory goes once no copy still uses it (the client's mapping keeps its own
+  reference to the pages until it unmaps).
+* Copies of more than OFFLOAD_BYTES run on the server's worker threads; the node keeps a reference to every value
+  it copies, so the store never recycles a buffer under a copy. The bytes a request copies count against the
+  node's in-flight budget like a UCX request's; a request that cannot get room in time is answered with misses /
+  not-stored, never refused (the connection stays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from ems.transport import protocol as P
+from ems.transport import shm as S
+
+if TYPE_CHECKING:
+    from ems.transport.ucx_server import PoolServer, _Channel
+
+log = logging.getLogger("ems.pool")
+
+OFFLOAD_BYTES = 4 << 20  # copies larger than this leave the event loop
+TOKEN_TTL_S = 10.0  # a token not presented within this long is void
+HANDOVER_TIMEOUT_S = 2.0  # a Unix-socket peer must send its token within this long
+MAX_HANDOVERS = 64  # Unix-socket peers served at once; more are closed at once
+
+
+@dataclass(eq=False)
+class _Region:
+    conn: Any
+    fd: int  # -1 once handed over (or closed)
+    array: np.ndarray
+    uid: int
+    pid: int
+    token: Optional[bytes]
+    expires: float
+    copies: int = 0
+    closing: bool = False
+    handed: bool = field(default=False)
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ShmService:
+    """Regions of one node's connections; see the module docstring."""
+
+    def __init__(self, settings: S.ShmSettings, server: "PoolServer") -> None:
+        self.settings = settings
+        self.server = server
+        self.name = b"\0ems-shm-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
+        self._regions: dict[Any, _Region] = {}  # connection -> its region
+        self._tokens: dict[bytes, _Region] = {}
+        self._bytes = 0
+        self._listener: Optional[socket.socket] = None
+        self._accepting: Optional[asyncio.Task] = None
+        self._handovers: set[asyncio.Task] = set()
+
+    @property
+    def region_bytes_in_use(self) -> int:
+        return self._bytes
+
+    # ---- life cycle ----
+
+    def start(self) -> None:
+        if not self.settings.enabled:
+            return
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(self.name)
+            listener.listen(64)
+            listener.setblocking(False)
+        except OSError as error:
+            listener.close()
+            log.warning("shared memory off: cannot listen on a Unix socket: %s", error)
+            return
+        self._listener = listener
+        self._accepting = asyncio.ensure_future(self._accept())
+
+    def stop(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for task in list(self._handovers):
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for conn in list(self._regions):
+            self.forget(conn)
+
+    def forget(self, conn: Any) -> None:
+        region = self._regions.pop(conn, None)
+        if region is None:
+            return
+        if region.token is not None:
+            self._tokens.pop(region.token, None)
+            region.token = None
+        region.close_fd()
+        region.closing = True
+        self._bytes -= region.array.nbytes
+
+    # ---- requests ----
+
+    async def serve(self, channel: "_Channel", prefix: bytes) -> int:
+        """Serve one SHM_* request; the value bytes it moved."""
+        header = channel.header
+        if header.data_len:
+            raise P.ProtocolError("shared-memory requests carry no data frames")
+        if header.op == P.Op.SHM_OPEN:
+            await self._open(channel, S.decode_open(await channel.meta()))
+            return 0
+        region = self._regions.get(channel.conn)
+        if region is None:
+            raise P.ProtocolError("a shared-memory request on a connection without a region")
+        request = S.decode_ranged(header.count, await channel.meta(), region.array.nbytes)
+        keys = [prefix + k for k in request.keys]
+        if header.op == P.Op.SHM_PUT:
+            return await self._put(channel, region, keys, request)
+        return await self._get(channel, region, keys, request)
+
+    async def _open(self, channel: "_Channel", creds: tuple[int, int]) -> None:
+        conn = channel.conn
+        self.forget(conn)  # a connection has at most one region
+        size = self.settings.region_bytes
+        reply = S.OpenReply(b"\0" * S.TOKEN_BYTES, 0, os.getpid(), self.name)
+        if self._listener is not None and self._bytes + size <= self.settings.total_bytes and not conn.aborted:
+            try:
+                fd = S.create_region(size)
+                array = S.map_region(fd, os.fstat(fd).st_size)
+            except OSError as error:
+                log.warning("no shared-memory region for %s: %s", conn.peer, error)
+            else:
+                token = secrets.token_bytes(S.TOKEN_BYTES)
+                region = _Region(conn, fd, array, creds[0], creds[1], token, time.monotonic() + TOKEN_TTL_S)
+                self._regions[conn] = region
+                self._tokens[token] = region
+                self._bytes += array.nbytes
+                reply = S.OpenReply(token, array.nbytes, os.getpid(), self.name)
+        await channel.reply(P.Op.SHM_OPEN, meta=S.encode_open_reply(reply))
+
+    async def _room(self, nbytes: int) -> bool:
+        return nbytes <= self.server.budget.total and await self.server.budget.acquire(
+            nbytes, self.server.limits.stall_timeout_s
+        )
+
+    async def _put(self, channel: "_Channel", region: _Region, keys: list[bytes], request: S.RangedRequest) -> int:
+        total = int(request.lens.sum())
+        stored = [False] * len(keys)
+        if await self._room(total):
+            try:
+                stored = await self._copy(total, self._store, region, keys, request)
+            finally:
+                self.server.budget.release(total)
+        else:
+            log.warning("shared-memory PUT from %s not stored: no room for %d bytes", channel.conn.peer, total)
+        await channel.reply(P.Op.SHM_PUT, count=len(keys), meta=P.encode_flags(stored))
+        return total
+
+    def _store(self, region: _Region, keys: list[bytes], request: S.RangedRequest) -> list[bool]:
+        """Copy each value out of the region into a buffer of the store's, which checks it before keeping it."""
+        store = self.server.store
+        stored = []
+        for key, offset, n in zip(keys, request.offsets.tolist(), request.lens.tolist()):
+            charge = store.charge_of(len(key), n)
+            if charge > store.capacity_bytes:
+                stored.append(False)
+                continue
+            buffer = store.allocate(n, reserve=charge)
+            try:
+                buffer[:] = region.array[offset : offset + n]
+            except BaseException:
+                store.recycle(buffer, reserved=charge)
+                raise
+            stored.append(store.put_owned(key, buffer, reserved=charge))
+        return stored
+
+    async def _get(self, channel: "_Channel", region: _Region, keys: list[bytes], request: S.RangedRequest) -> int:
+        values = self.server.store.get_many(keys)
+        lens = np.fromiter(
+            (-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values)
+        )
+        placed = (lens == request.lens) & (lens > 0)
+        total = int(lens[placed].sum())
+        if not await self._room(total):
+            log.warning("shared-memory GET from %s answered with misses: no room for %d bytes", channel.conn.peer,
+                        total)
+            lens[:] = -1
+            placed[:] = False
+            total = 0
+        try:
+            if total:
+                chosen = [(v, o) for v, o, p in zip(values, request.offsets.tolist(), placed.tolist()) if p]
+                await self._copy(total, _place, region, chosen)
+        finally:
+            self.server.budget.release(total)
+        del values
+        await channel.reply(P.Op.SHM_GET, count=len(keys), meta=lens.astype("<i8").tobytes())
+        return total
+
+    async def _copy(self, nbytes: int, fn: Any, region: _Region, *args: Any) -> Any:
+        """Run a copy over `region` on the loop (small) or a worker thread (large); the region's mapping is
+        referenced until the copy has ended, whatever happens to the connection meanwhile."""
+        region.copies += 1
+        try:
+            if nbytes > OFFLOAD_BYTES:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self.server._executor, fn, region, *args)
+            return fn(region, *args)
+        finally:
+            region.copies -= 1
+
+    # ---- handing the descriptor over ----
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        listener = self._listener
+        while listener is not None:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except asyncio.CancelledError:
+                raise
+            except OSError as error:  # e.g. out of descriptors: wait, then accept again
+                log.warning("shared-memory socket: %s", error)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._handovers) >= MAX_HANDOVERS:
+                sock.close()
+                continue
+            task = asyncio.ensure_future(self._hand_over(sock))
+            self._handovers.add(task)
+            task.add_done_callback(self._handovers.discard)
+
+    async def _hand_over(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            sock.setblocking(False)
+            token = b""
+            deadline = time.monotonic() + HANDOVER_TIMEOUT_S
+            while len(token) < S.TOKEN_BYTES:
+                chunk = await asyncio.wait_for(
+                    loop.sock_recv(sock, S.TOKEN_BYTES - len(token)), max(0.0, deadline - time.monotonic())
+                )
+                if not chunk:
+                    return
+                token += chunk
+            region = self._tokens.pop(token, None)  # spent by the first attempt, right or wrong
+            pid, uid = S.peer_credentials(sock)
+            if region is not None:
+                region.token = None
+            reason = _refusal(region, pid, uid)
+            if reason is not None or region is None:
+                log.warning("refused a shared-memory mapping (pid %d, uid %d): %s", pid, uid, reason)
+                sock.send(b"\0")
+                return
+            socket.send_fds(sock, [b"\1"], [region.fd])
+            region.close_fd()  # the client has its own descriptor now; the node keeps its mapping
+            region.handed = True
+        except (OSError, asyncio.TimeoutError) as error:
+            log.info("shared-memory hand-over failed: %r", error)
+        finally:
+            sock.close()
+
+
+def _refusal(region: Optional[_Region], pid: int, uid: int) -> Optional[str]:
+    if region is None:
+        return "unknown or spent token"
+    if region.closing or region.conn.aborted:
+        return "its connection has ended"
+    if time.monotonic() > region.expires:
+        return "token expired"
+    if uid != region.uid or pid != region.pid:
+        return f"not the process the connection named (pid {region.pid}, uid {region.uid})"
+    return None
+
+
+def _place(region: _Region, chosen: list[tuple[Any, int]]) -> None:
+    for value, offset in chosen:
+        source = np.frombuffer(value, dtype=np.uint8)
+        region.array[offset : offset + source.size] = source
