@@ -23,7 +23,7 @@ Contract:
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
 * Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
-  0 turns it off), `--shm-total` for all connections together (default 2GiB).
+  0 turns it off), `--shm-total` for all connections together (default 4GiB).
 * `--metrics HOST:PORT` serves Prometheus `/metrics` and `/healthz` (`ems.pool.metrics`; needs prometheus_client).
 * `--etcd URL` registers the node in etcd under `--cluster` (`ems.transport.membership`) before the ready line,
   as `--advertise` (default: the `--listen` host and the bound port); etcd unreachable at start exits with
@@ -221,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-connections", type=_positive_int, default=1024, help="connections in all")
     parser.add_argument("--max-connections-per-peer", type=_positive_int, default=64, help="per peer IP address")
     parser.add_argument("--shm-bytes", default="256MiB", help="shared memory per same-host connection (0: off)")
-    parser.add_argument("--shm-total", default="2GiB", help="shared memory of all connections together")
+    parser.add_argument("--shm-total", default="4GiB", help="shared memory of all connections together")
     from ems.pool.cluster_node import add_arguments
 
     add_arguments(parser)

@@ -1,0 +1,251 @@
+"""Same-host shared memory between `UcxNode` and a real pool-node process: byte-exact round trips (copied and zero
+copy), fallback to UCX whenever the region cannot serve, and failures of either side mid-transfer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ems.errors import EmsErrorCode
+from ems.transport.base import TransportError
+from ems.transport.shm_client import ShmMode
+from pool_testlib import joined, make_values
+
+pytestmark = pytest.mark.slow
+
+
+def _region(node):
+    region = node.shm._region
+    assert region is not None and not region.allocator.poisoned, "the call did not go through shared memory"
+    return region
+
+
+def _value(size: int, seed: int) -> list[bytes]:
+    return make_values(1, size, seed=seed)[0]
+
+
+@pytest.mark.parametrize("size", [0, 1, 4056, 4057, 70_000, (1 << 20) - 40, 3 * (1 << 20) + 5])
+def test_round_trip_is_byte_exact_over_shm(shared_node, node_clients, size):
+    node = node_clients(shared_node.address)
+    values = [_value(size, seed=size + i) for i in range(3)]
+    keys = [f"shm-{size}-{i}".encode() for i in range(3)]
+    assert node.put(keys, values, 5.0) == [True] * 3
+    region = _region(node)
+    # the values went through the region: the first put's bytes are there, back to back from offset 0
+    assert bytes(region.array[: len(joined(values[0]))]) == joined(values[0])
+    outs = [np.full(len(joined(v)), 0xAB, np.uint8) for v in values]
+    assert node.get_into(keys, outs, 5.0) == [True] * 3
+    assert [o.tobytes() for o in outs] == [joined(v) for v in values]
+    assert node.shm._region is region and region.allocator.used == 0  # every range given back
+
+
+@pytest.fixture(scope="module")
+def module_client(shared_node):
+    """One client for every example of a property test (a client per example would take a region each)."""
+    from ems.transport.ucx import UcxNode
+
+    node = UcxNode(shared_node.address, connect_timeout_ms=2000)
+    yield node
+    node.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 300_000), st.sampled_from(["hit", "miss", "short", "long"])),
+                min_size=1, max_size=12))
+def test_random_batches_match_a_model(module_client, batch):
+    """Random batches of sizes with misses and buffers of the wrong length: placed exactly where the model says."""
+    node = module_client
+    tag = os.urandom(6).hex()
+    keys, values, outs = [], [], []
+    for i, (size, kind) in enumerate(batch):
+        value = _value(size, seed=size + i)
+        key = f"r-{tag}-{i}".encode()
+        keys.append(key)
+        if kind != "miss":
+            values.append((key, value))
+        n = len(joined(value)) + {"hit": 0, "miss": 0, "short": -1, "long": 1}[kind]
+        outs.append(np.zeros(max(n, 0), np.uint8))
+    if values:
+        assert node.put([k for k, _ in values], [v for _, v in values], 5.0) == [True] * len(values)
+    placed = node.get_into(keys, outs, 5.0)
+    model = dict(values)
+    for key, out, ok, (size, kind) in zip(keys, outs, placed, batch):
+        assert ok == (kind == "hit"), (kind, size)
+        if ok:
+            assert out.tobytes() == joined(model[key])
+    _region(node)
+
+
+def test_zero_copy_from_and_into_the_region(shared_node, node_clients):
+    node = node_clients(shared_node.address)
+    assert node.ping(5.0) and node.put([b"warm"], [_value(10, 1)], 5.0) == [True]
+    values = [joined(_value(200_000 + i, seed=i)) for i in range(4)]
+    staging = node.shm_buffer(sum(len(v) for v in values), 5.0)
+    assert staging is not None
+    at, views = 0, []
+    for v in values:
+        staging.array[at : at + len(v)] = np.frombuffer(v, np.uint8)
+        views.append(staging.array[at : at + len(v)])
+        at += len(v)
+    keys = [b"zc-%d" % i for i in range(4)]
+    assert node.put(keys, [[v] for v in views], 5.0) == [True] * 4
+    staging.array[:] = 0
+    assert node.get_into(keys, views, 5.0) == [True] * 4
+    assert [v.tobytes() for v in views] == values
+    staging.release()
+    assert _region(node).allocator.used == 0
+
+
+def test_concurrent_calls_share_one_region(shared_node, node_clients):
+    node = node_clients(shared_node.address)
+    errors: list = []
+
+    def worker(t: int) -> None:
+        try:
+            for r in range(6):
+                values = [_value(100_000 * (t + 1) + r, seed=t * 100 + r) for _ in range(3)]
+                keys = [f"c{t}-{r}-{i}".encode() for i in range(3)]
+                assert node.put(keys, values, 10.0) == [True] * 3
+                outs = [np.empty(len(joined(v)), np.uint8) for v in values]
+                assert node.get_into(keys, outs, 10.0) == [True] * 3
+                assert [o.tobytes() for o in outs] == [joined(v) for v in values]
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert _region(node).allocator.used == 0
+
+
+def test_falls_back_to_ucx_when_the_node_offers_no_region(pool_nodes, node_clients):
+    off = pool_nodes(args=("--shm-bytes", "0"))
+    node = node_clients(off.address)
+    values = [_value(500_000, seed=3)]
+    assert node.put([b"k"], values, 5.0) == [True]
+    out = np.empty(len(joined(values[0])), np.uint8)
+    assert node.get_into([b"k"], [out], 5.0) == [True] and out.tobytes() == joined(values[0])
+    assert node.shm._region is None and node.shm._no_region_on is not None
+
+
+def test_falls_back_when_the_client_turns_it_off(shared_node, node_clients, monkeypatch):
+    monkeypatch.setenv("EMS_POOL_SHM", "off")
+    assert node_clients(shared_node.address).shm is None
+    assert node_clients(shared_node.address, shm=ShmMode.AUTO).shm is not None
+
+
+def test_falls_back_when_the_region_is_too_small_or_taken(pool_nodes, node_clients):
+    small = pool_nodes(args=("--shm-bytes", "1MiB", "--shm-total", "1MiB"))
+    first, second = node_clients(small.address), node_clients(small.address)
+    big = [_value(3 << 20, seed=5)]
+    assert first.put([b"big"], big, 5.0) == [True]  # larger than the region: over UCX
+    region = _region(first)
+    assert region.array.nbytes == 1 << 20
+    assert first.put([b"small"], [_value(1000, 6)], 5.0) == [True]  # fits: shared memory
+    assert bytes(region.array[:1040]) == joined(_value(1000, 6))
+    out = np.empty(len(joined(big[0])), np.uint8)
+    assert second.get_into([b"big"], [out], 5.0) == [True] and out.tobytes() == joined(big[0])
+    assert second.shm._region is None  # the node's total was taken by the first connection
+
+
+def test_node_killed_mid_transfer_fails_the_call_within_its_timeout(pool_nodes, node_clients):
+    node_proc = pool_nodes("512MiB")
+    node = node_clients(node_proc.address)
+    values = [_value((4 << 20) - 40, seed=i) for i in range(16)]
+    keys = [b"big-%d" % i for i in range(16)]
+    assert node.put(keys, values, 10.0) == [True] * 16
+    _region(node)
+    outs = [np.zeros(4 << 20, np.uint8) for _ in keys]
+    node_proc.pause()  # the request is posted and waits: then the node dies under it
+    outcome: list = []
+
+    def load() -> None:
+        started = time.monotonic()
+        try:
+            outcome.append(node.get_into(keys, outs, 3.0))
+        except TransportError as error:
+            outcome.append(error)
+        outcome.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    time.sleep(0.3)
+    node_proc.kill()
+    thread.join(10)
+    assert isinstance(outcome[0], TransportError), outcome
+    assert outcome[0].status_code() in (EmsErrorCode.EMS_IO_ERROR, EmsErrorCode.EMS_IO_TIMEOUT)
+    assert outcome[1] < 3.0 + 1.0
+    assert all(not o.any() for o in outs)  # nothing was placed from a failed request
+
+
+def test_a_timed_out_call_poisons_the_region_and_the_next_connection_gets_a_fresh_one(pool_nodes, node_clients):
+    node_proc = pool_nodes()
+    node = node_clients(node_proc.address)
+    assert node.put([b"a"], [_value(5000, 1)], 5.0) == [True]
+    old = _region(node)
+    node_proc.pause()
+    try:
+        with pytest.raises(TransportError) as raised:
+            node.put([b"b"], [_value(5000, 2)], 0.5)
+        assert raised.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
+        assert old.allocator.poisoned and old.allocator.alloc(1) is None
+    finally:
+        node_proc.resume()
+    time.sleep(0.6)  # past the reconnect back-off
+    out = np.empty(len(joined(_value(5000, 1))), np.uint8)
+    assert node.get_into([b"a"], [out], 5.0) == [True] and out.tobytes() == joined(_value(5000, 1))
+    new = _region(node)
+    assert new is not old and new.ep is not old.ep
+
+
+_DYING_CLIENT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {pool_dir!r})
+    import ems.transport.ucx_config
+    from pool_testlib import make_values
+    from ems.transport.ucx import UcxNode
+    node = UcxNode({address!r})
+    values = make_values(24, (1 << 20) - 40, seed=7)
+    keys = [b"dying-%d" % i for i in range(24)]
+    node.put(keys[:1], values[:1], 10.0)
+    assert node.shm._region is not None
+    print("ready", flush=True)
+    while True:
+        node.put(keys, values, 10.0)
+""")
+
+
+def test_client_killed_mid_transfer_leaves_the_node_serving(pool_nodes, node_clients):
+    node_proc = pool_nodes("512MiB")
+    pool_dir = os.path.join(os.path.dirname(__file__), "..", "pool")
+    script = _DYING_CLIENT.format(pool_dir=os.path.abspath(pool_dir), address=node_proc.address)
+    for _ in range(2):
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            time.sleep(0.4)  # puts in flight
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            if child.stdout is not None:
+                child.stdout.close()
+    node = node_clients(node_proc.address)
+    values = [_value(1 << 20, seed=9)]
+    assert node.put([b"after"], values, 5.0) == [True]
+    out = np.empty(len(joined(values[0])), np.uint8)
+    assert node.get_into([b"after"], [out], 5.0) == [True] and out.tobytes() == joined(values[0])
+    _region(node)
+    assert node_proc.proc is not None and node_proc.proc.poll() is None
