@@ -26,7 +26,8 @@ staging on accelerators). `save_job` / `load_job` pick the job type for a reques
   Fencing: the lease is released only when every chunk call has returned (queued ones are cancelled), each
   bounded by the request's deadline; a chunk whose call failed or timed out may leave UCX touching its buffer a
   moment longer (the endpoint is aborted, not awaited), so then the lease is retired, never reused
-  (`StagingPool.retire`).
+  (`StagingPool.retire`). With a pool node on this host the lease lies in that node's shared-memory region where it
+  has room (`PoolClient.shm_staging`), so the node copies straight out of it and into it.
 * **Staged V0 load** (`StagedLoad`: V0 from pool nodes, whose staging has no room for the headers): receive one
   batch, verify, copy into staging, scatter.
 
@@ -348,7 +349,7 @@ class PipelinedSave:
         """Per chunk: gather into its range of staging (then to host), start its encode + put; next chunk."""
         plan, record = self.plan, self.record
         self._deadline = deadline_of(self.option)
-        self._lease = lease = self.staging.acquire(plan.staging_bytes, self.device)
+        self._lease = lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
         host = lease.host_view()
         self._chunks = plan_chunks(plan, self.pool.limits, chunk_bytes())
         for a, b in self._chunks:
@@ -464,7 +465,7 @@ class PipelinedLoad:
         deadline = deadline_of(self.option)
         chunks = plan_chunks(plan, self.pool.limits, chunk_bytes())
         stop = threading.Event()
-        lease = self.staging.acquire(plan.staging_bytes, self.device)
+        lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
         host = lease.host_view()
         receives: List[concurrent.futures.Future] = []
 

@@ -6,13 +6,17 @@ The bytes leased and kept never exceed the capacity: a request that would exceed
 theirs (back-pressure, never unbounded memory). A request larger than the whole capacity runs alone, with a
 buffer that is freed afterwards. A buffer a transfer may still touch after its request gave up (a timed-out
 receive) is retired instead of released: its bytes are given back, the buffer is never reused.
+
+Shared staging: on the CPU, `acquire(..., shared=...)` first asks `shared(nbytes)` for a buffer in a pool node's
+shared-memory region (`PoolClient.shm_staging`), which the node's calls then move without a copy. Such a lease
+holds no bytes of this pool's capacity (its region bounds it); release and retire hand it back to its region.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -32,6 +36,7 @@ class StagingLease:
     device: torch.Tensor
     host: torch.Tensor
     capacity: int
+    shared: Any = None  # the region buffer behind `host` (release() / retire()), or None for this pool's memory
 
     def host_array(self) -> np.ndarray:
         return self.host.numpy()
@@ -70,8 +75,16 @@ class StagingPool:
         del self._free[index]
         self._free_bytes -= self._cost(lease)
 
-    def acquire(self, nbytes: int, device: torch.device) -> StagingLease:
-        """A buffer of at least `nbytes` on `device`; waits while the pool is at capacity."""
+    def acquire(
+        self, nbytes: int, device: torch.device, shared: Optional[Callable[[int], Any]] = None
+    ) -> StagingLease:
+        """A buffer of at least `nbytes` on `device`; waits while the pool is at capacity. On the CPU, `shared`
+        (see the module docstring) is asked first."""
+        if shared is not None and device.type == "cpu":
+            region_buffer = shared(nbytes)
+            if region_buffer is not None:
+                tensor = torch.from_numpy(region_buffer.array)
+                return StagingLease(tensor, tensor, nbytes, shared=region_buffer)
         size = _round_up(nbytes)
         cost = size * (1 if device.type == "cpu" else 2)
         with self._cond:
@@ -97,6 +110,9 @@ class StagingPool:
         return StagingLease(device_buffer, host, size)
 
     def release(self, lease: StagingLease) -> None:
+        if lease.shared is not None:
+            lease.shared.release()
+            return
         cost = self._cost(lease)
         with self._cond:
             self._leased_bytes -= cost
@@ -109,6 +125,9 @@ class StagingPool:
         """Give back `lease`'s bytes without keeping its buffer for reuse: for a buffer a transfer may still touch
         (a request that timed out is aborted on its endpoint, not awaited). Its memory goes when the last holder
         (the transfer's own reference) lets go, so nothing else is ever placed in it meanwhile."""
+        if lease.shared is not None:
+            lease.shared.retire()
+            return
         with self._cond:
             self._leased_bytes -= self._cost(lease)
             self._cond.notify_all()

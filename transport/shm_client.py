@@ -163,8 +163,14 @@ class ShmClient:
                 region.allocator.free(taken)
 
     def buffer(self, nbytes: int, timeout_s: float) -> Optional[ShmBuffer]:
-        """`nbytes` of the current connection's region for the caller to fill or read in place, or None."""
-        region = self.region(time.monotonic() + timeout_s)
+        """`nbytes` of the current connection's region for the caller to fill or read in place, or None (also when
+        the node cannot be reached: the calls that follow report that)."""
+        from ems.transport.base import TransportError
+
+        try:
+            region = self.region(time.monotonic() + timeout_s)
+        except TransportError:
+            return None
         if region is None:
             return None
         taken = region.allocator.alloc(nbytes)

@@ -12,8 +12,8 @@ Contract:
   reference to the pages until it unmaps).
 * Copies of more than OFFLOAD_BYTES run on the server's worker threads; the node keeps a reference to every value
   it copies, so the store never recycles a buffer under a copy. The bytes a request copies count against the
-  node's in-flight budget like a UCX request's; a request that cannot get room in time is answered with misses /
-  not-stored, never refused (the connection stays).
+  node's in-flight budget like a UCX request's, with the same answers: a PUT that cannot get room is refused
+  (BAD_REQUEST, the connection closed), a GET's values beyond the room are misses.
 """
 
 from __future__ import annotations
@@ -165,14 +165,11 @@ class ShmService:
 
     async def _put(self, channel: "_Channel", region: _Region, keys: list[bytes], request: S.RangedRequest) -> int:
         total = int(request.lens.sum())
-        stored = [False] * len(keys)
-        if await self._room(total):
-            try:
-                stored = await self._copy(total, self._store, region, keys, request)
-            finally:
-                self.server.budget.release(total)
-        else:
-            log.warning("shared-memory PUT from %s not stored: no room for %d bytes", channel.conn.peer, total)
+        await self.server._take(total)  # as a UCX PUT: refused (and the connection closed) when it cannot fit
+        try:
+            stored = await self._copy(total, self._store, region, keys, request)
+        finally:
+            self.server.budget.release(total)
         await channel.reply(P.Op.SHM_PUT, count=len(keys), meta=P.encode_flags(stored))
         return total
 

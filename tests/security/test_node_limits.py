@@ -193,10 +193,12 @@ def test_bad_limit_options_exit_2():
 
 def test_resident_memory_stays_within_capacity_plus_in_flight(pool_nodes):
     """Mixed puts and gets from four clients with eviction churn: the node's resident memory stays within its base,
-    its capacity, its in-flight budget and a fixed allowance for UCX and Python (docs/pool-nodes.md, "Memory")."""
+    its capacity, its in-flight budget, its shared-memory total and a fixed allowance for UCX and Python
+    (docs/pool-nodes.md, "Memory")."""
     from ems.transport.ucx import UcxNode
 
-    node = pool_nodes("64MiB", args=("--max-inflight", "24MiB"))
+    # the clients share memory with the node: their regions (at most --shm-total) count in its resident memory
+    node = pool_nodes("64MiB", args=("--max-inflight", "24MiB", "--shm-bytes", "8MiB", "--shm-total", "32MiB"))
     base = node.rss_bytes()
     stop = time.monotonic() + 6.0
     pools = {s: make_values(6, s, seed=s) for s in (3000, 60_000, 300_000, MiB, 3 * MiB)}
@@ -232,5 +234,5 @@ def test_resident_memory_stays_within_capacity_plus_in_flight(pool_nodes):
         peak = max(peak, node.rss_bytes())
         time.sleep(0.1)
     assert not errors, errors[:5]
-    allowance = 64 * MiB + 24 * MiB + 48 * MiB  # capacity + in-flight budget + UCX buffers, Python, heap slack
+    allowance = 64 * MiB + 24 * MiB + 32 * MiB + 48 * MiB  # capacity + in-flight + shm + UCX, Python, heap slack
     assert peak - base < allowance, (peak - base) / MiB
