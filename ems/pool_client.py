@@ -512,12 +512,12 @@ class PoolClient:
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
         return any(f.result() for f in done if f.exception() is None)
 
-    def shm_staging(self, nbytes: int, timeout_s: float) -> Optional[Any]:
+    def shm_staging(self, nbytes: int) -> Optional[Any]:
         """A buffer of `nbytes` in the shared-memory region of this pool's one node (`UcxNode.shm_buffer`: its calls
         move values lying there without a copy), or None: several nodes, a node elsewhere, or no room."""
         nodes = self.nodes
         shm_buffer = getattr(nodes[0], "shm_buffer", None) if len(nodes) == 1 else None
-        return None if shm_buffer is None else shm_buffer(nbytes, timeout_s)
+        return None if shm_buffer is None else shm_buffer(nbytes)
 
     def close(self) -> None:
         for callback in self._on_close:

@@ -66,6 +66,15 @@ class ShmSettings:
         return self.region_bytes > 0 and self.total_bytes >= self.region_bytes
 
 
+def metric_name(op: int) -> str:
+    """A request's name in a node's metrics: SHM_PUT / SHM_GET count as the put / get they are."""
+    if op == P.Op.SHM_PUT:
+        return "put"
+    if op == P.Op.SHM_GET:
+        return "get"
+    return P.Op(op).name.lower() if op in P.Op._value2member_map_ else "other"
+
+
 # ---- the region ----
 
 

@@ -10,9 +10,10 @@ Contract:
 * The region is opened lazily by the first call on a connection (one thread opens; concurrent calls use UCX
   meanwhile) and belongs to that connection only: a reconnect opens a fresh one. A connection whose node offered
   no region, or whose hand-over failed, is not asked again.
-* Zero copy where the caller's buffers already lie in the region (`buffer(nbytes)` hands out such buffers: a
-  staging area the caller fills and reads in place): their offsets go on the wire as they are. Otherwise a save
-  copies its values into a range of the region first, and a load copies each placed value out of one.
+* Zero copy where the caller's buffers already lie in the region (`buffer(nbytes)` hands out such buffers, once a
+  call has opened the region: a staging area the caller fills and reads in place): their offsets go on the wire as
+  they are. Otherwise a save copies its values into a range of the region first, and a load copies each placed
+  value out of one.
 * A value is placed in a load's buffer only from a reply with status OK that gives it exactly that buffer's length.
 * `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
 """
@@ -162,16 +163,12 @@ class ShmClient:
             if taken is not None:
                 region.allocator.free(taken)
 
-    def buffer(self, nbytes: int, timeout_s: float) -> Optional[ShmBuffer]:
-        """`nbytes` of the current connection's region for the caller to fill or read in place, or None (also when
-        the node cannot be reached: the calls that follow report that)."""
-        from ems.transport.base import TransportError
-
-        try:
-            region = self.region(time.monotonic() + timeout_s)
-        except TransportError:
-            return None
-        if region is None:
+    def buffer(self, nbytes: int) -> Optional[ShmBuffer]:
+        """`nbytes` of the current connection's region for the caller to fill or read in place, or None. Never
+        opens a region (that costs a round trip, which the calls do under their own deadlines): until a call
+        has opened one, callers stage elsewhere."""
+        region = self._region
+        if region is None or region.ep is not self.node._ep or region.allocator.poisoned:
             return None
         taken = region.allocator.alloc(nbytes)
         return None if taken is None else ShmBuffer(region, taken, nbytes)

@@ -176,7 +176,8 @@ class ShmService:
     def _store(self, region: _Region, keys: list[bytes], request: S.RangedRequest) -> list[bool]:
         """Copy each value out of the region into a buffer of the store's, which checks it before keeping it."""
         store = self.server.store
-        stored = []
+        stored: list[bool] = []
+        refused: list[np.ndarray] = []  # for the metrics: a refused value may be a damaged one
         for key, offset, n in zip(keys, request.offsets.tolist(), request.lens.tolist()):
             charge = store.charge_of(len(key), n)
             if charge > store.capacity_bytes:
@@ -189,6 +190,10 @@ class ShmService:
                 store.recycle(buffer, reserved=charge)
                 raise
             stored.append(store.put_owned(key, buffer, reserved=charge))
+            if not stored[-1]:
+                refused.append(buffer)
+        if refused and self.server.metrics is not None:
+            self.server.metrics.count_damaged(refused, [False] * len(refused))
         return stored
 
     async def _get(self, channel: "_Channel", region: _Region, keys: list[bytes], request: S.RangedRequest) -> int:

@@ -266,10 +266,10 @@ class UcxNode(NodeClient):
     def close(self) -> None:
         self._drop()
 
-    def shm_buffer(self, nbytes: int, timeout_s: float) -> Optional[ShmBuffer]:
+    def shm_buffer(self, nbytes: int) -> Optional[ShmBuffer]:
         """`nbytes` of this connection's shared-memory region, which `put` / `get_into` move without a copy when
-        the values lie in it; None when there is no region (or no room in it)."""
-        return None if self.shm is None else self.shm.buffer(nbytes, timeout_s)
+        the values lie in it; None when there is none yet (a call opens it), or no room in it."""
+        return None if self.shm is None else self.shm.buffer(nbytes)
 
     def connect_now(self, timeout_s: float) -> None:
         """Connect (and authenticate) now instead of on the first call; TransportError on failure."""

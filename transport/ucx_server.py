@@ -54,7 +54,7 @@ import numpy as np
 from ems.buffers import Buffer
 from ems.transport import protocol as P
 from ems.transport import ucx_progress
-from ems.transport.shm import ShmSettings
+from ems.transport.shm import ShmSettings, metric_name
 from ems.transport.shm_server import ShmService
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
@@ -505,7 +505,7 @@ class PoolServer:
             nbytes = await self._serve_op(channel, prefix)
             ok = True
         finally:
-            name = P.Op(header.op).name.lower() if header.op in P.Op._value2member_map_ else "other"
+            name = metric_name(header.op)
             self.metrics.request(name, ok, time.perf_counter() - started, nbytes)
 
     async def _serve_op(self, channel: _Channel, prefix: bytes) -> int:

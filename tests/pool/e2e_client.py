@@ -56,6 +56,12 @@ def main() -> None:
                                     for t, e in zip([t for p in cache for t in p], expected))
         elif step == "health":
             out["health"] = Ems.check_health()
+        elif step == "shm":  # whether each node's calls went through a live shared-memory region
+            from ems.transport.ucx import UcxNode
+
+            nodes = [n for n in cc._pool.nodes if isinstance(n, UcxNode)]
+            out["shm"] = [n.shm is not None and n.shm._region is not None and not n.shm._region.allocator.poisoned
+                          for n in nodes]
     print(json.dumps(out), flush=True)
     Ems.shutdown()
 

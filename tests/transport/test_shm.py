@@ -3,6 +3,7 @@ copy), fallback to UCX whenever the region cannot serve, and failures of either 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -90,7 +91,7 @@ def test_zero_copy_from_and_into_the_region(shared_node, node_clients):
     node = node_clients(shared_node.address)
     assert node.ping(5.0) and node.put([b"warm"], [_value(10, 1)], 5.0) == [True]
     values = [joined(_value(200_000 + i, seed=i)) for i in range(4)]
-    staging = node.shm_buffer(sum(len(v) for v in values), 5.0)
+    staging = node.shm_buffer(sum(len(v) for v in values))
     assert staging is not None
     at, views = 0, []
     for v in values:
@@ -249,3 +250,41 @@ def test_client_killed_mid_transfer_leaves_the_node_serving(pool_nodes, node_cli
     assert node.get_into([b"after"], [out], 5.0) == [True] and out.tobytes() == joined(values[0])
     _region(node)
     assert node_proc.proc is not None and node_proc.proc.poll() is None
+
+
+E2E_CLIENT = os.path.join(os.path.dirname(__file__), "..", "pool", "e2e_client.py")
+
+
+def _api_client(env_shm: str, **args) -> dict:
+    env = {**os.environ, "EMS_POOL_SHM": env_shm}
+    proc = subprocess.run([sys.executable, E2E_CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=90,
+                          env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, (proc.stdout, proc.stderr[-3000:])
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("shm", ["auto", "off"])
+def test_api_save_and_load_across_processes(pool_nodes, shm):
+    """Through `import ems`: one process saves, another loads, byte-exact, with staging in the region (auto) or over
+    UCX alone (off)."""
+    node = pool_nodes().address
+    saved = _api_client(shm, nodes=[node], steps=["save", "shm"])
+    assert saved == {"save": [12, 12], "shm": [shm == "auto"]}
+    loaded = _api_client(shm, nodes=[node], steps=["load", "shm"])
+    assert loaded == {"load": [12, 12], "load_exact": True, "shm": [shm == "auto"]}
+
+
+def test_the_local_pool_node_shares_memory_by_default(tmp_path, node_clients):
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    try:
+        pool = ensure_local_pool(str(tmp_path), "64MiB")
+        node = node_clients(pool.address)
+        values = [_value(300_000, seed=4)]
+        assert node.put([b"local"], values, 10.0) == [True]
+        out = np.empty(len(joined(values[0])), np.uint8)
+        assert node.get_into([b"local"], [out], 10.0) == [True] and out.tobytes() == joined(values[0])
+        _region(node)
+    finally:
+        stop_local_pool(str(tmp_path))

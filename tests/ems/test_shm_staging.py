@@ -1,0 +1,110 @@
+"""Staging in a same-host node's shared-memory region (`StagingPool.acquire(shared=...)`, `PoolClient.shm_staging`):
+pipelined saves and loads through it are byte-exact, give their region ranges back, and a lease a failed call may
+still touch poisons its region (never reused); the next connection's fresh region serves again."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ems import CcKvOption, CcResult
+from ems.staging import StagingPool
+from ems.transport.ucx import UcxNode
+from ems_testlib import assert_cache_equals, direct_cc, expected_after_load, make_cache, poison, slots_of_blocks, snapshot
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
+from pool_testlib import PoolProcess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+BS, BLOCKS = 4, 24
+
+
+@pytest.fixture
+def node():
+    proc = PoolProcess("64MiB")
+    yield proc
+    proc.cleanup()
+
+
+@pytest.fixture
+def client(node):
+    ucx = UcxNode(node.address, connect_timeout_ms=2000)
+    cc = direct_cc([ucx], model_id="shm-staging")
+    yield cc, ucx
+    cc.close()
+    cc._pool.close()
+
+
+@pytest.fixture
+def leases(monkeypatch):
+    """Every staging lease handed out, in order."""
+    taken: list = []
+    acquire = StagingPool.acquire
+
+    def spy(self, nbytes, device, shared=None):
+        lease = acquire(self, nbytes, device, shared)
+        taken.append(lease)
+        return lease
+
+    monkeypatch.setattr(StagingPool, "acquire", spy)
+    return taken
+
+
+def _setup(cc, seed: int):
+    torch.manual_seed(seed)
+    cache = make_cache(layers=2, blocks=BLOCKS, block_size=BS, heads=2, head_size=16)
+    cc.register_kvcache(cache)
+    rng = np.random.default_rng(seed)
+    offsets = [int(x) for x in rng.integers(1, BS + 1, BLOCKS)]
+    slots = slots_of_blocks(list(range(BLOCKS)), BS, offsets)
+    hashes = [int(h) for h in rng.integers(1, 2**62, BLOCKS)]
+    return cache, slots, hashes, offsets
+
+
+def _round_trip(cc, cache, slots, hashes, offsets) -> None:
+    original = snapshot(cache)
+    assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
+    poisoned = poison(cache)
+    assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
+    assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
+
+
+@pytest.mark.parametrize("chunk", ["0", "3KiB"])
+def test_saves_and_loads_stage_in_the_region(client, leases, monkeypatch, chunk):
+    cc, ucx = client
+    monkeypatch.setenv("EMS_CHUNK_BYTES", chunk)
+    cache, slots, hashes, offsets = _setup(cc, seed=1)
+    _round_trip(cc, cache, slots, hashes, offsets)  # the first call opens the region
+    first = len(leases)
+    _round_trip(cc, cache, slots, hashes[::-1], offsets)
+    assert leases[first:] and all(lease.shared is not None for lease in leases[first:])
+    region = ucx.shm._region
+    assert region is not None and not region.allocator.poisoned and region.allocator.used == 0
+    assert cc._staging.leased_bytes == 0
+
+
+def test_a_failed_save_retires_its_region_and_the_next_connection_serves(client, node, leases, monkeypatch):
+    cc, ucx = client
+    monkeypatch.setenv("EMS_CHUNK_BYTES", "3KiB")
+    cache, slots, hashes, offsets = _setup(cc, seed=2)
+    _round_trip(cc, cache, slots, hashes, offsets)
+    old = ucx.shm._region
+    node.pause()  # every put stays in flight
+    try:
+        _, abandon = cc._begin_save((slots, hashes, offsets, CcKvOption(timeout=800)), {})
+        abandon()
+        assert leases[-1].shared is not None
+        assert old.allocator.poisoned and old.allocator.alloc(1) is None  # never handed out again
+    finally:
+        node.resume()
+    time.sleep(0.6)  # the reconnect back-off
+    _round_trip(cc, cache, slots, hashes, offsets)
+    _round_trip(cc, cache, slots, hashes, offsets)
+    new = ucx.shm._region
+    assert new is not None and new is not old and leases[-1].shared is not None
+    assert leases[-1].shared.region is new and new.allocator.used == 0
