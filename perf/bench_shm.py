@@ -8,7 +8,7 @@ crosses loopback UCX), best of N rounds after a warm-up round:
 * transport: `PoolClient.put` / `get_into` of the same number of well-formed 1 MiB values in one call;
 * plain copy: `torch.Tensor.copy_` of the same number of bytes between two preallocated contiguous tensors.
 Prints a table (GB/s and ratios to the plain copy) and the stage tables of the best API jobs; writes perf/shm.png.
-Usage: flock /tmp/ems-bench.lock python perf/bench_shm.py [--blocks 32] [--rounds 5] [--threads 1]
+Usage: flock /tmp/ems-bench.lock python perf/bench_shm.py [--blocks 32] [--rounds 5] [--threads 1] [--node-capacity S]
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=32, help="1 MiB blocks per call")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (2 shared cores: 1)")
+    parser.add_argument("--node-capacity", default="160MiB",
+                        help="the node's capacity: small enough that saves evict after the warm-up (the steady state: "
+                             "buffers recycled, no fresh pages)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from ems import CcConfig, Ems, EmsConfig
@@ -51,7 +54,7 @@ def main() -> None:
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header
     total = blocks * value_bytes
     print(f"# {machine()}")
-    node = PoolProcess("1GiB")
+    node = PoolProcess(args.node_capacity)
     option = CcKvOption(timeout=60_000, write_rcache=False)
     best = {m: {k: float("inf") for k in ("save", "load", "put", "get_into")} for m in MODES}
     records: dict = {}
@@ -79,7 +82,8 @@ def main() -> None:
         dst = torch.empty_like(src)
         copy_s = float("inf")
         counter = iter(range(1, 1 << 30))
-        for round_ in range(args.rounds + 1):  # round 0 warms up (connections, regions, staging): not counted
+        warm_up = 3  # connections, regions, staging, and the node's store filled (later saves recycle its buffers)
+        for round_ in range(-warm_up + 1, args.rounds + 1):  # rounds up to 0 are not counted
             for mode in MODES:
                 ucx_node.shm = shm_client if mode == "shm" else None
                 direct.shm = direct_shm if mode == "shm" else None
@@ -98,14 +102,14 @@ def main() -> None:
                 if not all(got.results) or bytes(outs[-1]) != b"".join(values[-1]):
                     raise RuntimeError(f"get_into: a value did not come back ({got.errors})")
                 t_get = best_of(lambda: client.get_into(keys, keys, outs, option), 1)  # type: ignore[union-attr]
-                if round_ == 0:
+                if round_ <= 0:
                     continue
                 for name, t in (("save", t_save), ("load", t_load), ("put", t_put), ("get_into", t_get)):
                     if t < best[mode][name]:
                         best[mode][name] = t
                         if name in ("save", "load"):
                             records[(mode, name)] = cc.jobs.last(JobKind.SAVE if name == "save" else JobKind.LOAD)
-            if round_:
+            if round_ > 0:
                 copy_s = min(copy_s, best_of(lambda: dst.copy_(src), 3))
     finally:
         if client is not None:
@@ -115,7 +119,8 @@ def main() -> None:
     copy_gbps = total / copy_s / 1e9
     lines = [
         f"Same host: {blocks} x 1 MiB blocks ({total / 2**20:.0f} MiB a call), one node on 127.0.0.1, best of "
-        f"{args.rounds} interleaved rounds; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"{args.rounds} interleaved rounds, node capacity {args.node_capacity}, EMS_CHUNK_BYTES "
+        f"{os.environ.get('EMS_CHUNK_BYTES', 'default')}; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
         f"plain copy (torch copy_ of {total / 2**20:.0f} MiB) {copy_gbps:.2f} GB/s",
         "",
         "| path | shm save GB/s | shm load GB/s | UCX save GB/s | UCX load GB/s | shm save / copy | shm load / copy "

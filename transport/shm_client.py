@@ -173,6 +173,12 @@ class ShmClient:
         taken = region.allocator.alloc(nbytes)
         return None if taken is None else ShmBuffer(region, taken, nbytes)
 
+    def close(self) -> None:
+        """Forget the region (its connection is being dropped): unmapped once no lease of it is held any more."""
+        region, self._region = self._region, None
+        if region is not None:
+            region.allocator.poison()
+
     # ---- machinery ----
 
     def _send(self, region: ClientRegion, op: int, meta: bytes, count: int, taken: Optional[S.ShmRange],

@@ -265,6 +265,8 @@ class UcxNode(NodeClient):
 
     def close(self) -> None:
         self._drop()
+        if self.shm is not None:
+            self.shm.close()
 
     def shm_buffer(self, nbytes: int) -> Optional[ShmBuffer]:
         """`nbytes` of this connection's shared-memory region, which `put` / `get_into` move without a copy when
