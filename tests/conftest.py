@@ -17,6 +17,7 @@ EMS_SETTING_ENV = (
     "EMS_POOL_ETCD",
     "EMS_POOL_CLUSTER",
     "EMS_POOL_REPLICAS",
+    "EMS_POOL_SHM",
 )
 
 
