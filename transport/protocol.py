@@ -1,4 +1,4 @@
-"""The pool-node wire protocol, version 2: frames, limits and the data-segment plan (pure functions, no I/O).
+"""The pool-node wire protocol, version 3: frames, limits and the data-segment plan (pure functions, no I/O).
 
 Contract:
 * Every exchange starts with one fixed 32-byte little-endian **header**:
@@ -52,7 +52,7 @@ import numpy as np
 from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
-VERSION = 2
+VERSION = 3  # 3: version 2 plus the shared-memory ops (a node of version 2 would close on them)
 HEADER_DTYPE = np.dtype(
     [
         ("magic", "<u4"),
