@@ -4,7 +4,9 @@ One `python -m ems.pool` node on 127.0.0.1, one client process. Rounds alternate
 same connection setup (the `UcxNode`'s shared-memory client is switched off for the "off" rows, so every byte
 crosses loopback UCX), best of N rounds after a warm-up round:
 * API: `ContextCaching.save` / `.load` (`Ems.init(pool_nodes=[the node])`, no read cache) of one request of
-  BLOCKS 1 MiB blocks (16 layers x 8 KV heads x 128 fp16, 16 tokens a block) through the pipelined staged path;
+  BLOCKS 1 MiB blocks (16 layers x 8 KV heads x 128 fp16, 16 tokens a block) through the pipelined staged path, at
+  each chunk size of `--chunks` (EMS_CHUNK_BYTES; with shared memory the node's copies of chunk k overlap the
+  client's work on chunk k-1);
 * transport: `PoolClient.put` / `get_into` of the same number of well-formed 1 MiB values in one call;
 * plain copy: `torch.Tensor.copy_` of the same number of bytes between two preallocated contiguous tensors.
 Prints a table (GB/s and ratios to the plain copy) and the stage tables of the best API jobs; writes perf/shm.png.
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--node-capacity", default="160MiB",
                         help="the node's capacity: small enough that saves evict after the warm-up (the steady state: "
                              "buffers recycled, no fresh pages)")
+    parser.add_argument("--chunks", default="32MiB,8MiB",
+                        help="EMS_CHUNK_BYTES values for the API rows, comma-separated (32MiB: the default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from ems import CcConfig, Ems, EmsConfig
@@ -56,7 +60,9 @@ def main() -> None:
     print(f"# {machine()}")
     node = PoolProcess(args.node_capacity)
     option = CcKvOption(timeout=60_000, write_rcache=False)
-    best = {m: {k: float("inf") for k in ("save", "load", "put", "get_into")} for m in MODES}
+    chunks = [c.strip() for c in args.chunks.split(",") if c.strip()]
+    api_ops = [f"{op}@{c}" for c in chunks for op in ("save", "load")]
+    best = {m: {k: float("inf") for k in (*api_ops, "put", "get_into")} for m in MODES}
     records: dict = {}
     load_before = os.getloadavg()[0]
     client = None
@@ -87,15 +93,18 @@ def main() -> None:
             for mode in MODES:
                 ucx_node.shm = shm_client if mode == "shm" else None
                 direct.shm = direct_shm if mode == "shm" else None
-                hashes = [next(counter) * 1000 + i for i in range(blocks)]
-                start = time.perf_counter()
-                if cc.save(slots, hashes, offsets, option).success != blocks:
-                    raise RuntimeError("save incomplete")
-                t_save = time.perf_counter() - start
-                start = time.perf_counter()
-                if cc.load(slots, hashes, offsets, option).success != blocks:
-                    raise RuntimeError("load incomplete")
-                t_load = time.perf_counter() - start
+                times: dict = {}
+                for chunk in chunks:
+                    os.environ["EMS_CHUNK_BYTES"] = chunk
+                    hashes = [next(counter) * 1000 + i for i in range(blocks)]
+                    start = time.perf_counter()
+                    if cc.save(slots, hashes, offsets, option).success != blocks:
+                        raise RuntimeError("save incomplete")
+                    times[f"save@{chunk}"] = (time.perf_counter() - start, cc.jobs.last(JobKind.SAVE))
+                    start = time.perf_counter()
+                    if cc.load(slots, hashes, offsets, option).success != blocks:
+                        raise RuntimeError("load incomplete")
+                    times[f"load@{chunk}"] = (time.perf_counter() - start, cc.jobs.last(JobKind.LOAD))
                 keys = [b"client-%d-%d" % (next(counter), i) for i in range(blocks)]
                 t_put = best_of(lambda: client.put(keys, keys, values, option), 1)  # type: ignore[union-attr]
                 got = client.get_into(keys, keys, outs, option)  # type: ignore[union-attr]
@@ -104,11 +113,11 @@ def main() -> None:
                 t_get = best_of(lambda: client.get_into(keys, keys, outs, option), 1)  # type: ignore[union-attr]
                 if round_ <= 0:
                     continue
-                for name, t in (("save", t_save), ("load", t_load), ("put", t_put), ("get_into", t_get)):
+                times.update({"put": (t_put, None), "get_into": (t_get, None)})
+                for name, (t, record) in times.items():
                     if t < best[mode][name]:
                         best[mode][name] = t
-                        if name in ("save", "load"):
-                            records[(mode, name)] = cc.jobs.last(JobKind.SAVE if name == "save" else JobKind.LOAD)
+                        records[(mode, name)] = record
             if round_ > 0:
                 copy_s = min(copy_s, best_of(lambda: dst.copy_(src), 3))
     finally:
@@ -119,8 +128,8 @@ def main() -> None:
     copy_gbps = total / copy_s / 1e9
     lines = [
         f"Same host: {blocks} x 1 MiB blocks ({total / 2**20:.0f} MiB a call), one node on 127.0.0.1, best of "
-        f"{args.rounds} interleaved rounds, node capacity {args.node_capacity}, EMS_CHUNK_BYTES "
-        f"{os.environ.get('EMS_CHUNK_BYTES', 'default')}; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"{args.rounds} interleaved rounds, node capacity {args.node_capacity}; load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after; "
         f"plain copy (torch copy_ of {total / 2**20:.0f} MiB) {copy_gbps:.2f} GB/s",
         "",
         "| path | shm save GB/s | shm load GB/s | UCX save GB/s | UCX load GB/s | shm save / copy | shm load / copy "
@@ -128,8 +137,8 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     figures = {}
-    for label, save, load in (("API save / load (ContextCaching)", "save", "load"),
-                              ("transport (PoolClient put / get_into)", "put", "get_into")):
+    rows = [(f"API save / load, EMS_CHUNK_BYTES={c}", f"save@{c}", f"load@{c}") for c in chunks]
+    for label, save, load in rows + [("transport (PoolClient put / get_into, one call)", "put", "get_into")]:
         s_s, s_l = total / best["shm"][save] / 1e9, total / best["shm"][load] / 1e9
         u_s, u_l = total / best["ucx"][save] / 1e9, total / best["ucx"][load] / 1e9
         figures[label] = (s_s, s_l, u_s, u_l)
@@ -137,8 +146,9 @@ def main() -> None:
                      f"| {s_l / copy_gbps:.2f}x | {s_s / u_s:.2f}x | {s_l / u_l:.2f}x |")
     print("\n".join(lines))
     print()
-    shown = [records[(m, op)] for m in MODES for op in ("save", "load")]
-    print(stage_table(shown).replace("| job |", "| job (shm save, shm load, UCX save, UCX load) |", 1))
+    shown = [records[(m, f"{op}@{chunks[0]}")] for m in MODES for op in ("save", "load")]
+    print(stage_table(shown).replace(
+        "| job |", f"| job (EMS_CHUNK_BYTES={chunks[0]}: shm save, shm load, UCX save, UCX load) |", 1))
     plot(figures, copy_gbps, ROOT / "perf" / "shm.png")
 
 
@@ -151,7 +161,7 @@ def plot(figures: dict, copy_gbps: float, path: Path) -> None:
     except ImportError:
         return
     labels = ["save", "load"]
-    fig, axes = plt.subplots(1, len(figures), figsize=(10, 4))
+    fig, axes = plt.subplots(1, len(figures), figsize=(5 * len(figures), 4))
     for ax, (title, (s_s, s_l, u_s, u_l)) in zip(axes, figures.items()):
         x = np.arange(2)
         ax.bar(x - 0.2, [s_s, s_l], 0.4, label="shared memory")

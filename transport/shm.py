@@ -3,7 +3,8 @@
 Contract:
 * A **region** is one sealed memfd per authenticated connection, created by the node and mapped by that client
   only: never shared between connections, never reused (a fresh memfd's pages are zero, so it can hold no stale
-  bytes of another connection), gone when the connection ends. Its size is fixed by the node and sealed
+  bytes of another connection); the node unmaps it when the connection ends (its pages go once the client has
+  unmapped it too, which a client does when it drops the connection). Its size is fixed by the node and sealed
   (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): a client cannot truncate it under the node (no SIGBUS there).
 * Opening (`SHM_OPEN`, an ordinary inline request on the authenticated connection): the client states its uid and
   pid; the node answers a one-time token, the region's size, its own pid and the abstract Unix socket it listens

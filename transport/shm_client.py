@@ -121,11 +121,15 @@ class ShmClient:
             if taken is None:
                 return None
             offsets, at = [], taken.offset
-            for ps in parts:
-                offsets.append(at)
-                for p in ps:
-                    region.array[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
-                    at += p.nbytes
+            try:
+                for ps in parts:
+                    offsets.append(at)
+                    for p in ps:
+                        region.array[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
+                        at += p.nbytes
+            except BaseException:
+                region.allocator.free(taken)
+                raise
         meta = S.encode_ranged(keys, offsets, lens)
         body = self._send(region, P.Op.SHM_PUT, meta, len(keys), taken, deadline)
         if body is _STALE:

@@ -24,7 +24,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -52,9 +52,7 @@ class _Region:
     pid: int
     token: Optional[bytes]
     expires: float
-    copies: int = 0
     closing: bool = False
-    handed: bool = field(default=False)
 
     def close_fd(self) -> None:
         if self.fd >= 0:
@@ -75,10 +73,6 @@ class ShmService:
         self._listener: Optional[socket.socket] = None
         self._accepting: Optional[asyncio.Task] = None
         self._handovers: set[asyncio.Task] = set()
-
-    @property
-    def region_bytes_in_use(self) -> int:
-        return self._bytes
 
     # ---- life cycle ----
 
@@ -222,14 +216,10 @@ class ShmService:
     async def _copy(self, nbytes: int, fn: Any, region: _Region, *args: Any) -> Any:
         """Run a copy over `region` on the loop (small) or a worker thread (large); the region's mapping is
         referenced until the copy has ended, whatever happens to the connection meanwhile."""
-        region.copies += 1
-        try:
-            if nbytes > OFFLOAD_BYTES:
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self.server._executor, fn, region, *args)
-            return fn(region, *args)
-        finally:
-            region.copies -= 1
+        if nbytes > OFFLOAD_BYTES:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.server._executor, fn, region, *args)
+        return fn(region, *args)
 
     # ---- handing the descriptor over ----
 
@@ -276,7 +266,6 @@ class ShmService:
                 return
             socket.send_fds(sock, [b"\1"], [region.fd])
             region.close_fd()  # the client has its own descriptor now; the node keeps its mapping
-            region.handed = True
         except (OSError, asyncio.TimeoutError) as error:
             log.info("shared-memory hand-over failed: %r", error)
         finally:
