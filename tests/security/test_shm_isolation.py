@@ -173,3 +173,19 @@ def test_another_tenant_reads_nothing_through_shared_memory(node_clients):
         assert not beta.shm._region.array.any()
     finally:
         node.cleanup()
+
+
+def test_reopening_replaces_the_region_and_voids_the_old_token(shared_node, node_clients):
+    """A connection asking again and again holds one region at a time: each new one voids the previous token, so
+    a client cannot pile up regions (or memory) on one connection."""
+    client = _raw(node_clients, shared_node.address)
+    offers = [_offer(client) for _ in range(20)]
+    assert len({o.token for o in offers}) == 20
+    for old in offers[:-1]:
+        assert _refused(_present(old.socket_name, old.token))
+    message, fds = _present(offers[-1].socket_name, offers[-1].token)
+    assert message == b"\1" and len(fds) == 1
+    os.close(fds[0])
+    other = node_clients(shared_node.address)  # the node's total is not used up by the replaced regions
+    assert other.put([b"after-reopen"], [make_values(1, 10, 5)[0]], 5.0) == [True]
+    assert other.shm._region is not None
