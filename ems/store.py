@@ -34,6 +34,9 @@ Contract:
   nothing on the caller's path. Arena buffers are recycled like any other buffer (by size); a spare dropped to make
   room is lost to the arena (its pages go back to the system, `MADV_DONTNEED`), which only happens when value sizes
   change. The arena's bytes are not charged to the capacity until values use them. 0 and 0 reserve nothing.
+* `on_evict(key, value)` (optional): called with each value evicted to make room (not with overwritten or deleted
+  ones), with the store's lock held: it must return at once and never call the store (a pool node's disk tier
+  queues the value for writing). While it holds the value, its buffer is not reused.
 * Thread-safe: one lock, held only for index updates, never while checksumming or copying.
 """
 
@@ -46,7 +49,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -200,8 +203,14 @@ class StoreStats:
 class KvStore:
     """A bounded, thread-safe LRU store of EMS values."""
 
-    def __init__(self, capacity_bytes: int, verify_on_put: bool = True, prefault_bytes: int = 0,
-                 prefault_ahead: int = 0) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        verify_on_put: bool = True,
+        prefault_bytes: int = 0,
+        prefault_ahead: int = 0,
+        on_evict: Optional[Callable[[bytes, Buffer], None]] = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         if prefault_bytes < 0 or prefault_ahead < 0:
@@ -211,6 +220,7 @@ class KvStore:
         self._arena = _Arena(arena_bytes, prefault_bytes, prefault_ahead) if arena_bytes > 0 else None
         self._capacity = capacity_bytes
         self._verify_on_put = verify_on_put
+        self._on_evict = on_evict
         self._entries: "OrderedDict[bytes, Buffer]" = OrderedDict()
         self._used = 0  # charges of stored entries and of reservations being filled
         self._spare: dict[int, list[np.ndarray]] = {}  # evicted buffers free for reuse, by size
@@ -263,6 +273,8 @@ class KvStore:
             evicted_key, evicted = self._entries.popitem(last=False)
             self._used -= self._charge(evicted_key, evicted)
             self._stats.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(evicted_key, evicted)
             self._retire(evicted)
 
     def _remove(self, key: bytes) -> None:
@@ -410,11 +422,12 @@ class KvStore:
             self._insert(key, buffer, charge)
         return True
 
-    def put_owned(self, key: bytes, value: Buffer, reserved: int = 0) -> bool:
+    def put_owned(self, key: bytes, value: Buffer, reserved: int = 0, verified: bool = False) -> bool:
         """Store `value` itself (no copy) under `key`; the caller never writes to it again. False if refused.
-        `reserved`: the bytes `allocate` reserved for this value (released here, on every path)."""
+        `reserved`: the bytes `allocate` reserved for this value (released here, on every path). `verified`: the
+        caller has checked it is well formed (it is not checked again)."""
         charge = self._charge(key, value)
-        if charge > self._capacity or (self._verify_on_put and not is_well_formed(value)):
+        if charge > self._capacity or (self._verify_on_put and not verified and not is_well_formed(value)):
             with self._lock:
                 self._used -= reserved
                 self._stats.rejected_puts += 1

@@ -632,7 +632,8 @@ class PoolServer:
         if len(keys) == 1:
             return await self._get_one(channel, keys[0])
         conn = channel.conn
-        found = dict(zip(dict.fromkeys(keys), self.store.get_many(list(dict.fromkeys(keys)))))  # each key once
+        unique = list(dict.fromkeys(keys))  # each key once
+        found = dict(zip(unique, await self._lookup(unique)))
         values = [found[k] for k in keys]
         del found
         lens = np.fromiter(
@@ -675,10 +676,18 @@ class PoolServer:
         return total
 
 
+    async def _lookup(self, keys: list[bytes]) -> list[Optional[Buffer]]:
+        """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
+        disk (a store with a disk tier has `may_block`)."""
+        may_block = getattr(self.store, "may_block", None)
+        if may_block is not None and may_block(keys):
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self.store.get_many, keys)
+        return self.store.get_many(keys)
+
     async def _get_one(self, channel: _Channel, key: bytes) -> int:
         """`_get` of one key (the common 1-block load), without the per-segment numpy work; the same reply: the
         value's length (-1: a miss) and the value as the one data frame, sent from the store without a copy."""
-        value = self.store.get_many([key])[0]
+        value = (await self._lookup([key]))[0]
         n = -1 if value is None else memoryview(value).nbytes
         if n > min(P.MAX_DATA_BYTES, self.budget.total):
             n = -1

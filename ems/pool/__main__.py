@@ -4,7 +4,7 @@
              [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
              [--max-connections N] [--max-connections-per-peer N] [--shm-bytes SIZE] [--shm-total SIZE]
              [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]]
-             [--metrics HOST:PORT]
+             [--metrics HOST:PORT] [--disk DIR --disk-capacity SIZE [--disk-queue SIZE]]
     ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)   (see ems.pool.status)
 
 Contract:
@@ -24,6 +24,11 @@ Contract:
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
 * Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
   0 turns it off), `--shm-total` for all connections together (default 4GiB).
+* `--disk DIR --disk-capacity SIZE`: a disk tier behind DRAM (`ems.pool.tiered_store`, `ems.pool.disk_tier`):
+  values evicted from DRAM are written there, found there, and found again after a restart (the index is rebuilt
+  from DIR before the ready line). A DIR that cannot be used at start exits with status 1; a disk that fails later
+  turns the node DRAM-only. `--disk-queue`: bytes of evicted values waiting to be written (beyond them an eviction
+  is dropped, never waited for).
 * `--metrics HOST:PORT` serves Prometheus `/metrics` and `/healthz` (`ems.pool.metrics`; needs prometheus_client).
 * `--etcd URL` registers the node in etcd under `--cluster` (`ems.transport.membership`) before the ready line,
   as `--advertise` (default: the `--listen` host and the bound port); etcd unreachable at start exits with
@@ -45,7 +50,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     from ems.transport.shm import ShmSettings
-    from ems.transport.ucx_server import NodeLimits
+    from ems.transport.ucx_server import NodeLimits, NodeStore
 
 _ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -109,9 +114,12 @@ async def _run(
     """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen, register or serve metrics)."""
     from ems.pool.cluster_node import NodeExtras
     from ems.transport.ucx_server import PoolServer
-    from ems.store import KvStore
 
-    store = KvStore(capacity)
+    try:
+        store = _build_store(capacity, args)
+    except OSError as error:
+        print(f"ems-pool: cannot use --disk {args.disk}: {error}", file=sys.stderr, flush=True)
+        return 1
     extras = NodeExtras(store, args)
     server = PoolServer(store, keys, limits, metrics=extras.metrics, shm=shm)
     stop = asyncio.Event()
@@ -141,6 +149,9 @@ async def _run(
     finally:
         extras.close()
         await server.stop()
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
         try:
             import ucxx
 
@@ -149,6 +160,21 @@ async def _run(
             pass
         logging.getLogger("ems.pool").info("stopped")
     return 0
+
+
+def _build_store(capacity: int, args: argparse.Namespace) -> "NodeStore":
+    """The node's store: DRAM only, or DRAM in front of a disk tier (`--disk`), whose index is rebuilt from the
+    disk before the node serves. OSError when the disk directory cannot be used."""
+    from ems.store import KvStore
+
+    if args.disk is None:
+        return KvStore(capacity)
+    from ems.pool.disk_tier import DiskTier
+    from ems.pool.tiered_store import TieredStore
+
+    disk = DiskTier(args.disk, args.disk_capacity, args.disk_queue)
+    disk.open()
+    return TieredStore(capacity, disk)
 
 
 def _device_of(host: str) -> Optional[str]:
@@ -202,6 +228,31 @@ def _tune_malloc() -> None:
 MALLOC_MMAP_THRESHOLD = 128 << 10
 
 
+def _disk_options(args: argparse.Namespace, capacity: int) -> None:
+    """Check the disk tier's options and turn their sizes into bytes (ValueError on a bad one)."""
+    from ems.config import parse_size
+
+    if args.disk is None:
+        if args.disk_capacity is not None or args.disk_queue is not None:
+            raise ValueError("--disk-capacity and --disk-queue need --disk DIR")
+        return
+    if args.disk_capacity is None:
+        raise ValueError("--disk DIR needs --disk-capacity SIZE")
+    args.disk_capacity = parse_size("--disk-capacity", args.disk_capacity)
+    if args.disk_capacity <= 0:
+        raise ValueError("--disk-capacity must be > 0")
+    if args.disk_queue is None:
+        args.disk_queue = min(max(capacity // 4, DISK_QUEUE_MIN), DISK_QUEUE_MAX)
+    else:
+        args.disk_queue = parse_size("--disk-queue", args.disk_queue)
+        if args.disk_queue <= 0:
+            raise ValueError("--disk-queue must be > 0")
+
+
+DISK_QUEUE_MIN = 32 << 20
+DISK_QUEUE_MAX = 1 << 30
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["status"]:
@@ -222,6 +273,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-connections-per-peer", type=_positive_int, default=64, help="per peer IP address")
     parser.add_argument("--shm-bytes", default="256MiB", help="shared memory per same-host connection (0: off)")
     parser.add_argument("--shm-total", default="4GiB", help="shared memory of all connections together")
+    parser.add_argument("--disk", default=None, help="directory of a disk tier behind DRAM (see docs/pool-nodes.md)")
+    parser.add_argument("--disk-capacity", default=None, help="bytes the disk tier may use, e.g. 100GiB (with --disk)")
+    parser.add_argument("--disk-queue", default=None,
+                        help="bytes of evicted values waiting to be written (default: a quarter of --capacity, "
+                             "32 MiB to 1 GiB)")
     from ems.pool.cluster_node import add_arguments
 
     add_arguments(parser)
@@ -258,6 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ems.transport.shm import ShmSettings
 
         shm = ShmSettings(parse_size("--shm-bytes", args.shm_bytes), parse_size("--shm-total", args.shm_total))
+        _disk_options(args, capacity)
     except (EmsException, ValueError, OSError) as error:
         parser.error(str(error))
     _tune_malloc()

@@ -17,10 +17,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Optional
 
-from ems.store import KvStore
-
 if TYPE_CHECKING:
     from ems.pool.metrics import MetricsServer, NodeMetrics
+    from ems.transport.ucx_server import NodeStore
     from ems.transport.membership import Registration
 
 log = logging.getLogger("ems.pool")
@@ -68,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class NodeExtras:
     """Metrics endpoint, etcd registration and drain of one node; see the module docstring."""
 
-    def __init__(self, store: KvStore, args: argparse.Namespace) -> None:
+    def __init__(self, store: "NodeStore", args: argparse.Namespace) -> None:
         self.args = args
         self.metrics: Optional[NodeMetrics] = None
         if args.metrics is not None:

@@ -8,7 +8,14 @@ Contract:
   GET: sent), `request_seconds{op}` (histogram), `auth_failures_total`, `checksum_failures_total` (PUT values
   refused as damaged), `connections` (open now), `connections_opened_total`, and from the store: `held_bytes`,
   `values`, `capacity_bytes`, `evictions_total`, `get_hits_total`, `get_misses_total`, `puts_total`,
-  `rejected_puts_total`.
+  `rejected_puts_total` (hits and misses over all tiers).
+* Per tier (label `tier`: `dram`, and `disk` on a node with `--disk`): `tier_up`, `tier_bytes`,
+  `tier_capacity_bytes`, `tier_values`, `tier_hits_total`, `tier_evictions_total`; and for the disk
+  `tier_reads_total`, `tier_read_bytes_total`, `tier_read_seconds_total`, `tier_writes_total`,
+  `tier_write_bytes_total`, `tier_write_seconds_total` (seconds over count: the mean latency of a record read or
+  written), `tier_errors_total{kind}` (`integrity`: damaged records dropped, `io`: read/write errors,
+  `dropped_write`: evictions not written), `disk_queued_bytes`, `disk_queued_values`, `disk_restored_values`,
+  `disk_restore_seconds`.
 * `MetricsServer` serves `GET /metrics` (text exposition) and `GET /healthz` (200 `ok` while serving, 503
   `draining` once the node is leaving) from a daemon thread; anything else is 404.
 """
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import http.server
 import threading
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,19 +37,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from ems.store import KvStore
 from ems.buffers import Buffer
 from ems.value_format import is_well_formed
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+if TYPE_CHECKING:
+    from ems.transport.ucx_server import NodeStore
+
+
 class _StoreCollector(Collector):
-    def __init__(self, store: KvStore) -> None:
+    def __init__(self, store: "NodeStore") -> None:
         self.store = store
 
     def collect(self) -> Iterator:
-        stats = self.store.stats()
+        stats: Any = self.store.stats()
+        yield from _tier_families(self.store, stats)
         yield GaugeMetricFamily("ems_pool_held_bytes", "Bytes of values held (keys included)", value=stats.used_bytes)
         yield GaugeMetricFamily("ems_pool_values", "Values held", value=stats.entries)
         yield GaugeMetricFamily("ems_pool_capacity_bytes", "Bytes this node may hold", value=stats.capacity_bytes)
@@ -55,10 +66,60 @@ class _StoreCollector(Collector):
         )
 
 
+def _tier_families(store: Any, stats: Any) -> Iterator:
+    """The per-tier families (see the module docstring): DRAM from the store's own figures, the disk from its tier."""
+    tier_stats = getattr(store, "tier_stats", None)
+    tiers = tier_stats() if tier_stats is not None else None
+    dram = tiers.dram if tiers is not None else stats
+    disk = tiers.disk if tiers is not None else None
+
+    def family(kind: type, name: str, doc: str, dram_value: Optional[float], disk_value: Optional[float]) -> Any:
+        metric = kind(name, doc, labels=["tier"])
+        if dram_value is not None:
+            metric.add_metric(["dram"], dram_value)
+        if disk is not None and disk_value is not None:
+            metric.add_metric(["disk"], disk_value)
+        return metric
+
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    up = None if disk is None else float(disk.state.value == "up")
+    yield family(g, "ems_pool_tier_up", "1 while the tier serves, 0 once it failed", 1.0, up)
+    yield family(g, "ems_pool_tier_bytes", "Bytes held by the tier", dram.used_bytes, disk and disk.used_bytes)
+    yield family(g, "ems_pool_tier_capacity_bytes", "Bytes the tier may hold", dram.capacity_bytes,
+                 disk and disk.capacity_bytes)
+    yield family(g, "ems_pool_tier_values", "Values held by the tier", dram.entries, disk and disk.values)
+    yield family(c, "ems_pool_tier_hits", "Lookups the tier answered", dram.hits, disk and disk.hits)
+    yield family(c, "ems_pool_tier_evictions", "Values evicted from the tier", dram.evictions,
+                 disk and disk.evictions)
+    if disk is None:
+        return
+    for name, doc, value in (
+        ("reads", "Records read", disk.reads),
+        ("read_bytes", "Bytes of records read", disk.read_bytes),
+        ("read_seconds", "Seconds spent reading records", disk.read_seconds),
+        ("writes", "Records written", disk.writes),
+        ("write_bytes", "Bytes of records written", disk.write_bytes),
+        ("write_seconds", "Seconds spent writing records", disk.write_seconds),
+    ):
+        yield family(c, f"ems_pool_tier_{name}", doc, None, value)
+    errors = CounterMetricFamily("ems_pool_tier_errors", "Tier errors by kind", labels=["tier", "kind"])
+    errors.add_metric(["disk", "integrity"], disk.integrity_errors)
+    errors.add_metric(["disk", "io"], disk.io_errors)
+    errors.add_metric(["disk", "dropped_write"], disk.dropped_writes)
+    yield errors
+    yield GaugeMetricFamily("ems_pool_disk_queued_bytes", "Evicted bytes waiting to be written", value=disk.queued_bytes)
+    yield GaugeMetricFamily("ems_pool_disk_queued_values", "Evicted values waiting to be written",
+                            value=disk.queued_values)
+    yield GaugeMetricFamily("ems_pool_disk_restored_values", "Values found on the disk at start",
+                            value=disk.restored_values)
+    yield GaugeMetricFamily("ems_pool_disk_restore_seconds", "Seconds to rebuild the index at start",
+                            value=disk.restore_seconds)
+
+
 class NodeMetrics:
     """Counters of one pool node; see the module docstring."""
 
-    def __init__(self, store: KvStore) -> None:
+    def __init__(self, store: "NodeStore") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ems_pool_requests", "Requests served", ["op", "status"], registry=r)

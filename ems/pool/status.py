@@ -10,7 +10,9 @@ Contract:
 * Prints a header and one line per node, sorted by address: `NODE STATE HELD/CAPACITY VALUES HIT-RATE REQ/S`.
   STATE is `up`, `down` (its metrics did not answer) or `no-metrics` (registered without `--metrics`). HIT-RATE is
   GET hits / (hits + misses) since the node started (`-` before its first GET); REQ/S is requests served per second
-  over the interval. Then a total line.
+  over the interval. A node with a disk tier (`--disk`) gets one more line per tier under its own (NODE `  dram`,
+  `  disk`): the tier's state (`up`, or `failed` for a disk that turned the node DRAM-only), held/capacity, values,
+  and the share of the node's GET lookups that tier answered. Then a total line.
 * Exit status: 0 when every node is up, 1 when any is down or none is registered, 2 on bad options.
 """
 
@@ -37,6 +39,27 @@ class Sample:
     hits: float = 0.0
     misses: float = 0.0
     requests: float = 0.0
+    tiers: dict[str, "TierSample"] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TierSample:
+    """One tier of a node (`ems_pool_tier_*{tier=...}`)."""
+
+    up: float = 1.0
+    held_bytes: float = 0.0
+    capacity_bytes: float = 0.0
+    values: float = 0.0
+    hits: float = 0.0
+
+
+_TIER_FIELDS = {
+    "ems_pool_tier_up": "up",
+    "ems_pool_tier_bytes": "held_bytes",
+    "ems_pool_tier_capacity_bytes": "capacity_bytes",
+    "ems_pool_tier_values": "values",
+    "ems_pool_tier_hits_total": "hits",
+}
 
 
 @dataclasses.dataclass
@@ -71,6 +94,9 @@ def parse_metrics(text: str) -> Sample:
                 sample.misses = s.value
             elif s.name == "ems_pool_requests_total":
                 sample.requests += s.value
+            elif s.name in _TIER_FIELDS and "tier" in s.labels:
+                tier = sample.tiers.setdefault(s.labels["tier"], TierSample())
+                setattr(tier, _TIER_FIELDS[s.name], s.value)
     return sample
 
 
@@ -129,6 +155,13 @@ def render(statuses: Sequence[NodeStatus]) -> str:
         hit = "-" if st.hit_rate is None else f"{100 * st.hit_rate:.1f}%"
         rows.append((st.address, st.state, f"{_size(s.held_bytes)}/{_size(s.capacity_bytes)}", f"{s.values:.0f}", hit,
                      f"{st.requests_per_s:.1f}"))
+        if "disk" in s.tiers:
+            lookups = s.hits + s.misses
+            for name in sorted(s.tiers, key=lambda t: (t != "dram", t)):
+                t = s.tiers[name]
+                share = "-" if lookups == 0 else f"{100 * t.hits / lookups:.1f}%"
+                rows.append((f"  {name}", "up" if t.up else "failed", f"{_size(t.held_bytes)}/{_size(t.capacity_bytes)}",
+                             f"{t.values:.0f}", share, ""))
     up = sum(st.state == "up" for st in statuses)
     rows.append((f"total: {up}/{len(statuses)} up", "", f"{_size(held)}/{_size(capacity)}", f"{values:.0f}", "",
                  f"{rps:.1f}"))

@@ -1,0 +1,526 @@
+"""A pool node's second tier: values evicted from DRAM kept on a local disk, one file per value.
+
+Contract (`DiskTier`; the node's `TieredStore` is its only user):
+* `submit(key, value)` queues a value evicted from DRAM for writing and returns at once (never any I/O on the
+  caller's path). A writer thread takes the queue in batches and writes each value as one record file. The queue
+  is bounded (`queue_bytes`): an eviction that does not fit is dropped (counted), never waited for. A queued value
+  is found by `lookup` until its file is written (so a read never sees an older file than the newest value).
+* Record file: `HEADER_BYTES` header (magic 'EMSD', version, key length, value length, sequence number, and an
+  XXH3 over those fields, the key and the value's own 40-byte header), the full key (tenant prefix included), the
+  EMS value; padded to `ALIGN` (O_DIRECT). The value's header carries the payload's checksum (`ems.value_format`),
+  so the record's check and the value's check together cover every byte.
+* Crash safety: a record is written to a temporary name and renamed into place only once fully written, so a file
+  under a record name was complete when it was named; a node killed mid-write leaves only temporary files, which
+  the next start removes. Nothing is trusted on read: a record whose header, key, lengths or checksum do not match
+  (a flipped byte, a truncated file) is a miss, and is dropped with its file.
+* Names: `root/XX/<xxh3-128 of the key>-<sequence>-<file bytes>.rec` (XX: the hash's first byte). `open()` rebuilds
+  the index from the names alone (one directory listing, no file opened: a restart costs a listing of every
+  record), oldest sequence first as the LRU order; where a key has two records (killed between writing the new one
+  and removing the old one) the newer wins. The index is keyed by the key's 128-bit hash and every read checks the
+  full key, so a hash collision is a miss, and one tenant's record is never served under another tenant's key.
+* Capacity: file bytes (padded) stay within `capacity_bytes`; writing evicts least recently used records first.
+  A full filesystem (ENOSPC, EDQUOT) is handled the same way: records are evicted and the write tried again once,
+  else that value is dropped. Never an error to a client.
+* Failure: any other error of the disk (read-only filesystem, the directory removed, EIO on write) turns the tier
+  off: one warning is logged, the index and the queue are emptied, and from then on `submit` drops and `lookup`
+  misses (the node serves from DRAM only). A read error of one record while the directory is still there is that
+  record's miss (dropped), not a failure of the tier.
+* I/O: O_DIRECT with buffers aligned to `ALIGN` where the filesystem takes it (docs/pool-nodes.md says why), else
+  buffered I/O. Reads land in a per-thread aligned bounce buffer; the caller copies the verified value out.
+* Thread-safe: one lock guards the index, the queue and the counters, never held across I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import xxhash
+
+from ems.buffers import Buffer
+from ems.value_format import HEADER_SIZE, is_well_formed
+
+log = logging.getLogger("ems.pool")
+
+ALIGN = 4096
+MAGIC = 0x44534D45  # b"EMSD" read as little-endian u32
+RECORD_VERSION = 1
+_HEADER = struct.Struct("<IHHQQQ")  # magic, version, key_len, value_len, seq, check
+HEADER_BYTES = _HEADER.size  # 32
+_CHECKED = struct.Struct("<IHHQQ")  # the fields the check covers (all but the check itself)
+SUFFIX = ".rec"
+TMP_SUFFIX = ".tmp"
+BATCH_BYTES = 64 << 20  # a writer batch: at most this many queued bytes taken at once
+# errors that mean "no room": handled as eviction, never as a failed disk
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class TierState(enum.Enum):
+    UP = "up"
+    FAILED = "failed"
+
+
+@dataclass
+class DiskTierStats:
+    state: TierState = TierState.UP
+    capacity_bytes: int = 0
+    used_bytes: int = 0  # file bytes of the records indexed, plus those being written
+    values: int = 0
+    queued_values: int = 0
+    queued_bytes: int = 0
+    hits: int = 0  # lookups answered from a record or from the queue
+    reads: int = 0  # record files read
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    writes: int = 0  # record files written
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    evictions: int = 0
+    dropped_writes: int = 0  # evictions not written: queue full, no room on the filesystem, value too large
+    integrity_errors: int = 0  # records found damaged (and dropped)
+    io_errors: int = 0  # read or write errors (a failed tier counts the one that failed it)
+    direct_io: bool = False
+    restored_values: int = 0
+    restored_bytes: int = 0
+    restore_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One indexed record file."""
+
+    path: str
+    nbytes: int  # file bytes (padded)
+    seq: int
+
+
+def key_hash(key: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(key)
+
+
+def record_bytes(key_len: int, value_len: int) -> int:
+    """File bytes of a record: header, key and value, padded to ALIGN."""
+    return -(-(HEADER_BYTES + key_len + value_len) // ALIGN) * ALIGN
+
+
+def _record_check(fields: bytes, key: Buffer, value_header: Buffer) -> int:
+    hasher = xxhash.xxh3_64()
+    hasher.update(fields)
+    hasher.update(key)
+    hasher.update(value_header)
+    return hasher.intdigest()
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """`nbytes` (a multiple of ALIGN) of page-aligned anonymous memory (O_DIRECT needs aligned buffers)."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, ALIGN)), dtype=np.uint8)[:nbytes]
+
+
+def encode_record(target: np.ndarray, key: bytes, value: Buffer, seq: int) -> int:
+    """Write the record of (key, value) into `target` (at least `record_bytes` long); returns its file bytes."""
+    view = np.frombuffer(value, dtype=np.uint8)
+    fields = _CHECKED.pack(MAGIC, RECORD_VERSION, len(key), view.size, seq)
+    check = _record_check(fields, key, view[:HEADER_SIZE].data)
+    nbytes = record_bytes(len(key), view.size)
+    target[:HEADER_BYTES] = np.frombuffer(fields + struct.pack("<Q", check), dtype=np.uint8)
+    target[HEADER_BYTES : HEADER_BYTES + len(key)] = np.frombuffer(key, dtype=np.uint8)
+    start = HEADER_BYTES + len(key)
+    target[start : start + view.size] = view
+    target[start + view.size : nbytes] = 0  # padding: no stale bytes of an earlier record on disk
+    return nbytes
+
+
+def decode_record(data: np.ndarray, key: bytes) -> Optional[np.ndarray]:
+    """The value in record bytes `data` when it is a whole, undamaged record of `key`, else None."""
+    if data.size < HEADER_BYTES:
+        return None
+    magic, version, key_len, value_len, seq, check = _HEADER.unpack(data[:HEADER_BYTES].tobytes())
+    start = HEADER_BYTES + key_len
+    if magic != MAGIC or version != RECORD_VERSION or key_len != len(key) or start + value_len > data.size:
+        return None
+    if value_len < HEADER_SIZE or data[HEADER_BYTES:start].tobytes() != key:
+        return None
+    value = data[start : start + value_len]
+    fields = _CHECKED.pack(magic, version, key_len, value_len, seq)
+    if _record_check(fields, key, value[:HEADER_SIZE].data) != check or not is_well_formed(value.data):
+        return None
+    return value
+
+
+def parse_name(name: str) -> Optional[tuple[bytes, int, int]]:
+    """(key hash, sequence, file bytes) from a record file's name, or None for any other name."""
+    if not name.endswith(SUFFIX):
+        return None
+    parts = name[: -len(SUFFIX)].split("-")
+    if len(parts) != 3 or len(parts[0]) != 32:
+        return None
+    try:
+        return bytes.fromhex(parts[0]), int(parts[1], 16), int(parts[2], 16)
+    except ValueError:
+        return None
+
+
+class _DiskFailed(Exception):
+    """The disk can no longer be used (the tier turns off)."""
+
+
+class DiskTier:
+    """Values on a local disk behind a node's DRAM; see the module docstring."""
+
+    def __init__(self, root: str, capacity_bytes: int, queue_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"the disk capacity must be > 0, got {capacity_bytes}")
+        self.root = os.path.abspath(root)
+        self.capacity_bytes = capacity_bytes
+        self.queue_bytes = queue_bytes
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._index: "OrderedDict[bytes, _Record]" = OrderedDict()  # key hash -> record, LRU first
+        self._queue: "OrderedDict[bytes, Buffer]" = OrderedDict()  # key -> newest value to write, oldest first
+        self._queued_bytes = 0
+        self._used = 0
+        self._seq = 0
+        self._stats = DiskTierStats(capacity_bytes=capacity_bytes)
+        self._direct = 0
+        self._local = threading.local()
+        self._writer: Optional[threading.Thread] = None
+        self._closing = False
+
+    # ---- life cycle ----
+
+    def open(self) -> None:
+        """Create the directories, choose the I/O mode, rebuild the index from the record names, start the writer.
+        OSError when the directory cannot be used at all (the caller decides: the node refuses to start)."""
+        start = time.perf_counter()
+        os.makedirs(self.root, exist_ok=True)
+        for i in range(256):
+            os.makedirs(os.path.join(self.root, f"{i:02x}"), exist_ok=True)
+        self._direct = self._probe_direct()
+        found: dict[bytes, _Record] = {}
+        stale: list[str] = []
+        for i in range(256):
+            folder = os.path.join(self.root, f"{i:02x}")
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.endswith(TMP_SUFFIX):  # a write cut short: never named, never served
+                        stale.append(entry.path)
+                        continue
+                    parsed = parse_name(entry.name)
+                    if parsed is None:
+                        continue
+                    digest, seq, nbytes = parsed
+                    record = _Record(entry.path, nbytes, seq)
+                    old = found.get(digest)
+                    if old is not None:
+                        stale.append(min(old, record, key=lambda r: r.seq).path)
+                        record = max(old, record, key=lambda r: r.seq)
+                    found[digest] = record
+        ordered = sorted(found.items(), key=lambda item: item[1].seq)
+        with self._lock:
+            for digest, record in ordered:
+                self._index[digest] = record
+                self._used += record.nbytes
+                self._seq = max(self._seq, record.seq)
+            stale += self._evict_to(self.capacity_bytes)
+            self._stats.restored_values = len(self._index)
+            self._stats.restored_bytes = self._used
+            self._stats.direct_io = bool(self._direct)
+        _unlink_all(stale)
+        self._stats.restore_seconds = time.perf_counter() - start
+        log.info("disk tier at %s: %d values, %d bytes restored in %.3f s (%s I/O)", self.root,
+                 self._stats.restored_values, self._stats.restored_bytes, self._stats.restore_seconds,
+                 "O_DIRECT" if self._direct else "buffered")
+        self._writer = threading.Thread(target=self._write_loop, name="ems-pool-disk-writer", daemon=True)
+        self._writer.start()
+
+    def _probe_direct(self) -> int:
+        """os.O_DIRECT when the filesystem takes it (tmpfs before Linux 6.6 and some others refuse it), else 0."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return 0
+        path = os.path.join(self.root, f"probe{TMP_SUFFIX}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+            try:
+                os.pwrite(fd, aligned_buffer(ALIGN).data, 0)
+            finally:
+                os.close(fd)
+            return flag
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            return 0
+        finally:
+            _unlink_all([path])
+
+    def close(self) -> None:
+        """Stop the writer (values still queued are not written: a cache) and let go of the files."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=10)
+            self._writer = None
+
+    @property
+    def up(self) -> bool:
+        return self._stats.state is TierState.UP
+
+    # ---- the caller's side: never any I/O ----
+
+    def submit(self, key: bytes, value: Buffer) -> None:
+        """Queue an evicted DRAM value for writing (see the module docstring); returns at once."""
+        nbytes = memoryview(value).nbytes
+        digest = key_hash(key)
+        with self._lock:
+            if self._stats.state is not TierState.UP:
+                return
+            if key not in self._queue and digest in self._index:
+                # A value on disk and in DRAM at once is the same value (a put of the key drops the record first,
+                # `invalidate`): already written, it only becomes recently used.
+                self._index.move_to_end(digest)
+                return
+            old = self._queue.pop(key, None)
+            if old is not None:
+                self._queued_bytes -= memoryview(old).nbytes
+            if (self._queued_bytes + nbytes > self.queue_bytes
+                    or record_bytes(len(key), nbytes) > self.capacity_bytes):
+                self._stats.dropped_writes += 1
+                return
+            self._queue[key] = value
+            self._queued_bytes += nbytes
+            self._wake.notify()
+
+    def invalidate(self, key: bytes) -> None:
+        """A new value of `key` is being stored in DRAM: what this tier holds of it is stale from now on."""
+        digest = key_hash(key)
+        with self._lock:
+            old = self._queue.pop(key, None)
+            if old is not None:
+                self._queued_bytes -= memoryview(old).nbytes
+            record = self._index.pop(digest, None)
+            if record is not None:
+                self._used -= record.nbytes
+        if record is not None:
+            _unlink_all([record.path])
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [key in self._queue or key_hash(key) in self._index for key in keys]
+
+    def still_current(self, key: bytes, token: object) -> bool:
+        """Whether what `lookup` returned with `token` is still this tier's newest value of `key`."""
+        with self._lock:
+            return self._queue.get(key) is token or self._index.get(key_hash(key)) is token
+
+    # ---- reads (the caller's thread: the server runs them off its event loop) ----
+
+    def lookup(self, key: bytes) -> tuple[Optional[Buffer], object]:
+        """(value, token) when this tier holds `key`: a queued value itself, or a verified record's value in this
+        thread's bounce buffer (valid until this thread's next `lookup`: copy it out); (None, None) on a miss."""
+        digest = key_hash(key)
+        with self._lock:
+            if self._stats.state is not TierState.UP:
+                return None, None
+            queued = self._queue.get(key)
+            if queued is not None:
+                self._stats.hits += 1
+                return queued, queued
+            record = self._index.get(digest)
+            if record is None:
+                return None, None
+            self._index.move_to_end(digest)
+        started = time.perf_counter()
+        try:
+            data = self._read(record)
+        except OSError as error:
+            if not os.path.isdir(self.root):
+                self._fail(error)
+                return None, None
+            data = None
+            with self._lock:
+                self._stats.io_errors += 1
+            log.warning("disk tier: cannot read %s (%s): dropped", record.path, error)
+        value = decode_record(data, key) if data is not None else None
+        with self._lock:
+            self._stats.reads += 1
+            self._stats.read_seconds += time.perf_counter() - started
+            if value is None:
+                self._stats.integrity_errors += data is not None
+                if self._index.get(digest) is record:
+                    del self._index[digest]
+                    self._used -= record.nbytes
+                    doomed = [record.path]
+                else:
+                    doomed = []
+            else:
+                self._stats.hits += 1
+                self._stats.read_bytes += record.nbytes
+        if value is None:
+            if data is not None:
+                log.warning("disk tier: record %s is damaged or not the key's: dropped", record.path)
+            _unlink_all(doomed)
+            return None, None
+        return value.data, record
+
+    def _read(self, record: _Record) -> Optional[np.ndarray]:
+        """The record file's bytes (a truncated file: the bytes there are), in this thread's bounce buffer."""
+        bounce: Optional[np.ndarray] = getattr(self._local, "bounce", None)
+        if bounce is None or bounce.size < record.nbytes:
+            bounce = aligned_buffer(max(record.nbytes, 1 << 20))
+            self._local.bounce = bounce
+        fd = os.open(record.path, os.O_RDONLY | self._direct)
+        try:
+            got = os.preadv(fd, [bounce.data[: record.nbytes]], 0)
+        finally:
+            os.close(fd)
+        return bounce[:got]
+
+    # ---- the writer thread ----
+
+    def _write_loop(self) -> None:
+        staging = aligned_buffer(1 << 20)
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._wake.wait()
+                if self._closing or self._stats.state is not TierState.UP:
+                    return
+                batch: list[tuple[bytes, Buffer]] = []
+                taken = 0
+                for key, value in self._queue.items():
+                    batch.append((key, value))
+                    taken += memoryview(value).nbytes
+                    if taken >= BATCH_BYTES:
+                        break
+            for key, value in batch:
+                size = record_bytes(len(key), memoryview(value).nbytes)
+                if staging.size < size:
+                    staging = aligned_buffer(size)
+                try:
+                    self._write_one(key, value, staging)
+                except _DiskFailed:
+                    return
+
+    def _write_one(self, key: bytes, value: Buffer, staging: np.ndarray) -> None:
+        digest = key_hash(key)
+        with self._lock:
+            if self._queue.get(key) is not value:  # replaced or invalidated since the batch was taken
+                return
+            self._seq += 1
+            seq = self._seq
+            nbytes = record_bytes(len(key), memoryview(value).nbytes)
+            doomed = self._evict_to(self.capacity_bytes - nbytes)
+            self._used += nbytes  # reserved while the file is written
+        _unlink_all(doomed)
+        path = os.path.join(self.root, f"{digest[0]:02x}", f"{digest.hex()}-{seq:x}-{nbytes:x}{SUFFIX}")
+        started = time.perf_counter()
+        encode_record(staging, key, value, seq)
+        written = False
+        for attempt in range(2):
+            try:
+                self._write_file(path, staging[:nbytes])
+                written = True
+                break
+            except OSError as error:
+                if error.errno not in _FULL_ERRNOS:
+                    with self._lock:
+                        self._used -= nbytes
+                    self._fail(error)
+                    raise _DiskFailed() from error
+                if attempt == 0:  # the filesystem is fuller than our capacity says: make room and try once more
+                    with self._lock:
+                        doomed = self._evict_to(max(0, self._used - max(nbytes, self._used // 8)))
+                    _unlink_all(doomed)
+        with self._lock:
+            self._used -= nbytes
+            current = self._queue.get(key) is value
+            if current:
+                del self._queue[key]
+                self._queued_bytes -= memoryview(value).nbytes
+            if not written:
+                self._stats.dropped_writes += 1
+                self._stats.io_errors += 1
+                return
+            self._stats.writes += 1
+            self._stats.write_bytes += nbytes
+            self._stats.write_seconds += time.perf_counter() - started
+            if not current or self._stats.state is not TierState.UP:  # superseded while being written
+                stale = [path]
+            else:
+                old = self._index.pop(digest, None)
+                stale = [old.path] if old is not None else []
+                if old is not None:
+                    self._used -= old.nbytes
+                self._index[digest] = _Record(path, nbytes, seq)
+                self._used += nbytes
+        _unlink_all(stale)
+
+    def _write_file(self, path: str, data: np.ndarray) -> None:
+        """Write `data` as the file `path`, through a temporary name renamed into place once fully written."""
+        tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._direct, 0o600)
+            try:
+                view = data.data
+                done = 0
+                while done < view.nbytes:
+                    done += os.pwrite(fd, view[done:], done)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink_all([tmp])
+            raise
+
+    # ---- capacity and failure (lock held where said) ----
+
+    def _evict_to(self, limit: int) -> list[str]:
+        """Drop least recently used records until the bytes used are at most `limit` (lock held); returns the
+        paths to unlink once the lock is released."""
+        doomed = []
+        while self._used > limit and self._index:
+            _, record = self._index.popitem(last=False)
+            self._used -= record.nbytes
+            self._stats.evictions += 1
+            doomed.append(record.path)
+        return doomed
+
+    def _fail(self, error: OSError) -> None:
+        with self._lock:
+            if self._stats.state is not TierState.UP:
+                return
+            self._stats.state = TierState.FAILED
+            self._stats.io_errors += 1
+            self._index.clear()
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._used = 0
+            self._wake.notify_all()
+        log.warning("disk tier at %s failed (%s): this node now serves from DRAM only", self.root, error)
+
+    def stats(self) -> DiskTierStats:
+        with self._lock:
+            self._stats.used_bytes = self._used
+            self._stats.values = len(self._index)
+            self._stats.queued_values = len(self._queue)
+            self._stats.queued_bytes = self._queued_bytes
+            return DiskTierStats(**vars(self._stats))
+
+
+def _unlink_all(paths: Sequence[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:  # already gone, or the disk failed: nothing to do either way
+            pass
