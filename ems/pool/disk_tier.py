@@ -9,7 +9,8 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
   XXH3 over those fields, the key and the value's own 40-byte header), the full key (tenant prefix included), the
   EMS value; padded to `ALIGN` (O_DIRECT). The value's header carries the payload's checksum (`ems.value_format`),
   so the record's check and the value's check together cover every byte.
-* Crash safety: a record is written to a temporary name and renamed into place only once fully written, so a file
+* Crash safety: a record is written to a temporary name and renamed into place only once fully written (and only
+  while it is still the key's newest value: the rename and a put's `invalidate` are ordered by the lock), so a file
   under a record name was complete when it was named; a node killed mid-write leaves only temporary files, which
   the next start removes. Nothing is trusted on read: a record whose header, key, lengths or checksum do not match
   (a flipped byte, a truncated file) is a miss, and is dropped with its file.
@@ -424,12 +425,13 @@ class DiskTier:
             self._used += nbytes  # reserved while the file is written
         _unlink_all(doomed)
         path = os.path.join(self.root, f"{digest[0]:02x}", f"{digest.hex()}-{seq:x}-{nbytes:x}{SUFFIX}")
+        tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
         started = time.perf_counter()
         encode_record(staging, key, value, seq)
         written = False
         for attempt in range(2):
             try:
-                self._write_file(path, staging[:nbytes])
+                self._write_file(tmp, staging[:nbytes])
                 written = True
                 break
             except OSError as error:
@@ -442,9 +444,10 @@ class DiskTier:
                     with self._lock:
                         doomed = self._evict_to(max(0, self._used - max(nbytes, self._used // 8)))
                     _unlink_all(doomed)
+        stale: list[str] = []
         with self._lock:
             self._used -= nbytes
-            current = self._queue.get(key) is value
+            current = self._queue.get(key) is value and self._stats.state is TierState.UP
             if current:
                 del self._queue[key]
                 self._queued_bytes -= memoryview(value).nbytes
@@ -455,20 +458,30 @@ class DiskTier:
             self._stats.writes += 1
             self._stats.write_bytes += nbytes
             self._stats.write_seconds += time.perf_counter() - started
-            if not current or self._stats.state is not TierState.UP:  # superseded while being written
-                stale = [path]
-            else:
-                old = self._index.pop(digest, None)
-                stale = [old.path] if old is not None else []
-                if old is not None:
-                    self._used -= old.nbytes
-                self._index[digest] = _Record(path, nbytes, seq)
-                self._used += nbytes
+            if current:
+                # Named under the lock: a put of the key (`invalidate`) comes either before (then this record is
+                # never named) or after (then it finds the record and removes it), never in between.
+                try:
+                    os.rename(tmp, path)
+                except OSError as error:
+                    failed: Optional[OSError] = error
+                else:
+                    failed = None
+                    old = self._index.pop(digest, None)
+                    if old is not None:
+                        self._used -= old.nbytes
+                        stale.append(old.path)
+                    self._index[digest] = _Record(path, nbytes, seq)
+                    self._used += nbytes
+            if not current or failed is not None:
+                stale.append(tmp)
         _unlink_all(stale)
+        if current and failed is not None:
+            self._fail(failed)
+            raise _DiskFailed() from failed
 
-    def _write_file(self, path: str, data: np.ndarray) -> None:
-        """Write `data` as the file `path`, through a temporary name renamed into place once fully written."""
-        tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
+    def _write_file(self, tmp: str, data: np.ndarray) -> None:
+        """Write `data` as the file `tmp` (removed again when the write fails)."""
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._direct, 0o600)
             try:
@@ -478,7 +491,6 @@ class DiskTier:
                     done += os.pwrite(fd, view[done:], done)
             finally:
                 os.close(fd)
-            os.rename(tmp, path)
         except BaseException:
             _unlink_all([tmp])
             raise
