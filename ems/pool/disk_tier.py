@@ -2,9 +2,12 @@
 
 Contract (`DiskTier`; the node's `TieredStore` is its only user):
 * `submit(key, value)` queues a value evicted from DRAM for writing and returns at once (never any I/O on the
-  caller's path). A writer thread takes the queue in batches and writes each value as one record file. The queue
-  is bounded (`queue_bytes`): an eviction that does not fit is dropped (counted), never waited for. A queued value
-  is found by `lookup` until its file is written (so a read never sees an older file than the newest value).
+  caller's path): its record is encoded into the write ring, `queue_bytes` of aligned memory. That one copy lets
+  DRAM reuse the evicted buffer at once, as it does without a disk (a buffer held until written would make every
+  later receive fault in fresh pages), and the writer writes straight from the ring. A writer thread takes the
+  queue in batches and writes each value as one record file. An eviction that does not fit in the ring is dropped
+  (counted), never waited for. A queued value is found by `lookup` (a copy) until its file is written, so a read
+  never sees an older file than the newest value.
 * Record file: `HEADER_BYTES` header (magic 'EMSD', version, key length, value length, sequence number, and an
   XXH3 over those fields, the key and the value's own 40-byte header), the full key (tenant prefix included), the
   EMS value; padded to `ALIGN` (O_DIRECT). The value's header carries the payload's checksum (`ems.value_format`),
@@ -41,7 +44,7 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -78,7 +81,7 @@ class DiskTierStats:
     used_bytes: int = 0  # file bytes of the records indexed, plus those being written
     values: int = 0
     queued_values: int = 0
-    queued_bytes: int = 0
+    queued_bytes: int = 0  # record bytes waiting in the write ring
     hits: int = 0  # lookups answered from a record or from the queue
     reads: int = 0  # record files read
     read_bytes: int = 0
@@ -175,6 +178,61 @@ class _DiskFailed(Exception):
     """The disk can no longer be used (the tier turns off)."""
 
 
+class _Slot:
+    """One queued record in the write ring: `nbytes` at `start`, the key's newest value while `live`."""
+
+    __slots__ = ("start", "nbytes", "value_len", "seq", "live")
+
+    def __init__(self, start: int, nbytes: int, value_len: int, seq: int) -> None:
+        self.start = start
+        self.nbytes = nbytes
+        self.value_len = value_len
+        self.seq = seq
+        self.live = True
+
+
+class _WriteRing:
+    """The write queue's memory: one aligned mapping of records, allocated at the head and freed at the tail in
+    the order they were queued (a slot that is no longer live waits until the slots before it are freed)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.size = max(ALIGN, nbytes // ALIGN * ALIGN)
+        self.memory = aligned_buffer(self.size)
+        self.slots: deque[_Slot] = deque()
+        self.head = 0
+        self.live_bytes = 0
+
+    def take(self, nbytes: int, value_len: int, seq: int) -> Optional[_Slot]:
+        """A slot of `nbytes` (a multiple of ALIGN), or None when the ring has no room for it now."""
+        while self.slots and not self.slots[0].live:  # slots the writer is done with, or dropped
+            self.slots.popleft()
+        if not self.slots:
+            self.head = 0
+        if self.slots:
+            tail = self.slots[0].start
+            if self.head > tail:  # free: [head, size) then [0, tail)
+                start = self.head if self.head + nbytes <= self.size else (0 if nbytes <= tail else -1)
+            else:  # wrapped (free: [head, tail)), or full (head == tail)
+                start = self.head if self.head + nbytes <= tail else -1
+        else:
+            start = 0 if nbytes <= self.size else -1
+        if start < 0:
+            return None
+        slot = _Slot(start, nbytes, value_len, seq)
+        self.slots.append(slot)
+        self.head = (start + nbytes) % self.size
+        self.live_bytes += nbytes
+        return slot
+
+    def release(self, slot: _Slot) -> None:
+        if slot.live:
+            slot.live = False
+            self.live_bytes -= slot.nbytes
+
+    def view(self, slot: _Slot) -> np.ndarray:
+        return self.memory[slot.start : slot.start + slot.nbytes]
+
+
 class DiskTier:
     """Values on a local disk behind a node's DRAM; see the module docstring."""
 
@@ -187,8 +245,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._index: "OrderedDict[bytes, _Record]" = OrderedDict()  # key hash -> record, LRU first
-        self._queue: "OrderedDict[bytes, Buffer]" = OrderedDict()  # key -> newest value to write, oldest first
-        self._queued_bytes = 0
+        # key -> its newest record waiting to be written (in the ring), oldest first
+        self._queue: "OrderedDict[bytes, _Slot]" = OrderedDict()
+        self._ring = _WriteRing(queue_bytes)
         self._used = 0
         self._seq = 0
         self._stats = DiskTierStats(capacity_bytes=capacity_bytes)
@@ -280,9 +339,11 @@ class DiskTier:
     # ---- the caller's side: never any I/O ----
 
     def submit(self, key: bytes, value: Buffer) -> None:
-        """Queue an evicted DRAM value for writing (see the module docstring); returns at once."""
+        """Queue a value evicted from DRAM for writing (see the module docstring): its record is encoded into the
+        write ring at once (a copy, so DRAM reuses the evicted buffer straight away), never any I/O here."""
         nbytes = memoryview(value).nbytes
         digest = key_hash(key)
+        size = record_bytes(len(key), nbytes)
         with self._lock:
             if self._stats.state is not TierState.UP:
                 return
@@ -293,13 +354,14 @@ class DiskTier:
                 return
             old = self._queue.pop(key, None)
             if old is not None:
-                self._queued_bytes -= memoryview(old).nbytes
-            if (self._queued_bytes + nbytes > self.queue_bytes
-                    or record_bytes(len(key), nbytes) > self.capacity_bytes):
+                self._ring.release(old)
+            slot = self._ring.take(size, nbytes, self._seq + 1) if size <= self.capacity_bytes else None
+            if slot is None:
                 self._stats.dropped_writes += 1
                 return
-            self._queue[key] = value
-            self._queued_bytes += nbytes
+            self._seq += 1
+            encode_record(self._ring.view(slot), key, value, slot.seq)
+            self._queue[key] = slot
             self._wake.notify()
 
     def invalidate(self, key: bytes) -> None:
@@ -308,7 +370,7 @@ class DiskTier:
         with self._lock:
             old = self._queue.pop(key, None)
             if old is not None:
-                self._queued_bytes -= memoryview(old).nbytes
+                self._ring.release(old)
             record = self._index.pop(digest, None)
             if record is not None:
                 self._used -= record.nbytes
@@ -327,16 +389,17 @@ class DiskTier:
     # ---- reads (the caller's thread: the server runs them off its event loop) ----
 
     def lookup(self, key: bytes) -> tuple[Optional[Buffer], object]:
-        """(value, token) when this tier holds `key`: a queued value itself, or a verified record's value in this
+        """(value, token) when this tier holds `key`: a queued value (a copy), or a verified record's value in this
         thread's bounce buffer (valid until this thread's next `lookup`: copy it out); (None, None) on a miss."""
         digest = key_hash(key)
         with self._lock:
             if self._stats.state is not TierState.UP:
                 return None, None
             queued = self._queue.get(key)
-            if queued is not None:
+            if queued is not None:  # copied out under the lock: the writer frees the slot once written
                 self._stats.hits += 1
-                return queued, queued
+                start = HEADER_BYTES + len(key)
+                return self._ring.view(queued)[start : start + queued.value_len].tobytes(), queued
             record = self._index.get(digest)
             if record is None:
                 return None, None
@@ -390,48 +453,44 @@ class DiskTier:
     # ---- the writer thread ----
 
     def _write_loop(self) -> None:
-        staging = aligned_buffer(1 << 20)
         while True:
             with self._lock:
                 while not self._queue and not self._closing:
                     self._wake.wait()
                 if self._closing or self._stats.state is not TierState.UP:
                     return
-                batch: list[tuple[bytes, Buffer]] = []
+                batch: list[tuple[bytes, _Slot]] = []
                 taken = 0
-                for key, value in self._queue.items():
-                    batch.append((key, value))
-                    taken += memoryview(value).nbytes
+                for key, slot in self._queue.items():
+                    batch.append((key, slot))
+                    taken += slot.nbytes
                     if taken >= BATCH_BYTES:
                         break
-            for key, value in batch:
-                size = record_bytes(len(key), memoryview(value).nbytes)
-                if staging.size < size:
-                    staging = aligned_buffer(size)
+            for key, slot in batch:
                 try:
-                    self._write_one(key, value, staging)
+                    self._write_one(key, slot)
                 except _DiskFailed:
                     return
 
-    def _write_one(self, key: bytes, value: Buffer, staging: np.ndarray) -> None:
+    def _write_one(self, key: bytes, slot: _Slot) -> None:
         digest = key_hash(key)
+        nbytes = slot.nbytes
         with self._lock:
-            if self._queue.get(key) is not value:  # replaced or invalidated since the batch was taken
+            if self._queue.get(key) is not slot:  # replaced or invalidated since the batch was taken
                 return
-            self._seq += 1
-            seq = self._seq
-            nbytes = record_bytes(len(key), memoryview(value).nbytes)
             doomed = self._evict_to(self.capacity_bytes - nbytes)
             self._used += nbytes  # reserved while the file is written
+            data = self._ring.view(slot)  # the slot stays allocated while it is live (in the queue)
         _unlink_all(doomed)
-        path = os.path.join(self.root, f"{digest[0]:02x}", f"{digest.hex()}-{seq:x}-{nbytes:x}{SUFFIX}")
+        path = os.path.join(self.root, f"{digest[0]:02x}", f"{digest.hex()}-{slot.seq:x}-{nbytes:x}{SUFFIX}")
         tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
         started = time.perf_counter()
-        encode_record(staging, key, value, seq)
         written = False
         for attempt in range(2):
             try:
-                self._write_file(tmp, staging[:nbytes])
+                # A slot released meanwhile (a put of the key) may be reused under this write: that file is then
+                # never named (below), so what it holds does not matter.
+                self._write_file(tmp, data)
                 written = True
                 break
             except OSError as error:
@@ -445,12 +504,13 @@ class DiskTier:
                         doomed = self._evict_to(max(0, self._used - max(nbytes, self._used // 8)))
                     _unlink_all(doomed)
         stale: list[str] = []
+        failed: Optional[OSError] = None
         with self._lock:
             self._used -= nbytes
-            current = self._queue.get(key) is value and self._stats.state is TierState.UP
+            current = self._queue.get(key) is slot and self._stats.state is TierState.UP
             if current:
                 del self._queue[key]
-                self._queued_bytes -= memoryview(value).nbytes
+                self._ring.release(slot)
             if not written:
                 self._stats.dropped_writes += 1
                 self._stats.io_errors += 1
@@ -464,19 +524,18 @@ class DiskTier:
                 try:
                     os.rename(tmp, path)
                 except OSError as error:
-                    failed: Optional[OSError] = error
+                    failed = error
                 else:
-                    failed = None
                     old = self._index.pop(digest, None)
                     if old is not None:
                         self._used -= old.nbytes
                         stale.append(old.path)
-                    self._index[digest] = _Record(path, nbytes, seq)
+                    self._index[digest] = _Record(path, nbytes, slot.seq)
                     self._used += nbytes
             if not current or failed is not None:
                 stale.append(tmp)
         _unlink_all(stale)
-        if current and failed is not None:
+        if failed is not None:
             self._fail(failed)
             raise _DiskFailed() from failed
 
@@ -515,8 +574,9 @@ class DiskTier:
             self._stats.state = TierState.FAILED
             self._stats.io_errors += 1
             self._index.clear()
+            for slot in self._queue.values():
+                self._ring.release(slot)
             self._queue.clear()
-            self._queued_bytes = 0
             self._used = 0
             self._wake.notify_all()
         log.warning("disk tier at %s failed (%s): this node now serves from DRAM only", self.root, error)
@@ -526,7 +586,7 @@ class DiskTier:
             self._stats.used_bytes = self._used
             self._stats.values = len(self._index)
             self._stats.queued_values = len(self._queue)
-            self._stats.queued_bytes = self._queued_bytes
+            self._stats.queued_bytes = self._ring.live_bytes
             return DiskTierStats(**vars(self._stats))
 
 
