@@ -79,6 +79,7 @@ class DiskTierStats:
     state: TierState = TierState.UP
     capacity_bytes: int = 0
     used_bytes: int = 0  # file bytes of the records indexed, plus those being written
+    spare_bytes: int = 0  # file bytes kept to be overwritten by new records (within the capacity with used_bytes)
     values: int = 0
     queued_values: int = 0
     queued_bytes: int = 0  # record bytes waiting in the write ring
@@ -249,6 +250,10 @@ class DiskTier:
         self._queue: "OrderedDict[bytes, _Slot]" = OrderedDict()
         self._ring = _WriteRing(queue_bytes)
         self._used = 0
+        # files of dropped records kept (under temporary names) to be overwritten by later records of their size:
+        # overwriting an allocated file costs a third of creating one (measured: docs/pool-nodes.md)
+        self._spare: dict[int, list[str]] = {}
+        self._spare_bytes = 0
         self._seq = 0
         self._stats = DiskTierStats(capacity_bytes=capacity_bytes)
         self._direct = 0
@@ -374,8 +379,9 @@ class DiskTier:
             record = self._index.pop(digest, None)
             if record is not None:
                 self._used -= record.nbytes
-        if record is not None:
-            _unlink_all([record.path])
+                self._spare_bytes += record.nbytes
+        if record is not None:  # renamed away before the put goes on: a restart can never find the old value
+            self._keep_spare(record)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
@@ -419,19 +425,17 @@ class DiskTier:
         with self._lock:
             self._stats.reads += 1
             self._stats.read_seconds += time.perf_counter() - started
-            if value is None:
-                self._stats.integrity_errors += data is not None
-                if self._index.get(digest) is record:
-                    del self._index[digest]
-                    self._used -= record.nbytes
-                    doomed = [record.path]
-                else:
-                    doomed = []
-            else:
+            doomed = []
+            if value is None and self._index.get(digest) is record:  # (else it was dropped, and maybe its file
+                self._stats.integrity_errors += data is not None       # reused, while this read ran: a plain miss)
+                del self._index[digest]
+                self._used -= record.nbytes
+                doomed = [record.path]
+            if value is not None:
                 self._stats.hits += 1
                 self._stats.read_bytes += record.nbytes
         if value is None:
-            if data is not None:
+            if doomed and data is not None:
                 log.warning("disk tier: record %s is damaged or not the key's: dropped", record.path)
             _unlink_all(doomed)
             return None, None
@@ -478,22 +482,27 @@ class DiskTier:
         with self._lock:
             if self._queue.get(key) is not slot:  # replaced or invalidated since the batch was taken
                 return
-            doomed = self._evict_to(self.capacity_bytes - nbytes)
-            self._used += nbytes  # reserved while the file is written
+            reuse, doomed = self._reserve(nbytes)
             data = self._ring.view(slot)  # the slot stays allocated while it is live (in the queue)
         _unlink_all(doomed)
         path = os.path.join(self.root, f"{digest[0]:02x}", f"{digest.hex()}-{slot.seq:x}-{nbytes:x}{SUFFIX}")
         tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
+        if reuse is not None:
+            try:
+                os.rename(reuse, tmp)  # a spare, or a record just evicted: from now on never found under a record name
+            except OSError:
+                reuse = None
         started = time.perf_counter()
         written = False
         for attempt in range(2):
             try:
                 # A slot released meanwhile (a put of the key) may be reused under this write: that file is then
                 # never named (below), so what it holds does not matter.
-                self._write_file(tmp, data)
+                self._write_file(tmp, data, create=reuse is None)
                 written = True
                 break
             except OSError as error:
+                reuse = None
                 if error.errno not in _FULL_ERRNOS:
                     with self._lock:
                         self._used -= nbytes
@@ -501,9 +510,10 @@ class DiskTier:
                     raise _DiskFailed() from error
                 if attempt == 0:  # the filesystem is fuller than our capacity says: make room and try once more
                     with self._lock:
-                        doomed = self._evict_to(max(0, self._used - max(nbytes, self._used // 8)))
+                        doomed = self._drop_spares(0) + self._evict_to(
+                            max(0, self._used - max(nbytes, self._used // 8)))
                     _unlink_all(doomed)
-        stale: list[str] = []
+        spares: list[_Record] = []
         failed: Optional[OSError] = None
         with self._lock:
             self._used -= nbytes
@@ -529,20 +539,26 @@ class DiskTier:
                     old = self._index.pop(digest, None)
                     if old is not None:
                         self._used -= old.nbytes
-                        stale.append(old.path)
+                        self._spare_bytes += old.nbytes
+                        spares.append(old)
                     self._index[digest] = _Record(path, nbytes, slot.seq)
                     self._used += nbytes
-            if not current or failed is not None:
-                stale.append(tmp)
-        _unlink_all(stale)
+            if not current and failed is None:  # superseded while written: the file is a spare as it is
+                self._spare.setdefault(nbytes, []).append(tmp)
+                self._spare_bytes += nbytes
+        for record in spares:
+            self._keep_spare(record)
         if failed is not None:
+            _unlink_all([tmp])
             self._fail(failed)
             raise _DiskFailed() from failed
 
-    def _write_file(self, tmp: str, data: np.ndarray) -> None:
-        """Write `data` as the file `tmp` (removed again when the write fails)."""
+    def _write_file(self, tmp: str, data: np.ndarray, create: bool) -> None:
+        """Write `data` into the file `tmp`: a new one, or a spare of exactly its size (removed when the write
+        fails)."""
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._direct, 0o600)
+            flags = os.O_WRONLY | self._direct | (os.O_CREAT | os.O_TRUNC if create else 0)
+            fd = os.open(tmp, flags, 0o600)
             try:
                 view = data.data
                 done = 0
@@ -554,7 +570,59 @@ class DiskTier:
             _unlink_all([tmp])
             raise
 
+    def _keep_spare(self, record: _Record) -> None:
+        """Rename a dropped record's file to a temporary name and keep it as a spare (its bytes already moved from
+        used to spare under the lock)."""
+        spare = record.path[: -len(SUFFIX)] + TMP_SUFFIX
+        try:
+            os.rename(record.path, spare)
+        except OSError:
+            with self._lock:
+                self._spare_bytes -= record.nbytes
+            _unlink_all([record.path])
+            return
+        with self._lock:
+            self._spare.setdefault(record.nbytes, []).append(spare)
+
     # ---- capacity and failure (lock held where said) ----
+
+    def _reserve(self, nbytes: int) -> tuple[Optional[str], list[str]]:
+        """Room for a record of `nbytes` (lock held): (a file of that size to overwrite, or None to create one;
+        the paths to unlink once the lock is released). Spares of the size first, then free room, then spares of
+        other sizes are dropped and least recently used records evicted (one of the size is overwritten)."""
+        doomed: list[str] = []
+        while True:
+            spares = self._spare.get(nbytes)
+            if spares:
+                self._spare_bytes -= nbytes
+                self._used += nbytes
+                return spares.pop(), doomed
+            if self._used + self._spare_bytes + nbytes <= self.capacity_bytes:
+                self._used += nbytes
+                return None, doomed
+            dropped = self._drop_spares(1, keep=nbytes)
+            if dropped:
+                doomed += dropped
+                continue
+            if not self._index:  # nothing left to drop (a spare being renamed counts a moment early): write anyway
+                self._used += nbytes
+                return None, doomed
+            _, record = self._index.popitem(last=False)
+            self._used -= record.nbytes
+            self._stats.evictions += 1
+            if record.nbytes == nbytes:
+                self._used += nbytes
+                return record.path, doomed
+            doomed.append(record.path)
+
+    def _drop_spares(self, count: int, keep: int = -1) -> list[str]:
+        """Forget up to `count` spares (0: all) of sizes other than `keep` (lock held); their paths to unlink."""
+        dropped: list[str] = []
+        for size, paths in self._spare.items():
+            while paths and size != keep and (count == 0 or len(dropped) < count):
+                dropped.append(paths.pop())
+                self._spare_bytes -= size
+        return dropped
 
     def _evict_to(self, limit: int) -> list[str]:
         """Drop least recently used records until the bytes used are at most `limit` (lock held); returns the
@@ -578,12 +646,15 @@ class DiskTier:
                 self._ring.release(slot)
             self._queue.clear()
             self._used = 0
+            self._spare.clear()
+            self._spare_bytes = 0
             self._wake.notify_all()
         log.warning("disk tier at %s failed (%s): this node now serves from DRAM only", self.root, error)
 
     def stats(self) -> DiskTierStats:
         with self._lock:
             self._stats.used_bytes = self._used
+            self._stats.spare_bytes = self._spare_bytes
             self._stats.values = len(self._index)
             self._stats.queued_values = len(self._queue)
             self._stats.queued_bytes = self._ring.live_bytes
