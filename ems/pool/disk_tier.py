@@ -52,6 +52,7 @@ import numpy as np
 import xxhash
 
 from ems.buffers import Buffer
+from ems.pool.disk_io import WriteHelper
 from ems.value_format import HEADER_SIZE, is_well_formed
 
 log = logging.getLogger("ems.pool")
@@ -65,6 +66,7 @@ _CHECKED = struct.Struct("<IHHQQ")  # the fields the check covers (all but the c
 SUFFIX = ".rec"
 TMP_SUFFIX = ".tmp"
 BATCH_BYTES = 64 << 20  # a writer batch: at most this many queued bytes taken at once
+BATCH_RECORDS = 64  # and at most this many records (one pipe message to the write helper)
 # errors that mean "no room": handled as eviction, never as a failed disk
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -175,6 +177,21 @@ def parse_name(name: str) -> Optional[tuple[bytes, int, int]]:
         return None
 
 
+class _Job:
+    """One record of a writer batch."""
+
+    __slots__ = ("key", "digest", "slot", "reuse", "path", "tmp", "error")
+
+    def __init__(self, key: bytes, digest: bytes, slot: _Slot, reuse: Optional[str], path: str) -> None:
+        self.key = key
+        self.digest = digest
+        self.slot = slot
+        self.reuse = reuse  # a file of the record's size to overwrite (a spare, or a record just evicted), or None
+        self.path = path
+        self.tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
+        self.error: Optional[OSError] = None
+
+
 class _DiskFailed(Exception):
     """The disk can no longer be used (the tier turns off)."""
 
@@ -198,7 +215,10 @@ class _WriteRing:
 
     def __init__(self, nbytes: int) -> None:
         self.size = max(ALIGN, nbytes // ALIGN * ALIGN)
-        self.memory = aligned_buffer(self.size)
+        # a memfd, so the write helper process maps the same pages
+        self.fd = os.memfd_create("ems-disk-ring", getattr(os, "MFD_CLOEXEC", 0))
+        os.ftruncate(self.fd, self.size)
+        self.memory = np.frombuffer(mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED), dtype=np.uint8)
         self.slots: deque[_Slot] = deque()
         self.head = 0
         self.live_bytes = 0
@@ -259,6 +279,7 @@ class DiskTier:
         self._direct = 0
         self._local = threading.local()
         self._writer: Optional[threading.Thread] = None
+        self._helper: Optional[WriteHelper] = None
         self._closing = False
 
     # ---- life cycle ----
@@ -305,6 +326,7 @@ class DiskTier:
         log.info("disk tier at %s: %d values, %d bytes restored in %.3f s (%s I/O)", self.root,
                  self._stats.restored_values, self._stats.restored_bytes, self._stats.restore_seconds,
                  "O_DIRECT" if self._direct else "buffered")
+        self._helper = WriteHelper(self._ring.fd, self._ring.size, bool(self._direct))
         self._writer = threading.Thread(target=self._write_loop, name="ems-pool-disk-writer", daemon=True)
         self._writer.start()
 
@@ -336,6 +358,9 @@ class DiskTier:
         if self._writer is not None:
             self._writer.join(timeout=10)
             self._writer = None
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     @property
     def up(self) -> bool:
@@ -463,112 +488,103 @@ class DiskTier:
                     self._wake.wait()
                 if self._closing or self._stats.state is not TierState.UP:
                     return
-                batch: list[tuple[bytes, _Slot]] = []
+                jobs: list[_Job] = []
+                doomed: list[str] = []
                 taken = 0
                 for key, slot in self._queue.items():
-                    batch.append((key, slot))
+                    digest = key_hash(key)
+                    reuse, dropped = self._reserve(slot.nbytes)
+                    doomed += dropped
+                    path = os.path.join(
+                        self.root, f"{digest[0]:02x}", f"{digest.hex()}-{slot.seq:x}-{slot.nbytes:x}{SUFFIX}")
+                    jobs.append(_Job(key, digest, slot, reuse, path))
                     taken += slot.nbytes
-                    if taken >= BATCH_BYTES:
+                    if taken >= BATCH_BYTES or len(jobs) >= BATCH_RECORDS:
                         break
-            for key, slot in batch:
-                try:
-                    self._write_one(key, slot)
-                except _DiskFailed:
-                    return
+            _unlink_all(doomed)
+            try:
+                self._write_jobs(jobs)
+            except _DiskFailed:
+                return
 
-    def _write_one(self, key: bytes, slot: _Slot) -> None:
-        digest = key_hash(key)
-        nbytes = slot.nbytes
-        with self._lock:
-            if self._queue.get(key) is not slot:  # replaced or invalidated since the batch was taken
-                return
-            reuse, doomed = self._reserve(nbytes)
-            data = self._ring.view(slot)  # the slot stays allocated while it is live (in the queue)
-        _unlink_all(doomed)
-        path = os.path.join(self.root, f"{digest[0]:02x}", f"{digest.hex()}-{slot.seq:x}-{nbytes:x}{SUFFIX}")
-        tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
-        if reuse is not None:
-            try:
-                os.rename(reuse, tmp)  # a spare, or a record just evicted: from now on never found under a record name
-            except OSError:
-                reuse = None
+    def _write_jobs(self, jobs: list[_Job]) -> None:
+        """Write a batch through the helper (one round trip), make room and retry once what found the filesystem
+        full, then name what was written."""
         started = time.perf_counter()
-        written = False
-        for attempt in range(2):
-            try:
-                # A slot released meanwhile (a put of the key) may be reused under this write: that file is then
-                # never named (below), so what it holds does not matter.
-                self._write_file(tmp, data, create=reuse is None)
-                written = True
-                break
-            except OSError as error:
-                reuse = None
-                if error.errno not in _FULL_ERRNOS:
-                    with self._lock:
-                        self._used -= nbytes
-                    self._fail(error)
-                    raise _DiskFailed() from error
-                if attempt == 0:  # the filesystem is fuller than our capacity says: make room and try once more
-                    with self._lock:
-                        doomed = self._drop_spares(0) + self._evict_to(
-                            max(0, self._used - max(nbytes, self._used // 8)))
-                    _unlink_all(doomed)
+        codes = self._helper_write(jobs)
+        full = [job for job, code in zip(jobs, codes) if code in _FULL_ERRNOS]
+        if full:  # the filesystem is fuller than our capacity says: make room and try those once more
+            with self._lock:
+                doomed = self._drop_spares(0) + self._evict_to(max(0, self._used - sum(j.slot.nbytes for j in full)
+                                                                     - self._used // 8))
+            _unlink_all(doomed)
+            for job in full:
+                job.reuse = None
+            retried = dict(zip((id(j) for j in full), self._helper_write(full)))
+            codes = [retried.get(id(job), code) for job, code in zip(jobs, codes)]
+        elapsed = time.perf_counter() - started
+        failure = next((code for code in codes if code and code not in _FULL_ERRNOS), 0)
         spares: list[_Record] = []
-        failed: Optional[OSError] = None
+        renamed_error: Optional[OSError] = None
         with self._lock:
-            self._used -= nbytes
-            current = self._queue.get(key) is slot and self._stats.state is TierState.UP
-            if current:
-                del self._queue[key]
-                self._ring.release(slot)
-            if not written:
-                self._stats.dropped_writes += 1
-                self._stats.io_errors += 1
-                return
-            self._stats.writes += 1
-            self._stats.write_bytes += nbytes
-            self._stats.write_seconds += time.perf_counter() - started
-            if current:
-                # Named under the lock: a put of the key (`invalidate`) comes either before (then this record is
-                # never named) or after (then it finds the record and removes it), never in between.
-                try:
-                    os.rename(tmp, path)
-                except OSError as error:
-                    failed = error
-                else:
-                    old = self._index.pop(digest, None)
-                    if old is not None:
-                        self._used -= old.nbytes
-                        self._spare_bytes += old.nbytes
-                        spares.append(old)
-                    self._index[digest] = _Record(path, nbytes, slot.seq)
-                    self._used += nbytes
-            if not current and failed is None:  # superseded while written: the file is a spare as it is
-                self._spare.setdefault(nbytes, []).append(tmp)
-                self._spare_bytes += nbytes
+            for job, code in zip(jobs, codes):
+                spares += self._finish(job, code, elapsed / len(jobs))
+                if job.error is not None:
+                    renamed_error = job.error
         for record in spares:
             self._keep_spare(record)
-        if failed is not None:
-            _unlink_all([tmp])
-            self._fail(failed)
-            raise _DiskFailed() from failed
+        if failure or renamed_error is not None:
+            self._fail(renamed_error or OSError(failure, os.strerror(failure)))
+            raise _DiskFailed()
 
-    def _write_file(self, tmp: str, data: np.ndarray, create: bool) -> None:
-        """Write `data` into the file `tmp`: a new one, or a spare of exactly its size (removed when the write
-        fails)."""
+    def _helper_write(self, jobs: list[_Job]) -> list[int]:
+        if self._helper is None:
+            raise _DiskFailed()
         try:
-            flags = os.O_WRONLY | self._direct | (os.O_CREAT | os.O_TRUNC if create else 0)
-            fd = os.open(tmp, flags, 0o600)
-            try:
-                view = data.data
-                done = 0
-                while done < view.nbytes:
-                    done += os.pwrite(fd, view[done:], done)
-            finally:
-                os.close(fd)
-        except BaseException:
-            _unlink_all([tmp])
-            raise
+            return self._helper.write_batch(
+                [(job.slot.start, job.slot.nbytes, job.reuse or "", job.tmp) for job in jobs])
+        except OSError as error:
+            with self._lock:
+                for job in jobs:
+                    self._used -= job.slot.nbytes
+            self._fail(error)
+            raise _DiskFailed() from error
+
+    def _finish(self, job: _Job, code: int, seconds: float) -> list[_Record]:
+        """After the helper wrote `job` (errno `code`), with the lock held: name the record when it is still the
+        key's newest value, else keep its file as a spare. Returns records whose files become spares."""
+        nbytes = job.slot.nbytes
+        self._used -= nbytes
+        current = self._queue.get(job.key) is job.slot and self._stats.state is TierState.UP
+        if current:
+            del self._queue[job.key]
+            self._ring.release(job.slot)
+        if code:
+            self._stats.dropped_writes += 1
+            self._stats.io_errors += 1
+            return []
+        self._stats.writes += 1
+        self._stats.write_bytes += nbytes
+        self._stats.write_seconds += seconds
+        if not current:  # superseded while written: the file is a spare as it is
+            self._spare.setdefault(nbytes, []).append(job.tmp)
+            self._spare_bytes += nbytes
+            return []
+        # Named under the lock: a put of the key (`invalidate`) comes either before (then this record is never
+        # named) or after (then it finds the record and removes it), never in between.
+        try:
+            os.rename(job.tmp, job.path)
+        except OSError as error:
+            job.error = error
+            _unlink_all([job.tmp])
+            return []
+        old = self._index.pop(job.digest, None)
+        if old is not None:
+            self._used -= old.nbytes
+            self._spare_bytes += old.nbytes
+        self._index[job.digest] = _Record(job.path, nbytes, job.slot.seq)
+        self._used += nbytes
+        return [old] if old is not None else []
 
     def _keep_spare(self, record: _Record) -> None:
         """Rename a dropped record's file to a temporary name and keep it as a spare (its bytes already moved from

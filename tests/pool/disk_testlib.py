@@ -21,10 +21,13 @@ class DiskNode:
     """A `PoolProcess` with `--disk DIR` and a metrics endpoint; `restart(kill=...)` starts it again on DIR."""
 
     def __init__(self, disk: Path, capacity: str = "4MiB", disk_capacity: str = "64MiB",
-                 keys: Optional[dict[str, str]] = None, extra: tuple = ()) -> None:
+                 keys: Optional[dict[str, str]] = None, queue: Optional[str] = "256MiB", extra: tuple = ()) -> None:
+        """`queue`: the write ring (`--disk-queue`; None: the node's default); the default here is large enough
+        that the tests' bursts are never dropped however slowly the shared disk writes."""
         self.disk = disk
         self.metrics = f"127.0.0.1:{free_port()}"
-        args = ("--disk", str(disk), "--disk-capacity", disk_capacity, "--metrics", self.metrics, *extra)
+        ring = ("--disk-queue", queue) if queue is not None else ()
+        args = ("--disk", str(disk), "--disk-capacity", disk_capacity, *ring, "--metrics", self.metrics, *extra)
         self.process = PoolProcess(capacity, keys, args=args)
 
     @property
