@@ -138,14 +138,19 @@ def bench_lookup_in_process(folder: Path, values: list, rounds: int) -> dict:
             store.put_owned(key, buffer, reserved=charge)
         while disk.stats().queued_values:
             time.sleep(0.05)
-        best = float("inf")
-        for _ in range(rounds):
+        files = sorted(folder.glob("*/*.rec"))
+        best = plain = float("inf")
+        plain_bytes = 0
+        for _ in range(rounds):  # interleaved with a plain read of the same files (the shared disk's speed drifts)
+            seconds, plain_bytes = plain_direct_read(files)
+            plain = min(plain, seconds)
             start = time.perf_counter()
             for i in range(0, n, BATCH):
                 store.get_many(keys[i : i + BATCH])
             best = min(best, time.perf_counter() - start)
         stats = disk.stats()
         return {"inproc_gbps": _gbps(sum(len(joined(v)) for v in values), best),
+                "inproc_plain_gbps": _gbps(plain_bytes, plain),
                 "read_ms_per_record": 1e3 * stats.read_seconds / max(stats.reads, 1)}
     finally:
         store.close()
@@ -271,7 +276,7 @@ def main() -> None:
         "|---|---|---|",
         f"| plain sequential O_DIRECT read of the {load['files']} record files | {load['plain_gbps']:.2f} | 1.00 |",
         f"| disk tier, in process (`TieredStore.get_many`: read, verify, promote) | {load['inproc_gbps']:.2f} | "
-        f"{load['inproc_gbps'] / load['plain_gbps']:.2f} |",
+        f"{load['inproc_gbps'] / load['inproc_plain_gbps']:.2f} (vs {load['inproc_plain_gbps']:.2f} in its rounds) |",
         f"| disk tier through a node (GET over UCX) | {load['disk_gbps']:.2f} | "
         f"{load['disk_gbps'] / load['plain_gbps']:.2f} |",
         f"| DRAM hit through a node (GET over UCX) | {load['dram_gbps']:.2f} | "

@@ -17,11 +17,12 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
   under a record name was complete when it was named; a node killed mid-write leaves only temporary files, which
   the next start removes. Nothing is trusted on read: a record whose header, key, lengths or checksum do not match
   (a flipped byte, a truncated file) is a miss, and is dropped with its file.
-* Names: `root/XX/<xxh3-128 of the key>-<sequence>-<file bytes>.rec` (XX: the hash's first byte). `open()` rebuilds
-  the index from the names alone (one directory listing, no file opened: a restart costs a listing of every
-  record), oldest sequence first as the LRU order; where a key has two records (killed between writing the new one
-  and removing the old one) the newer wins. The index is keyed by the key's 128-bit hash and every read checks the
-  full key, so a hash collision is a miss, and one tenant's record is never served under another tenant's key.
+* Names: `root/XX/<xxh3-128 of the key>-<sequence>-<file bytes>.rec` (XX: the hash's first byte; the numbers as 16
+  hex digits, so every name has one length). `open()` rebuilds the index from the names alone (a listing of each
+  folder, its names parsed in one vectorised pass, no file opened), oldest sequence first as the LRU order; where
+  a key has two records (killed between naming the new one and dropping the old one) the newer wins. The index
+  is keyed by the key's 128-bit hash and every read checks the full key, so a hash collision is a miss, and one
+  tenant's record is never served under another tenant's key.
 * Capacity: file bytes (padded) stay within `capacity_bytes`; writing evicts least recently used records first.
   A full filesystem (ENOSPC, EDQUOT) is handled the same way: records are evicted and the write tried again once,
   else that value is dropped. Never an error to a client.
@@ -46,7 +47,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -102,13 +103,22 @@ class DiskTierStats:
     restore_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class _Record:
-    """One indexed record file."""
+class _Record(NamedTuple):
+    """One indexed record file (its path follows from its key hash and these: `DiskTier._path`)."""
 
-    path: str
     nbytes: int  # file bytes (padded)
     seq: int
+
+
+def record_name(digest: bytes, seq: int, nbytes: int) -> str:
+    """A record file's name: fixed width (`NAME_LENGTH`), so a folder's names are parsed in one vectorised pass."""
+    return f"{digest.hex()}-{seq:016x}-{nbytes:016x}{SUFFIX}"
+
+
+NAME_LENGTH = 32 + 1 + 16 + 1 + 16 + len(SUFFIX)
+_HEX = np.full(256, 255, dtype=np.uint8)
+_HEX[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint8)
+_SHIFTS = np.arange(60, -4, -4, dtype=np.uint64)
 
 
 def key_hash(key: bytes) -> bytes:
@@ -164,17 +174,26 @@ def decode_record(data: np.ndarray, key: bytes) -> Optional[np.ndarray]:
     return value
 
 
-def parse_name(name: str) -> Optional[tuple[bytes, int, int]]:
-    """(key hash, sequence, file bytes) from a record file's name, or None for any other name."""
-    if not name.endswith(SUFFIX):
-        return None
-    parts = name[: -len(SUFFIX)].split("-")
-    if len(parts) != 3 or len(parts[0]) != 32:
-        return None
-    try:
-        return bytes.fromhex(parts[0]), int(parts[1], 16), int(parts[2], 16)
-    except ValueError:
-        return None
+def parse_names(names: Sequence[str]) -> tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray]:
+    """The record names among `names`: (key hashes, sequences u64, file bytes u64, their positions in `names`),
+    parsed in one vectorised pass (a restart parses every record's name). Any other name is left out."""
+    positions = np.flatnonzero(np.fromiter(map(len, names), dtype=np.int64, count=len(names)) == NAME_LENGTH)
+    joined = "".join([names[i] for i in positions.tolist()])
+    if not joined.isascii():  # not ours (our names are hex): parse the ASCII ones only
+        ascii_positions = [i for i in positions.tolist() if names[i].isascii()]
+        positions = np.asarray(ascii_positions, dtype=np.int64)
+        joined = "".join([names[i] for i in ascii_positions])
+    chars = np.frombuffer(joined.encode("ascii"), dtype=np.uint8).reshape(-1, NAME_LENGTH)
+    digits = _HEX[chars]
+    hex_columns = np.r_[0:32, 33:49, 50:66]
+    ok = ((digits[:, hex_columns] != 255).all(axis=1) & (chars[:, 32] == ord("-")) & (chars[:, 49] == ord("-"))
+          & (chars[:, 66:] == np.frombuffer(SUFFIX.encode(), dtype=np.uint8)).all(axis=1))
+    digits, positions = digits[ok], positions[ok]
+    raw = (digits[:, 0:32:2] << 4 | digits[:, 1:32:2]).tobytes()
+    hashes = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+    seqs = (digits[:, 33:49].astype(np.uint64) << _SHIFTS).sum(axis=1, dtype=np.uint64)
+    sizes = (digits[:, 50:66].astype(np.uint64) << _SHIFTS).sum(axis=1, dtype=np.uint64)
+    return hashes, seqs, sizes, positions
 
 
 class _Job:
@@ -292,31 +311,30 @@ class DiskTier:
         for i in range(256):
             os.makedirs(os.path.join(self.root, f"{i:02x}"), exist_ok=True)
         self._direct = self._probe_direct()
-        found: dict[bytes, _Record] = {}
         stale: list[str] = []
+        hashes: list[bytes] = []
+        seq_parts, size_parts = [], []
         for i in range(256):
             folder = os.path.join(self.root, f"{i:02x}")
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    if entry.name.endswith(TMP_SUFFIX):  # a write cut short: never named, never served
-                        stale.append(entry.path)
-                        continue
-                    parsed = parse_name(entry.name)
-                    if parsed is None:
-                        continue
-                    digest, seq, nbytes = parsed
-                    record = _Record(entry.path, nbytes, seq)
-                    old = found.get(digest)
-                    if old is not None:
-                        stale.append(min(old, record, key=lambda r: r.seq).path)
-                        record = max(old, record, key=lambda r: r.seq)
-                    found[digest] = record
-        ordered = sorted(found.items(), key=lambda item: item[1].seq)
+            names = os.listdir(folder)
+            # a write cut short: never named, never served
+            stale += [os.path.join(folder, n) for n in names if n.endswith(TMP_SUFFIX)]
+            found, seqs, sizes, _ = parse_names(names)
+            hashes += found
+            seq_parts.append(seqs)
+            size_parts.append(sizes)
+        seqs = np.concatenate(seq_parts)
+        order = np.argsort(seqs, kind="stable")  # oldest first: the LRU order
+        ordered_hashes = [hashes[j] for j in order.tolist()]
+        records = list(map(_Record._make, zip(np.concatenate(size_parts)[order].tolist(), seqs[order].tolist())))
+        ordered = dict(zip(ordered_hashes, records))  # a key written twice: the newer wins
+        if len(ordered) < len(records):  # killed between naming a new record and dropping the old one
+            kept = {id(r) for r in ordered.values()}
+            stale += [self._path(h, r) for h, r in zip(ordered_hashes, records) if id(r) not in kept]
         with self._lock:
-            for digest, record in ordered:
-                self._index[digest] = record
-                self._used += record.nbytes
-                self._seq = max(self._seq, record.seq)
+            self._index.update(ordered)
+            self._used += sum(record.nbytes for record in ordered.values())
+            self._seq = max(self._seq, int(seqs.max()) if seqs.size else 0)
             stale += self._evict_to(self.capacity_bytes)
             self._stats.restored_values = len(self._index)
             self._stats.restored_bytes = self._used
@@ -406,7 +424,7 @@ class DiskTier:
                 self._used -= record.nbytes
                 self._spare_bytes += record.nbytes
         if record is not None:  # renamed away before the put goes on: a restart can never find the old value
-            self._keep_spare(record)
+            self._keep_spare(self._path(digest, record), record.nbytes)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
@@ -437,7 +455,7 @@ class DiskTier:
             self._index.move_to_end(digest)
         started = time.perf_counter()
         try:
-            data = self._read(record)
+            data = self._read(self._path(digest, record), record.nbytes)
         except OSError as error:
             if not os.path.isdir(self.root):
                 self._fail(error)
@@ -445,7 +463,7 @@ class DiskTier:
             data = None
             with self._lock:
                 self._stats.io_errors += 1
-            log.warning("disk tier: cannot read %s (%s): dropped", record.path, error)
+            log.warning("disk tier: cannot read %s (%s): dropped", self._path(digest, record), error)
         value = decode_record(data, key) if data is not None else None
         with self._lock:
             self._stats.reads += 1
@@ -455,26 +473,29 @@ class DiskTier:
                 self._stats.integrity_errors += data is not None       # reused, while this read ran: a plain miss)
                 del self._index[digest]
                 self._used -= record.nbytes
-                doomed = [record.path]
+                doomed = [self._path(digest, record)]
             if value is not None:
                 self._stats.hits += 1
                 self._stats.read_bytes += record.nbytes
         if value is None:
             if doomed and data is not None:
-                log.warning("disk tier: record %s is damaged or not the key's: dropped", record.path)
+                log.warning("disk tier: record %s is damaged or not the key's: dropped", self._path(digest, record))
             _unlink_all(doomed)
             return None, None
         return value.data, record
 
-    def _read(self, record: _Record) -> Optional[np.ndarray]:
+    def _path(self, digest: bytes, record: _Record) -> str:
+        return os.path.join(self.root, f"{digest[0]:02x}", record_name(digest, record.seq, record.nbytes))
+
+    def _read(self, path: str, nbytes: int) -> Optional[np.ndarray]:
         """The record file's bytes (a truncated file: the bytes there are), in this thread's bounce buffer."""
         bounce: Optional[np.ndarray] = getattr(self._local, "bounce", None)
-        if bounce is None or bounce.size < record.nbytes:
-            bounce = aligned_buffer(max(record.nbytes, 1 << 20))
+        if bounce is None or bounce.size < nbytes:
+            bounce = aligned_buffer(max(nbytes, 1 << 20))
             self._local.bounce = bounce
-        fd = os.open(record.path, os.O_RDONLY | self._direct)
+        fd = os.open(path, os.O_RDONLY | self._direct)
         try:
-            got = os.preadv(fd, [bounce.data[: record.nbytes]], 0)
+            got = os.preadv(fd, [bounce.data[:nbytes]], 0)
         finally:
             os.close(fd)
         return bounce[:got]
@@ -495,8 +516,7 @@ class DiskTier:
                     digest = key_hash(key)
                     reuse, dropped = self._reserve(slot.nbytes)
                     doomed += dropped
-                    path = os.path.join(
-                        self.root, f"{digest[0]:02x}", f"{digest.hex()}-{slot.seq:x}-{slot.nbytes:x}{SUFFIX}")
+                    path = os.path.join(self.root, f"{digest[0]:02x}", record_name(digest, slot.seq, slot.nbytes))
                     jobs.append(_Job(key, digest, slot, reuse, path))
                     taken += slot.nbytes
                     if taken >= BATCH_BYTES or len(jobs) >= BATCH_RECORDS:
@@ -524,15 +544,15 @@ class DiskTier:
             codes = [retried.get(id(job), code) for job, code in zip(jobs, codes)]
         elapsed = time.perf_counter() - started
         failure = next((code for code in codes if code and code not in _FULL_ERRNOS), 0)
-        spares: list[_Record] = []
+        spares: list[tuple[str, int]] = []
         renamed_error: Optional[OSError] = None
         with self._lock:
             for job, code in zip(jobs, codes):
                 spares += self._finish(job, code, elapsed / len(jobs))
                 if job.error is not None:
                     renamed_error = job.error
-        for record in spares:
-            self._keep_spare(record)
+        for path, nbytes in spares:
+            self._keep_spare(path, nbytes)
         if failure or renamed_error is not None:
             self._fail(renamed_error or OSError(failure, os.strerror(failure)))
             raise _DiskFailed()
@@ -550,7 +570,7 @@ class DiskTier:
             self._fail(error)
             raise _DiskFailed() from error
 
-    def _finish(self, job: _Job, code: int, seconds: float) -> list[_Record]:
+    def _finish(self, job: _Job, code: int, seconds: float) -> list[tuple[str, int]]:
         """After the helper wrote `job` (errno `code`), with the lock held: name the record when it is still the
         key's newest value, else keep its file as a spare. Returns records whose files become spares."""
         nbytes = job.slot.nbytes
@@ -582,23 +602,23 @@ class DiskTier:
         if old is not None:
             self._used -= old.nbytes
             self._spare_bytes += old.nbytes
-        self._index[job.digest] = _Record(job.path, nbytes, job.slot.seq)
+        self._index[job.digest] = _Record(nbytes, job.slot.seq)
         self._used += nbytes
-        return [old] if old is not None else []
+        return [(self._path(job.digest, old), old.nbytes)] if old is not None else []
 
-    def _keep_spare(self, record: _Record) -> None:
+    def _keep_spare(self, path: str, nbytes: int) -> None:
         """Rename a dropped record's file to a temporary name and keep it as a spare (its bytes already moved from
         used to spare under the lock)."""
-        spare = record.path[: -len(SUFFIX)] + TMP_SUFFIX
+        spare = path[: -len(SUFFIX)] + TMP_SUFFIX
         try:
-            os.rename(record.path, spare)
+            os.rename(path, spare)
         except OSError:
             with self._lock:
-                self._spare_bytes -= record.nbytes
-            _unlink_all([record.path])
+                self._spare_bytes -= nbytes
+            _unlink_all([path])
             return
         with self._lock:
-            self._spare.setdefault(record.nbytes, []).append(spare)
+            self._spare.setdefault(nbytes, []).append(spare)
 
     # ---- capacity and failure (lock held where said) ----
 
@@ -623,13 +643,13 @@ class DiskTier:
             if not self._index:  # nothing left to drop (a spare being renamed counts a moment early): write anyway
                 self._used += nbytes
                 return None, doomed
-            _, record = self._index.popitem(last=False)
+            digest, record = self._index.popitem(last=False)
             self._used -= record.nbytes
             self._stats.evictions += 1
             if record.nbytes == nbytes:
                 self._used += nbytes
-                return record.path, doomed
-            doomed.append(record.path)
+                return self._path(digest, record), doomed
+            doomed.append(self._path(digest, record))
 
     def _drop_spares(self, count: int, keep: int = -1) -> list[str]:
         """Forget up to `count` spares (0: all) of sizes other than `keep` (lock held); their paths to unlink."""
@@ -645,10 +665,10 @@ class DiskTier:
         paths to unlink once the lock is released."""
         doomed = []
         while self._used > limit and self._index:
-            _, record = self._index.popitem(last=False)
+            digest, record = self._index.popitem(last=False)
             self._used -= record.nbytes
             self._stats.evictions += 1
-            doomed.append(record.path)
+            doomed.append(self._path(digest, record))
         return doomed
 
     def _fail(self, error: OSError) -> None:
