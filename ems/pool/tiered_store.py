@@ -121,3 +121,4 @@ class TieredStore:
 
     def close(self) -> None:
         self.disk.close()
+        self.dram.close()
