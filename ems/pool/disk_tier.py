@@ -514,8 +514,11 @@ class DiskTier:
                 taken = 0
                 for key, slot in self._queue.items():
                     digest = key_hash(key)
-                    reuse, dropped = self._reserve(slot.nbytes)
+                    # a record that does not fit beside the batch's others waits for the next batch
+                    fits, reuse, dropped = self._reserve(slot.nbytes, overshoot=not jobs)
                     doomed += dropped
+                    if not fits:
+                        break
                     path = os.path.join(self.root, f"{digest[0]:02x}", record_name(digest, slot.seq, slot.nbytes))
                     jobs.append(_Job(key, digest, slot, reuse, path))
                     taken += slot.nbytes
@@ -622,33 +625,36 @@ class DiskTier:
 
     # ---- capacity and failure (lock held where said) ----
 
-    def _reserve(self, nbytes: int) -> tuple[Optional[str], list[str]]:
-        """Room for a record of `nbytes` (lock held): (a file of that size to overwrite, or None to create one;
-        the paths to unlink once the lock is released). Spares of the size first, then free room, then spares of
-        other sizes are dropped and least recently used records evicted (one of the size is overwritten)."""
+    def _reserve(self, nbytes: int, overshoot: bool) -> tuple[bool, Optional[str], list[str]]:
+        """Room for a record of `nbytes` (lock held): (whether it was reserved; a file of that size to overwrite,
+        or None to create one; the paths to unlink once the lock is released, in every case). Spares of the size
+        first, then free room, then spares of other sizes are dropped and least recently used records evicted (one
+        of the size is overwritten). When nothing is left to drop (the rest is being written) it is not reserved,
+        unless `overshoot`."""
         doomed: list[str] = []
         while True:
             spares = self._spare.get(nbytes)
             if spares:
                 self._spare_bytes -= nbytes
                 self._used += nbytes
-                return spares.pop(), doomed
+                return True, spares.pop(), doomed
             if self._used + self._spare_bytes + nbytes <= self.capacity_bytes:
                 self._used += nbytes
-                return None, doomed
+                return True, None, doomed
             dropped = self._drop_spares(1, keep=nbytes)
             if dropped:
                 doomed += dropped
                 continue
-            if not self._index:  # nothing left to drop (a spare being renamed counts a moment early): write anyway
-                self._used += nbytes
-                return None, doomed
+            if not self._index:  # nothing left to drop: the rest is being written (or a spare being renamed)
+                if overshoot:
+                    self._used += nbytes
+                return overshoot, None, doomed
             digest, record = self._index.popitem(last=False)
             self._used -= record.nbytes
             self._stats.evictions += 1
             if record.nbytes == nbytes:
                 self._used += nbytes
-                return self._path(digest, record), doomed
+                return True, self._path(digest, record), doomed
             doomed.append(self._path(digest, record))
 
     def _drop_spares(self, count: int, keep: int = -1) -> list[str]:

@@ -258,6 +258,30 @@ def test_another_tenant_never_reads_a_restored_value(tmp_path, disk_nodes):
         beta.close()
 
 
+def test_a_restarted_disk_node_registers_again_and_serves_what_it_had(tmp_path, disk_nodes, etcd):
+    from ems.transport.etcd import EtcdClient
+    from ems.transport.membership import read_members
+
+    members = lambda: set(read_members(EtcdClient(etcd.url, timeout_s=5), "disk")[0])  # noqa: E731
+    node = disk_nodes(tmp_path / "disk", capacity="2MiB", disk_capacity="64MiB",
+                      extra=("--etcd", etcd.url, "--cluster", "disk", "--drain", "0.1"))
+    client = connect(node.address)
+    keys = [f"e{i}".encode() for i in range(16)]
+    values = make_values(16, 256 * 1024, seed=14)
+    _put_all(client, keys, values)
+    assert node.drained() and members() == {node.address}
+    client.close()
+    assert node.process.terminate() == 0
+    assert members() == set()  # deregistered on SIGTERM
+    node.process.start()  # same directory, same port
+    assert members() == {node.address}
+    client = connect(node.address)
+    try:
+        assert sum(_exact_or_miss(client, keys, values)) >= 8
+    finally:
+        client.close()
+
+
 def test_random_saves_loads_and_restarts_against_a_model(tmp_path, disk_nodes):
     """Keys drawn from a small space, values of a few sizes, loads, exists, graceful and SIGKILL restarts.
 
