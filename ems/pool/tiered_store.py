@@ -9,7 +9,9 @@ Contract:
   written since) is not written again.
 * `get_many`: DRAM first; a DRAM miss is looked up on disk: a queued value or a record read and verified there
   (`DiskTier.lookup`; a damaged record is a miss). A disk hit is promoted: copied into a DRAM buffer and stored in
-  DRAM (while no put of the key came in meanwhile), and that buffer is served. Lookups that reach the disk block
+  DRAM (while no put of the key came in meanwhile), and that buffer is served. One call reads at most about DRAM's
+  capacity from the disk (the keys after that are misses): the values it returns are held until they are sent, so
+  a GET naming more than DRAM holds cannot make the node hold more than that twice. Lookups that reach the disk block
   on I/O: `may_block` tells the server which ones to run off its event loop.
 * `contains_many` (EXISTS) answers for both tiers.
 * `stats()` is DRAM's (`StoreStats`: the memory figures the server logs) with hits and misses counted over both
@@ -81,9 +83,13 @@ class TieredStore:
         values = self.dram.get_many(keys)
         if not self.disk.up:
             return values
+        read = 0
         for i, value in enumerate(values):
             if value is None:
-                values[i] = self._from_disk(keys[i])
+                if read >= self.dram.capacity_bytes:  # one call never holds more from the disk than DRAM's size
+                    break
+                found = values[i] = self._from_disk(keys[i])
+                read += 0 if found is None else memoryview(found).nbytes
         return values
 
     def _from_disk(self, key: bytes) -> Optional[Buffer]:

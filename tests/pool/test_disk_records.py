@@ -76,3 +76,34 @@ def test_the_write_ring_never_hands_out_overlapping_live_slots(ops):
         else:
             ring.release(live.pop(pick % len(live)))
         assert ring.live_bytes == sum(s.nbytes for s in live)
+
+
+def test_one_lookup_reads_at_most_drams_size_from_the_disk(tmp_path):
+    """A GET naming more disk-resident values than DRAM holds: a found prefix, exact, the rest misses; each of
+    them is still found on its own."""
+    import time
+
+    from ems.pool.disk_tier import DiskTier
+    from ems.pool.tiered_store import TieredStore
+
+    disk = DiskTier(str(tmp_path), 64 << 20, 64 << 20)
+    disk.open()
+    store = TieredStore(4 << 20, disk)
+    try:
+        values = [joined(v) for v in make_values(16, (1 << 20) - 40, seed=3)]
+        keys = [f"g{i}".encode() for i in range(16)]
+        for key, value in zip(keys, values):
+            charge = store.charge_of(len(key), len(value))
+            buffer = store.allocate(len(value), reserve=charge)
+            buffer[:] = np.frombuffer(value, dtype=np.uint8)
+            assert store.put_owned(key, buffer, reserved=charge)
+        deadline = time.monotonic() + 20
+        while disk.stats().queued_values and time.monotonic() < deadline:
+            time.sleep(0.02)
+        got = store.get_many(keys[:12])  # the oldest 12: on the disk only
+        found = [g is not None for g in got]
+        assert 3 <= sum(found) <= 5 and found == sorted(found, reverse=True), found
+        assert all(bytes(g) == v for g, v in zip(got, values) if g is not None)
+        assert all(bytes(store.get_many([k])[0]) == v for k, v in zip(keys[:12], values))
+    finally:
+        store.close()
