@@ -10,8 +10,9 @@ Contract:
 * `get_many`: DRAM first; a DRAM miss is looked up on disk: a queued value or a record read and verified there
   (`DiskTier.lookup`; a damaged record is a miss). A disk hit is promoted: copied into a DRAM buffer and stored in
   DRAM (while no put of the key came in meanwhile), and that buffer is served. One call reads at most about DRAM's
-  capacity from the disk (the keys after that are misses): the values it returns are held until they are sent, so
-  a GET naming more than DRAM holds cannot make the node hold more than that twice. Lookups that reach the disk block
+  capacity (at least `MIN_READ_BYTES`, a node's smallest in-flight budget) from the disk, the keys after that are
+  misses: the values it returns are held until they are sent, so a GET naming more than DRAM holds cannot make the
+  node hold more than about that again. Lookups that reach the disk block
   on I/O: `may_block` tells the server which ones to run off its event loop.
 * `contains_many` (EXISTS) answers for both tiers.
 * `stats()` is DRAM's (`StoreStats`: the memory figures the server logs) with hits and misses counted over both
@@ -35,6 +36,9 @@ from ems.store import KvStore, StoreStats
 from ems.value_format import is_well_formed
 
 
+MIN_READ_BYTES = 64 << 20
+
+
 @dataclass
 class TierStats:
     """Both tiers' figures at one moment."""
@@ -46,8 +50,9 @@ class TierStats:
 class TieredStore:
     """DRAM in front of a local disk; see the module docstring."""
 
-    def __init__(self, capacity_bytes: int, disk: DiskTier) -> None:
+    def __init__(self, capacity_bytes: int, disk: DiskTier, min_read_bytes: int = MIN_READ_BYTES) -> None:
         self.disk = disk
+        self._read_limit = max(capacity_bytes, min_read_bytes)
         self.dram = KvStore(capacity_bytes, on_evict=disk.submit)
         self._put_lock = threading.Lock()
         self._disk_hits = 0
@@ -86,7 +91,7 @@ class TieredStore:
         read = 0
         for i, value in enumerate(values):
             if value is None:
-                if read >= self.dram.capacity_bytes:  # one call never holds more from the disk than DRAM's size
+                if read >= self._read_limit:  # see the module docstring
                     break
                 found = values[i] = self._from_disk(keys[i])
                 read += 0 if found is None else memoryview(found).nbytes
