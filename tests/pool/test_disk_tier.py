@@ -342,3 +342,7 @@ def test_disk_options_are_checked():
                  ["--disk", "/tmp/x", "--disk-capacity", "lots"]):
         done = subprocess.run([sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30)
         assert done.returncode == 2, (args, done.stderr)
+    # a directory that cannot be used at start: exit 1 with the reason, before the ready line
+    done = subprocess.run([sys.executable, "-m", "ems.pool", "--listen", "127.0.0.1:0", "--disk", "/proc/ems-disk",
+                           "--disk-capacity", "1GiB"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "cannot use --disk /proc/ems-disk" in done.stderr and not done.stdout, done
