@@ -9,7 +9,8 @@ Contract:
   client overlap. Checksumming
   and storing PUTs of more than OFFLOAD_BYTES (4 MiB) runs in worker threads so one big request does not stall the
   others; smaller ones are checked on the loop (cheaper than the hop). A 1-key GET is answered without per-segment
-  work (`_get_one`), from the store's buffer.
+  work (`_get_one`), from the store's buffer. A GET that the store says may wait for a disk (`may_block(keys)`,
+  a node with a disk tier) is looked up in a worker thread.
 * Handshake first (`protocol` docstring). With access keys configured, a client must prove one (HMAC over a
   fresh nonce) or is refused with AUTH_FAILED; without keys every client is accepted under the tenant it names.
 * Every key is stored under its tenant's namespace (`tenant_prefix(access_id) + key`), so one tenant can never

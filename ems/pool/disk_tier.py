@@ -24,8 +24,9 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
   is keyed by the key's 128-bit hash and every read checks the full key, so a hash collision is a miss, and one
   tenant's record is never served under another tenant's key.
 * Capacity: file bytes (padded) stay within `capacity_bytes`; writing evicts least recently used records first.
-  A full filesystem (ENOSPC, EDQUOT) is handled the same way: records are evicted and the write tried again once,
-  else that value is dropped. Never an error to a client.
+  A full filesystem (ENOSPC, EDQUOT) is handled the same way: records are evicted one by one and the write tried
+  again until it fits (else that value is dropped), and from then on the tier keeps within the bytes the
+  filesystem held when it was full (until the node restarts). Never an error to a client.
 * Failure: any other error of the disk (read-only filesystem, the directory removed, EIO on write) turns the tier
   off: one warning is logged, the index and the queue are emptied, and from then on `submit` drops and `lookup`
   misses (the node serves from DRAM only). A read error of one record while the directory is still there is that
@@ -281,6 +282,7 @@ class DiskTier:
             raise ValueError(f"the disk capacity must be > 0, got {capacity_bytes}")
         self.root = os.path.abspath(root)
         self.capacity_bytes = capacity_bytes
+        self._limit = capacity_bytes  # lowered to what the filesystem held when it was found full
         self.queue_bytes = queue_bytes
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -531,27 +533,39 @@ class DiskTier:
                 return
 
     def _write_jobs(self, jobs: list[_Job]) -> None:
-        """Write a batch through the helper (one round trip), make room and retry once what found the filesystem
-        full, then name what was written."""
+        """Write a batch through the helper (one round trip) and name what was written. What found the filesystem
+        full is then retried one record at a time, dropping least recently used records until it fits (else it is
+        dropped), and from then on the tier keeps within what the filesystem held (`_limit`)."""
         started = time.perf_counter()
         codes = self._helper_write(jobs)
         full = [job for job, code in zip(jobs, codes) if code in _FULL_ERRNOS]
-        if full:  # the filesystem is fuller than our capacity says: make room and try those once more
-            with self._lock:
-                doomed = self._drop_spares(0) + self._evict_to(max(0, self._used - sum(j.slot.nbytes for j in full)
-                                                                     - self._used // 8))
-            _unlink_all(doomed)
-            for job in full:
-                job.reuse = None
-            retried = dict(zip((id(j) for j in full), self._helper_write(full)))
-            codes = [retried.get(id(job), code) for job, code in zip(jobs, codes)]
-        elapsed = time.perf_counter() - started
-        failure = next((code for code in codes if code and code not in _FULL_ERRNOS), 0)
+        with self._lock:  # what is on the disk now: the reservations of the jobs that failed are not
+            on_disk = self._used + self._spare_bytes - sum(job.slot.nbytes for job in full)
+            if full:
+                self._limit = max(ALIGN, min(self._limit, on_disk))
+        seconds = (time.perf_counter() - started) / len(jobs)
+        self._finish_all([(job, code) for job, code in zip(jobs, codes) if code not in _FULL_ERRNOS], seconds)
+        for job in full:  # the batch's other records are indexed by now: they can make room too (LRU first)
+            job.reuse = None
+            code = errno.ENOSPC
+            while code in _FULL_ERRNOS:
+                with self._lock:
+                    doomed = self._drop_spares(1) or self._evict_to(self._used - 1, count=1)
+                if not doomed:  # nothing left to make room with: this value is dropped
+                    break
+                _unlink_all(doomed)
+                started = time.perf_counter()
+                code = self._helper_write([job])[0]
+            self._finish_all([(job, code)], time.perf_counter() - started)
+
+    def _finish_all(self, done: list[tuple[_Job, int]], seconds: float) -> None:
+        """`_finish` each written job; a disk error turns the tier off (`_DiskFailed`)."""
+        failure = next((code for _, code in done if code and code not in _FULL_ERRNOS), 0)
         spares: list[tuple[str, int]] = []
         renamed_error: Optional[OSError] = None
         with self._lock:
-            for job, code in zip(jobs, codes):
-                spares += self._finish(job, code, elapsed / len(jobs))
+            for job, code in done:
+                spares += self._finish(job, code, seconds)
                 if job.error is not None:
                     renamed_error = job.error
         for path, nbytes in spares:
@@ -638,7 +652,7 @@ class DiskTier:
                 self._spare_bytes -= nbytes
                 self._used += nbytes
                 return True, spares.pop(), doomed
-            if self._used + self._spare_bytes + nbytes <= self.capacity_bytes:
+            if self._used + self._spare_bytes + nbytes <= self._limit:
                 self._used += nbytes
                 return True, None, doomed
             dropped = self._drop_spares(1, keep=nbytes)
@@ -666,11 +680,11 @@ class DiskTier:
                 self._spare_bytes -= size
         return dropped
 
-    def _evict_to(self, limit: int) -> list[str]:
-        """Drop least recently used records until the bytes used are at most `limit` (lock held); returns the
-        paths to unlink once the lock is released."""
-        doomed = []
-        while self._used > limit and self._index:
+    def _evict_to(self, limit: int, count: int = -1) -> list[str]:
+        """Drop least recently used records (at most `count` of them, -1: no limit) until the bytes used are at most
+        `limit` (lock held); returns the paths to unlink once the lock is released."""
+        doomed: list[str] = []
+        while self._used > limit and self._index and len(doomed) != count:
             digest, record = self._index.popitem(last=False)
             self._used -= record.nbytes
             self._stats.evictions += 1

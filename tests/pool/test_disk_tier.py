@@ -337,6 +337,43 @@ def test_random_saves_loads_and_restarts_against_a_model(tmp_path, disk_nodes):
         client.close()
 
 
+def test_random_saves_loads_evictions_and_restarts_on_a_small_disk(tmp_path, disk_nodes):
+    """The same kind of sequence on a disk that holds about a third of the keys, so records are evicted as well
+    (and a SIGKILL restart may bring back a record whose eviction it cut short: still that key's newest value).
+    What must hold: a load returns its key's newest value exactly or a miss, never another value; what was just
+    saved is found; what was never saved is never found."""
+    rng = random.Random(15)
+    node = disk_nodes(tmp_path / "disk", capacity="1MiB", disk_capacity="2MiB")
+    client = connect(node.address)
+    space = [f"s{i}".encode() for i in range(24)]
+    pool = {size: make_values(6, size, seed=size + 1) for size in (30_000, 120_000, 250_000)}
+    newest: dict[bytes, list[bytes]] = {}
+    evictions = 0.0
+    try:
+        for step in range(150):
+            op = rng.random()
+            if op < 0.5:
+                batch = rng.sample(space, rng.randint(1, 3))
+                chosen = [rng.choice(pool[rng.choice(list(pool))]) for _ in batch]
+                assert client.put(batch, chosen, T) == [True] * len(batch)
+                newest.update(zip(batch, chosen))
+                assert _exact_or_miss(client, batch, chosen) == [True] * len(batch), step
+            elif op < 0.96:
+                batch = rng.sample(space, rng.randint(1, 5))
+                for key, loaded in zip(batch, client.get(batch, T)):
+                    if loaded is not None:
+                        assert key in newest and bytes(loaded) == joined(newest[key]), (step, key)
+            else:
+                evictions += node.tier("ems_pool_tier_evictions_total")
+                client.close()
+                node.restart(kill=rng.random() < 0.5)
+                client = connect(node.address)
+        assert evictions + node.tier("ems_pool_tier_evictions_total") > 0
+        assert node.scrape()[("ems_pool_tier_errors_total", (("kind", "integrity"), ("tier", "disk")))] == 0
+    finally:
+        client.close()
+
+
 def test_disk_options_are_checked():
     for args in (["--disk-capacity", "1GiB"], ["--disk", "/tmp/x"], ["--disk", "/tmp/x", "--disk-capacity", "0"],
                  ["--disk", "/tmp/x", "--disk-capacity", "lots"]):
