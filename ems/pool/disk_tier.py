@@ -4,8 +4,9 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
 * `submit(key, value)` queues a value evicted from DRAM for writing and returns at once (never any I/O on the
   caller's path): its record is encoded into the write ring, `queue_bytes` of aligned memory. That one copy lets
   DRAM reuse the evicted buffer at once, as it does without a disk (a buffer held until written would make every
-  later receive fault in fresh pages), and the writer writes straight from the ring. A writer thread takes the
-  queue in batches and writes each value as one record file. An eviction that does not fit in the ring is dropped
+  later receive fault in fresh pages). A writer thread takes the queue in batches (`BATCH_RECORDS`,
+  `BATCH_BYTES`), has the write helper process (`ems.pool.disk_io`) write them straight from the ring, one record
+  file each, a batch per round trip, and names them. An eviction that does not fit in the ring is dropped
   (counted), never waited for. A queued value is found by `lookup` (a copy) until its file is written, so a read
   never sees an older file than the newest value.
 * Record file: `HEADER_BYTES` header (magic 'EMSD', version, key length, value length, sequence number, and an
@@ -24,6 +25,8 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
   is keyed by the key's 128-bit hash and every read checks the full key, so a hash collision is a miss, and one
   tenant's record is never served under another tenant's key.
 * Capacity: file bytes (padded) stay within `capacity_bytes`; writing evicts least recently used records first.
+  The file of a dropped record is kept under a temporary name as a spare and overwritten by a later record of its
+  size (cheaper than creating a file; spares count against the capacity and are dropped first when room is short).
   A full filesystem (ENOSPC, EDQUOT) is handled the same way: records are evicted one by one and the write tried
   again until it fits (else that value is dropped), and from then on the tier keeps within the bytes the
   filesystem held when it was full (until the node restarts). Never an error to a client.
@@ -33,7 +36,8 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
   record's miss (dropped), not a failure of the tier.
 * I/O: O_DIRECT with buffers aligned to `ALIGN` where the filesystem takes it (docs/pool-nodes.md says why), else
   buffered I/O. Reads land in a per-thread aligned bounce buffer; the caller copies the verified value out.
-* Thread-safe: one lock guards the index, the queue and the counters, never held across I/O.
+* Thread-safe: one lock guards the index, the queue, the spares and the counters; it is never held while record
+  bytes are read or written (only across the rename that names a record, see Crash safety).
 """
 
 from __future__ import annotations
