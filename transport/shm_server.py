@@ -191,7 +191,7 @@ class ShmService:
         return stored
 
     async def _get(self, channel: "_Channel", region: _Region, keys: list[bytes], request: S.RangedRequest) -> int:
-        values = await self.server._lookup(keys)  # off the event loop when it may read a disk
+        values = await self.server.lookup_values(keys)  # off the event loop when it may read a disk
         lens = np.fromiter(
             (-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values)
         )

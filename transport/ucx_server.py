@@ -634,7 +634,7 @@ class PoolServer:
             return await self._get_one(channel, keys[0])
         conn = channel.conn
         unique = list(dict.fromkeys(keys))  # each key once
-        found = dict(zip(unique, await self._lookup(unique)))
+        found = dict(zip(unique, await self.lookup_values(unique)))
         values = [found[k] for k in keys]
         del found
         lens = np.fromiter(
@@ -677,7 +677,7 @@ class PoolServer:
         return total
 
 
-    async def _lookup(self, keys: list[bytes]) -> list[Optional[Buffer]]:
+    async def lookup_values(self, keys: list[bytes]) -> list[Optional[Buffer]]:
         """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
         disk (a store with a disk tier has `may_block`)."""
         may_block = getattr(self.store, "may_block", None)
@@ -688,7 +688,7 @@ class PoolServer:
     async def _get_one(self, channel: _Channel, key: bytes) -> int:
         """`_get` of one key (the common 1-block load), without the per-segment numpy work; the same reply: the
         value's length (-1: a miss) and the value as the one data frame, sent from the store without a copy."""
-        value = (await self._lookup([key]))[0]
+        value = (await self.lookup_values([key]))[0]
         n = -1 if value is None else memoryview(value).nbytes
         if n > min(P.MAX_DATA_BYTES, self.budget.total):
             n = -1
