@@ -1,4 +1,4 @@
-"""The pool-node wire protocol, version 3: frames, limits and the data-segment plan (pure functions, no I/O).
+"""The pool-node wire protocol, version 4: frames, limits and the data-segment plan (pure functions, no I/O).
 
 Contract:
 * Every exchange starts with one fixed 32-byte little-endian **header**:
@@ -13,10 +13,20 @@ Contract:
   serves classic requests of one connection one after the other.
   **Inline** (flags INLINE, what `UcxNode` sends): one **head** message on the base tag carries the header, then the
   meta when `head_layout` says it fits, then all the data when that fits too, zero-padded to a multiple of 8 bytes
-  (HEAD_BYTES at most). Every other frame of the request travels on the request's own tag (`request_id` hashed with
-  the connection's tag), and so does the whole reply, which is inline the same way. Several inline requests may be
-  in flight on one connection; the node serves them concurrently (within its in-flight budget) and each reply finds
-  its caller by its tag, so replies may come back in any order.
+  (HEAD_BYTES at most). Every other frame of the request travels on the request's own tag, and so does the whole
+  reply, which is inline the same way. Several inline requests may be in flight on one connection; the node serves
+  them concurrently (within its in-flight budget) and each reply finds its caller by its tag, so replies may come
+  back in any order.
+* Tags: each side of a connection receives on a 64-bit base tag it chose (exchanged when UCX connects); a request's
+  own tag is that base tag with its low 32 bits XORed with `request_id` (`ucx_progress.request_tag`), so every tag
+  of one connection shares the base tag's high 32 bits. A node gives each live connection distinct high bits and
+  discards every message it has not received on a connection's tags when that connection ends, as well as messages
+  on tags of no connection at all, so unread messages never hold its memory past their connection. Before the
+  handshake completes, only the base tag may carry messages: a message on another tag of the connection closes it.
+* Request ids: an inline request's id is 1..MAX_REQUEST_ID (0 is the base tag) and unique among the connection's
+  requests in flight. An id is in flight from its head until the node starts its reply; a client may reuse it as
+  soon as it has received that reply in full (the node never refuses such a reuse). A head naming an id still in
+  flight is malformed (the connection is closed).
 * Versions: a node answers a HELLO of another version with a header of its own version, status BAD_REQUEST and a
   message, then closes; a client refuses a reply of another version. No frame of another version is ever read.
 * Handshake (once per connection): client HELLO (meta: access_id, may be empty) → node CHALLENGE (meta: 32-byte
@@ -52,7 +62,8 @@ import numpy as np
 from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
-VERSION = 3  # 3: version 2 plus the shared-memory ops (a node of version 2 would close on them)
+# 4: request tags are the base tag XOR the request id (3 hashed them); 3: version 2 plus the shared-memory ops
+VERSION = 4
 HEADER_DTYPE = np.dtype(
     [
         ("magic", "<u4"),

@@ -9,10 +9,10 @@ Contract:
 * `send(ep, buffer, tag)` / `recv(ep, buffer, tag)` post one tagged message on a ucxx `Endpoint` now (before the
   caller awaits anything) and return a future that ends when UCX completes it (raising UCX's error when it fails:
   a peer that died, an aborted endpoint, a message longer than the buffer). `tag` None is the endpoint's base tag,
-  else it is hashed with it exactly as ucxx's `Endpoint.send/recv(tag=...)` do, so both sides interoperate with
-  ucxx's own calls. The buffer
-  is kept alive until UCX has finished with it, even when the caller stops waiting. On a loop without a driver
-  (progress mode "thread"), they are ucxx's `Endpoint.send/recv`, started as tasks.
+  else a request id, and the message travels on `request_tag(base, tag)` (the protocol's tag layout: every tag of a
+  connection shares the high 32 bits of its base tag). The buffer is kept alive until UCX has finished with it,
+  even when the caller stops waiting. On a loop without a driver (progress mode "thread"), they are ucxx's
+  `Endpoint.send/recv` with that tag, started as tasks.
 * `wait(request)`: the same for a request posted by other means (stream sends of the connection exchange).
 * Every call must come from the loop thread (the worker is single-threaded in this mode).
 
@@ -166,10 +166,17 @@ def kick() -> None:
         d.kick()
 
 
-def _tag(ep: Any, kind: str, tag: Any) -> Any:
-    base = ep._tags[kind]
-    names = _names()
-    return names["Tag"](base if tag is None else names["hash"](base, hash(tag)))
+CONNECTION_TAG_MASK = 0xFFFF_FFFF_0000_0000  # the bits every tag of one connection shares (protocol docstring)
+REQUEST_ID_MASK = 0xFFFF_FFFF
+
+
+def request_tag(base: int, request_id: Optional[int]) -> int:
+    """The tag of request `request_id`'s frames on a connection whose base tag is `base` (None: the base tag)."""
+    return base if request_id is None else base ^ (request_id & REQUEST_ID_MASK)
+
+
+def _tag(ep: Any, kind: str, tag: Optional[int]) -> Any:
+    return _names()["Tag"](request_tag(ep._tags[kind], tag))
 
 
 def _endpoint(ep: Any) -> Any:
@@ -181,20 +188,22 @@ def _endpoint(ep: Any) -> Any:
     return inner
 
 
-def send(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
+def send(ep: Any, buffer: Any, tag: Optional[int] = None) -> "asyncio.Future[Any]":
     """Post one tagged send; see the module docstring."""
     d = driver()
     if d is None:
-        return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.send(buffer) if tag is None else ep.send(buffer, tag=tag)))
+        wire_tag = request_tag(ep._tags["msg_send"], tag)
+        return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.send(buffer, tag=wire_tag, force_tag=True)))
     arr = _names()["Array"](buffer)
     return d.wait(_endpoint(ep).tag_send(arr, _tag(ep, "msg_send", tag)), arr)
 
 
-def recv(ep: Any, buffer: Any, tag: Any = None) -> "asyncio.Future[Any]":
+def recv(ep: Any, buffer: Any, tag: Optional[int] = None) -> "asyncio.Future[Any]":
     """Post one tagged receive into `buffer` (writable); see the module docstring."""
     d = driver()
     if d is None:
-        return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.recv(buffer) if tag is None else ep.recv(buffer, tag=tag)))
+        wire_tag = request_tag(ep._tags["msg_recv"], tag)
+        return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.recv(buffer, tag=wire_tag, force_tag=True)))
     names = _names()
     arr = names["Array"](buffer)
     return d.wait(_endpoint(ep).tag_recv(arr, _tag(ep, "msg_recv", tag), names["mask"]), arr)

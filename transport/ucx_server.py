@@ -30,6 +30,11 @@ Contract:
 * Connections: at most `max_connections` in all and `max_connections_per_peer` per peer IP address; beyond that a
   new connection is aborted at once.
 * Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are shut down (`transport.ucx_sockets`).
+* Messages nobody will receive (protocol docstring, "Tags") are discarded by the watchdog (`transport.ucx_unexpected`,
+  in progress mode "loop"): every tag of a connection that ended (at once, and for UNREAD_LINGER_S more for what was
+  still on the wire), messages on the tags of no live connection, and a connection that parks messages on tags it
+  has no request for (before its handshake, any tag but its base tag; after it, a request id not in flight with no
+  head waiting, seen so on two sweeps in a row) is closed, after which its messages are discarded too.
 * A malformed or oversized frame, or any transport error, closes that connection only.
 * `stop()` closes the listener and every connection; the caller then lets the loop finish.
 * Same-host clients may move value bytes through a shared-memory region of their connection (`shm`:
@@ -62,6 +67,7 @@ from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
 from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, recv_meta, send_all
 from ems.transport.ucx_sockets import SocketReaper
+from ems.transport.ucx_unexpected import discard, oldest
 
 if TYPE_CHECKING:
     from ems.pool.metrics import NodeMetrics
@@ -80,6 +86,10 @@ MIN_INFLIGHT_BYTES = 64 << 20
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 # inline requests of one connection served at once; the connection's next head waits for a free slot
 MAX_REQUESTS_PER_CONNECTION = 32
+# how long the tags of a connection that ended are still swept for messages that were on the wire when it closed
+UNREAD_LINGER_S = 5.0
+CONNECTION_TAG_MASK = ucx_progress.CONNECTION_TAG_MASK
+_FULL_TAG_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -125,17 +135,26 @@ class _Stage(enum.Enum):
 class _Connection:
     """One client connection's state, as the watchdog sees it: a deadline per request in flight."""
 
-    __slots__ = ("ep", "peer", "stage", "deadline", "aborted", "requests", "tasks", "slots")
+    __slots__ = ("ep", "peer", "stage", "deadline", "aborted", "requests", "tasks", "slots", "base_tag", "receiving",
+                 "next_key", "suspect")
 
-    def __init__(self, ep: Any, peer: str, deadline: float) -> None:
+    def __init__(self, ep: Any, peer: str, deadline: float, base_tag: int) -> None:
         self.ep = ep
         self.peer = peer
         self.stage = _Stage.HANDSHAKE
         self.deadline = deadline  # of the handshake
         self.aborted = False
-        self.requests: dict[int, float] = {}  # request key -> deadline of its next frame
+        self.requests: dict[int, float] = {}  # request key (a serial of this connection) -> deadline of its next frame
         self.tasks: set[asyncio.Task] = set()  # inline requests being served
         self.slots = asyncio.Semaphore(MAX_REQUESTS_PER_CONNECTION)
+        self.base_tag = base_tag  # the tag this node receives the connection's heads on (protocol docstring, "Tags")
+        self.receiving: set[int] = set()  # inline request ids in flight: from the head until the reply starts
+        self.next_key = 0
+        self.suspect: Optional[int] = None  # a tag the last sweep found parked with no request for it
+
+    def new_key(self) -> int:
+        self.next_key += 1
+        return self.next_key
 
     def overdue(self, now: float) -> Optional[str]:
         if self.stage == _Stage.HANDSHAKE:
@@ -146,7 +165,7 @@ class _Connection:
 class _Channel:
     """Where one request's frames and reply travel: classic (base tag, in order) or inline (its own tag)."""
 
-    __slots__ = ("conn", "header", "body", "tag", "key", "server")
+    __slots__ = ("conn", "header", "body", "tag", "key", "server", "replying")
 
     def __init__(self, server: "PoolServer", conn: _Connection, header: P.Header, body: memoryview, key: int) -> None:
         self.server = server
@@ -155,6 +174,12 @@ class _Channel:
         self.body = body  # the head's inline bytes
         self.tag = header.request_id if header.inline else None
         self.key = key
+        self.replying = False
+
+    def done_receiving(self) -> None:
+        """Every receive of this request has ended: its id is free for the client to reuse (protocol docstring)."""
+        if self.tag is not None:
+            self.conn.receiving.discard(self.tag)
 
     async def timed(self, step: Awaitable[Any]) -> Any:
         """One frame: when it completes, the next frame of this request has `stall_timeout_s` again."""
@@ -181,6 +206,7 @@ class _Channel:
         of SEND_WINDOW_BYTES), or classic on the base tag."""
         ep = self.conn.ep
         inline = self.header.inline
+        self.done_receiving()
         header = P.pack_header(op | P.REPLY, count=count, meta_len=len(meta), data_len=data_len, status=status,
                                flags=P.Flags.INLINE if inline else 0, request_id=self.header.request_id)
         windows = _windows(list(data), SEND_WINDOW_BYTES)
@@ -277,6 +303,9 @@ class PoolServer:
         self.budget = ByteBudget(self.limits.inflight_bytes)
         self._listener: Any = None
         self._connections: dict[Any, _Connection] = {}
+        self._by_tag: dict[int, _Connection] = {}  # high bits of a live connection's base tag -> that connection
+        self._ended_tags: dict[int, float] = {}  # high bits of ended connections' tags -> sweep them until then
+        self._worker: Any = None  # the UCX worker, when this loop progresses it (mode "loop"): unread messages swept
         self._per_peer: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
         self._tasks: list[asyncio.Task] = []
@@ -297,6 +326,10 @@ class PoolServer:
         else:
             self._listener = BoundListener(host, port, self._serve)
         self.port = int(self._listener.port)
+        if ucx_progress.driver() is not None:
+            from ucxx.core import _get_ctx
+
+            self._worker = _get_ctx().worker
         self._tasks = [asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._reaper())]
         self.shm.start()
         return self.port
@@ -311,6 +344,7 @@ class PoolServer:
         for ep in list(self._connections):
             _abort(ep)
         self._connections.clear()
+        self._by_tag.clear()
         self._per_peer.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -335,6 +369,55 @@ class PoolServer:
                     log.warning("closing a connection from %s: stalled in %s", conn.peer, stalled)
                     conn.aborted = True
                     _abort(conn.ep)
+            if self._worker is not None:
+                try:
+                    self._sweep_unread(now)
+                except Exception:  # never lose the watchdog over one sweep
+                    log.exception("sweeping unread messages failed")
+
+    def _sweep_unread(self, now: float) -> None:
+        """Discard the messages nobody will receive; close connections that park them (module docstring)."""
+        worker = self._worker
+        for high, until in list(self._ended_tags.items()):
+            discard(worker, high, CONNECTION_TAG_MASK)
+            if now > until:
+                del self._ended_tags[high]
+        dropped = 0
+        while True:  # oldest first: stop at the first message a live connection may still receive
+            front = oldest(worker, 0, 0)
+            if front is None or (front[0] & CONNECTION_TAG_MASK) in self._by_tag:
+                break
+            dropped += discard(worker, front[0], _FULL_TAG_MASK)
+        if dropped:
+            log.info("discarded %d messages sent on the tags of no connection", dropped)
+        for conn in list(self._connections.values()):
+            if conn.aborted:
+                continue
+            first = oldest(worker, conn.base_tag, CONNECTION_TAG_MASK)
+            parked = None if first is None or first[0] == conn.base_tag else first[0]
+            if parked is not None and conn.stage == _Stage.HANDSHAKE:
+                reason = "a message on a request tag before the handshake"
+            elif (parked is not None and (parked ^ conn.base_tag) not in conn.receiving
+                  and oldest(worker, conn.base_tag, _FULL_TAG_MASK) is None):
+                if conn.suspect != parked:
+                    conn.suspect = parked  # a head read this instant may not have registered its id yet
+                    continue
+                reason = f"messages for request {parked ^ conn.base_tag}, which is not in flight"
+            else:
+                conn.suspect = None
+                continue
+            log.warning("closing a connection from %s: %s", conn.peer, reason)
+            conn.aborted = True
+            _abort(conn.ep)
+
+    def _forget_tags(self, conn: _Connection) -> None:
+        """The connection ended: discard what it left unread, now and for UNREAD_LINGER_S."""
+        high = conn.base_tag & CONNECTION_TAG_MASK
+        if self._by_tag.get(high) is conn:
+            del self._by_tag[high]
+            self._ended_tags[high] = time.monotonic() + UNREAD_LINGER_S
+            if self._worker is not None:
+                discard(self._worker, high, CONNECTION_TAG_MASK)
 
     async def _reaper(self) -> None:
         reaper = SocketReaper(self.port)
@@ -348,21 +431,27 @@ class PoolServer:
 
     def _admit(self, ep: Any) -> Optional[_Connection]:
         peer = peer_host(ep)
+        base_tag = int(ep._tags["msg_recv"])
+        high = base_tag & CONNECTION_TAG_MASK
+        if high in self._by_tag or high in self._ended_tags:  # one in 2**32 per pair: the client reconnects
+            log.info("refused a connection from %s: its tags collide with another connection's", peer)
+            return None
         if len(self._connections) >= self.limits.max_connections:
             log.warning("refused a connection from %s: %d connections open", peer, len(self._connections))
             return None
         if self._per_peer[peer] >= self.limits.max_connections_per_peer:
             log.warning("refused a connection from %s: %d connections from it open", peer, self._per_peer[peer])
             return None
-        conn = _Connection(ep, peer, time.monotonic() + self.limits.handshake_timeout_s)
+        conn = _Connection(ep, peer, time.monotonic() + self.limits.handshake_timeout_s, base_tag)
         self._connections[ep] = conn
+        self._by_tag[high] = conn
         self._per_peer[peer] += 1
         return conn
 
     async def _serve(self, ep: Any) -> None:
         conn = self._admit(ep)
         if conn is None:
-            _abort(ep)
+            _abort(ep)  # (its messages, if any, are on no live connection's tags: the watchdog discards them)
             return
         if self.metrics is not None:
             self.metrics.connections.inc()
@@ -373,7 +462,7 @@ class PoolServer:
                 return
             conn.stage = _Stage.IDLE
             prefix = tenant_prefix(tenant)
-            classic = -1  # the watchdog's key for the classic request being served (inline ones: request ids)
+            classic = -1  # the watchdog's key for the classic request being served (inline ones: positive serials)
             while not conn.aborted:
                 await conn.slots.acquire()
                 try:
@@ -383,10 +472,12 @@ class PoolServer:
                     raise
                 if header.inline:
                     # served concurrently: its other frames and its reply travel on its own tag
-                    key = header.request_id
-                    if key in conn.requests:
+                    request_id = header.request_id
+                    if request_id == 0 or request_id in conn.receiving:
                         conn.slots.release()
-                        raise P.ProtocolError(f"request id {key} already in flight")
+                        raise P.ProtocolError(f"request id {request_id} is the base tag or already in flight")
+                    conn.receiving.add(request_id)
+                    key = conn.new_key()
                     conn.requests[key] = time.monotonic() + self.limits.stall_timeout_s
                     task = asyncio.ensure_future(self._serve_request(_Channel(self, conn, header, body, key), prefix))
                     conn.tasks.add(task)
@@ -420,6 +511,7 @@ class PoolServer:
             _abort(ep)  # fails the UCX requests of the inline requests still in flight: their tasks end by themselves
             if conn.tasks:
                 await asyncio.gather(*conn.tasks, return_exceptions=True)
+            self._forget_tags(conn)
             if self.metrics is not None:
                 self.metrics.connections.dec()
 
@@ -448,6 +540,7 @@ class PoolServer:
                 _abort(conn.ep)
         finally:
             conn.requests.pop(channel.key, None)
+            channel.done_receiving()
             if inline:
                 conn.slots.release()
                 task = asyncio.current_task()

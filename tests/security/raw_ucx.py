@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ems.transport import protocol as P
+from ems.transport import ucx_progress as io
 from ems.transport.ucx import UcxRuntime
 from ems.transport.ucx_endpoint import create_endpoint
 
@@ -55,18 +56,44 @@ class RawSession:
         except Exception:  # connection reset, endpoint closed or stuck
             return CLOSED
 
-    def post_sends(self, *frames: Any) -> None:
-        """Post frames without waiting for them to be taken (the node may never receive them)."""
+    def post_sends(self, *frames: Any, tags: Optional[Sequence[Optional[int]]] = None, raw_tags: bool = False) -> None:
+        """Post frames without waiting for them to be taken (the node may never receive them). `tags`: per frame,
+        a request id (None: the base tag), or with `raw_tags` the 64-bit wire tag itself."""
 
         async def post() -> None:
-            for frame in frames:
+            for i, frame in enumerate(frames):
                 frame = as_frame(frame)
                 self._kept.append(frame)
-                task = asyncio.ensure_future(self.ep.send(frame))
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
-                self._kept.append(task)
+                tag = None if tags is None else tags[i]
+                if raw_tags:
+                    sent = asyncio.ensure_future(self.ep.send(frame, tag=tag, force_tag=True))
+                else:
+                    sent = asyncio.ensure_future(io.send(self.ep, frame, tag))
+                sent.add_done_callback(lambda t: t.cancelled() or t.exception())
+                self._kept.append(sent)
 
         run(post())
+
+    def recv_tagged(self, nbytes: int, request_id: int, timeout_s: float = 5.0) -> Any:
+        """`nbytes` received on request `request_id`'s tag, or CLOSED / SILENT."""
+
+        async def receive() -> Any:
+            buf = np.zeros(nbytes, np.uint8)
+            self._kept.append(buf)
+            try:
+                await asyncio.wait_for(asyncio.shield(io.recv(self.ep, buf, request_id)), timeout_s)
+            except asyncio.TimeoutError:
+                return SILENT
+            except Exception:  # the node closed the connection
+                return CLOSED
+            return buf
+
+        return run(receive(), timeout_s + 10)
+
+    @property
+    def node_base_tag(self) -> int:
+        """The tag the node receives this connection's heads on (the client's send tag)."""
+        return int(self.ep._tags["msg_send"])
 
     async def _recv(self, nbytes: int, timeout_s: float) -> Any:
         buf = np.zeros(nbytes, np.uint8)
