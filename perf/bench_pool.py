@@ -20,7 +20,13 @@ API over UCX (`--api-only` runs just this): `ContextCaching.save` / `.load` thro
 as single UCX messages to the peer above), interleaved round by round, best of N; prints the stage table of the
 best one-chunk and pipelined jobs (stages overlap: their sum against the job's wall time), and `PoolClient.put` /
 `get_into` of the same values in one call (the transport alone).
-Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--api-blocks N] [--threads T]
+Inside an engine (`--engine-only` runs just this, also part of the full run): the 62 MiB load of a 4,000-token
+prompt (124 values of 512 KiB, `PoolClient.get_into` into reused buffers, one node, default client settings), best
+of N, alone and with a second Python thread of this process spinning in pure Python (as an engine's busy loops
+hold the GIL), next to each other in turn; and the node's CPU time (utime + stime from /proc) per request (1-key
+exists) and per MiB (1 MiB saves and loads, less the per-request part).
+Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--engine-only] [--api-blocks N]
+       [--threads T]
 """
 
 from __future__ import annotations
@@ -344,6 +350,91 @@ def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, 
     return per * in_flight / (time.perf_counter() - start)
 
 
+class BusyPythonThread:
+    """A second thread that spins in pure Python (holding the GIL but for the interpreter's switch interval)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            for _ in range(1000):
+                n += 1
+
+    def __enter__(self) -> "BusyPythonThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def node_cpu_s(node: PoolProcess) -> float:
+    """The node process's CPU seconds so far (user + system)."""
+    fields = Path(f"/proc/{node.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
+    """The 62 MiB load alone and beside a busy Python thread; the node's CPU per request and per MiB."""
+    option = CcKvOption(timeout=60_000, write_rcache=False)
+    pool = PoolClient([UcxNode(node.address, connect_timeout_ms=5000)])
+    try:
+        n, size = 124, 512 << 10
+        values = make_values(n, size - 40, seed=62)
+        keys = [f"engine-{i}".encode() for i in range(n)]
+        outs = [np.empty(size, np.uint8) for _ in range(n)]
+        if not all(pool.put(keys, keys, values, option).results):
+            raise RuntimeError("the 62 MiB batch was not stored")
+        load = lambda: pool.get_into(keys, keys, outs, option)  # noqa: E731
+        load()
+        if bytes(outs[-1]) != b"".join(values[-1]):
+            raise RuntimeError("a value did not come back")
+        alone, busy = float("inf"), float("inf")
+        for _ in range(rounds):  # in turn, best of each
+            alone = min(alone, best_of(load, 1))
+            with BusyPythonThread():
+                busy = min(busy, best_of(load, 1))
+        total = n * size
+        one = make_values(1, (1 << 20) - 40, seed=63)
+        assert pool.put([b"cpu-one"], [b"cpu-one"], one, option).results == [True]
+        one_out = [np.empty(1 << 20, np.uint8)]
+        cpu: dict = {}
+        for name, fn in (("exists", lambda: pool.exists([b"cpu-one"], [b"cpu-one"], option)),
+                         ("save 1 MiB", lambda: pool.put([b"cpu-one"], [b"cpu-one"], one, option)),
+                         ("load 1 MiB", lambda: pool.get_into([b"cpu-one"], [b"cpu-one"], one_out, option))):
+            fn()
+            start = node_cpu_s(node)
+            for _ in range(calls):
+                fn()
+            cpu[name] = (node_cpu_s(node) - start) / calls * 1e6  # µs of node CPU per call
+    finally:
+        pool.close()
+    per_request = cpu["exists"]
+    figures = {"load alone GB/s": total / alone / 1e9, "load busy GB/s": total / busy / 1e9,
+               "busy/alone": alone / busy, "node cpu us per request": per_request,
+               "node cpu us per MiB save": cpu["save 1 MiB"] - per_request,
+               "node cpu us per MiB load": cpu["load 1 MiB"] - per_request}
+    text = "\n".join([
+        f"Inside an engine: 62 MiB load (124 x 512 KiB, PoolClient.get_into, 1 node), best of {rounds} in turn",
+        "",
+        "| load alone GB/s | with a busy Python thread GB/s | busy / alone | goal |",
+        "|---|---|---|---|",
+        f"| {figures['load alone GB/s']:.2f} | {figures['load busy GB/s']:.2f} | {figures['busy/alone']:.2f} | >= 0.8 |",
+        "",
+        f"Node CPU (utime + stime of the node process over {calls} calls each, µs per call; per MiB = the 1 MiB "
+        "call less the per-request part):",
+        "",
+        "| per request (1-key exists) | per MiB saved | per MiB loaded |",
+        "|---|---|---|",
+        f"| {per_request:.0f} | {figures['node cpu us per MiB save']:.0f} | {figures['node cpu us per MiB load']:.0f} |",
+    ])
+    return text, figures
+
+
 CHUNK_MODES = ("0", "1MiB", "4MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
 
 
@@ -440,6 +531,8 @@ def main() -> None:
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per call, MiB")
     parser.add_argument("--api-only", action="store_true", help="only the API-over-UCX rows (and their raw peer)")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="only the load beside a busy Python thread and the node's CPU per request / per MiB")
     parser.add_argument("--api-blocks", type=int, default=48, help="1 MiB blocks per API call")
     parser.add_argument("--json", type=Path, help="also write the figures to this file (perf/bench_goals.py reads it)")
     parser.add_argument("--threads", type=int, default=1,
@@ -457,6 +550,13 @@ def main() -> None:
     print(f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode: this process "
           f"{ems.transport.ucx_config.PROGRESS_MODE}, pool nodes and the raw peer "
           f"{os.environ.get('EMS_UCX_PROGRESS_MODE') or getattr(ems.transport.ucx_config, 'NODE_PROGRESS_MODE', 'thread')}")
+    if args.engine_only:
+        engine_node = PoolProcess("256MiB")
+        try:
+            print(engine_like(engine_node, repeats, calls)[0])
+        finally:
+            engine_node.cleanup()
+        return
     if args.api_only:
         raw = RawUcx()
         try:
@@ -570,6 +670,7 @@ def main() -> None:
                 conc[k] = max(conc[k], saves_per_second(pool, one[0], k, total_saves, option))
         for p in pools.values():
             p.close()
+        engine, engine_figures = engine_like(nodes[1], repeats, calls)
         api, api_stages, api_figures = api_over_ucx(raw, args.api_blocks, repeats)
     finally:
         raw.close()
@@ -583,6 +684,8 @@ def main() -> None:
     print()
     print(per_call_table(per_call, conc))
     print()
+    print(engine)
+    print()
     print(api)
     print()
     print(api_stages)
@@ -594,6 +697,7 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({"rows": rows, "per_call": per_call, "in_flight": conc, "api": api_figures,
                                          "api_table": api, "api_stages": api_stages, "machine": machine(),
+                                         "engine": engine_figures,
                                          "mooncake": None if moon is None else "measured",
                                          "mooncake_note": moon_reason if moon is None else "; ".join(moon_errors)},
                                         indent=1))

@@ -24,7 +24,7 @@ Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Pe
   aborting the process. It rules out the shared-memory transports that cannot report a peer's death (cma), which
   would be faster between processes on one host, but a pool client must survive its node dying.
 * UCX_WARN_UNUSED_ENV_VARS = n: otherwise UCX prints a warning to stdout, which pool nodes reserve for their
-  ready line.
+  ready line. UCX_LOG_FILE = stderr: every UCX log line goes to stderr, never to that pipe (see below).
 * In "thread" mode, ucxx's notifier thread is replaced by `_notifier_thread` (same job, one hop less per
   completion; `EMS_UCX_NOTIFIER=ucxx` keeps ucxx's): ucxx 0.52's
   wakes on every batch of completed UCX requests, submits a coroutine to the event loop
@@ -52,6 +52,10 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_TCP_CM_REUSEADDR": "y",
     # ucxx warns on stdout whenever a large batch drains its pool of pre-made futures (harmless, refilled at once)
     "UCXX_LOG_LEVEL": "ERROR",
+    # UCX logs to stdout by default. A node's stdout is a pipe its supervisor reads once (the ready line): at the
+    # descriptor limit UCX logs a failed accept() on every try, the pipe filled, and UCX's async thread blocked in
+    # that write while holding the worker's lock, which wedged the whole node for good
+    "UCX_LOG_FILE": "stderr",
 }
 # "loop" (default): UCX progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode without its
 # polling waits); "thread", "thread-polling", "polling", "blocking": ucxx's own modes

@@ -10,6 +10,9 @@ the exchange buffers are kept in `_GRAVEYARD` until UCX reports their requests f
 `install_safe_listener_exchange()` applies the same fix to the listening side (a pool node), whose ucxx listener
 handler uses the same exchange: a client paused mid-connect would otherwise make the node's heap corrupt later. It
 replaces `ucxx._lib_async.listener.exchange_peer_info` (the name that module calls) with `exchange_peer_info` below.
+On the listening side, the tag a connection being set up will receive on is recorded in `connecting_tags` from the
+start of the exchange (for CONNECTING_TAG_S), so a node does not discard the first messages of a connection it has
+not admitted yet as messages of no connection (`ucx_server`, protocol docstring "Tags").
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Any
 _FMT = "QQ"
 _GRAVEYARD: list[tuple[Any, ...]] = []  # (ucx endpoint, request, buffers...) of abandoned connects
 _GRAVEYARD_LIMIT = 4096
+CONNECTING_TAG_S = 30.0  # how long a connection's tag counts as being set up (its exchange is bounded far below)
+TAG_HIGH_MASK = 0xFFFF_FFFF_0000_0000  # = ucx_progress.CONNECTION_TAG_MASK
+connecting_tags: dict[int, float] = {}  # high bits of the tag of a connection being set up -> until when
 
 
 def _bury(*objects: Any) -> None:
@@ -55,6 +61,8 @@ async def exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool, connec
     from ucxx._lib.arr import Array
     from ucxx._lib_async.utils import hash64bits
 
+    if listener:
+        connecting_tags[msg_tag & TAG_HIGH_MASK] = asyncio.get_running_loop().time() + CONNECTING_TAG_S
     my_info = struct.pack(_FMT, msg_tag, hash64bits(msg_tag))
     peer_info = bytearray(len(my_info))
     my_arr, peer_arr = Array(my_info), Array(peer_info)

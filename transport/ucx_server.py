@@ -29,7 +29,8 @@ Contract:
   that breaks either is aborted. An authenticated connection may stay idle between requests (clients keep one).
 * Connections: at most `max_connections` in all and `max_connections_per_peer` per peer IP address; beyond that a
   new connection is aborted at once.
-* Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are shut down (`transport.ucx_sockets`).
+* Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are released (`transport.ucx_sockets`),
+  also when the node has no descriptor left.
 * Messages nobody will receive (protocol docstring, "Tags") are discarded by the watchdog (`transport.ucx_unexpected`,
   in progress mode "loop"): every tag of a connection that ended (at once, and for UNREAD_LINGER_S more for what was
   still on the wire), messages on the tags of no live connection, and a connection that parks messages on tags it
@@ -63,7 +64,7 @@ from ems.transport import ucx_progress
 from ems.transport.shm import ShmSettings, metric_name
 from ems.transport.shm_server import ShmService
 from ems.transport.ucx_config import init_ucx
-from ems.transport.ucx_endpoint import install_safe_listener_exchange, peer_host
+from ems.transport.ucx_endpoint import connecting_tags, install_safe_listener_exchange, peer_host
 from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, recv_meta, send_all
 from ems.transport.ucx_sockets import SocketReaper
@@ -81,7 +82,7 @@ OFFLOAD_BYTES = 4 << 20
 # a GET reply's data frames are posted this many bytes at a time (UCX holds per-send state for each posted frame)
 SEND_WINDOW_BYTES = 32 << 20
 WATCHDOG_PERIOD_S = 0.5
-REAP_PERIOD_S = 2.0
+REAP_PERIOD_S = 1.0
 MIN_INFLIGHT_BYTES = 64 << 20
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 # inline requests of one connection served at once; the connection's next head waits for a free slot
@@ -382,10 +383,17 @@ class PoolServer:
             discard(worker, high, CONNECTION_TAG_MASK)
             if now > until:
                 del self._ended_tags[high]
+        loop_now = asyncio.get_running_loop().time()
+        for high, until in list(connecting_tags.items()):  # set up long ago and never admitted: ended
+            if loop_now > until:
+                del connecting_tags[high]
+                self._ended_tags.setdefault(high, now + UNREAD_LINGER_S)
         dropped = 0
-        while True:  # oldest first: stop at the first message a live connection may still receive
+        while True:  # oldest first: stop at the first message a live connection (or one being set up) may receive
             front = oldest(worker, 0, 0)
-            if front is None or (front[0] & CONNECTION_TAG_MASK) in self._by_tag:
+            if front is None or (front[0] & CONNECTION_TAG_MASK) in self._by_tag or (
+                front[0] & CONNECTION_TAG_MASK
+            ) in connecting_tags:
                 break
             dropped += discard(worker, front[0], _FULL_TAG_MASK)
         if dropped:
@@ -433,6 +441,7 @@ class PoolServer:
         peer = peer_host(ep)
         base_tag = int(ep._tags["msg_recv"])
         high = base_tag & CONNECTION_TAG_MASK
+        connecting_tags.pop(high, None)
         if high in self._by_tag or high in self._ended_tags:  # one in 2**32 per pair: the client reconnects
             log.info("refused a connection from %s: its tags collide with another connection's", peer)
             return None

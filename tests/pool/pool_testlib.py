@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+import resource
 import selectors
 import signal
 import subprocess
@@ -45,9 +47,11 @@ class PoolProcess:
     """One `python -m ems.pool` process on 127.0.0.1."""
 
     def __init__(
-        self, capacity: str = "256MiB", keys: Optional[dict[str, str]] = None, port: int = 0, args: tuple = ()
+        self, capacity: str = "256MiB", keys: Optional[dict[str, str]] = None, port: int = 0, args: tuple = (),
+        nofile: Optional[int] = None,
     ) -> None:
         self.capacity = capacity
+        self.nofile = nofile  # the node's RLIMIT_NOFILE (None: inherited)
         self.keys = keys
         self.port = port
         self.args = tuple(args)
@@ -71,7 +75,7 @@ class PoolProcess:
             stderr=self.log,
             env=env,
             text=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, self.nofile),
         )
         line = read_line(self.proc, START_TIMEOUT_S)
         if not line.startswith(READY_PREFIX):
@@ -135,9 +139,12 @@ class PoolProcess:
         os.unlink(self.log.name)
 
 
-def _die_with_parent() -> None:
-    """Child side: SIGKILL when the test process dies, so a crashed test never leaves a node running."""
+def _die_with_parent(nofile: Optional[int] = None) -> None:
+    """Child side: SIGKILL when the test process dies, so a crashed test never leaves a node running; with `nofile`,
+    at most that many descriptors."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if nofile is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
 
 def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -207,8 +214,8 @@ def pool_nodes():
     ends."""
     started: list[PoolProcess] = []
 
-    def start(capacity: str = "256MiB", keys=None, args: tuple = ()) -> PoolProcess:
-        node = PoolProcess(capacity, keys, args=args)
+    def start(capacity: str = "256MiB", keys=None, args: tuple = (), nofile: Optional[int] = None) -> PoolProcess:
+        node = PoolProcess(capacity, keys, args=args, nofile=nofile)
         started.append(node)
         return node
 
