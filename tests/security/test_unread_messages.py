@@ -3,7 +3,7 @@ request id may be reused as soon as its reply has arrived (protocol docstring, "
 
 Attacks from a raw UCX client: thousands of messages on tags of no connection, on the connection's own request
 tags before the handshake, and heads parked behind 32 stalled requests; each repeated for a few rounds, the node's
-resident memory must stop growing after the first (UCX keeps the buffers it released for reuse)."""
+resident memory must not grow round after round (UCX keeps the buffers it released for reuse)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _inline_head(op: int, request_id: int, meta: bytes = b"", data_len: int = 0,
     return P.pack_head(header, meta)
 
 
-def _rounds(node, attack, rounds: int = 4) -> list[int]:
+def _rounds(node, attack, rounds: int = 5) -> list[int]:
     """The node's RSS after each round of `attack(port)` (each round's client has left and been swept)."""
     sizes = []
     for _ in range(rounds):
@@ -38,8 +38,9 @@ def _rounds(node, attack, rounds: int = 4) -> list[int]:
 
 
 def _assert_bounded(sizes: list[int]) -> None:
-    # without the sweep every round added ~31-33 MiB; UCX keeps the first round's buffers for reuse
-    assert sizes[-1] - sizes[0] < 8 * MiB, [s / MiB for s in sizes]
+    # without the sweep every round added ~31-47 MiB (+120 MiB or more over these rounds); with it, UCX's buffer
+    # pools grow once to their peak (a step of ~14 MiB in whichever round first fills them) and are reused after
+    assert sizes[-1] - sizes[0] < 24 * MiB, [s / MiB for s in sizes]
 
 
 def test_messages_on_tags_of_no_connection_are_discarded(pool_nodes, node_clients):
