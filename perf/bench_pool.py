@@ -25,8 +25,13 @@ prompt (124 values of 512 KiB, `PoolClient.get_into` into reused buffers, one no
 of N, alone and with a second Python thread of this process spinning in pure Python (as an engine's busy loops
 hold the GIL), next to each other in turn; and the node's CPU time (all its threads, /proc schedstat) per request (1-key
 exists) and per MiB (1 MiB saves and loads, less the per-request part).
-Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--engine-only] [--api-blocks N]
-       [--threads T]
+Progress models (`--progress-probe`, issue 16 item 1's measurement): in a separate process whose UCX worker has no
+progress thread (ucxx "blocking" mode), the calling thread posts the protocol's frames itself and progresses the
+worker until they complete (`progress_once`, then either sleeping in the worker's epoll, "event", or spinning,
+"spin"): a 1-key exists round trip and the 62 MiB load above, alone and beside a busy Python thread; the current
+client's figures come from the same run, next to it.
+Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--engine-only] [--progress-probe]
+       [--api-blocks N] [--threads T]
 """
 
 from __future__ import annotations
@@ -482,6 +487,158 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
     return text, figures
 
 
+CALLER_PROBE = r'''"""The calling thread progresses the UCX worker itself; argv: mode ("event" | "spin"), repository, rounds."""
+
+import asyncio, sys, time, statistics
+sys.path.insert(0, sys.argv[2] + "/tests/pool"); sys.path.insert(0, sys.argv[2] + "/perf")
+import numpy as np
+from pool_testlib import PoolProcess, make_values
+from ems.transport import protocol as P
+from ems.transport import ucx_progress as io
+from ems.transport.ucx_config import init_ucx
+from ems.transport.ucx_endpoint import create_endpoint
+from ems.transport.ucx_frames import send_all, recv_header_frame, recv_meta
+from bench_pool import BusyPythonThread
+node = PoolProcess("256MiB")
+ROUNDS = int(sys.argv[3])
+loop = asyncio.new_event_loop(); asyncio.set_event_loop(loop)
+async def setup():
+    init_ucx("loop")
+    ep = await create_endpoint("127.0.0.1", node.port, 5)
+    await send_all(ep, [P.pack_header(P.Op.HELLO), b""])
+    await recv_header_frame(ep); await recv_meta(ep, P.NONCE_BYTES)
+    await send_all(ep, [P.pack_header(P.Op.AUTH)])
+    await recv_header_frame(ep)
+    return ep
+ep = loop.run_until_complete(setup())
+from ucxx.core import _get_ctx
+import ucxx._lib.libucxx as u
+from ucxx._lib.arr import Array
+worker = _get_ctx().worker
+inner = ep._ep
+send_base, recv_base = ep._tags["msg_send"], ep._tags["msg_recv"]
+rids = iter(range(1, 1 << 31))
+MODE = sys.argv[1]
+
+def wait_all(reqs, deadline):
+    while True:
+        while worker.progress_once():
+            pass
+        if all(r.completed for r in reqs):
+            for r in reqs: r.check_error()
+            return
+        if time.monotonic() > deadline: raise TimeoutError
+        if MODE == "event":
+            if worker.arm():  # nothing pending: sleep in epoll until the worker has an event (GIL released?)
+                worker.progress_worker_event(10)
+
+def request(op, meta, count):
+    rid = next(rids)
+    header = P.pack_header(op, count=count, meta_len=len(meta), flags=P.Flags.INLINE, request_id=rid)
+    head = P.pack_head(header, meta); reply = np.zeros(P.HEAD_BYTES, np.uint8)
+    keep = [Array(head), Array(reply)]
+    r_recv = inner.tag_recv(keep[1], u.UCXXTag(io.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
+    r_send = inner.tag_send(keep[0], u.UCXXTag(send_base))
+    wait_all([r_recv], time.monotonic() + 5)
+    return rid, P.unpack_header(reply[:P.HEADER_SIZE]), reply, keep, r_send
+
+def exists():
+    rid, h, reply, keep, r_send = request(P.Op.EXISTS, P.encode_keys_meta([b"k0"]), 1)
+    wait_all([r_send], time.monotonic() + 5)
+
+def put(keys, values):
+    lens = np.array([sum(len(p) for p in v) for v in values]); chunks = [b"".join(v) for v in values]
+    meta = P.encode_put_meta(keys, lens, lens)
+    rid = next(rids)
+    header = P.pack_header(P.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum()),
+                           flags=P.Flags.INLINE, request_id=rid)
+    head = P.pack_head(header, meta)
+    reply = np.zeros(P.HEAD_BYTES, np.uint8)
+    arrs = [Array(head), Array(reply)] + [Array(np.frombuffer(c, np.uint8)) for c in chunks]
+    r_recv = inner.tag_recv(arrs[1], u.UCXXTag(io.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
+    data_tag = u.UCXXTag(io.request_tag(send_base, rid))
+    sends = [inner.tag_send(arrs[0], u.UCXXTag(send_base))] + [inner.tag_send(a, data_tag) for a in arrs[2:]]
+    wait_all([r_recv] + sends, time.monotonic() + 30)
+
+def get_into(keys, outs):
+    rid, h, reply, keep, r_send = request(P.Op.GET, P.encode_keys_meta(keys), len(keys))
+    lens = P.decode_get_lens(len(keys), h.data_len, reply[P.HEADER_SIZE:P.HEADER_SIZE + h.meta_len].tobytes())
+    plan = P.segment_plan(lens); offsets, sizes = P.segment_bounds(lens, plan)
+    segs = [np.empty(int(s), np.uint8) for s in sizes]; arrs = [Array(s) for s in segs]
+    tag = u.UCXXTag(io.request_tag(recv_base, rid))
+    reqs = [inner.tag_recv(a, tag, u.UCXXTagMaskFull) for a in arrs]
+    wait_all(reqs + [r_send], time.monotonic() + 30)
+    for i, (seg, off, n) in enumerate(zip(plan.tolist(), offsets.tolist(), lens.tolist())):
+        outs[i][:] = segs[seg][off:off + n]
+
+values = make_values(124, (512 << 10) - 40, seed=1)
+keys = [f"k{i}".encode() for i in range(124)]
+put(keys, values)
+outs = [np.empty(512 << 10, np.uint8) for _ in range(124)]
+get_into(keys, outs); assert bytes(outs[9]) == b"".join(values[9])
+def median_us(fn, n=300):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+print("exists", median_us(exists), flush=True)
+total = 124 * (512 << 10)
+def best(fn, n=5):
+    out = []
+    for _ in range(n):
+        t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
+    return min(out)
+a, b = float("inf"), float("inf")
+for _ in range(ROUNDS):
+    a = min(a, best(lambda: get_into(keys, outs), 1))
+    with BusyPythonThread():
+        b = min(b, best(lambda: get_into(keys, outs), 1))
+print("load", total / a / 1e9, total / b / 1e9, flush=True)
+node.cleanup()
+import os; os._exit(0)
+'''
+
+
+def caller_progress_probe(rounds: int) -> str:
+    """The `--progress-probe` table: caller-driven progress (two ways) next to the current client, one run."""
+    engine_node = PoolProcess("256MiB")
+    try:
+        _, current = engine_like(engine_node, rounds, 150)
+        option = CcKvOption(timeout=60_000, write_rcache=False)
+        pool = PoolClient([UcxNode(engine_node.address, connect_timeout_ms=5000)])
+        try:
+            pool.exists([b"k0"], [b"k0"], option)
+            current_exists = median_us(lambda: pool.exists([b"k0"], [b"k0"], option), 300)
+        finally:
+            pool.close()
+    finally:
+        engine_node.cleanup()
+    rows = [f"| current client (ucxx progress thread, notifier, loop) | {current_exists:.0f} "
+            f"| {current['load alone GB/s']:.2f} | {current['load busy GB/s']:.2f} | {current['busy/alone']:.2f} |"]
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(CALLER_PROBE)
+    try:
+        for mode in ("event", "spin"):
+            proc = subprocess.run([sys.executable, script.name, mode, str(ROOT), str(rounds)], capture_output=True,
+                                  text=True, timeout=600)
+            figures = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in proc.stdout.splitlines()
+                       if line.split() and line.split()[0] in ("exists", "load")}
+            if "load" not in figures:
+                raise RuntimeError(f"probe {mode} failed: {proc.stderr[-2000:]}")
+            alone, busy = figures["load"]
+            rows.append(f"| the caller progresses the worker ({mode}) | {figures['exists'][0]:.0f} | {alone:.2f} "
+                        f"| {busy:.2f} | {busy / alone:.2f} |")
+    finally:
+        os.unlink(script.name)
+    return "\n".join([
+        f"Progress models: 1-key exists (median µs) and the 62 MiB load (124 x 512 KiB, best of {rounds}), one node",
+        "",
+        "| client | exists µs | load GB/s | load beside a busy Python thread GB/s | busy / alone |",
+        "|---|---|---|---|---|",
+        *rows,
+    ])
+
+
 CHUNK_MODES = ("0", "1MiB", "4MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
 
 
@@ -578,6 +735,8 @@ def main() -> None:
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per call, MiB")
     parser.add_argument("--api-only", action="store_true", help="only the API-over-UCX rows (and their raw peer)")
+    parser.add_argument("--progress-probe", action="store_true",
+                        help="only the caller-driven progress probe next to the current client (issue 16 item 1)")
     parser.add_argument("--engine-only", action="store_true",
                         help="only the load beside a busy Python thread and the node's CPU per request / per MiB")
     parser.add_argument("--api-blocks", type=int, default=48, help="1 MiB blocks per API call")
@@ -597,6 +756,9 @@ def main() -> None:
     print(f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode: this process "
           f"{ems.transport.ucx_config.PROGRESS_MODE}, pool nodes and the raw peer "
           f"{os.environ.get('EMS_UCX_PROGRESS_MODE') or getattr(ems.transport.ucx_config, 'NODE_PROGRESS_MODE', 'thread')}")
+    if args.progress_probe:
+        print(caller_progress_probe(repeats))
+        return
     if args.engine_only:
         engine_node = PoolProcess("256MiB")
         try:
