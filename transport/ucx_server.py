@@ -166,7 +166,7 @@ class _Connection:
 class _Channel:
     """Where one request's frames and reply travel: classic (base tag, in order) or inline (its own tag)."""
 
-    __slots__ = ("conn", "header", "body", "tag", "key", "server", "replying")
+    __slots__ = ("conn", "header", "body", "tag", "key", "server")
 
     def __init__(self, server: "PoolServer", conn: _Connection, header: P.Header, body: memoryview, key: int) -> None:
         self.server = server
@@ -175,7 +175,6 @@ class _Channel:
         self.body = body  # the head's inline bytes
         self.tag = header.request_id if header.inline else None
         self.key = key
-        self.replying = False
 
     def done_receiving(self) -> None:
         """Every receive of this request has ended: its id is free for the client to reuse (protocol docstring)."""
