@@ -1,7 +1,7 @@
 """Pool-node figures, side by side in one run: the EMS pool over UCX vs raw UCXX vs Redis vs Mooncake Store.
 
 Throughput, for each value size (default 1 MiB), on the same batch of well-formed EMS values (header + payload):
-* ems-1 / ems-3: `PoolClient` + `UcxNode` to 1 or 3 `python -m ems.pool` processes (routing, protocol v3, the node
+* ems-1 / ems-3: `PoolClient` + `UcxNode` to 1 or 3 `python -m ems.pool` processes (routing, protocol v4, the node
   checks each value's XXH3 before storing); loads with `PoolClient.get_into` (received into reused buffers);
 * raw: the same bytes as one UCX tagged message per value, same UCX settings, to a sink/source peer process;
 * redis: a local redis-server (no persistence), pipelined SET / GET of the same values;

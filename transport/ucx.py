@@ -5,7 +5,7 @@ Contract:
   coroutine submitted to it. The calling thread waits at most `timeout_s`; on timeout the request is cancelled and
   the endpoint aborted (a late reply can never be read as the answer to a later request), and `TransportError
   (EMS_IO_TIMEOUT)` is raised. Lost connections, refused handshakes and malformed replies raise `EMS_IO_ERROR`.
-* One connection per node, several requests in flight on it (protocol version 3, inline framing): each request has
+* One connection per node, several requests in flight on it (protocol version 4, inline framing): each request has
   a request id, its frames after the head and its whole reply travel on its own tag, so concurrent calls (async
   saves, TP ranks) overlap on one connection. An exists or any small request is one message each way.
 * `get_into` receives values straight into caller-provided buffers (a value alone in its segment is received in
