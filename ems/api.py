@@ -5,7 +5,8 @@ raises `EmsException(EMS_INVALID_ARGUMENT)`. With no pool nodes configured the p
 (the same store code a pool node runs); with nodes, at least one must answer within `connect_timeout_ms`, else
 `EmsException(EMS_RECOVERD_ERROR)`: a recoverable failure (the SDK's code): nothing is initialised, `Ems.check_health()`
 keeps probing the configured nodes and turns True once one answers, and `Ems.init` may then be called again (any
-config). A node that refuses the credentials raises `EMS_IO_ERROR` (retrying will not help). `Ems.get_cc()` returns
+config). With `pool_backend="mooncake"` the pool is a Mooncake Store (`ems.mooncake_pool`): the same, with its master
+in place of the nodes. A node that refuses the credentials raises `EMS_IO_ERROR` (retrying will not help). `Ems.get_cc()` returns
 the `ContextCaching` object, or None when init failed or the config had no cc_config. `Ems.check_health()` is True
 while the pool is reachable. The config is checked (all fields, whatever was changed after construction) and
 snapshotted at init: changing it afterwards has no effect.
@@ -19,9 +20,10 @@ import os
 import threading
 from typing import Optional
 
-from ems.config import EmsConfig, Settings, check_config, resolve_settings
+from ems.config import EmsConfig, PoolBackendKind, Settings, check_config, resolve_settings
 from ems.context_caching import ContextCaching
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
+from ems.pool_backend import PoolBackend
 from ems.pool_client import PoolClient
 from ems.store import KvStore
 from ems.transport.inprocess import InProcessNode
@@ -41,7 +43,11 @@ def _configure_logging() -> None:
     logger.setLevel(logging.INFO)
 
 
-def _connect_pool(config: EmsConfig, settings: Settings) -> PoolClient:
+def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
+    if settings.pool_backend == PoolBackendKind.MOONCAKE and settings.mooncake is not None:
+        from ems.mooncake_pool import MooncakePool  # Mooncake's client is needed only with this backend
+
+        return MooncakePool(settings.mooncake, settings.pool_replicas, settings.connect_timeout_ms / 1000.0)
     if settings.embedded:
         # values come from this process's own checksummed staging: re-verifying them on put would only repeat work
         store = KvStore(settings.pool_capacity, verify_on_put=False, prefault_bytes=settings.pool_prefault,
@@ -69,6 +75,12 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolClient:
 
 
 def _unreachable(settings: Settings) -> EmsException:
+    if settings.mooncake is not None:
+        return EmsException(
+            EmsErrorCode.EMS_RECOVERD_ERROR,
+            f"the Mooncake master {settings.mooncake.master} did not answer within {settings.connect_timeout_ms} ms; "
+            "call Ems.init again later (Ems.check_health() turns True once it answers)",
+        )
     return EmsException(
         EmsErrorCode.EMS_RECOVERD_ERROR,
         f"no pool node answered within {settings.connect_timeout_ms} ms: {list(settings.pool_nodes)}"
@@ -84,10 +96,10 @@ class Ems:
     _lock = threading.Lock()
     _config: Optional[EmsConfig] = None
     _settings: Optional[Settings] = None
-    _pool: Optional[PoolClient] = None
+    _pool: Optional[PoolBackend] = None
     _cc: Optional[ContextCaching] = None
     # after an EMS_RECOVERD_ERROR: the config and its (not yet answering) pool, which check_health probes
-    _pending: tuple[EmsConfig, PoolClient] | None = None
+    _pending: tuple[EmsConfig, PoolBackend] | None = None
 
     @classmethod
     def init(cls, config: EmsConfig) -> None:
@@ -112,12 +124,10 @@ class Ems:
                 pool.close()
                 raise
             cls._config, cls._settings, cls._pool = config, settings, pool
-            logger.info(
-                "EMS initialised: pool %s", "embedded" if settings.embedded else ", ".join(n.address for n in pool.nodes)
-            )
+            logger.info("EMS initialised: pool %s", pool.describe())
 
     @classmethod
-    def _take_pending(cls, config: EmsConfig) -> PoolClient | None:
+    def _take_pending(cls, config: EmsConfig) -> PoolBackend | None:
         """The pool of an earlier init that raised EMS_RECOVERD_ERROR, when the config is the same; else close it."""
         pending, cls._pending = cls._pending, None
         if pending is None:

@@ -19,6 +19,14 @@ left as None is read from its environment variable, else takes its default (`res
 | pool_etcd             | EMS_POOL_ETCD              | none           | etcd `http://HOST:PORT`: nodes come and go there |
 | pool_cluster          | EMS_POOL_CLUSTER           | default        | the cluster's name in etcd ([0-9a-z._-])         |
 | pool_replicas         | EMS_POOL_REPLICAS          | 1              | owners (copies) of each block, >= 1              |
+| pool_backend          | EMS_POOL_BACKEND           | ems            | ems (embedded or `ems.pool` nodes) or mooncake   |
+| mooncake_master       | EMS_MOONCAKE_MASTER        | none           | "host:port" of `mooncake_master` (mooncake only) |
+| mooncake_metadata     | EMS_MOONCAKE_METADATA      | P2PHANDSHAKE   | Mooncake metadata server URL, or P2PHANDSHAKE    |
+| mooncake_protocol     | EMS_MOONCAKE_PROTOCOL      | tcp            | Mooncake transfer protocol (tcp, rdma, ascend...) |
+| mooncake_devices      | EMS_MOONCAKE_DEVICES       | ""             | transfer devices, e.g. "mlx5_0,mlx5_1" (rdma)    |
+| mooncake_hostname     | EMS_MOONCAKE_HOSTNAME      | 127.0.0.1      | this engine's address as Mooncake peers see it   |
+| mooncake_buffer       | EMS_MOONCAKE_BUFFER        | 64MiB          | Mooncake client's own transfer buffer            |
+| mooncake_segment      | EMS_MOONCAKE_SEGMENT       | 0              | memory this engine contributes to the store      |
 
 `device` default: the registered KV cache's device; else `npu:<device_id>` when torch_npu is already imported,
 `cuda:<device_id>` when CUDA is available, otherwise `cpu`.
@@ -32,6 +40,10 @@ proof is sent; a node with keys then refuses the client at `Ems.init`).
 Configs are mutable, as in the EMS SDK (an engine may set `cfg.kvcache_type = KVCacheType.MLA` after building
 it): fields are checked when a config is built and again, all of them, at `Ems.init` (`check_config`), which
 keeps a checked snapshot; changing a config after `Ems.init` has no effect on the running SDK.
+
+With `pool_backend="mooncake"` the pool is a Mooncake Store deployment (`ems.mooncake_pool`, docs/mooncake.md):
+`pool_replicas` is then Mooncake's `replica_num`; `pool_nodes`, `pool_etcd` and `read_cache_capacity` do not apply
+(giving nodes or etcd with it is refused).
 
 With `pool_etcd` the pool is the nodes registered in etcd under `pool_cluster`, plus any `pool_nodes` (always in
 the set); see `ems.cluster` and docs/pool-nodes.md.
@@ -204,7 +216,22 @@ POOL_SETTINGS = (
     "pool_etcd",
     "pool_cluster",
     "pool_replicas",
+    "pool_backend",
+    "mooncake_master",
+    "mooncake_metadata",
+    "mooncake_protocol",
+    "mooncake_devices",
+    "mooncake_hostname",
+    "mooncake_buffer",
+    "mooncake_segment",
 )
+
+
+class PoolBackendKind(str, enum.Enum):
+    """Which pool `Ems.init` opens (`pool_backend`)."""
+
+    EMS = "ems"  # the embedded store, or `ems.pool` nodes
+    MOONCAKE = "mooncake"  # a Mooncake Store deployment
 
 
 @dataclass(init=False, eq=True)
@@ -232,6 +259,14 @@ class EmsConfig:
     pool_etcd: Optional[str] = None
     pool_cluster: Optional[str] = None
     pool_replicas: Optional[int] = None
+    pool_backend: Optional[str] = None
+    mooncake_master: Optional[str] = None
+    mooncake_metadata: Optional[str] = None
+    mooncake_protocol: Optional[str] = None
+    mooncake_devices: Optional[str] = None
+    mooncake_hostname: Optional[str] = None
+    mooncake_buffer: Optional[Union[int, str]] = None
+    mooncake_segment: Optional[Union[int, str]] = None
 
     def __init__(
         self,
@@ -273,10 +308,25 @@ class Settings:
     pool_replicas: int = 1
     pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store)
     pool_prefault_ahead: int = 256 << 20  # embedded pool: bytes kept faulted in ahead of use, in the background
+    pool_backend: PoolBackendKind = PoolBackendKind.EMS
+    mooncake: Optional["MooncakeSettings"] = None  # with pool_backend mooncake
 
     @property
     def embedded(self) -> bool:
-        return not self.pool_nodes and self.pool_etcd is None
+        return not self.pool_nodes and self.pool_etcd is None and self.pool_backend == PoolBackendKind.EMS
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """How to reach a Mooncake Store deployment (the `mooncake_*` settings, checked)."""
+
+    master: str  # "host:port" of mooncake_master
+    metadata: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    devices: str = ""
+    hostname: str = "127.0.0.1"
+    buffer_bytes: int = 64 << 20
+    segment_bytes: int = 0
 
 
 def _setting(value: object, env: str, default: object) -> object:
@@ -344,7 +394,13 @@ def resolve_settings(config: EmsConfig) -> Settings:
         pool_prefault_ahead=parse_size(
             "pool_prefault_ahead", _setting(config.pool_prefault_ahead, "EMS_POOL_PREFAULT_AHEAD", "256MiB")
         ),
+        **_backend_settings(config),
     )
+    if settings.pool_backend == PoolBackendKind.MOONCAKE and (settings.pool_nodes or settings.pool_etcd):
+        raise invalid_argument(
+            "pool_backend='mooncake' places blocks itself: give no pool_nodes or pool_etcd with it "
+            f"(got pool_nodes={list(settings.pool_nodes)}, pool_etcd={settings.pool_etcd!r})"
+        )
     if settings.pool_capacity <= 0:
         raise invalid_argument("pool_capacity must be > 0")
     if settings.staging_capacity <= 0:
@@ -372,6 +428,53 @@ def _cluster_settings(config: EmsConfig) -> dict:
         raise invalid_argument(f"pool_cluster must be 1-512 characters of [0-9a-z._-] (an etcd key part), got {cluster!r}")
     replicas = _int_setting("pool_replicas", _setting(config.pool_replicas, "EMS_POOL_REPLICAS", 1), 1)
     return {"pool_etcd": etcd, "pool_cluster": cluster, "pool_replicas": replicas}
+
+
+_PROTOCOL_RE = re.compile(r"[0-9a-z_]{1,64}")
+
+
+def _backend_settings(config: EmsConfig) -> dict:
+    """pool_backend and, for Mooncake, the mooncake_* settings, checked."""
+    value = _setting(config.pool_backend, "EMS_POOL_BACKEND", "ems")
+    try:
+        backend = PoolBackendKind(str(value).strip().lower())
+    except ValueError:
+        raise invalid_argument(f"pool_backend must be 'ems' or 'mooncake', got {value!r}") from None
+    if backend != PoolBackendKind.MOONCAKE:
+        return {"pool_backend": backend}
+    master = _setting(config.mooncake_master, "EMS_MOONCAKE_MASTER", None)
+    if master is None:
+        raise invalid_argument("pool_backend='mooncake' needs mooncake_master (EMS_MOONCAKE_MASTER), 'host:port'")
+    host, sep, port = master.strip().rpartition(":") if isinstance(master, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise invalid_argument(f"mooncake_master must be 'host:port' with a port in 1..65535, got {master!r}")
+    master = f"{host}:{int(port)}"
+    texts = {}
+    for name, env, default in (
+        ("mooncake_metadata", "EMS_MOONCAKE_METADATA", "P2PHANDSHAKE"),
+        ("mooncake_protocol", "EMS_MOONCAKE_PROTOCOL", "tcp"),
+        ("mooncake_devices", "EMS_MOONCAKE_DEVICES", ""),
+        ("mooncake_hostname", "EMS_MOONCAKE_HOSTNAME", "127.0.0.1"),
+    ):
+        text = _setting(getattr(config, name), env, default)
+        if not isinstance(text, str) or not text.isprintable() or (not text and name != "mooncake_devices"):
+            raise invalid_argument(f"{name} must be a non-empty printable string, got {text!r}")
+        texts[name] = text.strip()
+    protocol = texts["mooncake_protocol"].lower()
+    if _PROTOCOL_RE.fullmatch(protocol) is None:
+        raise invalid_argument(f"mooncake_protocol must be a protocol name such as 'tcp' or 'rdma', got {protocol!r}")
+    mooncake = MooncakeSettings(
+        master=master,
+        metadata=texts["mooncake_metadata"],
+        protocol=protocol,
+        devices=texts["mooncake_devices"],
+        hostname=texts["mooncake_hostname"],
+        buffer_bytes=parse_size("mooncake_buffer", _setting(config.mooncake_buffer, "EMS_MOONCAKE_BUFFER", "64MiB")),
+        segment_bytes=parse_size("mooncake_segment", _setting(config.mooncake_segment, "EMS_MOONCAKE_SEGMENT", 0)),
+    )
+    if mooncake.buffer_bytes <= 0:
+        raise invalid_argument("mooncake_buffer must be > 0")
+    return {"pool_backend": backend, "mooncake": mooncake}
 
 
 def check_config(config: object) -> EmsConfig:

@@ -37,7 +37,8 @@ from ems.kernels import CopyBackend, get_backend
 from ems.keys import namespace, v0_keys, v1_keys
 from ems.layout import RegisteredLayout, register_layout
 from ems.planning import Plan, plan_blocks, plan_raw
-from ems.pool_client import PoolClient, PoolOutcome
+from ems.pool_backend import PoolBackend
+from ems.pool_client import PoolOutcome
 from ems.requests import Operation, RawRequest, Request, bind_exists, bind_request
 from ems.staging import StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
@@ -83,7 +84,7 @@ def _ems_errors(on_error: Optional[Callable[[], None]] = None) -> Iterator[None]
 class ContextCaching:
     """The EMS Context Caching client of one process (get it from `Ems.get_cc()`)."""
 
-    def __init__(self, cc_config: CcConfig, tenant: Optional[str], pool: PoolClient, settings: Settings) -> None:
+    def __init__(self, cc_config: CcConfig, tenant: Optional[str], pool: PoolBackend, settings: Settings) -> None:
         self._cc_config = cc_config
         self._tenant = tenant
         self._pool = pool
@@ -92,7 +93,9 @@ class ContextCaching:
         self._v1_namespace = b""
         self._v0_namespace = namespace(tenant, cc_config, None)
         self._raw_device = parse_device(settings.device) if settings.device else None
-        self._staging = StagingPool(settings.staging_capacity)
+        self._staging = StagingPool(
+            settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=settings.max_inflight, thread_name_prefix="ems-cc"
         )

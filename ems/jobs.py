@@ -65,7 +65,8 @@ from ems.job_records import (  # noqa: F401  (re-exported: the records' old home
 from ems.kernels import CopyBackend
 from ems.kernels.raw_memory import raw_tensor
 from ems.planning import BlockPlan, Plan, RawPlan, encode_range
-from ems.pool_client import PUT_META_PER_KEY, PoolClient, PoolOutcome, RequestLimits, deadline_of, split_batches
+from ems.pool_backend import PoolBackend
+from ems.pool_client import PUT_META_PER_KEY, PoolOutcome, RequestLimits, deadline_of, split_batches
 from ems.staging import StagingLease, StagingPool
 from ems.store import ENTRY_OVERHEAD, KvStore
 from ems.transport.base import TransportError
@@ -326,7 +327,7 @@ def write_headers(buffers: List[np.ndarray], plan: Plan) -> None:
 class PipelinedSave:
     """A save through staging to pool nodes (or from an accelerator): see the module docstring."""
 
-    def __init__(self, plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolClient,
+    def __init__(self, plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
                  staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
@@ -449,7 +450,7 @@ class EmbeddedLoad:
 class PipelinedLoad:
     """A load from pool nodes (or into an accelerator) through staging, chunk by chunk: see the module docstring."""
 
-    def __init__(self, plan: BlockPlan, device: torch.device, backend: CopyBackend, pool: PoolClient,
+    def __init__(self, plan: BlockPlan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
                  staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
@@ -531,7 +532,7 @@ class PipelinedLoad:
 class StagedLoad:
     """A V0 load from pool nodes (its staging has no room for the headers): see the module docstring."""
 
-    def __init__(self, plan: RawPlan, device: torch.device, backend: CopyBackend, pool: PoolClient,
+    def __init__(self, plan: RawPlan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
                  staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
@@ -568,7 +569,7 @@ class StagedLoad:
 
 
 
-def save_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolClient, staging: StagingPool,
+def save_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend, staging: StagingPool,
              option: CcKvOption, record: JobRecord) -> SaveJob:
     """The save job for this request's path: embedded (CPU tensors, the embedded pool) or pipelined."""
     store = pool.local_store
@@ -577,7 +578,7 @@ def save_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolC
     return PipelinedSave(plan, device, backend, pool, staging, option, record)
 
 
-def load_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolClient, staging: StagingPool,
+def load_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend, staging: StagingPool,
              option: CcKvOption, record: JobRecord) -> LoadJob:
     """The load job for this request's path: embedded, pipelined (V1) or staged (V0 from pool nodes)."""
     store = pool.local_store

@@ -162,6 +162,16 @@ class PoolClient:
         """Route to exactly these nodes from now on (membership changes; see `ems.placement.Members`)."""
         self.members.set(addresses)
 
+    def describe(self) -> str:
+        """"embedded", or the live nodes' addresses (for logs)."""
+        return "embedded" if self.is_local else ", ".join(n.address for n in self.nodes)
+
+    def prepare_staging(self, buffer: Any) -> None:
+        """Nothing to do: UCX registers what it sends (see `ems.pool_backend`)."""
+
+    def release_staging(self, buffer: Any) -> None:
+        """Nothing to do (see `prepare_staging`)."""
+
     def on_close(self, callback: Callable[[], None]) -> None:
         """Run `callback` first when this client closes (e.g. stop a membership watch)."""
         self._on_close.append(callback)

@@ -10,6 +10,10 @@ receive) is retired instead of released: its bytes are given back, the buffer is
 Shared staging: on the CPU, `acquire(..., shared=...)` first asks `shared(nbytes)` for a buffer in a pool node's
 shared-memory region (`PoolClient.shm_staging`), which the node's calls then move without a copy. Such a lease
 holds no bytes of this pool's capacity (its region bounds it); release and retire hand it back to its region.
+
+`on_new_buffer` (the pool backend's `prepare_staging`: e.g. register the memory with the pool's transfer engine)
+sees each new host buffer of this pool once, before it is leased, and `on_drop_buffer` (`release_staging`) once
+when the pool lets go of it (dropped from the free list, released without being kept, retired, cleared).
 """
 
 from __future__ import annotations
@@ -50,8 +54,15 @@ def _round_up(nbytes: int) -> int:
 
 
 class StagingPool:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        on_new_buffer: Optional[Callable[[torch.Tensor], None]] = None,
+        on_drop_buffer: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> None:
         self.capacity = capacity_bytes
+        self._on_new_buffer = on_new_buffer
+        self._on_drop_buffer = on_drop_buffer
         self._free: list[StagingLease] = []
         self._free_bytes = 0
         self._leased_bytes = 0
@@ -75,6 +86,11 @@ class StagingPool:
         del self._free[index]
         self._free_bytes -= self._cost(lease)
 
+    def _let_go(self, lease: StagingLease) -> None:
+        """The pool keeps `lease`'s buffer no longer: tell `on_drop_buffer`."""
+        if self._on_drop_buffer is not None:
+            self._on_drop_buffer(lease.host)
+
     def acquire(
         self, nbytes: int, device: torch.device, shared: Optional[Callable[[int], Any]] = None
     ) -> StagingLease:
@@ -94,15 +110,22 @@ class StagingPool:
                     self._leased_bytes += self._cost(lease)
                     return lease
                 while self._free and self._leased_bytes + self._free_bytes + cost > self.capacity:
-                    self._drop_free(max(self._free, key=lambda f: f.capacity))
+                    dropped = max(self._free, key=lambda f: f.capacity)
+                    self._drop_free(dropped)
+                    self._let_go(dropped)
                 if self._leased_bytes + cost <= self.capacity or self._leased_bytes == 0:
                     self._leased_bytes += cost
                     break
                 self._cond.wait()
+        host: Optional[torch.Tensor] = None
         try:
             device_buffer = torch.empty(size, dtype=torch.uint8, device=device)
             host = device_buffer if device.type == "cpu" else host_buffer(size, device)
+            if self._on_new_buffer is not None:
+                self._on_new_buffer(host)
         except BaseException:  # any failure (even an interrupt) must return the reserved bytes, then propagate
+            if host is not None and self._on_drop_buffer is not None:  # prepared, perhaps: undo it
+                self._on_drop_buffer(host)
             with self._cond:
                 self._leased_bytes -= cost
                 self._cond.notify_all()
@@ -119,6 +142,8 @@ class StagingPool:
             if self._leased_bytes + self._free_bytes + cost <= self.capacity:
                 self._free.append(lease)
                 self._free_bytes += cost
+            else:
+                self._let_go(lease)
             self._cond.notify_all()
 
     def retire(self, lease: StagingLease) -> None:
@@ -130,6 +155,7 @@ class StagingPool:
             return
         with self._cond:
             self._leased_bytes -= self._cost(lease)
+            self._let_go(lease)
             self._cond.notify_all()
 
     @property
@@ -140,5 +166,7 @@ class StagingPool:
 
     def clear(self) -> None:
         with self._cond:
+            for lease in self._free:
+                self._let_go(lease)
             self._free.clear()
             self._free_bytes = 0

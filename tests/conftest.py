@@ -18,6 +18,14 @@ EMS_SETTING_ENV = (
     "EMS_POOL_CLUSTER",
     "EMS_POOL_REPLICAS",
     "EMS_POOL_SHM",
+    "EMS_POOL_BACKEND",
+    "EMS_MOONCAKE_MASTER",
+    "EMS_MOONCAKE_METADATA",
+    "EMS_MOONCAKE_PROTOCOL",
+    "EMS_MOONCAKE_DEVICES",
+    "EMS_MOONCAKE_HOSTNAME",
+    "EMS_MOONCAKE_BUFFER",
+    "EMS_MOONCAKE_SEGMENT",
 )
 
 
@@ -50,3 +58,24 @@ def fault_node_factory():
     yield make
     for node in made:
         node.release()
+
+
+@pytest.fixture(scope="session")
+def mooncake_store():
+    """A Mooncake Store on 127.0.0.1 (tests/mooncake_testlib.py) shared by the session; skips, saying why, when
+    Mooncake's package is not installed."""
+    from mooncake_testlib import MooncakeCluster, mooncake_missing
+
+    reason = mooncake_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = MooncakeCluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def mooncake(mooncake_store):
+    """The session's Mooncake Store, emptied for this test."""
+    mooncake_store.clear()
+    yield mooncake_store

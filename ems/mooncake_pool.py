@@ -1,0 +1,545 @@
+"""Mooncake Store as the pool: `MooncakePool`, a `PoolBackend` (`ems.pool_backend`) over Mooncake's Python client
+(`mooncake.store.MooncakeDistributedStore`), chosen with `pool_backend="mooncake"` (docs/mooncake.md).
+
+Contract, beyond `ems.pool_backend`'s:
+* Keys: `KEY_PREFIX` + this package's storage key in hex (Mooncake keys are strings). The storage key already holds
+  the namespace (tenant, model, ranks, layout signature), so tenants and models stay apart exactly as on `ems`
+  nodes, and no key of another Mooncake user that lacks the prefix can collide with ours. Mooncake authenticates
+  nobody: any client of the same master can read, overwrite or remove these keys (docs/mooncake.md says what an
+  operator must add).
+* Values: this package's format, unchanged (header, layout signature, checksum); the jobs check every value they
+  load, so a damaged value, one of another layout or version, or a foreign value under our key is a miss.
+* Zero copy: each staging buffer is registered with the store once (`prepare_staging`) and unregistered when the
+  staging pool lets go of it and no Mooncake call is in flight; a put is `batch_upsert_from` straight from the
+  values' bytes (Mooncake's plain put does not replace a value; a save does, as on `ems` nodes), a receive
+  `batch_get_into` straight into the caller's buffers, one Mooncake call per request (per `MAX_KEYS` keys). Bytes
+  outside registered memory (a V0 value's separate header, a caller's own buffer) go through a registered bounce
+  buffer instead: one copy, correct on every Mooncake transport.
+* `get` (V0 loads) is `get_batch`: Mooncake copies through its own client buffer (`mooncake_buffer`), so a call's
+  keys are read in parts within half of it.
+* Per-key results: a put is stored where Mooncake answered 0; a receive placed a value where it answered exactly
+  the buffer's length (any other length, a missing key, a lease that expired during the read: a miss). Answers at
+  or below `POOL_FAILURE` (transfer and RPC failures: a storage process or the master gone) also count as the
+  call's error, so a call that reached nothing is `unreachable` as on `ems` nodes.
+* Deadlines: the binding has no timeouts (a lost master stalls a call for seconds; `setup` without a master for
+  more than a minute), so every Mooncake call runs on one of this backend's daemon worker threads and the caller
+  waits at most until its deadline: a call still running then fails its keys with EMS_IO_TIMEOUT. It goes on
+  holding its buffers (the closure keeps them alive, so their memory is never freed under it), the outcome's error
+  makes the caller retire its staging, and registered buffers are unregistered only when no call is in flight.
+* Start-up: `open` starts one `setup` attempt; `healthy()` (what `Ems.init` and `Ems.check_health` ask) waits for
+  it within its timeout and starts a new attempt after a failed one, so an engine can start before Mooncake does.
+* `pool_replicas` is Mooncake's `replica_num`. There is no client-side read cache (`read_cache_capacity` does not
+  apply); a `read_local_only` read never leaves the process, so it finds nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from ems.buffers import Buffer
+from ems.config import MooncakeSettings
+from ems.errors import EmsErrorCode, EmsException
+from ems.pool_client import PIPELINE_THREADS, PoolOutcome, RequestLimits, timeout_seconds
+from ems.staging import StagingLease, StagingPool
+from ems.store import KvStore
+from ems.transport.base import TransportError
+from ems.types import CcKvOption
+from ems.value_format import HEADER_SIZE, ExpectedValues
+
+log = logging.getLogger("ems")
+R = TypeVar("R")
+
+KEY_PREFIX = "ems/"
+MAX_KEYS = 1024  # keys per Mooncake batch call (a request of more is sent in parts, one after the other)
+POOL_FAILURE = -800  # Mooncake answers at or below this: transfer (-8xx) and RPC (-9xx) failures, not a key's fate
+WORKER_THREADS = 16  # Mooncake calls running at once (a call that hangs holds one until it returns)
+BOUNCE_CAPACITY = 256 << 20  # registered bounce buffers in use at once
+HEALTH_KEY = KEY_PREFIX + "health"
+_NO_LIMIT = 1 << 62
+
+
+def mooncake_key(key: bytes) -> str:
+    """The Mooncake key of a storage key."""
+    return KEY_PREFIX + key.hex()
+
+
+def address_of(buffer: Buffer) -> int:
+    """The address of a bytes-like buffer's first byte (read-only buffers too)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data) if len(buffer) else 0
+
+
+class _Workers:
+    """Daemon threads that run calls which may hang: `call(fn, deadline)` waits for `fn` at most until `deadline`.
+    A call not started by then is never started; one still running goes on in its thread (holding what `fn` holds)
+    and is reported as timed out. Daemon threads: a hung call never keeps the process from exiting."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: "queue.SimpleQueue[Optional[tuple[concurrent.futures.Future, Callable[[], Any]]]]" = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._lock = threading.Lock()
+        self._started = False
+        self.in_flight = 0  # calls running now (read under `_lock`)
+        self._idle: List[Callable[[], None]] = []  # run once when no call is in flight
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # delivered to the waiting caller
+                future.set_exception(error)
+            finally:
+                del item, fn  # drop the call's buffers before saying it is over
+                self._finished()
+
+    def _finished(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            todo, self._idle = (self._idle, []) if self.in_flight == 0 else ([], self._idle)
+        for action in todo:
+            action()
+
+    def when_idle(self, action: Callable[[], None]) -> None:
+        """Run `action` now if no call is in flight, else once none is."""
+        with self._lock:
+            if self.in_flight:
+                self._idle.append(action)
+                return
+        action()
+
+    def submit(self, fn: Callable[[], R]) -> "concurrent.futures.Future[R]":
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if not self._started:
+                for thread in self._threads:
+                    thread.start()
+                self._started = True
+            self.in_flight += 1
+        future.add_done_callback(lambda f: self._finished() if f.cancelled() else None)
+        self._queue.put((future, fn))
+        return future
+
+    def call(self, fn: Callable[[], R], deadline: float, what: str) -> R:
+        """`fn()`'s result, or `TransportError(EMS_IO_TIMEOUT)` when it has not returned by `deadline`."""
+        future = self.submit(fn)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"mooncake: {what} did not return in time") from None
+
+    def close(self) -> None:
+        with self._lock:
+            started = self._started
+        if started:
+            for _ in self._threads:
+                self._queue.put(None)
+
+
+class _Registry:
+    """The store's registered memory regions, by address (few: one per staging or bounce buffer)."""
+
+    def __init__(self) -> None:
+        self._starts: List[int] = []
+        self._ends: List[int] = []
+        self._lock = threading.Lock()
+
+    def add(self, start: int, size: int) -> None:
+        with self._lock:
+            i = bisect.bisect(self._starts, start)
+            self._starts.insert(i, start)
+            self._ends.insert(i, start + size)
+
+    def remove(self, start: int) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self._starts, start)
+            if i < len(self._starts) and self._starts[i] == start:
+                del self._starts[i], self._ends[i]
+
+    def covers(self, addresses: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Per range: whether it lies inside one registered region."""
+        with self._lock:
+            starts, ends = np.asarray(self._starts, dtype=np.int64), np.asarray(self._ends, dtype=np.int64)
+        if starts.size == 0:
+            return np.zeros(addresses.size, dtype=bool)
+        i = np.searchsorted(starts, addresses, side="right") - 1
+        ok = i >= 0
+        j = np.maximum(i, 0)
+        covered: np.ndarray = ok & (addresses >= starts[j]) & (addresses + sizes <= ends[j])
+        return covered
+
+
+def _failure(codes: Sequence[int], what: str) -> Optional[TransportError]:
+    """The call's error when some key failed as the pool fails (transfer, RPC), else None."""
+    failed = sorted({int(c) for c in codes if int(c) <= POOL_FAILURE})
+    if not failed:
+        return None
+    count = sum(1 for c in codes if int(c) <= POOL_FAILURE)
+    return TransportError(EmsErrorCode.EMS_IO_ERROR, f"mooncake: {what} failed for {count} key(s), codes {failed}")
+
+
+class MooncakePool:
+    """A `PoolBackend` over a Mooncake Store deployment; see the module docstring."""
+
+    def __init__(self, settings: MooncakeSettings, replicas: int = 1, connect_timeout_s: float = 3.0) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise EmsException(
+                EmsErrorCode.EMS_INTERNAL_ERROR,
+                "pool_backend='mooncake' needs Mooncake's Python client: pip install mooncake-transfer-engine "
+                f"(or mooncake-transfer-engine-non-cuda on hosts without CUDA): {exc}",
+            ) from exc
+        self.settings = settings
+        self.limits = RequestLimits(max_keys=MAX_KEYS, max_data_bytes=_NO_LIMIT, max_meta_bytes=_NO_LIMIT,
+                                    max_chunks=_NO_LIMIT)
+        self._factory = MooncakeDistributedStore
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = replicas
+        self._connect_timeout_s = connect_timeout_s
+        self._workers = _Workers(WORKER_THREADS, "ems-mooncake")
+        self._store: Any = None  # set once a setup attempt succeeded
+        self._attempt: Optional[concurrent.futures.Future] = None
+        self._state_lock = threading.Lock()
+        self._registry = _Registry()
+        self._registered: dict[int, torch.Tensor] = {}  # address -> buffer (kept alive while registered)
+        self._bounce = StagingPool(BOUNCE_CAPACITY, self.prepare_staging, self.release_staging)
+        self._pipeline: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._closed = False
+        self._connect()
+
+    # ---- start-up and health
+
+    def _connect(self) -> Optional[concurrent.futures.Future]:
+        """The setup attempt in progress, starting one when there is none (or the last one failed)."""
+        with self._state_lock:
+            if self._store is not None or self._closed:
+                return None
+            attempt = self._attempt
+            if attempt is None or (attempt.done() and (attempt.exception() is not None or attempt.result() is None)):
+                attempt = self._attempt = self._workers.submit(self._setup)
+            return attempt
+
+    def _setup(self) -> Any:
+        s = self.settings
+        store = self._factory()
+        rc = store.setup(s.hostname, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol, s.devices, s.master)
+        if rc != 0:
+            log.warning("mooncake: setup with master %s answered %s", s.master, rc)
+            return None
+        with self._state_lock:
+            if self._closed:
+                store.close()
+                return None
+            self._store = store
+        log.info("mooncake: connected to master %s (%s, metadata %s)", s.master, s.protocol, s.metadata)
+        return store
+
+    def _ready(self, timeout_s: float) -> Any:
+        """The set-up store, waiting at most `timeout_s` for the setup attempt; None when not (yet) set up."""
+        attempt = self._connect()
+        if attempt is not None:
+            concurrent.futures.wait([attempt], timeout=timeout_s)
+        return self._store
+
+    def healthy(self, timeout_s: float = 1.0) -> bool:
+        """True when the store is set up and its master answers within `timeout_s`; never raises."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            store = self._ready(timeout_s)
+            if store is None:
+                return False
+            codes = self._workers.call(lambda: store.batch_is_exist([HEALTH_KEY]), deadline, "health probe")
+            return len(codes) == 1 and int(codes[0]) >= 0
+        except Exception:  # a probe reports, it never raises
+            return False
+
+    def describe(self) -> str:
+        return f"mooncake master {self.settings.master} ({self.settings.protocol})"
+
+    @property
+    def local_store(self) -> Optional[KvStore]:
+        return None
+
+    # ---- registered memory
+
+    def prepare_staging(self, buffer: torch.Tensor) -> None:
+        """Register a new staging (or bounce) buffer with the store; kept alive while registered."""
+        store = self._store
+        if store is None:
+            return  # not set up: unregistered bytes go through the bounce buffer (registered once set up)
+        address, size = int(buffer.data_ptr()), int(buffer.numel() * buffer.element_size())
+        rc = store.register_buffer(address, size)
+        if rc != 0:
+            log.warning("mooncake: register_buffer of %d bytes answered %s (that buffer's values bounce)", size, rc)
+            return
+        with self._state_lock:
+            self._registered[address] = buffer
+        self._registry.add(address, size)
+
+    def release_staging(self, buffer: torch.Tensor) -> None:
+        """Unregister `buffer` once no Mooncake call is in flight (one that hangs may still touch it)."""
+        address = int(buffer.data_ptr())
+        with self._state_lock:
+            if address not in self._registered:
+                return
+        self._workers.when_idle(lambda: self._unregister(address))
+
+    def _unregister(self, address: int) -> None:
+        self._registry.remove(address)
+        with self._state_lock:
+            buffer = self._registered.pop(address, None)
+            store = self._store
+        if buffer is not None and store is not None and not self._closed:
+            store.unregister_buffer(address)
+
+    def _bounce_lease(self, nbytes: int) -> StagingLease:
+        return self._bounce.acquire(nbytes, torch.device("cpu"))
+
+    # ---- calls
+
+    def start(self, call: Callable[[], R]) -> "concurrent.futures.Future[R]":
+        with self._state_lock:
+            if self._pipeline is None:
+                self._pipeline = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=PIPELINE_THREADS, thread_name_prefix="ems-pipe"
+                )
+            return self._pipeline.submit(call)
+
+    def _begin(self, option: CcKvOption, deadline: Optional[float]) -> tuple[Any, float]:
+        """(the store, or None when not set up; the call's deadline)."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout_seconds(option)
+        return self._ready(max(0.0, deadline - time.monotonic())), deadline
+
+    @staticmethod
+    def _not_set_up(count: int) -> PoolOutcome:
+        error = TransportError(EmsErrorCode.EMS_IO_ERROR, "mooncake: not connected to the master yet")
+        return PoolOutcome([False] * count, [error], nodes_contacted=1)
+
+    def _run(self, fn: Callable[[], R], deadline: float, what: str, outcome: PoolOutcome) -> Optional[R]:
+        """`fn()` on a worker by `deadline`; None (and the error in `outcome`) when it failed or timed out."""
+        try:
+            return self._workers.call(fn, deadline, what)
+        except TransportError as error:
+            outcome.errors.append(error)
+        except Exception as error:  # a binding fault must not become a wrong block: the call's keys fail
+            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, f"mooncake: {what}: {error!r}"))
+        return None
+
+    def put(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        values: Sequence[Sequence[Buffer]],
+        option: CcKvOption,
+        value_lens: Optional[np.ndarray] = None,
+        deadline: Optional[float] = None,
+    ) -> PoolOutcome[bool]:
+        """`batch_upsert_from` of every value (replaced where it exists); True where Mooncake stored it."""
+        n = len(keys)
+        if n == 0:
+            return PoolOutcome([])
+        store, deadline = self._begin(option, deadline)
+        if store is None:
+            return self._not_set_up(n)
+        names = [mooncake_key(k) for k in keys]
+        single = np.fromiter((len(v) == 1 for v in values), dtype=bool, count=n)
+        sizes = (np.asarray(value_lens, dtype=np.int64) if value_lens is not None else
+                 np.fromiter((sum(len(memoryview(p).cast("B")) for p in v) for v in values), dtype=np.int64, count=n))
+        addresses = np.zeros(n, dtype=np.int64)
+        where = np.nonzero(single)[0]
+        addresses[where] = np.fromiter((address_of(values[i][0]) for i in where.tolist()), np.int64, where.size)
+        direct = single & self._registry.covers(addresses, sizes)
+        bounce: Optional[StagingLease] = None
+        if not direct.all():  # copy those values whole into registered memory
+            idx = np.nonzero(~direct)[0]
+            offsets = np.concatenate(([0], np.cumsum(sizes[idx])))
+            bounce = self._bounce_lease(int(offsets[-1]))
+            target = bounce.host_array()
+            base = int(bounce.host.data_ptr())
+            for i, at in zip(idx.tolist(), offsets[:-1].tolist()):
+                for part in values[i]:
+                    raw = np.frombuffer(part, dtype=np.uint8)
+                    target[at : at + raw.size] = raw
+                    at += raw.size
+            addresses[idx] = base + offsets[:-1]
+        ptrs, lens = addresses.tolist(), sizes.tolist()
+        replicate = self._replicate
+
+        def call(held: object = (values, bounce)) -> List[int]:  # `held`: the bytes stay alive while the call runs
+            codes: List[int] = []
+            for at in range(0, n, MAX_KEYS):
+                codes += store.batch_upsert_from(names[at : at + MAX_KEYS], ptrs[at : at + MAX_KEYS],
+                                                 lens[at : at + MAX_KEYS], replicate)
+            return codes
+
+        outcome: PoolOutcome[bool] = PoolOutcome([False] * n, nodes_contacted=1)
+        codes = self._run(call, deadline, "put", outcome)
+        if codes is not None:
+            outcome.results = [int(c) == 0 for c in codes]
+            error = _failure(codes, "put")
+            if error is not None:
+                outcome.errors.append(error)
+        if bounce is not None:
+            (self._bounce.release if codes is not None else self._bounce.retire)(bounce)
+        return outcome
+
+    def get_into(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        option: CcKvOption,
+        expected: Optional[ExpectedValues] = None,
+        deadline: Optional[float] = None,
+    ) -> PoolOutcome[bool]:
+        """`batch_get_into` straight into `outs` (through the bounce buffer where they are not registered); True
+        where a value of exactly `len(outs[i])` bytes was placed."""
+        n = len(keys)
+        if len(outs) != n:
+            raise ValueError(f"{n} keys but {len(outs)} buffers")
+        if n == 0 or (option.read_local_only):
+            return PoolOutcome([False] * n)
+        store, deadline = self._begin(option, deadline)
+        if store is None:
+            return self._not_set_up(n)
+        names = [mooncake_key(k) for k in keys]
+        sizes = np.fromiter((memoryview(o).nbytes for o in outs), dtype=np.int64, count=n)
+        addresses = np.fromiter((address_of(o) for o in outs), dtype=np.int64, count=n)
+        direct = self._registry.covers(addresses, sizes)
+        bounce: Optional[StagingLease] = None
+        idx = np.nonzero(~direct)[0]
+        if idx.size:
+            offsets = np.concatenate(([0], np.cumsum(sizes[idx])))
+            bounce = self._bounce_lease(int(offsets[-1]))
+            addresses[idx] = int(bounce.host.data_ptr()) + offsets[:-1]
+        ptrs, lens = addresses.tolist(), sizes.tolist()
+
+        def call(held: object = (outs, bounce)) -> List[int]:  # `held`: the buffers stay alive while the call runs
+            got: List[int] = []
+            for at in range(0, n, MAX_KEYS):
+                got += store.batch_get_into(names[at : at + MAX_KEYS], ptrs[at : at + MAX_KEYS], lens[at : at + MAX_KEYS])
+            return got
+
+        outcome: PoolOutcome[bool] = PoolOutcome([False] * n, nodes_contacted=1)
+        got = self._run(call, deadline, "get_into", outcome)
+        if got is not None:
+            placed = np.asarray(got, dtype=np.int64) == sizes
+            if bounce is not None:
+                source = bounce.host_array()
+                for i, at in zip(idx.tolist(), (addresses[idx] - int(bounce.host.data_ptr())).tolist()):
+                    if placed[i]:
+                        memoryview(outs[i]).cast("B")[:] = source[at : at + int(sizes[i])].data
+            outcome.results = placed.tolist()
+            error = _failure(got, "get_into")
+            if error is not None:
+                outcome.errors.append(error)
+        if bounce is not None:
+            (self._bounce.release if got is not None else self._bounce.retire)(bounce)
+        return outcome
+
+    def get(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        option: CcKvOption,
+        expected: Optional[ExpectedValues] = None,
+    ) -> PoolOutcome[Optional[Buffer]]:
+        """`get_batch` (Mooncake's own buffer, in parts within half of it by the expected sizes): each value, or
+        None."""
+        n = len(keys)
+        if n == 0 or option.read_local_only:
+            return PoolOutcome([None] * n)
+        store, deadline = self._begin(option, None)
+        if store is None:
+            missing: PoolOutcome[Optional[Buffer]] = self._not_set_up(n)
+            missing.results = [None] * n
+            return missing
+        names = [mooncake_key(k) for k in keys]
+        if expected is not None:
+            sizes = np.asarray(expected.payload_len, dtype=np.int64) + HEADER_SIZE
+            cum = np.concatenate(([0], np.cumsum(sizes)))
+            cap = max(1, self.settings.buffer_bytes // 2)
+            cuts, at = [0], 0
+            while at < n:
+                end = max(at + 1, min(n, at + MAX_KEYS, int(np.searchsorted(cum, cum[at] + cap, side="right")) - 1))
+                cuts.append(end)
+                at = end
+        else:
+            cuts = list(range(0, n, MAX_KEYS)) + [n]
+
+        def call() -> List[bytes]:
+            values: List[bytes] = []
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                values += store.get_batch(names[a:b])
+            return values
+
+        outcome: PoolOutcome[Optional[Buffer]] = PoolOutcome([None] * n, nodes_contacted=1)
+        values = self._run(call, deadline, "get", outcome)
+        if values is not None:
+            outcome.results = [v if len(v) else None for v in values]
+        return outcome
+
+    def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
+        """`batch_is_exist`: True where Mooncake holds the key."""
+        n = len(keys)
+        if n == 0 or option.read_local_only:
+            return PoolOutcome([False] * n)
+        store, deadline = self._begin(option, None)
+        if store is None:
+            return self._not_set_up(n)
+        names = [mooncake_key(k) for k in keys]
+
+        def call() -> List[int]:
+            codes: List[int] = []
+            for at in range(0, n, MAX_KEYS):
+                codes += store.batch_is_exist(names[at : at + MAX_KEYS])
+            return codes
+
+        outcome: PoolOutcome[bool] = PoolOutcome([False] * n, nodes_contacted=1)
+        codes = self._run(call, deadline, "exists", outcome)
+        if codes is not None:
+            outcome.results = [int(c) == 1 for c in codes]
+            if any(int(c) < 0 for c in codes):
+                failed = sorted({int(c) for c in codes if int(c) < 0})
+                outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, f"mooncake: exists answered {failed}"))
+        return outcome
+
+    def close(self) -> None:
+        """Stop the pipeline and worker threads, unregister the buffers and close the client (each bounded)."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, pipeline, self._pipeline = self._store, self._pipeline, None
+            registered = list(self._registered)
+        if pipeline is not None:
+            pipeline.shutdown(wait=False, cancel_futures=True)
+        self._bounce.clear()
+        if store is not None:
+            def close_store() -> None:
+                if self._workers.in_flight <= 1:  # nothing but this call: no transfer can touch them any more
+                    for address in registered:
+                        store.unregister_buffer(address)
+                store.close()
+
+            try:
+                self._workers.call(close_store, time.monotonic() + self._connect_timeout_s, "close")
+            except Exception as error:  # closing releases what it can, and never raises
+                log.warning("mooncake: close did not finish: %s", error)
+        self._workers.close()

@@ -1,0 +1,109 @@
+"""The pool backend contract: what the jobs, `ContextCaching` and `Ems` use of a pool, whichever pool it is.
+
+Two implementations: `ems.pool_client.PoolClient` (the embedded store, or `ems.pool` nodes over UCX: routing,
+replicas and the read cache on the client) and `ems.mooncake_pool.MooncakePool` (a Mooncake Store deployment, which
+places and replicates by itself). `Ems.init` picks one from the `pool_backend` setting; nothing above it knows which.
+
+Contract, for every implementation:
+* Keys are opaque bytes (this package's storage keys, namespaced per tenant, model and layout); values are this
+  package's format (`ems.value_format`), written and checked above the backend: a backend stores bytes.
+* Results come back per key in request order in a `PoolOutcome`; a key that failed is a miss (False / None), never
+  a wrong value; a backend that failed as a whole reports it in `errors` (`unreachable` when it is all there was).
+* Every call returns by the option's timeout, or by `deadline` (monotonic seconds) where given, even when the pool
+  hangs. A buffer handed to a call that did not return in time, or returned with `errors`, may still be touched by
+  the transfer for a while: the caller retires it (`StagingPool.retire`), never reuses it.
+* `start(call)` runs a call on the backend's pipeline threads (a job's chunks in flight at once).
+* `prepare_staging(buffer)` is called once for each host staging buffer before it carries values, and
+  `release_staging(buffer)` once when the staging pool lets go of it: a backend that moves bytes from and to
+  registered memory registers it in between (and keeps it alive until no transfer can touch it any more).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable, Optional, Protocol, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from ems.buffers import Buffer
+from ems.pool_client import PoolOutcome, RequestLimits
+from ems.store import KvStore
+from ems.types import CcKvOption
+from ems.value_format import ExpectedValues
+
+R = TypeVar("R")
+
+
+class PoolBackend(Protocol):
+    """A pool as the SDK's data path sees it; see the module docstring."""
+
+    #: the most one request may carry (the jobs cut chunks within it)
+    limits: RequestLimits
+
+    @property
+    def local_store(self) -> Optional[KvStore]:
+        """The embedded store when the pool is in this process (the one-pass data path), else None."""
+        ...
+
+    def describe(self) -> str:
+        """The pool in a few words, for logs ("embedded", node addresses, the Mooncake master)."""
+        ...
+
+    def start(self, call: Callable[[], R]) -> "concurrent.futures.Future[R]":
+        """Run `call` on the pipeline threads; its future."""
+        ...
+
+    def prepare_staging(self, buffer: torch.Tensor) -> None:
+        """Make a new host staging buffer (uint8, contiguous) ready to carry values (e.g. register it)."""
+        ...
+
+    def release_staging(self, buffer: torch.Tensor) -> None:
+        """The staging pool no longer keeps `buffer` (undo `prepare_staging` once no transfer can touch it)."""
+        ...
+
+    def put(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        values: Sequence[Sequence[Buffer]],
+        option: CcKvOption,
+        value_lens: Optional[np.ndarray] = None,
+        deadline: Optional[float] = None,
+    ) -> PoolOutcome[bool]:
+        """Store each value (its parts concatenated); True where stored."""
+        ...
+
+    def get(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        option: CcKvOption,
+        expected: Optional[ExpectedValues] = None,
+    ) -> PoolOutcome[Optional[Buffer]]:
+        """Each key's stored value, or None."""
+        ...
+
+    def get_into(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        option: CcKvOption,
+        expected: Optional[ExpectedValues] = None,
+        deadline: Optional[float] = None,
+    ) -> PoolOutcome[bool]:
+        """Each key's value placed in `outs[i]`; True where a value of exactly `len(outs[i])` bytes is there."""
+        ...
+
+    def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
+        """Whether the pool holds each key."""
+        ...
+
+    def healthy(self, timeout_s: float = 1.0) -> bool:
+        """True when the pool answers within `timeout_s`; never raises."""
+        ...
+
+    def close(self) -> None:
+        """Release threads, connections and registrations."""
+        ...

@@ -1,0 +1,137 @@
+"""A Mooncake Store on 127.0.0.1 for tests: `mooncake_master` and one storage process (the memory, across TCP like
+a pool node), both from Mooncake's pip package, on ports the OS picked; `clear()` empties it between tests.
+
+`mooncake_missing()` says why the package cannot run here (None when it can): tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+STORAGE = r"""
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
+print("ready", rc, flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def master_executable() -> Optional[str]:
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "mooncake_master"
+    return str(beside) if beside.exists() else None
+
+
+def mooncake_missing() -> Optional[str]:
+    """Why Mooncake cannot run in this environment, or None."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return f"Mooncake's Python client is not installed (pip install mooncake-transfer-engine-non-cuda): {exc}"
+    if master_executable() is None:
+        return "mooncake_master is not on PATH nor beside the Python executable"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class MooncakeCluster:
+    """`mooncake_master` plus one storage process holding `segment_bytes`; `master` is its "127.0.0.1:port"."""
+
+    def __init__(self, segment_bytes: int = 256 << 20) -> None:
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        self.segment_bytes = segment_bytes
+        self.port = free_port()
+        self.master = f"127.0.0.1:{self.port}"
+        self.logs = tempfile.mkdtemp(prefix="ems-mooncake-")
+        exe = master_executable()
+        if exe is None:
+            raise RuntimeError("mooncake_master not found")
+        self.master_proc: Optional[subprocess.Popen] = subprocess.Popen(
+            [exe, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=false",
+             f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1", "--default_kv_lease_ttl=200"],
+            stdout=open(os.path.join(self.logs, "master.log"), "w"), stderr=subprocess.STDOUT,
+        )
+        self.storage: Optional[subprocess.Popen] = None
+        self._admin = None
+        try:
+            if not _wait_listening(self.port, 15.0):
+                raise RuntimeError(f"mooncake_master did not listen on {self.master} (log in {self.logs})")
+            self.start_storage()
+        except BaseException:
+            self.close()
+            raise
+
+    def start_storage(self) -> None:
+        """(Re)start the storage process; returns once it has mounted its segment."""
+        log = open(os.path.join(self.logs, "storage.log"), "a")
+        self.storage = subprocess.Popen(
+            [sys.executable, "-u", "-c", STORAGE, self.master, str(self.segment_bytes)],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+        line = self.storage.stdout.readline() if self.storage.stdout else ""
+        if not line.startswith("ready 0"):
+            raise RuntimeError(f"Mooncake storage process did not start: {line!r} (log in {self.logs})")
+
+    def kill_storage(self) -> None:
+        if self.storage is not None:
+            self.storage.kill()
+            self.storage.wait(10)
+            self.storage = None
+
+    def settings(self, **more: object) -> dict:
+        """The `EmsConfig` pool settings that point at this store."""
+        return {"pool_backend": "mooncake", "mooncake_master": self.master, **more}
+
+    def clear(self) -> None:
+        """Remove every object (forced past leases): the next test starts on an empty store."""
+        if self._admin is None:
+            from mooncake.store import MooncakeDistributedStore
+
+            admin = MooncakeDistributedStore()
+            if admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.master) != 0:
+                raise RuntimeError("Mooncake admin client setup failed")
+            self._admin = admin
+        self._admin.remove_all(True)
+
+    def close(self) -> None:
+        if self._admin is not None:
+            try:
+                self._admin.close()
+            except Exception:  # closing a test store: best effort
+                pass
+            self._admin = None
+        self.kill_storage()
+        if self.master_proc is not None:
+            self.master_proc.kill()
+            self.master_proc.wait(10)
+            self.master_proc = None
+        shutil.rmtree(self.logs, ignore_errors=True)
