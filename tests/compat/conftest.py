@@ -1,5 +1,5 @@
-"""Fixtures of tests/compat: a clean `Ems` per test, and the pool the engine talks to (embedded, or two real
-pool-node processes on 127.0.0.1)."""
+"""Fixtures of tests/compat: a clean `Ems` per test, and the pool the engine talks to (embedded, two real
+pool-node processes on 127.0.0.1, or a real Mooncake Store on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,18 @@ def two_nodes():
         node.cleanup()
 
 
-@pytest.fixture(params=["embedded", "nodes"])
-def pool(request) -> list[str] | None:
-    """None for the embedded pool, else the addresses of two real pool nodes."""
+@pytest.fixture(params=["embedded", "nodes", "mooncake"])
+def pool(request, monkeypatch) -> list[str] | None:
+    """None for the embedded pool; the addresses of two real pool nodes; or, for Mooncake, [] (no nodes) with
+    `EMS_POOL_BACKEND=mooncake` and `EMS_MOONCAKE_MASTER` in the environment, as a deployment would set them (the
+    adapters pass no pool settings of their own)."""
     if request.param == "embedded":
         return None
+    if request.param == "mooncake":
+        store = request.getfixturevalue("mooncake")
+        monkeypatch.setenv("EMS_POOL_BACKEND", "mooncake")
+        monkeypatch.setenv("EMS_MOONCAKE_MASTER", store.master)
+        return []
     try:
         import ucxx  # noqa: F401
     except ImportError:

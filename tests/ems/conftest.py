@@ -14,9 +14,14 @@ def _isolated_ems(clean_ems):
 
 
 @pytest.fixture
-def cc():
-    """An initialised embedded SDK (64 MiB pool); shut down after the test."""
-    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="test-model"), pool_capacity="64MiB"))
+def cc(request):
+    """An initialised SDK, shut down after the test: on the embedded pool (64 MiB), or, for a test marked
+    `@on_both_pools` (ems_testlib), on each backend in turn: embedded, then a real Mooncake Store on 127.0.0.1
+    (`pool_backend="mooncake"`; skipped, saying why, without Mooncake's package)."""
+    settings: dict = {"pool_capacity": "64MiB"}
+    if getattr(request, "param", "embedded") == "mooncake":
+        settings = request.getfixturevalue("mooncake").settings()
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="test-model"), **settings))
     yield Ems.get_cc()
     Ems.shutdown()
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import numpy as np
+import pytest
 import torch
 
 from ems import CcConfig, ContextCaching, EmsConfig
 from ems.config import resolve_settings
 from ems.pool_client import PoolClient
+
+#: run a test that takes the `cc` fixture once per pool backend: the embedded pool, then a real Mooncake Store
+on_both_pools = pytest.mark.parametrize("cc", ["embedded", "mooncake"], indirect=True)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8]
 

@@ -12,6 +12,7 @@ import torch
 
 from ems import CcFuture, CcKvOption, CcResult, EmsErrorCode, EmsException
 from ems_testlib import (
+    on_both_pools,
     assert_cache_equals,
     bytes_equal,
     direct_cc,
@@ -80,6 +81,7 @@ def test_is_ready_never_blocks_and_result_timeout(faulty):
     assert cc.get_result(future).success == 1
 
 
+@on_both_pools
 def test_load_after_resolved_save_sees_it(cc):
     cache = make_cache(layers=2, blocks=8, block_size=BS)
     cc.register_kvcache(cache)
@@ -142,6 +144,7 @@ def test_async_failure_surfaces_in_get_result(faulty):
     assert info.value.status_code() == EmsErrorCode.EMS_IO_ERROR
 
 
+@on_both_pools
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 def test_concurrent_saves_and_loads(cc, use_async):
     threads, ops, blocks_per_thread = 4, 20, 3

@@ -13,6 +13,7 @@ from ems.store import ENTRY_OVERHEAD
 from ems.value_format import HEADER_SIZE
 from fault_injection import is_block
 from ems_testlib import (
+    on_both_pools,
     assert_cache_equals,
     direct_cc,
     expected_after_load,
@@ -55,6 +56,7 @@ def test_dropped_middle_block_limits_the_prefix(faulty, missing):
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots[: sum(offsets[:missing])]))
 
 
+@on_both_pools
 def test_never_saved_middle_block(cc):
     cache = _setup(cc)
     original = snapshot(cache)
@@ -68,6 +70,7 @@ def test_never_saved_middle_block(cc):
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots[:BS]))
 
 
+@on_both_pools
 def test_nothing_saved_loads_nothing(cc):
     cache = _setup(cc)
     poisoned = poison(cache)
@@ -76,6 +79,7 @@ def test_nothing_saved_loads_nothing(cc):
     assert cc.exists([1]).success == 0
 
 
+@on_both_pools
 def test_v0_missing_key_is_prefix(cc):
     option = CcKvOption()
     keys = [PrimaryKey("r", str(i)) for i in range(3)]
@@ -94,6 +98,7 @@ def test_v0_missing_key_is_prefix(cc):
     assert cc.exists(keys).success == 1
 
 
+@on_both_pools
 def test_partial_block_is_a_different_value_than_the_full_block(cc):
     """A block saved with 2 tokens must not satisfy a load that asks for 4 tokens of the same hash."""
     cache = _setup(cc)

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
-from ems_testlib import fill_random, make_cache, slots_of_blocks, snapshot, tensors
+from ems_testlib import fill_random, make_cache, on_both_pools, slots_of_blocks, snapshot, tensors
 
 from ems import CcKvOption, CcResult, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.config import CcConfig
@@ -40,11 +40,13 @@ class Saved:
 class Model:
     """The SDK under test plus what it must have stored."""
 
-    def __init__(self, seed: int, pool_nodes: Optional[list[str]] = None) -> None:
+    def __init__(self, seed: int, pool_nodes: Optional[list[str]] = None, **settings: object) -> None:
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
         cc_config = CcConfig(rank_id=0, device_id=0, model_id=f"seq-{seed}")
-        if pool_nodes:  # a real node, no read cache: every load crosses the wire
+        if settings:  # another backend (Mooncake)
+            Ems.init(EmsConfig(cc_config=cc_config, **settings))
+        elif pool_nodes:  # a real node, no read cache: every load crosses the wire
             Ems.init(EmsConfig(cc_config=cc_config, pool_nodes=pool_nodes, read_cache_capacity=0))
         else:
             Ems.init(EmsConfig(cc_config=cc_config, pool_capacity="256MiB"))
@@ -235,6 +237,24 @@ def test_long_random_sequence_over_a_real_node_in_tiny_chunks(clean_ems, monkeyp
         node.cleanup()
 
 
+def test_long_random_sequence_on_mooncake_in_tiny_chunks(clean_ems, mooncake, monkeypatch):
+    """The same sequence on a real Mooncake Store (`pool_backend="mooncake"`), every request cut into chunks of one
+    or two values: batch_upsert_from / batch_get_into from and into registered staging, several chunks in flight."""
+    monkeypatch.setenv("EMS_CHUNK_BYTES", "9KiB")
+    model = Model(55, **mooncake.settings())
+    try:
+        for _ in range(120):
+            model.step()
+        assert model.loaded_blocks > 0
+        cc = Ems.get_cc()
+        assert cc._staging.leased_bytes == 0
+        saves, loads = cc.jobs.totals(JobKind.SAVE), cc.jobs.totals(JobKind.LOAD)
+        assert saves.stages[Stage.SEND].runs > 3 * saves.jobs and loads.stages[Stage.RECEIVE].runs > 2 * loads.jobs
+    finally:
+        Ems.shutdown()
+
+
+@on_both_pools
 def test_sizes_one_then_eight_then_two_blocks(cc):
     """The issue's exact sequence: 1 block, 8 blocks, 2 blocks (64 KiB blocks: staging of 64 KiB, 512 KiB, 128 KiB),
     then every size again, each loaded back byte-exact."""

@@ -11,6 +11,7 @@ import torch
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
 from ems_testlib import (
+    on_both_pools,
     DTYPES,
     assert_cache_equals,
     bytes_equal,
@@ -30,6 +31,7 @@ def _call(cc, name: str, sync: bool, *args, **kwargs):
     return cc.get_result(future)
 
 
+@on_both_pools
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["separate", "interleaved"])
@@ -54,6 +56,7 @@ def test_slot_mapping_roundtrip(cc, dtype, interleaved, sync):
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
 
 
+@on_both_pools
 def test_load_into_other_slots_moves_the_rows(cc):
     """A block saved from slots A and loaded into slots B lands in B, token by token in order."""
     cache = make_cache(layers=2, blocks=6, block_size=4, dtype=torch.bfloat16)
@@ -71,6 +74,7 @@ def test_load_into_other_slots_moves_the_rows(cc):
     assert_cache_equals(cache, expected)
 
 
+@on_both_pools
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 def test_chunk_descs_roundtrip_with_layer_groups(cc, sync):
     """Three layer groups with different block sizes, heads, head sizes and dtypes; runs of varied lengths."""
@@ -104,6 +108,7 @@ def test_chunk_descs_roundtrip_with_layer_groups(cc, sync):
     assert_cache_equals(cache, expected)
 
 
+@on_both_pools
 def test_slot_mapping_with_layer_groups(cc):
     """slot_mapping on a multi-group layout: every group takes the same slots."""
     g0 = make_cache(layers=1, blocks=4, block_size=4, heads=2, head_size=8, dtype=torch.float16)
@@ -127,6 +132,7 @@ def _v0_buffers(sizes_per_key, dtype=torch.float32):
     return tensors, values
 
 
+@on_both_pools
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 def test_v0_roundtrip(cc, sync):
     option = CcKvOption()
@@ -145,6 +151,7 @@ def test_v0_roundtrip(cc, sync):
     assert cc.exists(keys).success == 4
 
 
+@on_both_pools
 def test_v0_value_loads_into_differently_split_buffers(cc):
     """A V0 value is its buffers' bytes concatenated: loading into another split of the same length works."""
     option = CcKvOption()
@@ -187,6 +194,7 @@ def test_forced_kernel_backends_roundtrip(backend):
     assert_cache_equals(cache, expected_after_load(original, poisoned, [0, 1, 2, 3, 10, 11, 12]))
 
 
+@on_both_pools
 def test_same_block_saved_by_slot_mapping_loads_by_chunk_descs(cc):
     """Both V1 forms describe the same value for the same tokens: they share keys and bytes."""
     cache = make_cache(layers=2, blocks=4, block_size=4, dtype=torch.float32)
@@ -201,6 +209,7 @@ def test_same_block_saved_by_slot_mapping_loads_by_chunk_descs(cc):
     assert_cache_equals(cache, expected)
 
 
+@on_both_pools
 def test_tensor_arguments_as_engines_pass_them(cc):
     """vLLM hands slot_mapping as an int tensor (int32 or int64); hashes and offsets may be numpy/torch too."""
     cache = make_cache(layers=2, blocks=6, block_size=4, dtype=torch.float16)
@@ -216,6 +225,7 @@ def test_tensor_arguments_as_engines_pass_them(cc):
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
 
 
+@on_both_pools
 def test_store_block_size_larger_than_engine_block(cc):
     """A stored block may span several engine blocks (store_block_size 16 over engine blocks of 4)."""
     cache = make_cache(layers=2, blocks=8, block_size=4, dtype=torch.float32)
@@ -233,6 +243,7 @@ def test_store_block_size_larger_than_engine_block(cc):
     assert_cache_equals(cache, expected_after_load(original, poisoned, list(range(2, 18))))
 
 
+@on_both_pools
 def test_reregistering_replaces_the_layout(cc):
     a = make_cache(layers=1, blocks=4, block_size=4, dtype=torch.float16)
     cc.register_kvcache(a)
@@ -250,6 +261,7 @@ def test_reregistering_replaces_the_layout(cc):
     [torch.float64, torch.int32, torch.uint8, torch.int16, torch.float8_e4m3fn, torch.float8_e5m2],
     ids=str,
 )
+@on_both_pools
 def test_other_kv_dtypes_roundtrip(cc, dtype):
     cache = make_cache(layers=2, blocks=4, block_size=4, heads=3, head_size=5, dtype=dtype)
     cc.register_kvcache(cache)
