@@ -26,8 +26,11 @@ Contract, beyond `ems.pool_backend`'s:
   waits at most until its deadline: a call still running then fails its keys with EMS_IO_TIMEOUT. It goes on
   holding its buffers (the closure keeps them alive, so their memory is never freed under it), the outcome's error
   makes the caller retire its staging, and registered buffers are unregistered only when no call is in flight.
-* Start-up: `open` starts one `setup` attempt; `healthy()` (what `Ems.init` and `Ems.check_health` ask) waits for
-  it within its timeout and starts a new attempt after a failed one, so an engine can start before Mooncake does.
+* Start-up: the constructor starts one `setup` attempt; `healthy()` (what `Ems.init` and `Ems.check_health` ask)
+  waits for it within its timeout and starts a new attempt after a failed one, so an engine can start before
+  Mooncake does. Mooncake's `setup` holds the interpreter lock while it waits for a master (over a minute when there
+  is none), so an attempt first checks that the master, and a metadata server given as a URL, accept a TCP
+  connection within `connect_timeout_ms`; only then does it call `setup`.
 * `pool_replicas` is Mooncake's `replica_num`. There is no client-side read cache (`read_cache_capacity` does not
   apply); a `read_local_only` read never leaves the process, so it finds nothing.
 """
@@ -38,9 +41,11 @@ import bisect
 import concurrent.futures
 import logging
 import queue
+import socket
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -234,8 +239,27 @@ class MooncakePool:
                 attempt = self._attempt = self._workers.submit(self._setup)
             return attempt
 
+    def _reachable(self) -> Optional[str]:
+        """Why the master (or a metadata server given as a URL) does not accept a TCP connection now, or None."""
+        s = self.settings
+        targets = [s.master.rpartition(":")[::2]]
+        if "://" in s.metadata:
+            url = urlsplit(s.metadata)
+            if url.hostname and url.port:
+                targets.append((url.hostname, str(url.port)))
+        for host, port in targets:
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=self._connect_timeout_s).close()
+            except (OSError, ValueError) as error:
+                return f"{host}:{port}: {error}"
+        return None
+
     def _setup(self) -> Any:
         s = self.settings
+        unreachable = self._reachable()  # before `setup`, which would hold the interpreter lock while it waits
+        if unreachable is not None:
+            log.warning("mooncake: not reachable yet: %s", unreachable)
+            return None
         store = self._factory()
         rc = store.setup(s.hostname, s.metadata, s.segment_bytes, s.buffer_bytes, s.protocol, s.devices, s.master)
         if rc != 0:

@@ -66,10 +66,10 @@ def _wait_listening(port: int, timeout_s: float) -> bool:
 class MooncakeCluster:
     """`mooncake_master` plus one storage process holding `segment_bytes`; `master` is its "127.0.0.1:port"."""
 
-    def __init__(self, segment_bytes: int = 256 << 20) -> None:
+    def __init__(self, segment_bytes: int = 256 << 20, port: Optional[int] = None) -> None:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         self.segment_bytes = segment_bytes
-        self.port = free_port()
+        self.port = port or free_port()
         self.master = f"127.0.0.1:{self.port}"
         self.logs = tempfile.mkdtemp(prefix="ems-mooncake-")
         exe = master_executable()

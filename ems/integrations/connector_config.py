@@ -16,7 +16,9 @@ and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_l
 | timeout_ms          | 5000                       | `CcKvOption.timeout` of every lookup, load and save           |
 | load_failure_policy | "recompute"                | set as vLLM's `kv_load_failure_policy` ("recompute" or "fail") |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
-| every other `EmsConfig` pool setting (pool_capacity, pool_etcd, pool_replicas, ...) | as `EmsConfig` | see README |
+| every other `EmsConfig` pool setting (pool_capacity, pool_replicas, pool_backend, ...) | as `EmsConfig` | see README |
+
+With `pool_backend="mooncake"` (here or `EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool is started.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class ConnectorConfig:
     def resolve_nodes(self) -> tuple[str, ...]:
         """The pool nodes to use: the configured ones, else the host's local node (started if needed), else none
         (embedded pool, private to each process)."""
-        if self.pool_nodes or self.local_pool == LocalPoolMode.OFF or self.uses_etcd:
+        if self.pool_nodes or self.local_pool == LocalPoolMode.OFF or self.uses_etcd or self.uses_mooncake:
             return self.pool_nodes
         from ems.integrations.local_pool import ensure_local_pool
 
@@ -123,6 +125,12 @@ class ConnectorConfig:
     def uses_etcd(self) -> bool:
         """Nodes come from etcd membership (`pool_etcd` here or `EMS_POOL_ETCD`): no local pool is started."""
         return bool(dict(self.ems_settings).get("pool_etcd") or os.environ.get("EMS_POOL_ETCD"))
+
+    @property
+    def uses_mooncake(self) -> bool:
+        """The pool is a Mooncake Store (`pool_backend` here or `EMS_POOL_BACKEND`): no local pool is started."""
+        backend = dict(self.ems_settings).get("pool_backend") or os.environ.get("EMS_POOL_BACKEND") or ""
+        return str(backend).strip().lower() == "mooncake"
 
     def ems_config(self, model_id: str, kvcache_type: str, nodes: tuple[str, ...]) -> EmsConfig:
         cc = CcConfig_v1(rank_id=0, device_id=0, model_id=model_id, llm_engine="vllm", kvcache_type=kvcache_type)

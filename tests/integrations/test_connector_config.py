@@ -52,6 +52,27 @@ def test_cluster_settings_reach_ems_config_and_etcd_starts_no_local_pool(monkeyp
     assert ConnectorConfig.from_extra({}).uses_etcd
 
 
+def test_mooncake_settings_reach_ems_config_and_start_no_local_pool(monkeypatch):
+    monkeypatch.delenv("EMS_POOL_NODES", raising=False)
+    monkeypatch.delenv("EMS_POOL_BACKEND", raising=False)
+    config = ConnectorConfig.from_extra({
+        "pool_backend": "mooncake", "mooncake_master": "10.0.0.5:50051", "mooncake_protocol": "rdma",
+        "mooncake_devices": "mlx5_0", "mooncake_metadata": "http://10.0.0.5:8080/metadata", "pool_replicas": 2,
+        "mooncake_segment": "4GiB", "mooncake_buffer": "256MiB", "mooncake_hostname": "10.0.0.9",
+    })
+    assert config.uses_mooncake and config.resolve_nodes() == ()  # no local node: the pool is Mooncake's
+    from ems.config import resolve_settings
+
+    settings = resolve_settings(config.ems_config("m", "MHA", config.resolve_nodes()))
+    assert settings.pool_backend.value == "mooncake" and settings.pool_replicas == 2 and not settings.embedded
+    moon = settings.mooncake
+    assert moon is not None and moon.master == "10.0.0.5:50051" and moon.protocol == "rdma"
+    assert moon.devices == "mlx5_0" and moon.metadata == "http://10.0.0.5:8080/metadata"
+    assert moon.segment_bytes == 4 << 30 and moon.buffer_bytes == 256 << 20 and moon.hostname == "10.0.0.9"
+    monkeypatch.setenv("EMS_POOL_BACKEND", "Mooncake")
+    assert ConnectorConfig.from_extra({}).uses_mooncake
+
+
 def test_equal_configs_for_every_process():
     a = ConnectorConfig.from_extra({"local_pool": "off", "max_inflight": 2})
     b = ConnectorConfig.from_extra({"local_pool": "off", "max_inflight": 2})
