@@ -219,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
         ("loaded blocks verified byte-exact", f"{verified}/{loaded}"),
     ]
     width = max(len(k) for k, _ in rows)
-    print("EMS demo (embedded pool)")
+    settings = Ems.settings()
+    print("EMS demo (embedded pool)" if settings is None or settings.embedded else
+          f"EMS demo (pool backend {settings.pool_backend.value})")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     ok = verified == loaded > 0

@@ -39,7 +39,7 @@ def mooncake_missing() -> Optional[str]:
     """Why Mooncake cannot run in this environment, or None."""
     try:
         import mooncake.store  # noqa: F401
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         return f"Mooncake's Python client is not installed (pip install mooncake-transfer-engine-non-cuda): {exc}"
     if master_executable() is None:
         return "mooncake_master is not on PATH nor beside the Python executable"
@@ -64,9 +64,10 @@ def _wait_listening(port: int, timeout_s: float) -> bool:
 
 
 class MooncakeCluster:
-    """`mooncake_master` plus one storage process holding `segment_bytes`; `master` is its "127.0.0.1:port"."""
+    """`mooncake_master` plus one storage process holding `segment_bytes`; `master` is its "127.0.0.1:port". A read
+    holds a lease of `lease_ttl_ms` on what it reads (a read that takes longer answers LEASE_EXPIRED: a miss)."""
 
-    def __init__(self, segment_bytes: int = 256 << 20, port: Optional[int] = None) -> None:
+    def __init__(self, segment_bytes: int = 256 << 20, port: Optional[int] = None, lease_ttl_ms: int = 5000) -> None:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         self.segment_bytes = segment_bytes
         self.port = port or free_port()
@@ -77,7 +78,7 @@ class MooncakeCluster:
             raise RuntimeError("mooncake_master not found")
         self.master_proc: Optional[subprocess.Popen] = subprocess.Popen(
             [exe, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=false",
-             f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1", "--default_kv_lease_ttl=200"],
+             f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ttl_ms}"],
             stdout=open(os.path.join(self.logs, "master.log"), "w"), stderr=subprocess.STDOUT,
         )
         self.storage: Optional[subprocess.Popen] = None
