@@ -229,8 +229,8 @@ def main() -> None:
     for call, figures in per_call.items():
         lines.append(f"| {call} | {figures['api-mooncake']:.0f} | {figures['api-ems']:.0f} | {figures['mooncake-own']:.0f} |")
     print("\n".join(lines))
-    shown = [records[(("api-mooncake", c), op)] for c in ("32MiB", "16MiB") for op in ("save", "load")]
-    print("\nStages of the best api-mooncake jobs (32 MiB chunks, then 16 MiB):\n")
+    shown = [records[(run, op)] for run in runs for op in ("save", "load")]
+    print("\nStages of the best jobs (api-mooncake 32 MiB chunks, 16 MiB chunks, then api-ems):\n")
     print(stage_table(shown))
     print("\nStages of the last 1-block api-mooncake save and load:\n")
     print(stage_table([r for r in one_block if r is not None]))
