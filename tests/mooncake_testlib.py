@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,17 @@ print("ready", rc, flush=True)
 while True:
     time.sleep(1)
 """
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies (a crashed test run leaves no
+    Mooncake processes behind). Linux only; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def master_executable() -> Optional[str]:
@@ -80,12 +92,14 @@ class MooncakeCluster:
             [exe, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=false",
              f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ttl_ms}"],
             stdout=open(os.path.join(self.logs, "master.log"), "w"), stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         self.storage: Optional[subprocess.Popen] = None
         self._admin = None
         try:
-            if not _wait_listening(self.port, 15.0):
-                raise RuntimeError(f"mooncake_master did not listen on {self.master} (log in {self.logs})")
+            if not _wait_listening(self.port, 30.0):
+                log = Path(self.logs, "master.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"mooncake_master did not listen on {self.master}: {log}")
             self.start_storage()
         except BaseException:
             self.close()
@@ -96,7 +110,7 @@ class MooncakeCluster:
         log = open(os.path.join(self.logs, "storage.log"), "a")
         self.storage = subprocess.Popen(
             [sys.executable, "-u", "-c", STORAGE, self.master, str(self.segment_bytes)],
-            stdout=subprocess.PIPE, stderr=log, text=True,
+            stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent,
         )
         line = self.storage.stdout.readline() if self.storage.stdout else ""
         if not line.startswith("ready 0"):
