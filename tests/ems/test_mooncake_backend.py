@@ -1,5 +1,6 @@
 """The Mooncake backend's own cases, on a real Mooncake Store on 127.0.0.1 (tests/mooncake_testlib.py): values a
-raw Mooncake client damaged or wrote are misses, tenants stay apart, a storage process killed or stopped mid-run
+raw Mooncake client damaged or wrote are misses, tenants stay apart, a full store gives partial results that agree,
+a storage process killed or stopped mid-run
 gives misses and errors within the timeout (never a wrong block, never a hang), and an engine starts before its
 master answers. The API's general suites run on this backend too (`@on_both_pools`, the compat adapters)."""
 
@@ -172,6 +173,41 @@ def test_storage_killed_mid_run_gives_misses_never_a_wrong_block():
         except EmsException as error:
             assert error.status_code() in (EmsErrorCode.EMS_IO_ERROR, EmsErrorCode.EMS_IO_TIMEOUT)
         assert cc._staging.leased_bytes == 0
+    finally:
+        Ems.shutdown()
+        cluster.close()
+
+
+def test_a_full_store_gives_partial_results_that_agree():
+    """A 16 MiB store filled by saves whose blocks are then read (a read's lease keeps Mooncake from evicting them):
+    a later save is refused part-way (a partial CcResult, not an error), and exists and load report exactly the
+    saved prefix, byte-exact."""
+    from mooncake_testlib import MooncakeCluster, mooncake_missing
+
+    if mooncake_missing():
+        pytest.skip(mooncake_missing())
+    Ems.shutdown()
+    cluster = MooncakeCluster(segment_bytes=16 << 20)
+    try:
+        cc = _init(cluster.settings())
+        block_size = 16
+        cache = make_cache(layers=4, blocks=80, block_size=block_size, heads=8, head_size=128)  # 256 KiB a block
+        cc.register_kvcache(cache)
+        results = []
+        for round_ in range(3):
+            hashes = [round_ * 1000 + i for i in range(40)]
+            original = snapshot(cache)
+            saved = cc.save(slots_of_blocks(list(range(40)), block_size), hashes, [block_size] * 40)
+            assert cc.exists(hashes) == saved
+            poisoned = poison(cache)
+            loaded = cc.load(slots_of_blocks(list(range(40, 80)), block_size), hashes, [block_size] * 40)
+            assert loaded == saved
+            want = expected_after_load(poisoned, poisoned, [])
+            for t, o in zip(want, original):  # blocks 40.. now hold blocks 0.. of the save, for the saved prefix
+                t[40 : 40 + saved.success] = o[: saved.success]
+            assert_cache_equals(cache, want)
+            results.append(saved.success)
+        assert results[0] == 40 and min(results) < 40, results
     finally:
         Ems.shutdown()
         cluster.close()
