@@ -1,7 +1,8 @@
 """The Mooncake backend's own cases, on a real Mooncake Store on 127.0.0.1 (tests/mooncake_testlib.py): values a
 raw Mooncake client damaged or wrote are misses, tenants stay apart, a full store gives partial results that agree,
 a storage process killed or stopped mid-run gives misses and errors within the timeout (never a wrong block, never a
-hang), and an engine starts before its master answers. The API's general suites run on this backend too (`@on_both_pools`, the compat adapters)."""
+hang), and an engine starts before its master answers. The API's general suites run on this backend too
+(`@on_both_pools`, the compat adapters)."""
 
 from __future__ import annotations
 
