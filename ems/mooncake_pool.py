@@ -301,6 +301,10 @@ class MooncakePool:
 
     # ---- registered memory
 
+    def shm_staging(self, nbytes: int) -> Optional[Any]:
+        """None: staging is this process's memory, registered with Mooncake (`prepare_staging`)."""
+        return None
+
     def prepare_staging(self, buffer: torch.Tensor) -> None:
         """Register a new staging (or bounce) buffer with the store; kept alive while registered."""
         store = self._store

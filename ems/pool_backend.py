@@ -13,6 +13,8 @@ Contract, for every implementation:
   hangs. A buffer handed to a call that did not return in time, or returned with `errors`, may still be touched by
   the transfer for a while: the caller retires it (`StagingPool.retire`), never reuses it.
 * `start(call)` runs a call on the backend's pipeline threads (a job's chunks in flight at once).
+* `shm_staging(nbytes)`: a staging buffer in memory the pool shares with this process (an `ems` node on this host),
+  or None.
 * `prepare_staging(buffer)` is called once for each host staging buffer before it carries values, and
   `release_staging(buffer)` once when the staging pool lets go of it: a backend that moves bytes from and to
   registered memory registers it in between (and keeps it alive until no transfer can touch it any more).
@@ -21,7 +23,7 @@ Contract, for every implementation:
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable, Optional, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +58,11 @@ class PoolBackend(Protocol):
 
     def prepare_staging(self, buffer: torch.Tensor) -> None:
         """Make a new host staging buffer (uint8, contiguous) ready to carry values (e.g. register it)."""
+        ...
+
+    def shm_staging(self, nbytes: int) -> Optional[Any]:
+        """A staging buffer of `nbytes` in memory the pool shares with this process (`StagingPool.acquire`'s
+        `shared`), or None: then staging comes from the staging pool."""
         ...
 
     def release_staging(self, buffer: torch.Tensor) -> None:
