@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 from ems_testlib import direct_cc, fill_random, make_cache, slots_of_blocks, snapshot, tensors
-from fault_injection import FaultyNode
+from fault_injection import FaultyNode, is_block
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems import CcKvOption, CcResult, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
 from ems.pool_client import RequestLimits, split_batches, timeout_seconds
+from ems.transport.base import TransportError
 from ems.store import KvStore
 from ems.transport.inprocess import InProcessNode
 from ems.types import MAX_TIMEOUT_MS
@@ -28,6 +29,7 @@ class RecordingNode(FaultyNode):
         self.requests: list[tuple[str, int, int]] = []  # (op, keys, data bytes)
         self.fail_from: int | None = None
         self.raise_on: dict[str, BaseException] = {}
+        self.fail_blocks: set[int] = set()  # a request holding any of these blocks fails as a whole
 
     def _record(self, op: str, keys, data: int) -> None:
         self.requests.append((op, len(keys), data))
@@ -35,6 +37,8 @@ class RecordingNode(FaultyNode):
             raise self.raise_on[op]
         if self.fail_from is not None and len(self.requests) > self.fail_from:
             self.fail = True
+        if self.fail_blocks and any(is_block(key, self.fail_blocks) for key in keys):
+            raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.address}: injected failure")
 
     def put(self, keys, values, timeout_s):
         self._record("put", keys, sum(memoryview(p).nbytes for v in values for p in v))
@@ -122,11 +126,12 @@ def test_saves_loads_and_exists_are_split_at_the_limits(recording):
 def test_a_node_failing_midway_keeps_the_acknowledged_prefix(recording):
     node, cc = recording(RequestLimits(max_keys=5))
     cc.register_kvcache(make_cache(layers=1, blocks=32, block_size=2))
-    node.fail_from = 2  # the third request fails
+    # the third request of five keys fails, and the fourth: by their keys, since requests of one call may arrive
+    # in any order (chunks in flight at once)
+    node.fail_blocks = set(range(10, 20))
     hashes = list(range(20))
     assert cc.save(slots_of_blocks(range(20), 2), hashes, [2] * 20) == CcResult(10, 20)
-    node.fail = False
-    node.fail_from = None
+    node.fail_blocks = set()
     assert cc.exists(hashes) == CcResult(10, 20)
 
 
