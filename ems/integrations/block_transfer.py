@@ -7,7 +7,9 @@ Contract (no engine imports):
   (`hash128 << 16 | tp_size << 8 | tp_rank`; MLA's `shared` tag `0xFFFF` is one key for all ranks), so one process
   (an engine's scheduler) can ask for every rank's blocks in a single `exists` call: `lookup` counts a block as hit
   only if every rank holds it. Engine hashes may be bytes (vLLM's sha256 block hashes: the first 16 bytes are used)
-  or ints.
+  or ints. With an `epoch` (the namespace's epoch, `ems.integrations.epoch`: random bytes) a block's 128 bits are
+  BLAKE2b keyed by the epoch, so the keys of one epoch are never the keys of another, whatever the engine's hashes
+  (a reset moves to a new random epoch).
 * `BlockMover.load` is synchronous and returns which engine blocks did *not* arrive (a pool that fails, partly or
   wholly, is reported, never raised: the engine recomputes those blocks). `save_async` returns once the blocks are
   copied out of the engine's cache (`ContextCaching.async_save`); failures only cost future misses.
@@ -17,6 +19,7 @@ Contract (no engine imports):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -40,6 +43,13 @@ def _hash128(h: EngineHash) -> int:
     raise TypeError(f"block hash must be bytes or int, got {type(h).__name__}")
 
 
+def _epoch_hash(h: EngineHash, epoch: bytes) -> int:
+    if not epoch:
+        return _hash128(h)
+    digest = hashlib.blake2b(_hash128(h).to_bytes(16, "little"), key=epoch, digest_size=16).digest()
+    return int.from_bytes(digest, "little")
+
+
 def rank_tag(tp_rank: int, tp_size: int, shared: bool) -> int:
     if shared:
         return SHARED_TAG
@@ -48,18 +58,18 @@ def rank_tag(tp_rank: int, tp_size: int, shared: bool) -> int:
     return (tp_size << 8) | tp_rank
 
 
-def block_keys(hashes: Sequence[EngineHash], tp_rank: int, tp_size: int, shared: bool) -> list[int]:
-    """The pool keys of one rank's blocks."""
+def block_keys(hashes: Sequence[EngineHash], tp_rank: int, tp_size: int, shared: bool, epoch: bytes = b"") -> list[int]:
+    """The pool keys of one rank's blocks (in `epoch`)."""
     tag = rank_tag(tp_rank, tp_size, shared)
-    return [(_hash128(h) << 16) | tag for h in hashes]
+    return [(_epoch_hash(h, epoch) << 16) | tag for h in hashes]
 
 
-def lookup_keys(hashes: Sequence[EngineHash], tp_size: int, shared: bool) -> list[int]:
+def lookup_keys(hashes: Sequence[EngineHash], tp_size: int, shared: bool, epoch: bytes = b"") -> list[int]:
     """Every rank's keys, block by block (block 0 of ranks 0..tp-1, then block 1, ...)."""
     if shared:
-        return block_keys(hashes, 0, 1, True)
+        return block_keys(hashes, 0, 1, True, epoch)
     tags = [rank_tag(r, tp_size, False) for r in range(tp_size)]
-    return [(base << 16) | tag for base in map(_hash128, hashes) for tag in tags]
+    return [(_epoch_hash(h, epoch) << 16) | tag for h in hashes for tag in tags]
 
 
 @dataclass
@@ -138,11 +148,12 @@ def lookup(
     shared: bool,
     option: CcKvOption | None = None,
     stats: StatsSink | None = None,
+    epoch: bytes = b"",
 ) -> int:
     """How many of `hashes`, from the first, every rank holds in the pool (a failing pool: 0)."""
     if not hashes:
         return 0
-    result = cc.exists(lookup_keys(hashes, tp_size, shared), option)
+    result = cc.exists(lookup_keys(hashes, tp_size, shared, epoch), option)
     ranks = 1 if shared else tp_size
     hits = result.success // ranks
     if stats is not None:
@@ -179,10 +190,10 @@ class BlockMover:
         # MLA: every rank holds the same latent KV; rank 0 alone writes it
         self.saves = not shared or tp_rank == 0
 
-    def keys(self, hashes: Sequence[EngineHash]) -> list[int]:
-        return block_keys(hashes, self._tp_rank, self._tp_size, self._shared)
+    def keys(self, hashes: Sequence[EngineHash], epoch: bytes = b"") -> list[int]:
+        return block_keys(hashes, self._tp_rank, self._tp_size, self._shared, epoch)
 
-    def load(self, block_ids: Sequence[int], hashes: Sequence[EngineHash]) -> LoadOutcome:
+    def load(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> LoadOutcome:
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         n = len(block_ids)
@@ -190,7 +201,7 @@ class BlockMover:
             return LoadOutcome(0, [])
         start = time.perf_counter()
         try:
-            result = self._cc.load(list(block_ids), self.keys(hashes), [1] * n, self._option)
+            result = self._cc.load(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
             loaded = min(result.success, n)
         except EmsException as exc:  # pool unreachable or timed out: nothing was written
             logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
@@ -203,7 +214,7 @@ class BlockMover:
         )
         return LoadOutcome(loaded, list(block_ids[loaded:]))
 
-    def save_async(self, block_ids: Sequence[int], hashes: Sequence[EngineHash]) -> None:
+    def save_async(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> None:
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         n = len(block_ids)
@@ -211,7 +222,7 @@ class BlockMover:
             return
         start = time.perf_counter()
         try:
-            future = self._cc.async_save(list(block_ids), self.keys(hashes), [1] * n, self._option)
+            future = self._cc.async_save(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
         except EmsException as exc:
             logger.warning("save of %d blocks failed (later lookups miss them): %s", n, exc.message())
             self.stats.add(save_failed_blocks=n)

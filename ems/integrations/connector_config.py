@@ -1,10 +1,11 @@
 """Engine-connector settings: the keys of vLLM's `kv_connector_extra_config`, checked, and the `EmsConfig` they make.
 
 Contract (no engine imports): `ConnectorConfig.from_extra(extra)` reads every key below (an unknown key or a bad
-value raises `EmsException(EMS_INVALID_ARGUMENT)` naming it); `ems_config(model_id, kvcache_type)` builds the
+value raises `EmsException(EMS_INVALID_ARGUMENT)` naming it); `ems_config(model_id, kvcache_type, pool)` builds the
 `EmsConfig` every process of one engine passes to `Ems.init` (equal configs, so a process that hosts both the
 scheduler's and a worker's connector initialises once). With no pool nodes in the config nor in `EMS_POOL_NODES`
-and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_local_pool`) is used.
+and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_local_pool`) is used, with this
+user's local key (`resolve_pool()` returns the nodes and the credentials to use).
 
 | key                 | default                    | meaning                                                       |
 |---------------------|----------------------------|---------------------------------------------------------------|
@@ -14,7 +15,8 @@ and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_l
 | local_pool_capacity | "2GiB"                     | capacity of a local node this engine starts                   |
 | model_id            | derived from the model     | key namespace: engines that share blocks must agree           |
 | timeout_ms          | 5000                       | `CcKvOption.timeout` of every lookup, load and save           |
-| load_failure_policy | "recompute"                | set as vLLM's `kv_load_failure_policy` ("recompute" or "fail") |
+| load_failure_policy | none                       | vLLM's `kv_load_failure_policy` when the top level leaves vLLM's default |
+| epoch_refresh_s     | 5.0                        | how often the scheduler re-reads the namespace epoch (reset)  |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | every other `EmsConfig` pool setting (pool_capacity, pool_replicas, pool_backend, ...) | as `EmsConfig` | see README |
 
@@ -48,6 +50,7 @@ KEYS = (
     "model_id",
     "timeout_ms",
     "load_failure_policy",
+    "epoch_refresh_s",
     "access_id",
     "access_key",
 ) + EMS_SETTINGS
@@ -66,7 +69,8 @@ class ConnectorConfig:
     local_pool_capacity: str = "2GiB"
     model_id: str | None = None
     timeout_ms: int = 5000
-    load_failure_policy: str = "recompute"
+    load_failure_policy: str | None = None  # None: vLLM's own kv_load_failure_policy stands
+    epoch_refresh_s: float = 5.0
     access_id: str | None = None
     access_key: str | None = field(default=None, repr=False)
     ems_settings: tuple[tuple[str, Any], ...] = ()
@@ -91,11 +95,14 @@ class ConnectorConfig:
         timeout = extra.get("timeout_ms", 5000)
         if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
             raise invalid_argument(f"kv_connector_extra_config.timeout_ms must be an int >= 0, got {timeout!r}")
-        policy = extra.get("load_failure_policy", "recompute")
-        if policy not in ("recompute", "fail"):
+        policy = extra.get("load_failure_policy")
+        if policy not in (None, "recompute", "fail"):
             raise invalid_argument(
                 f"kv_connector_extra_config.load_failure_policy must be 'recompute' or 'fail', got {policy!r}"
             )
+        refresh = extra.get("epoch_refresh_s", 5.0)
+        if isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not refresh > 0:
+            raise invalid_argument(f"kv_connector_extra_config.epoch_refresh_s must be a number > 0, got {refresh!r}")
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
             raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")
@@ -107,19 +114,22 @@ class ConnectorConfig:
             model_id=model_id,
             timeout_ms=timeout,
             load_failure_policy=policy,
+            epoch_refresh_s=float(refresh),
             access_id=extra.get("access_id"),
             access_key=extra.get("access_key") or (os.environ.get("EMS_ACCESS_KEY") if extra.get("access_id") else None),
             ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra),
         )
 
-    def resolve_nodes(self) -> tuple[str, ...]:
-        """The pool nodes to use: the configured ones, else the host's local node (started if needed), else none
-        (embedded pool, private to each process)."""
+    def resolve_pool(self) -> ResolvedPool:
+        """The pool nodes to use and the credentials to prove: the configured ones (with the configured
+        credentials), else the host's local node (started if needed; this user's local key), else none (embedded
+        pool, private to each process)."""
         if self.pool_nodes or self.local_pool == LocalPoolMode.OFF or self.uses_etcd or self.uses_mooncake:
-            return self.pool_nodes
+            return ResolvedPool(self.pool_nodes, self.access_id, self.access_key)
         from ems.integrations.local_pool import ensure_local_pool
 
-        return (ensure_local_pool(self.local_pool_dir, self.local_pool_capacity).address,)
+        local = ensure_local_pool(self.local_pool_dir, self.local_pool_capacity)
+        return ResolvedPool((local.address,), local.access_id, local.access_key, local=True)
 
     @property
     def uses_etcd(self) -> bool:
@@ -132,17 +142,29 @@ class ConnectorConfig:
         backend = dict(self.ems_settings).get("pool_backend") or os.environ.get("EMS_POOL_BACKEND") or ""
         return str(backend).strip().lower() == "mooncake"
 
-    def ems_config(self, model_id: str, kvcache_type: str, nodes: tuple[str, ...]) -> EmsConfig:
+    def ems_config(self, model_id: str, kvcache_type: str, pool: ResolvedPool) -> EmsConfig:
         cc = CcConfig_v1(rank_id=0, device_id=0, model_id=model_id, llm_engine="vllm", kvcache_type=kvcache_type)
         settings = dict(self.ems_settings)
-        if nodes:
-            settings["pool_nodes"] = list(nodes)
-        return EmsConfig(access_id=self.access_id, access_key=self.access_key, cc_config_v1=cc, **settings)
+        if pool.nodes:
+            settings["pool_nodes"] = list(pool.nodes)
+        return EmsConfig(access_id=pool.access_id, access_key=pool.access_key, cc_config_v1=cc, **settings)
 
 
-def derive_model_id(*parts: object) -> str:
-    """A model id from what identifies the model's KV (name or path, revision, dtypes, block size):
-    its readable tail plus a digest of all parts, within `[0-9a-z._-]`."""
-    name = re.sub(r"[^0-9a-z._-]+", "-", str(parts[0]).rstrip("/").rsplit("/", 1)[-1].lower()).strip("-") or "model"
-    digest = hashlib.blake2b("\n".join(map(str, parts)).encode(), digest_size=8).hexdigest()
+@dataclass(frozen=True)
+class ResolvedPool:
+    """Where the connector's clients go and what they prove there."""
+
+    nodes: tuple[str, ...]
+    access_id: str | None = None
+    access_key: str | None = field(default=None, repr=False)
+    local: bool = False  # the host's local pool node, with this user's local key
+
+
+def derive_model_id(model: str, parts: Mapping[str, str]) -> str:
+    """A model id from everything that decides the bytes of the model's KV blocks (`parts`: name -> canonical
+    text, e.g. `ems.integrations.vllm.namespace.namespace_parts`): the model path's readable tail plus a digest of
+    every part (names included, in sorted order), within `[0-9a-z._-]`."""
+    name = re.sub(r"[^0-9a-z._-]+", "-", str(model).rstrip("/").rsplit("/", 1)[-1].lower()).strip("-") or "model"
+    text = "\n".join(f"{key}={parts[key]}" for key in sorted(parts))
+    digest = hashlib.blake2b(f"model={model}\n{text}".encode(), digest_size=16).hexdigest()
     return f"{name[:64]}-{digest}"

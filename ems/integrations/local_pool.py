@@ -14,26 +14,38 @@ returns the address of one `python -m ems.pool` node on 127.0.0.1 that every pro
   and exits, so the node's parent is init (or the host's subreaper), never the engine. It outlives the engine that
   started it, so a later engine finds its blocks, and an engine's shutdown that kills its own process tree (vLLM
   SIGKILLs every descendant of an EngineCore that does not exit within its grace period) does not kill it.
+* A per-user key: `dir` must be a directory owned by this user and closed to others (it is created 0700; one that
+  another user owns, or a symlink, is refused; one of ours open to others is closed to 0700). `dir/pool.key` holds
+  one `access_id:access_key` line (`local-<uid>`, 64 random base64 characters), created 0600 and atomically (written
+  to a private temporary file, then linked into place), and is the node's `--keys-file`: the node serves only
+  clients that prove that key (`ems.pool` tenant keys, challenge-response), so another user's process, which cannot
+  read the file, can neither read nor plant blocks. `LocalPool.access_id/access_key` are what this user's clients
+  pass to `EmsConfig`. A recorded node that was not started with the current key file (an older record, or the key
+  file was replaced) is stopped and replaced.
 * `stop_local_pool(dir)` stops the recorded node (SIGTERM) and removes the record.
 * `default_dir()`: `$EMS_LOCAL_POOL_DIR`, else `<tmp>/ems-local-pool-<uid>`.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import select
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ems import EmsErrorCode, EmsException
 
@@ -47,15 +59,83 @@ class LocalPool:
     address: str
     pid: int
     started: bool  # True when this call started it
+    access_id: str = ""
+    access_key: str = field(default="", repr=False)  # a secret: never in logs
 
 
 def default_dir() -> str:
     return os.environ.get("EMS_LOCAL_POOL_DIR") or os.path.join(tempfile.gettempdir(), f"ems-local-pool-{os.getuid()}")
 
 
+def _private_dir(directory: str) -> None:
+    """Create `directory` 0700, or check that an existing one is a real directory of this user's, closed to others."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise EmsException(
+            EmsErrorCode.EMS_INVALID_ARGUMENT,
+            f"local_pool_dir {directory!r} is not a directory owned by this user (uid {os.getuid()}): refusing to "
+            "keep the local pool's key there",
+        )
+    if info.st_mode & 0o077:
+        os.chmod(directory, 0o700)
+
+
+KEY_FILE = "pool.key"
+
+
+def _key_path(directory: str) -> str:
+    return os.path.join(directory, KEY_FILE)
+
+
+def _read_key(directory: str) -> tuple[str, str] | None:
+    """(access_id, access_key) from `dir/pool.key`, or None when there is no usable one (absent, unreadable, not
+    ours, open to others, or malformed)."""
+    path = _key_path(directory)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, encoding="ascii", errors="replace") as f:
+        info = os.fstat(f.fileno())
+        if info.st_uid != os.getuid() or info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode):
+            logger.warning("ignoring %s: not a private file of this user's (mode %o)", path, info.st_mode & 0o777)
+            return None
+        access_id, _, access_key = f.read().strip().partition(":")
+    if not access_id or len(access_key) < 32:
+        return None
+    return access_id, access_key
+
+
+def _make_key(directory: str) -> tuple[str, str]:
+    """A new key file: written 0600 to a private temporary file, then renamed over `pool.key` (atomic)."""
+    access_id = f"local-{os.getuid()}"
+    access_key = base64.b64encode(secrets.token_bytes(48)).decode("ascii")
+    tmp = f"{_key_path(directory)}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"{access_id}:{access_key}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, _key_path(directory))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return access_id, access_key
+
+
+def _key_digest(access_key: str) -> str:
+    """What the record says about the key the node was started with (a digest: the record is not secret)."""
+    return hashlib.blake2b(access_key.encode(), digest_size=16).hexdigest()
+
+
 @contextlib.contextmanager
 def _locked(directory: str) -> Iterator[None]:
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _private_dir(directory)
     with open(os.path.join(directory, "pool.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -99,9 +179,12 @@ _LAUNCHER = (
 _READY = "ems-pool ready on "
 
 
-def _start(directory: str, capacity: str, start_timeout: float) -> LocalPool:
+def _start(directory: str, capacity: str, start_timeout: float, key: tuple[str, str]) -> LocalPool:
     deadline = time.monotonic() + start_timeout
-    node_argv = [sys.executable, "-m", "ems.pool", "--listen", f"{HOST}:0", "--capacity", capacity]
+    node_argv = [sys.executable, "-m", "ems.pool", "--listen", f"{HOST}:0", "--capacity", capacity,
+                 "--keys-file", _key_path(directory)]
+    # the node's keys are exactly the key file's: an EMS_POOL_KEYS of the engine's environment does not reach it
+    env = {k: v for k, v in os.environ.items() if k != "EMS_POOL_KEYS"}
     with open(os.path.join(directory, "pool.log"), "ab") as log:
         launcher = subprocess.Popen(
             [sys.executable, "-c", _LAUNCHER, *node_argv],
@@ -109,7 +192,7 @@ def _start(directory: str, capacity: str, start_timeout: float) -> LocalPool:
             stdout=subprocess.PIPE,
             stderr=log,
             start_new_session=True,
-            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+            env={**env, "UCX_WARN_UNUSED_ENV_VARS": "n"},
         )
     if launcher.stdout is None:  # cannot happen with stdout=PIPE; keeps the type checker honest
         raise EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, "no stdout pipe to the local pool node")
@@ -137,12 +220,12 @@ def _start(directory: str, capacity: str, start_timeout: float) -> LocalPool:
     finally:
         launcher.stdout.close()
     address = lines[1][len(_READY):]
-    record = {"address": address, "pid": pid}
+    record = {"address": address, "pid": pid, "key": _key_digest(key[1])}
     tmp = _record_path(directory) + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f)
     os.replace(tmp, _record_path(directory))
-    return LocalPool(address, pid, True)
+    return LocalPool(address, pid, True, key[0], key[1])
 
 
 def _read_lines(fd: int, count: int, deadline: float) -> list[str]:
@@ -166,10 +249,20 @@ def ensure_local_pool(directory: str | None = None, capacity: str = "2GiB", star
     """The address of the host's shared local pool node under `directory`, started if none answers."""
     directory = directory or default_dir()
     with _locked(directory):
+        key = _read_key(directory)
+        if key is None:
+            key = _make_key(directory)
         record = read_record(directory)
         if record is not None and answers(str(record["address"])):
-            return LocalPool(str(record["address"]), int(record["pid"]), False)
-        started = _start(directory, capacity, start_timeout)
+            if record.get("key") == _key_digest(key[1]):
+                return LocalPool(str(record["address"]), int(record["pid"]), False, key[0], key[1])
+            logger.warning(
+                "the local pool node recorded in %s (pid %s at %s) was not started with this user's current key "
+                "file: stopping it and starting a keyed one", directory, record["pid"], record["address"],
+            )
+            _terminate(int(record["pid"]), 10.0)
+            record = None
+        started = _start(directory, capacity, start_timeout, key)
         if record is not None:
             logger.warning(
                 "the local pool node recorded in %s (pid %s at %s, process %s) does not answer: started a new, "
@@ -217,7 +310,11 @@ def stop_local_pool(directory: str | None = None, timeout: float = 10.0) -> bool
             os.remove(_record_path(directory))
     if record is None:
         return False
-    pid = int(record["pid"])
+    return _terminate(int(record["pid"]), timeout)
+
+
+def _terminate(pid: int, timeout: float) -> bool:
+    """SIGTERM `pid`, SIGKILL after `timeout` seconds; True once it is gone, False when it was not running."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -20,7 +20,7 @@ from ems.integrations.connector_config import (
 def test_defaults_and_every_key(monkeypatch):
     config = ConnectorConfig.from_extra(None)
     assert config.pool_nodes == () and config.local_pool == LocalPoolMode.AUTO and config.timeout_ms == 5000
-    assert config.load_failure_policy == "recompute"
+    assert config.load_failure_policy is None and config.epoch_refresh_s == 5.0  # None: vLLM's own policy stands
     full = ConnectorConfig.from_extra({
         "pool_nodes": "10.0.0.1:7700, 10.0.0.2:7700", "local_pool": "off", "local_pool_dir": "/x",
         "local_pool_capacity": "1GiB", "model_id": "m-1", "timeout_ms": 100, "load_failure_policy": "fail",
@@ -29,11 +29,12 @@ def test_defaults_and_every_key(monkeypatch):
         "device": "cpu",
     })
     assert full.pool_nodes == ("10.0.0.1:7700", "10.0.0.2:7700") and full.local_pool == LocalPoolMode.OFF
-    assert full.resolve_nodes() == full.pool_nodes
-    ems_config = full.ems_config("m-1", "MLA", full.pool_nodes)
+    pool = full.resolve_pool()
+    assert pool.nodes == full.pool_nodes and pool.access_id == "team-a" and not pool.local
+    ems_config = full.ems_config("m-1", "MLA", pool)
     assert ems_config.pool_nodes == ["10.0.0.1:7700", "10.0.0.2:7700"] and ems_config.max_inflight == 4
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
-    assert len(KEYS) == 9 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert len(KEYS) == 10 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
 
@@ -44,8 +45,8 @@ def test_cluster_settings_reach_ems_config_and_etcd_starts_no_local_pool(monkeyp
     config = ConnectorConfig.from_extra(
         {"pool_etcd": "http://127.0.0.1:2379", "pool_cluster": "prod", "pool_replicas": 2, "pool_prefault": 0}
     )
-    assert config.uses_etcd and config.resolve_nodes() == ()  # no local node: membership comes from etcd
-    ems_config = config.ems_config("m", "MHA", config.resolve_nodes())
+    assert config.uses_etcd and config.resolve_pool().nodes == ()  # no local node: membership comes from etcd
+    ems_config = config.ems_config("m", "MHA", config.resolve_pool())
     assert ems_config.pool_etcd == "http://127.0.0.1:2379" and ems_config.pool_cluster == "prod"
     assert ems_config.pool_replicas == 2
     monkeypatch.setenv("EMS_POOL_ETCD", "http://127.0.0.1:2379")
@@ -60,10 +61,10 @@ def test_mooncake_settings_reach_ems_config_and_start_no_local_pool(monkeypatch)
         "mooncake_devices": "mlx5_0", "mooncake_metadata": "http://10.0.0.5:8080/metadata", "pool_replicas": 2,
         "mooncake_segment": "4GiB", "mooncake_buffer": "256MiB", "mooncake_hostname": "10.0.0.9",
     })
-    assert config.uses_mooncake and config.resolve_nodes() == ()  # no local node: the pool is Mooncake's
+    assert config.uses_mooncake and config.resolve_pool().nodes == ()  # no local node: the pool is Mooncake's
     from ems.config import resolve_settings
 
-    settings = resolve_settings(config.ems_config("m", "MHA", config.resolve_nodes()))
+    settings = resolve_settings(config.ems_config("m", "MHA", config.resolve_pool()))
     assert settings.pool_backend.value == "mooncake" and settings.pool_replicas == 2 and not settings.embedded
     moon = settings.mooncake
     assert moon is not None and moon.master == "10.0.0.5:50051" and moon.protocol == "rdma"
@@ -76,13 +77,13 @@ def test_mooncake_settings_reach_ems_config_and_start_no_local_pool(monkeypatch)
 def test_equal_configs_for_every_process():
     a = ConnectorConfig.from_extra({"local_pool": "off", "max_inflight": 2})
     b = ConnectorConfig.from_extra({"local_pool": "off", "max_inflight": 2})
-    assert a.ems_config("m", "MHA", ()) == b.ems_config("m", "MHA", ())
-    assert a.resolve_nodes() == ()  # off: embedded
+    assert a.ems_config("m", "MHA", a.resolve_pool()) == b.ems_config("m", "MHA", b.resolve_pool())
+    assert a.resolve_pool().nodes == ()  # off: embedded
 
 
 @pytest.mark.parametrize("extra", [
     {"nonsense": 1}, {"local_pool": "maybe"}, {"timeout_ms": -1}, {"timeout_ms": True},
-    {"load_failure_policy": "ignore"}, {"model_id": "Bad Id"}, {"pool_nodes": 7},
+    {"load_failure_policy": "ignore"}, {"model_id": "Bad Id"}, {"pool_nodes": 7}, {"epoch_refresh_s": 0},
 ])
 def test_bad_values_name_the_key(extra):
     with pytest.raises(EmsException) as info:
@@ -92,11 +93,14 @@ def test_bad_values_name_the_key(extra):
 
 
 def test_model_ids():
-    a = derive_model_id("/models/Llama-3.1-8B-Instruct/", None, "bfloat16", "auto", 32)
-    assert a == derive_model_id("/models/Llama-3.1-8B-Instruct/", None, "bfloat16", "auto", 32)
-    assert a != derive_model_id("/models/Llama-3.1-8B-Instruct/", None, "bfloat16", "fp8", 32)
+    parts = {"dtype": "bfloat16", "kv_cache_dtype": "auto", "block_size": "32"}
+    a = derive_model_id("/models/Llama-3.1-8B-Instruct/", parts)
+    assert a == derive_model_id("/models/Llama-3.1-8B-Instruct/", dict(reversed(parts.items())))  # order-free
+    assert a != derive_model_id("/models/Llama-3.1-8B-Instruct/", {**parts, "kv_cache_dtype": "fp8"})
+    assert a != derive_model_id("/models/Llama-3.1-8B-Instruct/", {**parts, "extra": ""})  # names count too
+    assert a != derive_model_id("/other/Llama-3.1-8B-Instruct/", parts)
     assert a.startswith("llama-3.1-8b-instruct-") and re.fullmatch(r"[0-9a-z._-]{1,512}", a)
-    assert re.fullmatch(r"[0-9a-z._-]{1,512}", derive_model_id("???", 1))
+    assert re.fullmatch(r"[0-9a-z._-]{1,512}", derive_model_id("???", {}))
 
 
 def test_import_ems_never_imports_vllm():

@@ -110,3 +110,116 @@ def test_a_node_that_cannot_start_is_reported(tmp_path):
         ensure_local_pool(directory, "not-a-size", start_timeout=60)
     assert err.value.status_code() == EmsErrorCode.EMS_IO_ERROR and "pool.log" in err.value.message()
     assert read_record(directory) is None
+
+
+# ---------------------------------------------------------------- the per-user key
+
+USER_CODE = """
+import sys, torch
+from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException, KvBufferWrapper, PrimaryKey
+address, key_path, access_id, access_key = sys.argv[1:5]
+try:
+    open(key_path).read()
+    print("read-key")
+except OSError:
+    print("no-key")
+buf = torch.arange(64, dtype=torch.uint8)
+try:
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_nodes=[address],
+                       access_id=access_id or None, access_key=access_key or None, connect_timeout_ms=2000))
+    ok = Ems.get_cc().save(CcKvOption(timeout=2000), [PrimaryKey("d", "a")], [[KvBufferWrapper(buf.data_ptr(), 64)]])
+    print("saved" if ok.success == 1 else "refused")
+except EmsException as exc:
+    print("refused", exc.status_code().name)
+"""
+
+
+def client(node, directory: str, access_id: str = "", access_key: str = "") -> list[str]:
+    """A separate process that tries to read the key file and to save one value."""
+    proc = subprocess.run(
+        [sys.executable, "-c", USER_CODE, node.address, os.path.join(directory, "pool.key"), access_id, access_key],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
+def test_the_node_serves_only_clients_with_this_users_key(tmp_path):
+    directory = str(tmp_path / "pool")
+    try:
+        node = ensure_local_pool(directory, "16MiB")
+        info = os.stat(os.path.join(directory, "pool.key"))
+        assert info.st_mode & 0o777 == 0o600 and info.st_uid == os.getuid()
+        assert os.stat(directory).st_mode & 0o777 == 0o700
+        assert node.access_id == f"local-{os.getuid()}" and len(node.access_key) >= 32
+        with open(f"/proc/{node.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert b"--keys-file" in argv and node.access_key.encode() not in b" ".join(argv)  # never on the command line
+        assert repr(node).count(node.access_key) == 0
+        # this user's processes (the key file) are served; a process without the key, or with a guessed one, is not
+        assert client(node, directory, node.access_id, node.access_key) == ["read-key", "saved"]
+        assert client(node, directory)[1] == "refused"
+        assert client(node, directory, node.access_id, "A" * 64)[1] == "refused"
+        # a second engine of this user finds the same node and the same key
+        again = ensure_local_pool(directory, "16MiB")
+        assert (again.address, again.access_key) == (node.address, node.access_key) and not again.started
+    finally:
+        stop_local_pool(directory)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_cannot_read_the_key(tmp_path):
+    """Another user's process cannot read the key file (0600 in a 0700 folder), and without the key the node
+    refuses it (the test above): it can neither read nor plant blocks."""
+    os.chmod(tmp_path, 0o755)  # the test's own folder: let `nobody` reach the pool folder's parent
+    directory = str(tmp_path / "pool")
+    nobody = 65534
+    try:
+        ensure_local_pool(directory, "16MiB")
+        for path in (os.path.join(directory, "pool.key"), os.path.join(directory, "pool.json")):
+            proc = subprocess.run(["cat", path], capture_output=True, text=True, timeout=30,
+                                  preexec_fn=lambda: (os.setgid(nobody), os.setuid(nobody)))
+            assert proc.returncode != 0 and "Permission denied" in proc.stderr and not proc.stdout
+        os.chmod(directory, 0o711)  # even with the folder opened for traversal, the file itself is closed
+        proc = subprocess.run(["cat", os.path.join(directory, "pool.key")], capture_output=True, text=True,
+                              timeout=30, preexec_fn=lambda: (os.setgid(nobody), os.setuid(nobody)))
+        assert proc.returncode != 0 and "Permission denied" in proc.stderr
+    finally:
+        stop_local_pool(directory)
+
+
+def test_a_folder_of_another_user_or_open_to_others_is_not_trusted(tmp_path):
+    lax = tmp_path / "lax"
+    lax.mkdir(mode=0o777)
+    os.chmod(lax, 0o777)
+    try:
+        ensure_local_pool(str(lax), "16MiB")
+        assert os.stat(lax).st_mode & 0o777 == 0o700  # ours: closed
+    finally:
+        stop_local_pool(str(lax))
+    link = tmp_path / "link"
+    link.symlink_to(lax)
+    with pytest.raises(EmsException) as err:
+        ensure_local_pool(str(link), "16MiB")
+    assert err.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT and "local_pool_dir" in err.value.message()
+    if os.getuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+        with pytest.raises(EmsException, match="not a directory owned by this user"):
+            ensure_local_pool(str(foreign), "16MiB")
+
+
+def test_a_node_without_the_current_key_is_replaced(tmp_path, caplog):
+    directory = str(tmp_path)
+    try:
+        first = ensure_local_pool(directory, "16MiB")
+        os.remove(os.path.join(directory, "pool.key"))  # a new key: the running node does not know it
+        with caplog.at_level(logging.WARNING, logger="ems.integrations"):
+            second = ensure_local_pool(directory, "16MiB")
+        assert second.started and second.access_key != first.access_key and not answers(first.address)
+        assert any("current key file" in r.getMessage() for r in caplog.records)
+        record = read_record(directory)
+        assert record is not None and first.access_key not in json.dumps(record)  # the record holds a digest
+    finally:
+        stop_local_pool(directory)

@@ -58,11 +58,11 @@ def setup(tmp_path_factory):
 
 
 def engine(setup, name: str, rounds, connector: bool = True, multiprocessing: bool = False, before_round=None,
-           extra=None) -> dict:
+           extra=None, **settings) -> dict:
     spec = {
         "model": setup["model"], "prompts": setup["prompts"], "rounds": rounds, "connector": connector,
         "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000, **(extra or {})}, "num_blocks": 48,
-        "max_tokens": 6, "before_round": before_round or {},
+        "max_tokens": 6, "before_round": before_round or {}, "kv_load_failure_policy": "recompute", **settings,
     }
     spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
@@ -120,10 +120,38 @@ def test_second_engine_serves_prefixes_from_the_pool(setup, reference):
     assert worker["load_bytes"] > 0 and worker["save_blocks"] > 0  # prompts 3 and 4's new blocks
 
 
+def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_miss(setup, reference):
+    """Engine D runs the model with another rope_theta (hf_overrides) on the pool engines A and B filled: it loads
+    nothing of theirs. After `reset_prefix_cache(reset_connector=True)` it loads nothing of its own either. Engine E
+    (the model's own config) resets the model's namespace: A's and B's blocks miss from then on, what E saves after
+    the reset is served again; engine F, started after the reset, sees E's epoch (the record is in the pool)."""
+    prompts = setup["prompts"]
+    d = engine(setup, "d", [[0, 2], [0]], hf_overrides={"rope_theta": 5000.0},
+               before_round={"1": {"reset_connector": True}})
+    assert [r["num_cached_tokens"] for r in d["rounds"][0]] == [0, 0]  # A's and B's blocks are not D's
+    assert d["rounds"][1][0]["num_cached_tokens"] == 0  # D saved prompt 0, then reset: a miss, not a load
+    worker, scheduler = d["stats"]["worker"], d["stats"]["scheduler"]
+    assert worker["load_blocks"] == 0 and scheduler["lookup_hit_blocks"] == 0 and worker["save_blocks"] > 0
+    e = engine(setup, "e", [[0], [0], [0]],
+               before_round={"0": {"reset_connector": True}, "2": {"reset_prefix_cache": True}})
+    first, again, from_pool = (r[0] for r in e["rounds"])
+    assert first["num_cached_tokens"] == 0  # A saved prompt 0 before the reset: a miss now
+    assert again["num_cached_tokens"] == full_blocks(len(prompts[0]))  # vLLM's own prefix cache
+    assert from_pool["num_cached_tokens"] == full_blocks(len(prompts[0]))  # E's save, in the new epoch
+    assert e["stats"]["worker"]["load_blocks"] == full_blocks(len(prompts[0])) // BLOCK
+    for r in (first, again, from_pool):
+        assert r["tokens"] == reference[0]
+    f = engine(setup, "f", [[0, 2]])
+    assert f["rounds"][0][0]["num_cached_tokens"] == full_blocks(len(prompts[0]))  # E's epoch
+    assert f["rounds"][0][1]["num_cached_tokens"] == 0  # A saved prompt 2 before E's reset
+    assert [r["tokens"] for r in f["rounds"][0]] == [reference[0], reference[2]]
+
+
 def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, reference):
     """Engine C on an emptied pool computes everything; then (prefix cache reset) the scheduler finds prompt 0's
     blocks in the pool, the node is killed just before the worker loads them: the load reports every promised
-    block as failed and vLLM recomputes them; later requests see a dead pool as misses. Outputs stay exact."""
+    block as failed and vLLM recomputes them (the top-level kv_load_failure_policy "recompute" of the user);
+    later requests see a dead pool as misses. Outputs stay exact."""
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
     prompts = setup["prompts"]
@@ -145,6 +173,11 @@ def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, r
     assert third[0]["num_cached_tokens"] == 0 and third[1]["num_cached_tokens"] == 0  # dead pool: misses
     assert third[2]["num_cached_tokens"] == 3 * BLOCK  # engine C's own prefix cache (prompt 0, recomputed)
     assert worker["save_failed_blocks"] > 0  # saves after the kill failed, quietly
+    # every full prompt block computed here is saved (or tried) once: prompts 0 and 2, then prompt 0's promised
+    # blocks again (they were recomputed after the failed load), then prompts 5 and 4 (3: vLLM's own cache)
+    computed = [len(prompts[0]) // BLOCK, len(prompts[2]) // BLOCK, promised, len(prompts[5]) // BLOCK,
+                len(prompts[4]) // BLOCK]
+    assert worker["save_blocks"] + worker["save_failed_blocks"] == sum(computed)
 
 
 def test_engines_share_prefixes_through_a_mooncake_store(setup, reference, mooncake):

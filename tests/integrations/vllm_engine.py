@@ -3,10 +3,12 @@
     python tests/integrations/vllm_engine.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
-       "extra": {kv_connector_extra_config}, "num_blocks": int, "max_model_len": int,
+       "extra": {kv_connector_extra_config}, "kv_load_failure_policy": str (top level; default: vLLM's),
+       "hf_overrides": {...}, "num_blocks": int, "max_model_len": int,
        "rounds": [[prompt indexes], ...] (default: one round with every prompt),
-       "before_round": {"<round index>": {"reset_prefix_cache": bool, "kill_pid": pid,
+       "before_round": {"<round index>": {"reset_prefix_cache": bool, "reset_connector": bool, "kill_pid": pid,
                                           "kill_pid_at_next_load": pid}}}
+  reset_connector: `llm.reset_prefix_cache(reset_connector=True)` (vLLM's and the connector's caches).
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
   start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
   load fails and vLLM must recompute (single-process mode only).
@@ -72,12 +74,16 @@ def run(spec: dict) -> dict:
 
     kwargs: dict = {}
     if spec.get("connector", True):
+        policy = {"kv_load_failure_policy": spec["kv_load_failure_policy"]} if "kv_load_failure_policy" in spec else {}
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="EmsConnector",
             kv_connector_module_path="ems.integrations.vllm",
             kv_role="kv_both",
             kv_connector_extra_config=spec.get("extra", {}),
+            **policy,
         )
+    if spec.get("hf_overrides"):
+        kwargs["hf_overrides"] = spec["hf_overrides"]
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -100,6 +106,8 @@ def run(spec: dict) -> dict:
         before = spec.get("before_round", {}).get(str(r), {})
         if before.get("reset_prefix_cache") and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
+        if before.get("reset_connector") and not llm.reset_prefix_cache(reset_connector=True):
+            raise RuntimeError("vLLM (or the connector) refused to reset its caches")
         if before.get("kill_pid"):
             kill(int(before["kill_pid"]))
         if before.get("kill_pid_at_next_load"):

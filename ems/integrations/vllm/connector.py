@@ -5,18 +5,29 @@ Load it with
 "kv_role":"kv_both","kv_connector_extra_config":{...}}'` (keys: `ems.integrations.connector_config`).
 
 Contract:
+* Namespace: the `model_id` is derived from everything that decides a block's bytes (`namespace`), so engines
+  that differ there never share a block; within it, every key is hashed with the model's current epoch
+  (`ems.integrations.epoch`, a record in the pool). `reset_cache` (vLLM's `reset_prefix_cache(reset_connector=
+  True)`) writes a new epoch: every earlier block misses from then on, for this engine at once and for every other
+  engine of the model within `epoch_refresh_s` (the scheduler re-reads the record on a daemon thread). Requests
+  admitted before a reset save nothing more.
+* Refused at start (`engine_checks`): pipeline or context parallelism, several KV cache groups, non-full-attention
+  caches. vLLM's top-level `kv_load_failure_policy` is the user's and stands; the extra-config key
+  `load_failure_policy` applies only over vLLM's default.
 * Scheduler side: `get_num_new_matched_tokens` asks the pool (`exists`, one call, every TP rank's keys) for the
   request's full prompt blocks after the local prefix-cache hit, by vLLM's own `request.block_hashes`, and never
   claims the block holding the last prompt token (vLLM must compute at least one token). Loads are synchronous
   (before the forward pass); `update_state_after_alloc` records them, `build_connector_meta` sends the loads and
-  the full prompt blocks computed by this step (each block once per request) to the workers.
+  the full prompt blocks computed by this step (each block once per request, again when vLLM recomputes blocks
+  after a failed load) to the workers.
 * Worker side: `register_kv_caches` registers each layer's tensor as two planes whose rows are whole vLLM blocks
-  (`kv_layouts`), `start_load_kv` loads, `wait_for_save` starts `async_save`s (they return once the blocks are
-  copied out, so vLLM may reuse the blocks at once, and `request_finished` never holds blocks). Blocks promised
-  but not loaded are reported by `get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets
-  vLLM's `kv_load_failure_policy` to `load_failure_policy`, "recompute" by default): never a wrong prefix.
+  (`kv_layouts`) and checks that the layers use the attention backend the namespace names; `start_load_kv`
+  loads, `wait_for_save` starts `async_save`s (they return once the blocks are copied out, so vLLM may reuse the
+  blocks at once, and `request_finished` never holds blocks). Blocks promised but not loaded are reported by
+  `get_block_ids_with_load_errors` (vLLM recomputes them or fails the request, by its policy), and nothing the
+  request computed in that step is saved: never a wrong prefix, in the engine or in the pool.
 * TP: each rank saves its shard under rank-tagged keys; a lookup hits only where every rank has the block. MLA:
-  one shared key per block, saved by rank 0. Pipeline parallelism and several KV cache groups are refused.
+  one shared key per block, saved by rank 0.
 * `get_kv_connector_stats`: `EmsConnectorStats` (lookup hits/misses from the scheduler; blocks, bytes, seconds
   loaded and saved from the workers; `reduce()` adds GB/s).
 """
@@ -41,6 +52,9 @@ from ems import CcKvOption, Ems
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, StatsSink, TransferStats, lookup
 from ems.integrations.connector_config import ConnectorConfig, derive_model_id
+from ems.integrations.epoch import EpochRecord
+from ems.integrations.vllm.engine_checks import apply_failure_policy, check_supported
+from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,6 +79,7 @@ class BlockTransfer:
     req_id: str
     block_ids: list[int]
     hashes: list[bytes]
+    epoch: bytes = b""  # the namespace epoch the request was admitted in (`ems.integrations.epoch`)
 
 
 @dataclass
@@ -96,6 +111,45 @@ class _RequestState:
     request: Request
     block_ids: list[int]
     next_save: int  # index of the first prompt block not yet saved (or known to be in the pool)
+    epoch: bytes  # the epoch it was admitted in: after a reset its blocks (old KV) are never saved
+
+
+class _EpochWatch:
+    """The scheduler's view of the namespace epoch: read at start, on reset, and every `refresh_s` seconds by a
+    daemon thread (never on the scheduler's step), so that a reset by another engine reaches this one."""
+
+    def __init__(self, record: EpochRecord, refresh_s: float) -> None:
+        self._record = record
+        self._lock = threading.Lock()
+        self._epoch = record.current().epoch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(refresh_s,), name="ems-epoch", daemon=True)
+        self._thread.start()
+
+    @property
+    def epoch(self) -> bytes:
+        with self._lock:
+            return self._epoch
+
+    def _run(self, refresh_s: float) -> None:
+        while not self._stop.wait(refresh_s):
+            read = self._record.current()
+            if read.ok:
+                with self._lock:
+                    if read.epoch != self._epoch:
+                        logger.info("EmsConnector: the namespace epoch changed (a reset): earlier blocks now miss")
+                    self._epoch = read.epoch
+
+    def reset(self) -> bool:
+        epoch = self._record.reset()
+        if epoch is None:
+            return False
+        with self._lock:
+            self._epoch = epoch
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -119,30 +173,24 @@ class EmsConnector(KVConnectorBase_V1):
             raise ValueError("EmsConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._config = ConnectorConfig.from_extra(extra)
-        parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError("EmsConnector does not support pipeline parallelism yet (pipeline_parallel_size > 1)")
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"EmsConnector supports one KV cache group, this model has {len(groups)} (hybrid model)")
+        check_supported(vllm_config, kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         hash_block_size = int(kv_cache_config.hash_block_size or self._block_size)
-        if self._block_size % hash_block_size:
-            raise ValueError(f"block size {self._block_size} is not a multiple of the hash block size {hash_block_size}")
         self._hash_stride = self._block_size // hash_block_size
-        self._tp_size = int(parallel.tensor_parallel_size)
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._mla = bool(vllm_config.model_config.use_mla)
         self._option = CcKvOption(timeout=self._config.timeout_ms)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._layer_names = sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order)
         self._shapes = [self._spec_shape(name) for name in self._layer_names]
         self._stats = StatsSink()
-        model = vllm_config.model_config
+        self._backend = predicted_backend(vllm_config, kv_cache_config)
         model_id = self._config.model_id or derive_model_id(
-            model.model, model.revision, model.dtype, vllm_config.cache_config.cache_dtype, self._block_size
+            str(vllm_config.model_config.model), namespace_parts(vllm_config, kv_cache_config)
         )
-        nodes = self._config.resolve_nodes()
-        Ems.init(self._config.ems_config(model_id, "MLA" if self._mla else "MHA", nodes))
+        self.model_id = model_id
+        pool = self._config.resolve_pool()
+        Ems.init(self._config.ems_config(model_id, "MLA" if self._mla else "MHA", pool))
         cc = Ems.get_cc()
         if cc is None:
             raise RuntimeError("Ems.init gave no ContextCaching")
@@ -151,21 +199,28 @@ class EmsConnector(KVConnectorBase_V1):
         self._lookups: dict[str, tuple[int, int, int]] = {}  # req_id -> (start block, hit blocks, asked blocks)
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
+        self._epoch_watch: _EpochWatch | None = None
         # worker state
         self._mover: BlockMover | None = None
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed in this step
         if role == KVConnectorRole.SCHEDULER:
-            self._kv_transfer_config.kv_load_failure_policy = self._config.load_failure_policy
+            apply_failure_policy(self._kv_transfer_config, self._config.load_failure_policy)
+            self._epoch_watch = _EpochWatch(EpochRecord(cc, self._config.timeout_ms), self._config.epoch_refresh_s)
         logger.info(
-            "EmsConnector (%s): pool %s, model_id %s, %d layers, block %d tokens, %d B/block, tp %d%s",
+            "EmsConnector (%s): pool %s%s, model_id %s, %d layers, block %d tokens, %d B/block, tp %d%s, "
+            "attention %s, load failures: %s",
             role.name,
-            ",".join(nodes) or "embedded",
+            ",".join(pool.nodes) or "embedded",
+            " (local node, this user's key)" if pool.local else "",
             model_id,
             len(self._layer_names),
             self._block_size,
             sum(s.block_bytes for s in self._shapes),
             self._tp_size,
             ", MLA" if self._mla else "",
+            self._backend,
+            self._kv_transfer_config.kv_load_failure_policy,
         )
 
     def _spec_shape(self, layer: str) -> kv_layouts.PlaneShape:
@@ -201,9 +256,13 @@ class EmsConnector(KVConnectorBase_V1):
             self._lookups[request.request_id] = (start, 0, 0)  # nothing to ask; saves start after the local hit
             return 0, False
         self._ensure_lookup_layout()
-        hits = lookup(self._cc, self._hashes(request)[start:full], self._tp_size, self._mla, self._option)
+        hits = lookup(self._cc, self._hashes(request)[start:full], self._tp_size, self._mla, self._option,
+                      epoch=self._current_epoch())
         self._lookups[request.request_id] = (start, hits, full - start)
         return hits * self._block_size, False
+
+    def _current_epoch(self) -> bytes:
+        return self._epoch_watch.epoch if self._epoch_watch is not None else b""
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -212,13 +271,22 @@ class EmsConnector(KVConnectorBase_V1):
         if asked:
             self._stats.add(lookup_hit_blocks=loaded, lookup_miss_blocks=asked - loaded)
         block_ids = list(blocks.get_block_ids()[0])
+        epoch = self._current_epoch()
         if loaded > 0:
             hashes = self._hashes(request)
-            self._loads[rid] = BlockTransfer(rid, block_ids[start : start + loaded], hashes[start : start + loaded])
-        self._requests[rid] = _RequestState(request, block_ids, start + loaded)
+            self._loads[rid] = BlockTransfer(
+                rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch
+            )
+        self._requests[rid] = _RequestState(request, block_ids, start + loaded, epoch)
 
-    def _add_saves(self, meta: EmsConnectorMetadata, state: _RequestState, computed_after_step: int) -> None:
+    def _add_saves(
+        self, meta: EmsConnectorMetadata, state: _RequestState, computed_before: int, computed_after_step: int
+    ) -> None:
         request = state.request
+        # fewer tokens computed than saved: a load failed and vLLM recomputes them (or a preemption): save again
+        state.next_save = min(state.next_save, computed_before // self._block_size)
+        if state.epoch != self._current_epoch():  # admitted before a reset: its KV may be the old weights' KV
+            return
         upto = min(
             computed_after_step // self._block_size,
             request.num_prompt_tokens // self._block_size,
@@ -227,7 +295,9 @@ class EmsConnector(KVConnectorBase_V1):
         )
         if upto > state.next_save:
             hashes = self._hashes(request)[state.next_save : upto]
-            meta.saves.append(BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes))
+            meta.saves.append(
+                BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch)
+            )
             state.next_save = upto
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -240,7 +310,7 @@ class EmsConnector(KVConnectorBase_V1):
             state.block_ids = list(new.block_ids[0])
             if (load := self._loads.pop(new.req_id, None)) is not None:
                 meta.loads.append(load)
-            self._add_saves(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._add_saves(meta, state, new.num_computed_tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self._requests.get(rid)
@@ -253,7 +323,8 @@ class EmsConnector(KVConnectorBase_V1):
                 state.block_ids.extend(new_ids[0])
             if (load := self._loads.pop(rid, None)) is not None:
                 meta.loads.append(load)
-            self._add_saves(meta, state, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+            computed = cached.num_computed_tokens[i]
+            self._add_saves(meta, state, computed, computed + scheduled.get(rid, 0))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -262,6 +333,20 @@ class EmsConnector(KVConnectorBase_V1):
         self._loads.pop(rid, None)
         self._lookups.pop(rid, None)
         return False, None  # saves copied the blocks out already: vLLM may free them now
+
+    def reset_cache(self) -> bool:
+        """`llm.reset_prefix_cache(reset_connector=True)`: a new namespace epoch in the pool, so every block saved
+        before is a miss from now on for this engine and, within `epoch_refresh_s`, every other engine of the
+        model. Requests admitted before the reset save nothing more. False when the pool did not take it."""
+        if self._epoch_watch is None:
+            return False
+        if not self._epoch_watch.reset():
+            logger.warning("EmsConnector reset_cache: the pool did not take the new epoch; nothing was reset")
+            return False
+        self._loads.clear()
+        self._lookups.clear()
+        logger.info("EmsConnector reset_cache: new namespace epoch; every earlier block now misses")
+        return True
 
     # ------------------------------------------------------------------ worker side
 
@@ -277,6 +362,7 @@ class EmsConnector(KVConnectorBase_V1):
                 f"KV cache tensors ({shapes[0]}, ...) do not match vLLM's KV cache spec ({self._shapes[0]}, ...): "
                 "the scheduler could not address this worker's blocks"
             )
+        self._check_backend()
         with _registered_lock:
             self._cc.register_kvcache([list(p) for p in planes], kv_layouts.store_groups(shapes))
             _registered = "worker"
@@ -295,15 +381,33 @@ class EmsConnector(KVConnectorBase_V1):
             stats=self._stats,
         )
 
+    def _check_backend(self) -> None:
+        """The namespace names the backend predicted from the KV cache spec (the scheduler holds no layers): the
+        layers must really use it, or blocks would be shared between engines whose bytes differ."""
+        context = self._vllm_config.compilation_config.static_forward_context
+        used = {
+            str(layer.attn_backend.get_name())
+            for name in self._layer_names
+            if (layer := context.get(name)) is not None and getattr(layer, "attn_backend", None) is not None
+        }
+        if used and used != {self._backend}:
+            raise ValueError(
+                f"EmsConnector: the attention layers use {sorted(used)}, but the KV cache spec predicts "
+                f"{self._backend!r} (the key namespace names it): set attention_config.backend explicitly"
+            )
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._mover is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, EmsConnectorMetadata):
             return
+        self._failed_loads = set()
         for load in meta.loads:
-            outcome = self._mover.load(load.block_ids, load.hashes)
-            self._load_errors.update(outcome.failed_block_ids)
+            outcome = self._mover.load(load.block_ids, load.hashes, load.epoch)
+            if outcome.failed_block_ids:
+                self._load_errors.update(outcome.failed_block_ids)
+                self._failed_loads.add(load.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -320,7 +424,10 @@ class EmsConnector(KVConnectorBase_V1):
         if not isinstance(meta, EmsConnectorMetadata):
             return
         for save in meta.saves:
-            self._mover.save_async(save.block_ids, save.hashes)
+            # a request whose load failed this step computed on top of missing KV: nothing of it is saved (vLLM
+            # recomputes from the first failed block, and the scheduler then saves those blocks again)
+            if save.req_id not in self._failed_loads:
+                self._mover.save_async(save.block_ids, save.hashes, save.epoch)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -339,5 +446,7 @@ class EmsConnector(KVConnectorBase_V1):
         return self._stats.totals()
 
     def shutdown(self) -> None:
+        if self._epoch_watch is not None:
+            self._epoch_watch.close()
         if self._mover is not None and not self._mover.wait(timeout=30.0):
             logger.warning("EmsConnector shutdown: %d saves still pending after 30 s", self._mover.pending())

@@ -1,0 +1,82 @@
+"""The namespace's epoch: one small well-known record per model in the pool, so that a reset reaches every engine.
+
+Contract (no engine imports):
+* The record is the V0 key `EPOCH_KEY` in the model's namespace (`Ems.init`'s `model_id`, and the tenant), so
+  every engine of one model on one pool reads the same record and engines of other models never see it. Its value
+  is 16 random bytes, the key with which `block_transfer` hashes every block key of that epoch.
+* `EpochRecord.current()` reads the record; when it is missing (a new pool, or the record was evicted) it writes a
+  fresh random epoch and reads it back, so engines that race converge on the last one written (a loser only
+  misses what it saved before it learnt the winner). A random epoch, never a counter: a record lost to eviction
+  never brings back an old epoch's blocks. A pool that cannot be read gives a private random epoch (only misses)
+  and `ok=False`, to be read again later.
+* `EpochRecord.reset()` writes a fresh random epoch: from then on every block saved before is a miss for every
+  engine that reads the record. Returns the new epoch, or None when the pool did not take the write (the caller
+  reports the reset as failed).
+* Writes never go to the client's local read cache (`write_rcache=False`), so a read always asks the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from ems import CcKvOption, ContextCaching, EmsException, KvBufferWrapper, PrimaryKey
+
+logger = logging.getLogger("ems.integrations")
+
+EPOCH_BYTES = 16
+EPOCH_KEY = PrimaryKey(distribute_key="ems-integrations-epoch", attribute_key="v1")
+
+
+def new_epoch() -> bytes:
+    return secrets.token_bytes(EPOCH_BYTES)
+
+
+@dataclass(frozen=True)
+class EpochRead:
+    epoch: bytes
+    ok: bool  # False: the pool could not be read; `epoch` is a private one
+
+
+class EpochRecord:
+    """Reads and writes one model's epoch record (see the module contract)."""
+
+    def __init__(self, cc: ContextCaching, timeout_ms: int = 5000) -> None:
+        self._cc = cc
+        self._option = CcKvOption(write_rcache=False, timeout=timeout_ms)
+        self._buffer = torch.zeros(EPOCH_BYTES, dtype=torch.uint8)
+
+    def _wrapper(self) -> list[list[KvBufferWrapper]]:
+        return [[KvBufferWrapper(self._buffer.data_ptr(), EPOCH_BYTES)]]
+
+    def read(self) -> bytes | None:
+        """The recorded epoch, or None when there is none; raises EmsException when the pool cannot be read."""
+        self._buffer.zero_()
+        result = self._cc.load(self._option, [EPOCH_KEY], self._wrapper())
+        return bytes(self._buffer.numpy().tobytes()) if result.success == 1 else None
+
+    def write(self, epoch: bytes) -> bool:
+        self._buffer.copy_(torch.frombuffer(bytearray(epoch[:EPOCH_BYTES]), dtype=torch.uint8))
+        try:
+            return self._cc.save(self._option, [EPOCH_KEY], self._wrapper()).success == 1
+        except EmsException as exc:
+            logger.warning("could not write the namespace epoch: %s", exc.message())
+            return False
+
+    def current(self) -> EpochRead:
+        try:
+            epoch = self.read()
+            if epoch is None:
+                self.write(new_epoch())
+                epoch = self.read()
+        except EmsException as exc:
+            logger.warning("could not read the namespace epoch (pool down?): using a private one: %s", exc.message())
+            return EpochRead(new_epoch(), False)
+        return EpochRead(epoch, True) if epoch is not None else EpochRead(new_epoch(), False)
+
+    def reset(self) -> bytes | None:
+        epoch = new_epoch()
+        return epoch if self.write(epoch) else None

@@ -1,0 +1,62 @@
+"""epoch: one record per model namespace in the pool; a reset by one client is what every later reader of that
+model sees, other models are untouched, and keys of two epochs never meet. Against a real local pool node (with
+this user's key), each "engine" its own `Ems` client."""
+
+from __future__ import annotations
+
+import pytest
+
+from ems import CcConfig_v1, Ems, EmsConfig
+from ems.integrations.block_transfer import block_keys, lookup_keys
+from ems.integrations.epoch import EPOCH_BYTES, EpochRecord
+from ems.integrations.local_pool import LocalPool, ensure_local_pool, stop_local_pool
+
+
+@pytest.fixture
+def node(tmp_path):
+    pool = ensure_local_pool(str(tmp_path), "16MiB")
+    yield pool
+    stop_local_pool(str(tmp_path))
+
+
+def record(pool: LocalPool, model_id: str) -> EpochRecord:
+    """A fresh client of `model_id` on the node (as a new engine process would be)."""
+    Ems.shutdown()
+    Ems.init(EmsConfig(access_id=pool.access_id, access_key=pool.access_key, pool_nodes=[pool.address],
+                       cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id=model_id)))
+    cc = Ems.get_cc()
+    assert cc is not None
+    return EpochRecord(cc, timeout_ms=3000)
+
+
+def test_one_epoch_per_model_and_a_reset_reaches_every_later_reader(node):
+    first = record(node, "m1").current()
+    assert first.ok and len(first.epoch) == EPOCH_BYTES
+    assert record(node, "m1").current() == first  # a second engine of the model: the same epoch
+    other = record(node, "m2").current()
+    assert other.ok and other.epoch != first.epoch  # another model: its own record
+    new = record(node, "m1").reset()
+    assert new is not None and new != first.epoch
+    assert record(node, "m1").current().epoch == new
+    assert record(node, "m2").current() == other  # untouched
+
+
+def test_an_unreachable_pool_gives_a_private_epoch(node, tmp_path):
+    reader = record(node, "m1")
+    shared = reader.current()
+    assert stop_local_pool(str(tmp_path))  # the node goes away under a live client
+    lost, again = reader.current(), reader.current()
+    assert not lost.ok and not again.ok and len({shared.epoch, lost.epoch, again.epoch}) == 3
+    assert reader.reset() is None  # a reset the pool did not take is reported, not assumed
+
+
+def test_keys_of_two_epochs_never_meet():
+    hashes = [bytes([i]) * 32 for i in range(64)]
+    a, b = b"\x01" * EPOCH_BYTES, b"\x02" * EPOCH_BYTES  # structured epochs and hashes: still never the same key
+    for tp_size, shared in ((1, False), (4, False), (2, True)):
+        keys_a = set(lookup_keys(hashes, tp_size, shared, a))
+        keys_b = set(lookup_keys(hashes, tp_size, shared, b))
+        assert not keys_a & keys_b and len(keys_a) == len(hashes) * (1 if shared else tp_size)
+    assert block_keys(hashes, 0, 1, False, b"") == block_keys(hashes, 0, 1, False)  # no epoch: the plain keys
+    ints = list(range(1000))  # int engine hashes (e.g. a 64-bit xxhash): small, structured
+    assert not set(block_keys(ints, 0, 1, False, a)) & set(block_keys(ints, 0, 1, False, b))

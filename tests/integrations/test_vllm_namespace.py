@@ -1,0 +1,151 @@
+"""The vLLM key namespace (`namespace_parts` -> `derive_model_id`) on real vLLM configs of a tiny local model:
+every setting that decides a KV block's bytes gives another model id (so two engines differing there never share a
+block), settings that do not leave it alone; and what the connector refuses or which failure policy applies.
+
+Runs where vllm is importable (CI: `.venv-vllm`); skipped otherwise. No engine is started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYER = "model.layers.0.self_attn.attn"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ns") / "model")
+    subprocess.run(
+        [sys.executable, "-c",
+         f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({path!r})"],
+        check=True, timeout=300, capture_output=True,
+    )
+    return path
+
+
+def kv_cache_config(layout=None, kv_heads=2, block_size=32, dtype=None, spec_cls=None, groups=1):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec_cls = spec_cls or FullAttentionSpec
+    spec = spec_cls(block_size=block_size, num_kv_heads=kv_heads, head_size=32, dtype=dtype or torch.bfloat16)
+    return KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"{LAYER}{g}"], spec) for g in range(groups)], kv_cache_layout=layout,
+    )
+
+
+def vllm_config(model_dir, model=None, cache=None, load=None, attention=None, parallel=None):
+    from vllm.config import AttentionConfig, CacheConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    return VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, **{"dtype": "bfloat16", **(model or {})}),
+        cache_config=CacheConfig(**{"block_size": 32, **(cache or {})}),
+        load_config=LoadConfig(**(load or {})),
+        attention_config=AttentionConfig(**(attention or {})),
+        parallel_config=ParallelConfig(**(parallel or {})),
+    )
+
+
+def model_id(model_dir, kv=None, platform=None, **settings):
+    from ems.integrations.connector_config import derive_model_id
+    from ems.integrations.vllm.namespace import namespace_parts
+
+    return derive_model_id(model_dir, namespace_parts(vllm_config(model_dir, **settings), kv_cache_config(**(kv or {})),
+                                                      platform))
+
+
+# each case differs from the base engine (the model's own config, bf16, block 32, CPU) in one setting that decides
+# the bytes of a block
+BYTE_DECIDING = {
+    "dtype": dict(model={"dtype": "float16"}),
+    "hf_overrides rope_theta": dict(model={"hf_overrides": {"rope_theta": 5000.0}}),
+    "hf_overrides max_position_embeddings": dict(model={"hf_overrides": {"max_position_embeddings": 8192}}),
+    "on-the-fly quantization": dict(model={"quantization": "fp8"}),
+    "kv cache dtype": dict(cache={"cache_dtype": "fp8_e5m2"}),
+    "block size": dict(cache={"block_size": 64}, kv={"block_size": 64}),
+    "dummy weights": dict(load={"load_format": "dummy"}),
+    "model implementation": dict(model={"model_impl": "transformers"}),
+    "revision": dict(model={"revision": "0123abcd"}),
+    "attention backend": dict(attention={"backend": "CPU_ATTN"}),
+    "kv cache layout": dict(kv={"layout": "HND"}),
+    "kv cache spec": dict(kv={"kv_heads": 4}),
+    "platform": dict(platform="cuda/cuda"),
+}
+
+
+def test_every_byte_deciding_setting_changes_the_namespace(model_dir):
+    base = model_id(model_dir)
+    assert base == model_id(model_dir)  # deterministic
+    ids = {"base": base}
+    for name, settings in BYTE_DECIDING.items():
+        ids[name] = model_id(model_dir, **settings)
+        assert ids[name] != base, name
+    assert len(set(ids.values())) == len(ids), "two different settings gave one namespace"
+    # random weights: another seed is another model; a seed does not matter for real weights
+    dummy = dict(load={"load_format": "dummy"})
+    assert model_id(model_dir, **dummy) != model_id(model_dir, model={"seed": 1}, **dummy)
+    assert model_id(model_dir, model={"seed": 1}) == base
+
+
+def test_settings_that_do_not_decide_the_bytes_keep_the_namespace(model_dir):
+    base = model_id(model_dir)
+    assert model_id(model_dir, model={"max_model_len": 512}) == base
+    assert model_id(model_dir, cache={"gpu_memory_utilization": 0.3}) == base
+    assert model_id(model_dir, model={"enforce_eager": True}) == base
+
+
+def test_the_namespace_names_the_backend_vllm_selects(model_dir):
+    from ems.integrations.vllm.namespace import namespace_parts
+
+    parts = namespace_parts(vllm_config(model_dir), kv_cache_config())
+    assert parts["attention_backend"] == "CPU_ATTN" and parts["platform"].startswith("cpu/")
+    assert '"rope_theta": 5000.0' in namespace_parts(
+        vllm_config(model_dir, model={"hf_overrides": {"rope_theta": 5000.0}}), kv_cache_config())["hf_text_config"]
+
+
+def test_unsupported_engines_are_refused_with_a_message(model_dir):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from ems.integrations.vllm.engine_checks import check_supported
+
+    config = vllm_config(model_dir)
+    check_supported(config, kv_cache_config())
+    config.parallel_config.decode_context_parallel_size = 2  # the field as vLLM's argument parsing sets it
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+        check_supported(config, kv_cache_config())
+    config = vllm_config(model_dir)
+    with pytest.raises(ValueError, match="one KV cache group"):
+        check_supported(config, kv_cache_config(groups=2))
+
+    class Windowed(SlidingWindowSpec):
+        def __init__(self, **kwargs):
+            super().__init__(sliding_window=64, **kwargs)
+
+    with pytest.raises(ValueError, match="full-attention"):
+        check_supported(config, kv_cache_config(spec_cls=Windowed))
+
+
+def test_the_users_failure_policy_stands():
+    from vllm.config import KVTransferConfig
+
+    from ems.integrations.vllm.engine_checks import apply_failure_policy
+
+    def transfer(**kwargs):
+        return KVTransferConfig(kv_connector="EmsConnector", kv_role="kv_both", **kwargs)
+
+    explicit = transfer(kv_load_failure_policy="recompute")
+    assert apply_failure_policy(explicit, None) == "recompute" and explicit.kv_load_failure_policy == "recompute"
+    default = transfer()
+    assert apply_failure_policy(default, None) == "fail" and default.kv_load_failure_policy == "fail"
+    assert apply_failure_policy(default, "recompute") == "recompute" and default.kv_load_failure_policy == "recompute"
+    with pytest.raises(ValueError, match="disagree"):
+        apply_failure_policy(transfer(kv_load_failure_policy="recompute"), "fail")
