@@ -11,8 +11,13 @@ Contract (no engine imports):
   BLAKE2b keyed by the epoch, so the keys of one epoch are never the keys of another, whatever the engine's hashes
   (a reset moves to a new random epoch).
 * `BlockMover.load` is synchronous and returns which engine blocks did *not* arrive (a pool that fails, partly or
-  wholly, is reported, never raised: the engine recomputes those blocks). `save_async` returns once the blocks are
-  copied out of the engine's cache (`ContextCaching.async_save`); failures only cost future misses.
+  wholly, is reported, never raised: the engine recomputes those blocks). `start_load` / `poll_load` are the same
+  load asynchronously (`ContextCaching.async_load`): `poll_load` never blocks and gives the `LoadOutcome` once it
+  has finished. `save_async` returns once the blocks are copied out of the engine's cache
+  (`ContextCaching.async_save`); failures only cost future misses.
+* Never blocks on back-pressure: the mover keeps at most `inflight_budget` async calls of its own pending (at most
+  the client's `max_inflight`, whose semaphore would otherwise make the caller wait for a slow pool). A save
+  beyond it is dropped (counted as failed: a later miss) and `start_load` returns None (the caller retries).
 * `TransferStats` counts lookups (hit/miss blocks), loads and saves (blocks, failed blocks, bytes, seconds);
   `drain()` hands over and resets what was counted since the last call. Thread-safe.
 """
@@ -76,6 +81,8 @@ def lookup_keys(hashes: Sequence[EngineHash], tp_size: int, shared: bool, epoch:
 class TransferStats:
     lookup_hit_blocks: int = 0
     lookup_miss_blocks: int = 0
+    lookup_skipped_blocks: int = 0  # not asked: the pool counted as down (`lookup_breaker`)
+    breaker_trips: int = 0
     load_blocks: int = 0
     load_failed_blocks: int = 0
     load_bytes: int = 0
@@ -107,6 +114,8 @@ class TransferStats:
             "hit_blocks": self.lookup_hit_blocks,
             "miss_blocks": self.lookup_miss_blocks,
             "hit_rate": round(self.lookup_hit_blocks / max(1, self.lookup_hit_blocks + self.lookup_miss_blocks), 4),
+            "skipped_blocks": self.lookup_skipped_blocks,
+            "breaker_trips": self.breaker_trips,
             "loaded_blocks": self.load_blocks,
             "load_failed_blocks": self.load_failed_blocks,
             "loaded_bytes": self.load_bytes,
@@ -167,6 +176,13 @@ class LoadOutcome:
     failed_block_ids: list[int]  # engine blocks that were promised but not written
 
 
+@dataclass
+class PendingLoad:
+    block_ids: list[int]
+    future: CcFuture | None  # None: failed to start, or already polled to its end
+    started: float
+
+
 class BlockMover:
     """Loads and saves one rank's whole engine blocks (see the module contract)."""
 
@@ -179,13 +195,16 @@ class BlockMover:
         shared: bool = False,
         option: CcKvOption | None = None,
         stats: StatsSink | None = None,
+        inflight_budget: int = 8,
     ) -> None:
         self._cc = cc
+        self._budget = inflight_budget
         self._block_bytes = block_bytes
         self._tp_rank, self._tp_size, self._shared = tp_rank, tp_size, shared
         self._option = option or CcKvOption()
         self.stats = stats or StatsSink()
         self._pending: set[CcFuture] = set()
+        self._reserved = 0  # async calls of this mover pending (saves and loads)
         self._lock = threading.Lock()
         # MLA: every rank holds the same latent KV; rank 0 alone writes it
         self.saves = not shared or tp_rank == 0
@@ -214,19 +233,72 @@ class BlockMover:
         )
         return LoadOutcome(loaded, list(block_ids[loaded:]))
 
-    def save_async(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> None:
+    def _reserve(self) -> bool:
+        with self._lock:
+            if self._reserved >= self._budget:
+                return False
+            self._reserved += 1
+            return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._reserved -= 1
+
+    def start_load(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> PendingLoad | None:
+        """Start loading; None when the mover's in-flight budget is used up (nothing started: try again later)."""
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
+        if not self._reserve():
+            return None
+        n = len(block_ids)
+        pending = PendingLoad(list(block_ids), None, time.perf_counter())
+        try:
+            pending.future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
+        except EmsException as exc:
+            logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
+            self._release()
+        return pending
+
+    def poll_load(self, pending: PendingLoad) -> LoadOutcome | None:
+        """The outcome of a started load once it has finished (None while it runs); never blocks."""
+        n = len(pending.block_ids)
+        loaded = 0
+        if pending.future is not None:
+            if not self._cc.is_ready(pending.future):
+                return None
+            try:
+                loaded = min(pending.future.result().success, n)
+            except EmsException as exc:
+                logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
+            finally:
+                pending.future = None
+                self._release()
+        self.stats.add(
+            load_blocks=loaded,
+            load_failed_blocks=n - loaded,
+            load_bytes=loaded * self._block_bytes,
+            load_seconds=time.perf_counter() - pending.started if loaded else 0.0,
+        )
+        return LoadOutcome(loaded, list(pending.block_ids[loaded:]))
+
+    def save_async(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> bool:
+        """Start saving (True), or drop the save when the in-flight budget is used up (False: a later miss)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         n = len(block_ids)
         if n == 0 or not self.saves:
-            return
+            return True
+        if not self._reserve():
+            self.stats.add(save_failed_blocks=n)
+            return False
         start = time.perf_counter()
         try:
             future = self._cc.async_save(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
         except EmsException as exc:
             logger.warning("save of %d blocks failed (later lookups miss them): %s", n, exc.message())
             self.stats.add(save_failed_blocks=n)
-            return
+            self._release()
+            return False
         with self._lock:
             self._pending.add(future)
 
@@ -245,8 +317,10 @@ class BlockMover:
             )
             with self._lock:
                 self._pending.discard(f)
+                self._reserved -= 1
 
         future.add_done_callback(done)
+        return True
 
     def pending(self) -> int:
         with self._lock:

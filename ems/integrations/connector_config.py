@@ -17,6 +17,9 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | timeout_ms          | 5000                       | `CcKvOption.timeout` of every lookup, load and save           |
 | load_failure_policy | none                       | vLLM's `kv_load_failure_policy` when the top level leaves vLLM's default |
 | epoch_refresh_s     | 5.0                        | how often the scheduler re-reads the namespace epoch (reset)  |
+| lookup_timeout_ms   | 500                        | the scheduler's lookup timeout: the most a hung node costs a step |
+| breaker_cooldown_s  | 2.0                        | how often a pool counted as down is asked again              |
+| lookup_cache_s      | 1.0                        | how long a waiting request's lookup answer is reused          |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | every other `EmsConfig` pool setting (pool_capacity, pool_replicas, pool_backend, ...) | as `EmsConfig` | see README |
 
@@ -51,6 +54,9 @@ KEYS = (
     "timeout_ms",
     "load_failure_policy",
     "epoch_refresh_s",
+    "lookup_timeout_ms",
+    "breaker_cooldown_s",
+    "lookup_cache_s",
     "access_id",
     "access_key",
 ) + EMS_SETTINGS
@@ -71,6 +77,9 @@ class ConnectorConfig:
     timeout_ms: int = 5000
     load_failure_policy: str | None = None  # None: vLLM's own kv_load_failure_policy stands
     epoch_refresh_s: float = 5.0
+    lookup_timeout_ms: int = 500
+    breaker_cooldown_s: float = 2.0
+    lookup_cache_s: float = 1.0
     access_id: str | None = None
     access_key: str | None = field(default=None, repr=False)
     ems_settings: tuple[tuple[str, Any], ...] = ()
@@ -100,9 +109,16 @@ class ConnectorConfig:
             raise invalid_argument(
                 f"kv_connector_extra_config.load_failure_policy must be 'recompute' or 'fail', got {policy!r}"
             )
-        refresh = extra.get("epoch_refresh_s", 5.0)
-        if isinstance(refresh, bool) or not isinstance(refresh, (int, float)) or not refresh > 0:
-            raise invalid_argument(f"kv_connector_extra_config.epoch_refresh_s must be a number > 0, got {refresh!r}")
+        seconds = {name: extra.get(name, default) for name, default in
+                   (("epoch_refresh_s", 5.0), ("breaker_cooldown_s", 2.0), ("lookup_cache_s", 1.0))}
+        for name, value in seconds.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise invalid_argument(f"kv_connector_extra_config.{name} must be a number > 0, got {value!r}")
+        lookup_timeout = extra.get("lookup_timeout_ms", 500)
+        if isinstance(lookup_timeout, bool) or not isinstance(lookup_timeout, int) or lookup_timeout < 1:
+            raise invalid_argument(
+                f"kv_connector_extra_config.lookup_timeout_ms must be an int >= 1, got {lookup_timeout!r}"
+            )
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
             raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")
@@ -114,7 +130,10 @@ class ConnectorConfig:
             model_id=model_id,
             timeout_ms=timeout,
             load_failure_policy=policy,
-            epoch_refresh_s=float(refresh),
+            epoch_refresh_s=float(seconds["epoch_refresh_s"]),
+            lookup_timeout_ms=lookup_timeout,
+            breaker_cooldown_s=float(seconds["breaker_cooldown_s"]),
+            lookup_cache_s=float(seconds["lookup_cache_s"]),
             access_id=extra.get("access_id"),
             access_key=extra.get("access_key") or (os.environ.get("EMS_ACCESS_KEY") if extra.get("access_id") else None),
             ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra),

@@ -4,11 +4,14 @@
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
        "extra": {kv_connector_extra_config}, "kv_load_failure_policy": str (top level; default: vLLM's),
-       "hf_overrides": {...}, "num_blocks": int, "max_model_len": int,
+       "hf_overrides": {...}, "dtype": str (default bfloat16), "num_blocks": int, "max_model_len": int,
        "rounds": [[prompt indexes], ...] (default: one round with every prompt),
        "before_round": {"<round index>": {"reset_prefix_cache": bool, "reset_connector": bool, "kill_pid": pid,
                                           "kill_pid_at_next_load": pid}}}
   reset_connector: `llm.reset_prefix_cache(reset_connector=True)` (vLLM's and the connector's caches).
+  "batch": true: each round's prompts go to vLLM at once (concurrent requests; `n`, `temperature`, `seed` set the
+  sampling, `top_k`), and the round records the longest engine step ("max_step_s"); "sigstop_pid" in before_round stops a
+  process (a hung pool node) for that round and resumes it after the round.
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
   start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
   load fails and vLLM must recompute (single-process mode only).
@@ -87,7 +90,7 @@ def run(spec: dict) -> dict:
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         block_size=32,
         max_model_len=spec.get("max_model_len", 1024),
         num_gpu_blocks_override=spec.get("num_blocks", 64),
@@ -98,7 +101,19 @@ def run(spec: dict) -> dict:
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.15),
         **kwargs,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 4), ignore_eos=True)
+    params = SamplingParams(temperature=spec.get("temperature", 0.0), max_tokens=spec.get("max_tokens", 4),
+                            ignore_eos=True, n=spec.get("n", 1), seed=spec.get("seed"), top_k=spec.get("top_k", 0))
+    step_seconds: list[float] = []
+    engine_step = llm.llm_engine.step
+
+    def timed_step(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return engine_step(*args, **kwargs)
+        finally:
+            step_seconds.append(time.perf_counter() - start)
+
+    llm.llm_engine.step = timed_step
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     out_rounds = []
@@ -112,6 +127,22 @@ def run(spec: dict) -> dict:
             kill(int(before["kill_pid"]))
         if before.get("kill_pid_at_next_load"):
             kill_at_next_load(int(before["kill_pid_at_next_load"]))
+        if before.get("sigstop_pid"):
+            os.kill(int(before["sigstop_pid"]), signal.SIGSTOP)
+        if spec.get("batch"):
+            step_seconds.clear()
+            try:
+                outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indexes], params, use_tqdm=False)
+            finally:
+                if before.get("sigstop_pid"):
+                    os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
+            out_rounds.append([{
+                "prompt": i,
+                "samples": sorted(list(o.token_ids) for o in out.outputs),
+                "num_cached_tokens": out.num_cached_tokens,
+                "max_step_s": max(step_seconds, default=0.0),
+            } for i, out in zip(indexes, outs)])
+            continue
         results = []
         for i in indexes:  # one request at a time: TTFT and num_cached_tokens per prompt
             start = time.perf_counter()

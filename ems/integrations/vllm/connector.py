@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,8 +50,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ems import CcKvOption, Ems
+from ems.config import resolve_settings
 from ems.integrations import kv_layouts
-from ems.integrations.block_transfer import BlockMover, StatsSink, TransferStats, lookup
+from ems.integrations.block_transfer import BlockMover, PendingLoad, StatsSink, TransferStats
+from ems.integrations.lookup_breaker import LookupBreaker
 from ems.integrations.connector_config import ConnectorConfig, derive_model_id
 from ems.integrations.epoch import EpochRecord
 from ems.integrations.vllm.engine_checks import apply_failure_policy, check_supported
@@ -80,6 +83,7 @@ class BlockTransfer:
     block_ids: list[int]
     hashes: list[bytes]
     epoch: bytes = b""  # the namespace epoch the request was admitted in (`ems.integrations.epoch`)
+    cancelled: bool = False  # a load promised before a reset: reported failed, never loaded
 
 
 @dataclass
@@ -112,6 +116,18 @@ class _RequestState:
     block_ids: list[int]
     next_save: int  # index of the first prompt block not yet saved (or known to be in the pool)
     epoch: bytes  # the epoch it was admitted in: after a reset its blocks (old KV) are never saved
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    start: int  # first block asked for
+    hits: int
+    asked: int
+    epoch: bytes
+    at: float  # time.monotonic() of the answer
+
+    def fresh(self, start: int, asked: int, epoch: bytes, now: float, max_age_s: float) -> bool:
+        return (self.start, self.asked, self.epoch) == (start, asked, epoch) and now - self.at <= max_age_s
 
 
 class _EpochWatch:
@@ -190,23 +206,30 @@ class EmsConnector(KVConnectorBase_V1):
         )
         self.model_id = model_id
         pool = self._config.resolve_pool()
-        Ems.init(self._config.ems_config(model_id, "MLA" if self._mla else "MHA", pool))
+        self._ems_config = self._config.ems_config(model_id, "MLA" if self._mla else "MHA", pool)
+        Ems.init(self._ems_config)
         cc = Ems.get_cc()
         if cc is None:
             raise RuntimeError("Ems.init gave no ContextCaching")
         self._cc = cc
         # scheduler state
-        self._lookups: dict[str, tuple[int, int, int]] = {}  # req_id -> (start block, hit blocks, asked blocks)
+        self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
         self._epoch_watch: _EpochWatch | None = None
         # worker state
         self._mover: BlockMover | None = None
         self._load_errors: set[int] = set()
-        self._failed_loads: set[str] = set()  # requests whose load failed in this step
+        self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
+        self._inflight_loads: dict[str, PendingLoad] = {}
+        self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
         if role == KVConnectorRole.SCHEDULER:
             apply_failure_policy(self._kv_transfer_config, self._config.load_failure_policy)
             self._epoch_watch = _EpochWatch(EpochRecord(cc, self._config.timeout_ms), self._config.epoch_refresh_s)
+        self._breaker = LookupBreaker(
+            cc, self._tp_size, self._mla, self._config.lookup_timeout_ms, self._config.breaker_cooldown_s,
+            self._stats,
+        )
         logger.info(
             "EmsConnector (%s): pool %s%s, model_id %s, %d layers, block %d tokens, %d B/block, tp %d%s, "
             "attention %s, load failures: %s",
@@ -250,23 +273,31 @@ class EmsConnector(KVConnectorBase_V1):
                 _registered = "shadow"
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Pool blocks past the local hit; a hit is loaded asynchronously (the request waits, others run)."""
+        rid = request.request_id
         full = min((request.num_prompt_tokens - 1) // self._block_size, len(request.block_hashes) // self._hash_stride)
         start = num_computed_tokens // self._block_size
         if full <= start:
-            self._lookups[request.request_id] = (start, 0, 0)  # nothing to ask; saves start after the local hit
+            self._lookups[rid] = _Lookup(start, 0, 0, b"", 0.0)  # nothing to ask; saves start after the local hit
             return 0, False
+        epoch = self._current_epoch()
+        now = time.monotonic()
+        cached = self._lookups.get(rid)
+        # a request vLLM could not admit yet is asked again every step: the answer is reused for a while
+        if cached is not None and cached.fresh(start, full - start, epoch, now, self._config.lookup_cache_s):
+            return cached.hits * self._block_size, cached.hits > 0
         self._ensure_lookup_layout()
-        hits = lookup(self._cc, self._hashes(request)[start:full], self._tp_size, self._mla, self._option,
-                      epoch=self._current_epoch())
-        self._lookups[request.request_id] = (start, hits, full - start)
-        return hits * self._block_size, False
+        hits = self._breaker.lookup(self._hashes(request)[start:full], epoch)
+        self._lookups[rid] = _Lookup(start, hits, full - start, epoch, now)
+        return hits * self._block_size, hits > 0
 
     def _current_epoch(self) -> bytes:
         return self._epoch_watch.epoch if self._epoch_watch is not None else b""
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
-        start, _hits, asked = self._lookups.pop(rid, (request.num_computed_tokens // self._block_size, 0, 0))
+        found = self._lookups.pop(rid, None)
+        start, asked = (found.start, found.asked) if found else (request.num_computed_tokens // self._block_size, 0)
         loaded = num_external_tokens // self._block_size
         if asked:
             self._stats.add(lookup_hit_blocks=loaded, lookup_miss_blocks=asked - loaded)
@@ -308,8 +339,6 @@ class EmsConnector(KVConnectorBase_V1):
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
-            if (load := self._loads.pop(new.req_id, None)) is not None:
-                meta.loads.append(load)
             self._add_saves(meta, state, new.num_computed_tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -321,17 +350,18 @@ class EmsConnector(KVConnectorBase_V1):
                 state.block_ids = list(new_ids[0])
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
-            if (load := self._loads.pop(rid, None)) is not None:
-                meta.loads.append(load)
             computed = cached.num_computed_tokens[i]
             self._add_saves(meta, state, computed, computed + scheduled.get(rid, 0))
+        # asynchronous loads: their requests wait (not scheduled) until the workers report them in get_finished
+        meta.loads.extend(self._loads.values())
+        self._loads.clear()
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
-        self._loads.pop(rid, None)
         self._lookups.pop(rid, None)
+        # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished
         return False, None  # saves copied the blocks out already: vLLM may free them now
 
     def reset_cache(self) -> bool:
@@ -343,7 +373,8 @@ class EmsConnector(KVConnectorBase_V1):
         if not self._epoch_watch.reset():
             logger.warning("EmsConnector reset_cache: the pool did not take the new epoch; nothing was reset")
             return False
-        self._loads.clear()
+        for load in self._loads.values():  # promised in the old epoch: recomputed, not loaded
+            load.cancelled = True
         self._lookups.clear()
         logger.info("EmsConnector reset_cache: new namespace epoch; every earlier block now misses")
         return True
@@ -379,6 +410,7 @@ class EmsConnector(KVConnectorBase_V1):
             shared=self._mla,
             option=self._option,
             stats=self._stats,
+            inflight_budget=resolve_settings(self._ems_config).max_inflight,
         )
 
     def _check_backend(self) -> None:
@@ -397,20 +429,47 @@ class EmsConnector(KVConnectorBase_V1):
             )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads (asynchronous: each request waits in vLLM until `get_finished` names it)."""
         if self._mover is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, EmsConnectorMetadata):
+        if isinstance(meta, EmsConnectorMetadata):
+            self._queued_loads.extend(meta.loads)
+        self._start_queued_loads()
+
+    def _start_queued_loads(self) -> None:
+        if self._mover is None:
             return
-        self._failed_loads = set()
-        for load in meta.loads:
-            outcome = self._mover.load(load.block_ids, load.hashes, load.epoch)
-            if outcome.failed_block_ids:
+        waiting: list[BlockTransfer] = []
+        for load in self._queued_loads:
+            if load.cancelled:  # promised before a reset: never loaded, reported failed (vLLM recomputes)
+                self._load_errors.update(load.block_ids)
+                self._done_loads.add(load.req_id)
+                continue
+            pending = self._mover.start_load(load.block_ids, load.hashes, load.epoch)
+            if pending is None:  # in-flight budget used up (a slow pool): started on a later step
+                waiting.append(load)
+            else:
+                self._inflight_loads[load.req_id] = pending
+        self._queued_loads = waiting
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, requests whose load has finished): never blocks; failed blocks go to
+        `get_block_ids_with_load_errors` in the same step."""
+        if self._mover is None:
+            return None, None
+        self._start_queued_loads()
+        done, self._done_loads = self._done_loads, set()
+        for rid, pending in list(self._inflight_loads.items()):
+            outcome = self._mover.poll_load(pending)
+            if outcome is not None:
+                del self._inflight_loads[rid]
                 self._load_errors.update(outcome.failed_block_ids)
-                self._failed_loads.add(load.req_id)
+                done.add(rid)
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # loads are asynchronous and whole-block: a request computes only once its load has finished
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -418,16 +477,15 @@ class EmsConnector(KVConnectorBase_V1):
         return  # whole blocks of every layer are saved at once in wait_for_save
 
     def wait_for_save(self) -> None:
+        """Start this step's saves: each copies its blocks out and returns; a save that finds the in-flight budget
+        used up (a slow pool) is dropped rather than waited for."""
         if self._mover is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, EmsConnectorMetadata):
             return
         for save in meta.saves:
-            # a request whose load failed this step computed on top of missing KV: nothing of it is saved (vLLM
-            # recomputes from the first failed block, and the scheduler then saves those blocks again)
-            if save.req_id not in self._failed_loads:
-                self._mover.save_async(save.block_ids, save.hashes, save.epoch)
+            self._mover.save_async(save.block_ids, save.hashes, save.epoch)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -448,5 +506,6 @@ class EmsConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._epoch_watch is not None:
             self._epoch_watch.close()
+        self._breaker.close()
         if self._mover is not None and not self._mover.wait(timeout=30.0):
             logger.warning("EmsConnector shutdown: %d saves still pending after 30 s", self._mover.pending())

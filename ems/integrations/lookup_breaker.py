@@ -1,0 +1,101 @@
+"""Scheduler lookups that a hung pool node cannot stall: a short timeout, then a circuit breaker.
+
+Contract (no engine imports):
+* `LookupBreaker.lookup(hashes, epoch)` is `block_transfer.lookup` with its own timeout (`lookup_timeout_ms`),
+  so one lookup costs the scheduler's step at most that long.
+* A lookup that comes back short only at its timeout (`exists` reports a failing node as 0 hits, so the time it
+  took is what tells a hung node from a miss) opens the breaker: from then on `lookup` answers 0 at once, without
+  the network. A daemon thread re-asks the pool for the keys of that last lookup every `cooldown_s`; the first
+  answer that comes back in time closes the breaker. So a node that hangs costs the engine at most one lookup
+  timeout per opening, never one per request or per step. A lookup that was merely slow (a loaded host) and trips
+  it costs only misses until the next probe. Saves are not held back: the workers' movers drop what their
+  in-flight budget cannot take, so a hung node never blocks a step through them either.
+* Counted in `stats`: `lookup_skipped_blocks` (asked while open) and `breaker_trips`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from ems import CcKvOption, ContextCaching
+from ems.integrations.block_transfer import EngineHash, StatsSink, lookup
+
+logger = logging.getLogger("ems.integrations")
+
+SLOW_FRACTION = 0.95  # a lookup this close to its timeout counts as timed out
+
+
+class LookupBreaker:
+    def __init__(
+        self,
+        cc: ContextCaching,
+        tp_size: int,
+        shared: bool,
+        lookup_timeout_ms: int,
+        cooldown_s: float,
+        stats: StatsSink | None = None,
+    ) -> None:
+        self._cc = cc
+        self._tp_size, self._shared = tp_size, shared
+        self._option = CcKvOption(timeout=lookup_timeout_ms)
+        self._slow_s = SLOW_FRACTION * lookup_timeout_ms / 1000
+        self._cooldown_s = cooldown_s
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._open = False
+        self._probe: tuple[list[EngineHash], bytes] | None = None
+        self._stop = threading.Event()
+
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._open
+
+    def lookup(self, hashes: Sequence[EngineHash], epoch: bytes = b"") -> int:
+        if not hashes:
+            return 0
+        if self.is_open():
+            if self._stats is not None:
+                self._stats.add(lookup_skipped_blocks=len(hashes))
+            return 0
+        started = time.monotonic()
+        hits = lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch)
+        if hits < len(hashes) and time.monotonic() - started >= self._slow_s:
+            self._trip(list(hashes), epoch)
+            return 0
+        return hits
+
+    def _trip(self, hashes: list[EngineHash], epoch: bytes) -> None:
+        with self._lock:
+            if self._open:
+                return
+            self._open = True
+            self._probe = (hashes, epoch)
+        if self._stats is not None:
+            self._stats.add(breaker_trips=1)
+        logger.warning(
+            "a pool lookup took its whole timeout (%.0f ms): the pool counts as down (lookups miss at once) "
+            "until it answers in time again (asked every %.1f s)", self._option.timeout, self._cooldown_s,
+        )
+        threading.Thread(target=self._probe_until_closed, name="ems-breaker", daemon=True).start()
+
+    def _probe_until_closed(self) -> None:
+        while not self._stop.wait(self._cooldown_s):
+            with self._lock:
+                probe = self._probe
+            if probe is None:
+                return
+            hashes, epoch = probe
+            started = time.monotonic()
+            lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch)
+            if time.monotonic() - started < self._slow_s:
+                with self._lock:
+                    self._open = False
+                    self._probe = None
+                logger.warning("the pool answers in time again: lookups and saves resume")
+                return
+
+    def close(self) -> None:
+        self._stop.set()
