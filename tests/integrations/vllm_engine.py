@@ -15,7 +15,8 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
   start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
   load fails and vLLM must recompute (single-process mode only).
-OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s}, ...], ...], "stats": {...}}
+OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s}, ...], ...], "stats": {...},
+     "preemptions": n (single-process mode)}
 """
 
 from __future__ import annotations
@@ -114,6 +115,16 @@ def run(spec: dict) -> dict:
             step_seconds.append(time.perf_counter() - start)
 
     llm.llm_engine.step = timed_step
+    preemptions = [0]
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # count the scheduler's preemptions
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempt = scheduler._preempt_request
+
+        def counted_preempt(*args, **kwargs):
+            preemptions[0] += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted_preempt
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     out_rounds = []
@@ -164,7 +175,7 @@ def run(spec: dict) -> dict:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict()}
     llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
-    return {"rounds": out_rounds, "stats": stats}
+    return {"rounds": out_rounds, "stats": stats, "preemptions": preemptions[0]}
 
 
 if __name__ == "__main__":
