@@ -1,13 +1,23 @@
-"""Time to first token of a long prompt in real vLLM engines: computed cold vs served from the EMS pool.
+"""EmsConnector in real vLLM engines: TTFT cold vs from the pool vs vLLM's prefix cache, co-running decodes with
+and without the connector while loads happen, and the worst step time with a hung pool node.
 
-    .venv-vllm/bin/python perf/bench_vllm.py [--tokens 4000] [--out perf/vllm.png] [--results perf/RESULTS.md]
+    flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py [--tokens 4000] [--out perf/vllm.png]
 
-Writes a random Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 4096) into a temporary folder. Engine A
-(a process) serves a warm-up prompt, then the long prompt P cold, and saves its blocks to the host's local pool node
-(`EmsConnector`, no pool configured). Engine B (a second process, same pool node) serves a warm-up prompt, a
-different long prompt Q of the same length cold, then P, whose full blocks it loads from the pool. TTFT = the time
-of `generate(max_tokens=1)` for one prompt. The ratio that matters is B's cold Q vs B's pooled P, measured side by
-side in one engine. Prints a table, saves a bar plot, appends both to RESULTS.md with this command.
+Writes a random Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 4096) into a temporary folder; every
+engine is its own process (tests/integrations/vllm_engine.py) on one local pool node (`EmsConnector`, no pool
+configured, `read_cache_capacity` 0 so that every lookup and load crosses the node).
+
+1. TTFT: engine A serves the long prompt P cold and saves it. Engine B, side by side: prompt Q of the same length
+   cold, P from the pool, P again from vLLM's own prefix cache. TTFT = `generate(max_tokens=1)` of one prompt.
+2. Co-running decodes: 16 requests sharing a `--prefix`-token prefix (distinct 64-token tails, 32 tokens each),
+   submitted at once. With the connector (engine B, its prefix cache reset; the pool holds the prefix, saved by
+   engine A) each request first loads the prefix asynchronously while the others decode; without it (engine C)
+   vLLM computes the prefix once and shares it. Mean ITL = the mean engine step time of the round (every step
+   yields one token per running request), throughput = generated tokens / wall time.
+3. Hung node: engine B runs the 16 requests again (prefix cache reset) with its pool node SIGSTOPped: the worst
+   step time against engine C's (which computes the same prompts: the hung node's lookups miss), with
+   `lookup_timeout_ms` 300. The first round of engines B and C is a warm-up (not reported).
+Prints a table, saves a bar plot, appends both to RESULTS.md with this command.
 """
 
 from __future__ import annotations
@@ -38,15 +48,27 @@ def engine(root: str, name: str, spec: dict) -> dict:
         return json.load(f)
 
 
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def batch_row(label: str, rnd: list[dict], generated: int) -> dict:
+    steps = rnd[0]["step_s"]
+    return {"label": label, "steps": len(steps), "mean_step_s": mean(steps), "max_step_s": max(steps, default=0.0),
+            "wall_s": rnd[0]["wall_s"], "tokens_per_s": generated / rnd[0]["wall_s"],
+            "cached": sum(r["num_cached_tokens"] for r in rnd)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4000)
+    parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--out", default=os.path.join(HERE, "vllm.png"))
     parser.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     args = parser.parse_args()
     from vllm_engine import make_tiny_llama
 
-    from ems.integrations.local_pool import stop_local_pool
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
     root = tempfile.mkdtemp(prefix="ems-bench-vllm-")
     model = make_tiny_llama(os.path.join(root, "model"), hidden=1024, layers=8, heads=16, kv_heads=8, vocab=4096,
@@ -54,44 +76,81 @@ def main() -> None:
     rng = random.Random(0)
     long_p = [rng.randrange(4096) for _ in range(args.tokens)]
     long_q = [rng.randrange(4096) for _ in range(args.tokens)]
-    warm_a = [rng.randrange(4096) for _ in range(64)]
-    warm_b = [rng.randrange(4096) for _ in range(64)]
+    prefix = [rng.randrange(4096) for _ in range(args.prefix)]
+    shared = [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
+    prompts = [long_p, long_q, *shared]
+    p, q, many = 0, 1, list(range(2, 18))
     pool_dir = os.path.join(root, "pool")
-    base = {"model": model, "prompts": [long_p, long_q, warm_a, warm_b], "max_tokens": 1, "connector": True,
-            "extra": {"local_pool_dir": pool_dir, "local_pool_capacity": "1GiB"},
+    new_tokens = 32
+    base = {"model": model, "prompts": prompts, "max_tokens": 1, "connector": True,
+            "extra": {"local_pool_dir": pool_dir, "local_pool_capacity": "2GiB", "read_cache_capacity": 0,
+                      "lookup_timeout_ms": 300, "breaker_cooldown_s": 1.0, "timeout_ms": 5000},
+            "kv_load_failure_policy": "recompute",
             "num_blocks": 2 * (args.tokens // 32) + 16, "max_model_len": args.tokens + 256,
             "max_num_batched_tokens": args.tokens + 256}
+    batch = {"batch": True, "max_tokens": new_tokens}
     load_before = os.getloadavg()[0]
     try:
-        a = engine(root, "a", {**base, "rounds": [[2, 0]]})
-        b = engine(root, "b", {**base, "rounds": [[3, 1, 0]]})
+        node = ensure_local_pool(pool_dir, "2GiB")
+        a = engine(root, "a", {**base, "rounds": [[p], [many[0]]]})  # P, and the shared prefix, into the pool
+        b_ttft = engine(root, "b-ttft", {**base, "rounds": [[q, p, p]]})
+        b = engine(root, "b", {**base, **batch, "rounds": [many, many, many],
+                               "before_round": {"0": {"reset_prefix_cache": True},
+                                                "1": {"reset_prefix_cache": True},
+                                                "2": {"reset_prefix_cache": True, "sigstop_pid": node.pid}}})
+        c = engine(root, "c", {**base, **batch, "connector": False, "rounds": [many, many],
+                               "before_round": {"1": {"reset_prefix_cache": True}}})
     finally:
         stop_local_pool(pool_dir)
-    a_cold = a["rounds"][0][1]
-    b_cold, b_pool = b["rounds"][0][1], b["rounds"][0][2]
-    worker = b["stats"]["worker"]
-    rows = [
+    a_cold = a["rounds"][0][0]
+    b_cold, b_pool, b_prefix = b_ttft["rounds"][0]
+    ttft_rows = [
         ("A: prompt P, cold (computes, saves)", a_cold),
         ("B: prompt Q, cold (computes)", b_cold),
         ("B: prompt P, from the pool", b_pool),
+        ("B: prompt P, from vLLM's prefix cache", b_prefix),
     ]
-    print(f"{'engine / prompt':40} {'tokens':>7} {'cached':>7} {'TTFT s':>8}")
-    for label, r in rows:
-        print(f"{label:40} {args.tokens:7d} {r['num_cached_tokens']:7d} {r['seconds']:8.3f}")
+    generated = 16 * new_tokens
+    with_connector = batch_row("16 requests, with the connector (prefix from the pool)", b["rounds"][1], generated)
+    without = batch_row("16 requests, without the connector", c["rounds"][1], generated)
+    hung = batch_row("16 requests, with the connector, pool node SIGSTOPped", b["rounds"][2], generated)
+    worker = b_ttft["stats"]["worker"]
+    print(f"{'engine / prompt':44} {'tokens':>7} {'cached':>7} {'TTFT s':>8}")
+    for label, r in ttft_rows:
+        print(f"{label:44} {args.tokens:7d} {r['num_cached_tokens']:7d} {r['seconds']:8.3f}")
     speedup = b_cold["seconds"] / b_pool["seconds"]
     load_gbps = worker["load_bytes"] / worker["load_seconds"] / 1e9 if worker["load_seconds"] else 0.0
-    print(f"TTFT cold / pooled (engine B, side by side): {speedup:.1f}x; "
-          f"loaded {worker['load_blocks']} blocks, {worker['load_bytes'] / 2**20:.1f} MiB at {load_gbps:.2f} GB/s")
+    print(f"TTFT cold / pooled (engine B, side by side): {speedup:.1f}x; pooled / prefix cache "
+          f"{b_pool['seconds'] / b_prefix['seconds']:.1f}x; loaded {worker['load_blocks']} blocks, "
+          f"{worker['load_bytes'] / 2**20:.1f} MiB at {load_gbps:.2f} GB/s")
+    batch_rows = [with_connector, without, hung]
+    print(f"{'round':58} {'steps':>5} {'mean step s':>11} {'max step s':>10} {'tok/s':>7} {'cached':>7}")
+    for row in batch_rows:
+        print(f"{row['label']:58} {row['steps']:5d} {row['mean_step_s']:11.4f} {row['max_step_s']:10.3f} "
+              f"{row['tokens_per_s']:7.1f} {row['cached']:7d}")
+    itl_ratio = with_connector["mean_step_s"] / without["mean_step_s"]
+    throughput_ratio = with_connector["tokens_per_s"] / without["tokens_per_s"]
+    print(f"mean ITL with / without the connector: {itl_ratio:.2f}; throughput with / without: "
+          f"{throughput_ratio:.2f}; worst step, hung node / computing without the connector: "
+          f"{hung['max_step_s']:.3f} s / {without['max_step_s']:.3f} s")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 3.2))
-    ax.barh([label for label, _ in rows][::-1], [r["seconds"] for _, r in rows][::-1], color=["#2a7", "#c44", "#c44"])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.4))
+    ax.barh([label for label, _ in ttft_rows][::-1], [r["seconds"] for _, r in ttft_rows][::-1],
+            color=["#27a", "#2a7", "#c44", "#c44"])
     ax.set_xlabel(f"time to first token, s ({args.tokens}-token prompt)")
-    ax.set_title(f"vLLM (CPU) + EmsConnector: TTFT cold vs from the pool, {speedup:.1f}x", fontsize=10)
+    ax.set_title(f"TTFT: cold / from the pool {speedup:.1f}x", fontsize=10)
+    ax2.barh(["with connector", "without", "hung node"][::-1],
+             [r["mean_step_s"] * 1000 for r in batch_rows][::-1], color=["#c80", "#2a7", "#27a"], label="mean step")
+    ax2.barh(["with connector", "without", "hung node"][::-1],
+             [r["max_step_s"] * 1000 for r in batch_rows][::-1], color="none", edgecolor="k", label="worst step")
+    ax2.set_xlabel("engine step, ms (16 concurrent requests)")
+    ax2.set_title(f"mean ITL with / without the connector {itl_ratio:.2f}", fontsize=10)
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
 
@@ -102,27 +161,42 @@ def main() -> None:
                             check=False).stdout.strip()
     lines = [
         "",
-        f"## vLLM: time to first token, cold vs from the pool ({time.strftime('%Y-%m-%d')}, cpu)",
+        f"## vLLM: TTFT cold / pool / prefix cache, co-running decodes, a hung node ({time.strftime('%Y-%m-%d')}, cpu)",
         "",
         (
-            f"Command: `.venv-vllm/bin/python perf/bench_vllm.py --tokens {args.tokens}` at commit {commit}. "
-            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs "
-            f"(load average {load_before:.1f} at start: noisy), vllm {vllm.__version__} (CPU attention), torch "
-            f"{torch.__version__}. Random Llama, hidden 1024, 8 layers, 16 heads, 8 KV heads, bf16, block 32; one "
-            "run. Engine A and engine B are separate processes sharing the host's local pool node (started by the "
-            "connector). TTFT = `generate(max_tokens=1)` of one prompt. Compare within engine B (side by side); "
-            "engine A's cold time swings with the shared machine's load. Plot: `perf/vllm.png`."
+            f"Command: `flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py --tokens {args.tokens} "
+            f"--prefix {args.prefix}` at commit {commit}. Machine: {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at start: noisy), vllm "
+            f"{vllm.__version__} (CPU attention), torch {torch.__version__}. Random Llama, hidden 1024, 8 layers, 16 "
+            "heads, 8 KV heads, bf16, block 32; one run; every engine its own process on one local pool node (read "
+            "cache off). Asynchronous loads, lookup timeout 300 ms. Plot: `perf/vllm.png`."
         ),
         "",
         "| engine / prompt | tokens | cached tokens | TTFT s |",
         "|---|---|---|---|",
-        *[f"| {label} | {args.tokens} | {r['num_cached_tokens']} | {r['seconds']:.3f} |" for label, r in rows],
+        *[f"| {label} | {args.tokens} | {r['num_cached_tokens']} | {r['seconds']:.3f} |" for label, r in ttft_rows],
         "",
         (
-            f"Cold / pooled TTFT in engine B, side by side: **{speedup:.1f}x**. Engine B loaded "
-            f"{worker['load_blocks']} blocks ({worker['load_bytes'] / 2**20:.1f} MiB) at {load_gbps:.2f} GB/s "
-            "(`ContextCaching.load` from the pool node over UCX loopback: get + verify + scatter; the lookup is "
-            "not timed); the block holding the prompt's last token is always computed."
+            f"In engine B, side by side: cold / pooled TTFT **{speedup:.1f}x**, pooled / vLLM prefix cache "
+            f"{b_pool['seconds'] / b_prefix['seconds']:.1f}x. Engine B loaded {worker['load_blocks']} blocks "
+            f"({worker['load_bytes'] / 2**20:.1f} MiB) at {load_gbps:.2f} GB/s (get + verify + scatter, from the "
+            "async load's start to its end)."
+        ),
+        "",
+        f"16 requests sharing a {args.prefix}-token prefix (64-token tails, {new_tokens} tokens each), submitted at "
+        "once; mean ITL = mean engine step time:",
+        "",
+        "| round | steps | mean step (ITL) s | worst step s | tokens/s | cached tokens |",
+        "|---|---|---|---|---|---|",
+        *[f"| {r['label']} | {r['steps']} | {r['mean_step_s']:.4f} | {r['max_step_s']:.3f} | "
+          f"{r['tokens_per_s']:.1f} | {r['cached']} |" for r in batch_rows],
+        "",
+        (
+            f"Mean ITL with / without the connector: **{itl_ratio:.2f}** (goal: at most 1.10); throughput with / "
+            f"without: {throughput_ratio:.2f}. Worst step with the node SIGSTOPped: **{hung['max_step_s']:.3f} s** "
+            f"(engine C computing the same prompts without the connector: {without['max_step_s']:.3f} s; the hung "
+            "node's lookups miss, so engine B computes them too; loads and saves time out after 5 s, so a blocking "
+            "path would show at least that)."
         ),
         "",
     ]

@@ -141,6 +141,10 @@ def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_mis
     assert e["stats"]["worker"]["load_blocks"] == full_blocks(len(prompts[0])) // BLOCK
     for r in (first, again, from_pool):
         assert r["tokens"] == reference[0]
+    # KV events (take_events, as vLLM's scheduler collects them): the reset, then prompt 0's blocks sent to the pool
+    assert e["events"][0] == ["AllBlocksCleared", 0, None]
+    assert sum(n for kind, n, medium in e["events"] if kind == "BlockStored" and medium == "EMS") == len(
+        prompts[0]) // BLOCK
     f = engine(setup, "f", [[0, 2]])
     assert f["rounds"][0][0]["num_cached_tokens"] == full_blocks(len(prompts[0]))  # E's epoch
     assert f["rounds"][0][1]["num_cached_tokens"] == 0  # A saved prompt 2 before E's reset

@@ -10,13 +10,14 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
                                           "kill_pid_at_next_load": pid}}}
   reset_connector: `llm.reset_prefix_cache(reset_connector=True)` (vLLM's and the connector's caches).
   "batch": true: each round's prompts go to vLLM at once (concurrent requests; `n`, `temperature`, `seed` set the
-  sampling, `top_k`), and the round records the longest engine step ("max_step_s"); "sigstop_pid" in before_round stops a
+  sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s") and the
+  round's wall time ("wall_s"); "sigstop_pid" in before_round stops a
   process (a hung pool node) for that round and resumes it after the round.
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
   start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
   load fails and vLLM must recompute (single-process mode only).
 OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s}, ...], ...], "stats": {...},
-     "preemptions": n (single-process mode)}
+     "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode)}
 """
 
 from __future__ import annotations
@@ -41,6 +42,26 @@ def make_tiny_llama(path: str, hidden: int = 128, layers: int = 2, heads: int = 
         torch_dtype="bfloat16", tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def make_tiny_deepseek(path: str, hidden: int = 128, layers: int = 2, heads: int = 4, vocab: int = 512,
+                       kv_lora_rank: int = 512, rope_dim: int = 64, nope_dim: int = 64, v_dim: int = 64,
+                       max_pos: int = 4096, seed: int = 0) -> str:
+    """A random DeepSeek-V2-style model (MLA attention, dense MLPs only) written with transformers."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        vocab_size=vocab, intermediate_size=256, moe_intermediate_size=64, max_position_embeddings=max_pos,
+        kv_lora_rank=kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,
+        v_head_dim=v_dim, first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2,
+        torch_dtype="bfloat16", tie_word_embeddings=False,
+    )
+    model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
 
@@ -125,6 +146,18 @@ def run(spec: dict) -> dict:
             return preempt(*args, **kwargs)
 
         scheduler._preempt_request = counted_preempt
+    events: list[list] = []  # the connector's KV events as vLLM's scheduler collects them: [type, blocks, medium]
+    if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        take_events = connector.take_events
+
+        def recorded_events():
+            taken = list(take_events())
+            events.extend([type(e).__name__, len(getattr(e, "block_hashes", ())), getattr(e, "medium", None)]
+                          for e in taken)
+            return taken
+
+        connector.take_events = recorded_events
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     out_rounds = []
@@ -142,16 +175,20 @@ def run(spec: dict) -> dict:
             os.kill(int(before["sigstop_pid"]), signal.SIGSTOP)
         if spec.get("batch"):
             step_seconds.clear()
+            start = time.perf_counter()
             try:
                 outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indexes], params, use_tqdm=False)
             finally:
                 if before.get("sigstop_pid"):
                     os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
+            wall = time.perf_counter() - start
             out_rounds.append([{
                 "prompt": i,
                 "samples": sorted(list(o.token_ids) for o in out.outputs),
                 "num_cached_tokens": out.num_cached_tokens,
                 "max_step_s": max(step_seconds, default=0.0),
+                "step_s": list(step_seconds),
+                "wall_s": wall,
             } for i, out in zip(indexes, outs)])
             continue
         results = []
@@ -175,7 +212,7 @@ def run(spec: dict) -> dict:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict()}
     llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
-    return {"rounds": out_rounds, "stats": stats, "preemptions": preemptions[0]}
+    return {"rounds": out_rounds, "stats": stats, "preemptions": preemptions[0], "events": events}
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +47,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ems import CcKvOption, Ems
@@ -58,9 +64,11 @@ from ems.integrations.connector_config import ConnectorConfig, derive_model_id
 from ems.integrations.epoch import EpochRecord
 from ems.integrations.vllm.engine_checks import apply_failure_policy, check_supported
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
+from ems.integrations.vllm.observability import EmsPromMetrics, KvEventLog
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -217,6 +225,7 @@ class EmsConnector(KVConnectorBase_V1):
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
         self._epoch_watch: _EpochWatch | None = None
+        self._events = KvEventLog()
         # worker state
         self._mover: BlockMover | None = None
         self._load_errors: set[int] = set()
@@ -325,9 +334,16 @@ class EmsConnector(KVConnectorBase_V1):
             len(state.block_ids),
         )
         if upto > state.next_save:
-            hashes = self._hashes(request)[state.next_save : upto]
+            all_hashes = self._hashes(request)
+            hashes = all_hashes[state.next_save : upto]
             meta.saves.append(
                 BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch)
+            )
+            self._events.stored(
+                hashes,
+                all_hashes[state.next_save - 1] if state.next_save > 0 else None,
+                list(request.all_token_ids[state.next_save * self._block_size : upto * self._block_size]),
+                self._block_size,
             )
             state.next_save = upto
 
@@ -375,6 +391,7 @@ class EmsConnector(KVConnectorBase_V1):
             return False
         for load in self._loads.values():  # promised in the old epoch: recomputed, not loaded
             load.cancelled = True
+        self._events.cleared()
         self._lookups.clear()
         logger.info("EmsConnector reset_cache: new namespace epoch; every earlier block now misses")
         return True
@@ -498,6 +515,20 @@ class EmsConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return EmsConnectorStats(data=dict(data)) if data is not None else EmsConnectorStats(data=TransferStats().to_dict())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events for KV-aware routers: blocks sent to the pool (`BlockStored`, medium "EMS"), resets."""
+        return self._events.take()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return EmsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def totals(self) -> TransferStats:
         """Everything this connector counted since it started (this package's addition, for tests and tools)."""
