@@ -266,3 +266,31 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     assert scheduler["breaker_trips"] >= 1 and scheduler["lookup_skipped_blocks"] > 0
     assert hung[0]["max_step_s"] < 2.5, hung[0]["max_step_s"]
     assert out["preemptions"] > 0  # the small KV cache did preempt requests (the reference engine happened not to)
+
+
+def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
+    """A tiny random DeepSeek-style model on vLLM's CPU MLA backend (which forces 16-token blocks and turns vLLM's
+    own prefix cache off): engine A computes and saves (one shared latent key per block), engine B, another
+    process, loads every full block and gives A's greedy outputs."""
+    from ems.integrations.local_pool import stop_local_pool
+
+    model = str(setup["root"] / "mla")
+    subprocess.run(
+        [sys.executable, "-c",
+         f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_deepseek({model!r})"],
+        check=True, timeout=300, capture_output=True,
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (100, 70)]
+    pool_dir = str(setup["root"] / "pool-mla")
+    mla = {"model": model, "prompts": prompts, "num_blocks": 96, "max_model_len": 512,
+           "extra": {"local_pool_dir": pool_dir, "timeout_ms": 3000}}
+    try:
+        a = engine(setup, "mla-a", [[0, 1]], **mla)
+        b = engine(setup, "mla-b", [[0, 1]], **mla)
+    finally:
+        stop_local_pool(pool_dir)
+    assert [r["num_cached_tokens"] for r in a["rounds"][0]] == [0, 0]
+    assert [r["num_cached_tokens"] for r in b["rounds"][0]] == [(n - 1) // 16 * 16 for n in (100, 70)]
+    assert [r["tokens"] for r in b["rounds"][0]] == [r["tokens"] for r in a["rounds"][0]]
+    assert b["stats"]["worker"]["load_blocks"] == (99 // 16 + 69 // 16)
