@@ -11,7 +11,8 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   reset_connector: `llm.reset_prefix_cache(reset_connector=True)` (vLLM's and the connector's caches).
   "batch": true: each round's prompts go to vLLM at once (concurrent requests; `n`, `temperature`, `seed` set the
   sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s") and the
-  round's wall time ("wall_s"); "sigstop_pid" in before_round stops a
+  round's wall time ("wall_s"); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
+  per-request timestamps); "sigstop_pid" in before_round stops a
   process (a hung pool node) for that round and resumes it after the round.
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
   start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
@@ -64,6 +65,15 @@ def make_tiny_deepseek(path: str, hidden: int = 128, layers: int = 2, heads: int
     model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def token_times(out) -> dict:
+    """A request's first-token latency and mean inter-token latency from vLLM's per-request stats ("log_stats")."""
+    m = getattr(out, "metrics", None)
+    if m is None or not getattr(m, "first_token_ts", 0.0):
+        return {}
+    itl = (m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1) if m.num_generation_tokens > 1 else 0.0
+    return {"ttft_s": m.first_token_ts - m.queued_ts, "itl_s": itl}
 
 
 def kill(pid: int) -> None:
@@ -120,6 +130,7 @@ def run(spec: dict) -> dict:
         enable_prefix_caching=True,
         seed=0,
         enforce_eager=True,
+        disable_log_stats=not spec.get("log_stats", False),  # per-request token timestamps (RequestOutput.metrics)
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.15),
         **kwargs,
     )
@@ -189,6 +200,7 @@ def run(spec: dict) -> dict:
                 "max_step_s": max(step_seconds, default=0.0),
                 "step_s": list(step_seconds),
                 "wall_s": wall,
+                **token_times(out),
             } for i, out in zip(indexes, outs)])
             continue
         results = []

@@ -98,6 +98,12 @@ class BlockTransfer:
 class EmsConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    idle: bool = False  # nothing scheduled this step (every request waits, e.g. for its load)
+
+
+# With nothing scheduled, vLLM's engine loop calls the workers again at once; a worker whose loads are still
+# running waits this long for one to end instead of spinning (which would take the CPU and the GIL from the loads).
+IDLE_WAIT_S = 0.01
 
 
 class EmsConnectorStats(KVConnectorStats):
@@ -232,6 +238,7 @@ class EmsConnector(KVConnectorBase_V1):
         self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
         self._inflight_loads: dict[str, PendingLoad] = {}
         self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
+        self._load_ended = threading.Event()
         if role == KVConnectorRole.SCHEDULER:
             apply_failure_policy(self._kv_transfer_config, self._config.load_failure_policy)
             self._epoch_watch = _EpochWatch(EpochRecord(cc, self._config.timeout_ms), self._config.epoch_refresh_s)
@@ -371,6 +378,7 @@ class EmsConnector(KVConnectorBase_V1):
         # asynchronous loads: their requests wait (not scheduled) until the workers report them in get_finished
         meta.loads.extend(self._loads.values())
         self._loads.clear()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -468,6 +476,8 @@ class EmsConnector(KVConnectorBase_V1):
                 waiting.append(load)
             else:
                 self._inflight_loads[load.req_id] = pending
+                if pending.future is not None:
+                    pending.future.add_done_callback(lambda _: self._load_ended.set())
         self._queued_loads = waiting
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -477,13 +487,28 @@ class EmsConnector(KVConnectorBase_V1):
             return None, None
         self._start_queued_loads()
         done, self._done_loads = self._done_loads, set()
+        done |= self._poll_loads()
+        if not done and self._inflight_loads and self._idle_step():
+            self._load_ended.wait(IDLE_WAIT_S)  # nothing else to run: sleep until a load ends, not spin
+            done |= self._poll_loads()
+        return None, done or None
+
+    def _poll_loads(self) -> set[str]:
+        self._load_ended.clear()
+        done = set()
         for rid, pending in list(self._inflight_loads.items()):
             outcome = self._mover.poll_load(pending)
             if outcome is not None:
                 del self._inflight_loads[rid]
                 self._load_errors.update(outcome.failed_block_ids)
                 done.add(rid)
-        return None, done or None
+        return done
+
+    def _idle_step(self) -> bool:
+        if not self.has_connector_metadata():
+            return False
+        meta = self._get_connector_metadata()
+        return isinstance(meta, EmsConnectorMetadata) and meta.idle
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous and whole-block: a request computes only once its load has finished
