@@ -4,7 +4,8 @@
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
        "extra": {kv_connector_extra_config}, "kv_load_failure_policy": str (top level; default: vLLM's),
-       "hf_overrides": {...}, "dtype": str (default bfloat16), "num_blocks": int, "max_model_len": int,
+       "hf_overrides": {...}, "dtype": str (default bfloat16), "tensor_parallel_size": int, "num_blocks": int,
+       "max_model_len": int,
        "rounds": [[prompt indexes], ...] (default: one round with every prompt),
        "before_round": {"<round index>": {"reset_prefix_cache": bool, "reset_connector": bool, "kill_pid": pid,
                                           "kill_pid_at_next_load": pid}}}
@@ -130,7 +131,8 @@ def run(spec: dict) -> dict:
         enable_prefix_caching=True,
         seed=0,
         enforce_eager=True,
-        disable_log_stats=not spec.get("log_stats", False),  # per-request token timestamps (RequestOutput.metrics)
+        disable_log_stats=not spec.get("log_stats", False),
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),  # per-request token timestamps (RequestOutput.metrics)
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.15),
         **kwargs,
     )
