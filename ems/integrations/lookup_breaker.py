@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ems import CcKvOption, ContextCaching
+from ems import CcKvOption, ContextCaching, EmsException
 from ems.integrations.block_transfer import EngineHash, StatsSink, lookup
 
 logger = logging.getLogger("ems.integrations")
@@ -89,7 +89,10 @@ class LookupBreaker:
                 return
             hashes, epoch = probe
             started = time.monotonic()
-            lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch)
+            try:
+                lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch)
+            except EmsException:  # the client was shut down under the probe: nothing left to watch
+                return
             if time.monotonic() - started < self._slow_s:
                 with self._lock:
                     self._open = False

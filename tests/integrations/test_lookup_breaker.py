@@ -46,6 +46,13 @@ def test_a_hung_node_costs_one_lookup_timeout_then_nothing(node):
     mover = BlockMover(cc, register(cc, planes, shapes), option=CcKvOption(timeout=2000), stats=stats,
                        inflight_budget=2)
     breaker = LookupBreaker(cc, 1, False, LOOKUP_MS, COOLDOWN_S, stats)
+    try:
+        check_breaker(node, cc, planes, mover, breaker, stats)
+    finally:
+        breaker.close()
+
+
+def check_breaker(node, cc, planes, mover, breaker, stats):
     hashes = [vllm_hash(i) for i in range(4)]
     assert mover.save_async([0, 1, 2, 3], hashes) and mover.wait(30)
     assert breaker.lookup(hashes) == 4 and not breaker.is_open()
@@ -56,10 +63,17 @@ def test_a_hung_node_costs_one_lookup_timeout_then_nothing(node):
         for _ in range(20):  # every later lookup: no network, no wait
             hits, later = timed(lambda: breaker.lookup(hashes))
             assert hits == 0 and later < 0.05
-        # saves and loads never block the caller: two take the budget, the rest are dropped or deferred
+        # saves and loads never block the caller: at most two take the budget (the client may also fail them at
+        # once, having marked the node down), the rest are dropped; a load finds no budget (None: retried on a
+        # later step) or fails
         _, saving = timed(lambda: [mover.save_async([i], [vllm_hash(10 + i)]) for i in range(6)])
         assert saving < 1.0 and stats.totals().save_failed_blocks >= 4
-        assert mover.start_load([8], [hashes[0]]) is None  # no budget: the caller retries on a later step
+        pending, starting = timed(lambda: mover.start_load([8], [hashes[0]]))
+        assert starting < 0.5
+        while pending is not None and (outcome := mover.poll_load(pending)) is None:
+            time.sleep(0.01)
+        if pending is not None:
+            assert outcome.loaded == 0 and outcome.failed_block_ids == [8]
         assert stats.totals().lookup_skipped_blocks == 80 and stats.totals().breaker_trips == 1
     finally:
         os.kill(node.pid, signal.SIGCONT)
@@ -76,4 +90,4 @@ def test_a_hung_node_costs_one_lookup_timeout_then_nothing(node):
     for src, dst in zip(range(4), range(8, 12)):
         for k, v in planes:
             assert torch.equal(k[dst], k[src]) and torch.equal(v[dst], v[src])
-    breaker.close()
+
