@@ -31,8 +31,8 @@ from ems.transport.inprocess import InProcessNode
 logger = logging.getLogger("ems")
 
 
-def _configure_logging() -> None:
-    directory = os.environ.get("EMS_SDK_LOG")
+def _configure_logging(directory: Optional[str]) -> None:
+    """`directory` (EMS_SDK_LOG): the SDK logs to a file there."""
     if not directory or any(getattr(h, "_ems_sdk_log", False) for h in logger.handlers):
         return
     os.makedirs(directory, exist_ok=True)
@@ -60,6 +60,12 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
             EmsErrorCode.EMS_INTERNAL_ERROR,
             f"pool_nodes need UCX (pip install 'ems-kvcache[ucx]'): {exc}",
         ) from exc
+    from ems.transport import ucx_config
+
+    try:
+        ucx_config.configure(settings.ucx)  # before the first connection starts UCX in this process
+    except ValueError as exc:
+        raise invalid_argument(str(exc)) from None
 
     from ems.cluster import open_remote_pool  # a fixed node list, or the members etcd reports
 
@@ -110,7 +116,7 @@ class Ems:
                     return
                 raise invalid_argument("Ems.init was already called with a different config (once per process)")
             settings = resolve_settings(config)
-            _configure_logging()
+            _configure_logging(settings.sdk_log_dir)
             pool = cls._take_pending(config)
             if pool is None:
                 pool = _connect_pool(config, settings)

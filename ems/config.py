@@ -28,6 +28,20 @@ left as None is read from its environment variable, else takes its default (`res
 | mooncake_buffer       | EMS_MOONCAKE_BUFFER        | 64MiB          | Mooncake client's own transfer buffer            |
 | mooncake_segment      | EMS_MOONCAKE_SEGMENT       | 0              | memory this engine contributes to the store      |
 
+Process settings, read from the environment only (not `EmsConfig` keywords), once at `Ems.init` like the rest:
+
+| field                 | environment variable       | default        | meaning                                          |
+|-----------------------|----------------------------|----------------|--------------------------------------------------|
+| chunk_bytes           | EMS_CHUNK_BYTES            | 32MiB          | pipelined path's chunk size (0: one per request) |
+| profiling             | ENABLE_CC_PROFILING        | off (1: on)    | each job's stage timings on `ems.profile`        |
+| sdk_log_dir           | EMS_SDK_LOG                | none           | a directory: the SDK logs to a file there        |
+| ucx                   | EMS_UCX_PROGRESS_MODE,     | see            | UCX progress mode, Python futures, notifier      |
+|                       | EMS_UCX_PYTHON_FUTURE,     | `ems.transport.ucx_config.UcxSettings`            |
+|                       | EMS_UCX_NOTIFIER           |                |                                                  |
+
+Nothing re-reads them later: to change one, call `Ems.shutdown()` and `Ems.init` again (UCX's, which are
+process-wide, hold from the first UCX connection on).
+
 `device` default: the registered KV cache's device; else `npu:<device_id>` when torch_npu is already imported,
 `cuda:<device_id>` when CUDA is available, otherwise `cpu`.
 
@@ -59,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional, Union, cast
 
 from ems.errors import invalid_argument
+from ems.transport.ucx_config import UcxSettings
 
 if TYPE_CHECKING:
     from ems.kernels.base import KernelBackend
@@ -202,6 +217,12 @@ class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
         return self.kvcache_type == KvCacheType.MLA
 
 
+# perf/RESULTS.md (API over UCX): on a CPU-only host one chunk is fastest (the copies compete with the wire for the
+# same cores) and small chunks lose to per-request costs; 32 MiB keeps typical requests one chunk, and
+# PIPELINE_DEPTH (ems.jobs) x 32 MiB stays within the smallest default in-flight budget of a node (64 MiB: a chunk
+# never waits)
+DEFAULT_CHUNK_BYTES = 32 << 20
+
 POOL_SETTINGS = (
     "pool_nodes",
     "pool_capacity",
@@ -310,6 +331,11 @@ class Settings:
     pool_prefault_ahead: int = 256 << 20  # embedded pool: bytes kept faulted in ahead of use, in the background
     pool_backend: PoolBackendKind = PoolBackendKind.EMS
     mooncake: Optional["MooncakeSettings"] = None  # with pool_backend mooncake
+    # process settings: environment only (see the module docstring)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    profiling: bool = False
+    sdk_log_dir: Optional[str] = None
+    ucx: UcxSettings = field(default_factory=UcxSettings)
 
     @property
     def embedded(self) -> bool:
@@ -395,6 +421,7 @@ def resolve_settings(config: EmsConfig) -> Settings:
             "pool_prefault_ahead", _setting(config.pool_prefault_ahead, "EMS_POOL_PREFAULT_AHEAD", "256MiB")
         ),
         **_backend_settings(config),
+        **_process_settings(),
     )
     if settings.pool_backend == PoolBackendKind.MOONCAKE and (settings.pool_nodes or settings.pool_etcd):
         raise invalid_argument(
@@ -406,6 +433,21 @@ def resolve_settings(config: EmsConfig) -> Settings:
     if settings.staging_capacity <= 0:
         raise invalid_argument("staging_capacity must be > 0")
     return settings
+
+
+def _process_settings() -> dict:
+    """chunk_bytes, profiling, sdk_log_dir, ucx: from the environment only, checked."""
+    chunk = os.environ.get("EMS_CHUNK_BYTES", "").strip()
+    try:
+        ucx = UcxSettings.from_env()
+    except ValueError as exc:
+        raise invalid_argument(str(exc)) from None
+    return {
+        "chunk_bytes": parse_size("EMS_CHUNK_BYTES", chunk) if chunk else DEFAULT_CHUNK_BYTES,
+        "profiling": os.environ.get("ENABLE_CC_PROFILING") == "1",
+        "sdk_log_dir": os.environ.get("EMS_SDK_LOG") or None,
+        "ucx": ucx,
+    }
 
 
 _CLUSTER_RE = re.compile(r"[0-9a-z._-]{1,512}")

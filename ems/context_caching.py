@@ -183,11 +183,12 @@ class ContextCaching:
 
         When this returns, every byte the save needs is out of the engine's cache: the engine may overwrite it.
         """
-        record = JobRecord(JobKind.SAVE)
+        record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
-        job = save_job(plan, device, backend, self._pool, self._staging, request.option, record)
+        job = save_job(plan, device, backend, self._pool, self._staging, request.option, record,
+                       self._settings.chunk_bytes)
         with _ems_errors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
@@ -257,14 +258,15 @@ class ContextCaching:
     # ---------------------------------------------------------------- load
 
     def _load(self, request: Request, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
-        job = load_job(plan, device, self._backend_for(device), self._pool, self._staging, request.option, record)
+        job = load_job(plan, device, self._backend_for(device), self._pool, self._staging, request.option, record,
+                       self._settings.chunk_bytes)
         hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
         self._job_done(record.finish(hits, plan.total, int(plan.expected.payload_len[:hits].sum())))
         return CcResult(hits, plan.total)
 
     def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device, JobRecord]:
-        record = JobRecord(JobKind.LOAD)
+        record = JobRecord(JobKind.LOAD, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.LOAD, args, kwargs)
         return request, plan, device, record

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ class JobRecord:
     """One job's account: blocks done of total, bytes moved, and per stage bytes, seconds and runs."""
 
     kind: JobKind
+    profile: bool = False  # log the record on `ems.profile` when it finishes (Settings.profiling)
     path: str = ""  # "one-pass", "pipelined" or (V0 loads from pool nodes) "staged"
     blocks_ok: int = 0
     blocks_total: int = 0
@@ -94,7 +94,7 @@ class JobRecord:
     def finish(self, blocks_ok: int, blocks_total: int, nbytes: int) -> "JobRecord":
         self.blocks_ok, self.blocks_total, self.nbytes = blocks_ok, blocks_total, nbytes
         self.seconds = time.perf_counter() - self._started
-        if profiling_enabled():
+        if self.profile:
             profile_logger.info("%s", self.summary())
         return self
 
@@ -124,11 +124,6 @@ class StageTimer:
 
 def _order(item: tuple[Stage, StageRecord]) -> int:
     return list(Stage).index(item[0])
-
-
-def profiling_enabled() -> bool:
-    """ENABLE_CC_PROFILING=1 in the environment (read at each job: tests and tools may flip it)."""
-    return os.environ.get("ENABLE_CC_PROFILING") == "1"
 
 
 @dataclass

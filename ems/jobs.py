@@ -40,7 +40,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import os
 import threading
 import time
 from typing import Any, Callable, List, Optional, Protocol
@@ -49,7 +48,6 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
-from ems.config import parse_size
 from ems.devices import side_stream
 from ems.errors import EmsErrorCode
 from ems.job_records import (  # noqa: F401  (re-exported: the records' old home)
@@ -59,7 +57,6 @@ from ems.job_records import (  # noqa: F401  (re-exported: the records' old home
     KindTotals,
     Stage,
     StageRecord,
-    profiling_enabled,
     stage_table,
 )
 from ems.kernels import CopyBackend
@@ -73,23 +70,11 @@ from ems.transport.base import TransportError
 from ems.types import CcKvOption
 from ems.value_format import HEADER_SIZE, MAGIC, VERSION, checksum, header_struct, valid_prefix
 
-CHUNK_ENV = "EMS_CHUNK_BYTES"
-# perf/RESULTS.md (API over UCX): on a CPU-only host one chunk is fastest (the copies compete with the wire for the
-# same cores) and small chunks lose to per-request costs; 32 MiB keeps typical requests one chunk, and
-# PIPELINE_DEPTH x 32 MiB stays within the smallest default in-flight budget of a node (64 MiB: a chunk never waits)
-DEFAULT_CHUNK_BYTES = 32 << 20
 PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
 FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
 # the embedded path views the address span of a request's buffers as one tensor: never one wider than this
 # (buffers from unrelated mappings; then it moves value by value)
 MAX_VALUE_SPAN = 1 << 40
-
-def chunk_bytes() -> int:
-    """The pipelined path's chunk size: `EMS_CHUNK_BYTES` (a size: "4MiB", "1048576"; 0: one chunk per request),
-    read at each job like ENABLE_CC_PROFILING; `DEFAULT_CHUNK_BYTES` when unset."""
-    text = os.environ.get(CHUNK_ENV, "").strip()
-    return parse_size(CHUNK_ENV, text) if text else DEFAULT_CHUNK_BYTES
-
 
 def plan_chunks(plan: Plan, limits: RequestLimits, target: int) -> list[tuple[int, int]]:
     """The request's chunks, (first value, end) in order: consecutive values of at most `target` payload bytes each
@@ -328,9 +313,10 @@ class PipelinedSave:
     """A save through staging to pool nodes (or from an accelerator): see the module docstring."""
 
     def __init__(self, plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
-                 staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
+                 staging: StagingPool, option: CcKvOption, record: JobRecord, chunk_bytes: int) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
+        self.chunk_bytes = chunk_bytes  # Settings.chunk_bytes
         record.path = "pipelined"
         self._lease: Optional[StagingLease] = None
         self._chunks: List[tuple[int, int]] = []
@@ -352,7 +338,7 @@ class PipelinedSave:
         self._deadline = deadline_of(self.option)
         self._lease = lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
         host = lease.host_view()
-        self._chunks = plan_chunks(plan, self.pool.limits, chunk_bytes())
+        self._chunks = plan_chunks(plan, self.pool.limits, self.chunk_bytes)
         for a, b in self._chunks:
             lo, hi = int(plan.value_start[a]), int(plan.value_start[b])
             with side_stream(self.device):  # waits for the chunk's device work at the end
@@ -451,9 +437,10 @@ class PipelinedLoad:
     """A load from pool nodes (or into an accelerator) through staging, chunk by chunk: see the module docstring."""
 
     def __init__(self, plan: BlockPlan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
-                 staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
+                 staging: StagingPool, option: CcKvOption, record: JobRecord, chunk_bytes: int) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
+        self.chunk_bytes = chunk_bytes  # Settings.chunk_bytes
         record.path = "pipelined"
 
     def run(self) -> tuple[int, PoolOutcome]:
@@ -464,7 +451,7 @@ class PipelinedLoad:
         verified prefix while later chunks arrive; stop at the first miss (nothing after it is written)."""
         record = self.record
         deadline = deadline_of(self.option)
-        chunks = plan_chunks(plan, self.pool.limits, chunk_bytes())
+        chunks = plan_chunks(plan, self.pool.limits, self.chunk_bytes)
         stop = threading.Event()
         lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
         host = lease.host_view()
@@ -570,20 +557,20 @@ class StagedLoad:
 
 
 def save_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend, staging: StagingPool,
-             option: CcKvOption, record: JobRecord) -> SaveJob:
+             option: CcKvOption, record: JobRecord, chunk_bytes: int) -> SaveJob:
     """The save job for this request's path: embedded (CPU tensors, the embedded pool) or pipelined."""
     store = pool.local_store
     if store is not None and device.type == "cpu":
         return EmbeddedSave(plan, backend, store, record)
-    return PipelinedSave(plan, device, backend, pool, staging, option, record)
+    return PipelinedSave(plan, device, backend, pool, staging, option, record, chunk_bytes)
 
 
 def load_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend, staging: StagingPool,
-             option: CcKvOption, record: JobRecord) -> LoadJob:
+             option: CcKvOption, record: JobRecord, chunk_bytes: int) -> LoadJob:
     """The load job for this request's path: embedded, pipelined (V1) or staged (V0 from pool nodes)."""
     store = pool.local_store
     if store is not None and device.type == "cpu":
         return EmbeddedLoad(plan, backend, store, record)
     if isinstance(plan, BlockPlan):
-        return PipelinedLoad(plan, device, backend, pool, staging, option, record)
+        return PipelinedLoad(plan, device, backend, pool, staging, option, record, chunk_bytes)
     return StagedLoad(plan, device, backend, pool, staging, option, record)

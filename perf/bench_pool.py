@@ -37,6 +37,7 @@ Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import asyncio
 import os
@@ -645,12 +646,12 @@ CHUNK_MODES = ("0", "1MiB", "4MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the 
 def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]:
     """The API-over-UCX rows (see the module docstring): (the table, the stage table, the figures in GB/s)."""
     from ems import CcConfig, Ems, EmsConfig
+    from ems.config import parse_size
     from ems.demo import Engine
     from ems.jobs import JobKind, stage_table
 
     node = PoolProcess("1GiB")  # holds ~20 requests: later saves evict (the steady state)
     load_before = os.getloadavg()[0]
-    saved_env = os.environ.get("EMS_CHUNK_BYTES")
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header: what crosses the wire, for both peers
     total = blocks * value_bytes
     best = {mode: {"save": float("inf"), "load": float("inf")} for mode in CHUNK_MODES}
@@ -675,7 +676,8 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
         for _ in range(rounds + 1):  # the first round warms up (connection, staging, node buffers): not counted
             warm = not records
             for mode in CHUNK_MODES:
-                os.environ["EMS_CHUNK_BYTES"] = mode
+                # white-box: each chunk size in one session (Settings.chunk_bytes is read at Ems.init)
+                cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", mode))
                 hashes = [next(counter) * 1000 + i for i in range(blocks)]
                 start = time.perf_counter()
                 if cc.save(slots, hashes, offsets, option).success != blocks:
@@ -703,10 +705,6 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
             client.close()
         Ems.shutdown()
         node.cleanup()
-        if saved_env is None:
-            os.environ.pop("EMS_CHUNK_BYTES", None)
-        else:
-            os.environ["EMS_CHUNK_BYTES"] = saved_env
     raw_s, raw_l = total / raw_save / 1e9, total / raw_load / 1e9
     lines = [f"API over UCX, 1 node, {blocks} blocks of 1 MiB ({total / 2**20:.0f} MiB a call), best of {rounds} "
              f"interleaved rounds; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after",

@@ -2,8 +2,11 @@
 
 Contract: `init_ucx()` sets the UCX environment defaults below (a value already in the environment wins, so an
 operator can override any of them), then calls `ucxx.init` with the chosen progress mode, once per process. It
-must run inside the event loop thread that will drive UCX (the progress mode hooks into that loop). Import this
-module before anything imports `ucxx`: UCX reads its global options when the library loads.
+must run inside the event loop thread that will drive UCX (the progress mode hooks into that loop), and before
+anything else imports `ucxx`: UCX reads its options from the environment when the library loads and when its
+context is created, so the defaults are written into `os.environ` there, when the transport is first opened, never
+at import. This package's own knobs (`UcxSettings`: EMS_UCX_PROGRESS_MODE, EMS_UCX_PYTHON_FUTURE, EMS_UCX_NOTIFIER)
+are read once: `configure()` at `Ems.init` or at a pool node's start, else from the environment at `init_ucx`.
 
 Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Per-call cost over UCX"):
 * progress mode, by role unless EMS_UCX_PROGRESS_MODE sets it for every process: "loop" for a process that serves
@@ -42,7 +45,9 @@ import logging
 import os
 import queue
 import threading
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
 
 UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -62,24 +67,59 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
 # The default depends on the process's role (`init_ucx(role)`): see the module docstring.
 NODE_PROGRESS_MODE = "loop"
 CLIENT_PROGRESS_MODE = "thread"
-PROGRESS_MODE_OVERRIDE = os.environ.get("EMS_UCX_PROGRESS_MODE") or None
-PROGRESS_MODE = PROGRESS_MODE_OVERRIDE or "(not started)"  # the mode this process runs, once `init_ucx` ran
-# Python futures completed by ucxx's notifier thread: without them every pending request is awaited by polling
-# with asyncio.sleep(0), i.e. a core at 100% whenever a receive is posted (a pool node always has one).
-PYTHON_FUTURE = os.environ.get("EMS_UCX_PYTHON_FUTURE", "1") != "0"
+PROGRESS_MODES = ("loop", "thread", "thread-polling", "polling", "blocking")
+NOTIFIERS = ("ems", "ucxx")
+
+
+@dataclass(frozen=True)
+class UcxSettings:
+    """This package's UCX knobs (part of `ems.config.Settings`; a pool node reads them at start)."""
+
+    # EMS_UCX_PROGRESS_MODE: one of PROGRESS_MODES for every process; None: by role (see the module docstring)
+    progress_mode: Optional[str] = None
+    # EMS_UCX_PYTHON_FUTURE (0 turns it off): Python futures completed by ucxx's notifier thread; without them every
+    # pending request is awaited by polling with asyncio.sleep(0), a core at 100% whenever a receive is posted
+    python_future: bool = True
+    # EMS_UCX_NOTIFIER: "ems" (`_notifier_thread`) or "ucxx" (ucxx's own notifier thread)
+    notifier: str = "ems"
+
+    def __post_init__(self) -> None:
+        if self.progress_mode is not None and self.progress_mode not in PROGRESS_MODES:
+            raise ValueError(f"EMS_UCX_PROGRESS_MODE must be one of {', '.join(PROGRESS_MODES)}, got {self.progress_mode!r}")
+        if self.notifier not in NOTIFIERS:
+            raise ValueError(f"EMS_UCX_NOTIFIER must be one of {', '.join(NOTIFIERS)}, got {self.notifier!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> UcxSettings:
+        return cls(
+            progress_mode=environ.get("EMS_UCX_PROGRESS_MODE") or None,
+            python_future=environ.get("EMS_UCX_PYTHON_FUTURE", "1") != "0",
+            notifier=environ.get("EMS_UCX_NOTIFIER") or "ems",
+        )
+
+
+PROGRESS_MODE = "(not started)"  # the mode this process runs, once `init_ucx` ran
 
 _lock = threading.Lock()
 _initialised = False
+_settings: Optional[UcxSettings] = None  # set by `configure`; else read from the environment at `init_ucx`
+
+
+def configure(settings: UcxSettings) -> None:
+    """Use `settings` when UCX starts in this process (`Ems.init`, a pool node's start). UCX starts once per
+    process: after that, a call with other settings is refused (ValueError) rather than silently ignored."""
+    global _settings
+    with _lock:
+        if _initialised and settings != _settings:
+            raise ValueError(f"UCX already runs in this process with {_settings}; cannot switch to {settings}")
+        _settings = settings
 
 
 def apply_env_defaults() -> None:
+    """UCX_* defaults into the environment (an operator's value wins): UCX reads them from there, when its library
+    loads and when `ucxx.init` creates its context, so this runs just before `import ucxx` in `init_ucx`."""
     for name, value in UCX_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
-
-
-# UCX reads its global options when the library loads (at `import ucxx`), so the defaults go in at import time
-# of this module, which every ucxx user here imports first.
-apply_env_defaults()
 
 
 log = logging.getLogger("ems.transport")
@@ -122,18 +162,20 @@ def _notifier_thread(event_loop: asyncio.AbstractEventLoop, worker: Any, q: "que
 
 
 def init_ucx(default_mode: str = NODE_PROGRESS_MODE) -> None:
-    """Initialise ucxx once in this process, with the settings above; the progress mode is EMS_UCX_PROGRESS_MODE when
-    set, else `default_mode` (NODE_PROGRESS_MODE for a process serving UCX, CLIENT_PROGRESS_MODE for a client)."""
-    global _initialised, PROGRESS_MODE
+    """Initialise ucxx once in this process, with the settings above; the progress mode is `UcxSettings.progress_mode`
+    when set, else `default_mode` (NODE_PROGRESS_MODE for a process serving UCX, CLIENT_PROGRESS_MODE for a client)."""
+    global _initialised, _settings, PROGRESS_MODE
     with _lock:
         if _initialised:
             return
-        PROGRESS_MODE = PROGRESS_MODE_OVERRIDE or default_mode
+        if _settings is None:
+            _settings = UcxSettings.from_env()
+        PROGRESS_MODE = _settings.progress_mode or default_mode
         apply_env_defaults()
         import ucxx
         import ucxx._lib_async.application_context as app_context
 
-        if os.environ.get("EMS_UCX_NOTIFIER", "ems") == "ems":
+        if _settings.notifier == "ems":
             app_context._notifierThread = _notifier_thread  # the name start_notifier_thread() calls
 
         if PROGRESS_MODE == "loop":
@@ -145,6 +187,7 @@ def init_ucx(default_mode: str = NODE_PROGRESS_MODE) -> None:
             install(_get_ctx().worker, asyncio.get_running_loop())
         else:
             ucxx.init(
-                progress_mode=PROGRESS_MODE, enable_python_future=PYTHON_FUTURE and PROGRESS_MODE.startswith("thread")
+                progress_mode=PROGRESS_MODE,
+                enable_python_future=_settings.python_future and PROGRESS_MODE.startswith("thread"),
             )
         _initialised = True

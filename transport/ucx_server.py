@@ -317,9 +317,9 @@ class PoolServer:
     async def start(self, port: int, host: str = "0.0.0.0") -> int:
         """Start listening on `host:port` (every interface for a wildcard host); returns the port. OSError when UCX
         cannot listen there."""
+        init_ucx()  # before `import ucxx`: it puts UCX's environment in place
         import ucxx
 
-        init_ucx()
         install_safe_listener_exchange()  # a client paused mid-connect must not corrupt this node's heap
         if host in WILDCARD_HOSTS:
             self._listener = ucxx.create_listener(self._serve, port=port, endpoint_error_handling=True)

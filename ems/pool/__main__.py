@@ -284,7 +284,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     host, port = args.listen
     _restrict_ucx_devices(host)
-    import ems.transport.ucx_config  # noqa: F401 - UCX environment defaults, before ucxx loads
 
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ems-pool %(levelname)s %(message)s"

@@ -14,6 +14,7 @@ processes (`python -m ems.pool`), through the public API.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -87,8 +88,9 @@ def connect(request):
         cc._pool.close()
 
 
-def _chunks(monkeypatch, size: str) -> None:
-    monkeypatch.setenv("EMS_CHUNK_BYTES", size)
+def _chunks(cc, size: str) -> None:
+    """The chunk size of `cc`'s next calls (`Settings.chunk_bytes`, EMS_CHUNK_BYTES at `Ems.init`)."""
+    cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", size))
 
 
 def _plan(cc, slots, hashes, offsets) -> BlockPlan:
@@ -111,9 +113,7 @@ def _setup(cc, seed: int = 0):
 
 def _chunk_starts(cc, slots, hashes, offsets) -> list[int]:
     """The first value of each chunk of this call (at the chunk size set now)."""
-    from ems.jobs import chunk_bytes
-
-    return [a for a, _ in plan_chunks(_plan(cc, slots, hashes, offsets), cc._pool.limits, chunk_bytes())]
+    return [a for a, _ in plan_chunks(_plan(cc, slots, hashes, offsets), cc._pool.limits, cc._settings.chunk_bytes)]
 
 
 def _idle(cc) -> None:
@@ -125,7 +125,7 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
     cc = connect(shared.address)
     cache, slots, hashes, offsets = _setup(cc)
     original = snapshot(cache)
-    _chunks(monkeypatch, save_chunk)
+    _chunks(cc, save_chunk)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     record = cc.jobs.last(JobKind.SAVE)
     chunks = len(plan_chunks(_plan(cc, slots, hashes, offsets), cc._pool.limits, parse_size("chunk", save_chunk)))
@@ -133,7 +133,7 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
     assert chunks == {"0": 1, "1": BLOCKS}.get(save_chunk, chunks) and (chunks > 12 or save_chunk == "0")
     assert record.stages[Stage.GATHER].nbytes == record.nbytes
     _idle(cc)
-    _chunks(monkeypatch, load_chunk)
+    _chunks(cc, load_chunk)
     poisoned = poison(cache)
     assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
@@ -151,7 +151,7 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
 
 def test_v0_raw_values_in_many_chunks(shared, connect, monkeypatch):
     cc = connect(shared.address)
-    _chunks(monkeypatch, "2KiB")
+    _chunks(cc, "2KiB")
     arena = torch.randint(0, 255, (1 << 18,), dtype=torch.uint8)
     lengths = [1, 700, 3000, 64, 5000, 1, 2048, 999] * 3
     offsets = np.cumsum([0] + lengths[:-1]).tolist()
@@ -188,7 +188,7 @@ def test_a_damaged_value_in_chunk_k_stops_the_load_there(shared, connect, monkey
     cc = connect(shared.address)
     cache, slots, hashes, offsets = _setup(cc, seed=3)
     original = snapshot(cache)
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     plan = _plan(cc, slots, hashes, offsets)
     starts = _chunk_starts(cc, slots, hashes, offsets)
@@ -209,7 +209,7 @@ def test_with_replicas_a_damaged_copy_falls_back_to_the_good_one(nodes, connect,
     cc = connect(a.address, b.address, replicas=2)
     cache, slots, hashes, offsets = _setup(cc, seed=4)
     original = snapshot(cache)
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     plan = _plan(cc, slots, hashes, offsets)
     view = cc._pool.members.view
@@ -230,7 +230,7 @@ def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(n
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=5)
     original = snapshot(cache)
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     starts = _chunk_starts(cc, slots, hashes, offsets)
     scatter = BlockPlan.scatter_range
@@ -257,7 +257,7 @@ def test_a_node_paused_mid_save_gives_the_acknowledged_prefix_in_time(nodes, con
     cache, slots, hashes, offsets = _setup(cc, seed=6)
     original = snapshot(cache)
     assert cc.exists(hashes[:1]) == CcResult(0, 1)  # connected
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     starts = _chunk_starts(cc, slots, hashes, offsets)
     gather = BlockPlan.gather_range
 
@@ -292,7 +292,7 @@ def test_abandon_with_puts_in_flight_gives_everything_back(nodes, connect, monke
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=7)
     assert cc.exists(hashes[:1]) == CcResult(0, 1)  # connected
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     node.pause()  # every put stays in flight
     try:
         start = time.monotonic()
@@ -316,7 +316,7 @@ def test_abandon_with_puts_in_flight_gives_everything_back(nodes, connect, monke
 def test_an_interrupt_while_gathering_with_puts_in_flight_gives_the_lease_back(shared, connect, monkeypatch):
     cc = connect(shared.address)
     cache, slots, hashes, offsets = _setup(cc, seed=8)
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     starts = _chunk_starts(cc, slots, hashes, offsets)
     gather = BlockPlan.gather_range
 
@@ -341,7 +341,7 @@ def test_an_unreachable_node_fails_the_call_in_time(nodes, connect, monkeypatch)
     node = nodes()
     cc = connect(node.address)
     _, slots, hashes, offsets = _setup(cc, seed=9)
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     node.kill()
     for call in (cc.save, cc.load):
         start = time.monotonic()
@@ -382,7 +382,7 @@ def test_a_job_keeps_at_most_depth_chunk_requests_in_flight(fault_node_factory, 
     try:
         cache, slots, hashes, offsets = _setup(cc, seed=10)
         original = snapshot(cache)
-        _chunks(monkeypatch, TINY)
+        _chunks(cc, TINY)
         assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
         assert cc.jobs.last(JobKind.SAVE).stages[Stage.SEND].runs > 2 * PIPELINE_DEPTH
         poisoned = poison(cache)
@@ -410,11 +410,11 @@ def test_one_chunk_runs_on_the_calling_thread(shared, connect, monkeypatch):
     real_put, real_get = cc._pool.put, cc._pool.get_into
     monkeypatch.setattr(cc._pool, "put", lambda *a, **k: callers.add(threading.get_ident()) or real_put(*a, **k))
     monkeypatch.setattr(cc._pool, "get_into", lambda *a, **k: callers.add(threading.get_ident()) or real_get(*a, **k))
-    _chunks(monkeypatch, "0")
+    _chunks(cc, "0")
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert not started and callers == {threading.get_ident()}
-    _chunks(monkeypatch, TINY)
+    _chunks(cc, TINY)
     assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert started and len(callers) > 1
     _idle(cc)
