@@ -175,6 +175,10 @@ def init_ucx(default_mode: str = NODE_PROGRESS_MODE) -> None:
         import ucxx
         import ucxx._lib_async.application_context as app_context
 
+        from ems.transport import ucxx_internals
+
+        ucxx_internals.check()  # a moved internal fails here, loudly, not later or silently slower
+
         if _settings.notifier == "ems":
             app_context._notifierThread = _notifier_thread  # the name start_notifier_thread() calls
 

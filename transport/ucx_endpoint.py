@@ -125,15 +125,9 @@ def _load_ep_query() -> Any:
     if _ucp_ep_query is None:
         import ctypes
 
-        path = None
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            for line in maps:
-                if "/libucp.so" in line:
-                    path = line.split(None, 5)[-1].strip()
-                    break
-        if path is None:
-            raise OSError("libucp is not loaded")
-        query = ctypes.CDLL(path).ucp_ep_query
+        from ems.transport.ucxx_internals import loaded_library
+
+        query = loaded_library("libucp").ucp_ep_query
         query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         query.restype = ctypes.c_int
         _ucp_ep_query = query

@@ -24,6 +24,8 @@ import socket
 import struct
 from typing import Any, Awaitable, Callable
 
+from ems.transport.ucxx_internals import loaded_library
+
 log = logging.getLogger("ems.transport")
 
 _FIELD_SOCK_ADDR = 1 << 0
@@ -48,15 +50,6 @@ class _ListenerParams(ctypes.Structure):
         ("accept_handler", _Handler),
         ("conn_handler", _Handler),
     ]
-
-
-def _loaded(name: str) -> Any:
-    """A UCX library this process has already loaded (through ucxx), e.g. "libucp"."""
-    with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-        for line in maps:
-            if f"/{name}.so" in line:
-                return ctypes.CDLL(line.split(None, 5)[-1].strip())
-    raise OSError(f"{name} is not loaded (import ucxx first)")
 
 
 def _sockaddr(host: str, port: int) -> bytes:
@@ -124,8 +117,8 @@ class BoundListener:
         self._connect_timeout_s = connect_timeout_s
         self._tasks: set = set()
         self._handle: Any = None
-        self._ucp = _loaded("libucp")
-        status_string = _loaded("libucs").ucs_status_string
+        self._ucp = loaded_library("libucp")
+        status_string = loaded_library("libucs").ucs_status_string
         status_string.argtypes = [ctypes.c_int]
         status_string.restype = ctypes.c_char_p
         self._ucp.ucp_listener_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
