@@ -457,7 +457,7 @@ def _cluster_settings(config: EmsConfig) -> dict:
     """pool_etcd, pool_cluster, pool_replicas, checked."""
     etcd = _setting(config.pool_etcd, "EMS_POOL_ETCD", None)
     if etcd is not None:
-        from ems.transport.etcd import parse_url
+        from ems.cluster.etcd import parse_url
 
         try:
             parse_url(etcd if isinstance(etcd, str) else "")

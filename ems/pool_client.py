@@ -1,8 +1,8 @@
 """The pool as one client sees it: routing, per-node fan-out with deadlines, and the local read cache.
 
 Contract:
-* Each key has `replicas` owning nodes among the live ones (`transport.routing.ranked_owners`, rendezvous hashing of
-  its route key; `ems.placement.Members` holds the live set, which membership may change between calls). A call
+* Each key has `replicas` owning nodes among the live ones (`ems.cluster.routing.ranked_owners`, rendezvous hashing of
+  its route key; `ems.cluster.placement.Members` holds the live set, which membership may change between calls). A call
   sends batched requests per node it needs, nodes in parallel, and waits at most the option's timeout in all (0, or
   anything above `MAX_TIMEOUT_MS`: that maximum). A node that fails or does not answer in time fails only its own
   keys (those of its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
@@ -28,18 +28,18 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
-from ems.placement import Members
+from ems.cluster.placement import Members
 from ems.store import KvStore
 from ems.transport import protocol
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.inprocess import InProcessNode
-from ems.transport.routing import ranked_owners
+from ems.cluster.routing import ranked_owners
 from ems.types import MAX_TIMEOUT_MS, CcKvOption
 from ems.value_format import HEADER_SIZE, ExpectedValues, matches
 
@@ -151,7 +151,6 @@ class PoolClient:
         self._pipeline: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._executor_lock = threading.Lock()
         self._on_close: list[Callable[[], None]] = []
-        self.membership: Optional[Any] = None  # the etcd membership watcher keeping `members` current, if any
 
     @property
     def nodes(self) -> list[NodeClient]:
@@ -159,7 +158,7 @@ class PoolClient:
         return list(self.members.view.nodes)
 
     def set_members(self, addresses: Sequence[str]) -> None:
-        """Route to exactly these nodes from now on (membership changes; see `ems.placement.Members`)."""
+        """Route to exactly these nodes from now on (membership changes; see `ems.cluster.placement.Members`)."""
         self.members.set(addresses)
 
     def describe(self) -> str:

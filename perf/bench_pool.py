@@ -130,7 +130,7 @@ class RawUcx:
         self.rt = UcxRuntime.get()
         from ems.transport.ucx_endpoint import create_endpoint
 
-        self.ep = self.rt.submit(create_endpoint("127.0.0.1", port, 5.0)).result(10)
+        self.ep = asyncio.run_coroutine_threadsafe(create_endpoint("127.0.0.1", port, 5.0), self.rt.loop).result(10)
         self._bufs: dict = {}
 
     def put(self, values: list) -> None:
@@ -139,7 +139,7 @@ class RawUcx:
             await asyncio.gather(*(send(self.ep, v) for v in values))
             await recv(self.ep, np.empty(1, np.uint8))
 
-        self.rt.submit(run()).result(120)
+        asyncio.run_coroutine_threadsafe(run(), self.rt.loop).result(120)
 
     def get(self, n: int, size: int) -> None:
         async def run() -> None:
@@ -149,7 +149,7 @@ class RawUcx:
             bufs = self._bufs[size][:n]
             await asyncio.gather(*(recv(self.ep, b) for b in bufs))
 
-        self.rt.submit(run()).result(120)
+        asyncio.run_coroutine_threadsafe(run(), self.rt.loop).result(120)
 
     def round_trip(self, size: int = 8) -> None:
         async def run() -> None:

@@ -112,12 +112,9 @@ class UcxRuntime:
                 cls._instance = UcxRuntime()
             return cls._instance
 
-    def submit(self, coro: Awaitable[Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
-
     def start(self, coro: Awaitable[Any]) -> "_Waiter":
-        """Run `coro` on the loop; the calling thread waits on the returned `_Waiter` (cheaper than `submit`: no
-        concurrent Future, one lock)."""
+        """Run `coro` on the loop; the calling thread waits on the returned `_Waiter` (cheaper than
+        `asyncio.run_coroutine_threadsafe`: no concurrent Future, one lock)."""
         waiter = _Waiter()
         self.loop.call_soon_threadsafe(waiter.begin, self.loop, coro)
         return waiter

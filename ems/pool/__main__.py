@@ -30,7 +30,7 @@ Contract:
   turns the node DRAM-only. `--disk-queue`: bytes of evicted values waiting to be written (beyond them an eviction
   is dropped, never waited for).
 * `--metrics HOST:PORT` serves Prometheus `/metrics` and `/healthz` (`ems.pool.metrics`; needs prometheus_client).
-* `--etcd URL` registers the node in etcd under `--cluster` (`ems.transport.membership`) before the ready line,
+* `--etcd URL` registers the node in etcd under `--cluster` (`ems.cluster.membership`) before the ready line,
   as `--advertise` (default: the `--listen` host and the bound port); etcd unreachable at start exits with
   status 1. On SIGTERM/SIGINT the node first deregisters and reports `/healthz` 503, keeps serving for `--drain`
   seconds (so engines see it leave and calls in flight finish), then stops (`ems.pool.cluster_node`).

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from ems.pool.metrics import MetricsServer, NodeMetrics
+    from ems.cluster.membership import Registration
     from ems.transport.ucx_server import NodeStore
-    from ems.transport.membership import Registration
 
 log = logging.getLogger("ems.pool")
 
@@ -36,7 +36,7 @@ def _host_port(flag: str):
 
 
 def _etcd_url(value: str) -> str:
-    from ems.transport.etcd import parse_url
+    from ems.cluster.etcd import parse_url
 
     try:
         parse_url(value)
@@ -88,7 +88,7 @@ class NodeExtras:
             metrics_address = self._server.address
             log.info("metrics on http://%s/metrics", metrics_address)
         if self.args.etcd is not None:
-            from ems.transport.membership import NodeInfo, Registration
+            from ems.cluster.membership import NodeInfo, Registration
 
             advertise = f"{self.args.advertise[0]}:{self.args.advertise[1]}" if self.args.advertise else address
             self._registration = Registration(

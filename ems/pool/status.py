@@ -181,8 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.interval < 0 or args.timeout <= 0:
         parser.error("--interval must be >= 0 and --timeout > 0")
     if args.etcd:
-        from ems.transport.etcd import EtcdClient, EtcdError
-        from ems.transport.membership import read_members
+        from ems.cluster.etcd import EtcdClient, EtcdError
+        from ems.cluster.membership import read_members
 
         try:
             members, _ = read_members(EtcdClient(args.etcd, timeout_s=args.timeout), args.cluster)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from ems.transport.inprocess import InProcessNode
-from ems.transport.routing import node_seeds, ranked_owners
+from ems.cluster.routing import node_seeds, ranked_owners
 from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors
 from fault_injection import FaultyNode
 
@@ -202,7 +202,7 @@ def test_metrics_count_calls_blocks_and_bytes():
 
 
 def test_ranked_owners_first_column_is_owners_and_rows_are_distinct():
-    from ems.transport.routing import owners
+    from ems.cluster.routing import owners
 
     keys = [f"k{i}".encode() for i in range(2000)]
     seeds = node_seeds([f"h{i}:1" for i in range(6)])

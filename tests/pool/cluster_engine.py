@@ -31,6 +31,17 @@ OPTION = CcKvOption(timeout=3000)
 
 def main() -> None:
     config = json.loads(sys.argv[1])
+    # white-box: the engine's membership watcher, for "members" to report whether its etcd watch is live
+    import ems.cluster.remote_pool as remote_pool
+
+    watchers: list = []
+
+    class RecordedWatcher(remote_pool.MembershipWatcher):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            watchers.append(self)
+
+    remote_pool.MembershipWatcher = RecordedWatcher  # type: ignore[misc]
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="cluster-model"),
                        pool_etcd=config["etcd"], pool_cluster=config["cluster"], pool_replicas=config["replicas"],
                        read_cache_capacity=0, connect_timeout_ms=2000))
@@ -79,9 +90,8 @@ def main() -> None:
         if op == "quit":
             break
         if op == "members":
-            membership = Ems._pool.membership  # type: ignore[union-attr]
             reply = {"members": [n.address for n in Ems._pool.nodes],  # type: ignore[union-attr]
-                     "connected": bool(membership and membership.connected)}
+                     "connected": bool(watchers and watchers[-1].connected)}
         elif op == "save":
             saved, errors = save(command["blocks"])
             reply = {"saved": saved, "errors": errors}

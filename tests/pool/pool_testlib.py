@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import functools
@@ -163,16 +164,15 @@ def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
 def client_of_scripted_node(serve: Callable[[Any], Awaitable[None]]) -> Iterator[Any]:
     """A `UcxNode` connected to a listener whose every connection runs `serve(ep)`: a scripted node that sends what
     a real node never would. The listener is closed on exit."""
-    import ucxx
-
     from ems.transport.ucx import UcxNode, UcxRuntime
 
-    runtime = UcxRuntime.get()
+    runtime = UcxRuntime.get()  # starts UCX (its environment first), then ucxx may load
+    import ucxx
 
     async def listen():
         return ucxx.create_listener(serve, port=0, endpoint_error_handling=True)
 
-    listener = runtime.submit(listen()).result(10)
+    listener = asyncio.run_coroutine_threadsafe(listen(), runtime.loop).result(10)
     node = UcxNode(f"127.0.0.1:{listener.port}", connect_timeout_ms=3000)
     try:
         yield node

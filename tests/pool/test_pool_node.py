@@ -123,7 +123,7 @@ def test_three_nodes_route_and_round_trip(pool_nodes):
         got = pool.get(keys, keys, option)
         assert [bytes(v) for v in got.results] == [joined(v) for v in values]
         # each key is on exactly its owner
-        from ems.transport.routing import node_seeds, owners
+        from ems.cluster.routing import node_seeds, owners
 
         owner = owners(keys, node_seeds([c.address for c in pool.nodes]))
         for i, client in enumerate(pool.nodes):
@@ -144,7 +144,7 @@ def test_node_killed_mid_run_fails_only_its_keys(pool_nodes):
         t0 = time.monotonic()
         got = pool.get(keys, keys, option)
         assert time.monotonic() - t0 < 3.0 + MARGIN_S
-        from ems.transport.routing import node_seeds, owners
+        from ems.cluster.routing import node_seeds, owners
 
         owner = owners(keys, node_seeds([n.address for n in nodes]))
         for i in range(60):

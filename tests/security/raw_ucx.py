@@ -22,7 +22,7 @@ SILENT = "silent"
 
 
 def run(coro: Any, timeout_s: float = 30.0) -> Any:
-    return UcxRuntime.get().submit(coro).result(timeout_s)
+    return asyncio.run_coroutine_threadsafe(coro, UcxRuntime.get().loop).result(timeout_s)
 
 
 def as_frame(data: Any) -> np.ndarray:

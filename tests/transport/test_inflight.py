@@ -112,7 +112,7 @@ def _v1_hello(port: int) -> P.Header:
         finally:
             ep.abort()
 
-    header, message = UcxRuntime.get().submit(session()).result(15)
+    header, message = asyncio.run_coroutine_threadsafe(session(), UcxRuntime.get().loop).result(15)
     assert b"version 1" in message, message
     return header
 

@@ -100,7 +100,7 @@ async def _raw_session(port: int, frames: list, expect_reply: bool) -> str:
 
 
 def _raw(port: int, frames: list) -> str:
-    return UcxRuntime.get().submit(_raw_session(port, frames, True)).result(15)
+    return asyncio.run_coroutine_threadsafe(_raw_session(port, frames, True), UcxRuntime.get().loop).result(15)
 
 
 def _hello() -> list:
@@ -166,7 +166,9 @@ async def _authenticated_then(port: int, frames: list) -> str:
 )
 def test_malformed_requests_after_handshake(shared_node, node_clients, frames):
     pool = shared_node
-    outcome = UcxRuntime.get().submit(_authenticated_then(pool.port, frames)).result(15)
+    outcome = asyncio.run_coroutine_threadsafe(
+        _authenticated_then(pool.port, frames), UcxRuntime.get().loop
+    ).result(15)
     if frames[0][6] == P.Op.PING:
         assert outcome == "answered"
     else:

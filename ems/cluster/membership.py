@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ems.transport.etcd import EtcdClient, EtcdError, WatchEvent, WatchHandle, WatchIdle
+from ems.cluster.etcd import EtcdClient, EtcdError, WatchEvent, WatchHandle, WatchIdle
 
 log = logging.getLogger("ems.membership")
 

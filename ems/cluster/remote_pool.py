@@ -14,14 +14,14 @@ Contract (`open_remote_pool`):
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 from ems.config import Settings
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool_client import PoolClient
 from ems.transport.base import NodeClient
-from ems.transport.etcd import EtcdError
-from ems.transport.membership import MembershipWatcher, NodeInfo
+from ems.cluster.etcd import EtcdError
+from ems.cluster.membership import MembershipWatcher, NodeInfo
 
 log = logging.getLogger("ems")
 
@@ -51,10 +51,4 @@ def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -
         log.warning("pool_etcd unreachable; starting on pool_nodes and watching for etcd: %s", error)
         watcher.start_background()
     pool.on_close(watcher.close)
-    pool.membership = watcher
     return pool
-
-
-def membership_of(pool: PoolClient) -> Optional[MembershipWatcher]:
-    """The membership watcher behind `pool`, or None for a fixed node list."""
-    return getattr(pool, "membership", None)

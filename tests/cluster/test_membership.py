@@ -6,8 +6,8 @@ import threading
 import time
 
 import pytest
-from ems.transport.etcd import EtcdClient, EtcdError, WatchHandle, parse_url, prefix_end
-from ems.transport.membership import (
+from ems.cluster.etcd import EtcdClient, EtcdError, WatchHandle, parse_url, prefix_end
+from ems.cluster.membership import (
     MembershipWatcher,
     NodeInfo,
     Registration,

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ems.transport.base import NodeClient
-from ems.transport.routing import node_seeds
+from ems.cluster.routing import node_seeds
 
 log = logging.getLogger("ems")
 

@@ -1,0 +1,10 @@
+"""tests/cluster shares the etcd fixture of tests/pool."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
+
+from cluster_testlib import etcd  # noqa: E402,F401
