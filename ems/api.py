@@ -23,6 +23,7 @@ from typing import Optional
 from ems.config import EmsConfig, PoolBackendKind, Settings, check_config, resolve_settings
 from ems.context_caching import ContextCaching
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
+from ems.extras import MissingExtra, require
 from ems.pool_backend import PoolBackend
 from ems.pool_client import PoolClient
 from ems.store import KvStore
@@ -54,12 +55,10 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
                         prefault_ahead=settings.pool_prefault_ahead)
         return PoolClient([InProcessNode(store)])
     try:
-        from ems.transport.remote import connect  # UCX is needed only with remote nodes
-    except ImportError as exc:
-        raise EmsException(
-            EmsErrorCode.EMS_INTERNAL_ERROR,
-            f"pool_nodes need UCX (pip install 'ems-kvcache[ucx]'): {exc}",
-        ) from exc
+        require("ucxx", "ucx", "pool_nodes")  # UCX is needed only with remote nodes
+    except MissingExtra as exc:
+        raise EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, str(exc)) from exc
+    from ems.transport.remote import connect
     from ems.transport import ucx_config
 
     try:

@@ -203,16 +203,16 @@ class PoolClient:
                 )
             return self._pipeline.submit(call)
 
-    def _run_jobs(
+    def _run_per_node(
         self,
-        jobs: list[tuple[NodeClient, np.ndarray]],
+        node_keys: list[tuple[NodeClient, np.ndarray]],
         call: Callable[[NodeClient, np.ndarray, float], list],
         costs: Callable[[np.ndarray], Costs],
         deadline: float,
         outcome: PoolOutcome,
     ) -> list[tuple[list, bool]]:
-        """Run `call(node, indices, timeout)` for each job's keys, nodes in parallel, in requests within the limits
-        (`costs(indices)` → per-key data bytes, meta bytes, data frames), until `deadline`. Per job: the answers for
+        """Run `call(node, indices, timeout)` for each node's keys, nodes in parallel, in requests within the limits
+        (`costs(indices)` → per-key data bytes, meta bytes, data frames), until `deadline`. Per node: the answers for
         a prefix of its keys (all of them unless its node failed) and whether the node failed (its error is added
         to `outcome.errors`)."""
 
@@ -228,21 +228,21 @@ class PoolClient:
                     return answers, error
             return answers, None
 
-        out: list[tuple[list, bool]] = [([], True)] * len(jobs)
-        if self.is_local or (len(jobs) == 1 and jobs[0][0].self_timed):
+        out: list[tuple[list, bool]] = [([], True)] * len(node_keys)
+        if self.is_local or (len(node_keys) == 1 and node_keys[0][0].self_timed):
             # in-process, nothing can hang; a lone node whose transport bounds every call by its deadline itself
             # needs no watching thread either: no thread hop
-            for j, (node, idx) in enumerate(jobs):
+            for j, (node, idx) in enumerate(node_keys):
                 answers, error = run(node, idx)
                 if error is not None:
                     outcome.errors.append(error)
                 out[j] = (answers, error is not None)
             return out
         timeout_s = max(0.0, deadline - time.monotonic())
-        futures = {self._pool().submit(run, node, idx): j for j, (node, idx) in enumerate(jobs)}
+        futures = {self._pool().submit(run, node, idx): j for j, (node, idx) in enumerate(node_keys)}
         done, not_done = concurrent.futures.wait(futures, timeout=timeout_s)
         for future in done:
-            node = jobs[futures[future]][0]
+            node = node_keys[futures[future]][0]
             try:
                 answers, error = future.result()
             except Exception as exc:  # a transport bug must not become a wrong block: fail the node's keys
@@ -252,7 +252,7 @@ class PoolClient:
                 outcome.errors.append(error)
             out[futures[future]] = (answers, error is not None)
         for future in not_done:
-            node = jobs[futures[future]][0]
+            node = node_keys[futures[future]][0]
             outcome.errors.append(
                 TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer within {timeout_s:.3f} s")
             )
@@ -304,12 +304,12 @@ class PoolClient:
             if pending.size == 0:
                 break
             node_ids = np.unique(candidate).tolist()
-            jobs = [(view.nodes[j], pending[candidate == j]) for j in node_ids]
+            node_keys = [(view.nodes[j], pending[candidate == j]) for j in node_ids]
             contacted[node_ids] = True
-            answers = self._run_jobs(jobs, call, costs, deadline, outcome)
+            answers = self._run_per_node(node_keys, call, costs, deadline, outcome)
             accepted = np.zeros(len(results), dtype=bool)
             answered = np.zeros(len(results), dtype=bool)
-            for j, (_, idx), (values, node_failed) in zip(node_ids, jobs, answers):
+            for j, (_, idx), (values, node_failed) in zip(node_ids, node_keys, answers):
                 failed[j] |= node_failed
                 got = idx[: len(values)]  # a node that failed midway answered a prefix of its keys
                 answered[got] = True
@@ -357,8 +357,8 @@ class PoolClient:
             return outcome
         ranks = ranked_owners(route_keys, view.seeds, self.replicas)
         node_ids = np.unique(ranks)
-        jobs = [(view.nodes[n], np.nonzero((ranks == n).any(axis=1))[0]) for n in node_ids.tolist()]
-        outcome.nodes_contacted = len(jobs)
+        node_keys = [(view.nodes[n], np.nonzero((ranks == n).any(axis=1))[0]) for n in node_ids.tolist()]
+        outcome.nodes_contacted = len(node_keys)
 
         def costs(idx: np.ndarray) -> Costs:
             parts = np.fromiter((len(values[i]) for i in idx.tolist()), dtype=np.int64, count=idx.size)
@@ -370,8 +370,8 @@ class PoolClient:
                 )
             return data, _key_meta(keys, idx, PUT_META_PER_KEY) + 8 * parts, parts
 
-        answers = self._run_jobs(
-            jobs,
+        answers = self._run_per_node(
+            node_keys,
             lambda node, idx, t: node.put([keys[i] for i in idx], [values[i] for i in idx], t),
             costs,
             time.monotonic() + _remaining(option, deadline),
@@ -379,7 +379,7 @@ class PoolClient:
         )
         acked = np.zeros(len(keys), dtype=bool)
         refused = np.zeros(len(keys), dtype=bool)
-        for (_, idx), (flags, _) in zip(jobs, answers):
+        for (_, idx), (flags, _) in zip(node_keys, answers):
             ok = np.asarray(flags, dtype=bool)
             got = idx[: len(flags)]  # a node that failed midway acknowledged a prefix of its keys
             acked[got[ok]] = True

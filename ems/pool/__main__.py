@@ -255,7 +255,14 @@ DISK_QUEUE_MAX = 1 << 30
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from ems.extras import MissingExtra, require
+
     if argv[:1] == ["status"]:
+        try:
+            require("prometheus_client", "metrics", "ems-pool status")
+        except MissingExtra as error:
+            print(f"ems-pool: {error}", file=sys.stderr)
+            return 2
         from ems.pool.status import main as status_main
 
         return status_main(argv[1:])
@@ -282,6 +289,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        require("ucxx", "ucx", "ems-pool")
+        if args.metrics is not None:
+            require("prometheus_client", "metrics", "ems-pool --metrics")
+    except MissingExtra as error:
+        parser.error(str(error))
     host, port = args.listen
     _restrict_ucx_devices(host)
 
