@@ -11,8 +11,9 @@ Contract:
   `put_owned` stores a buffer the caller hands over without copying it (a pool node's receive buffer); the caller
   promises never to write to it again, and `get` then returns that buffer.
 * Buffer reuse: `put` copies into a buffer recycled from an evicted value of the same size when one is free. Fresh
-  memory costs page faults on first touch (measured here: a 1 MiB copy into new memory 1.7 GB/s, into reused
-  memory 11 GB/s), and a full pool evicts as much as it stores, so reuse keeps the steady state at memcpy speed.
+  memory costs page faults on first touch (a copy into new memory is several times slower than into reused
+  memory: perf/RESULTS.md, "Figures behind design choices"), and a full pool evicts as much as it stores, so reuse
+  keeps the steady state at memcpy speed.
   New buffers are uninitialised numpy arrays: every byte is written before a value is stored, so zero-filling them
   would only add a pass.
   An evicted buffer is reused only when no reader still holds it (its reference count says so), so a reader never

@@ -50,8 +50,8 @@ HEADER_DTYPE = np.dtype(
 )
 HEADER_SIZE = HEADER_DTYPE.itemsize  # 40
 # A value placed this many bytes past a 64-byte boundary has its payload (after the header) on a cache line: stored
-# buffers and staging values are placed so, and the copy backends then read and write whole lines (measured:
-# index_select into a line-aligned target 15 GB/s, into one 40 bytes past a line 11.5 GB/s).
+# buffers and staging values are placed so, and the copy backends then read and write whole lines (index_select
+# into a line-aligned target is measurably faster: perf/RESULTS.md, "Figures behind design choices").
 VALUE_LEAD = (-HEADER_SIZE) % 64
 header_struct = struct.Struct("<IHHQQQQ")  # the same fields, for a few headers at a time (or one by one)
 _FEW = 4

@@ -129,8 +129,8 @@ def _move_run(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, firs
 
 def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor, gather: bool) -> None:
     """gather: staged = table[idx]; else table[idx] = staged (rows). On CPU the scatter is numpy's indexed
-    assignment, which copies whole rows (measured 12.5 GB/s for 32 KiB rows, against 8 GB/s for torch's
-    `index_copy_`); torch's `index_select` is the faster gather (15 vs 6 GB/s for numpy)."""
+    assignment, which copies whole rows (faster than torch's `index_copy_`); torch's `index_select` is the faster
+    gather (than numpy's). Figures: perf/RESULTS.md, "Figures behind design choices"."""
     if gather:
         index = torch.from_numpy(idx)
         torch.index_select(table, 0, index if table.device.type == "cpu" else index.to(table.device), out=staged)

@@ -13,11 +13,11 @@ Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Pe
   UCX (a pool node: `init_ucx()`), "thread" for a client (`UcxRuntime`: `init_ucx(CLIENT_PROGRESS_MODE)`).
   "loop": UCX is progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode, minus its polling
   waits), so a message costs one loop wake-up per side; ucxx's "thread" mode runs a UCX progress thread and a
-  notifier thread that completes asyncio futures: three threads per completion (a bare 8-byte round trip
-  ~0.6-0.7 ms on 2 shared cores against ~0.3 ms with "loop" on both sides). But in "loop" mode every byte moves
-  only when the loop thread holds the GIL: in a process with a busy Python thread (an engine) each hand-over waits
-  for the interpreter's switch interval, and 48 MiB calls fell from ~3 GB/s to 0.06 GB/s (0.3-1.2 GB/s with
-  "thread", whose progress thread moves bytes without the GIL). A node runs nothing else, so it gets "loop";
+  notifier thread that completes asyncio futures: three threads per completion (a bare round trip about twice
+  as long as with "loop" on both sides). But in "loop" mode every byte moves only when the loop thread holds the
+  GIL: in a process with a busy Python thread (an engine) each hand-over waits for the interpreter's switch
+  interval, and large calls became tens of times slower than with "thread", whose progress thread moves bytes
+  without the GIL (perf/RESULTS.md, "Per-call cost over UCX"). A node runs nothing else, so it gets "loop";
   clients live in engines, so they keep "thread" unless told otherwise (EMS_UCX_PROGRESS_MODE=loop for a client
   process without busy Python threads). ucxx's own "polling" and "blocking" modes await every request by polling
   with asyncio.sleep(0): any process with a posted receive burns a whole core; "loop" idles like "thread".
