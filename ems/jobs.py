@@ -50,15 +50,7 @@ import torch
 from ems.buffers import Buffer
 from ems.devices import side_stream
 from ems.errors import EmsErrorCode
-from ems.job_records import (  # noqa: F401  (re-exported: the records' old home)
-    JobKind,
-    JobLedger,
-    JobRecord,
-    KindTotals,
-    Stage,
-    StageRecord,
-    stage_table,
-)
+from ems.job_records import JobRecord, Stage
 from ems.kernels import CopyBackend
 from ems.kernels.raw_memory import raw_tensor
 from ems.planning import BlockPlan, Plan, RawPlan, encode_range

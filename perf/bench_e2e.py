@@ -31,7 +31,7 @@ import torch
 from benchlib import machine
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.demo import Engine
-from ems.jobs import JobKind, JobRecord, stage_table
+from ems.job_records import JobKind, JobRecord, stage_table
 
 HERE = Path(__file__).resolve().parent
 LAYERS, HEADS, HEAD_SIZE = 16, 8, 128

@@ -648,7 +648,7 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
     from ems import CcConfig, Ems, EmsConfig
     from ems.config import parse_size
     from ems.demo import Engine
-    from ems.jobs import JobKind, stage_table
+    from ems.job_records import JobKind, stage_table
 
     node = PoolProcess("1GiB")  # holds ~20 requests: later saves evict (the steady state)
     load_before = os.getloadavg()[0]

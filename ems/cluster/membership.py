@@ -31,9 +31,6 @@ from ems.cluster.etcd import EtcdClient, EtcdError, WatchEvent, WatchHandle, Wat
 
 log = logging.getLogger("ems.membership")
 
-DEFAULT_CLUSTER = "default"
-
-
 def cluster_prefix(cluster: str) -> bytes:
     return f"/ems/pool/{cluster}/nodes/".encode()
 

@@ -52,7 +52,6 @@ class Members:
         self._live: dict[str, NodeClient] = {n.address: n for n in nodes}
         self._retired: dict[str, tuple[NodeClient, float]] = {}
         self.view = _view(list(self._live.values()))
-        self.changes = 0
 
     def set(self, addresses: Sequence[str]) -> None:
         if self._connect is None:
@@ -70,7 +69,6 @@ class Members:
             for address in removed:
                 self._retired[address] = (self._live.pop(address), now)
             self.view = _view(list(self._live.values()))
-            self.changes += 1
             expired = [a for a, (_, since) in self._retired.items() if now - since > RETIRE_S]
             to_close = [self._retired.pop(a)[0] for a in expired]
         log.info("pool members: +%s -%s, now %d node(s)", added, removed, len(self.view.nodes))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from ems import CcConfig, Ems, EmsConfig
-from ems.jobs import JobKind, Stage, stage_table
+from ems.job_records import JobKind, Stage, stage_table
 from ems.kernels import get_backend
 from ems.layout import register_layout
 from ems.planning import plan_blocks

@@ -25,7 +25,8 @@ import torch
 
 from ems import CcKvOption, CcResult, EmsException, KvBufferWrapper, PrimaryKey
 from ems.config import parse_size
-from ems.jobs import FENCE_GRACE_S, JobKind, Stage, plan_chunks
+from ems.job_records import JobKind, Stage
+from ems.jobs import FENCE_GRACE_S, plan_chunks
 from ems.planning import BlockPlan, plan_blocks
 from ems.requests import Operation, bind_request
 from ems.transport.ucx import UcxNode
