@@ -1,0 +1,179 @@
+"""The docs against the code, wherever they quote names: settings, environment variables, formats, links.
+
+* Every field of `ems.config.Settings` is a row of the README's Configuration table, and every row is a field.
+* Each row's environment variable is the one the code reads for it (set it, resolve, see the value).
+* Every `EMS_*` environment variable the package reads is in the README, and every `EMS_*` name the docs mention
+  is read somewhere (package, tests or benchmarks) or is an error code.
+* The defaults the table quotes are the code's.
+* The value format and wire protocol versions the docs quote are the code's.
+* Links to files in the repository resolve.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from ems.config import EmsConfig, Settings, parse_size, resolve_settings
+from ems.errors import EmsErrorCode
+from ems.kernels.base import KernelBackend
+from ems.transport import protocol
+from ems.transport.ucx_config import UcxSettings
+from ems.value_format import VERSION
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+PACKAGE = [ROOT / "ems", ROOT / "kernels", ROOT / "transport"]
+ENV_NAME = re.compile(r"(?:EMS_[A-Z0-9_]*[A-Z0-9]|ENABLE_CC_PROFILING)")
+
+# A value other than the default for each setting, as its environment variable is written, and what it resolves to.
+# A new setting needs a line here: the test then checks that its variable really sets it.
+ENV_VALUES: dict[str, tuple[str, object]] = {
+    "pool_nodes": ("10.0.0.1:7700,10.0.0.2:7700", ("10.0.0.1:7700", "10.0.0.2:7700")),
+    "pool_capacity": ("3MiB", 3 << 20),
+    "pool_prefault": ("1MiB", 1 << 20),
+    "pool_prefault_ahead": ("2MiB", 2 << 20),
+    "read_cache_capacity": ("5MiB", 5 << 20),
+    "staging_capacity": ("7MiB", 7 << 20),
+    "max_inflight": ("3", 3),
+    "kernel_backend": ("memcpy", KernelBackend.MEMCPY),
+    "connect_timeout_ms": ("1234", 1234),
+    "device": ("cpu", "cpu"),
+    "pool_etcd": ("http://127.0.0.1:1", "http://127.0.0.1:1"),
+    "pool_cluster": ("docs-test", "docs-test"),
+    "pool_replicas": ("2", 2),
+    "chunk_bytes": ("4MiB", 4 << 20),
+    "profiling": ("1", True),
+    "sdk_log_dir": ("/tmp/ems-docs-test", "/tmp/ems-docs-test"),
+    "ucx.progress_mode": ("loop", "loop"),
+    "ucx.python_future": ("0", False),
+    "ucx.notifier": ("ucxx", "ucxx"),
+}
+
+
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The rows (cells, backticks removed) of the first table under `heading`."""
+    lines = text[text.index(heading) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = lines[start:end]
+    body = [[cell.strip().replace("`", "") for cell in row.strip("|").split("|")] for row in rows[2:]]
+    return body
+
+
+def _settings_rows() -> dict[str, str]:
+    """README Configuration table: setting -> its environment variable."""
+    rows = _table(README.read_text(), "## Configuration")
+    return {row[0]: ENV_NAME.search(row[1]).group(0) for row in rows}  # type: ignore[union-attr]
+
+
+def _setting_names() -> set[str]:
+    names: set[str] = set()
+    for f in dataclasses.fields(Settings):
+        if f.name == "ucx":
+            names.update(f"ucx.{u.name}" for u in dataclasses.fields(UcxSettings))
+        else:
+            names.add(f.name)
+    return names
+
+
+def _package_env_names() -> set[str]:
+    """Every EMS_* / ENABLE_CC_PROFILING string constant in the package's code (docstrings and comments aside)."""
+    codes = {c.name for c in EmsErrorCode}
+    found: set[str] = set()
+    for folder in PACKAGE:
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value):
+                    found.add(node.value)
+    return found - codes
+
+
+def test_every_setting_is_a_row_of_the_readme_table_and_back():
+    rows = set(_settings_rows())
+    code = _setting_names()
+    assert code - rows == set(), f"settings missing from the README table: {sorted(code - rows)}"
+    assert rows - code == set(), f"README rows that are no setting: {sorted(rows - code)}"
+    assert set(ENV_VALUES) == code, f"give tests/test_docs.py ENV_VALUES a value for {sorted(code ^ set(ENV_VALUES))}"
+
+
+@pytest.mark.parametrize("setting", sorted(ENV_VALUES))
+def test_each_row_names_the_variable_the_code_reads(setting, monkeypatch):
+    variable = _settings_rows()[setting]
+    text, expected = ENV_VALUES[setting]
+    monkeypatch.setenv(variable, text)
+    resolved: object = resolve_settings(EmsConfig())
+    for part in setting.split("."):
+        resolved = getattr(resolved, part)
+    assert resolved == expected, f"{variable}={text} gave {setting}={resolved!r}"
+
+
+def test_every_variable_the_package_reads_is_in_the_readme():
+    readme = README.read_text()
+    missing = sorted(name for name in _package_env_names() if name not in readme)
+    assert not missing, f"environment variables read by the package but not in the README: {missing}"
+
+
+def test_every_variable_the_docs_name_exists():
+    codes = {c.name for c in EmsErrorCode}
+    read_anywhere = set()
+    for folder in [*PACKAGE, ROOT / "tests", ROOT / "perf"]:
+        for path in folder.rglob("*.py"):
+            read_anywhere.update(re.findall(r"[\"'](" + ENV_NAME.pattern + r")[\"']", path.read_text()))
+    unknown = {
+        (doc.name, match.group(1))
+        for doc in DOCS
+        for match in re.finditer(r"(EMS_[A-Z0-9_]+|ENABLE_CC_PROFILING)(\*?)", doc.read_text())
+        if match.group(1) not in codes | read_anywhere and not match.group(2)  # "EMS_UCX_*": a family
+    }
+    assert not unknown, f"environment variables the docs name but nothing reads: {sorted(unknown)}"
+
+
+def test_quoted_versions_are_the_codes():
+    for doc in DOCS:
+        text = doc.read_text()
+        for quoted in re.findall(r"[Vv]alue format (?:\(?version |version )(\d+)|format version (\d+)", text):
+            number = int(next(q for q in quoted if q))
+            assert number == VERSION, f"{doc.name} quotes value format version {number}; the code writes {VERSION}"
+        for quoted in re.findall(r"[Pp]rotocol \(?version (\d+)", text):
+            assert int(quoted) == protocol.VERSION, (
+                f"{doc.name} quotes wire protocol version {quoted}; the code speaks {protocol.VERSION}"
+            )
+
+
+def test_links_to_repository_files_resolve():
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+://|mailto:|#", target):
+                continue
+            path = (doc.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert not broken, f"broken links: {broken}"
+
+
+def test_the_table_quotes_the_defaults(monkeypatch):
+    rows = _table(README.read_text(), "## Configuration")
+    for row in rows:
+        monkeypatch.delenv(_settings_rows()[row[0]], raising=False)
+    resolved = resolve_settings(EmsConfig())
+    checked = 0
+    for row in rows:
+        default: object = resolved
+        for part in row[0].split("."):
+            default = getattr(default, part)
+        quoted = row[2]
+        if re.fullmatch(r"\d+(?:[KMGT]iB)?", quoted):
+            assert parse_size(row[0], quoted) == default, f"README: {row[0]} default {quoted}, the code: {default!r}"
+            checked += 1
+        elif isinstance(default, str) or isinstance(default, KernelBackend):
+            if quoted.split()[0] in {"auto", "default", "ems"}:
+                assert quoted.split()[0] == str(getattr(default, "value", default)), (row[0], quoted, default)
+                checked += 1
+    assert checked >= 10
