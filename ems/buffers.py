@@ -7,8 +7,11 @@ client module (tests/transport/test_layering.py checks the transport's imports).
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: bytes-like values as they cross a transport and live in the pool: stored values, their parts, callers' receive
-#: buffers
-Buffer = Union[bytes, bytearray, memoryview]
+#: buffers (numpy arrays included: the store keeps values in them)
+Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]

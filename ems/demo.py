@@ -56,7 +56,10 @@ def make_requests(count: int, prompt_blocks: int, shared_blocks: int, block_size
 class Engine:
     """A toy paged KV cache with a block allocator, laid out as vLLM lays it out."""
 
-    def __init__(self, layers: int, blocks: int, block_size: int, heads: int, head_size: int, dtype, device) -> None:
+    def __init__(
+        self, layers: int, blocks: int, block_size: int, heads: int, head_size: int, dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.block_size = block_size
         self.kvcache = [
             [torch.empty(blocks, block_size, heads, head_size, dtype=dtype, device=device) for _ in range(2)]
@@ -72,7 +75,8 @@ class Engine:
         return self.rng.choice(self.num_blocks, size=n, replace=False)
 
     def slots(self, block_ids: np.ndarray) -> list[int]:
-        return (block_ids[:, None] * self.block_size + np.arange(self.block_size)[None, :]).reshape(-1).tolist()
+        slots: list[int] = (block_ids[:, None] * self.block_size + np.arange(self.block_size)[None, :]).reshape(-1).tolist()
+        return slots
 
     def expected(self, block_hash: int) -> torch.Tensor:
         """The KV of one block, `[planes, block_size, heads, head_size]`: a pure function of its hash."""

@@ -296,7 +296,7 @@ def write_headers(buffers: List[np.ndarray], plan: Plan) -> None:
     kind, signature = int(expected.kind), expected.layout_sig
     for buffer, digest, length in zip(buffers, expected.tokens_digest[:count].tolist(),
                                       expected.payload_len[:count].tolist()):
-        view = memoryview(buffer)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
+        view = memoryview(buffer)
         header_struct.pack_into(view, 0, MAGIC, VERSION, kind, signature, digest, length,
                                 checksum([view[HEADER_SIZE:]]))
 

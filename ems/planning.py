@@ -49,7 +49,10 @@ def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The slots of runs (lengths >= 0), in order: int64 `[sum(lengths)]`."""
     lengths = np.asarray(lengths, dtype=np.int64)
     first = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (np.arange(first.size, dtype=np.int64) - first)
+    slots: np.ndarray = np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (
+        np.arange(first.size, dtype=np.int64) - first
+    )
+    return slots
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, TypeGuard, Union
 
 import numpy as np
 
@@ -162,7 +162,7 @@ def _madvise(address: int, length: int, advice: int) -> int:
     return int(_libc.madvise(address, length, advice))
 
 
-def _store_made(value: Buffer, arena: Optional[_Arena] = None) -> bool:
+def _store_made(value: Buffer, arena: Optional[_Arena] = None) -> TypeGuard[np.ndarray]:
     """Whether `value` is a buffer of the kind this store makes (or a node received into): an array owning its
     memory, carved from the arena, or a `_new_buffer` view (its base owns its memory and is at most a cache line
     larger). Structural only: it says nothing about who else holds it."""
@@ -173,13 +173,13 @@ def _store_made(value: Buffer, arena: Optional[_Arena] = None) -> bool:
             or (type(base) is np.ndarray and base.base is None and base.nbytes <= value.nbytes + ARENA_ALIGN))
 
 
-def _recyclable(value: Buffer, arena: Optional[_Arena] = None) -> bool:
+def _recyclable(value: Buffer, arena: Optional[_Arena] = None) -> TypeGuard[np.ndarray]:
     """A store-made buffer whose memory nobody else can reach through its base: a `_new_buffer` view's base is held
     by the view alone (references: the view's own, getrefcount's argument, and `base` here). The caller checks the
     buffer's own references (`_retire`). Called with the store's lock held, so two checks never race."""
     if not _store_made(value, arena):
         return False
-    base = value.base  # type: ignore[union-attr]
+    base = value.base
     return base is None or base is getattr(arena, "array", None) or sys.getrefcount(base) <= 3
 
 

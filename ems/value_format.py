@@ -79,7 +79,8 @@ def tokens_digest(token_counts: np.ndarray) -> np.ndarray:
     """
     counts = np.asarray(token_counts, dtype=np.uint64)
     multipliers = (np.arange(counts.shape[1], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
-    return (counts * multipliers).sum(axis=1, dtype=np.uint64)
+    digests: np.ndarray = (counts * multipliers).sum(axis=1, dtype=np.uint64)
+    return digests
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def parse_header(value: Buffer, versions: frozenset[int] = frozenset({VERSION}))
     `versions` (by default this client's own)."""
     if len(value) < HEADER_SIZE:
         return None
-    header = np.frombuffer(value, dtype=HEADER_DTYPE, count=1)[0]
+    header: np.void = np.frombuffer(value, dtype=HEADER_DTYPE, count=1)[0]
     if int(header["magic"]) != MAGIC or int(header["version"]) not in versions:
         return None
     return header

@@ -92,9 +92,9 @@ class _PieceLayout:
 
 
 def _piece_layout(planes: PlaneSet) -> _PieceLayout:
-    layout = planes.__dict__.get("_torch_piece_layout")
-    if layout is not None:
-        return layout
+    cached: Optional[_PieceLayout] = planes.__dict__.get("_torch_piece_layout")
+    if cached is not None:
+        return cached
     addrs = np.array([int(p.data_ptr()) for p in planes.planes], dtype=np.int64)
     bstr, sstr = np.array(planes.block_stride_bytes, np.int64), np.array(planes.slot_stride_bytes, np.int64)
     rbytes = np.array(planes.plane_row_bytes, np.int64)
@@ -147,7 +147,7 @@ def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, ds
     (a strided view), so: ONE op when every span is; else one op per plane when each plane's spans are (values of
     one size: the pieces of one plane sit a value apart), or one per piece when each piece's are (a piece's planes
     are back to back in a plane-major value), whichever is fewer; else two (through a temporary). Returns ops."""
-    m, p = dst_off.shape
+    m, p = int(dst_off.shape[0]), int(dst_off.shape[1])
     flat_dst, flat_src = dst_off.reshape(-1), src_idx.reshape(-1)
     step = _constant_step(flat_dst, length)
     if step is not None:
@@ -159,10 +159,11 @@ def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, ds
             continue  # many small ops cost more than the temporary's second pass
         lines = [np.ascontiguousarray(dst_off[:, j] if axis == 1 else dst_off[j]) for j in range(ops)]
         steps = [_constant_step(line, length) for line in lines]
-        if all(s is not None for s in steps):
-            for j, (line, line_step) in enumerate(zip(lines, steps)):
+        known = [s for s in steps if s is not None]
+        if len(known) == len(steps):
+            for j, (line, line_step) in enumerate(zip(lines, known)):
                 src_line = np.ascontiguousarray(src_idx[:, j] if axis == 1 else src_idx[j])
-                _move_run(table, src_line, flat, int(line[0]), line_step, length, width, gather)  # type: ignore[arg-type]
+                _move_run(table, src_line, flat, int(line[0]), line_step, length, width, gather)
             return ops
     gd = _gcd(flat_dst) or length
     dst_table = _spans_view(flat, 0, int(flat_dst.max()) // gd + 1, length // width, gd // width, table.dtype)

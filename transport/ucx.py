@@ -27,7 +27,7 @@ import enum
 import socket
 import threading
 import time
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from ems.transport.ucx_frames import recv_meta as _recv_meta
 
 RECONNECT_BACKOFF_S = 0.5
 ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)
+T = TypeVar("T")  # what a request answers
 
 
 class UcxRuntime:
@@ -276,7 +277,7 @@ class UcxNode(NodeClient):
 
     # ---- machinery ----
 
-    def _call(self, request: Callable[[Any, int], Awaitable[Any]], timeout_s: float) -> Any:
+    def _call(self, request: Callable[[Any, int], Awaitable[T]], timeout_s: float) -> T:
         deadline = time.monotonic() + max(0.0, timeout_s)
         now = time.monotonic()
         if now < self._retry_at and self._last_error is not None:
@@ -287,7 +288,7 @@ class UcxNode(NodeClient):
         call = _Call()
         waiter = self._runtime.start(self._run(request, call))
         try:
-            result = waiter.result(deadline - time.monotonic())
+            result: T = waiter.result(deadline - time.monotonic())
             self.last_failure = Failure.NONE
             return result
         except concurrent.futures.TimeoutError:

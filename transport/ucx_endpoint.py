@@ -43,7 +43,7 @@ def _waiter(request: Any) -> "asyncio.Future[Any]":
     """A task waiting on `request` whose late failure (after we gave up on it) is consumed, not logged."""
     from ems.transport import ucx_progress
 
-    task = asyncio.ensure_future(ucx_progress.wait(request))
+    task: asyncio.Future[Any] = asyncio.ensure_future(ucx_progress.wait(request))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return task
 

@@ -25,7 +25,8 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * _M1
         x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
+        mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
 
 
 def node_seeds(node_ids: Sequence[str]) -> np.ndarray:
@@ -42,7 +43,8 @@ def owners(route_keys: Sequence[bytes], seeds: np.ndarray) -> np.ndarray:
     """int64 `[keys]`: the index of each key's owning node."""
     if len(seeds) == 1:
         return np.zeros(len(route_keys), dtype=np.int64)
-    return np.argmax(_scores(route_keys, seeds), axis=1).astype(np.int64)
+    best: np.ndarray = np.argmax(_scores(route_keys, seeds), axis=1).astype(np.int64)
+    return best
 
 
 def ranked_owners(route_keys: Sequence[bytes], seeds: np.ndarray, k: int) -> np.ndarray:

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from ems import CcFuture, CcKvOption, CcResult, ContextCaching, EmsException
 
@@ -135,7 +136,7 @@ class StatsSink:
     stats: TransferStats = field(default_factory=TransferStats)
     total: TransferStats = field(default_factory=TransferStats)  # everything ever counted, never reset
 
-    def add(self, **counts: float) -> None:
+    def add(self, **counts: Any) -> None:
         with self.lock:
             self.stats.add(TransferStats(**counts))
             self.total.add(TransferStats(**counts))
@@ -147,7 +148,7 @@ class StatsSink:
 
     def totals(self) -> TransferStats:
         with self.lock:
-            return TransferStats(**self.total.to_dict())
+            return TransferStats.from_dict(self.total.to_dict())
 
 
 def lookup(

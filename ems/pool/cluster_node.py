@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from ems.pool.metrics import MetricsServer, NodeMetrics
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ems.pool")
 
 
-def _host_port(flag: str):
+def _host_port(flag: str) -> Callable[[str], tuple[str, int]]:
     def parse(value: str) -> tuple[str, int]:
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
