@@ -46,8 +46,8 @@ from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKe
 logger = logging.getLogger("ems")
 
 # The argument types of the public call forms (what `requests.bind_request` accepts).
-IntList = Union[Sequence[int], np.ndarray, torch.Tensor]  # slot_mapping, offsets
-HashList = Union[Sequence[int], np.ndarray, torch.Tensor]  # block hashes: int64 or u64 values
+IntList = Sequence[int] | np.ndarray | torch.Tensor  # slot_mapping, offsets
+HashList = Sequence[int] | np.ndarray | torch.Tensor  # block hashes: int64 or u64 values
 ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
 
 

@@ -158,9 +158,9 @@ def readable_tensor(value: Buffer) -> torch.Tensor:
     """A uint8 tensor over a stored value's bytes, for reading (a scatter never writes its source). No copy for the
     store's own buffers (a read-only view of a numpy array); a copy for anything torch cannot view."""
     owner = value.obj if isinstance(value, memoryview) else value
-    if isinstance(owner, np.ndarray) and owner.dtype == np.uint8 and owner.ndim == 1 and owner.nbytes == len(value):
-        if owner.flags.writeable:
-            return torch.from_numpy(owner)
+    if (isinstance(owner, np.ndarray) and owner.dtype == np.uint8 and owner.ndim == 1 and owner.nbytes == len(value)
+            and owner.flags.writeable):
+        return torch.from_numpy(owner)
     if isinstance(owner, bytearray) and len(owner) == len(value):
         return torch.frombuffer(owner, dtype=torch.uint8)
     return torch.frombuffer(bytearray(value), dtype=torch.uint8)
@@ -499,10 +499,8 @@ class PipelinedLoad:
         received = time.perf_counter()
         placed = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
         record.add(Stage.RECEIVE, int(expected.payload_len[:placed].sum()) + HEADER_SIZE * placed, received - start)
-        if outcome.verified:  # the pool checked each value it placed (replicas: to fall back on damage)
-            valid = placed
-        else:
-            valid = valid_prefix(outs[:placed], expected)
+        # a pool that verified each value it placed (replicas: to fall back on damage) needs no second check
+        valid = placed if outcome.verified else valid_prefix(outs[:placed], expected)
         record.add(Stage.VERIFY, int(expected.payload_len[:placed].sum()), time.perf_counter() - received)
         return outcome, valid
 

@@ -17,6 +17,7 @@ objects (keys, memoryviews) are built per block.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import List, Sequence, Union
 
@@ -187,7 +188,7 @@ class RawPlan:
     def payloads(self, host: memoryview, a: int = 0, b: int = -1) -> list[Buffer]:
         b = self.total if b < 0 else b
         bounds = self.value_start[a : b + 1].tolist()
-        return [host[s:e] for s, e in zip(bounds[:-1], bounds[1:])]
+        return [host[s:e] for s, e in itertools.pairwise(bounds)]
 
     def stored_values(self, host: memoryview, headers: Sequence[bytes], a: int = 0) -> list[list[Buffer]]:
         return [[header, payload] for header, payload in zip(headers, self.payloads(host, a, a + len(headers)))]
@@ -231,7 +232,7 @@ class RawPlan:
 
 
 
-Plan = Union[BlockPlan, RawPlan]
+Plan = BlockPlan | RawPlan
 
 
 def encode_range(plan: Plan, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
@@ -292,10 +293,7 @@ def plan_blocks(request: Union[SlotRequest, ChunkRequest], layout: RegisteredLay
     shape = _shape_of(counts, layout)
     regions: list[GroupRegion] = []
     for g, group in enumerate(groups):
-        if isinstance(request, SlotRequest):
-            slots = request.slots
-        else:
-            slots = _expand_runs(request.starts[g], request.lengths[g])
+        slots = request.slots if isinstance(request, SlotRequest) else _expand_runs(request.starts[g], request.lengths[g])
         table, value = value_pieces(slots, group.planes.block_size, shape.token_start[g], shape.part_offset[:, g])
         piece_start = (np.arange(2, dtype=np.int64) if n == 1 and value.size == 1
                        else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64))

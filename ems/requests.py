@@ -88,7 +88,7 @@ class ChunkRequest:
         return len(self.hashes)
 
 
-Request = Union[RawRequest, SlotRequest, ChunkRequest]
+Request = RawRequest | SlotRequest | ChunkRequest
 
 _V0_NAMES = ("option", "key_list", "value_list")
 _V1_NAMES = ("slot_mapping", "hashes", "offsets", "option")

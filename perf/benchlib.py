@@ -30,6 +30,6 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    load = ", load average %.1f at start (shared host)" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
+    load = f", load average {os.getloadavg()[0]:.1f} at start (shared host)" if hasattr(os, "getloadavg") else ""
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), python {platform.python_version()}{load}")

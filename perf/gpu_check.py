@@ -227,10 +227,7 @@ def main(argv: List[str] | None = None) -> int:
     elif device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = device.type
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     t0 = time.perf_counter()
     failures = correctness(device, args.tiny)
     print(f"correctness: {'PASS' if not failures else 'FAIL'} ({time.perf_counter() - t0:.1f} s)")

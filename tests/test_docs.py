@@ -172,8 +172,7 @@ def test_the_table_quotes_the_defaults(monkeypatch):
         if re.fullmatch(r"\d+(?:[KMGT]iB)?", quoted):
             assert parse_size(row[0], quoted) == default, f"README: {row[0]} default {quoted}, the code: {default!r}"
             checked += 1
-        elif isinstance(default, str) or isinstance(default, KernelBackend):
-            if quoted.split()[0] in {"auto", "default", "ems"}:
-                assert quoted.split()[0] == str(getattr(default, "value", default)), (row[0], quoted, default)
-                checked += 1
+        elif isinstance(default, (str, KernelBackend)) and quoted.split()[0] in {"auto", "default", "ems"}:
+            assert quoted.split()[0] == str(getattr(default, "value", default)), (row[0], quoted, default)
+            checked += 1
     assert checked >= 10

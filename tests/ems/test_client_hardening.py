@@ -3,6 +3,7 @@ object arrays, the bounded span cache, and interrupts that pass through with eve
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -86,7 +87,7 @@ def test_split_batches_cover_in_order_and_keep_every_limit(sizes, max_keys, max_
     chunks = data % 3 + 1
     batches = split_batches(limits, data, meta, chunks)
     assert batches[0].start == 0 and batches[-1].stop == len(sizes)
-    assert all(a.stop == b.start for a, b in zip(batches, batches[1:]))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(batches))
     for b in batches:
         assert b.stop > b.start
         if b.stop - b.start > 1:  # a batch of one may exceed a limit by itself (the node refuses it)
@@ -210,7 +211,7 @@ def test_object_arrays_of_ints_are_accepted_and_checked_per_item(cc):
 @pytest.mark.parametrize("timeout", [2**62, 2**100, MAX_TIMEOUT_MS + 1, 0])
 def test_huge_timeouts_wait_at_most_the_documented_maximum(timeout, recording):
     assert timeout_seconds(CcKvOption(timeout=timeout)) == MAX_TIMEOUT_MS / 1000
-    node, cc = recording()  # a remote-style pool: the timeout reaches locks and futures
+    _node, cc = recording()  # a remote-style pool: the timeout reaches locks and futures
     cc.register_kvcache(make_cache(layers=1, blocks=4, block_size=2))
     option = CcKvOption(timeout=timeout)
     assert cc.save([0, 1], [1, 2], [1, 1], option) == CcResult(2, 2)
@@ -257,7 +258,7 @@ def test_interrupts_are_not_turned_into_ems_errors(recording, interrupt):
 
 
 def test_an_interrupt_while_gathering_gives_the_lease_back(recording, monkeypatch):
-    node, cc = recording()
+    _node, cc = recording()
     cc.register_kvcache(make_cache(layers=1, blocks=8, block_size=2))
     from ems.planning import BlockPlan
 

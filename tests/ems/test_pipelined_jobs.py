@@ -316,7 +316,7 @@ def test_abandon_with_puts_in_flight_gives_everything_back(nodes, connect, monke
 
 def test_an_interrupt_while_gathering_with_puts_in_flight_gives_the_lease_back(shared, connect, monkeypatch):
     cc = connect(shared.address)
-    cache, slots, hashes, offsets = _setup(cc, seed=8)
+    _cache, slots, hashes, offsets = _setup(cc, seed=8)
     _chunks(cc, TINY)
     starts = _chunk_starts(cc, slots, hashes, offsets)
     gather = BlockPlan.gather_range
@@ -406,7 +406,7 @@ def test_one_chunk_runs_on_the_calling_thread(shared, connect, monkeypatch):
     real_start = PoolClient.start
     monkeypatch.setattr(PoolClient, "start", lambda self, call: started.append(call) or real_start(self, call))
     cc = connect(shared.address)
-    cache, slots, hashes, offsets = _setup(cc, seed=3)
+    _cache, slots, hashes, offsets = _setup(cc, seed=3)
     callers: set = set()
     real_put, real_get = cc._pool.put, cc._pool.get_into
     monkeypatch.setattr(cc._pool, "put", lambda *a, **k: callers.add(threading.get_ident()) or real_put(*a, **k))

@@ -3,6 +3,8 @@ slots and touches nothing else; a load into a prefix of the blocks loads exactly
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -121,7 +123,7 @@ def test_v0_ranges_roundtrip_and_nothing_else(data):
     cc = _fresh_cc()
     arena_size = 4096
     cuts = sorted(data.draw(st.sets(st.integers(1, arena_size - 1), min_size=2, max_size=24)))
-    pieces = [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    pieces = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
     keep = data.draw(st.lists(st.booleans(), min_size=len(pieces), max_size=len(pieces)))
     ranges = [p for p, k in zip(pieces, keep) if k] or pieces[:1]
     order = data.draw(st.permutations(ranges))

@@ -23,7 +23,7 @@ def _cc(node, read_cache=1 << 20):
 
 def test_write_rcache_serves_reads_when_the_node_fails(fault_node_factory):
     node = fault_node_factory()
-    cc, pool, cache = _cc(node)
+    cc, _pool, cache = _cc(node)
     try:
         original = snapshot(cache)
         assert cc.save(slots_of_blocks([0], BS), [1], [BS], CcKvOption(write_rcache=True)).success == 1
@@ -39,7 +39,7 @@ def test_write_rcache_serves_reads_when_the_node_fails(fault_node_factory):
 
 def test_read_local_only_never_calls_the_node(fault_node_factory):
     node = fault_node_factory()
-    cc, pool, cache = _cc(node)
+    cc, _pool, cache = _cc(node)
     try:
         original = snapshot(cache)
         assert cc.save(slots_of_blocks([0, 1], BS), [1, 2], [BS, BS], CcKvOption(write_rcache=False)).success == 2

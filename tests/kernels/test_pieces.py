@@ -120,7 +120,7 @@ def test_pieces_default_tiles_cross_column_edge(backend: CopyBackend) -> None:
 def test_pieces_many_blocks_one_launch(backend: CopyBackend) -> None:
     """Device ops per call do not grow with blocks on the kernel path; they do on the memcpy path."""
     gen = torch.Generator().manual_seed(9)
-    bases, planes = make_layout("plain", layers=2, blocks=40, block_size=4, heads=1, head_size=8,
+    _bases, planes = make_layout("plain", layers=2, blocks=40, block_size=4, heads=1, head_size=8,
                                 dtype=torch.float16, gen=gen)
     counts = []
     for n_blocks in (2, 20, 40):

@@ -38,7 +38,7 @@ class EtcdProcess:
         self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
         self.proc: Optional[subprocess.Popen] = None
-        self.log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
+        self.log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115 - open for the process's life
         self.start()
 
     def start(self) -> None:

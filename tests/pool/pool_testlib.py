@@ -57,7 +57,7 @@ class PoolProcess:
         self.port = port
         self.args = tuple(args)
         self.proc: Optional[subprocess.Popen] = None
-        self.log = tempfile.NamedTemporaryFile(prefix="ems-pool-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="ems-pool-", suffix=".log", delete=False)  # noqa: SIM115 - the node's log, kept open
         self.start()
 
     @property

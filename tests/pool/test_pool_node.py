@@ -112,7 +112,7 @@ def _three(pool_nodes, **kw):
 
 
 def test_three_nodes_route_and_round_trip(pool_nodes):
-    nodes, pool = _three(pool_nodes)
+    _nodes, pool = _three(pool_nodes)
     try:
         n = 60
         keys = [f"r{i}".encode() for i in range(n)]

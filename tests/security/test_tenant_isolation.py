@@ -49,7 +49,7 @@ def test_another_tenant_cannot_read_test_or_overwrite(keyed_node, node_clients, 
 
 def test_an_access_id_crafted_to_overlap_a_namespace_is_separate(keyed_node, alpha_data):
     """Tenant prefixes are length-prefixed: no key of beta can spell alpha's namespaced key."""
-    alpha, keys, values = alpha_data
+    _alpha, keys, _values = alpha_data
     with RawSession(keyed_node.port) as raw:
         raw.login("beta", KEY_B)
         crafted = [b"\x05\x00alpha" + k for k in keys] + [b"alpha" + k for k in keys]
@@ -60,7 +60,7 @@ def test_an_access_id_crafted_to_overlap_a_namespace_is_separate(keyed_node, alp
     "abuse", ["skip-auth", "put-before-auth", "replayed-mac", "second-hello", "other-tenants-mac", "id-swap",
               "anonymous", "long-mac", "empty-mac"])
 def test_handshake_abuse_is_refused(keyed_node, alpha_data, abuse):
-    alpha, keys, values = alpha_data
+    _alpha, keys, _values = alpha_data
     key_meta = P.encode_keys_meta(keys)
     get = [P.pack_header(P.Op.GET, count=len(keys), meta_len=len(key_meta)), key_meta]
     with RawSession(keyed_node.port) as raw:
