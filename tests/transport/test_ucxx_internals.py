@@ -18,7 +18,8 @@ pytest.importorskip("ucxx")
 
 from ems.transport import ucx_config, ucxx_internals  # noqa: E402
 
-TRANSPORT = Path(ucxx_internals.__file__).parent
+TRANSPORT = Path(ucxx_internals.__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,7 +40,7 @@ def test_the_installed_ucxx_is_the_tested_series():
 
 
 def test_the_pin_matches_the_tested_series():
-    pyproject = (TRANSPORT.parent / "pyproject.toml").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
     pins = set(re.findall(r'"ucxx-cu12([^"]*)"', pyproject))
     major, minor = ucxx_internals.TESTED_UCXX.split(".")
     assert pins == {f">={major}.{minor},<{major}.{int(minor) + 1}"}, pins
