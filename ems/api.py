@@ -59,6 +59,7 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
     except MissingExtra as exc:
         raise EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, str(exc)) from exc
     from ems.transport.remote import connect
+    from ems.transport.shm_client import ShmMode
     from ems.transport import ucx_config
 
     try:
@@ -75,6 +76,7 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
             access_id=config.access_id,
             access_key=config.access_key,
             connect_timeout_ms=settings.connect_timeout_ms,
+            shm=ShmMode(settings.pool_shm),
         ),
     )
 

@@ -35,6 +35,7 @@ Process settings, read from the environment only (not `EmsConfig` keywords), onc
 | chunk_bytes           | EMS_CHUNK_BYTES            | 32MiB          | pipelined path's chunk size (0: one per request) |
 | profiling             | ENABLE_CC_PROFILING        | off (1: on)    | each job's stage timings on `ems.profile`        |
 | sdk_log_dir           | EMS_SDK_LOG                | none           | a directory: the SDK logs to a file there        |
+| pool_shm              | EMS_POOL_SHM               | auto           | shared memory with a node on this host (off: UCX) |
 | ucx                   | EMS_UCX_PROGRESS_MODE,     | see            | UCX progress mode, Python futures, notifier      |
 |                       | EMS_UCX_PYTHON_FUTURE,     | `ems.transport.ucx_config.UcxSettings`            |
 |                       | EMS_UCX_NOTIFIER           |                |                                                  |
@@ -335,6 +336,7 @@ class Settings:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     profiling: bool = False
     sdk_log_dir: Optional[str] = None
+    pool_shm: str = "auto"  # "auto": shared memory with a node on this host; "off": always UCX
     ucx: UcxSettings = field(default_factory=UcxSettings)
 
     @property
@@ -446,8 +448,16 @@ def _process_settings() -> dict:
         "chunk_bytes": parse_size("EMS_CHUNK_BYTES", chunk) if chunk else DEFAULT_CHUNK_BYTES,
         "profiling": os.environ.get("ENABLE_CC_PROFILING") == "1",
         "sdk_log_dir": os.environ.get("EMS_SDK_LOG") or None,
+        "pool_shm": _shm_setting(os.environ.get("EMS_POOL_SHM") or "auto"),
         "ucx": ucx,
     }
+
+
+def _shm_setting(value: str) -> str:
+    mode = value.strip().lower()
+    if mode not in ("auto", "off"):
+        raise invalid_argument(f"EMS_POOL_SHM must be 'auto' or 'off', got {value!r}")
+    return mode
 
 
 _CLUSTER_RE = re.compile(r"[0-9a-z._-]{1,512}")

@@ -50,6 +50,7 @@ ENV_VALUES: dict[str, tuple[str, object]] = {
     "chunk_bytes": ("4MiB", 4 << 20),
     "profiling": ("1", True),
     "sdk_log_dir": ("/tmp/ems-docs-test", "/tmp/ems-docs-test"),
+    "pool_shm": ("off", "off"),
     "ucx.progress_mode": ("loop", "loop"),
     "ucx.python_future": ("0", False),
     "ucx.notifier": ("ucxx", "ucxx"),

@@ -15,13 +15,19 @@ from __future__ import annotations
 from typing import Optional
 
 from ems.transport.base import NodeClient, TransportError
+from ems.transport.shm_client import ShmMode
 from ems.transport.ucx import Failure, UcxNode
 
 
 def connect(
-    address: str, *, access_id: Optional[str] = None, access_key: Optional[str] = None, connect_timeout_ms: int = 3000
+    address: str,
+    *,
+    access_id: Optional[str] = None,
+    access_key: Optional[str] = None,
+    connect_timeout_ms: int = 3000,
+    shm: ShmMode = ShmMode.AUTO,
 ) -> NodeClient:
-    node = UcxNode(address, access_id=access_id, access_key=access_key, connect_timeout_ms=connect_timeout_ms)
+    node = UcxNode(address, access_id=access_id, access_key=access_key, connect_timeout_ms=connect_timeout_ms, shm=shm)
     try:
         node.connect_now(connect_timeout_ms / 1000.0)
     except TransportError:

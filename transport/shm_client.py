@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.errors import EmsErrorCode, EmsException
+from ems.errors import EmsErrorCode
 from ems.transport import protocol as P
 from ems.transport import shm as S
 
@@ -46,19 +46,10 @@ _STALE = object()  # a request found the connection newer than the region: the c
 
 
 class ShmMode(str, enum.Enum):
+    """Whether a client uses shared memory with its node (`Settings.pool_shm`, EMS_POOL_SHM)."""
+
     AUTO = "auto"  # shared memory with a node on this host
     OFF = "off"
-
-
-def shm_mode(value: Optional[str] = None) -> ShmMode:
-    """The mode named by `value`, else by EMS_POOL_SHM, else AUTO; EMS_INVALID_ARGUMENT for another name."""
-    raw = value if value is not None else os.environ.get("EMS_POOL_SHM", ShmMode.AUTO.value)
-    try:
-        return ShmMode(raw.strip().lower())
-    except ValueError:
-        raise EmsException(
-            EmsErrorCode.EMS_INVALID_ARGUMENT, f"EMS_POOL_SHM must be 'auto' or 'off', got {raw!r}"
-        ) from None
 
 
 @dataclass(eq=False)

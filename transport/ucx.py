@@ -37,7 +37,7 @@ from ems.transport import protocol as P
 from ems.transport import ucx_progress as io
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.shm import is_local_address
-from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode, shm_mode
+from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
 from ems.transport.ucx_config import CLIENT_PROGRESS_MODE, init_ucx
 from ems.transport.ucx_endpoint import create_endpoint
 from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, send_all
@@ -210,7 +210,7 @@ class UcxNode(NodeClient):
         self._retry_at = 0.0
         self._last_error: Optional[TransportError] = None
         self.last_failure = Failure.NONE
-        wants_shm = (shm or shm_mode()) != ShmMode.OFF and is_local_address(self._ip)
+        wants_shm = (shm or ShmMode.AUTO) != ShmMode.OFF and is_local_address(self._ip)
         self.shm: Optional[ShmClient] = ShmClient(self) if wants_shm else None
 
     # ---- NodeClient ----

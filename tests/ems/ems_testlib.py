@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from ems import CcConfig, ContextCaching, EmsConfig
-from ems.config import resolve_settings
+from ems.config import parse_size, resolve_settings
 from ems.pool_client import PoolClient
 
 #: run a test that takes the `cc` fixture once per pool backend: the embedded pool, then a real Mooncake Store
@@ -118,6 +119,11 @@ def direct_cc(
     resolved = resolve_settings(EmsConfig(**settings))
     pool = PoolClient(list(nodes)) if limits is None else PoolClient(list(nodes), limits=limits)
     return ContextCaching(cc_config, tenant, pool, resolved)
+
+
+def set_chunk_bytes(cc: ContextCaching, size: str) -> None:
+    """The chunk size of `cc`'s next jobs (`Settings.chunk_bytes`: EMS_CHUNK_BYTES is read once, at `Ems.init`)."""
+    cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", size))
 
 
 def store_of_ems():

@@ -14,7 +14,6 @@ processes (`python -m ems.pool`), through the public API.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,8 @@ from ems.planning import BlockPlan, plan_blocks
 from ems.requests import Operation, bind_request
 from ems.transport.ucx import UcxNode
 from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
-from ems_testlib import (assert_cache_equals, direct_cc, expected_after_load, make_cache, poison, slots_of_blocks,
-                         snapshot)
+from ems_testlib import (assert_cache_equals, direct_cc, expected_after_load, make_cache, poison, set_chunk_bytes,
+                         slots_of_blocks, snapshot)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 from pool_testlib import PoolProcess  # noqa: E402
@@ -89,11 +88,6 @@ def connect(request):
         cc._pool.close()
 
 
-def _chunks(cc, size: str) -> None:
-    """The chunk size of `cc`'s next calls (`Settings.chunk_bytes`, EMS_CHUNK_BYTES at `Ems.init`)."""
-    cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", size))
-
-
 def _plan(cc, slots, hashes, offsets) -> BlockPlan:
     """White-box: the plan a call makes (its keys and chunks)."""
     request = bind_request(Operation.LOAD, (slots, hashes, offsets), {}, cc._layout)
@@ -126,7 +120,7 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
     cc = connect(shared.address)
     cache, slots, hashes, offsets = _setup(cc)
     original = snapshot(cache)
-    _chunks(cc, save_chunk)
+    set_chunk_bytes(cc, save_chunk)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     record = cc.jobs.last(JobKind.SAVE)
     chunks = len(plan_chunks(_plan(cc, slots, hashes, offsets), cc._pool.limits, parse_size("chunk", save_chunk)))
@@ -134,7 +128,7 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
     assert chunks == {"0": 1, "1": BLOCKS}.get(save_chunk, chunks) and (chunks > 12 or save_chunk == "0")
     assert record.stages[Stage.GATHER].nbytes == record.nbytes
     _idle(cc)
-    _chunks(cc, load_chunk)
+    set_chunk_bytes(cc, load_chunk)
     poisoned = poison(cache)
     assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots))
@@ -152,7 +146,7 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
 
 def test_v0_raw_values_in_many_chunks(shared, connect, monkeypatch):
     cc = connect(shared.address)
-    _chunks(cc, "2KiB")
+    set_chunk_bytes(cc, "2KiB")
     arena = torch.randint(0, 255, (1 << 18,), dtype=torch.uint8)
     lengths = [1, 700, 3000, 64, 5000, 1, 2048, 999] * 3
     offsets = np.cumsum([0] + lengths[:-1]).tolist()
@@ -189,7 +183,7 @@ def test_a_damaged_value_in_chunk_k_stops_the_load_there(shared, connect, monkey
     cc = connect(shared.address)
     cache, slots, hashes, offsets = _setup(cc, seed=3)
     original = snapshot(cache)
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     plan = _plan(cc, slots, hashes, offsets)
     starts = _chunk_starts(cc, slots, hashes, offsets)
@@ -210,7 +204,7 @@ def test_with_replicas_a_damaged_copy_falls_back_to_the_good_one(nodes, connect,
     cc = connect(a.address, b.address, replicas=2)
     cache, slots, hashes, offsets = _setup(cc, seed=4)
     original = snapshot(cache)
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     plan = _plan(cc, slots, hashes, offsets)
     view = cc._pool.members.view
@@ -231,7 +225,7 @@ def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(n
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=5)
     original = snapshot(cache)
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     starts = _chunk_starts(cc, slots, hashes, offsets)
     scatter = BlockPlan.scatter_range
@@ -258,7 +252,7 @@ def test_a_node_paused_mid_save_gives_the_acknowledged_prefix_in_time(nodes, con
     cache, slots, hashes, offsets = _setup(cc, seed=6)
     original = snapshot(cache)
     assert cc.exists(hashes[:1]) == CcResult(0, 1)  # connected
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     starts = _chunk_starts(cc, slots, hashes, offsets)
     gather = BlockPlan.gather_range
 
@@ -293,7 +287,7 @@ def test_abandon_with_puts_in_flight_gives_everything_back(nodes, connect, monke
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=7)
     assert cc.exists(hashes[:1]) == CcResult(0, 1)  # connected
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     node.pause()  # every put stays in flight
     try:
         start = time.monotonic()
@@ -317,7 +311,7 @@ def test_abandon_with_puts_in_flight_gives_everything_back(nodes, connect, monke
 def test_an_interrupt_while_gathering_with_puts_in_flight_gives_the_lease_back(shared, connect, monkeypatch):
     cc = connect(shared.address)
     _cache, slots, hashes, offsets = _setup(cc, seed=8)
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     starts = _chunk_starts(cc, slots, hashes, offsets)
     gather = BlockPlan.gather_range
 
@@ -342,7 +336,7 @@ def test_an_unreachable_node_fails_the_call_in_time(nodes, connect, monkeypatch)
     node = nodes()
     cc = connect(node.address)
     _, slots, hashes, offsets = _setup(cc, seed=9)
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     node.kill()
     for call in (cc.save, cc.load):
         start = time.monotonic()
@@ -383,7 +377,7 @@ def test_a_job_keeps_at_most_depth_chunk_requests_in_flight(fault_node_factory, 
     try:
         cache, slots, hashes, offsets = _setup(cc, seed=10)
         original = snapshot(cache)
-        _chunks(cc, TINY)
+        set_chunk_bytes(cc, TINY)
         assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
         assert cc.jobs.last(JobKind.SAVE).stages[Stage.SEND].runs > 2 * PIPELINE_DEPTH
         poisoned = poison(cache)
@@ -411,11 +405,11 @@ def test_one_chunk_runs_on_the_calling_thread(shared, connect, monkeypatch):
     real_put, real_get = cc._pool.put, cc._pool.get_into
     monkeypatch.setattr(cc._pool, "put", lambda *a, **k: callers.add(threading.get_ident()) or real_put(*a, **k))
     monkeypatch.setattr(cc._pool, "get_into", lambda *a, **k: callers.add(threading.get_ident()) or real_get(*a, **k))
-    _chunks(cc, "0")
+    set_chunk_bytes(cc, "0")
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert not started and callers == {threading.get_ident()}
-    _chunks(cc, TINY)
+    set_chunk_bytes(cc, TINY)
     assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert started and len(callers) > 1
     _idle(cc)

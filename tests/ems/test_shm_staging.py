@@ -15,7 +15,16 @@ import torch
 from ems import CcKvOption, CcResult
 from ems.staging import StagingPool
 from ems.transport.ucx import UcxNode
-from ems_testlib import assert_cache_equals, direct_cc, expected_after_load, make_cache, poison, slots_of_blocks, snapshot
+from ems_testlib import (
+    assert_cache_equals,
+    direct_cc,
+    expected_after_load,
+    make_cache,
+    poison,
+    set_chunk_bytes,
+    slots_of_blocks,
+    snapshot,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 from pool_testlib import PoolProcess  # noqa: E402
@@ -77,7 +86,7 @@ def _round_trip(cc, cache, slots, hashes, offsets) -> None:
 @pytest.mark.parametrize("chunk", ["0", "3KiB"])
 def test_saves_and_loads_stage_in_the_region(client, leases, monkeypatch, chunk):
     cc, ucx = client
-    monkeypatch.setenv("EMS_CHUNK_BYTES", chunk)
+    set_chunk_bytes(cc, chunk)
     cache, slots, hashes, offsets = _setup(cc, seed=1)
     _round_trip(cc, cache, slots, hashes, offsets)  # the first call opens the region
     first = len(leases)
@@ -90,7 +99,7 @@ def test_saves_and_loads_stage_in_the_region(client, leases, monkeypatch, chunk)
 
 def test_a_failed_save_retires_its_region_and_the_next_connection_serves(client, node, leases, monkeypatch):
     cc, ucx = client
-    monkeypatch.setenv("EMS_CHUNK_BYTES", "3KiB")
+    set_chunk_bytes(cc, "3KiB")
     cache, slots, hashes, offsets = _setup(cc, seed=2)
     _round_trip(cc, cache, slots, hashes, offsets)
     old = ucx.shm._region

@@ -142,10 +142,9 @@ def test_falls_back_to_ucx_when_the_node_offers_no_region(pool_nodes, node_clien
     assert node.shm._region is None and node.shm._no_region_on is not None
 
 
-def test_falls_back_when_the_client_turns_it_off(shared_node, node_clients, monkeypatch):
-    monkeypatch.setenv("EMS_POOL_SHM", "off")
-    assert node_clients(shared_node.address).shm is None
-    assert node_clients(shared_node.address, shm=ShmMode.AUTO).shm is not None
+def test_falls_back_when_the_client_turns_it_off(shared_node, node_clients):
+    assert node_clients(shared_node.address, shm=ShmMode.OFF).shm is None
+    assert node_clients(shared_node.address).shm is not None  # auto by default
 
 
 def test_falls_back_when_the_region_is_too_small_or_taken(pool_nodes, node_clients):
