@@ -211,7 +211,7 @@ class MooncakePool:
             ) from exc
         self.settings = settings
         self.limits = RequestLimits(max_keys=MAX_KEYS, max_data_bytes=_NO_LIMIT, max_meta_bytes=_NO_LIMIT,
-                                    max_chunks=_NO_LIMIT)
+                                    max_data_frames=_NO_LIMIT)
         self._factory = MooncakeDistributedStore
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = replicas

@@ -97,7 +97,7 @@ class RequestLimits:
     max_keys: int = protocol.MAX_KEYS
     max_data_bytes: int = protocol.MAX_DATA_BYTES
     max_meta_bytes: int = protocol.MAX_META_BYTES
-    max_chunks: int = protocol.MAX_CHUNKS
+    max_data_frames: int = protocol.MAX_DATA_FRAMES
 
 
 def split_batches(limits: RequestLimits, data: np.ndarray, meta: np.ndarray, chunks: np.ndarray) -> List[slice]:
@@ -105,7 +105,7 @@ def split_batches(limits: RequestLimits, data: np.ndarray, meta: np.ndarray, chu
     every limit; an item that alone exceeds one still travels, alone (the node then refuses it)."""
     n = len(data)
     cums = [np.concatenate(([0], np.cumsum(c, dtype=np.int64))) for c in (data, meta, chunks)]
-    caps = (limits.max_data_bytes, limits.max_meta_bytes, limits.max_chunks)
+    caps = (limits.max_data_bytes, limits.max_meta_bytes, limits.max_data_frames)
     batches: List[slice] = []
     start = 0
     while start < n:

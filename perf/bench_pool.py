@@ -156,7 +156,7 @@ class RawUcx:
             await send(self.ep, np.array([2, 0, size], np.uint64))
             await recv(self.ep, np.empty(max(size, 1), np.uint8))
 
-        self.rt.submit(run()).result(10)
+        asyncio.run_coroutine_threadsafe(run(), self.rt.loop).result(10)
 
     def put_one(self, value: np.ndarray) -> None:
         async def run() -> None:
@@ -164,14 +164,14 @@ class RawUcx:
             await send(self.ep, value)
             await recv(self.ep, np.empty(1, np.uint8))
 
-        self.rt.submit(run()).result(10)
+        asyncio.run_coroutine_threadsafe(run(), self.rt.loop).result(10)
 
     def get_one(self, out: np.ndarray) -> None:
         async def run() -> None:
             await send(self.ep, np.array([1, 1, out.size], np.uint64))
             await recv(self.ep, out)
 
-        self.rt.submit(run()).result(10)
+        asyncio.run_coroutine_threadsafe(run(), self.rt.loop).result(10)
 
     def close(self) -> None:
         self.rt.call_soon(self.ep.abort)
@@ -494,8 +494,8 @@ import asyncio, sys, time, statistics
 sys.path.insert(0, sys.argv[2] + "/tests/pool"); sys.path.insert(0, sys.argv[2] + "/perf")
 import numpy as np
 from pool_testlib import PoolProcess, make_values
-from ems.transport import protocol as P
-from ems.transport import ucx_progress as io
+from ems.transport import protocol
+from ems.transport import ucx_progress
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import create_endpoint
 from ems.transport.ucx_frames import send_all, recv_header_frame, recv_meta
@@ -506,9 +506,9 @@ loop = asyncio.new_event_loop(); asyncio.set_event_loop(loop)
 async def setup():
     init_ucx("loop")
     ep = await create_endpoint("127.0.0.1", node.port, 5)
-    await send_all(ep, [P.pack_header(P.Op.HELLO), b""])
-    await recv_header_frame(ep); await recv_meta(ep, P.NONCE_BYTES)
-    await send_all(ep, [P.pack_header(P.Op.AUTH)])
+    await send_all(ep, [protocol.pack_header(protocol.Op.HELLO), b""])
+    await recv_header_frame(ep); await recv_meta(ep, protocol.NONCE_BYTES)
+    await send_all(ep, [protocol.pack_header(protocol.Op.AUTH)])
     await recv_header_frame(ep)
     return ep
 ep = loop.run_until_complete(setup())
@@ -535,26 +535,26 @@ def wait_all(reqs, deadline):
 
 def request(op, meta, count):
     rid = next(rids)
-    header = P.pack_header(op, count=count, meta_len=len(meta), flags=P.Flags.INLINE, request_id=rid)
-    head = P.pack_head(header, meta); reply = np.zeros(P.HEAD_BYTES, np.uint8)
+    header = protocol.pack_header(op, count=count, meta_len=len(meta), flags=protocol.Flags.INLINE, request_id=rid)
+    head = protocol.pack_head(header, meta); reply = np.zeros(protocol.HEAD_BYTES, np.uint8)
     keep = [Array(head), Array(reply)]
     r_recv = inner.tag_recv(keep[1], u.UCXXTag(io.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
     r_send = inner.tag_send(keep[0], u.UCXXTag(send_base))
     wait_all([r_recv], time.monotonic() + 5)
-    return rid, P.unpack_header(reply[:P.HEADER_SIZE]), reply, keep, r_send
+    return rid, protocol.unpack_header(reply[:protocol.HEADER_SIZE]), reply, keep, r_send
 
 def exists():
-    rid, h, reply, keep, r_send = request(P.Op.EXISTS, P.encode_keys_meta([b"k0"]), 1)
+    rid, h, reply, keep, r_send = request(protocol.Op.EXISTS, protocol.encode_keys_meta([b"k0"]), 1)
     wait_all([r_send], time.monotonic() + 5)
 
 def put(keys, values):
     lens = np.array([sum(len(p) for p in v) for v in values]); chunks = [b"".join(v) for v in values]
-    meta = P.encode_put_meta(keys, lens, lens)
+    meta = protocol.encode_put_meta(keys, lens, lens)
     rid = next(rids)
-    header = P.pack_header(P.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum()),
-                           flags=P.Flags.INLINE, request_id=rid)
-    head = P.pack_head(header, meta)
-    reply = np.zeros(P.HEAD_BYTES, np.uint8)
+    header = protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum()),
+                           flags=protocol.Flags.INLINE, request_id=rid)
+    head = protocol.pack_head(header, meta)
+    reply = np.zeros(protocol.HEAD_BYTES, np.uint8)
     arrs = [Array(head), Array(reply)] + [Array(np.frombuffer(c, np.uint8)) for c in chunks]
     r_recv = inner.tag_recv(arrs[1], u.UCXXTag(io.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
     data_tag = u.UCXXTag(io.request_tag(send_base, rid))
@@ -562,9 +562,9 @@ def put(keys, values):
     wait_all([r_recv] + sends, time.monotonic() + 30)
 
 def get_into(keys, outs):
-    rid, h, reply, keep, r_send = request(P.Op.GET, P.encode_keys_meta(keys), len(keys))
-    lens = P.decode_get_lens(len(keys), h.data_len, reply[P.HEADER_SIZE:P.HEADER_SIZE + h.meta_len].tobytes())
-    plan = P.segment_plan(lens); offsets, sizes = P.segment_bounds(lens, plan)
+    rid, h, reply, keep, r_send = request(protocol.Op.GET, protocol.encode_keys_meta(keys), len(keys))
+    lens = protocol.decode_get_lens(len(keys), h.data_len, reply[protocol.HEADER_SIZE:protocol.HEADER_SIZE + h.meta_len].tobytes())
+    plan = protocol.segment_plan(lens); offsets, sizes = protocol.segment_bounds(lens, plan)
     segs = [np.empty(int(s), np.uint8) for s in sizes]; arrs = [Array(s) for s in segs]
     tag = u.UCXXTag(io.request_tag(recv_base, rid))
     reqs = [inner.tag_recv(a, tag, u.UCXXTagMaskFull) for a in arrs]

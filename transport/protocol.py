@@ -32,15 +32,15 @@ Contract:
 * Handshake (once per connection): client HELLO (meta: access_id, may be empty) → node CHALLENGE (meta: 32-byte
   nonce; flags: AUTH_REQUIRED) → client AUTH (meta: HMAC-SHA256(key, nonce ‖ access_id) or empty) → node AUTH reply
   (status OK, or AUTH_FAILED with a UTF-8 message in meta, then the node closes). The key never crosses the wire.
-* PUT meta: value_lens u64[count] | key_lens u32[count] | chunk_lens u64[chunks] | keys. `flags` of the header
-  carries nothing; the chunk count is `(meta_len - 12*count - sum(key_lens)) / 8`. GET/EXISTS meta: key_lens
+* PUT meta: value_lens u64[count] | key_lens u32[count] | frame_lens u64[data frames] | keys. `flags` of the header
+  carries nothing; the data frame count is `(meta_len - 12*count - sum(key_lens)) / 8`. GET/EXISTS meta: key_lens
   u32[count] | keys. PING: nothing. SHM_OPEN, SHM_PUT, SHM_GET: see `transport/shm.py` (values in a region of
   shared memory, never in data frames).
 * Replies: PUT/EXISTS meta u8[count] (1 = stored / held); GET meta i64[count] (value length, -1 = miss) and then one
   data frame per segment of the present values.
 * Values travel in **segments** (`segment_plan`): a value of at least SEGMENT_BYTES is a segment of its own (sent
   without copying); runs of smaller values are packed into segments of about SEGMENT_BYTES, so a batch of small
-  values costs few messages. A PUT splits segments further into chunks (e.g. a value's header and payload parts),
+  values costs few messages. A PUT splits segments further into data frames (e.g. a value's header and payload parts),
   which must never cross a segment boundary.
 * Every length is checked against the limits below before anything is allocated; a frame that breaks a rule raises
   `ProtocolError`, and the receiver closes that connection (never the server). Every frame must arrive with exactly
@@ -89,7 +89,7 @@ MAX_KEY_BYTES = 4096  # one key
 MAX_META_BYTES = 64 << 20  # one meta frame
 MAX_VALUE_BYTES = 1 << 30  # one value
 MAX_DATA_BYTES = 4 << 30  # all data frames of one request or reply
-MAX_CHUNKS = 4 * MAX_KEYS  # data frames of one PUT
+MAX_DATA_FRAMES = 4 * MAX_KEYS  # data frames of one PUT
 MAX_ID_BYTES = 512  # access_id
 
 SEGMENT_BYTES = 1 << 20  # values this large travel alone; smaller ones are packed up to about this size
@@ -336,12 +336,12 @@ def decode_keys_meta(count: int, meta: memoryview | bytes) -> list[bytes]:
     return split_keys(key_lens, memoryview(meta)[4 * count :])
 
 
-def encode_put_meta(keys: Sequence[bytes], value_lens: np.ndarray, chunk_lens: np.ndarray) -> bytes:
+def encode_put_meta(keys: Sequence[bytes], value_lens: np.ndarray, frame_lens: np.ndarray) -> bytes:
     lens, blob = encode_keys(keys)
     return (
         np.asarray(value_lens, dtype="<u8").tobytes()
         + lens.tobytes()
-        + np.asarray(chunk_lens, dtype="<u8").tobytes()
+        + np.asarray(frame_lens, dtype="<u8").tobytes()
         + blob
     )
 
@@ -350,16 +350,16 @@ def encode_put_meta(keys: Sequence[bytes], value_lens: np.ndarray, chunk_lens: n
 class PutRequest:
     keys: list[bytes]
     value_lens: np.ndarray  # int64 [count]
-    chunk_lens: np.ndarray  # int64 [chunks]
+    frame_lens: np.ndarray  # int64 [data frames]
     plan: np.ndarray  # segment of each value
     value_offsets: np.ndarray  # offset of each value in its segment
     segment_sizes: np.ndarray
-    chunk_segments: np.ndarray  # segment of each chunk
-    chunk_offsets: np.ndarray  # offset of each chunk in its segment
+    frame_segments: np.ndarray  # segment of each data frame
+    frame_offsets: np.ndarray  # offset of each data frame in its segment
 
 
 def decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> PutRequest:
-    """Parse and check a PUT meta frame: lengths within limits, chunks adding up and inside segments."""
+    """Parse and check a PUT meta frame: lengths within limits, data frames adding up and inside segments."""
     meta = memoryview(meta)
     if len(meta) < 12 * count:
         raise ProtocolError("PUT meta frame shorter than its lengths")
@@ -369,31 +369,31 @@ def decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> PutR
     rest = len(meta) - 12 * count - key_bytes
     if rest < 0 or rest % 8:
         raise ProtocolError("PUT meta frame does not add up")
-    nchunks = rest // 8
-    if nchunks > MAX_CHUNKS:
-        raise ProtocolError(f"{nchunks} chunks in one PUT, limit {MAX_CHUNKS}")
-    chunk_lens = np.frombuffer(meta, dtype="<u8", count=nchunks, offset=12 * count).astype(np.int64)
-    keys = split_keys(key_lens, meta[12 * count + 8 * nchunks :])
+    nframes = rest // 8
+    if nframes > MAX_DATA_FRAMES:
+        raise ProtocolError(f"{nframes} data frames in one PUT, limit {MAX_DATA_FRAMES}")
+    frame_lens = np.frombuffer(meta, dtype="<u8", count=nframes, offset=12 * count).astype(np.int64)
+    keys = split_keys(key_lens, meta[12 * count + 8 * nframes :])
     if value_lens.size and (int(value_lens.max()) > MAX_VALUE_BYTES or int(value_lens.min()) < 0):
         raise ProtocolError(f"a value of {int(value_lens.max())} bytes, limit {MAX_VALUE_BYTES}")
-    if int(value_lens.sum()) != data_len or int(chunk_lens.sum()) != data_len:
-        raise ProtocolError("value and chunk lengths do not match data_len")
-    if chunk_lens.size and int(chunk_lens.min()) <= 0:
-        raise ProtocolError("an empty chunk")
+    if int(value_lens.sum()) != data_len or int(frame_lens.sum()) != data_len:
+        raise ProtocolError("value and data frame lengths do not match data_len")
+    if frame_lens.size and int(frame_lens.min()) <= 0:
+        raise ProtocolError("an empty data frame")
     plan = segment_plan(value_lens)
     value_offsets, segment_sizes = segment_bounds(value_lens, plan)
     seg_ends = np.cumsum(segment_sizes)
-    chunk_ends = np.cumsum(chunk_lens)
-    # every segment end must be a chunk end: no chunk crosses a segment boundary
-    at = np.searchsorted(chunk_ends, seg_ends)  # chunk_ends is increasing (no empty chunk)
-    if (at >= chunk_ends.size).any() or (chunk_ends[np.minimum(at, chunk_ends.size - 1)] != seg_ends).any():
-        raise ProtocolError("a data chunk crosses a segment boundary")
-    chunk_starts = chunk_ends - chunk_lens
-    chunk_segments = np.searchsorted(seg_ends, chunk_starts, side="right")
+    frame_ends = np.cumsum(frame_lens)
+    # every segment end must be a data frame end: no data frame crosses a segment boundary
+    at = np.searchsorted(frame_ends, seg_ends)  # frame_ends is increasing (no empty data frame)
+    if (at >= frame_ends.size).any() or (frame_ends[np.minimum(at, frame_ends.size - 1)] != seg_ends).any():
+        raise ProtocolError("a data frame crosses a segment boundary")
+    frame_starts = frame_ends - frame_lens
+    frame_segments = np.searchsorted(seg_ends, frame_starts, side="right")
     seg_starts = seg_ends - segment_sizes
-    chunk_offsets = chunk_starts - seg_starts[chunk_segments] if chunk_lens.size else chunk_starts
+    frame_offsets = frame_starts - seg_starts[frame_segments] if frame_lens.size else frame_starts
     return PutRequest(
-        keys, value_lens, chunk_lens, plan, value_offsets, segment_sizes, chunk_segments, chunk_offsets
+        keys, value_lens, frame_lens, plan, value_offsets, segment_sizes, frame_segments, frame_offsets
     )
 
 

@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ems.transport import protocol as P
+from ems.transport import protocol
 
 TOKEN_BYTES = 32
 PAGE = 4096
@@ -69,11 +69,11 @@ class ShmSettings:
 
 def metric_name(op: int) -> str:
     """A request's name in a node's metrics: SHM_PUT / SHM_GET count as the put / get they are."""
-    if op == P.Op.SHM_PUT:
+    if op == protocol.Op.SHM_PUT:
         return "put"
-    if op == P.Op.SHM_GET:
+    if op == protocol.Op.SHM_GET:
         return "get"
-    return P.Op(op).name.lower() if op in P.Op._value2member_map_ else "other"
+    return protocol.Op(op).name.lower() if op in protocol.Op._value2member_map_ else "other"
 
 
 # ---- the region ----
@@ -192,7 +192,7 @@ def encode_open(uid: int, pid: int) -> bytes:
 
 def decode_open(meta: bytes) -> tuple[int, int]:
     if len(meta) != _CREDS.size:
-        raise P.ProtocolError(f"SHM_OPEN meta of {len(meta)} bytes, expected {_CREDS.size}")
+        raise protocol.ProtocolError(f"SHM_OPEN meta of {len(meta)} bytes, expected {_CREDS.size}")
     uid, pid = _CREDS.unpack(meta)
     return uid, pid
 
@@ -211,7 +211,7 @@ def encode_open_reply(reply: OpenReply) -> bytes:
 
 def decode_open_reply(meta: bytes) -> OpenReply:
     if len(meta) < _OPEN_REPLY.size or len(meta) - _OPEN_REPLY.size > MAX_SOCKET_NAME:
-        raise P.ProtocolError(f"SHM_OPEN reply of {len(meta)} bytes")
+        raise protocol.ProtocolError(f"SHM_OPEN reply of {len(meta)} bytes")
     token, region_bytes, node_pid = _OPEN_REPLY.unpack_from(meta)
     return OpenReply(token, region_bytes, node_pid, bytes(meta[_OPEN_REPLY.size :]))
 
@@ -226,7 +226,7 @@ class RangedRequest:
 
 
 def encode_ranged(keys: Sequence[bytes], offsets: Sequence[int], lens: Sequence[int]) -> bytes:
-    key_lens, blob = P.encode_keys(keys)
+    key_lens, blob = protocol.encode_keys(keys)
     return (
         np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(lens, dtype="<u8").tobytes() + key_lens.tobytes()
         + blob
@@ -237,14 +237,14 @@ def decode_ranged(count: int, meta: memoryview | bytes, region_bytes: int) -> Ra
     """Parse an SHM_PUT/SHM_GET meta and check every range against the region and the protocol's limits."""
     meta = memoryview(meta)
     if len(meta) < 20 * count:
-        raise P.ProtocolError("shared-memory request meta shorter than its lengths")
+        raise protocol.ProtocolError("shared-memory request meta shorter than its lengths")
     offsets = np.frombuffer(meta, dtype="<u8", count=count).astype(np.uint64)
     lens = np.frombuffer(meta, dtype="<u8", count=count, offset=8 * count).astype(np.uint64)
     key_lens = np.frombuffer(meta, dtype="<u4", count=count, offset=16 * count)
-    keys = P.split_keys(key_lens, meta[20 * count :])
-    if count and (int(lens.max()) > P.MAX_VALUE_BYTES or int(offsets.max()) > region_bytes):
-        raise P.ProtocolError("a shared-memory range out of bounds")
+    keys = protocol.split_keys(key_lens, meta[20 * count :])
+    if count and (int(lens.max()) > protocol.MAX_VALUE_BYTES or int(offsets.max()) > region_bytes):
+        raise protocol.ProtocolError("a shared-memory range out of bounds")
     ends = offsets + lens  # no overflow: both are bounded above
     if count and int(ends.max()) > region_bytes:
-        raise P.ProtocolError("a shared-memory range out of bounds")
+        raise protocol.ProtocolError("a shared-memory range out of bounds")
     return RangedRequest(keys, offsets.astype(np.int64), lens.astype(np.int64))

@@ -33,8 +33,8 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
-from ems.transport import protocol as P
-from ems.transport import shm as S
+from ems.transport import protocol
+from ems.transport import shm
 
 if TYPE_CHECKING:
     from ems.transport.ucx import UcxNode
@@ -58,7 +58,7 @@ class ClientRegion:
 
     ep: Any
     array: np.ndarray
-    allocator: S.RangeAllocator
+    allocator: shm.RangeAllocator
 
     def __post_init__(self) -> None:
         self.base = int(self.array.ctypes.data)
@@ -73,7 +73,7 @@ class ShmBuffer:
     """A range of a region lent to a caller (`ShmClient.buffer`): `array` is writable uint8 memory that calls of this
     client move without a copy. `release()` returns it; `retire()` when a failed call may still touch it."""
 
-    def __init__(self, region: ClientRegion, taken: S.ShmRange, nbytes: int) -> None:
+    def __init__(self, region: ClientRegion, taken: shm.ShmRange, nbytes: int) -> None:
         self.region = region
         self.taken = taken
         self.array = region.array[taken.offset : taken.offset + nbytes]
@@ -106,7 +106,7 @@ class ShmClient:
         parts = [[_as_bytes(p) for p in ps] for ps in values]
         lens = [sum(p.nbytes for p in ps) for ps in parts]
         offsets = _offsets_in(region, parts, lens)
-        taken: Optional[S.ShmRange] = None
+        taken: Optional[shm.ShmRange] = None
         if offsets is None:
             taken = region.allocator.alloc(sum(lens))
             if taken is None:
@@ -121,11 +121,11 @@ class ShmClient:
             except BaseException:
                 region.allocator.free(taken)
                 raise
-        meta = S.encode_ranged(keys, offsets, lens)
-        body = self._send(region, P.Op.SHM_PUT, meta, len(keys), taken, deadline)
+        meta = shm.encode_ranged(keys, offsets, lens)
+        body = self._send(region, protocol.Op.SHM_PUT, meta, len(keys), taken, deadline)
         if body is _STALE:
             return None
-        return P.decode_flags(len(keys), body)
+        return protocol.decode_flags(len(keys), body)
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], timeout_s: float) -> Optional[list[bool]]:
         deadline = time.monotonic() + timeout_s
@@ -134,14 +134,14 @@ class ShmClient:
             return None
         caps = [o.nbytes for o in outs]
         offsets = _offsets_in(region, [[o] for o in outs], caps)
-        taken: Optional[S.ShmRange] = None
+        taken: Optional[shm.ShmRange] = None
         if offsets is None:
             taken = region.allocator.alloc(sum(caps))
             if taken is None:
                 return None
             offsets = (taken.offset + np.cumsum(caps) - np.asarray(caps, dtype=np.int64)).tolist()
-        meta = S.encode_ranged(keys, offsets, caps)
-        body = self._send(region, P.Op.SHM_GET, meta, len(keys), taken, deadline, keep=True)
+        meta = shm.encode_ranged(keys, offsets, caps)
+        body = self._send(region, protocol.Op.SHM_GET, meta, len(keys), taken, deadline, keep=True)
         try:
             if body is _STALE:
                 return None
@@ -176,7 +176,7 @@ class ShmClient:
 
     # ---- machinery ----
 
-    def _send(self, region: ClientRegion, op: int, meta: bytes, count: int, taken: Optional[S.ShmRange],
+    def _send(self, region: ClientRegion, op: int, meta: bytes, count: int, taken: Optional[shm.ShmRange],
               deadline: float, keep: bool = False) -> Any:
         """Run one SHM request on the region's connection; its reply meta (or _STALE). `taken` is freed after a
         success unless `keep` (the caller still reads it), and the region is poisoned after a failure."""
@@ -226,11 +226,11 @@ class ShmClient:
     def _open(self, deadline: float) -> Optional[ClientRegion]:
         from ems.transport.ucx import _request
 
-        meta = S.encode_open(os.getuid(), os.getpid())
+        meta = shm.encode_open(os.getuid(), os.getpid())
 
-        async def run(ep: Any, rid: int) -> tuple[Any, S.OpenReply]:
-            reply, body = await _request(ep, rid, P.Op.SHM_OPEN, meta=meta)
-            return ep, S.decode_open_reply(bytes(body[: reply.meta_len]))
+        async def run(ep: Any, rid: int) -> tuple[Any, shm.OpenReply]:
+            reply, body = await _request(ep, rid, protocol.Op.SHM_OPEN, meta=meta)
+            return ep, shm.decode_open_reply(bytes(body[: reply.meta_len]))
 
         ep, offer = self.node._call(run, max(0.0, deadline - time.monotonic()))
         if offer.region_bytes == 0:
@@ -242,19 +242,19 @@ class ShmClient:
             log.info("%s: no shared memory (using UCX): %s", self.node.address, error)
             self._no_region_on = ep
             return None
-        region = ClientRegion(ep, array, S.RangeAllocator(array.nbytes))
+        region = ClientRegion(ep, array, shm.RangeAllocator(array.nbytes))
         self._region = region
         return region
 
 
-def _receive_region(offer: S.OpenReply, timeout_s: float) -> np.ndarray:
+def _receive_region(offer: shm.OpenReply, timeout_s: float) -> np.ndarray:
     """Present the token on the node's Unix socket and map the descriptor it hands over."""
     if not offer.socket_name.startswith(b"\0"):
         raise ValueError("the node's socket is not an abstract one")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(max(0.01, timeout_s))
         sock.connect(offer.socket_name)
-        pid, _uid = S.peer_credentials(sock)
+        pid, _uid = shm.peer_credentials(sock)
         if pid != offer.node_pid:
             raise ValueError(f"the socket's peer is pid {pid}, not the node's pid {offer.node_pid}")
         sock.sendall(offer.token)
@@ -262,7 +262,7 @@ def _receive_region(offer: S.OpenReply, timeout_s: float) -> np.ndarray:
     try:
         if message != b"\1" or len(fds) != 1:
             raise ValueError("the node refused the mapping")
-        return S.map_region(fds[0], offer.region_bytes)
+        return shm.map_region(fds[0], offer.region_bytes)
     finally:
         for fd in fds:
             os.close(fd)
@@ -274,13 +274,13 @@ def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequ
     for ps, n in zip(parts, lens):
         if not ps:
             return None
-        address, _ = S.address_of(ps[0])
+        address, _ = shm.address_of(ps[0])
         offset = region.offset_of(address, n)
         if offset < 0:
             return None
         at = address
         for p in ps:
-            part_address, size = S.address_of(p)
+            part_address, size = shm.address_of(p)
             if part_address != at:
                 return None
             at += size

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from ems.transport import protocol as P
-from ems.transport import shm as S
+from ems.transport import protocol
+from ems.transport import shm
 
 if TYPE_CHECKING:
     from ems.transport.ucx_server import PoolServer, _Channel
@@ -63,7 +63,7 @@ class _Region:
 class ShmService:
     """Regions of one node's connections; see the module docstring."""
 
-    def __init__(self, settings: S.ShmSettings, server: "PoolServer") -> None:
+    def __init__(self, settings: shm.ShmSettings, server: "PoolServer") -> None:
         self.settings = settings
         self.server = server
         self.name = b"\0ems-shm-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
@@ -119,16 +119,16 @@ class ShmService:
         """Serve one SHM_* request; the value bytes it moved."""
         header = channel.header
         if header.data_len:
-            raise P.ProtocolError("shared-memory requests carry no data frames")
-        if header.op == P.Op.SHM_OPEN:
-            await self._open(channel, S.decode_open(await channel.meta()))
+            raise protocol.ProtocolError("shared-memory requests carry no data frames")
+        if header.op == protocol.Op.SHM_OPEN:
+            await self._open(channel, shm.decode_open(await channel.meta()))
             return 0
         region = self._regions.get(channel.conn)
         if region is None:
-            raise P.ProtocolError("a shared-memory request on a connection without a region")
-        request = S.decode_ranged(header.count, await channel.meta(), region.array.nbytes)
+            raise protocol.ProtocolError("a shared-memory request on a connection without a region")
+        request = shm.decode_ranged(header.count, await channel.meta(), region.array.nbytes)
         keys = [prefix + k for k in request.keys]
-        if header.op == P.Op.SHM_PUT:
+        if header.op == protocol.Op.SHM_PUT:
             return await self._put(channel, region, keys, request)
         return await self._get(channel, region, keys, request)
 
@@ -136,38 +136,38 @@ class ShmService:
         conn = channel.conn
         self.forget(conn)  # a connection has at most one region
         size = self.settings.region_bytes
-        reply = S.OpenReply(b"\0" * S.TOKEN_BYTES, 0, os.getpid(), self.name)
+        reply = shm.OpenReply(b"\0" * shm.TOKEN_BYTES, 0, os.getpid(), self.name)
         if self._listener is not None and self._bytes + size <= self.settings.total_bytes and not conn.aborted:
             try:
-                fd = S.create_region(size)
-                array = S.map_region(fd, os.fstat(fd).st_size)
+                fd = shm.create_region(size)
+                array = shm.map_region(fd, os.fstat(fd).st_size)
             except OSError as error:
                 log.warning("no shared-memory region for %s: %s", conn.peer, error)
             else:
-                token = secrets.token_bytes(S.TOKEN_BYTES)
+                token = secrets.token_bytes(shm.TOKEN_BYTES)
                 region = _Region(conn, fd, array, creds[0], creds[1], token, time.monotonic() + TOKEN_TTL_S)
                 self._regions[conn] = region
                 self._tokens[token] = region
                 self._bytes += array.nbytes
-                reply = S.OpenReply(token, array.nbytes, os.getpid(), self.name)
-        await channel.reply(P.Op.SHM_OPEN, meta=S.encode_open_reply(reply))
+                reply = shm.OpenReply(token, array.nbytes, os.getpid(), self.name)
+        await channel.reply(protocol.Op.SHM_OPEN, meta=shm.encode_open_reply(reply))
 
     async def _room(self, nbytes: int) -> bool:
         return nbytes <= self.server.budget.total and await self.server.budget.acquire(
             nbytes, self.server.limits.stall_timeout_s
         )
 
-    async def _put(self, channel: "_Channel", region: _Region, keys: list[bytes], request: S.RangedRequest) -> int:
+    async def _put(self, channel: "_Channel", region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
         total = int(request.lens.sum())
         await self.server._take(total)  # as a UCX PUT: refused (and the connection closed) when it cannot fit
         try:
             stored = await self._copy(total, self._store, region, keys, request)
         finally:
             self.server.budget.release(total)
-        await channel.reply(P.Op.SHM_PUT, count=len(keys), meta=P.encode_flags(stored))
+        await channel.reply(protocol.Op.SHM_PUT, count=len(keys), meta=protocol.encode_flags(stored))
         return total
 
-    def _store(self, region: _Region, keys: list[bytes], request: S.RangedRequest) -> list[bool]:
+    def _store(self, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> list[bool]:
         """Copy each value out of the region into a buffer of the store's, which checks it before keeping it."""
         store = self.server.store
         stored: list[bool] = []
@@ -190,7 +190,7 @@ class ShmService:
             self.server.metrics.count_damaged(refused, [False] * len(refused))
         return stored
 
-    async def _get(self, channel: "_Channel", region: _Region, keys: list[bytes], request: S.RangedRequest) -> int:
+    async def _get(self, channel: "_Channel", region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
         values = await self.server.lookup_values(keys)  # off the event loop when it may read a disk
         lens = np.fromiter(
             (-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values)
@@ -210,7 +210,7 @@ class ShmService:
         finally:
             self.server.budget.release(total)
         del values
-        await channel.reply(P.Op.SHM_GET, count=len(keys), meta=lens.astype("<i8").tobytes())
+        await channel.reply(protocol.Op.SHM_GET, count=len(keys), meta=lens.astype("<i8").tobytes())
         return total
 
     async def _copy(self, nbytes: int, fn: Any, region: _Region, *args: Any) -> Any:
@@ -248,15 +248,15 @@ class ShmService:
             sock.setblocking(False)
             token = b""
             deadline = time.monotonic() + HANDOVER_TIMEOUT_S
-            while len(token) < S.TOKEN_BYTES:
+            while len(token) < shm.TOKEN_BYTES:
                 chunk = await asyncio.wait_for(
-                    loop.sock_recv(sock, S.TOKEN_BYTES - len(token)), max(0.0, deadline - time.monotonic())
+                    loop.sock_recv(sock, shm.TOKEN_BYTES - len(token)), max(0.0, deadline - time.monotonic())
                 )
                 if not chunk:
                     return
                 token += chunk
             region = self._tokens.pop(token, None)  # spent by the first attempt, right or wrong
-            pid, uid = S.peer_credentials(sock)
+            pid, uid = shm.peer_credentials(sock)
             if region is not None:
                 region.token = None
             reason = _refusal(region, pid, uid)

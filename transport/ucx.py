@@ -33,8 +33,8 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
-from ems.transport import protocol as P
-from ems.transport import ucx_progress as io
+from ems.transport import protocol
+from ems.transport import ucx_progress
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
@@ -224,13 +224,13 @@ class UcxNode(NodeClient):
             if stored is not None:
                 return stored
             timeout_s = max(0.0, deadline - time.monotonic())
-        meta, chunks, data_len = _build_put(keys, values)
-        return self._call(lambda ep, rid: _put(ep, rid, meta, chunks, data_len, len(keys)), timeout_s)
+        meta, frames, data_len = _build_put(keys, values)
+        return self._call(lambda ep, rid: _put(ep, rid, meta, frames, data_len, len(keys)), timeout_s)
 
     def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
         if not keys:
             return []
-        meta = P.encode_keys_meta(keys)
+        meta = protocol.encode_keys_meta(keys)
         return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), None), timeout_s)
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], timeout_s: float) -> list[bool]:
@@ -245,13 +245,13 @@ class UcxNode(NodeClient):
             if placed is not None:
                 return placed
             timeout_s = max(0.0, deadline - time.monotonic())
-        meta = P.encode_keys_meta(keys)
+        meta = protocol.encode_keys_meta(keys)
         return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), views), timeout_s)
 
     def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:
         if not keys:
             return []
-        meta = P.encode_keys_meta(keys)
+        meta = protocol.encode_keys_meta(keys)
         return self._call(lambda ep, rid: _exists(ep, rid, meta, len(keys)), timeout_s)
 
     def ping(self, timeout_s: float) -> bool:
@@ -298,7 +298,7 @@ class UcxNode(NodeClient):
             raise self._fail(call, EmsErrorCode.EMS_IO_TIMEOUT, f"no answer within {timeout_s:.3f} s") from None
         except _Refused as error:
             raise self._fail(call, EmsErrorCode.EMS_IO_ERROR, str(error), Failure.REFUSED) from None
-        except P.ProtocolError as error:
+        except protocol.ProtocolError as error:
             raise self._fail(call, EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {error}") from None
         except TransportError as error:
             raise self._fail(call, error.status_code(), error.message()) from None
@@ -322,7 +322,7 @@ class UcxNode(NodeClient):
         call.ep = ep
         if call.abandoned:
             return None
-        self._next_id = self._next_id % P.MAX_REQUEST_ID + 1
+        self._next_id = self._next_id % protocol.MAX_REQUEST_ID + 1
         return await request(ep, self._next_id)
 
     def _connected(self, connecting: asyncio.Future) -> None:
@@ -335,16 +335,16 @@ class UcxNode(NodeClient):
         ep = await create_endpoint(self._ip, self._port, self._connect_timeout_s)
         try:
             access_id = self._access_id.encode("ascii")
-            await _send_all(ep, [P.pack_header(P.Op.HELLO, meta_len=len(access_id)), access_id])
-            challenge = await _recv_header(ep, P.Op.CHALLENGE)
+            await _send_all(ep, [protocol.pack_header(protocol.Op.HELLO, meta_len=len(access_id)), access_id])
+            challenge = await _recv_header(ep, protocol.Op.CHALLENGE)
             nonce = await _recv_meta(ep, challenge.meta_len)
-            if len(nonce) != P.NONCE_BYTES:
-                raise P.ProtocolError("bad challenge")
-            if challenge.flags & P.Flags.AUTH_REQUIRED and self._access_key is None:
+            if len(nonce) != protocol.NONCE_BYTES:
+                raise protocol.ProtocolError("bad challenge")
+            if challenge.flags & protocol.Flags.AUTH_REQUIRED and self._access_key is None:
                 raise _Refused(f"{self.address}: authentication failed: the node requires access_id and access_key")
-            mac = P.auth_mac(self._access_key, nonce, self._access_id) if self._access_key is not None else b""
-            await _send_all(ep, [P.pack_header(P.Op.AUTH, meta_len=len(mac)), mac])
-            await _recv_header(ep, P.Op.AUTH | P.REPLY)
+            mac = protocol.auth_mac(self._access_key, nonce, self._access_id) if self._access_key is not None else b""
+            await _send_all(ep, [protocol.pack_header(protocol.Op.AUTH, meta_len=len(mac)), mac])
+            await _recv_header(ep, protocol.Op.AUTH | protocol.REPLY)
             return ep
         except _Refused as error:
             _abort(ep)
@@ -389,62 +389,62 @@ async def _noop() -> None:
 
 async def _request(
     ep: Any, rid: int, op: int, *, count: int = 0, meta: bytes = b"", data: Sequence[Any] = (), data_len: int = 0
-) -> tuple[P.Header, memoryview]:
+) -> tuple[protocol.Header, memoryview]:
     """Send one inline request (head on the base tag, the rest on tag `rid`) and receive its reply's head (on tag
     `rid`): the reply header (status OK, the expected op) and its inline bytes; the reply's meta frame, when it did
     not fit inline, is received too and returned in place of the inline bytes."""
-    header = P.pack_header(op, count=count, meta_len=len(meta), data_len=data_len, flags=P.Flags.INLINE,
+    header = protocol.pack_header(op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE,
                            request_id=rid)
-    layout = P.head_layout(len(meta), data_len)
-    head = P.pack_head(header, meta, data)
+    layout = protocol.head_layout(len(meta), data_len)
+    head = protocol.pack_head(header, meta, data)
     frames = ([] if layout.meta_inline else [meta]) + ([] if layout.data_inline else list(data))
     # the head, the rest of the request and the reply's receive are all posted at once (no wait for a send to
     # complete first: different tags, so their order does not matter); the reply is awaited while the rest goes
     # out: a node that refuses the request before receiving its data (too large for its in-flight budget) answers
     # at once, and that answer must not wait behind unsent data
-    posted = [io.send(ep, head)] + [io.send(ep, f, rid) for f in frames if len(f)]
+    posted = [ucx_progress.send(ep, head)] + [ucx_progress.send(ep, f, rid) for f in frames if len(f)]
     sends = posted[0] if len(posted) == 1 else asyncio.gather(*posted)
     sends.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is reported by the reply
     reply, body = await recv_head(ep, rid)
-    if reply.status != P.Status.OK:
-        text = bytes(body[: reply.meta_len]) if P.head_layout(reply.meta_len, 0).meta_inline else b""
+    if reply.status != protocol.Status.OK:
+        text = bytes(body[: reply.meta_len]) if protocol.head_layout(reply.meta_len, 0).meta_inline else b""
         raise _Refused(text.decode("utf-8", "replace") or f"node answered status {reply.status}")
-    if reply.op != op | P.REPLY or not reply.inline or reply.request_id != rid:
-        raise P.ProtocolError(f"expected op {op | P.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})")
-    if not P.head_layout(reply.meta_len, reply.data_len).meta_inline:
+    if reply.op != op | protocol.REPLY or not reply.inline or reply.request_id != rid:
+        raise protocol.ProtocolError(f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})")
+    if not protocol.head_layout(reply.meta_len, reply.data_len).meta_inline:
         body = memoryview(await _recv_meta(ep, reply.meta_len, rid))
     await sends
     return reply, body
 
 
 async def _ping(ep: Any, rid: int) -> None:
-    await _request(ep, rid, P.Op.PING)
+    await _request(ep, rid, protocol.Op.PING)
 
 
-async def _put(ep: Any, rid: int, meta: bytes, chunks: list, data_len: int, count: int) -> list[bool]:
-    reply, body = await _request(ep, rid, P.Op.PUT, count=count, meta=meta, data=chunks, data_len=data_len)
-    return P.decode_flags(count, body[: reply.meta_len])
+async def _put(ep: Any, rid: int, meta: bytes, frames: list, data_len: int, count: int) -> list[bool]:
+    reply, body = await _request(ep, rid, protocol.Op.PUT, count=count, meta=meta, data=frames, data_len=data_len)
+    return protocol.decode_flags(count, body[: reply.meta_len])
 
 
 async def _exists(ep: Any, rid: int, meta: bytes, count: int) -> list[bool]:
-    reply, body = await _request(ep, rid, P.Op.EXISTS, count=count, meta=meta)
-    return P.decode_flags(count, body[: reply.meta_len])
+    reply, body = await _request(ep, rid, protocol.Op.EXISTS, count=count, meta=meta)
+    return protocol.decode_flags(count, body[: reply.meta_len])
 
 
 async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[memoryview]]) -> list:
     """GET: the values (`outs` None: read-only views of fresh segments), or, with `outs`, whether each value was
     placed in its caller buffer (a value of another length than its buffer counts as a miss)."""
-    reply, body = await _request(ep, rid, P.Op.GET, count=count, meta=meta)
-    lens = P.decode_get_lens(count, reply.data_len, body[: reply.meta_len])
-    inline = P.head_layout(reply.meta_len, reply.data_len).data_inline
+    reply, body = await _request(ep, rid, protocol.Op.GET, count=count, meta=meta)
+    lens = protocol.decode_get_lens(count, reply.data_len, body[: reply.meta_len])
+    inline = protocol.head_layout(reply.meta_len, reply.data_len).data_inline
     if outs is not None and count == 1 and not inline and 0 < int(lens[0]) == outs[0].nbytes:
         # the common 1-block load: one value, alone in its segment, received straight into its buffer
         await recv_into(ep, outs[0], new_canary(), rid)
         return [True]
     present = np.nonzero(lens >= 0)[0]
     present_lens = lens[present]
-    plan = P.segment_plan(present_lens)
-    offsets, sizes = P.segment_bounds(present_lens, plan)
+    plan = protocol.segment_plan(present_lens)
+    offsets, sizes = protocol.segment_bounds(present_lens, plan)
     fits = (
         None if outs is None
         else np.fromiter((outs[i].nbytes for i in present.tolist()), dtype=np.int64, count=present.size) == present_lens
@@ -499,37 +499,37 @@ def _as_bytes(part: Buffer) -> memoryview:
 
 
 def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tuple[bytes, list, int]:
-    """The PUT meta, its data chunks and their byte count: a value big enough to be its own segment goes out part by
+    """The PUT meta, its data frames and their byte count: a value big enough to be its own segment goes out part by
     part without a copy; small values are packed into one buffer per segment."""
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     parts = [[_as_bytes(p) for p in parts] for parts in values]
     lens = np.fromiter((sum(p.nbytes for p in ps) for ps in parts), dtype=np.int64, count=len(parts))
-    plan = P.segment_plan(lens)
-    offsets, sizes = P.segment_bounds(lens, plan)
-    chunks: list = []
-    chunk_lens: list[int] = []
+    plan = protocol.segment_plan(lens)
+    offsets, sizes = protocol.segment_bounds(lens, plan)
+    frames: list = []
+    frame_lens: list[int] = []
     packed: Optional[np.ndarray] = None
     current = -1
     for i, seg in enumerate(plan.tolist()):
-        if int(sizes[seg]) == int(lens[i]) and int(lens[i]) >= P.SEGMENT_BYTES:
+        if int(sizes[seg]) == int(lens[i]) and int(lens[i]) >= protocol.SEGMENT_BYTES:
             for p in parts[i]:
                 if p.nbytes:
-                    chunks.append(p)
-                    chunk_lens.append(p.nbytes)
+                    frames.append(p)
+                    frame_lens.append(p.nbytes)
             continue
         if seg != current:
             current = seg
             packed = np.empty(int(sizes[seg]), dtype=np.uint8)
             if packed.size:
-                chunks.append(packed)
-                chunk_lens.append(packed.size)
+                frames.append(packed)
+                frame_lens.append(packed.size)
         at = int(offsets[i])
         for p in parts[i]:
             packed[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[index]
             at += p.nbytes
-    meta = P.encode_put_meta(keys, lens, np.asarray(chunk_lens, dtype=np.int64))
-    return meta, chunks, int(lens.sum())
+    meta = protocol.encode_put_meta(keys, lens, np.asarray(frame_lens, dtype=np.int64))
+    return meta, frames, int(lens.sum())
 
 
 # ---- frames ----
@@ -539,13 +539,13 @@ async def _send_all(ep: Any, frames: list) -> None:
     await send_all(ep, frames)
 
 
-async def _recv_header(ep: Any, expected_op: int) -> P.Header:
-    header = P.unpack_header(await recv_header_frame(ep))
-    if header.status != P.Status.OK:
+async def _recv_header(ep: Any, expected_op: int) -> protocol.Header:
+    header = protocol.unpack_header(await recv_header_frame(ep))
+    if header.status != protocol.Status.OK:
         message = (await _recv_meta(ep, header.meta_len)).decode("utf-8", "replace") if header.meta_len else ""
         raise _Refused(message or f"node answered status {header.status}")
     if header.op != expected_op:
-        raise P.ProtocolError(f"expected op {expected_op:#x}, got {header.op:#x}")
+        raise protocol.ProtocolError(f"expected op {expected_op:#x}, got {header.op:#x}")
     return header
 
 
@@ -554,4 +554,4 @@ def _abort(ep: Any) -> None:
         ep.abort(period=ABORT_PERIOD_NS)
     except Exception:  # already closed
         pass
-    io.kick()  # the aborted requests' failures reach their callers now
+    ucx_progress.kick()  # the aborted requests' failures reach their callers now

@@ -43,8 +43,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from ems.transport import protocol as P
-from ems.transport import ucx_progress as io
+from ems.transport import protocol
+from ems.transport import ucx_progress
 
 CANARY_BYTES = 8
 _HEADER_FILL = 0xFF
@@ -70,56 +70,56 @@ async def recv_into(ep: Any, view: memoryview, canary: bytes, tag: Any = None) -
     else:
         view[:] = bytes(n)
     try:
-        await io.recv(ep, view, tag)
+        await ucx_progress.recv(ep, view, tag)
     except Exception as error:
         if _wrong_size(error):
-            raise P.ProtocolError(f"a frame longer than the {n} bytes announced") from None
+            raise protocol.ProtocolError(f"a frame longer than the {n} bytes announced") from None
         raise
     if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
-        raise P.ProtocolError(f"a frame shorter than the {n} bytes announced")
+        raise protocol.ProtocolError(f"a frame shorter than the {n} bytes announced")
 
 
 async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
     """The raw 32 bytes of a header frame; ProtocolError when the frame had another length."""
-    frame = np.full(P.HEADER_SIZE, _HEADER_FILL, dtype=np.uint8)
+    frame = np.full(protocol.HEADER_SIZE, _HEADER_FILL, dtype=np.uint8)
     try:
-        await io.recv(ep, frame, tag)
+        await ucx_progress.recv(ep, frame, tag)
     except Exception as error:
         if _wrong_size(error):
-            raise P.ProtocolError(f"a frame longer than {P.HEADER_SIZE} bytes where a header was expected") from None
+            raise protocol.ProtocolError(f"a frame longer than {protocol.HEADER_SIZE} bytes where a header was expected") from None
         raise
     if frame[-1] == _HEADER_FILL:
-        raise P.ProtocolError(f"a frame shorter than {P.HEADER_SIZE} bytes where a header was expected")
+        raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")
     return frame
 
 
-async def recv_head(ep: Any, tag: Any = None) -> tuple[P.Header, memoryview]:
+async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryview]:
     """A head message: its parsed header and its inline bytes (empty for a classic header); see the docstring.
     ProtocolError when it had another length than its header announces."""
     canary = new_canary()
-    buf = np.frombuffer(bytearray(canary * (P.HEAD_BYTES // CANARY_BYTES)), dtype=np.uint8)
-    buf[: P.HEADER_SIZE] = _HEADER_FILL
+    buf = np.frombuffer(bytearray(canary * (protocol.HEAD_BYTES // CANARY_BYTES)), dtype=np.uint8)
+    buf[: protocol.HEADER_SIZE] = _HEADER_FILL
     try:
-        await io.recv(ep, buf, tag)
+        await ucx_progress.recv(ep, buf, tag)
     except Exception as error:
         if _wrong_size(error):
-            raise P.ProtocolError(f"a message longer than {P.HEAD_BYTES} bytes where a head was expected") from None
+            raise protocol.ProtocolError(f"a message longer than {protocol.HEAD_BYTES} bytes where a head was expected") from None
         raise
-    if buf[P.HEADER_SIZE - 1] == _HEADER_FILL:
-        raise P.ProtocolError(f"a frame shorter than {P.HEADER_SIZE} bytes where a header was expected")
-    header = P.unpack_header(buf[: P.HEADER_SIZE])
-    length = P.head_layout(header.meta_len, header.data_len).length if header.inline else P.HEADER_SIZE
-    if length > P.HEADER_SIZE and buf[length - CANARY_BYTES : length].tobytes() == canary:
-        raise P.ProtocolError(f"a head shorter than the {length} bytes announced")
-    if length + CANARY_BYTES <= P.HEAD_BYTES and buf[length : length + CANARY_BYTES].tobytes() != canary:
-        raise P.ProtocolError(f"a head longer than the {length} bytes announced")
-    return header, memoryview(cast(Any, buf))[P.HEADER_SIZE : length]
+    if buf[protocol.HEADER_SIZE - 1] == _HEADER_FILL:
+        raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")
+    header = protocol.unpack_header(buf[: protocol.HEADER_SIZE])
+    length = protocol.head_layout(header.meta_len, header.data_len).length if header.inline else protocol.HEADER_SIZE
+    if length > protocol.HEADER_SIZE and buf[length - CANARY_BYTES : length].tobytes() == canary:
+        raise protocol.ProtocolError(f"a head shorter than the {length} bytes announced")
+    if length + CANARY_BYTES <= protocol.HEAD_BYTES and buf[length : length + CANARY_BYTES].tobytes() != canary:
+        raise protocol.ProtocolError(f"a head longer than the {length} bytes announced")
+    return header, memoryview(cast(Any, buf))[protocol.HEADER_SIZE : length]
 
 
 async def recv_meta(ep: Any, meta_len: int, tag: Any = None) -> bytes:
     """A meta frame of exactly `meta_len` bytes (checked against the protocol limit first)."""
-    if meta_len > P.MAX_META_BYTES:
-        raise P.ProtocolError(f"meta frame of {meta_len} bytes, limit {P.MAX_META_BYTES}")
+    if meta_len > protocol.MAX_META_BYTES:
+        raise protocol.ProtocolError(f"meta frame of {meta_len} bytes, limit {protocol.MAX_META_BYTES}")
     if meta_len == 0:
         return b""
     frame = bytearray(meta_len)
@@ -131,6 +131,6 @@ async def send_all(ep: Any, frames: list, tag: Any = None) -> None:
     """Post every frame at once (UCX keeps their order on the endpoint) and wait for all."""
     frames = [f for f in frames if len(f)]
     if len(frames) == 1:
-        await io.send(ep, frames[0], tag)
+        await ucx_progress.send(ep, frames[0], tag)
     else:
-        await asyncio.gather(*(io.send(ep, f, tag) for f in frames))
+        await asyncio.gather(*(ucx_progress.send(ep, f, tag) for f in frames))

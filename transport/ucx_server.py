@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Optional, Protocol, Sequence
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.transport import protocol as P
+from ems.transport import protocol
 from ems.transport import ucx_progress
 from ems.transport.shm import ShmSettings, metric_name
 from ems.transport.shm_server import ShmService
@@ -108,7 +108,7 @@ class NodeLimits:
         """The defaults for a node of `capacity_bytes`: in-flight bytes equal to the capacity up to 4 GiB (so a GET
         of distinct keys always fits and a request of the protocol's largest size can be received), a quarter of it
         above 16 GiB, never under 64 MiB."""
-        default = max(MIN_INFLIGHT_BYTES, min(capacity_bytes, max(capacity_bytes // 4, P.MAX_DATA_BYTES)))
+        default = max(MIN_INFLIGHT_BYTES, min(capacity_bytes, max(capacity_bytes // 4, protocol.MAX_DATA_BYTES)))
         overrides.setdefault("inflight_bytes", default)
         return cls(**overrides)
 
@@ -168,7 +168,7 @@ class _Channel:
 
     __slots__ = ("conn", "header", "body", "tag", "key", "server")
 
-    def __init__(self, server: "PoolServer", conn: _Connection, header: P.Header, body: memoryview, key: int) -> None:
+    def __init__(self, server: "PoolServer", conn: _Connection, header: protocol.Header, body: memoryview, key: int) -> None:
         self.server = server
         self.conn = conn
         self.header = header
@@ -189,30 +189,30 @@ class _Channel:
 
     async def meta(self) -> bytes:
         h = self.header
-        if h.inline and P.head_layout(h.meta_len, h.data_len).meta_inline:
+        if h.inline and protocol.head_layout(h.meta_len, h.data_len).meta_inline:
             return bytes(self.body[: h.meta_len])
         return await self.timed(recv_meta(self.conn.ep, h.meta_len, self.tag))
 
     def inline_data(self) -> Optional[memoryview]:
         """The request's data when it came inline in the head, else None (it comes as frames)."""
         h = self.header
-        if h.inline and P.head_layout(h.meta_len, h.data_len).data_inline:
+        if h.inline and protocol.head_layout(h.meta_len, h.data_len).data_inline:
             return self.body[h.meta_len : h.meta_len + h.data_len]
         return None
 
     async def reply(self, op: int, *, count: int = 0, meta: bytes = b"", data: Sequence[Any] = (),
-                    data_len: int = 0, status: P.Status = P.Status.OK) -> None:
+                    data_len: int = 0, status: protocol.Status = protocol.Status.OK) -> None:
         """Send the reply: inline on the request's tag (the data in the head when it fits, else frames in windows
         of SEND_WINDOW_BYTES), or classic on the base tag."""
         ep = self.conn.ep
         inline = self.header.inline
         self.done_receiving()
-        header = P.pack_header(op | P.REPLY, count=count, meta_len=len(meta), data_len=data_len, status=status,
-                               flags=P.Flags.INLINE if inline else 0, request_id=self.header.request_id)
+        header = protocol.pack_header(op | protocol.REPLY, count=count, meta_len=len(meta), data_len=data_len, status=status,
+                               flags=protocol.Flags.INLINE if inline else 0, request_id=self.header.request_id)
         windows = _windows(list(data), SEND_WINDOW_BYTES)
         if inline:
-            layout = P.head_layout(len(meta), data_len)
-            head = P.pack_head(header, meta, data)
+            layout = protocol.head_layout(len(meta), data_len)
+            head = protocol.pack_head(header, meta, data)
             first = [head] if layout.meta_inline else [head, meta]
             if layout.data_inline:
                 windows = []
@@ -483,7 +483,7 @@ class PoolServer:
                     request_id = header.request_id
                     if request_id == 0 or request_id in conn.receiving:
                         conn.slots.release()
-                        raise P.ProtocolError(f"request id {request_id} is the base tag or already in flight")
+                        raise protocol.ProtocolError(f"request id {request_id} is the base tag or already in flight")
                     conn.receiving.add(request_id)
                     key = conn.new_key()
                     conn.requests[key] = time.monotonic() + self.limits.stall_timeout_s
@@ -500,7 +500,7 @@ class PoolServer:
                     conn.slots.release()
         except _Closed:
             log.debug("client left")
-        except P.ProtocolError as error:
+        except protocol.ProtocolError as error:
             log.warning("closing a connection from %s: malformed request: %s", conn.peer, error)
         except asyncio.CancelledError:
             raise
@@ -533,14 +533,14 @@ class PoolServer:
                 await self._dispatch(channel, prefix)
             except _Refusal as refusal:
                 log.warning("refused a request from %s: %s", conn.peer, refusal)
-                await channel.reply(channel.header.op, meta=str(refusal).encode(), status=P.Status.BAD_REQUEST)
+                await channel.reply(channel.header.op, meta=str(refusal).encode(), status=protocol.Status.BAD_REQUEST)
                 await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
                 raise _Closed() from None
         except BaseException as error:
             if not inline:
                 raise
             if not conn.aborted:
-                if isinstance(error, P.ProtocolError):
+                if isinstance(error, protocol.ProtocolError):
                     log.warning("closing a connection from %s: malformed request: %s", conn.peer, error)
                 elif not isinstance(error, (_Closed, asyncio.CancelledError)):
                     log.info("closing a connection from %s: %r", conn.peer, error)
@@ -558,26 +558,26 @@ class PoolServer:
     async def _handshake(self, ep: Any) -> Optional[str]:
         try:
             hello = await _recv_header(ep)
-        except P.VersionMismatch as mismatch:
+        except protocol.VersionMismatch as mismatch:
             log.warning("refused a client: %s", mismatch)
-            message = f"protocol version {mismatch.version} is not supported: this node speaks {P.VERSION}".encode()
-            reply = P.pack_header(P.Op.HELLO | P.REPLY, status=P.Status.BAD_REQUEST, meta_len=len(message))
+            message = f"protocol version {mismatch.version} is not supported: this node speaks {protocol.VERSION}".encode()
+            reply = protocol.pack_header(protocol.Op.HELLO | protocol.REPLY, status=protocol.Status.BAD_REQUEST, meta_len=len(message))
             await send_all(ep, [reply, message])
             await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
             return None
-        if hello.op != P.Op.HELLO or hello.data_len or hello.meta_len > P.MAX_ID_BYTES:
-            raise P.ProtocolError(f"expected HELLO, got op {hello.op}")
-        access_id = P.check_access_id(await recv_meta(ep, hello.meta_len))
-        nonce = os.urandom(P.NONCE_BYTES)
-        flags = P.Flags.AUTH_REQUIRED if self.access_keys else P.Flags.NONE
-        await send_all(ep, [P.pack_header(P.Op.CHALLENGE, meta_len=len(nonce), flags=flags), nonce])
+        if hello.op != protocol.Op.HELLO or hello.data_len or hello.meta_len > protocol.MAX_ID_BYTES:
+            raise protocol.ProtocolError(f"expected HELLO, got op {hello.op}")
+        access_id = protocol.check_access_id(await recv_meta(ep, hello.meta_len))
+        nonce = os.urandom(protocol.NONCE_BYTES)
+        flags = protocol.Flags.AUTH_REQUIRED if self.access_keys else protocol.Flags.NONE
+        await send_all(ep, [protocol.pack_header(protocol.Op.CHALLENGE, meta_len=len(nonce), flags=flags), nonce])
         auth = await _recv_header(ep)
-        if auth.op != P.Op.AUTH or auth.data_len or auth.meta_len not in (0, P.MAC_BYTES):
-            raise P.ProtocolError(f"expected AUTH, got op {auth.op}")
+        if auth.op != protocol.Op.AUTH or auth.data_len or auth.meta_len not in (0, protocol.MAC_BYTES):
+            raise protocol.ProtocolError(f"expected AUTH, got op {auth.op}")
         mac = await recv_meta(ep, auth.meta_len)
         if self.access_keys:
             key = self.access_keys.get(access_id)
-            if not access_id or key is None or not P.check_mac(key, nonce, access_id, mac):
+            if not access_id or key is None or not protocol.check_mac(key, nonce, access_id, mac):
                 reason = (
                     "this node requires an access_id and access_key"
                     if not access_id
@@ -589,11 +589,11 @@ class PoolServer:
                 message = f"authentication failed: {reason}".encode()
                 await send_all(
                     ep,
-                    [P.pack_header(P.Op.AUTH | P.REPLY, status=P.Status.AUTH_FAILED, meta_len=len(message)), message],
+                    [protocol.pack_header(protocol.Op.AUTH | protocol.REPLY, status=protocol.Status.AUTH_FAILED, meta_len=len(message)), message],
                 )
                 await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
                 return None
-        await send_all(ep, [P.pack_header(P.Op.AUTH | P.REPLY)])
+        await send_all(ep, [protocol.pack_header(protocol.Op.AUTH | protocol.REPLY)])
         log.debug("client connected as tenant %r", access_id)
         return access_id
 
@@ -614,31 +614,31 @@ class PoolServer:
         """Serve one request's operation; returns the value bytes it moved (for the metrics)."""
         header = channel.header
         op = header.op
-        if op == P.Op.PING:
+        if op == protocol.Op.PING:
             if header.meta_len or header.data_len or header.count:
-                raise P.ProtocolError("PING carries nothing")
+                raise protocol.ProtocolError("PING carries nothing")
             await channel.reply(op)
-        elif op == P.Op.PUT:
+        elif op == protocol.Op.PUT:
             await self._put(channel, prefix)
-        elif op in (P.Op.GET, P.Op.EXISTS):
+        elif op in (protocol.Op.GET, protocol.Op.EXISTS):
             if header.data_len:
-                raise P.ProtocolError("GET/EXISTS carry no data")
+                raise protocol.ProtocolError("GET/EXISTS carry no data")
             await self._take(header.meta_len)
             try:
                 meta = await channel.meta()
-                keys = _namespaced(prefix, P.decode_keys_meta(header.count, meta))
+                keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, meta))
                 del meta
-                if op == P.Op.EXISTS:
-                    flags = P.encode_flags(self.store.contains_many(keys))
+                if op == protocol.Op.EXISTS:
+                    flags = protocol.encode_flags(self.store.contains_many(keys))
                     await channel.reply(op, count=len(keys), meta=flags)
                     return 0
             finally:
                 self.budget.release(header.meta_len)
             return await self._get(channel, keys)
-        elif op in (P.Op.SHM_OPEN, P.Op.SHM_PUT, P.Op.SHM_GET):
+        elif op in (protocol.Op.SHM_OPEN, protocol.Op.SHM_PUT, protocol.Op.SHM_GET):
             return await self.shm.serve(channel, prefix)
         else:
-            raise P.ProtocolError(f"unexpected op {op} after the handshake")
+            raise protocol.ProtocolError(f"unexpected op {op} after the handshake")
         return header.data_len
 
     async def _take(self, nbytes: int) -> None:
@@ -656,7 +656,7 @@ class PoolServer:
         await self._take(charge)  # before anything of the request beyond its head is received
         try:
             meta = await channel.meta()
-            request = P.decode_put_meta(header.count, header.data_len, meta)
+            request = protocol.decode_put_meta(header.count, header.data_len, meta)
             del meta
             keys = _namespaced(prefix, request.keys)
             # Receive into buffers recycled from evicted values where the store has them (no first-touch page
@@ -696,14 +696,14 @@ class PoolServer:
             del values
         finally:
             self.budget.release(charge)
-        flags = P.encode_flags(stored)
-        await channel.reply(P.Op.PUT, count=len(keys), meta=flags)
+        flags = protocol.encode_flags(stored)
+        await channel.reply(protocol.Op.PUT, count=len(keys), meta=flags)
 
     def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview], reserved: Sequence[int]) -> list[bool]:
         """Store each value; `reserved[i]`: the bytes `allocate` reserved for it (released on every path)."""
         return [self.store.put_owned(k, v, reserved=r) for k, v, r in zip(keys, values, reserved)]
 
-    async def _receive_put(self, channel: _Channel, request: P.PutRequest, segments: list) -> None:
+    async def _receive_put(self, channel: _Channel, request: protocol.PutRequest, segments: list) -> None:
         """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
         by length-verified receives on the request's tag. Returns only once every receive has ended (so a failed
         request's buffers can be recycled: UCX writes into none of them any more)."""
@@ -714,12 +714,12 @@ class PoolServer:
                 seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
             return
         views = [memoryview(s) for s in segments]
-        ends = (request.chunk_offsets + request.chunk_lens).tolist()
+        ends = (request.frame_offsets + request.frame_lens).tolist()
         canary = new_canary()
         outcomes = await asyncio.gather(
             *(
                 channel.timed(recv_into(channel.conn.ep, views[s][a:b], canary, channel.tag))
-                for s, a, b in zip(request.chunk_segments.tolist(), request.chunk_offsets.tolist(), ends)
+                for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)
             ),
             return_exceptions=True,
         )
@@ -742,7 +742,7 @@ class PoolServer:
             (-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values)
         )
         # never more than the protocol or the budget allows in one reply: the values beyond are misses
-        limit = min(P.MAX_DATA_BYTES, self.budget.total)
+        limit = min(protocol.MAX_DATA_BYTES, self.budget.total)
         running = np.cumsum(np.maximum(lens, 0))
         lens[(running > limit) & (lens >= 0)] = -1
         total = int(lens[lens > 0].sum())
@@ -753,13 +753,13 @@ class PoolServer:
         try:
             present = np.nonzero(lens >= 0)[0]
             present_lens = lens[present]
-            plan = P.segment_plan(present_lens)
-            offsets, sizes = P.segment_bounds(present_lens, plan)
+            plan = protocol.segment_plan(present_lens)
+            offsets, sizes = protocol.segment_bounds(present_lens, plan)
             frames: list = []
             counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
             # one frame per segment: a lone value is sent from the store itself, packed small values are copied once
             for seg, n in enumerate(counts.tolist()):
-                if n == 1 and int(sizes[seg]) >= P.SEGMENT_BYTES:
+                if n == 1 and int(sizes[seg]) >= protocol.SEGMENT_BYTES:
                     frames.append(values[int(present[np.searchsorted(plan, seg)])])
                     continue
                 buf = np.empty(int(sizes[seg]), dtype=np.uint8)
@@ -772,7 +772,7 @@ class PoolServer:
                     frames.append(buf)
             del values
             meta = lens.astype("<i8").tobytes()
-            await channel.reply(P.Op.GET, count=len(keys), meta=meta, data=frames, data_len=total)
+            await channel.reply(protocol.Op.GET, count=len(keys), meta=meta, data=frames, data_len=total)
         finally:
             self.budget.release(total)
         return total
@@ -791,7 +791,7 @@ class PoolServer:
         value's length (-1: a miss) and the value as the one data frame, sent from the store without a copy."""
         value = (await self.lookup_values([key]))[0]
         n = -1 if value is None else memoryview(value).nbytes
-        if n > min(P.MAX_DATA_BYTES, self.budget.total):
+        if n > min(protocol.MAX_DATA_BYTES, self.budget.total):
             n = -1
         total = max(n, 0)
         if not await self.budget.acquire(total, self.limits.stall_timeout_s):
@@ -800,7 +800,7 @@ class PoolServer:
         try:
             frames = [value] if n > 0 else []
             del value
-            await channel.reply(P.Op.GET, count=1, meta=struct.pack("<q", n), data=frames, data_len=total)
+            await channel.reply(protocol.Op.GET, count=1, meta=struct.pack("<q", n), data=frames, data_len=total)
         finally:
             self.budget.release(total)
         return total
@@ -828,20 +828,20 @@ def _split_values(
     return out
 
 
-async def _recv_header(ep: Any) -> P.Header:
+async def _recv_header(ep: Any) -> protocol.Header:
     try:
         frame = await recv_header_frame(ep)
-    except P.ProtocolError:
+    except protocol.ProtocolError:
         raise
     except Exception as error:
         raise _Closed() from error
-    return P.unpack_header(frame)
+    return protocol.unpack_header(frame)
 
 
-async def _recv_head(ep: Any) -> tuple[P.Header, memoryview]:
+async def _recv_head(ep: Any) -> tuple[protocol.Header, memoryview]:
     try:
         return await recv_head(ep)
-    except P.ProtocolError:
+    except protocol.ProtocolError:
         raise
     except Exception as error:
         raise _Closed() from error

@@ -81,7 +81,7 @@ def recording():
     max_meta=st.integers(1, 600),
 )
 def test_split_batches_cover_in_order_and_keep_every_limit(sizes, max_keys, max_data, max_meta):
-    limits = RequestLimits(max_keys=max_keys, max_data_bytes=max_data, max_meta_bytes=max_meta, max_chunks=7)
+    limits = RequestLimits(max_keys=max_keys, max_data_bytes=max_data, max_meta_bytes=max_meta, max_data_frames=7)
     data = np.asarray(sizes, dtype=np.int64)
     meta = data % 97 + 12
     chunks = data % 3 + 1
@@ -101,7 +101,7 @@ def test_split_batches_cover_in_order_and_keep_every_limit(sizes, max_keys, max_
 
 
 def test_saves_loads_and_exists_are_split_at_the_limits(recording):
-    limits = RequestLimits(max_keys=7, max_data_bytes=20_000, max_meta_bytes=1 << 20, max_chunks=1 << 20)
+    limits = RequestLimits(max_keys=7, max_data_bytes=20_000, max_meta_bytes=1 << 20, max_data_frames=1 << 20)
     node, cc = recording(limits)
     cache = make_cache(layers=2, blocks=64, block_size=4, heads=2, head_size=32)  # 2 KiB per block
     cc.register_kvcache(cache)

@@ -259,8 +259,8 @@ def test_another_tenant_never_reads_a_restored_value(tmp_path, disk_nodes):
 
 
 def test_a_restarted_disk_node_registers_again_and_serves_what_it_had(tmp_path, disk_nodes, etcd):
-    from ems.transport.etcd import EtcdClient
-    from ems.transport.membership import read_members
+    from ems.cluster.etcd import EtcdClient
+    from ems.cluster.membership import read_members
 
     members = lambda: set(read_members(EtcdClient(etcd.url, timeout_s=5), "disk")[0])  # noqa: E731
     node = disk_nodes(tmp_path / "disk", capacity="2MiB", disk_capacity="64MiB",

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ems.transport.ucx_server import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits, _windows
-from ems.transport import protocol as P
+from ems.transport import protocol
 
 GiB = 1 << 30
 
@@ -15,7 +15,7 @@ GiB = 1 << 30
 def test_default_inflight_follows_capacity():
     assert NodeLimits.for_capacity(8 << 20).inflight_bytes == MIN_INFLIGHT_BYTES
     assert NodeLimits.for_capacity(256 << 20).inflight_bytes == 256 << 20
-    assert NodeLimits.for_capacity(4 * GiB).inflight_bytes == P.MAX_DATA_BYTES
+    assert NodeLimits.for_capacity(4 * GiB).inflight_bytes == protocol.MAX_DATA_BYTES
     assert NodeLimits.for_capacity(64 * GiB).inflight_bytes == 16 * GiB
     assert NodeLimits.for_capacity(1 * GiB, inflight_bytes=5).inflight_bytes == 5
 

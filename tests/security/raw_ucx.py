@@ -12,8 +12,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ems.transport import protocol as P
-from ems.transport import ucx_progress as io
+from ems.transport import protocol
+from ems.transport import ucx_progress
 from ems.transport.ucx import UcxRuntime
 from ems.transport.ucx_endpoint import create_endpoint
 
@@ -68,7 +68,7 @@ class RawSession:
                 if raw_tags:
                     sent = asyncio.ensure_future(self.ep.send(frame, tag=tag, force_tag=True))
                 else:
-                    sent = asyncio.ensure_future(io.send(self.ep, frame, tag))
+                    sent = asyncio.ensure_future(ucx_progress.send(self.ep, frame, tag))
                 sent.add_done_callback(lambda t: t.cancelled() or t.exception())
                 self._kept.append(sent)
 
@@ -81,7 +81,7 @@ class RawSession:
             buf = np.zeros(nbytes, np.uint8)
             self._kept.append(buf)
             try:
-                await asyncio.wait_for(asyncio.shield(io.recv(self.ep, buf, request_id)), timeout_s)
+                await asyncio.wait_for(asyncio.shield(ucx_progress.recv(self.ep, buf, request_id)), timeout_s)
             except asyncio.TimeoutError:
                 return SILENT
             except Exception:  # the node closed the connection
@@ -112,10 +112,10 @@ class RawSession:
 
     def reply(self, timeout_s: float = 5.0) -> Any:
         """The node's next header (with its meta as `.meta`), or CLOSED / SILENT."""
-        raw = self.recv(P.HEADER_SIZE, timeout_s)
+        raw = self.recv(protocol.HEADER_SIZE, timeout_s)
         if isinstance(raw, str):
             return raw
-        header = P.unpack_header(raw)
+        header = protocol.unpack_header(raw)
         meta = b""
         if header.meta_len:
             got = self.recv(header.meta_len, timeout_s)
@@ -128,43 +128,43 @@ class RawSession:
 
     def hello(self, access_id: str = "") -> Any:
         ident = access_id.encode()
-        self.send(P.pack_header(P.Op.HELLO, meta_len=len(ident)), ident)
+        self.send(protocol.pack_header(protocol.Op.HELLO, meta_len=len(ident)), ident)
         challenge = self.reply()
         if isinstance(challenge, Reply):
             self.nonce = challenge.meta
         return challenge
 
     def auth(self, mac: bytes) -> Any:
-        self.send(P.pack_header(P.Op.AUTH, meta_len=len(mac)), mac)
+        self.send(protocol.pack_header(protocol.Op.AUTH, meta_len=len(mac)), mac)
         return self.reply()
 
     def login(self, access_id: str = "", access_key: Optional[str] = None) -> None:
         """Complete the handshake; AssertionError if the node does not accept it."""
         challenge = self.hello(access_id)
-        assert isinstance(challenge, Reply) and challenge.header.op == P.Op.CHALLENGE, challenge
-        mac = P.auth_mac(access_key, self.nonce, access_id) if access_key is not None else b""
+        assert isinstance(challenge, Reply) and challenge.header.op == protocol.Op.CHALLENGE, challenge
+        mac = protocol.auth_mac(access_key, self.nonce, access_id) if access_key is not None else b""
         answer = self.auth(mac)
-        assert isinstance(answer, Reply) and answer.header.status == P.Status.OK, answer
+        assert isinstance(answer, Reply) and answer.header.status == protocol.Status.OK, answer
 
     def put_frames(self, key: bytes, announced: int, data: Sequence[bytes]) -> list:
-        """A PUT of one value announced as `announced` bytes in one chunk, with `data` as its data frames."""
-        meta = P.encode_put_meta([key], np.array([announced]), np.array([announced]))
-        return [P.pack_header(P.Op.PUT, count=1, meta_len=len(meta), data_len=announced), meta, *data]
+        """A PUT of one value announced as `announced` bytes in one data frame, with `data` as the frames sent."""
+        meta = protocol.encode_put_meta([key], np.array([announced]), np.array([announced]))
+        return [protocol.pack_header(protocol.Op.PUT, count=1, meta_len=len(meta), data_len=announced), meta, *data]
 
     def get(self, keys: Sequence[bytes], timeout_s: float = 5.0) -> Any:
         """The node's values for `keys` (None where missing), or CLOSED / SILENT."""
-        meta = P.encode_keys_meta(keys)
-        if self.send(P.pack_header(P.Op.GET, count=len(keys), meta_len=len(meta)), meta) == CLOSED:
+        meta = protocol.encode_keys_meta(keys)
+        if self.send(protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(meta)), meta) == CLOSED:
             return CLOSED
         reply = self.reply(timeout_s)
         if not isinstance(reply, Reply):
             return reply
-        if reply.header.status != P.Status.OK:
+        if reply.header.status != protocol.Status.OK:
             return reply
-        lens = P.decode_get_lens(len(keys), reply.header.data_len, reply.meta)
+        lens = protocol.decode_get_lens(len(keys), reply.header.data_len, reply.meta)
         present = lens[lens >= 0]
-        plan = P.segment_plan(present)
-        offsets, sizes = P.segment_bounds(present, plan)
+        plan = protocol.segment_plan(present)
+        offsets, sizes = protocol.segment_bounds(present, plan)
         segments = []
         for size in sizes.tolist():
             got = self.recv(int(size), timeout_s)
@@ -198,7 +198,7 @@ class RawSession:
 
 
 class Reply:
-    def __init__(self, header: P.Header, meta: bytes) -> None:
+    def __init__(self, header: protocol.Header, meta: bytes) -> None:
         self.header = header
         self.meta = meta
 

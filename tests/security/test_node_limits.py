@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ems.errors import EmsErrorCode
-from ems.transport import protocol as P
+from ems.transport import protocol
 from ems.transport.base import TransportError
 from pool_testlib import joined, make_values, wait_until
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
@@ -33,13 +33,13 @@ def test_a_put_that_cannot_fit_is_refused_before_its_data(pool_nodes, node_clien
     announced = 768 * MiB
     with RawSession(node.port) as raw:
         raw.login()
-        meta = P.encode_put_meta([b"huge"], np.array([announced]), np.array([announced]))
+        meta = protocol.encode_put_meta([b"huge"], np.array([announced]), np.array([announced]))
         t0 = time.monotonic()
-        raw.send(P.pack_header(P.Op.PUT, count=1, meta_len=len(meta), data_len=announced), meta)  # and no data
+        raw.send(protocol.pack_header(protocol.Op.PUT, count=1, meta_len=len(meta), data_len=announced), meta)  # and no data
         reply = raw.reply(timeout_s=5.0)
         waited = time.monotonic() - t0
     assert isinstance(reply, Reply), reply
-    assert reply.header.status == P.Status.BAD_REQUEST and "in-flight limit" in reply.message, reply
+    assert reply.header.status == protocol.Status.BAD_REQUEST and "in-flight limit" in reply.message, reply
     assert waited < 5.0
     assert node.rss_bytes() - base_rss < 32 * MiB
     assert node_clients(node.address).ping(2.0)
@@ -122,8 +122,8 @@ def test_a_client_that_never_reads_its_reply_is_dropped_and_its_budget_freed(poo
     assert client.put([b"big"], values, 10.0) == [True]
     with RawSession(node.port) as raw:
         raw.login()
-        meta = P.encode_keys_meta([b"big"])
-        raw.send(P.pack_header(P.Op.GET, count=1, meta_len=len(meta)), meta)
+        meta = protocol.encode_keys_meta([b"big"])
+        raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta)), meta)
         header = raw.reply(timeout_s=5.0)  # the header and lengths arrive; the 12 MiB segment is never received
         assert isinstance(header, Reply) and header.header.data_len == len(joined(values[0])), header
         t0 = time.monotonic()
@@ -140,13 +140,13 @@ def test_a_stalled_put_is_dropped(pool_nodes, node_clients):
     try:
         for raw in sessions:
             raw.login()
-            meta = P.encode_put_meta([b"stall"], np.array([4 * MiB]), np.array([4 * MiB]))
-            raw.send(P.pack_header(P.Op.PUT, count=1, meta_len=len(meta), data_len=4 * MiB), meta)  # then nothing
+            meta = protocol.encode_put_meta([b"stall"], np.array([4 * MiB]), np.array([4 * MiB]))
+            raw.send(protocol.pack_header(protocol.Op.PUT, count=1, meta_len=len(meta), data_len=4 * MiB), meta)  # then nothing
         t0 = time.monotonic()
         outcomes = [raw.reply(timeout_s=6.0) for raw in sessions]
         assert time.monotonic() - t0 < 8.0
         # dropped outright, or (the ones still waiting for in-flight room) refused as busy and then dropped
-        assert all(o == CLOSED or (isinstance(o, Reply) and o.header.status == P.Status.BAD_REQUEST)
+        assert all(o == CLOSED or (isinstance(o, Reply) and o.header.status == protocol.Status.BAD_REQUEST)
                    for o in outcomes), outcomes
     finally:
         for raw in sessions:
@@ -162,7 +162,7 @@ def test_an_unfinished_handshake_is_dropped(pool_nodes, sent):
         if sent == "hello-only":
             assert isinstance(raw.hello(), Reply)
         t0 = time.monotonic()
-        outcome = raw.recv(P.HEADER_SIZE, timeout_s=5.0)
+        outcome = raw.recv(protocol.HEADER_SIZE, timeout_s=5.0)
         assert outcome == CLOSED and time.monotonic() - t0 < 3.5, outcome
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from ems.transport import protocol as P
+from ems.transport import protocol
 from pool_testlib import KEY_A, KEY_B, joined, make_values, wait_until
 from raw_ucx import CLOSED, RawSession, Reply
 
@@ -42,16 +42,16 @@ class Case:
 
 
 def _mutated_header(case: Case, op: int) -> np.ndarray:
-    header = P.pack_header(op, count=int(case.rng.integers(0, 4)), meta_len=int(case.rng.integers(0, 64)),
+    header = protocol.pack_header(op, count=int(case.rng.integers(0, 4)), meta_len=int(case.rng.integers(0, 64)),
                            data_len=int(case.rng.integers(0, 4096)))
     raw = header.copy()
     for _ in range(int(case.rng.integers(1, 4))):
         field = int(case.rng.integers(0, 9))
-        view = raw.view(P.HEADER_DTYPE)
-        name = P.HEADER_DTYPE.names[field]
-        big = [0, 1, 2**16 - 1, 2**31, 2**32 - 1, P.MAX_KEYS + 1, P.MAX_META_BYTES + 1, 2**40, 2**63]
+        view = raw.view(protocol.HEADER_DTYPE)
+        name = protocol.HEADER_DTYPE.names[field]
+        big = [0, 1, 2**16 - 1, 2**31, 2**32 - 1, protocol.MAX_KEYS + 1, protocol.MAX_META_BYTES + 1, 2**40, 2**63]
         choice = int(case.rng.choice(big)) if case.rng.random() < 0.5 else int(case.rng.integers(0, 2**16))
-        limit = np.iinfo(P.HEADER_DTYPE[name]).max
+        limit = np.iinfo(protocol.HEADER_DTYPE[name]).max
         view[name] = min(choice, limit)
     return raw
 
@@ -61,14 +61,14 @@ def _request_frames(case: Case) -> list:
     keys = [case.bytes(int(case.rng.integers(1, 40))) for _ in range(int(case.rng.integers(1, 5)))]
     what = int(case.rng.integers(3))
     if what == 0:
-        meta = P.encode_keys_meta(keys)
-        return [P.pack_header(P.Op.GET, count=len(keys), meta_len=len(meta)), meta]
+        meta = protocol.encode_keys_meta(keys)
+        return [protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(meta)), meta]
     if what == 1:
-        meta = P.encode_keys_meta(keys)
-        return [P.pack_header(P.Op.EXISTS, count=len(keys), meta_len=len(meta)), meta]
+        meta = protocol.encode_keys_meta(keys)
+        return [protocol.pack_header(protocol.Op.EXISTS, count=len(keys), meta_len=len(meta)), meta]
     lens = case.rng.integers(1, 200_000, len(keys))
-    meta = P.encode_put_meta(keys, lens, lens)
-    return [P.pack_header(P.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum())), meta,
+    meta = protocol.encode_put_meta(keys, lens, lens)
+    return [protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum())), meta,
             *[case.bytes(int(n)) for n in lens]]
 
 
@@ -86,7 +86,7 @@ def mutated_header(case: Case, raw: RawSession) -> object:
     authed = case.rng.random() < 0.7
     if authed:
         raw.login("beta", KEY_B)
-    op = int(case.rng.choice([P.Op.HELLO, P.Op.AUTH, P.Op.PUT, P.Op.GET, P.Op.EXISTS, P.Op.PING, 99]))
+    op = int(case.rng.choice([protocol.Op.HELLO, protocol.Op.AUTH, protocol.Op.PUT, protocol.Op.GET, protocol.Op.EXISTS, protocol.Op.PING, 99]))
     raw.send(_mutated_header(case, op), case.bytes(int(case.rng.integers(1, 64))))
     return raw.reply(WAIT_S)
 
@@ -109,12 +109,12 @@ def disagreeing_lengths(case: Case, raw: RawSession) -> object:
         data = [case.bytes(int(case.rng.integers(1, announced)))]
     elif how == 1:  # longer data
         data = [case.bytes(announced + int(case.rng.integers(1, 1000)))]
-    elif how == 2:  # split into more frames than chunks
+    elif how == 2:  # split into more frames than announced
         half = announced // 2
         data = [case.bytes(half), case.bytes(announced - half)]
     else:  # no data at all, then another request
-        meta = P.encode_keys_meta([b"k"])
-        data = [P.pack_header(P.Op.GET, count=1, meta_len=len(meta)), meta]
+        meta = protocol.encode_keys_meta([b"k"])
+        data = [protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta)), meta]
     raw.send(*raw.put_frames(case.bytes(8), announced, data))
     return raw.reply(WAIT_S)
 
@@ -123,22 +123,22 @@ def handshake_abuse(case: Case, raw: RawSession) -> object:
     how = int(case.rng.integers(6))
     if how == 0:  # skipped AUTH
         raw.hello("alpha")
-        meta = P.encode_keys_meta([b"a-0"])
-        raw.send(P.pack_header(P.Op.GET, count=1, meta_len=len(meta)), meta)
+        meta = protocol.encode_keys_meta([b"a-0"])
+        raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta)), meta)
     elif how == 1:  # PUT before anything
         raw.send(*raw.put_frames(b"x", 40, [case.bytes(40)]))
     elif how == 2:  # replayed MAC (over another nonce)
         raw.hello("alpha")
-        raw.auth(P.auth_mac(KEY_A, case.bytes(P.NONCE_BYTES), "alpha"))
+        raw.auth(protocol.auth_mac(KEY_A, case.bytes(protocol.NONCE_BYTES), "alpha"))
     elif how == 3:  # second HELLO
         raw.hello("beta")
         raw.hello("alpha")
     elif how == 4:  # another tenant's MAC
         raw.hello("beta")
-        raw.auth(P.auth_mac(KEY_A, raw.nonce, "alpha"))
+        raw.auth(protocol.auth_mac(KEY_A, raw.nonce, "alpha"))
     else:  # random MAC
         raw.hello("alpha")
-        raw.auth(case.bytes(P.MAC_BYTES))
+        raw.auth(case.bytes(protocol.MAC_BYTES))
     # whatever happened, this connection must not read alpha's data
     got = raw.get([b"a-0", b"a-1"], timeout_s=WAIT_S)
     if isinstance(got, list) and any(v is not None for v in got):
@@ -169,7 +169,7 @@ def test_fuzz_the_node(pool_nodes, node_clients):
     node = pool_nodes("32MiB", keys=TENANTS, args=("--stall-timeout", "2", "--handshake-timeout", "2"))
     alpha = node_clients(node.address, access_id="alpha", access_key=KEY_A)
     keys = [b"a-0", b"a-1", b"a-2"]
-    values = [make_values(1, s, seed=i)[0] for i, s in enumerate([3000, 200_000, P.SEGMENT_BYTES + 7])]
+    values = [make_values(1, s, seed=i)[0] for i, s in enumerate([3000, 200_000, protocol.SEGMENT_BYTES + 7])]
     assert alpha.put(keys, values, 5.0) == [True] * 3
     base_rss, base_fds = node.rss_bytes(), node.fd_count()
     outcomes: dict[str, int] = {}

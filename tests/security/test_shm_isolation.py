@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from ems.transport import protocol as P
-from ems.transport import shm as S
+from ems.transport import protocol
+from ems.transport import shm
 from ems.transport.base import TransportError
 from ems.transport.shm_client import ShmMode
 from pool_testlib import KEY_A, KEY_B, PoolProcess, joined, make_values
@@ -23,15 +23,15 @@ from pool_testlib import KEY_A, KEY_B, PoolProcess, joined, make_values
 pytestmark = pytest.mark.slow
 
 
-def _offer(node, uid: int | None = None, pid: int | None = None) -> S.OpenReply:
+def _offer(node, uid: int | None = None, pid: int | None = None) -> shm.OpenReply:
     """SHM_OPEN on `node`'s connection stating `uid` / `pid` (default: this process's)."""
     from ems.transport.ucx import _request
 
-    meta = S.encode_open(os.getuid() if uid is None else uid, os.getpid() if pid is None else pid)
+    meta = shm.encode_open(os.getuid() if uid is None else uid, os.getpid() if pid is None else pid)
 
     async def run(ep, rid):
-        reply, body = await _request(ep, rid, P.Op.SHM_OPEN, meta=meta)
-        return S.decode_open_reply(bytes(body[: reply.meta_len]))
+        reply, body = await _request(ep, rid, protocol.Op.SHM_OPEN, meta=meta)
+        return shm.decode_open_reply(bytes(body[: reply.meta_len]))
 
     offer = node._call(run, 5.0)
     assert offer.region_bytes > 0
@@ -63,7 +63,7 @@ def _raw(node_clients, address: str, **kwargs):
 def test_wrong_and_replayed_tokens_are_refused(shared_node, node_clients):
     client = _raw(node_clients, shared_node.address)
     offer = _offer(client)
-    assert _refused(_present(offer.socket_name, os.urandom(S.TOKEN_BYTES)))
+    assert _refused(_present(offer.socket_name, os.urandom(shm.TOKEN_BYTES)))
     assert _refused(_present(offer.socket_name, offer.token[:-1] + bytes([offer.token[-1] ^ 1])))
     message, fds = _present(offer.socket_name, offer.token)  # the right one still works once
     assert message == b"\1" and len(fds) == 1
@@ -113,7 +113,7 @@ def test_regions_are_per_connection_and_start_zeroed(shared_node, node_clients):
     b_region = beta.shm._region
     assert b_region is not None and b_region.base != a_region.base
     # beta's region holds only what beta wrote: nothing of alpha's, zeros past its own bytes
-    assert not b_region.array[S.PAGE :].any()
+    assert not b_region.array[shm.PAGE :].any()
     assert bytes(a_region.array[:100]) == joined(values[0])[:100]
     alpha.close()
     gamma = node_clients(shared_node.address)
@@ -137,7 +137,7 @@ def test_a_region_cannot_be_resized_by_its_client(shared_node, node_clients):
     assert client.ping(5.0)
 
 
-@pytest.mark.parametrize("op", [P.Op.SHM_PUT, P.Op.SHM_GET])
+@pytest.mark.parametrize("op", [protocol.Op.SHM_PUT, protocol.Op.SHM_GET])
 @pytest.mark.parametrize("where", ["past-the-end", "no-region"])
 def test_ranges_outside_the_region_close_the_connection(shared_node, node_clients, op, where):
     from ems.transport.ucx import _request
@@ -148,7 +148,7 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
     if where == "past-the-end":
         offer = _offer(client)
         offset = offer.region_bytes - size + 1
-    meta = S.encode_ranged([b"k"], [offset], [size])
+    meta = shm.encode_ranged([b"k"], [offset], [size])
 
     async def run(ep, rid):
         await _request(ep, rid, op, count=1, meta=meta)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ems.transport import protocol as P
+from ems.transport import protocol
 from pool_testlib import KEY_A, KEY_B, client_of_scripted_node, joined, make_values
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
 
@@ -63,7 +63,7 @@ def test_short_data_frame_cannot_read_a_block_saved_twice_through_the_api(pool_n
     assert proc.returncode == 0 and lines, (proc.stdout, proc.stderr[-3000:])
     saved = json.loads(lines[-1])
     assert saved["saves"] == [1, 1] and saved["load"] == 1 and saved["load_exact"], saved
-    assert saved["value_len"] >= P.SEGMENT_BYTES  # a 1 MiB block travels (and is stored) as its own buffer
+    assert saved["value_len"] >= protocol.SEGMENT_BYTES  # a 1 MiB block travels (and is stored) as its own buffer
     put_outcome, got = _short_put_then_get(node.port, saved["value_len"])
     assert isinstance(got, list), got
     assert got[0] is None or len(got[0]) != saved["value_len"], "tenant beta read tenant alpha's block"
@@ -76,7 +76,7 @@ def test_short_data_frame_cannot_read_a_block_saved_twice_through_the_api(pool_n
 def test_short_header_frames_are_refused(shared_node, node_clients, length, when):
     """A PING header cut to `length` bytes: the node must close the connection, not complete the header from
     stale memory and answer it."""
-    ping = P.pack_header(P.Op.PING)
+    ping = protocol.pack_header(protocol.Op.PING)
     with RawSession(shared_node.port) as raw:
         if when == "after-handshake":
             raw.login()
@@ -91,10 +91,10 @@ def test_short_header_frames_are_refused(shared_node, node_clients, length, when
 def test_short_meta_frames_are_refused(shared_node, node_clients, cut):
     """A GET whose key-bytes meta arrives `cut` bytes short."""
     keys = [b"k" * 40, b"other-key" * 3]
-    meta = P.encode_keys_meta(keys)
+    meta = protocol.encode_keys_meta(keys)
     with RawSession(shared_node.port) as raw:
         raw.login()
-        raw.send(P.pack_header(P.Op.GET, count=2, meta_len=len(meta)), meta[: max(0, len(meta) - cut)] or b"x")
+        raw.send(protocol.pack_header(protocol.Op.GET, count=2, meta_len=len(meta)), meta[: max(0, len(meta) - cut)] or b"x")
         outcome = raw.reply(timeout_s=2.0)
     # short by 8 or more: detected and closed; by fewer: the missing bytes are the node's random canary, which
     # cannot decode to the keys the client meant (never to stale bytes): a refusal or a miss, nothing else
@@ -119,17 +119,17 @@ def test_client_refuses_a_short_reply_segment():
         try:
             await recv_header_frame(ep)
             await recv_meta(ep, 0)
-            nonce = bytes(P.NONCE_BYTES)
-            await send_all(ep, [P.pack_header(P.Op.CHALLENGE, meta_len=len(nonce)), nonce])
+            nonce = bytes(protocol.NONCE_BYTES)
+            await send_all(ep, [protocol.pack_header(protocol.Op.CHALLENGE, meta_len=len(nonce)), nonce])
             await recv_header_frame(ep)
-            await send_all(ep, [P.pack_header(P.Op.AUTH | P.REPLY)])
+            await send_all(ep, [protocol.pack_header(protocol.Op.AUTH | protocol.REPLY)])
             header, _ = await recv_head(ep)  # the GET, inline (protocol version 2)
             rid = header.request_id
             lens = np.array([len(value)], "<i8").tobytes()
-            reply = P.pack_header(P.Op.GET | P.REPLY, count=1, meta_len=8, data_len=len(value),
-                                  flags=P.Flags.INLINE, request_id=rid)
+            reply = protocol.pack_header(protocol.Op.GET | protocol.REPLY, count=1, meta_len=8, data_len=len(value),
+                                  flags=protocol.Flags.INLINE, request_id=rid)
             # the head (header and lens) and then a data frame of 10 bytes of 300,040, on the request's tag
-            await send_all(ep, [P.pack_head(reply, lens), np.frombuffer(value[:10], np.uint8)], rid)
+            await send_all(ep, [protocol.pack_head(reply, lens), np.frombuffer(value[:10], np.uint8)], rid)
             await asyncio.sleep(2.0)
         except Exception:  # the client hung up
             pass

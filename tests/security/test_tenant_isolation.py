@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ems.transport import protocol as P
+from ems.transport import protocol
 from pool_testlib import KEY_A, KEY_B, joined, make_values
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
 
@@ -27,13 +27,13 @@ def keyed_node():
 def alpha_data(keyed_node, node_clients):
     alpha = node_clients(keyed_node.address, access_id="alpha", access_key=KEY_A)
     keys = [b"a-small", b"a-big"]
-    values = [make_values(1, 5000, seed=1)[0], make_values(1, P.SEGMENT_BYTES, seed=2)[0]]
+    values = [make_values(1, 5000, seed=1)[0], make_values(1, protocol.SEGMENT_BYTES, seed=2)[0]]
     assert alpha.put(keys, values, 5.0) == [True, True]
     return alpha, keys, values
 
 
 def _refused(outcome) -> bool:
-    return outcome in (CLOSED, SILENT) or (isinstance(outcome, Reply) and outcome.header.status != P.Status.OK)
+    return outcome in (CLOSED, SILENT) or (isinstance(outcome, Reply) and outcome.header.status != protocol.Status.OK)
 
 
 def test_another_tenant_cannot_read_test_or_overwrite(keyed_node, node_clients, alpha_data):
@@ -61,8 +61,8 @@ def test_an_access_id_crafted_to_overlap_a_namespace_is_separate(keyed_node, alp
               "anonymous", "long-mac", "empty-mac"])
 def test_handshake_abuse_is_refused(keyed_node, alpha_data, abuse):
     _alpha, keys, _values = alpha_data
-    key_meta = P.encode_keys_meta(keys)
-    get = [P.pack_header(P.Op.GET, count=len(keys), meta_len=len(key_meta)), key_meta]
+    key_meta = protocol.encode_keys_meta(keys)
+    get = [protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(key_meta)), key_meta]
     with RawSession(keyed_node.port) as raw:
         if abuse == "skip-auth":
             raw.hello("alpha")
@@ -75,7 +75,7 @@ def test_handshake_abuse_is_refused(keyed_node, alpha_data, abuse):
         elif abuse == "replayed-mac":
             with RawSession(keyed_node.port) as first:
                 first.hello("alpha")
-                old_mac = P.auth_mac(KEY_A, first.nonce, "alpha")
+                old_mac = protocol.auth_mac(KEY_A, first.nonce, "alpha")
             raw.hello("alpha")
             outcome = raw.auth(old_mac)
         elif abuse == "second-hello":
@@ -83,16 +83,16 @@ def test_handshake_abuse_is_refused(keyed_node, alpha_data, abuse):
             outcome = raw.hello("alpha")
         elif abuse == "other-tenants-mac":
             raw.hello("beta")
-            outcome = raw.auth(P.auth_mac(KEY_A, raw.nonce, "alpha"))
+            outcome = raw.auth(protocol.auth_mac(KEY_A, raw.nonce, "alpha"))
         elif abuse == "id-swap":
             raw.hello("alpha")
-            outcome = raw.auth(P.auth_mac(KEY_B, raw.nonce, "alpha"))
+            outcome = raw.auth(protocol.auth_mac(KEY_B, raw.nonce, "alpha"))
         elif abuse == "anonymous":
             raw.hello("")
             outcome = raw.auth(b"")
         elif abuse == "long-mac":
             raw.hello("alpha")
-            outcome = raw.auth(P.auth_mac(KEY_A, raw.nonce, "alpha") + b"x")
+            outcome = raw.auth(protocol.auth_mac(KEY_A, raw.nonce, "alpha") + b"x")
         else:
             raw.hello("alpha")
             outcome = raw.auth(b"")

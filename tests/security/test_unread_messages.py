@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ems.transport import protocol as P
+from ems.transport import protocol
 from pool_testlib import joined, make_values, wait_until
 from raw_ucx import CLOSED, RawSession
 
@@ -22,9 +22,9 @@ FRAME = np.random.default_rng(16).integers(0, 256, 4096, dtype=np.uint8)
 
 
 def _inline_head(op: int, request_id: int, meta: bytes = b"", data_len: int = 0, count: int = 1) -> np.ndarray:
-    header = P.pack_header(op, count=count, meta_len=len(meta), data_len=data_len, flags=P.Flags.INLINE,
+    header = protocol.pack_header(op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE,
                            request_id=request_id)
-    return P.pack_head(header, meta)
+    return protocol.pack_head(header, meta)
 
 
 def _rounds(node, attack, rounds: int = 5) -> list[int]:
@@ -63,7 +63,7 @@ def test_messages_on_request_tags_before_the_handshake_close_the_connection(pool
     def attack(port: int) -> None:
         raw = RawSession(port)
         raw.post_sends(*([FRAME] * 4000), tags=[1 + i % 97 for i in range(4000)])  # the connection's own tags
-        outcome = raw.recv(P.HEADER_SIZE, timeout_s=3.0)
+        outcome = raw.recv(protocol.HEADER_SIZE, timeout_s=3.0)
         raw.close()
         assert outcome == CLOSED, outcome
 
@@ -80,12 +80,12 @@ def test_heads_parked_behind_stalled_requests_are_released_when_the_client_leave
         raw.login()
         frames, tags = [], []
         for rid in range(1, 33):  # fill the connection's 32 request slots with PUTs whose data never come
-            meta = P.encode_put_meta([b"k%d" % rid], np.array([MiB]), np.array([MiB]))
-            frames.append(_inline_head(P.Op.PUT, rid, meta, data_len=MiB))
+            meta = protocol.encode_put_meta([b"k%d" % rid], np.array([MiB]), np.array([MiB]))
+            frames.append(_inline_head(protocol.Op.PUT, rid, meta, data_len=MiB))
             tags.append(None)
-        get_meta = P.encode_keys_meta([b"a" * 4000, b"b" * 4000])
+        get_meta = protocol.encode_keys_meta([b"a" * 4000, b"b" * 4000])
         for rid in range(100, 4100):  # then 4,000 GET heads of ~8 KiB the node will not read
-            frames.append(_inline_head(P.Op.GET, rid, get_meta, count=2))
+            frames.append(_inline_head(protocol.Op.GET, rid, get_meta, count=2))
             tags.append(None)
         raw.post_sends(*frames, tags=tags)
         time.sleep(0.5)
@@ -101,7 +101,7 @@ def test_messages_parked_on_a_request_not_in_flight_close_the_connection(pool_no
         raw.login()
         raw.post_sends(*([FRAME] * 200), tags=[999] * 200)  # data for request 999, whose head never comes
         t0 = time.monotonic()
-        assert wait_until(lambda: raw.recv(P.HEADER_SIZE, timeout_s=0.5) == CLOSED, 5.0, 0.0)
+        assert wait_until(lambda: raw.recv(protocol.HEADER_SIZE, timeout_s=0.5) == CLOSED, 5.0, 0.0)
         assert time.monotonic() - t0 < 4.0
     assert "not in flight" in node.log_text()
     assert node_clients(node.address).ping(2.0)
@@ -112,16 +112,16 @@ def test_a_request_id_may_be_reused_as_soon_as_its_reply_arrived(pool_nodes, nod
     values = make_values(1, 4 * MiB, seed=7)  # sent by rendezvous: its send ends only once the client has it
     value = np.frombuffer(joined(values[0]), dtype=np.uint8)
     assert node_clients(node.address).put([b"v"], values, 5.0) == [True]
-    head = _inline_head(P.Op.GET, 7, P.encode_keys_meta([b"v"]))
-    reply_head = P.head_layout(8, value.size).length
+    head = _inline_head(protocol.Op.GET, 7, protocol.encode_keys_meta([b"v"]))
+    reply_head = protocol.head_layout(8, value.size).length
     with RawSession(node.port) as raw:
         raw.login()
         for i in range(100):  # the same id, again the moment its reply is in (the node's send may not have ended)
             raw.post_sends(head, tags=[None])
             got = raw.recv_tagged(reply_head, 7, timeout_s=5.0)
             assert not isinstance(got, str), (i, got)
-            reply = P.unpack_header(got[: P.HEADER_SIZE])
-            assert reply.status == P.Status.OK and reply.op == P.Op.GET | P.REPLY, (i, reply)
+            reply = protocol.unpack_header(got[: protocol.HEADER_SIZE])
+            assert reply.status == protocol.Status.OK and reply.op == protocol.Op.GET | protocol.REPLY, (i, reply)
             data = raw.recv_tagged(value.size, 7, timeout_s=5.0)
             assert not isinstance(data, str), (i, data)
             assert np.array_equal(data, value), i

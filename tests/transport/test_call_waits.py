@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from ems.transport import protocol as P
+from ems.transport import protocol
 from ems.transport.base import TransportError
 from pool_testlib import joined, make_values, wait_until
 
@@ -41,7 +41,7 @@ def _hammer(node, stop: threading.Event, thread: int, timeout_s: float, stored: 
                 if node.get_into([key], [out], timeout_s) != [True] or bytes(out) != stored[key]:
                     wrong.append((thread, step, op))
             else:
-                size = rng.choice([100, 5000, P.SEGMENT_BYTES + 64])
+                size = rng.choice([100, 5000, protocol.SEGMENT_BYTES + 64])
                 value = make_values(1, size, seed=thread * 100_000 + step)
                 if node.put([f"p-{thread}-{step}".encode()], value, timeout_s) != [True]:
                     wrong.append((thread, step, op))
@@ -54,7 +54,7 @@ def _hammer(node, stop: threading.Event, thread: int, timeout_s: float, stored: 
 
 
 def _stored(node, count: int) -> dict:
-    values = make_values(count, 3000, seed=5) + make_values(2, P.SEGMENT_BYTES + 8, seed=6)
+    values = make_values(count, 3000, seed=5) + make_values(2, protocol.SEGMENT_BYTES + 8, seed=6)
     keys = [f"k{i}".encode() for i in range(len(values))]
     assert node.put(keys, values, 20.0) == [True] * len(keys)
     return {k: joined(v) for k, v in zip(keys, values)}
@@ -153,8 +153,8 @@ def test_idle_connection_does_not_spin(pool_nodes, node_clients):
     assert _cpu_seconds(os.getpid()) - own_cpu < 0.6
 
 
-@pytest.mark.parametrize("size", [8, 5000, P.HEAD_BYTES - 100, P.HEAD_BYTES + 8, P.SEGMENT_BYTES - 40, P.SEGMENT_BYTES,
-                                  P.SEGMENT_BYTES + 5])
+@pytest.mark.parametrize("size", [8, 5000, protocol.HEAD_BYTES - 100, protocol.HEAD_BYTES + 8, protocol.SEGMENT_BYTES - 40, protocol.SEGMENT_BYTES,
+                                  protocol.SEGMENT_BYTES + 5])
 def test_one_key_loads_every_size(shared_node, node_clients, size):
     """1-key get / get_into (the node's and the client's 1-key paths) around the inline and segment limits: the
     value itself, a miss for a missing key, and a miss (never a partial value) for a buffer of another length."""

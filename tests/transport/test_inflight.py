@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ems.errors import EmsErrorCode
-from ems.transport import protocol as P
+from ems.transport import protocol
 from ems.transport.base import TransportError
 from ems.transport.ucx import UcxRuntime
 from pool_testlib import client_of_scripted_node, joined, make_values
@@ -32,7 +32,7 @@ def test_concurrent_calls_on_one_connection_random_sequence(shared_node, node_cl
             for step in range(40):
                 op = rng.choice(["put", "put", "get", "get_into", "exists"])
                 if op == "put" or not mine:
-                    size = rng.choice([8, 3000, 9000, 200_000, P.SEGMENT_BYTES + 100])
+                    size = rng.choice([8, 3000, 9000, 200_000, protocol.SEGMENT_BYTES + 100])
                     n = rng.randint(1, 3)
                     values = make_values(n, size, seed=t * 1000 + step)
                     keys = [f"t{t}-{step}-{i}".encode() for i in range(n)]
@@ -67,7 +67,7 @@ def test_concurrent_calls_on_one_connection_random_sequence(shared_node, node_cl
 
 def test_get_into_places_values_and_refuses_wrong_lengths(shared_node, node_clients):
     node = node_clients(shared_node.address)
-    sizes = [P.SEGMENT_BYTES * 2, 5000, 40, P.SEGMENT_BYTES - 40]
+    sizes = [protocol.SEGMENT_BYTES * 2, 5000, 40, protocol.SEGMENT_BYTES - 40]
     values = [make_values(1, s, seed=s)[0] for s in sizes]
     keys = [f"gi{i}".encode() for i in range(len(sizes))]
     assert all(node.put(keys, values, 5.0))
@@ -86,7 +86,7 @@ def test_get_into_places_values_and_refuses_wrong_lengths(shared_node, node_clie
 def test_small_values_travel_inline(shared_node, node_clients):
     """Values small enough for the head message (request and reply) round-trip, next to ones that are not."""
     node = node_clients(shared_node.address)
-    room = P.HEAD_BYTES - P.HEADER_SIZE
+    room = protocol.HEAD_BYTES - protocol.HEADER_SIZE
     sizes = [1, 100, room - 200, room + 1]
     for s in sizes:
         values = make_values(1, s, seed=s)
@@ -95,19 +95,19 @@ def test_small_values_travel_inline(shared_node, node_clients):
         assert bytes(node.get([key], 5.0)[0]) == joined(values[0])
 
 
-def _v1_hello(port: int) -> P.Header:
+def _v1_hello(port: int) -> protocol.Header:
     """Send a version-1 HELLO; the node's answer header."""
     from ems.transport.ucx_endpoint import create_endpoint
     from ems.transport.ucx_frames import recv_header_frame, recv_meta
 
-    async def session() -> tuple[P.Header, bytes]:
+    async def session() -> tuple[protocol.Header, bytes]:
         ep = await create_endpoint("127.0.0.1", port, 5.0)
         try:
-            hello = P.pack_header(P.Op.HELLO)
-            hello.view(P.HEADER_DTYPE)["version"] = 1
+            hello = protocol.pack_header(protocol.Op.HELLO)
+            hello.view(protocol.HEADER_DTYPE)["version"] = 1
             await ep.send(hello)
             frame = await recv_header_frame(ep)
-            header = P.unpack_header(frame)
+            header = protocol.unpack_header(frame)
             return header, await recv_meta(ep, header.meta_len)
         finally:
             ep.abort()
@@ -119,7 +119,7 @@ def _v1_hello(port: int) -> P.Header:
 
 def test_node_refuses_another_protocol_version_at_the_handshake(shared_node, node_clients):
     header = _v1_hello(shared_node.port)
-    assert header.status == P.Status.BAD_REQUEST and header.op == P.Op.HELLO | P.REPLY
+    assert header.status == protocol.Status.BAD_REQUEST and header.op == protocol.Op.HELLO | protocol.REPLY
     assert node_clients(shared_node.address).ping(2.0)
 
 
@@ -128,11 +128,11 @@ def test_client_refuses_a_node_of_another_version():
 
     async def old_node(ep) -> None:
         try:
-            await ep.recv(np.empty(P.HEADER_SIZE, np.uint8))
-            challenge = P.pack_header(P.Op.CHALLENGE, meta_len=P.NONCE_BYTES)
-            challenge.view(P.HEADER_DTYPE)["version"] = 1
+            await ep.recv(np.empty(protocol.HEADER_SIZE, np.uint8))
+            challenge = protocol.pack_header(protocol.Op.CHALLENGE, meta_len=protocol.NONCE_BYTES)
+            challenge.view(protocol.HEADER_DTYPE)["version"] = 1
             await ep.send(challenge)
-            await ep.send(np.zeros(P.NONCE_BYTES, np.uint8))
+            await ep.send(np.zeros(protocol.NONCE_BYTES, np.uint8))
             await asyncio.sleep(1.0)
         except Exception:  # the client hung up
             pass
@@ -153,11 +153,11 @@ def test_short_inline_heads_are_refused(shared_node, node_clients, cut):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
     from raw_ucx import CLOSED, RawSession
 
-    meta = P.encode_keys_meta([b"k" * 120])
-    header = P.pack_header(P.Op.EXISTS, count=1, meta_len=len(meta), flags=P.Flags.INLINE, request_id=9)
-    head = P.pack_head(header, meta)
+    meta = protocol.encode_keys_meta([b"k" * 120])
+    header = protocol.pack_header(protocol.Op.EXISTS, count=1, meta_len=len(meta), flags=protocol.Flags.INLINE, request_id=9)
+    head = protocol.pack_head(header, meta)
     with RawSession(shared_node.port) as raw:
         raw.login()
         raw.send(head[: len(head) - cut])
-        assert raw.recv(P.HEAD_BYTES, timeout_s=2.0) == CLOSED
+        assert raw.recv(protocol.HEAD_BYTES, timeout_s=2.0) == CLOSED
     assert node_clients(shared_node.address).ping(2.0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ems.errors import EmsErrorCode
-from ems.transport import protocol as P
+from ems.transport import protocol
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
 from ems.transport.ucx import UcxNode, UcxRuntime
@@ -20,10 +20,10 @@ from pool_testlib import joined, make_values
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("size", [0, 1000, 70_000, P.SEGMENT_BYTES, 3 * P.SEGMENT_BYTES + 5])
+@pytest.mark.parametrize("size", [0, 1000, 70_000, protocol.SEGMENT_BYTES, 3 * protocol.SEGMENT_BYTES + 5])
 def test_put_get_exists_round_trip(shared_node, node_clients, size):
     node = node_clients(shared_node.address)
-    n = 5 if size < P.SEGMENT_BYTES else 3
+    n = 5 if size < protocol.SEGMENT_BYTES else 3
     values = make_values(n, size, seed=size)
     keys = [f"k{size}-{i}".encode() for i in range(n)]
     assert node.put(keys, values, 5.0) == [True] * n
@@ -36,7 +36,7 @@ def test_put_get_exists_round_trip(shared_node, node_clients, size):
 
 def test_mixed_sizes_in_one_batch(shared_node, node_clients):
     node = node_clients(shared_node.address)
-    sizes = [10, 2 * P.SEGMENT_BYTES, 600_000, 600_000, 5, P.SEGMENT_BYTES - 40, 12]
+    sizes = [10, 2 * protocol.SEGMENT_BYTES, 600_000, 600_000, 5, protocol.SEGMENT_BYTES - 40, 12]
     values = [make_values(1, s, seed=i)[0] for i, s in enumerate(sizes)]
     keys = [f"m{i}".encode() for i in range(len(sizes))]
     assert all(node.put(keys, values, 5.0))
@@ -89,7 +89,7 @@ async def _raw_session(port: int, frames: list, expect_reply: bool) -> str:
     try:
         for f in frames:
             await ep.send(f)
-        reply = np.empty(P.HEADER_SIZE, np.uint8)
+        reply = np.empty(protocol.HEADER_SIZE, np.uint8)
         try:
             await asyncio.wait_for(ep.recv(reply), 3.0)
         except Exception as error:
@@ -104,7 +104,7 @@ def _raw(port: int, frames: list) -> str:
 
 
 def _hello() -> list:
-    return [P.pack_header(P.Op.HELLO)]
+    return [protocol.pack_header(protocol.Op.HELLO)]
 
 
 @pytest.mark.parametrize(
@@ -113,8 +113,8 @@ def _hello() -> list:
         pytest.param([np.frombuffer(b"garbage-garbage-garbage-garbage!", np.uint8)], id="bad-magic"),
         pytest.param([np.zeros(7, np.uint8)], id="short-frame"),
         pytest.param([np.zeros(4096, np.uint8)], id="long-frame"),
-        pytest.param([P.pack_header(P.Op.HELLO, meta_len=P.MAX_META_BYTES + 1)], id="oversized-meta"),
-        pytest.param([P.pack_header(P.Op.PUT, count=1, meta_len=8)], id="put-before-handshake"),
+        pytest.param([protocol.pack_header(protocol.Op.HELLO, meta_len=protocol.MAX_META_BYTES + 1)], id="oversized-meta"),
+        pytest.param([protocol.pack_header(protocol.Op.PUT, count=1, meta_len=8)], id="put-before-handshake"),
     ],
 )
 def test_malformed_frames_close_only_that_connection(shared_node, node_clients, frames):
@@ -135,11 +135,11 @@ async def _authenticated_then(port: int, frames: list) -> str:
 
     ep = await ucxx.create_endpoint("127.0.0.1", port, endpoint_error_handling=True)
     try:
-        await ep.send(P.pack_header(P.Op.HELLO))
-        h = np.empty(P.HEADER_SIZE, np.uint8)
+        await ep.send(protocol.pack_header(protocol.Op.HELLO))
+        h = np.empty(protocol.HEADER_SIZE, np.uint8)
         await ep.recv(h)
-        await ep.recv(np.empty(P.NONCE_BYTES, np.uint8))
-        await ep.send(P.pack_header(P.Op.AUTH))
+        await ep.recv(np.empty(protocol.NONCE_BYTES, np.uint8))
+        await ep.send(protocol.pack_header(protocol.Op.AUTH))
         await ep.recv(h)
         for f in frames:
             await ep.send(f)
@@ -155,13 +155,13 @@ async def _authenticated_then(port: int, frames: list) -> str:
 @pytest.mark.parametrize(
     "frames",
     [
-        pytest.param([P.pack_header(P.Op.PING)], id="ping-is-answered"),
-        pytest.param([P.pack_header(P.Op.GET, count=2, meta_len=8), np.array([5, 5], "<u4").view(np.uint8)],
+        pytest.param([protocol.pack_header(protocol.Op.PING)], id="ping-is-answered"),
+        pytest.param([protocol.pack_header(protocol.Op.GET, count=2, meta_len=8), np.array([5, 5], "<u4").view(np.uint8)],
                      id="keys-do-not-add-up"),
-        pytest.param([P.pack_header(P.Op.PUT, count=1, meta_len=20, data_len=10),
+        pytest.param([protocol.pack_header(protocol.Op.PUT, count=1, meta_len=20, data_len=10),
                       np.concatenate([np.array([10], "<u8").view(np.uint8), np.array([0], "<u4").view(np.uint8),
-                                      np.array([11], "<u8").view(np.uint8)])], id="chunks-do-not-add-up"),
-        pytest.param([P.pack_header(P.Op.HELLO)], id="second-hello"),
+                                      np.array([11], "<u8").view(np.uint8)])], id="data-frames-do-not-add-up"),
+        pytest.param([protocol.pack_header(protocol.Op.HELLO)], id="second-hello"),
     ],
 )
 def test_malformed_requests_after_handshake(shared_node, node_clients, frames):
@@ -169,7 +169,7 @@ def test_malformed_requests_after_handshake(shared_node, node_clients, frames):
     outcome = asyncio.run_coroutine_threadsafe(
         _authenticated_then(pool.port, frames), UcxRuntime.get().loop
     ).result(15)
-    if frames[0][6] == P.Op.PING:
+    if frames[0][6] == protocol.Op.PING:
         assert outcome == "answered"
     else:
         assert outcome.startswith("closed"), outcome
