@@ -1,47 +1,12 @@
 """Configuration: `EmsConfig`, `CcConfig`, `CcConfig_v1`, and this package's pool settings.
 
-The SDK's fields keep their names, order and defaults. The pool settings are this package's additions; each one
-left as None is read from its environment variable, else takes its default (`resolve_settings`):
-
-| field                 | environment variable       | default        | meaning                                          |
-|-----------------------|----------------------------|----------------|--------------------------------------------------|
-| pool_nodes            | EMS_POOL_NODES (a,b,...)   | none: embedded | "host:port" of each pool node                    |
-| pool_capacity         | EMS_POOL_CAPACITY          | 1GiB           | bytes the embedded pool may hold                 |
-| pool_prefault         | EMS_POOL_PREFAULT          | 0              | embedded pool bytes pre-faulted at `Ems.init`    |
-| pool_prefault_ahead   | EMS_POOL_PREFAULT_AHEAD    | 256MiB         | embedded pool bytes kept faulted in ahead of use, |
-|                       |                            |                | in the background (0: none)                      |
-| read_cache_capacity   | EMS_READ_CACHE_CAPACITY    | 256MiB         | local read cache, with remote nodes (0: off)     |
-| staging_capacity      | EMS_STAGING_CAPACITY       | 512MiB         | staging bytes in flight before requests wait     |
-| max_inflight          | EMS_MAX_INFLIGHT           | 8              | async requests queued or running at once         |
-| kernel_backend        | EMS_KERNEL_BACKEND         | auto           | auto, triton, torch or memcpy                    |
-| connect_timeout_ms    | EMS_CONNECT_TIMEOUT_MS     | 3000           | connecting to (and authenticating with) a node   |
-| device                | EMS_DEVICE                 | see below      | device of V0 `KvBufferWrapper` addresses         |
-| pool_etcd             | EMS_POOL_ETCD              | none           | etcd `http://HOST:PORT`: nodes come and go there |
-| pool_cluster          | EMS_POOL_CLUSTER           | default        | the cluster's name in etcd ([0-9a-z._-])         |
-| pool_replicas         | EMS_POOL_REPLICAS          | 1              | owners (copies) of each block, >= 1              |
-| pool_backend          | EMS_POOL_BACKEND           | ems            | ems (embedded or `ems.pool` nodes) or mooncake   |
-| mooncake_master       | EMS_MOONCAKE_MASTER        | none           | "host:port" of `mooncake_master` (mooncake only) |
-| mooncake_metadata     | EMS_MOONCAKE_METADATA      | P2PHANDSHAKE   | Mooncake metadata server URL, or P2PHANDSHAKE    |
-| mooncake_protocol     | EMS_MOONCAKE_PROTOCOL      | tcp            | Mooncake transfer protocol (tcp, rdma, ascend...) |
-| mooncake_devices      | EMS_MOONCAKE_DEVICES       | ""             | transfer devices, e.g. "mlx5_0,mlx5_1" (rdma)    |
-| mooncake_hostname     | EMS_MOONCAKE_HOSTNAME      | 127.0.0.1      | this engine's address as Mooncake peers see it   |
-| mooncake_buffer       | EMS_MOONCAKE_BUFFER        | 64MiB          | Mooncake client's own transfer buffer            |
-| mooncake_segment      | EMS_MOONCAKE_SEGMENT       | 0              | memory this engine contributes to the store      |
-
-Process settings, read from the environment only (not `EmsConfig` keywords), once at `Ems.init` like the rest:
-
-| field                 | environment variable       | default        | meaning                                          |
-|-----------------------|----------------------------|----------------|--------------------------------------------------|
-| chunk_bytes           | EMS_CHUNK_BYTES            | 32MiB          | pipelined path's chunk size (0: one per request) |
-| profiling             | ENABLE_CC_PROFILING        | off (1: on)    | each job's stage timings on `ems.profile`        |
-| sdk_log_dir           | EMS_SDK_LOG                | none           | a directory: the SDK logs to a file there        |
-| pool_shm              | EMS_POOL_SHM               | auto           | shared memory with a node on this host (off: UCX) |
-| ucx                   | EMS_UCX_PROGRESS_MODE,     | see            | UCX progress mode, Python futures, notifier      |
-|                       | EMS_UCX_PYTHON_FUTURE,     | `ems.transport.ucx_config.UcxSettings`            |
-|                       | EMS_UCX_NOTIFIER           |                |                                                  |
-
-Nothing re-reads them later: to change one, call `Ems.shutdown()` and `Ems.init` again (UCX's, which are
-process-wide, hold from the first UCX connection on).
+The SDK's fields keep their names, order and defaults. `Settings` is every setting this package reads, resolved
+once at `Ems.init` (`resolve_settings`): a pool setting given to `EmsConfig` wins, else its environment variable,
+else its default; the process settings (`chunk_bytes`, `profiling`, `sdk_log_dir`, `pool_shm`, `ucx`) come from the
+environment only, and the `mooncake_*` settings become `Settings.mooncake` with `pool_backend="mooncake"`. Each
+setting, its variable and its default are in the README's Configuration table, the one list of them
+(tests/test_docs.py checks it against the code both ways). Nothing re-reads them later: to change one, call
+`Ems.shutdown()` and `Ems.init` again (UCX's, which are process-wide, hold from the first UCX connection on).
 
 `device` default: the registered KV cache's device; else `npu:<device_id>` when torch_npu is already imported,
 `cuda:<device_id>` when CUDA is available, otherwise `cpu`.
@@ -260,7 +225,7 @@ class PoolBackendKind(str, enum.Enum):
 class EmsConfig:
     """`EmsConfig(access_id=None, access_key=None, cc_config=None, cc_config_v1=None, **pool_settings)`.
 
-    The pool settings are keyword-only; see the module docstring for each one. An unknown keyword raises
+    The pool settings are keyword-only; see the README's Configuration table for each one. An unknown keyword raises
     `EmsException(EMS_INVALID_ARGUMENT)`.
     """
 
