@@ -32,14 +32,17 @@ from ems.transport.inprocess import InProcessNode
 logger = logging.getLogger("ems")
 
 
+class _SdkLogHandler(logging.FileHandler):
+    """The file handler EMS_SDK_LOG adds (one per process, however often `Ems.init` runs)."""
+
+
 def _configure_logging(directory: Optional[str]) -> None:
     """`directory` (EMS_SDK_LOG): the SDK logs to a file there."""
-    if not directory or any(getattr(h, "_ems_sdk_log", False) for h in logger.handlers):
+    if not directory or any(isinstance(h, _SdkLogHandler) for h in logger.handlers):
         return
     os.makedirs(directory, exist_ok=True)
-    handler = logging.FileHandler(os.path.join(directory, f"ems-sdk-{os.getpid()}.log"))
+    handler = _SdkLogHandler(os.path.join(directory, f"ems-sdk-{os.getpid()}.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s"))
-    handler._ems_sdk_log = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 

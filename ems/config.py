@@ -507,7 +507,7 @@ def check_config(config: object) -> EmsConfig:
         raise invalid_argument("EmsConfig.access_key needs an access_id: give access_id and access_key together")
     if config.access_id is not None:
         check_identifier("EmsConfig.access_id", config.access_id, ascii_only=True)
-    if not anonymous and _KEY_RE.fullmatch(config.access_key) is None:  # type: ignore[arg-type]
+    if not anonymous and _KEY_RE.fullmatch(config.access_key or "") is None:
         raise invalid_argument(
             "EmsConfig.access_key must be 32-256 characters of [0-9A-Za-z+/=], or empty for a pool without keys"
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -48,8 +48,8 @@ def default_raw_device(device_id: int, registered: Optional[torch.device]) -> to
     return torch.device("cpu")
 
 
-def device_module(device: torch.device):  # type: ignore[no-untyped-def]
-    """torch.cuda / torch.npu for an accelerator device."""
+def device_module(device: torch.device) -> Any:
+    """torch.cuda / torch.npu for an accelerator device (Any: torch.npu exists only once torch_npu is imported)."""
     ensure_backend_for(device.type)
     return getattr(torch, device.type)
 

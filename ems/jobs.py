@@ -42,7 +42,7 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable, List, Optional, Protocol
+from typing import Any, Callable, List, Optional, Protocol, cast
 
 import numpy as np
 import torch
@@ -257,11 +257,11 @@ class EmbeddedSave:
             if isinstance(plan, BlockPlan):  # a lone value is its own span
                 span = (torch.from_numpy(buffers[0]), _AT_ZERO) if count == 1 else span_of(buffer_addresses(buffers),
                                                                                              sizes[:count])
-            if span is None:  # V0 raw ranges (one copy each anyway), or buffers too far apart to view as one
+            if isinstance(plan, BlockPlan) and span is not None:
+                plan.gather_into(self.backend, span[0], span[1], count)
+            else:  # V0 raw ranges (one copy each anyway), or buffers too far apart to view as one
                 for i, buffer in enumerate(buffers):
                     plan.gather_value(self.backend, i, torch.from_numpy(buffer))
-            else:
-                plan.gather_into(self.backend, span[0], span[1], count)  # type: ignore[union-attr]
         with record.stage(Stage.ENCODE, payload):
             write_headers(buffers, plan)
 
@@ -417,11 +417,11 @@ class EmbeddedLoad:
             span = None
             if isinstance(plan, BlockPlan):
                 span = _span_of_values(values[:hits], plan.expected.payload_len[:hits] + HEADER_SIZE)
-            if span is None:  # V0 raw ranges, or stored values too far apart to view as one
+            if isinstance(plan, BlockPlan) and span is not None:
+                plan.scatter_from(self.backend, span[0], span[1], hits)
+            else:  # V0 raw ranges, or stored values too far apart to view as one
                 for i in range(hits):
-                    plan.scatter_value(self.backend, i, readable_tensor(values[i]))  # type: ignore[arg-type]
-            else:
-                plan.scatter_from(self.backend, span[0], span[1], hits)  # type: ignore[union-attr]
+                    plan.scatter_value(self.backend, i, readable_tensor(cast(Buffer, values[i])))  # i < hits: present
         return hits, outcome
 
 
@@ -533,7 +533,8 @@ class StagedLoad:
             lease = self.staging.acquire(nbytes, self.device)
             try:
                 with record.stage(Stage.COPY, nbytes):
-                    plan.fill_from_values(lease.host_array(), outcome.results, hits)  # type: ignore[arg-type]  # the first `hits` are present
+                    present = cast(List[Buffer], outcome.results[:hits])  # the first `hits` are present
+                    plan.fill_from_values(lease.host_array(), present, hits)
                     with side_stream(self.device):
                         if lease.host is not lease.device:
                             lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)

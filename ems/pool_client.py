@@ -28,7 +28,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Generic, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import numpy as np
 
@@ -416,10 +416,12 @@ class PoolClient:
             return PoolOutcome(results)
         # With replicas, a damaged copy sends the key on to the next owner, so each value is checked here (once:
         # `verified` tells the caller). With one owner there is nowhere to go: the caller checks, as before.
-        verify = expected is not None and self.replicas > 1
+        check = expected if self.replicas > 1 else None
 
         def accept(i: int, value: object) -> bool:
-            return value is not None and (not verify or matches(value, expected, i))  # type: ignore[arg-type]
+            if value is None:
+                return False
+            return check is None or matches(cast(Buffer, value), check, i)  # a reply's value is a Buffer
 
         def costs(idx: np.ndarray) -> Costs:
             # the reply carries the values: expected sizes bound it (an unexpected value is refused anyway)
@@ -438,7 +440,7 @@ class PoolClient:
             timeout_seconds(option),
             accept,
         )
-        outcome.verified = verify
+        outcome.verified = check is not None
         return outcome
 
     def get_into(
@@ -472,10 +474,10 @@ class PoolClient:
                     results[i] = True
         if option.read_local_only and not self.is_local:
             return PoolOutcome(results)
-        verify = expected is not None and self.replicas > 1
+        check = expected if self.replicas > 1 else None
 
         def accept(i: int, placed: object) -> bool:  # a miss (or a value of another length) asks the next owner
-            return bool(placed) and (not verify or matches(outs[i], expected, i))  # type: ignore[arg-type]
+            return bool(placed) and (check is None or matches(outs[i], check, i))
 
         def costs(idx: np.ndarray) -> Costs:
             data = np.fromiter((memoryview(outs[i]).nbytes for i in idx.tolist()), dtype=np.int64, count=idx.size)
@@ -490,7 +492,7 @@ class PoolClient:
             _remaining(option, deadline),
             accept,
         )
-        outcome.verified = verify
+        outcome.verified = check is not None
         return outcome
 
     def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:

@@ -72,6 +72,7 @@ def _cached_backend(device: torch.device, kind: KernelBackend) -> CopyBackend:
     return backend
 
 
+# tests start from a clean cache; a function attribute mypy cannot type on a plain function
 get_backend.cache_clear = _cached_backend.cache_clear  # type: ignore[attr-defined]
 
 

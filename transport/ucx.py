@@ -27,7 +27,7 @@ import enum
 import socket
 import threading
 import time
-from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -113,7 +113,7 @@ class UcxRuntime:
                 cls._instance = UcxRuntime()
             return cls._instance
 
-    def start(self, coro: Awaitable[Any]) -> "_Waiter":
+    def start(self, coro: Coroutine[Any, Any, Any]) -> "_Waiter":
         """Run `coro` on the loop; the calling thread waits on the returned `_Waiter` (cheaper than
         `asyncio.run_coroutine_threadsafe`: no concurrent Future, one lock)."""
         waiter = _Waiter()
@@ -145,8 +145,8 @@ class _Waiter:
         self.lock.acquire()
         self.task: Optional[asyncio.Task] = None
 
-    def begin(self, loop: asyncio.AbstractEventLoop, coro: Awaitable[Any]) -> None:
-        self.task = loop.create_task(coro)  # type: ignore[arg-type]
+    def begin(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> None:
+        self.task = loop.create_task(coro)
         self.task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task) -> None:
@@ -158,7 +158,9 @@ class _Waiter:
         """The coroutine's result (or its exception, raised); concurrent.futures.TimeoutError when it takes longer."""
         if not self.lock.acquire(timeout=max(0.0, timeout_s)):
             raise concurrent.futures.TimeoutError()
-        return self.task.result()  # type: ignore[union-attr]
+        if self.task is None:  # the lock is released only by `_done`, after `begin`
+            raise RuntimeError("a waiter released before it began")
+        return self.task.result()
 
 
 class _Call:
