@@ -295,6 +295,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             require("prometheus_client", "metrics", "ems-pool --metrics")
     except MissingExtra as error:
         parser.error(str(error))
+    from ems.transport.ucx_config import UcxSettings, configure
+
+    try:
+        configure(UcxSettings.from_env())  # the node's EMS_UCX_* settings: read once, here
+    except ValueError as error:
+        parser.error(str(error))
     host, port = args.listen
     _restrict_ucx_devices(host)
 

@@ -1,4 +1,5 @@
-"""An optional feature used without its extra: a message naming the extra and a non-zero exit, never a traceback.
+"""A pool node or engine used without an optional feature's extra, or with a bad node setting: a message naming
+the fix and a non-zero exit, never a traceback.
 
 The package is hidden from the child process by a sitecustomize module that marks it absent in sys.modules (its
 import then raises ImportError and its lookup finds nothing, as for a package that is not installed)."""
@@ -52,3 +53,9 @@ def test_require_names_the_feature_and_the_extra():
     require("json", "none", "anything")
     with pytest.raises(MissingExtra, match=r"the feature needs no_such_module: install 'ems-kvcache\[x\]'"):
         require("no_such_module", "x", "the feature")
+
+
+def test_a_node_with_a_bad_ucx_setting_exits_with_a_message():
+    """The node reads its EMS_UCX_* settings once, at start: a bad one is an option error (exit 2), not a traceback."""
+    out = _pool({**os.environ, "EMS_UCX_PROGRESS_MODE": "bogus"}, "--listen", "127.0.0.1:0")
+    assert out.returncode == 2 and "EMS_UCX_PROGRESS_MODE must be one of" in out.stderr and "Traceback" not in out.stderr
