@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ems.config import EmsConfig, Settings, parse_size, resolve_settings
+from ems.config import POOL_SETTINGS, EmsConfig, Settings, parse_size, resolve_settings
 from ems.errors import EmsErrorCode
 from ems.kernels.base import KernelBackend
 from ems.transport import protocol
@@ -54,6 +54,25 @@ ENV_VALUES: dict[str, tuple[str, object]] = {
     "ucx.progress_mode": ("loop", "loop"),
     "ucx.python_future": ("0", False),
     "ucx.notifier": ("ucxx", "ucxx"),
+    "pool_backend": ("mooncake", "mooncake"),
+    "mooncake_master": ("10.0.0.9:50051", "10.0.0.9:50051"),
+    "mooncake_metadata": ("http://10.0.0.9:8080/metadata", "http://10.0.0.9:8080/metadata"),
+    "mooncake_protocol": ("rdma", "rdma"),
+    "mooncake_devices": ("mlx5_0", "mlx5_0"),
+    "mooncake_hostname": ("10.0.0.8", "10.0.0.8"),
+    "mooncake_buffer": ("32MiB", 32 << 20),
+    "mooncake_segment": ("1GiB", 1 << 30),
+}
+# The mooncake_* keywords resolve into Settings.mooncake, with pool_backend="mooncake" (which needs a master).
+MOONCAKE_ENV = {"EMS_POOL_BACKEND": "mooncake", "EMS_MOONCAKE_MASTER": "127.0.0.1:50051"}
+MOONCAKE_FIELDS = {
+    "mooncake_master": "master",
+    "mooncake_metadata": "metadata",
+    "mooncake_protocol": "protocol",
+    "mooncake_devices": "devices",
+    "mooncake_hostname": "hostname",
+    "mooncake_buffer": "buffer_bytes",
+    "mooncake_segment": "segment_bytes",
 }
 
 
@@ -78,9 +97,20 @@ def _setting_names() -> set[str]:
     for f in dataclasses.fields(Settings):
         if f.name == "ucx":
             names.update(f"ucx.{u.name}" for u in dataclasses.fields(UcxSettings))
+        elif f.name == "mooncake":
+            names.update(n for n in POOL_SETTINGS if n.startswith("mooncake_"))
         else:
             names.add(f.name)
     return names
+
+
+def _resolved(settings: Settings, setting: str) -> object:
+    """The value a README row names, in resolved `Settings`."""
+    path = f"mooncake.{MOONCAKE_FIELDS[setting]}" if setting in MOONCAKE_FIELDS else setting
+    value: object = settings
+    for part in path.split("."):
+        value = getattr(value, part)
+    return getattr(value, "value", value)  # enums by their value
 
 
 def _package_env_names() -> set[str]:
@@ -101,17 +131,19 @@ def test_every_setting_is_a_row_of_the_readme_table_and_back():
     assert code - rows == set(), f"settings missing from the README table: {sorted(code - rows)}"
     assert rows - code == set(), f"README rows that are no setting: {sorted(rows - code)}"
     assert set(ENV_VALUES) == code, f"give tests/test_docs.py ENV_VALUES a value for {sorted(code ^ set(ENV_VALUES))}"
+    assert set(MOONCAKE_FIELDS) == {n for n in code if n.startswith("mooncake_")}
 
 
 @pytest.mark.parametrize("setting", sorted(ENV_VALUES))
 def test_each_row_names_the_variable_the_code_reads(setting, monkeypatch):
     variable = _settings_rows()[setting]
     text, expected = ENV_VALUES[setting]
+    if setting in MOONCAKE_FIELDS or setting == "pool_backend":
+        for name, value in MOONCAKE_ENV.items():
+            monkeypatch.setenv(name, value)
     monkeypatch.setenv(variable, text)
-    resolved: object = resolve_settings(EmsConfig())
-    for part in setting.split("."):
-        resolved = getattr(resolved, part)
-    assert resolved == expected, f"{variable}={text} gave {setting}={resolved!r}"
+    resolved = _resolved(resolve_settings(EmsConfig()), setting)
+    assert resolved == getattr(expected, "value", expected), f"{variable}={text} gave {setting}={resolved!r}"
 
 
 def test_every_variable_the_package_reads_is_in_the_readme():
@@ -164,16 +196,19 @@ def test_the_table_quotes_the_defaults(monkeypatch):
     for row in rows:
         monkeypatch.delenv(_settings_rows()[row[0]], raising=False)
     resolved = resolve_settings(EmsConfig())
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    with_mooncake = resolve_settings(EmsConfig())
     checked = 0
     for row in rows:
-        default: object = resolved
-        for part in row[0].split("."):
-            default = getattr(default, part)
+        if row[0] == "mooncake_master":
+            continue  # no default: required with the backend
+        default = _resolved(with_mooncake if row[0] in MOONCAKE_FIELDS else resolved, row[0])
         quoted = row[2]
         if re.fullmatch(r"\d+(?:[KMGT]iB)?", quoted):
             assert parse_size(row[0], quoted) == default, f"README: {row[0]} default {quoted}, the code: {default!r}"
             checked += 1
-        elif isinstance(default, (str, KernelBackend)) and quoted.split()[0] in {"auto", "default", "ems"}:
-            assert quoted.split()[0] == str(getattr(default, "value", default)), (row[0], quoted, default)
+        elif isinstance(default, str) and quoted.split()[0] in {"auto", "default", "ems", "tcp", "P2PHANDSHAKE", "127.0.0.1"}:
+            assert quoted.split()[0] == default, (row[0], quoted, default)
             checked += 1
     assert checked >= 10

@@ -54,7 +54,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Optional, Protocol, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from ems.pool.metrics import NodeMetrics
 
 log = logging.getLogger("ems.pool")
+T = TypeVar("T")  # what an awaited frame step gives
 
 # PUTs with more data than this are checksummed and stored off the event loop. The hop to a worker thread and back
 # costs more than checksumming a few MiB (XXH3 ~50 us per MiB here, the hop 100-300 us on 2 busy cores), so only
@@ -181,7 +182,7 @@ class _Channel:
         if self.tag is not None:
             self.conn.receiving.discard(self.tag)
 
-    async def timed(self, step: Awaitable[Any]) -> Any:
+    async def timed(self, step: Awaitable[T]) -> T:
         """One frame: when it completes, the next frame of this request has `stall_timeout_s` again."""
         result = await step
         self.conn.requests[self.key] = time.monotonic() + self.server.limits.stall_timeout_s
@@ -765,7 +766,7 @@ class PoolServer:
                 buf = np.empty(int(sizes[seg]), dtype=np.uint8)
                 first = int(np.searchsorted(plan, seg))
                 for j in range(first, first + n):
-                    value = values[int(present[j])]
+                    value = cast(Buffer, values[int(present[j])])  # present: the store found it
                     size = int(present_lens[j])
                     buf[int(offsets[j]) : int(offsets[j]) + size] = np.frombuffer(value, dtype=np.uint8)
                 if buf.size:
