@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import itertools
 import logging
 import queue
 import socket
@@ -515,7 +516,7 @@ class MooncakePool:
 
         def call() -> List[bytes]:
             values: List[bytes] = []
-            for a, b in zip(cuts[:-1], cuts[1:]):
+            for a, b in itertools.pairwise(cuts):
                 values += store.get_batch(names[a:b])
             return values
 

@@ -91,7 +91,8 @@ class MooncakeCluster:
         self.master_proc: Optional[subprocess.Popen] = subprocess.Popen(
             [exe, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=false",
              f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ttl_ms}"],
-            stdout=open(os.path.join(self.logs, "master.log"), "w"), stderr=subprocess.STDOUT,
+            stdout=open(os.path.join(self.logs, "master.log"), "w"),  # noqa: SIM115 - the child's log, kept open
+            stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )
         self.storage: Optional[subprocess.Popen] = None
@@ -107,7 +108,7 @@ class MooncakeCluster:
 
     def start_storage(self) -> None:
         """(Re)start the storage process; returns once it has mounted its segment."""
-        log = open(os.path.join(self.logs, "storage.log"), "a")
+        log = open(os.path.join(self.logs, "storage.log"), "a")  # noqa: SIM115 - the child's log, kept open
         self.storage = subprocess.Popen(
             [sys.executable, "-u", "-c", STORAGE, self.master, str(self.segment_bytes)],
             stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent,
