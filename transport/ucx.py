@@ -447,8 +447,8 @@ async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[m
     present_lens = lens[present]
     plan = protocol.segment_plan(present_lens)
     offsets, sizes = protocol.segment_bounds(present_lens, plan)
-    fits = (
-        None if outs is None
+    fits = (  # per present value: its caller buffer has its size (none without caller buffers)
+        np.zeros(0, dtype=bool) if outs is None
         else np.fromiter((outs[i].nbytes for i in present.tolist()), dtype=np.int64, count=present.size) == present_lens
     )
     segments: list = []
@@ -460,8 +460,8 @@ async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[m
     for seg, size in enumerate(sizes.tolist()):
         if inline:
             segments.append(body[reply.meta_len + seg_start : reply.meta_len + seg_start + size])
-        elif fits is not None and counts[seg] == 1 and fits[first[seg]] and size:
-            target = outs[int(present[first[seg]])]  # type: ignore[index]
+        elif outs is not None and counts[seg] == 1 and fits[first[seg]] and size:
+            target = outs[int(present[first[seg]])]
             segments.append(target)  # received in place
             receives.append(recv_into(ep, target, canary, rid))
         else:
@@ -480,7 +480,7 @@ async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[m
         return out
     placed = [False] * count
     for j, (i, seg, off, n) in enumerate(zip(present.tolist(), plan.tolist(), offsets.tolist(), present_lens.tolist())):
-        if not fits[j]:  # type: ignore[index]
+        if not fits[j]:
             continue
         if segments[seg] is not outs[i]:
             outs[i][:] = segments[seg][off : off + n]
@@ -511,7 +511,7 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
     offsets, sizes = protocol.segment_bounds(lens, plan)
     frames: list = []
     frame_lens: list[int] = []
-    packed: Optional[np.ndarray] = None
+    packed = np.empty(0, dtype=np.uint8)  # replaced at each new segment, before any value is packed into it
     current = -1
     for i, seg in enumerate(plan.tolist()):
         if int(sizes[seg]) == int(lens[i]) and int(lens[i]) >= protocol.SEGMENT_BYTES:
@@ -528,7 +528,7 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
                 frame_lens.append(packed.size)
         at = int(offsets[i])
         for p in parts[i]:
-            packed[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[index]
+            packed[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
             at += p.nbytes
     meta = protocol.encode_put_meta(keys, lens, np.asarray(frame_lens, dtype=np.int64))
     return meta, frames, int(lens.sum())
