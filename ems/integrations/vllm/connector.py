@@ -495,9 +495,12 @@ class EmsConnector(KVConnectorBase_V1):
 
     def _poll_loads(self) -> set[str]:
         self._load_ended.clear()
-        done = set()
+        done: set[str] = set()
+        mover = self._mover
+        if mover is None:  # loads start only once the mover exists
+            return done
         for rid, pending in list(self._inflight_loads.items()):
-            outcome = self._mover.poll_load(pending)
+            outcome = mover.poll_load(pending)
             if outcome is not None:
                 del self._inflight_loads[rid]
                 self._load_errors.update(outcome.failed_block_ids)
