@@ -563,7 +563,8 @@ def put(keys, values):
 
 def get_into(keys, outs):
     rid, h, reply, keep, r_send = request(protocol.Op.GET, protocol.encode_keys_meta(keys), len(keys))
-    lens = protocol.decode_get_lens(len(keys), h.data_len, reply[protocol.HEADER_SIZE:protocol.HEADER_SIZE + h.meta_len].tobytes())
+    meta = reply[protocol.HEADER_SIZE : protocol.HEADER_SIZE + h.meta_len].tobytes()
+    lens = protocol.decode_get_lens(len(keys), h.data_len, meta)
     plan = protocol.segment_plan(lens); offsets, sizes = protocol.segment_bounds(lens, plan)
     segs = [np.empty(int(s), np.uint8) for s in sizes]; arrs = [Array(s) for s in segs]
     tag = u.UCXXTag(ucx_progress.request_tag(recv_base, rid))
