@@ -279,7 +279,7 @@ def test_the_local_pool_node_shares_memory_by_default(tmp_path, node_clients):
 
     try:
         pool = ensure_local_pool(str(tmp_path), "64MiB")
-        node = node_clients(pool.address)
+        node = node_clients(pool.address, access_id=pool.access_id, access_key=pool.access_key)  # the node is keyed
         values = [_value(300_000, seed=4)]
         assert node.put([b"local"], values, 10.0) == [True]
         out = np.empty(len(joined(values[0])), np.uint8)
