@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Optional
 
 from ems.config import EmsConfig, PoolBackendKind, Settings, check_config, resolve_settings
 from ems.context_caching import ContextCaching
@@ -36,7 +35,7 @@ class _SdkLogHandler(logging.FileHandler):
     """The file handler EMS_SDK_LOG adds (one per process, however often `Ems.init` runs)."""
 
 
-def _configure_logging(directory: Optional[str]) -> None:
+def _configure_logging(directory: str | None) -> None:
     """`directory` (EMS_SDK_LOG): the SDK logs to a file there."""
     if not directory or any(isinstance(h, _SdkLogHandler) for h in logger.handlers):
         return
@@ -54,16 +53,20 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
         return MooncakePool(settings.mooncake, settings.pool_replicas, settings.connect_timeout_ms / 1000.0)
     if settings.embedded:
         # values come from this process's own checksummed staging: re-verifying them on put would only repeat work
-        store = KvStore(settings.pool_capacity, verify_on_put=False, prefault_bytes=settings.pool_prefault,
-                        prefault_ahead=settings.pool_prefault_ahead)
+        store = KvStore(
+            settings.pool_capacity,
+            verify_on_put=False,
+            prefault_bytes=settings.pool_prefault,
+            prefault_ahead=settings.pool_prefault_ahead,
+        )
         return PoolClient([InProcessNode(store)])
     try:
         require("ucxx", "ucx", "pool_nodes")  # UCX is needed only with remote nodes
     except MissingExtra as exc:
         raise EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, str(exc)) from exc
+    from ems.transport import ucx_config
     from ems.transport.remote import connect
     from ems.transport.shm_client import ShmMode
-    from ems.transport import ucx_config
 
     try:
         ucx_config.configure(settings.ucx)  # before the first connection starts UCX in this process
@@ -104,10 +107,10 @@ class Ems:
     """Process-wide entry point of the SDK (class methods only)."""
 
     _lock = threading.Lock()
-    _config: Optional[EmsConfig] = None
-    _settings: Optional[Settings] = None
-    _pool: Optional[PoolBackend] = None
-    _cc: Optional[ContextCaching] = None
+    _config: EmsConfig | None = None
+    _settings: Settings | None = None
+    _pool: PoolBackend | None = None
+    _cc: ContextCaching | None = None
     # after an EMS_RECOVERD_ERROR: the config and its (not yet answering) pool, which check_health probes
     _pending: tuple[EmsConfig, PoolBackend] | None = None
 
@@ -148,7 +151,7 @@ class Ems:
         return None
 
     @classmethod
-    def get_cc(cls) -> Optional[ContextCaching]:
+    def get_cc(cls) -> ContextCaching | None:
         return cls._cc
 
     @classmethod
@@ -166,7 +169,7 @@ class Ems:
             return False
 
     @classmethod
-    def settings(cls) -> Optional[Settings]:
+    def settings(cls) -> Settings | None:
         """The resolved pool settings (this package's addition), or None before init."""
         return cls._settings
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ems.job_records import JobRecord
@@ -35,7 +36,7 @@ class CcMetrics:
                 self._values[f"{op}_{name}"] = 0
         for name in ("exists_calls", "exists_hits", "exists_misses", "errors"):
             self._values[name] = 0
-        self._collector: Optional[Any] = None
+        self._collector: Any | None = None
 
     def record(self, op: str, success: int, total: int, nbytes: int, marks: Sequence[tuple[str, float]]) -> None:
         v = self._values
@@ -50,7 +51,7 @@ class CcMetrics:
                 key = f"{op}_stage_{stage}_seconds"
                 v[key] = v.get(key, 0.0) + (at - before)
 
-    def record_job(self, record: "JobRecord") -> None:
+    def record_job(self, record: JobRecord) -> None:
         """Add one finished job (see `ems.jobs`): its blocks, bytes and per-stage bytes and seconds."""
         op = record.kind.value
         v = self._values

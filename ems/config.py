@@ -36,7 +36,7 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Union, cast
+from typing import TYPE_CHECKING, cast
 
 from ems.errors import invalid_argument
 from ems.transport.ucx_config import UcxSettings
@@ -139,7 +139,7 @@ class CcConfig:
 
 
 @dataclass
-class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
+class CcConfig_v1(CcConfig):
     """`CcConfig` plus `rank_in_tp_group=0, rank_in_pp_group=0, llm_engine="vllm", kvcache_type=MHA`.
 
     `kvcache_type` is a `KVCacheType` (or its name, any case); engines often set it after construction."""
@@ -147,7 +147,7 @@ class CcConfig_v1(CcConfig):  # noqa: N801 - the SDK's name
     rank_in_tp_group: int = 0
     rank_in_pp_group: int = 0
     llm_engine: str = "vllm"
-    kvcache_type: Union[KvCacheType, str] = KvCacheType.MHA
+    kvcache_type: KvCacheType | str = KvCacheType.MHA
 
     def validate(self) -> None:
         super().validate()
@@ -229,38 +229,38 @@ class EmsConfig:
     `EmsException(EMS_INVALID_ARGUMENT)`.
     """
 
-    access_id: Optional[str] = None
-    access_key: Optional[str] = field(default=None, repr=False)  # a secret: never in logs
-    cc_config: Optional[CcConfig] = None
-    cc_config_v1: Optional[CcConfig_v1] = None
-    pool_nodes: Optional[List[str]] = None
-    pool_capacity: Optional[Union[int, str]] = None
-    pool_prefault: Optional[Union[int, str]] = None
-    pool_prefault_ahead: Optional[Union[int, str]] = None
-    read_cache_capacity: Optional[Union[int, str]] = None
-    staging_capacity: Optional[Union[int, str]] = None
-    max_inflight: Optional[int] = None
-    kernel_backend: Optional[str] = None
-    connect_timeout_ms: Optional[int] = None
-    device: Optional[str] = None
-    pool_etcd: Optional[str] = None
-    pool_cluster: Optional[str] = None
-    pool_replicas: Optional[int] = None
-    pool_backend: Optional[str] = None
-    mooncake_master: Optional[str] = None
-    mooncake_metadata: Optional[str] = None
-    mooncake_protocol: Optional[str] = None
-    mooncake_devices: Optional[str] = None
-    mooncake_hostname: Optional[str] = None
-    mooncake_buffer: Optional[Union[int, str]] = None
-    mooncake_segment: Optional[Union[int, str]] = None
+    access_id: str | None = None
+    access_key: str | None = field(default=None, repr=False)  # a secret: never in logs
+    cc_config: CcConfig | None = None
+    cc_config_v1: CcConfig_v1 | None = None
+    pool_nodes: list[str] | None = None
+    pool_capacity: int | str | None = None
+    pool_prefault: int | str | None = None
+    pool_prefault_ahead: int | str | None = None
+    read_cache_capacity: int | str | None = None
+    staging_capacity: int | str | None = None
+    max_inflight: int | None = None
+    kernel_backend: str | None = None
+    connect_timeout_ms: int | None = None
+    device: str | None = None
+    pool_etcd: str | None = None
+    pool_cluster: str | None = None
+    pool_replicas: int | None = None
+    pool_backend: str | None = None
+    mooncake_master: str | None = None
+    mooncake_metadata: str | None = None
+    mooncake_protocol: str | None = None
+    mooncake_devices: str | None = None
+    mooncake_hostname: str | None = None
+    mooncake_buffer: int | str | None = None
+    mooncake_segment: int | str | None = None
 
     def __init__(
         self,
-        access_id: Optional[str] = None,
-        access_key: Optional[str] = None,
-        cc_config: Optional[CcConfig] = None,
-        cc_config_v1: Optional[CcConfig_v1] = None,
+        access_id: str | None = None,
+        access_key: str | None = None,
+        cc_config: CcConfig | None = None,
+        cc_config_v1: CcConfig_v1 | None = None,
         **pool_settings: object,
     ) -> None:
         unknown = sorted(set(pool_settings) - set(POOL_SETTINGS))
@@ -274,7 +274,7 @@ class EmsConfig:
             setattr(self, name, pool_settings.get(name))
 
     @property
-    def context_caching_config(self) -> Optional[CcConfig]:
+    def context_caching_config(self) -> CcConfig | None:
         return self.cc_config_v1 if self.cc_config_v1 is not None else self.cc_config
 
 
@@ -289,18 +289,18 @@ class Settings:
     max_inflight: int
     kernel_backend: KernelBackend
     connect_timeout_ms: int
-    device: Optional[str] = None
-    pool_etcd: Optional[str] = None
+    device: str | None = None
+    pool_etcd: str | None = None
     pool_cluster: str = "default"
     pool_replicas: int = 1
     pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store)
     pool_prefault_ahead: int = 256 << 20  # embedded pool: bytes kept faulted in ahead of use, in the background
     pool_backend: PoolBackendKind = PoolBackendKind.EMS
-    mooncake: Optional["MooncakeSettings"] = None  # with pool_backend mooncake
+    mooncake: MooncakeSettings | None = None  # with pool_backend mooncake
     # process settings: environment only (see the module docstring)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     profiling: bool = False
-    sdk_log_dir: Optional[str] = None
+    sdk_log_dir: str | None = None
     pool_shm: str = "auto"  # "auto": shared memory with a node on this host; "off": always UCX
     ucx: UcxSettings = field(default_factory=UcxSettings)
 
@@ -361,9 +361,7 @@ def resolve_settings(config: EmsConfig) -> Settings:
     try:
         backend = KernelBackend(str(backend_value).lower())
     except ValueError:
-        raise invalid_argument(
-            f"kernel_backend must be one of auto, triton, torch, memcpy, got {backend_value!r}"
-        ) from None
+        raise invalid_argument(f"kernel_backend must be one of auto, triton, torch, memcpy, got {backend_value!r}") from None
     device = _setting(config.device, "EMS_DEVICE", None)
     if device is not None and not isinstance(device, str):
         raise invalid_argument(f"device must be a device string such as 'cpu' or 'npu:0', got {device!r}")
@@ -373,9 +371,7 @@ def resolve_settings(config: EmsConfig) -> Settings:
         read_cache_capacity=parse_size(
             "read_cache_capacity", _setting(config.read_cache_capacity, "EMS_READ_CACHE_CAPACITY", "256MiB")
         ),
-        staging_capacity=parse_size(
-            "staging_capacity", _setting(config.staging_capacity, "EMS_STAGING_CAPACITY", "512MiB")
-        ),
+        staging_capacity=parse_size("staging_capacity", _setting(config.staging_capacity, "EMS_STAGING_CAPACITY", "512MiB")),
         max_inflight=_int_setting("max_inflight", _setting(config.max_inflight, "EMS_MAX_INFLIGHT", 8), 1),
         kernel_backend=backend,
         connect_timeout_ms=_int_setting(
@@ -437,9 +433,7 @@ def _cluster_settings(config: EmsConfig) -> dict:
         try:
             parse_url(etcd if isinstance(etcd, str) else "")
         except ValueError:
-            raise invalid_argument(
-                f"pool_etcd must be an etcd endpoint like 'http://127.0.0.1:2379', got {etcd!r}"
-            ) from None
+            raise invalid_argument(f"pool_etcd must be an etcd endpoint like 'http://127.0.0.1:2379', got {etcd!r}") from None
     cluster = _setting(config.pool_cluster, "EMS_POOL_CLUSTER", "default")
     if not isinstance(cluster, str) or _CLUSTER_RE.fullmatch(cluster) is None:
         raise invalid_argument(f"pool_cluster must be 1-512 characters of [0-9a-z._-] (an etcd key part), got {cluster!r}")
@@ -516,9 +510,7 @@ def check_config(config: object) -> EmsConfig:
     if config.cc_config is not None and not isinstance(config.cc_config, CcConfig):
         raise invalid_argument(f"EmsConfig.cc_config must be a CcConfig, got {type(config.cc_config).__name__}")
     if config.cc_config_v1 is not None and not isinstance(config.cc_config_v1, CcConfig_v1):
-        raise invalid_argument(
-            f"EmsConfig.cc_config_v1 must be a CcConfig_v1, got {type(config.cc_config_v1).__name__}"
-        )
+        raise invalid_argument(f"EmsConfig.cc_config_v1 must be a CcConfig_v1, got {type(config.cc_config_v1).__name__}")
     snapshot = copy.deepcopy(config)
     if snapshot.context_caching_config is not None:
         snapshot.context_caching_config.validate()

@@ -22,7 +22,8 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union, overload
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ def _as_ems_exception(exc: Exception) -> EmsException:
 
 
 @contextlib.contextmanager
-def _ems_errors(on_error: Optional[Callable[[], None]] = None) -> Iterator[None]:
+def _ems_errors(on_error: Callable[[], None] | None = None) -> Iterator[None]:
     """Turn any `Exception` into an `EmsException` (EMS_INTERNAL_ERROR unless it already is one). `KeyboardInterrupt`,
     `SystemExit` and other `BaseException`s pass through unchanged: the caller's process must be able to stop.
     `on_error` (the error counter) runs first for every `Exception`."""
@@ -84,21 +85,19 @@ def _ems_errors(on_error: Optional[Callable[[], None]] = None) -> Iterator[None]
 class ContextCaching:
     """The EMS Context Caching client of one process (get it from `Ems.get_cc()`)."""
 
-    def __init__(self, cc_config: CcConfig, tenant: Optional[str], pool: PoolBackend, settings: Settings) -> None:
+    def __init__(self, cc_config: CcConfig, tenant: str | None, pool: PoolBackend, settings: Settings) -> None:
         self._cc_config = cc_config
         self._tenant = tenant
         self._pool = pool
         self._settings = settings
-        self._layout: Optional[RegisteredLayout] = None
+        self._layout: RegisteredLayout | None = None
         self._v1_namespace = b""
         self._v0_namespace = namespace(tenant, cc_config, None)
         self._raw_device = parse_device(settings.device) if settings.device else None
         self._staging = StagingPool(
             settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
         )
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=settings.max_inflight, thread_name_prefix="ems-cc"
-        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="ems-cc")
         self._inflight = threading.BoundedSemaphore(settings.max_inflight)
         self._closed = False
         self._metrics = CcMetrics(cc_config.rank_id)
@@ -108,7 +107,7 @@ class ContextCaching:
     # ---------------------------------------------------------------- registration
 
     def register_kvcache(
-        self, kvcache: List[List[torch.Tensor]], store_layer_group_desc: Optional[List[StoreLayerGroupDesc]] = None
+        self, kvcache: list[list[torch.Tensor]], store_layer_group_desc: list[StoreLayerGroupDesc] | None = None
     ) -> None:
         """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
         `[blocks, block_size, heads, head_size]`. Moves no data. Registering again replaces the layout."""
@@ -125,7 +124,7 @@ class ContextCaching:
         )
 
     @property
-    def layout(self) -> Optional[RegisteredLayout]:
+    def layout(self) -> RegisteredLayout | None:
         return self._layout
 
     @property
@@ -187,8 +186,7 @@ class ContextCaching:
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
-        job = save_job(plan, device, backend, self._pool, self._staging, request.option, record,
-                       self._settings.chunk_bytes)
+        job = save_job(plan, device, backend, self._pool, self._staging, request.option, record, self._settings.chunk_bytes)
         with _ems_errors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
@@ -207,12 +205,10 @@ class ContextCaching:
     ) -> CcResult: ...
 
     @overload
-    def save(
-        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
-    ) -> CcResult: ...
+    def save(self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None) -> CcResult: ...
 
     @overload
-    def save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcResult: ...
+    def save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
 
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
@@ -228,11 +224,11 @@ class ContextCaching:
 
     @overload
     def async_save(
-        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None
     ) -> CcFuture: ...
 
     @overload
-    def async_save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcFuture: ...
+    def async_save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
 
     def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `save`, but returns a `CcFuture` at once.
@@ -258,8 +254,9 @@ class ContextCaching:
     # ---------------------------------------------------------------- load
 
     def _load(self, request: Request, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
-        job = load_job(plan, device, self._backend_for(device), self._pool, self._staging, request.option, record,
-                       self._settings.chunk_bytes)
+        job = load_job(
+            plan, device, self._backend_for(device), self._pool, self._staging, request.option, record, self._settings.chunk_bytes
+        )
         hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
         self._job_done(record.finish(hits, plan.total, int(plan.expected.payload_len[:hits].sum())))
@@ -277,12 +274,10 @@ class ContextCaching:
     ) -> CcResult: ...
 
     @overload
-    def load(
-        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
-    ) -> CcResult: ...
+    def load(self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None) -> CcResult: ...
 
     @overload
-    def load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcResult: ...
+    def load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
 
     def load(self, *args: Any, **kwargs: Any) -> CcResult:
         """Load blocks from the pool into the places the arguments name (the same three forms as `save`).
@@ -300,11 +295,11 @@ class ContextCaching:
 
     @overload
     def async_load(
-        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: Optional[CcKvOption] = None
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None
     ) -> CcFuture: ...
 
     @overload
-    def async_load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: Optional[CcKvOption] = None) -> CcFuture: ...
+    def async_load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
 
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
@@ -343,9 +338,7 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- exists
 
-    def exists(
-        self, hashes: Union[HashList, Sequence[V0Key]], option: Optional[CcKvOption] = None, **kwargs: Any
-    ) -> CcResult:
+    def exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
         A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising."""
@@ -366,7 +359,9 @@ class ContextCaching:
             error = outcome.first_error()
             logger.warning(
                 "exists: %d of %d pool node(s) failed, their keys count as misses: %s",
-                len(outcome.errors), outcome.nodes_contacted, error.message() if error is not None else "",
+                len(outcome.errors),
+                outcome.nodes_contacted,
+                error.message() if error is not None else "",
             )
         result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
         self._metrics.record_exists(result.success, result.total)

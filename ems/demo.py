@@ -57,7 +57,13 @@ class Engine:
     """A toy paged KV cache with a block allocator, laid out as vLLM lays it out."""
 
     def __init__(
-        self, layers: int, blocks: int, block_size: int, heads: int, head_size: int, dtype: torch.dtype,
+        self,
+        layers: int,
+        blocks: int,
+        block_size: int,
+        heads: int,
+        head_size: int,
+        dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         self.block_size = block_size
@@ -218,14 +224,21 @@ def run(args: argparse.Namespace) -> int:
         ("load GB/s (verification loads)", f"{load_gbps:.2f}"),
         ("plain copy GB/s, same bytes (limit)", f"{copy_gbps:.2f}"),
         ("save / load vs plain copy", f"{save_gbps / copy_gbps:.2f} / {load_gbps / copy_gbps:.2f}"),
-        ("blocks loaded after the wipe", f"{loaded}/{total_blocks} (the rest was evicted: a miss, never wrong)"
-         if loaded < total_blocks else f"{loaded}/{total_blocks}"),
+        (
+            "blocks loaded after the wipe",
+            f"{loaded}/{total_blocks} (the rest was evicted: a miss, never wrong)"
+            if loaded < total_blocks
+            else f"{loaded}/{total_blocks}",
+        ),
         ("loaded blocks verified byte-exact", f"{verified}/{loaded}"),
     ]
     width = max(len(k) for k, _ in rows)
     settings = Ems.settings()
-    print("EMS demo (embedded pool)" if settings is None or settings.embedded else
-          f"EMS demo (pool backend {settings.pool_backend.value})")
+    print(
+        "EMS demo (embedded pool)"
+        if settings is None or settings.embedded
+        else f"EMS demo (pool backend {settings.pool_backend.value})"
+    )
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     ok = verified == loaded > 0

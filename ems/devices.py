@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ def parse_device(spec: str) -> torch.device:
     return device
 
 
-def default_raw_device(device_id: int, registered: Optional[torch.device]) -> torch.device:
+def default_raw_device(device_id: int, registered: torch.device | None) -> torch.device:
     """Where V0 addresses live when the config does not say: see `ems.config`."""
     if registered is not None:
         return registered

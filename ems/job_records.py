@@ -8,7 +8,6 @@ request's time went: the benchmarks print it, `ENABLE_CC_PROFILING=1` logs it (l
 imports nothing of the data path, so metrics code can use it alone.
 """
 
-
 from __future__ import annotations
 
 import enum
@@ -16,7 +15,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 profile_logger = logging.getLogger("ems.profile")
 
@@ -47,7 +45,7 @@ class StageRecord:
     seconds: float = 0.0
     runs: int = 0
 
-    def add(self, other: "StageRecord") -> None:
+    def add(self, other: StageRecord) -> None:
         self.nbytes += other.nbytes
         self.seconds += other.seconds
         self.runs += other.runs
@@ -68,11 +66,11 @@ class JobRecord:
     blocks_total: int = 0
     nbytes: int = 0
     seconds: float = 0.0
-    stages: Dict[Stage, StageRecord] = field(default_factory=dict)
+    stages: dict[Stage, StageRecord] = field(default_factory=dict)
     _started: float = field(default_factory=time.perf_counter, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def stage(self, stage: Stage, nbytes: int = 0) -> "StageTimer":
+    def stage(self, stage: Stage, nbytes: int = 0) -> StageTimer:
         """Time the body of a `with` as (one run of) `stage`, moving `nbytes`."""
         return StageTimer(self, stage, nbytes)
 
@@ -91,7 +89,7 @@ class JobRecord:
         """The stages' seconds added up (more than `seconds` where they overlapped)."""
         return sum(r.seconds for r in self.stages.values())
 
-    def finish(self, blocks_ok: int, blocks_total: int, nbytes: int) -> "JobRecord":
+    def finish(self, blocks_ok: int, blocks_total: int, nbytes: int) -> JobRecord:
         self.blocks_ok, self.blocks_total, self.nbytes = blocks_ok, blocks_total, nbytes
         self.seconds = time.perf_counter() - self._started
         if self.profile:
@@ -99,18 +97,18 @@ class JobRecord:
         return self
 
     def summary(self) -> str:
-        stages = ", ".join(
-            f"{s.value} {1e3 * r.seconds:.2f} ms/{r.nbytes} B" for s, r in sorted(self.stages.items(), key=_order)
+        stages = ", ".join(f"{s.value} {1e3 * r.seconds:.2f} ms/{r.nbytes} B" for s, r in sorted(self.stages.items(), key=_order))
+        return (
+            f"{self.kind.value} {self.blocks_ok}/{self.blocks_total} blocks, {self.nbytes} bytes, "
+            f"{1e3 * self.seconds:.2f} ms ({self.path}): {stages}"
         )
-        return (f"{self.kind.value} {self.blocks_ok}/{self.blocks_total} blocks, {self.nbytes} bytes, "
-                f"{1e3 * self.seconds:.2f} ms ({self.path}): {stages}")
 
 
 class StageTimer:
     """`with record.stage(...)`: adds the body's time, bytes and one run to the record's stage, on every exit path.
     (A plain class: a generator-based context manager costs several µs, and a small call runs about ten stages.)"""
 
-    __slots__ = ("_record", "_stage", "_nbytes", "_start")
+    __slots__ = ("_nbytes", "_record", "_stage", "_start")
 
     def __init__(self, record: JobRecord, stage: Stage, nbytes: int) -> None:
         self._record, self._stage, self._nbytes, self._start = record, stage, nbytes, 0.0
@@ -135,7 +133,7 @@ class KindTotals:
     blocks_total: int = 0
     nbytes: int = 0
     seconds: float = 0.0
-    stages: Dict[Stage, StageRecord] = field(default_factory=dict)
+    stages: dict[Stage, StageRecord] = field(default_factory=dict)
 
 
 class JobLedger:
@@ -143,8 +141,8 @@ class JobLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._totals: Dict[JobKind, KindTotals] = {k: KindTotals() for k in JobKind}
-        self._last: Dict[JobKind, Optional[JobRecord]] = {k: None for k in JobKind}
+        self._totals: dict[JobKind, KindTotals] = {k: KindTotals() for k in JobKind}
+        self._last: dict[JobKind, JobRecord | None] = {k: None for k in JobKind}
 
     def add(self, record: JobRecord) -> None:
         with self._lock:
@@ -162,10 +160,16 @@ class JobLedger:
         """A copy of the sums for `kind`."""
         with self._lock:
             t = self._totals[kind]
-            return KindTotals(t.jobs, t.blocks_ok, t.blocks_total, t.nbytes, t.seconds,
-                              {s: StageRecord(r.nbytes, r.seconds, r.runs) for s, r in t.stages.items()})
+            return KindTotals(
+                t.jobs,
+                t.blocks_ok,
+                t.blocks_total,
+                t.nbytes,
+                t.seconds,
+                {s: StageRecord(r.nbytes, r.seconds, r.runs) for s, r in t.stages.items()},
+            )
 
-    def last(self, kind: JobKind) -> Optional[JobRecord]:
+    def last(self, kind: JobKind) -> JobRecord | None:
         with self._lock:
             return self._last[kind]
 
@@ -175,17 +179,21 @@ class JobLedger:
             self._last = {k: None for k in JobKind}
 
 
-def stage_table(records: List[JobRecord]) -> str:
+def stage_table(records: list[JobRecord]) -> str:
     """A markdown table of the stages of `records` (one row per job and stage): bytes, ms, GB/s, share of the job."""
     lines = ["| job | path | stage | runs | MiB | ms | GB/s | share of job |", "|---|---|---|---|---|---|---|---|"]
     for record in records:
         for stage, r in sorted(record.stages.items(), key=_order):
             share = r.seconds / record.seconds if record.seconds > 0 else 0.0
-            lines.append(f"| {record.kind.value} | {record.path} | {stage.value} | {r.runs} | {r.nbytes / 2**20:.1f} "
-                         f"| {1e3 * r.seconds:.2f} | {r.gbps:.2f} | {share:.0%} |")
+            lines.append(
+                f"| {record.kind.value} | {record.path} | {stage.value} | {r.runs} | {r.nbytes / 2**20:.1f} "
+                f"| {1e3 * r.seconds:.2f} | {r.gbps:.2f} | {share:.0%} |"
+            )
         # the job's wall time; its share is the stages' seconds over it (above 100%: the stages overlapped)
         overlap = record.stage_seconds / record.seconds if record.seconds > 0 else 0.0
-        lines.append(f"| {record.kind.value} | {record.path} | **wall** | 1 | {record.nbytes / 2**20:.1f} "
-                     f"| {1e3 * record.seconds:.2f} | {record.nbytes / record.seconds / 1e9 if record.seconds > 0 else 0.0:.2f} "
-                     f"| stages {overlap:.0%} |")
+        lines.append(
+            f"| {record.kind.value} | {record.path} | **wall** | 1 | {record.nbytes / 2**20:.1f} "
+            f"| {1e3 * record.seconds:.2f} | {record.nbytes / record.seconds / 1e9 if record.seconds > 0 else 0.0:.2f} "
+            f"| stages {overlap:.0%} |"
+        )
     return "\n".join(lines)

@@ -42,7 +42,8 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable, List, Optional, Protocol, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -68,6 +69,7 @@ FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a c
 # (buffers from unrelated mappings; then it moves value by value)
 MAX_VALUE_SPAN = 1 << 40
 
+
 def plan_chunks(plan: Plan, limits: RequestLimits, target: int) -> list[tuple[int, int]]:
     """The request's chunks, (first value, end) in order: consecutive values of at most `target` payload bytes each
     (a larger value is a chunk alone), within `limits` (keys, meta, frames; data bytes: the pool client splits a
@@ -82,7 +84,7 @@ def plan_chunks(plan: Plan, limits: RequestLimits, target: int) -> list[tuple[in
     return [(s.start, s.stop) for s in split_batches(caps, plan.expected.payload_len, meta, frames)]
 
 
-def merge_outcomes(outcomes: List[PoolOutcome], total: int) -> PoolOutcome:
+def merge_outcomes(outcomes: list[PoolOutcome], total: int) -> PoolOutcome:
     """One outcome for a request from its chunks' (in order): results concatenated (keys of chunks that never ran:
     False), every error kept; nodes contacted add up, so the request is unreachable exactly when every chunk that
     ran found every node it needed failed."""
@@ -106,7 +108,7 @@ def _fence_wait_s(deadline: float) -> float:
     return max(0.0, deadline + FENCE_GRACE_S - time.monotonic())
 
 
-def _chunk_outcome(future: "concurrent.futures.Future", count: int, deadline: float) -> Any:
+def _chunk_outcome(future: concurrent.futures.Future, count: int, deadline: float) -> Any:
     """A chunk call's result, waiting at most until `deadline` (+ grace); a call that raised or did not return is
     a failed chunk."""
     try:
@@ -119,7 +121,7 @@ def _chunk_outcome(future: "concurrent.futures.Future", count: int, deadline: fl
         return _failed_chunk(count, EmsErrorCode.EMS_IO_ERROR, f"chunk failed: {error!r}")
 
 
-def run_now(call: Callable[[], Any]) -> "concurrent.futures.Future":
+def run_now(call: Callable[[], Any]) -> concurrent.futures.Future:
     """Run `call` in this thread; its result or exception as a finished future (what `fence` and `_chunk_outcome`
     read). An interrupt is recorded too (the transfer may still touch its buffer: `fence` then says so), then
     raised."""
@@ -133,7 +135,7 @@ def run_now(call: Callable[[], Any]) -> "concurrent.futures.Future":
     return future
 
 
-def fence(futures: List["concurrent.futures.Future"], deadline: float) -> bool:
+def fence(futures: list[concurrent.futures.Future], deadline: float) -> bool:
     """Stop a request's chunk calls: cancel those not started, wait (bounded by `deadline` + grace) for the others.
     True when none can touch the request's buffers any more: every call was cancelled, or returned an outcome
     without errors (a failed or timed-out transfer is aborted on its endpoint, not awaited)."""
@@ -158,17 +160,20 @@ def readable_tensor(value: Buffer) -> torch.Tensor:
     """A uint8 tensor over a stored value's bytes, for reading (a scatter never writes its source). No copy for the
     store's own buffers (a read-only view of a numpy array); a copy for anything torch cannot view."""
     owner = value.obj if isinstance(value, memoryview) else value
-    if (isinstance(owner, np.ndarray) and owner.dtype == np.uint8 and owner.ndim == 1 and owner.nbytes == len(value)
-            and owner.flags.writeable):
+    if (
+        isinstance(owner, np.ndarray)
+        and owner.dtype == np.uint8
+        and owner.ndim == 1
+        and owner.nbytes == len(value)
+        and owner.flags.writeable
+    ):
         return torch.from_numpy(owner)
     if isinstance(owner, bytearray) and len(owner) == len(value):
         return torch.frombuffer(owner, dtype=torch.uint8)
     return torch.frombuffer(bytearray(value), dtype=torch.uint8)
 
 
-
-
-def buffer_addresses(values: List[Any]) -> np.ndarray:
+def buffer_addresses(values: list[Any]) -> np.ndarray:
     """int64 `[n]`: the address of each buffer's first byte (numpy arrays, or memoryviews of whole ones)."""
     out = np.empty(len(values), dtype=np.int64)
     for i, value in enumerate(values):
@@ -180,7 +185,7 @@ def buffer_addresses(values: List[Any]) -> np.ndarray:
     return out
 
 
-def span_of(addresses: np.ndarray, lengths: np.ndarray) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+def span_of(addresses: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, np.ndarray] | None:
     """One uint8 CPU tensor over the address span of buffers (`addresses`, `lengths`: int64 `[n]`) and each
     buffer's offset in it; None when the span is wider than `MAX_VALUE_SPAN`. The tensor aliases memory between
     the buffers too: callers only touch bytes inside the buffers (a gather writes exactly the bytes its pieces
@@ -196,7 +201,7 @@ _AT_ZERO = np.zeros(1, dtype=np.int64)
 _AT_ZERO.flags.writeable = False
 
 
-def _span_of_values(values: List[Any], lengths: np.ndarray) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+def _span_of_values(values: list[Any], lengths: np.ndarray) -> tuple[torch.Tensor, np.ndarray] | None:
     """`span_of` stored values, for reading; a lone value is its own span (no address arithmetic)."""
     if len(values) == 1:
         return readable_tensor(values[0]), _AT_ZERO
@@ -231,8 +236,8 @@ class EmbeddedSave:
     def __init__(self, plan: Plan, backend: CopyBackend, store: KvStore, record: JobRecord) -> None:
         self.plan, self.backend, self.store, self.record = plan, backend, store, record
         record.path = "one-pass"
-        self._buffers: List[np.ndarray] = []
-        self._reserved: List[int] = []  # the store's reservation for each buffer
+        self._buffers: list[np.ndarray] = []
+        self._reserved: list[int] = []  # the store's reservation for each buffer
 
     def begin(self) -> None:
         try:
@@ -253,10 +258,11 @@ class EmbeddedSave:
             self._buffers = buffers = store.allocate_many(sizes[:count], self._reserved)
             if not count:
                 return
-            span: Optional[tuple[torch.Tensor, np.ndarray]] = None
+            span: tuple[torch.Tensor, np.ndarray] | None = None
             if isinstance(plan, BlockPlan):  # a lone value is its own span
-                span = (torch.from_numpy(buffers[0]), _AT_ZERO) if count == 1 else span_of(buffer_addresses(buffers),
-                                                                                             sizes[:count])
+                span = (
+                    (torch.from_numpy(buffers[0]), _AT_ZERO) if count == 1 else span_of(buffer_addresses(buffers), sizes[:count])
+                )
             if isinstance(plan, BlockPlan) and span is not None:
                 plan.gather_into(self.backend, span[0], span[1], count)
             else:  # V0 raw ranges (one copy each anyway), or buffers too far apart to view as one
@@ -289,33 +295,40 @@ class EmbeddedSave:
             self.store.recycle(buffer, reserve)
 
 
-def write_headers(buffers: List[np.ndarray], plan: Plan) -> None:
+def write_headers(buffers: list[np.ndarray], plan: Plan) -> None:
     """Checksum the payload of each of `plan`'s first `len(buffers)` values in `buffers` (while a value's bytes are
     the last ones read) and write its header in place."""
     expected, count = plan.expected, len(buffers)
     kind, signature = int(expected.kind), expected.layout_sig
-    for buffer, digest, length in zip(buffers, expected.tokens_digest[:count].tolist(),
-                                      expected.payload_len[:count].tolist()):
+    for buffer, digest, length in zip(buffers, expected.tokens_digest[:count].tolist(), expected.payload_len[:count].tolist()):
         view = memoryview(buffer)
-        header_struct.pack_into(view, 0, MAGIC, VERSION, kind, signature, digest, length,
-                                checksum([view[HEADER_SIZE:]]))
+        header_struct.pack_into(view, 0, MAGIC, VERSION, kind, signature, digest, length, checksum([view[HEADER_SIZE:]]))
 
 
 class PipelinedSave:
     """A save through staging to pool nodes (or from an accelerator): see the module docstring."""
 
-    def __init__(self, plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
-                 staging: StagingPool, option: CcKvOption, record: JobRecord, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        device: torch.device,
+        backend: CopyBackend,
+        pool: PoolBackend,
+        staging: StagingPool,
+        option: CcKvOption,
+        record: JobRecord,
+        chunk_bytes: int,
+    ) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
         self.chunk_bytes = chunk_bytes  # Settings.chunk_bytes
         record.path = "pipelined"
-        self._lease: Optional[StagingLease] = None
-        self._chunks: List[tuple[int, int]] = []
-        self._sends: List[concurrent.futures.Future] = []  # each chunk's encode + put, in order
+        self._lease: StagingLease | None = None
+        self._chunks: list[tuple[int, int]] = []
+        self._sends: list[concurrent.futures.Future] = []  # each chunk's encode + put, in order
         self._stop = threading.Event()  # set: chunks not yet sent are not sent (an earlier one failed, or abandon)
         self._deadline = 0.0
-        self._lone: Optional[Callable[[], PoolOutcome]] = None  # a one-chunk save's send, run by `finish`
+        self._lone: Callable[[], PoolOutcome] | None = None  # a one-chunk save's send, run by `finish`
 
     def begin(self) -> None:
         try:
@@ -345,7 +358,7 @@ class PipelinedSave:
             ahead = self._sends[-PIPELINE_DEPTH] if len(self._sends) >= PIPELINE_DEPTH else None
             self._sends.append(self.pool.start(functools.partial(self._send_chunk, host, a, b, ahead)))
 
-    def _send_chunk(self, host: memoryview, a: int, b: int, ahead: Optional[concurrent.futures.Future]) -> PoolOutcome:
+    def _send_chunk(self, host: memoryview, a: int, b: int, ahead: concurrent.futures.Future | None) -> PoolOutcome:
         """On a pipeline thread: checksum and header values a..b-1 in place, then, once the chunk `PIPELINE_DEPTH`
         places ahead (`ahead`, started earlier: running or done) has returned, put them (by the request's
         deadline)."""
@@ -362,8 +375,9 @@ class PipelinedSave:
                 return PoolOutcome([False] * (b - a))
             sent = time.perf_counter()
             value_lens = plan.expected.payload_len[a:b] + HEADER_SIZE
-            outcome = self.pool.put(plan.route_keys[a:b], plan.keys[a:b], values, self.option, value_lens,
-                                    deadline=self._deadline)
+            outcome = self.pool.put(
+                plan.route_keys[a:b], plan.keys[a:b], values, self.option, value_lens, deadline=self._deadline
+            )
             record.add(Stage.SEND, int(value_lens.sum()), time.perf_counter() - sent)
         except BaseException:
             self._stop.set()
@@ -428,8 +442,17 @@ class EmbeddedLoad:
 class PipelinedLoad:
     """A load from pool nodes (or into an accelerator) through staging, chunk by chunk: see the module docstring."""
 
-    def __init__(self, plan: BlockPlan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
-                 staging: StagingPool, option: CcKvOption, record: JobRecord, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        plan: BlockPlan,
+        device: torch.device,
+        backend: CopyBackend,
+        pool: PoolBackend,
+        staging: StagingPool,
+        option: CcKvOption,
+        record: JobRecord,
+        chunk_bytes: int,
+    ) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
         self.chunk_bytes = chunk_bytes  # Settings.chunk_bytes
@@ -447,7 +470,7 @@ class PipelinedLoad:
         stop = threading.Event()
         lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
         host = lease.host_view()
-        receives: List[concurrent.futures.Future] = []
+        receives: list[concurrent.futures.Future] = []
 
         def start(k: int) -> None:
             if k < len(chunks):
@@ -456,7 +479,7 @@ class PipelinedLoad:
                 # one chunk: nothing to overlap, so it runs here (no thread hop); else on the pipeline threads
                 receives.append(run_now(call) if len(chunks) == 1 else self.pool.start(call))
 
-        outcomes: List[PoolOutcome] = []
+        outcomes: list[PoolOutcome] = []
         hits = 0
         clean = False
         try:
@@ -485,8 +508,9 @@ class PipelinedLoad:
             (self.staging.release if clean else self.staging.retire)(lease)
         return hits, merge_outcomes(outcomes, plan.total)
 
-    def _receive_chunk(self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: float,
-                       stop: threading.Event) -> tuple[PoolOutcome, int]:
+    def _receive_chunk(
+        self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: float, stop: threading.Event
+    ) -> tuple[PoolOutcome, int]:
         """On a pipeline thread: values a..b-1 straight into their places in staging, then how many of them, from
         the first, are exactly the expected values."""
         record = self.record
@@ -505,12 +529,19 @@ class PipelinedLoad:
         return outcome, valid
 
 
-
 class StagedLoad:
     """A V0 load from pool nodes (its staging has no room for the headers): see the module docstring."""
 
-    def __init__(self, plan: RawPlan, device: torch.device, backend: CopyBackend, pool: PoolBackend,
-                 staging: StagingPool, option: CcKvOption, record: JobRecord) -> None:
+    def __init__(
+        self,
+        plan: RawPlan,
+        device: torch.device,
+        backend: CopyBackend,
+        pool: PoolBackend,
+        staging: StagingPool,
+        option: CcKvOption,
+        record: JobRecord,
+    ) -> None:
         self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
         self.staging, self.option, self.record = staging, option, record
         record.path = "staged"
@@ -533,7 +564,7 @@ class StagedLoad:
             lease = self.staging.acquire(nbytes, self.device)
             try:
                 with record.stage(Stage.COPY, nbytes):
-                    present = cast(List[Buffer], outcome.results[:hits])  # the first `hits` are present
+                    present = cast(list[Buffer], outcome.results[:hits])  # the first `hits` are present
                     plan.fill_from_values(lease.host_array(), present, hits)
                     with side_stream(self.device):
                         if lease.host is not lease.device:
@@ -546,9 +577,16 @@ class StagedLoad:
         return hits, outcome
 
 
-
-def save_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend, staging: StagingPool,
-             option: CcKvOption, record: JobRecord, chunk_bytes: int) -> SaveJob:
+def save_job(
+    plan: Plan,
+    device: torch.device,
+    backend: CopyBackend,
+    pool: PoolBackend,
+    staging: StagingPool,
+    option: CcKvOption,
+    record: JobRecord,
+    chunk_bytes: int,
+) -> SaveJob:
     """The save job for this request's path: embedded (CPU tensors, the embedded pool) or pipelined."""
     store = pool.local_store
     if store is not None and device.type == "cpu":
@@ -556,8 +594,16 @@ def save_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolB
     return PipelinedSave(plan, device, backend, pool, staging, option, record, chunk_bytes)
 
 
-def load_job(plan: Plan, device: torch.device, backend: CopyBackend, pool: PoolBackend, staging: StagingPool,
-             option: CcKvOption, record: JobRecord, chunk_bytes: int) -> LoadJob:
+def load_job(
+    plan: Plan,
+    device: torch.device,
+    backend: CopyBackend,
+    pool: PoolBackend,
+    staging: StagingPool,
+    option: CcKvOption,
+    record: JobRecord,
+    chunk_bytes: int,
+) -> LoadJob:
     """The load job for this request's path: embedded, pipelined (V1) or staged (V0 from pool nodes)."""
     store = pool.local_store
     if store is not None and device.type == "cpu":

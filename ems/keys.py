@@ -11,7 +11,7 @@ byte, so a `str` key never collides with a `PrimaryKey` or a block hash.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ems.config import CcConfig
 from ems.types import V0Key
@@ -21,7 +21,7 @@ FORM_V1 = b"\x01"
 FORM_V0_STR = b"\x02"
 
 
-def namespace(tenant: Optional[str], cc_config: CcConfig, layout_signature: Optional[int]) -> bytes:
+def namespace(tenant: str | None, cc_config: CcConfig, layout_signature: int | None) -> bytes:
     parts = [
         f"tenant={tenant or ''}",
         f"model={cc_config.model_id}",

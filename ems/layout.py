@@ -13,8 +13,8 @@ bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 import xxhash
@@ -70,9 +70,7 @@ def _check_tensor(name: str, tensor: object) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise invalid_argument(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != 4:
-        raise invalid_argument(
-            f"{name} must have shape [blocks, block_size, heads, head_size], got {tuple(tensor.shape)}"
-        )
+        raise invalid_argument(f"{name} must have shape [blocks, block_size, heads, head_size], got {tuple(tensor.shape)}")
     if any(int(d) <= 0 for d in tensor.shape):
         raise invalid_argument(f"{name} has an empty dimension: {tuple(tensor.shape)}")
     heads, head_size = int(tensor.shape[2]), int(tensor.shape[3])
@@ -89,7 +87,7 @@ def _check_tensor(name: str, tensor: object) -> torch.Tensor:
 
 
 def _group_descs(
-    num_layers: int, block_size: int, store_layer_group_desc: Optional[Sequence[StoreLayerGroupDesc]]
+    num_layers: int, block_size: int, store_layer_group_desc: Sequence[StoreLayerGroupDesc] | None
 ) -> list[StoreLayerGroupDesc]:
     if store_layer_group_desc is None:
         return [StoreLayerGroupDesc(store_block_size=block_size, layer_ids=list(range(num_layers)))]
@@ -98,9 +96,7 @@ def _group_descs(
     seen: dict[int, int] = {}
     for g, desc in enumerate(store_layer_group_desc):
         if not isinstance(desc, StoreLayerGroupDesc):
-            raise invalid_argument(
-                f"store_layer_group_desc[{g}] must be a StoreLayerGroupDesc, got {type(desc).__name__}"
-            )
+            raise invalid_argument(f"store_layer_group_desc[{g}] must be a StoreLayerGroupDesc, got {type(desc).__name__}")
         for layer in desc.layer_ids:
             if layer >= num_layers:
                 raise invalid_argument(
@@ -117,9 +113,7 @@ def _group_descs(
     return list(store_layer_group_desc)
 
 
-def register_layout(
-    kvcache: object, store_layer_group_desc: Optional[Sequence[StoreLayerGroupDesc]] = None
-) -> RegisteredLayout:
+def register_layout(kvcache: object, store_layer_group_desc: Sequence[StoreLayerGroupDesc] | None = None) -> RegisteredLayout:
     """Check `kvcache` (and the optional layer groups) and record the layout; raises EmsException on bad input."""
     if not isinstance(kvcache, (list, tuple)) or not kvcache:
         raise invalid_argument("kvcache must be a non-empty list (layers) of [K, V] tensor pairs")

@@ -45,7 +45,8 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -89,12 +90,12 @@ class _Workers:
     and is reported as timed out. Daemon threads: a hung call never keeps the process from exiting."""
 
     def __init__(self, threads: int, name: str) -> None:
-        self._queue: "queue.SimpleQueue[Optional[tuple[concurrent.futures.Future, Callable[[], Any]]]]" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         self._lock = threading.Lock()
         self._started = False
         self.in_flight = 0  # calls running now (read under `_lock`)
-        self._idle: List[Callable[[], None]] = []  # run once when no call is in flight
+        self._idle: list[Callable[[], None]] = []  # run once when no call is in flight
 
     def _run(self) -> None:
         while True:
@@ -127,7 +128,7 @@ class _Workers:
                 return
         action()
 
-    def submit(self, fn: Callable[[], R]) -> "concurrent.futures.Future[R]":
+    def submit(self, fn: Callable[[], R]) -> concurrent.futures.Future[R]:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if not self._started:
@@ -160,8 +161,8 @@ class _Registry:
     """The store's registered memory regions, by address (few: one per staging or bounce buffer)."""
 
     def __init__(self) -> None:
-        self._starts: List[int] = []
-        self._ends: List[int] = []
+        self._starts: list[int] = []
+        self._ends: list[int] = []
         self._lock = threading.Lock()
 
     def add(self, start: int, size: int) -> None:
@@ -189,7 +190,7 @@ class _Registry:
         return covered
 
 
-def _failure(codes: Sequence[int], what: str) -> Optional[TransportError]:
+def _failure(codes: Sequence[int], what: str) -> TransportError | None:
     """The call's error when some key failed as the pool fails (transfer, RPC), else None."""
     failed = sorted({int(c) for c in codes if int(c) <= POOL_FAILURE})
     if not failed:
@@ -211,26 +212,27 @@ class MooncakePool:
                 f"(or mooncake-transfer-engine-non-cuda on hosts without CUDA): {exc}",
             ) from exc
         self.settings = settings
-        self.limits = RequestLimits(max_keys=MAX_KEYS, max_data_bytes=_NO_LIMIT, max_meta_bytes=_NO_LIMIT,
-                                    max_data_frames=_NO_LIMIT)
+        self.limits = RequestLimits(
+            max_keys=MAX_KEYS, max_data_bytes=_NO_LIMIT, max_meta_bytes=_NO_LIMIT, max_data_frames=_NO_LIMIT
+        )
         self._factory = MooncakeDistributedStore
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = replicas
         self._connect_timeout_s = connect_timeout_s
         self._workers = _Workers(WORKER_THREADS, "ems-mooncake")
         self._store: Any = None  # set once a setup attempt succeeded
-        self._attempt: Optional[concurrent.futures.Future] = None
+        self._attempt: concurrent.futures.Future | None = None
         self._state_lock = threading.Lock()
         self._registry = _Registry()
         self._registered: dict[int, torch.Tensor] = {}  # address -> buffer (kept alive while registered)
         self._bounce = StagingPool(BOUNCE_CAPACITY, self.prepare_staging, self.release_staging)
-        self._pipeline: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pipeline: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self._connect()
 
     # ---- start-up and health
 
-    def _connect(self) -> Optional[concurrent.futures.Future]:
+    def _connect(self) -> concurrent.futures.Future | None:
         """The setup attempt in progress, starting one when there is none (or the last one failed)."""
         with self._state_lock:
             if self._store is not None or self._closed:
@@ -240,7 +242,7 @@ class MooncakePool:
                 attempt = self._attempt = self._workers.submit(self._setup)
             return attempt
 
-    def _reachable(self) -> Optional[str]:
+    def _reachable(self) -> str | None:
         """Why the master (or a metadata server given as a URL) does not accept a TCP connection now, or None."""
         s = self.settings
         targets = [s.master.rpartition(":")[::2]]
@@ -297,12 +299,12 @@ class MooncakePool:
         return f"mooncake master {self.settings.master} ({self.settings.protocol})"
 
     @property
-    def local_store(self) -> Optional[KvStore]:
+    def local_store(self) -> KvStore | None:
         return None
 
     # ---- registered memory
 
-    def shm_staging(self, nbytes: int) -> Optional[Any]:
+    def shm_staging(self, nbytes: int) -> Any | None:
         """None: staging is this process's memory, registered with Mooncake (`prepare_staging`)."""
         return None
 
@@ -341,7 +343,7 @@ class MooncakePool:
 
     # ---- calls
 
-    def start(self, call: Callable[[], R]) -> "concurrent.futures.Future[R]":
+    def start(self, call: Callable[[], R]) -> concurrent.futures.Future[R]:
         with self._state_lock:
             if self._pipeline is None:
                 self._pipeline = concurrent.futures.ThreadPoolExecutor(
@@ -349,7 +351,7 @@ class MooncakePool:
                 )
             return self._pipeline.submit(call)
 
-    def _begin(self, option: CcKvOption, deadline: Optional[float]) -> tuple[Any, float]:
+    def _begin(self, option: CcKvOption, deadline: float | None) -> tuple[Any, float]:
         """(the store, or None when not set up or closed; the call's deadline)."""
         if deadline is None:
             deadline = time.monotonic() + timeout_seconds(option)
@@ -362,7 +364,7 @@ class MooncakePool:
         error = TransportError(EmsErrorCode.EMS_IO_ERROR, "mooncake: not connected to the master yet")
         return PoolOutcome([False] * count, [error], nodes_contacted=1)
 
-    def _run(self, fn: Callable[[], R], deadline: float, what: str, outcome: PoolOutcome) -> Optional[R]:
+    def _run(self, fn: Callable[[], R], deadline: float, what: str, outcome: PoolOutcome) -> R | None:
         """`fn()` on a worker by `deadline`; None (and the error in `outcome`) when it failed or timed out."""
         try:
             return self._workers.call(fn, deadline, what)
@@ -378,8 +380,8 @@ class MooncakePool:
         keys: Sequence[bytes],
         values: Sequence[Sequence[Buffer]],
         option: CcKvOption,
-        value_lens: Optional[np.ndarray] = None,
-        deadline: Optional[float] = None,
+        value_lens: np.ndarray | None = None,
+        deadline: float | None = None,
     ) -> PoolOutcome[bool]:
         """`batch_upsert_from` of every value (replaced where it exists); True where Mooncake stored it."""
         n = len(keys)
@@ -390,13 +392,16 @@ class MooncakePool:
             return self._not_set_up(n)
         names = [mooncake_key(k) for k in keys]
         single = np.fromiter((len(v) == 1 for v in values), dtype=bool, count=n)
-        sizes = (np.asarray(value_lens, dtype=np.int64) if value_lens is not None else
-                 np.fromiter((sum(len(memoryview(p).cast("B")) for p in v) for v in values), dtype=np.int64, count=n))
+        sizes = (
+            np.asarray(value_lens, dtype=np.int64)
+            if value_lens is not None
+            else np.fromiter((sum(len(memoryview(p).cast("B")) for p in v) for v in values), dtype=np.int64, count=n)
+        )
         addresses = np.zeros(n, dtype=np.int64)
         where = np.nonzero(single)[0]
         addresses[where] = np.fromiter((address_of(values[i][0]) for i in where.tolist()), np.int64, where.size)
         direct = single & self._registry.covers(addresses, sizes)
-        bounce: Optional[StagingLease] = None
+        bounce: StagingLease | None = None
         if not direct.all():  # copy those values whole into registered memory
             idx = np.nonzero(~direct)[0]
             offsets = np.concatenate(([0], np.cumsum(sizes[idx])))
@@ -412,11 +417,12 @@ class MooncakePool:
         ptrs, lens = addresses.tolist(), sizes.tolist()
         replicate = self._replicate
 
-        def call(held: object = (values, bounce)) -> List[int]:  # `held`: the bytes stay alive while the call runs
-            codes: List[int] = []
+        def call(held: object = (values, bounce)) -> list[int]:  # `held`: the bytes stay alive while the call runs
+            codes: list[int] = []
             for at in range(0, n, MAX_KEYS):
-                codes += store.batch_upsert_from(names[at : at + MAX_KEYS], ptrs[at : at + MAX_KEYS],
-                                                 lens[at : at + MAX_KEYS], replicate)
+                codes += store.batch_upsert_from(
+                    names[at : at + MAX_KEYS], ptrs[at : at + MAX_KEYS], lens[at : at + MAX_KEYS], replicate
+                )
             return codes
 
         outcome: PoolOutcome[bool] = PoolOutcome([False] * n, nodes_contacted=1)
@@ -436,8 +442,8 @@ class MooncakePool:
         keys: Sequence[bytes],
         outs: Sequence[Buffer],
         option: CcKvOption,
-        expected: Optional[ExpectedValues] = None,
-        deadline: Optional[float] = None,
+        expected: ExpectedValues | None = None,
+        deadline: float | None = None,
     ) -> PoolOutcome[bool]:
         """`batch_get_into` straight into `outs` (through the bounce buffer where they are not registered); True
         where a value of exactly `len(outs[i])` bytes was placed."""
@@ -453,7 +459,7 @@ class MooncakePool:
         sizes = np.fromiter((memoryview(o).nbytes for o in outs), dtype=np.int64, count=n)
         addresses = np.fromiter((address_of(o) for o in outs), dtype=np.int64, count=n)
         direct = self._registry.covers(addresses, sizes)
-        bounce: Optional[StagingLease] = None
+        bounce: StagingLease | None = None
         idx = np.nonzero(~direct)[0]
         if idx.size:
             offsets = np.concatenate(([0], np.cumsum(sizes[idx])))
@@ -461,8 +467,8 @@ class MooncakePool:
             addresses[idx] = int(bounce.host.data_ptr()) + offsets[:-1]
         ptrs, lens = addresses.tolist(), sizes.tolist()
 
-        def call(held: object = (outs, bounce)) -> List[int]:  # `held`: the buffers stay alive while the call runs
-            got: List[int] = []
+        def call(held: object = (outs, bounce)) -> list[int]:  # `held`: the buffers stay alive while the call runs
+            got: list[int] = []
             for at in range(0, n, MAX_KEYS):
                 got += store.batch_get_into(names[at : at + MAX_KEYS], ptrs[at : at + MAX_KEYS], lens[at : at + MAX_KEYS])
             return got
@@ -489,8 +495,8 @@ class MooncakePool:
         route_keys: Sequence[bytes],
         keys: Sequence[bytes],
         option: CcKvOption,
-        expected: Optional[ExpectedValues] = None,
-    ) -> PoolOutcome[Optional[Buffer]]:
+        expected: ExpectedValues | None = None,
+    ) -> PoolOutcome[Buffer | None]:
         """`get_batch` (Mooncake's own buffer, in parts within half of it by the expected sizes): each value, or
         None."""
         n = len(keys)
@@ -498,7 +504,7 @@ class MooncakePool:
             return PoolOutcome([None] * n)
         store, deadline = self._begin(option, None)
         if store is None:
-            missing: PoolOutcome[Optional[Buffer]] = self._not_set_up(n)
+            missing: PoolOutcome[Buffer | None] = self._not_set_up(n)
             missing.results = [None] * n
             return missing
         names = [mooncake_key(k) for k in keys]
@@ -514,13 +520,13 @@ class MooncakePool:
         else:
             cuts = list(range(0, n, MAX_KEYS)) + [n]
 
-        def call() -> List[bytes]:
-            values: List[bytes] = []
+        def call() -> list[bytes]:
+            values: list[bytes] = []
             for a, b in itertools.pairwise(cuts):
                 values += store.get_batch(names[a:b])
             return values
 
-        outcome: PoolOutcome[Optional[Buffer]] = PoolOutcome([None] * n, nodes_contacted=1)
+        outcome: PoolOutcome[Buffer | None] = PoolOutcome([None] * n, nodes_contacted=1)
         values = self._run(call, deadline, "get", outcome)
         if values is not None:
             outcome.results = [v if len(v) else None for v in values]
@@ -536,8 +542,8 @@ class MooncakePool:
             return self._not_set_up(n)
         names = [mooncake_key(k) for k in keys]
 
-        def call() -> List[int]:
-            codes: List[int] = []
+        def call() -> list[int]:
+            codes: list[int] = []
             for at in range(0, n, MAX_KEYS):
                 codes += store.batch_is_exist(names[at : at + MAX_KEYS])
             return codes

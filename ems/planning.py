@@ -18,18 +18,18 @@ objects (keys, memoryviews) are built per block.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence, Union
 
 import numpy as np
 import torch
 
+from ems.buffers import Buffer
 from ems.kernels.base import CopyBackend
 from ems.kernels.plan import value_pieces
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
-from ems.buffers import Buffer
 from ems.value_format import HEADER_SIZE, VALUE_LEAD, ExpectedValues, ValueKind, build_headers, checksum, tokens_digest
 
 ALIGN = 64
@@ -50,9 +50,7 @@ def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The slots of runs (lengths >= 0), in order: int64 `[sum(lengths)]`."""
     lengths = np.asarray(lengths, dtype=np.int64)
     first = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    slots: np.ndarray = np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (
-        np.arange(first.size, dtype=np.int64) - first
-    )
+    slots: np.ndarray = np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (np.arange(first.size, dtype=np.int64) - first)
     return slots
 
 
@@ -85,10 +83,10 @@ class GroupRegion:
 class BlockPlan:
     """A V1 request: one value per block hash."""
 
-    keys: List[bytes]
-    route_keys: List[bytes]
+    keys: list[bytes]
+    route_keys: list[bytes]
     expected: ExpectedValues
-    regions: List[GroupRegion]
+    regions: list[GroupRegion]
     value_start: np.ndarray  # int64 [n + 1]: value i at staging bytes value_start[i] .. + value_len(i)
     staging_bytes: int
 
@@ -143,8 +141,7 @@ class BlockPlan:
         """The inverse of `gather_into`: the tokens of values 0..count-1 from their places in `span` into the cache."""
         self._move(backend, span, value_offsets, 0, count, gather=False)
 
-    def _move(self, backend: CopyBackend, staging: torch.Tensor, value_start: np.ndarray, a: int, b: int,
-              gather: bool) -> None:
+    def _move(self, backend: CopyBackend, staging: torch.Tensor, value_start: np.ndarray, a: int, b: int, gather: bool) -> None:
         for region in self.regions:
             if region.has_pieces(a, b):
                 move = backend.gather_pieces if gather else backend.scatter_pieces
@@ -167,8 +164,8 @@ class BlockPlan:
 class RawPlan:
     """A V0 request: value i is the concatenation of its device ranges."""
 
-    keys: List[bytes]
-    route_keys: List[bytes]
+    keys: list[bytes]
+    route_keys: list[bytes]
     expected: ExpectedValues
     request: RawRequest
     value_start: np.ndarray  # int64 [n + 1]: byte offsets of each value in staging
@@ -231,7 +228,6 @@ class RawPlan:
             backend.scatter_segments(ptrs, lengths, span)
 
 
-
 Plan = BlockPlan | RawPlan
 
 
@@ -272,8 +268,9 @@ def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
     value_start = VALUE_LEAD + exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
     part_offset = HEADER_SIZE + np.cumsum(part_bytes, axis=1) - part_bytes
     token_start = np.stack([exclusive_cumsum(counts[:, g]) for g in range(counts.shape[1])])
-    shape = _RequestShape(payload_len, value_start, part_offset, token_start, tokens_digest(counts),
-                          max(int(value_start[-1]), ALIGN))
+    shape = _RequestShape(
+        payload_len, value_start, part_offset, token_start, tokens_digest(counts), max(int(value_start[-1]), ALIGN)
+    )
     for array in (shape.payload_len, shape.value_start, shape.part_offset, shape.token_start, shape.tokens_digest):
         array.flags.writeable = False  # shared by every plan of this shape
     if len(_SHAPES) >= _MAX_SHAPES:
@@ -282,7 +279,7 @@ def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
     return shape
 
 
-def plan_blocks(request: Union[SlotRequest, ChunkRequest], layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
+def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
     keys, route_keys = v1_keys(namespace, request.hashes)
     n = request.total
     groups = layout.groups
@@ -295,8 +292,11 @@ def plan_blocks(request: Union[SlotRequest, ChunkRequest], layout: RegisteredLay
     for g, group in enumerate(groups):
         slots = request.slots if isinstance(request, SlotRequest) else _expand_runs(request.starts[g], request.lengths[g])
         table, value = value_pieces(slots, group.planes.block_size, shape.token_start[g], shape.part_offset[:, g])
-        piece_start = (np.arange(2, dtype=np.int64) if n == 1 and value.size == 1
-                       else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64))
+        piece_start = (
+            np.arange(2, dtype=np.int64)
+            if n == 1 and value.size == 1
+            else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64)
+        )
         regions.append(GroupRegion(group, table, piece_start, value))
     expected = ExpectedValues(
         kind=ValueKind.BLOCKS_V1,

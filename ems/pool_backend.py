@@ -23,7 +23,8 @@ Contract, for every implementation:
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ class PoolBackend(Protocol):
     limits: RequestLimits
 
     @property
-    def local_store(self) -> Optional[KvStore]:
+    def local_store(self) -> KvStore | None:
         """The embedded store when the pool is in this process (the one-pass data path), else None."""
         ...
 
@@ -52,7 +53,7 @@ class PoolBackend(Protocol):
         """The pool in a few words, for logs ("embedded", node addresses, the Mooncake master)."""
         ...
 
-    def start(self, call: Callable[[], R]) -> "concurrent.futures.Future[R]":
+    def start(self, call: Callable[[], R]) -> concurrent.futures.Future[R]:
         """Run `call` on the pipeline threads; its future."""
         ...
 
@@ -60,7 +61,7 @@ class PoolBackend(Protocol):
         """Make a new host staging buffer (uint8, contiguous) ready to carry values (e.g. register it)."""
         ...
 
-    def shm_staging(self, nbytes: int) -> Optional[Any]:
+    def shm_staging(self, nbytes: int) -> Any | None:
         """A staging buffer of `nbytes` in memory the pool shares with this process (`StagingPool.acquire`'s
         `shared`), or None: then staging comes from the staging pool."""
         ...
@@ -75,8 +76,8 @@ class PoolBackend(Protocol):
         keys: Sequence[bytes],
         values: Sequence[Sequence[Buffer]],
         option: CcKvOption,
-        value_lens: Optional[np.ndarray] = None,
-        deadline: Optional[float] = None,
+        value_lens: np.ndarray | None = None,
+        deadline: float | None = None,
     ) -> PoolOutcome[bool]:
         """Store each value (its parts concatenated); True where stored."""
         ...
@@ -86,8 +87,8 @@ class PoolBackend(Protocol):
         route_keys: Sequence[bytes],
         keys: Sequence[bytes],
         option: CcKvOption,
-        expected: Optional[ExpectedValues] = None,
-    ) -> PoolOutcome[Optional[Buffer]]:
+        expected: ExpectedValues | None = None,
+    ) -> PoolOutcome[Buffer | None]:
         """Each key's stored value, or None."""
         ...
 
@@ -97,8 +98,8 @@ class PoolBackend(Protocol):
         keys: Sequence[bytes],
         outs: Sequence[Buffer],
         option: CcKvOption,
-        expected: Optional[ExpectedValues] = None,
-        deadline: Optional[float] = None,
+        expected: ExpectedValues | None = None,
+        deadline: float | None = None,
     ) -> PoolOutcome[bool]:
         """Each key's value placed in `outs[i]`; True where a value of exactly `len(outs[i])` bytes is there."""
         ...

@@ -27,25 +27,26 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, List, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.errors import EmsErrorCode
 from ems.cluster.placement import Members
+from ems.cluster.routing import ranked_owners
+from ems.errors import EmsErrorCode
 from ems.store import KvStore
 from ems.transport import protocol
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.inprocess import InProcessNode
-from ems.cluster.routing import ranked_owners
 from ems.types import MAX_TIMEOUT_MS, CcKvOption
 from ems.value_format import HEADER_SIZE, ExpectedValues, matches
 
 T = TypeVar("T")
 R = TypeVar("R")
-Costs = Tuple[np.ndarray, np.ndarray, np.ndarray]  # per key: data bytes, meta bytes, data frames
+Costs = tuple[np.ndarray, np.ndarray, np.ndarray]  # per key: data bytes, meta bytes, data frames
 
 PUT_META_PER_KEY = 12  # value length u64 + key length u32 (+ 8 per data frame)
 KEY_META_PER_KEY = 4  # key length u32
@@ -56,8 +57,8 @@ PIPELINE_THREADS = 8  # calls started with `PoolClient.start` that run at once (
 class PoolOutcome(Generic[T]):
     """Per-key results in request order, and the errors of the nodes that failed."""
 
-    results: List[T]
-    errors: List[TransportError] = field(default_factory=list)
+    results: list[T]
+    errors: list[TransportError] = field(default_factory=list)
     nodes_contacted: int = 0
     #: a get's present values were all checked against `expected` already (the caller need not check them again)
     verified: bool = False
@@ -67,7 +68,7 @@ class PoolOutcome(Generic[T]):
         """Every node this call needed failed."""
         return self.nodes_contacted > 0 and len(self.errors) == self.nodes_contacted
 
-    def first_error(self) -> Optional[TransportError]:
+    def first_error(self) -> TransportError | None:
         """The error to raise for an unreachable pool: a timeout if any node timed out."""
         for error in self.errors:
             if error.status_code() == EmsErrorCode.EMS_IO_TIMEOUT:
@@ -86,7 +87,7 @@ def deadline_of(option: CcKvOption) -> float:
     return time.monotonic() + timeout_seconds(option)
 
 
-def _remaining(option: CcKvOption, deadline: Optional[float]) -> float:
+def _remaining(option: CcKvOption, deadline: float | None) -> float:
     return timeout_seconds(option) if deadline is None else max(0.0, deadline - time.monotonic())
 
 
@@ -100,13 +101,13 @@ class RequestLimits:
     max_data_frames: int = protocol.MAX_DATA_FRAMES
 
 
-def split_batches(limits: RequestLimits, data: np.ndarray, meta: np.ndarray, chunks: np.ndarray) -> List[slice]:
+def split_batches(limits: RequestLimits, data: np.ndarray, meta: np.ndarray, chunks: np.ndarray) -> list[slice]:
     """Consecutive slices of items (costs per item: data bytes, meta bytes, data frames) such that each slice keeps
     every limit; an item that alone exceeds one still travels, alone (the node then refuses it)."""
     n = len(data)
     cums = [np.concatenate(([0], np.cumsum(c, dtype=np.int64))) for c in (data, meta, chunks)]
     caps = (limits.max_data_bytes, limits.max_meta_bytes, limits.max_data_frames)
-    batches: List[slice] = []
+    batches: list[slice] = []
     start = 0
     while start < n:
         end = min(n, start + limits.max_keys)
@@ -131,7 +132,7 @@ class PoolClient:
         nodes: Sequence[NodeClient],
         read_cache_capacity: int = 0,
         replicas: int = 1,
-        connect: Optional[Callable[[str], NodeClient]] = None,
+        connect: Callable[[str], NodeClient] | None = None,
         limits: RequestLimits = RequestLimits(),
     ) -> None:
         if not nodes and connect is None:
@@ -142,13 +143,11 @@ class PoolClient:
         self.limits = limits
         self.members = Members(nodes, connect)
         self.is_local = bool(nodes) and all(isinstance(n, InProcessNode) for n in nodes)
-        self.read_cache: Optional[KvStore] = (
-            KvStore(read_cache_capacity, verify_on_put=False)
-            if read_cache_capacity > 0 and not self.is_local
-            else None
+        self.read_cache: KvStore | None = (
+            KvStore(read_cache_capacity, verify_on_put=False) if read_cache_capacity > 0 and not self.is_local else None
         )
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._pipeline: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pipeline: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._on_close: list[Callable[[], None]] = []
 
@@ -162,7 +161,7 @@ class PoolClient:
         self.members.set(addresses)
 
     def describe(self) -> str:
-        """"embedded", or the live nodes' addresses (for logs)."""
+        """ "embedded", or the live nodes' addresses (for logs)."""
         return "embedded" if self.is_local else ", ".join(n.address for n in self.nodes)
 
     def prepare_staging(self, buffer: Any) -> None:
@@ -176,7 +175,7 @@ class PoolClient:
         self._on_close.append(callback)
 
     @property
-    def local_store(self) -> Optional[KvStore]:
+    def local_store(self) -> KvStore | None:
         """The embedded pool's store when this client's only node is in-process (the one-pass data path), else None."""
         if len(self.nodes) == 1 and isinstance(self.nodes[0], InProcessNode):
             store = self.nodes[0].store
@@ -193,7 +192,7 @@ class PoolClient:
                 )
             return self._executor
 
-    def start(self, call: Callable[[], R]) -> "concurrent.futures.Future[R]":
+    def start(self, call: Callable[[], R]) -> concurrent.futures.Future[R]:
         """Run `call` on the pipeline threads (at most `PIPELINE_THREADS` at once, the rest in the order started)
         and return its future: how one request keeps several calls in flight (see the module docstring)."""
         with self._executor_lock:
@@ -216,7 +215,7 @@ class PoolClient:
         a prefix of its keys (all of them unless its node failed) and whether the node failed (its error is added
         to `outcome.errors`)."""
 
-        def run(node: NodeClient, idx: np.ndarray) -> tuple[list, Optional[TransportError]]:
+        def run(node: NodeClient, idx: np.ndarray) -> tuple[list, TransportError | None]:
             answers: list = []
             for batch in split_batches(self.limits, *costs(idx)):
                 remaining = deadline - time.monotonic()
@@ -335,8 +334,8 @@ class PoolClient:
         keys: Sequence[bytes],
         values: Sequence[Sequence[Buffer]],
         option: CcKvOption,
-        value_lens: Optional[np.ndarray] = None,
-        deadline: Optional[float] = None,
+        value_lens: np.ndarray | None = None,
+        deadline: float | None = None,
     ) -> PoolOutcome[bool]:
         """Store each value at its `replicas` owning nodes in parallel; `results[i]` is True when the value is
         stored: at least one owner acknowledged it and no owner that answered refused it. An owner that failed as a
@@ -396,8 +395,8 @@ class PoolClient:
         route_keys: Sequence[bytes],
         keys: Sequence[bytes],
         option: CcKvOption,
-        expected: Optional[ExpectedValues] = None,
-    ) -> PoolOutcome[Optional[Buffer]]:
+        expected: ExpectedValues | None = None,
+    ) -> PoolOutcome[Buffer | None]:
         """Each key's stored value, or None; the read cache first, then (unless local-only) the owning node.
 
         With `expected`, a read-cache entry that is not exactly the expected value (damaged, or written by another
@@ -449,8 +448,8 @@ class PoolClient:
         keys: Sequence[bytes],
         outs: Sequence[Buffer],
         option: CcKvOption,
-        expected: Optional[ExpectedValues] = None,
-        deadline: Optional[float] = None,
+        expected: ExpectedValues | None = None,
+        deadline: float | None = None,
     ) -> PoolOutcome[bool]:
         """Place each key's value in the caller's writable buffer `outs[i]` (read cache first, then, unless
         local-only, the owning node, which receives it there without an intermediate copy when it travels alone);
@@ -523,7 +522,7 @@ class PoolClient:
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
         return any(f.result() for f in done if f.exception() is None)
 
-    def shm_staging(self, nbytes: int) -> Optional[Any]:
+    def shm_staging(self, nbytes: int) -> Any | None:
         """A buffer of `nbytes` in the shared-memory region of this pool's one node (`UcxNode.shm_buffer`: its calls
         move values lying there without a copy), or None: several nodes, a node elsewhere, or no room."""
         nodes = self.nodes

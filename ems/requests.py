@@ -14,8 +14,9 @@ A slot outside the registered cache never reaches a kernel (that would be memory
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ class RawRequest:
     """V0: value i is the concatenation of the device ranges `segments[seg_start[i]:seg_start[i+1]]`."""
 
     option: CcKvOption
-    keys: List[V0Key]  # PrimaryKey or plain str keys
+    keys: list[V0Key]  # PrimaryKey or plain str keys
     ptrs: np.ndarray  # int64 [S] device addresses
     lengths: np.ndarray  # int64 [S] bytes
     seg_start: np.ndarray  # int64 [n+1]
@@ -65,7 +66,7 @@ class SlotRequest:
     """V1 slot_mapping: block i is `hashes[i]`, the tokens `slots[tok_start[i]:tok_start[i+1]]`."""
 
     option: CcKvOption
-    hashes: List[int]
+    hashes: list[int]
     slots: np.ndarray  # int64 [T]
     offsets: np.ndarray  # int64 [n] tokens per block
 
@@ -79,7 +80,7 @@ class ChunkRequest:
     """V1 chunk_descs: block i of group g is the run `starts[g, i] .. starts[g, i] + lengths[g, i] - 1`."""
 
     option: CcKvOption
-    hashes: List[int]
+    hashes: list[int]
     starts: np.ndarray  # int64 [G, n]
     lengths: np.ndarray  # int64 [G, n]
 
@@ -155,7 +156,7 @@ def _describe_int(value: int) -> str:
     return str(value) if value.bit_length() <= 128 else f"a {value.bit_length()}-bit int"
 
 
-def _hashes(value: object) -> List[int]:
+def _hashes(value: object) -> list[int]:
     if isinstance(value, np.ndarray) and value.dtype.kind in "uO" and value.ndim == 1:
         value = value.tolist()  # u64 hashes are keys, not offsets: no int64 limit; object arrays are checked as lists
     elif isinstance(value, (np.ndarray, torch.Tensor)):
@@ -220,9 +221,7 @@ def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotRequest
     bad = (slots < 0) | (slots >= num_slots)
     if bad.any():
         i = _first(bad)
-        raise invalid_argument(
-            f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})"
-        )
+        raise invalid_argument(f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})")
     if op is Operation.LOAD:
         _check_no_repeats("slot_mapping", slots)
     return SlotRequest(option, hashes, slots, offsets)
@@ -270,9 +269,7 @@ def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkReque
         for mask, why in problems:
             if mask.any():
                 i = _first(mask)
-                raise invalid_argument(
-                    f"chunk_descs[{g}][{i}] = ({int(starts[g, i])}, {int(lengths[g, i])}): {why}"
-                )
+                raise invalid_argument(f"chunk_descs[{g}][{i}] = ({int(starts[g, i])}, {int(lengths[g, i])}): {why}")
         if op is Operation.LOAD:
             slots = runs_to_slots(torch.from_numpy(starts[g]), torch.from_numpy(lengths[g])).numpy()
             _check_no_repeats(f"chunk_descs[{g}]", slots)
@@ -322,7 +319,7 @@ def _check_v0_keys(name: str, keys: Sequence[object]) -> None:
             raise invalid_argument(f"{name}[{i}] must be a PrimaryKey or a str key, got {type(key).__name__}")
 
 
-def bind_request(op: Operation, args: tuple, kwargs: dict, layout: Optional[RegisteredLayout]) -> Request:
+def bind_request(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayout | None) -> Request:
     """The request the arguments describe, fully checked against `layout` (None before registration)."""
     v0 = (args and isinstance(args[0], CcKvOption)) or "key_list" in kwargs or "value_list" in kwargs
     if v0:
@@ -332,16 +329,14 @@ def bind_request(op: Operation, args: tuple, kwargs: dict, layout: Optional[Regi
         raise invalid_argument(f"{op.value}(): V1 calls need register_kvcache() first")
     if b.get("chunk_descs") is not None:
         if b.get("slot_mapping") is not None or b.get("offsets") is not None:
-            raise invalid_argument(
-                f"{op.value}(): give either slot_mapping + offsets or chunk_descs, not both semantics at once"
-            )
+            raise invalid_argument(f"{op.value}(): give either slot_mapping + offsets or chunk_descs, not both semantics at once")
         return _bind_chunks(op, b, layout)
     if b.get("slot_mapping") is None and b.get("offsets") is None and b.get("hashes") is not None:
         raise invalid_argument(f"{op.value}(): give slot_mapping + offsets, or chunk_descs, with hashes")
     return _bind_slots(op, b, layout)
 
 
-def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> tuple[Union[List[int], List[V0Key]], CcKvOption]:
+def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> tuple[list[int] | list[V0Key], CcKvOption]:
     """exists(hashes, option=None): V1 block hashes, or V0 keys (PrimaryKey or str)."""
     if kwargs:
         raise invalid_argument(f"exists() got unexpected arguments {sorted(kwargs)}")

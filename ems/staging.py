@@ -19,8 +19,9 @@ when the pool lets go of it (dropped from the free list, released without being 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,8 +58,8 @@ class StagingPool:
     def __init__(
         self,
         capacity_bytes: int,
-        on_new_buffer: Optional[Callable[[torch.Tensor], None]] = None,
-        on_drop_buffer: Optional[Callable[[torch.Tensor], None]] = None,
+        on_new_buffer: Callable[[torch.Tensor], None] | None = None,
+        on_drop_buffer: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.capacity = capacity_bytes
         self._on_new_buffer = on_new_buffer
@@ -72,7 +73,7 @@ class StagingPool:
     def _cost(lease: StagingLease) -> int:
         return lease.capacity * (1 if lease.device is lease.host else 2)
 
-    def _take_free(self, nbytes: int, device: torch.device) -> Optional[StagingLease]:
+    def _take_free(self, nbytes: int, device: torch.device) -> StagingLease | None:
         fits = [f for f in self._free if f.capacity >= nbytes and f.device.device == device]
         if not fits:
             return None
@@ -91,9 +92,7 @@ class StagingPool:
         if self._on_drop_buffer is not None:
             self._on_drop_buffer(lease.host)
 
-    def acquire(
-        self, nbytes: int, device: torch.device, shared: Optional[Callable[[int], Any]] = None
-    ) -> StagingLease:
+    def acquire(self, nbytes: int, device: torch.device, shared: Callable[[int], Any] | None = None) -> StagingLease:
         """A buffer of at least `nbytes` on `device`; waits while the pool is at capacity. On the CPU, `shared`
         (see the module docstring) is asked first."""
         if shared is not None and device.type == "cpu":
@@ -117,7 +116,7 @@ class StagingPool:
                     self._leased_bytes += cost
                     break
                 self._cond.wait()
-        host: Optional[torch.Tensor] = None
+        host: torch.Tensor | None = None
         try:
             device_buffer = torch.empty(size, dtype=torch.uint8, device=device)
             host = device_buffer if device.type == "cpu" else host_buffer(size, device)

@@ -49,8 +49,9 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, TypeGuard, Union
+from typing import TypeGuard
 
 import numpy as np
 
@@ -108,7 +109,7 @@ class _Arena:
         if end <= begin:
             return
         if _madvise(self.address + begin, end - begin, _MADV_POPULATE_WRITE) != 0:
-            self.array[begin:end:mmap.PAGESIZE] = 0  # pages not yet handed out: nothing is overwritten
+            self.array[begin : end : mmap.PAGESIZE] = 0  # pages not yet handed out: nothing is overwritten
         self.populated = end
 
     def _populate_ahead(self) -> None:
@@ -129,7 +130,7 @@ class _Arena:
             self._closed = True
             self._wake.notify_all()
 
-    def take(self, nbytes: int) -> Optional[np.ndarray]:
+    def take(self, nbytes: int) -> np.ndarray | None:
         """`nbytes` of arena memory, or None when the arena is used up (caller holds the store's lock)."""
         start = (self.used - VALUE_LEAD + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN + VALUE_LEAD
         if start + nbytes > self.size:
@@ -162,18 +163,21 @@ def _madvise(address: int, length: int, advice: int) -> int:
     return int(_libc.madvise(address, length, advice))
 
 
-def _store_made(value: Buffer, arena: Optional[_Arena] = None) -> TypeGuard[np.ndarray]:
+def _store_made(value: Buffer, arena: _Arena | None = None) -> TypeGuard[np.ndarray]:
     """Whether `value` is a buffer of the kind this store makes (or a node received into): an array owning its
     memory, carved from the arena, or a `_new_buffer` view (its base owns its memory and is at most a cache line
     larger). Structural only: it says nothing about who else holds it."""
     if type(value) is not np.ndarray:
         return False
     base = value.base
-    return (base is None or (arena is not None and base is arena.array)
-            or (type(base) is np.ndarray and base.base is None and base.nbytes <= value.nbytes + ARENA_ALIGN))
+    return (
+        base is None
+        or (arena is not None and base is arena.array)
+        or (type(base) is np.ndarray and base.base is None and base.nbytes <= value.nbytes + ARENA_ALIGN)
+    )
 
 
-def _recyclable(value: Buffer, arena: Optional[_Arena] = None) -> TypeGuard[np.ndarray]:
+def _recyclable(value: Buffer, arena: _Arena | None = None) -> TypeGuard[np.ndarray]:
     """A store-made buffer whose memory nobody else can reach through its base: a `_new_buffer` view's base is held
     by the view alone (references: the view's own, getrefcount's argument, and `base` here). The caller checks the
     buffer's own references (`_retire`). Called with the store's lock held, so two checks never race."""
@@ -210,7 +214,7 @@ class KvStore:
         verify_on_put: bool = True,
         prefault_bytes: int = 0,
         prefault_ahead: int = 0,
-        on_evict: Optional[Callable[[bytes, Buffer], None]] = None,
+        on_evict: Callable[[bytes, Buffer], None] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
@@ -222,7 +226,7 @@ class KvStore:
         self._capacity = capacity_bytes
         self._verify_on_put = verify_on_put
         self._on_evict = on_evict
-        self._entries: "OrderedDict[bytes, Buffer]" = OrderedDict()
+        self._entries: OrderedDict[bytes, Buffer] = OrderedDict()
         self._used = 0  # charges of stored entries and of reservations being filled
         self._spare: dict[int, list[np.ndarray]] = {}  # evicted buffers free for reuse, by size
         self._spare_bytes = 0
@@ -307,7 +311,7 @@ class KvStore:
                 self._used -= reserve
                 raise
 
-    def allocate_many(self, sizes: Union[Sequence[int], np.ndarray], reserves: Sequence[int]) -> list[np.ndarray]:
+    def allocate_many(self, sizes: Sequence[int] | np.ndarray, reserves: Sequence[int]) -> list[np.ndarray]:
         """`allocate` for several values under one lock: value i gets `sizes[i]` bytes and reserves `reserves[i]`.
         Buffers come in address order where the store can: recycled spares of one size are taken as the run most
         recently evicted (a run that was allocated together comes back in its order), fresh ones from the arena
@@ -450,7 +454,7 @@ class KvStore:
 
     # ---- reads ----
 
-    def get(self, key: bytes) -> Optional[Buffer]:
+    def get(self, key: bytes) -> Buffer | None:
         with self._lock:
             value = self._entries.get(key)
             if value is None:
@@ -461,9 +465,9 @@ class KvStore:
         # a read-only view: holds the buffer (so it is never reused under the reader) and cannot write to it
         return memoryview(value).toreadonly() if _store_made(value, self._arena) else value
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]:
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """`get` of each key under one lock (a hit is a read-only view, as `get` gives)."""
-        values: list[Optional[Buffer]] = []
+        values: list[Buffer | None] = []
         with self._lock:
             entries, stats = self._entries, self._stats
             for key in keys:
@@ -475,8 +479,7 @@ class KvStore:
                     stats.hits += 1
                 values.append(value)
         arena = self._arena
-        return [value if value is None or not _store_made(value, arena) else memoryview(value).toreadonly()
-                for value in values]
+        return [value if value is None or not _store_made(value, arena) else memoryview(value).toreadonly() for value in values]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:

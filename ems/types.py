@@ -7,8 +7,9 @@ their own fields and raise `EmsException(EMS_INVALID_ARGUMENT)` naming the field
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Union
+from typing import Union
 
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 
@@ -21,7 +22,7 @@ MAX_TIMEOUT_MS = 365 * 24 * 3600 * 1000  # the longest wait a request honours: l
 V0Key = Union["PrimaryKey", str]
 
 
-def _require_int(name: str, value: object, minimum: Optional[int] = None) -> int:
+def _require_int(name: str, value: object, minimum: int | None = None) -> int:
     # bool is an int subclass; a flag where a count belongs is a caller bug.
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid_argument(f"{name} must be an int, got {type(value).__name__}")
@@ -74,9 +75,7 @@ class PrimaryKey:
             if not value:
                 raise invalid_argument(f"PrimaryKey.{name} must not be empty")
             if len(value) > MAX_KEY_CHARS:
-                raise invalid_argument(
-                    f"PrimaryKey.{name} is {len(value)} characters; a key must be under {MAX_KEY_CHARS + 1}"
-                )
+                raise invalid_argument(f"PrimaryKey.{name} is {len(value)} characters; a key must be under {MAX_KEY_CHARS + 1}")
 
 
 def check_str_key(name: str, key: str) -> bytes:
@@ -109,7 +108,7 @@ class StoreLayerGroupDesc:
     """One layer group: which layers, and the largest number of tokens one stored block of it holds."""
 
     store_block_size: int
-    layer_ids: List[int] = field(default_factory=list)
+    layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require_int("StoreLayerGroupDesc.store_block_size", self.store_block_size, minimum=1)
@@ -130,20 +129,20 @@ class CcResult:
 class CcFuture:
     """The pending result of an async call. `result()` blocks; `done()` never does."""
 
-    def __init__(self, inner: "concurrent.futures.Future[CcResult]") -> None:
+    def __init__(self, inner: concurrent.futures.Future[CcResult]) -> None:
         self._inner = inner
 
     def done(self) -> bool:
         return self._inner.done()
 
-    def result(self, timeout: Optional[float] = None) -> CcResult:
+    def result(self, timeout: float | None = None) -> CcResult:
         """Wait up to `timeout` seconds (None: for ever); raise `EmsException(EMS_IO_TIMEOUT)` past it."""
         try:
             return self._inner.result(timeout)
         except concurrent.futures.TimeoutError as exc:
             raise EmsException(EmsErrorCode.EMS_IO_TIMEOUT, f"result not ready after {timeout} s") from exc
 
-    def add_done_callback(self, callback: Callable[["CcFuture"], None]) -> None:
+    def add_done_callback(self, callback: Callable[[CcFuture], None]) -> None:
         self._inner.add_done_callback(lambda _inner: callback(self))
 
     def __repr__(self) -> str:

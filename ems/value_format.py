@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -92,7 +92,7 @@ class ExpectedValues:
     tokens_digest: np.ndarray  # u64 [n]
     payload_len: np.ndarray  # int64 [n]
 
-    def range(self, a: int, b: int) -> "ExpectedValues":
+    def range(self, a: int, b: int) -> ExpectedValues:
         """Values a..b-1 (value 0 of the result is value a of this)."""
         return ExpectedValues(self.kind, self.layout_sig, self.tokens_digest[a:b], self.payload_len[a:b])
 
@@ -101,10 +101,18 @@ def build_headers(expected: ExpectedValues, checksums: Sequence[int], start: int
     """The header of each of values start .. start + len(checksums) - 1, as `bytes` of `HEADER_SIZE` (vectorised)."""
     n = len(checksums)
     if n <= _FEW:  # a small call: struct is several times faster than numpy's per-call overhead
-        return [header_struct.pack(MAGIC, VERSION, int(expected.kind), expected.layout_sig,
-                                    int(expected.tokens_digest[start + i]), int(expected.payload_len[start + i]),
-                                    checksums[i])
-                for i in range(n)]
+        return [
+            header_struct.pack(
+                MAGIC,
+                VERSION,
+                int(expected.kind),
+                expected.layout_sig,
+                int(expected.tokens_digest[start + i]),
+                int(expected.payload_len[start + i]),
+                checksums[i],
+            )
+            for i in range(n)
+        ]
     headers = np.zeros(n, dtype=HEADER_DTYPE)
     headers["magic"] = MAGIC
     headers["version"] = VERSION
@@ -117,7 +125,7 @@ def build_headers(expected: ExpectedValues, checksums: Sequence[int], start: int
     return [packed[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]
 
 
-def parse_header(value: Buffer, versions: frozenset[int] = frozenset({VERSION})) -> Optional[np.void]:
+def parse_header(value: Buffer, versions: frozenset[int] = frozenset({VERSION})) -> np.void | None:
     """The header fields of a stored value, or None when it is too short, not an EMS value, or of a version not in
     `versions` (by default this client's own)."""
     if len(value) < HEADER_SIZE:
@@ -137,23 +145,27 @@ def is_well_formed(value: Buffer) -> bool:
     return checksum([memoryview(value)[HEADER_SIZE:]]) == int(header["checksum"])
 
 
-def matches(value: Optional[Buffer], expected: ExpectedValues, i: int) -> bool:
+def matches(value: Buffer | None, expected: ExpectedValues, i: int) -> bool:
     """Whether `value` is present and exactly value i of `expected` (header fields, length and checksum)."""
     return valid_prefix([value], expected.range(i, i + 1)) == 1
 
 
-def valid_prefix(values: Sequence[Optional[Buffer]], expected: ExpectedValues) -> int:
+def valid_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> int:
     """How many values, from the first, are present and exactly what `expected` describes (checksum included).
     Headers are read with `struct` (a fraction of a microsecond each: this runs once per value of every load)."""
     kind, signature = int(expected.kind), expected.layout_sig
-    for i, (value, digest, length) in enumerate(zip(values, expected.tokens_digest.tolist(),
-                                                    expected.payload_len.tolist())):
+    for i, (value, digest, length) in enumerate(zip(values, expected.tokens_digest.tolist(), expected.payload_len.tolist())):
         if value is None or len(value) != HEADER_SIZE + length:
             return i
-        magic, version, value_kind, value_signature, value_digest, value_length, value_checksum = (
-            header_struct.unpack_from(value))
-        if (magic != MAGIC or version != VERSION or value_kind != kind or value_signature != signature
-                or value_digest != digest or value_length != length
-                or checksum([memoryview(value)[HEADER_SIZE:]]) != value_checksum):
+        magic, version, value_kind, value_signature, value_digest, value_length, value_checksum = header_struct.unpack_from(value)
+        if (
+            magic != MAGIC
+            or version != VERSION
+            or value_kind != kind
+            or value_signature != signature
+            or value_digest != digest
+            or value_length != length
+            or checksum([memoryview(value)[HEADER_SIZE:]]) != value_checksum
+        ):
             return i
     return len(values)

@@ -16,6 +16,7 @@ Kernels (all offsets in moved units: elements of the signed int type the launch 
 import triton
 import triton.language as tl
 
+
 @triton.jit(do_not_specialize=["n_chunks"])
 def segments_kernel(
     stage_ptr,  # intW [total]: staging; segment sources are addressed relative to it
@@ -75,11 +76,7 @@ def pieces_kernel(
             slot_stride = tl.load(plane_table_ptr + 2 * n_planes + p)
             row_units64 = tl.load(plane_table_ptr + 3 * n_planes + p)
             row_units = row_units64.to(tl.int32)  # per plane: MLA split K/V
-            cache_row = (
-                tl.load(plane_table_ptr + p)
-                + blk * tl.load(plane_table_ptr + n_planes + p)
-                + off * slot_stride
-            )
+            cache_row = tl.load(plane_table_ptr + p) + blk * tl.load(plane_table_ptr + n_planes + p) + off * slot_stride
             # plane-major inside the value: this plane's rows of the value are one run, this piece a slice of it
             stage_row = base + tokens * tl.load(plane_table_ptr + 4 * n_planes + p) + index * row_units64
             if slot_stride == row_units64:

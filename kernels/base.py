@@ -30,7 +30,6 @@ import abc
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Tuple
 
 import numpy as np
 import torch
@@ -58,7 +57,7 @@ class PlaneSet:
         `(s // block_size) * block_strides[p] + (s % block_size) * slot_strides[p]` from `planes[p]`'s data pointer.
     """
 
-    planes: Tuple[torch.Tensor, ...]
+    planes: tuple[torch.Tensor, ...]
     # (the shape and stride properties are cached per instance: a PlaneSet's tensors never change shape)
 
     def __post_init__(self) -> None:
@@ -237,8 +236,14 @@ def check_pieces(planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, wh
     # every lower bound in one reduction, every upper bound (as a difference that must be <= 0) in another
     if int(count.min()) < 1 or int(table[[0, 2, 4]].min()) < 0:
         raise ValueError("pieces need slots >= 0, counts >= 1, bases >= 0 and indices >= 0")
-    over = np.stack([start + count - planes.num_slots, start % bs + count - bs, end - tokens,
-                     base + tokens * planes.token_bytes - flat.numel()]).max(axis=1)
+    over = np.stack(
+        [
+            start + count - planes.num_slots,
+            start % bs + count - bs,
+            end - tokens,
+            base + tokens * planes.token_bytes - flat.numel(),
+        ]
+    ).max(axis=1)
     if int(over[0]) > 0:
         raise ValueError(f"piece slots out of range [0, {planes.num_slots})")
     if int(over[1]) > 0:

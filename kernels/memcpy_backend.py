@@ -62,4 +62,3 @@ class MemcpyBackend(CopyBackend):
                 raw.copy_(stage[position : position + length])
             position += length
             self.ops_issued += 1
-

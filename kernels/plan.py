@@ -11,8 +11,6 @@ Nothing here loops over tokens in Python: every function is O(tokens) numpy.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import numpy as np
 import torch
 
@@ -32,9 +30,7 @@ def runs_to_slots(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out.astype(np.int64))
 
 
-def split_segments(
-    offsets: np.ndarray, lengths: np.ndarray, chunk: int
-) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_segments(offsets: np.ndarray, lengths: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut segments into chunks of at most `chunk` units, for load balance and int32-safe tile offsets.
 
     offsets, lengths: int64 `[S]` (source offsets, lengths >= 1). Returns int64 `(src [C], length [C], dst [C])`
@@ -50,8 +46,9 @@ def split_segments(
     return offsets[seg] + pos, length.astype(np.int64), dst_first[seg] + pos
 
 
-def value_pieces(slots: np.ndarray, block_size: int, tok_start: np.ndarray, part_base: np.ndarray
-                 ) -> Tuple[np.ndarray, np.ndarray]:
+def value_pieces(
+    slots: np.ndarray, block_size: int, tok_start: np.ndarray, part_base: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The pieces of value-major staging (see base.py): runs of consecutive slots inside one cache block AND one value.
 
     slots: int64 `[T]`, the tokens of every value in order; tok_start: int64 `[n + 1]`, value i's tokens are
@@ -65,8 +62,11 @@ def value_pieces(slots: np.ndarray, block_size: int, tok_start: np.ndarray, part
         return np.zeros((5, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
     if bounds.size == 2:  # one value (a one-block call): one piece when its slots are one run inside a block
         first_slot, last_slot = int(s[0]), int(s[-1])
-        if (last_slot - first_slot == s.size - 1 and first_slot // block_size == last_slot // block_size
-                and (s.size < 3 or bool(np.all(np.diff(s) == 1)))):
+        if (
+            last_slot - first_slot == s.size - 1
+            and first_slot // block_size == last_slot // block_size
+            and (s.size < 3 or bool(np.all(np.diff(s) == 1)))
+        ):
             table = np.array([[first_slot], [s.size], [int(part_base[0])], [s.size], [0]], dtype=np.int64)
             return table, np.zeros(1, dtype=np.int64)
     new = np.empty(s.size, dtype=bool)
@@ -77,6 +77,5 @@ def value_pieces(slots: np.ndarray, block_size: int, tok_start: np.ndarray, part
     counts = np.diff(np.append(first, s.size)).astype(np.int64)
     value = np.searchsorted(bounds, first, side="right").astype(np.int64) - 1
     value_tokens = np.diff(bounds)[value]
-    table = np.stack([s[first], counts, np.asarray(part_base, dtype=np.int64)[value], value_tokens,
-                      first - bounds[value]])
+    table = np.stack([s[first], counts, np.asarray(part_base, dtype=np.int64)[value], value_tokens, first - bounds[value]])
     return table, value

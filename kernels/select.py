@@ -65,7 +65,7 @@ def get_backend(device: torch.device, requested: KernelBackend = KernelBackend.A
     return _cached_backend(torch.device(device), KernelBackend(requested))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_backend(device: torch.device, kind: KernelBackend) -> CopyBackend:
     backend = _make(device, kind)
     _log_choice(device, backend.describe(), kind.value)
@@ -76,6 +76,6 @@ def _cached_backend(device: torch.device, kind: KernelBackend) -> CopyBackend:
 get_backend.cache_clear = _cached_backend.cache_clear  # type: ignore[attr-defined]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_choice(device: torch.device, backend: str, requested: str) -> None:
     log.info("ems.kernels: %s copies with the %s backend (requested: %s)", device, backend, requested)

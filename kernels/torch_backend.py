@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -64,8 +63,7 @@ def _gcd(values: np.ndarray, also: int = 0) -> int:
     return int(np.gcd.reduce(np.append(values, also).astype(np.int64)))
 
 
-def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_units: int, dtype: torch.dtype
-                ) -> torch.Tensor:
+def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_units: int, dtype: torch.dtype) -> torch.Tensor:
     """`rows` rows of `row_units` ints at `first` bytes + k * step_units of the flat uint8 buffer (a strided view)."""
     width = torch.empty(0, dtype=dtype).element_size()
     end = first + ((rows - 1) * step_units + row_units) * width
@@ -88,11 +86,11 @@ class _PieceLayout:
     rbytes: np.ndarray
     g: int  # gcd of every plane offset and stride (one_span): the table's row stride
     unit: int  # gcd of g, the lowest address and every plane's row bytes and token offset: divides every span
-    tables: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
+    tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
 
 
 def _piece_layout(planes: PlaneSet) -> _PieceLayout:
-    cached: Optional[_PieceLayout] = planes.__dict__.get("_torch_piece_layout")
+    cached: _PieceLayout | None = planes.__dict__.get("_torch_piece_layout")
     if cached is not None:
         return cached
     addrs = np.array([int(p.data_ptr()) for p in planes.planes], dtype=np.int64)
@@ -103,8 +101,15 @@ def _piece_layout(planes: PlaneSet) -> _PieceLayout:
     one_span = planes.device.type == "cpu" and len(set(planes.plane_row_bytes)) == 1 and hi - lo <= _MAX_SPAN
     off = addrs - lo
     layout = _PieceLayout(
-        contiguous=bool(np.all(sstr == rbytes)), one_span=one_span, lo=lo, span=hi - lo, off=off, bstr=bstr,
-        sstr=sstr, poffs=np.array(planes.plane_offsets, np.int64), rbytes=rbytes,
+        contiguous=bool(np.all(sstr == rbytes)),
+        one_span=one_span,
+        lo=lo,
+        span=hi - lo,
+        off=off,
+        bstr=bstr,
+        sstr=sstr,
+        poffs=np.array(planes.plane_offsets, np.int64),
+        rbytes=rbytes,
         g=_gcd(np.concatenate([off, bstr, sstr])) or int(rbytes[0]),
         unit=_gcd(np.concatenate([off, bstr, sstr, rbytes, np.array(planes.plane_offsets, np.int64)]), lo),
     )
@@ -112,7 +117,7 @@ def _piece_layout(planes: PlaneSet) -> _PieceLayout:
     return layout
 
 
-def _constant_step(offsets: np.ndarray, length: int) -> Optional[int]:
+def _constant_step(offsets: np.ndarray, length: int) -> int | None:
     """The step between consecutive `offsets` (int64 `[M]`) when it is constant and at least `length`, else None."""
     if offsets.size < 2:
         return length
@@ -120,8 +125,9 @@ def _constant_step(offsets: np.ndarray, length: int) -> Optional[int]:
     return step if step >= length and (offsets.size == 2 or bool(np.all(np.diff(offsets) == step))) else None
 
 
-def _move_run(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, first: int, step: int, length: int,
-              width: int, gather: bool) -> None:
+def _move_run(
+    table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, first: int, step: int, length: int, width: int, gather: bool
+) -> None:
     """ONE op: M spans between rows `src_idx` of `table` and the staging spans at `first + k * step` (bytes)."""
     staged = _spans_view(flat, first, src_idx.size, length // width, step // width, table.dtype)
     _select_or_place(table, src_idx, staged, gather)
@@ -140,8 +146,9 @@ def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
         table.index_copy_(0, torch.from_numpy(idx).to(table.device, non_blocking=True), staged)
 
 
-def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, dst_off: np.ndarray, length: int,
-                width: int, gather: bool) -> int:
+def _move_spans(
+    table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, dst_off: np.ndarray, length: int, width: int, gather: bool
+) -> int:
     """Move the spans of a grid `[M, P]` (M pieces × P planes; P may be 1) of `length` bytes between rows `src_idx`
     of `table` and staging offsets `dst_off` (bytes). The staging side of one op must be spans at a constant step
     (a strided view), so: ONE op when every span is; else one op per plane when each plane's spans are (values of
@@ -153,7 +160,7 @@ def _move_spans(table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, ds
     if step is not None:
         _move_run(table, flat_src, flat, int(flat_dst[0]), step, length, width, gather)
         return 1
-    for axis in ((1, 0) if p <= m else (0, 1)):  # fewer, larger ops first
+    for axis in (1, 0) if p <= m else (0, 1):  # fewer, larger ops first
         ops = p if axis == 1 else m
         if ops > 16 and m * p * length < ops * _MIN_OP_BYTES:
             continue  # many small ops cost more than the temporary's second pass
@@ -183,8 +190,11 @@ def _one_span_rows(planes: PlaneSet, lay: _PieceLayout, length: int, width: int)
     rows = lay.tables.get(key)
     if rows is None:
         n = (lay.span - length) // lay.g + 1
-        rows = raw_tensor(lay.lo, lay.span, planes.device).view(_INT_OF_WIDTH[width]).as_strided(
-            (n, length // width), (lay.g // width, 1))
+        rows = (
+            raw_tensor(lay.lo, lay.span, planes.device)
+            .view(_INT_OF_WIDTH[width])
+            .as_strided((n, length // width), (lay.g // width, 1))
+        )
         lay.tables[key] = rows
     return rows
 
@@ -241,8 +251,9 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather:
             plane = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
             span = (planes.num_blocks - 1) * int(lay.bstr[p]) + (bs - 1) * int(lay.sstr[p]) + int(lay.rbytes[p])
             rows = plane.as_strided(((span - length) // g + 1, length // width), (g // width, 1))
-            ops += _move_spans(rows, ((b * lay.bstr[p] + w * lay.sstr[p]) // g)[:, None], flat, dst[:, None], length,
-                               width, gather)
+            ops += _move_spans(
+                rows, ((b * lay.bstr[p] + w * lay.sstr[p]) // g)[:, None], flat, dst[:, None], length, width, gather
+            )
     return ops
 
 

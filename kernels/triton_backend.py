@@ -56,7 +56,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,14 +81,14 @@ def interpreter_active() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _build() -> Dict[str, Any]:
+def _build() -> dict[str, Any]:
     """Define the kernels (first use only). Returns {"pieces": jit fn, "segments": jit fn, "interpreted": bool}."""
     from ems.kernels import _triton_kernels as k
 
     return {"pieces": k.pieces_kernel, "segments": k.segments_kernel, "interpreted": interpreter_active()}
 
 
-def kernels_interpreted() -> Optional[bool]:
+def kernels_interpreted() -> bool | None:
     """None before the kernels are built, else whether they were built for the interpreter."""
     return _build()["interpreted"] if _build.cache_info().currsize else None
 
@@ -97,7 +97,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _program_count(device: torch.device) -> int:
     """Programs per launch: vector cores (npu), 4 × SMs (cuda), 4 (interpreter); at most MAX_GRID."""
     if device.type == "npu":
@@ -106,11 +106,11 @@ def _program_count(device: torch.device) -> int:
             import triton
 
             count = int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["num_vectorcore"])
-        except Exception:  # noqa: BLE001 - older drivers: ask torch_npu instead
+        except Exception:
             try:
                 props = torch.npu.get_device_properties(device)  # type: ignore[attr-defined]
                 count = int(getattr(props, "vector_core_num", 0) or 2 * getattr(props, "cube_core_num", 0))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 count = 0
         count = count or 48  # a 910B2 has 48 vector cores
     elif device.type == "cuda":
@@ -120,7 +120,7 @@ def _program_count(device: torch.device) -> int:
     return max(1, min(count, MAX_GRID))
 
 
-def move_width(addresses: Tuple[int, ...], byte_quantities: Tuple[int, ...]) -> Tuple[int, torch.dtype]:
+def move_width(addresses: tuple[int, ...], byte_quantities: tuple[int, ...]) -> tuple[int, torch.dtype]:
     """The widest signed int (4, 2 or 1 bytes) dividing every address and byte quantity."""
     for width, dtype in _WIDTHS:
         if all(a % width == 0 for a in addresses) and all(q % width == 0 for q in byte_quantities):
@@ -149,8 +149,8 @@ class TritonBackend(CopyBackend):
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.ops_issued = 0
-        self._fallback: Optional[TorchBackend] = None
-        self._table_cache: Dict[Tuple[Any, ...], torch.Tensor] = {}
+        self._fallback: TorchBackend | None = None
+        self._table_cache: dict[tuple[Any, ...], torch.Tensor] = {}
         if self.device.type == "cpu":
             built = kernels_interpreted()
             if built is False or (built is None and not interpreter_active()):
@@ -173,7 +173,7 @@ class TritonBackend(CopyBackend):
         if t.device.type != self.device.type:
             raise ValueError(f"tensor on {t.device}, backend serves {self.device.type}")
 
-    def _planes(self, planes: PlaneSet, stage: torch.Tensor, extra: Tuple[int, ...] = ()) -> _PlaneInfo:
+    def _planes(self, planes: PlaneSet, stage: torch.Tensor, extra: tuple[int, ...] = ()) -> _PlaneInfo:
         """`extra`: further byte quantities the move width must divide (value-major part bases)."""
         ptrs = tuple(int(p.data_ptr()) for p in planes.planes)
         bstr, sstr = planes.block_stride_bytes, planes.slot_stride_bytes
@@ -184,14 +184,20 @@ class TritonBackend(CopyBackend):
                 raise ValueError("each token row (heads * head_size) must be contiguous")
         low = int(np.argmin(ptrs))
         plane = planes.planes[low]
-        base = plane.as_strided((planes.num_blocks, planes.block_size, planes.plane_row_elems[low]),
-                                (plane.stride(0), plane.stride(1), 1)).view(wdtype)
+        base = plane.as_strided(
+            (planes.num_blocks, planes.block_size, planes.plane_row_elems[low]), (plane.stride(0), plane.stride(1), 1)
+        ).view(wdtype)
         key = (planes.device, ptrs, bstr, sstr, rbytes, width)
         table = self._table_cache.get(key)
         if table is None:
             host = torch.tensor(
-                [[(a - ptrs[low]) // width for a in ptrs], [b // width for b in bstr], [s // width for s in sstr],
-                 [r // width for r in rbytes], [o // width for o in soffs]],
+                [
+                    [(a - ptrs[low]) // width for a in ptrs],
+                    [b // width for b in bstr],
+                    [s // width for s in sstr],
+                    [r // width for r in rbytes],
+                    [o // width for o in soffs],
+                ],
                 dtype=torch.int64,
             )
             table = host.to(self.device)
@@ -217,7 +223,9 @@ class TritonBackend(CopyBackend):
     def _fail(self, err: BaseException) -> TorchBackend:
         log.warning(
             "Triton kernels failed to build or launch on %s (%s: %s); using the torch copy path from now on",
-            self.device, type(err).__name__, err,
+            self.device,
+            type(err).__name__,
+            err,
         )
         return self._torch()
 
@@ -246,11 +254,19 @@ class TritonBackend(CopyBackend):
         grid = (min(_program_count(self.device), int(units.shape[1])),)
         try:
             _build()["pieces"][grid](
-                info.base, flat[: flat.numel() // width * width].view(info.dtype),
-                info.table, uploaded, int(units.shape[1]), planes.num_planes, planes.block_size,
-                GATHER=gather, ROWS=rows, COLS=cols, SPAN=self.tile_elems,
+                info.base,
+                flat[: flat.numel() // width * width].view(info.dtype),
+                info.table,
+                uploaded,
+                int(units.shape[1]),
+                planes.num_planes,
+                planes.block_size,
+                GATHER=gather,
+                ROWS=rows,
+                COLS=cols,
+                SPAN=self.tile_elems,
             )
-        except Exception as err:  # noqa: BLE001 - compile/launch failure: validated inputs, nothing written yet
+        except Exception as err:
             fb = self._fail(err)
             (fb.gather_pieces if gather else fb.scatter_pieces)(planes, pieces, stage)
             return
@@ -288,11 +304,14 @@ class TritonBackend(CopyBackend):
         grid = (min(_program_count(self.device), int(src.size)),)
         try:
             _build()["segments"][grid](
-                stage.view(wdtype), chunks, int(src.size), GATHER=gather, TILE=self.tile_elems,
+                stage.view(wdtype),
+                chunks,
+                int(src.size),
+                GATHER=gather,
+                TILE=self.tile_elems,
             )
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             fb = self._fail(err)
             (fb.gather_segments if gather else fb.scatter_segments)(ptrs, lengths, stage)
             return
         self.ops_issued += 1
-

@@ -24,16 +24,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
 sys.path.insert(0, str(ROOT / "tests" / "ems"))
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
+from benchlib import machine  # noqa: E402
 from cluster_testlib import ClusterNode, EtcdProcess  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
-from benchlib import machine  # noqa: E402
-
+import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
+from ems.cluster.membership import NodeInfo, Registration, wait_for  # noqa: E402
 from ems.cluster.remote_pool import open_remote_pool  # noqa: E402
 from ems.config import EmsConfig, resolve_settings  # noqa: E402
 from ems.pool_client import PoolClient  # noqa: E402
-from ems.cluster.membership import NodeInfo, Registration, wait_for  # noqa: E402
 from ems.transport.remote import connect  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 
@@ -42,8 +41,9 @@ CLUSTER = "bench"
 
 
 def _open(etcd_url: str, replicas: int) -> PoolClient:
-    settings = resolve_settings(EmsConfig(pool_etcd=etcd_url, pool_cluster=CLUSTER, pool_replicas=replicas,
-                                          read_cache_capacity=0))
+    settings = resolve_settings(
+        EmsConfig(pool_etcd=etcd_url, pool_cluster=CLUSTER, pool_replicas=replicas, read_cache_capacity=0)
+    )
     return open_remote_pool(settings, lambda address: connect(address, connect_timeout_ms=5000))
 
 
@@ -78,8 +78,13 @@ def membership_times(etcd: EtcdProcess, pool: PoolClient, rounds: int) -> dict:
         expiry = time.perf_counter() - t0
     finally:
         victim.cleanup()
-    return {"join": statistics.median(joins), "leave": statistics.median(leaves), "expiry": expiry,
-            "join_max": max(joins), "leave_max": max(leaves)}
+    return {
+        "join": statistics.median(joins),
+        "leave": statistics.median(leaves),
+        "expiry": expiry,
+        "join_max": max(joins),
+        "leave_max": max(leaves),
+    }
 
 
 def main() -> None:
@@ -137,8 +142,10 @@ COLUMNS = ["r1 save", "r2 save", "r1 load", "r2 load"]
 
 
 def table(rows: list, times: dict) -> str:
-    lines = ["| value | replicas=1 save | replicas=2 save | r2/r1 save | replicas=1 load | replicas=2 load | r2/r1 load |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| value | replicas=1 save | replicas=2 save | r2/r1 save | replicas=1 load | replicas=2 load | r2/r1 load |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['size'] >> 10} KiB | {r['r1 save']:.2f} | {r['r2 save']:.2f} | {r['r2 save'] / r['r1 save']:.2f}x"
@@ -148,8 +155,7 @@ def table(rows: list, times: dict) -> str:
         "",
         "| membership change seen by an engine | median | max |",
         "|---|---|---|",
-        f"| join (register → in placement, connect included) | {1e3 * times['join']:.1f} ms |"
-        f" {1e3 * times['join_max']:.1f} ms |",
+        f"| join (register → in placement, connect included) | {1e3 * times['join']:.1f} ms | {1e3 * times['join_max']:.1f} ms |",
         f"| leave (deregister on SIGTERM → out of placement) | {1e3 * times['leave']:.1f} ms |"
         f" {1e3 * times['leave_max']:.1f} ms |",
         f"| crash (SIGKILL, lease TTL 2 s → out of placement) | {times['expiry']:.2f} s | |",

@@ -28,13 +28,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
-
 from benchlib import machine
+
 from ems import CcConfig, CcKvOption, ContextCaching, Ems, EmsConfig
 
 HERE = Path(__file__).resolve().parent
@@ -57,15 +57,25 @@ def _init(capacity: int, backend: str = "auto") -> ContextCaching:
 
 def _cache(layers: int, blocks: int, block_size: int, heads: int, head_size: int) -> list[list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(layers * 1000 + blocks)
-    return [[torch.randn(blocks, block_size, heads, head_size, generator=generator).half() for _ in range(2)]
-            for _ in range(layers)]
+    return [
+        [torch.randn(blocks, block_size, heads, head_size, generator=generator).half() for _ in range(2)] for _ in range(layers)
+    ]
 
 
 class Workload:
     """One registered cache on a fresh embedded pool and a request of `count` scattered whole blocks."""
 
-    def __init__(self, layers: int, blocks: int, block_size: int, count: int, heads: int = 4, head_size: int = 128,
-                 backend: str = "auto", capacity: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        layers: int,
+        blocks: int,
+        block_size: int,
+        count: int,
+        heads: int = 4,
+        head_size: int = 128,
+        backend: str = "auto",
+        capacity: int | None = None,
+    ) -> None:
         block_bytes = layers * 2 * heads * head_size * 2 * block_size
         self.request_bytes = count * block_bytes
         # room for a few requests: the timed saves evict and reuse buffers (the steady state)
@@ -115,11 +125,18 @@ def vs_memcpy(layers: int, blocks: int, block_size: int, count: int, rounds: int
             finally:
                 w.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"layers": layers, "blocks": f"{count} of {blocks}", "tokens": block_size, "MiB": nbytes / 2**20,
-            "save_gbps": nbytes / med["save"] / 1e9, "save_memcpy_gbps": nbytes / med["save_memcpy"] / 1e9,
-            "save_ratio": med["save_memcpy"] / med["save"],
-            "load_gbps": nbytes / med["load"] / 1e9, "load_memcpy_gbps": nbytes / med["load_memcpy"] / 1e9,
-            "load_ratio": med["load_memcpy"] / med["load"]}
+    return {
+        "layers": layers,
+        "blocks": f"{count} of {blocks}",
+        "tokens": block_size,
+        "MiB": nbytes / 2**20,
+        "save_gbps": nbytes / med["save"] / 1e9,
+        "save_memcpy_gbps": nbytes / med["save_memcpy"] / 1e9,
+        "save_ratio": med["save_memcpy"] / med["save"],
+        "load_gbps": nbytes / med["load"] / 1e9,
+        "load_memcpy_gbps": nbytes / med["load_memcpy"] / 1e9,
+        "load_ratio": med["load_memcpy"] / med["load"],
+    }
 
 
 def ops_per_call() -> list[dict]:
@@ -145,12 +162,14 @@ def per_block(rounds: int) -> dict:
             def call() -> None:
                 base = next(counter) * 64
                 cc.save(w.slots[: 16 * n], list(range(base, base + n)), [16] * n, OPTION)
+
             return call
 
         def load(n: int) -> Callable[[], None]:
             def call() -> None:
                 if cc.load(w.slots[: 16 * n], list(range(64, 64 + n)), [16] * n, OPTION).success != n:
                     raise RuntimeError("load incomplete")
+
             return call
 
         t = {}
@@ -160,9 +179,12 @@ def per_block(rounds: int) -> dict:
             for n in (1, 64):
                 fn = make(n)
                 t[f"{name}{n}"] = statistics.median(_cpu(fn) for _ in range(calls))
-        return {"save_1_us": 1e6 * t["save1"], "load_1_us": 1e6 * t["load1"],
-                "save_per_block_us": 1e6 * (t["save64"] - t["save1"]) / 63,
-                "load_per_block_us": 1e6 * (t["load64"] - t["load1"]) / 63}
+        return {
+            "save_1_us": 1e6 * t["save1"],
+            "load_1_us": 1e6 * t["load1"],
+            "save_per_block_us": 1e6 * (t["save64"] - t["save1"]) / 63,
+            "load_per_block_us": 1e6 * (t["load64"] - t["load1"]) / 63,
+        }
     finally:
         w.close()
 
@@ -185,31 +207,53 @@ def sweep(rounds: int, layer_counts: tuple[int, ...]) -> list[dict]:
                     copy_s.append(_cpu(lambda: target.copy_(source)))
                 n = w.request_bytes
                 copy = n / min(copy_s) / 1e9
-                rows.append({"layers": layers, "tokens": block_size, "blocks": count, "MiB": n / 2**20,
-                             "save": n / min(save_s) / 1e9, "load": n / min(load_s) / 1e9, "copy": copy})
+                rows.append(
+                    {
+                        "layers": layers,
+                        "tokens": block_size,
+                        "blocks": count,
+                        "MiB": n / 2**20,
+                        "save": n / min(save_s) / 1e9,
+                        "load": n / min(load_s) / 1e9,
+                        "copy": copy,
+                    }
+                )
             finally:
                 w.close()
     return rows
 
 
 def tables(vs: list[dict], ops: list[dict], fixed: dict, swept: list[dict]) -> str:
-    out = ["| layers | blocks | tokens/block | MiB | save GB/s | memcpy path save GB/s | save vs memcpy path "
-           "| load GB/s | memcpy path load GB/s | load vs memcpy path |", "|" + "---|" * 10]
+    out = [
+        "| layers | blocks | tokens/block | MiB | save GB/s | memcpy path save GB/s | save vs memcpy path "
+        "| load GB/s | memcpy path load GB/s | load vs memcpy path |",
+        "|" + "---|" * 10,
+    ]
     for r in vs:
-        out.append(f"| {r['layers']} | {r['blocks']} | {r['tokens']} | {r['MiB']:.0f} | {r['save_gbps']:.2f} "
-                   f"| {r['save_memcpy_gbps']:.2f} | **{r['save_ratio']:.2f}x** | {r['load_gbps']:.2f} "
-                   f"| {r['load_memcpy_gbps']:.2f} | **{r['load_ratio']:.2f}x** |")
+        out.append(
+            f"| {r['layers']} | {r['blocks']} | {r['tokens']} | {r['MiB']:.0f} | {r['save_gbps']:.2f} "
+            f"| {r['save_memcpy_gbps']:.2f} | **{r['save_ratio']:.2f}x** | {r['load_gbps']:.2f} "
+            f"| {r['load_memcpy_gbps']:.2f} | **{r['load_ratio']:.2f}x** |"
+        )
     out += ["", "| blocks per call (8 layers = 16 planes) | copy ops per save | copy ops per load |", "|---|---|---|"]
     out += [f"| {r['blocks']} | {r['save_ops']} | {r['load_ops']} |" for r in ops]
-    out += ["", "| tiny layout (1 layer, 4 KiB blocks) | save | load | goal |", "|---|---|---|---|",
-            f"| extra cost per block | {fixed['save_per_block_us']:.1f} µs | {fixed['load_per_block_us']:.1f} µs "
-            "| <= 10 µs |",
-            f"| 1-block call | {fixed['save_1_us']:.0f} µs | {fixed['load_1_us']:.0f} µs | <= 60 µs |"]
-    out += ["", "| layers | tokens/block | blocks | MiB | save GB/s | load GB/s | plain copy GB/s | save/copy "
-            "| load/copy |", "|" + "---|" * 9]
+    out += [
+        "",
+        "| tiny layout (1 layer, 4 KiB blocks) | save | load | goal |",
+        "|---|---|---|---|",
+        f"| extra cost per block | {fixed['save_per_block_us']:.1f} µs | {fixed['load_per_block_us']:.1f} µs | <= 10 µs |",
+        f"| 1-block call | {fixed['save_1_us']:.0f} µs | {fixed['load_1_us']:.0f} µs | <= 60 µs |",
+    ]
+    out += [
+        "",
+        "| layers | tokens/block | blocks | MiB | save GB/s | load GB/s | plain copy GB/s | save/copy | load/copy |",
+        "|" + "---|" * 9,
+    ]
     for r in swept:
-        out.append(f"| {r['layers']} | {r['tokens']} | {r['blocks']} | {r['MiB']:.0f} | {r['save']:.2f} "
-                   f"| {r['load']:.2f} | {r['copy']:.2f} | {r['save'] / r['copy']:.2f} | {r['load'] / r['copy']:.2f} |")
+        out.append(
+            f"| {r['layers']} | {r['tokens']} | {r['blocks']} | {r['MiB']:.0f} | {r['save']:.2f} "
+            f"| {r['load']:.2f} | {r['copy']:.2f} | {r['save'] / r['copy']:.2f} | {r['load'] / r['copy']:.2f} |"
+        )
     return "\n".join(out)
 
 
@@ -232,7 +276,7 @@ def plot(swept: list[dict], target: Path) -> None:
     fig.savefig(target, dpi=120)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="8 and 32 layers only, fewer rounds (not figures to record)")
@@ -256,10 +300,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     command = " ".join(["python", "perf/bench_copy_path.py"] + (argv if argv is not None else sys.argv[1:]))
     with (HERE / "RESULTS.md").open("a") as f:
-        f.write(f"\n## The embedded copy path: per request, per block, per layer count ({datetime.date.today()})\n\n"
-                f"Command: `{command}` at commit {commit}. Machine: {host}. Process CPU time of the calling thread, "
-                f"medians (vs memcpy: {rounds} rounds of 5 calls, each backend in a fresh pool, interleaved) and "
-                f"best of {rounds} (sweep, interleaved with the copy). Plot: `perf/copy_path.png`.\n\n{text}\n")
+        f.write(
+            f"\n## The embedded copy path: per request, per block, per layer count ({datetime.date.today()})\n\n"
+            f"Command: `{command}` at commit {commit}. Machine: {host}. Process CPU time of the calling thread, "
+            f"medians (vs memcpy: {rounds} rounds of 5 calls, each backend in a fresh pool, interleaved) and "
+            f"best of {rounds} (sweep, interleaved with the copy). Plot: `perf/copy_path.png`.\n\n{text}\n"
+        )
     return 0
 
 

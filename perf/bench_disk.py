@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 from benchlib import machine  # noqa: E402
 from disk_testlib import DiskNode  # noqa: E402
 from pool_testlib import PoolProcess, joined, make_values  # noqa: E402
 
+import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 from ems.config import parse_size  # noqa: E402
 from ems.pool.disk_tier import ALIGN, DiskTier, aligned_buffer  # noqa: E402
 from ems.pool.tiered_store import TieredStore  # noqa: E402
@@ -111,9 +111,13 @@ def bench_load(work: Path, n: int, rounds: int) -> dict:
         dc.close()
         mc.close()
         out.update(
-            plain_gbps=_gbps(plain_bytes, best["plain"]), disk_gbps=_gbps(nbytes, best["disk"]),
-            dram_gbps=_gbps(nbytes, best["dram"]), disk_hit_share=disk_hits / (rounds * n), misses=misses,
-            files=len(files), file_bytes=plain_bytes,
+            plain_gbps=_gbps(plain_bytes, best["plain"]),
+            disk_gbps=_gbps(nbytes, best["disk"]),
+            dram_gbps=_gbps(nbytes, best["dram"]),
+            disk_hit_share=disk_hits / (rounds * n),
+            misses=misses,
+            files=len(files),
+            file_bytes=plain_bytes,
         )
     finally:
         disk_node.cleanup()
@@ -149,9 +153,11 @@ def bench_lookup_in_process(folder: Path, values: list, rounds: int) -> dict:
                 store.get_many(keys[i : i + BATCH])
             best = min(best, time.perf_counter() - start)
         stats = disk.stats()
-        return {"inproc_gbps": _gbps(sum(len(joined(v)) for v in values), best),
-                "inproc_plain_gbps": _gbps(plain_bytes, plain),
-                "read_ms_per_record": 1e3 * stats.read_seconds / max(stats.reads, 1)}
+        return {
+            "inproc_gbps": _gbps(sum(len(joined(v)) for v in values), best),
+            "inproc_plain_gbps": _gbps(plain_bytes, plain),
+            "read_ms_per_record": 1e3 * stats.read_seconds / max(stats.reads, 1),
+        }
     finally:
         store.close()
 
@@ -163,8 +169,7 @@ def bench_save(work: Path, n: int, rounds: int) -> dict:
     capacity = f"{max(n // 8, 16)}MiB"
     nodes = {
         "off": PoolProcess(capacity),
-        "filling": DiskNode(work / "save-filling", capacity=capacity, disk_capacity=f"{4 * n * (rounds + 1)}MiB",
-                            queue=None),
+        "filling": DiskNode(work / "save-filling", capacity=capacity, disk_capacity=f"{4 * n * (rounds + 1)}MiB", queue=None),
         "full": DiskNode(work / "save-full", capacity=capacity, disk_capacity=f"{max(n // 2, 16)}MiB", queue=None),
     }
     values = make_values(n, MiB - 40, seed=2)
@@ -241,8 +246,17 @@ def bench_restart(work: Path, cases: list[tuple[int, int]], rounds: int) -> list
             assert disk.stats().restored_values == count
             disk.close()
         node_s = min(_node_start_seconds(folder) for _ in range(rounds))
-        rows.append({"values": count, "value_bytes": size, "file_bytes": file_bytes, "index_s": index_s,
-                     "node_s": node_s, "node_extra_s": node_s - baseline, "baseline_s": baseline})
+        rows.append(
+            {
+                "values": count,
+                "value_bytes": size,
+                "file_bytes": file_bytes,
+                "index_s": index_s,
+                "node_s": node_s,
+                "node_extra_s": node_s - baseline,
+                "baseline_s": baseline,
+            }
+        )
         shutil.rmtree(folder)
     return rows
 
@@ -277,10 +291,8 @@ def main() -> None:
         f"| plain sequential O_DIRECT read of the {load['files']} record files | {load['plain_gbps']:.2f} | 1.00 |",
         f"| disk tier, in process (`TieredStore.get_many`: read, verify, promote) | {load['inproc_gbps']:.2f} | "
         f"{load['inproc_gbps'] / load['inproc_plain_gbps']:.2f} (vs {load['inproc_plain_gbps']:.2f} in its rounds) |",
-        f"| disk tier through a node (GET over UCX) | {load['disk_gbps']:.2f} | "
-        f"{load['disk_gbps'] / load['plain_gbps']:.2f} |",
-        f"| DRAM hit through a node (GET over UCX) | {load['dram_gbps']:.2f} | "
-        f"{load['dram_gbps'] / load['plain_gbps']:.2f} |",
+        f"| disk tier through a node (GET over UCX) | {load['disk_gbps']:.2f} | {load['disk_gbps'] / load['plain_gbps']:.2f} |",
+        f"| DRAM hit through a node (GET over UCX) | {load['dram_gbps']:.2f} | {load['dram_gbps'] / load['plain_gbps']:.2f} |",
         "",
         f"disk-tier GET / DRAM-hit GET: {load['disk_gbps'] / load['dram_gbps']:.2f}; share of the disk node's GETs "
         f"answered by the disk: {load['disk_hit_share']:.2f}; misses: {load['misses']}; mean record read "
@@ -302,13 +314,18 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for r in restart:
-        lines.append(f"| {r['values']} | {r['value_bytes']} | {r['file_bytes'] / MiB:.0f} MiB | {r['index_s']:.3f} | "
-                     f"{r['node_s']:.2f} | {r['node_extra_s']:.2f} |")
+        lines.append(
+            f"| {r['values']} | {r['value_bytes']} | {r['file_bytes'] / MiB:.0f} MiB | {r['index_s']:.3f} | "
+            f"{r['node_s']:.2f} | {r['node_extra_s']:.2f} |"
+        )
     most = max(restart, key=lambda r: r["values"])
     big = max(restart, key=lambda r: r["file_bytes"])
-    lines += ["", f"extrapolated index rebuild (linear in values, from the case with the most): 1,000,000 values "
-              f"~{most['index_s'] / most['values'] * 1e6:.1f} s; 10 GiB of 1 MiB values (10,240 values) "
-              f"~{big['index_s'] / big['values'] * 10240:.2f} s"]
+    lines += [
+        "",
+        f"extrapolated index rebuild (linear in values, from the case with the most): 1,000,000 values "
+        f"~{most['index_s'] / most['values'] * 1e6:.1f} s; 10 GiB of 1 MiB values (10,240 values) "
+        f"~{big['index_s'] / big['values'] * 10240:.2f} s",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.no_results:
@@ -327,17 +344,22 @@ def _plot(load: dict, save: dict, restart: list[dict], path: Path) -> None:
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
     names = ["plain O_DIRECT\nread", "disk tier\nin process", "disk tier\nnode GET", "DRAM hit\nnode GET"]
-    a.bar(names, [load["plain_gbps"], load["inproc_gbps"], load["disk_gbps"], load["dram_gbps"]],
-          color=["grey", "tab:orange", "tab:red", "tab:blue"])
+    a.bar(
+        names,
+        [load["plain_gbps"], load["inproc_gbps"], load["disk_gbps"], load["dram_gbps"]],
+        color=["grey", "tab:orange", "tab:red", "tab:blue"],
+    )
     a.set_ylabel("GB/s")
     a.set_title("load of 1 MiB values")
-    b.bar(["tier off", "on, disk filling", "on, disk full"], [save["off_gbps"], save["filling_gbps"], save["full_gbps"]],
-          color=["tab:blue", "tab:orange", "tab:red"])
+    b.bar(
+        ["tier off", "on, disk filling", "on, disk full"],
+        [save["off_gbps"], save["filling_gbps"], save["full_gbps"]],
+        color=["tab:blue", "tab:orange", "tab:red"],
+    )
     b.set_ylabel("GB/s")
     b.set_title("save into a full node (every save evicts)")
     c.plot([r["values"] for r in restart], [r["index_s"] for r in restart], "o-", label="index rebuild")
-    c.plot([r["values"] for r in restart], [max(r["node_extra_s"], 1e-3) for r in restart], "s--",
-           label="node start minus empty")
+    c.plot([r["values"] for r in restart], [max(r["node_extra_s"], 1e-3) for r in restart], "s--", label="node start minus empty")
     c.set_xscale("log")
     c.set_yscale("log")
     c.set_xlabel("values on disk")

@@ -12,7 +12,7 @@ faults on the hot path) and "full" (the pool is at capacity, so every save evict
 buffers: the steady state of a long-running engine). It also measures the fixed cost of one call: the best 1-block
 save/load/exists of a tiny layout (8 KiB per block). Prints a table and the stage table of the jobs (bytes and time
 per stage, from `ContextCaching.jobs`), writes perf/e2e.png, appends the figures and the command to
-perf/RESULTS.md. """
+perf/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -23,12 +23,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
-
 from benchlib import machine
+
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.demo import Engine
 from ems.job_records import JobKind, JobRecord, stage_table
@@ -58,8 +57,11 @@ def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -
     prefault = capacity if pool_state == "growing, arena" else 0
     ahead = 0 if pool_state == "growing, no arena" else None  # None: the default (faulted in ahead, background)
     start = time.perf_counter()
-    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-e2e"), pool_capacity=capacity, pool_prefault=prefault,
-                       pool_prefault_ahead=ahead))
+    Ems.init(
+        EmsConfig(
+            cc_config=CcConfig(0, 0, "bench-e2e"), pool_capacity=capacity, pool_prefault=prefault, pool_prefault_ahead=ahead
+        )
+    )
     init_s = time.perf_counter() - start
     try:
         cc = Ems.get_cc()
@@ -105,9 +107,17 @@ def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -
     copy = request_bytes / copy_s / 1e9
     save, load_gbps = request_bytes / save_s / 1e9, request_bytes / load_s / 1e9
     row = {
-        "block": block_size, "pool": pool_state, "blocks": blocks, "MiB": request_bytes / 2**20,
-        "save": save, "load": load_gbps, "copy": copy, "save/copy": save / copy, "load/copy": load_gbps / copy,
-        "init_s": init_s, "prefault_s": store_stats.prefault_seconds,
+        "block": block_size,
+        "pool": pool_state,
+        "blocks": blocks,
+        "MiB": request_bytes / 2**20,
+        "save": save,
+        "load": load_gbps,
+        "copy": copy,
+        "save/copy": save / copy,
+        "load/copy": load_gbps / copy,
+        "init_s": init_s,
+        "prefault_s": store_stats.prefault_seconds,
     }
     return row, [records["save"], records["load"]]
 
@@ -135,8 +145,10 @@ def fixed_cost(rounds: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| tokens/block | pool | blocks | MiB | save GB/s | load GB/s | plain copy GB/s | save/copy | load/copy "
-            "| pool start-up s |")
+    head = (
+        "| tokens/block | pool | blocks | MiB | save GB/s | load GB/s | plain copy GB/s | save/copy | load/copy "
+        "| pool start-up s |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(
@@ -165,19 +177,27 @@ def plot(rows: list[dict], target: Path) -> None:
     fig.savefig(target, dpi=120)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-results", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the figures to this file (perf/bench_goals.py reads it)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for the API and the plain copy alike (default 1: on a shared, "
-                         "oversubscribed host, 2-thread ops wait on each other's descheduled threads)")
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                    help="cpu (default): this process's CPU time, which does not count the time other processes "
-                         "hold the cores of a shared host (every timed call here runs in the calling thread); wall: "
-                         "elapsed time, for an idle machine and for accelerators (always wall off the CPU)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the API and the plain copy alike (default 1: on a shared, "
+        "oversubscribed host, 2-thread ops wait on each other's descheduled threads)",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="cpu (default): this process's CPU time, which does not count the time other processes "
+        "hold the cores of a shared host (every timed call here runs in the calling thread); wall: "
+        "elapsed time, for an idle machine and for accelerators (always wall off the CPU)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -190,15 +210,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     stages = stage_table([rec for row, recs in results if row["block"] == 16 for rec in recs])
     stages = stages.replace("| job |", "| job (16 tokens/block; rows: growing+arena, growing, full) |", 1)
     text = table(rows)
-    text += (f"\n\nFixed cost per call (tiny 1-block request, 8 KiB, best of {100 * args.rounds}): save "
-             f"{fixed['save_us']:.0f} µs, load {fixed['load_us']:.0f} µs, exists {fixed['exists_us']:.0f} µs "
-             f"(last save: {fixed['record'].summary()})")
+    text += (
+        f"\n\nFixed cost per call (tiny 1-block request, 8 KiB, best of {100 * args.rounds}): save "
+        f"{fixed['save_us']:.0f} µs, load {fixed['load_us']:.0f} µs, exists {fixed['exists_us']:.0f} µs "
+        f"(last save: {fixed['record'].summary()})"
+    )
     print(text)
     print()
     print(stages)
     if args.json is not None:
-        figures = {"rows": rows, "fixed": {k: v for k, v in fixed.items() if k != "record"}, "clock": args.clock,
-                   "machine": host, "stages": stages}
+        figures = {
+            "rows": rows,
+            "fixed": {k: v for k, v in fixed.items() if k != "record"},
+            "clock": args.clock,
+            "machine": host,
+            "stages": stages,
+        }
         args.json.write_text(json.dumps(figures, indent=1))
     if args.no_results:
         return 0

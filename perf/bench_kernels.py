@@ -26,14 +26,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-
 from benchlib import machine
+
 from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
 from ems.kernels.plan import value_pieces
 from ems.kernels.select import get_backend
@@ -65,8 +65,8 @@ class Row:
     blocks: int
     row_bytes: int
     save_bytes: int
-    gbps: Dict[str, float]
-    ops: Dict[str, int]
+    gbps: dict[str, float]
+    ops: dict[str, int]
 
 
 def _sync(device: torch.device) -> None:
@@ -76,7 +76,7 @@ def _sync(device: torch.device) -> None:
         torch.npu.synchronize(device)  # type: ignore[attr-defined]
 
 
-def _time_rounds(fns: Dict[str, Callable[[], None]], device: torch.device, min_s: float, max_rounds: int) -> Dict[str, float]:
+def _time_rounds(fns: dict[str, Callable[[], None]], device: torch.device, min_s: float, max_rounds: int) -> dict[str, float]:
     """Best time per function over interleaved rounds (warm-up first)."""
     best = {k: float("inf") for k in fns}
     for fn in fns.values():
@@ -103,8 +103,16 @@ def make_cache(model: Model, layers: int, num_blocks: int, block_size: int, devi
     return PlaneSet(tuple(planes))
 
 
-def bench_one(model: Model, layers: int, block_size: int, blocks: int, device: torch.device,
-              backends: Dict[str, CopyBackend], min_s: float, max_rounds: int) -> Row:
+def bench_one(
+    model: Model,
+    layers: int,
+    block_size: int,
+    blocks: int,
+    device: torch.device,
+    backends: dict[str, CopyBackend],
+    min_s: float,
+    max_rounds: int,
+) -> Row:
     gen = torch.Generator().manual_seed(blocks * 1000 + block_size)
     num_blocks = 2 * blocks + 1
     planes = make_cache(model, layers, num_blocks, block_size, device)
@@ -118,10 +126,11 @@ def bench_one(model: Model, layers: int, block_size: int, blocks: int, device: t
     out = torch.empty(tokens * planes.token_bytes, dtype=torch.uint8, device=device)
     src = torch.empty_like(out).random_(1, 255)
     dst = torch.empty_like(out)
-    fns: Dict[str, Callable[[], None]] = {name: (lambda b=b: b.gather_pieces(planes, pieces, out))
-                                          for name, b in backends.items()}
+    fns: dict[str, Callable[[], None]] = {
+        name: (lambda b=b: b.gather_pieces(planes, pieces, out)) for name, b in backends.items()
+    }
     fns["limit"] = lambda: dst.copy_(src)
-    ops: Dict[str, int] = {}
+    ops: dict[str, int] = {}
     for name, b in backends.items():
         before = b.ops_issued
         b.gather_pieces(planes, pieces, out)
@@ -129,11 +138,12 @@ def bench_one(model: Model, layers: int, block_size: int, blocks: int, device: t
     ops["limit"] = 1
     best = _time_rounds(fns, device, min_s, max_rounds)
     nbytes = out.numel() * out.element_size()
-    return Row(model.name, layers, block_size, blocks, planes.row_bytes, nbytes,
-               {k: nbytes / t / 1e9 for k, t in best.items()}, ops)
+    return Row(
+        model.name, layers, block_size, blocks, planes.row_bytes, nbytes, {k: nbytes / t / 1e9 for k, t in best.items()}, ops
+    )
 
 
-def format_table(rows: List[Row], paths: List[str]) -> str:
+def format_table(rows: list[Row], paths: list[str]) -> str:
     head = ["model", "layers", "tok/blk", "blocks", "row B", "save MB"]
     for p in paths:
         head += [f"{p} GB/s"]
@@ -152,7 +162,7 @@ def format_table(rows: List[Row], paths: List[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: List[Row], paths: List[str], target: Path, title: str) -> None:
+def plot(rows: list[Row], paths: list[str], target: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,22 +189,26 @@ def plot(rows: List[Row], paths: List[str], target: Path, title: str) -> None:
     fig.savefig(target, dpi=110)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="fewer configurations (smoke test)")
     ap.add_argument("--no-results", action="store_true", help="do not append to perf/RESULTS.md or write the plot")
     ap.add_argument("--plot", default=str(HERE / "kernels.png"))
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: on a shared 2-core host, multi-threaded copies collapse "
-                         "whenever another process takes a core)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared 2-core host, multi-threaded copies collapse "
+        "whenever another process takes a core)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cpu = device.type == "cpu"
     if cpu:
         torch.set_num_threads(args.threads)
 
-    backends: Dict[str, CopyBackend] = {
+    backends: dict[str, CopyBackend] = {
         "kernel": get_backend(device, KernelBackend.AUTO),
         "memcpy": get_backend(device, KernelBackend.MEMCPY),
     }
@@ -205,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cpu_layers = {"MHA 40x128": 2, "GQA 4x128": 8, "MLA 1x576": 8}
     if args.quick:
         block_counts = [4, 32]
-    rows: List[Row] = []
+    rows: list[Row] = []
     t0 = time.perf_counter()
     host = machine()
     for model in MODELS:
@@ -215,10 +229,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 save = 2 * layers * n * bs * model.heads * model.head_size * torch.empty(0, dtype=model.dtype).element_size()
                 if save > budget:
                     continue
-                rows.append(bench_one(model, layers, bs, n, device, backends,
-                                      min_s=1.0 if cpu else 0.2, max_rounds=40))
-                print(f"  {model.name} bs{bs} n{n}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].gbps.items()),
-                      file=sys.stderr)
+                rows.append(bench_one(model, layers, bs, n, device, backends, min_s=1.0 if cpu else 0.2, max_rounds=40))
+                print(
+                    f"  {model.name} bs{bs} n{n}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].gbps.items()), file=sys.stderr
+                )
     if cpu and not args.quick:
         # the Triton interpreter (kernel source run by numpy) at the smallest size only
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -246,12 +260,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not results.exists():
         results.write_text("# Performance results\n")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=HERE).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
     except OSError:
         commit = "?"
-    scaled = ("Scaled down for the CPU: layers " + ", ".join(f"{k}: {v}" for k, v in cpu_layers.items())
-              + f" (real 40 / 28 / 61); at most {budget / 1e6:.0f} MB per save." if cpu else "Real layer counts.")
+    scaled = (
+        "Scaled down for the CPU: layers "
+        + ", ".join(f"{k}: {v}" for k, v in cpu_layers.items())
+        + f" (real 40 / 28 / 61); at most {budget / 1e6:.0f} MB per save."
+        if cpu
+        else "Real layer counts."
+    )
     section = (
         f"\n## Kernels: gather paths vs one contiguous copy ({datetime.date.today().isoformat()}, {device})\n\n"
         f"Command: `{' '.join(['python', 'perf/bench_kernels.py'] + (argv if argv is not None else sys.argv[1:]))}`"
@@ -265,12 +283,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def goals_text(rows: List[Row], cpu: bool) -> str:
+def goals_text(rows: list[Row], cpu: bool) -> str:
     rows = [r for r in rows if "triton-interpreter" not in r.gbps]  # the interpreter row is a toy-size aside
     big = [r for r in rows if r.row_bytes >= 1024 and "kernel" in r.gbps]
     ratios = [r.gbps["kernel"] / r.gbps["limit"] for r in big]
     at16 = [r.gbps["kernel"] / r.gbps["memcpy"] for r in rows if r.block_size == 16 and "memcpy" in r.gbps]
-    by_model: Dict[Tuple[str, int], List[int]] = {}
+    by_model: dict[tuple[str, int], list[int]] = {}
     for r in rows:
         if "kernel" in r.ops:
             by_model.setdefault((r.model, r.block_size), []).append(r.ops["kernel"])
@@ -279,17 +297,22 @@ def goals_text(rows: List[Row], cpu: bool) -> str:
         "Goals:",
         f"- kernel path >= 0.7 × limit for rows >= 1 KiB: {'met' if ratios and min(ratios) >= 0.7 else 'NOT met'}"
         f" (min {min(ratios):.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f} over {len(ratios)} configs)"
-        if ratios else "- kernel path vs limit: no rows >= 1 KiB measured",
+        if ratios
+        else "- kernel path vs limit: no rows >= 1 KiB measured",
         f"- kernel path >= 2 × memcpy path at 16-token blocks: {'met' if at16 and min(at16) >= 2 else 'NOT met'}"
-        f" (min {min(at16):.2f}×, median {sorted(at16)[len(at16) // 2]:.2f}×)" if at16 else "- no 16-token rows",
+        f" (min {min(at16):.2f}×, median {sorted(at16)[len(at16) // 2]:.2f}×)"
+        if at16
+        else "- no 16-token rows",
         f"- kernel-path device ops per save constant in the number of blocks: {'met' if constant else 'NOT met'}"
         f" ({', '.join(sorted({str(v[0]) for v in by_model.values()}))} ops per save)",
     ]
     small = [r.gbps["kernel"] / r.gbps["limit"] for r in big if r.save_bytes <= 8e6]
     large = [r.gbps["kernel"] / r.gbps["limit"] for r in big if r.save_bytes > 8e6]
     if small and large:
-        lines.append(f"- kernel/limit by save size (rows >= 1 KiB): <= 8 MB median {sorted(small)[len(small) // 2]:.2f} "
-                     f"(the limit copy stays in cache there), > 8 MB median {sorted(large)[len(large) // 2]:.2f}")
+        lines.append(
+            f"- kernel/limit by save size (rows >= 1 KiB): <= 8 MB median {sorted(small)[len(small) // 2]:.2f} "
+            f"(the limit copy stays in cache there), > 8 MB median {sorted(large)[len(large) // 2]:.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -27,22 +27,21 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
+import torch
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
-import torch  # noqa: E402
-
-from ems import CcConfig, ContextCaching, EmsConfig  # noqa: E402
-from ems.config import resolve_settings  # noqa: E402
-from ems.demo import Engine  # noqa: E402
-from ems.jobs import JobKind, stage_table  # noqa: E402
-from ems.mooncake_pool import MooncakePool  # noqa: E402
-from ems.pool_client import PoolClient  # noqa: E402
-from ems.transport.ucx import UcxNode  # noqa: E402
-from ems.types import CcKvOption  # noqa: E402
+import ems.transport.ucx_config  # noqa: F401 - UCX environment before ucxx loads
+from ems import CcConfig, ContextCaching, EmsConfig
+from ems.config import resolve_settings
+from ems.demo import Engine
+from ems.jobs import JobKind, stage_table
+from ems.mooncake_pool import MooncakePool
+from ems.pool_client import PoolClient
+from ems.transport.ucx import UcxNode
+from ems.types import CcKvOption
 
 ROOT = Path(__file__).resolve().parent.parent
 # after `ems` is imported: tests/ holds a folder named ems that must not shadow the package
@@ -125,8 +124,10 @@ def main() -> None:
         engine = Engine(16, 2 * blocks, 16, 8, 128, torch.float16, torch.device("cpu"))
         for plane in engine.planes:
             plane.copy_(torch.randn(plane.shape, dtype=torch.float32).to(plane.dtype))
-        ccs = {"api-mooncake": ContextCaching(config, None, moon_pool, settings),
-               "api-ems": ContextCaching(config, None, ems_pool, resolve_settings(EmsConfig(read_cache_capacity=0)))}
+        ccs = {
+            "api-mooncake": ContextCaching(config, None, moon_pool, settings),
+            "api-ems": ContextCaching(config, None, ems_pool, resolve_settings(EmsConfig(read_cache_capacity=0))),
+        }
         for cc in ccs.values():
             cc.register_kvcache(engine.kvcache)
         slots = engine.slots(engine.allocate(blocks))
@@ -193,9 +194,11 @@ def main() -> None:
         for name, cc in ccs.items():
             per_call.setdefault("exists (1 block)", {})[name] = median_us(lambda: cc.exists(one_hash, option), args.calls)
             per_call.setdefault("save 1 block (1 MiB)", {})[name] = median_us(
-                lambda: cc.save(one_slots, one_hash, [16], option), args.calls // 2)
+                lambda: cc.save(one_slots, one_hash, [16], option), args.calls // 2
+            )
             per_call.setdefault("load 1 block (1 MiB)", {})[name] = median_us(
-                lambda: cc.load(one_slots, one_hash, [16], option), args.calls // 2)
+                lambda: cc.load(one_slots, one_hash, [16], option), args.calls // 2
+            )
         one_block = [ccs["api-mooncake"].jobs.last(kind) for kind in (JobKind.SAVE, JobKind.LOAD)]
         per_call["exists (1 block)"]["mooncake-own"] = median_us(lambda: own.store.is_exist(own_one[0]), args.calls)
         per_call["save 1 block (1 MiB)"]["mooncake-own"] = median_us(lambda: own.put(1), args.calls // 2)
@@ -211,19 +214,28 @@ def main() -> None:
 
     gbps = {k: total / t / 1e9 for k, t in best.items()}
     own_s, own_l = gbps[("own", "save")], gbps[("own", "load")]
-    lines = [f"{blocks} blocks of 1 MiB ({total / 2**20:.0f} MiB a call), best of {args.rounds} interleaved rounds; "
-             f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after", "",
-             "| peer | chunks | save GB/s | load GB/s | save / Mooncake's own | load / Mooncake's own |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"{blocks} blocks of 1 MiB ({total / 2**20:.0f} MiB a call), best of {args.rounds} interleaved rounds; "
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after",
+        "",
+        "| peer | chunks | save GB/s | load GB/s | save / Mooncake's own | load / Mooncake's own |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, chunk in runs:
         s, ld = gbps[((name, chunk), "save")], gbps[((name, chunk), "load")]
-        chunks = records[((name, chunk), "save")].stages[next(k for k in records[((name, chunk), "save")].stages
-                                                              if k.value == "send")].runs
-        lines.append(f"| {name} (EMS_CHUNK_BYTES={chunk}) | {chunks} | {s:.2f} | {ld:.2f} | {s / own_s:.2f}x "
-                     f"| {ld / own_l:.2f}x |")
+        chunks = (
+            records[((name, chunk), "save")]
+            .stages[next(k for k in records[((name, chunk), "save")].stages if k.value == "send")]
+            .runs
+        )
+        lines.append(
+            f"| {name} (EMS_CHUNK_BYTES={chunk}) | {chunks} | {s:.2f} | {ld:.2f} | {s / own_s:.2f}x | {ld / own_l:.2f}x |"
+        )
     a_s, a_l = gbps[("alone", "save")], gbps[("alone", "load")]
-    lines.append(f"| MooncakePool put / get_into alone (same values, registered) | - | {a_s:.2f} | {a_l:.2f} "
-                 f"| {a_s / own_s:.2f}x | {a_l / own_l:.2f}x |")
+    lines.append(
+        f"| MooncakePool put / get_into alone (same values, registered) | - | {a_s:.2f} | {a_l:.2f} "
+        f"| {a_s / own_s:.2f}x | {a_l / own_l:.2f}x |"
+    )
     lines.append(f"| Mooncake's own batch_put_from / batch_get_into | - | {own_s:.2f} | {own_l:.2f} | 1.00x | 1.00x |")
     lines += ["", "| call (median µs) | api-mooncake | api-ems | mooncake-own |", "|---|---|---|---|"]
     for call, figures in per_call.items():

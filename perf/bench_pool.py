@@ -37,9 +37,9 @@ Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
-import asyncio
 import os
 import shutil
 import signal
@@ -48,24 +48,24 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
+import torch  # noqa: E402
+from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
-from benchlib import best_of, machine  # noqa: E402
-import torch  # noqa: E402
-
+import ems.transport.ucx_config  # noqa: E402 - UCX environment before ucxx loads
 from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx import UcxNode, UcxRuntime  # noqa: E402
+
 try:
-    from ems.transport.ucx_progress import recv, send  # noqa: E402
+    from ems.transport.ucx_progress import recv, send
 except ImportError:  # an older tree (thread progress only): ucxx's own calls, so one script measures before/after
 
     def send(ep, buf):  # type: ignore[no-redef]
@@ -73,6 +73,8 @@ except ImportError:  # an older tree (thread progress only): ucxx's own calls, s
 
     def recv(ep, buf):  # type: ignore[no-redef]
         return ep.recv(buf)
+
+
 from ems.types import CcKvOption  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -192,9 +194,25 @@ class Redis:
         self.dir = tempfile.mkdtemp(prefix="bench-redis-")
         self.port = 6390 + os.getpid() % 1000
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--maxmemory", "0", "--proto-max-bulk-len", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--maxmemory",
+                "0",
+                "--proto-max-bulk-len",
+                "1gb",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.client = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + 10
@@ -248,13 +266,27 @@ while True:
             raise RuntimeError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         port = 50600 + os.getpid() % 300
-        self.procs = [subprocess.Popen(
-            [exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", "--default_kv_lease_ttl=50",
-             "--enable_http_metadata_server=false", f"--metrics_port={port + 1}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        self.procs = [
+            subprocess.Popen(
+                [
+                    exe,
+                    f"--rpc_port={port}",
+                    "--rpc_address=127.0.0.1",
+                    "--default_kv_lease_ttl=50",
+                    "--enable_http_metadata_server=false",
+                    f"--metrics_port={port + 1}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        ]
         time.sleep(1.5)
-        seg = subprocess.Popen([sys.executable, "-u", "-c", self.SEGMENT, str(port), str(segment_bytes)],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        seg = subprocess.Popen(
+            [sys.executable, "-u", "-c", self.SEGMENT, str(port), str(segment_bytes)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self.procs.append(seg)
         line = seg.stdout.readline() if seg.stdout else ""
         if not line.startswith("ready 0"):
@@ -369,7 +401,7 @@ class BusyPythonThread:
             for _ in range(1000):
                 n += 1
 
-    def __enter__(self) -> "BusyPythonThread":
+    def __enter__(self) -> BusyPythonThread:
         self._thread.start()
         return self
 
@@ -435,7 +467,7 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
         outs = [np.empty(size, np.uint8) for _ in range(n)]
         if not all(pool.put(keys, keys, values, option).results):
             raise RuntimeError("the 62 MiB batch was not stored")
-        load = lambda: pool.get_into(keys, keys, outs, option)  # noqa: E731
+        load = lambda: pool.get_into(keys, keys, outs, option)
         load()
         if bytes(outs[-1]) != b"".join(values[-1]):
             raise RuntimeError("a value did not come back")
@@ -451,9 +483,11 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
         one_out = [np.empty(1 << 20, np.uint8)]
         cpu: dict = {}
         cpu_calls = 4 * calls
-        for name, fn in (("exists", lambda: pool.exists([b"cpu-one"], [b"cpu-one"], option)),
-                         ("save 1 MiB", lambda: pool.put([b"cpu-one"], [b"cpu-one"], one, option)),
-                         ("load 1 MiB", lambda: pool.get_into([b"cpu-one"], [b"cpu-one"], one_out, option))):
+        for name, fn in (
+            ("exists", lambda: pool.exists([b"cpu-one"], [b"cpu-one"], option)),
+            ("save 1 MiB", lambda: pool.put([b"cpu-one"], [b"cpu-one"], one, option)),
+            ("load 1 MiB", lambda: pool.get_into([b"cpu-one"], [b"cpu-one"], one_out, option)),
+        ):
             fn()
             start = node_cpu_s(node)
             for _ in range(cpu_calls):
@@ -462,29 +496,36 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
     finally:
         pool.close()
     per_request = cpu["exists"]
-    figures = {"load alone GB/s": total / alone / 1e9, "load busy GB/s": total / busy / 1e9,
-               "busy/alone": alone / busy, "api load alone GB/s": total / api_alone / 1e9,
-               "api load busy GB/s": total / api_busy / 1e9, "api busy/alone": api_alone / api_busy,
-               "node cpu us per request": per_request,
-               "node cpu us per MiB save": cpu["save 1 MiB"] - per_request,
-               "node cpu us per MiB load": cpu["load 1 MiB"] - per_request}
-    text = "\n".join([
-        f"Inside an engine: 62 MiB load (124 x 512 KiB, 1 node, read cache off), best of {rounds} in turn",
-        "",
-        "| path | load alone GB/s | with a busy Python thread GB/s | busy / alone | goal |",
-        "|---|---|---|---|---|",
-        f"| PoolClient.get_into | {figures['load alone GB/s']:.2f} | {figures['load busy GB/s']:.2f} "
-        f"| {figures['busy/alone']:.2f} | >= 0.8 |",
-        f"| ContextCaching.load (default chunks, verify + scatter) | {figures['api load alone GB/s']:.2f} "
-        f"| {figures['api load busy GB/s']:.2f} | {figures['api busy/alone']:.2f} | >= 0.8 |",
-        "",
-        f"Node CPU (all threads of the node process, /proc schedstat, over {4 * calls} calls each, µs per call; "
-        "per MiB = the 1 MiB call less the per-request part):",
-        "",
-        "| per request (1-key exists) | per MiB saved | per MiB loaded |",
-        "|---|---|---|",
-        f"| {per_request:.0f} | {figures['node cpu us per MiB save']:.0f} | {figures['node cpu us per MiB load']:.0f} |",
-    ])
+    figures = {
+        "load alone GB/s": total / alone / 1e9,
+        "load busy GB/s": total / busy / 1e9,
+        "busy/alone": alone / busy,
+        "api load alone GB/s": total / api_alone / 1e9,
+        "api load busy GB/s": total / api_busy / 1e9,
+        "api busy/alone": api_alone / api_busy,
+        "node cpu us per request": per_request,
+        "node cpu us per MiB save": cpu["save 1 MiB"] - per_request,
+        "node cpu us per MiB load": cpu["load 1 MiB"] - per_request,
+    }
+    text = "\n".join(
+        [
+            f"Inside an engine: 62 MiB load (124 x 512 KiB, 1 node, read cache off), best of {rounds} in turn",
+            "",
+            "| path | load alone GB/s | with a busy Python thread GB/s | busy / alone | goal |",
+            "|---|---|---|---|---|",
+            f"| PoolClient.get_into | {figures['load alone GB/s']:.2f} | {figures['load busy GB/s']:.2f} "
+            f"| {figures['busy/alone']:.2f} | >= 0.8 |",
+            f"| ContextCaching.load (default chunks, verify + scatter) | {figures['api load alone GB/s']:.2f} "
+            f"| {figures['api load busy GB/s']:.2f} | {figures['api busy/alone']:.2f} | >= 0.8 |",
+            "",
+            f"Node CPU (all threads of the node process, /proc schedstat, over {4 * calls} calls each, µs per call; "
+            "per MiB = the 1 MiB call less the per-request part):",
+            "",
+            "| per request (1-key exists) | per MiB saved | per MiB loaded |",
+            "|---|---|---|",
+            f"| {per_request:.0f} | {figures['node cpu us per MiB save']:.0f} | {figures['node cpu us per MiB load']:.0f} |",
+        ]
+    )
     return text, figures
 
 
@@ -615,30 +656,40 @@ def caller_progress_probe(rounds: int) -> str:
             pool.close()
     finally:
         engine_node.cleanup()
-    rows = [f"| current client (ucxx progress thread, notifier, loop) | {current_exists:.0f} "
-            f"| {current['load alone GB/s']:.2f} | {current['load busy GB/s']:.2f} | {current['busy/alone']:.2f} |"]
+    rows = [
+        f"| current client (ucxx progress thread, notifier, loop) | {current_exists:.0f} "
+        f"| {current['load alone GB/s']:.2f} | {current['load busy GB/s']:.2f} | {current['busy/alone']:.2f} |"
+    ]
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(CALLER_PROBE)
     try:
         for mode in ("event", "spin"):
-            proc = subprocess.run([sys.executable, script.name, mode, str(ROOT), str(rounds)], capture_output=True,
-                                  text=True, timeout=600)
-            figures = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in proc.stdout.splitlines()
-                       if line.split() and line.split()[0] in ("exists", "load")}
+            proc = subprocess.run(
+                [sys.executable, script.name, mode, str(ROOT), str(rounds)], capture_output=True, text=True, timeout=600
+            )
+            figures = {
+                line.split()[0]: [float(x) for x in line.split()[1:]]
+                for line in proc.stdout.splitlines()
+                if line.split() and line.split()[0] in ("exists", "load")
+            }
             if "load" not in figures:
                 raise RuntimeError(f"probe {mode} failed: {proc.stderr[-2000:]}")
             alone, busy = figures["load"]
-            rows.append(f"| the caller progresses the worker ({mode}) | {figures['exists'][0]:.0f} | {alone:.2f} "
-                        f"| {busy:.2f} | {busy / alone:.2f} |")
+            rows.append(
+                f"| the caller progresses the worker ({mode}) | {figures['exists'][0]:.0f} | {alone:.2f} "
+                f"| {busy:.2f} | {busy / alone:.2f} |"
+            )
     finally:
         os.unlink(script.name)
-    return "\n".join([
-        f"Progress models: 1-key exists (median µs) and the 62 MiB load (124 x 512 KiB, best of {rounds}), one node",
-        "",
-        "| client | exists µs | load GB/s | load beside a busy Python thread GB/s | busy / alone |",
-        "|---|---|---|---|---|",
-        *rows,
-    ])
+    return "\n".join(
+        [
+            f"Progress models: 1-key exists (median µs) and the 62 MiB load (124 x 512 KiB, best of {rounds}), one node",
+            "",
+            "| client | exists µs | load GB/s | load beside a busy Python thread GB/s | busy / alone |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
 
 
 CHUNK_MODES = ("0", "1MiB", "4MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
@@ -658,7 +709,7 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
     best = {mode: {"save": float("inf"), "load": float("inf")} for mode in CHUNK_MODES}
     records: dict = {}
     raw_save = raw_load = client_save = client_load = float("inf")
-    client: Optional[PoolClient] = None
+    client: PoolClient | None = None
     try:
         Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-api"), pool_nodes=[node.address], read_cache_capacity=0))
         cc = Ems.get_cc()
@@ -707,19 +758,25 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
         Ems.shutdown()
         node.cleanup()
     raw_s, raw_l = total / raw_save / 1e9, total / raw_load / 1e9
-    lines = [f"API over UCX, 1 node, {blocks} blocks of 1 MiB ({total / 2**20:.0f} MiB a call), best of {rounds} "
-             f"interleaved rounds; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after",
-             "", "| EMS_CHUNK_BYTES | chunks | save GB/s | load GB/s | raw UCXX save | raw UCXX load | save/raw | load/raw |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"API over UCX, 1 node, {blocks} blocks of 1 MiB ({total / 2**20:.0f} MiB a call), best of {rounds} "
+        f"interleaved rounds; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after",
+        "",
+        "| EMS_CHUNK_BYTES | chunks | save GB/s | load GB/s | raw UCXX save | raw UCXX load | save/raw | load/raw |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode in CHUNK_MODES:
         save, load = total / best[mode]["save"] / 1e9, total / best[mode]["load"] / 1e9
-        chunks = records[(mode, "save")].stages[next(iter(k for k in records[(mode, "save")].stages
-                                                          if k.value == "send"))].runs
-        lines.append(f"| {mode if mode != '0' else '0 (one chunk)'} | {chunks} | {save:.2f} | {load:.2f} | {raw_s:.2f} "
-                     f"| {raw_l:.2f} | {save / raw_s:.2f}x | {load / raw_l:.2f}x |")
+        chunks = records[(mode, "save")].stages[next(iter(k for k in records[(mode, "save")].stages if k.value == "send"))].runs
+        lines.append(
+            f"| {mode if mode != '0' else '0 (one chunk)'} | {chunks} | {save:.2f} | {load:.2f} | {raw_s:.2f} "
+            f"| {raw_l:.2f} | {save / raw_s:.2f}x | {load / raw_l:.2f}x |"
+        )
     c_s, c_l = total / client_save / 1e9, total / client_load / 1e9
-    lines.append(f"| PoolClient put / get_into alone (same values, one call) | - | {c_s:.2f} | {c_l:.2f} | {raw_s:.2f} "
-                 f"| {raw_l:.2f} | {c_s / raw_s:.2f}x | {c_l / raw_l:.2f}x |")
+    lines.append(
+        f"| PoolClient put / get_into alone (same values, one call) | - | {c_s:.2f} | {c_l:.2f} | {raw_s:.2f} "
+        f"| {raw_l:.2f} | {c_s / raw_s:.2f}x | {c_l / raw_l:.2f}x |"
+    )
     shown = [records[(m, op)] for m in ("0", "32MiB") for op in ("save", "load")]
     stages = stage_table(shown).replace("| job |", "| job (one chunk, then 32 MiB chunks: the default) |", 1)
     figures = {mode: {op: total / best[mode][op] / 1e9 for op in ("save", "load")} for mode in CHUNK_MODES}
@@ -734,15 +791,25 @@ def main() -> None:
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--batch-mib", type=int, default=64, help="bytes per call, MiB")
     parser.add_argument("--api-only", action="store_true", help="only the API-over-UCX rows (and their raw peer)")
-    parser.add_argument("--progress-probe", action="store_true",
-                        help="only the caller-driven progress probe next to the current client (issue 16 item 1)")
-    parser.add_argument("--engine-only", action="store_true",
-                        help="only the load beside a busy Python thread and the node's CPU per request / per MiB")
+    parser.add_argument(
+        "--progress-probe",
+        action="store_true",
+        help="only the caller-driven progress probe next to the current client (issue 16 item 1)",
+    )
+    parser.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="only the load beside a busy Python thread and the node's CPU per request / per MiB",
+    )
     parser.add_argument("--api-blocks", type=int, default=48, help="1 MiB blocks per API call")
     parser.add_argument("--json", type=Path, help="also write the figures to this file (perf/bench_goals.py reads it)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (as bench_e2e: on 2 shared cores, 2-thread gathers starve the "
-                             "UCX and node threads they should overlap with)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (as bench_e2e: on 2 shared cores, 2-thread gathers starve the "
+        "UCX and node threads they should overlap with)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batch = (16 if args.quick else args.batch_mib) << 20
@@ -752,9 +819,11 @@ def main() -> None:
     option = CcKvOption(timeout=60_000, write_rcache=False)
     print(f"# {machine()}")
     UcxRuntime.get()  # starts UCX in this process: its progress mode is known from here on
-    print(f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode: this process "
-          f"{ems.transport.ucx_config.PROGRESS_MODE}, pool nodes and the raw peer "
-          f"{os.environ.get('EMS_UCX_PROGRESS_MODE') or getattr(ems.transport.ucx_config, 'NODE_PROGRESS_MODE', 'thread')}")
+    print(
+        f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode: this process "
+        f"{ems.transport.ucx_config.PROGRESS_MODE}, pool nodes and the raw peer "
+        f"{os.environ.get('EMS_UCX_PROGRESS_MODE') or getattr(ems.transport.ucx_config, 'NODE_PROGRESS_MODE', 'thread')}"
+    )
     if args.progress_probe:
         print(caller_progress_probe(repeats))
         return
@@ -779,7 +848,7 @@ def main() -> None:
     nodes = [PoolProcess("2GiB") for _ in range(3)]
     raw = RawUcx()
     red = Redis()
-    moon: Optional[Mooncake] = None
+    moon: Mooncake | None = None
     moon_reason = "--no-mooncake"
     if not args.no_mooncake:
         try:
@@ -845,25 +914,36 @@ def main() -> None:
             pool.get_into([b"one"], [b"one"], [one_out], option)
             raw.round_trip(8)
             raw.get_one(one_out)
-        per_call["exists"] = medians_us({
-            "ems": lambda: pool.exists([b"one"], [b"one"], option),
-            "raw": lambda: raw.round_trip(8),
-            "redis": lambda: red.client.exists(b"one"),
-        }, calls)
-        per_call["save 1 MiB"] = medians_us({
-            "ems": lambda: pool.put([b"one"], [b"one"], one, option),
-            "raw": lambda: raw.put_one(np.frombuffer(one_flat, np.uint8)),
-            "redis": lambda: red.client.set(b"one", one_flat),
-        }, calls)
-        per_call["load 1 MiB"] = medians_us({
-            "ems": lambda: pool.get_into([b"one"], [b"one"], [one_out], option),
-            "raw": lambda: raw.get_one(one_out),
-            "redis": lambda: red.client.get(b"one"),
-        }, calls)
+        per_call["exists"] = medians_us(
+            {
+                "ems": lambda: pool.exists([b"one"], [b"one"], option),
+                "raw": lambda: raw.round_trip(8),
+                "redis": lambda: red.client.exists(b"one"),
+            },
+            calls,
+        )
+        per_call["save 1 MiB"] = medians_us(
+            {
+                "ems": lambda: pool.put([b"one"], [b"one"], one, option),
+                "raw": lambda: raw.put_one(np.frombuffer(one_flat, np.uint8)),
+                "redis": lambda: red.client.set(b"one", one_flat),
+            },
+            calls,
+        )
+        per_call["load 1 MiB"] = medians_us(
+            {
+                "ems": lambda: pool.get_into([b"one"], [b"one"], [one_out], option),
+                "raw": lambda: raw.get_one(one_out),
+                "redis": lambda: red.client.get(b"one"),
+            },
+            calls,
+        )
         if moon is not None:
-            for name_, fn in (("exists", lambda: moon.store.is_exist(moon_name[0])),
-                              ("save 1 MiB", lambda: moon.put([b"one"], len(one_flat))),
-                              ("load 1 MiB", lambda: moon.get(moon_name, len(one_flat)))):
+            for name_, fn in (
+                ("exists", lambda: moon.store.is_exist(moon_name[0])),
+                ("save 1 MiB", lambda: moon.put([b"one"], len(one_flat))),
+                ("load 1 MiB", lambda: moon.get(moon_name, len(one_flat))),
+            ):
                 try:
                     moon.load_values([one_flat])
                     moon_name = moon.put([b"one-ref"], len(one_flat))
@@ -903,12 +983,23 @@ def main() -> None:
         print(f"Mooncake failed: {error}")
     plot(rows, ROOT / "perf" / "pool.png", moon is not None)
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "per_call": per_call, "in_flight": conc, "api": api_figures,
-                                         "api_table": api, "api_stages": api_stages, "machine": machine(),
-                                         "engine": engine_figures,
-                                         "mooncake": None if moon is None else "measured",
-                                         "mooncake_note": moon_reason if moon is None else "; ".join(moon_errors)},
-                                        indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "per_call": per_call,
+                    "in_flight": conc,
+                    "api": api_figures,
+                    "api_table": api,
+                    "api_stages": api_stages,
+                    "machine": machine(),
+                    "engine": engine_figures,
+                    "mooncake": None if moon is None else "measured",
+                    "mooncake_note": moon_reason if moon is None else "; ".join(moon_errors),
+                },
+                indent=1,
+            )
+        )
 
 
 def _columns(with_moon: bool) -> list:
@@ -932,13 +1023,20 @@ def table(rows: list, with_moon: bool) -> str:
     ]
     for r in rows:
         nan = float("nan")
-        ratios = [r["ems-1 save"] / r["raw save"], r["ems-1 load"] / r["raw load"],
-                  r["ems-1 save"] / r["redis save"], r["ems-1 load"] / r["redis load"]]
+        ratios = [
+            r["ems-1 save"] / r["raw save"],
+            r["ems-1 load"] / r["raw load"],
+            r["ems-1 save"] / r["redis save"],
+            r["ems-1 load"] / r["redis load"],
+        ]
         if with_moon:
             ratios += [r["ems-1 save"] / r.get("mooncake save", nan), r["ems-1 load"] / r.get("mooncake load", nan)]
         lines.append(
-            f"| {r['size'] >> 10} KiB | " + " | ".join(f"{r.get(c, nan):.2f}" for c in cols) + " | "
-            + " | ".join(f"{x:.2f}x" for x in ratios) + " |"
+            f"| {r['size'] >> 10} KiB | "
+            + " | ".join(f"{r.get(c, nan):.2f}" for c in cols)
+            + " | "
+            + " | ".join(f"{x:.2f}x" for x in ratios)
+            + " |"
         )
     return "GB/s (best of runs)\n" + "\n".join(lines)
 
@@ -949,8 +1047,10 @@ def per_call_table(per_call: dict, conc: dict) -> str:
     for name, figures in per_call.items():
         lines.append(f"| {name} | " + " | ".join(f"{figures[p]:.0f}" if p in figures else "—" for p in peers) + " |")
     lines.append("")
-    lines.append(f"1-value (1 MiB) saves per second to one node on one connection (best of runs): 1 in flight {conc[1]:.0f}/s, "
-                 f"8 in flight {conc[8]:.0f}/s ({conc[8] / conc[1]:.2f}x)")
+    lines.append(
+        f"1-value (1 MiB) saves per second to one node on one connection (best of runs): 1 in flight {conc[1]:.0f}/s, "
+        f"8 in flight {conc[8]:.0f}/s ({conc[8] / conc[1]:.2f}x)"
+    )
     return "\n".join(lines)
 
 

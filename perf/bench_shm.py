@@ -26,11 +26,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 import torch  # noqa: E402
 from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
+import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx import UcxNode  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
@@ -43,11 +43,15 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=32, help="1 MiB blocks per call")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (2 shared cores: 1)")
-    parser.add_argument("--node-capacity", default="160MiB",
-                        help="the node's capacity: small enough that saves evict after the warm-up (the steady state: "
-                             "buffers recycled, no fresh pages)")
-    parser.add_argument("--chunks", default="32MiB,8MiB",
-                        help="EMS_CHUNK_BYTES values for the API rows, comma-separated (32MiB: the default)")
+    parser.add_argument(
+        "--node-capacity",
+        default="160MiB",
+        help="the node's capacity: small enough that saves evict after the warm-up (the steady state: "
+        "buffers recycled, no fresh pages)",
+    )
+    parser.add_argument(
+        "--chunks", default="32MiB,8MiB", help="EMS_CHUNK_BYTES values for the API rows, comma-separated (32MiB: the default)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from ems import CcConfig, Ems, EmsConfig
@@ -142,13 +146,16 @@ def main() -> None:
         s_s, s_l = total / best["shm"][save] / 1e9, total / best["shm"][load] / 1e9
         u_s, u_l = total / best["ucx"][save] / 1e9, total / best["ucx"][load] / 1e9
         figures[label] = (s_s, s_l, u_s, u_l)
-        lines.append(f"| {label} | {s_s:.2f} | {s_l:.2f} | {u_s:.2f} | {u_l:.2f} | {s_s / copy_gbps:.2f}x "
-                     f"| {s_l / copy_gbps:.2f}x | {s_s / u_s:.2f}x | {s_l / u_l:.2f}x |")
+        lines.append(
+            f"| {label} | {s_s:.2f} | {s_l:.2f} | {u_s:.2f} | {u_l:.2f} | {s_s / copy_gbps:.2f}x "
+            f"| {s_l / copy_gbps:.2f}x | {s_s / u_s:.2f}x | {s_l / u_l:.2f}x |"
+        )
     print("\n".join(lines))
     print()
     shown = [records[(m, f"{op}@{chunks[0]}")] for m in MODES for op in ("save", "load")]
-    print(stage_table(shown).replace(
-        "| job |", f"| job (EMS_CHUNK_BYTES={chunks[0]}: shm save, shm load, UCX save, UCX load) |", 1))
+    print(
+        stage_table(shown).replace("| job |", f"| job (EMS_CHUNK_BYTES={chunks[0]}: shm save, shm load, UCX save, UCX load) |", 1)
+    )
     plot(figures, copy_gbps, ROOT / "perf" / "shm.png")
 
 

@@ -42,8 +42,13 @@ def engine(root: str, name: str, spec: dict) -> dict:
         json.dump(spec, f)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with open(os.path.join(root, f"{name}.log"), "w") as log:
-        subprocess.run([sys.executable, os.path.join(HERE, "..", "tests", "integrations", "vllm_engine.py"),
-                        spec_path, out_path], check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+        subprocess.run(
+            [sys.executable, os.path.join(HERE, "..", "tests", "integrations", "vllm_engine.py"), spec_path, out_path],
+            check=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     with open(out_path) as f:
         return json.load(f)
 
@@ -54,10 +59,16 @@ def mean(values: list[float]) -> float:
 
 def batch_row(label: str, rnd: list[dict], generated: int) -> dict:
     steps = rnd[0]["step_s"]
-    return {"label": label, "steps": len(steps), "itl_s": mean([r["itl_s"] for r in rnd]),
-            "ttft_s": mean([r["ttft_s"] for r in rnd]), "max_step_s": max(steps, default=0.0),
-            "wall_s": rnd[0]["wall_s"], "tokens_per_s": generated / rnd[0]["wall_s"],
-            "cached": sum(r["num_cached_tokens"] for r in rnd)}
+    return {
+        "label": label,
+        "steps": len(steps),
+        "itl_s": mean([r["itl_s"] for r in rnd]),
+        "ttft_s": mean([r["ttft_s"] for r in rnd]),
+        "max_step_s": max(steps, default=0.0),
+        "wall_s": rnd[0]["wall_s"],
+        "tokens_per_s": generated / rnd[0]["wall_s"],
+        "cached": sum(r["num_cached_tokens"] for r in rnd),
+    }
 
 
 def main() -> None:
@@ -72,8 +83,16 @@ def main() -> None:
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
     root = tempfile.mkdtemp(prefix="ems-bench-vllm-")
-    model = make_tiny_llama(os.path.join(root, "model"), hidden=1024, layers=8, heads=16, kv_heads=8, vocab=4096,
-                            intermediate=2816, max_pos=args.tokens + 256)
+    model = make_tiny_llama(
+        os.path.join(root, "model"),
+        hidden=1024,
+        layers=8,
+        heads=16,
+        kv_heads=8,
+        vocab=4096,
+        intermediate=2816,
+        max_pos=args.tokens + 256,
+    )
     rng = random.Random(0)
     long_p = [rng.randrange(4096) for _ in range(args.tokens)]
     long_q = [rng.randrange(4096) for _ in range(args.tokens)]
@@ -83,24 +102,49 @@ def main() -> None:
     p, q, many = 0, 1, list(range(2, 18))
     pool_dir = os.path.join(root, "pool")
     new_tokens = 32
-    base = {"model": model, "prompts": prompts, "max_tokens": 1, "connector": True,
-            "extra": {"local_pool_dir": pool_dir, "local_pool_capacity": "2GiB", "read_cache_capacity": 0,
-                      "lookup_timeout_ms": 300, "breaker_cooldown_s": 1.0, "timeout_ms": 5000},
-            "kv_load_failure_policy": "recompute",
-            "num_blocks": 2 * (args.tokens // 32) + 16, "max_model_len": args.tokens + 256,
-            "max_num_batched_tokens": args.tokens + 256}
+    base = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": 1,
+        "connector": True,
+        "extra": {
+            "local_pool_dir": pool_dir,
+            "local_pool_capacity": "2GiB",
+            "read_cache_capacity": 0,
+            "lookup_timeout_ms": 300,
+            "breaker_cooldown_s": 1.0,
+            "timeout_ms": 5000,
+        },
+        "kv_load_failure_policy": "recompute",
+        "num_blocks": 2 * (args.tokens // 32) + 16,
+        "max_model_len": args.tokens + 256,
+        "max_num_batched_tokens": args.tokens + 256,
+    }
     batch = {"batch": True, "max_tokens": new_tokens, "log_stats": True}
     load_before = os.getloadavg()[0]
     try:
         node = ensure_local_pool(pool_dir, "2GiB")
         a = engine(root, "a", {**base, "rounds": [[p], [many[0]]]})  # P, and the shared prefix, into the pool
         b_ttft = engine(root, "b-ttft", {**base, "rounds": [[q, p, p]]})
-        b = engine(root, "b", {**base, **batch, "rounds": [many, many, many],
-                               "before_round": {"0": {"reset_prefix_cache": True},
-                                                "1": {"reset_prefix_cache": True},
-                                                "2": {"reset_prefix_cache": True, "sigstop_pid": node.pid}}})
-        c = engine(root, "c", {**base, **batch, "connector": False, "rounds": [many, many],
-                               "before_round": {"1": {"reset_prefix_cache": True}}})
+        b = engine(
+            root,
+            "b",
+            {
+                **base,
+                **batch,
+                "rounds": [many, many, many],
+                "before_round": {
+                    "0": {"reset_prefix_cache": True},
+                    "1": {"reset_prefix_cache": True},
+                    "2": {"reset_prefix_cache": True, "sigstop_pid": node.pid},
+                },
+            },
+        )
+        c = engine(
+            root,
+            "c",
+            {**base, **batch, "connector": False, "rounds": [many, many], "before_round": {"1": {"reset_prefix_cache": True}}},
+        )
     finally:
         stop_local_pool(pool_dir)
     a_cold = a["rounds"][0][0]
@@ -121,19 +165,25 @@ def main() -> None:
         print(f"{label:44} {args.tokens:7d} {r['num_cached_tokens']:7d} {r['seconds']:8.3f}")
     speedup = b_cold["seconds"] / b_pool["seconds"]
     load_gbps = worker["load_bytes"] / worker["load_seconds"] / 1e9 if worker["load_seconds"] else 0.0
-    print(f"TTFT cold / pooled (engine B, side by side): {speedup:.1f}x; pooled / prefix cache "
-          f"{b_pool['seconds'] / b_prefix['seconds']:.1f}x; loaded {worker['load_blocks']} blocks, "
-          f"{worker['load_bytes'] / 2**20:.1f} MiB at {load_gbps:.2f} GB/s")
+    print(
+        f"TTFT cold / pooled (engine B, side by side): {speedup:.1f}x; pooled / prefix cache "
+        f"{b_pool['seconds'] / b_prefix['seconds']:.1f}x; loaded {worker['load_blocks']} blocks, "
+        f"{worker['load_bytes'] / 2**20:.1f} MiB at {load_gbps:.2f} GB/s"
+    )
     batch_rows = [with_connector, without, hung]
     print(f"{'round':58} {'steps':>5} {'ITL s':>7} {'TTFT s':>7} {'max step s':>10} {'tok/s':>7} {'cached':>7}")
     for row in batch_rows:
-        print(f"{row['label']:58} {row['steps']:5d} {row['itl_s']:7.4f} {row['ttft_s']:7.3f} {row['max_step_s']:10.3f} "
-              f"{row['tokens_per_s']:7.1f} {row['cached']:7d}")
+        print(
+            f"{row['label']:58} {row['steps']:5d} {row['itl_s']:7.4f} {row['ttft_s']:7.3f} {row['max_step_s']:10.3f} "
+            f"{row['tokens_per_s']:7.1f} {row['cached']:7d}"
+        )
     itl_ratio = with_connector["itl_s"] / without["itl_s"]
     throughput_ratio = with_connector["tokens_per_s"] / without["tokens_per_s"]
-    print(f"mean ITL with / without the connector: {itl_ratio:.2f}; throughput with / without: "
-          f"{throughput_ratio:.2f}; worst step, hung node / computing without the connector: "
-          f"{hung['max_step_s']:.3f} s / {without['max_step_s']:.3f} s")
+    print(
+        f"mean ITL with / without the connector: {itl_ratio:.2f}; throughput with / without: "
+        f"{throughput_ratio:.2f}; worst step, hung node / computing without the connector: "
+        f"{hung['max_step_s']:.3f} s / {without['max_step_s']:.3f} s"
+    )
 
     import matplotlib
 
@@ -141,14 +191,26 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.4))
-    ax.barh([label for label, _ in ttft_rows][::-1], [r["seconds"] for _, r in ttft_rows][::-1],
-            color=["#27a", "#2a7", "#c44", "#c44"])
+    ax.barh(
+        [label for label, _ in ttft_rows][::-1],
+        [r["seconds"] for _, r in ttft_rows][::-1],
+        color=["#27a", "#2a7", "#c44", "#c44"],
+    )
     ax.set_xlabel(f"time to first token, s ({args.tokens}-token prompt)")
     ax.set_title(f"TTFT: cold / from the pool {speedup:.1f}x", fontsize=10)
-    ax2.barh(["with connector", "without", "hung node"][::-1],
-             [r["itl_s"] * 1000 for r in batch_rows][::-1], color=["#c80", "#2a7", "#27a"], label="mean ITL")
-    ax2.barh(["with connector", "without", "hung node"][::-1],
-             [r["max_step_s"] * 1000 for r in batch_rows][::-1], color="none", edgecolor="k", label="worst step")
+    ax2.barh(
+        ["with connector", "without", "hung node"][::-1],
+        [r["itl_s"] * 1000 for r in batch_rows][::-1],
+        color=["#c80", "#2a7", "#27a"],
+        label="mean ITL",
+    )
+    ax2.barh(
+        ["with connector", "without", "hung node"][::-1],
+        [r["max_step_s"] * 1000 for r in batch_rows][::-1],
+        color="none",
+        edgecolor="k",
+        label="worst step",
+    )
     ax2.set_xlabel("ms (16 concurrent requests): mean ITL, and the worst engine step")
     ax2.set_title(f"mean ITL with / without the connector {itl_ratio:.2f}", fontsize=10)
     ax2.legend(fontsize=8)
@@ -158,8 +220,9 @@ def main() -> None:
     import torch
     import vllm
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
-                            check=False).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE, check=False
+    ).stdout.strip()
     lines = [
         "",
         f"## vLLM: TTFT cold / pool / prefix cache, co-running decodes, a hung node ({time.strftime('%Y-%m-%d')}, cpu)",
@@ -189,8 +252,11 @@ def main() -> None:
         "",
         "| round | steps | mean ITL s | mean TTFT s | worst step s | tokens/s | cached tokens |",
         "|---|---|---|---|---|---|---|",
-        *[f"| {r['label']} | {r['steps']} | {r['itl_s']:.4f} | {r['ttft_s']:.3f} | {r['max_step_s']:.3f} | "
-          f"{r['tokens_per_s']:.1f} | {r['cached']} |" for r in batch_rows],
+        *[
+            f"| {r['label']} | {r['steps']} | {r['itl_s']:.4f} | {r['ttft_s']:.3f} | {r['max_step_s']:.3f} | "
+            f"{r['tokens_per_s']:.1f} | {r['cached']} |"
+            for r in batch_rows
+        ],
         "",
         (
             f"Mean ITL with / without the connector: **{itl_ratio:.2f}** (goal: at most 1.10); throughput with / "

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -31,5 +31,7 @@ def machine() -> str:
     except OSError:
         pass
     load = f", load average {os.getloadavg()[0]:.1f} at start (shared host)" if hasattr(os, "getloadavg") else ""
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), python {platform.python_version()}{load}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), python {platform.python_version()}{load}"
+    )

@@ -22,8 +22,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,7 +53,7 @@ def _best(fn: Callable[[], None], device: torch.device, reps: int) -> float:
     return best
 
 
-def _rand(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
     t.view(torch.uint8).random_(1, 255)
     return t
@@ -62,14 +63,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def correctness(device: torch.device, tiny: bool) -> List[str]:
+def correctness(device: torch.device, tiny: bool) -> list[str]:
     """Triton vs torch on fresh random data; returns a list of failures (empty = pass)."""
     from ems.kernels.base import PlaneSet
     from ems.kernels.torch_backend import TorchBackend
     from ems.kernels.triton_backend import TritonBackend
 
     tri, ref = TritonBackend(device), TorchBackend()
-    failures: List[str] = []
+    failures: list[str] = []
     dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]
     shapes = [(3, 5), (1, 7), (4, 128)] if tiny else [(3, 5), (1, 7), (8, 128), (1, 576), (40, 128)]
     blocks, bs = (6, 8) if tiny else (64, 16)
@@ -98,8 +99,9 @@ def correctness(device: torch.device, tiny: bool) -> List[str]:
                 case = f"{dtype} {heads}x{head_size} {layout}"
                 n = planes.num_slots
                 # whole blocks, runs crossing blocks, random slots with repeats (gather); distinct slots (scatter)
-                slots = torch.cat([torch.arange(bs, 3 * bs), torch.arange(1, 2 * bs + 3),
-                                   torch.randint(0, n, (2 * bs,), generator=gen)])
+                slots = torch.cat(
+                    [torch.arange(bs, 3 * bs), torch.arange(1, 2 * bs + 3), torch.randint(0, n, (2 * bs,), generator=gen)]
+                )
                 uniq = torch.randperm(n, generator=gen)[: 2 * bs]
                 failures += [f"{what} {case}" for what in pieces_check(tri, ref, bases, planes, slots, uniq, device)]
     # raw segments, odd and aligned
@@ -109,14 +111,21 @@ def correctness(device: torch.device, tiny: bool) -> List[str]:
         ln = torch.tensor(lens)
         out = _rand((int(ln.sum()),), torch.uint8, device)
         tri.gather_segments(ptrs, ln, out)
-        want = torch.cat([buf[o:o + n] for o, n in zip(offs, lens)])
+        want = torch.cat([buf[o : o + n] for o, n in zip(offs, lens)])
         if not torch.equal(out, want):
             failures.append(f"gather_segments {offs}")
     return failures
 
 
-def pieces_check(tri: "CopyBackend", ref: "CopyBackend", bases: List[torch.Tensor], planes: "PlaneSet",
-                 slots: torch.Tensor, unique: torch.Tensor, device: torch.device) -> List[str]:
+def pieces_check(
+    tri: CopyBackend,
+    ref: CopyBackend,
+    bases: list[torch.Tensor],
+    planes: PlaneSet,
+    slots: torch.Tensor,
+    unique: torch.Tensor,
+    device: torch.device,
+) -> list[str]:
     """Value-major pieces (what V1 saves use): Triton vs torch gather into values with 40-byte gaps (headers); a
     Triton scatter vs a torch scatter into a copy of the cache (every byte, padding included, must match); returns
     the failed checks."""
@@ -125,7 +134,7 @@ def pieces_check(tri: "CopyBackend", ref: "CopyBackend", bases: List[torch.Tenso
     from ems.kernels.base import PlaneSet
     from ems.kernels.plan import value_pieces
 
-    def layout(s: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    def layout(s: torch.Tensor) -> tuple[torch.Tensor, int]:
         t = s.numel()
         counts = [t // 3, t // 3, t - 2 * (t // 3)]
         tok_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
@@ -134,7 +143,7 @@ def pieces_check(tri: "CopyBackend", ref: "CopyBackend", bases: List[torch.Tenso
         table, _ = value_pieces(s.numpy(), planes.block_size, tok_start, starts[:-1] + 40)
         return torch.from_numpy(table), int(starts[-1])
 
-    failures: List[str] = []
+    failures: list[str] = []
     pieces, total = layout(slots)
     a = torch.full((total,), 0xA5, dtype=torch.uint8, device=device)
     b = a.clone()
@@ -145,10 +154,11 @@ def pieces_check(tri: "CopyBackend", ref: "CopyBackend", bases: List[torch.Tenso
     pieces, total = layout(unique)
     src = _rand((total,), torch.uint8, device)
     copies = [b.clone() for b in bases]
-    owner = [next(i for i, b in enumerate(bases) if b.untyped_storage().data_ptr() == p.untyped_storage().data_ptr())
-             for p in planes.planes]
-    twin = PlaneSet(tuple(copies[o].as_strided(p.shape, p.stride(), p.storage_offset())
-                          for o, p in zip(owner, planes.planes)))
+    owner = [
+        next(i for i, b in enumerate(bases) if b.untyped_storage().data_ptr() == p.untyped_storage().data_ptr())
+        for p in planes.planes
+    ]
+    twin = PlaneSet(tuple(copies[o].as_strided(p.shape, p.stride(), p.storage_offset()) for o, p in zip(owner, planes.planes)))
     tri.scatter_pieces(planes, pieces, src)
     ref.scatter_pieces(twin, pieces, src)
     if not all(torch.equal(_bytes(b), _bytes(c)) for b, c in zip(bases, copies)):
@@ -163,7 +173,7 @@ def pieces_check(tri: "CopyBackend", ref: "CopyBackend", bases: List[torch.Tenso
     return failures
 
 
-def speed(device: torch.device, tiny: bool, reps: int) -> List[Dict[str, object]]:
+def speed(device: torch.device, tiny: bool, reps: int) -> list[dict[str, object]]:
     import bench_kernels as bk
     import numpy as np
 
@@ -173,10 +183,12 @@ def speed(device: torch.device, tiny: bool, reps: int) -> List[Dict[str, object]
     from ems.kernels.triton_backend import TritonBackend
 
     paths = {"triton": TritonBackend(device), "memcpy": MemcpyBackend(), "torch": TorchBackend()}
-    configs = [(m, 16, 4) for m in bk.MODELS] if tiny else [
-        (m, bs, n) for m in bk.MODELS for bs, n in ((16, 64), (16, 1024), (128, 8), (128, 128))
-    ]
-    rows: List[Dict[str, object]] = []
+    configs = (
+        [(m, 16, 4) for m in bk.MODELS]
+        if tiny
+        else [(m, bs, n) for m in bk.MODELS for bs, n in ((16, 64), (16, 1024), (128, 8), (128, 128))]
+    )
+    rows: list[dict[str, object]] = []
     for model, bs, n in configs:
         layers = 2 if tiny else model.layers
         save_bytes = 2 * layers * n * bs * model.heads * model.head_size * torch.empty(0, dtype=model.dtype).element_size()
@@ -193,26 +205,32 @@ def speed(device: torch.device, tiny: bool, reps: int) -> List[Dict[str, object]
         src = torch.empty_like(out)
         dst = torch.empty_like(out)
         moved = 2 * out.numel()  # read + write
-        row: Dict[str, object] = {"model": model.name, "layers": layers, "block_size": bs, "blocks": n,
-                                  "row_bytes": planes.row_bytes, "save_MB": out.numel() / 1e6}
+        row: dict[str, object] = {
+            "model": model.name,
+            "layers": layers,
+            "block_size": bs,
+            "blocks": n,
+            "row_bytes": planes.row_bytes,
+            "save_MB": out.numel() / 1e6,
+        }
         limit = _best(lambda d=dst, s=src: d.copy_(s), device, reps)
         row["d2d_copy_GBps"] = moved / limit / 1e9
         for name, backend in paths.items():
             before = backend.ops_issued
             backend.gather_pieces(planes, pieces, out)
             row[f"{name}_ops"] = backend.ops_issued - before
-            t = _best(lambda b=backend, p=planes, q=pieces, o=out: b.gather_pieces(p, q, o), device,
-                      1 if name == "memcpy" else reps)
+            t = _best(
+                lambda b=backend, p=planes, q=pieces, o=out: b.gather_pieces(p, q, o), device, 1 if name == "memcpy" else reps
+            )
             row[f"{name}_GBps"] = moved / t / 1e9
             row[f"{name}/copy"] = limit / t
         rows.append(row)
-        print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              file=sys.stderr)
+        print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), file=sys.stderr)
         del planes, out, src, dst
     return rows
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", help="file for the figures (JSON)")
     ap.add_argument("--device", default="cuda")
@@ -234,14 +252,39 @@ def main(argv: List[str] | None = None) -> int:
     for f in failures:
         print("  mismatch:", f)
     rows = speed(device, args.tiny, 1 if args.tiny else args.reps)
-    cols = ["model", "layers", "block_size", "blocks", "row_bytes", "save_MB", "d2d_copy_GBps",
-            "triton_GBps", "triton/copy", "memcpy_GBps", "triton_ops", "memcpy_ops", "torch_GBps", "torch_ops"]
+    cols = [
+        "model",
+        "layers",
+        "block_size",
+        "blocks",
+        "row_bytes",
+        "save_MB",
+        "d2d_copy_GBps",
+        "triton_GBps",
+        "triton/copy",
+        "memcpy_GBps",
+        "triton_ops",
+        "memcpy_ops",
+        "torch_GBps",
+        "torch_ops",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    Path(args.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "tiny": args.tiny,
-                                          "correct": not failures, "failures": failures, "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "device": name,
+                "torch": torch.__version__,
+                "tiny": args.tiny,
+                "correct": not failures,
+                "failures": failures,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"figures written to {args.out} ({time.perf_counter() - t0:.0f} s)")
     return 1 if failures else 0
 

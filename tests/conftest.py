@@ -45,6 +45,7 @@ def clean_ems(monkeypatch):
 def fault_node_factory():
     """Build `FaultyNode`s (tests/fault_injection.py) around embedded stores; releases injected hangs at teardown."""
     from fault_injection import FaultyNode
+
     from ems.store import KvStore
     from ems.transport.inprocess import InProcessNode
 

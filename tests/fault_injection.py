@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
@@ -35,7 +35,7 @@ def is_block(key: bytes, block_hashes: Iterable[int]) -> bool:
     return any(suffix == encode_hash(h) for h in block_hashes)
 
 
-def damage(value: bytes, mode: str, position: Optional[int] = None) -> bytes:
+def damage(value: bytes, mode: str, position: int | None = None) -> bytes:
     """`flip`: invert one payload byte (the last unless `position`); `header`: flip a header byte;
     `truncate`: drop the last byte; `empty`: nothing left."""
     data = bytearray(value)
@@ -54,13 +54,13 @@ def damage(value: bytes, mode: str, position: Optional[int] = None) -> bytes:
 
 
 class FaultyNode(NodeClient):
-    def __init__(self, inner: NodeClient, address: Optional[str] = None) -> None:
+    def __init__(self, inner: NodeClient, address: str | None = None) -> None:
         self.inner = inner
         self.address = address or f"faulty-{id(self):x}"
         self.fail = False
         self.delay_s = 0.0
         self.hang = False
-        self.corrupt_gets: Optional[str] = None
+        self.corrupt_gets: str | None = None
         self._drop: Callable[[bytes], bool] = lambda key: False
         self._released = threading.Event()
         self.calls = {"put": 0, "get": 0, "exists": 0, "ping": 0}
@@ -82,7 +82,7 @@ class FaultyNode(NodeClient):
     def stored_keys(self) -> list[bytes]:
         return list(self.store._entries.keys())
 
-    def corrupt_stored(self, key: bytes, mode: str = "flip", replacement: Optional[bytes] = None) -> None:
+    def corrupt_stored(self, key: bytes, mode: str = "flip", replacement: bytes | None = None) -> None:
         """Replace the stored value of `key` behind the store's back (as a torn write or a bad disk would)."""
         store = self.store
         with store._lock:
@@ -113,7 +113,7 @@ class FaultyNode(NodeClient):
             results[i] = ok
         return results
 
-    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
+    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Buffer | None]:
         self._before("get", timeout_s)
         values = self.inner.get(keys, timeout_s)
         if self.corrupt_gets:

@@ -15,7 +15,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 STORAGE = r"""
 import sys, time
@@ -39,7 +38,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def master_executable() -> Optional[str]:
+def master_executable() -> str | None:
     found = shutil.which("mooncake_master")
     if found:
         return found
@@ -47,7 +46,7 @@ def master_executable() -> Optional[str]:
     return str(beside) if beside.exists() else None
 
 
-def mooncake_missing() -> Optional[str]:
+def mooncake_missing() -> str | None:
     """Why Mooncake cannot run in this environment, or None."""
     try:
         import mooncake.store  # noqa: F401
@@ -79,7 +78,7 @@ class MooncakeCluster:
     """`mooncake_master` plus one storage process holding `segment_bytes`; `master` is its "127.0.0.1:port". A read
     holds a lease of `lease_ttl_ms` on what it reads (a read that takes longer answers LEASE_EXPIRED: a miss)."""
 
-    def __init__(self, segment_bytes: int = 256 << 20, port: Optional[int] = None, lease_ttl_ms: int = 5000) -> None:
+    def __init__(self, segment_bytes: int = 256 << 20, port: int | None = None, lease_ttl_ms: int = 5000) -> None:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         self.segment_bytes = segment_bytes
         self.port = port or free_port()
@@ -88,14 +87,21 @@ class MooncakeCluster:
         exe = master_executable()
         if exe is None:
             raise RuntimeError("mooncake_master not found")
-        self.master_proc: Optional[subprocess.Popen] = subprocess.Popen(
-            [exe, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=false",
-             f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ttl_ms}"],
+        self.master_proc: subprocess.Popen | None = subprocess.Popen(
+            [
+                exe,
+                f"--rpc_port={self.port}",
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=false",
+                f"--metrics_port={free_port()}",
+                "--metrics_host=127.0.0.1",
+                f"--default_kv_lease_ttl={lease_ttl_ms}",
+            ],
             stdout=open(os.path.join(self.logs, "master.log"), "w"),  # noqa: SIM115 - the child's log, kept open
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )
-        self.storage: Optional[subprocess.Popen] = None
+        self.storage: subprocess.Popen | None = None
         self._admin = None
         try:
             if not _wait_listening(self.port, 30.0):
@@ -111,7 +117,10 @@ class MooncakeCluster:
         log = open(os.path.join(self.logs, "storage.log"), "a")  # noqa: SIM115 - the child's log, kept open
         self.storage = subprocess.Popen(
             [sys.executable, "-u", "-c", STORAGE, self.master, str(self.segment_bytes)],
-            stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            preexec_fn=_die_with_parent,
         )
         line = self.storage.stdout.readline() if self.storage.stdout else ""
         if not line.startswith("ready 0"):

@@ -13,7 +13,8 @@ type both sides share), and the in-process node reaches the embedded store only 
 from __future__ import annotations
 
 import abc
-from typing import Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode, EmsException
@@ -24,7 +25,7 @@ class LocalStore(Protocol):
 
     def put_many(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> list[bool]: ...
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]: ...
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
@@ -51,7 +52,7 @@ class NodeClient(abc.ABC):
         """Store `values[i]` (its parts concatenated) under `keys[i]`; True where the node stored it."""
 
     @abc.abstractmethod
-    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
+    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Buffer | None]:
         """The stored value of each key, or None where the node has none."""
 
     def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], timeout_s: float) -> list[bool]:

@@ -3,7 +3,7 @@ through the `LocalStore` protocol so that the transport does not import the stor
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ems.buffers import Buffer
 from ems.transport.base import LocalStore, NodeClient
@@ -20,7 +20,7 @@ class InProcessNode(NodeClient):
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
         return self.store.put_many(keys, values)
 
-    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
+    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Buffer | None]:
         return list(self.store.get_many(keys))
 
     def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:

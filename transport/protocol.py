@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -197,8 +198,7 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
         raise ProtocolError(f"meta frame of {meta_len} bytes, limit {MAX_META_BYTES}")
     if data_len > MAX_DATA_BYTES:
         raise ProtocolError(f"{data_len} data bytes in one request, limit {MAX_DATA_BYTES}")
-    return Header(op=op, status=status, flags=flags, count=count, meta_len=meta_len, data_len=data_len,
-                  request_id=request_id)
+    return Header(op=op, status=status, flags=flags, count=count, meta_len=meta_len, data_len=data_len, request_id=request_id)
 
 
 # ---- the inline framing ----
@@ -338,12 +338,7 @@ def decode_keys_meta(count: int, meta: memoryview | bytes) -> list[bytes]:
 
 def encode_put_meta(keys: Sequence[bytes], value_lens: np.ndarray, frame_lens: np.ndarray) -> bytes:
     lens, blob = encode_keys(keys)
-    return (
-        np.asarray(value_lens, dtype="<u8").tobytes()
-        + lens.tobytes()
-        + np.asarray(frame_lens, dtype="<u8").tobytes()
-        + blob
-    )
+    return np.asarray(value_lens, dtype="<u8").tobytes() + lens.tobytes() + np.asarray(frame_lens, dtype="<u8").tobytes() + blob
 
 
 @dataclass(frozen=True)
@@ -392,9 +387,7 @@ def decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> PutR
     frame_segments = np.searchsorted(seg_ends, frame_starts, side="right")
     seg_starts = seg_ends - segment_sizes
     frame_offsets = frame_starts - seg_starts[frame_segments] if frame_lens.size else frame_starts
-    return PutRequest(
-        keys, value_lens, frame_lens, plan, value_offsets, segment_sizes, frame_segments, frame_offsets
-    )
+    return PutRequest(keys, value_lens, frame_lens, plan, value_offsets, segment_sizes, frame_segments, frame_offsets)
 
 
 def decode_flags(count: int, meta: memoryview | bytes) -> list[bool]:

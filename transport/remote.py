@@ -12,8 +12,6 @@ A malformed address raises `TransportError(EMS_IO_ERROR)`.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.shm_client import ShmMode
 from ems.transport.ucx import Failure, UcxNode
@@ -22,8 +20,8 @@ from ems.transport.ucx import Failure, UcxNode
 def connect(
     address: str,
     *,
-    access_id: Optional[str] = None,
-    access_key: Optional[str] = None,
+    access_id: str | None = None,
+    access_key: str | None = None,
     connect_timeout_ms: int = 3000,
     shm: ShmMode = ShmMode.AUTO,
 ) -> NodeClient:

@@ -34,8 +34,9 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -143,7 +144,7 @@ class RangeAllocator:
         self.poisoned = False
         self.used = 0
 
-    def alloc(self, nbytes: int) -> Optional[ShmRange]:
+    def alloc(self, nbytes: int) -> ShmRange | None:
         need = max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
         with self._lock:
             if self.poisoned:
@@ -227,10 +228,7 @@ class RangedRequest:
 
 def encode_ranged(keys: Sequence[bytes], offsets: Sequence[int], lens: Sequence[int]) -> bytes:
     key_lens, blob = protocol.encode_keys(keys)
-    return (
-        np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(lens, dtype="<u8").tobytes() + key_lens.tobytes()
-        + blob
-    )
+    return np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(lens, dtype="<u8").tobytes() + key_lens.tobytes() + blob
 
 
 def decode_ranged(count: int, meta: memoryview | bytes, region_bytes: int) -> RangedRequest:

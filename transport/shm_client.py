@@ -26,15 +26,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
-from ems.transport import protocol
-from ems.transport import shm
+from ems.transport import protocol, shm
 
 if TYPE_CHECKING:
     from ems.transport.ucx import UcxNode
@@ -66,7 +66,7 @@ class ClientRegion:
     def offset_of(self, address: int, nbytes: int) -> int:
         """The region offset of `nbytes` at `address`, or -1 when they are not inside the region."""
         offset = address - self.base
-        return offset if 0 <= offset and offset + nbytes <= self.array.nbytes else -1
+        return offset if offset >= 0 and offset + nbytes <= self.array.nbytes else -1
 
 
 class ShmBuffer:
@@ -88,15 +88,15 @@ class ShmBuffer:
 class ShmClient:
     """Shared memory for one `UcxNode`; see the module docstring."""
 
-    def __init__(self, node: "UcxNode") -> None:
+    def __init__(self, node: UcxNode) -> None:
         self.node = node
-        self._region: Optional[ClientRegion] = None
+        self._region: ClientRegion | None = None
         self._no_region_on: Any = None  # the endpoint whose node offered no region (not asked again)
         self._opening = threading.Lock()
 
     # ---- calls ----
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> Optional[list[bool]]:
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool] | None:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         deadline = time.monotonic() + timeout_s
@@ -106,7 +106,7 @@ class ShmClient:
         parts = [[_as_bytes(p) for p in ps] for ps in values]
         lens = [sum(p.nbytes for p in ps) for ps in parts]
         offsets = _offsets_in(region, parts, lens)
-        taken: Optional[shm.ShmRange] = None
+        taken: shm.ShmRange | None = None
         if offsets is None:
             taken = region.allocator.alloc(sum(lens))
             if taken is None:
@@ -127,14 +127,14 @@ class ShmClient:
             return None
         return protocol.decode_flags(len(keys), body)
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], timeout_s: float) -> Optional[list[bool]]:
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], timeout_s: float) -> list[bool] | None:
         deadline = time.monotonic() + timeout_s
         region = self.region(deadline)
         if region is None:
             return None
         caps = [o.nbytes for o in outs]
         offsets = _offsets_in(region, [[o] for o in outs], caps)
-        taken: Optional[shm.ShmRange] = None
+        taken: shm.ShmRange | None = None
         if offsets is None:
             taken = region.allocator.alloc(sum(caps))
             if taken is None:
@@ -158,7 +158,7 @@ class ShmClient:
             if taken is not None:
                 region.allocator.free(taken)
 
-    def buffer(self, nbytes: int) -> Optional[ShmBuffer]:
+    def buffer(self, nbytes: int) -> ShmBuffer | None:
         """`nbytes` of the current connection's region for the caller to fill or read in place, or None. Never
         opens a region (that costs a round trip, which the calls do under their own deadlines): until a call
         has opened one, callers stage elsewhere."""
@@ -176,8 +176,16 @@ class ShmClient:
 
     # ---- machinery ----
 
-    def _send(self, region: ClientRegion, op: int, meta: bytes, count: int, taken: Optional[shm.ShmRange],
-              deadline: float, keep: bool = False) -> Any:
+    def _send(
+        self,
+        region: ClientRegion,
+        op: int,
+        meta: bytes,
+        count: int,
+        taken: shm.ShmRange | None,
+        deadline: float,
+        keep: bool = False,
+    ) -> Any:
         """Run one SHM request on the region's connection; its reply meta (or _STALE). `taken` is freed after a
         success unless `keep` (the caller still reads it), and the region is poisoned after a failure."""
         from ems.transport.ucx import _request
@@ -208,7 +216,7 @@ class ShmClient:
         self.node.close()
         return TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.node.address}: malformed reply: {message}")
 
-    def region(self, deadline: float) -> Optional[ClientRegion]:
+    def region(self, deadline: float) -> ClientRegion | None:
         """The current connection's region, opened now if it has none; None when there is none to use."""
         ep = self.node._ep  # a reference read: the loop thread replaces it, requests check it again there
         region = self._region
@@ -223,7 +231,7 @@ class ShmClient:
         finally:
             self._opening.release()
 
-    def _open(self, deadline: float) -> Optional[ClientRegion]:
+    def _open(self, deadline: float) -> ClientRegion | None:
         from ems.transport.ucx import _request
 
         meta = shm.encode_open(os.getuid(), os.getpid())
@@ -268,7 +276,7 @@ def _receive_region(offer: shm.OpenReply, timeout_s: float) -> np.ndarray:
             os.close(fd)
 
 
-def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequence[int]) -> Optional[list[int]]:
+def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequence[int]) -> list[int] | None:
     """Each value's region offset when every value's parts lie back to back inside the region, else None."""
     offsets = []
     for ps, n in zip(parts, lens):
@@ -291,4 +299,3 @@ def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequ
 def _as_bytes(part: Buffer) -> memoryview:
     view = memoryview(part)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-

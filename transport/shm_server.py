@@ -25,12 +25,11 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ems.transport import protocol
-from ems.transport import shm
+from ems.transport import protocol, shm
 
 if TYPE_CHECKING:
     from ems.transport.ucx_server import PoolServer, _Channel
@@ -50,7 +49,7 @@ class _Region:
     array: np.ndarray
     uid: int
     pid: int
-    token: Optional[bytes]
+    token: bytes | None
     expires: float
     closing: bool = False
 
@@ -63,15 +62,15 @@ class _Region:
 class ShmService:
     """Regions of one node's connections; see the module docstring."""
 
-    def __init__(self, settings: shm.ShmSettings, server: "PoolServer") -> None:
+    def __init__(self, settings: shm.ShmSettings, server: PoolServer) -> None:
         self.settings = settings
         self.server = server
         self.name = b"\0ems-shm-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
         self._regions: dict[Any, _Region] = {}  # connection -> its region
         self._tokens: dict[bytes, _Region] = {}
         self._bytes = 0
-        self._listener: Optional[socket.socket] = None
-        self._accepting: Optional[asyncio.Task] = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
         self._handovers: set[asyncio.Task] = set()
 
     # ---- life cycle ----
@@ -115,7 +114,7 @@ class ShmService:
 
     # ---- requests ----
 
-    async def serve(self, channel: "_Channel", prefix: bytes) -> int:
+    async def serve(self, channel: _Channel, prefix: bytes) -> int:
         """Serve one SHM_* request; the value bytes it moved."""
         header = channel.header
         if header.data_len:
@@ -132,7 +131,7 @@ class ShmService:
             return await self._put(channel, region, keys, request)
         return await self._get(channel, region, keys, request)
 
-    async def _open(self, channel: "_Channel", creds: tuple[int, int]) -> None:
+    async def _open(self, channel: _Channel, creds: tuple[int, int]) -> None:
         conn = channel.conn
         self.forget(conn)  # a connection has at most one region
         size = self.settings.region_bytes
@@ -153,11 +152,9 @@ class ShmService:
         await channel.reply(protocol.Op.SHM_OPEN, meta=shm.encode_open_reply(reply))
 
     async def _room(self, nbytes: int) -> bool:
-        return nbytes <= self.server.budget.total and await self.server.budget.acquire(
-            nbytes, self.server.limits.stall_timeout_s
-        )
+        return nbytes <= self.server.budget.total and await self.server.budget.acquire(nbytes, self.server.limits.stall_timeout_s)
 
-    async def _put(self, channel: "_Channel", region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
+    async def _put(self, channel: _Channel, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
         total = int(request.lens.sum())
         await self.server._take(total)  # as a UCX PUT: refused (and the connection closed) when it cannot fit
         try:
@@ -190,16 +187,13 @@ class ShmService:
             self.server.metrics.count_damaged(refused, [False] * len(refused))
         return stored
 
-    async def _get(self, channel: "_Channel", region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
+    async def _get(self, channel: _Channel, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
         values = await self.server.lookup_values(keys)  # off the event loop when it may read a disk
-        lens = np.fromiter(
-            (-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values)
-        )
+        lens = np.fromiter((-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values))
         placed = (lens == request.lens) & (lens > 0)
         total = int(lens[placed].sum())
         if not await self._room(total):
-            log.warning("shared-memory GET from %s answered with misses: no room for %d bytes", channel.conn.peer,
-                        total)
+            log.warning("shared-memory GET from %s answered with misses: no room for %d bytes", channel.conn.peer, total)
             lens[:] = -1
             placed[:] = False
             total = 0
@@ -272,7 +266,7 @@ class ShmService:
             sock.close()
 
 
-def _refusal(region: Optional[_Region], pid: int, uid: int) -> Optional[str]:
+def _refusal(region: _Region | None, pid: int, uid: int) -> str | None:
     if region is None:
         return "unknown or spent token"
     if region.closing or region.conn.aborted:

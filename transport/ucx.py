@@ -27,14 +27,14 @@ import enum
 import socket
 import threading
 import time
-from typing import Any, Awaitable, Callable, Coroutine, Optional, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode
-from ems.transport import protocol
-from ems.transport import ucx_progress
+from ems.transport import protocol, ucx_progress
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
@@ -51,7 +51,7 @@ T = TypeVar("T")  # what a request answers
 class UcxRuntime:
     """The process-wide UCX event loop thread (created on first use)."""
 
-    _instance: Optional["UcxRuntime"] = None
+    _instance: UcxRuntime | None = None
     _instance_lock = threading.Lock()
 
     def __init__(self) -> None:
@@ -107,13 +107,13 @@ class UcxRuntime:
         self.thread.join(5.0)
 
     @classmethod
-    def get(cls) -> "UcxRuntime":
+    def get(cls) -> UcxRuntime:
         with cls._instance_lock:
             if cls._instance is None:
                 cls._instance = UcxRuntime()
             return cls._instance
 
-    def start(self, coro: Coroutine[Any, Any, Any]) -> "_Waiter":
+    def start(self, coro: Coroutine[Any, Any, Any]) -> _Waiter:
         """Run `coro` on the loop; the calling thread waits on the returned `_Waiter` (cheaper than
         `asyncio.run_coroutine_threadsafe`: no concurrent Future, one lock)."""
         waiter = _Waiter()
@@ -125,7 +125,7 @@ class UcxRuntime:
 
 
 def resolve(address: str) -> tuple[str, int]:
-    """"host:port" → (IPv4 address, port); TransportError(EMS_IO_ERROR) when it cannot be resolved."""
+    """ "host:port" → (IPv4 address, port); TransportError(EMS_IO_ERROR) when it cannot be resolved."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{address}: not a host:port address")
@@ -143,7 +143,7 @@ class _Waiter:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.lock.acquire()
-        self.task: Optional[asyncio.Task] = None
+        self.task: asyncio.Task | None = None
 
     def begin(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> None:
         self.task = loop.create_task(coro)
@@ -195,10 +195,10 @@ class UcxNode(NodeClient):
         self,
         address: str,
         *,
-        access_id: Optional[str] = None,
-        access_key: Optional[str] = None,
+        access_id: str | None = None,
+        access_key: str | None = None,
         connect_timeout_ms: int = 3000,
-        shm: Optional[ShmMode] = None,
+        shm: ShmMode | None = None,
     ) -> None:
         self.address = address
         self._ip, self._port = resolve(address)
@@ -207,13 +207,13 @@ class UcxNode(NodeClient):
         self._connect_timeout_s = connect_timeout_ms / 1000.0
         self._runtime = UcxRuntime.get()
         self._ep: Any = None  # touched on the UCX loop only, like the two below
-        self._connecting: Optional[asyncio.Future] = None
+        self._connecting: asyncio.Future | None = None
         self._next_id = 0
         self._retry_at = 0.0
-        self._last_error: Optional[TransportError] = None
+        self._last_error: TransportError | None = None
         self.last_failure = Failure.NONE
         wants_shm = (shm or ShmMode.AUTO) != ShmMode.OFF and is_local_address(self._ip)
-        self.shm: Optional[ShmClient] = ShmClient(self) if wants_shm else None
+        self.shm: ShmClient | None = ShmClient(self) if wants_shm else None
 
     # ---- NodeClient ----
 
@@ -229,7 +229,7 @@ class UcxNode(NodeClient):
         meta, frames, data_len = _build_put(keys, values)
         return self._call(lambda ep, rid: _put(ep, rid, meta, frames, data_len, len(keys)), timeout_s)
 
-    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Optional[Buffer]]:
+    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Buffer | None]:
         if not keys:
             return []
         meta = protocol.encode_keys_meta(keys)
@@ -268,7 +268,7 @@ class UcxNode(NodeClient):
         if self.shm is not None:
             self.shm.close()
 
-    def shm_buffer(self, nbytes: int) -> Optional[ShmBuffer]:
+    def shm_buffer(self, nbytes: int) -> ShmBuffer | None:
         """`nbytes` of this connection's shared-memory region, which `put` / `get_into` move without a copy when
         the values lie in it; None when there is none yet (a call opens it), or no room in it."""
         return None if self.shm is None else self.shm.buffer(nbytes)
@@ -309,7 +309,7 @@ class UcxNode(NodeClient):
         except Exception as error:  # UCX errors: connection refused, reset, peer failure
             raise self._fail(call, EmsErrorCode.EMS_IO_ERROR, f"connection failed: {error!r}") from None
 
-    async def _run(self, request: Callable[[Any, int], Awaitable[Any]], call: "_Call") -> Any:
+    async def _run(self, request: Callable[[Any, int], Awaitable[Any]], call: _Call) -> Any:
         """On the UCX loop: connect if needed (one connect shared by concurrent calls), then run the request on
         the endpoint under a fresh request id (unless its caller gave up)."""
         if self._ep is None:
@@ -356,9 +356,7 @@ class UcxNode(NodeClient):
             _abort(ep)
             raise
 
-    def _fail(
-        self, call: _Call, code: EmsErrorCode, message: str, failure: Optional[Failure] = None
-    ) -> TransportError:
+    def _fail(self, call: _Call, code: EmsErrorCode, message: str, failure: Failure | None = None) -> TransportError:
         """Record a failure: drop the call's connection (a late reply must never answer a later request), back off."""
         error = TransportError(code, message if message.startswith(self.address) else f"{self.address}: {message}")
         self._runtime.call_soon(self._drop_on_loop, call.ep)
@@ -395,8 +393,9 @@ async def _request(
     """Send one inline request (head on the base tag, the rest on tag `rid`) and receive its reply's head (on tag
     `rid`): the reply header (status OK, the expected op) and its inline bytes; the reply's meta frame, when it did
     not fit inline, is received too and returned in place of the inline bytes."""
-    header = protocol.pack_header(op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE,
-                           request_id=rid)
+    header = protocol.pack_header(
+        op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE, request_id=rid
+    )
     layout = protocol.head_layout(len(meta), data_len)
     head = protocol.pack_head(header, meta, data)
     frames = ([] if layout.meta_inline else [meta]) + ([] if layout.data_inline else list(data))
@@ -412,7 +411,9 @@ async def _request(
         text = bytes(body[: reply.meta_len]) if protocol.head_layout(reply.meta_len, 0).meta_inline else b""
         raise _Refused(text.decode("utf-8", "replace") or f"node answered status {reply.status}")
     if reply.op != op | protocol.REPLY or not reply.inline or reply.request_id != rid:
-        raise protocol.ProtocolError(f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})")
+        raise protocol.ProtocolError(
+            f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})"
+        )
     if not protocol.head_layout(reply.meta_len, reply.data_len).meta_inline:
         body = memoryview(await _recv_meta(ep, reply.meta_len, rid))
     await sends
@@ -433,7 +434,7 @@ async def _exists(ep: Any, rid: int, meta: bytes, count: int) -> list[bool]:
     return protocol.decode_flags(count, body[: reply.meta_len])
 
 
-async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[memoryview]]) -> list:
+async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: list[memoryview] | None) -> list:
     """GET: the values (`outs` None: read-only views of fresh segments), or, with `outs`, whether each value was
     placed in its caller buffer (a value of another length than its buffer counts as a miss)."""
     reply, body = await _request(ep, rid, protocol.Op.GET, count=count, meta=meta)
@@ -448,7 +449,8 @@ async def _get(ep: Any, rid: int, meta: bytes, count: int, outs: Optional[list[m
     plan = protocol.segment_plan(present_lens)
     offsets, sizes = protocol.segment_bounds(present_lens, plan)
     fits = (  # per present value: its caller buffer has its size (none without caller buffers)
-        np.zeros(0, dtype=bool) if outs is None
+        np.zeros(0, dtype=bool)
+        if outs is None
         else np.fromiter((outs[i].nbytes for i in present.tolist()), dtype=np.int64, count=present.size) == present_lens
     )
     segments: list = []

@@ -47,7 +47,7 @@ import queue
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -76,7 +76,7 @@ class UcxSettings:
     """This package's UCX knobs (part of `ems.config.Settings`; a pool node reads them at start)."""
 
     # EMS_UCX_PROGRESS_MODE: one of PROGRESS_MODES for every process; None: by role (see the module docstring)
-    progress_mode: Optional[str] = None
+    progress_mode: str | None = None
     # EMS_UCX_PYTHON_FUTURE (0 turns it off): Python futures completed by ucxx's notifier thread; without them every
     # pending request is awaited by polling with asyncio.sleep(0), a core at 100% whenever a receive is posted
     python_future: bool = True
@@ -102,7 +102,7 @@ PROGRESS_MODE = "(not started)"  # the mode this process runs, once `init_ucx` r
 
 _lock = threading.Lock()
 _initialised = False
-_settings: Optional[UcxSettings] = None  # set by `configure`; else read from the environment at `init_ucx`
+_settings: UcxSettings | None = None  # set by `configure`; else read from the environment at `init_ucx`
 
 
 def configure(settings: UcxSettings) -> None:
@@ -126,7 +126,7 @@ log = logging.getLogger("ems.transport")
 NOTIFIER_PERIOD_NS = 10**9  # how often the notifier thread looks at its shutdown queue when idle
 
 
-def _notifier_thread(event_loop: asyncio.AbstractEventLoop, worker: Any, q: "queue.Queue[str]") -> None:
+def _notifier_thread(event_loop: asyncio.AbstractEventLoop, worker: Any, q: queue.Queue[str]) -> None:
     """ucxx's notifier thread (same signature, same shutdown protocol), without the wait for the loop: see the module
     docstring. `run_request_notifier` takes every completion queued so far, so one pending call serves all the
     completions that arrive before it runs; a completion queued after it took the list wakes this thread again."""

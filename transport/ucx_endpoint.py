@@ -39,7 +39,7 @@ def _bury(*objects: Any) -> None:
         del _GRAVEYARD[: len(_GRAVEYARD) - _GRAVEYARD_LIMIT]  # never grows without bound, even if UCX never answers
 
 
-def _waiter(request: Any) -> "asyncio.Future[Any]":
+def _waiter(request: Any) -> asyncio.Future[Any]:
     """A task waiting on `request` whose late failure (after we gave up on it) is consumed, not logged."""
     from ems.transport import ucx_progress
 

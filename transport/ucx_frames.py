@@ -43,8 +43,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ems.transport import protocol
-from ems.transport import ucx_progress
+from ems.transport import protocol, ucx_progress
 
 CANARY_BYTES = 8
 _HEADER_FILL = 0xFF
@@ -86,7 +85,9 @@ async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
         await ucx_progress.recv(ep, frame, tag)
     except Exception as error:
         if _wrong_size(error):
-            raise protocol.ProtocolError(f"a frame longer than {protocol.HEADER_SIZE} bytes where a header was expected") from None
+            raise protocol.ProtocolError(
+                f"a frame longer than {protocol.HEADER_SIZE} bytes where a header was expected"
+            ) from None
         raise
     if frame[-1] == _HEADER_FILL:
         raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")

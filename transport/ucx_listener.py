@@ -22,7 +22,8 @@ import logging
 import os
 import socket
 import struct
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ems.transport.ucxx_internals import loaded_library
 
@@ -104,9 +105,7 @@ def _drop(endpoint: Any, *args: Any) -> None:
 class BoundListener:
     """See the module docstring."""
 
-    def __init__(
-        self, host: str, port: int, serve: Callable[[Any], Awaitable[None]], connect_timeout_s: float = 5.0
-    ) -> None:
+    def __init__(self, host: str, port: int, serve: Callable[[Any], Awaitable[None]], connect_timeout_s: float = 5.0) -> None:
         import ucxx._lib.libucxx as ucx_api
         from ucxx.core import _get_ctx
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 log = logging.getLogger("ems.transport")
 
 TICK_S = 0.1  # idle progress period (keepalive, peer-failure detection, a missed wake-up never stalls longer)
 
-_drivers: dict[asyncio.AbstractEventLoop, "LoopProgress"] = {}
+_drivers: dict[asyncio.AbstractEventLoop, LoopProgress] = {}
 
 
 class LoopProgress:
@@ -101,7 +101,7 @@ class LoopProgress:
             future, _ = self._waiting.pop(request)
             _settle(request, future)
 
-    def wait(self, request: Any, keep: Any = None) -> "asyncio.Future[None]":
+    def wait(self, request: Any, keep: Any = None) -> asyncio.Future[None]:
         """A future that ends when `request` does; `keep` (its buffer) stays referenced until then."""
         future = self.event_loop.create_future()
         if request.completed:
@@ -135,7 +135,7 @@ def install(worker: Any, loop: asyncio.AbstractEventLoop) -> LoopProgress:
     return driver
 
 
-def driver() -> Optional[LoopProgress]:
+def driver() -> LoopProgress | None:
     """The driver of the running loop, or None (ucxx's own progress)."""
     try:
         loop = asyncio.get_running_loop()
@@ -170,12 +170,12 @@ CONNECTION_TAG_MASK = 0xFFFF_FFFF_0000_0000  # the bits every tag of one connect
 REQUEST_ID_MASK = 0xFFFF_FFFF
 
 
-def request_tag(base: int, request_id: Optional[int]) -> int:
+def request_tag(base: int, request_id: int | None) -> int:
     """The tag of request `request_id`'s frames on a connection whose base tag is `base` (None: the base tag)."""
     return base if request_id is None else base ^ (request_id & REQUEST_ID_MASK)
 
 
-def _tag(ep: Any, kind: str, tag: Optional[int]) -> Any:
+def _tag(ep: Any, kind: str, tag: int | None) -> Any:
     return _names()["Tag"](request_tag(ep._tags[kind], tag))
 
 
@@ -188,7 +188,7 @@ def _endpoint(ep: Any) -> Any:
     return inner
 
 
-def send(ep: Any, buffer: Any, tag: Optional[int] = None) -> "asyncio.Future[Any]":
+def send(ep: Any, buffer: Any, tag: int | None = None) -> asyncio.Future[Any]:
     """Post one tagged send; see the module docstring."""
     d = driver()
     if d is None:
@@ -198,7 +198,7 @@ def send(ep: Any, buffer: Any, tag: Optional[int] = None) -> "asyncio.Future[Any
     return d.wait(_endpoint(ep).tag_send(arr, _tag(ep, "msg_send", tag)), arr)
 
 
-def recv(ep: Any, buffer: Any, tag: Optional[int] = None) -> "asyncio.Future[Any]":
+def recv(ep: Any, buffer: Any, tag: int | None = None) -> asyncio.Future[Any]:
     """Post one tagged receive into `buffer` (writable); see the module docstring."""
     d = driver()
     if d is None:
@@ -209,7 +209,7 @@ def recv(ep: Any, buffer: Any, tag: Optional[int] = None) -> "asyncio.Future[Any
     return d.wait(_endpoint(ep).tag_recv(arr, _tag(ep, "msg_recv", tag), names["mask"]), arr)
 
 
-def wait(request: Any, keep: Any = None) -> "asyncio.Future[Any]":
+def wait(request: Any, keep: Any = None) -> asyncio.Future[Any]:
     """Await a UCX request posted directly on a ucxx C++ object (driver mode) or through ucxx (`request.wait()`)."""
     d = driver()
     if d is None:

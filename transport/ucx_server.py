@@ -52,21 +52,21 @@ import os
 import struct
 import time
 from collections import Counter
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Optional, Protocol, Sequence, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.transport import protocol
-from ems.transport import ucx_progress
+from ems.transport import protocol, ucx_progress
 from ems.transport.shm import ShmSettings, metric_name
 from ems.transport.shm_server import ShmService
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import connecting_tags, install_safe_listener_exchange, peer_host
-from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, recv_meta, send_all
+from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_sockets import SocketReaper
 from ems.transport.ucx_unexpected import discard, oldest
 
@@ -105,7 +105,7 @@ class NodeLimits:
     max_connections_per_peer: int = 64
 
     @classmethod
-    def for_capacity(cls, capacity_bytes: int, **overrides: Any) -> "NodeLimits":
+    def for_capacity(cls, capacity_bytes: int, **overrides: Any) -> NodeLimits:
         """The defaults for a node of `capacity_bytes`: in-flight bytes equal to the capacity up to 4 GiB (so a GET
         of distinct keys always fits and a request of the protocol's largest size can be received), a quarter of it
         above 16 GiB, never under 64 MiB."""
@@ -137,8 +137,20 @@ class _Stage(enum.Enum):
 class _Connection:
     """One client connection's state, as the watchdog sees it: a deadline per request in flight."""
 
-    __slots__ = ("ep", "peer", "stage", "deadline", "aborted", "requests", "tasks", "slots", "base_tag", "receiving",
-                 "next_key", "suspect")
+    __slots__ = (
+        "aborted",
+        "base_tag",
+        "deadline",
+        "ep",
+        "next_key",
+        "peer",
+        "receiving",
+        "requests",
+        "slots",
+        "stage",
+        "suspect",
+        "tasks",
+    )
 
     def __init__(self, ep: Any, peer: str, deadline: float, base_tag: int) -> None:
         self.ep = ep
@@ -152,13 +164,13 @@ class _Connection:
         self.base_tag = base_tag  # the tag this node receives the connection's heads on (protocol docstring, "Tags")
         self.receiving: set[int] = set()  # inline request ids in flight: from the head until the reply starts
         self.next_key = 0
-        self.suspect: Optional[int] = None  # a tag the last sweep found parked with no request for it
+        self.suspect: int | None = None  # a tag the last sweep found parked with no request for it
 
     def new_key(self) -> int:
         self.next_key += 1
         return self.next_key
 
-    def overdue(self, now: float) -> Optional[str]:
+    def overdue(self, now: float) -> str | None:
         if self.stage == _Stage.HANDSHAKE:
             return "handshake" if now > self.deadline else None
         return "a request" if any(now > d for d in self.requests.values()) else None
@@ -167,9 +179,9 @@ class _Connection:
 class _Channel:
     """Where one request's frames and reply travel: classic (base tag, in order) or inline (its own tag)."""
 
-    __slots__ = ("conn", "header", "body", "tag", "key", "server")
+    __slots__ = ("body", "conn", "header", "key", "server", "tag")
 
-    def __init__(self, server: "PoolServer", conn: _Connection, header: protocol.Header, body: memoryview, key: int) -> None:
+    def __init__(self, server: PoolServer, conn: _Connection, header: protocol.Header, body: memoryview, key: int) -> None:
         self.server = server
         self.conn = conn
         self.header = header
@@ -194,22 +206,37 @@ class _Channel:
             return bytes(self.body[: h.meta_len])
         return await self.timed(recv_meta(self.conn.ep, h.meta_len, self.tag))
 
-    def inline_data(self) -> Optional[memoryview]:
+    def inline_data(self) -> memoryview | None:
         """The request's data when it came inline in the head, else None (it comes as frames)."""
         h = self.header
         if h.inline and protocol.head_layout(h.meta_len, h.data_len).data_inline:
             return self.body[h.meta_len : h.meta_len + h.data_len]
         return None
 
-    async def reply(self, op: int, *, count: int = 0, meta: bytes = b"", data: Sequence[Any] = (),
-                    data_len: int = 0, status: protocol.Status = protocol.Status.OK) -> None:
+    async def reply(
+        self,
+        op: int,
+        *,
+        count: int = 0,
+        meta: bytes = b"",
+        data: Sequence[Any] = (),
+        data_len: int = 0,
+        status: protocol.Status = protocol.Status.OK,
+    ) -> None:
         """Send the reply: inline on the request's tag (the data in the head when it fits, else frames in windows
         of SEND_WINDOW_BYTES), or classic on the base tag."""
         ep = self.conn.ep
         inline = self.header.inline
         self.done_receiving()
-        header = protocol.pack_header(op | protocol.REPLY, count=count, meta_len=len(meta), data_len=data_len, status=status,
-                               flags=protocol.Flags.INLINE if inline else 0, request_id=self.header.request_id)
+        header = protocol.pack_header(
+            op | protocol.REPLY,
+            count=count,
+            meta_len=len(meta),
+            data_len=data_len,
+            status=status,
+            flags=protocol.Flags.INLINE if inline else 0,
+            request_id=self.header.request_id,
+        )
         windows = _windows(list(data), SEND_WINDOW_BYTES)
         if inline:
             layout = protocol.head_layout(len(meta), data_len)
@@ -279,7 +306,7 @@ class NodeStore(Protocol):
 
     def put_owned(self, key: bytes, value: Buffer, reserved: int = 0) -> bool: ...
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]: ...
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
@@ -292,10 +319,10 @@ class PoolServer:
     def __init__(
         self,
         store: NodeStore,
-        access_keys: Optional[dict[str, str]] = None,
-        limits: Optional[NodeLimits] = None,
-        metrics: Optional["NodeMetrics"] = None,
-        shm: Optional[ShmSettings] = None,
+        access_keys: dict[str, str] | None = None,
+        limits: NodeLimits | None = None,
+        metrics: NodeMetrics | None = None,
+        shm: ShmSettings | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -361,8 +388,13 @@ class PoolServer:
                 stats = self.store.stats()
                 log.debug(
                     "memory: store %d used + %d spare of %d, in flight %d (peak %d) of %d, %d connections",
-                    stats.used_bytes, stats.spare_bytes, stats.capacity_bytes, self.budget.used, self.budget.peak,
-                    self.budget.total, len(self._connections),
+                    stats.used_bytes,
+                    stats.spare_bytes,
+                    stats.capacity_bytes,
+                    self.budget.used,
+                    self.budget.peak,
+                    self.budget.total,
+                    len(self._connections),
                 )
             for conn in list(self._connections.values()):
                 stalled = conn.overdue(now)
@@ -391,9 +423,11 @@ class PoolServer:
         dropped = 0
         while True:  # oldest first: stop at the first message a live connection (or one being set up) may receive
             front = oldest(worker, 0, 0)
-            if front is None or (front[0] & CONNECTION_TAG_MASK) in self._by_tag or (
-                front[0] & CONNECTION_TAG_MASK
-            ) in connecting_tags:
+            if (
+                front is None
+                or (front[0] & CONNECTION_TAG_MASK) in self._by_tag
+                or (front[0] & CONNECTION_TAG_MASK) in connecting_tags
+            ):
                 break
             dropped += discard(worker, front[0], _FULL_TAG_MASK)
         if dropped:
@@ -405,8 +439,11 @@ class PoolServer:
             parked = None if first is None or first[0] == conn.base_tag else first[0]
             if parked is not None and conn.stage == _Stage.HANDSHAKE:
                 reason = "a message on a request tag before the handshake"
-            elif (parked is not None and (parked ^ conn.base_tag) not in conn.receiving
-                  and oldest(worker, conn.base_tag, _FULL_TAG_MASK) is None):
+            elif (
+                parked is not None
+                and (parked ^ conn.base_tag) not in conn.receiving
+                and oldest(worker, conn.base_tag, _FULL_TAG_MASK) is None
+            ):
                 if conn.suspect != parked:
                     conn.suspect = parked  # a head read this instant may not have registered its id yet
                     continue
@@ -437,7 +474,7 @@ class PoolServer:
 
     # ---- one connection ----
 
-    def _admit(self, ep: Any) -> Optional[_Connection]:
+    def _admit(self, ep: Any) -> _Connection | None:
         peer = peer_host(ep)
         base_tag = int(ep._tags["msg_recv"])
         high = base_tag & CONNECTION_TAG_MASK
@@ -556,13 +593,15 @@ class PoolServer:
                 if task is not None:
                     conn.tasks.discard(task)
 
-    async def _handshake(self, ep: Any) -> Optional[str]:
+    async def _handshake(self, ep: Any) -> str | None:
         try:
             hello = await _recv_header(ep)
         except protocol.VersionMismatch as mismatch:
             log.warning("refused a client: %s", mismatch)
             message = f"protocol version {mismatch.version} is not supported: this node speaks {protocol.VERSION}".encode()
-            reply = protocol.pack_header(protocol.Op.HELLO | protocol.REPLY, status=protocol.Status.BAD_REQUEST, meta_len=len(message))
+            reply = protocol.pack_header(
+                protocol.Op.HELLO | protocol.REPLY, status=protocol.Status.BAD_REQUEST, meta_len=len(message)
+            )
             await send_all(ep, [reply, message])
             await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
             return None
@@ -580,9 +619,7 @@ class PoolServer:
             key = self.access_keys.get(access_id)
             if not access_id or key is None or not protocol.check_mac(key, nonce, access_id, mac):
                 reason = (
-                    "this node requires an access_id and access_key"
-                    if not access_id
-                    else "unknown access_id or wrong access_key"
+                    "this node requires an access_id and access_key" if not access_id else "unknown access_id or wrong access_key"
                 )
                 log.warning("refused a client (access_id %r): %s", access_id, reason)
                 if self.metrics is not None:
@@ -590,7 +627,12 @@ class PoolServer:
                 message = f"authentication failed: {reason}".encode()
                 await send_all(
                     ep,
-                    [protocol.pack_header(protocol.Op.AUTH | protocol.REPLY, status=protocol.Status.AUTH_FAILED, meta_len=len(message)), message],
+                    [
+                        protocol.pack_header(
+                            protocol.Op.AUTH | protocol.REPLY, status=protocol.Status.AUTH_FAILED, meta_len=len(message)
+                        ),
+                        message,
+                    ],
                 )
                 await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
                 return None
@@ -645,9 +687,7 @@ class PoolServer:
     async def _take(self, nbytes: int) -> None:
         """Reserve `nbytes` of the in-flight budget for a request, or refuse it (`_Refusal`)."""
         if nbytes > self.budget.total:
-            raise _Refusal(
-                f"a request of {nbytes} bytes exceeds this node's in-flight limit of {self.budget.total} bytes"
-            )
+            raise _Refusal(f"a request of {nbytes} bytes exceeds this node's in-flight limit of {self.budget.total} bytes")
         if not await self.budget.acquire(nbytes, self.limits.stall_timeout_s):
             raise _Refusal(f"node busy: no room for a request of {nbytes} bytes within {self.limits.stall_timeout_s} s")
 
@@ -739,9 +779,7 @@ class PoolServer:
         found = dict(zip(unique, await self.lookup_values(unique)))
         values = [found[k] for k in keys]
         del found
-        lens = np.fromiter(
-            (-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values)
-        )
+        lens = np.fromiter((-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values))
         # never more than the protocol or the budget allows in one reply: the values beyond are misses
         limit = min(protocol.MAX_DATA_BYTES, self.budget.total)
         running = np.cumsum(np.maximum(lens, 0))
@@ -778,8 +816,7 @@ class PoolServer:
             self.budget.release(total)
         return total
 
-
-    async def lookup_values(self, keys: list[bytes]) -> list[Optional[Buffer]]:
+    async def lookup_values(self, keys: list[bytes]) -> list[Buffer | None]:
         """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
         disk (a store with a disk tier has `may_block`)."""
         may_block = getattr(self.store, "may_block", None)
@@ -814,9 +851,7 @@ def _namespaced(prefix: bytes, keys: Sequence[bytes]) -> list[bytes]:
     return [prefix + k for k in keys]
 
 
-def _split_values(
-    segments: list[np.ndarray], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray
-) -> list:
+def _split_values(segments: list[np.ndarray], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray) -> list:
     """Each value of a PUT: a value alone in its segment is stored as the receive buffer itself (so the store can
     recycle it once evicted); packed ones are copied out, so a small value never pins its whole segment in memory
     (the store charges only the value's bytes)."""

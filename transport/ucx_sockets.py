@@ -30,7 +30,8 @@ import os
 import resource
 import socket
 import stat
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 log = logging.getLogger("ems.pool")
 
@@ -39,7 +40,7 @@ _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _remove_handler: list[Any] = []  # ucs_async_remove_handler, once looked up
 
 
-def _ucs_remove_handler() -> Optional[Any]:
+def _ucs_remove_handler() -> Any | None:
     """`ucs_async_remove_handler(int id, int sync)` of the libucs this process loaded, or None."""
     if not _remove_handler:
         function = None
@@ -65,7 +66,7 @@ def _descriptors() -> Iterator[int]:
         yield from range(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
-def _socket_inode(fd: int) -> Optional[int]:
+def _socket_inode(fd: int) -> int | None:
     try:
         st = os.fstat(fd)
     except OSError:

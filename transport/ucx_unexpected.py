@@ -16,7 +16,7 @@ before leaving). The node discards them (`ucx_server`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 SCRATCH_BYTES = 64  # what a discarded message is received into (the rest of it is dropped as truncated)
 _scratch: list[Any] = []  # one scratch buffer (UCX may write into it from any discard; its bytes are never read)
@@ -29,7 +29,7 @@ def _api() -> Any:
     return ucx_api
 
 
-def oldest(worker: Any, tag: int, mask: int) -> Optional[tuple[int, int]]:
+def oldest(worker: Any, tag: int, mask: int) -> tuple[int, int] | None:
     api = _api()
     probe = worker.tag_probe(api.UCXXTag(tag), api.UCXXTagMask(mask), remove=False)
     if not probe.matched:

@@ -22,7 +22,7 @@ import json
 import socket
 import threading
 import urllib.parse
-from typing import Callable, Optional
+from collections.abc import Callable
 
 
 class EtcdError(Exception):
@@ -82,7 +82,7 @@ class WatchHandle:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._conn: Optional[http.client.HTTPConnection] = None
+        self._conn: http.client.HTTPConnection | None = None
         self.stopped = False
 
     def _attach(self, conn: http.client.HTTPConnection) -> None:
@@ -115,7 +115,7 @@ class EtcdClient:
         self.host, self.port = parse_url(url)
         self.timeout_s = timeout_s
 
-    def _post(self, path: str, body: dict, timeout_s: Optional[float] = None) -> dict:
+    def _post(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
         try:
             conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -177,9 +177,9 @@ class EtcdClient:
         prefix: bytes,
         start_revision: int,
         on_events: Callable[[list[WatchEvent]], None],
-        handle: Optional[WatchHandle] = None,
-        on_created: Optional[Callable[[], None]] = None,
-        idle_s: Optional[float] = None,
+        handle: WatchHandle | None = None,
+        on_created: Callable[[], None] | None = None,
+        idle_s: float | None = None,
     ) -> None:
         """Stream changes under `prefix` from `start_revision` on; see the module docstring."""
         handle = handle or WatchHandle()

@@ -25,11 +25,12 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ems.cluster.etcd import EtcdClient, EtcdError, WatchEvent, WatchHandle, WatchIdle
 
 log = logging.getLogger("ems.membership")
+
 
 def cluster_prefix(cluster: str) -> bytes:
     return f"/ems/pool/{cluster}/nodes/".encode()
@@ -38,13 +39,13 @@ def cluster_prefix(cluster: str) -> bytes:
 @dataclasses.dataclass(frozen=True)
 class NodeInfo:
     address: str
-    metrics: Optional[str] = None
+    metrics: str | None = None
 
     def encode(self) -> bytes:
         return json.dumps({"address": self.address, "metrics": self.metrics}).encode()
 
     @staticmethod
-    def decode(raw: bytes) -> Optional["NodeInfo"]:
+    def decode(raw: bytes) -> NodeInfo | None:
         try:
             data = json.loads(raw)
             return NodeInfo(str(data["address"]), data.get("metrics") or None)
@@ -77,7 +78,7 @@ class Registration:
         self.ttl_s = ttl_s
         self.lease = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def _register(self) -> None:
         lease = self.client.grant(self.ttl_s)
@@ -144,7 +145,7 @@ class MembershipWatcher:
         self._revision = 0
         self._handle = WatchHandle()
         self._stopped = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> dict[str, NodeInfo]:
         """Read the members, hand them to `on_change` (in this thread), then watch; raises `EtcdError`."""
@@ -173,7 +174,7 @@ class MembershipWatcher:
     def _apply(self, events: list[WatchEvent]) -> None:
         members = dict(self.members)
         for event in events:
-            address = event.key[len(self.prefix):].decode(errors="replace")
+            address = event.key[len(self.prefix) :].decode(errors="replace")
             if event.deleted:
                 members.pop(address, None)
             else:
@@ -203,8 +204,7 @@ class MembershipWatcher:
                 self.renewals += 1
             except EtcdError as error:
                 if self.connected or not resync:
-                    log.warning("pool membership: etcd unreachable, keeping the last %d node(s): %s",
-                                len(self.members), error)
+                    log.warning("pool membership: etcd unreachable, keeping the last %d node(s): %s", len(self.members), error)
                     self.disconnects += 1
                 self.connected = False
                 resync = True

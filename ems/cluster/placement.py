@@ -17,12 +17,12 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ems.transport.base import NodeClient
 from ems.cluster.routing import node_seeds
+from ems.transport.base import NodeClient
 
 log = logging.getLogger("ems")
 
@@ -46,7 +46,7 @@ def _view(nodes: Sequence[NodeClient]) -> View:
 class Members:
     """The live node set; see the module docstring. Thread-safe."""
 
-    def __init__(self, nodes: Sequence[NodeClient], connect: Optional[Callable[[str], NodeClient]] = None) -> None:
+    def __init__(self, nodes: Sequence[NodeClient], connect: Callable[[str], NodeClient] | None = None) -> None:
         self._connect = connect
         self._lock = threading.Lock()
         self._live: dict[str, NodeClient] = {n.address: n for n in nodes}

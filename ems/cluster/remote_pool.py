@@ -14,14 +14,14 @@ Contract (`open_remote_pool`):
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
+from ems.cluster.etcd import EtcdError
+from ems.cluster.membership import MembershipWatcher, NodeInfo
 from ems.config import Settings
 from ems.errors import EmsErrorCode, EmsException
 from ems.pool_client import PoolClient
 from ems.transport.base import NodeClient
-from ems.cluster.etcd import EtcdError
-from ems.cluster.membership import MembershipWatcher, NodeInfo
 
 log = logging.getLogger("ems")
 
@@ -31,9 +31,7 @@ def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -
     nodes = [connect(address) for address in static]
     if settings.pool_etcd is None:
         return PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas)
-    pool = PoolClient(
-        nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas, connect=connect
-    )
+    pool = PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas, connect=connect)
 
     def on_change(members: dict[str, NodeInfo]) -> None:
         pool.set_members(sorted(set(static) | set(members)))

@@ -11,7 +11,7 @@ other k-1 copies stay where they are.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash

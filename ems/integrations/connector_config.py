@@ -43,6 +43,7 @@ from ems.config import POOL_SETTINGS
 def invalid_argument(message: str) -> EmsException:
     return EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, message)
 
+
 # Every `EmsConfig` pool setting except `pool_nodes` (resolved here, with the local pool): one list, config's own.
 EMS_SETTINGS = tuple(name for name in POOL_SETTINGS if name != "pool_nodes")
 KEYS = (
@@ -106,19 +107,17 @@ class ConnectorConfig:
             raise invalid_argument(f"kv_connector_extra_config.timeout_ms must be an int >= 0, got {timeout!r}")
         policy = extra.get("load_failure_policy")
         if policy not in (None, "recompute", "fail"):
-            raise invalid_argument(
-                f"kv_connector_extra_config.load_failure_policy must be 'recompute' or 'fail', got {policy!r}"
-            )
-        seconds = {name: extra.get(name, default) for name, default in
-                   (("epoch_refresh_s", 5.0), ("breaker_cooldown_s", 2.0), ("lookup_cache_s", 1.0))}
+            raise invalid_argument(f"kv_connector_extra_config.load_failure_policy must be 'recompute' or 'fail', got {policy!r}")
+        seconds = {
+            name: extra.get(name, default)
+            for name, default in (("epoch_refresh_s", 5.0), ("breaker_cooldown_s", 2.0), ("lookup_cache_s", 1.0))
+        }
         for name, value in seconds.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise invalid_argument(f"kv_connector_extra_config.{name} must be a number > 0, got {value!r}")
         lookup_timeout = extra.get("lookup_timeout_ms", 500)
         if isinstance(lookup_timeout, bool) or not isinstance(lookup_timeout, int) or lookup_timeout < 1:
-            raise invalid_argument(
-                f"kv_connector_extra_config.lookup_timeout_ms must be an int >= 1, got {lookup_timeout!r}"
-            )
+            raise invalid_argument(f"kv_connector_extra_config.lookup_timeout_ms must be an int >= 1, got {lookup_timeout!r}")
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
             raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")

@@ -83,9 +83,7 @@ def _block_run(name: str, t: torch.Tensor) -> int:
 
 def _rows(t: torch.Tensor, elems: int, offset: int) -> torch.Tensor:
     """`[blocks, 1, 1, elems]` view of each block's run of `t`, starting `offset` elements into the block."""
-    return torch.as_strided(
-        t, (int(t.shape[0]), 1, 1, elems), (t.stride(0), elems, elems, 1), t.storage_offset() + offset
-    )
+    return torch.as_strided(t, (int(t.shape[0]), 1, 1, elems), (t.stride(0), elems, elems, 1), t.storage_offset() + offset)
 
 
 def _check_blocks(name: str, t: torch.Tensor, num_blocks: int | None) -> None:

@@ -35,8 +35,8 @@ import hashlib
 import json
 import logging
 import os
-import select
 import secrets
+import select
 import signal
 import socket
 import stat
@@ -181,8 +181,17 @@ _READY = "ems-pool ready on "
 
 def _start(directory: str, capacity: str, start_timeout: float, key: tuple[str, str]) -> LocalPool:
     deadline = time.monotonic() + start_timeout
-    node_argv = [sys.executable, "-m", "ems.pool", "--listen", f"{HOST}:0", "--capacity", capacity,
-                 "--keys-file", _key_path(directory)]
+    node_argv = [
+        sys.executable,
+        "-m",
+        "ems.pool",
+        "--listen",
+        f"{HOST}:0",
+        "--capacity",
+        capacity,
+        "--keys-file",
+        _key_path(directory),
+    ]
     # the node's keys are exactly the key file's: an EMS_POOL_KEYS of the engine's environment does not reach it
     env = {k: v for k, v in os.environ.items() if k != "EMS_POOL_KEYS"}
     with open(os.path.join(directory, "pool.log"), "ab") as log:
@@ -219,7 +228,7 @@ def _start(directory: str, capacity: str, start_timeout: float, key: tuple[str, 
         raise
     finally:
         launcher.stdout.close()
-    address = lines[1][len(_READY):]
+    address = lines[1][len(_READY) :]
     record = {"address": address, "pid": pid, "key": _key_digest(key[1])}
     tmp = _record_path(directory) + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -258,7 +267,10 @@ def ensure_local_pool(directory: str | None = None, capacity: str = "2GiB", star
                 return LocalPool(str(record["address"]), int(record["pid"]), False, key[0], key[1])
             logger.warning(
                 "the local pool node recorded in %s (pid %s at %s) was not started with this user's current key "
-                "file: stopping it and starting a keyed one", directory, record["pid"], record["address"],
+                "file: stopping it and starting a keyed one",
+                directory,
+                record["pid"],
+                record["address"],
             )
             _terminate(int(record["pid"]), 10.0)
             record = None
@@ -267,12 +279,15 @@ def ensure_local_pool(directory: str | None = None, capacity: str = "2GiB", star
             logger.warning(
                 "the local pool node recorded in %s (pid %s at %s, process %s) does not answer: started a new, "
                 "empty node (pid %d at %s); blocks saved to the old node are lost",
-                directory, record["pid"], record["address"], "gone" if _gone(int(record["pid"])) else "still there",
-                started.pid, started.address,
+                directory,
+                record["pid"],
+                record["address"],
+                "gone" if _gone(int(record["pid"])) else "still there",
+                started.pid,
+                started.address,
             )
         else:
-            logger.info("started the local pool node (pid %d at %s, record in %s)", started.pid, started.address,
-                        directory)
+            logger.info("started the local pool node (pid %d at %s, record in %s)", started.pid, started.address, directory)
         return started
 
 

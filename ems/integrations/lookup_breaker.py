@@ -77,7 +77,9 @@ class LookupBreaker:
             self._stats.add(breaker_trips=1)
         logger.warning(
             "a pool lookup took its whole timeout (%.0f ms): the pool counts as down (lookups miss at once) "
-            "until it answers in time again (asked every %.1f s)", self._option.timeout, self._cooldown_s,
+            "until it answers in time again (asked every %.1f s)",
+            self._option.timeout,
+            self._cooldown_s,
         )
         threading.Thread(target=self._probe_until_closed, name="ems-breaker", daemon=True).start()
 

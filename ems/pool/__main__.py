@@ -46,7 +46,8 @@ import os
 import re
 import signal
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ems.transport.shm import ShmSettings
@@ -73,7 +74,7 @@ def parse_keys(lines: Sequence[str], source: str) -> dict[str, str]:
     return keys
 
 
-def load_keys(keys_file: Optional[str]) -> dict[str, str]:
+def load_keys(keys_file: str | None) -> dict[str, str]:
     keys: dict[str, str] = {}
     if keys_file:
         with open(keys_file, encoding="utf-8") as f:
@@ -108,8 +109,13 @@ def _parse_listen(value: str) -> tuple[str, int]:
 
 
 async def _run(
-    host: str, port: int, capacity: int, keys: dict[str, str], limits: "NodeLimits", args: argparse.Namespace,
-    shm: "ShmSettings",
+    host: str,
+    port: int,
+    capacity: int,
+    keys: dict[str, str],
+    limits: NodeLimits,
+    args: argparse.Namespace,
+    shm: ShmSettings,
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen, register or serve metrics)."""
     from ems.pool.cluster_node import NodeExtras
@@ -162,7 +168,7 @@ async def _run(
     return 0
 
 
-def _build_store(capacity: int, args: argparse.Namespace) -> "NodeStore":
+def _build_store(capacity: int, args: argparse.Namespace) -> NodeStore:
     """The node's store: DRAM only, or DRAM in front of a disk tier (`--disk`), whose index is rebuilt from the
     disk before the node serves. OSError when the disk directory cannot be used."""
     from ems.store import KvStore
@@ -177,7 +183,7 @@ def _build_store(capacity: int, args: argparse.Namespace) -> "NodeStore":
     return TieredStore(capacity, disk)
 
 
-def _device_of(host: str) -> Optional[str]:
+def _device_of(host: str) -> str | None:
     """The network interface that holds IPv4 address `host` (Linux), or None."""
     import fcntl
     import socket
@@ -253,7 +259,7 @@ DISK_QUEUE_MIN = 32 << 20
 DISK_QUEUE_MAX = 1 << 30
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ems.extras import MissingExtra, require
 
@@ -282,9 +288,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--shm-total", default="4GiB", help="shared memory of all connections together")
     parser.add_argument("--disk", default=None, help="directory of a disk tier behind DRAM (see docs/pool-nodes.md)")
     parser.add_argument("--disk-capacity", default=None, help="bytes the disk tier may use, e.g. 100GiB (with --disk)")
-    parser.add_argument("--disk-queue", default=None,
-                        help="bytes of evicted values waiting to be written (default: a quarter of --capacity, "
-                             "32 MiB to 1 GiB)")
+    parser.add_argument(
+        "--disk-queue",
+        default=None,
+        help="bytes of evicted values waiting to be written (default: a quarter of --capacity, 32 MiB to 1 GiB)",
+    )
     from ems.pool.cluster_node import add_arguments
 
     add_arguments(parser)
@@ -304,9 +312,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     host, port = args.listen
     _restrict_ucx_devices(host)
 
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ems-pool %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ems-pool %(levelname)s %(message)s")
     from ems.config import parse_size
     from ems.errors import EmsException
 

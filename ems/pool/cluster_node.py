@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ems.pool.metrics import MetricsServer, NodeMetrics
     from ems.cluster.membership import Registration
+    from ems.pool.metrics import MetricsServer, NodeMetrics
     from ems.transport.ucx_server import NodeStore
 
 log = logging.getLogger("ems.pool")
@@ -54,12 +55,20 @@ def _cluster(value: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics", type=_host_port("--metrics"), default=None,
-                        help="HOST:PORT to serve Prometheus /metrics and /healthz on (port 0: pick one)")
+    parser.add_argument(
+        "--metrics",
+        type=_host_port("--metrics"),
+        default=None,
+        help="HOST:PORT to serve Prometheus /metrics and /healthz on (port 0: pick one)",
+    )
     parser.add_argument("--etcd", type=_etcd_url, default=None, help="register in etcd at http://HOST:PORT")
     parser.add_argument("--cluster", type=_cluster, default="default", help="the cluster's name in etcd")
-    parser.add_argument("--advertise", type=_host_port("--advertise"), default=None,
-                        help="HOST:PORT clients reach this node at (default: the --listen host, bound port)")
+    parser.add_argument(
+        "--advertise",
+        type=_host_port("--advertise"),
+        default=None,
+        help="HOST:PORT clients reach this node at (default: the --listen host, bound port)",
+    )
     parser.add_argument("--lease-ttl", type=int, default=5, help="seconds etcd keeps a silent node registered")
     parser.add_argument("--drain", type=float, default=1.0, help="seconds to keep serving after deregistering")
 
@@ -67,19 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class NodeExtras:
     """Metrics endpoint, etcd registration and drain of one node; see the module docstring."""
 
-    def __init__(self, store: "NodeStore", args: argparse.Namespace) -> None:
+    def __init__(self, store: NodeStore, args: argparse.Namespace) -> None:
         self.args = args
-        self.metrics: Optional[NodeMetrics] = None
+        self.metrics: NodeMetrics | None = None
         if args.metrics is not None:
             from ems.pool.metrics import NodeMetrics
 
             self.metrics = NodeMetrics(store)
-        self._server: Optional[MetricsServer] = None
-        self._registration: Optional[Registration] = None
+        self._server: MetricsServer | None = None
+        self._registration: Registration | None = None
         self.draining = False
 
     def start(self, address: str) -> None:
-        metrics_address: Optional[str] = None
+        metrics_address: str | None = None
         if self.metrics is not None:
             from ems.pool.metrics import MetricsServer
 

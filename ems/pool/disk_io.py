@@ -27,7 +27,7 @@ import os
 import struct
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 _COUNT = struct.Struct("<I")
 _JOB = struct.Struct("<QQHH")
@@ -51,7 +51,10 @@ class WriteHelper:
     def __init__(self, ring_fd: int, size: int, direct: bool) -> None:
         self._proc = subprocess.Popen(
             [sys.executable, "-S", os.path.abspath(__file__), str(ring_fd), str(size), "1" if direct else "0"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ring_fd,), close_fds=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=(ring_fd,),
+            close_fds=True,
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._to = self._proc.stdin.fileno()
@@ -65,7 +68,7 @@ class WriteHelper:
         message = memoryview(b"".join(parts))
         try:
             while message:
-                message = message[os.write(self._to, message):]
+                message = message[os.write(self._to, message) :]
             reply = _read_exact(self._from, _RESULT.size * len(jobs))
         except (OSError, EOFError) as error:
             raise OSError(errno.EPIPE, f"the disk write helper is gone ({error})") from error
@@ -119,7 +122,7 @@ def _serve(ring_fd: int, size: int, direct: int) -> None:
                 results.append(_write_one(ring, offset, nbytes, reuse, target, direct))
             reply = memoryview(b"".join(_RESULT.pack(code) for code in results))
             while reply:
-                reply = reply[os.write(sink, reply):]
+                reply = reply[os.write(sink, reply) :]
         except (EOFError, BrokenPipeError):
             return
 

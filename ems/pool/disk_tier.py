@@ -51,8 +51,9 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -162,7 +163,7 @@ def encode_record(target: np.ndarray, key: bytes, value: Buffer, seq: int) -> in
     return nbytes
 
 
-def decode_record(data: np.ndarray, key: bytes) -> Optional[np.ndarray]:
+def decode_record(data: np.ndarray, key: bytes) -> np.ndarray | None:
     """The value in record bytes `data` when it is a whole, undamaged record of `key`, else None."""
     if data.size < HEADER_BYTES:
         return None
@@ -191,8 +192,12 @@ def parse_names(names: Sequence[str]) -> tuple[list[bytes], np.ndarray, np.ndarr
     chars = np.frombuffer(joined.encode("ascii"), dtype=np.uint8).reshape(-1, NAME_LENGTH)
     digits = _HEX[chars]
     hex_columns = np.r_[0:32, 33:49, 50:66]
-    ok = ((digits[:, hex_columns] != 255).all(axis=1) & (chars[:, 32] == ord("-")) & (chars[:, 49] == ord("-"))
-          & (chars[:, 66:] == np.frombuffer(SUFFIX.encode(), dtype=np.uint8)).all(axis=1))
+    ok = (
+        (digits[:, hex_columns] != 255).all(axis=1)
+        & (chars[:, 32] == ord("-"))
+        & (chars[:, 49] == ord("-"))
+        & (chars[:, 66:] == np.frombuffer(SUFFIX.encode(), dtype=np.uint8)).all(axis=1)
+    )
     digits, positions = digits[ok], positions[ok]
     raw = (digits[:, 0:32:2] << 4 | digits[:, 1:32:2]).tobytes()
     hashes = [raw[i : i + 16] for i in range(0, len(raw), 16)]
@@ -204,16 +209,16 @@ def parse_names(names: Sequence[str]) -> tuple[list[bytes], np.ndarray, np.ndarr
 class _Job:
     """One record of a writer batch."""
 
-    __slots__ = ("key", "digest", "slot", "reuse", "path", "tmp", "error")
+    __slots__ = ("digest", "error", "key", "path", "reuse", "slot", "tmp")
 
-    def __init__(self, key: bytes, digest: bytes, slot: _Slot, reuse: Optional[str], path: str) -> None:
+    def __init__(self, key: bytes, digest: bytes, slot: _Slot, reuse: str | None, path: str) -> None:
         self.key = key
         self.digest = digest
         self.slot = slot
         self.reuse = reuse  # a file of the record's size to overwrite (a spare, or a record just evicted), or None
         self.path = path
         self.tmp = path[: -len(SUFFIX)] + TMP_SUFFIX
-        self.error: Optional[OSError] = None
+        self.error: OSError | None = None
 
 
 class _DiskFailed(Exception):
@@ -223,7 +228,7 @@ class _DiskFailed(Exception):
 class _Slot:
     """One queued record in the write ring: `nbytes` at `start`, the key's newest value while `live`."""
 
-    __slots__ = ("start", "nbytes", "value_len", "seq", "live")
+    __slots__ = ("live", "nbytes", "seq", "start", "value_len")
 
     def __init__(self, start: int, nbytes: int, value_len: int, seq: int) -> None:
         self.start = start
@@ -247,7 +252,7 @@ class _WriteRing:
         self.head = 0
         self.live_bytes = 0
 
-    def take(self, nbytes: int, value_len: int, seq: int) -> Optional[_Slot]:
+    def take(self, nbytes: int, value_len: int, seq: int) -> _Slot | None:
         """A slot of `nbytes` (a multiple of ALIGN), or None when the ring has no room for it now."""
         while self.slots and not self.slots[0].live:  # slots the writer is done with, or dropped
             self.slots.popleft()
@@ -290,9 +295,9 @@ class DiskTier:
         self.queue_bytes = queue_bytes
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._index: "OrderedDict[bytes, _Record]" = OrderedDict()  # key hash -> record, LRU first
+        self._index: OrderedDict[bytes, _Record] = OrderedDict()  # key hash -> record, LRU first
         # key -> its newest record waiting to be written (in the ring), oldest first
-        self._queue: "OrderedDict[bytes, _Slot]" = OrderedDict()
+        self._queue: OrderedDict[bytes, _Slot] = OrderedDict()
         self._ring = _WriteRing(queue_bytes)
         self._used = 0
         # files of dropped records kept (under temporary names) to be overwritten by later records of their size:
@@ -303,8 +308,8 @@ class DiskTier:
         self._stats = DiskTierStats(capacity_bytes=capacity_bytes)
         self._direct = 0
         self._local = threading.local()
-        self._writer: Optional[threading.Thread] = None
-        self._helper: Optional[WriteHelper] = None
+        self._writer: threading.Thread | None = None
+        self._helper: WriteHelper | None = None
         self._closing = False
 
     # ---- life cycle ----
@@ -347,9 +352,14 @@ class DiskTier:
             self._stats.direct_io = bool(self._direct)
         _unlink_all(stale)
         self._stats.restore_seconds = time.perf_counter() - start
-        log.info("disk tier at %s: %d values, %d bytes restored in %.3f s (%s I/O)", self.root,
-                 self._stats.restored_values, self._stats.restored_bytes, self._stats.restore_seconds,
-                 "O_DIRECT" if self._direct else "buffered")
+        log.info(
+            "disk tier at %s: %d values, %d bytes restored in %.3f s (%s I/O)",
+            self.root,
+            self._stats.restored_values,
+            self._stats.restored_bytes,
+            self._stats.restore_seconds,
+            "O_DIRECT" if self._direct else "buffered",
+        )
         self._helper = WriteHelper(self._ring.fd, self._ring.size, bool(self._direct))
         self._writer = threading.Thread(target=self._write_loop, name="ems-pool-disk-writer", daemon=True)
         self._writer.start()
@@ -443,7 +453,7 @@ class DiskTier:
 
     # ---- reads (the caller's thread: the server runs them off its event loop) ----
 
-    def lookup(self, key: bytes) -> tuple[Optional[Buffer], object]:
+    def lookup(self, key: bytes) -> tuple[Buffer | None, object]:
         """(value, token) when this tier holds `key`: a queued value (a copy), or a verified record's value in this
         thread's bounce buffer (valid until this thread's next `lookup`: copy it out); (None, None) on a miss."""
         digest = key_hash(key)
@@ -476,7 +486,7 @@ class DiskTier:
             self._stats.read_seconds += time.perf_counter() - started
             doomed = []
             if value is None and self._index.get(digest) is record:  # (else it was dropped, and maybe its file
-                self._stats.integrity_errors += data is not None       # reused, while this read ran: a plain miss)
+                self._stats.integrity_errors += data is not None  # reused, while this read ran: a plain miss)
                 del self._index[digest]
                 self._used -= record.nbytes
                 doomed = [self._path(digest, record)]
@@ -493,9 +503,9 @@ class DiskTier:
     def _path(self, digest: bytes, record: _Record) -> str:
         return os.path.join(self.root, f"{digest[0]:02x}", record_name(digest, record.seq, record.nbytes))
 
-    def _read(self, path: str, nbytes: int) -> Optional[np.ndarray]:
+    def _read(self, path: str, nbytes: int) -> np.ndarray | None:
         """The record file's bytes (a truncated file: the bytes there are), in this thread's bounce buffer."""
-        bounce: Optional[np.ndarray] = getattr(self._local, "bounce", None)
+        bounce: np.ndarray | None = getattr(self._local, "bounce", None)
         if bounce is None or bounce.size < nbytes:
             bounce = aligned_buffer(max(nbytes, 1 << 20))
             self._local.bounce = bounce
@@ -566,7 +576,7 @@ class DiskTier:
         """`_finish` each written job; a disk error turns the tier off (`_DiskFailed`)."""
         failure = next((code for _, code in done if code and code not in _FULL_ERRNOS), 0)
         spares: list[tuple[str, int]] = []
-        renamed_error: Optional[OSError] = None
+        renamed_error: OSError | None = None
         with self._lock:
             for job, code in done:
                 spares += self._finish(job, code, seconds)
@@ -582,8 +592,7 @@ class DiskTier:
         if self._helper is None:
             raise _DiskFailed()
         try:
-            return self._helper.write_batch(
-                [(job.slot.start, job.slot.nbytes, job.reuse or "", job.tmp) for job in jobs])
+            return self._helper.write_batch([(job.slot.start, job.slot.nbytes, job.reuse or "", job.tmp) for job in jobs])
         except OSError as error:
             with self._lock:
                 for job in jobs:
@@ -643,7 +652,7 @@ class DiskTier:
 
     # ---- capacity and failure (lock held where said) ----
 
-    def _reserve(self, nbytes: int, overshoot: bool) -> tuple[bool, Optional[str], list[str]]:
+    def _reserve(self, nbytes: int, overshoot: bool) -> tuple[bool, str | None, list[str]]:
         """Room for a record of `nbytes` (lock held): (whether it was reserved; a file of that size to overwrite,
         or None to create one; the paths to unlink once the lock is released, in every case). Spares of the size
         first, then free room, then spares of other sizes are dropped and least recently used records evicted (one

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import http.server
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 
 class _StoreCollector(Collector):
-    def __init__(self, store: "NodeStore") -> None:
+    def __init__(self, store: NodeStore) -> None:
         self.store = store
 
     def collect(self) -> Iterator:
@@ -73,7 +74,7 @@ def _tier_families(store: Any, stats: Any) -> Iterator:
     dram = tiers.dram if tiers is not None else stats
     disk = tiers.disk if tiers is not None else None
 
-    def family(kind: type, name: str, doc: str, dram_value: Optional[float], disk_value: Optional[float]) -> Any:
+    def family(kind: type, name: str, doc: str, dram_value: float | None, disk_value: float | None) -> Any:
         metric = kind(name, doc, labels=["tier"])
         if dram_value is not None:
             metric.add_metric(["dram"], dram_value)
@@ -85,12 +86,10 @@ def _tier_families(store: Any, stats: Any) -> Iterator:
     up = None if disk is None else float(disk.state.value == "up")
     yield family(g, "ems_pool_tier_up", "1 while the tier serves, 0 once it failed", 1.0, up)
     yield family(g, "ems_pool_tier_bytes", "Bytes held by the tier", dram.used_bytes, disk and disk.used_bytes)
-    yield family(g, "ems_pool_tier_capacity_bytes", "Bytes the tier may hold", dram.capacity_bytes,
-                 disk and disk.capacity_bytes)
+    yield family(g, "ems_pool_tier_capacity_bytes", "Bytes the tier may hold", dram.capacity_bytes, disk and disk.capacity_bytes)
     yield family(g, "ems_pool_tier_values", "Values held by the tier", dram.entries, disk and disk.values)
     yield family(c, "ems_pool_tier_hits", "Lookups the tier answered", dram.hits, disk and disk.hits)
-    yield family(c, "ems_pool_tier_evictions", "Values evicted from the tier", dram.evictions,
-                 disk and disk.evictions)
+    yield family(c, "ems_pool_tier_evictions", "Values evicted from the tier", dram.evictions, disk and disk.evictions)
     if disk is None:
         return
     for name, doc, value in (
@@ -108,18 +107,15 @@ def _tier_families(store: Any, stats: Any) -> Iterator:
     errors.add_metric(["disk", "dropped_write"], disk.dropped_writes)
     yield errors
     yield GaugeMetricFamily("ems_pool_disk_queued_bytes", "Evicted bytes waiting to be written", value=disk.queued_bytes)
-    yield GaugeMetricFamily("ems_pool_disk_queued_values", "Evicted values waiting to be written",
-                            value=disk.queued_values)
-    yield GaugeMetricFamily("ems_pool_disk_restored_values", "Values found on the disk at start",
-                            value=disk.restored_values)
-    yield GaugeMetricFamily("ems_pool_disk_restore_seconds", "Seconds to rebuild the index at start",
-                            value=disk.restore_seconds)
+    yield GaugeMetricFamily("ems_pool_disk_queued_values", "Evicted values waiting to be written", value=disk.queued_values)
+    yield GaugeMetricFamily("ems_pool_disk_restored_values", "Values found on the disk at start", value=disk.restored_values)
+    yield GaugeMetricFamily("ems_pool_disk_restore_seconds", "Seconds to rebuild the index at start", value=disk.restore_seconds)
 
 
 class NodeMetrics:
     """Counters of one pool node; see the module docstring."""
 
-    def __init__(self, store: "NodeStore") -> None:
+    def __init__(self, store: NodeStore) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ems_pool_requests", "Requests served", ["op", "status"], registry=r)
@@ -182,7 +178,7 @@ class MetricsServer:
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.address = f"{host}:{self._httpd.server_address[1]}"
-        self._thread: Optional[threading.Thread] = threading.Thread(
+        self._thread: threading.Thread | None = threading.Thread(
             target=self._httpd.serve_forever, name="ems-pool-metrics", daemon=True
         )
         self._thread.start()

@@ -24,7 +24,7 @@ import dataclasses
 import sys
 import time
 import urllib.request
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,7 +39,7 @@ class Sample:
     hits: float = 0.0
     misses: float = 0.0
     requests: float = 0.0
-    tiers: dict[str, "TierSample"] = dataclasses.field(default_factory=dict)
+    tiers: dict[str, TierSample] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -65,13 +65,13 @@ _TIER_FIELDS = {
 @dataclasses.dataclass
 class NodeStatus:
     address: str
-    metrics: Optional[str]
+    metrics: str | None
     state: str
-    sample: Optional[Sample] = None
+    sample: Sample | None = None
     requests_per_s: float = 0.0
 
     @property
-    def hit_rate(self) -> Optional[float]:
+    def hit_rate(self) -> float | None:
         if self.sample is None or self.sample.hits + self.sample.misses == 0:
             return None
         return self.sample.hits / (self.sample.hits + self.sample.misses)
@@ -100,7 +100,7 @@ def parse_metrics(text: str) -> Sample:
     return sample
 
 
-def scrape(metrics_address: str, timeout_s: float) -> Optional[Sample]:
+def scrape(metrics_address: str, timeout_s: float) -> Sample | None:
     """One node's sample, or None when its endpoint does not answer."""
     try:
         with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=timeout_s) as response:
@@ -109,7 +109,7 @@ def scrape(metrics_address: str, timeout_s: float) -> Optional[Sample]:
         return None
 
 
-def collect(nodes: dict[str, Optional[str]], interval_s: float, timeout_s: float) -> list[NodeStatus]:
+def collect(nodes: dict[str, str | None], interval_s: float, timeout_s: float) -> list[NodeStatus]:
     """Scrape every node (address → metrics address) twice, `interval_s` apart, all nodes in parallel."""
     addresses = sorted(nodes)
     targets = {a: m for a, m in nodes.items() if m}
@@ -153,23 +153,38 @@ def render(statuses: Sequence[NodeStatus]) -> str:
         s = st.sample
         held, capacity, values, rps = held + s.held_bytes, capacity + s.capacity_bytes, values + s.values, rps + st.requests_per_s
         hit = "-" if st.hit_rate is None else f"{100 * st.hit_rate:.1f}%"
-        rows.append((st.address, st.state, f"{_size(s.held_bytes)}/{_size(s.capacity_bytes)}", f"{s.values:.0f}", hit,
-                     f"{st.requests_per_s:.1f}"))
+        rows.append(
+            (
+                st.address,
+                st.state,
+                f"{_size(s.held_bytes)}/{_size(s.capacity_bytes)}",
+                f"{s.values:.0f}",
+                hit,
+                f"{st.requests_per_s:.1f}",
+            )
+        )
         if "disk" in s.tiers:
             lookups = s.hits + s.misses
             for name in sorted(s.tiers, key=lambda t: (t != "dram", t)):
                 t = s.tiers[name]
                 share = "-" if lookups == 0 else f"{100 * t.hits / lookups:.1f}%"
-                rows.append((f"  {name}", "up" if t.up else "failed", f"{_size(t.held_bytes)}/{_size(t.capacity_bytes)}",
-                             f"{t.values:.0f}", share, ""))
+                rows.append(
+                    (
+                        f"  {name}",
+                        "up" if t.up else "failed",
+                        f"{_size(t.held_bytes)}/{_size(t.capacity_bytes)}",
+                        f"{t.values:.0f}",
+                        share,
+                        "",
+                    )
+                )
     up = sum(st.state == "up" for st in statuses)
-    rows.append((f"total: {up}/{len(statuses)} up", "", f"{_size(held)}/{_size(capacity)}", f"{values:.0f}", "",
-                 f"{rps:.1f}"))
+    rows.append((f"total: {up}/{len(statuses)} up", "", f"{_size(held)}/{_size(capacity)}", f"{values:.0f}", "", f"{rps:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ems-pool status", description="One line per pool node, from its metrics.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--etcd", help="etcd endpoint http://HOST:PORT the nodes register in")

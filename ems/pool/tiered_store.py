@@ -25,8 +25,9 @@ Contract:
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, cast
+from typing import cast
 
 import numpy as np
 
@@ -34,7 +35,6 @@ from ems.buffers import Buffer
 from ems.pool.disk_tier import DiskTier, DiskTierStats
 from ems.store import KvStore, StoreStats
 from ems.value_format import is_well_formed
-
 
 MIN_READ_BYTES = 64 << 20
 
@@ -84,7 +84,7 @@ class TieredStore:
         """Whether `get_many(keys)` may read the disk (some key is not in DRAM)."""
         return self.disk.up and not all(self.dram.contains_many(keys))
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Optional[Buffer]]:
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         values = self.dram.get_many(keys)
         if not self.disk.up:
             return values
@@ -97,7 +97,7 @@ class TieredStore:
                 read += 0 if found is None else memoryview(found).nbytes
         return values
 
-    def _from_disk(self, key: bytes) -> Optional[Buffer]:
+    def _from_disk(self, key: bytes) -> Buffer | None:
         found, token = self.disk.lookup(key)
         if found is None:
             return None

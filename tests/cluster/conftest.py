@@ -7,4 +7,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 
-from cluster_testlib import etcd  # noqa: E402,F401
+from cluster_testlib import etcd  # noqa: F401

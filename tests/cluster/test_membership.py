@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from ems.cluster.etcd import EtcdClient, EtcdError, WatchHandle, parse_url, prefix_end
 from ems.cluster.membership import (
     MembershipWatcher,
@@ -44,9 +45,7 @@ def test_kv_lease_and_watch(etcd):
     events: list = []
     handle = WatchHandle()
     created = threading.Event()
-    thread = threading.Thread(
-        target=client.watch_prefix, args=(prefix, rev + 1, events.extend, handle, created.set), daemon=True
-    )
+    thread = threading.Thread(target=client.watch_prefix, args=(prefix, rev + 1, events.extend, handle, created.set), daemon=True)
     thread.start()
     assert created.wait(5)
     lease = client.grant(2)

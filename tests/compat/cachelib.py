@@ -16,16 +16,25 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator
     return raw.to(torch.uint8).view(dtype)
 
 
-def make_cache(layers: int, blocks: int, block_size: int, k_row: tuple[int, int], v_row: tuple[int, int],
-               k_dtype: torch.dtype, v_dtype: torch.dtype, seed: int) -> Cache:
+def make_cache(
+    layers: int,
+    blocks: int,
+    block_size: int,
+    k_row: tuple[int, int],
+    v_row: tuple[int, int],
+    k_dtype: torch.dtype,
+    v_dtype: torch.dtype,
+    seed: int,
+) -> Cache:
     """`layers` of (K `[blocks, block_size, *k_row]`, V `[blocks, block_size, *v_row]`), random bytes."""
     gen = torch.Generator().manual_seed(seed)
-    return [(random_tensor([blocks, block_size, *k_row], k_dtype, gen),
-             random_tensor([blocks, block_size, *v_row], v_dtype, gen)) for _ in range(layers)]
+    return [
+        (random_tensor([blocks, block_size, *k_row], k_dtype, gen), random_tensor([blocks, block_size, *v_row], v_dtype, gen))
+        for _ in range(layers)
+    ]
 
 
-def mla_cache(layers: int, blocks: int, block_size: int, k_dtype: torch.dtype, v_dtype: torch.dtype,
-              seed: int) -> Cache:
+def mla_cache(layers: int, blocks: int, block_size: int, k_dtype: torch.dtype, v_dtype: torch.dtype, seed: int) -> Cache:
     """DeepSeek-style split K/V: K = the latent `[blocks, block_size, 1, 512]`, V = the rope part `[..., 1, 64]`."""
     return make_cache(layers, blocks, block_size, (1, 512), (1, 64), k_dtype, v_dtype, seed)
 

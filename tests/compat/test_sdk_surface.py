@@ -52,8 +52,16 @@ def test_sdk_module_paths_are_this_packages_types():
 def test_configs_are_mutable_and_checked_at_init():
     from ems.cc_v1.cc_config import KVCacheType
 
-    cfg = CcConfig_v1(rank_id=1, device_id=1, model_id=MODEL_ID, tp_world_size=2, pp_world_size=1,
-                      rank_in_tp_group=1, rank_in_pp_group=0, llm_engine=LLM_ENGINE)
+    cfg = CcConfig_v1(
+        rank_id=1,
+        device_id=1,
+        model_id=MODEL_ID,
+        tp_world_size=2,
+        pp_world_size=1,
+        rank_in_tp_group=1,
+        rank_in_pp_group=0,
+        llm_engine=LLM_ENGINE,
+    )
     cfg.kvcache_type = KVCacheType.MLA
     assert cfg.shares_kv_across_tp
     cfg.rank_in_tp_group = 2  # broken after construction: refused at init, naming the field
@@ -72,10 +80,17 @@ def test_configs_are_mutable_and_checked_at_init():
     assert _code(lambda: Ems.init(config)).status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT  # now another config
 
 
-@pytest.mark.parametrize("field,value", [
-    ("model_id", "cc_kvstore@_@ds_default_ns_001"), ("model_id", "Llama-3 70B/Instruct"), ("model_id", "模型"),
-    ("llm_engine", "vllm@deepseek"), ("llm_engine", "MindIE:1.0"), ("access_id", "tenant@ns:1 A"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model_id", "cc_kvstore@_@ds_default_ns_001"),
+        ("model_id", "Llama-3 70B/Instruct"),
+        ("model_id", "模型"),
+        ("llm_engine", "vllm@deepseek"),
+        ("llm_engine", "MindIE:1.0"),
+        ("access_id", "tenant@ns:1 A"),
+    ],
+)
 def test_identifiers_as_deployments_write_them(field, value):
     kwargs = {"rank_id": 0, "device_id": 0, "model_id": "m", "llm_engine": "vllm"}
     access_id = ACCESS_ID
@@ -87,15 +102,18 @@ def test_identifiers_as_deployments_write_them(field, value):
     assert Ems.get_cc() is not None
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda: CcConfig(0, 0, "model\x00"), "model_id"),
-    (lambda: CcConfig(0, 0, "m" * 513), "model_id"),
-    (lambda: CcConfig_v1(0, 0, "m", llm_engine="vllm\n"), "llm_engine"),
-    (lambda: Ems.init(EmsConfig(access_id="a\tb", access_key="")), "access_id"),
-    (lambda: Ems.init(EmsConfig(access_id="é", access_key="")), "ASCII"),
-    (lambda: Ems.init(EmsConfig(access_id="a", access_key="short")), "access_key"),
-    (lambda: Ems.init(EmsConfig(access_key="A" * 40)), "access_id"),
-])
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda: CcConfig(0, 0, "model\x00"), "model_id"),
+        (lambda: CcConfig(0, 0, "m" * 513), "model_id"),
+        (lambda: CcConfig_v1(0, 0, "m", llm_engine="vllm\n"), "llm_engine"),
+        (lambda: Ems.init(EmsConfig(access_id="a\tb", access_key="")), "access_id"),
+        (lambda: Ems.init(EmsConfig(access_id="é", access_key="")), "ASCII"),
+        (lambda: Ems.init(EmsConfig(access_id="a", access_key="short")), "access_key"),
+        (lambda: Ems.init(EmsConfig(access_key="A" * 40)), "access_id"),
+    ],
+)
 def test_identifier_faults_are_named(make, needle):
     error = _code(make)
     assert error.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT and needle in error.message()
@@ -165,7 +183,7 @@ def test_a_value_of_another_format_version_is_a_miss():
     cc = engine.context_caching
     assert cc.save(whole_block_slots([0, 1], BS), [11, 12], [BS] * 2, option()).success == 2
     store = Ems._pool.nodes[0].store
-    (key, value), = [(k, v) for k, v in store._entries.items() if k.endswith((12).to_bytes(1, "little"))]
+    ((key, value),) = [(k, v) for k, v in store._entries.items() if k.endswith((12).to_bytes(1, "little"))]
     older = bytearray(value)
     header = np.frombuffer(older, dtype=HEADER_DTYPE, count=1)
     header["version"] = VERSION - 1  # a well-formed value of the previous format, same bytes otherwise

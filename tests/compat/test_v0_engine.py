@@ -25,8 +25,9 @@ def _tokens(n_blocks: int, seed: int) -> list[int]:
     return [rng.randrange(32000) for _ in range(n_blocks * BS)]
 
 
-@pytest.mark.parametrize("k_dtype,v_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
-                         ids=["bf16", "fp16_k-fp32_v"])
+@pytest.mark.parametrize(
+    "k_dtype,v_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)], ids=["bf16", "fp16_k-fp32_v"]
+)
 def test_v0_str_keys_raw_buffers_split_kv(pool, k_dtype, v_dtype):
     seed = random.randrange(1 << 30)  # fresh keys on the shared nodes
     writer = mla_cache(layers=3, blocks=10, block_size=BS, k_dtype=k_dtype, v_dtype=v_dtype, seed=seed)

@@ -66,8 +66,9 @@ def test_v1_slot_mapping_async_polling_with_health_checks(pool):
         # future.result() straight on the returned future (the other adapter style)
         poison(cache)
         hashes, ids = requests["req-4"]
-        future = engine.context_caching.async_load(slot_mapping=whole_block_slots(ids, BS), hashes=hashes,
-                                                   offsets=[BS] * 3, option=option())
+        future = engine.context_caching.async_load(
+            slot_mapping=whole_block_slots(ids, BS), hashes=hashes, offsets=[BS] * 3, option=option()
+        )
         assert future.result().success == 3
         assert_blocks_equal(cache, ids, original, ids)
         assert_poisoned(cache, all_blocks_except(cache, ids))

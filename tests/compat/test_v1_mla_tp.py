@@ -46,12 +46,16 @@ class _Rank:
         cc.register_kvcache([list(kv) for kv in as_dict(cache).values()])
 
     def save(self, hashes, ids) -> int:
-        return self.cc.async_save(slot_mapping=whole_block_slots(ids, BS), hashes=hashes, offsets=[BS] * len(ids),
-                                  option=option()).result().success
+        return (
+            self.cc.async_save(slot_mapping=whole_block_slots(ids, BS), hashes=hashes, offsets=[BS] * len(ids), option=option())
+            .result()
+            .success
+        )
 
     def load(self, hashes, ids) -> int:
-        future = self.cc.async_load(slot_mapping=whole_block_slots(ids, BS), hashes=hashes, offsets=[BS] * len(ids),
-                                    option=option())
+        future = self.cc.async_load(
+            slot_mapping=whole_block_slots(ids, BS), hashes=hashes, offsets=[BS] * len(ids), option=option()
+        )
         while not self.cc.is_ready(future):
             pass
         return self.cc.get_result(future).success
@@ -62,8 +66,14 @@ def _rank(pool, rank: int, cache, embedded_peer: V1Engine = None) -> _Rank:
     host); with nodes a fresh `Ems.init` of this process (as a rank's own process would do)."""
     if pool is None and embedded_peer is not None:
         peer = embedded_peer.config
-        config = type(peer)(rank_id=rank, device_id=rank, model_id=peer.model_id, tp_world_size=2,
-                            rank_in_tp_group=rank, llm_engine=peer.llm_engine)
+        config = type(peer)(
+            rank_id=rank,
+            device_id=rank,
+            model_id=peer.model_id,
+            tp_world_size=2,
+            rank_in_tp_group=rank,
+            llm_engine=peer.llm_engine,
+        )
         config.kvcache_type = peer.kvcache_type
         return _Rank(ContextCaching(config, ACCESS_ID, Ems._pool, Ems.settings()), cache)
     Ems.shutdown()
@@ -72,8 +82,9 @@ def _rank(pool, rank: int, cache, embedded_peer: V1Engine = None) -> _Rank:
     return _Rank(engine.context_caching, cache)
 
 
-@pytest.mark.parametrize("k_dtype,v_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
-                         ids=["bf16", "fp16_k-fp32_v"])
+@pytest.mark.parametrize(
+    "k_dtype,v_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)], ids=["bf16", "fp16_k-fp32_v"]
+)
 def test_mla_split_kv_two_tp_ranks_store_once_both_load(pool, k_dtype, v_dtype):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -125,10 +136,17 @@ def test_without_mla_tp_ranks_keep_their_own_keys():
     rank0 = _Rank(engine0.context_caching, cache)
     hashes = [-5, 7]
     assert rank0.save(hashes, [0, 1]) == 2
-    config = type(engine0.config)(rank_id=1, device_id=1, model_id=engine0.config.model_id, tp_world_size=2,
-                                  rank_in_tp_group=1, llm_engine=engine0.config.llm_engine)
-    rank1 = _Rank(ContextCaching(config, ACCESS_ID, Ems._pool, Ems.settings()), mla_cache(1, 4, BS, torch.bfloat16,
-                                                                                        torch.bfloat16, 2))
+    config = type(engine0.config)(
+        rank_id=1,
+        device_id=1,
+        model_id=engine0.config.model_id,
+        tp_world_size=2,
+        rank_in_tp_group=1,
+        llm_engine=engine0.config.llm_engine,
+    )
+    rank1 = _Rank(
+        ContextCaching(config, ACCESS_ID, Ems._pool, Ems.settings()), mla_cache(1, 4, BS, torch.bfloat16, torch.bfloat16, 2)
+    )
     assert rank1.cc.exists(hashes).success == 0
     rank1.cc.close()
 
@@ -146,9 +164,23 @@ def test_mla_two_rank_processes_concurrently(two_nodes):
     seed = random.randrange(1 << 30)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), json.dumps({"nodes": [n.address for n in two_nodes], "rank": rank,
-                                                      "seed": seed, "k_dtype": "bfloat16", "v_dtype": "float32"})],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                str(script),
+                json.dumps(
+                    {
+                        "nodes": [n.address for n in two_nodes],
+                        "rank": rank,
+                        "seed": seed,
+                        "k_dtype": "bfloat16",
+                        "v_dtype": "float32",
+                    }
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outs = []
@@ -157,5 +189,11 @@ def test_mla_two_rank_processes_concurrently(two_nodes):
         assert proc.returncode == 0, stderr[-3000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     for out in outs:
-        assert out == {"init_error": None, "save_tokens": 5 * BS, "exists": 5, "load_tokens": 5 * BS,
-                       "exact": True, "untouched": True}
+        assert out == {
+            "init_error": None,
+            "save_tokens": 5 * BS,
+            "exists": 5,
+            "load_tokens": 5 * BS,
+            "exact": True,
+            "untouched": True,
+        }

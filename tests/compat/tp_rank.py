@@ -53,7 +53,9 @@ def main() -> None:
         out["exact"] = all(block_bytes(cache, d) == block_bytes(content, s) for d, s in zip(ids, IDS[0]))
         out["untouched"] = all(
             bool((t[b].contiguous().view(torch.uint8) == 0xA5).all())
-            for b in all_blocks_except(cache, ids) for pair in cache for t in pair
+            for b in all_blocks_except(cache, ids)
+            for pair in cache
+            for t in pair
         )
     print(json.dumps(out), flush=True)
 

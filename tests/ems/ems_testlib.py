@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ on_both_pools = pytest.mark.parametrize("cc", ["embedded", "mooncake"], indirect
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8]
 
 
-def fill_random(t: torch.Tensor, gen: Optional[torch.Generator] = None) -> torch.Tensor:
+def fill_random(t: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
     """Overwrite `t` (any view) in place with fresh random data: never zeros, every byte pattern likely."""
     if t.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
         info = torch.iinfo(t.dtype)
@@ -41,7 +41,7 @@ def make_cache(
     dtype: torch.dtype = torch.float16,
     interleaved: bool = False,
     device: str = "cpu",
-) -> List[List[torch.Tensor]]:
+) -> list[list[torch.Tensor]]:
     """`[layers][K, V]` of `[blocks, block_size, heads, head_size]`, filled with random data.
 
     interleaved: one tensor `[blocks, 2, block_size, heads, head_size]` per layer, K = t[:, 0], V = t[:, 1]."""
@@ -104,15 +104,13 @@ def assert_cache_equals(cache, expected: Sequence[torch.Tensor]) -> None:
             raise AssertionError(f"tensor {i} differs at [block, offset] rows {diff[:10]}")
 
 
-def slots_of_blocks(block_ids: Sequence[int], block_size: int, offsets: Optional[Sequence[int]] = None) -> list[int]:
+def slots_of_blocks(block_ids: Sequence[int], block_size: int, offsets: Sequence[int] | None = None) -> list[int]:
     """The slot_mapping of whole blocks (or their first `offsets[i]` tokens)."""
     offsets = offsets or [block_size] * len(block_ids)
     return [b * block_size + o for b, n in zip(block_ids, offsets) for o in range(n)]
 
 
-def direct_cc(
-    nodes, *, model_id: str = "test-model", cc_config=None, tenant=None, limits=None, **settings
-) -> ContextCaching:
+def direct_cc(nodes, *, model_id: str = "test-model", cc_config=None, tenant=None, limits=None, **settings) -> ContextCaching:
     """A `ContextCaching` around `PoolClient(nodes)` (with request `limits`, default the protocol's), without
     `Ems.init`."""
     cc_config = cc_config or CcConfig(rank_id=0, device_id=0, model_id=model_id)

@@ -9,20 +9,20 @@ import time
 
 import pytest
 import torch
-
-from ems import CcFuture, CcKvOption, CcResult, EmsErrorCode, EmsException
 from ems_testlib import (
-    on_both_pools,
     assert_cache_equals,
     bytes_equal,
     direct_cc,
     expected_after_load,
     fill_random,
     make_cache,
+    on_both_pools,
     poison,
     slots_of_blocks,
     snapshot,
 )
+
+from ems import CcFuture, CcKvOption, CcResult, EmsErrorCode, EmsException
 
 BS = 4
 
@@ -185,7 +185,7 @@ def test_concurrent_saves_and_loads(cc, use_async):
                 got = [tensor[mine[0] : mine[-1] + 1] for layer in cache for tensor in layer]
                 for g, w in zip(got, want):
                     assert bytes_equal(g, w), f"thread {t} op {op}: wrong bytes"
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
@@ -234,7 +234,7 @@ def test_concurrent_traffic_under_eviction_never_loads_wrong_bytes(fault_node_fa
                 want = expected_after_load(saved, poisoned, [s - lo * BS for s in slots[: n * BS]])
                 for g, w in zip([tensor[lo:hi] for layer in cache for tensor in layer], want):
                     assert bytes_equal(g, w), f"thread {t} op {op}: wrong bytes after a {n}-block load"
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]

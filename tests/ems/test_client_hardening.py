@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from ems import CcKvOption, CcResult, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
 from ems.pool_client import RequestLimits, split_batches, timeout_seconds
-from ems.transport.base import TransportError
 from ems.store import KvStore
+from ems.transport.base import TransportError
 from ems.transport.inprocess import InProcessNode
 from ems.types import MAX_TIMEOUT_MS
 

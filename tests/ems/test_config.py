@@ -64,25 +64,33 @@ def test_mooncake_settings_from_environment_and_defaults(monkeypatch):
     assert s.mooncake is not None and s.mooncake.master == "mc-master:50051"
     assert (s.mooncake.metadata, s.mooncake.protocol, s.mooncake.devices) == ("P2PHANDSHAKE", "tcp", "")
     assert (s.mooncake.buffer_bytes, s.mooncake.segment_bytes, s.mooncake.hostname) == (64 << 20, 0, "127.0.0.1")
-    for env, value in (("EMS_MOONCAKE_METADATA", "etcd://10.0.0.1:2379"), ("EMS_MOONCAKE_PROTOCOL", "RDMA"),
-                       ("EMS_MOONCAKE_DEVICES", "mlx5_0,mlx5_1"), ("EMS_MOONCAKE_BUFFER", "1GiB"),
-                       ("EMS_MOONCAKE_SEGMENT", "2GiB"), ("EMS_MOONCAKE_HOSTNAME", "10.0.0.7")):
+    for env, value in (
+        ("EMS_MOONCAKE_METADATA", "etcd://10.0.0.1:2379"),
+        ("EMS_MOONCAKE_PROTOCOL", "RDMA"),
+        ("EMS_MOONCAKE_DEVICES", "mlx5_0,mlx5_1"),
+        ("EMS_MOONCAKE_BUFFER", "1GiB"),
+        ("EMS_MOONCAKE_SEGMENT", "2GiB"),
+        ("EMS_MOONCAKE_HOSTNAME", "10.0.0.7"),
+    ):
         monkeypatch.setenv(env, value)
     m = resolve_settings(EmsConfig()).mooncake
     assert m is not None and (m.metadata, m.protocol, m.devices) == ("etcd://10.0.0.1:2379", "rdma", "mlx5_0,mlx5_1")
     assert (m.buffer_bytes, m.segment_bytes, m.hostname) == (1 << 30, 2 << 30, "10.0.0.7")
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"pool_backend": "redis"}, "pool_backend"),
-    ({"pool_backend": "mooncake", "mooncake_master": "no-port"}, "mooncake_master"),
-    ({"pool_backend": "mooncake", "mooncake_master": "h:70000"}, "mooncake_master"),
-    ({"pool_backend": "mooncake", "mooncake_master": "h:1", "pool_nodes": ["n:1"]}, "pool_nodes"),
-    ({"pool_backend": "mooncake", "mooncake_master": "h:1", "pool_etcd": "http://e:2379"}, "pool_etcd"),
-    ({"pool_backend": "mooncake", "mooncake_master": "h:1", "mooncake_protocol": "tcp; rm"}, "mooncake_protocol"),
-    ({"pool_backend": "mooncake", "mooncake_master": "h:1", "mooncake_buffer": 0}, "mooncake_buffer"),
-    ({"pool_backend": "mooncake", "mooncake_master": "h:1", "mooncake_metadata": ""}, "mooncake_metadata"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"pool_backend": "redis"}, "pool_backend"),
+        ({"pool_backend": "mooncake", "mooncake_master": "no-port"}, "mooncake_master"),
+        ({"pool_backend": "mooncake", "mooncake_master": "h:70000"}, "mooncake_master"),
+        ({"pool_backend": "mooncake", "mooncake_master": "h:1", "pool_nodes": ["n:1"]}, "pool_nodes"),
+        ({"pool_backend": "mooncake", "mooncake_master": "h:1", "pool_etcd": "http://e:2379"}, "pool_etcd"),
+        ({"pool_backend": "mooncake", "mooncake_master": "h:1", "mooncake_protocol": "tcp; rm"}, "mooncake_protocol"),
+        ({"pool_backend": "mooncake", "mooncake_master": "h:1", "mooncake_buffer": 0}, "mooncake_buffer"),
+        ({"pool_backend": "mooncake", "mooncake_master": "h:1", "mooncake_metadata": ""}, "mooncake_metadata"),
+    ],
+)
 def test_bad_mooncake_settings_are_named(kwargs, needle):
     _invalid(lambda: resolve_settings(EmsConfig(**kwargs)), needle)
 
@@ -225,9 +233,7 @@ def test_cc_config_valid_forms():
 def test_config_type_checks():
     _invalid(lambda: Ems.init(EmsConfig(cc_config="m")), "cc_config")
     _invalid(lambda: Ems.init(EmsConfig(cc_config_v1=CcConfig(0, 0, "m"))), "cc_config_v1")
-    _invalid(
-        lambda: Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), cc_config_v1=CcConfig_v1(0, 0, "m"))), "cc_config"
-    )
+    _invalid(lambda: Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "m"), cc_config_v1=CcConfig_v1(0, 0, "m"))), "cc_config")
     assert Ems.get_cc() is None
 
 

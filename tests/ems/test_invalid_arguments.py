@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ems_testlib import assert_cache_equals, fill_random, make_cache, snapshot, store_of_ems
 
 from ems import (
     CcConfig,
@@ -18,7 +19,6 @@ from ems import (
     PrimaryKey,
     StoreLayerGroupDesc,
 )
-from ems_testlib import assert_cache_equals, fill_random, make_cache, snapshot, store_of_ems
 
 BS, BLOCKS = 4, 4  # 16 slots
 
@@ -171,9 +171,7 @@ def test_bad_value_types():
 
 
 def test_v0_wrapping_address_refused(cc):
-    _raises(
-        lambda: cc.save(CcKvOption(), [PrimaryKey("a", "b")], [[KvBufferWrapper(2**64 - 8, 16)]]), "value_list[0][0]"
-    )
+    _raises(lambda: cc.save(CcKvOption(), [PrimaryKey("a", "b")], [[KvBufferWrapper(2**64 - 8, 16)]]), "value_list[0][0]")
     assert store_of_ems().stats().entries == 0
 
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ems_testlib import make_cache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ems import CcConfig, Ems, EmsConfig
 from ems.job_records import JobKind, Stage, stage_table
 from ems.kernels import get_backend
@@ -20,9 +24,6 @@ from ems.planning import plan_blocks
 from ems.requests import Operation, bind_request
 from ems.store import KvStore
 from ems.value_format import HEADER_SIZE, build_headers, checksum, matches
-from ems_testlib import make_cache
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
+from ems_testlib import assert_cache_equals, direct_cc, expected_after_load, fill_random, make_cache, poison, snapshot
 
 from ems import CcConfig, CcConfig_v1, CcKvOption, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
 from ems.keys import encode_hash, namespace, v0_keys, v1_keys
 from ems.layout import register_layout
-from ems_testlib import assert_cache_equals, direct_cc, expected_after_load, fill_random, make_cache, poison, snapshot
 
 CHILD = r"""
 import sys, torch
@@ -32,9 +32,7 @@ sys.stdout.write((b"|".join([ns, *keys, *routes, *k0, *r0, str(sig).encode()])).
 def _local() -> bytes:
     cache = [[torch.ones(2, 4, 2, 8, dtype=torch.float16) for _ in range(2)] for _ in range(3)]
     sig = register_layout(cache).signature
-    ns = namespace(
-        "tenant-a", CcConfig_v1(rank_id=1, device_id=0, model_id="llama", tp_world_size=2, rank_in_tp_group=1), sig
-    )
+    ns = namespace("tenant-a", CcConfig_v1(rank_id=1, device_id=0, model_id="llama", tp_world_size=2, rank_in_tp_group=1), sig)
     keys, routes = v1_keys(ns, [0, -1, 2**70, 12345])
     k0, r0 = v0_keys(namespace(None, CcConfig(0, 0, "llama"), None), [PrimaryKey("d", "a")])
     return b"|".join([ns, *keys, *routes, *k0, *r0, str(sig).encode()])

@@ -126,7 +126,7 @@ def test_storage_killed_mid_run_gives_misses_never_a_wrong_block():
                 started = time.monotonic()
                 try:
                     if saved and rng.random() < 0.5:
-                        pick = saved[-rng.randint(1, min(8, len(saved))):]
+                        pick = saved[-rng.randint(1, min(8, len(saved))) :]
                         ids = own[: len(pick)]
                         result = _load(cc, ids, pick, option)
                         for i, h in enumerate(pick[: result.success]):
@@ -264,8 +264,7 @@ def test_init_before_the_master_answers_is_recoverable():
         pytest.skip(mooncake_missing())
     port = free_port()
     master = f"127.0.0.1:{port}"
-    config = EmsConfig(cc_config=CcConfig(0, 0, "m"), pool_backend="mooncake", mooncake_master=master,
-                       connect_timeout_ms=300)
+    config = EmsConfig(cc_config=CcConfig(0, 0, "m"), pool_backend="mooncake", mooncake_master=master, connect_timeout_ms=300)
     started = time.monotonic()
     with pytest.raises(EmsException) as raised:
         Ems.init(config)

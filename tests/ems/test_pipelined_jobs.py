@@ -21,6 +21,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ems_testlib import (
+    assert_cache_equals,
+    direct_cc,
+    expected_after_load,
+    make_cache,
+    poison,
+    set_chunk_bytes,
+    slots_of_blocks,
+    snapshot,
+)
 
 from ems import CcKvOption, CcResult, EmsException, KvBufferWrapper, PrimaryKey
 from ems.config import parse_size
@@ -30,11 +40,9 @@ from ems.planning import BlockPlan, plan_blocks
 from ems.requests import Operation, bind_request
 from ems.transport.ucx import UcxNode
 from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
-from ems_testlib import (assert_cache_equals, direct_cc, expected_after_load, make_cache, poison, set_chunk_bytes,
-                         slots_of_blocks, snapshot)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
-from pool_testlib import PoolProcess  # noqa: E402
+from pool_testlib import PoolProcess
 
 BS = 4
 BLOCKS = 48  # 2 layers x K/V x 2 heads x 16 x fp16 = 256 B a token: 1 KiB a full block
@@ -66,8 +74,8 @@ def nodes():
 def connect(request):
     """`connect(*addresses, replicas=1)` → a `ContextCaching` over those nodes (no read cache: every load crosses the
     wire), closed at the end with its pool client."""
-    from ems.context_caching import ContextCaching
     from ems.config import CcConfig, EmsConfig, resolve_settings
+    from ems.context_caching import ContextCaching
     from ems.pool_client import PoolClient
 
     made: list = []
@@ -77,8 +85,12 @@ def connect(request):
         if replicas == 1:
             cc = direct_cc(clients, model_id=request.node.name[:60])
         else:
-            cc = ContextCaching(CcConfig(rank_id=0, device_id=0, model_id=request.node.name[:60]), None,
-                                PoolClient(clients, replicas=replicas), resolve_settings(EmsConfig()))
+            cc = ContextCaching(
+                CcConfig(rank_id=0, device_id=0, model_id=request.node.name[:60]),
+                None,
+                PoolClient(clients, replicas=replicas),
+                resolve_settings(EmsConfig()),
+            )
         made.append(cc)
         return cc
 
@@ -168,8 +180,9 @@ def _damage(address: str, key: bytes, route_key: bytes, plan: BlockPlan, i: int,
     sig = plan.expected.layout_sig ^ (1 if how == "layout" else 0)
     if how == "length":
         payload = payload[:-64]
-    expected = ExpectedValues(ValueKind.BLOCKS_V1, sig, plan.expected.tokens_digest[i : i + 1],
-                              np.array([len(payload)], dtype=np.int64))
+    expected = ExpectedValues(
+        ValueKind.BLOCKS_V1, sig, plan.expected.tokens_digest[i : i + 1], np.array([len(payload)], dtype=np.int64)
+    )
     header = build_headers(expected, [checksum([payload])])[0]
     node = UcxNode(address, connect_timeout_ms=2000)
     try:
@@ -369,6 +382,7 @@ def test_a_job_keeps_at_most_depth_chunk_requests_in_flight(fault_node_factory, 
             finally:
                 with lock:
                     now[op] -= 1
+
         return run
 
     monkeypatch.setattr(node, "put", counted("put", node.put))

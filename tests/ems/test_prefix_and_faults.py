@@ -7,22 +7,22 @@ import time
 
 import pytest
 import torch
-
-from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
-from ems.store import ENTRY_OVERHEAD
-from ems.value_format import HEADER_SIZE
-from fault_injection import is_block
 from ems_testlib import (
-    on_both_pools,
     assert_cache_equals,
     direct_cc,
     expected_after_load,
     fill_random,
     make_cache,
+    on_both_pools,
     poison,
     slots_of_blocks,
     snapshot,
 )
+from fault_injection import is_block
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
+from ems.store import ENTRY_OVERHEAD
+from ems.value_format import HEADER_SIZE
 
 BS = 4
 
@@ -380,8 +380,7 @@ def test_staging_allocation_failure_is_an_ems_exception(cc, method, monkeypatch)
     assert cc.get_result(cc.async_save(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 2**62)]])).success == 0
     store = Ems._pool.nodes[0].store
     used = store.stats().used_bytes
-    monkeypatch.setattr("ems.store.KvStore._take_buffer",
-                        lambda self, nbytes: (_ for _ in ()).throw(MemoryError("no memory")))
+    monkeypatch.setattr("ems.store.KvStore._take_buffer", lambda self, nbytes: (_ for _ in ()).throw(MemoryError("no memory")))
     with pytest.raises(EmsException) as info:
         getattr(cc, method)(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 64)]])
     assert info.value.status_code() == EmsErrorCode.EMS_INTERNAL_ERROR

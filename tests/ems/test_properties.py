@@ -7,11 +7,11 @@ import itertools
 
 import numpy as np
 import torch
+from ems_testlib import DTYPES, assert_cache_equals, expected_after_load, make_cache, poison, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ems import CcConfig, Ems, EmsConfig
-from ems_testlib import DTYPES, assert_cache_equals, expected_after_load, make_cache, poison, snapshot
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -38,8 +38,15 @@ def requests(draw):
         left -= n
     hashes = draw(st.lists(st.integers(-(2**63), 2**64 - 1), min_size=len(offsets), max_size=len(offsets), unique=True))
     return dict(
-        shape=dict(layers=layers, blocks=blocks, block_size=block_size, heads=heads, head_size=head_size, dtype=dtype,
-                   interleaved=interleaved),
+        shape=dict(
+            layers=layers,
+            blocks=blocks,
+            block_size=block_size,
+            heads=heads,
+            head_size=head_size,
+            dtype=dtype,
+            interleaved=interleaved,
+        ),
         slots=slots,
         offsets=offsets,
         hashes=hashes,
@@ -77,11 +84,11 @@ def test_save_poison_load_is_identity_on_named_slots(req, use_chunks):
         if not runs:
             return
         kwargs = dict(hashes=hashes, chunk_descs=[runs])
-        save = lambda: cc.save(**kwargs)  # noqa: E731
-        load = lambda: cc.load(**kwargs)  # noqa: E731
+        save = lambda: cc.save(**kwargs)
+        load = lambda: cc.load(**kwargs)
     else:
-        save = lambda: cc.save(slots, hashes, offsets)  # noqa: E731
-        load = lambda: cc.load(slots, hashes, offsets)  # noqa: E731
+        save = lambda: cc.save(slots, hashes, offsets)
+        load = lambda: cc.load(slots, hashes, offsets)
     original = snapshot(cache)
     assert save().success == len(hashes)
     poisoned = poison(cache)
@@ -117,8 +124,9 @@ def test_load_stops_at_the_first_unsaved_block(req, data):
 @given(data=st.data())
 def test_v0_ranges_roundtrip_and_nothing_else(data):
     """V0: random non-overlapping ranges of one arena, grouped into keys; load writes exactly those ranges."""
-    from ems import CcKvOption, KvBufferWrapper, PrimaryKey
     from ems_testlib import fill_random
+
+    from ems import CcKvOption, KvBufferWrapper, PrimaryKey
 
     cc = _fresh_cc()
     arena_size = 4096

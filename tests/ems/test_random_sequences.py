@@ -14,7 +14,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+
 import numpy as np
 import pytest
 import torch
@@ -40,7 +40,7 @@ class Saved:
 class Model:
     """The SDK under test plus what it must have stored."""
 
-    def __init__(self, seed: int, pool_nodes: Optional[list[str]] = None, **settings: object) -> None:
+    def __init__(self, seed: int, pool_nodes: list[str] | None = None, **settings: object) -> None:
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
         cc_config = CcConfig(rank_id=0, device_id=0, model_id=f"seq-{seed}")
@@ -349,9 +349,7 @@ class CallSequence(RuleBasedStateMachine):
         Ems.shutdown()
 
 
-CallSequence.TestCase.settings = hypothesis_settings(
-    max_examples=8, stateful_step_count=20, deadline=None, derandomize=True
-)
+CallSequence.TestCase.settings = hypothesis_settings(max_examples=8, stateful_step_count=20, deadline=None, derandomize=True)
 
 
 @pytest.mark.usefixtures("clean_ems")

@@ -3,11 +3,11 @@ read_local_only never leaves the process, and whatever it serves is still verifi
 
 from __future__ import annotations
 
+from ems_testlib import assert_cache_equals, expected_after_load, make_cache, poison, slots_of_blocks, snapshot
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.config import resolve_settings
 from ems.pool_client import PoolClient
-from ems_testlib import assert_cache_equals, expected_after_load, make_cache, poison, slots_of_blocks, snapshot
 
 BS = 4
 

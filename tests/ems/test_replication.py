@@ -12,16 +12,16 @@ import random
 import numpy as np
 import pytest
 import torch
-from ems.transport.inprocess import InProcessNode
-from ems.cluster.routing import node_seeds, ranked_owners
 from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors
 from fault_injection import FaultyNode
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
+from ems.cluster.routing import node_seeds, ranked_owners
 from ems.config import resolve_settings
 from ems.keys import v1_keys
 from ems.pool_client import PoolClient
 from ems.store import KvStore
+from ems.transport.inprocess import InProcessNode
 
 BS = 4
 

@@ -8,20 +8,20 @@ import random
 
 import pytest
 import torch
-
-from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
 from ems_testlib import (
-    on_both_pools,
     DTYPES,
     assert_cache_equals,
     bytes_equal,
     expected_after_load,
     fill_random,
     make_cache,
+    on_both_pools,
     poison,
     slots_of_blocks,
     snapshot,
 )
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
 
 
 def _call(cc, name: str, sync: bool, *args, **kwargs):
@@ -114,9 +114,7 @@ def test_slot_mapping_with_layer_groups(cc):
     g0 = make_cache(layers=1, blocks=4, block_size=4, heads=2, head_size=8, dtype=torch.float16)
     g1 = make_cache(layers=1, blocks=4, block_size=4, heads=4, head_size=2, dtype=torch.float32)
     cache = [g0[0], g1[0]]
-    cc.register_kvcache(
-        cache, [StoreLayerGroupDesc(store_block_size=4, layer_ids=[0]), StoreLayerGroupDesc(4, [1])]
-    )
+    cc.register_kvcache(cache, [StoreLayerGroupDesc(store_block_size=4, layer_ids=[0]), StoreLayerGroupDesc(4, [1])])
     slots = [13, 2, 7, 8, 9]
     original = snapshot(cache)
     assert cc.save(slots, [1, 2], [3, 2]).success == 2
@@ -175,9 +173,7 @@ def test_v0_value_loads_into_differently_split_buffers(cc):
 
 @pytest.mark.parametrize("backend", ["torch", "memcpy"])
 def test_forced_kernel_backends_roundtrip(backend):
-    Ems.init(
-        EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend)
-    )
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend))
     cc = Ems.get_cc()
     cache = make_cache(layers=2, blocks=6, block_size=4, dtype=torch.bfloat16, interleaved=True)
     cc.register_kvcache(cache)
@@ -278,9 +274,7 @@ def test_other_kv_dtypes_roundtrip(cc, dtype):
 @pytest.mark.parametrize("backend", ["auto", "memcpy"])
 def test_strided_views_roundtrip(backend):
     """Views engines hand out: a head slice (slot stride > row), a block slice with a storage offset, padded blocks."""
-    Ems.init(
-        EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend)
-    )
+    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend))
     cc = Ems.get_cc()
     base_k = fill_random(torch.empty(7, 4, 4, 8, dtype=torch.float16))
     base_v = fill_random(torch.empty(6, 5, 2, 8, dtype=torch.float16))
@@ -307,10 +301,10 @@ def test_strided_views_roundtrip(backend):
 def test_caches_allocated_as_engines_do_round_trip(mode, backend):
     """vLLM-style caches: allocated under torch.inference_mode(), or leaf tensors that require grad."""
     import torch
+    from ems_testlib import direct_cc
 
     from ems.store import KvStore
     from ems.transport.inprocess import InProcessNode
-    from ems_testlib import direct_cc
 
     if mode == "inference_mode":
         with torch.inference_mode():

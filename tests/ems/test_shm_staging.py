@@ -11,10 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from ems import CcKvOption, CcResult
-from ems.staging import StagingPool
-from ems.transport.ucx import UcxNode
 from ems_testlib import (
     assert_cache_equals,
     direct_cc,
@@ -26,8 +22,12 @@ from ems_testlib import (
     snapshot,
 )
 
+from ems import CcKvOption, CcResult
+from ems.staging import StagingPool
+from ems.transport.ucx import UcxNode
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
-from pool_testlib import PoolProcess  # noqa: E402
+from pool_testlib import PoolProcess
 
 pytestmark = pytest.mark.slow
 BS, BLOCKS = 4, 24

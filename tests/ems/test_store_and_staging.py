@@ -10,6 +10,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from ems_testlib import direct_cc, make_cache, slots_of_blocks
+from fault_injection import damage
 
 from ems.layout import register_layout
 from ems.planning import plan_blocks
@@ -26,8 +28,6 @@ from ems.value_format import (
     parse_header,
     valid_prefix,
 )
-from fault_injection import damage
-from ems_testlib import direct_cc, make_cache, slots_of_blocks
 
 
 def value(payload: bytes, sig: int = 7) -> bytes:
@@ -65,8 +65,9 @@ def test_build_headers_small_and_vectorised_paths_agree(n, monkeypatch):
     import ems.value_format as vf
 
     rng = np.random.default_rng(n)
-    expected = ExpectedValues(ValueKind.BLOCKS_V1, 2**64 - 1, rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1,
-                              rng.integers(0, 2**40, n))
+    expected = ExpectedValues(
+        ValueKind.BLOCKS_V1, 2**64 - 1, rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1, rng.integers(0, 2**40, n)
+    )
     checksums = [int(x) for x in rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1]
     small = build_headers(expected, checksums)
     chunks = [build_headers(expected, checksums[a : a + 2], a) for a in range(n)]  # values a, a+1 (a save's chunk)
@@ -255,7 +256,7 @@ def test_store_thread_safety():
                 else:
                     got = store.get(key)
                     assert got is None or got == values[i]
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
@@ -349,7 +350,7 @@ def test_staging_stays_within_capacity_under_threads():
                 time.sleep(0.0005)
                 assert int(lease.device[0]) == t  # nobody else holds this buffer
                 pool.release(lease)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]

@@ -118,10 +118,16 @@ def test_dead_pool_node_is_a_miss_never_an_exception(tmp_path, caplog):
 
     node = ensure_local_pool(str(tmp_path), "64MiB")
     try:
-        Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="dead"),
-                           access_id=node.access_id, access_key=node.access_key,
-                           pool_nodes=[node.address], read_cache_capacity=0,
-                           connect_timeout_ms=2000))
+        Ems.init(
+            EmsConfig(
+                cc_config=CcConfig(rank_id=0, device_id=0, model_id="dead"),
+                access_id=node.access_id,
+                access_key=node.access_key,
+                pool_nodes=[node.address],
+                read_cache_capacity=0,
+                connect_timeout_ms=2000,
+            )
+        )
         cc = Ems.get_cc()
         gen = torch.Generator().manual_seed(2)
         _, planes, shapes = make_cache(gen)

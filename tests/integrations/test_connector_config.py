@@ -21,13 +21,26 @@ def test_defaults_and_every_key(monkeypatch):
     config = ConnectorConfig.from_extra(None)
     assert config.pool_nodes == () and config.local_pool == LocalPoolMode.AUTO and config.timeout_ms == 5000
     assert config.load_failure_policy is None and config.epoch_refresh_s == 5.0  # None: vLLM's own policy stands
-    full = ConnectorConfig.from_extra({
-        "pool_nodes": "10.0.0.1:7700, 10.0.0.2:7700", "local_pool": "off", "local_pool_dir": "/x",
-        "local_pool_capacity": "1GiB", "model_id": "m-1", "timeout_ms": 100, "load_failure_policy": "fail",
-        "access_id": "team-a", "access_key": "k" * 32, "pool_capacity": "1GiB", "read_cache_capacity": 0,
-        "staging_capacity": "64MiB", "max_inflight": 4, "kernel_backend": "torch", "connect_timeout_ms": 500,
-        "device": "cpu",
-    })
+    full = ConnectorConfig.from_extra(
+        {
+            "pool_nodes": "10.0.0.1:7700, 10.0.0.2:7700",
+            "local_pool": "off",
+            "local_pool_dir": "/x",
+            "local_pool_capacity": "1GiB",
+            "model_id": "m-1",
+            "timeout_ms": 100,
+            "load_failure_policy": "fail",
+            "access_id": "team-a",
+            "access_key": "k" * 32,
+            "pool_capacity": "1GiB",
+            "read_cache_capacity": 0,
+            "staging_capacity": "64MiB",
+            "max_inflight": 4,
+            "kernel_backend": "torch",
+            "connect_timeout_ms": 500,
+            "device": "cpu",
+        }
+    )
     assert full.pool_nodes == ("10.0.0.1:7700", "10.0.0.2:7700") and full.local_pool == LocalPoolMode.OFF
     pool = full.resolve_pool()
     assert pool.nodes == full.pool_nodes and pool.access_id == "team-a" and not pool.local
@@ -56,11 +69,19 @@ def test_cluster_settings_reach_ems_config_and_etcd_starts_no_local_pool(monkeyp
 def test_mooncake_settings_reach_ems_config_and_start_no_local_pool(monkeypatch):
     monkeypatch.delenv("EMS_POOL_NODES", raising=False)
     monkeypatch.delenv("EMS_POOL_BACKEND", raising=False)
-    config = ConnectorConfig.from_extra({
-        "pool_backend": "mooncake", "mooncake_master": "10.0.0.5:50051", "mooncake_protocol": "rdma",
-        "mooncake_devices": "mlx5_0", "mooncake_metadata": "http://10.0.0.5:8080/metadata", "pool_replicas": 2,
-        "mooncake_segment": "4GiB", "mooncake_buffer": "256MiB", "mooncake_hostname": "10.0.0.9",
-    })
+    config = ConnectorConfig.from_extra(
+        {
+            "pool_backend": "mooncake",
+            "mooncake_master": "10.0.0.5:50051",
+            "mooncake_protocol": "rdma",
+            "mooncake_devices": "mlx5_0",
+            "mooncake_metadata": "http://10.0.0.5:8080/metadata",
+            "pool_replicas": 2,
+            "mooncake_segment": "4GiB",
+            "mooncake_buffer": "256MiB",
+            "mooncake_hostname": "10.0.0.9",
+        }
+    )
     assert config.uses_mooncake and config.resolve_pool().nodes == ()  # no local node: the pool is Mooncake's
     from ems.config import resolve_settings
 
@@ -81,11 +102,22 @@ def test_equal_configs_for_every_process():
     assert a.resolve_pool().nodes == ()  # off: embedded
 
 
-@pytest.mark.parametrize("extra", [
-    {"nonsense": 1}, {"local_pool": "maybe"}, {"timeout_ms": -1}, {"timeout_ms": True},
-    {"load_failure_policy": "ignore"}, {"model_id": "Bad Id"}, {"pool_nodes": 7}, {"epoch_refresh_s": 0},
-    {"lookup_timeout_ms": 0}, {"breaker_cooldown_s": "1"}, {"lookup_cache_s": -1},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"nonsense": 1},
+        {"local_pool": "maybe"},
+        {"timeout_ms": -1},
+        {"timeout_ms": True},
+        {"load_failure_policy": "ignore"},
+        {"model_id": "Bad Id"},
+        {"pool_nodes": 7},
+        {"epoch_refresh_s": 0},
+        {"lookup_timeout_ms": 0},
+        {"breaker_cooldown_s": "1"},
+        {"lookup_cache_s": -1},
+    ],
+)
 def test_bad_values_name_the_key(extra):
     with pytest.raises(EmsException) as info:
         ConnectorConfig.from_extra(extra)
@@ -108,8 +140,10 @@ def test_import_ems_never_imports_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, ems; from ems import Ems, EmsConfig; import ems.integrations.connector_config, "
-            "ems.integrations.block_transfer, ems.integrations.kv_layouts, ems.integrations.local_pool; "
-            "print('vllm' in sys.modules)")
+    code = (
+        "import sys, ems; from ems import Ems, EmsConfig; import ems.integrations.connector_config, "
+        "ems.integrations.block_transfer, ems.integrations.kv_layouts, ems.integrations.local_pool; "
+        "print('vllm' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"

@@ -22,8 +22,14 @@ def node(tmp_path):
 def record(pool: LocalPool, model_id: str) -> EpochRecord:
     """A fresh client of `model_id` on the node (as a new engine process would be)."""
     Ems.shutdown()
-    Ems.init(EmsConfig(access_id=pool.access_id, access_key=pool.access_key, pool_nodes=[pool.address],
-                       cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id=model_id)))
+    Ems.init(
+        EmsConfig(
+            access_id=pool.access_id,
+            access_key=pool.access_key,
+            pool_nodes=[pool.address],
+            cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id=model_id),
+        )
+    )
     cc = Ems.get_cc()
     assert cc is not None
     return EpochRecord(cc, timeout_ms=3000)

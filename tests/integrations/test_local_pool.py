@@ -13,7 +13,6 @@ import time
 import pytest
 
 from ems import EmsErrorCode, EmsException
-
 from ems.integrations.local_pool import (
     answers,
     ensure_local_pool,
@@ -26,10 +25,10 @@ def test_one_node_shared_reused_and_replaced(tmp_path):
     directory = str(tmp_path)
     try:
         # four processes race to find-or-start: one node between them
-        code = ("import sys; from ems.integrations.local_pool import ensure_local_pool as e; "
-                "print(e(sys.argv[1], '16MiB').address)")
-        procs = [subprocess.Popen([sys.executable, "-c", code, directory], stdout=subprocess.PIPE, text=True)
-                 for _ in range(4)]
+        code = (
+            "import sys; from ems.integrations.local_pool import ensure_local_pool as e; print(e(sys.argv[1], '16MiB').address)"
+        )
+        procs = [subprocess.Popen([sys.executable, "-c", code, directory], stdout=subprocess.PIPE, text=True) for _ in range(4)]
         addresses = {p.communicate(timeout=120)[0].strip() for p in procs}
         assert len(addresses) == 1 and all(p.returncode == 0 for p in procs)
         first = ensure_local_pool(directory, "16MiB")
@@ -73,8 +72,10 @@ def test_node_survives_the_process_tree_of_the_engine_that_started_it(tmp_path, 
     """vLLM's shutdown SIGKILLs every descendant of an EngineCore that outlives its grace period (kill_process_tree):
     the node a worker started must not be one of them, or the next engine finds an empty pool."""
     directory = str(tmp_path)
-    code = ("import sys, time; from ems.integrations.local_pool import ensure_local_pool as e; "
-            "n = e(sys.argv[1], '16MiB'); print(n.address, n.pid, flush=True); time.sleep(600)")
+    code = (
+        "import sys, time; from ems.integrations.local_pool import ensure_local_pool as e; "
+        "n = e(sys.argv[1], '16MiB'); print(n.address, n.pid, flush=True); time.sleep(600)"
+    )
     starter = subprocess.Popen([sys.executable, "-c", code, directory], stdout=subprocess.PIPE, text=True)
     try:
         assert starter.stdout is not None
@@ -138,7 +139,9 @@ def client(node, directory: str, access_id: str = "", access_key: str = "") -> l
     """A separate process that tries to read the key file and to save one value."""
     proc = subprocess.run(
         [sys.executable, "-c", USER_CODE, node.address, os.path.join(directory, "pool.key"), access_id, access_key],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.split()
@@ -177,12 +180,22 @@ def test_another_user_cannot_read_the_key(tmp_path):
     try:
         ensure_local_pool(directory, "16MiB")
         for path in (os.path.join(directory, "pool.key"), os.path.join(directory, "pool.json")):
-            proc = subprocess.run(["cat", path], capture_output=True, text=True, timeout=30,
-                                  preexec_fn=lambda: (os.setgid(nobody), os.setuid(nobody)))
+            proc = subprocess.run(
+                ["cat", path],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                preexec_fn=lambda: (os.setgid(nobody), os.setuid(nobody)),
+            )
             assert proc.returncode != 0 and "Permission denied" in proc.stderr and not proc.stdout
         os.chmod(directory, 0o711)  # even with the folder opened for traversal, the file itself is closed
-        proc = subprocess.run(["cat", os.path.join(directory, "pool.key")], capture_output=True, text=True,
-                              timeout=30, preexec_fn=lambda: (os.setgid(nobody), os.setuid(nobody)))
+        proc = subprocess.run(
+            ["cat", os.path.join(directory, "pool.key")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            preexec_fn=lambda: (os.setgid(nobody), os.setuid(nobody)),
+        )
         assert proc.returncode != 0 and "Permission denied" in proc.stderr
     finally:
         stop_local_pool(directory)

@@ -24,9 +24,16 @@ COOLDOWN_S = 0.5
 @pytest.fixture
 def node(tmp_path):
     pool = ensure_local_pool(str(tmp_path), "64MiB")
-    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="breaker"), pool_nodes=[pool.address],
-                       access_id=pool.access_id, access_key=pool.access_key, read_cache_capacity=0,
-                       max_inflight=4))
+    Ems.init(
+        EmsConfig(
+            cc_config=CcConfig(rank_id=0, device_id=0, model_id="breaker"),
+            pool_nodes=[pool.address],
+            access_id=pool.access_id,
+            access_key=pool.access_key,
+            read_cache_capacity=0,
+            max_inflight=4,
+        )
+    )
     yield pool
     os.kill(pool.pid, signal.SIGCONT)
     Ems.shutdown()
@@ -43,8 +50,7 @@ def test_a_hung_node_costs_one_lookup_timeout_then_nothing(node):
     cc = Ems.get_cc()
     _, planes, shapes = make_cache(torch.Generator().manual_seed(3))
     stats = StatsSink()
-    mover = BlockMover(cc, register(cc, planes, shapes), option=CcKvOption(timeout=2000), stats=stats,
-                       inflight_budget=2)
+    mover = BlockMover(cc, register(cc, planes, shapes), option=CcKvOption(timeout=2000), stats=stats, inflight_budget=2)
     breaker = LookupBreaker(cc, 1, False, LOOKUP_MS, COOLDOWN_S, stats)
     try:
         check_breaker(node, cc, planes, mover, breaker, stats)
@@ -90,4 +96,3 @@ def check_breaker(node, cc, planes, mover, breaker, stats):
     for src, dst in zip(range(4), range(8, 12)):
         for k, v in planes:
             assert torch.equal(k[dst], k[src]) and torch.equal(v[dst], v[src])
-

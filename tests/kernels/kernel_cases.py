@@ -7,7 +7,7 @@ bytes (never zeros); staging buffers are poisoned with 0xA5 before each run.
 
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence, Tuple
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -34,13 +34,19 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_layout(
-    kind: str, layers: int, blocks: int, block_size: int, heads: int, head_size: int, dtype: torch.dtype,
+    kind: str,
+    layers: int,
+    blocks: int,
+    block_size: int,
+    heads: int,
+    head_size: int,
+    dtype: torch.dtype,
     gen: torch.Generator,
-) -> Tuple[List[torch.Tensor], PlaneSet]:
+) -> tuple[list[torch.Tensor], PlaneSet]:
     """kind: "plain" (one allocation per plane), "kv_interleaved" (one [blocks, 2, bs, h, d] per layer),
     "padded_block" (block stride padded by 3 slots), "padded_slot" (slot stride = row + 2 elements)."""
-    bases: List[torch.Tensor] = []
-    planes: List[torch.Tensor] = []
+    bases: list[torch.Tensor] = []
+    planes: list[torch.Tensor] = []
     row = heads * head_size
     for _ in range(layers):
         if kind == "plain":
@@ -76,13 +82,14 @@ SPLITS = [
 ]
 
 
-def split_layout(kind: str, layers: int, blocks: int, block_size: int, split, gen: torch.Generator
-                 ) -> Tuple[List[torch.Tensor], PlaneSet]:
+def split_layout(
+    kind: str, layers: int, blocks: int, block_size: int, split, gen: torch.Generator
+) -> tuple[list[torch.Tensor], PlaneSet]:
     """kind: "plain" (one allocation per plane) or "block_packed" (one allocation per layer: each block holds its
     K rows then its V rows, as some engines pack a layer's latent and rope per block)."""
     (kh, kd), kdt, (vh, vd), vdt = split
-    bases: List[torch.Tensor] = []
-    planes: List[torch.Tensor] = []
+    bases: list[torch.Tensor] = []
+    planes: list[torch.Tensor] = []
     for _ in range(layers):
         if kind == "plain":
             k = random_tensor([blocks, block_size, kh, kd], kdt, gen)
@@ -102,7 +109,7 @@ def split_layout(kind: str, layers: int, blocks: int, block_size: int, split, ge
 GAP = 40  # bytes before every value (a header)
 
 
-def values_layout(counts: Sequence[int], token_bytes: int, align: int = 8) -> Tuple[np.ndarray, np.ndarray, int]:
+def values_layout(counts: Sequence[int], token_bytes: int, align: int = 8) -> tuple[np.ndarray, np.ndarray, int]:
     """tok_start [n + 1], part_base [n] with a GAP before each value (values `align`-byte aligned), total bytes."""
     tok_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     sizes = GAP + np.asarray(counts, np.int64) * token_bytes
@@ -110,8 +117,9 @@ def values_layout(counts: Sequence[int], token_bytes: int, align: int = 8) -> Tu
     return tok_start, starts[:-1] + GAP, int(starts[-1])
 
 
-def reference_pieces(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarray, part_base: np.ndarray,
-                     total: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def reference_pieces(
+    planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarray, part_base: np.ndarray, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the value-major staging a gather must produce, the mask of the bytes it writes), by a per-token loop
     independent of every backend."""
     out = torch.full((total,), POISON, dtype=torch.uint8)
@@ -122,8 +130,9 @@ def reference_pieces(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarr
     return out, mask
 
 
-def _reference_rows(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarray, part_base: np.ndarray
-                    ) -> Iterator[Tuple[int, int, torch.Tensor]]:
+def _reference_rows(
+    planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarray, part_base: np.ndarray
+) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(staging offset, row bytes, the cache row it holds) of every token row of every plane, by a per-token loop
     independent of every backend: value i holds its tokens plane by plane."""
     bs = planes.block_size
@@ -136,16 +145,25 @@ def _reference_rows(planes: PlaneSet, slots: Sequence[int], tok_start: np.ndarra
                 yield int(part_base[i]) + n * planes.plane_offsets[p] + j * row, row, plane[s // bs, s % bs]
 
 
-def pieces_case(planes: PlaneSet, slots: Sequence[int], counts: Sequence[int], align: int = 8
-                ) -> Tuple[torch.Tensor, np.ndarray, np.ndarray, int]:
+def pieces_case(
+    planes: PlaneSet, slots: Sequence[int], counts: Sequence[int], align: int = 8
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray, int]:
     """(piece table, tok_start, part_base, total staging bytes) for `slots` cut into values of `counts` tokens."""
     tok_start, part_base, total = values_layout(counts, planes.token_bytes, align)
     table, _ = value_pieces(np.asarray(slots, np.int64), planes.block_size, tok_start, part_base)
     return torch.from_numpy(table), tok_start, part_base, total
 
 
-def check_pieces_roundtrip(backend: CopyBackend, bases: List[torch.Tensor], planes: PlaneSet, slots: Sequence[int],
-                           counts: Sequence[int], gen: torch.Generator, align: int = 8, scatter: bool = True) -> None:
+def check_pieces_roundtrip(
+    backend: CopyBackend,
+    bases: list[torch.Tensor],
+    planes: PlaneSet,
+    slots: Sequence[int],
+    counts: Sequence[int],
+    gen: torch.Generator,
+    align: int = 8,
+    scatter: bool = True,
+) -> None:
     """Gather like the reference (ONE launch on the Triton path; piece by piece gives the same bytes); then, unless
     `scatter` is False (slots with repeats), scatter fresh bytes: exactly the named rows change, padding and every
     other row stay, and a gather reads the new bytes back."""
@@ -179,7 +197,7 @@ def check_pieces_roundtrip(backend: CopyBackend, bases: List[torch.Tensor], plan
     assert torch.equal(again[written], src[written])
 
 
-def _owner(bases: List[torch.Tensor], plane: torch.Tensor) -> int:
+def _owner(bases: list[torch.Tensor], plane: torch.Tensor) -> int:
     for i, b in enumerate(bases):
         if b.untyped_storage().data_ptr() == plane.untyped_storage().data_ptr():
             return i

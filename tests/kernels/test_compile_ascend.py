@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-CODE = r'''
+CODE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -40,7 +40,7 @@ for src in jobs:
         if "ConvertLinalgRToBinary" not in text and "ASCEND_HOME_PATH" not in text:
             raise
 print("LOWERED")
-'''
+"""
 
 
 def _triton_ascend() -> bool:

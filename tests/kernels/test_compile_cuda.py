@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-CODE = r'''
+CODE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -33,7 +33,7 @@ for gather in (True, False):
     triton.compile(ASTSource(fn=k["segments"], signature=sig, constexprs={"GATHER": gather, "TILE": 4096}),
                    target=GPUTarget("cuda", 90, 32))
 print("COMPILED")
-'''
+"""
 
 
 def _nvidia_backend() -> bool:

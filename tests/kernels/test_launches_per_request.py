@@ -24,8 +24,7 @@ BACKENDS = ["torch"] + (["triton"] if triton_importable() else [])
 
 
 def _cache(layers: int, blocks: int, generator: torch.Generator) -> list[list[torch.Tensor]]:
-    return [[torch.randn(blocks, BLOCK_SIZE, 2, 8, generator=generator).half() for _ in range(2)]
-            for _ in range(layers)]
+    return [[torch.randn(blocks, BLOCK_SIZE, 2, 8, generator=generator).half() for _ in range(2)] for _ in range(layers)]
 
 
 def _slots(blocks: list[int]) -> list[int]:

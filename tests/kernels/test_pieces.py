@@ -6,18 +6,28 @@ with gaps between them (headers). The Triton case runs in the interpreter: small
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import DTYPES, SPLITS, check_pieces_roundtrip, make_layout, pieces_case, split_layout
+
 from ems.kernels.base import CopyBackend, PlaneSet
 from ems.kernels.plan import value_pieces
-from kernel_cases import DTYPES, SPLITS, check_pieces_roundtrip, make_layout, pieces_case, split_layout
 
 LAYOUTS = ["plain", "kv_interleaved", "padded_block", "padded_slot"]
 
-def _check(backend: CopyBackend, bases: list[torch.Tensor], planes: PlaneSet, slots: list[int], counts: list[int],
-           gen: torch.Generator, align: int = 8, scatter: bool = True) -> None:
+
+def _check(
+    backend: CopyBackend,
+    bases: list[torch.Tensor],
+    planes: PlaneSet,
+    slots: list[int],
+    counts: list[int],
+    gen: torch.Generator,
+    align: int = 8,
+    scatter: bool = True,
+) -> None:
     check_pieces_roundtrip(backend, bases, planes, slots, counts, gen, align, scatter)
 
 
@@ -78,16 +88,20 @@ def test_pieces_dtypes_layouts(backend: CopyBackend, dtype: torch.dtype, layout:
     _check(backend, bases, planes, perm, [5, 8], gen)
 
 
-@pytest.mark.parametrize("heads,head_size,dtype", [
-    (1, 7, torch.int8),  # 7-byte rows: moved as int8
-    (3, 5, torch.float16),  # 30-byte rows: int16
-    (2, 3, torch.float16),  # 12-byte rows: int32 although a head is 6 bytes
-    (1, 576, torch.bfloat16),  # MLA latent
-])
+@pytest.mark.parametrize(
+    "heads,head_size,dtype",
+    [
+        (1, 7, torch.int8),  # 7-byte rows: moved as int8
+        (3, 5, torch.float16),  # 30-byte rows: int16
+        (2, 3, torch.float16),  # 12-byte rows: int32 although a head is 6 bytes
+        (1, 576, torch.bfloat16),  # MLA latent
+    ],
+)
 def test_pieces_odd_rows(backend: CopyBackend, heads: int, head_size: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + head_size)
-    bases, planes = make_layout("kv_interleaved", layers=1, blocks=4, block_size=4, heads=heads,
-                                head_size=head_size, dtype=dtype, gen=gen)
+    bases, planes = make_layout(
+        "kv_interleaved", layers=1, blocks=4, block_size=4, heads=heads, head_size=head_size, dtype=dtype, gen=gen
+    )
     _check(backend, bases, planes, [3, 4, 5, 6, 7, 8, 15, 2, 2], [9], gen, scatter=False)
     _check(backend, bases, planes, [9, 10, 11, 0, 14], [3, 2], gen)
 
@@ -99,12 +113,12 @@ def test_pieces_tile_edges(backend: CopyBackend) -> None:
     if hasattr(backend, "tile_elems"):
         backend.tile_elems = 64  # tiny tiles, so small data crosses many tile edges
     # row = 3 * 33 = 99 fp32 units -> 2 column tiles of 64; a 16-slot piece = 1584 units -> 25 span tiles
-    bases, planes = make_layout("plain", layers=1, blocks=3, block_size=16, heads=3, head_size=33,
-                                dtype=torch.float32, gen=gen)
+    bases, planes = make_layout("plain", layers=1, blocks=3, block_size=16, heads=3, head_size=33, dtype=torch.float32, gen=gen)
     _check(backend, bases, planes, list(range(0, 48)), [16, 20, 12], gen)
     # strided rows (padded slots): 2-D tiles, ROWS x COLS, a 16-slot block needs several row tiles
-    bases, planes = make_layout("padded_slot", layers=1, blocks=4, block_size=16, heads=1, head_size=5,
-                                dtype=torch.float32, gen=gen)
+    bases, planes = make_layout(
+        "padded_slot", layers=1, blocks=4, block_size=16, heads=1, head_size=5, dtype=torch.float32, gen=gen
+    )
     _check(backend, bases, planes, list(range(3, 64)), [13, 16, 32], gen)
 
 
@@ -112,16 +126,16 @@ def test_pieces_default_tiles_cross_column_edge(backend: CopyBackend) -> None:
     """A row wider than the default interpreter tile (16384 units), strided and contiguous."""
     gen = torch.Generator().manual_seed(11)
     for layout in ("plain", "padded_slot"):
-        bases, planes = make_layout(layout, layers=1, blocks=2, block_size=2, heads=1, head_size=16389,
-                                    dtype=torch.float32, gen=gen)
+        bases, planes = make_layout(
+            layout, layers=1, blocks=2, block_size=2, heads=1, head_size=16389, dtype=torch.float32, gen=gen
+        )
         _check(backend, bases, planes, [3, 0, 1], [1, 2], gen)
 
 
 def test_pieces_many_blocks_one_launch(backend: CopyBackend) -> None:
     """Device ops per call do not grow with blocks on the kernel path; they do on the memcpy path."""
     gen = torch.Generator().manual_seed(9)
-    _bases, planes = make_layout("plain", layers=2, blocks=40, block_size=4, heads=1, head_size=8,
-                                dtype=torch.float16, gen=gen)
+    _bases, planes = make_layout("plain", layers=2, blocks=40, block_size=4, heads=1, head_size=8, dtype=torch.float16, gen=gen)
     counts = []
     for n_blocks in (2, 20, 40):
         pieces, _, _, total = pieces_case(planes, list(range(4 * n_blocks)), [4] * n_blocks)
@@ -163,16 +177,14 @@ def test_torch_per_plane_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(tbk, "_MAX_SPAN", 0)
     gen = torch.Generator().manual_seed(17)
-    bases, planes = make_layout(layout, layers=2, blocks=4, block_size=4, heads=3, head_size=5,
-                                dtype=torch.bfloat16, gen=gen)
+    bases, planes = make_layout(layout, layers=2, blocks=4, block_size=4, heads=3, head_size=5, dtype=torch.bfloat16, gen=gen)
     backend = tbk.TorchBackend()
     _check(backend, bases, planes, [3, 4, 5, 15, 0, 0, 9], [3, 4], gen, scatter=False)
     _check(backend, bases, planes, [1, 2, 14, 7, 8, 9, 10, 11], [4, 4], gen)
 
 
 @settings(max_examples=12, deadline=None)
-@given(data=st.data(), block_size=st.sampled_from([1, 3, 4, 16]), head_size=st.integers(1, 9),
-       layout=st.sampled_from(LAYOUTS))
+@given(data=st.data(), block_size=st.sampled_from([1, 3, 4, 16]), head_size=st.integers(1, 9), layout=st.sampled_from(LAYOUTS))
 def test_property_pieces_every_backend(data: st.DataObject, block_size: int, head_size: int, layout: str) -> None:
     """Any slot list (repeats, any order) cut into any values gathers like the reference on every backend; any
     distinct slots scatter exactly."""
@@ -181,8 +193,9 @@ def test_property_pieces_every_backend(data: st.DataObject, block_size: int, hea
     from ems.kernels.torch_backend import TorchBackend
 
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    bases, planes = make_layout(layout, layers=1, blocks=5, block_size=block_size, heads=2, head_size=head_size,
-                                dtype=torch.float16, gen=gen)
+    bases, planes = make_layout(
+        layout, layers=1, blocks=5, block_size=block_size, heads=2, head_size=head_size, dtype=torch.float16, gen=gen
+    )
     n = planes.num_slots
     slots = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12))
     distinct = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12, unique=True))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import POISON
 
 from ems.kernels.base import CopyBackend
-from kernel_cases import POISON
 
 
 def _buffers(gen: torch.Generator, sizes: list[int]) -> list[torch.Tensor]:
@@ -18,11 +18,14 @@ def test_segments_roundtrip(backend: CopyBackend, aligned: bool) -> None:
     gen = torch.Generator().manual_seed(21 + aligned)
     bufs = _buffers(gen, [4096, 300, 1000])
     # (buffer, offset, length): aligned -> everything divisible by 4 (moved as int32); else odd bytes
-    picks = [(0, 64, 1024), (1, 0, 300), (2, 100, 800), (0, 2048, 4)] if aligned else \
-        [(0, 3, 1001), (1, 7, 5), (2, 1, 999), (0, 2000, 1)]
+    picks = (
+        [(0, 64, 1024), (1, 0, 300), (2, 100, 800), (0, 2048, 4)]
+        if aligned
+        else [(0, 3, 1001), (1, 7, 5), (2, 1, 999), (0, 2000, 1)]
+    )
     ptrs = torch.tensor([bufs[b].data_ptr() + o for b, o, _ in picks], dtype=torch.int64)
     lengths = torch.tensor([n for _, _, n in picks], dtype=torch.int64)
-    expected = torch.cat([bufs[b][o:o + n] for b, o, n in picks])
+    expected = torch.cat([bufs[b][o : o + n] for b, o, n in picks])
     out = torch.full((int(lengths.sum()),), POISON, dtype=torch.uint8)
     backend.gather_segments(ptrs, lengths, out)
     assert torch.equal(out, expected)
@@ -32,7 +35,7 @@ def test_segments_roundtrip(backend: CopyBackend, aligned: bool) -> None:
     want = [b.clone() for b in bufs]
     position = 0
     for b, o, n in picks:
-        want[b][o:o + n] = src[position:position + n]
+        want[b][o : o + n] = src[position : position + n]
         position += n
     backend.scatter_segments(ptrs, lengths, src)
     for got, w in zip(bufs, want):

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
+from kernel_cases import make_layout, pieces_case, reference_pieces
 
 from ems.kernels.base import KernelBackend, PlaneSet
 from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.select import get_backend, triton_importable
-from kernel_cases import make_layout, pieces_case, reference_pieces
 
 CPU = torch.device("cpu")
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
@@ -67,8 +67,7 @@ def test_out_of_range_piece_is_refused(kind: str) -> None:
         pytest.skip("triton is not installed")
     backend = get_backend(CPU, KernelBackend(kind))
     gen = torch.Generator().manual_seed(1)
-    _, planes = make_layout("plain", layers=1, blocks=2, block_size=4, heads=1, head_size=4,
-                            dtype=torch.float16, gen=gen)
+    _, planes = make_layout("plain", layers=1, blocks=2, block_size=4, heads=1, head_size=4, dtype=torch.float16, gen=gen)
     pieces, _, _, total = pieces_case(planes, [0, 1], [2])
     out = torch.zeros(total, dtype=torch.uint8)
     backend.gather_pieces(planes, pieces, out)
@@ -80,14 +79,13 @@ def test_out_of_range_piece_is_refused(kind: str) -> None:
 
 
 @needs_triton
-def test_compile_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_compile_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import ems.kernels.triton_backend as tb
 
     backend = tb.TritonBackend(CPU)
 
     class Broken:
-        def __getitem__(self, grid: tuple) -> "Broken":
+        def __getitem__(self, grid: tuple) -> Broken:
             return self
 
         def __call__(self, *args: object, **kwargs: object) -> None:
@@ -95,8 +93,7 @@ def test_compile_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(tb, "_build", lambda: {"pieces": Broken(), "segments": Broken(), "interpreted": True})
     gen = torch.Generator().manual_seed(2)
-    _, planes = make_layout("plain", layers=1, blocks=3, block_size=4, heads=1, head_size=6,
-                            dtype=torch.bfloat16, gen=gen)
+    _, planes = make_layout("plain", layers=1, blocks=3, block_size=4, heads=1, head_size=6, dtype=torch.bfloat16, gen=gen)
     slots = [1, 2, 9, 0]
     pieces, tok_start, part_base, total = pieces_case(planes, slots, [3, 1])
     expected, _ = reference_pieces(planes, slots, tok_start, part_base, total)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ems.kernels.base import CopyBackend, PlaneSet
 from kernel_cases import SPLITS, check_pieces_roundtrip, split_layout
+
+from ems.kernels.base import CopyBackend, PlaneSet
 
 
 def test_planes_report_their_rows() -> None:

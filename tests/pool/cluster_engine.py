@@ -42,9 +42,16 @@ def main() -> None:
             watchers.append(self)
 
     remote_pool.MembershipWatcher = RecordedWatcher  # type: ignore[misc]
-    Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="cluster-model"),
-                       pool_etcd=config["etcd"], pool_cluster=config["cluster"], pool_replicas=config["replicas"],
-                       read_cache_capacity=0, connect_timeout_ms=2000))
+    Ems.init(
+        EmsConfig(
+            cc_config=CcConfig(rank_id=0, device_id=0, model_id="cluster-model"),
+            pool_etcd=config["etcd"],
+            pool_cluster=config["cluster"],
+            pool_replicas=config["replicas"],
+            read_cache_capacity=0,
+            connect_timeout_ms=2000,
+        )
+    )
     cc = Ems.get_cc()
     torch.manual_seed(99)
     cache = make_cache(layers=2, blocks=BLOCKS, block_size=BS, heads=2, head_size=16, dtype=torch.float16)
@@ -78,8 +85,9 @@ def main() -> None:
                 out.append("error")
                 continue
             want = original if r.success else poisoned
-            exact = all(torch.equal(t[b, rows].view(torch.uint8), w[b, rows].view(torch.uint8))
-                        for t, w in zip(tensors(cache), want))
+            exact = all(
+                torch.equal(t[b, rows].view(torch.uint8), w[b, rows].view(torch.uint8)) for t, w in zip(tensors(cache), want)
+            )
             out.append(("hit" if r.success else "miss") if exact else "wrong")
         return out
 
@@ -90,8 +98,10 @@ def main() -> None:
         if op == "quit":
             break
         if op == "members":
-            reply = {"members": [n.address for n in Ems._pool.nodes],  # type: ignore[union-attr]
-                     "connected": bool(watchers and watchers[-1].connected)}
+            reply = {
+                "members": [n.address for n in Ems._pool.nodes],  # type: ignore[union-attr]
+                "connected": bool(watchers and watchers[-1].connected),
+            }
         elif op == "save":
             saved, errors = save(command["blocks"])
             reply = {"saved": saved, "errors": errors}

@@ -16,7 +16,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Optional
 
 import pytest
 from pool_testlib import PoolProcess, _die_with_parent, read_line
@@ -37,18 +36,35 @@ class EtcdProcess:
         self.data_dir = tempfile.mkdtemp(prefix="ems-etcd-")
         self.client_port, self.peer_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115 - open for the process's life
         self.start()
 
     def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
-            ["etcd", "--name", "ems-test", "--data-dir", os.path.join(self.data_dir, "data"),
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"ems-test={peer}", "--log-level", "error"],
-            stdout=self.log, stderr=self.log, preexec_fn=_die_with_parent,
+            [
+                "etcd",
+                "--name",
+                "ems-test",
+                "--data-dir",
+                os.path.join(self.data_dir, "data"),
+                "--listen-client-urls",
+                self.url,
+                "--advertise-client-urls",
+                self.url,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"ems-test={peer}",
+                "--log-level",
+                "error",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -90,8 +106,21 @@ class ClusterNode(PoolProcess):
 
     def __init__(self, etcd_url: str, cluster: str, capacity: str = "128MiB", drain_s: float = 1.0) -> None:
         self.metrics_address = f"127.0.0.1:{free_port()}"
-        super().__init__(capacity, args=["--etcd", etcd_url, "--cluster", cluster, "--metrics",
-                                         self.metrics_address, "--lease-ttl", "2", "--drain", str(drain_s)])
+        super().__init__(
+            capacity,
+            args=[
+                "--etcd",
+                etcd_url,
+                "--cluster",
+                cluster,
+                "--metrics",
+                self.metrics_address,
+                "--lease-ttl",
+                "2",
+                "--drain",
+                str(drain_s),
+            ],
+        )
 
     def scrape(self) -> str:
         with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=5) as r:
@@ -103,8 +132,12 @@ class Engine:
 
     def __init__(self, **config) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, ENGINE, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent,
+            [sys.executable, ENGINE, json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with_parent,
         )
         ready = self.reply(60)
         if ready.get("ready") is not True:

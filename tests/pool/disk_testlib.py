@@ -7,8 +7,8 @@ import contextlib
 import os
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import pytest
 from cluster_testlib import free_port
@@ -20,8 +20,15 @@ parser = pytest.importorskip("prometheus_client.parser")
 class DiskNode:
     """A `PoolProcess` with `--disk DIR` and a metrics endpoint; `restart(kill=...)` starts it again on DIR."""
 
-    def __init__(self, disk: Path, capacity: str = "4MiB", disk_capacity: str = "64MiB",
-                 keys: Optional[dict[str, str]] = None, queue: Optional[str] = "256MiB", extra: tuple = ()) -> None:
+    def __init__(
+        self,
+        disk: Path,
+        capacity: str = "4MiB",
+        disk_capacity: str = "64MiB",
+        keys: dict[str, str] | None = None,
+        queue: str | None = "256MiB",
+        extra: tuple = (),
+    ) -> None:
         """`queue`: the write ring (`--disk-queue`; None: the node's default); the default here is large enough
         that the tests' bursts are never dropped however slowly the shared disk writes."""
         self.disk = disk

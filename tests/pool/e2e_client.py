@@ -11,22 +11,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
 
-from ems import CcConfig, CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException  # noqa: E402
-from ems_testlib import expected_after_load, make_cache, poison, slots_of_blocks, snapshot  # noqa: E402
+from ems_testlib import expected_after_load, make_cache, poison, slots_of_blocks, snapshot
+
+from ems import CcConfig, CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
     if args.get("mla"):
         cc_config = None
-        cc_v1 = CcConfig_v1(rank_id=args["rank"], device_id=0, model_id="e2e-model", tp_world_size=2,
-                            rank_in_tp_group=args["rank"], kvcache_type="MLA")
+        cc_v1 = CcConfig_v1(
+            rank_id=args["rank"],
+            device_id=0,
+            model_id="e2e-model",
+            tp_world_size=2,
+            rank_in_tp_group=args["rank"],
+            kvcache_type="MLA",
+        )
     else:
         cc_config, cc_v1 = CcConfig(rank_id=0, device_id=0, model_id="e2e-model"), None
     out: dict = {}
     try:
-        Ems.init(EmsConfig(access_id=args.get("access_id"), access_key=args.get("access_key"), cc_config=cc_config,
-                           cc_config_v1=cc_v1, pool_nodes=args["nodes"], connect_timeout_ms=3000))
+        Ems.init(
+            EmsConfig(
+                access_id=args.get("access_id"),
+                access_key=args.get("access_key"),
+                cc_config=cc_config,
+                cc_config_v1=cc_v1,
+                pool_nodes=args["nodes"],
+                connect_timeout_ms=3000,
+            )
+        )
     except EmsException as error:
         print(json.dumps({"init_error": error.status_code().name, "message": error.message()}), flush=True)
         return
@@ -52,16 +67,16 @@ def main() -> None:
             r = cc.load(slots, hashes, [bs] * blocks, option)
             out["load"] = [r.success, r.total]
             expected = expected_after_load(original, poisoned, slots_of_blocks(block_ids[: r.success], bs))
-            out["load_exact"] = all(torch.equal(t.view(torch.uint8), e.view(torch.uint8))
-                                    for t, e in zip([t for p in cache for t in p], expected))
+            out["load_exact"] = all(
+                torch.equal(t.view(torch.uint8), e.view(torch.uint8)) for t, e in zip([t for p in cache for t in p], expected)
+            )
         elif step == "health":
             out["health"] = Ems.check_health()
         elif step == "shm":  # whether each node's calls went through a live shared-memory region
             from ems.transport.ucx import UcxNode
 
             nodes = [n for n in cc._pool.nodes if isinstance(n, UcxNode)]
-            out["shm"] = [n.shm is not None and n.shm._region is not None and not n.shm._region.allocator.poisoned
-                          for n in nodes]
+            out["shm"] = [n.shm is not None and n.shm._region is not None and not n.shm._region.allocator.poisoned for n in nodes]
     print(json.dumps(out), flush=True)
     Ems.shutdown()
 

@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Awaitable, Callable, Iterator, Optional
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,15 +49,19 @@ class PoolProcess:
     """One `python -m ems.pool` process on 127.0.0.1."""
 
     def __init__(
-        self, capacity: str = "256MiB", keys: Optional[dict[str, str]] = None, port: int = 0, args: tuple = (),
-        nofile: Optional[int] = None,
+        self,
+        capacity: str = "256MiB",
+        keys: dict[str, str] | None = None,
+        port: int = 0,
+        args: tuple = (),
+        nofile: int | None = None,
     ) -> None:
         self.capacity = capacity
         self.nofile = nofile  # the node's RLIMIT_NOFILE (None: inherited)
         self.keys = keys
         self.port = port
         self.args = tuple(args)
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(prefix="ems-pool-", suffix=".log", delete=False)  # noqa: SIM115 - the node's log, kept open
         self.start()
 
@@ -70,8 +75,18 @@ class PoolProcess:
         if self.keys:
             env["EMS_POOL_KEYS"] = ",".join(f"{i}:{k}" for i, k in self.keys.items())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ems.pool", "--listen", f"127.0.0.1:{self.port}", "--capacity", self.capacity,
-             "--log-level", "info", *self.args],
+            [
+                sys.executable,
+                "-m",
+                "ems.pool",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--capacity",
+                self.capacity,
+                "--log-level",
+                "info",
+                *self.args,
+            ],
             stdout=subprocess.PIPE,
             stderr=self.log,
             env=env,
@@ -82,7 +97,7 @@ class PoolProcess:
         if not line.startswith(READY_PREFIX):
             self.kill()
             raise RuntimeError(f"pool node did not start: {line!r}; log: {self.log_text()}")
-        self.port = int(line[len(READY_PREFIX):].rsplit(":", 1)[1])
+        self.port = int(line[len(READY_PREFIX) :].rsplit(":", 1)[1])
 
     def log_text(self) -> str:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
@@ -140,7 +155,7 @@ class PoolProcess:
         os.unlink(self.log.name)
 
 
-def _die_with_parent(nofile: Optional[int] = None) -> None:
+def _die_with_parent(nofile: int | None = None) -> None:
     """Child side: SIGKILL when the test process dies, so a crashed test never leaves a node running; with `nofile`,
     at most that many descriptors."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -214,7 +229,7 @@ def pool_nodes():
     ends."""
     started: list[PoolProcess] = []
 
-    def start(capacity: str = "256MiB", keys=None, args: tuple = (), nofile: Optional[int] = None) -> PoolProcess:
+    def start(capacity: str = "256MiB", keys=None, args: tuple = (), nofile: int | None = None) -> PoolProcess:
         node = PoolProcess(capacity, keys, args=args, nofile=nofile)
         started.append(node)
         return node

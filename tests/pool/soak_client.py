@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
 
-from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException  # noqa: E402
-from ems_testlib import make_cache, tensors  # noqa: E402
+from ems_testlib import make_cache, tensors
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException
 
 BLOCK_SIZE = 4
 BLOCKS = 64
@@ -61,9 +62,14 @@ class Client:
         self.rng = random.Random(args["seed"])
         self.timeout_ms = args["timeout_ms"]
         self.option = CcKvOption(timeout=self.timeout_ms)
-        Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="soak-model"),
-                           pool_nodes=args["nodes"], connect_timeout_ms=args["connect_timeout_ms"],
-                           read_cache_capacity=args["read_cache_capacity"]))
+        Ems.init(
+            EmsConfig(
+                cc_config=CcConfig(rank_id=0, device_id=0, model_id="soak-model"),
+                pool_nodes=args["nodes"],
+                connect_timeout_ms=args["connect_timeout_ms"],
+                read_cache_capacity=args["read_cache_capacity"],
+            )
+        )
         self.cc = Ems.get_cc()
         torch.manual_seed(args["seed"])
         self.cache = make_cache(layers=2, blocks=BLOCKS, block_size=BLOCK_SIZE, heads=2, head_size=32)
@@ -71,9 +77,21 @@ class Client:
         # each plane as raw bytes [blocks, block_size, row_bytes]
         self.planes = [t.view(torch.uint8).reshape(BLOCKS, BLOCK_SIZE, -1) for t in tensors(self.cache)]
         self.block_shape = (len(self.planes), BLOCK_SIZE, self.planes[0].shape[-1])
-        self.figures = {"ops": 0, "save": 0, "load": 0, "exists": 0, "async": 0, "blocks_saved": 0,
-                        "blocks_loaded": 0, "blocks_checked": 0, "wrong_bytes": 0, "wrong_blocks": 0,
-                        "errors": {}, "longest_call_s": 0.0, "samples": []}
+        self.figures = {
+            "ops": 0,
+            "save": 0,
+            "load": 0,
+            "exists": 0,
+            "async": 0,
+            "blocks_saved": 0,
+            "blocks_loaded": 0,
+            "blocks_checked": 0,
+            "wrong_bytes": 0,
+            "wrong_blocks": 0,
+            "errors": {},
+            "longest_call_s": 0.0,
+            "samples": [],
+        }
 
     # ---- blocks ----
 
@@ -88,8 +106,11 @@ class Client:
         if self.rng.random() < 0.5:
             slots = [b * BLOCK_SIZE + t for b, n in zip(block_ids, tokens) for t in range(n)]
             return (slots, hashes, tokens, self.option), {}
-        return (), {"hashes": hashes, "chunk_descs": [[(b * BLOCK_SIZE, n) for b, n in zip(block_ids, tokens)]],
-                    "option": self.option}
+        return (), {
+            "hashes": hashes,
+            "chunk_descs": [[(b * BLOCK_SIZE, n) for b, n in zip(block_ids, tokens)]],
+            "option": self.option,
+        }
 
     def chain(self) -> list[int]:
         """1 to 32 hashes, often a run of neighbours (as prefix chains are), sometimes scattered."""

@@ -11,10 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
 
-from ems_testlib import direct_cc, fill_random, make_cache, snapshot, tensors  # noqa: E402
+from ems_testlib import direct_cc, fill_random, make_cache, snapshot, tensors
 
-from ems import CcKvOption, CcResult  # noqa: E402
-from ems.transport import protocol  # noqa: E402
+from ems import CcKvOption, CcResult
+from ems.transport import protocol
 
 pytestmark = pytest.mark.slow
 

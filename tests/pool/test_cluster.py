@@ -36,8 +36,9 @@ def _value(samples: dict, name: str, **labels) -> float:
 
 
 def _status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ems.pool", "status", *args], capture_output=True, text=True,
-                          timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "ems.pool", "status", *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def _healthz(node: ClusterNode) -> int:
@@ -79,7 +80,8 @@ def test_grow_kill_drain_and_etcd_restart(etcd):
         assert e2.call(op="load", blocks=first)["result"] == ["hit"] * 32
         after = _samples(nodes[0].scrape())
         assert _value(after, "ems_pool_requests_total", op="put", status="ok") > _value(
-            before, "ems_pool_requests_total", op="put", status="ok")
+            before, "ems_pool_requests_total", op="put", status="ok"
+        )
         assert _value(after, "ems_pool_values") > 0 and _value(after, "ems_pool_held_bytes") > 0
         assert _value(after, "ems_pool_capacity_bytes") == 128 << 20
         assert _value(after, "ems_pool_request_bytes_total", op="put") > 0
@@ -181,6 +183,11 @@ def test_engine_init_fails_clearly_without_etcd(clean_ems):
     from ems import CcConfig, Ems, EmsConfig, EmsErrorCode, EmsException
 
     with pytest.raises(EmsException) as info:
-        Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"),
-                           pool_etcd=f"http://127.0.0.1:{free_port()}", connect_timeout_ms=500))
+        Ems.init(
+            EmsConfig(
+                cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"),
+                pool_etcd=f"http://127.0.0.1:{free_port()}",
+                connect_timeout_ms=500,
+            )
+        )
     assert info.value.status_code() == EmsErrorCode.EMS_RECOVERD_ERROR and "pool_etcd" in info.value.message()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pool_testlib import joined, make_values
 
 from ems.pool.disk_tier import (
     ALIGN,
@@ -19,7 +20,6 @@ from ems.pool.disk_tier import (
     record_bytes,
     record_name,
 )
-from pool_testlib import joined, make_values
 
 
 def _record(key: bytes, size: int, seed: int = 0) -> tuple[np.ndarray, bytes]:
@@ -45,8 +45,7 @@ def test_a_record_reads_back_and_any_flipped_bit_is_caught(key, size, spot, bit)
 
 def test_record_names_parse_back_and_other_names_are_left_out():
     rng = np.random.default_rng(1)
-    records = [(key_hash(f"k{i}".encode()), int(rng.integers(0, 2**63)), int(rng.integers(1, 2**40)) * ALIGN)
-               for i in range(300)]
+    records = [(key_hash(f"k{i}".encode()), int(rng.integers(0, 2**63)), int(rng.integers(1, 2**40)) * ALIGN) for i in range(300)]
     names = [record_name(*r) for r in records]
     junk = ["x" * len(names[0]), names[0][:-4] + ".tmp", names[1].upper(), names[2][:-1], "é" * len(names[0]), "probe"]
     mixed = junk[:3] + names + junk[3:]

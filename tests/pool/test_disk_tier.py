@@ -12,10 +12,10 @@ import sys
 import threading
 
 import pytest
-
 from disk_testlib import record_files, small_filesystem
-from ems.transport.remote import connect
 from pool_testlib import KEY_A, KEY_B, joined, make_values, wait_until
+
+from ems.transport.remote import connect
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -57,8 +57,12 @@ def test_working_set_bigger_than_dram_served_byte_exact_from_both_tiers(tmp_path
         assert m[("ems_pool_tier_values", (("tier", "disk"),))] >= 40
         assert m[("ems_pool_get_hits_total", ())] == 52 and m[("ems_pool_get_misses_total", ())] == 0
         assert m[("ems_pool_tier_errors_total", (("kind", "integrity"), ("tier", "disk")))] == 0
-        status = subprocess.run([sys.executable, "-m", "ems.pool", "status", "--nodes", node.metrics,
-                                 "--interval", "0"], capture_output=True, text=True, timeout=30)
+        status = subprocess.run(
+            [sys.executable, "-m", "ems.pool", "status", "--nodes", node.metrics, "--interval", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         lines = status.stdout.splitlines()
         assert status.returncode == 0 and any(line.split()[:2] == ["dram", "up"] for line in lines), status.stdout
         assert any(line.split()[:2] == ["disk", "up"] for line in lines), status.stdout
@@ -262,9 +266,13 @@ def test_a_restarted_disk_node_registers_again_and_serves_what_it_had(tmp_path, 
     from ems.cluster.etcd import EtcdClient
     from ems.cluster.membership import read_members
 
-    members = lambda: set(read_members(EtcdClient(etcd.url, timeout_s=5), "disk")[0])  # noqa: E731
-    node = disk_nodes(tmp_path / "disk", capacity="2MiB", disk_capacity="64MiB",
-                      extra=("--etcd", etcd.url, "--cluster", "disk", "--drain", "0.1"))
+    members = lambda: set(read_members(EtcdClient(etcd.url, timeout_s=5), "disk")[0])
+    node = disk_nodes(
+        tmp_path / "disk",
+        capacity="2MiB",
+        disk_capacity="64MiB",
+        extra=("--etcd", etcd.url, "--cluster", "disk", "--drain", "0.1"),
+    )
     client = connect(node.address)
     keys = [f"e{i}".encode() for i in range(16)]
     values = make_values(16, 256 * 1024, seed=14)
@@ -375,11 +383,19 @@ def test_random_saves_loads_evictions_and_restarts_on_a_small_disk(tmp_path, dis
 
 
 def test_disk_options_are_checked():
-    for args in (["--disk-capacity", "1GiB"], ["--disk", "/tmp/x"], ["--disk", "/tmp/x", "--disk-capacity", "0"],
-                 ["--disk", "/tmp/x", "--disk-capacity", "lots"]):
+    for args in (
+        ["--disk-capacity", "1GiB"],
+        ["--disk", "/tmp/x"],
+        ["--disk", "/tmp/x", "--disk-capacity", "0"],
+        ["--disk", "/tmp/x", "--disk-capacity", "lots"],
+    ):
         done = subprocess.run([sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30)
         assert done.returncode == 2, (args, done.stderr)
     # a directory that cannot be used at start: exit 1 with the reason, before the ready line
-    done = subprocess.run([sys.executable, "-m", "ems.pool", "--listen", "127.0.0.1:0", "--disk", "/proc/ems-disk",
-                           "--disk-capacity", "1GiB"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "ems.pool", "--listen", "127.0.0.1:0", "--disk", "/proc/ems-disk", "--disk-capacity", "1GiB"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 1 and "cannot use --disk /proc/ems-disk" in done.stderr and not done.stdout, done

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pool_testlib import KEY_A, KEY_B
 
 pytestmark = pytest.mark.slow
@@ -50,8 +49,7 @@ def test_tenants_through_the_api(pool_nodes):
     alpha = {"access_id": "alpha", "access_key": KEY_A}
     beta = {"access_id": "beta", "access_key": KEY_B}
     assert run_client(nodes=[node], steps=["save"], **alpha)["save"] == [12, 12]
-    assert run_client(nodes=[node], steps=["exists", "load"], **beta) == {
-        "exists": [0, 12], "load": [0, 12], "load_exact": True}
+    assert run_client(nodes=[node], steps=["exists", "load"], **beta) == {"exists": [0, 12], "load": [0, 12], "load_exact": True}
     assert run_client(nodes=[node], steps=["load"], **alpha)["load"] == [12, 12]
     wrong = run_client(nodes=[node], steps=["save"], access_id="alpha", access_key=KEY_B)
     assert wrong["init_error"] == "EMS_IO_ERROR" and "authentication failed" in wrong["message"]

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from ems.transport.ucx_server import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits, _windows
 from ems.transport import protocol
+from ems.transport.ucx_server import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits, _windows
 
 GiB = 1 << 30
 
@@ -51,9 +51,9 @@ def test_a_full_node_receives_new_keys_into_recycled_buffers():
     (issue 8: without the reservation `_insert` dropped them before the next allocation), and a stored value is never
     a recycled buffer's old bytes."""
     import numpy as np
+    from pool_testlib import joined, make_values
 
     from ems.store import KvStore
-    from pool_testlib import joined, make_values
 
     value_len = (1 << 20) + 40
     store = KvStore(6 * value_len)

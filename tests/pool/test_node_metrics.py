@@ -8,9 +8,10 @@ import urllib.request
 
 import pytest
 from cluster_testlib import free_port
+from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values
+
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
-from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values
 
 parser = pytest.importorskip("prometheus_client.parser")
 

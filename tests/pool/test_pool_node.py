@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, tcp_sockets, wait_until
 
 from ems.errors import EmsErrorCode
 from ems.pool.__main__ import parse_keys
@@ -17,7 +18,6 @@ from ems.pool_client import PoolClient
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
 from ems.types import CcKvOption
-from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, tcp_sockets, wait_until
 
 pytestmark = pytest.mark.slow
 MARGIN_S = 0.5
@@ -44,9 +44,7 @@ def test_sigint_stops_cleanly(pool_nodes):
     "args", [["--capacity", "lots"], ["--listen", "nohost"], ["--capacity", "0"], ["--keys-file", "/nonexistent"]]
 )
 def test_bad_options_exit_2(args):
-    proc = subprocess.run(
-        [sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30
-    )
+    proc = subprocess.run([sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and READY_PREFIX not in proc.stdout, (proc.stdout, proc.stderr)
 
 
@@ -61,8 +59,7 @@ def test_keys_file_and_env(tmp_path, monkeypatch):
     with pytest.raises(ValueError):
         parse_keys([":" + KEY_A], "f")
     # ids as deployments write them: '@', upper case, even ':' (the key never holds one)
-    assert parse_keys(["cc_kvstore@_@ns:001:" + KEY_A, "Upper:" + KEY_B], "f") == {
-        "cc_kvstore@_@ns:001": KEY_A, "Upper": KEY_B}
+    assert parse_keys(["cc_kvstore@_@ns:001:" + KEY_A, "Upper:" + KEY_B], "f") == {"cc_kvstore@_@ns:001": KEY_A, "Upper": KEY_B}
 
 
 def test_keys_file_node_authenticates(tmp_path, node_clients):
@@ -70,7 +67,9 @@ def test_keys_file_node_authenticates(tmp_path, node_clients):
     path.write_text(f"alpha:{KEY_A}\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ems.pool", "--listen", "127.0.0.1:0", "--keys-file", str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         line = read_line(proc, 30)
@@ -285,7 +284,9 @@ def test_listen_on_loopback_binds_only_loopback(pool_nodes, node_clients):
 def test_listen_on_an_address_of_no_interface_refuses_to_start():
     proc = subprocess.run(
         [sys.executable, "-m", "ems.pool", "--listen", "192.0.2.123:0", "--capacity", "8MiB"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0 and READY_PREFIX not in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "cannot listen on 192.0.2.123:0" in proc.stderr

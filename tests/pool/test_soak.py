@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pool_testlib import PoolProcess, read_line
 
 pytestmark = pytest.mark.slow
@@ -49,11 +48,12 @@ SLACK_THREADS = 4
 
 
 def proc_sample(pid: int) -> dict:
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
-    )
-    return {"rss_kib": int(fields["VmRSS"].split()[0]), "threads": int(fields["Threads"]),
-            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {
+        "rss_kib": int(fields["VmRSS"].split()[0]),
+        "threads": int(fields["Threads"]),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    }
 
 
 def growth(samples: list[dict]) -> dict | None:
@@ -67,8 +67,11 @@ def growth(samples: list[dict]) -> dict | None:
     ops = last["ops"] - first["ops"]
     # a single late sample can catch an allocation in flight: take the lower of the last two
     end = min(after[-2:], key=lambda s: s["rss_kib"])
-    d = {"rss_mib": (end["rss_kib"] - first["rss_kib"]) / 1024, "threads": last["threads"] - first["threads"],
-         "fds": last["fds"] - first["fds"]}
+    d = {
+        "rss_mib": (end["rss_kib"] - first["rss_kib"]) / 1024,
+        "threads": last["threads"] - first["threads"],
+        "fds": last["fds"] - first["fds"],
+    }
     return {"ops": ops, **d, "per_1000": {k: v * 1000 / ops for k, v in d.items()}}
 
 
@@ -104,10 +107,22 @@ def test_soak_three_nodes_kill_restart_pause_resume(tmp_path):
     try:
         addresses = [n.address for n in nodes]
         for seed in range(CLIENTS):
-            args = {"seed": 100 + seed, "nodes": addresses, "timeout_ms": TIMEOUT_MS, "connect_timeout_ms": 1000,
-                    "read_cache_capacity": READ_CACHE}
-            clients.append(subprocess.Popen([sys.executable, CLIENT, json.dumps(args)], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            args = {
+                "seed": 100 + seed,
+                "nodes": addresses,
+                "timeout_ms": TIMEOUT_MS,
+                "connect_timeout_ms": 1000,
+                "read_cache_capacity": READ_CACHE,
+            }
+            clients.append(
+                subprocess.Popen(
+                    [sys.executable, CLIENT, json.dumps(args)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for proc in clients:  # each imports torch and connects (slow on a busy machine)
             line = read_line(proc, 90.0)
             assert line.strip() == "ready", (line, proc.poll())
@@ -168,24 +183,30 @@ def test_soak_three_nodes_kill_restart_pause_resume(tmp_path):
     assert len(client_growth) == CLIENTS and len(node_growth) >= 3, (client_growth, node_growth)
     longest = max(r["longest_call_s"] for r in results)
     figures = {
-        "clients": CLIENTS, "run_s": RUN_S, "ops": total_ops,
+        "clients": CLIENTS,
+        "run_s": RUN_S,
+        "ops": total_ops,
         "ops_by_kind": {k: sum(r[k] for r in results) for k in ("save", "load", "exists", "async")},
         "blocks_saved": sum(r["blocks_saved"] for r in results),
         "blocks_loaded": sum(r["blocks_loaded"] for r in results),
         "blocks_checked": sum(r["blocks_checked"] for r in results),
         "wrong_bytes": sum(r["wrong_bytes"] for r in results),
         "errors": {k: sum(r["errors"].get(k, 0) for r in results) for r in results for k in r["errors"]},
-        "longest_call_s": round(longest, 3), "timeout_s": TIMEOUT_MS / 1000, "margin_s": CALL_MARGIN_S,
+        "longest_call_s": round(longest, 3),
+        "timeout_s": TIMEOUT_MS / 1000,
+        "margin_s": CALL_MARGIN_S,
         "client_growth_per_1000_ops": [{k: round(v, 2) for k, v in g["per_1000"].items()} for g in client_growth],
         "node_growth_per_1000_ops": [{k: round(v, 2) for k, v in g["per_1000"].items()} for g in node_growth],
         "client_final": [r["samples"][-1] for r in results],
         "node_final": [{k: round(v, 1) for k, v in samples[-1].items()} for samples in sampler.samples.values()],
-        "events": events, "nodes_alive_at_end": node_alive,
+        "events": events,
+        "nodes_alive_at_end": node_alive,
     }
     print("\nsoak figures:", json.dumps(figures, indent=1))
     if os.environ.get("EMS_SOAK_SAMPLES"):
-        Path(os.environ["EMS_SOAK_SAMPLES"]).write_text(json.dumps({"clients": [r["samples"] for r in results],
-                                                                    "nodes": list(sampler.samples.values())}))
+        Path(os.environ["EMS_SOAK_SAMPLES"]).write_text(
+            json.dumps({"clients": [r["samples"] for r in results], "nodes": list(sampler.samples.values())})
+        )
     if os.environ.get("EMS_SOAK_REPORT"):
         with open(os.environ["EMS_SOAK_REPORT"], "a", encoding="utf-8") as f:
             f.write(json.dumps(figures) + "\n")

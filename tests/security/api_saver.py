@@ -14,18 +14,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
 
-from ems import CcConfig, CcKvOption, Ems, EmsConfig  # noqa: E402
-from ems.value_format import HEADER_SIZE  # noqa: E402
-from ems_testlib import fill_random, make_cache, slots_of_blocks, tensors  # noqa: E402
+from ems_testlib import fill_random, make_cache, slots_of_blocks, tensors
+
+from ems import CcConfig, CcKvOption, Ems, EmsConfig
+from ems.value_format import HEADER_SIZE
 
 LAYERS, BLOCK_SIZE, HEADS, HEAD_SIZE = 16, 16, 8, 128  # one block: 16 layers x K,V x 16 x 8 x 128 x fp16 = 1 MiB
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    Ems.init(EmsConfig(access_id=args["access_id"], access_key=args["access_key"],
-                       cc_config=CcConfig(rank_id=0, device_id=0, model_id="sec-model"),
-                       pool_nodes=args["nodes"], connect_timeout_ms=3000))
+    Ems.init(
+        EmsConfig(
+            access_id=args["access_id"],
+            access_key=args["access_key"],
+            cc_config=CcConfig(rank_id=0, device_id=0, model_id="sec-model"),
+            pool_nodes=args["nodes"],
+            connect_timeout_ms=3000,
+        )
+    )
     cc = Ems.get_cc()
     cache = make_cache(layers=LAYERS, blocks=2, block_size=BLOCK_SIZE, heads=HEADS, head_size=HEAD_SIZE)
     cc.register_kvcache(cache)
@@ -37,16 +44,16 @@ def main() -> None:
         for t in tensors(cache):
             fill_random(t[0], gen)
         out["saves"].append(cc.save(slots, [4242], [BLOCK_SIZE], option).success)
-        out["digests"].append(hashlib.sha256(b"".join(t[0].contiguous().view(torch.uint8).numpy().tobytes()
-                                                      for t in tensors(cache))).hexdigest())
+        out["digests"].append(
+            hashlib.sha256(b"".join(t[0].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors(cache))).hexdigest()
+        )
     block_bytes = sum(t[0].numel() * t.element_size() for t in tensors(cache))
     out["value_len"] = HEADER_SIZE + block_bytes
     expected = [t[0].clone() for t in tensors(cache)]
     for t in tensors(cache):
         t[0].zero_()
     out["load"] = cc.load(slots, [4242], [BLOCK_SIZE], option).success
-    out["load_exact"] = all(torch.equal(t[0].view(torch.uint8), e.view(torch.uint8))
-                            for t, e in zip(tensors(cache), expected))
+    out["load_exact"] = all(torch.equal(t[0].view(torch.uint8), e.view(torch.uint8)) for t, e in zip(tensors(cache), expected))
     print(json.dumps(out), flush=True)
     Ems.shutdown()
 

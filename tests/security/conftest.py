@@ -7,4 +7,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 
-from pool_testlib import node_clients, pool_nodes, shared_node  # noqa: E402,F401
+from pool_testlib import node_clients, pool_nodes, shared_node  # noqa: F401

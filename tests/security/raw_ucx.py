@@ -8,12 +8,12 @@ never writes into freed memory.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ems.transport import protocol
-from ems.transport import ucx_progress
+from ems.transport import protocol, ucx_progress
 from ems.transport.ucx import UcxRuntime
 from ems.transport.ucx_endpoint import create_endpoint
 
@@ -56,7 +56,7 @@ class RawSession:
         except Exception:  # connection reset, endpoint closed or stuck
             return CLOSED
 
-    def post_sends(self, *frames: Any, tags: Optional[Sequence[Optional[int]]] = None, raw_tags: bool = False) -> None:
+    def post_sends(self, *frames: Any, tags: Sequence[int | None] | None = None, raw_tags: bool = False) -> None:
         """Post frames without waiting for them to be taken (the node may never receive them). `tags`: per frame,
         a request id (None: the base tag), or with `raw_tags` the 64-bit wire tag itself."""
 
@@ -138,7 +138,7 @@ class RawSession:
         self.send(protocol.pack_header(protocol.Op.AUTH, meta_len=len(mac)), mac)
         return self.reply()
 
-    def login(self, access_id: str = "", access_key: Optional[str] = None) -> None:
+    def login(self, access_id: str = "", access_key: str | None = None) -> None:
         """Complete the handshake; AssertionError if the node does not accept it."""
         challenge = self.hello(access_id)
         assert isinstance(challenge, Reply) and challenge.header.op == protocol.Op.CHALLENGE, challenge
@@ -190,7 +190,7 @@ class RawSession:
         run(asyncio.sleep(0.01))
         del kept
 
-    def __enter__(self) -> "RawSession":
+    def __enter__(self) -> RawSession:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from pool_testlib import joined, make_values, wait_until
 
 from ems.transport.ucx import UcxNode
-from pool_testlib import joined, make_values, wait_until
 
 pytestmark = pytest.mark.slow
 JUNK = np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes()

@@ -16,12 +16,12 @@ import time
 
 import numpy as np
 import pytest
+from pool_testlib import joined, make_values, wait_until
+from raw_ucx import CLOSED, SILENT, RawSession, Reply
 
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
-from pool_testlib import joined, make_values, wait_until
-from raw_ucx import CLOSED, SILENT, RawSession, Reply
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -93,7 +93,7 @@ def test_a_get_naming_one_key_1500_times_is_bounded(pool_nodes, node_clients):
     got = client.get([b"one"] * 1500, 30.0)
     hits = [g for g in got if g is not None]
     assert 0 < len(hits) <= 64
-    assert all(g is not None for g in got[: len(hits)]) and all(g is None for g in got[len(hits):])  # a prefix
+    assert all(g is not None for g in got[: len(hits)]) and all(g is None for g in got[len(hits) :])  # a prefix
     assert bytes(hits[0]) == joined(value[0]) and bytes(hits[-1]) == joined(value[0])
     assert node.rss_bytes() - base_rss < 160 * MiB, (node.rss_bytes() - base_rss) / MiB
 
@@ -108,7 +108,10 @@ def test_junk_tcp_connections_leave_no_socket_behind(pool_nodes, node_clients):
             s.sendall(junk)
             time.sleep(0.02)
     assert wait_until(lambda: node.close_wait_sockets() == 0 and node.fd_count() <= base_fds + 2, 20.0, 0.5), (
-        node.close_wait_sockets(), node.fd_count(), base_fds)
+        node.close_wait_sockets(),
+        node.fd_count(),
+        base_fds,
+    )
     assert wait_until(lambda: node_clients(node.address).ping(2.0), 20.0, 0.5)
     assert "closed" in node.log_text() and node.proc.poll() is None
     assert node.terminate() == 0  # UCX's own late close of the reaped descriptors does no harm
@@ -146,8 +149,9 @@ def test_a_stalled_put_is_dropped(pool_nodes, node_clients):
         outcomes = [raw.reply(timeout_s=6.0) for raw in sessions]
         assert time.monotonic() - t0 < 8.0
         # dropped outright, or (the ones still waiting for in-flight room) refused as busy and then dropped
-        assert all(o == CLOSED or (isinstance(o, Reply) and o.header.status == protocol.Status.BAD_REQUEST)
-                   for o in outcomes), outcomes
+        assert all(o == CLOSED or (isinstance(o, Reply) and o.header.status == protocol.Status.BAD_REQUEST) for o in outcomes), (
+            outcomes
+        )
     finally:
         for raw in sessions:
             raw.close()
@@ -186,8 +190,13 @@ def test_bad_limit_options_exit_2():
     import sys
 
     for args in (["--stall-timeout", "0"], ["--max-inflight", "-1"], ["--max-connections", "x"]):
-        proc = subprocess.run([sys.executable, "-m", "ems.pool", *args], capture_output=True, text=True, timeout=30,
-                              env={k: v for k, v in os.environ.items() if k != "EMS_POOL_KEYS"})
+        proc = subprocess.run(
+            [sys.executable, "-m", "ems.pool", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if k != "EMS_POOL_KEYS"},
+        )
         assert proc.returncode == 2, (args, proc.stderr)
 
 

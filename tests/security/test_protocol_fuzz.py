@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
-from ems.transport import protocol
 from pool_testlib import KEY_A, KEY_B, joined, make_values, wait_until
 from raw_ucx import CLOSED, RawSession, Reply
+
+from ems.transport import protocol
 
 pytestmark = pytest.mark.slow
 SEED = 20261129
@@ -42,8 +42,9 @@ class Case:
 
 
 def _mutated_header(case: Case, op: int) -> np.ndarray:
-    header = protocol.pack_header(op, count=int(case.rng.integers(0, 4)), meta_len=int(case.rng.integers(0, 64)),
-                           data_len=int(case.rng.integers(0, 4096)))
+    header = protocol.pack_header(
+        op, count=int(case.rng.integers(0, 4)), meta_len=int(case.rng.integers(0, 64)), data_len=int(case.rng.integers(0, 4096))
+    )
     raw = header.copy()
     for _ in range(int(case.rng.integers(1, 4))):
         field = int(case.rng.integers(0, 9))
@@ -68,8 +69,11 @@ def _request_frames(case: Case) -> list:
         return [protocol.pack_header(protocol.Op.EXISTS, count=len(keys), meta_len=len(meta)), meta]
     lens = case.rng.integers(1, 200_000, len(keys))
     meta = protocol.encode_put_meta(keys, lens, lens)
-    return [protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum())), meta,
-            *[case.bytes(int(n)) for n in lens]]
+    return [
+        protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum())),
+        meta,
+        *[case.bytes(int(n)) for n in lens],
+    ]
 
 
 # ---- the kinds of case: each returns what the node did ----
@@ -86,7 +90,11 @@ def mutated_header(case: Case, raw: RawSession) -> object:
     authed = case.rng.random() < 0.7
     if authed:
         raw.login("beta", KEY_B)
-    op = int(case.rng.choice([protocol.Op.HELLO, protocol.Op.AUTH, protocol.Op.PUT, protocol.Op.GET, protocol.Op.EXISTS, protocol.Op.PING, 99]))
+    op = int(
+        case.rng.choice(
+            [protocol.Op.HELLO, protocol.Op.AUTH, protocol.Op.PUT, protocol.Op.GET, protocol.Op.EXISTS, protocol.Op.PING, 99]
+        )
+    )
     raw.send(_mutated_header(case, op), case.bytes(int(case.rng.integers(1, 64))))
     return raw.reply(WAIT_S)
 
@@ -188,10 +196,14 @@ def test_fuzz_the_node(pool_nodes, node_clients):
     final_rss, final_fds = node.rss_bytes(), node.fd_count()
     failed = outcomes.get("LEAK", 0) + sum(n for o, n in outcomes.items() if o.startswith("error"))
     FIGURES.update(
-        cases=CASES, survived=CASES - failed, seconds=round(elapsed, 1),
+        cases=CASES,
+        survived=CASES - failed,
+        seconds=round(elapsed, 1),
         rss_growth_mib=round((final_rss - base_rss) / MiB, 1),
         rss_peak_growth_mib=round((rss_peak - base_rss) / MiB, 1),
-        fd_growth=final_fds - base_fds, fd_peak_growth=fds_peak - base_fds, outcomes=outcomes,
+        fd_growth=final_fds - base_fds,
+        fd_peak_growth=fds_peak - base_fds,
+        outcomes=outcomes,
     )
     print(f"\nfuzz figures: {FIGURES}")
     assert "LEAK" not in outcomes, outcomes

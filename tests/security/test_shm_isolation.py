@@ -13,12 +13,11 @@ import time
 
 import numpy as np
 import pytest
+from pool_testlib import KEY_A, KEY_B, PoolProcess, joined, make_values
 
-from ems.transport import protocol
-from ems.transport import shm
+from ems.transport import protocol, shm
 from ems.transport.base import TransportError
 from ems.transport.shm_client import ShmMode
-from pool_testlib import KEY_A, KEY_B, PoolProcess, joined, make_values
 
 pytestmark = pytest.mark.slow
 

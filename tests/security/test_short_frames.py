@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from ems.transport import protocol
 from pool_testlib import KEY_A, KEY_B, client_of_scripted_node, joined, make_values
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
+
+from ems.transport import protocol
 
 pytestmark = pytest.mark.slow
 TENANTS = {"alpha": KEY_A, "beta": KEY_B}
@@ -55,9 +55,10 @@ def test_short_data_frame_cannot_read_a_recycled_v0_value(pool_nodes, node_clien
 def test_short_data_frame_cannot_read_a_block_saved_twice_through_the_api(pool_nodes):
     node = pool_nodes("64MiB", keys=TENANTS)
     proc = subprocess.run(
-        [sys.executable, SAVER, json.dumps({"nodes": [node.address], "access_id": "alpha", "access_key": KEY_A,
-                                            "times": 2})],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, SAVER, json.dumps({"nodes": [node.address], "access_id": "alpha", "access_key": KEY_A, "times": 2})],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, (proc.stdout, proc.stderr[-3000:])
@@ -126,8 +127,14 @@ def test_client_refuses_a_short_reply_segment():
             header, _ = await recv_head(ep)  # the GET, inline (protocol version 2)
             rid = header.request_id
             lens = np.array([len(value)], "<i8").tobytes()
-            reply = protocol.pack_header(protocol.Op.GET | protocol.REPLY, count=1, meta_len=8, data_len=len(value),
-                                  flags=protocol.Flags.INLINE, request_id=rid)
+            reply = protocol.pack_header(
+                protocol.Op.GET | protocol.REPLY,
+                count=1,
+                meta_len=8,
+                data_len=len(value),
+                flags=protocol.Flags.INLINE,
+                request_id=rid,
+            )
             # the head (header and lens) and then a data frame of 10 bytes of 300,040, on the request's tag
             await send_all(ep, [protocol.pack_head(reply, lens), np.frombuffer(value[:10], np.uint8)], rid)
             await asyncio.sleep(2.0)

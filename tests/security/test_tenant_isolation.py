@@ -5,10 +5,10 @@ reach or change for tenant beta, whatever beta sends."""
 from __future__ import annotations
 
 import pytest
-
-from ems.transport import protocol
 from pool_testlib import KEY_A, KEY_B, joined, make_values
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
+
+from ems.transport import protocol
 
 pytestmark = pytest.mark.slow
 TENANTS = {"alpha": KEY_A, "beta": KEY_B}
@@ -57,8 +57,19 @@ def test_an_access_id_crafted_to_overlap_a_namespace_is_separate(keyed_node, alp
 
 
 @pytest.mark.parametrize(
-    "abuse", ["skip-auth", "put-before-auth", "replayed-mac", "second-hello", "other-tenants-mac", "id-swap",
-              "anonymous", "long-mac", "empty-mac"])
+    "abuse",
+    [
+        "skip-auth",
+        "put-before-auth",
+        "replayed-mac",
+        "second-hello",
+        "other-tenants-mac",
+        "id-swap",
+        "anonymous",
+        "long-mac",
+        "empty-mac",
+    ],
+)
 def test_handshake_abuse_is_refused(keyed_node, alpha_data, abuse):
     _alpha, keys, _values = alpha_data
     key_meta = protocol.encode_keys_meta(keys)

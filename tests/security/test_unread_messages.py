@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 import pytest
-
-from ems.transport import protocol
 from pool_testlib import joined, make_values, wait_until
 from raw_ucx import CLOSED, RawSession
+
+from ems.transport import protocol
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -22,8 +22,9 @@ FRAME = np.random.default_rng(16).integers(0, 256, 4096, dtype=np.uint8)
 
 
 def _inline_head(op: int, request_id: int, meta: bytes = b"", data_len: int = 0, count: int = 1) -> np.ndarray:
-    header = protocol.pack_header(op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE,
-                           request_id=request_id)
+    header = protocol.pack_header(
+        op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE, request_id=request_id
+    )
     return protocol.pack_head(header, meta)
 
 

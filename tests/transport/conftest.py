@@ -7,5 +7,5 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 
-from cluster_testlib import etcd  # noqa: E402,F401
-from pool_testlib import node_clients, pool_nodes, shared_node  # noqa: E402,F401
+from cluster_testlib import etcd  # noqa: F401
+from pool_testlib import node_clients, pool_nodes, shared_node  # noqa: F401

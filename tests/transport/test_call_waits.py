@@ -10,18 +10,19 @@ import time
 
 import numpy as np
 import pytest
+from pool_testlib import joined, make_values, wait_until
 
 from ems.transport import protocol
 from ems.transport.base import TransportError
-from pool_testlib import joined, make_values, wait_until
 
 pytestmark = pytest.mark.slow
 
 SLACK_S = 2.0  # how far past its timeout a call may end on this shared machine (bounded, not a speed claim)
 
 
-def _hammer(node, stop: threading.Event, thread: int, timeout_s: float, stored: dict, wrong: list, late: list,
-            outcomes: list) -> None:
+def _hammer(
+    node, stop: threading.Event, thread: int, timeout_s: float, stored: dict, wrong: list, late: list, outcomes: list
+) -> None:
     """Random 1-key exists / get_into / put of small and segment-sized values until `stop`; records any answer
     that is not this call's own and any call that ran past its timeout."""
     rng = random.Random(thread)
@@ -71,9 +72,7 @@ def test_calls_from_many_threads_with_interleaved_timeouts(pool_nodes, node_clie
     wrong: list = []
     late: list = []
     outcomes: list = []
-    threads = [
-        threading.Thread(target=_hammer, args=(node, stop, t, 0.25, stored, wrong, late, outcomes)) for t in range(6)
-    ]
+    threads = [threading.Thread(target=_hammer, args=(node, stop, t, 0.25, stored, wrong, late, outcomes)) for t in range(6)]
     for th in threads:
         th.start()
     try:
@@ -114,10 +113,7 @@ def test_node_killed_mid_call_fails_bounded(pool_nodes, node_clients):
     late: list = []
     outcomes: list = []
     timeout_s = 20.0
-    threads = [
-        threading.Thread(target=_hammer, args=(node, stop, t, timeout_s, stored, wrong, late, outcomes))
-        for t in range(6)
-    ]
+    threads = [threading.Thread(target=_hammer, args=(node, stop, t, timeout_s, stored, wrong, late, outcomes)) for t in range(6)]
     for th in threads:
         th.start()
     time.sleep(0.8)
@@ -153,8 +149,18 @@ def test_idle_connection_does_not_spin(pool_nodes, node_clients):
     assert _cpu_seconds(os.getpid()) - own_cpu < 0.6
 
 
-@pytest.mark.parametrize("size", [8, 5000, protocol.HEAD_BYTES - 100, protocol.HEAD_BYTES + 8, protocol.SEGMENT_BYTES - 40, protocol.SEGMENT_BYTES,
-                                  protocol.SEGMENT_BYTES + 5])
+@pytest.mark.parametrize(
+    "size",
+    [
+        8,
+        5000,
+        protocol.HEAD_BYTES - 100,
+        protocol.HEAD_BYTES + 8,
+        protocol.SEGMENT_BYTES - 40,
+        protocol.SEGMENT_BYTES,
+        protocol.SEGMENT_BYTES + 5,
+    ],
+)
 def test_one_key_loads_every_size(shared_node, node_clients, size):
     """1-key get / get_into (the node's and the client's 1-key paths) around the inline and segment limits: the
     value itself, a miss for a missing key, and a miss (never a partial value) for a buffer of another length."""

@@ -9,12 +9,12 @@ import threading
 
 import numpy as np
 import pytest
+from pool_testlib import client_of_scripted_node, joined, make_values
 
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
 from ems.transport.ucx import UcxRuntime
-from pool_testlib import client_of_scripted_node, joined, make_values
 
 pytestmark = pytest.mark.slow
 

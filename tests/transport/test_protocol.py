@@ -113,7 +113,10 @@ def test_version_mismatch_and_unknown_flags_are_refused():
     assert info.value.version == 1
     with pytest.raises(protocol.ProtocolError, match="flags"):
         protocol.unpack_header(protocol.pack_header(protocol.Op.PING, flags=0x80))
-    assert protocol.unpack_header(protocol.pack_header(protocol.Op.GET, request_id=protocol.MAX_REQUEST_ID)).request_id == protocol.MAX_REQUEST_ID
+    assert (
+        protocol.unpack_header(protocol.pack_header(protocol.Op.GET, request_id=protocol.MAX_REQUEST_ID)).request_id
+        == protocol.MAX_REQUEST_ID
+    )
 
 
 @given(st.integers(0, 3 * protocol.HEAD_BYTES), st.integers(0, 3 * protocol.HEAD_BYTES))
@@ -128,9 +131,14 @@ def test_head_layout_properties(meta_len, data_len):
 
 def test_pack_head_puts_meta_and_data_inline():
     meta, data = b"m" * 13, [b"ab", np.frombuffer(b"cde", np.uint8)]
-    header = protocol.pack_header(protocol.Op.PUT, count=1, meta_len=len(meta), data_len=5, flags=protocol.Flags.INLINE, request_id=3)
+    header = protocol.pack_header(
+        protocol.Op.PUT, count=1, meta_len=len(meta), data_len=5, flags=protocol.Flags.INLINE, request_id=3
+    )
     head = protocol.pack_head(header, meta, data)
     assert len(head) == protocol.HEADER_SIZE + 24
-    assert bytes(head[protocol.HEADER_SIZE : protocol.HEADER_SIZE + 18]) == meta + b"abcde" and not head[protocol.HEADER_SIZE + 18 :].any()
+    assert (
+        bytes(head[protocol.HEADER_SIZE : protocol.HEADER_SIZE + 18]) == meta + b"abcde"
+        and not head[protocol.HEADER_SIZE + 18 :].any()
+    )
     parsed = protocol.unpack_header(head[: protocol.HEADER_SIZE])
     assert parsed.inline and parsed.request_id == 3

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pool_testlib import joined, make_values
 
 from ems.errors import EmsErrorCode
 from ems.transport.base import TransportError
 from ems.transport.shm_client import ShmMode
-from pool_testlib import joined, make_values
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +61,7 @@ def module_client(shared_node):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(0, 300_000), st.sampled_from(["hit", "miss", "short", "long"])),
-                min_size=1, max_size=12))
+@given(st.lists(st.tuples(st.integers(0, 300_000), st.sampled_from(["hit", "miss", "short", "long"])), min_size=1, max_size=12))
 def test_random_batches_match_a_model(module_client, batch):
     """Random batches of sizes with misses and buffers of the wrong length: placed exactly where the model says."""
     node = module_client
@@ -256,8 +255,7 @@ E2E_CLIENT = os.path.join(os.path.dirname(__file__), "..", "pool", "e2e_client.p
 
 def _api_client(env_shm: str, **args) -> dict:
     env = {**os.environ, "EMS_POOL_SHM": env_shm}
-    proc = subprocess.run([sys.executable, E2E_CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=90,
-                          env=env)
+    proc = subprocess.run([sys.executable, E2E_CLIENT, json.dumps(args)], capture_output=True, text=True, timeout=90, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, (proc.stdout, proc.stderr[-3000:])
     return json.loads(lines[-1])

@@ -9,13 +9,13 @@ import time
 
 import numpy as np
 import pytest
+from pool_testlib import joined, make_values
 
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
 from ems.transport.ucx import UcxNode, UcxRuntime
-from pool_testlib import joined, make_values
 
 pytestmark = pytest.mark.slow
 
@@ -156,19 +156,29 @@ async def _authenticated_then(port: int, frames: list) -> str:
     "frames",
     [
         pytest.param([protocol.pack_header(protocol.Op.PING)], id="ping-is-answered"),
-        pytest.param([protocol.pack_header(protocol.Op.GET, count=2, meta_len=8), np.array([5, 5], "<u4").view(np.uint8)],
-                     id="keys-do-not-add-up"),
-        pytest.param([protocol.pack_header(protocol.Op.PUT, count=1, meta_len=20, data_len=10),
-                      np.concatenate([np.array([10], "<u8").view(np.uint8), np.array([0], "<u4").view(np.uint8),
-                                      np.array([11], "<u8").view(np.uint8)])], id="data-frames-do-not-add-up"),
+        pytest.param(
+            [protocol.pack_header(protocol.Op.GET, count=2, meta_len=8), np.array([5, 5], "<u4").view(np.uint8)],
+            id="keys-do-not-add-up",
+        ),
+        pytest.param(
+            [
+                protocol.pack_header(protocol.Op.PUT, count=1, meta_len=20, data_len=10),
+                np.concatenate(
+                    [
+                        np.array([10], "<u8").view(np.uint8),
+                        np.array([0], "<u4").view(np.uint8),
+                        np.array([11], "<u8").view(np.uint8),
+                    ]
+                ),
+            ],
+            id="data-frames-do-not-add-up",
+        ),
         pytest.param([protocol.pack_header(protocol.Op.HELLO)], id="second-hello"),
     ],
 )
 def test_malformed_requests_after_handshake(shared_node, node_clients, frames):
     pool = shared_node
-    outcome = asyncio.run_coroutine_threadsafe(
-        _authenticated_then(pool.port, frames), UcxRuntime.get().loop
-    ).result(15)
+    outcome = asyncio.run_coroutine_threadsafe(_authenticated_then(pool.port, frames), UcxRuntime.get().loop).result(15)
     if frames[0][6] == protocol.Op.PING:
         assert outcome == "answered"
     else:

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from ems.transport import ucx_config, ucxx_internals  # noqa: E402
+from ems.transport import ucx_config, ucxx_internals
 
 TRANSPORT = Path(ucxx_internals.__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,8 +37,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,9 +59,9 @@ from ems import CcKvOption, Ems
 from ems.config import resolve_settings
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, PendingLoad, StatsSink, TransferStats
-from ems.integrations.lookup_breaker import LookupBreaker
 from ems.integrations.connector_config import ConnectorConfig, derive_model_id
 from ems.integrations.epoch import EpochRecord
+from ems.integrations.lookup_breaker import LookupBreaker
 from ems.integrations.vllm.engine_checks import apply_failure_policy, check_supported
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 from ems.integrations.vllm.observability import EmsPromMetrics, KvEventLog
@@ -195,9 +195,7 @@ def _layer_order(name: str) -> tuple[int, str]:
 class EmsConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("EmsConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
@@ -243,7 +241,11 @@ class EmsConnector(KVConnectorBase_V1):
             apply_failure_policy(self._kv_transfer_config, self._config.load_failure_policy)
             self._epoch_watch = _EpochWatch(EpochRecord(cc, self._config.timeout_ms), self._config.epoch_refresh_s)
         self._breaker = LookupBreaker(
-            cc, self._tp_size, self._mla, self._config.lookup_timeout_ms, self._config.breaker_cooldown_s,
+            cc,
+            self._tp_size,
+            self._mla,
+            self._config.lookup_timeout_ms,
+            self._config.breaker_cooldown_s,
             self._stats,
         )
         logger.info(
@@ -321,9 +323,7 @@ class EmsConnector(KVConnectorBase_V1):
         epoch = self._current_epoch()
         if loaded > 0:
             hashes = self._hashes(request)
-            self._loads[rid] = BlockTransfer(
-                rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch
-            )
+            self._loads[rid] = BlockTransfer(rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch)
         self._requests[rid] = _RequestState(request, block_ids, start + loaded, epoch)
 
     def _add_saves(
@@ -343,9 +343,7 @@ class EmsConnector(KVConnectorBase_V1):
         if upto > state.next_save:
             all_hashes = self._hashes(request)
             hashes = all_hashes[state.next_save : upto]
-            meta.saves.append(
-                BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch)
-            )
+            meta.saves.append(BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch))
             self._events.stored(
                 hashes,
                 all_hashes[state.next_save - 1] if state.next_save > 0 else None,
@@ -516,9 +514,7 @@ class EmsConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous and whole-block: a request computes only once its load has finished
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
-    ) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # whole blocks of every layer are saved at once in wait_for_save
 
     def wait_for_save(self) -> None:

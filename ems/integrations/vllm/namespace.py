@@ -66,9 +66,7 @@ def predicted_backend(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
     return str(backend.get_name())
 
 
-def namespace_parts(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, platform: str | None = None
-) -> dict[str, str]:
+def namespace_parts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, platform: str | None = None) -> dict[str, str]:
     """Everything that decides a block's bytes, as name -> canonical text (see the module contract).
     `platform` defaults to vLLM's current platform (`device_type/device_name`)."""
     import vllm

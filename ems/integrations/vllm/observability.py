@@ -70,9 +70,7 @@ class EmsPromMetrics(KVConnectorPromMetrics):
                 documentation=f"EmsConnector: {f.name.replace('_', ' ')}",
                 labelnames=labelnames,
             )
-            self._counters[f.name] = {
-                engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()
-            }
+            self._counters[f.name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         stats = TransferStats.from_dict(transfer_stats_data)
