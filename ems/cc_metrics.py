@@ -1,9 +1,9 @@
 """Engine-side counters of one `ContextCaching`: calls, blocks, hits, misses, bytes, seconds and stage times.
 
 Contract:
-* `record_job(record)` is called once per finished save or load (never per block) with its `ems.job_records.JobRecord`
-  (blocks, bytes, and bytes and seconds per stage); `record(op, success, total, nbytes, marks)` takes the same
-  from bare stage marks; `record_exists(hits, total)` once per `exists`. Updates take one lock.
+* Saves and loads are counted from ONE account: the `ems.job_records.JobLedger` that every finished job's record
+  goes to (`ContextCaching.jobs`); these counters read its sums, they keep no second copy. `record_exists(hits,
+  total)` once per `exists` and `record_error()` once per call that raised are counted here (they run no job).
 * `snapshot()` returns a flat dict (`ContextCaching.metrics()`): for op in save/load: `{op}_calls`, `{op}_blocks`
   (requested), `{op}_blocks_ok` (saved, or loaded hits), `{op}_bytes` (moved), `{op}_seconds` (wall time of the
   calls), `{op}_gbps` (bytes / seconds / 1e9), `{op}_stage_{stage}_seconds` and `_bytes` (per stage, summed:
@@ -15,56 +15,22 @@ Contract:
 
 from __future__ import annotations
 
-import itertools
 import threading
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
-if TYPE_CHECKING:
-    from ems.job_records import JobRecord
+from ems.job_records import JobKind, JobLedger
 
 
 class CcMetrics:
     """See the module docstring."""
 
-    def __init__(self, rank: int = 0) -> None:
+    def __init__(self, jobs: JobLedger, rank: int = 0) -> None:
         self.rank = rank
+        self._jobs = jobs
         self._lock = threading.Lock()
-        self._values: dict[str, float] = {}
-        for op in ("save", "load"):
-            for name in ("calls", "blocks", "blocks_ok", "bytes", "seconds"):
-                self._values[f"{op}_{name}"] = 0
-        for name in ("exists_calls", "exists_hits", "exists_misses", "errors"):
-            self._values[name] = 0
+        self._values: dict[str, float] = {"exists_calls": 0, "exists_hits": 0, "exists_misses": 0, "errors": 0}
         self._collector: Any | None = None
-
-    def record(self, op: str, success: int, total: int, nbytes: int, marks: Sequence[tuple[str, float]]) -> None:
-        v = self._values
-        with self._lock:
-            v[f"{op}_calls"] += 1
-            v[f"{op}_blocks"] += total
-            v[f"{op}_blocks_ok"] += success
-            v[f"{op}_bytes"] += nbytes
-            if len(marks) > 1:
-                v[f"{op}_seconds"] += marks[-1][1] - marks[0][1]
-            for (_, before), (stage, at) in itertools.pairwise(marks):
-                key = f"{op}_stage_{stage}_seconds"
-                v[key] = v.get(key, 0.0) + (at - before)
-
-    def record_job(self, record: JobRecord) -> None:
-        """Add one finished job (see `ems.jobs`): its blocks, bytes and per-stage bytes and seconds."""
-        op = record.kind.value
-        v = self._values
-        with self._lock:
-            v[f"{op}_calls"] += 1
-            v[f"{op}_blocks"] += record.blocks_total
-            v[f"{op}_blocks_ok"] += record.blocks_ok
-            v[f"{op}_bytes"] += record.nbytes
-            v[f"{op}_seconds"] += record.seconds
-            for stage, stage_record in record.stages.items():
-                key = f"{op}_stage_{stage.value}"
-                v[f"{key}_seconds"] = v.get(f"{key}_seconds", 0.0) + stage_record.seconds
-                v[f"{key}_bytes"] = v.get(f"{key}_bytes", 0) + stage_record.nbytes
 
     def record_exists(self, hits: int, total: int) -> None:
         with self._lock:
@@ -78,11 +44,19 @@ class CcMetrics:
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            out = dict(self._values)
+            out: dict[str, float] = dict(self._values)
+        for kind in JobKind:
+            op, totals = kind.value, self._jobs.totals(kind)
+            out[f"{op}_calls"] = totals.jobs
+            out[f"{op}_blocks"] = totals.blocks_total
+            out[f"{op}_blocks_ok"] = totals.blocks_ok
+            out[f"{op}_bytes"] = totals.nbytes
+            out[f"{op}_seconds"] = totals.seconds
+            out[f"{op}_gbps"] = totals.nbytes / totals.seconds / 1e9 if totals.seconds > 0 else 0.0
+            for stage, stage_record in totals.stages.items():
+                out[f"{op}_stage_{stage.value}_seconds"] = stage_record.seconds
+                out[f"{op}_stage_{stage.value}_bytes"] = stage_record.nbytes
         out["load_misses"] = out["load_blocks"] - out["load_blocks_ok"]
-        for op in ("save", "load"):
-            seconds = out[f"{op}_seconds"]
-            out[f"{op}_gbps"] = out[f"{op}_bytes"] / seconds / 1e9 if seconds > 0 else 0.0
         return out
 
     # ---- prometheus ----

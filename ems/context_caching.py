@@ -19,10 +19,9 @@ time per stage) once (no per-block work); they are registered with prometheus_cl
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -66,20 +65,28 @@ def _as_ems_exception(exc: Exception) -> EmsException:
     return EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
 
 
-@contextlib.contextmanager
-def _ems_errors(on_error: Callable[[], None] | None = None) -> Iterator[None]:
+class _EmsErrors:
     """Turn any `Exception` into an `EmsException` (EMS_INTERNAL_ERROR unless it already is one). `KeyboardInterrupt`,
     `SystemExit` and other `BaseException`s pass through unchanged: the caller's process must be able to stop.
-    `on_error` (the error counter) runs first for every `Exception`."""
-    try:
-        yield
-    except Exception as exc:
-        if on_error is not None:
-            on_error()
+    `on_error` (the error counter) runs first for every `Exception`. (A plain class: a generator-based context
+    manager costs several µs, and every call runs one or two.)"""
+
+    __slots__ = ("_on_error",)
+
+    def __init__(self, on_error: Callable[[], None] | None = None) -> None:
+        self._on_error = on_error
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or not isinstance(exc, Exception):
+            return
+        if self._on_error is not None:
+            self._on_error()
         converted = _as_ems_exception(exc)
-        if converted is exc:
-            raise
-        raise converted from exc
+        if converted is not exc:
+            raise converted from exc
 
 
 class ContextCaching:
@@ -100,9 +107,9 @@ class ContextCaching:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="ems-cc")
         self._inflight = threading.BoundedSemaphore(settings.max_inflight)
         self._closed = False
-        self._metrics = CcMetrics(cc_config.rank_id)
-        self._metrics.register()
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
+        self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
+        self._metrics.register()
 
     # ---------------------------------------------------------------- registration
 
@@ -170,9 +177,8 @@ class ContextCaching:
                 raise EmsException(error.status_code(), f"no pool node could be reached: {error.message()}")
 
     def _job_done(self, record: JobRecord) -> None:
-        """A finished job's record goes to the ledger and to the counters (`metrics()`): one account of each call."""
+        """A finished job's record goes to the ledger, the one account of each call (`metrics()` reads it)."""
         self.jobs.add(record)
-        self._metrics.record_job(record)
 
     # ---------------------------------------------------------------- save
 
@@ -187,7 +193,7 @@ class ContextCaching:
             request, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
         job = save_job(plan, device, backend, self._pool, self._staging, request.option, record, self._settings.chunk_bytes)
-        with _ems_errors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
+        with _EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
         def finish() -> CcResult:
@@ -214,7 +220,7 @@ class ContextCaching:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
         finish, _ = self._begin_save(args, kwargs)
-        with _ems_errors(self._metrics.record_error):
+        with _EmsErrors(self._metrics.record_error):
             return finish()
 
     @overload
@@ -285,7 +291,7 @@ class ContextCaching:
         `success` is the number of blocks, from the first, that were found and verified: exactly those are
         written; nothing after the first miss is touched."""
         request, plan, device, record = self._bind_load(args, kwargs)
-        with _ems_errors(self._metrics.record_error):
+        with _EmsErrors(self._metrics.record_error):
             return self._load(request, plan, device, record)
 
     @overload
@@ -317,7 +323,7 @@ class ContextCaching:
     def _submit(self, job: Callable[[], CcResult]) -> CcFuture:
         def run() -> CcResult:
             try:
-                with _ems_errors(self._metrics.record_error):
+                with _EmsErrors(self._metrics.record_error):
                     return job()
             finally:
                 self._inflight.release()

@@ -173,11 +173,6 @@ class JobLedger:
         with self._lock:
             return self._last[kind]
 
-    def reset(self) -> None:
-        with self._lock:
-            self._totals = {k: KindTotals() for k in JobKind}
-            self._last = {k: None for k in JobKind}
-
 
 def stage_table(records: list[JobRecord]) -> str:
     """A markdown table of the stages of `records` (one row per job and stage): bytes, ms, GB/s, share of the job."""

@@ -248,20 +248,23 @@ class EmbeddedSave:
 
     def _begin(self) -> None:
         plan, store, record = self.plan, self.store, self.record
-        sizes = plan.expected.payload_len + HEADER_SIZE
-        charges = np.fromiter(map(len, plan.keys), dtype=np.int64, count=plan.total) + sizes + ENTRY_OVERHEAD
-        too_big = np.flatnonzero(charges > store.capacity_bytes)
-        count = int(too_big[0]) if too_big.size else plan.total  # a value larger than the pool, and after: refused
-        payload = int(plan.expected.payload_len[:count].sum())
+        # Python ints: for the few values of a typical call they cost less than numpy's per-call overhead
+        sizes = (plan.expected.payload_len + HEADER_SIZE).tolist()
+        capacity = store.capacity_bytes
+        charges = [len(key) + size + ENTRY_OVERHEAD for key, size in zip(plan.keys, sizes)]
+        count = next((i for i, charge in enumerate(charges) if charge > capacity), plan.total)  # too big, and after: refused
+        payload = sum(sizes[:count]) - HEADER_SIZE * count
         with record.stage(Stage.GATHER, payload):
-            self._reserved = charges[:count].tolist()
+            self._reserved = charges[:count]
             self._buffers = buffers = store.allocate_many(sizes[:count], self._reserved)
             if not count:
                 return
             span: tuple[torch.Tensor, np.ndarray] | None = None
             if isinstance(plan, BlockPlan):  # a lone value is its own span
                 span = (
-                    (torch.from_numpy(buffers[0]), _AT_ZERO) if count == 1 else span_of(buffer_addresses(buffers), sizes[:count])
+                    (torch.from_numpy(buffers[0]), _AT_ZERO)
+                    if count == 1
+                    else span_of(buffer_addresses(buffers), np.asarray(sizes[:count], dtype=np.int64))
                 )
             if isinstance(plan, BlockPlan) and span is not None:
                 plan.gather_into(self.backend, span[0], span[1], count)

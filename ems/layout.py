@@ -13,6 +13,7 @@ bytes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,11 +58,11 @@ class RegisteredLayout:
     device: torch.device
     signature: int  # u64, XXH3 of every group's description
 
-    @property
+    @functools.cached_property
     def min_store_block_size(self) -> int:
         return min(g.store_block_size for g in self.groups)
 
-    @property
+    @functools.cached_property
     def min_num_slots(self) -> int:
         return min(g.planes.num_slots for g in self.groups)
 

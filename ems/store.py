@@ -317,8 +317,8 @@ class KvStore:
         recently evicted (a run that was allocated together comes back in its order), fresh ones from the arena
         back to back, so a caller usually finds them at the offsets of a packed layout and copies them in one
         operation. A `MemoryError` gives every reservation and buffer back."""
-        size_list = np.asarray(sizes, dtype=np.int64).tolist()
-        total = int(np.sum(reserves))
+        size_list = sizes.tolist() if isinstance(sizes, np.ndarray) else list(sizes)
+        total = sum(reserves)
         taken: list[np.ndarray] = []
         with self._lock:
             if total > 0 and size_list:

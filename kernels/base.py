@@ -207,7 +207,7 @@ def check_pieces(planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, wh
     staging as flat uint8. ValueError naming `what` on anything out of range (a bad piece is memory corruption)."""
     if stage.device != planes.device or not stage.is_contiguous():
         raise ValueError(f"{what} must be a contiguous tensor on {planes.device}")
-    flat = stage.reshape(-1).view(torch.uint8)
+    flat = stage if stage.dtype == torch.uint8 and stage.dim() == 1 else stage.reshape(-1).view(torch.uint8)
     if pieces.dtype == torch.int64 and pieces.device.type == "cpu" and not pieces.requires_grad:
         table = pieces.numpy()
     else:

@@ -65,7 +65,7 @@ def _gcd(values: np.ndarray, also: int = 0) -> int:
 
 def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_units: int, dtype: torch.dtype) -> torch.Tensor:
     """`rows` rows of `row_units` ints at `first` bytes + k * step_units of the flat uint8 buffer (a strided view)."""
-    width = torch.empty(0, dtype=dtype).element_size()
+    width = dtype.itemsize
     end = first + ((rows - 1) * step_units + row_units) * width
     return flat[first:end].view(dtype).as_strided((rows, row_units), (step_units, 1))
 
