@@ -208,19 +208,19 @@ def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotRequest
     offsets = int_array("offsets", b["offsets"])
     if len(offsets) != len(hashes):
         raise invalid_argument(f"len(hashes) ({len(hashes)}) != len(offsets) ({len(offsets)})")
-    if (offsets <= 0).any():
+    # scalar bounds first (a few reductions); the index of a culprit is looked up only on the error path
+    if int(offsets.min()) <= 0:
         i = _first(offsets <= 0)
         raise invalid_argument(f"offsets[{i}] = {int(offsets[i])}: each block holds at least one token")
     limit = layout.min_store_block_size
-    if (offsets > limit).any():
+    if int(offsets.max()) > limit:
         i = _first(offsets > limit)
         raise invalid_argument(f"offsets[{i}] = {int(offsets[i])} exceeds the store block size {limit}")
     if int(offsets.sum()) != len(slots):
         raise invalid_argument(f"sum(offsets) ({int(offsets.sum())}) != len(slot_mapping) ({len(slots)})")
     num_slots = layout.min_num_slots
-    bad = (slots < 0) | (slots >= num_slots)
-    if bad.any():
-        i = _first(bad)
+    if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
+        i = _first((slots < 0) | (slots >= num_slots))
         raise invalid_argument(f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})")
     if op is Operation.LOAD:
         _check_no_repeats("slot_mapping", slots)

@@ -130,16 +130,20 @@ class _Arena:
             self._closed = True
             self._wake.notify_all()
 
-    def take(self, nbytes: int) -> np.ndarray | None:
-        """`nbytes` of arena memory, or None when the arena is used up (caller holds the store's lock)."""
+    def take(self, nbytes: int, count: int = 1) -> list[np.ndarray]:
+        """Up to `count` buffers of `nbytes` of arena memory, back to back (each at `VALUE_LEAD` past an
+        `ARENA_ALIGN` boundary); fewer, or none, when the arena is used up (caller holds the store's lock)."""
+        step = (nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         start = (self.used - VALUE_LEAD + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN + VALUE_LEAD
-        if start + nbytes > self.size:
-            return None
-        self.used = start + nbytes
+        count = min(count, max(0, (self.size - start - nbytes) // step + 1))
+        if count <= 0:
+            return []
+        self.used = start + (count - 1) * step + nbytes
         if self.ahead > 0 and self.populated < min(self.size, self.used + self.ahead // 2):
             with self._wake:  # the background thread falls behind: wake it (it may already be running)
                 self._wake.notify()
-        return self.array[start : start + nbytes]
+        array = self.array
+        return [array[at : at + nbytes] for at in range(start, start + count * step, step)]
 
     def release(self, buffer: np.ndarray) -> None:
         """A buffer of this arena that will never be handed out again: give its whole pages back to the system
@@ -342,8 +346,8 @@ class KvStore:
                         taken.extend(run)
                         position += count
                         continue
-                    taken.append(self._take_buffer(nbytes))
-                    position += 1
+                    taken.extend(self._fresh_buffers(nbytes, same - position))
+                    position = same
             except BaseException:
                 self._used -= total
                 for buffer in taken:
@@ -377,11 +381,14 @@ class KvStore:
             self._spare_bytes -= nbytes
             self._stats.reused_buffers += 1
             return spares.pop()
-        if self._arena is not None:
-            buffer = self._arena.take(nbytes)
-            if buffer is not None:
-                return buffer
-        return _new_buffer(nbytes)
+        return self._fresh_buffers(nbytes, 1)[0]
+
+    def _fresh_buffers(self, nbytes: int, count: int) -> list[np.ndarray]:
+        """`count` new buffers of `nbytes` (lock held): back to back from the arena while it has room, then fresh
+        memory."""
+        taken = self._arena.take(nbytes, count) if self._arena is not None else []
+        taken.extend(_new_buffer(nbytes) for _ in range(count - len(taken)))
+        return taken
 
     def recycle(self, buffer: np.ndarray, reserved: int = 0) -> None:
         """Give back a buffer from `allocate` that was never stored and that the caller no longer uses (kept as a
