@@ -197,17 +197,6 @@ def span_of(addresses: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, n
     return raw_tensor(lo, hi - lo, torch.device("cpu")), addresses - lo
 
 
-_AT_ZERO = np.zeros(1, dtype=np.int64)
-_AT_ZERO.flags.writeable = False
-
-
-def _span_of_values(values: list[Any], lengths: np.ndarray) -> tuple[torch.Tensor, np.ndarray] | None:
-    """`span_of` stored values, for reading; a lone value is its own span (no address arithmetic)."""
-    if len(values) == 1:
-        return readable_tensor(values[0]), _AT_ZERO
-    return span_of(buffer_addresses(values), lengths)
-
-
 class SaveJob(Protocol):
     """One save: `begin()` takes every byte out of the engine's cache (then the engine may overwrite it),
     `finish()` stores them and returns the pool's outcome (which keys were acknowledged); `abandon()` gives
@@ -259,16 +248,12 @@ class EmbeddedSave:
             self._buffers = buffers = store.allocate_many(sizes[:count], self._reserved)
             if not count:
                 return
-            span: tuple[torch.Tensor, np.ndarray] | None = None
-            if isinstance(plan, BlockPlan):  # a lone value is its own span
-                span = (
-                    (torch.from_numpy(buffers[0]), _AT_ZERO)
-                    if count == 1
-                    else span_of(buffer_addresses(buffers), np.asarray(sizes[:count], dtype=np.int64))
-                )
+            span = None
+            if isinstance(plan, BlockPlan) and count > 1:
+                span = span_of(buffer_addresses(buffers), np.asarray(sizes[:count], dtype=np.int64))
             if isinstance(plan, BlockPlan) and span is not None:
                 plan.gather_into(self.backend, span[0], span[1], count)
-            else:  # V0 raw ranges (one copy each anyway), or buffers too far apart to view as one
+            else:  # one value (its own buffer), V0 raw ranges (one copy each anyway), or buffers too far apart
                 for i, buffer in enumerate(buffers):
                     plan.gather_value(self.backend, i, torch.from_numpy(buffer))
         with record.stage(Stage.ENCODE, payload):
@@ -432,11 +417,11 @@ class EmbeddedLoad:
             return 0, outcome
         with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
             span = None
-            if isinstance(plan, BlockPlan):
-                span = _span_of_values(values[:hits], plan.expected.payload_len[:hits] + HEADER_SIZE)
+            if isinstance(plan, BlockPlan) and hits > 1:
+                span = span_of(buffer_addresses(values[:hits]), plan.expected.payload_len[:hits] + HEADER_SIZE)
             if isinstance(plan, BlockPlan) and span is not None:
                 plan.scatter_from(self.backend, span[0], span[1], hits)
-            else:  # V0 raw ranges, or stored values too far apart to view as one
+            else:  # one value, V0 raw ranges, or stored values too far apart to view as one
                 for i in range(hits):
                     plan.scatter_value(self.backend, i, readable_tensor(cast(Buffer, values[i])))  # i < hits: present
         return hits, outcome

@@ -34,6 +34,7 @@ from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
 from ems.kernels.raw_memory import raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _MIN_OP_BYTES = 64 << 10  # below this per op, the two-pass path through a temporary is cheaper
 _MAX_SPAN = 1 << 47  # never view an address span larger than this (the whole user address space of x86-64)
 
@@ -87,6 +88,11 @@ class _PieceLayout:
     g: int  # gcd of every plane offset and stride (one_span): the table's row stride
     unit: int  # gcd of g, the lowest address and every plane's row bytes and token offset: divides every span
     tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
+    # one_span with one block and slot stride for every plane (what `_move_one_piece` needs, in table rows):
+    # plane p's slot s is row first_rows[p] + (s // block_size) * block_rows + (s % block_size) * slot_rows
+    first_rows: np.ndarray | None = None  # int64 [P]
+    block_rows: int = 0
+    slot_rows: int = 0
 
 
 def _piece_layout(planes: PlaneSet) -> _PieceLayout:
@@ -113,6 +119,9 @@ def _piece_layout(planes: PlaneSet) -> _PieceLayout:
         g=_gcd(np.concatenate([off, bstr, sstr])) or int(rbytes[0]),
         unit=_gcd(np.concatenate([off, bstr, sstr, rbytes, np.array(planes.plane_offsets, np.int64)]), lo),
     )
+    if one_span and len(set(planes.block_stride_bytes)) == 1 and len(set(planes.slot_stride_bytes)) == 1:
+        layout.first_rows = off // layout.g
+        layout.block_rows, layout.slot_rows = int(bstr[0]) // layout.g, int(sstr[0]) // layout.g
     planes.__dict__["_torch_piece_layout"] = layout  # lives and dies with the PlaneSet (never keeps a cache alive)
     return layout
 
@@ -201,17 +210,28 @@ def _one_span_rows(planes: PlaneSet, lay: _PieceLayout, length: int, width: int)
 
 def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torch.Tensor, gather: bool) -> int:
     """One piece (a one-block value) of every plane: P spans, the staging ones back to back at a constant step
-    (plane-major value): one op, a handful of numpy and torch calls (the per-call cost of a small save)."""
+    (plane-major value): one op. This is the per-call cost of a small save or load, so it is kept to Python ints,
+    two numpy expressions (the row indices: the layout's first rows plus one offset; the staged view) and the op."""
     start, count, base, tokens, index = piece
     blk, within = divmod(start, planes.block_size)
     row = int(lay.rbytes[0])
     length = count * row
     first = base + index * row
-    width = _widest([math.gcd(lay.unit, base), length, int(flat.data_ptr())])
+    common = math.gcd(lay.unit, base, length, flat.data_ptr())
+    width = min(common & -common, 8)  # the widest int (up to 8 bytes) dividing every address and length
     rows = _one_span_rows(planes, lay, length, width)
-    idx = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
-    staged = _spans_view(flat, first, planes.num_planes, length // width, tokens * row // width, rows.dtype)
-    _select_or_place(rows, idx, staged, gather)
+    # numpy for the index and the staged view: in a whole save call a torch op's dispatch costs several µs more
+    first_rows = lay.first_rows
+    if first_rows is not None:
+        index_rows = first_rows + (blk * lay.block_rows + within * lay.slot_rows)
+    else:
+        index_rows = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
+    units, step = length // width, tokens * row // width
+    staged = np.ndarray((planes.num_planes, units), _NP_INT_OF_WIDTH[width], flat.numpy(), first, (step * width, width))
+    if gather:
+        torch.index_select(rows, 0, torch.from_numpy(index_rows), out=torch.from_numpy(staged))
+    else:
+        rows.numpy()[index_rows] = staged  # numpy's indexed assignment: see `_select_or_place`
     return 1
 
 
