@@ -148,7 +148,8 @@ def int_array(name: str, value: object) -> np.ndarray:
         return np.fromiter((int(item) for item in source), dtype=np.int64, count=len(source))
     if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
         raise invalid_argument(f"{name} holds integers outside the int64 range")
-    return array.astype(np.int64, copy=True)
+    # a list's array is already the caller-independent copy; an array or tensor's is copied (the caller may reuse it)
+    return array.astype(np.int64, copy=items is None)
 
 
 def _describe_int(value: int) -> str:

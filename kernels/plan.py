@@ -61,12 +61,10 @@ def value_pieces(
     if s.size == 0:
         return np.zeros((5, 0), dtype=np.int64), np.zeros(0, dtype=np.int64)
     if bounds.size == 2:  # one value (a one-block call): one piece when its slots are one run inside a block
-        first_slot, last_slot = int(s[0]), int(s[-1])
-        if (
-            last_slot - first_slot == s.size - 1
-            and first_slot // block_size == last_slot // block_size
-            and (s.size < 3 or bool(np.all(np.diff(s) == 1)))
-        ):
+        first_slot = int(s[0])
+        last_slot = first_slot + s.size - 1
+        # a value holds at most a store block of tokens: comparing Python lists beats numpy's per-call overhead
+        if first_slot // block_size == last_slot // block_size and s.tolist() == list(range(first_slot, last_slot + 1)):
             table = np.array([[first_slot], [s.size], [int(part_base[0])], [s.size], [0]], dtype=np.int64)
             return table, np.zeros(1, dtype=np.int64)
     new = np.empty(s.size, dtype=bool)
