@@ -66,23 +66,30 @@ class JobRecord:
     blocks_total: int = 0
     nbytes: int = 0
     seconds: float = 0.0
-    stages: dict[Stage, StageRecord] = field(default_factory=dict)
+    _runs: list[tuple[Stage, int, float]] = field(default_factory=list, repr=False)  # (stage, bytes, seconds)
     _started: float = field(default_factory=time.perf_counter, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def stage(self, stage: Stage, nbytes: int = 0) -> StageTimer:
         """Time the body of a `with` as (one run of) `stage`, moving `nbytes`."""
         return StageTimer(self, stage, nbytes)
 
     def add(self, stage: Stage, nbytes: int, seconds: float) -> None:
-        """One run of `stage` (thread-safe: a pipelined job's chunks run stages on several threads)."""
-        with self._lock:
-            record = self.stages.get(stage)
+        """One run of `stage`. Thread-safe without a lock (a pipelined job's chunks run stages on several threads):
+        one `list.append`, summed when `stages` is read; a small call runs about five stages."""
+        self._runs.append((stage, nbytes, seconds))
+
+    @property
+    def stages(self) -> dict[Stage, StageRecord]:
+        """Per stage: bytes, seconds and runs so far."""
+        out: dict[Stage, StageRecord] = {}
+        for stage, nbytes, seconds in list(self._runs):
+            record = out.get(stage)
             if record is None:
-                record = self.stages[stage] = StageRecord()
-            record.seconds += seconds
+                record = out[stage] = StageRecord()
             record.nbytes += nbytes
+            record.seconds += seconds
             record.runs += 1
+        return out
 
     @property
     def stage_seconds(self) -> float:
