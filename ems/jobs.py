@@ -565,6 +565,11 @@ class StagedLoad:
         return hits, outcome
 
 
+def _embedded_store(pool: PoolBackend, device: torch.device) -> KvStore | None:
+    """The store a request's job works on directly (the one-pass path): the embedded pool's, for CPU tensors."""
+    return pool.local_store if device.type == "cpu" else None
+
+
 def save_job(
     plan: Plan,
     device: torch.device,
@@ -576,8 +581,8 @@ def save_job(
     chunk_bytes: int,
 ) -> SaveJob:
     """The save job for this request's path: embedded (CPU tensors, the embedded pool) or pipelined."""
-    store = pool.local_store
-    if store is not None and device.type == "cpu":
+    store = _embedded_store(pool, device)
+    if store is not None:
         return EmbeddedSave(plan, backend, store, record)
     return PipelinedSave(plan, device, backend, pool, staging, option, record, chunk_bytes)
 
@@ -593,8 +598,8 @@ def load_job(
     chunk_bytes: int,
 ) -> LoadJob:
     """The load job for this request's path: embedded, pipelined (V1) or staged (V0 from pool nodes)."""
-    store = pool.local_store
-    if store is not None and device.type == "cpu":
+    store = _embedded_store(pool, device)
+    if store is not None:
         return EmbeddedLoad(plan, backend, store, record)
     if isinstance(plan, BlockPlan):
         return PipelinedLoad(plan, device, backend, pool, staging, option, record, chunk_bytes)
