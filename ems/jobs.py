@@ -266,7 +266,7 @@ class EmbeddedSave:
             buffers, reserved = self._buffers, self._reserved
             self._buffers, self._reserved = [], []  # the store owns them now (reservations released)
             count = len(buffers)
-            with self.record.stage(Stage.SEND, int(plan.expected.payload_len[:count].sum()) + HEADER_SIZE * count):
+            with self.record.stage(Stage.SEND, sum(map(len, buffers))):
                 self.store.put_owned_many(plan.keys[:count], buffers, reserved)
             del buffers
             outcome = PoolOutcome([True] * count + [False] * (plan.total - count))  # after: larger than the pool
