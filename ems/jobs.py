@@ -38,6 +38,7 @@ miss, and gives back every buffer and lease on every path.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import functools
 import threading
@@ -175,14 +176,15 @@ def readable_tensor(value: Buffer) -> torch.Tensor:
 
 def buffer_addresses(values: list[Any]) -> np.ndarray:
     """int64 `[n]`: the address of each buffer's first byte (numpy arrays, or memoryviews of whole ones)."""
-    out = np.empty(len(values), dtype=np.int64)
-    for i, value in enumerate(values):
+    addresses = []
+    for value in values:
         owner = value.obj if isinstance(value, memoryview) else value
-        if isinstance(owner, np.ndarray) and owner.nbytes == len(value):
-            out[i] = owner.ctypes.data
+        if isinstance(owner, np.ndarray) and owner.nbytes == len(value) and owner.nbytes and owner.flags.writeable:
+            # a ctypes view of a writable buffer: about 3x cheaper than `ndarray.ctypes.data` (once per value)
+            addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(owner)))
         else:
-            out[i] = np.frombuffer(value, dtype=np.uint8).ctypes.data
-    return out
+            addresses.append(np.frombuffer(value, dtype=np.uint8).ctypes.data)
+    return np.array(addresses, dtype=np.int64)
 
 
 def span_of(addresses: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, np.ndarray] | None:
