@@ -45,11 +45,6 @@ class StageRecord:
     seconds: float = 0.0
     runs: int = 0
 
-    def add(self, other: StageRecord) -> None:
-        self.nbytes += other.nbytes
-        self.seconds += other.seconds
-        self.runs += other.runs
-
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -78,17 +73,15 @@ class JobRecord:
         one `list.append`, summed when `stages` is read; a small call runs about five stages."""
         self._runs.append((stage, nbytes, seconds))
 
+    def runs(self) -> list[tuple[Stage, int, float]]:
+        """Every stage run so far, in order: (stage, bytes, seconds)."""
+        return list(self._runs)
+
     @property
     def stages(self) -> dict[Stage, StageRecord]:
         """Per stage: bytes, seconds and runs so far."""
         out: dict[Stage, StageRecord] = {}
-        for stage, nbytes, seconds in list(self._runs):
-            record = out.get(stage)
-            if record is None:
-                record = out[stage] = StageRecord()
-            record.nbytes += nbytes
-            record.seconds += seconds
-            record.runs += 1
+        _sum_runs(out, self.runs())
         return out
 
     @property
@@ -109,6 +102,17 @@ class JobRecord:
             f"{self.kind.value} {self.blocks_ok}/{self.blocks_total} blocks, {self.nbytes} bytes, "
             f"{1e3 * self.seconds:.2f} ms ({self.path}): {stages}"
         )
+
+
+def _sum_runs(stages: dict[Stage, StageRecord], runs: list[tuple[Stage, int, float]]) -> None:
+    """Add stage runs (stage, bytes, seconds) into per-stage sums."""
+    for stage, nbytes, seconds in runs:
+        total = stages.get(stage)
+        if total is None:
+            total = stages[stage] = StageRecord()
+        total.nbytes += nbytes
+        total.seconds += seconds
+        total.runs += 1
 
 
 class StageTimer:
@@ -159,8 +163,7 @@ class JobLedger:
             totals.blocks_total += record.blocks_total
             totals.nbytes += record.nbytes
             totals.seconds += record.seconds
-            for stage, stage_record in record.stages.items():
-                totals.stages.setdefault(stage, StageRecord()).add(stage_record)
+            _sum_runs(totals.stages, record.runs())
             self._last[record.kind] = record
 
     def totals(self, kind: JobKind) -> KindTotals:

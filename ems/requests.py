@@ -190,6 +190,8 @@ def _first(mask: np.ndarray) -> int:
 
 def _check_no_repeats(name: str, slots: np.ndarray) -> None:
     """A load must not write one slot twice (which copy would win is undefined)."""
+    if slots.size <= 256 and len(set(slots.tolist())) == slots.size:
+        return  # a small request without repeats (the usual case): a Python set costs less than a sort here
     order = np.argsort(slots, kind="stable")
     repeated = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
     if repeated.size:
