@@ -124,6 +124,11 @@ def int_array(name: str, value: object) -> np.ndarray:
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise invalid_argument(f"{name} must hold integers, got a {value.dtype} tensor")
         array = value.detach().to("cpu").numpy()
+    elif isinstance(value, (list, tuple)) and len(value) <= 64 and all(type(item) is int for item in value):
+        try:  # a short list of plain ints (the usual small call): no type inference, no bool scan
+            return np.array(value, dtype=np.int64)
+        except OverflowError:
+            array = np.asarray(value, dtype=object)  # outside int64: reported below, item by item
     elif isinstance(value, (list, tuple, np.ndarray)):
         try:
             array = np.asarray(value)
@@ -184,6 +189,15 @@ def _hashes(value: object) -> list[int]:
     return hashes
 
 
+def _min_max_sum(array: np.ndarray) -> tuple[int, int, int]:
+    """min, max and sum of a non-empty int64 array; Python's builtins for a short one (where numpy's per-call
+    overhead is the larger cost), exact either way for the sizes a request has."""
+    if array.size <= 64:
+        items = array.tolist()
+        return min(items), max(items), sum(items)
+    return int(array.min()), int(array.max()), int(array.sum())
+
+
 def _first(mask: np.ndarray) -> int:
     return int(np.argmax(mask))
 
@@ -211,18 +225,20 @@ def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotRequest
     offsets = int_array("offsets", b["offsets"])
     if len(offsets) != len(hashes):
         raise invalid_argument(f"len(hashes) ({len(hashes)}) != len(offsets) ({len(offsets)})")
-    # scalar bounds first (a few reductions); the index of a culprit is looked up only on the error path
-    if int(offsets.min()) <= 0:
+    # scalar bounds first; the index of a culprit is looked up only on the error path
+    low, high, total = _min_max_sum(offsets)
+    if low <= 0:
         i = _first(offsets <= 0)
         raise invalid_argument(f"offsets[{i}] = {int(offsets[i])}: each block holds at least one token")
     limit = layout.min_store_block_size
-    if int(offsets.max()) > limit:
+    if high > limit:
         i = _first(offsets > limit)
         raise invalid_argument(f"offsets[{i}] = {int(offsets[i])} exceeds the store block size {limit}")
-    if int(offsets.sum()) != len(slots):
-        raise invalid_argument(f"sum(offsets) ({int(offsets.sum())}) != len(slot_mapping) ({len(slots)})")
+    if total != len(slots):
+        raise invalid_argument(f"sum(offsets) ({total}) != len(slot_mapping) ({len(slots)})")
     num_slots = layout.min_num_slots
-    if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
+    low, high, _ = _min_max_sum(slots)
+    if low < 0 or high >= num_slots:
         i = _first((slots < 0) | (slots >= num_slots))
         raise invalid_argument(f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})")
     if op is Operation.LOAD:
