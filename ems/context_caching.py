@@ -356,6 +356,11 @@ class ContextCaching:
             if self._layout is None:
                 raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
             keys, route_keys = v1_keys(self._v1_namespace, items)
+        store = self._pool.local_store
+        if store is not None:  # the embedded pool: its index answers directly (as the one-pass jobs use it)
+            result = CcResult(consecutive_prefix(store.contains_many(keys)), len(keys))
+            self._metrics.record_exists(result.success, result.total)
+            return result
         try:
             outcome = self._pool.exists(route_keys, keys, checked_option)
         except Exception as exc:  # the contract: a failing pool is a miss, not an exception

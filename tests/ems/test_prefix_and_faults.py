@@ -380,7 +380,9 @@ def test_staging_allocation_failure_is_an_ems_exception(cc, method, monkeypatch)
     assert cc.get_result(cc.async_save(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 2**62)]])).success == 0
     store = Ems._pool.nodes[0].store
     used = store.stats().used_bytes
-    monkeypatch.setattr("ems.store.KvStore._take_buffer", lambda self, nbytes: (_ for _ in ()).throw(MemoryError("no memory")))
+    monkeypatch.setattr(
+        "ems.store.KvStore._fresh_buffers", lambda self, nbytes, count: (_ for _ in ()).throw(MemoryError("no memory"))
+    )
     with pytest.raises(EmsException) as info:
         getattr(cc, method)(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 64)]])
     assert info.value.status_code() == EmsErrorCode.EMS_INTERNAL_ERROR
