@@ -63,20 +63,20 @@ class GroupRegion:
     piece_start: np.ndarray  # int64 [n + 1]: value i's pieces are pieces[:, piece_start[i] : piece_start[i + 1]]
     piece_value: np.ndarray  # int64 [N]
 
-    def absolute(self, value_start: np.ndarray, a: int, b: int) -> torch.Tensor:
+    def absolute(self, value_start: np.ndarray, a: int, b: int) -> np.ndarray:
         """The pieces of values a..b-1 with bases in staging (value i at value_start[i])."""
         start, end = int(self.piece_start[a]), int(self.piece_start[b])
         table = self.pieces[:, start:end].copy()
         table[2] += value_start[self.piece_value[start:end]]
-        return torch.from_numpy(table)
+        return table
 
     def has_pieces(self, a: int, b: int) -> bool:
         """Whether values a..b-1 hold any of this group's tokens."""
         return bool(self.piece_start[b] > self.piece_start[a])
 
-    def of_value(self, i: int) -> torch.Tensor:
+    def of_value(self, i: int) -> np.ndarray:
         """Value i's pieces with bases inside the value (for a buffer holding just that value)."""
-        return torch.from_numpy(self.pieces[:, int(self.piece_start[i]) : int(self.piece_start[i + 1])])
+        return self.pieces[:, int(self.piece_start[i]) : int(self.piece_start[i + 1])]
 
 
 @dataclass(frozen=True)

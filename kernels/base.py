@@ -165,6 +165,10 @@ class PlaneSet:
         return tuple(s * e for s, e in zip(self.slot_strides, self.plane_element_sizes))
 
 
+# a piece table: int64 `[5, N]` on the host (see `CopyBackend.gather_pieces`)
+PieceTable = np.ndarray | torch.Tensor
+
+
 class CopyBackend(abc.ABC):
     """Moves token rows between a `PlaneSet` and value-major staging (and raw segments) on the same device."""
 
@@ -186,15 +190,16 @@ class CopyBackend(abc.ABC):
         """The inverse of `gather_segments`: bytes at ptrs[i] = src[sum(lengths[:i]) : ... + lengths[i]]."""
 
     @abc.abstractmethod
-    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+    def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, gather: bool) -> None:
         """gather: plane rows of every piece into value-major staging; otherwise the inverse (see the docstring)."""
 
-    def gather_pieces(self, planes: PlaneSet, pieces: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy every piece (int64 `[5, N]` CPU: start slot, count, base, value tokens, index in value) of every
-        plane into value-major staging `out` (contiguous, any dtype); bytes no piece names are left unchanged."""
+    def gather_pieces(self, planes: PlaneSet, pieces: PieceTable, out: torch.Tensor) -> None:
+        """Copy every piece (int64 `[5, N]` on the host, a numpy array or a CPU tensor: start slot, count, base,
+        value tokens, index in value) of every plane into value-major staging `out` (contiguous, any dtype); bytes
+        no piece names are left unchanged."""
         self._pieces(planes, pieces, out, gather=True)
 
-    def scatter_pieces(self, planes: PlaneSet, pieces: torch.Tensor, src: torch.Tensor) -> None:
+    def scatter_pieces(self, planes: PlaneSet, pieces: PieceTable, src: torch.Tensor) -> None:
         """The inverse of `gather_pieces`: writes exactly the rows the pieces name, nothing else."""
         self._pieces(planes, pieces, src, gather=False)
 
@@ -202,13 +207,15 @@ class CopyBackend(abc.ABC):
         return self.name
 
 
-def check_pieces(planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, what: str) -> tuple[np.ndarray, torch.Tensor]:
+def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, what: str) -> tuple[np.ndarray, torch.Tensor]:
     """Validate a piece table against the planes and the staging buffer; return it as int64 numpy `[5, N]` and the
     staging as flat uint8. ValueError naming `what` on anything out of range (a bad piece is memory corruption)."""
     if stage.device != planes.device or not stage.is_contiguous():
         raise ValueError(f"{what} must be a contiguous tensor on {planes.device}")
     flat = stage if stage.dtype == torch.uint8 and stage.dim() == 1 else stage.reshape(-1).view(torch.uint8)
-    if pieces.dtype == torch.int64 and pieces.device.type == "cpu" and not pieces.requires_grad:
+    if isinstance(pieces, np.ndarray):  # the planner's own tables (no round trip through torch)
+        table = pieces if pieces.dtype == np.int64 else pieces.astype(np.int64)
+    elif pieces.dtype == torch.int64 and pieces.device.type == "cpu" and not pieces.requires_grad:
         table = pieces.numpy()
     else:
         table = pieces.detach().to("cpu", torch.int64).numpy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
+from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
 from ems.kernels.raw_memory import raw_tensor
 from ems.kernels.torch_backend import plane_rows
 
@@ -23,7 +23,7 @@ class MemcpyBackend(CopyBackend):
     def __init__(self) -> None:
         self.ops_issued = 0
 
-    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+    def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, gather: bool) -> None:
         table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")
         views = [plane_rows(planes, p).view(torch.uint8) for p in range(planes.num_planes)]  # [blocks, bs, row_bytes]
         contiguous = [s == r for s, r in zip(planes.slot_strides, planes.plane_row_elems)]

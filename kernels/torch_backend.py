@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
+from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
 from ems.kernels.raw_memory import raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -283,7 +283,7 @@ class TorchBackend(CopyBackend):
     def __init__(self) -> None:
         self.ops_issued = 0
 
-    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+    def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, gather: bool) -> None:
         table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")
         if table.shape[1]:
             self.ops_issued += move_pieces(planes, table, flat, gather)

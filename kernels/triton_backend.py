@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PlaneSet, check_pieces
+from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
 from ems.kernels.plan import split_segments
 from ems.kernels.torch_backend import TorchBackend
 
@@ -230,7 +230,7 @@ class TritonBackend(CopyBackend):
         return self._torch()
 
     # ---------------------------------------------------------------- pieces (value-major staging)
-    def _pieces(self, planes: PlaneSet, pieces: torch.Tensor, stage: torch.Tensor, gather: bool) -> None:
+    def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, gather: bool) -> None:
         what = "out" if gather else "src"
         self._check_device(stage)
         self._check_device(planes.planes[0])
