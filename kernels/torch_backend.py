@@ -228,10 +228,12 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
         index_rows = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
     units, step = length // width, tokens * row // width
     staged = np.ndarray((planes.num_planes, units), _NP_INT_OF_WIDTH[width], flat.numpy(), first, (step * width, width))
-    if gather:
-        torch.index_select(rows, 0, torch.from_numpy(index_rows), out=torch.from_numpy(staged))
-    else:
+    if not gather:
         rows.numpy()[index_rows] = staged  # numpy's indexed assignment: see `_select_or_place`
+    elif staged.nbytes < _MIN_OP_BYTES:  # a small value: numpy's indexing costs less per call than a torch op
+        staged[...] = rows.numpy()[index_rows]
+    else:
+        torch.index_select(rows, 0, torch.from_numpy(index_rows), out=torch.from_numpy(staged))
     return 1
 
 
