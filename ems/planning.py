@@ -279,6 +279,10 @@ def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
     return shape
 
 
+_ONE_PIECE_START = np.arange(2, dtype=np.int64)  # a one-value request of one piece (shared: read-only)
+_ONE_PIECE_START.flags.writeable = False
+
+
 def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
     keys, route_keys = v1_keys(namespace, request.hashes)
     n = request.total
@@ -293,7 +297,7 @@ def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, n
         slots = request.slots if isinstance(request, SlotRequest) else _expand_runs(request.starts[g], request.lengths[g])
         table, value = value_pieces(slots, group.planes.block_size, shape.token_start[g], shape.part_offset[:, g])
         piece_start = (
-            np.arange(2, dtype=np.int64)
+            _ONE_PIECE_START
             if n == 1 and value.size == 1
             else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64)
         )

@@ -46,6 +46,10 @@ def split_segments(offsets: np.ndarray, lengths: np.ndarray, chunk: int) -> tupl
     return offsets[seg] + pos, length.astype(np.int64), dst_first[seg] + pos
 
 
+_VALUE_ZERO = np.zeros(1, dtype=np.int64)  # the one piece of a one-value request belongs to value 0 (read-only)
+_VALUE_ZERO.flags.writeable = False
+
+
 def value_pieces(
     slots: np.ndarray, block_size: int, tok_start: np.ndarray, part_base: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -65,8 +69,8 @@ def value_pieces(
         last_slot = first_slot + s.size - 1
         # a value holds at most a store block of tokens: comparing Python lists beats numpy's per-call overhead
         if first_slot // block_size == last_slot // block_size and s.tolist() == list(range(first_slot, last_slot + 1)):
-            table = np.array([[first_slot], [s.size], [int(part_base[0])], [s.size], [0]], dtype=np.int64)
-            return table, np.zeros(1, dtype=np.int64)
+            table = np.array((first_slot, s.size, int(part_base[0]), s.size, 0), dtype=np.int64).reshape(5, 1)
+            return table, _VALUE_ZERO
     new = np.empty(s.size, dtype=bool)
     new[0] = True
     new[1:] = (s[1:] != s[:-1] + 1) | (s[1:] % block_size == 0)
