@@ -72,19 +72,19 @@ class PlaneSet:
                     f"{tuple(first.shape)} on {first.device}"
                 )
 
-    @property
+    @functools.cached_property
     def num_planes(self) -> int:
         return len(self.planes)
 
-    @property
+    @functools.cached_property
     def num_blocks(self) -> int:
         return int(self.planes[0].shape[0])
 
-    @property
+    @functools.cached_property
     def block_size(self) -> int:
         return int(self.planes[0].shape[1])
 
-    @property
+    @functools.cached_property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
