@@ -118,13 +118,16 @@ def _option(value: object, required: bool) -> CcKvOption:
     return value
 
 
+_PLAIN_INT = {int}  # the item types of a list taken without numpy's type inference (bool is not int here)
+
+
 def int_array(name: str, value: object) -> np.ndarray:
     """An int64 numpy copy of a list/tuple/ndarray/tensor of integers; floats, bools and strings are refused."""
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise invalid_argument(f"{name} must hold integers, got a {value.dtype} tensor")
         array = value.detach().to("cpu").numpy()
-    elif isinstance(value, (list, tuple)) and len(value) <= 64 and all(type(item) is int for item in value):
+    elif isinstance(value, (list, tuple)) and len(value) <= 64 and set(map(type, value)) <= _PLAIN_INT:
         try:  # a short list of plain ints (the usual small call): no type inference, no bool scan
             return np.array(value, dtype=np.int64)
         except OverflowError:
