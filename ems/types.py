@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
 
+from ems.deadline import MAX_TIMEOUT_MS  # noqa: F401 - re-exported: the longest wait a request honours
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 
 MAX_KEY_CHARS = 127  # a V0 PrimaryKey field is "under 128 characters"
 # a V0 plain-str key (the SDK's older form, e.g. "vllm@tenant@pp1@tp1@0@<hash>"), in UTF-8 bytes: well within the
 # wire protocol's key size once the 17-byte namespace is in front
 MAX_STR_KEY_BYTES = 1024
-MAX_TIMEOUT_MS = 365 * 24 * 3600 * 1000  # the longest wait a request honours: larger timeouts (and 0) mean this
 
 V0Key = Union["PrimaryKey", str]
 

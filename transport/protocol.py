@@ -93,6 +93,12 @@ MAX_DATA_BYTES = 4 << 30  # all data frames of one request or reply
 MAX_DATA_FRAMES = 4 * MAX_KEYS  # data frames of one PUT
 MAX_ID_BYTES = 512  # access_id
 
+# What each key of a request costs of its meta frame (the layouts below): a PUT's value length u64 and key length
+# u32 (and a u64 per data frame), a GET's or EXISTS's key length u32; plus the key's bytes.
+PUT_META_PER_KEY = 12
+PUT_META_PER_FRAME = 8
+KEY_META_PER_KEY = 4
+
 SEGMENT_BYTES = 1 << 20  # values this large travel alone; smaller ones are packed up to about this size
 HEAD_BYTES = 8 << 10  # the largest head message of the inline framing (header + meta + small data + padding)
 MAX_REQUEST_ID = (1 << 32) - 1
@@ -199,6 +205,78 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
     if data_len > MAX_DATA_BYTES:
         raise ProtocolError(f"{data_len} data bytes in one request, limit {MAX_DATA_BYTES}")
     return Header(op=op, status=status, flags=flags, count=count, meta_len=meta_len, data_len=data_len, request_id=request_id)
+
+
+# ---- request limits ----
+
+Costs = tuple[np.ndarray, np.ndarray, np.ndarray]  # per key: data bytes, meta bytes, data frames (int64 each)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The most one request to one node may carry, and what each key costs of it: the one place request limits are
+    decided. The pool client cuts a call's keys into requests with `batches`, the jobs cut a request into chunks
+    with the same (`capped` to their chunk size), and the costs are the wire's meta layout (`put_costs`,
+    `key_costs`), so no layer above the protocol knows it. `WIRE_LIMITS` is this protocol's; a backend with other
+    limits (Mooncake) makes its own."""
+
+    max_keys: int = MAX_KEYS
+    max_data_bytes: int = MAX_DATA_BYTES
+    max_meta_bytes: int = MAX_META_BYTES
+    max_data_frames: int = MAX_DATA_FRAMES
+
+    def capped(self, max_data_bytes: int) -> RequestLimits:
+        """These limits with at most `max_data_bytes` of data per request."""
+        return RequestLimits(self.max_keys, min(self.max_data_bytes, max_data_bytes), self.max_meta_bytes, self.max_data_frames)
+
+    @staticmethod
+    def put_costs(key_lens: np.ndarray, value_bytes: np.ndarray, frames: np.ndarray) -> Costs:
+        """Per key of a PUT: its value's bytes, its meta bytes and its data frames (`frames`: the value's parts)."""
+        frames = np.asarray(frames, dtype=np.int64)
+        meta = np.asarray(key_lens, dtype=np.int64) + PUT_META_PER_KEY + PUT_META_PER_FRAME * frames
+        return np.asarray(value_bytes, dtype=np.int64), meta, frames
+
+    @staticmethod
+    def key_costs(key_lens: np.ndarray, reply_bytes: np.ndarray | None = None) -> Costs:
+        """Per key of a GET or EXISTS: the reply bytes it is expected to bring (`reply_bytes`, None: none known), its
+        meta bytes, no data frames."""
+        meta = np.asarray(key_lens, dtype=np.int64) + KEY_META_PER_KEY
+        data = np.zeros(meta.size, dtype=np.int64) if reply_bytes is None else np.asarray(reply_bytes, dtype=np.int64)
+        return data, meta, np.zeros(meta.size, dtype=np.int64)
+
+    def batches(self, costs: Costs) -> list[slice]:
+        """Consecutive slices of the keys (per key: data bytes, meta bytes, data frames) such that each slice keeps
+        every limit; a key that alone exceeds one still travels, alone (the node then refuses it)."""
+        data, meta, frames = costs
+        n = len(data)
+        if (  # the common call: one request
+            0 < n <= self.max_keys
+            and int(data.sum()) <= self.max_data_bytes
+            and int(meta.sum()) <= self.max_meta_bytes
+            and int(frames.sum()) <= self.max_data_frames
+        ):
+            return [slice(0, n)]
+        cums = [np.concatenate(([0], np.cumsum(c, dtype=np.int64))) for c in (data, meta, frames)]
+        caps = (self.max_data_bytes, self.max_meta_bytes, self.max_data_frames)
+        batches: list[slice] = []
+        start = 0
+        while start < n:
+            end = min(n, start + self.max_keys)
+            for cum, cap in zip(cums, caps):
+                # the largest end with cum[end] - cum[start] <= cap
+                end = min(end, int(np.searchsorted(cum, cum[start] + cap, side="right")) - 1)
+            end = max(end, start + 1)
+            batches.append(slice(start, end))
+            start = end
+        return batches
+
+
+WIRE_LIMITS = RequestLimits()
+
+
+def key_lens(keys: Sequence[bytes]) -> np.ndarray:
+    """int64 byte length of each key."""
+    return np.fromiter((len(k) for k in keys), dtype=np.int64, count=len(keys))
 
 
 # ---- the inline framing ----

@@ -1,7 +1,8 @@
 """The node's side of same-host shared memory (`transport/shm.py` has the protocol and the security model).
 
 Contract:
-* `ShmService(settings, server)` belongs to one `PoolServer`. `start()` listens on a fresh abstract Unix socket
+* `ShmService(settings, handlers)` belongs to one node's `NodeHandlers` (its store, budget and worker threads).
+  `start()` listens on a fresh abstract Unix socket
   (a random name, so no other process can predict it or take it first); `stop()` closes it and every region.
 * `serve(channel, prefix)` answers SHM_OPEN, SHM_PUT and SHM_GET of one authenticated connection (keys in the
   tenant's namespace `prefix`, as every request). SHM_OPEN makes the connection's region (a fresh sealed memfd),
@@ -10,7 +11,7 @@ Contract:
 * `forget(conn)` drops a connection's region when the connection ends (the server calls it on every path): its
   pending token dies with it, and the memory goes once no copy still uses it (the client's mapping keeps its own
   reference to the pages until it unmaps).
-* Copies of more than OFFLOAD_BYTES run on the server's worker threads; the node keeps a reference to every value
+* Copies of more than `node_handlers.OFFLOAD_BYTES` run on the handlers' worker threads; the node keeps a reference to every value
   it copies, so the store never recycles a buffer under a copy. The bytes a request copies count against the
   node's in-flight budget like a UCX request's, with the same answers: a PUT that cannot get room is refused
   (BAD_REQUEST, the connection closed), a GET's values beyond the room are misses.
@@ -32,11 +33,10 @@ import numpy as np
 from ems.transport import protocol, shm
 
 if TYPE_CHECKING:
-    from ems.transport.ucx_server import PoolServer, _Channel
+    from ems.transport.node_handlers import NodeHandlers, RequestChannel
 
 log = logging.getLogger("ems.pool")
 
-OFFLOAD_BYTES = 4 << 20  # copies larger than this leave the event loop
 TOKEN_TTL_S = 10.0  # a token not presented within this long is void
 HANDOVER_TIMEOUT_S = 2.0  # a Unix-socket peer must send its token within this long
 MAX_HANDOVERS = 64  # Unix-socket peers served at once; more are closed at once
@@ -62,9 +62,9 @@ class _Region:
 class ShmService:
     """Regions of one node's connections; see the module docstring."""
 
-    def __init__(self, settings: shm.ShmSettings, server: PoolServer) -> None:
+    def __init__(self, settings: shm.ShmSettings, handlers: NodeHandlers) -> None:
         self.settings = settings
-        self.server = server
+        self.handlers = handlers
         self.name = b"\0ems-shm-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
         self._regions: dict[Any, _Region] = {}  # connection -> its region
         self._tokens: dict[bytes, _Region] = {}
@@ -114,7 +114,7 @@ class ShmService:
 
     # ---- requests ----
 
-    async def serve(self, channel: _Channel, prefix: bytes) -> int:
+    async def serve(self, channel: RequestChannel, prefix: bytes) -> int:
         """Serve one SHM_* request; the value bytes it moved."""
         header = channel.header
         if header.data_len:
@@ -131,7 +131,7 @@ class ShmService:
             return await self._put(channel, region, keys, request)
         return await self._get(channel, region, keys, request)
 
-    async def _open(self, channel: _Channel, creds: tuple[int, int]) -> None:
+    async def _open(self, channel: RequestChannel, creds: tuple[int, int]) -> None:
         conn = channel.conn
         self.forget(conn)  # a connection has at most one region
         size = self.settings.region_bytes
@@ -151,22 +151,19 @@ class ShmService:
                 reply = shm.OpenReply(token, array.nbytes, os.getpid(), self.name)
         await channel.reply(protocol.Op.SHM_OPEN, meta=shm.encode_open_reply(reply))
 
-    async def _room(self, nbytes: int) -> bool:
-        return nbytes <= self.server.budget.total and await self.server.budget.acquire(nbytes, self.server.limits.stall_timeout_s)
-
-    async def _put(self, channel: _Channel, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
+    async def _put(self, channel: RequestChannel, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
         total = int(request.lens.sum())
-        await self.server._take(total)  # as a UCX PUT: refused (and the connection closed) when it cannot fit
+        await self.handlers.take(total)  # as a UCX PUT: refused (and the connection closed) when it cannot fit
         try:
             stored = await self._copy(total, self._store, region, keys, request)
         finally:
-            self.server.budget.release(total)
+            self.handlers.budget.release(total)
         await channel.reply(protocol.Op.SHM_PUT, count=len(keys), meta=protocol.encode_flags(stored))
         return total
 
     def _store(self, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> list[bool]:
         """Copy each value out of the region into a buffer of the store's, which checks it before keeping it."""
-        store = self.server.store
+        store = self.handlers.store
         stored: list[bool] = []
         refused: list[np.ndarray] = []  # for the metrics: a refused value may be a damaged one
         for key, offset, n in zip(keys, request.offsets.tolist(), request.lens.tolist()):
@@ -183,16 +180,16 @@ class ShmService:
             stored.append(store.put_owned(key, buffer, reserved=charge))
             if not stored[-1]:
                 refused.append(buffer)
-        if refused and self.server.metrics is not None:
-            self.server.metrics.count_damaged(refused, [False] * len(refused))
+        if refused and self.handlers.metrics is not None:
+            self.handlers.metrics.count_damaged(refused, [False] * len(refused))
         return stored
 
-    async def _get(self, channel: _Channel, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
-        values = await self.server.lookup_values(keys)  # off the event loop when it may read a disk
+    async def _get(self, channel: RequestChannel, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
+        values = await self.handlers.lookup_values(keys)  # off the event loop when it may read a disk
         lens = np.fromiter((-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values))
         placed = (lens == request.lens) & (lens > 0)
         total = int(lens[placed].sum())
-        if not await self._room(total):
+        if not await self.handlers.room(total):
             log.warning("shared-memory GET from %s answered with misses: no room for %d bytes", channel.conn.peer, total)
             lens[:] = -1
             placed[:] = False
@@ -202,7 +199,7 @@ class ShmService:
                 chosen = [(v, o) for v, o, p in zip(values, request.offsets.tolist(), placed.tolist()) if p]
                 await self._copy(total, _place, region, chosen)
         finally:
-            self.server.budget.release(total)
+            self.handlers.budget.release(total)
         del values
         await channel.reply(protocol.Op.SHM_GET, count=len(keys), meta=lens.astype("<i8").tobytes())
         return total
@@ -210,10 +207,7 @@ class ShmService:
     async def _copy(self, nbytes: int, fn: Any, region: _Region, *args: Any) -> Any:
         """Run a copy over `region` on the loop (small) or a worker thread (large); the region's mapping is
         referenced until the copy has ended, whatever happens to the connection meanwhile."""
-        if nbytes > OFFLOAD_BYTES:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.server._executor, fn, region, *args)
-        return fn(region, *args)
+        return await self.handlers.offload(nbytes, fn, region, *args)
 
     # ---- handing the descriptor over ----
 

@@ -18,7 +18,7 @@ Contract:
 * `--listen HOST:PORT` binds there: a wildcard HOST (0.0.0.0, ::) listens on every interface; a specific address
   binds the UCX listener to it (`transport.ucx_listener`) and limits UCX's data connections to its interface
   (UCX_NET_DEVICES, unless set); when UCX cannot listen there, the node exits with status 1 and UCX's reason.
-* Limits (`ems.transport.ucx_server.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
+* Limits (`ems.transport.node_budget.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
@@ -50,8 +50,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ems.transport.node_budget import NodeLimits
+    from ems.transport.node_handlers import NodeStore
     from ems.transport.shm import ShmSettings
-    from ems.transport.ucx_server import NodeLimits, NodeStore
 
 _ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -321,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if capacity <= 0:
             raise ValueError("--capacity must be > 0")
         keys = load_keys(args.keys_file)
-        from ems.transport.ucx_server import NodeLimits
+        from ems.transport.node_budget import NodeLimits
 
         limits = NodeLimits.for_capacity(
             capacity,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ems.cluster.membership import Registration
     from ems.pool.metrics import MetricsServer, NodeMetrics
-    from ems.transport.ucx_server import NodeStore
+    from ems.transport.node_handlers import NodeStore
 
 log = logging.getLogger("ems.pool")
 

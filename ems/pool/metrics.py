@@ -45,7 +45,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 
 if TYPE_CHECKING:
-    from ems.transport.ucx_server import NodeStore
+    from ems.transport.node_handlers import NodeStore
 
 
 class _StoreCollector(Collector):

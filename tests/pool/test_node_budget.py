@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
+from ems.deadline import Deadline
 from ems.transport import protocol
-from ems.transport.ucx_server import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits, _windows
+from ems.transport.node_budget import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits
+from ems.transport.ucx_server import _windows
 
 GiB = 1 << 30
 
@@ -23,9 +25,9 @@ def test_default_inflight_follows_capacity():
 def test_budget_waits_then_gives_up_and_releases():
     async def scenario() -> list:
         budget = ByteBudget(100)
-        assert await budget.acquire(60, 0.1)
-        assert not await budget.acquire(50, 0.05)  # does not fit in time
-        waiter = asyncio.ensure_future(budget.acquire(50, 2.0))
+        assert await budget.acquire(60, Deadline.after(0.1))
+        assert not await budget.acquire(50, Deadline.after(0.05))  # does not fit in time
+        waiter = asyncio.ensure_future(budget.acquire(50, Deadline.after(2.0)))
         await asyncio.sleep(0.02)
         assert not waiter.done()
         budget.release(60)
@@ -47,7 +49,7 @@ def test_send_windows_keep_order_and_bound(sizes):
 
 def test_a_full_node_receives_new_keys_into_recycled_buffers():
     """The node's path for a lone value (`allocate` with a reservation, fill, `put_owned(reserved=)`, as
-    `PoolServer._put` does) with new keys at capacity: the buffers it evicts are the ones it receives into next
+    `NodeHandlers._put` does) with new keys at capacity: the buffers it evicts are the ones it receives into next
     (issue 8: without the reservation `_insert` dropped them before the next allocation), and a stored value is never
     a recycled buffer's old bytes."""
     import numpy as np

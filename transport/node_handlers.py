@@ -1,0 +1,375 @@
+"""The pool node's request handlers: PING, PUT, GET, EXISTS (and the shared-memory ops, `transport.shm_server`) over
+the store it serves and the in-flight byte budget. The session part (`transport.ucx_server`: admission, handshake,
+watchdog, one connection's requests) hands each authenticated request here as a `RequestChannel`.
+
+Contract:
+* `NodeHandlers.serve(channel, prefix)` answers one request, start to reply, and returns the value bytes it moved.
+  Keys are namespaced with the tenant's `prefix` (`tenant_prefix`) before the store sees them, so a tenant never
+  reads, overwrites or tests another's keys.
+* Memory: the bytes of requests in flight (PUT meta and data being received and stored, GET replies being sent),
+  all connections together, stay within the budget (`NodeLimits.inflight_bytes`). A PUT that could never fit, or
+  finds no room within `stall_timeout_s`, raises `Refusal` before its data is received (the session answers
+  BAD_REQUEST with the message and closes the connection). A GET reply never exceeds the protocol's
+  `WIRE_LIMITS.max_data_bytes` nor the budget: the values beyond are answered as misses (so loads stop there), and
+  a key named many times is looked up once. A 1-key GET is answered without per-segment work (`_get_one`), from
+  the store's buffer.
+* A PUT's data is received into buffers recycled from evicted values where the store has them, every receive's
+  length verified (`RequestChannel.receive_frames`), so a recycled buffer's old bytes can never be stored; a value
+  alone in its segment is stored as that buffer. Checksumming and storing a PUT of more than OFFLOAD_BYTES runs on
+  the worker threads (`executor`); smaller ones on the loop (cheaper than the hop). A GET the store says may wait
+  for a disk (`may_block(keys)`) is looked up on a worker thread. Every buffer and budget byte is released on every
+  path.
+* A malformed request raises `protocol.ProtocolError` (the session closes that connection only).
+* With `metrics` (`ems.pool.metrics.NodeMetrics`), each request is counted once, with its outcome and bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import numpy as np
+
+from ems.buffers import Buffer
+from ems.transport import protocol
+from ems.transport.node_budget import ByteBudget, NodeLimits
+from ems.transport.shm import ShmSettings, metric_name
+from ems.transport.shm_server import ShmService
+
+if TYPE_CHECKING:
+    from ems.pool.metrics import NodeMetrics
+
+log = logging.getLogger("ems.pool")
+
+# PUTs with more data than this are checksummed and stored off the event loop. The hop to a worker thread and back
+# costs more than checksumming a few MiB (XXH3 ~50 us per MiB here, the hop 100-300 us on 2 busy cores), so only
+# requests that would hold the loop for longer than ~0.2 ms go there.
+OFFLOAD_BYTES = 4 << 20
+_PING, _PUT, _GET, _EXISTS = int(protocol.Op.PING), int(protocol.Op.PUT), int(protocol.Op.GET), int(protocol.Op.EXISTS)
+_SHM_OPS = frozenset((int(protocol.Op.SHM_OPEN), int(protocol.Op.SHM_PUT), int(protocol.Op.SHM_GET)))
+_MISS = struct.pack("<q", -1)
+
+
+def tenant_prefix(access_id: str) -> bytes:
+    """The namespace of a tenant's keys: its id, length-prefixed so no two tenants' prefixes overlap."""
+    raw = access_id.encode("ascii")
+    return struct.pack("<H", len(raw)) + raw
+
+
+class Refusal(Exception):
+    """A request the node answers with BAD_REQUEST and a message, then closes the connection."""
+
+
+class NodeStoreStats(Protocol):
+    """The memory figures a node logs (`ems.store.StoreStats` has them)."""
+
+    used_bytes: int
+    spare_bytes: int
+    capacity_bytes: int
+
+
+class NodeStore(Protocol):
+    """What the node needs of the store it serves (`ems.store.KvStore` is one); see that class for the contract."""
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @staticmethod
+    def charge_of(key_len: int, nbytes: int) -> int: ...
+
+    def allocate(self, nbytes: int, reserve: int = 0) -> np.ndarray: ...
+
+    def recycle(self, buffer: np.ndarray, reserved: int = 0) -> None: ...
+
+    def put_owned(self, key: bytes, value: Buffer, reserved: int = 0) -> bool: ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def stats(self) -> NodeStoreStats: ...
+
+
+class RequestChannel(Protocol):
+    """Where one request's frames and reply travel (`transport.ucx_server.Channel`)."""
+
+    header: protocol.Header
+    conn: Any  # the connection (its `peer` and `aborted`; the key of its shared-memory region)
+
+    async def meta(self) -> bytes:
+        """The request's meta (inline in its head, or a frame of its own)."""
+        ...
+
+    def inline_data(self) -> memoryview | None:
+        """The request's data when it came inline in its head, else None."""
+        ...
+
+    async def receive_frames(self, views: Sequence[memoryview]) -> None:
+        """Receive the request's data frames, one into each view in order (lengths verified); returns once every
+        receive has ended, raising the first failure."""
+        ...
+
+    async def reply(
+        self,
+        op: int,
+        *,
+        count: int = 0,
+        meta: bytes = b"",
+        data: Sequence[Any] = (),
+        data_len: int = 0,
+        status: protocol.Status = protocol.Status.OK,
+    ) -> None:
+        """Send the reply."""
+        ...
+
+
+class NodeHandlers:
+    """Serves requests over one store and one in-flight budget; see the module docstring."""
+
+    def __init__(
+        self,
+        store: NodeStore,
+        limits: NodeLimits,
+        metrics: NodeMetrics | None = None,
+        shm: ShmSettings | None = None,
+    ) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self.budget = ByteBudget(limits.inflight_bytes)
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
+        self.shm = ShmService(shm or ShmSettings(region_bytes=0), self)  # same-host shared memory; off by default
+        # a GET reply's most data bytes: the protocol's and the budget's limits
+        self.reply_limit = min(protocol.WIRE_LIMITS.max_data_bytes, self.budget.total)
+
+    def close(self) -> None:
+        self.shm.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def serve(self, channel: RequestChannel, prefix: bytes) -> int:
+        """Serve one request (see the module docstring); the value bytes it moved."""
+        if self.metrics is None:
+            return await self._serve_op(channel, prefix)
+        started, ok, nbytes = time.perf_counter(), False, 0
+        try:
+            nbytes = await self._serve_op(channel, prefix)
+            ok = True
+        finally:
+            self.metrics.request(metric_name(channel.header.op), ok, time.perf_counter() - started, nbytes)
+        return nbytes
+
+    async def _serve_op(self, channel: RequestChannel, prefix: bytes) -> int:
+        header = channel.header
+        op = header.op
+        if op in (_GET, _EXISTS):
+            if header.data_len:
+                raise protocol.ProtocolError("GET/EXISTS carry no data")
+            await self.take(header.meta_len)
+            try:
+                keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, await channel.meta()))
+                if op == _EXISTS:
+                    await channel.reply(op, count=len(keys), meta=protocol.encode_flags(self.store.contains_many(keys)))
+                    return 0
+            finally:
+                self.budget.release(header.meta_len)
+            if len(keys) == 1:
+                return await self._get_one(channel, keys[0])
+            return await self._get(channel, keys)
+        if op == _PUT:
+            await self._put(channel, prefix)
+            return header.data_len
+        if op == _PING:
+            if header.meta_len or header.data_len or header.count:
+                raise protocol.ProtocolError("PING carries nothing")
+            await channel.reply(op)
+            return 0
+        if op in _SHM_OPS:
+            return await self.shm.serve(channel, prefix)
+        raise protocol.ProtocolError(f"unexpected op {op} after the handshake")
+
+    async def take(self, nbytes: int) -> None:
+        """Reserve `nbytes` of the in-flight budget for a request, or refuse it (`Refusal`)."""
+        if self.budget.try_acquire(nbytes):
+            return
+        if nbytes > self.budget.total:
+            raise Refusal(f"a request of {nbytes} bytes exceeds this node's in-flight limit of {self.budget.total} bytes")
+        if not await self.budget.acquire(nbytes, self.limits.stall_deadline()):
+            raise Refusal(f"node busy: no room for a request of {nbytes} bytes within {self.limits.stall_timeout_s} s")
+
+    async def room(self, nbytes: int) -> bool:
+        """Reserve `nbytes` of the budget for a reply, waiting up to `stall_timeout_s`; False: no room (answer misses)."""
+        if self.budget.try_acquire(nbytes):
+            return True
+        return nbytes <= self.budget.total and await self.budget.acquire(nbytes, self.limits.stall_deadline())
+
+    async def lookup_values(self, keys: list[bytes]) -> list[Buffer | None]:
+        """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
+        disk (a store with a disk tier has `may_block`)."""
+        may_block = getattr(self.store, "may_block", None)
+        if may_block is not None and may_block(keys):
+            return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.get_many, keys)
+        return self.store.get_many(keys)
+
+    async def offload(self, nbytes: int, fn: Any, *args: Any) -> Any:
+        """`fn(*args)`: on a worker thread when it handles more than OFFLOAD_BYTES, else here on the loop."""
+        if nbytes > OFFLOAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return fn(*args)
+
+    # ---- PUT ----
+
+    async def _put(self, channel: RequestChannel, prefix: bytes) -> None:
+        header = channel.header
+        charge = header.meta_len + header.data_len
+        await self.take(charge)  # before anything of the request beyond its head is received
+        try:
+            request = protocol.decode_put_meta(header.count, header.data_len, await channel.meta())
+            keys = _namespaced(prefix, request.keys)
+            # Receive into buffers recycled from evicted values where the store has them (no first-touch page
+            # faults); every receive verifies its length, so a recycled buffer's old bytes can never be stored.
+            # A value alone in its segment is stored as that buffer: room for it is reserved first, so a full
+            # node's evictions hand their buffers straight to the next receive (steady-state recycling).
+            sizes = request.segment_sizes
+            lone = request.value_lens == sizes[request.plan]  # each value: alone in its segment
+            reserves = np.zeros(sizes.size, dtype=np.int64)
+            lens = protocol.key_lens(keys)
+            reserves[request.plan[lone]] = [
+                self.store.charge_of(int(k), int(n)) for k, n in zip(lens[lone], request.value_lens[lone])
+            ]
+            reserves[reserves > self.store.capacity_bytes] = 0  # refused by `put_owned` anyway: nothing to reserve
+            segments: list = []
+            try:
+                for size, reserve in zip(sizes.tolist(), reserves.tolist()):
+                    segments.append(self.store.allocate(int(size), reserve=int(reserve)))
+                await self._receive_put(channel, request, segments)
+            except BaseException:
+                for seg, reserve in zip(segments, reserves.tolist()):
+                    self.store.recycle(seg, reserved=int(reserve))  # every receive into it has ended
+                raise
+            values = _split_values(segments, request.plan, request.value_offsets, request.value_lens, sizes)
+            reserved = np.where(lone, reserves[request.plan], 0).tolist()
+            for seg, reserve in zip(segments, reserves.tolist()):
+                if reserve == 0:  # a packed segment: its values were copied out
+                    self.store.recycle(seg)
+            del segments
+            stored = await self.offload(header.data_len, self._store_all, keys, values, reserved)
+            if self.metrics is not None and not all(stored):
+                self.metrics.count_damaged(values, stored)
+            del values
+        finally:
+            self.budget.release(charge)
+        await channel.reply(_PUT, count=len(keys), meta=protocol.encode_flags(stored))
+
+    def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview], reserved: Sequence[int]) -> list[bool]:
+        """Store each value; `reserved[i]`: the bytes `allocate` reserved for it (released on every path)."""
+        return [self.store.put_owned(k, v, reserved=r) for k, v, r in zip(keys, values, reserved)]
+
+    async def _receive_put(self, channel: RequestChannel, request: protocol.PutRequest, segments: list) -> None:
+        """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
+        by length-verified receives. Returns only once every receive has ended (so a failed request's buffers can
+        be recycled: UCX writes into none of them any more)."""
+        inline = channel.inline_data()
+        if inline is not None:
+            starts = np.cumsum(request.segment_sizes) - request.segment_sizes
+            for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
+                seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
+            return
+        views = [memoryview(s) for s in segments]
+        ends = (request.frame_offsets + request.frame_lens).tolist()
+        await channel.receive_frames(
+            [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)]
+        )
+
+    # ---- GET ----
+
+    async def _get(self, channel: RequestChannel, keys: Sequence[bytes]) -> int:
+        unique = list(dict.fromkeys(keys))  # each key once
+        found = dict(zip(unique, await self.lookup_values(unique)))
+        values = [found[k] for k in keys]
+        del found
+        lens = np.fromiter((-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values))
+        # never more than the protocol or the budget allows in one reply: the values beyond are misses
+        running = np.cumsum(np.maximum(lens, 0))
+        lens[(running > self.reply_limit) & (lens >= 0)] = -1
+        total = int(lens[lens > 0].sum())
+        if not await self.room(total):
+            _no_room(channel, total)
+            lens[:] = -1
+            total = 0
+        try:
+            present = np.nonzero(lens >= 0)[0]
+            present_lens = lens[present]
+            plan = protocol.segment_plan(present_lens)
+            offsets, sizes = protocol.segment_bounds(present_lens, plan)
+            frames: list = []
+            counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
+            # one frame per segment: a lone value is sent from the store itself, packed small values are copied once
+            for seg, n in enumerate(counts.tolist()):
+                if n == 1 and int(sizes[seg]) >= protocol.SEGMENT_BYTES:
+                    frames.append(values[int(present[np.searchsorted(plan, seg)])])
+                    continue
+                buf = np.empty(int(sizes[seg]), dtype=np.uint8)
+                first = int(np.searchsorted(plan, seg))
+                for j in range(first, first + n):
+                    value = cast(Buffer, values[int(present[j])])  # present: the store found it
+                    size = int(present_lens[j])
+                    buf[int(offsets[j]) : int(offsets[j]) + size] = np.frombuffer(value, dtype=np.uint8)
+                if buf.size:
+                    frames.append(buf)
+            del values
+            meta = lens.astype("<i8").tobytes()
+            await channel.reply(_GET, count=len(keys), meta=meta, data=frames, data_len=total)
+        finally:
+            self.budget.release(total)
+        return total
+
+    async def _get_one(self, channel: RequestChannel, key: bytes) -> int:
+        """`_get` of one key (the common 1-block load), without the per-segment numpy work; the same reply: the
+        value's length (-1: a miss) and the value as the one data frame, sent from the store without a copy."""
+        value = (await self.lookup_values([key]))[0]
+        if value is None:
+            await channel.reply(_GET, count=1, meta=_MISS)
+            return 0
+        n = memoryview(value).nbytes
+        if n > self.reply_limit:
+            n = -1
+        total = max(n, 0)
+        if not await self.room(total):
+            _no_room(channel, total)
+            n, total = -1, 0
+        try:
+            frames = [value] if n > 0 else []
+            del value
+            await channel.reply(_GET, count=1, meta=struct.pack("<q", n), data=frames, data_len=total)
+        finally:
+            self.budget.release(total)
+        return total
+
+
+# ---- helpers ----
+
+
+def _no_room(channel: RequestChannel, total: int) -> None:
+    log.warning("GET from %s answered with misses: no room for %d reply bytes", channel.conn.peer, total)
+
+
+def _namespaced(prefix: bytes, keys: Sequence[bytes]) -> list[bytes]:
+    return [prefix + k for k in keys]
+
+
+def _split_values(segments: list[np.ndarray], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray) -> list:
+    """Each value of a PUT: a value alone in its segment is stored as the receive buffer itself (so the store can
+    recycle it once evicted); packed ones are copied out, so a small value never pins its whole segment in memory
+    (the store charges only the value's bytes)."""
+    out: list = []
+    for seg, off, n in zip(plan.tolist(), offsets.tolist(), lens.tolist()):
+        if n == int(sizes[seg]):
+            out.append(segments[seg])
+        else:
+            out.append(bytes(memoryview(segments[seg])[off : off + n]))
+    return out
