@@ -37,8 +37,7 @@ from ems.kernels import CopyBackend, get_backend
 from ems.keys import namespace, v0_keys, v1_keys
 from ems.layout import RegisteredLayout, register_layout
 from ems.planning import Plan, plan_blocks, plan_raw
-from ems.pool_backend import PoolBackend
-from ems.pool_client import PoolOutcome
+from ems.pool_backend import PoolBackend, PoolOutcome
 from ems.requests import Operation, RawRequest, Request, bind_exists, bind_request
 from ems.staging import StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key

@@ -7,6 +7,8 @@ Contract:
   layers below a request never restart its clock, and the chunks of one request share it.
 * `of(option)`: the option's timeout in milliseconds, clamped to `MAX_TIMEOUT_MS` (0, or anything above it: that
   maximum; `ems.types` re-exports it with the option). `left()` is never negative; `expired()` says whether it has passed.
+* `within(limit)`: a `Deadline` as it is, or seconds from now: the one place a span becomes a deadline below the
+  API (a node client's entry, for callers that hold seconds).
 * `extended(seconds)`: the same point moved later (a fence that waits a grace past a request's deadline).
 """
 
@@ -38,6 +40,12 @@ class Deadline:
     def of(cls, option: CcKvOption) -> Deadline:
         """The deadline of a request with `option` that starts now."""
         return cls.after(timeout_seconds(option))
+
+    @classmethod
+    def within(cls, limit: Deadline | float) -> Deadline:
+        """`limit` itself, or the deadline `limit` seconds from now (a node client's callers outside the pool
+        client, tools and tests, may give seconds; the pool client always hands a `Deadline` down)."""
+        return limit if isinstance(limit, Deadline) else cls.after(limit)
 
     def left(self) -> float:
         """Seconds until the deadline, 0 once it has passed."""

@@ -13,8 +13,8 @@ staging on accelerators). `save_job` / `load_job` pick the job type for a reques
 * **Pipelined** (`PipelinedSave`, `PipelinedLoad`: remote pools, accelerators): the request's staging is one
   lease, cut into chunks of consecutive values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 32 MiB, and within
   the pool's request limits). A save gathers chunk k into its range of staging (one backend call per layer group;
-  then device → host on accelerators) and starts its encode (checksum, headers in place) and put on the pool
-  client's pipeline threads (`PoolClient.start`), then gathers chunk k+1 while k is encoded and on the wire;
+  then device → host on accelerators) and starts its encode (checksum, headers in place) and put on the jobs'
+  executor (`PoolBackend.executor`, `ems.job_executor`), then gathers chunk k+1 while k is encoded and on the wire;
   `begin` returns once every chunk is gathered, `finish` waits for the puts and merges their outcomes. A load runs
   each chunk's receive (`PoolClient.get_into`: values land in their places in staging) and its verification on
   the pipeline threads, and scatters chunk k's verified prefix while later chunks arrive, stopping at the first
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import dataclasses
 import functools
 import threading
 import time
@@ -50,17 +49,18 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
+from ems.deadline import Deadline
 from ems.devices import side_stream
 from ems.errors import EmsErrorCode
 from ems.job_records import JobRecord, Stage
 from ems.kernels import CopyBackend
 from ems.kernels.raw_memory import raw_tensor
 from ems.planning import BlockPlan, Plan, RawPlan, encode_range
-from ems.pool_backend import PoolBackend
-from ems.pool_client import PUT_META_PER_KEY, PoolOutcome, RequestLimits, deadline_of, split_batches
+from ems.pool_backend import PoolBackend, PoolOutcome
 from ems.staging import StagingLease, StagingPool
 from ems.store import ENTRY_OVERHEAD, KvStore
 from ems.transport.base import TransportError
+from ems.transport.protocol import RequestLimits, key_lens
 from ems.types import CcKvOption
 from ems.value_format import HEADER_SIZE, MAGIC, VERSION, checksum, header_struct, valid_prefix
 
@@ -79,10 +79,8 @@ def plan_chunks(plan: Plan, limits: RequestLimits, target: int) -> list[tuple[in
     if target <= 0 or plan.total == 0:
         return [(0, plan.total)]
     parts = 1 if plan.header_in_staging else 2  # data frames per value: the value, or its header and payload
-    meta = np.fromiter((len(k) for k in plan.keys), dtype=np.int64, count=plan.total) + PUT_META_PER_KEY + 8 * parts
-    frames = np.full(plan.total, parts, dtype=np.int64)
-    caps = dataclasses.replace(limits, max_data_bytes=min(limits.max_data_bytes, target))
-    return [(s.start, s.stop) for s in split_batches(caps, plan.expected.payload_len, meta, frames)]
+    costs = limits.put_costs(key_lens(plan.keys), plan.expected.payload_len, np.full(plan.total, parts, dtype=np.int64))
+    return [(s.start, s.stop) for s in limits.capped(target).batches(costs)]
 
 
 def merge_outcomes(outcomes: list[PoolOutcome], total: int) -> PoolOutcome:
@@ -104,12 +102,12 @@ def _failed_chunk(count: int, code: EmsErrorCode, message: str) -> PoolOutcome:
     return PoolOutcome([False] * count, [TransportError(code, message)], nodes_contacted=1)
 
 
-def _fence_wait_s(deadline: float) -> float:
+def _fence_wait_s(deadline: Deadline) -> float:
     """How long a job still waits for a chunk call: until the request's deadline plus the grace."""
-    return max(0.0, deadline + FENCE_GRACE_S - time.monotonic())
+    return deadline.extended(FENCE_GRACE_S).left()
 
 
-def _chunk_outcome(future: concurrent.futures.Future, count: int, deadline: float) -> Any:
+def _chunk_outcome(future: concurrent.futures.Future, count: int, deadline: Deadline) -> Any:
     """A chunk call's result, waiting at most until `deadline` (+ grace); a call that raised or did not return is
     a failed chunk."""
     try:
@@ -136,7 +134,7 @@ def run_now(call: Callable[[], Any]) -> concurrent.futures.Future:
     return future
 
 
-def fence(futures: list[concurrent.futures.Future], deadline: float) -> bool:
+def fence(futures: list[concurrent.futures.Future], deadline: Deadline) -> bool:
     """Stop a request's chunk calls: cancel those not started, wait (bounded by `deadline` + grace) for the others.
     True when none can touch the request's buffers any more: every call was cancelled, or returned an outcome
     without errors (a failed or timed-out transfer is aborted on its endpoint, not awaited)."""
@@ -317,7 +315,7 @@ class PipelinedSave:
         self._chunks: list[tuple[int, int]] = []
         self._sends: list[concurrent.futures.Future] = []  # each chunk's encode + put, in order
         self._stop = threading.Event()  # set: chunks not yet sent are not sent (an earlier one failed, or abandon)
-        self._deadline = 0.0
+        self._deadline = Deadline(0.0)
         self._lone: Callable[[], PoolOutcome] | None = None  # a one-chunk save's send, run by `finish`
 
     def begin(self) -> None:
@@ -330,7 +328,7 @@ class PipelinedSave:
     def _begin(self) -> None:
         """Per chunk: gather into its range of staging (then to host), start its encode + put; next chunk."""
         plan, record = self.plan, self.record
-        self._deadline = deadline_of(self.option)
+        self._deadline = Deadline.of(self.option)
         self._lease = lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
         host = lease.host_view()
         self._chunks = plan_chunks(plan, self.pool.limits, self.chunk_bytes)
@@ -346,7 +344,7 @@ class PipelinedSave:
                 self._lone = functools.partial(self._send_chunk, host, a, b, None)
                 return
             ahead = self._sends[-PIPELINE_DEPTH] if len(self._sends) >= PIPELINE_DEPTH else None
-            self._sends.append(self.pool.start(functools.partial(self._send_chunk, host, a, b, ahead)))
+            self._sends.append(self.pool.executor.start(functools.partial(self._send_chunk, host, a, b, ahead)))
 
     def _send_chunk(self, host: memoryview, a: int, b: int, ahead: concurrent.futures.Future | None) -> PoolOutcome:
         """On a pipeline thread: checksum and header values a..b-1 in place, then, once the chunk `PIPELINE_DEPTH`
@@ -360,8 +358,8 @@ class PipelinedSave:
             values = encode_range(plan, host, a, b)
             record.add(Stage.ENCODE, int(plan.expected.payload_len[a:b].sum()), time.perf_counter() - start)
             if ahead is not None:
-                concurrent.futures.wait([ahead], timeout=max(0.0, self._deadline - time.monotonic()))
-            if self._stop.is_set() or time.monotonic() >= self._deadline:
+                concurrent.futures.wait([ahead], timeout=self._deadline.left())
+            if self._stop.is_set() or self._deadline.expired():
                 return PoolOutcome([False] * (b - a))
             sent = time.perf_counter()
             value_lens = plan.expected.payload_len[a:b] + HEADER_SIZE
@@ -455,7 +453,7 @@ class PipelinedLoad:
         """Chunks' receive + verify run on the pipeline threads, `PIPELINE_DEPTH` at once; scatter chunk k's
         verified prefix while later chunks arrive; stop at the first miss (nothing after it is written)."""
         record = self.record
-        deadline = deadline_of(self.option)
+        deadline = Deadline.of(self.option)
         chunks = plan_chunks(plan, self.pool.limits, self.chunk_bytes)
         stop = threading.Event()
         lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
@@ -467,7 +465,7 @@ class PipelinedLoad:
                 a, b = chunks[k]
                 call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop)
                 # one chunk: nothing to overlap, so it runs here (no thread hop); else on the pipeline threads
-                receives.append(run_now(call) if len(chunks) == 1 else self.pool.start(call))
+                receives.append(run_now(call) if len(chunks) == 1 else self.pool.executor.start(call))
 
         outcomes: list[PoolOutcome] = []
         hits = 0
@@ -499,7 +497,7 @@ class PipelinedLoad:
         return hits, merge_outcomes(outcomes, plan.total)
 
     def _receive_chunk(
-        self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: float, stop: threading.Event
+        self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: Deadline, stop: threading.Event
     ) -> tuple[PoolOutcome, int]:
         """On a pipeline thread: values a..b-1 straight into their places in staging, then how many of them, from
         the first, are exactly the expected values."""

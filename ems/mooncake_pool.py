@@ -44,7 +44,6 @@ import logging
 import queue
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -54,11 +53,14 @@ import torch
 
 from ems.buffers import Buffer
 from ems.config import MooncakeSettings
+from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool_client import PIPELINE_THREADS, PoolOutcome, RequestLimits, timeout_seconds
+from ems.job_executor import ChunkExecutor
+from ems.pool_backend import PoolOutcome
 from ems.staging import StagingLease, StagingPool
 from ems.store import KvStore
 from ems.transport.base import TransportError
+from ems.transport.protocol import RequestLimits
 from ems.types import CcKvOption
 from ems.value_format import HEADER_SIZE, ExpectedValues
 
@@ -140,11 +142,11 @@ class _Workers:
         self._queue.put((future, fn))
         return future
 
-    def call(self, fn: Callable[[], R], deadline: float, what: str) -> R:
+    def call(self, fn: Callable[[], R], deadline: Deadline, what: str) -> R:
         """`fn()`'s result, or `TransportError(EMS_IO_TIMEOUT)` when it has not returned by `deadline`."""
         future = self.submit(fn)
         try:
-            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+            return future.result(timeout=deadline.left())
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"mooncake: {what} did not return in time") from None
@@ -226,7 +228,7 @@ class MooncakePool:
         self._registry = _Registry()
         self._registered: dict[int, torch.Tensor] = {}  # address -> buffer (kept alive while registered)
         self._bounce = StagingPool(BOUNCE_CAPACITY, self.prepare_staging, self.release_staging)
-        self._pipeline: concurrent.futures.ThreadPoolExecutor | None = None
+        self.executor = ChunkExecutor()
         self._closed = False
         self._connect()
 
@@ -285,7 +287,7 @@ class MooncakePool:
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """True when the store is set up and its master answers within `timeout_s`; never raises."""
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline.after(timeout_s)
         try:
             store = self._ready(timeout_s)
             if store is None:
@@ -343,28 +345,20 @@ class MooncakePool:
 
     # ---- calls
 
-    def start(self, call: Callable[[], R]) -> concurrent.futures.Future[R]:
-        with self._state_lock:
-            if self._pipeline is None:
-                self._pipeline = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=PIPELINE_THREADS, thread_name_prefix="ems-pipe"
-                )
-            return self._pipeline.submit(call)
-
-    def _begin(self, option: CcKvOption, deadline: float | None) -> tuple[Any, float]:
+    def _begin(self, option: CcKvOption, deadline: Deadline | None) -> tuple[Any, Deadline]:
         """(the store, or None when not set up or closed; the call's deadline)."""
         if deadline is None:
-            deadline = time.monotonic() + timeout_seconds(option)
+            deadline = Deadline.of(option)
         if self._closed:
             return None, deadline
-        return self._ready(max(0.0, deadline - time.monotonic())), deadline
+        return self._ready(deadline.left()), deadline
 
     @staticmethod
     def _not_set_up(count: int) -> PoolOutcome:
         error = TransportError(EmsErrorCode.EMS_IO_ERROR, "mooncake: not connected to the master yet")
         return PoolOutcome([False] * count, [error], nodes_contacted=1)
 
-    def _run(self, fn: Callable[[], R], deadline: float, what: str, outcome: PoolOutcome) -> R | None:
+    def _run(self, fn: Callable[[], R], deadline: Deadline, what: str, outcome: PoolOutcome) -> R | None:
         """`fn()` on a worker by `deadline`; None (and the error in `outcome`) when it failed or timed out."""
         try:
             return self._workers.call(fn, deadline, what)
@@ -381,7 +375,7 @@ class MooncakePool:
         values: Sequence[Sequence[Buffer]],
         option: CcKvOption,
         value_lens: np.ndarray | None = None,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
     ) -> PoolOutcome[bool]:
         """`batch_upsert_from` of every value (replaced where it exists); True where Mooncake stored it."""
         n = len(keys)
@@ -443,7 +437,7 @@ class MooncakePool:
         outs: Sequence[Buffer],
         option: CcKvOption,
         expected: ExpectedValues | None = None,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
     ) -> PoolOutcome[bool]:
         """`batch_get_into` straight into `outs` (through the bounce buffer where they are not registered); True
         where a value of exactly `len(outs[i])` bytes was placed."""
@@ -510,13 +504,9 @@ class MooncakePool:
         names = [mooncake_key(k) for k in keys]
         if expected is not None:
             sizes = np.asarray(expected.payload_len, dtype=np.int64) + HEADER_SIZE
-            cum = np.concatenate(([0], np.cumsum(sizes)))
-            cap = max(1, self.settings.buffer_bytes // 2)
-            cuts, at = [0], 0
-            while at < n:
-                end = max(at + 1, min(n, at + MAX_KEYS, int(np.searchsorted(cum, cum[at] + cap, side="right")) - 1))
-                cuts.append(end)
-                at = end
+            zeros = np.zeros(n, dtype=np.int64)
+            batches = self.limits.capped(max(1, self.settings.buffer_bytes // 2)).batches((sizes, zeros, zeros))
+            cuts = [0] + [b.stop for b in batches]
         else:
             cuts = list(range(0, n, MAX_KEYS)) + [n]
 
@@ -566,9 +556,7 @@ class MooncakePool:
                 return
             self._closed = True
             store, self._store = self._store, None
-            pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            pipeline.shutdown(wait=False, cancel_futures=True)
+        self.executor.close()
         self._bounce.clear()
         closed = threading.Event()
 

@@ -9,10 +9,13 @@ Contract, for every implementation:
   package's format (`ems.value_format`), written and checked above the backend: a backend stores bytes.
 * Results come back per key in request order in a `PoolOutcome`; a key that failed is a miss (False / None), never
   a wrong value; a backend that failed as a whole reports it in `errors` (`unreachable` when it is all there was).
-* Every call returns by the option's timeout, or by `deadline` (monotonic seconds) where given, even when the pool
-  hangs. A buffer handed to a call that did not return in time, or returned with `errors`, may still be touched by
+* Every call returns by the option's timeout, or by `deadline` (`ems.deadline.Deadline`) where given, even when the
+  pool hangs. A buffer handed to a call that did not return in time, or returned with `errors`, may still be touched by
   the transfer for a while: the caller retires it (`StagingPool.retire`), never reuses it.
-* `start(call)` runs a call on the backend's pipeline threads (a job's chunks in flight at once).
+* `executor` (`ems.job_executor.ChunkExecutor`) runs the jobs' chunk calls (a job's chunks in flight at once), one
+  per backend, so the number of chunk calls at once is capped per client; the backend closes it.
+* `limits` (`ems.transport.protocol.RequestLimits`) is the most one request may carry: the jobs cut their chunks
+  with it, the backend its requests.
 * `shm_staging(nbytes)`: a staging buffer in memory the pool shares with this process (an `ems` node on this host),
   or None.
 * `prepare_staging(buffer)` is called once for each host staging buffer before it carries values, and
@@ -22,20 +25,49 @@ Contract, for every implementation:
 
 from __future__ import annotations
 
-import concurrent.futures
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
-import torch
 
 from ems.buffers import Buffer
-from ems.pool_client import PoolOutcome, RequestLimits
+from ems.deadline import Deadline
+from ems.errors import EmsErrorCode
+from ems.job_executor import ChunkExecutor
 from ems.store import KvStore
+from ems.transport.base import TransportError
+from ems.transport.protocol import RequestLimits
 from ems.types import CcKvOption
 from ems.value_format import ExpectedValues
 
-R = TypeVar("R")
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+@dataclass
+class PoolOutcome(Generic[T]):
+    """Per-key results in request order, and the errors of the nodes that failed."""
+
+    results: list[T]
+    errors: list[TransportError] = field(default_factory=list)
+    nodes_contacted: int = 0
+    #: a get's present values were all checked against `expected` already (the caller need not check them again)
+    verified: bool = False
+
+    @property
+    def unreachable(self) -> bool:
+        """Every node this call needed failed."""
+        return self.nodes_contacted > 0 and len(self.errors) == self.nodes_contacted
+
+    def first_error(self) -> TransportError | None:
+        """The error to raise for an unreachable pool: a timeout if any node timed out."""
+        for error in self.errors:
+            if error.status_code() == EmsErrorCode.EMS_IO_TIMEOUT:
+                return error
+        return self.errors[0] if self.errors else None
 
 
 class PoolBackend(Protocol):
@@ -43,6 +75,8 @@ class PoolBackend(Protocol):
 
     #: the most one request may carry (the jobs cut chunks within it)
     limits: RequestLimits
+    #: the jobs' chunk calls run here
+    executor: ChunkExecutor
 
     @property
     def local_store(self) -> KvStore | None:
@@ -51,10 +85,6 @@ class PoolBackend(Protocol):
 
     def describe(self) -> str:
         """The pool in a few words, for logs ("embedded", node addresses, the Mooncake master)."""
-        ...
-
-    def start(self, call: Callable[[], R]) -> concurrent.futures.Future[R]:
-        """Run `call` on the pipeline threads; its future."""
         ...
 
     def prepare_staging(self, buffer: torch.Tensor) -> None:
@@ -77,7 +107,7 @@ class PoolBackend(Protocol):
         values: Sequence[Sequence[Buffer]],
         option: CcKvOption,
         value_lens: np.ndarray | None = None,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
     ) -> PoolOutcome[bool]:
         """Store each value (its parts concatenated); True where stored."""
         ...
@@ -99,7 +129,7 @@ class PoolBackend(Protocol):
         outs: Sequence[Buffer],
         option: CcKvOption,
         expected: ExpectedValues | None = None,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
     ) -> PoolOutcome[bool]:
         """Each key's value placed in `outs[i]`; True where a value of exactly `len(outs[i])` bytes is there."""
         ...

@@ -1,12 +1,13 @@
 """The transport contract: one pool node, as a client sees it.
 
 A `NodeClient` carries batched requests to one node: the embedded store in this process (`inprocess.py`) or a
-remote pool node (`ucx.py`). Every call takes `timeout_s` and must return or raise within it, even when the node
-hangs; a node that fails raises `TransportError` with `EMS_IO_ERROR` (lost, refused, malformed reply) or
-`EMS_IO_TIMEOUT` (no answer in time). Per-key outcomes (a refused put, a missing key) are results, not errors.
+remote pool node (`ucx.py`). Every call takes a `Deadline` (`ems.deadline`; a caller holding seconds may pass those,
+`Deadline.within`) and must return or raise by it, even when the node hangs; a node that fails raises
+`TransportError` with `EMS_IO_ERROR` (lost, refused, malformed reply) or `EMS_IO_TIMEOUT` (no answer in time).
+Per-key outcomes (a refused put, a missing key) are results, not errors.
 
-Layering: the transport imports nothing of `ems` but the leaf modules `ems.errors` and `ems.buffers` (the `Buffer`
-type both sides share), and the in-process node reaches the embedded store only through `LocalStore`, so
+Layering: the transport imports nothing of `ems` but the leaf modules `ems.errors`, `ems.deadline` and `ems.buffers`
+(the `Buffer` type both sides share), and the in-process node reaches the embedded store only through `LocalStore`, so
 `ems.transport.*` never imports `ems.store` (tests/transport/test_layering.py checks it).
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ems.buffers import Buffer
+from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
 
 
@@ -44,25 +46,25 @@ class NodeClient(abc.ABC):
 
     #: "host:port" of a remote node, or "embedded"
     address: str = "?"
-    #: True when every call returns or raises within its `timeout_s` by itself (no caller-side thread needed)
+    #: True when every call returns or raises by its deadline by itself (no caller-side thread needed)
     self_timed: bool = False
 
     @abc.abstractmethod
-    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], deadline: Deadline | float) -> list[bool]:
         """Store `values[i]` (its parts concatenated) under `keys[i]`; True where the node stored it."""
 
     @abc.abstractmethod
-    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Buffer | None]:
+    def get(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[Buffer | None]:
         """The stored value of each key, or None where the node has none."""
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], timeout_s: float) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], deadline: Deadline | float) -> list[bool]:
         """Place each key's stored value in the caller's writable buffer `outs[i]`; True where the node had a value
         of exactly `len(outs[i])` bytes and it is now there (False: a miss, or a value of another length; that
         buffer's bytes are then unspecified). Transports override this to receive in place."""
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         placed = []
-        for value, out in zip(self.get(keys, timeout_s), outs):
+        for value, out in zip(self.get(keys, deadline), outs):
             target = memoryview(out).cast("B")
             if value is None or memoryview(value).nbytes != target.nbytes:
                 placed.append(False)
@@ -72,12 +74,12 @@ class NodeClient(abc.ABC):
         return placed
 
     @abc.abstractmethod
-    def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[bool]:
         """Whether the node holds each key."""
 
     @abc.abstractmethod
-    def ping(self, timeout_s: float) -> bool:
-        """True when the node answers within `timeout_s`; never raises."""
+    def ping(self, deadline: Deadline | float) -> bool:
+        """True when the node answers by `deadline`; never raises."""
 
     def close(self) -> None:
         """Release connections; further calls may reconnect."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ems.buffers import Buffer
+from ems.deadline import Deadline
 from ems.transport.base import LocalStore, NodeClient
 
 
@@ -17,16 +18,16 @@ class InProcessNode(NodeClient):
     def __init__(self, store: LocalStore) -> None:
         self.store = store
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], deadline: Deadline | float) -> list[bool]:
         return self.store.put_many(keys, values)
 
-    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Buffer | None]:
+    def get(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[Buffer | None]:
         return list(self.store.get_many(keys))
 
-    def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[bool]:
         return self.store.contains_many(keys)
 
-    def ping(self, timeout_s: float) -> bool:
+    def ping(self, deadline: Deadline | float) -> bool:
         return True
 
     def close(self) -> None:

@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ems.buffers import Buffer
+from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, shm
 
@@ -96,10 +96,9 @@ class ShmClient:
 
     # ---- calls ----
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool] | None:
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], deadline: Deadline) -> list[bool] | None:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        deadline = time.monotonic() + timeout_s
         region = self.region(deadline)
         if region is None:
             return None
@@ -127,8 +126,7 @@ class ShmClient:
             return None
         return protocol.decode_flags(len(keys), body)
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], timeout_s: float) -> list[bool] | None:
-        deadline = time.monotonic() + timeout_s
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: Deadline) -> list[bool] | None:
         region = self.region(deadline)
         if region is None:
             return None
@@ -183,7 +181,7 @@ class ShmClient:
         meta: bytes,
         count: int,
         taken: shm.ShmRange | None,
-        deadline: float,
+        deadline: Deadline,
         keep: bool = False,
     ) -> Any:
         """Run one SHM request on the region's connection; its reply meta (or _STALE). `taken` is freed after a
@@ -197,7 +195,7 @@ class ShmClient:
             return bytes(body[: reply.meta_len])
 
         try:
-            result = self.node._call(run, max(0.0, deadline - time.monotonic()))
+            result = self.node._call(run, deadline)
         except BaseException:
             region.allocator.poison()
             if self._region is region:
@@ -216,7 +214,7 @@ class ShmClient:
         self.node.close()
         return TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.node.address}: malformed reply: {message}")
 
-    def region(self, deadline: float) -> ClientRegion | None:
+    def region(self, deadline: Deadline) -> ClientRegion | None:
         """The current connection's region, opened now if it has none; None when there is none to use."""
         ep = self.node._ep  # a reference read: the loop thread replaces it, requests check it again there
         region = self._region
@@ -231,7 +229,7 @@ class ShmClient:
         finally:
             self._opening.release()
 
-    def _open(self, deadline: float) -> ClientRegion | None:
+    def _open(self, deadline: Deadline) -> ClientRegion | None:
         from ems.transport.ucx import _request
 
         meta = shm.encode_open(os.getuid(), os.getpid())
@@ -240,12 +238,12 @@ class ShmClient:
             reply, body = await _request(ep, rid, protocol.Op.SHM_OPEN, meta=meta)
             return ep, shm.decode_open_reply(bytes(body[: reply.meta_len]))
 
-        ep, offer = self.node._call(run, max(0.0, deadline - time.monotonic()))
+        ep, offer = self.node._call(run, deadline)
         if offer.region_bytes == 0:
             self._no_region_on = ep
             return None
         try:
-            array = _receive_region(offer, min(HANDOVER_TIMEOUT_S, max(0.0, deadline - time.monotonic())))
+            array = _receive_region(offer, min(HANDOVER_TIMEOUT_S, deadline.left()))
         except (OSError, ValueError) as error:
             log.info("%s: no shared memory (using UCX): %s", self.node.address, error)
             self._no_region_on = ep

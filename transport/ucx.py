@@ -2,7 +2,7 @@
 
 Contract:
 * One process-wide `UcxRuntime` thread runs an asyncio loop that drives UCX (`ucx_config`); every request is a
-  coroutine submitted to it. The calling thread waits at most `timeout_s`; on timeout the request is cancelled and
+  coroutine submitted to it. The calling thread waits until the call's `Deadline` at most; on timeout the request is cancelled and
   the endpoint aborted (a late reply can never be read as the answer to a later request), and `TransportError
   (EMS_IO_TIMEOUT)` is raised. Lost connections, refused handshakes and malformed replies raise `EMS_IO_ERROR`.
 * One connection per node, several requests in flight on it (protocol version 4, inline framing): each request has
@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ems.buffers import Buffer
+from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, ucx_progress
 from ems.transport.base import NodeClient, TransportError
@@ -217,48 +218,46 @@ class UcxNode(NodeClient):
 
     # ---- NodeClient ----
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
+    def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], deadline: Deadline | float) -> list[bool]:
         if not keys:
             return []
+        deadline = Deadline.within(deadline)
         if self.shm is not None:
-            deadline = time.monotonic() + timeout_s
-            stored = self.shm.put(keys, values, timeout_s)
+            stored = self.shm.put(keys, values, deadline)
             if stored is not None:
                 return stored
-            timeout_s = max(0.0, deadline - time.monotonic())
         meta, frames, data_len = _build_put(keys, values)
-        return self._call(lambda ep, rid: _put(ep, rid, meta, frames, data_len, len(keys)), timeout_s)
+        return self._call(lambda ep, rid: _put(ep, rid, meta, frames, data_len, len(keys)), deadline)
 
-    def get(self, keys: Sequence[bytes], timeout_s: float) -> list[Buffer | None]:
+    def get(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[Buffer | None]:
         if not keys:
             return []
         meta = protocol.encode_keys_meta(keys)
-        return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), None), timeout_s)
+        return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), None), deadline)
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], timeout_s: float) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], deadline: Deadline | float) -> list[bool]:
         if not keys:
             return []
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         views = [_writable_bytes(o) for o in outs]
+        deadline = Deadline.within(deadline)
         if self.shm is not None:
-            deadline = time.monotonic() + timeout_s
-            placed = self.shm.get_into(keys, views, timeout_s)
+            placed = self.shm.get_into(keys, views, deadline)
             if placed is not None:
                 return placed
-            timeout_s = max(0.0, deadline - time.monotonic())
         meta = protocol.encode_keys_meta(keys)
-        return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), views), timeout_s)
+        return self._call(lambda ep, rid: _get(ep, rid, meta, len(keys), views), deadline)
 
-    def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[bool]:
         if not keys:
             return []
         meta = protocol.encode_keys_meta(keys)
-        return self._call(lambda ep, rid: _exists(ep, rid, meta, len(keys)), timeout_s)
+        return self._call(lambda ep, rid: _exists(ep, rid, meta, len(keys)), deadline)
 
-    def ping(self, timeout_s: float) -> bool:
+    def ping(self, deadline: Deadline | float) -> bool:
         try:
-            self._call(_ping, timeout_s)
+            self._call(_ping, deadline)
             return True
         except TransportError:
             return False
@@ -273,14 +272,15 @@ class UcxNode(NodeClient):
         the values lie in it; None when there is none yet (a call opens it), or no room in it."""
         return None if self.shm is None else self.shm.buffer(nbytes)
 
-    def connect_now(self, timeout_s: float) -> None:
+    def connect_now(self, deadline: Deadline | float) -> None:
         """Connect (and authenticate) now instead of on the first call; TransportError on failure."""
-        self._call(lambda ep, rid: _noop(), timeout_s)
+        self._call(lambda ep, rid: _noop(), deadline)
 
     # ---- machinery ----
 
-    def _call(self, request: Callable[[Any, int], Awaitable[T]], timeout_s: float) -> T:
-        deadline = time.monotonic() + max(0.0, timeout_s)
+    def _call(self, request: Callable[[Any, int], Awaitable[T]], limit: Deadline | float) -> T:
+        deadline = Deadline.within(limit).at
+        timeout_s = max(0.0, deadline - time.monotonic())
         now = time.monotonic()
         if now < self._retry_at and self._last_error is not None:
             raise TransportError(

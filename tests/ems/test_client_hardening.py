@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems import CcKvOption, CcResult, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
-from ems.pool_client import RequestLimits, split_batches, timeout_seconds
+from ems.deadline import timeout_seconds
 from ems.store import KvStore
 from ems.transport.base import TransportError
 from ems.transport.inprocess import InProcessNode
+from ems.transport.protocol import RequestLimits
 from ems.types import MAX_TIMEOUT_MS
 
 
@@ -85,7 +86,7 @@ def test_split_batches_cover_in_order_and_keep_every_limit(sizes, max_keys, max_
     data = np.asarray(sizes, dtype=np.int64)
     meta = data % 97 + 12
     chunks = data % 3 + 1
-    batches = split_batches(limits, data, meta, chunks)
+    batches = limits.batches((data, meta, chunks))
     assert batches[0].start == 0 and batches[-1].stop == len(sizes)
     assert all(a.stop == b.start for a, b in itertools.pairwise(batches))
     for b in batches:

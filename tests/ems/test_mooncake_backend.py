@@ -321,6 +321,7 @@ def test_staging_is_registered_once_and_zero_copy(mooncake):
 def test_worker_deadline_bounds_the_caller_and_a_queued_call_never_runs():
     """Calls that hang hold their workers; a call queued behind them returns EMS_IO_TIMEOUT by its deadline and is
     never started; actions waiting for idleness run once the hung calls return."""
+    from ems.deadline import Deadline
     from ems.mooncake_pool import _Workers
     from ems.transport.base import TransportError
 
@@ -331,7 +332,7 @@ def test_worker_deadline_bounds_the_caller_and_a_queued_call_never_runs():
         hung = [workers.submit(release.wait) for _ in range(2)]
         started = time.monotonic()
         with pytest.raises(TransportError) as raised:
-            workers.call(lambda: ran.append("queued"), time.monotonic() + 0.2, "queued call")
+            workers.call(lambda: ran.append("queued"), Deadline.after(0.2), "queued call")
         assert raised.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
         assert time.monotonic() - started < 1.0
         idle: list = []
@@ -344,7 +345,7 @@ def test_worker_deadline_bounds_the_caller_and_a_queued_call_never_runs():
         while not idle and time.monotonic() < deadline:
             time.sleep(0.01)
         assert idle == [True] and workers.in_flight == 0 and ran == []
-        assert workers.call(lambda: 7, time.monotonic() + 5, "a call") == 7
+        assert workers.call(lambda: 7, Deadline.after(5), "a call") == 7
     finally:
         release.set()
         workers.close()

@@ -408,11 +408,11 @@ def test_one_chunk_runs_on_the_calling_thread(shared, connect, monkeypatch):
     call, never on the pipeline threads (no thread hop per small call); several chunks do use them."""
     import threading
 
-    from ems.pool_client import PoolClient
+    from ems.job_executor import ChunkExecutor
 
     started: list = []
-    real_start = PoolClient.start
-    monkeypatch.setattr(PoolClient, "start", lambda self, call: started.append(call) or real_start(self, call))
+    real_start = ChunkExecutor.start
+    monkeypatch.setattr(ChunkExecutor, "start", lambda self, call: started.append(call) or real_start(self, call))
     cc = connect(shared.address)
     _cache, slots, hashes, offsets = _setup(cc, seed=3)
     callers: set = set()
