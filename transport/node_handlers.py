@@ -163,6 +163,28 @@ class NodeHandlers:
             self.metrics.request(metric_name(channel.header.op), ok, time.perf_counter() - started, nbytes)
         return nbytes
 
+    def answer_now(self, header: protocol.Header, meta: memoryview, prefix: bytes) -> bytes:
+        """The reply meta of an EXISTS or PING whose meta is in hand (`meta`), answered without waiting for
+        anything (the session sends it; `ucx_server` serves such requests from the connection's loop): the flags of
+        the keys held, or nothing. ProtocolError when malformed. The meta came in the request's head, whose buffer
+        exists anyway, so no budget is taken for it."""
+        started, ok = time.perf_counter(), False
+        try:
+            if header.op == _PING:
+                if header.meta_len or header.data_len or header.count:
+                    raise protocol.ProtocolError("PING carries nothing")
+                reply = b""
+            else:
+                if header.op != _EXISTS or header.data_len:
+                    raise protocol.ProtocolError(f"op {header.op} cannot be answered at once")
+                keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, meta))
+                reply = protocol.encode_flags(self.store.contains_many(keys))
+            ok = True
+            return reply
+        finally:
+            if self.metrics is not None:
+                self.metrics.request(metric_name(header.op), ok, time.perf_counter() - started, 0)
+
     async def _serve_op(self, channel: RequestChannel, prefix: bytes) -> int:
         header = channel.header
         op = header.op

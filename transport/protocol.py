@@ -56,7 +56,7 @@ import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -166,8 +166,10 @@ def pack_header(
     return np.frombuffer(raw, dtype=np.uint8)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Header:
+    """A parsed header (slots: one is made per message, on the hot path)."""
+
     op: int
     status: int
     flags: int
@@ -282,8 +284,7 @@ def key_lens(keys: Sequence[bytes]) -> np.ndarray:
 # ---- the inline framing ----
 
 
-@dataclass(frozen=True)
-class HeadLayout:
+class HeadLayout(NamedTuple):
     """Where the parts of an inline request or reply travel: in the head message or as frames of their own."""
 
     meta_inline: bool
@@ -320,6 +321,18 @@ def pack_head(header: np.ndarray, meta: bytes | memoryview, data: Sequence[Buffe
             head[at : at + view.nbytes] = view
             at += view.nbytes
     return np.frombuffer(head, dtype=np.uint8)
+
+
+def pack_meta_reply(op: int, request_id: int, meta: bytes = b"", count: int = 0) -> bytearray:
+    """An inline reply (status OK) that carries only `meta`, in its head: the same bytes as `pack_head` of its
+    header, without building the header twice (the reply of an EXISTS or PING). ValueError when `meta` does not fit."""
+    layout = head_layout(len(meta), 0)
+    if not layout.meta_inline:
+        raise ValueError(f"a reply meta of {len(meta)} bytes does not fit in a head")
+    head = bytearray(layout.length)
+    _HEADER.pack_into(head, 0, MAGIC, VERSION, op | REPLY, 0, _INLINE, count, len(meta), request_id, 0)
+    head[HEADER_SIZE : HEADER_SIZE + len(meta)] = meta
+    return head
 
 
 # ---- authentication (transport/auth.py) ----

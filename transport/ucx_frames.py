@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -94,12 +94,16 @@ async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
     return frame
 
 
+_HEAD_REPEAT = protocol.HEAD_BYTES // CANARY_BYTES
+_HEADER_FILLED = bytes([_HEADER_FILL]) * protocol.HEADER_SIZE
+
+
 async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryview]:
     """A head message: its parsed header and its inline bytes (empty for a classic header); see the docstring.
     ProtocolError when it had another length than its header announces."""
     canary = new_canary()
-    buf = np.frombuffer(bytearray(canary * (protocol.HEAD_BYTES // CANARY_BYTES)), dtype=np.uint8)
-    buf[: protocol.HEADER_SIZE] = _HEADER_FILL
+    buf = bytearray(canary * _HEAD_REPEAT)  # (a bytearray: its checks below cost less than a numpy array's)
+    buf[: protocol.HEADER_SIZE] = _HEADER_FILLED
     try:
         await ucx_progress.recv(ep, buf, tag)
     except Exception as error:
@@ -108,13 +112,14 @@ async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryvi
         raise
     if buf[protocol.HEADER_SIZE - 1] == _HEADER_FILL:
         raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")
-    header = protocol.unpack_header(buf[: protocol.HEADER_SIZE])
+    view = memoryview(buf)
+    header = protocol.unpack_header(view[: protocol.HEADER_SIZE])
     length = protocol.head_layout(header.meta_len, header.data_len).length if header.inline else protocol.HEADER_SIZE
-    if length > protocol.HEADER_SIZE and buf[length - CANARY_BYTES : length].tobytes() == canary:
+    if length > protocol.HEADER_SIZE and buf[length - CANARY_BYTES : length] == canary:
         raise protocol.ProtocolError(f"a head shorter than the {length} bytes announced")
-    if length + CANARY_BYTES <= protocol.HEAD_BYTES and buf[length : length + CANARY_BYTES].tobytes() != canary:
+    if length + CANARY_BYTES <= protocol.HEAD_BYTES and buf[length : length + CANARY_BYTES] != canary:
         raise protocol.ProtocolError(f"a head longer than the {length} bytes announced")
-    return header, memoryview(cast(Any, buf))[protocol.HEADER_SIZE : length]
+    return header, view[protocol.HEADER_SIZE : length]
 
 
 async def recv_meta(ep: Any, meta_len: int, tag: Any = None) -> bytes:

@@ -420,7 +420,13 @@ class PoolServer:
             while not conn.aborted:
                 await conn.slots.acquire()
                 try:
-                    header, body = await _recv_head(ep)
+                    header, body = await recv_head(ep)
+                except protocol.ProtocolError:
+                    conn.slots.release()
+                    raise
+                except Exception as error:  # the peer left (or the endpoint was aborted)
+                    conn.slots.release()
+                    raise _Closed() from error
                 except BaseException:
                     conn.slots.release()
                     raise
@@ -430,6 +436,14 @@ class PoolServer:
                     if request_id == 0 or request_id in conn.receiving:
                         conn.slots.release()
                         raise protocol.ProtocolError(f"request id {request_id} is the base tag or already in flight")
+                    if _served_at_once(header):
+                        # everything is in its head and its reply is a few bytes: answered here, its reply posted
+                        # (complete at once as a rule), without a task and a loop turn of its own
+                        try:
+                            await self._answer_at_once(conn, header, body, prefix)
+                        finally:
+                            conn.slots.release()
+                        continue
                     conn.receiving.add(request_id)
                     key = conn.new_key()
                     conn.requests[key] = time.monotonic() + self.limits.stall_timeout_s
@@ -469,6 +483,24 @@ class PoolServer:
             self._forget_tags(conn)
             if self.metrics is not None:
                 self.metrics.connections.dec()
+
+    async def _answer_at_once(self, conn: Connection, header: protocol.Header, body: memoryview, prefix: bytes) -> None:
+        """Answer a request `_served_at_once` allows: the handlers' reply meta, sent in one head on its tag. Its id
+        is never in flight past this (the reply starts before the next head is read). A reply whose send does not
+        complete at once has `stall_timeout_s`, like any frame."""
+        meta = self.handlers.answer_now(header, body[: header.meta_len], prefix)
+        sent = ucx_progress.send(
+            conn.ep, protocol.pack_meta_reply(header.op, header.request_id, meta, header.count), header.request_id
+        )
+        if sent.done():
+            sent.result()  # a failed send raises here, as awaiting it would
+            return
+        key = conn.new_key()
+        conn.requests[key] = time.monotonic() + self.limits.stall_timeout_s
+        try:
+            await sent
+        finally:
+            conn.requests.pop(key, None)
 
     async def _serve_request(self, channel: Channel, prefix: bytes) -> None:
         """One request, start to reply. A refusal answers BAD_REQUEST and closes the connection; any other failure
@@ -563,13 +595,15 @@ async def _recv_header(ep: Any) -> protocol.Header:
     return protocol.unpack_header(frame)
 
 
-async def _recv_head(ep: Any) -> tuple[protocol.Header, memoryview]:
-    try:
-        return await recv_head(ep)
-    except protocol.ProtocolError:
-        raise
-    except Exception as error:
-        raise _Closed() from error
+_AT_ONCE_OPS = frozenset((int(protocol.Op.EXISTS), int(protocol.Op.PING)))
+
+
+def _served_at_once(header: protocol.Header) -> bool:
+    """An inline request the connection's loop serves itself: an EXISTS or PING whose meta came in its head (no
+    frame to wait for; the reply, flags, fits in a head; it waits only while the node's whole in-flight budget is
+    taken). Anything else (data frames, a GET's value) gets a task, so one slow request never holds the connection's
+    next head."""
+    return header.op in _AT_ONCE_OPS and header.data_len == 0 and protocol.head_layout(header.meta_len, 0).meta_inline
 
 
 def _windows(frames: list, window_bytes: int) -> list[list]:
