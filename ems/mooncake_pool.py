@@ -12,7 +12,7 @@ Contract, beyond `ems.pool_backend`'s:
 * Zero copy: each staging buffer is registered with the store once (`prepare_staging`) and unregistered when the
   staging pool lets go of it and no Mooncake call is in flight; a put is `batch_upsert_from` straight from the
   values' bytes (Mooncake's plain put does not replace a value; a save does, as on `ems` nodes), a receive
-  `batch_get_into` straight into the caller's buffers, one Mooncake call per request (per `MAX_KEYS` keys). Bytes
+  `batch_get_into` straight into the caller's buffers, one Mooncake call per request (per `MAX_KEYS` keys, its `limits`). Bytes
   outside registered memory (a V0 value's separate header, a caller's own buffer) go through a registered bounce
   buffer instead: one copy, correct on every Mooncake transport.
 * `get` (V0 loads) is `get_batch`: Mooncake copies through its own client buffer (`mooncake_buffer`), so a call's
@@ -410,12 +410,13 @@ class MooncakePool:
             addresses[idx] = base + offsets[:-1]
         ptrs, lens = addresses.tolist(), sizes.tolist()
         replicate = self._replicate
+        step = self.limits.max_keys
 
         def call(held: object = (values, bounce)) -> list[int]:  # `held`: the bytes stay alive while the call runs
             codes: list[int] = []
-            for at in range(0, n, MAX_KEYS):
+            for at in range(0, n, step):
                 codes += store.batch_upsert_from(
-                    names[at : at + MAX_KEYS], ptrs[at : at + MAX_KEYS], lens[at : at + MAX_KEYS], replicate
+                    names[at : at + step], ptrs[at : at + step], lens[at : at + step], replicate
                 )
             return codes
 
@@ -460,11 +461,12 @@ class MooncakePool:
             bounce = self._bounce_lease(int(offsets[-1]))
             addresses[idx] = int(bounce.host.data_ptr()) + offsets[:-1]
         ptrs, lens = addresses.tolist(), sizes.tolist()
+        step = self.limits.max_keys
 
         def call(held: object = (outs, bounce)) -> list[int]:  # `held`: the buffers stay alive while the call runs
             got: list[int] = []
-            for at in range(0, n, MAX_KEYS):
-                got += store.batch_get_into(names[at : at + MAX_KEYS], ptrs[at : at + MAX_KEYS], lens[at : at + MAX_KEYS])
+            for at in range(0, n, step):
+                got += store.batch_get_into(names[at : at + step], ptrs[at : at + step], lens[at : at + step])
             return got
 
         outcome: PoolOutcome[bool] = PoolOutcome([False] * n, nodes_contacted=1)
@@ -508,7 +510,7 @@ class MooncakePool:
             batches = self.limits.capped(max(1, self.settings.buffer_bytes // 2)).batches((sizes, zeros, zeros))
             cuts = [0] + [b.stop for b in batches]
         else:
-            cuts = list(range(0, n, MAX_KEYS)) + [n]
+            cuts = list(range(0, n, self.limits.max_keys)) + [n]
 
         def call() -> list[bytes]:
             values: list[bytes] = []
@@ -531,11 +533,12 @@ class MooncakePool:
         if store is None:
             return self._not_set_up(n)
         names = [mooncake_key(k) for k in keys]
+        step = self.limits.max_keys
 
         def call() -> list[int]:
             codes: list[int] = []
-            for at in range(0, n, MAX_KEYS):
-                codes += store.batch_is_exist(names[at : at + MAX_KEYS])
+            for at in range(0, n, step):
+                codes += store.batch_is_exist(names[at : at + step])
             return codes
 
         outcome: PoolOutcome[bool] = PoolOutcome([False] * n, nodes_contacted=1)
