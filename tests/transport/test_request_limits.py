@@ -1,0 +1,70 @@
+"""`RequestLimits`: the wire's per-key costs are exactly what the encoders write, and `batches` cut within limits."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ems.transport import protocol
+from ems.transport.protocol import WIRE_LIMITS, RequestLimits, key_lens
+
+keys_st = st.lists(st.binary(min_size=0, max_size=64), min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=keys_st, data=st.data())
+def test_put_costs_are_the_encoded_put_meta(keys, data):
+    parts = np.asarray(data.draw(st.lists(st.integers(1, 3), min_size=len(keys), max_size=len(keys))), dtype=np.int64)
+    value_lens = np.asarray(data.draw(st.lists(st.integers(0, 5000), min_size=len(keys), max_size=len(keys))))
+    frame_lens = np.ones(int(parts.sum()), dtype=np.int64)  # one u64 per data frame, whatever its length
+    meta = protocol.encode_put_meta(keys, value_lens, frame_lens)
+    data_cost, meta_cost, frames = RequestLimits.put_costs(key_lens(keys), value_lens, parts)
+    assert int(meta_cost.sum()) == len(meta)
+    assert (data_cost == value_lens).all() and (frames == parts).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=keys_st)
+def test_key_costs_are_the_encoded_keys_meta(keys):
+    meta = protocol.encode_keys_meta(keys)
+    data, meta_cost, frames = RequestLimits.key_costs(key_lens(keys))
+    assert int(meta_cost.sum()) == len(meta)
+    assert not data.any() and not frames.any()
+    reply = np.arange(len(keys), dtype=np.int64)
+    assert (RequestLimits.key_costs(key_lens(keys), reply)[0] == reply).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=keys_st, cap=st.integers(1, 100_000))
+def test_capped_batches_of_a_put_keep_every_limit(keys, cap):
+    """What the jobs do with a chunk size (`capped`), on the wire's own costs: every batch keeps the cap and the
+    protocol's limits unless it is one key alone; the batches cover the keys in order."""
+    lens = np.asarray([len(k) * 100 for k in keys], dtype=np.int64)
+    costs = RequestLimits.put_costs(key_lens(keys), lens, np.full(len(keys), 2, dtype=np.int64))
+    limits = WIRE_LIMITS.capped(cap)
+    assert limits.max_data_bytes == min(cap, protocol.MAX_DATA_BYTES) and limits.max_keys == protocol.MAX_KEYS
+    batches = limits.batches(costs)
+    assert [i for b in batches for i in range(b.start, b.stop)] == list(range(len(keys)))
+    for b in batches:
+        assert b.stop - b.start == 1 or int(lens[b].sum()) <= cap
+
+
+def test_no_keys_no_batches():
+    empty = np.zeros(0, dtype=np.int64)
+    assert WIRE_LIMITS.batches((empty, empty, empty)) == []
+
+
+def test_meta_reply_is_the_packed_head():
+    """The at-once reply head (`pack_meta_reply`) has the very bytes of `pack_head` of the same reply."""
+    meta = bytes([1, 0, 1])
+    header = protocol.pack_header(
+        protocol.Op.EXISTS | protocol.REPLY, count=3, meta_len=3, flags=protocol.Flags.INLINE, request_id=77
+    )
+    assert bytes(protocol.pack_meta_reply(protocol.Op.EXISTS, 77, meta, 3)) == protocol.pack_head(header, meta).tobytes()
+    assert (
+        bytes(protocol.pack_meta_reply(protocol.Op.PING, 5))
+        == protocol.pack_head(
+            protocol.pack_header(protocol.Op.PING | protocol.REPLY, flags=protocol.Flags.INLINE, request_id=5), b""
+        ).tobytes()
+    )
