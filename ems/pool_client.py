@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ems.buffers import Buffer
+from ems.cluster.placement import Members
 from ems.deadline import Deadline
 from ems.job_executor import ChunkExecutor
 from ems.pool_backend import PoolOutcome
@@ -55,7 +56,7 @@ class PoolClient:
         self._on_close: list[Callable[[], None]] = []
 
     @property
-    def members(self) -> Any:
+    def members(self) -> Members:
         """The live set placement uses (`ems.cluster.placement.Members`)."""
         return self.router.members
 
