@@ -415,9 +415,7 @@ class MooncakePool:
         def call(held: object = (values, bounce)) -> list[int]:  # `held`: the bytes stay alive while the call runs
             codes: list[int] = []
             for at in range(0, n, step):
-                codes += store.batch_upsert_from(
-                    names[at : at + step], ptrs[at : at + step], lens[at : at + step], replicate
-                )
+                codes += store.batch_upsert_from(names[at : at + step], ptrs[at : at + step], lens[at : at + step], replicate)
             return codes
 
         outcome: PoolOutcome[bool] = PoolOutcome([False] * n, nodes_contacted=1)

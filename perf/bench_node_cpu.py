@@ -183,8 +183,10 @@ def main() -> None:
             row += f" | {medians[labels[0]][name] / medians[labels[1]][name]:.2f}"
         print(row + " |")
     print("\nPer request (exists) and per MiB (bulk calls, less nothing; 1-value calls less the per-request part):\n")
-    print("| node | per request µs | per MiB saved µs (bulk) | per MiB loaded µs (bulk) | 1 MiB put less request | "
-          "1 MiB get_into less request |")
+    print(
+        "| node | per request µs | per MiB saved µs (bulk) | per MiB loaded µs (bulk) | 1 MiB put less request | "
+        "1 MiB get_into less request |"
+    )
     print("|---|---|---|---|---|---|")
     for label in labels:
         m = medians[label]
