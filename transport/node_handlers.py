@@ -144,6 +144,7 @@ class NodeHandlers:
         self.budget = ByteBudget(limits.inflight_bytes)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
         self.shm = ShmService(shm or ShmSettings(region_bytes=0), self)  # same-host shared memory; off by default
+        self._may_block = getattr(store, "may_block", None)  # a store with a disk tier (looked up once)
         # a GET reply's most data bytes: the protocol's and the budget's limits
         self.reply_limit = min(protocol.WIRE_LIMITS.max_data_bytes, self.budget.total)
 
@@ -232,7 +233,7 @@ class NodeHandlers:
     async def lookup_values(self, keys: list[bytes]) -> list[Buffer | None]:
         """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
         disk (a store with a disk tier has `may_block`)."""
-        may_block = getattr(self.store, "may_block", None)
+        may_block = self._may_block
         if may_block is not None and may_block(keys):
             return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.get_many, keys)
         return self.store.get_many(keys)

@@ -3,8 +3,8 @@
 Contract:
 * `recv_header(ep)` returns the parsed header of a frame of exactly `HEADER_SIZE` bytes; `recv_meta(ep, n)` the
   `n` bytes of a meta frame; `recv_into(ep, view, canary)` fills `view` with one frame of exactly `len(view)`
-  bytes. A frame of another length raises `ProtocolError` (the caller closes that connection), and a buffer that
-  received a short frame is never handed on.
+  bytes (`recv_all_into` a frame into each of several views, posted at once). A frame of another length raises
+  `ProtocolError` (the caller closes that connection), and a buffer that received a short frame is never handed on.
 * `send_all(ep, frames)` posts every frame at once (UCX keeps their order on the endpoint) and waits for all.
 * Every send and receive goes through `ucx_progress` (UCX progressed on the event loop thread).
 * `recv_head(ep)` receives the head message of a request or reply (classic: a 32-byte header; inline:
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,36 @@ async def recv_into(ep: Any, view: memoryview, canary: bytes, tag: Any = None) -
         raise
     if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
         raise protocol.ProtocolError(f"a frame shorter than the {n} bytes announced")
+
+
+async def recv_all_into(
+    ep: Any, views: Sequence[memoryview], canary: bytes, tag: Any = None, on_frame: Callable[[], None] | None = None
+) -> None:
+    """`recv_into` of one frame into each of `views`, all posted at once (no task per frame); `on_frame()` runs as
+    each completes. Returns once every receive has ended; raises the first failure (ProtocolError for a frame of
+    another length than its view)."""
+    posted: list[tuple[memoryview, asyncio.Future]] = []
+    for view in views:
+        n = view.nbytes
+        if n == 0:
+            continue
+        if n >= CANARY_BYTES:
+            view[n - CANARY_BYTES :] = canary
+        else:
+            view[:] = bytes(n)
+        future = ucx_progress.recv(ep, view, tag)
+        if on_frame is not None:
+            future.add_done_callback(lambda _: on_frame())
+        posted.append((view, future))
+    outcomes = await asyncio.gather(*(f for _, f in posted), return_exceptions=True)
+    for (view, _), outcome in zip(posted, outcomes):
+        n = view.nbytes
+        if isinstance(outcome, BaseException):
+            if _wrong_size(outcome):
+                raise protocol.ProtocolError(f"a frame longer than the {n} bytes announced") from None
+            raise outcome
+        if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
+            raise protocol.ProtocolError(f"a frame shorter than the {n} bytes announced")
 
 
 async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:

@@ -56,7 +56,7 @@ from ems.transport.node_handlers import NodeHandlers, NodeStore, Refusal, tenant
 from ems.transport.shm import ShmSettings
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import connecting_tags, install_safe_listener_exchange, peer_host
-from ems.transport.ucx_frames import new_canary, recv_head, recv_header_frame, recv_into, recv_meta, send_all
+from ems.transport.ucx_frames import new_canary, recv_all_into, recv_head, recv_header_frame, recv_meta, send_all
 from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_sockets import SocketReaper
 from ems.transport.ucx_unexpected import discard, oldest
@@ -158,18 +158,19 @@ class Channel:
         return result
 
     async def receive_frames(self, views: Sequence[memoryview]) -> None:
-        """Receive the request's data frames into `views`, lengths verified; once every receive has ended. On a
-        failure the connection is aborted (the other receives would still be posted) and the first error raised."""
-        canary = new_canary()
-        outcomes = await asyncio.gather(
-            *(self.timed(recv_into(self.conn.ep, view, canary, self.tag)) for view in views), return_exceptions=True
-        )
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                if not self.conn.aborted:
-                    self.conn.aborted = True
-                    _abort(self.conn.ep)
-                raise outcome
+        """Receive the request's data frames into `views`, lengths verified; once every receive has ended (each
+        frame that arrives gives the next `stall_timeout_s` again). On a failure the connection is aborted and the
+        first error raised."""
+        try:
+            await recv_all_into(self.conn.ep, views, new_canary(), self.tag, self._frame_done)
+        except BaseException:
+            if not self.conn.aborted:
+                self.conn.aborted = True
+                _abort(self.conn.ep)
+            raise
+
+    def _frame_done(self) -> None:
+        self.conn.requests[self.key] = time.monotonic() + self.stall_s
 
     async def meta(self) -> bytes:
         h = self.header

@@ -68,3 +68,49 @@ def test_meta_reply_is_the_packed_head():
             protocol.pack_header(protocol.Op.PING | protocol.REPLY, flags=protocol.Flags.INLINE, request_id=5), b""
         ).tobytes()
     )
+
+
+def _outcome(decode, count, data_len, meta):
+    try:
+        request = decode(count, data_len, meta)
+    except protocol.ProtocolError:
+        return "refused"
+    return (
+        request.keys,
+        *(getattr(request, f).tolist() for f in ("value_lens", "frame_lens", "plan", "value_offsets")),
+        *(getattr(request, f).tolist() for f in ("segment_sizes", "frame_segments", "frame_offsets")),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    key=st.binary(max_size=40),
+    value_len=st.one_of(
+        st.none(), st.integers(0, 1 << 21), st.sampled_from([protocol.MAX_VALUE_BYTES + 1, (1 << 64) - 1, 1 << 63])
+    ),
+    frames=st.lists(st.one_of(st.integers(0, 1 << 20), st.just((1 << 64) - 1)), max_size=4),
+    data_len=st.one_of(st.none(), st.integers(0, 1 << 21)),
+    cut=st.integers(-3, 3),
+)
+def test_one_value_put_meta_is_decoded_as_the_general_path_does(key, value_len, frames, data_len, cut):
+    """The 1-value fast path accepts exactly what the general path accepts, with the same request (well-formed,
+    lying about lengths, empty frames, truncated or padded meta)."""
+    value_len = sum(frames) if value_len is None else value_len
+    if value_len >= 1 << 64:
+        value_len = (1 << 64) - 1
+    meta = (
+        np.array([value_len], dtype="<u8").tobytes()
+        + np.array([len(key)], dtype="<u4").tobytes()
+        + np.array(frames, dtype="<u8").tobytes()
+        + key
+    )
+    meta = meta[: len(meta) + cut] if cut < 0 else meta + bytes(cut)
+    data_len = sum(frames) if data_len is None else data_len
+    assert _outcome(protocol.decode_put_meta, 1, data_len, meta) == _outcome(protocol._decode_put_meta, 1, data_len, meta)
+
+
+def test_one_value_put_meta_well_formed():
+    meta = protocol.encode_put_meta([b"key"], np.array([100]), np.array([40, 60]))
+    request = protocol.decode_put_meta(1, 100, meta)
+    assert _outcome(protocol.decode_put_meta, 1, 100, meta) == _outcome(protocol._decode_put_meta, 1, 100, meta)
+    assert request.keys == [b"key"] and request.frame_offsets.tolist() == [0, 40] and request.segment_sizes.tolist() == [100]
