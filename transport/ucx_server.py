@@ -6,10 +6,10 @@ it. The transport does not import the store: the node assembly (`ems.pool.__main
 Contract:
 * One asyncio event loop serves every connection (UCX progress settings: `transport.ucx_config`). Each
   connection's heads are read by one coroutine; classic requests are served in order, inline requests (protocol
-  docstring) concurrently, up to MAX_REQUESTS_PER_CONNECTION at once, so concurrent calls of one client overlap. An
-  inline request whose meta and data came in its head (exists, a 1-key get, a small put) is served straight from
-  the connection's loop up to its first wait, without a task of its own unless it has to wait (most do not: the
-  reply is posted and the loop goes on to the next head).
+  docstring) concurrently, each in a task, up to MAX_REQUESTS_PER_CONNECTION at once, so concurrent calls of one
+  client overlap. An inline EXISTS or PING whose meta came in its head is answered by the connection's coroutine
+  itself, without a task (`_served_at_once`: nothing to receive, and its reply, a few bytes, is posted and as a
+  rule complete at once).
 * Handshake first (`protocol` docstring). With access keys configured, a client must prove one (HMAC over a
   fresh nonce) or is refused with AUTH_FAILED; without keys every client is accepted under the tenant it names,
   whose namespace (`node_handlers.tenant_prefix`) every key of the connection is stored under.
