@@ -62,7 +62,8 @@ from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx_config  # noqa: E402 - UCX environment before ucxx loads
 from ems.pool_client import PoolClient  # noqa: E402
-from ems.transport.ucx import UcxNode, UcxRuntime  # noqa: E402
+from ems.transport.ucx import UcxNode  # noqa: E402
+from ems.transport.ucx_loop import UcxRuntime  # noqa: E402
 
 try:
     from ems.transport.ucx_progress import recv, send

@@ -161,7 +161,7 @@ class ShmClient:
         opens a region (that costs a round trip, which the calls do under their own deadlines): until a call
         has opened one, callers stage elsewhere."""
         region = self._region
-        if region is None or region.ep is not self.node._ep or region.allocator.poisoned:
+        if region is None or region.ep is not self.node._conn or region.allocator.poisoned:
             return None
         taken = region.allocator.alloc(nbytes)
         return None if taken is None else ShmBuffer(region, taken, nbytes)
@@ -188,10 +188,10 @@ class ShmClient:
         success unless `keep` (the caller still reads it), and the region is poisoned after a failure."""
         from ems.transport.ucx import _request
 
-        async def run(ep: Any, rid: int) -> Any:
-            if ep is not region.ep:
+        def run(ex: Any, rid: int) -> Any:
+            if ex.conn is not region.ep:
                 return _STALE
-            reply, body = await _request(ep, rid, op, count=count, meta=meta)
+            reply, body = _request(ex, rid, op, count=count, meta=meta)
             return bytes(body[: reply.meta_len])
 
         try:
@@ -216,7 +216,7 @@ class ShmClient:
 
     def region(self, deadline: Deadline) -> ClientRegion | None:
         """The current connection's region, opened now if it has none; None when there is none to use."""
-        ep = self.node._ep  # a reference read: the loop thread replaces it, requests check it again there
+        ep = self.node._conn  # a reference read: another call may replace it, requests check it again
         region = self._region
         if region is not None and region.ep is ep and ep is not None and not region.allocator.poisoned:
             return region
@@ -234,9 +234,9 @@ class ShmClient:
 
         meta = shm.encode_open(os.getuid(), os.getpid())
 
-        async def run(ep: Any, rid: int) -> tuple[Any, shm.OpenReply]:
-            reply, body = await _request(ep, rid, protocol.Op.SHM_OPEN, meta=meta)
-            return ep, shm.decode_open_reply(bytes(body[: reply.meta_len]))
+        def run(ex: Any, rid: int) -> tuple[Any, shm.OpenReply]:
+            reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, meta=meta)
+            return ex.conn, shm.decode_open_reply(bytes(body[: reply.meta_len]))
 
         ep, offer = self.node._call(run, deadline)
         if offer.region_bytes == 0:

@@ -60,23 +60,40 @@ def _wrong_size(error: BaseException) -> bool:
     return "truncat" in text or "mismatch" in text
 
 
+def prepare_frame(view: memoryview, canary: bytes) -> None:
+    """Make `view` ready to receive one frame of exactly `view.nbytes` bytes (its length is verified after)."""
+    n = view.nbytes
+    if n >= CANARY_BYTES:
+        view[n - CANARY_BYTES :] = canary
+    else:
+        view[:] = bytes(n)
+
+
+def check_frame(view: memoryview, canary: bytes) -> None:
+    """ProtocolError when the frame received into `view` (after `prepare_frame`) was short."""
+    n = view.nbytes
+    if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
+        raise protocol.ProtocolError(f"a frame shorter than the {n} bytes announced")
+
+
+def frame_error(error: BaseException, what: str) -> BaseException:
+    """The error to raise for a failed receive: ProtocolError when UCX says the message was longer than `what`."""
+    if _wrong_size(error):
+        return protocol.ProtocolError(f"a frame longer than {what}")
+    return error
+
+
 async def recv_into(ep: Any, view: memoryview, canary: bytes, tag: Any = None) -> None:
     """Receive one frame of exactly `view.nbytes` bytes into `view` (writable, format "B"); see the docstring."""
     n = view.nbytes
     if n == 0:
         return
-    if n >= CANARY_BYTES:
-        view[n - CANARY_BYTES :] = canary
-    else:
-        view[:] = bytes(n)
+    prepare_frame(view, canary)
     try:
         await ucx_progress.recv(ep, view, tag)
     except Exception as error:
-        if _wrong_size(error):
-            raise protocol.ProtocolError(f"a frame longer than the {n} bytes announced") from None
-        raise
-    if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
-        raise protocol.ProtocolError(f"a frame shorter than the {n} bytes announced")
+        raise frame_error(error, f"the {n} bytes announced") from None
+    check_frame(view, canary)
 
 
 async def recv_all_into(
@@ -87,41 +104,39 @@ async def recv_all_into(
     another length than its view)."""
     posted: list[tuple[memoryview, asyncio.Future]] = []
     for view in views:
-        n = view.nbytes
-        if n == 0:
+        if view.nbytes == 0:
             continue
-        if n >= CANARY_BYTES:
-            view[n - CANARY_BYTES :] = canary
-        else:
-            view[:] = bytes(n)
+        prepare_frame(view, canary)
         future = ucx_progress.recv(ep, view, tag)
         if on_frame is not None:
             future.add_done_callback(lambda _: on_frame())
         posted.append((view, future))
     outcomes = await asyncio.gather(*(f for _, f in posted), return_exceptions=True)
     for (view, _), outcome in zip(posted, outcomes):
-        n = view.nbytes
         if isinstance(outcome, BaseException):
-            if _wrong_size(outcome):
-                raise protocol.ProtocolError(f"a frame longer than the {n} bytes announced") from None
-            raise outcome
-        if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
-            raise protocol.ProtocolError(f"a frame shorter than the {n} bytes announced")
+            raise frame_error(outcome, f"the {view.nbytes} bytes announced") from None
+        check_frame(view, canary)
+
+
+def new_header_frame() -> np.ndarray:
+    """A buffer for one header frame (see the module docstring)."""
+    return np.full(protocol.HEADER_SIZE, _HEADER_FILL, dtype=np.uint8)
+
+
+def check_header_frame(frame: np.ndarray) -> None:
+    """ProtocolError when the header frame received into `frame` (from `new_header_frame`) was short."""
+    if frame[-1] == _HEADER_FILL:
+        raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")
 
 
 async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
     """The raw 32 bytes of a header frame; ProtocolError when the frame had another length."""
-    frame = np.full(protocol.HEADER_SIZE, _HEADER_FILL, dtype=np.uint8)
+    frame = new_header_frame()
     try:
         await ucx_progress.recv(ep, frame, tag)
     except Exception as error:
-        if _wrong_size(error):
-            raise protocol.ProtocolError(
-                f"a frame longer than {protocol.HEADER_SIZE} bytes where a header was expected"
-            ) from None
-        raise
-    if frame[-1] == _HEADER_FILL:
-        raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")
+        raise frame_error(error, f"{protocol.HEADER_SIZE} bytes where a header was expected") from None
+    check_header_frame(frame)
     return frame
 
 
@@ -129,18 +144,18 @@ _HEAD_REPEAT = protocol.HEAD_BYTES // CANARY_BYTES
 _HEADER_FILLED = bytes([_HEADER_FILL]) * protocol.HEADER_SIZE
 
 
-async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryview]:
-    """A head message: its parsed header and its inline bytes (empty for a classic header); see the docstring.
-    ProtocolError when it had another length than its header announces."""
+def new_head_buffer() -> tuple[bytearray, bytes]:
+    """A buffer for one head message and its canary (see the module docstring); a bytearray: its checks cost less
+    than a numpy array's."""
     canary = new_canary()
-    buf = bytearray(canary * _HEAD_REPEAT)  # (a bytearray: its checks below cost less than a numpy array's)
+    buf = bytearray(canary * _HEAD_REPEAT)
     buf[: protocol.HEADER_SIZE] = _HEADER_FILLED
-    try:
-        await ucx_progress.recv(ep, buf, tag)
-    except Exception as error:
-        if _wrong_size(error):
-            raise protocol.ProtocolError(f"a message longer than {protocol.HEAD_BYTES} bytes where a head was expected") from None
-        raise
+    return buf, canary
+
+
+def parse_head(buf: bytearray, canary: bytes) -> tuple[protocol.Header, memoryview]:
+    """The header and inline bytes of the head received into `buf` (from `new_head_buffer`); ProtocolError when it
+    had another length than its header announces."""
     if buf[protocol.HEADER_SIZE - 1] == _HEADER_FILL:
         raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")
     view = memoryview(buf)
@@ -151,6 +166,19 @@ async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryvi
     if length + CANARY_BYTES <= protocol.HEAD_BYTES and buf[length : length + CANARY_BYTES] != canary:
         raise protocol.ProtocolError(f"a head longer than the {length} bytes announced")
     return header, view[protocol.HEADER_SIZE : length]
+
+
+async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryview]:
+    """A head message: its parsed header and its inline bytes (empty for a classic header); see the docstring.
+    ProtocolError when it had another length than its header announces."""
+    buf, canary = new_head_buffer()
+    try:
+        await ucx_progress.recv(ep, buf, tag)
+    except Exception as error:
+        if _wrong_size(error):
+            raise protocol.ProtocolError(f"a message longer than {protocol.HEAD_BYTES} bytes where a head was expected") from None
+        raise
+    return parse_head(buf, canary)
 
 
 async def recv_meta(ep: Any, meta_len: int, tag: Any = None) -> bytes:

@@ -179,7 +179,8 @@ def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
 def client_of_scripted_node(serve: Callable[[Any], Awaitable[None]]) -> Iterator[Any]:
     """A `UcxNode` connected to a listener whose every connection runs `serve(ep)`: a scripted node that sends what
     a real node never would. The listener is closed on exit."""
-    from ems.transport.ucx import UcxNode, UcxRuntime
+    from ems.transport.ucx import UcxNode
+    from ems.transport.ucx_loop import UcxRuntime
 
     runtime = UcxRuntime.get()  # starts UCX (its environment first), then ucxx may load
     import ucxx

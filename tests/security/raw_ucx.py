@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ems.transport import protocol, ucx_progress
-from ems.transport.ucx import UcxRuntime
 from ems.transport.ucx_endpoint import create_endpoint
+from ems.transport.ucx_loop import UcxRuntime
 
 CLOSED = "closed"
 SILENT = "silent"

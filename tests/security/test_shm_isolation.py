@@ -28,8 +28,8 @@ def _offer(node, uid: int | None = None, pid: int | None = None) -> shm.OpenRepl
 
     meta = shm.encode_open(os.getuid() if uid is None else uid, os.getpid() if pid is None else pid)
 
-    async def run(ep, rid):
-        reply, body = await _request(ep, rid, protocol.Op.SHM_OPEN, meta=meta)
+    def run(ex, rid):
+        reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, meta=meta)
         return shm.decode_open_reply(bytes(body[: reply.meta_len]))
 
     offer = node._call(run, 5.0)
@@ -149,8 +149,8 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
         offset = offer.region_bytes - size + 1
     meta = shm.encode_ranged([b"k"], [offset], [size])
 
-    async def run(ep, rid):
-        await _request(ep, rid, op, count=1, meta=meta)
+    def run(ex, rid):
+        _request(ex, rid, op, count=1, meta=meta)
 
     with pytest.raises(TransportError):
         client._call(run, 5.0)

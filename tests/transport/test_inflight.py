@@ -14,7 +14,7 @@ from pool_testlib import client_of_scripted_node, joined, make_values
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
-from ems.transport.ucx import UcxRuntime
+from ems.transport.ucx_loop import UcxRuntime
 
 pytestmark = pytest.mark.slow
 

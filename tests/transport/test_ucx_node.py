@@ -15,7 +15,8 @@ from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
-from ems.transport.ucx import UcxNode, UcxRuntime
+from ems.transport.ucx import UcxNode
+from ems.transport.ucx_loop import UcxRuntime
 
 pytestmark = pytest.mark.slow
 

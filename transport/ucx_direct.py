@@ -1,0 +1,367 @@
+"""A client's UCX requests, completed by the thread that waits for them: no event loop, no hop per completion.
+
+Contract:
+* `DirectRuntime.get()` is the process's client UCX worker (created on first use, after `ucx_config`'s UCX
+  environment): ucxx's C++ progress thread moves every byte without the GIL, and requests carry ucxx's completion
+  notifications (its "Python futures"), which nothing awaits: they only wake a waiting thread.
+* `connect(ip, port, deadline)` returns a `Connection` (error handling on) once ucxx's peer-info exchange is done, or
+  raises (`WaitTimeout` past `deadline`); a connect that fails or times out closes its endpoint and keeps the
+  exchange's buffers until UCX has finished with them.
+* `Connection.send(buffer, tag)` / `recv(buffer, tag)` post one tagged message now and return a `Posted` (the
+  request and the buffer UCX uses, kept alive together). `tag` None is the connection's base tag, else a request id
+  (the protocol's tag layout, `ucx_progress.request_tag`). Any thread may post, concurrently with others.
+* `DirectRuntime.wait(posted, deadline)` blocks the calling thread until every request in `posted` is complete and
+  raises the first one's UCX error, or raises `WaitTimeout` at `deadline`. A request given up on (its caller timed
+  out or failed) must be handed to `bury`: it and its buffer are kept until UCX completes it (the endpoint is
+  aborted, which completes it soon), so UCX never writes into freed memory.
+* `Connection.abort()` closes the endpoint without waiting for the peer (its requests in flight fail).
+* `Exchange(conn, deadline)`: one call's posts and waits on a connection under the call's deadline; `release()`
+  buries whatever of them UCX has not completed (a call that failed or timed out).
+
+How a wait works (why this design, the figures in perf/RESULTS.md "Issue 16: the client's progress model"):
+* The waiting threads take turns as the *leader*: the leader sleeps in ucxx's notifier wait
+  (`wait_request_notifier`, C++, GIL released) until UCX completes some request, takes the notifications
+  (`run_request_notifier`), and releases every waiting thread whose requests are now all complete (a lock each).
+  When its own requests are done it hands the lead to a thread still waiting. A lone synchronous call is always
+  its own leader: each completion costs one wake-up of the calling thread itself, and a call posts everything it can
+  up front (all of a GET's segment receives at once), so a bulk transfer needs one wake-up when it ends, not one per
+  message. Many calls in flight (async saves on the pool's executor threads) are served by one leader; the others
+  sleep on their locks: no thread per request, no spinning.
+* Alternatives measured on this 2-core host and not taken: ucxx's asyncio client (UCX progress thread, notifier
+  thread, event loop, then the caller: three GIL hand-overs per completion, each up to the interpreter's 5 ms
+  switch interval beside a busy Python thread); the calling thread progressing the worker itself (fast for one
+  small request, but bytes then move only while the caller holds the GIL: bulk loads fell several-fold); polling
+  `completed` with short sleeps (slower small calls, same bulk figures).
+* ucxx creates each request's notification object as an `asyncio.Future()` of the posting thread's event loop.
+  A thread without one gets a private loop set as its *running* loop for the duration of a call
+  (`futures_context`): that loop never runs and no callback is ever added to those futures, so setting them from
+  the leader thread is safe; a thread that runs its own loop keeps it untouched.
+* Requests are kept referenced by Python until UCX completes them, so ucxx's progress thread never drops the last
+  reference of a notification object (which would make it take the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ems.transport import ucx_config
+from ems.transport.ucx_progress import request_tag
+
+PROGRESS_EPOLL_MS = 100  # the C++ progress thread's idle wake-up period (UCX keepalive, peer-failure detection)
+LEAD_PERIOD_S = 0.05  # a leader re-checks its deadline and the waits at least this often
+ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)
+_GRAVEYARD_LIMIT = 1 << 16
+_PEER_INFO = struct.Struct("QQ")
+
+
+class WaitTimeout(TimeoutError):
+    """A wait reached its deadline before UCX completed its requests."""
+
+
+class Posted:
+    """One posted UCX request and the buffer it sends from or receives into (kept alive together)."""
+
+    __slots__ = ("array", "buffer", "request")
+
+    def __init__(self, request: Any, array: Any, buffer: Any) -> None:
+        self.request = request
+        self.array = array
+        self.buffer = buffer
+
+
+_names: dict[str, Any] = {}
+
+
+def _ucxx() -> dict[str, Any]:
+    """ucxx's names, imported on first use (UCX's environment must be in place first)."""
+    if not _names:
+        ucx_config.apply_env_defaults()
+        import ucxx._lib.libucxx as ucx_api
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async.utils import hash64bits
+
+        from ems.transport import ucxx_internals
+
+        ucxx_internals.check()
+        _names.update(api=ucx_api, Array=Array, hash=hash64bits, Tag=ucx_api.UCXXTag, mask=ucx_api.UCXXTagMaskFull)
+    return _names
+
+
+_futures_loop: asyncio.AbstractEventLoop | None = None
+_futures_loop_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def futures_context() -> Iterator[None]:
+    """Within it, ucxx can create its notification objects in this thread (see the module docstring)."""
+    global _futures_loop
+    if asyncio._get_running_loop() is not None:
+        yield
+        return
+    with _futures_loop_lock:
+        if _futures_loop is None:
+            _futures_loop = asyncio.new_event_loop()
+    asyncio._set_running_loop(_futures_loop)
+    try:
+        yield
+    finally:
+        asyncio._set_running_loop(None)
+
+
+class _Wait:
+    """One thread's wait for a set of requests."""
+
+    __slots__ = ("lock", "requests", "state")
+
+    WAITING, DONE, LEAD = 0, 1, 2
+
+    def __init__(self, requests: list[Any]) -> None:
+        self.requests = requests
+        self.state = _Wait.WAITING
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def complete(self) -> bool:
+        return all(r.completed for r in self.requests)
+
+
+class DirectRuntime:
+    """The process's client UCX worker and the waits on it; see the module docstring."""
+
+    _instance: DirectRuntime | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        names = _ucxx()
+        api = names["api"]
+        self.context = api.UCXContext({})
+        # delayed submission: a thread posting a request only queues it, and the progress thread (the one thread
+        # that drives the worker) submits it, so posting never contends with progress for the worker
+        self.worker = api.UCXWorker(self.context, enable_delayed_submission=True, enable_python_future=True)
+        with futures_context():
+            self.worker.populate_python_futures_pool()
+        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_MS)
+        self._mutex = threading.Lock()  # guards the three below
+        self._waits: list[_Wait] = []
+        self._leader: _Wait | None = None
+        self._graveyard: list[Posted] = []
+        self.live: set[Connection] = set()
+        self._stopped = False
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:  # before the interpreter joins threads and tears objects down
+            register(self.shutdown)
+
+    @classmethod
+    def get(cls) -> DirectRuntime:
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = DirectRuntime()
+            return cls._instance
+
+    def shutdown(self) -> None:
+        """Abort every connection and stop UCX's progress thread (at exit)."""
+        with self._mutex:
+            if self._stopped:
+                return
+            self._stopped = True
+            live = list(self.live)
+            self.live.clear()
+        for conn in live:
+            conn.abort()
+        try:
+            self.worker.stop_progress_thread()
+        except Exception:  # already stopped
+            pass
+
+    # ---- waits ----
+
+    def wait(self, posted: Sequence[Posted], deadline: float) -> None:
+        """Block until every request of `posted` is complete (then raise the first UCX error among them), or raise
+        WaitTimeout at `deadline`; see the module docstring."""
+        requests = [p.request for p in posted]
+        if not self._wait(requests, deadline):
+            raise WaitTimeout()
+        for request in requests:
+            request.check_error()
+
+    def _wait(self, requests: list[Any], deadline: float) -> bool:
+        wait = _Wait(requests)
+        if wait.complete():
+            return True
+        with self._mutex:
+            self._waits.append(wait)
+            if self._leader is None:
+                self._leader = wait
+                wait.state = _Wait.LEAD
+        try:
+            # a completion whose notification an earlier leader took before this wait was listed is seen here
+            if wait.complete():
+                return True
+            while True:
+                if wait.state == _Wait.LEAD:
+                    return self._lead(wait, deadline)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not wait.lock.acquire(timeout=remaining):
+                    return wait.complete()
+                if wait.state == _Wait.DONE:
+                    return True
+        finally:
+            self._leave(wait)
+
+    def _lead(self, wait: _Wait, deadline: float) -> bool:
+        worker = self.worker
+        while True:
+            if wait.state == _Wait.DONE or wait.complete():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            worker.wait_request_notifier(period_ns=int(min(remaining, LEAD_PERIOD_S) * 1e9))
+            worker.run_request_notifier()
+            with futures_context():
+                worker.populate_python_futures_pool()
+            self._release_done()
+
+    def _release_done(self) -> None:
+        """Release every waiting thread whose requests are all complete; forget completed buried requests."""
+        with self._mutex:
+            for other in self._waits:
+                if other.state != _Wait.DONE and other.complete():
+                    lead = other.state == _Wait.LEAD
+                    other.state = _Wait.DONE
+                    if not lead:
+                        other.lock.release()
+            if self._graveyard:
+                self._graveyard = [p for p in self._graveyard if not p.request.completed]
+
+    def _leave(self, wait: _Wait) -> None:
+        """`wait` is over: unlist it, and when it led, hand the lead to a thread still waiting."""
+        with self._mutex:
+            self._waits.remove(wait)
+            if self._leader is not wait:
+                return
+            self._leader = None
+            for other in self._waits:
+                if other.state == _Wait.WAITING:
+                    self._leader = other
+                    other.state = _Wait.LEAD
+                    other.lock.release()
+                    return
+
+    def bury(self, posted: Sequence[Posted]) -> None:
+        """Keep `posted` (given up on) until UCX completes them; see the module docstring."""
+        with self._mutex:
+            self._graveyard.extend(p for p in posted if not p.request.completed)
+            if len(self._graveyard) > _GRAVEYARD_LIMIT:
+                self._graveyard = [p for p in self._graveyard if not p.request.completed]
+                del self._graveyard[: max(0, len(self._graveyard) - _GRAVEYARD_LIMIT)]
+
+
+class Connection:
+    """One endpoint to a node, with the tags of ucxx's peer-info exchange; see the module docstring."""
+
+    def __init__(self, runtime: DirectRuntime, endpoint: Any, send_tag: int, recv_tag: int) -> None:
+        self.runtime = runtime
+        self.endpoint: Any = endpoint
+        self.send_tag = send_tag
+        self.recv_tag = recv_tag
+        names = _ucxx()
+        self._array, self._tag, self._mask = names["Array"], names["Tag"], names["mask"]
+
+    def _live(self) -> Any:
+        endpoint = self.endpoint
+        if endpoint is None:
+            raise ConnectionError("the connection was closed")
+        endpoint.raise_on_error()
+        return endpoint
+
+    def send(self, buffer: Any, tag: int | None = None) -> Posted:
+        """Post one tagged send of `buffer` now."""
+        array = self._array(buffer)
+        request = self._live().tag_send(array, self._tag(request_tag(self.send_tag, tag)))
+        return Posted(request, array, buffer)
+
+    def recv(self, buffer: Any, tag: int | None = None) -> Posted:
+        """Post one tagged receive into `buffer` (writable) now."""
+        array = self._array(buffer)
+        request = self._live().tag_recv(array, self._tag(request_tag(self.recv_tag, tag)), self._mask)
+        return Posted(request, array, buffer)
+
+    def abort(self) -> None:
+        """Close the endpoint now, without waiting for the peer; its requests in flight fail."""
+        endpoint, self.endpoint = self.endpoint, None
+        if endpoint is None:
+            return
+        try:
+            endpoint.close_blocking(period=ABORT_PERIOD_NS, max_attempts=1)
+        except Exception:  # already failed or closed
+            pass
+
+
+def connect(runtime: DirectRuntime, ip: str, port: int, deadline: float) -> Connection:
+    """An endpoint to `ip:port` after ucxx's peer-info exchange (the client side: receive the listener's tag, then
+    send ours); WaitTimeout at `deadline`, ConnectionError on a bad exchange."""
+    names = _ucxx()
+    endpoint = names["api"].UCXEndpoint.create(runtime.worker, ip, port, True)
+    msg_tag = names["hash"]("msg_tag", os.urandom(16), endpoint.handle)
+    mine = bytearray(_PEER_INFO.pack(msg_tag, names["hash"](msg_tag)))
+    peer = bytearray(_PEER_INFO.size)
+    posted: list[Posted] = []
+    try:
+        peer_array = names["Array"](peer)
+        posted.append(Posted(endpoint.stream_recv(peer_array), peer_array, peer))
+        runtime.wait(posted[-1:], deadline)
+        mine_array = names["Array"](mine)
+        posted.append(Posted(endpoint.stream_send(mine_array), mine_array, mine))
+        runtime.wait(posted[-1:], deadline)
+    except BaseException:
+        try:
+            endpoint.close_blocking(period=ABORT_PERIOD_NS, max_attempts=1)
+        except Exception:  # already failed: nothing more to release
+            pass
+        runtime.bury(posted)
+        raise
+    peer_tag, checksum = _PEER_INFO.unpack(peer)
+    if names["hash"](peer_tag) != checksum:
+        endpoint.close_blocking(period=ABORT_PERIOD_NS, max_attempts=1)
+        raise ConnectionError("UCX peer-info checksum mismatch")
+    return Connection(runtime, endpoint, peer_tag, msg_tag)
+
+
+class Exchange:
+    """One call's traffic on a connection, under the call's deadline: what it posts is recorded, and `release` (at
+    the end of the call, however it ended) hands what UCX has not completed to `DirectRuntime.bury`."""
+
+    __slots__ = ("conn", "deadline", "posted")
+
+    def __init__(self, conn: Connection, deadline: float) -> None:
+        self.conn = conn
+        self.deadline = deadline
+        self.posted: list[Posted] = []
+
+    def send(self, buffer: Any, tag: int | None = None) -> Posted:
+        posted = self.conn.send(buffer, tag)
+        self.posted.append(posted)
+        return posted
+
+    def recv(self, buffer: Any, tag: int | None = None) -> Posted:
+        posted = self.conn.recv(buffer, tag)
+        self.posted.append(posted)
+        return posted
+
+    def wait(self, posted: Sequence[Posted]) -> None:
+        """`DirectRuntime.wait` under the call's deadline."""
+        if posted:
+            self.conn.runtime.wait(posted, self.deadline)
+
+    def release(self) -> None:
+        if self.posted:
+            self.conn.runtime.bury(self.posted)
+            self.posted = []
