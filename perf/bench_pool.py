@@ -30,8 +30,15 @@ progress thread (ucxx "blocking" mode), the calling thread posts the protocol's 
 worker until they complete (`progress_once`, then either sleeping in the worker's epoll, "event", or spinning,
 "spin"): a 1-key exists round trip and the 62 MiB load above, alone and beside a busy Python thread; the current
 client's figures come from the same run, next to it.
+Issue 16's client goals (`--client-goals`), one run, shared memory off (every byte over UCX on loopback, standing
+in for a node on another host): a 1-key exists next to raw UCXX 8-byte ping-pongs with the same peer process (posted
+and waited for by the calling thread through `transport.ucx_direct`; from the calling thread through the event loop;
+and back to back inside the event loop, the fastest; this process's event loop drives UCX itself, "loop" mode);
+1-value saves per second, 1 vs 8 in flight (8 caller threads, one connection), for 1 MiB and 64 KiB values; the 62
+MiB load alone, beside a busy Python thread and beside a thread as busy that does not hold the GIL (what the CPU
+alone costs on this host); and the API rows above for 32 blocks (one chunk and the default chunks).
 Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--engine-only] [--progress-probe]
-       [--api-blocks N] [--threads T]
+       [--client-goals] [--api-blocks N] [--threads T]
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx_config  # noqa: E402 - UCX environment before ucxx loads
 from ems.pool_client import PoolClient  # noqa: E402
+from ems.transport.shm_client import ShmMode  # noqa: E402
 from ems.transport.ucx import UcxNode  # noqa: E402
 from ems.transport.ucx_loop import UcxRuntime  # noqa: E402
 
@@ -79,6 +87,7 @@ except ImportError:  # an older tree (thread progress only): ucxx's own calls, s
 from ems.types import CcKvOption  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+SHM = ShmMode.AUTO  # the bench's own clients (engine_like, api_over_ucx); --client-goals turns it off
 
 
 # ---- raw UCXX: a sink/echo peer in another process ----
@@ -161,6 +170,21 @@ class RawUcx:
 
         asyncio.run_coroutine_threadsafe(run(), self.rt.loop).result(10)
 
+    def round_trips_in_loop(self, n: int, size: int = 8) -> float:
+        """Median µs of `n` round trips run back to back inside one coroutine on the loop (no caller-thread hop per
+        trip): the raw UCXX ping-pong at its fastest in this process."""
+
+        async def run() -> list:
+            head, answer, times = np.array([2, 0, size], np.uint64), np.empty(max(size, 1), np.uint8), []
+            for _ in range(n):
+                start = time.perf_counter()
+                await send(self.ep, head)
+                await recv(self.ep, answer)
+                times.append(time.perf_counter() - start)
+            return times
+
+        return float(np.median(asyncio.run_coroutine_threadsafe(run(), self.rt.loop).result(60))) * 1e6
+
     def put_one(self, value: np.ndarray) -> None:
         async def run() -> None:
             await send(self.ep, np.array([3, 1, value.size], np.uint64))
@@ -178,6 +202,33 @@ class RawUcx:
 
     def close(self) -> None:
         self.rt.call_soon(self.ep.abort)
+        self.proc.kill()
+        self.proc.wait()
+
+
+class RawDirect:
+    """Raw UCXX tagged messages to the same kind of peer, posted and waited for by the calling thread through
+    `transport.ucx_direct` (the client's progress model without the protocol or a node): a ping-pong."""
+
+    def __init__(self) -> None:
+        from ems.transport.ucx_direct import DirectRuntime, connect
+
+        self.proc = subprocess.Popen([sys.executable, "-c", RAW_PEER], stdout=subprocess.PIPE, text=True)
+        port = int(self.proc.stdout.readline())
+        self.runtime = DirectRuntime.get()
+        self.conn = connect(self.runtime, "127.0.0.1", port, time.monotonic() + 10)
+        self.head = np.array([2, 0, 8], np.uint64)
+        self.answer = np.empty(8, np.uint8)
+
+    def round_trip(self) -> None:
+        from ems.transport.ucx_direct import futures_context
+
+        with futures_context():
+            posted = [self.conn.recv(self.answer), self.conn.send(self.head)]
+            self.runtime.wait(posted, time.monotonic() + 10)
+
+    def close(self) -> None:
+        self.conn.abort()
         self.proc.kill()
         self.proc.wait()
 
@@ -460,7 +511,7 @@ def api_load_beside_busy_thread(node: PoolProcess, blocks: int, rounds: int) -> 
 def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
     """The 62 MiB load alone and beside a busy Python thread; the node's CPU per request and per MiB."""
     option = CcKvOption(timeout=60_000, write_rcache=False)
-    pool = PoolClient([UcxNode(node.address, connect_timeout_ms=5000)])
+    pool = PoolClient([UcxNode(node.address, connect_timeout_ms=5000, shm=SHM)])
     try:
         n, size = 124, 512 << 10
         values = make_values(n, size - 40, seed=62)
@@ -658,7 +709,7 @@ def caller_progress_probe(rounds: int) -> str:
     finally:
         engine_node.cleanup()
     rows = [
-        f"| current client (ucxx progress thread, notifier, loop) | {current_exists:.0f} "
+        f"| current client (ucx_direct: C++ progress thread, the caller waits) | {current_exists:.0f} "
         f"| {current['load alone GB/s']:.2f} | {current['load busy GB/s']:.2f} | {current['busy/alone']:.2f} |"
     ]
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
@@ -696,7 +747,7 @@ def caller_progress_probe(rounds: int) -> str:
 CHUNK_MODES = ("0", "1MiB", "4MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
 
 
-def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]:
+def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] = CHUNK_MODES) -> tuple[str, str, dict]:
     """The API-over-UCX rows (see the module docstring): (the table, the stage table, the figures in GB/s)."""
     from ems import CcConfig, Ems, EmsConfig
     from ems.config import parse_size
@@ -707,7 +758,7 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
     load_before = os.getloadavg()[0]
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header: what crosses the wire, for both peers
     total = blocks * value_bytes
-    best = {mode: {"save": float("inf"), "load": float("inf")} for mode in CHUNK_MODES}
+    best = {mode: {"save": float("inf"), "load": float("inf")} for mode in modes}
     records: dict = {}
     raw_save = raw_load = client_save = client_load = float("inf")
     client: PoolClient | None = None
@@ -722,13 +773,13 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
         offsets = [16] * blocks
         option = CcKvOption(timeout=60_000, write_rcache=False)
         arrays = [np.ones(value_bytes, np.uint8) for _ in range(blocks)]
-        client = PoolClient([UcxNode(node.address, connect_timeout_ms=5000)])  # the transport alone, one call
+        client = PoolClient([UcxNode(node.address, connect_timeout_ms=5000, shm=SHM)])  # the transport alone, one call
         values = make_values(blocks, value_bytes - 40, seed=blocks)
         outs = [np.empty(value_bytes, np.uint8) for _ in range(blocks)]
         counter = iter(range(1, 1 << 30))
         for _ in range(rounds + 1):  # the first round warms up (connection, staging, node buffers): not counted
             warm = not records
-            for mode in CHUNK_MODES:
+            for mode in modes:
                 # white-box: each chunk size in one session (Settings.chunk_bytes is read at Ems.init)
                 cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", mode))
                 hashes = [next(counter) * 1000 + i for i in range(blocks)]
@@ -766,7 +817,7 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
         "| EMS_CHUNK_BYTES | chunks | save GB/s | load GB/s | raw UCXX save | raw UCXX load | save/raw | load/raw |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for mode in CHUNK_MODES:
+    for mode in modes:
         save, load = total / best[mode]["save"] / 1e9, total / best[mode]["load"] / 1e9
         chunks = records[(mode, "save")].stages[next(iter(k for k in records[(mode, "save")].stages if k.value == "send"))].runs
         lines.append(
@@ -778,11 +829,125 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int) -> tuple[str, str, dict]
         f"| PoolClient put / get_into alone (same values, one call) | - | {c_s:.2f} | {c_l:.2f} | {raw_s:.2f} "
         f"| {raw_l:.2f} | {c_s / raw_s:.2f}x | {c_l / raw_l:.2f}x |"
     )
-    shown = [records[(m, op)] for m in ("0", "32MiB") for op in ("save", "load")]
+    shown = [records[(m, op)] for m in ("0", "32MiB") if m in modes for op in ("save", "load")]
     stages = stage_table(shown).replace("| job |", "| job (one chunk, then 32 MiB chunks: the default) |", 1)
-    figures = {mode: {op: total / best[mode][op] / 1e9 for op in ("save", "load")} for mode in CHUNK_MODES}
+    figures = {mode: {op: total / best[mode][op] / 1e9 for op in ("save", "load")} for mode in modes}
     figures.update({"raw": {"save": raw_s, "load": raw_l}, "client": {"save": c_s, "load": c_l}, "blocks": blocks})
     return "\n".join(lines), stages, figures
+
+
+class GilFreeThread:
+    """A second thread that keeps a core as busy as `BusyPythonThread` but without holding the GIL (hashing 1 MiB at
+    a time releases it): what a busy thread costs in CPU alone, next to what it costs in GIL hand-overs."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        import hashlib
+
+        data = bytes(1 << 20)
+        while not self._stop.is_set():
+            hashlib.sha256(data).digest()
+
+    def __enter__(self) -> GilFreeThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
+    """Issue 16's client goals in one run, shared memory off (`--client-goals`; see the module docstring)."""
+    option = CcKvOption(timeout=60_000, write_rcache=False)
+    raw, direct, node = RawUcx(), RawDirect(), PoolProcess("1GiB")
+    lines: list[str] = []
+    try:
+        pool = PoolClient([UcxNode(node.address, connect_timeout_ms=5000, shm=ShmMode.OFF)])
+        try:
+            one = make_values(1, (1 << 20) - 40, seed=99)
+            assert pool.put([b"one"], [b"one"], one, option).results == [True]
+            for _ in range(20):
+                pool.exists([b"one"], [b"one"], option)
+                direct.round_trip()
+                raw.round_trip(8)
+            per = medians_us(
+                {
+                    "ems exists": lambda: pool.exists([b"one"], [b"one"], option),
+                    "raw ping-pong, caller waits (ucx_direct)": direct.round_trip,
+                    "raw ping-pong, caller -> event loop": lambda: raw.round_trip(8),
+                },
+                calls,
+            )
+            per["raw ping-pong inside the event loop"] = raw.round_trips_in_loop(calls)
+            fastest_raw = min(v for k, v in per.items() if k.startswith("raw"))
+            lines += [
+                f"Per call (median of {calls}, in turn; the in-loop ping-pong after them), µs:",
+                "",
+                "| call | µs | / fastest raw ping-pong |",
+                "|---|---|---|",
+                *(f"| {k} | {v:.0f} | {v / fastest_raw:.2f}x |" for k, v in per.items()),
+                "",
+            ]
+            conc: dict = {}
+            for size in (1 << 20, 64 << 10):
+                value = make_values(1, size - 40, seed=size)[0]
+                rates = {1: 0.0, 8: 0.0}
+                for _ in range(rounds):  # 1 and 8 in flight in turn, best of each
+                    for k in rates:
+                        rates[k] = max(rates[k], saves_per_second(pool, value, k, 240, option))
+                conc[size] = rates
+            lines += [
+                f"1-value saves per second on one connection (8 in flight: 8 caller threads), best of {rounds} in turn:",
+                "",
+                "| value | 1 at a time /s | 8 in flight /s | ratio |",
+                "|---|---|---|---|",
+                *(f"| {size >> 10} KiB | {r[1]:.0f} | {r[8]:.0f} | {r[8] / r[1]:.2f}x |" for size, r in conc.items()),
+                "",
+            ]
+            n, size = 124, 512 << 10
+            values = make_values(n, size - 40, seed=62)
+            keys = [f"engine-{i}".encode() for i in range(n)]
+            outs = [np.empty(size, np.uint8) for _ in range(n)]
+            if not all(pool.put(keys, keys, values, option).results):
+                raise RuntimeError("the 62 MiB batch was not stored")
+
+            def load() -> None:
+                if not all(pool.get_into(keys, keys, outs, option).results):
+                    raise RuntimeError("load incomplete")
+
+            load()
+            best = {"alone": float("inf"), "busy Python thread": float("inf"), "GIL-free busy thread": float("inf")}
+            for _ in range(rounds):
+                best["alone"] = min(best["alone"], best_of(load, 1))
+                with BusyPythonThread():
+                    best["busy Python thread"] = min(best["busy Python thread"], best_of(load, 1))
+                with GilFreeThread():
+                    best["GIL-free busy thread"] = min(best["GIL-free busy thread"], best_of(load, 1))
+            total = n * size
+            lines += [
+                f"62 MiB load (124 x 512 KiB, `PoolClient.get_into`), best of {rounds} in turn:",
+                "",
+                "| beside | GB/s | / alone | / beside the GIL-free thread |",
+                "|---|---|---|---|",
+                *(
+                    f"| {k} | {total / t / 1e9:.2f} | {best['alone'] / t:.2f}x | {best['GIL-free busy thread'] / t:.2f}x |"
+                    for k, t in best.items()
+                ),
+                "",
+            ]
+        finally:
+            pool.close()
+        api, _, _ = api_over_ucx(raw, api_blocks, rounds, ("0", "32MiB"))
+        lines.append(api)
+    finally:
+        raw.close()
+        direct.close()
+        node.cleanup()
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -796,6 +961,12 @@ def main() -> None:
         "--progress-probe",
         action="store_true",
         help="only the caller-driven progress probe next to the current client (issue 16 item 1)",
+    )
+    parser.add_argument(
+        "--client-goals",
+        action="store_true",
+        help="only issue 16's client goals (exists vs raw ping-pong, 8 saves in flight, the busy-thread load, the "
+        "API vs raw), shared memory off",
     )
     parser.add_argument(
         "--engine-only",
@@ -819,6 +990,11 @@ def main() -> None:
     sizes = SIZES if args.sweep else [1 << 20]
     option = CcKvOption(timeout=60_000, write_rcache=False)
     print(f"# {machine()}")
+    if args.client_goals:  # the raw client at its fastest (its own event loop drives UCX); shared memory off
+        global SHM
+        SHM = ShmMode.OFF
+        os.environ["EMS_POOL_SHM"] = "off"
+        os.environ.setdefault("EMS_UCX_PROGRESS_MODE", "loop")
     UcxRuntime.get()  # starts UCX in this process: its progress mode is known from here on
     print(
         f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode: this process "
@@ -827,6 +1003,9 @@ def main() -> None:
     )
     if args.progress_probe:
         print(caller_progress_probe(repeats))
+        return
+    if args.client_goals:
+        print(client_goals(repeats, calls * 2, 32))
         return
     if args.engine_only:
         engine_node = PoolProcess("256MiB")

@@ -9,18 +9,20 @@ at import. This package's own knobs (`UcxSettings`: EMS_UCX_PROGRESS_MODE, EMS_U
 are read once: `configure()` at `Ems.init` or at a pool node's start, else from the environment at `init_ucx`.
 
 Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Per-call cost over UCX"):
-* progress mode, by role unless EMS_UCX_PROGRESS_MODE sets it for every process: "loop" for a process that serves
-  UCX (a pool node: `init_ucx()`), "thread" for a client (`UcxRuntime`: `init_ucx(CLIENT_PROGRESS_MODE)`).
+* progress mode of the asyncio side (a pool node; the test suites' raw sessions and scripted nodes,
+  `ucx_loop.UcxRuntime`), by role unless EMS_UCX_PROGRESS_MODE sets it for every such process: "loop" for a process
+  that serves UCX (a pool node: `init_ucx()`), "thread" for `UcxRuntime` (`init_ucx(CLIENT_PROGRESS_MODE)`). Pool
+  clients (`UcxNode`) use neither: they complete their own requests (`ucx_direct`, its own UCX worker; the
+  environment defaults below apply to it too).
   "loop": UCX is progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode, minus its polling
   waits), so a message costs one loop wake-up per side; ucxx's "thread" mode runs a UCX progress thread and a
   notifier thread that completes asyncio futures: three threads per completion (a bare round trip about twice
   as long as with "loop" on both sides). But in "loop" mode every byte moves only when the loop thread holds the
   GIL: in a process with a busy Python thread (an engine) each hand-over waits for the interpreter's switch
   interval, and large calls became tens of times slower than with "thread", whose progress thread moves bytes
-  without the GIL (perf/RESULTS.md, "Per-call cost over UCX"). A node runs nothing else, so it gets "loop";
-  clients live in engines, so they keep "thread" unless told otherwise (EMS_UCX_PROGRESS_MODE=loop for a client
-  process without busy Python threads). ucxx's own "polling" and "blocking" modes await every request by polling
-  with asyncio.sleep(0): any process with a posted receive burns a whole core; "loop" idles like "thread".
+  without the GIL (perf/RESULTS.md, "Per-call cost over UCX"). A node runs nothing else, so it gets "loop".
+  ucxx's own "polling" and "blocking" modes await every request by polling with asyncio.sleep(0): any process with
+  a posted receive burns a whole core; "loop" idles like "thread".
 * UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE = 1m: the 8 KiB default splits every large message into many small
   TCP sends; 1 MiB segments doubled loopback throughput.
 * endpoint error handling stays ON: it lets UCX report a dead peer (peer failure / keepalive) instead of hanging or

@@ -177,6 +177,7 @@ class DirectRuntime:
             conn.abort()
         try:
             self.worker.stop_progress_thread()
+            self.worker.clear_python_futures_pool()  # here, with the GIL, not at the worker's destruction
         except Exception:  # already stopped
             pass
 

@@ -57,7 +57,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("ucxx._lib.libucxx", "UCXWorker.run_request_notifier", "ucx_config: the notifier; ucx_direct: waits"),
     Internal("ucxx._lib.libucxx", "UCXWorker.wait_request_notifier", "ucx_config: the notifier; ucx_direct: waits"),
     Internal("ucxx._lib.libucxx", "UCXWorker.populate_python_futures_pool", "ucx_config, ucx_direct: the notifier"),
-    Internal("ucxx._lib.libucxx", "UCXWorker.clear_python_futures_pool", "ucx_config: the notifier"),
+    Internal("ucxx._lib.libucxx", "UCXWorker.clear_python_futures_pool", "ucx_config, ucx_direct: the notifier"),
     Internal("ucxx._lib.libucxx", "UCXWorker.init_blocking_progress_mode", "ucx_progress: loop progress"),
     Internal("ucxx._lib.libucxx", "UCXWorker.epoll_file_descriptor", "ucx_progress: loop progress"),
     Internal("ucxx._lib.libucxx", "UCXWorker.progress_once", "ucx_progress: loop progress"),
