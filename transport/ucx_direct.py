@@ -32,10 +32,11 @@ How a wait works (why this design, the figures in perf/RESULTS.md "Issue 16: the
   switch interval beside a busy Python thread); the calling thread progressing the worker itself (fast for one
   small request, but bytes then move only while the caller holds the GIL: bulk loads fell several-fold); polling
   `completed` with short sleeps (slower small calls, same bulk figures).
-* ucxx creates each request's notification object as an `asyncio.Future()` of the posting thread's event loop.
-  A thread without one gets a private loop set as its *running* loop for the duration of a call
-  (`futures_context`): that loop never runs and no callback is ever added to those futures, so setting them from
-  the leader thread is safe; a thread that runs its own loop keeps it untouched.
+* ucxx creates each request's notification object as an `asyncio.Future()` of the calling thread's running event
+  loop. For the duration of a call, a private loop is the thread's running loop (`futures_context`; a thread's own
+  loop, which cannot run while the thread is in the call, is restored after): that loop never runs, no callback is
+  ever added to those futures, so setting them from the leader thread is safe, and its exception handler keeps the
+  failures of requests (reported to their callers by `wait`) out of the log.
 * Requests are kept referenced by Python until UCX completes them, so ucxx's progress thread never drops the last
   reference of a notification object (which would make it take the GIL).
 """
@@ -98,21 +99,27 @@ _futures_loop: asyncio.AbstractEventLoop | None = None
 _futures_loop_lock = threading.Lock()
 
 
+def _quiet(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The private loop's exception handler: a request that failed (an aborted endpoint cancels every request on it)
+    is reported to its caller by `DirectRuntime.wait`, never through its notification object, whose unretrieved
+    exception asyncio would otherwise log when it is collected."""
+
+
 @contextlib.contextmanager
 def futures_context() -> Iterator[None]:
-    """Within it, ucxx can create its notification objects in this thread (see the module docstring)."""
+    """Within it, ucxx creates its notification objects in this thread, on a private loop that never runs (see the
+    module docstring); the thread's own running loop, if any, is restored after."""
     global _futures_loop
-    if asyncio._get_running_loop() is not None:
-        yield
-        return
     with _futures_loop_lock:
         if _futures_loop is None:
             _futures_loop = asyncio.new_event_loop()
+            _futures_loop.set_exception_handler(_quiet)
+    previous = asyncio._get_running_loop()
     asyncio._set_running_loop(_futures_loop)
     try:
         yield
     finally:
-        asyncio._set_running_loop(None)
+        asyncio._set_running_loop(previous)
 
 
 class _Wait:
