@@ -115,7 +115,7 @@ class ShmClient:
                 for ps in parts:
                     offsets.append(at)
                     for p in ps:
-                        region.array[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
+                        _copy(region.array[at : at + p.nbytes], p)
                         at += p.nbytes
             except BaseException:
                 region.allocator.free(taken)
@@ -150,7 +150,7 @@ class ShmClient:
             if taken is not None:
                 for out, offset, ok in zip(outs, offsets, placed):
                     if ok and out.nbytes:
-                        np.frombuffer(out, dtype=np.uint8)[:] = region.array[offset : offset + out.nbytes]
+                        _copy(out, region.array[offset : offset + out.nbytes])
             return placed
         finally:
             if taken is not None:
@@ -292,6 +292,13 @@ def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequ
             at += size
         offsets.append(offset)
     return offsets
+
+
+def _copy(dst: Any, src: Any) -> None:
+    """Copy the bytes of `src` into `dst` (same length) holding the GIL: a memoryview copy. numpy's copy of a large
+    array releases the GIL and, beside a busy Python thread, then waits up to the interpreter's switch interval to
+    get it back, once per value (perf/RESULTS.md, "Issue 16: the client's progress model")."""
+    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
 
 
 def _as_bytes(part: Buffer) -> memoryview:
