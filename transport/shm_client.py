@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ems.buffers import Buffer
+from ems.buffers import Buffer, copy_bytes
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, shm
@@ -115,7 +115,7 @@ class ShmClient:
                 for ps in parts:
                     offsets.append(at)
                     for p in ps:
-                        _copy(region.array[at : at + p.nbytes], p)
+                        copy_bytes(region.array[at : at + p.nbytes], p)
                         at += p.nbytes
             except BaseException:
                 region.allocator.free(taken)
@@ -150,7 +150,7 @@ class ShmClient:
             if taken is not None:
                 for out, offset, ok in zip(outs, offsets, placed):
                     if ok and out.nbytes:
-                        _copy(out, region.array[offset : offset + out.nbytes])
+                        copy_bytes(out, region.array[offset : offset + out.nbytes])
             return placed
         finally:
             if taken is not None:
@@ -292,13 +292,6 @@ def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequ
             at += size
         offsets.append(offset)
     return offsets
-
-
-def _copy(dst: Any, src: Any) -> None:
-    """Copy the bytes of `src` into `dst` (same length) holding the GIL: a memoryview copy. numpy's copy of a large
-    array releases the GIL and, beside a busy Python thread, then waits up to the interpreter's switch interval to
-    get it back, once per value (perf/RESULTS.md, "Issue 16: the client's progress model")."""
-    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
 
 
 def _as_bytes(part: Buffer) -> memoryview:

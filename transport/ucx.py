@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ems.buffers import Buffer
+from ems.buffers import Buffer, copy_bytes
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
@@ -462,7 +462,7 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
                 frame_lens.append(packed.size)
         at = int(offsets[i])
         for p in parts[i]:
-            packed[at : at + p.nbytes] = np.frombuffer(p, dtype=np.uint8)
+            copy_bytes(packed[at : at + p.nbytes], p)
             at += p.nbytes
     meta = protocol.encode_put_meta(keys, lens, np.asarray(frame_lens, dtype=np.int64))
     return meta, frames, int(lens.sum())
