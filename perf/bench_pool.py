@@ -874,9 +874,11 @@ def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
                 pool.exists([b"one"], [b"one"], option)
                 direct.round_trip()
                 raw.round_trip(8)
+            node_client = pool.nodes[0]
             per = medians_us(
                 {
-                    "ems exists": lambda: pool.exists([b"one"], [b"one"], option),
+                    "ems exists (PoolClient)": lambda: pool.exists([b"one"], [b"one"], option),
+                    "ems exists (UcxNode alone)": lambda: node_client.exists([b"one"], 5.0),
                     "raw ping-pong, caller waits (ucx_direct)": direct.round_trip,
                     "raw ping-pong, caller -> event loop": lambda: raw.round_trip(8),
                 },
