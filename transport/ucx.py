@@ -9,7 +9,7 @@ Contract:
 * One connection per node, several requests in flight on it (protocol version 4, inline framing): each request has
   a request id, its frames after the head and its whole reply travel on its own tag, so concurrent calls (async
   saves, TP ranks) overlap on one connection. An exists or any small request is one message each way. A GET posts
-  every segment receive at once as soon as the reply head is in, so a bulk load wakes its caller twice.
+  every segment receive at once as soon as the reply head is in: its bytes never wait for the calling thread.
 * `get_into` receives values straight into caller-provided buffers (a value alone in its segment is received in
   place, length-verified; small packed values are copied out of their segment), so a load allocates nothing.
 * Lazy reconnect: a call on a dropped connection reconnects first (concurrent calls wait for one connect). After a

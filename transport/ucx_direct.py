@@ -23,10 +23,12 @@ How a wait works (why this design, the figures in perf/RESULTS.md "Issue 16: the
   (`wait_request_notifier`, C++, GIL released) until UCX completes some request, takes the notifications
   (`run_request_notifier`), and releases every waiting thread whose requests are now all complete (a lock each).
   When its own requests are done it hands the lead to a thread still waiting. A lone synchronous call is always
-  its own leader: each completion costs one wake-up of the calling thread itself, and a call posts everything it can
-  up front (all of a GET's segment receives at once), so a bulk transfer needs one wake-up when it ends, not one per
-  message. Many calls in flight (async saves on the pool's executor threads) are served by one leader; the others
-  sleep on their locks: no thread per request, no spinning.
+  its own leader: a batch of completions costs one wake-up of the calling thread itself (no other thread between
+  UCX and the caller), and a call posts everything it can up front (all of a GET's segment receives at once), so
+  the bytes of a bulk transfer never wait for the caller: the wake-ups while it runs (ucxx notifies per request,
+  batched when they come close together) only look, and the call goes on at the one after its last completion.
+  Many calls in flight (async saves on the pool's executor threads) are served by one leader; the others sleep on
+  their locks: no thread per request, no spinning.
 * Alternatives measured on this 2-core host and not taken: ucxx's asyncio client (UCX progress thread, notifier
   thread, event loop, then the caller: three GIL hand-overs per completion, each up to the interpreter's 5 ms
   switch interval beside a busy Python thread); the calling thread progressing the worker itself (fast for one
