@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import os
 import struct
 import threading
@@ -60,7 +61,7 @@ from ems.transport.ucx_progress import request_tag
 PROGRESS_EPOLL_MS = 100  # the C++ progress thread's idle wake-up period (UCX keepalive, peer-failure detection)
 LEAD_PERIOD_S = 0.05  # a leader re-checks its deadline and the waits at least this often
 ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)
-_GRAVEYARD_LIMIT = 1 << 16
+_GRAVEYARD_LIMIT = 1 << 16  # requests given up on and kept; past it the oldest are let go (never grows unbounded)
 _PEER_INFO = struct.Struct("QQ")
 
 
@@ -124,16 +125,22 @@ def futures_context() -> Iterator[None]:
         asyncio._set_running_loop(previous)
 
 
+class _State(enum.Enum):
+    """Where one thread's wait stands."""
+
+    WAITING = "waiting"  # asleep on its lock (a follower), or not yet listed
+    LEAD = "lead"  # it watches ucxx's notifier for every waiting thread
+    DONE = "done"  # its requests are all complete
+
+
 class _Wait:
-    """One thread's wait for a set of requests."""
+    """One thread's wait for a set of requests; its lock is released (once) when it is DONE or asked to LEAD."""
 
     __slots__ = ("lock", "requests", "state")
 
-    WAITING, DONE, LEAD = 0, 1, 2
-
     def __init__(self, requests: list[Any]) -> None:
         self.requests = requests
-        self.state = _Wait.WAITING
+        self.state = _State.WAITING
         self.lock = threading.Lock()
         self.lock.acquire()
 
@@ -209,18 +216,18 @@ class DirectRuntime:
             self._waits.append(wait)
             if self._leader is None:
                 self._leader = wait
-                wait.state = _Wait.LEAD
+                wait.state = _State.LEAD
         try:
             # a completion whose notification an earlier leader took before this wait was listed is seen here
             if wait.complete():
                 return True
             while True:
-                if wait.state == _Wait.LEAD:
+                if wait.state == _State.LEAD:
                     return self._lead(wait, deadline)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not wait.lock.acquire(timeout=remaining):
                     return wait.complete()
-                if wait.state == _Wait.DONE:
+                if wait.state == _State.DONE:
                     return True
         finally:
             self._leave(wait)
@@ -228,7 +235,7 @@ class DirectRuntime:
     def _lead(self, wait: _Wait, deadline: float) -> bool:
         worker = self.worker
         while True:
-            if wait.state == _Wait.DONE or wait.complete():
+            if wait.state == _State.DONE or wait.complete():
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -243,9 +250,9 @@ class DirectRuntime:
         """Release every waiting thread whose requests are all complete; forget completed buried requests."""
         with self._mutex:
             for other in self._waits:
-                if other.state != _Wait.DONE and other.complete():
-                    lead = other.state == _Wait.LEAD
-                    other.state = _Wait.DONE
+                if other.state != _State.DONE and other.complete():
+                    lead = other.state == _State.LEAD
+                    other.state = _State.DONE
                     if not lead:
                         other.lock.release()
             if self._graveyard:
@@ -259,9 +266,9 @@ class DirectRuntime:
                 return
             self._leader = None
             for other in self._waits:
-                if other.state == _Wait.WAITING:
+                if other.state == _State.WAITING:
                     self._leader = other
-                    other.state = _Wait.LEAD
+                    other.state = _State.LEAD
                     other.lock.release()
                     return
 
