@@ -166,6 +166,13 @@ class NodeRouter:
             outcome.nodes_contacted = 1
             outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
             return outcome
+        if n == 1:  # one live node owns every key (the usual same-host node): one round, nothing to rank
+            ((values, _),) = self._run_per_node([(view.nodes[0], pending)], call, costs, deadline, outcome)
+            for i, value in zip(pending[: len(values)].tolist(), values):  # a failed node answered a prefix
+                if accept(i, value):
+                    results[i] = value
+            outcome.nodes_contacted = 1
+            return outcome
         depth = n if self.replicas > 1 or n > 1 else 1  # a failed owner passes its keys on: rank every node
         ranks = ranked_owners([route_keys[i] for i in pending.tolist()], view.seeds, depth)
         pos = np.zeros(pending.size, dtype=np.int64)  # each pending key's next rank to ask
