@@ -62,7 +62,11 @@ def _make(device: torch.device, kind: KernelBackend) -> CopyBackend:
 
 def get_backend(device: torch.device, requested: KernelBackend = KernelBackend.AUTO) -> CopyBackend:
     """The backend for `device` (one instance per device and request, however the arguments are spelt)."""
-    return _cached_backend(torch.device(device), KernelBackend(requested))
+    # (no conversion when the arguments already have their types: this runs on every call)
+    return _cached_backend(
+        device if isinstance(device, torch.device) else torch.device(device),
+        requested if isinstance(requested, KernelBackend) else KernelBackend(requested),
+    )
 
 
 @functools.cache
