@@ -14,7 +14,10 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s") and the
   round's wall time ("wall_s"); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
   per-request timestamps); "sigstop_pid" in before_round stops a
-  process (a hung pool node) for that round and resumes it after the round.
+  process (a hung pool node) for that round and resumes it after the round. "copy_delay_s": in that round every
+  save's copy-out starts that late; "preempt_running_at_step": before that step of the round every running request
+  is preempted (out: "held_preemptions", preemptions that found a preempted request's copy-out still pending;
+  single-process mode).
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
   start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
   load fails and vLLM must recompute (single-process mode only).
@@ -142,6 +145,52 @@ def kill_at_next_load(pid: int) -> None:
     worker.start_load_kv = start_load_kv
 
 
+def delay_copy_outs(seconds: list[float], held_preemptions: list[int]) -> None:
+    """Fault injection: every save's copy-out starts `seconds[0]` late (through the hook an accelerator's "kernels
+    done" event uses), so copy-outs lag the steps and vLLM must keep blocks for them; counts the preemptions that
+    found a preempted request's copy-out still pending (single-process mode only)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+
+    def ready():
+        delay = seconds[0]
+        return lambda: time.sleep(delay)
+
+    worker._ready_event = ready
+    original = worker.handle_preemptions
+
+    def handle_preemptions(meta):
+        copier = worker._copier
+        if any(copier.copying(rid) for rid in getattr(meta, "preempted", ())):
+            held_preemptions[0] += 1
+        return original(meta)
+
+    worker.handle_preemptions = handle_preemptions
+
+
+def preempt_running(llm) -> None:
+    """Preempt every running request, as vLLM's `reset_prefix_cache(reset_running_requests=True)` does (a weight
+    update): their blocks go back to the pool and the next step may hand them to other requests."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    timestamp = time.monotonic()
+    while scheduler.running:
+        scheduler._preempt_request(scheduler.running.pop(), timestamp, drop_stale_output=True)
+    scheduler.prev_step_scheduled_req_ids.clear()
+
+
+def settle(llm) -> None:
+    """Step an in-process engine until no finished request holds blocks (the connector keeps a finished request's
+    blocks until its saves are copied out, and `generate` returns before the step that releases them): vLLM
+    resets its prefix cache only when every block is free. A multi-process engine core steps on by itself."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + 30
+    while scheduler.has_finished_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -184,8 +233,11 @@ def run(spec: dict) -> dict:
     )
     step_seconds: list[float] = []
     engine_step = llm.llm_engine.step
+    preempt_at = [-1]  # this round's step at which every running request is preempted (-1: none)
 
     def timed_step(*args, **kwargs):
+        if len(step_seconds) == preempt_at[0]:
+            preempt_running(llm)
         start = time.perf_counter()
         try:
             return engine_step(*args, **kwargs)
@@ -214,11 +266,19 @@ def run(spec: dict) -> dict:
             return taken
 
         connector.take_events = recorded_events
+    held_preemptions = [0]
+    copy_delay = [0.0]
+    if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        delay_copy_outs(copy_delay, held_preemptions)
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     out_rounds = []
     for r, indexes in enumerate(rounds):
         before = spec.get("before_round", {}).get(str(r), {})
+        if before.get("reset_prefix_cache") or before.get("reset_connector"):
+            settle(llm)
+        copy_delay[0] = float(before.get("copy_delay_s", 0.0))
+        preempt_at[0] = int(before.get("preempt_running_at_step", -1))
         if before.get("reset_prefix_cache") and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
         if before.get("reset_connector") and not llm.reset_prefix_cache(reset_connector=True):
@@ -271,12 +331,18 @@ def run(spec: dict) -> dict:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = get_kv_transfer_group()
-        if worker._mover is not None and not worker._mover.wait(30.0):
+        if not worker.wait_saves(30.0):
             raise RuntimeError("saves still pending after 30 s")
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict()}
     llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
-    return {"rounds": out_rounds, "stats": stats, "preemptions": preemptions[0], "events": events}
+    return {
+        "rounds": out_rounds,
+        "stats": stats,
+        "preemptions": preemptions[0],
+        "held_preemptions": held_preemptions[0],
+        "events": events,
+    }
 
 
 if __name__ == "__main__":

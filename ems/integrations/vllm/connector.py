@@ -14,18 +14,23 @@ Contract:
 * Refused at start (`engine_checks`): pipeline or context parallelism, several KV cache groups, non-full-attention
   caches. vLLM's top-level `kv_load_failure_policy` is the user's and stands; the extra-config key
   `load_failure_policy` applies only over vLLM's default.
-* Scheduler side: `get_num_new_matched_tokens` asks the pool (`exists`, one call, every TP rank's keys) for the
-  request's full prompt blocks after the local prefix-cache hit, by vLLM's own `request.block_hashes`, and never
-  claims the block holding the last prompt token (vLLM must compute at least one token). Loads are synchronous
-  (before the forward pass); `update_state_after_alloc` records them, `build_connector_meta` sends the loads and
-  the full prompt blocks computed by this step (each block once per request, again when vLLM recomputes blocks
-  after a failed load) to the workers.
+* Scheduler side: `get_num_new_matched_tokens` never asks the pool on the scheduler's thread: it records a lookup
+  (the request's full prompt blocks after the local prefix-cache hit, by vLLM's own `request.block_hashes`; never
+  the block holding the last prompt token, vLLM must compute at least one token) and answers None ("ask again next
+  step"); `build_connector_meta` hands the step's lookups to `lookup_batcher` (one batch, a background thread,
+  `exists` per distinct prefix with the lookup timeout and circuit breaker), and the next step takes the answer.
+  A hit loads asynchronously: the request waits while others run. `update_state_after_alloc` records the load,
+  `build_connector_meta` sends the loads and the full prompt blocks computed by this step (each block once per
+  request, again when vLLM recomputes blocks after a failed load) to the workers.
 * Worker side: `register_kv_caches` registers each layer's tensor as two planes whose rows are whole vLLM blocks
   (`kv_layouts`) and checks that the layers use the attention backend the namespace names; `start_load_kv`
-  loads, `wait_for_save` starts `async_save`s (they return once the blocks are copied out, so vLLM may reuse the
-  blocks at once, and `request_finished` never holds blocks). Blocks promised but not loaded are reported by
-  `get_block_ids_with_load_errors` (vLLM recomputes them or fails the request, by its policy), and nothing the
-  request computed in that step is saved: never a wrong prefix, in the engine or in the pool.
+  starts loads; `wait_for_save` queues the step's saves on `save_copier`'s thread and returns: the copy-out of the
+  blocks runs off the step. A finished request with saves sent keeps its blocks (`request_finished` True) until
+  every worker reports it in `get_finished`'s finished_sending, once its copy-outs have ended; a request preempted
+  with copy-outs pending makes `handle_preemptions` wait for them before the forward that may reuse its blocks.
+  Blocks promised but not loaded are reported by `get_block_ids_with_load_errors` (vLLM recomputes them or fails
+  the request, by its policy), and nothing the request computed in that step is saved: never a wrong prefix, in
+  the engine or in the pool.
 * TP: each rank saves its shard under rank-tagged keys; a lookup hits only where every rank has the block. MLA:
   one shared key per block, saved by rank 0.
 * `get_kv_connector_stats`: `EmsConnectorStats` (lookup hits/misses from the scheduler; blocks, bytes, seconds
@@ -37,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +66,9 @@ from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, PendingLoad, StatsSink, TransferStats
 from ems.integrations.connector_config import ConnectorConfig, derive_model_id
 from ems.integrations.epoch import EpochRecord
+from ems.integrations.lookup_batcher import LookupBatcher
 from ems.integrations.lookup_breaker import LookupBreaker
+from ems.integrations.save_copier import SaveCopier
 from ems.integrations.vllm.engine_checks import apply_failure_policy, check_supported
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 from ems.integrations.vllm.observability import EmsPromMetrics, KvEventLog
@@ -99,11 +106,32 @@ class EmsConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     idle: bool = False  # nothing scheduled this step (every request waits, e.g. for its load)
+    # requests with saves sent, preempted by this step's schedule: their blocks may be handed to other requests
+    # and written by this step's forward, so their copy-outs must end first (`handle_preemptions`)
+    preempted: set[str] = field(default_factory=set)
 
 
-# With nothing scheduled, vLLM's engine loop calls the workers again at once; a worker whose loads are still
-# running waits this long for one to end instead of spinning (which would take the CPU and the GIL from the loads).
+# With nothing scheduled, vLLM's engine loop calls the workers again at once; a worker whose loads or copy-outs are
+# still running waits this long for one to end instead of spinning (which would take the CPU and the GIL from them).
 IDLE_WAIT_S = 0.01
+# A preemption waits for the preempted requests' copy-outs (never skipped: their blocks are about to be reused); a
+# copy-out that takes this long is said in the log.
+PREEMPTION_WARN_S = 5.0
+
+
+def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | None:
+    """On an accelerator, a factory of "the step's kernels have written the blocks" waits for the copier (an event
+    recorded on the current stream at `wait_for_save`); None on CPU, where the forward has finished when vLLM calls
+    `wait_for_save`."""
+    if device.type == "cpu":
+        return None
+
+    def record() -> Callable[[], None]:
+        event = torch.Event(device=device)
+        event.record()
+        return event.synchronize
+
+    return record
 
 
 class EmsConnectorStats(KVConnectorStats):
@@ -228,6 +256,9 @@ class EmsConnector(KVConnectorBase_V1):
         self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
+        # requests with saves sent to the workers since they were last admitted: when one finishes, vLLM keeps its
+        # blocks until every worker has copied them out (`request_finished` True, the workers' finished_sending)
+        self._saving: set[str] = set()
         self._epoch_watch: _EpochWatch | None = None
         self._events = KvEventLog()
         # worker state
@@ -237,6 +268,9 @@ class EmsConnector(KVConnectorBase_V1):
         self._inflight_loads: dict[str, PendingLoad] = {}
         self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
         self._load_ended = threading.Event()
+        self._copier: SaveCopier | None = None
+        self._ready_event: Callable[[], Callable[[], None]] | None = None
+        self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
         if role == KVConnectorRole.SCHEDULER:
             apply_failure_policy(self._kv_transfer_config, self._config.load_failure_policy)
             self._epoch_watch = _EpochWatch(EpochRecord(cc, self._config.timeout_ms), self._config.epoch_refresh_s)
@@ -248,6 +282,8 @@ class EmsConnector(KVConnectorBase_V1):
             self._config.breaker_cooldown_s,
             self._stats,
         )
+        self._batcher = LookupBatcher(self._breaker)
+        self._asking: dict[str, tuple[int, int, bytes]] = {}  # request -> (start, blocks, epoch) asked, unanswered
         logger.info(
             "EmsConnector (%s): pool %s%s, model_id %s, %d layers, block %d tokens, %d B/block, tp %d%s, "
             "attention %s, load failures: %s",
@@ -291,7 +327,9 @@ class EmsConnector(KVConnectorBase_V1):
                 _registered = "shadow"
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Pool blocks past the local hit; a hit is loaded asynchronously (the request waits, others run)."""
+        """Pool blocks past the local hit, never asked on this thread: the lookup goes to the batcher (one batch per
+        step, `build_connector_meta`) and vLLM is told None ("ask again next step") until it is answered. A hit is
+        loaded asynchronously (the request waits, others run)."""
         rid = request.request_id
         full = min((request.num_prompt_tokens - 1) // self._block_size, len(request.block_hashes) // self._hash_stride)
         start = num_computed_tokens // self._block_size
@@ -304,8 +342,20 @@ class EmsConnector(KVConnectorBase_V1):
         # a request vLLM could not admit yet is asked again every step: the answer is reused for a while
         if cached is not None and cached.fresh(start, full - start, epoch, now, self._config.lookup_cache_s):
             return cached.hits * self._block_size, cached.hits > 0
-        self._ensure_lookup_layout()
-        hits = self._breaker.lookup(self._hashes(request)[start:full], epoch)
+        wanted = (start, full - start, epoch)
+        asked = self._asking.get(rid)
+        hits = self._batcher.answer(rid)
+        if asked == wanted and hits is None and self._batcher.asked(rid):
+            return None, False  # still being asked
+        if asked != wanted or hits is None:  # not asked yet (or asked for other blocks, before a reset)
+            hashes = self._hashes(request)[start:full]
+            if not self._breaker.is_open():
+                self._ensure_lookup_layout()
+                self._batcher.ask(rid, hashes, epoch)
+                self._asking[rid] = wanted
+                return None, False
+            hits = self._breaker.lookup(hashes, epoch)  # the pool counts as down: 0 at once, no network
+        self._asking.pop(rid, None)
         self._lookups[rid] = _Lookup(start, hits, full - start, epoch, now)
         return hits * self._block_size, hits > 0
 
@@ -344,6 +394,7 @@ class EmsConnector(KVConnectorBase_V1):
             all_hashes = self._hashes(request)
             hashes = all_hashes[state.next_save : upto]
             meta.saves.append(BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch))
+            self._saving.add(request.request_id)
             self._events.stored(
                 hashes,
                 all_hashes[state.next_save - 1] if state.next_save > 0 else None,
@@ -354,6 +405,12 @@ class EmsConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = EmsConnectorMetadata()
+        # (a request may be preempted and admitted again in one schedule, e.g. reset_running_requests: its new
+        # saves are added below, after this, and the workers wait for the old ones before the forward)
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._saving:
+                meta.preempted.add(rid)
+                self._saving.discard(rid)  # the workers forget it too once its copy-outs have ended
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -377,14 +434,24 @@ class EmsConnector(KVConnectorBase_V1):
         meta.loads.extend(self._loads.values())
         self._loads.clear()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        # this step's lookups, one batch, off this thread; a step with nothing to run waits a little for them
+        self._batcher.dispatch()
+        if meta.idle and self._batcher.pending():
+            self._batcher.wait(IDLE_WAIT_S)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
         self._lookups.pop(rid, None)
-        # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished
-        return False, None  # saves copied the blocks out already: vLLM may free them now
+        if self._asking.pop(rid, None) is not None:
+            self._batcher.forget(rid)
+        # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished.
+        # Saves copy their blocks out after the step, off it: vLLM keeps them until every worker reports the request
+        # in finished_sending (each worker knows the same requests from the metadata: `_save_requests`).
+        held = rid in self._saving
+        self._saving.discard(rid)
+        return held, None
 
     def reset_cache(self) -> bool:
         """`llm.reset_prefix_cache(reset_connector=True)`: a new namespace epoch in the pool, so every block saved
@@ -425,6 +492,8 @@ class EmsConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
+        if self._copier is not None:  # registered again: the earlier mover's copy-outs end first
+            self._copier.close()
         self._mover = BlockMover(
             self._cc,
             sum(s.block_bytes for s in shapes),
@@ -435,6 +504,8 @@ class EmsConnector(KVConnectorBase_V1):
             stats=self._stats,
             inflight_budget=resolve_settings(self._ems_config).max_inflight,
         )
+        self._copier = SaveCopier(self._mover)
+        self._ready_event = _step_end_event(planes[0][0].device)
 
     def _check_backend(self) -> None:
         """The namespace names the backend predicted from the KV cache spec (the scheduler holds no layers): the
@@ -479,17 +550,27 @@ class EmsConnector(KVConnectorBase_V1):
         self._queued_loads = waiting
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None, requests whose load has finished): never blocks; failed blocks go to
+        """(finished requests whose saves have been copied out, requests whose load has finished): never blocks
+        (but for a step with nothing scheduled: see IDLE_WAIT_S); failed blocks go to
         `get_block_ids_with_load_errors` in the same step."""
-        if self._mover is None:
-            return None, None
+        held = finished_req_ids & self._save_requests  # vLLM keeps their blocks until we name them here
+        self._save_requests -= finished_req_ids
+        copier = self._copier
+        if copier is None:  # never registered: nothing was copied, nothing to hold
+            return held or None, None
+        copier.release_when_copied(held)
         self._start_queued_loads()
         done, self._done_loads = self._done_loads, set()
         done |= self._poll_loads()
-        if not done and self._inflight_loads and self._idle_step():
-            self._load_ended.wait(IDLE_WAIT_S)  # nothing else to run: sleep until a load ends, not spin
-            done |= self._poll_loads()
-        return None, done or None
+        sent = copier.take_released()
+        if not done and not sent and self._idle_step():  # nothing else to run: sleep until something ends, not spin
+            if self._inflight_loads:
+                self._load_ended.wait(IDLE_WAIT_S)
+                done |= self._poll_loads()
+            else:
+                copier.wait_released(IDLE_WAIT_S)
+            sent = copier.take_released()
+        return sent or None, done or None
 
     def _poll_loads(self) -> set[str]:
         self._load_ended.clear()
@@ -518,15 +599,32 @@ class EmsConnector(KVConnectorBase_V1):
         return  # whole blocks of every layer are saved at once in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Start this step's saves: each copies its blocks out and returns; a save that finds the in-flight budget
-        used up (a slow pool) is dropped rather than waited for."""
-        if self._mover is None or not self.has_connector_metadata():
+        """Queue this step's saves and return: their copy-out runs on the copier's thread, off the step (vLLM keeps
+        the blocks of a finished request until `get_finished` reports its copy-outs done, and a preempted one's
+        wait in `handle_preemptions`). A save that finds the in-flight budget used up (a slow pool) is dropped."""
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, EmsConnectorMetadata):
+        if not isinstance(meta, EmsConnectorMetadata) or not meta.saves:
             return
+        self._save_requests.update(save.req_id for save in meta.saves)
+        if self._copier is None:
+            return
+        ready = self._ready_event() if self._ready_event is not None else None
         for save in meta.saves:
-            self._mover.save_async(save.block_ids, save.hashes, save.epoch)
+            self._copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before a step's forward: requests preempted by its schedule give their blocks back, and the forward may
+        write them for other requests, so their copy-outs must have ended (a copy never waits for the network)."""
+        if not isinstance(kv_connector_metadata, EmsConnectorMetadata) or not kv_connector_metadata.preempted:
+            return
+        preempted = kv_connector_metadata.preempted
+        self._save_requests -= preempted  # the scheduler forgot their saves too (`_saving`)
+        if self._copier is None:
+            return
+        while not self._copier.wait_copied(preempted, PREEMPTION_WARN_S):
+            logger.warning("EmsConnector: preempted requests' copy-outs still running after %.0f s", PREEMPTION_WARN_S)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -554,6 +652,15 @@ class EmsConnector(KVConnectorBase_V1):
     ) -> KVConnectorPromMetrics | None:
         return EmsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def wait_saves(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every save of this worker has been copied out and sent (True), or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self._copier is not None and not self._copier.idle():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return self._mover is None or self._mover.wait(max(0.0, deadline - time.monotonic()))
+
     def totals(self) -> TransferStats:
         """Everything this connector counted since it started (this package's addition, for tests and tools)."""
         return self._stats.totals()
@@ -561,6 +668,9 @@ class EmsConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._epoch_watch is not None:
             self._epoch_watch.close()
+        self._batcher.close()
         self._breaker.close()
+        if self._copier is not None and not self._copier.close(30.0):
+            logger.warning("EmsConnector shutdown: copy-outs still running after 30 s")
         if self._mover is not None and not self._mover.wait(timeout=30.0):
             logger.warning("EmsConnector shutdown: %d saves still pending after 30 s", self._mover.pending())

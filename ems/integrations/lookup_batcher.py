@@ -1,0 +1,136 @@
+"""Scheduler lookups off the scheduler's thread: asked in one batch per engine step, answered in the background.
+
+Contract (no engine imports):
+* `ask(req_id, hashes, epoch)` records a lookup (the request's blocks past its local hit, engine block hashes
+  chained over the prefix as vLLM's are, so equal hashes mean equal prefixes); `dispatch()` (once per step, after
+  the scheduler has seen every waiting request) hands everything asked since the last dispatch to one daemon
+  thread as a batch, and returns at once. `answer(req_id)` gives the number of leading blocks the pool holds, once
+  the batch is answered (None until then: vLLM asks again next step); `forget(req_id)` drops a request.
+* A batch costs the network as little as it can: requests sharing a prefix share what was learnt, so a block is
+  asked for once per batch. Requests are answered longest first; for each, the leading blocks already known present
+  are skipped, and a request whose next block is known missing is answered without the network; the rest is one
+  `LookupBreaker.lookup` (`exists` under the lookup timeout, the circuit breaker) of the unknown suffix. With the
+  breaker open every answer is 0 at once (no network).
+* `wait(timeout_s)` waits for the batch in flight (an engine step with nothing else to run, instead of spinning).
+* `close()` stops the thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ems.integrations.block_transfer import EngineHash
+from ems.integrations.lookup_breaker import LookupBreaker
+
+logger = logging.getLogger("ems.integrations")
+
+
+@dataclass(frozen=True)
+class _Ask:
+    req_id: str
+    hashes: tuple[EngineHash, ...]
+    epoch: bytes
+
+
+def answer_batch(asks: Sequence[_Ask], breaker: LookupBreaker) -> dict[str, int]:
+    """Each ask's count of leading blocks in the pool, sharing what one answer tells about another's blocks."""
+    present: set[tuple[bytes, EngineHash]] = set()
+    missing: set[tuple[bytes, EngineHash]] = set()
+    answers: dict[str, int] = {}
+    for ask in sorted(asks, key=lambda a: len(a.hashes), reverse=True):
+        hashes, epoch = ask.hashes, ask.epoch
+        known = 0
+        while known < len(hashes) and (epoch, hashes[known]) in present:
+            known += 1
+        if known == len(hashes) or (epoch, hashes[known]) in missing:
+            answers[ask.req_id] = known
+            continue
+        hits = known + breaker.lookup(hashes[known:], epoch)
+        present.update((epoch, h) for h in hashes[known:hits])
+        if hits < len(hashes):
+            missing.add((epoch, hashes[hits]))
+        answers[ask.req_id] = hits
+    return answers
+
+
+class LookupBatcher:
+    def __init__(self, breaker: LookupBreaker) -> None:
+        self._breaker = breaker
+        self._cond = threading.Condition()
+        self._asked: dict[str, _Ask] = {}  # since the last dispatch
+        self._batches: collections.deque[list[_Ask]] = collections.deque()
+        self._busy = False
+        self._waiting: dict[str, _Ask] = {}  # dispatched, not answered
+        self._answers: dict[str, tuple[_Ask, int]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="ems-lookup", daemon=True)
+        self._thread.start()
+
+    def ask(self, req_id: str, hashes: Sequence[EngineHash], epoch: bytes = b"") -> None:
+        with self._cond:
+            self._answers.pop(req_id, None)
+            self._asked[req_id] = _Ask(req_id, tuple(hashes), epoch)
+
+    def asked(self, req_id: str) -> bool:
+        """A lookup of the request is recorded or in flight (not answered yet)."""
+        with self._cond:
+            return req_id in self._asked or req_id in self._waiting
+
+    def dispatch(self) -> None:
+        with self._cond:
+            if not self._asked:
+                return
+            batch = list(self._asked.values())
+            self._asked.clear()
+            self._waiting.update((a.req_id, a) for a in batch)
+            self._batches.append(batch)
+            self._cond.notify_all()
+
+    def answer(self, req_id: str) -> int | None:
+        with self._cond:
+            found = self._answers.pop(req_id, None)
+        return None if found is None else found[1]
+
+    def forget(self, req_id: str) -> None:
+        with self._cond:
+            self._asked.pop(req_id, None)
+            self._waiting.pop(req_id, None)
+            self._answers.pop(req_id, None)
+
+    def pending(self) -> bool:
+        with self._cond:
+            return bool(self._waiting)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` until no dispatched lookup is left unanswered."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._waiting or self._stop, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._batches or self._stop)
+                if self._stop:
+                    return
+                batch = self._batches.popleft()
+            try:
+                answers = answer_batch(batch, self._breaker)
+            except Exception:  # e.g. the client shut down under us: every request of the batch is a miss
+                logger.exception("EmsConnector: a lookup batch failed; its requests count as misses")
+                answers = {a.req_id: 0 for a in batch}
+            with self._cond:
+                for ask in batch:
+                    # only the lookup still wanted: a request forgotten or asked again meanwhile drops this answer
+                    if self._waiting.get(ask.req_id) is ask:
+                        del self._waiting[ask.req_id]
+                        self._answers[ask.req_id] = (ask, answers[ask.req_id])
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
