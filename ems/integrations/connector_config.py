@@ -21,6 +21,7 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | breaker_cooldown_s  | 2.0                        | how often a pool counted as down is asked again              |
 | lookup_cache_s      | 1.0                        | how long a waiting request's lookup answer is reused          |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
+| max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
 | every other `EmsConfig` pool setting (pool_capacity, pool_replicas, pool_backend, ...) | as `EmsConfig` | see README |
 
 With `pool_backend="mooncake"` (here or `EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool is started.
@@ -38,6 +39,8 @@ from typing import Any
 
 from ems import CcConfig_v1, EmsConfig, EmsErrorCode, EmsException
 from ems.config import POOL_SETTINGS
+
+DEFAULT_MAX_INFLIGHT = 8  # EmsConfig's own default
 
 
 def invalid_argument(message: str) -> EmsException:
@@ -83,6 +86,7 @@ class ConnectorConfig:
     lookup_cache_s: float = 1.0
     access_id: str | None = None
     access_key: str | None = field(default=None, repr=False)
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
     ems_settings: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
@@ -118,6 +122,11 @@ class ConnectorConfig:
         lookup_timeout = extra.get("lookup_timeout_ms", 500)
         if isinstance(lookup_timeout, bool) or not isinstance(lookup_timeout, int) or lookup_timeout < 1:
             raise invalid_argument(f"kv_connector_extra_config.lookup_timeout_ms must be an int >= 1, got {lookup_timeout!r}")
+        inflight: Any = extra.get("max_inflight", os.environ.get("EMS_MAX_INFLIGHT") or DEFAULT_MAX_INFLIGHT)
+        if isinstance(inflight, str) and inflight.strip().isdigit():
+            inflight = int(inflight)
+        if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
+            raise invalid_argument(f"kv_connector_extra_config.max_inflight must be an int >= 1, got {inflight!r}")
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
             raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")
@@ -135,7 +144,10 @@ class ConnectorConfig:
             lookup_cache_s=float(seconds["lookup_cache_s"]),
             access_id=extra.get("access_id"),
             access_key=extra.get("access_key") or (os.environ.get("EMS_ACCESS_KEY") if extra.get("access_id") else None),
-            ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra),
+            max_inflight=inflight,
+            # max_inflight goes to the client explicitly: the workers' in-flight budget is exactly its limit
+            ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra and k != "max_inflight")
+            + (("max_inflight", inflight),),
         )
 
     def resolve_pool(self) -> ResolvedPool:

@@ -52,6 +52,29 @@ def test_defaults_and_every_key(monkeypatch):
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
 
 
+def test_max_inflight_is_the_connectors_and_reaches_the_client_explicitly(monkeypatch):
+    """The workers' in-flight budget and the client's limit are one number: the connector's `max_inflight` (extra
+    config, else EMS_MAX_INFLIGHT, else 8), handed to `EmsConfig` explicitly."""
+    from ems.config import resolve_settings
+    from ems.integrations.connector_config import ResolvedPool
+
+    monkeypatch.delenv("EMS_MAX_INFLIGHT", raising=False)
+    pool = ResolvedPool(("h:1",))
+    default = ConnectorConfig.from_extra({})
+    assert default.max_inflight == 8 and resolve_settings(default.ems_config("m", "MHA", pool)).max_inflight == 8
+    monkeypatch.setenv("EMS_MAX_INFLIGHT", "3")
+    from_env = ConnectorConfig.from_extra({})
+    assert from_env.max_inflight == 3 and from_env.ems_config("m", "MHA", pool).max_inflight == 3
+    given = ConnectorConfig.from_extra({"max_inflight": 5})
+    assert given.max_inflight == 5 and resolve_settings(given.ems_config("m", "MHA", pool)).max_inflight == 5
+    for bad in (0, -1, True, "x", 2.5):
+        with pytest.raises(EmsException, match="max_inflight"):
+            ConnectorConfig.from_extra({"max_inflight": bad})
+    monkeypatch.setenv("EMS_MAX_INFLIGHT", "zero")
+    with pytest.raises(EmsException, match="max_inflight"):
+        ConnectorConfig.from_extra({})
+
+
 def test_cluster_settings_reach_ems_config_and_etcd_starts_no_local_pool(monkeypatch):
     monkeypatch.delenv("EMS_POOL_NODES", raising=False)
     monkeypatch.delenv("EMS_POOL_ETCD", raising=False)

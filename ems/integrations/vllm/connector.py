@@ -61,7 +61,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ems import CcKvOption, Ems
-from ems.config import resolve_settings
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, PendingLoad, StatsSink, TransferStats
 from ems.integrations.connector_config import ConnectorConfig, derive_model_id
@@ -502,7 +501,7 @@ class EmsConnector(KVConnectorBase_V1):
             shared=self._mla,
             option=self._option,
             stats=self._stats,
-            inflight_budget=resolve_settings(self._ems_config).max_inflight,
+            inflight_budget=self._config.max_inflight,
         )
         self._copier = SaveCopier(self._mover)
         self._ready_event = _step_end_event(planes[0][0].device)
