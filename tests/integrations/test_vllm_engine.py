@@ -71,7 +71,8 @@ def engine(
         "prompts": setup["prompts"],
         "rounds": rounds,
         "connector": connector,
-        "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000, **(extra or {})},
+        # lookups run off the step, so a long lookup timeout costs no step; a busy shared host can take 0.5 s
+        "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000, "lookup_timeout_ms": 3000, **(extra or {})},
         "num_blocks": 48,
         "max_tokens": 6,
         "before_round": before_round or {},

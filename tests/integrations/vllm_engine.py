@@ -179,6 +179,22 @@ def preempt_running(llm) -> None:
     scheduler.prev_step_scheduled_req_ids.clear()
 
 
+def job_totals() -> dict:
+    """This process's job records (`ContextCaching.jobs`): per kind, jobs, blocks, bytes and seconds (each job from
+    its call to its end)."""
+    from ems import Ems
+    from ems.job_records import JobKind
+
+    cc = Ems.get_cc()
+    if cc is None:
+        return {}
+    out = {}
+    for kind in JobKind:
+        t = cc.jobs.totals(kind)
+        out[kind.value] = {"jobs": t.jobs, "blocks_ok": t.blocks_ok, "nbytes": t.nbytes, "seconds": t.seconds}
+    return out
+
+
 def settle(llm) -> None:
     """Step an in-process engine until no finished request holds blocks (the connector keeps a finished request's
     blocks until its saves are copied out, and `generate` returns before the step that releases them): vLLM
@@ -334,7 +350,7 @@ def run(spec: dict) -> dict:
         if not worker.wait_saves(30.0):
             raise RuntimeError("saves still pending after 30 s")
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
-        stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict()}
+        stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict(), "jobs": job_totals()}
     llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
     return {
         "rounds": out_rounds,
