@@ -181,9 +181,9 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- save
 
-    def _begin_save(self, args: tuple, kwargs: dict) -> tuple[Callable[[], CcResult], Callable[[], None]]:
+    def _begin_save(self, args: tuple, kwargs: dict) -> tuple[Callable[[], CcResult], Callable[[], None], JobRecord]:
         """Check, plan and copy the blocks out of the engine's cache; return (the rest of the save, the way to give
-        its buffers back should it never run).
+        its buffers back should it never run, its job record).
 
         When this returns, every byte the save needs is out of the engine's cache: the engine may overwrite it.
         """
@@ -202,7 +202,7 @@ class ContextCaching:
             self._job_done(record.finish(successes, plan.total, int(plan.expected.payload_len.sum())))
             return CcResult(successes, plan.total)
 
-        return finish, job.abandon
+        return finish, job.abandon, record
 
     @overload
     def save(
@@ -218,7 +218,7 @@ class ContextCaching:
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
-        finish, _ = self._begin_save(args, kwargs)
+        finish, _, _ = self._begin_save(args, kwargs)
         with _EmsErrors(self._metrics.record_error):
             return finish()
 
@@ -241,16 +241,16 @@ class ContextCaching:
         The blocks have been copied out of the engine's cache when this returns, so the engine may reuse or
         overwrite them immediately; the transfer to the pool continues in the background. At most
         `max_inflight` async calls are pending; a further call waits for one to finish (back-pressure).
-        Bad arguments raise here, before anything moves.
+        Bad arguments raise here, before anything moves. The future's `job` is the call's job record.
         """
         self._inflight.acquire()
         try:
-            finish, abandon = self._begin_save(args, kwargs)
+            finish, abandon, record = self._begin_save(args, kwargs)
         except BaseException:
             self._inflight.release()
             raise
         try:
-            return self._submit(finish)
+            return self._submit(finish, record)
         except BaseException:  # never submitted (e.g. shut down meanwhile): give back what the job held
             abandon()
             self._inflight.release()
@@ -308,18 +308,18 @@ class ContextCaching:
 
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
-        the future is done. Bad arguments raise here."""
+        the future is done. Bad arguments raise here. The future's `job` is the call's job record."""
         self._inflight.acquire()
         try:
             request, plan, device, record = self._bind_load(args, kwargs)
-            return self._submit(lambda: self._load(request, plan, device, record))
+            return self._submit(lambda: self._load(request, plan, device, record), record)
         except BaseException:
             self._inflight.release()
             raise
 
     # ---------------------------------------------------------------- futures
 
-    def _submit(self, job: Callable[[], CcResult]) -> CcFuture:
+    def _submit(self, job: Callable[[], CcResult], record: JobRecord) -> CcFuture:
         def run() -> CcResult:
             try:
                 with _EmsErrors(self._metrics.record_error):
@@ -327,7 +327,7 @@ class ContextCaching:
             finally:
                 self._inflight.release()
 
-        return CcFuture(self._executor.submit(run))
+        return CcFuture(self._executor.submit(run), record)
 
     def is_ready(self, future: CcFuture) -> bool:
         """Whether an async call has finished; never blocks."""

@@ -19,7 +19,10 @@ Contract (no engine imports):
   the client's `max_inflight`, whose semaphore would otherwise make the caller wait for a slow pool). A save
   beyond it is dropped (counted as failed: a later miss) and `start_load` returns None (the caller retries).
 * `TransferStats` counts lookups (hit/miss blocks), loads and saves (blocks, failed blocks, bytes, seconds);
-  `drain()` hands over and resets what was counted since the last call. Thread-safe.
+  `drain()` hands over and resets what was counted since the last call. Thread-safe. A load's or save's blocks,
+  bytes and seconds are its call's job record (`CcFuture.job`, the `ems.job_records` record that also feeds
+  `ContextCaching.jobs` and its metrics): one account of each transfer. The mover itself counts only what never
+  became a job (dropped by the in-flight budget, refused before it started) and what a job did not do.
 """
 
 from __future__ import annotations
@@ -219,20 +222,24 @@ class BlockMover:
         n = len(block_ids)
         if n == 0:
             return LoadOutcome(0, [])
-        start = time.perf_counter()
+        future: CcFuture | None = None
         try:
-            result = self._cc.load(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
-            loaded = min(result.success, n)
+            future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
+            loaded = min(future.result().success, n)
         except EmsException as exc:  # pool unreachable or timed out: nothing was written
             logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
             loaded = 0
+        self._count_load(n, loaded, future)
+        return LoadOutcome(loaded, list(block_ids[loaded:]))
+
+    def _count_load(self, n: int, loaded: int, future: CcFuture | None) -> None:
+        job = future.job if future is not None else None
         self.stats.add(
             load_blocks=loaded,
             load_failed_blocks=n - loaded,
-            load_bytes=loaded * self._block_bytes,
-            load_seconds=time.perf_counter() - start if loaded else 0.0,
+            load_bytes=job.nbytes if job is not None and loaded else 0,
+            load_seconds=job.seconds if job is not None and loaded else 0.0,
         )
-        return LoadOutcome(loaded, list(block_ids[loaded:]))
 
     def _reserve(self) -> bool:
         with self._lock:
@@ -264,22 +271,18 @@ class BlockMover:
         """The outcome of a started load once it has finished (None while it runs); never blocks."""
         n = len(pending.block_ids)
         loaded = 0
-        if pending.future is not None:
-            if not self._cc.is_ready(pending.future):
+        future = pending.future
+        if future is not None:
+            if not self._cc.is_ready(future):
                 return None
             try:
-                loaded = min(pending.future.result().success, n)
+                loaded = min(future.result().success, n)
             except EmsException as exc:
                 logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
             finally:
                 pending.future = None
                 self._release()
-        self.stats.add(
-            load_blocks=loaded,
-            load_failed_blocks=n - loaded,
-            load_bytes=loaded * self._block_bytes,
-            load_seconds=time.perf_counter() - pending.started if loaded else 0.0,
-        )
+        self._count_load(n, loaded, future)
         return LoadOutcome(loaded, list(pending.block_ids[loaded:]))
 
     def save_async(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> bool:
@@ -292,7 +295,6 @@ class BlockMover:
         if not self._reserve():
             self.stats.add(save_failed_blocks=n)
             return False
-        start = time.perf_counter()
         try:
             future = self._cc.async_save(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
         except EmsException as exc:
@@ -310,11 +312,12 @@ class BlockMover:
             except EmsException as exc:
                 logger.warning("save of %d blocks failed (later lookups miss them): %s", n, exc.message())
                 saved = 0
+            job = f.job
             self.stats.add(
                 save_blocks=saved,
                 save_failed_blocks=n - saved,
-                save_bytes=saved * self._block_bytes,
-                save_seconds=time.perf_counter() - start if saved else 0.0,
+                save_bytes=job.nbytes if job is not None and saved else 0,
+                save_seconds=job.seconds if job is not None and saved else 0.0,
             )
             with self._lock:
                 self._pending.discard(f)

@@ -164,3 +164,31 @@ def test_stats_drain_and_summary():
     assert sink.totals() == first
     merged = TransferStats.from_dict(first.to_dict()).add(first)
     assert merged.load_blocks == 6
+
+
+def test_transfer_stats_are_the_calls_job_records(cc):
+    """One account of each transfer: the mover's blocks, bytes and seconds are its calls' job records
+    (`CcFuture.job`), the same records `ContextCaching.jobs` sums; what never became a job (dropped by the
+    in-flight budget) is counted as failed by the mover alone."""
+    from ems.job_records import JobKind
+
+    gen = torch.Generator().manual_seed(5)
+    _, planes, shapes = make_cache(gen)
+    mover = BlockMover(cc, register(cc, planes, shapes), inflight_budget=1)
+    hashes = [vllm_hash(500 + i) for i in range(6)]
+    assert mover.save_async([0, 1, 2], hashes[:3]) and mover.wait(30)
+    pending = mover.start_load([8, 9, 10, 11], hashes[:4])
+    assert pending is not None
+    assert not mover.save_async([3], hashes[3:4])  # budget used up by the load: dropped, never a job
+    while (outcome := mover.poll_load(pending)) is None:
+        pass
+    assert outcome.loaded == 3 and outcome.failed_block_ids == [11]
+    assert mover.load([12, 13], hashes[4:6]).loaded == 0  # a miss: a job with nothing loaded
+    stats = mover.stats.totals()
+    saves, loads = cc.jobs.totals(JobKind.SAVE), cc.jobs.totals(JobKind.LOAD)
+    assert (saves.jobs, loads.jobs) == (1, 2)
+    assert stats.save_blocks == saves.blocks_ok == 3 and stats.save_bytes == saves.nbytes > 0
+    assert stats.save_seconds == saves.seconds > 0 and stats.save_failed_blocks == 1
+    assert stats.load_blocks == loads.blocks_ok == 3 and stats.load_bytes == loads.nbytes == 3 * mover._block_bytes
+    assert stats.load_seconds == pytest.approx(loads.seconds - cc.jobs.last(JobKind.LOAD).seconds)  # the miss: 0 s
+    assert stats.load_failed_blocks == 1 + 2
