@@ -181,13 +181,16 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- save
 
-    def _begin_save(self, args: tuple, kwargs: dict) -> tuple[Callable[[], CcResult], Callable[[], None], JobRecord]:
+    def _begin_save(
+        self, args: tuple, kwargs: dict, record: JobRecord | None = None
+    ) -> tuple[Callable[[], CcResult], Callable[[], None]]:
         """Check, plan and copy the blocks out of the engine's cache; return (the rest of the save, the way to give
-        its buffers back should it never run, its job record).
+        its buffers back should it never run). `record` (a new one if None) is the save's job record.
 
         When this returns, every byte the save needs is out of the engine's cache: the engine may overwrite it.
         """
-        record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
+        if record is None:
+            record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
@@ -202,7 +205,7 @@ class ContextCaching:
             self._job_done(record.finish(successes, plan.total, int(plan.expected.payload_len.sum())))
             return CcResult(successes, plan.total)
 
-        return finish, job.abandon, record
+        return finish, job.abandon
 
     @overload
     def save(
@@ -218,7 +221,7 @@ class ContextCaching:
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
-        finish, _, _ = self._begin_save(args, kwargs)
+        finish, _ = self._begin_save(args, kwargs)
         with _EmsErrors(self._metrics.record_error):
             return finish()
 
@@ -245,7 +248,8 @@ class ContextCaching:
         """
         self._inflight.acquire()
         try:
-            finish, abandon, record = self._begin_save(args, kwargs)
+            record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
+            finish, abandon = self._begin_save(args, kwargs, record)
         except BaseException:
             self._inflight.release()
             raise
