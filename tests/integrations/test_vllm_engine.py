@@ -247,10 +247,10 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     a KV cache too small for all of them (preemption), n=2 sampling (top-k 1): an engine with the connector gives the
     samples of an engine without it when it computes everything, when it loads from the pool while other
     requests run (asynchronous loads), and when its pool node is SIGSTOPped (hung): then no step waits for the
-    node (lookups, loads and copy-outs all run off the step). In the first round copy-outs are
-    delayed (100 ms each), so saves run behind the steps: finished requests' blocks are held for them and a
-    preemption of every running request finds copy-outs pending; what the second round loads from the pool (those
-    saves) still gives the same samples."""
+    node (lookups, loads and copy-outs all run off the step). In the first round no copy-out runs before step 8,
+    where every running request is preempted: finished requests' blocks are held for the copy-outs, the preemption
+    finds copy-outs pending and must wait for them; what the second round loads from the pool (those saves) still
+    gives the same samples."""
     from ems.integrations.local_pool import stop_local_pool
 
     rng = random.Random(11)
@@ -287,14 +287,14 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
             extra={
                 "local_pool_dir": pool_dir,
                 "timeout_ms": 5000,
-                "lookup_timeout_ms": 1000,
+                "lookup_timeout_ms": 2000,
                 "breaker_cooldown_s": 1.0,
                 "read_cache_capacity": 0,
             },  # every lookup and load asks the node
             before_round={
-                # copy-outs lag the steps: finished requests' blocks are held for them, and at step 12 every running
-                # request is preempted while its copy-outs are pending (its blocks go to other requests at once)
-                "0": {"copy_delay_s": 0.1, "preempt_running_at_step": 12},
+                # copy-outs wait: finished requests' blocks are held for them, and at step 8 every running request
+                # is preempted while its copy-outs are pending (its blocks may go to other requests at once)
+                "0": {"hold_copy_outs": True, "preempt_running_at_step": 8},
                 "1": {"reset_prefix_cache": True},
                 "2": {"reset_prefix_cache": True, "sigstop_pid": node.pid},
             },
@@ -310,8 +310,8 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     assert worker["load_blocks"] > 0 and worker["load_failed_blocks"] == 0 and worker["save_blocks"] > 0
     assert scheduler["breaker_trips"] >= 1 and scheduler["lookup_skipped_blocks"] > 0
     # lookups run off the scheduler's thread: no step waits for the hung node (a lookup on the step would take its
-    # whole 1 s timeout once, before the breaker opens; loads and saves would wait 5 s)
-    assert hung[0]["max_step_s"] < 0.8, hung[0]["max_step_s"]
+    # whole 2 s timeout once, before the breaker opens; loads and saves would wait 5 s)
+    assert hung[0]["max_step_s"] < 1.5, hung[0]["max_step_s"]
     assert out["preemptions"] > 0  # the small KV cache did preempt requests (the reference engine happened not to)
     # some preempted request's copy-out was still pending: its blocks, reused at once, were saved as they were
     assert out["held_preemptions"] > 0

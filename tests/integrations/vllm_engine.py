@@ -15,7 +15,8 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   round's wall time ("wall_s"); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
   per-request timestamps); "sigstop_pid" in before_round stops a
   process (a hung pool node) for that round and resumes it after the round. "copy_delay_s": in that round every
-  save's copy-out starts that late; "preempt_running_at_step": before that step of the round every running request
+  save's copy-out starts that late; "hold_copy_outs": in that round copy-outs wait for the next preemption (at
+  most 30 s); "preempt_running_at_step": before that step of the round every running request
   is preempted (out: "held_preemptions", preemptions that found a preempted request's copy-out still pending;
   single-process mode).
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
@@ -31,6 +32,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 
@@ -145,16 +147,20 @@ def kill_at_next_load(pid: int) -> None:
     worker.start_load_kv = start_load_kv
 
 
-def delay_copy_outs(seconds: list[float], held_preemptions: list[int]) -> None:
-    """Fault injection: every save's copy-out starts `seconds[0]` late (through the hook an accelerator's "kernels
-    done" event uses), so copy-outs lag the steps and vLLM must keep blocks for them; counts the preemptions that
-    found a preempted request's copy-out still pending (single-process mode only)."""
+def delay_copy_outs(control: dict, held_preemptions: list[int]) -> None:
+    """Fault injection through the hook an accelerator's "kernels done" event uses: every save's copy-out starts
+    `control["delay_s"]` late, or, with `control["hold"]`, not before the next preemption (at most 30 s), so
+    copy-outs lag the steps and vLLM must keep blocks for them; counts the preemptions that found a preempted
+    request's copy-out still pending (single-process mode only)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group()
 
     def ready():
-        delay = seconds[0]
+        if control["hold"]:
+            released = control["released"]
+            return lambda: released.wait(30)
+        delay = control["delay_s"]
         return lambda: time.sleep(delay)
 
     worker._ready_event = ready
@@ -164,6 +170,8 @@ def delay_copy_outs(seconds: list[float], held_preemptions: list[int]) -> None:
         copier = worker._copier
         if any(copier.copying(rid) for rid in getattr(meta, "preempted", ())):
             held_preemptions[0] += 1
+        if getattr(meta, "preempted", None):
+            control["released"].set()  # the held copy-outs run now; the real hook waits for them
         return original(meta)
 
     worker.handle_preemptions = handle_preemptions
@@ -283,9 +291,9 @@ def run(spec: dict) -> dict:
 
         connector.take_events = recorded_events
     held_preemptions = [0]
-    copy_delay = [0.0]
+    copy_control = {"delay_s": 0.0, "hold": False, "released": threading.Event()}
     if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-        delay_copy_outs(copy_delay, held_preemptions)
+        delay_copy_outs(copy_control, held_preemptions)
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     out_rounds = []
@@ -293,7 +301,9 @@ def run(spec: dict) -> dict:
         before = spec.get("before_round", {}).get(str(r), {})
         if before.get("reset_prefix_cache") or before.get("reset_connector"):
             settle(llm)
-        copy_delay[0] = float(before.get("copy_delay_s", 0.0))
+        copy_control["delay_s"] = float(before.get("copy_delay_s", 0.0))
+        copy_control["hold"] = bool(before.get("hold_copy_outs", False))
+        copy_control["released"] = threading.Event()
         preempt_at[0] = int(before.get("preempt_running_at_step", -1))
         if before.get("reset_prefix_cache") and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
