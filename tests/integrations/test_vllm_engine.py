@@ -248,9 +248,9 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     samples of an engine without it when it computes everything, when it loads from the pool while other
     requests run (asynchronous loads), and when its pool node is SIGSTOPped (hung): then no step waits for the
     node (lookups, loads and copy-outs all run off the step). In the first round no copy-out runs before step 8,
-    where every running request is preempted: finished requests' blocks are held for the copy-outs, the preemption
-    finds copy-outs pending and must wait for them; what the second round loads from the pool (those saves) still
-    gives the same samples."""
+    where every running request is preempted, and each then takes 0.1 s: finished requests' blocks are held for the
+    copy-outs, the preemption finds copy-outs pending and must wait for them; what the second round loads from the
+    pool (those saves) still gives the same samples."""
     from ems.integrations.local_pool import stop_local_pool
 
     rng = random.Random(11)
@@ -292,9 +292,10 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
                 "read_cache_capacity": 0,
             },  # every lookup and load asks the node
             before_round={
-                # copy-outs wait: finished requests' blocks are held for them, and at step 8 every running request
-                # is preempted while its copy-outs are pending (its blocks may go to other requests at once)
-                "0": {"hold_copy_outs": True, "preempt_running_at_step": 8},
+                # copy-outs wait (until step 8, then 0.1 s each): finished requests' blocks are held for them, and
+                # at step 8 every running request is preempted while its copy-outs are pending (its blocks may go
+                # to other requests at once, long before the copier reaches them)
+                "0": {"hold_copy_outs": True, "copy_delay_s": 0.1, "preempt_running_at_step": 8},
                 "1": {"reset_prefix_cache": True},
                 "2": {"reset_prefix_cache": True, "sigstop_pid": node.pid},
             },

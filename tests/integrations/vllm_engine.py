@@ -15,8 +15,8 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   round's wall time ("wall_s"); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
   per-request timestamps); "sigstop_pid" in before_round stops a
   process (a hung pool node) for that round and resumes it after the round. "copy_delay_s": in that round every
-  save's copy-out starts that late; "hold_copy_outs": in that round copy-outs wait for the next preemption (at
-  most 30 s); "preempt_running_at_step": before that step of the round every running request
+  save's copy-out starts that late; "hold_copy_outs": in that round copy-outs first wait for the next preemption
+  (at most 30 s); "preempt_running_at_step": before that step of the round every running request
   is preempted (out: "held_preemptions", preemptions that found a preempted request's copy-out still pending;
   single-process mode).
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
@@ -148,20 +148,23 @@ def kill_at_next_load(pid: int) -> None:
 
 
 def delay_copy_outs(control: dict, held_preemptions: list[int]) -> None:
-    """Fault injection through the hook an accelerator's "kernels done" event uses: every save's copy-out starts
-    `control["delay_s"]` late, or, with `control["hold"]`, not before the next preemption (at most 30 s), so
-    copy-outs lag the steps and vLLM must keep blocks for them; counts the preemptions that found a preempted
-    request's copy-out still pending (single-process mode only)."""
+    """Fault injection through the hook an accelerator's "kernels done" event uses: every save's copy-out waits, with
+    `control["hold"]`, for the next preemption (at most 30 s), then `control["delay_s"]`, so copy-outs lag the steps
+    and vLLM must keep blocks for them; counts the preemptions that found a preempted request's copy-out still
+    pending (single-process mode only)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group()
 
     def ready():
-        if control["hold"]:
-            released = control["released"]
-            return lambda: released.wait(30)
-        delay = control["delay_s"]
-        return lambda: time.sleep(delay)
+        hold, released, delay = control["hold"], control["released"], control["delay_s"]
+
+        def wait() -> None:
+            if hold:
+                released.wait(30)
+            time.sleep(delay)
+
+        return wait
 
     worker._ready_event = ready
     original = worker.handle_preemptions
