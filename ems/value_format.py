@@ -24,10 +24,13 @@ clients and nodes can be upgraded in any order.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import importlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -62,10 +65,42 @@ class ValueKind(enum.IntEnum):
     BLOCKS_V1 = 2  # one block: per layer group `[planes, tokens, row]` (version 3)
 
 
+def _xxh3_holding_the_gil() -> Callable[[int, int], int] | None:
+    """XXH3-64 (seed 0) of `length` bytes at an address, through the xxhash extension's own exported C function,
+    called with the GIL held (`ctypes.PyDLL` does not release it); None where the extension does not export it.
+
+    Why: xxhash's Python functions release the GIL for a large input, and beside a thread that keeps the GIL (an
+    engine's busy Python loop) each release can cost a switch interval (5 ms) to get it back: once per value of a
+    load's verify (perf/RESULTS.md, "The 62 MiB load beside a busy Python thread"). Hashing holds the GIL for the
+    time of the hash instead (tens of µs for a block)."""
+    try:
+        extension = importlib.import_module("xxhash._xxhash")  # its C module (not in xxhash's type stubs)
+        function = ctypes.PyDLL(extension.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    function.restype = ctypes.c_uint64
+    return cast(Callable[[int, int], int], function)
+
+
+_XXH3_HOLDING_THE_GIL = _xxh3_holding_the_gil()
+# from this size on xxhash's own call may release the GIL (it does at 512 KiB, not at 64 KiB, on xxhash 3.x and 4.x);
+# below it the direct call is cheaper than taking the buffer's address
+_GIL_HELD_FROM = 64 << 10
+
+
 def checksum(parts: Sequence[Buffer]) -> int:
-    """XXH3-64 of the concatenation of `parts` (streamed, no copy)."""
+    """XXH3-64 of the concatenation of `parts` (streamed, no copy). A large single part is hashed with the GIL held
+    (`_xxh3_holding_the_gil`); the result is the same."""
     if len(parts) == 1:
-        return xxhash.xxh3_64_intdigest(parts[0])
+        part = parts[0]
+        if _XXH3_HOLDING_THE_GIL is not None and len(part) >= _GIL_HELD_FROM:
+            try:
+                view = np.frombuffer(part, dtype=np.uint8)  # any contiguous buffer, read-only ones included
+            except (ValueError, TypeError):
+                return xxhash.xxh3_64_intdigest(part)
+            return int(_XXH3_HOLDING_THE_GIL(view.ctypes.data, view.nbytes))  # `view` keeps the buffer alive
+        return xxhash.xxh3_64_intdigest(part)
     hasher = xxhash.xxh3_64()
     for part in parts:
         hasher.update(part)
