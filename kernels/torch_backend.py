@@ -36,6 +36,7 @@ from ems.kernels.raw_memory import raw_tensor
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _MIN_OP_BYTES = 64 << 10  # below this per op, the two-pass path through a temporary is cheaper
+_NUMPY_GATHER_BELOW = 64 << 10  # a CPU gather smaller than this is cheaper by numpy indexing than by a torch op
 _MAX_SPAN = 1 << 47  # never view an address span larger than this (the whole user address space of x86-64)
 
 
@@ -145,8 +146,11 @@ def _move_run(
 def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor, gather: bool) -> None:
     """gather: staged = table[idx]; else table[idx] = staged (rows). On CPU the scatter is numpy's indexed
     assignment, which copies whole rows (faster than torch's `index_copy_`); torch's `index_select` is the faster
-    gather (than numpy's). Figures: perf/RESULTS.md, "Figures behind design choices"."""
-    if gather:
+    large gather (than numpy's), numpy's indexing the cheaper small one (per call, below `_NUMPY_GATHER_BELOW`).
+    Figures: perf/RESULTS.md, "Figures behind design choices" and "The embedded call's fixed cost"."""
+    if gather and table.device.type == "cpu" and staged.numel() * staged.element_size() < _NUMPY_GATHER_BELOW:
+        staged.numpy()[...] = table.numpy()[idx]  # a small gather: numpy's indexing costs less per call
+    elif gather:
         index = torch.from_numpy(idx)
         torch.index_select(table, 0, index if table.device.type == "cpu" else index.to(table.device), out=staged)
     elif table.device.type == "cpu":
@@ -228,12 +232,7 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
         index_rows = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
     units, step = length // width, tokens * row // width
     staged = np.ndarray((planes.num_planes, units), _NP_INT_OF_WIDTH[width], flat.numpy(), first, (step * width, width))
-    if not gather:
-        rows.numpy()[index_rows] = staged  # numpy's indexed assignment: see `_select_or_place`
-    elif staged.nbytes < _MIN_OP_BYTES:  # a small value: numpy's indexing costs less per call than a torch op
-        staged[...] = rows.numpy()[index_rows]
-    else:
-        torch.index_select(rows, 0, torch.from_numpy(index_rows), out=torch.from_numpy(staged))
+    _select_or_place(rows, index_rows, torch.from_numpy(staged), gather)
     return 1
 
 
