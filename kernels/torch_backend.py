@@ -38,6 +38,12 @@ _NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _MIN_OP_BYTES = 64 << 10  # below this per op, the two-pass path through a temporary is cheaper
 _NUMPY_GATHER_BELOW = 64 << 10  # a CPU gather smaller than this is cheaper by numpy indexing than by a torch op
 _MAX_SPAN = 1 << 47  # never view an address span larger than this (the whole user address space of x86-64)
+# numpy keeps the GIL through an indexed copy of fewer than 500 elements (its NPY_BEGIN_THREADS_THRESHOLDED), and a
+# copy that gives the GIL away waits up to a switch interval (5 ms) for it beside a busy Python thread (an engine's
+# loop): 0.2 -> 5.4 ms per 2 MiB row assignment. So a CPU scatter moves rows as single void elements, in ops of
+# fewer than 500 rows and at most _GIL_HELD_OP_BYTES (the GIL is then held for well under a switch interval).
+_GIL_KEPT_BELOW_ELEMENTS = 500
+_GIL_HELD_OP_BYTES = 1 << 20
 
 
 def _widest(quantities: list[int], widths: tuple[int, ...] = (8, 4, 2, 1)) -> int:
@@ -139,24 +145,48 @@ def _move_run(
     table: torch.Tensor, src_idx: np.ndarray, flat: torch.Tensor, first: int, step: int, length: int, width: int, gather: bool
 ) -> None:
     """ONE op: M spans between rows `src_idx` of `table` and the staging spans at `first + k * step` (bytes)."""
+    if not gather and table.device.type == "cpu":  # numpy views only: a torch call may give the GIL away
+        staged_rows = np.ndarray((src_idx.size,), np.dtype((np.void, length)), flat.numpy(), first, (step,))
+        _place_rows_keeping_gil(_void_rows(table.numpy()), src_idx, staged_rows)
+        return
     staged = _spans_view(flat, first, src_idx.size, length // width, step // width, table.dtype)
     _select_or_place(table, src_idx, staged, gather)
 
 
 def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor, gather: bool) -> None:
     """gather: staged = table[idx]; else table[idx] = staged (rows). On CPU the scatter is numpy's indexed
-    assignment, which copies whole rows (faster than torch's `index_copy_`); torch's `index_select` is the faster
-    large gather (than numpy's), numpy's indexing the cheaper small one (per call, below `_NUMPY_GATHER_BELOW`).
-    Figures: perf/RESULTS.md, "Figures behind design choices" and "The embedded call's fixed cost"."""
+    assignment of whole rows, kept to ops that hold the GIL (`_place_rows_keeping_gil`; faster than torch's
+    `index_copy_` too); torch's `index_select` is the faster large gather (than numpy's), numpy's indexing the
+    cheaper small one (per call, below `_NUMPY_GATHER_BELOW`). Figures: perf/RESULTS.md, "Figures behind design
+    choices", "The embedded call's fixed cost" and "A load beside a busy Python thread: copies that keep the GIL"."""
     if gather and table.device.type == "cpu" and staged.numel() * staged.element_size() < _NUMPY_GATHER_BELOW:
         staged.numpy()[...] = table.numpy()[idx]  # a small gather: numpy's indexing costs less per call
     elif gather:
         index = torch.from_numpy(idx)
         torch.index_select(table, 0, index if table.device.type == "cpu" else index.to(table.device), out=staged)
     elif table.device.type == "cpu":
-        table.numpy()[idx] = staged.numpy()
+        _place_rows_keeping_gil(_void_rows(table.numpy()), idx, _void_rows(staged.numpy()))
     else:
         table.index_copy_(0, torch.from_numpy(idx).to(table.device, non_blocking=True), staged)
+
+
+def _void_rows(rows: np.ndarray) -> np.ndarray:
+    """`rows` `[N, K]` (last axis contiguous) as `[N]` elements of one K-item void each (same memory)."""
+    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))[:, 0]
+
+
+def _place_rows_keeping_gil(table_rows: np.ndarray, idx: np.ndarray, staged_rows: np.ndarray) -> None:
+    """table_rows[idx] = staged_rows (void rows, `_void_rows`: table `[N]`, idx int64 `[M]`, staged `[M]`) in ops
+    that numpy runs without giving the GIL away (see _GIL_KEPT_BELOW_ELEMENTS). numpy gives it away for an indexed
+    assignment from a strided source whatever its size, so a strided part is first copied (a plain copy keeps it)
+    into a contiguous one of at most _GIL_HELD_OP_BYTES, which stays in cache for the second pass."""
+    if idx.size == 0:
+        return
+    per_op = max(1, min(_GIL_KEPT_BELOW_ELEMENTS - 1, _GIL_HELD_OP_BYTES // staged_rows.itemsize))
+    strided = idx.size > 1 and staged_rows.strides[0] != staged_rows.itemsize
+    for a in range(0, idx.size, per_op):  # one op per up to 499 rows and _GIL_HELD_OP_BYTES: never per row
+        part = staged_rows[a : a + per_op]
+        table_rows[idx[a : a + per_op]] = part.copy() if strided else part
 
 
 def _move_spans(
@@ -232,8 +262,42 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
         index_rows = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
     units, step = length // width, tokens * row // width
     staged = np.ndarray((planes.num_planes, units), _NP_INT_OF_WIDTH[width], flat.numpy(), first, (step * width, width))
-    _select_or_place(rows, index_rows, torch.from_numpy(staged), gather)
+    if gather:
+        _select_or_place(rows, index_rows, torch.from_numpy(staged), gather)
+    else:  # numpy views only: a torch call may give the GIL away
+        _place_rows_keeping_gil(_void_rows(rows.numpy()), index_rows, _void_rows(staged))
     return 1
+
+
+def _move_grid_by_lines(
+    rows: torch.Tensor,
+    lay: _PieceLayout,
+    b: np.ndarray,
+    w: np.ndarray,
+    bb: np.ndarray,
+    tt: np.ndarray,
+    ii: np.ndarray,
+    flat: torch.Tensor,
+    length: int,
+    width: int,
+    gather: bool,
+) -> int:
+    """The one-span grid `[M, P]` (M pieces of cache block b, slot w, staging base bb, value tokens tt, index ii;
+    P planes) moved line by line along its longer side: a line per plane (or per piece), so that every numpy op
+    works on at most max(M, P) elements and keeps the GIL (see _GIL_KEPT_BELOW_ELEMENTS: a [M, P] expression of
+    500 elements or more gives it away, a switch interval each beside a busy engine thread). Returns ops."""
+    ops = 0
+    if b.size >= lay.off.size:  # a line per plane: M spans each
+        for p in range(lay.off.size):
+            dst = bb + tt * int(lay.poffs[p]) + ii * int(lay.rbytes[p])
+            src = (b * int(lay.bstr[p]) + w * int(lay.sstr[p]) + int(lay.off[p])) // lay.g
+            ops += _move_spans(rows, src[:, None], flat, dst[:, None], length, width, gather)
+        return ops
+    for m in range(b.size):  # a line per piece: P spans each (fewer pieces than planes)
+        dst = int(bb[m]) + int(tt[m]) * lay.poffs + int(ii[m]) * lay.rbytes
+        src = (lay.off + int(b[m]) * lay.bstr + int(w[m]) * lay.sstr) // lay.g
+        ops += _move_spans(rows, src[:, None], flat, dst[:, None], length, width, gather)
+    return ops
 
 
 def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int:
@@ -257,10 +321,13 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather:
         b, w, bb, tt, ii = blocks[sel], within[sel], base[sel], tokens[sel], index[sel]
         if lay.one_span:
             length = c * int(lay.rbytes[0])
-            dst = bb[:, None] + tt[:, None] * lay.poffs[None, :] + ii[:, None] * lay.rbytes[None, :]  # [M, P]
             # every staging offset is a part base plus multiples of `unit`: their gcd divides unit and the bases
             width = _widest([math.gcd(lay.unit, int(bb[0]) if bb.size == 1 else _gcd(bb)), length, flat_addr])
             rows = _one_span_rows(planes, lay, length, width)
+            if b.size * planes.num_planes >= _GIL_KEPT_BELOW_ELEMENTS and flat.device.type == "cpu":
+                ops += _move_grid_by_lines(rows, lay, b, w, bb, tt, ii, flat, length, width, gather)
+                continue
+            dst = bb[:, None] + tt[:, None] * lay.poffs[None, :] + ii[:, None] * lay.rbytes[None, :]  # [M, P]
             src = lay.off[None, :] + b[:, None] * lay.bstr[None, :] + w[:, None] * lay.sstr[None, :]
             ops += _move_spans(rows, src // lay.g, flat, dst, length, width, gather)
             continue

@@ -1,0 +1,73 @@
+"""The CPU scatter (what every load ends with) keeps the GIL: a copy that gives it away waits up to the interpreter's
+switch interval to get it back beside a busy Python thread (an engine's loop), per op. With a switch interval of
+0.4 s, one such wait is plainly visible against a scatter of a few ms; the bytes are checked against the reference.
+
+Covers the torch backend's three scatter shapes: one piece (a one-block load), a grid of pieces x planes under
+numpy's 500-element threshold, and a larger one (moved line by line).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from kernel_cases import as_bytes, make_layout, pieces_case, random_tensor, reference_pieces
+
+from ems.kernels.torch_backend import TorchBackend
+
+SWITCH_S = 0.4
+
+
+@contextmanager
+def busy_python_thread() -> Iterator[None]:
+    """A thread spinning in pure Python, with a long switch interval (so a GIL hand-over costs SWITCH_S)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_S)
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(previous)
+
+
+@pytest.mark.parametrize(
+    ("layers", "blocks_moved"),
+    [(4, 1), (4, 24), (8, 40)],  # one piece; 24 x 8 planes = 192 spans; 40 x 16 = 640 spans (line by line)
+)
+def test_cpu_scatter_never_gives_the_gil_away(layers: int, blocks_moved: int) -> None:
+    gen = torch.Generator().manual_seed(11)
+    bs, blocks = 16, 64
+    bases, planes = make_layout("plain", layers, blocks, bs, 2, 64, torch.float16, gen)
+    chosen = torch.randperm(blocks, generator=gen)[:blocks_moved].tolist()
+    slots = [b * bs + k for b in chosen for k in range(bs)]
+    pieces, tok_start, part_base, total = pieces_case(planes, slots, [bs] * blocks_moved)
+    src = random_tensor([total], torch.uint8, gen)
+    _, written = reference_pieces(planes, slots, tok_start, part_base, total)
+    backend = TorchBackend()
+    backend.scatter_pieces(planes, pieces, src)  # warm: per-layout tables
+    fresh = random_tensor([total], torch.uint8, gen)
+    with busy_python_thread():
+        time.sleep(0)  # the busy thread runs, then hands the GIL back: this thread starts with a whole interval
+        start = time.perf_counter()
+        backend.scatter_pieces(planes, pieces, fresh)
+        seconds = time.perf_counter() - start
+    again = torch.empty(total, dtype=torch.uint8)
+    backend.gather_pieces(planes, pieces, again)
+    assert torch.equal(as_bytes(again[written]), as_bytes(fresh[written]))
+    assert seconds < SWITCH_S / 2, f"the scatter waited for the GIL: {seconds:.3f} s"
+    del bases
