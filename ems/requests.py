@@ -205,10 +205,15 @@ def _first(mask: np.ndarray) -> int:
     return int(np.argmax(mask))
 
 
+_SET_CHECK_MAX = 8192  # tokens: up to here repeats are looked for with a Python set
+
+
 def _check_no_repeats(name: str, slots: np.ndarray) -> None:
     """A load must not write one slot twice (which copy would win is undefined)."""
-    if slots.size <= 256 and len(set(slots.tolist())) == slots.size:
-        return  # a small request without repeats (the usual case): a Python set costs less than a sort here
+    if slots.size <= _SET_CHECK_MAX and len(set(slots.tolist())) == slots.size:
+        # no repeats (the usual case). A Python set costs about what a sort does at these sizes, and keeps the GIL:
+        # numpy's sort gives it away, which costs a switch interval (5 ms) beside a busy engine thread
+        return
     order = np.argsort(slots, kind="stable")
     repeated = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
     if repeated.size:
