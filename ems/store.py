@@ -43,7 +43,6 @@ Contract:
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import sys
 import threading
@@ -55,7 +54,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from ems.buffers import Buffer
+from ems.buffers import Buffer, populate_pages, release_pages
 from ems.value_format import VALUE_LEAD, is_well_formed
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
@@ -108,7 +107,7 @@ class _Arena:
         begin, end = self.populated, min(self.size, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE)
         if end <= begin:
             return
-        if _madvise(self.address + begin, end - begin, _MADV_POPULATE_WRITE) != 0:
+        if not populate_pages(self.address + begin, end - begin):
             self.array[begin : end : mmap.PAGESIZE] = 0  # pages not yet handed out: nothing is overwritten
         self.populated = end
 
@@ -152,19 +151,10 @@ class _Arena:
         begin = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (offset + buffer.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > begin:
-            _madvise(self.address + begin, end - begin, mmap.MADV_DONTNEED)
+            release_pages(self.address + begin, end - begin)
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _POPULATE_STEP = 32 << 20
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _madvise(address: int, length: int, advice: int) -> int:
-    """madvise(2) through ctypes: unlike `mmap.madvise` it releases the GIL, and takes any address."""
-    return int(_libc.madvise(address, length, advice))
 
 
 def _store_made(value: Buffer, arena: _Arena | None = None) -> TypeGuard[np.ndarray]:

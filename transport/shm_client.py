@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ems.buffers import Buffer, copy_bytes
+from ems.buffers import Buffer, copy_bytes, populate_in_background
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, shm
@@ -93,6 +93,7 @@ class ShmClient:
         self._region: ClientRegion | None = None
         self._no_region_on: Any = None  # the endpoint whose node offered no region (not asked again)
         self._opening = threading.Lock()
+        self._last_allocator: shm.RangeAllocator | None = None  # the latest region's (how much to populate next)
 
     # ---- calls ----
 
@@ -233,9 +234,11 @@ class ShmClient:
         from ems.transport.ucx import _request
 
         meta = shm.encode_open(os.getuid(), os.getpid())
+        previous = self._last_allocator
+        populate_mib = -(-(shm.PREFAULT_BYTES if previous is None else previous.high_water) // (1 << 20))
 
         def run(ex: Any, rid: int) -> tuple[Any, shm.OpenReply]:
-            reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, meta=meta)
+            reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, count=populate_mib, meta=meta)
             return ex.conn, shm.decode_open_reply(bytes(body[: reply.meta_len]))
 
         ep, offer = self.node._call(run, deadline)
@@ -248,7 +251,9 @@ class ShmClient:
             log.info("%s: no shared memory (using UCX): %s", self.node.address, error)
             self._no_region_on = ep
             return None
+        populate_in_background(array, populate_mib << 20, "ems-shm-prefault")  # the node populates as much
         region = ClientRegion(ep, array, shm.RangeAllocator(array.nbytes))
+        self._last_allocator = region.allocator
         self._region = region
         return region
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ems.buffers import populate_in_background
 from ems.transport import protocol, shm
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class _Region:
     token: bytes | None
     expires: float
     closing: bool = False
+    populate_bytes: int = 0  # what the client stated it populates (SHM_OPEN's count, in MiB)
 
     def close_fd(self) -> None:
         if self.fd >= 0:
@@ -145,6 +147,7 @@ class ShmService:
             else:
                 token = secrets.token_bytes(shm.TOKEN_BYTES)
                 region = _Region(conn, fd, array, creds[0], creds[1], token, time.monotonic() + TOKEN_TTL_S)
+                region.populate_bytes = channel.header.count << 20  # see shm.py; done once the client has mapped it
                 self._regions[conn] = region
                 self._tokens[token] = region
                 self._bytes += array.nbytes
@@ -254,6 +257,9 @@ class ShmService:
                 return
             socket.send_fds(sock, [b"\1"], [region.fd])
             region.close_fd()  # the client has its own descriptor now; the node keeps its mapping
+            # as much of the node's mapping as the client populates of its own (shm.py): only now that a client
+            # holds the region, so that a connection which only asks for one commits no memory
+            populate_in_background(region.array, region.populate_bytes, "ems-shm-prefault")
         except (OSError, asyncio.TimeoutError) as error:
             log.info("shared-memory hand-over failed: %r", error)
         finally:

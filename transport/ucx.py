@@ -25,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import enum
+import logging
 import socket
 import threading
 import time
@@ -51,6 +52,8 @@ from ems.transport.ucx_frames import (
     parse_head,
     prepare_frame,
 )
+
+log = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = 0.5
 T = TypeVar("T")  # what a request answers
@@ -171,8 +174,17 @@ class UcxNode(NodeClient):
         return None if self.shm is None else self.shm.buffer(nbytes)
 
     def connect_now(self, deadline: Deadline | float) -> None:
-        """Connect (and authenticate) now instead of on the first call; TransportError on failure."""
-        self._call(lambda ex, rid: None, deadline)
+        """Connect (and authenticate) now instead of on the first call; TransportError on failure. On the same
+        host, also open the connection's shared-memory region now (the calls would open it on first use): its
+        pages are then populated in the background before the first load needs them (`shm.PREFAULT_BYTES`),
+        and that load stages in it from the start. A region that cannot be opened only leaves the calls on UCX."""
+        limit = Deadline.within(deadline)
+        self._call(lambda ex, rid: None, limit)
+        if self.shm is not None:
+            try:
+                self.shm.region(limit)
+            except TransportError as error:  # the connection was dropped: the next call reconnects, as after any failure
+                log.info("%s: shared-memory region not opened at connect: %s", self.address, error.message())
 
     # ---- machinery ----
 

@@ -285,3 +285,47 @@ def test_the_local_pool_node_shares_memory_by_default(tmp_path, node_clients):
         _region(node)
     finally:
         stop_local_pool(str(tmp_path))
+
+
+def _resident_pages(array: np.ndarray, nbytes: int) -> int:
+    """How many of the first `nbytes` of `array`'s mapping are resident (mincore(2))."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = nbytes // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(int(array.ctypes.data)), ctypes.c_size_t(nbytes), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec)
+
+
+def test_connect_opens_the_region_and_populates_it_before_the_first_call(shared_node):
+    """The package's connect (what `Ems.init` calls) opens the region at once, and its first PREFAULT_BYTES are
+    faulted in in the background: a first load then neither opens it nor faults it page by page. A reconnect
+    populates only what the region before it used."""
+    from ems.transport import shm
+    from ems.transport.remote import connect
+
+    node = connect(shared_node.address, connect_timeout_ms=5000)
+    try:
+        region = _region(node)  # opened without any call
+        want = min(shm.PREFAULT_BYTES, region.array.nbytes)
+        deadline = time.monotonic() + 30
+        while _resident_pages(region.array, want) < want // 4096 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _resident_pages(region.array, want) == want // 4096
+        staged = node.shm_buffer(1 << 20)
+        assert staged is not None  # a load's staging comes from the region from the first call on
+        staged.release()
+        assert node.put([b"prefault-1"], [_value(1000, seed=5)], 5.0) == [True]
+        assert node.shm._region is region
+        # a reconnect's region is populated only as far as the last one was used (one page here: 1 MiB, the unit)
+        node.close()
+        node.connect_now(5.0)
+        fresh = _region(node)
+        assert fresh is not region
+        time.sleep(1.0)  # both sides' background populate, had they been given more to do
+        assert _resident_pages(fresh.array, want) <= (1 << 20) // 4096
+    finally:
+        node.close()
