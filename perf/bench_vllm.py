@@ -182,6 +182,13 @@ def main() -> None:
         f"{worker['load_bytes'] / 2**20:.1f} MiB in {worker['load_seconds']:.3f} s of load jobs: {load_gbps:.2f} GB/s "
         "(goal >= 2)"
     )
+    load_stages = b_ttft["stats"].get("jobs", {}).get("load", {}).get("stages", {})
+    stage_lines = [
+        f"| {stage} | {runs} | {nbytes / 2**20:.1f} | {1e3 * seconds:.1f} |"
+        for stage, (nbytes, seconds, runs) in load_stages.items()
+    ]
+    print("\nEngine B's load jobs, by stage (summed over its jobs; pipeline stages overlap):")
+    print("\n".join(["| stage | runs | MiB | ms |", "|---|---|---|---|", *stage_lines]))
     batch_rows = [with_connector, without_cached, without, hung]
     print(f"{'round':58} {'steps':>5} {'ITL s':>7} {'TTFT s':>7} {'max step s':>10} {'tok/s':>7} {'cached':>7}")
     for row in batch_rows:
@@ -261,6 +268,12 @@ def main() -> None:
             f"({worker['load_seconds']:.3f} s: the job records of its `async_load` calls, each from the call to its "
             "end: get + verify + scatter; goal: at least 2 GB/s)."
         ),
+        "",
+        "Engine B's load jobs by stage (summed over its jobs; a pipelined load's stages overlap):",
+        "",
+        "| stage | runs | MiB | ms |",
+        "|---|---|---|---|",
+        *stage_lines,
         "",
         f"16 requests sharing a {args.prefix}-token prefix (64-token tails, {new_tokens} tokens each), submitted at "
         "once; ITL and TTFT from vLLM's per-request timestamps, averaged over the 16:",

@@ -192,7 +192,7 @@ def preempt_running(llm) -> None:
 
 def job_totals() -> dict:
     """This process's job records (`ContextCaching.jobs`): per kind, jobs, blocks, bytes and seconds (each job from
-    its call to its end)."""
+    its call to its end), and the seconds of each stage summed over the jobs."""
     from ems import Ems
     from ems.job_records import JobKind
 
@@ -202,7 +202,14 @@ def job_totals() -> dict:
     out = {}
     for kind in JobKind:
         t = cc.jobs.totals(kind)
-        out[kind.value] = {"jobs": t.jobs, "blocks_ok": t.blocks_ok, "nbytes": t.nbytes, "seconds": t.seconds}
+        stages = {stage.value: [r.nbytes, r.seconds, r.runs] for stage, r in t.stages.items()}
+        out[kind.value] = {
+            "jobs": t.jobs,
+            "blocks_ok": t.blocks_ok,
+            "nbytes": t.nbytes,
+            "seconds": t.seconds,
+            "stages": stages,  # stage → [bytes, seconds, runs], summed over the jobs
+        }
     return out
 
 
