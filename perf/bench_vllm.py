@@ -7,10 +7,12 @@ Writes a random Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 4096) 
 engine is its own process (tests/integrations/vllm_engine.py) on one local pool node (`EmsConnector`, no pool
 configured, `read_cache_capacity` 0 so that every lookup and load crosses the node).
 
-1. TTFT: engine A serves the long prompt P cold and saves it. Engine B, side by side: prompt Q of the same length
-   cold, P from the pool, P again from vLLM's own prefix cache. TTFT = `generate(max_tokens=1)` of one prompt.
-   Pool-load GB/s: the bytes engine B loaded over the seconds its load jobs took (the job records of the
-   connector's `async_load` calls, each from the call to its end: get + verify + scatter).
+1. TTFT: engine A serves the long prompt P cold and saves it. Engine B: prompt Q of the same length cold, then P
+   from the pool at once (Q's saves still in flight); then, once quiet (its prefix cache reset, Q's saves done), P
+   from the pool and P from vLLM's own prefix cache side by side: the goal's ratio. TTFT =
+   `generate(max_tokens=1)` of one prompt. Pool-load GB/s: the bytes engine B loaded over the seconds its load
+   jobs took (the job records of the connector's `async_load` calls, each from the call to its end: get + verify
+   + scatter).
 2. Co-running decodes: 16 requests sharing a `--prefix`-token prefix (distinct 64-token tails, 32 tokens each),
    submitted at once. With the connector (engine B, its prefix cache reset; the pool holds the prompts, saved by
    its warm-up round) each request first loads its blocks asynchronously while the others decode. Without it
@@ -128,7 +130,9 @@ def main() -> None:
     try:
         node = ensure_local_pool(pool_dir, "2GiB")
         a = engine(root, "a", {**base, "rounds": [[p], [many[0]]]})  # P, and the shared prefix, into the pool
-        b_ttft = engine(root, "b-ttft", {**base, "rounds": [[q, p, p]]})
+        # P from the pool right after computing Q (Q's saves still in flight), then, once the engine is quiet (its
+        # prefix cache reset, Q's saves done), P from the pool and P from vLLM's prefix cache side by side
+        b_ttft = engine(root, "b-ttft", {**base, "rounds": [[q, p], [p, p]], "before_round": {"1": {"reset_prefix_cache": True}}})
         b = engine(
             root,
             "b",
@@ -157,11 +161,12 @@ def main() -> None:
     finally:
         stop_local_pool(pool_dir)
     a_cold = a["rounds"][0][0]
-    b_cold, b_pool, b_prefix = b_ttft["rounds"][0]
+    (b_cold, b_pool_busy), (b_pool, b_prefix) = b_ttft["rounds"]
     ttft_rows = [
         ("A: prompt P, cold (computes, saves)", a_cold),
         ("B: prompt Q, cold (computes)", b_cold),
-        ("B: prompt P, from the pool", b_pool),
+        ("B: prompt P, from the pool, right after Q (Q's saves in flight)", b_pool_busy),
+        ("B: prompt P, from the pool (engine quiet)", b_pool),
         ("B: prompt P, from vLLM's prefix cache", b_prefix),
     ]
     generated = 16 * new_tokens
@@ -170,15 +175,16 @@ def main() -> None:
     without = batch_row("16 requests, without the connector (computed)", c["rounds"][1], generated)
     hung = batch_row("16 requests, with the connector, pool node SIGSTOPped", b["rounds"][2], generated)
     worker = b_ttft["stats"]["worker"]
-    print(f"{'engine / prompt':44} {'tokens':>7} {'cached':>7} {'TTFT s':>8}")
+    print(f"{'engine / prompt':64} {'tokens':>7} {'cached':>7} {'TTFT s':>8}")
     for label, r in ttft_rows:
-        print(f"{label:44} {args.tokens:7d} {r['num_cached_tokens']:7d} {r['seconds']:8.3f}")
+        print(f"{label:64} {args.tokens:7d} {r['num_cached_tokens']:7d} {r['seconds']:8.3f}")
     speedup = b_cold["seconds"] / b_pool["seconds"]
     pooled_vs_prefix = b_pool["seconds"] / b_prefix["seconds"]
+    busy_vs_prefix = b_pool_busy["seconds"] / b_prefix["seconds"]
     load_gbps = worker["load_bytes"] / worker["load_seconds"] / 1e9 if worker["load_seconds"] else 0.0
     print(
-        f"TTFT cold / pooled (engine B, side by side): {speedup:.1f}x; pooled / prefix cache "
-        f"{pooled_vs_prefix:.2f}x (goal <= 1.5); loaded {worker['load_blocks']} blocks, "
+        f"TTFT cold / pooled (engine B): {speedup:.1f}x; pooled / prefix cache, side by side "
+        f"{pooled_vs_prefix:.2f}x (goal <= 1.5; right after Q: {busy_vs_prefix:.2f}x); loaded {worker['load_blocks']} blocks, "
         f"{worker['load_bytes'] / 2**20:.1f} MiB in {worker['load_seconds']:.3f} s of load jobs: {load_gbps:.2f} GB/s "
         "(goal >= 2)"
     )
@@ -262,8 +268,9 @@ def main() -> None:
         *[f"| {label} | {args.tokens} | {r['num_cached_tokens']} | {r['seconds']:.3f} |" for label, r in ttft_rows],
         "",
         (
-            f"In engine B, side by side: cold / pooled TTFT **{speedup:.1f}x**, pooled / vLLM prefix cache "
-            f"**{pooled_vs_prefix:.2f}x** (goal: at most 1.5). Engine B loaded {worker['load_blocks']} blocks "
+            f"In engine B: cold / pooled TTFT **{speedup:.1f}x**; pooled / vLLM prefix cache, side by side once "
+            f"quiet, **{pooled_vs_prefix:.2f}x** (goal: at most 1.5; P from the pool right after computing Q, its "
+            f"saves in flight: {busy_vs_prefix:.2f}x). Engine B loaded {worker['load_blocks']} blocks "
             f"({worker['load_bytes'] / 2**20:.1f} MiB): **{load_gbps:.2f} GB/s** over its load jobs' time "
             f"({worker['load_seconds']:.3f} s: the job records of its `async_load` calls, each from the call to its "
             "end: get + verify + scatter; goal: at least 2 GB/s)."
