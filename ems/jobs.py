@@ -18,8 +18,9 @@ staging on accelerators). `save_job` / `load_job` pick the job type for a reques
   `begin` returns once every chunk is gathered, `finish` waits for the puts and merges their outcomes. A load runs
   each chunk's receive (`PoolClient.get_into`: values land in their places in staging) and its verification on
   the pipeline threads, and scatters chunk k's verified prefix while later chunks arrive, stopping at the first
-  miss. `EMS_CHUNK_BYTES=0` makes the request one chunk. A request of one chunk has nothing to overlap, so its put
-  (in `finish`) and its receive run on the calling thread.
+  miss. `EMS_CHUNK_BYTES=0` makes the request one chunk; so is a load staged in a same-host node's region (below:
+  the node only copies). A request of one chunk has nothing to overlap, so its put (in `finish`) and its receive
+  run on the calling thread.
   In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk
   k - depth has returned; a load starts chunk k + depth once chunk k verified), and at most `PIPELINE_THREADS`
   chunk calls run at once per client (the rest queue, in order).
@@ -454,9 +455,16 @@ class PipelinedLoad:
         verified prefix while later chunks arrive; stop at the first miss (nothing after it is written)."""
         record = self.record
         deadline = Deadline.of(self.option)
-        chunks = plan_chunks(plan, self.pool.limits, self.chunk_bytes)
         stop = threading.Event()
         lease = self.staging.acquire(plan.staging_bytes, self.device, self.pool.shm_staging)
+        # staged in a same-host node's region: the node's part is a memcpy, with nothing worth overlapping, so the
+        # request is one chunk, received on this thread (no hand-over to a pipeline thread and back, which beside a
+        # busy engine thread waits for the GIL: perf/RESULTS.md, "A load beside a busy Python thread")
+        try:
+            chunks = plan_chunks(plan, self.pool.limits, 0 if lease.shared is not None else self.chunk_bytes)
+        except BaseException:
+            self.staging.release(lease)  # nothing was sent into it
+            raise
         host = lease.host_view()
         receives: list[concurrent.futures.Future] = []
 

@@ -38,6 +38,7 @@ from ems.job_records import JobKind, Stage
 from ems.jobs import FENCE_GRACE_S, plan_chunks
 from ems.planning import BlockPlan, plan_blocks
 from ems.requests import Operation, bind_request
+from ems.transport.shm_client import ShmMode
 from ems.transport.ucx import UcxNode
 from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
 
@@ -81,7 +82,9 @@ def connect(request):
     made: list = []
 
     def make(*addresses: str, replicas: int = 1):
-        clients = [UcxNode(a, connect_timeout_ms=2000) for a in addresses]
+        # as nodes on another host (no shared memory): a load staged in a same-host region is one chunk
+        # (tests/ems/test_shm_staging.py), and these tests are about many chunks
+        clients = [UcxNode(a, connect_timeout_ms=2000, shm=ShmMode.OFF) for a in addresses]
         if replicas == 1:
             cc = direct_cc(clients, model_id=request.node.name[:60])
         else:

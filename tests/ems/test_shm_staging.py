@@ -24,6 +24,7 @@ from ems_testlib import (
 )
 
 from ems import CcKvOption, CcResult, EmsException
+from ems.job_records import JobKind, Stage
 from ems.staging import StagingPool
 from ems.transport.ucx import UcxNode
 
@@ -93,6 +94,8 @@ def test_saves_and_loads_stage_in_the_region(client, leases, monkeypatch, chunk)
     first = len(leases)
     _round_trip(cc, cache, slots, hashes[::-1], offsets)
     assert leases[first:] and all(lease.shared is not None for lease in leases[first:])
+    # a load staged in the region is one chunk whatever EMS_CHUNK_BYTES (the node only copies: nothing to overlap)
+    assert cc.jobs.last(JobKind.LOAD).stages[Stage.RECEIVE].runs == 1
     region = ucx.shm._region
     assert region is not None and not region.allocator.poisoned and region.allocator.used == 0
     assert cc._staging.leased_bytes == 0
