@@ -351,14 +351,20 @@ def run(spec: dict) -> dict:
             continue
         results = []
         for i in indexes:  # one request at a time: TTFT and num_cached_tokens per prompt
+            loads_before = job_totals().get("load", {})
             start = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            loads_after = job_totals().get("load", {})
             results.append(
                 {
                     "prompt": i,
                     "tokens": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens,
-                    "seconds": time.perf_counter() - start,
+                    "seconds": seconds,
+                    # this request's load jobs (the connector's, in this process): bytes and seconds
+                    "load_bytes": loads_after.get("nbytes", 0) - loads_before.get("nbytes", 0),
+                    "load_seconds": loads_after.get("seconds", 0.0) - loads_before.get("seconds", 0.0),
                 }
             )
         out_rounds.append(results)
