@@ -37,7 +37,7 @@ import ems.transport.ucx_config  # noqa: F401 - UCX environment before ucxx load
 from ems import CcConfig, ContextCaching, EmsConfig
 from ems.config import resolve_settings
 from ems.demo import Engine
-from ems.jobs import JobKind, stage_table
+from ems.job_records import JobKind, stage_table
 from ems.mooncake_pool import MooncakePool
 from ems.pool_client import PoolClient
 from ems.transport.ucx import UcxNode

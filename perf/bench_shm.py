@@ -56,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from ems import CcConfig, Ems, EmsConfig
     from ems.demo import Engine
-    from ems.jobs import JobKind, stage_table
+    from ems.job_records import JobKind, stage_table
 
     blocks = args.blocks
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header
