@@ -95,6 +95,7 @@ class _PieceLayout:
     g: int  # gcd of every plane offset and stride (one_span): the table's row stride
     unit: int  # gcd of g, the lowest address and every plane's row bytes and token offset: divides every span
     tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
+    np_tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # the same tables as numpy arrays
     # one_span with one block and slot stride for every plane (what `_move_one_piece` needs, in table rows):
     # plane p's slot s is row first_rows[p] + (s // block_size) * block_rows + (s % block_size) * slot_rows
     first_rows: np.ndarray | None = None  # int64 [P]
@@ -242,6 +243,14 @@ def _one_span_rows(planes: PlaneSet, lay: _PieceLayout, length: int, width: int)
     return rows
 
 
+def _one_span_rows_np(planes: PlaneSet, lay: _PieceLayout, length: int, width: int) -> np.ndarray:
+    """`_one_span_rows` as a numpy array (cached beside it)."""
+    rows = lay.np_tables.get((length, width))
+    if rows is None:
+        rows = lay.np_tables[(length, width)] = _one_span_rows(planes, lay, length, width).numpy()
+    return rows
+
+
 def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torch.Tensor, gather: bool) -> int:
     """One piece (a one-block value) of every plane: P spans, the staging ones back to back at a constant step
     (plane-major value): one op. This is the per-call cost of a small save or load, so it is kept to Python ints,
@@ -253,19 +262,28 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
     first = base + index * row
     common = math.gcd(lay.unit, base, length, flat.data_ptr())
     width = min(common & -common, 8)  # the widest int (up to 8 bytes) dividing every address and length
-    rows = _one_span_rows(planes, lay, length, width)
-    # numpy for the index and the staged view: in a whole save call a torch op's dispatch costs several µs more
+    # numpy only (the row indices, the staged view, the copy): in a whole save call a torch op's dispatch costs
+    # several µs more, and a torch call may give the GIL away
     first_rows = lay.first_rows
     if first_rows is not None:
         index_rows = first_rows + (blk * lay.block_rows + within * lay.slot_rows)
     else:
         index_rows = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
-    units, step = length // width, tokens * row // width
-    staged = np.ndarray((planes.num_planes, units), _NP_INT_OF_WIDTH[width], flat.numpy(), first, (step * width, width))
-    if gather:
-        _select_or_place(rows, index_rows, torch.from_numpy(staged), gather)
-    else:  # numpy views only: a torch call may give the GIL away
-        _place_rows_keeping_gil(_void_rows(rows.numpy()), index_rows, _void_rows(staged))
+    step = tokens * row
+    planes_bytes = flat.numpy()[first : first + (planes.num_planes - 1) * step + length]
+    if step == length:  # the value's planes back to back (a whole value): a reshape, not a strided view
+        staged = planes_bytes.view(_NP_INT_OF_WIDTH[width]).reshape(planes.num_planes, length // width)
+    else:
+        staged = np.lib.stride_tricks.as_strided(
+            planes_bytes.view(_NP_INT_OF_WIDTH[width]), (planes.num_planes, length // width), (step, width)
+        )
+    rows = _one_span_rows_np(planes, lay, length, width)
+    if gather and staged.nbytes < _NUMPY_GATHER_BELOW:
+        staged[...] = rows[index_rows]  # a small gather: numpy's indexing, below its GIL threshold
+    elif gather:
+        _select_or_place(_one_span_rows(planes, lay, length, width), index_rows, torch.from_numpy(staged), gather)
+    else:
+        _place_rows_keeping_gil(_void_rows(rows), index_rows, _void_rows(staged))
     return 1
 
 
