@@ -38,6 +38,7 @@ import numpy as np
 from ems.buffers import Buffer
 from ems.transport import protocol
 from ems.transport.node_budget import ByteBudget, NodeLimits
+from ems.transport.scratch import ScratchBuffers
 from ems.transport.shm import ShmSettings, metric_name
 from ems.transport.shm_server import ShmService
 
@@ -50,6 +51,7 @@ log = logging.getLogger("ems.pool")
 # costs more than checksumming a few MiB (XXH3 ~50 us per MiB here, the hop 100-300 us on 2 busy cores), so only
 # requests that would hold the loop for longer than ~0.2 ms go there.
 OFFLOAD_BYTES = 4 << 20
+SEND_SCRATCH_BYTES = 64 << 20  # kept for a GET's packed segments (on top of the in-flight budget)
 _PING, _PUT, _GET, _EXISTS = int(protocol.Op.PING), int(protocol.Op.PUT), int(protocol.Op.GET), int(protocol.Op.EXISTS)
 _SHM_OPS = frozenset((int(protocol.Op.SHM_OPEN), int(protocol.Op.SHM_PUT), int(protocol.Op.SHM_GET)))
 _MISS = struct.pack("<q", -1)
@@ -142,6 +144,7 @@ class NodeHandlers:
         self.limits = limits
         self.metrics = metrics
         self.budget = ByteBudget(limits.inflight_bytes)
+        self.send_scratch = ScratchBuffers(SEND_SCRATCH_BYTES)  # a GET's packed segments (transport/scratch.py)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
         self.shm = ShmService(shm or ShmSettings(region_bytes=0), self)  # same-host shared memory; off by default
         self._may_block = getattr(store, "may_block", None)  # a store with a disk tier (looked up once)
@@ -330,13 +333,15 @@ class NodeHandlers:
             plan = protocol.segment_plan(present_lens)
             offsets, sizes = protocol.segment_bounds(present_lens, plan)
             frames: list = []
+            packed: list[np.ndarray] = []
             counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
             # one frame per segment: a lone value is sent from the store itself, packed small values are copied once
             for seg, n in enumerate(counts.tolist()):
                 if n == 1 and int(sizes[seg]) >= protocol.SEGMENT_BYTES:
                     frames.append(values[int(present[np.searchsorted(plan, seg)])])
                     continue
-                buf = np.empty(int(sizes[seg]), dtype=np.uint8)
+                buf = self.send_scratch.take(int(sizes[seg]))  # reused: a fresh buffer faults in page by page
+                packed.append(buf)
                 first = int(np.searchsorted(plan, seg))
                 for j in range(first, first + n):
                     value = cast(Buffer, values[int(present[j])])  # present: the store found it
@@ -347,6 +352,7 @@ class NodeHandlers:
             del values
             meta = lens.astype("<i8").tobytes()
             await channel.reply(_GET, count=len(keys), meta=meta, data=frames, data_len=total)
+            self.send_scratch.give(packed)  # sent: only now (a reply that failed may still be read by UCX)
         finally:
             self.budget.release(total)
         return total

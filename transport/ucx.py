@@ -39,6 +39,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import NodeClient, TransportError
+from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
 from ems.transport.ucx_direct import Connection, DirectRuntime, Exchange, WaitTimeout, connect, futures_context
@@ -400,6 +401,7 @@ def _get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview]
     )
     segments: list = []
     receiving: list[memoryview] = []
+    scratch: list[np.ndarray] = []  # reusable receive buffers, given back once their values are copied out
     seg_start = 0
     counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
     first = np.cumsum(counts) - counts
@@ -411,9 +413,13 @@ def _get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview]
             segments.append(target)  # received in place
             receiving.append(target)
         else:
-            buf = memoryview(np.empty(size, dtype=np.uint8))
+            # a packed segment (values copied out below) in a reused buffer: a fresh one faults in page by page
+            array = RECEIVE_SCRATCH.take(size) if outs is not None else np.empty(size, dtype=np.uint8)
+            buf = memoryview(array)
             segments.append(buf)
             receiving.append(buf)
+            if outs is not None:
+                scratch.append(array)
         seg_start += size
     if receiving:
         # every segment's receive posted at once: the transfer wakes this thread once, when it ends
@@ -431,6 +437,7 @@ def _get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview]
         if segments[seg] is not outs[i]:
             outs[i][:] = segments[seg][off : off + n]
         placed[i] = True
+    RECEIVE_SCRATCH.give(scratch)  # only here: after a failure UCX may still write into them (kept with the request)
     return placed
 
 
