@@ -50,10 +50,12 @@ class TierStats:
 class TieredStore:
     """DRAM in front of a local disk; see the module docstring."""
 
-    def __init__(self, capacity_bytes: int, disk: DiskTier, min_read_bytes: int = MIN_READ_BYTES) -> None:
+    def __init__(
+        self, capacity_bytes: int, disk: DiskTier, min_read_bytes: int = MIN_READ_BYTES, prefault_ahead: int = 0
+    ) -> None:
         self.disk = disk
         self._read_limit = max(capacity_bytes, min_read_bytes)
-        self.dram = KvStore(capacity_bytes, on_evict=disk.submit)
+        self.dram = KvStore(capacity_bytes, on_evict=disk.submit, prefault_ahead=prefault_ahead)
         self._put_lock = threading.Lock()
         self._disk_hits = 0
 
