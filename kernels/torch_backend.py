@@ -159,7 +159,8 @@ def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
     assignment of whole rows, kept to ops that hold the GIL (`_place_rows_keeping_gil`; faster than torch's
     `index_copy_` too); torch's `index_select` is the faster large gather (than numpy's), numpy's indexing the
     cheaper small one (per call, below `_NUMPY_GATHER_BELOW`). Figures: perf/RESULTS.md, "Figures behind design
-    choices", "The embedded call's fixed cost" and "A load beside a busy Python thread: copies that keep the GIL"."""
+    choices", "The embedded call's fixed cost", "Which ops give the GIL away" and "A load beside a busy Python
+    thread, and the first load after start-up"."""
     if gather and table.device.type == "cpu" and staged.numel() * staged.element_size() < _NUMPY_GATHER_BELOW:
         staged.numpy()[...] = table.numpy()[idx]  # a small gather: numpy's indexing costs less per call
     elif gather:
