@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ems.kernels.raw_memory import host_array
+
 
 class KernelBackend(str, enum.Enum):
     """Which implementation moves the bytes (`EMS_KERNEL_BACKEND`)."""
@@ -216,7 +218,7 @@ def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, what
     if isinstance(pieces, np.ndarray):  # the planner's own tables (no round trip through torch)
         table = pieces if pieces.dtype == np.int64 else pieces.astype(np.int64)
     elif pieces.dtype == torch.int64 and pieces.device.type == "cpu" and not pieces.requires_grad:
-        table = pieces.numpy()
+        table = host_array(pieces)  # not .numpy(): it gives the GIL away
     else:
         table = pieces.detach().to("cpu", torch.int64).numpy()
     if table.ndim != 2 or table.shape[0] != 5:

@@ -1,7 +1,11 @@
-"""Views of raw device address ranges as uint8 tensors (V0 `KvBufferWrapper` ranges).
+"""Views of raw device address ranges as uint8 tensors (V0 `KvBufferWrapper` ranges), and CPU tensors as numpy
+arrays without `Tensor.numpy()`.
 
 The caller vouches for the range: it must be `nbytes` bytes of live memory on `device` for as long as the view is
-used. CPU ranges are plain host memory; CUDA ranges go through `__cuda_array_interface__`.
+used. CPU ranges are plain host memory; CUDA ranges go through `__cuda_array_interface__`. `host_array(t)` is the
+memory of the CPU tensor `t` (which the caller keeps alive while the array is used) as a numpy array of its shape
+and strides: `Tensor.numpy()` gives the GIL away, which beside a busy Python thread may cost a switch interval
+(perf/RESULTS.md, "Which ops give the GIL away").
 """
 
 from __future__ import annotations
@@ -28,8 +32,27 @@ class _HostRange:
 
     __slots__ = ("__array_interface__",)
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+    def __init__(self, ptr: int, nbytes: int, typestr: str = "|u1", shape: tuple = (), strides: tuple | None = None) -> None:
+        self.__array_interface__ = {
+            "shape": shape or (nbytes,),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": strides,
+            "version": 3,
+        }
+
+
+_TYPESTR = {torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """The CPU tensor's memory as a numpy array of its shape and strides (byte and int dtypes); see the docstring."""
+    typestr = _TYPESTR.get(tensor.dtype)
+    if typestr is None or tensor.device.type != "cpu":
+        raise ValueError(f"host_array takes a CPU tensor of a byte or int dtype, got {tensor.dtype} on {tensor.device}")
+    size = tensor.element_size()
+    strides = tuple(s * size for s in tensor.stride())
+    return np.asarray(_HostRange(tensor.data_ptr(), 0, typestr, tuple(tensor.shape), strides))
 
 
 def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:

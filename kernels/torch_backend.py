@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
-from ems.kernels.raw_memory import raw_tensor
+from ems.kernels.raw_memory import host_array, raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -147,8 +147,8 @@ def _move_run(
 ) -> None:
     """ONE op: M spans between rows `src_idx` of `table` and the staging spans at `first + k * step` (bytes)."""
     if not gather and table.device.type == "cpu":  # numpy views only: a torch call may give the GIL away
-        staged_rows = np.ndarray((src_idx.size,), np.dtype((np.void, length)), flat.numpy(), first, (step,))
-        _place_rows_keeping_gil(_void_rows(table.numpy()), src_idx, staged_rows)
+        staged_rows = np.ndarray((src_idx.size,), np.dtype((np.void, length)), host_array(flat), first, (step,))
+        _place_rows_keeping_gil(_void_rows(host_array(table)), src_idx, staged_rows)
         return
     staged = _spans_view(flat, first, src_idx.size, length // width, step // width, table.dtype)
     _select_or_place(table, src_idx, staged, gather)
@@ -167,7 +167,7 @@ def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
         index = torch.from_numpy(idx)
         torch.index_select(table, 0, index if table.device.type == "cpu" else index.to(table.device), out=staged)
     elif table.device.type == "cpu":
-        _place_rows_keeping_gil(_void_rows(table.numpy()), idx, _void_rows(staged.numpy()))
+        _place_rows_keeping_gil(_void_rows(host_array(table)), idx, _void_rows(host_array(staged)))
     else:
         table.index_copy_(0, torch.from_numpy(idx).to(table.device, non_blocking=True), staged)
 
@@ -248,7 +248,7 @@ def _one_span_rows_np(planes: PlaneSet, lay: _PieceLayout, length: int, width: i
     """`_one_span_rows` as a numpy array (cached beside it)."""
     rows = lay.np_tables.get((length, width))
     if rows is None:
-        rows = lay.np_tables[(length, width)] = _one_span_rows(planes, lay, length, width).numpy()
+        rows = lay.np_tables[(length, width)] = host_array(_one_span_rows(planes, lay, length, width))
     return rows
 
 
@@ -271,7 +271,7 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
     else:
         index_rows = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
     step = tokens * row
-    planes_bytes = flat.numpy()[first : first + (planes.num_planes - 1) * step + length]
+    planes_bytes = host_array(flat)[first : first + (planes.num_planes - 1) * step + length]
     if step == length:  # the value's planes back to back (a whole value): a reshape, not a strided view
         staged = planes_bytes.view(_NP_INT_OF_WIDTH[width]).reshape(planes.num_planes, length // width)
     else:

@@ -1,6 +1,7 @@
 """The CPU scatter (what every load ends with) keeps the GIL: a copy that gives it away waits up to the interpreter's
 switch interval to get it back beside a busy Python thread (an engine's loop), per op. With a switch interval of
-0.4 s, one such wait is plainly visible against a scatter of a few ms; the bytes are checked against the reference.
+0.4 s, one such wait is plainly visible against a scatter of a few ms (the best of three calls: a lost race for
+the GIL in a tiny call elsewhere must not fail it); the bytes are checked against the reference.
 
 Covers the torch backend's three scatter shapes: one piece (a one-block load), a grid of pieces x planes under
 numpy's 500-element threshold, and a larger one (moved line by line).
@@ -61,11 +62,14 @@ def test_cpu_scatter_never_gives_the_gil_away(layers: int, blocks_moved: int) ->
     backend = TorchBackend()
     backend.scatter_pieces(planes, pieces, src)  # warm: per-layout tables
     fresh = random_tensor([total], torch.uint8, gen)
+    times = []
     with busy_python_thread():
-        time.sleep(0)  # the busy thread runs, then hands the GIL back: this thread starts with a whole interval
-        start = time.perf_counter()
-        backend.scatter_pieces(planes, pieces, fresh)
-        seconds = time.perf_counter() - start
+        for _ in range(3):  # the best of 3: a copy that gives the GIL away loses it nearly every time
+            time.sleep(0)  # the busy thread runs, then hands the GIL back: this thread starts with a whole interval
+            start = time.perf_counter()
+            backend.scatter_pieces(planes, pieces, fresh)
+            times.append(time.perf_counter() - start)
+    seconds = min(times)
     again = torch.empty(total, dtype=torch.uint8)
     backend.gather_pieces(planes, pieces, again)
     assert torch.equal(as_bytes(again[written]), as_bytes(fresh[written]))
