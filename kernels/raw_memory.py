@@ -50,9 +50,12 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     typestr = _TYPESTR.get(tensor.dtype)
     if typestr is None or tensor.device.type != "cpu":
         raise ValueError(f"host_array takes a CPU tensor of a byte or int dtype, got {tensor.dtype} on {tensor.device}")
+    shape = tuple(tensor.shape)
+    if 0 in shape:  # nothing to alias (its address may be 0, which numpy before 2.4 refuses)
+        return np.empty(shape, dtype=np.dtype(typestr))
     size = tensor.element_size()
     strides = tuple(s * size for s in tensor.stride())
-    return np.asarray(_HostRange(tensor.data_ptr(), 0, typestr, tuple(tensor.shape), strides))
+    return np.asarray(_HostRange(tensor.data_ptr(), 0, typestr, shape, strides))
 
 
 def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:

@@ -141,3 +141,20 @@ def test_mismatched_planes_are_refused() -> None:
     b = torch.ones(3, 4, 1, 8, dtype=torch.float16)
     with pytest.raises(ValueError):
         backend.gather_pieces(PlaneSet((a, b)), torch.tensor([[0], [1], [0], [1], [0]]), torch.empty(32, dtype=torch.uint8))
+
+
+def test_host_array_views_a_cpu_tensor_as_numpy_does() -> None:
+    """`host_array` (what the CPU copy path uses instead of `Tensor.numpy()`, which gives the GIL away): the same
+    memory, shape and strides, for strided int views and empty tensors alike (numpy before 2.4 refuses address 0)."""
+    import numpy as np
+
+    from ems.kernels.raw_memory import host_array
+
+    base = torch.arange(96, dtype=torch.int64)
+    for tensor in (base, base.as_strided((5, 4), (16, 1)), base.view(torch.uint8)[8:40], torch.empty(0, dtype=torch.uint8)):
+        view = host_array(tensor)
+        assert view.shape == tuple(tensor.shape) and np.array_equal(view, tensor.numpy())
+        if tensor.numel():
+            assert view.ctypes.data == tensor.data_ptr() and view.strides == tensor.numpy().strides
+    with pytest.raises(ValueError, match="byte or int dtype"):
+        host_array(torch.zeros(3))
