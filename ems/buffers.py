@@ -30,7 +30,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
 # ---- pages of a mapping ----
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_POPULATE_STEP = 32 << 20  # a background populate's step (it checks whether to go on between steps)
+POPULATE_STEP = 32 << 20  # a background populate's step (it checks whether to go on between steps)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
@@ -64,8 +64,8 @@ def populate_in_background(array: Any, nbytes: int, name: str) -> threading.Thre
     address = int(array.ctypes.data)
 
     def run(held: Any = array) -> None:
-        for begin in range(0, end, _POPULATE_STEP):
-            if not populate_pages(address + begin, min(_POPULATE_STEP, end - begin)):
+        for begin in range(0, end, POPULATE_STEP):
+            if not populate_pages(address + begin, min(POPULATE_STEP, end - begin)):
                 return  # an old kernel: the pages fault in on use
         del held
 

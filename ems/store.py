@@ -54,7 +54,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from ems.buffers import Buffer, populate_pages, release_pages
+from ems.buffers import POPULATE_STEP, Buffer, populate_pages, release_pages
 from ems.value_format import VALUE_LEAD, is_well_formed
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
@@ -121,7 +121,7 @@ class _Arena:
                     self._wake.wait()
                 if self._closed:
                     return
-            self._populate(min(self.populated + _POPULATE_STEP, self.size))
+            self._populate(min(self.populated + POPULATE_STEP, self.size))
 
     def close(self) -> None:
         """Stop the background thread (the mapping stays valid for as long as buffers of it are referenced)."""
@@ -152,9 +152,6 @@ class _Arena:
         end = (offset + buffer.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > begin:
             release_pages(self.address + begin, end - begin)
-
-
-_POPULATE_STEP = 32 << 20
 
 
 def _store_made(value: Buffer, arena: _Arena | None = None) -> TypeGuard[np.ndarray]:

@@ -32,9 +32,9 @@ class _HostRange:
 
     __slots__ = ("__array_interface__",)
 
-    def __init__(self, ptr: int, nbytes: int, typestr: str = "|u1", shape: tuple = (), strides: tuple | None = None) -> None:
+    def __init__(self, ptr: int, shape: tuple, typestr: str = "|u1", strides: tuple | None = None) -> None:
         self.__array_interface__ = {
-            "shape": shape or (nbytes,),
+            "shape": shape,
             "typestr": typestr,
             "data": (ptr, False),
             "strides": strides,
@@ -55,13 +55,13 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
         return np.empty(shape, dtype=np.dtype(typestr))
     size = tensor.element_size()
     strides = tuple(s * size for s in tensor.stride())
-    return np.asarray(_HostRange(tensor.data_ptr(), 0, typestr, shape, strides))
+    return np.asarray(_HostRange(tensor.data_ptr(), shape, typestr, strides))
 
 
 def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 `[nbytes]` tensor aliasing `nbytes` bytes at address `ptr` on `device` (no copy)."""
     if device.type == "cpu":
-        return torch.from_numpy(np.asarray(_HostRange(ptr, nbytes)))
+        return torch.from_numpy(np.asarray(_HostRange(ptr, (nbytes,))))
     if device.type == "cuda":
         with torch.cuda.device(device):
             return torch.as_tensor(_CudaRange(ptr, nbytes), device=device)

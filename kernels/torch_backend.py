@@ -162,7 +162,7 @@ def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
     choices", "The embedded call's fixed cost", "Which ops give the GIL away" and "A load beside a busy Python
     thread, and the first load after start-up"."""
     if gather and table.device.type == "cpu" and staged.numel() * staged.element_size() < _NUMPY_GATHER_BELOW:
-        staged.numpy()[...] = table.numpy()[idx]  # a small gather: numpy's indexing costs less per call
+        host_array(staged)[...] = host_array(table)[idx]  # a small gather: numpy's indexing costs less per call
     elif gather:
         index = torch.from_numpy(idx)
         torch.index_select(table, 0, index if table.device.type == "cpu" else index.to(table.device), out=staged)
