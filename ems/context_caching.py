@@ -202,7 +202,7 @@ class ContextCaching:
             outcome = job.finish()
             successes = consecutive_prefix(outcome.results)
             self._raise_if_unreachable(outcome, successes)
-            self._job_done(record.finish(successes, plan.total, int(plan.expected.payload_len.sum())))
+            self._job_done(record.finish(successes, plan.total, plan.expected.payload_bytes()))
             return CcResult(successes, plan.total)
 
         return finish, job.abandon
@@ -268,7 +268,7 @@ class ContextCaching:
         )
         hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
-        self._job_done(record.finish(hits, plan.total, int(plan.expected.payload_len[:hits].sum())))
+        self._job_done(record.finish(hits, plan.total, plan.expected.payload_bytes(0, hits)))
         return CcResult(hits, plan.total)
 
     def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device, JobRecord]:

@@ -39,7 +39,6 @@ miss, and gives back every buffer and lease on every path.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import threading
 import time
@@ -55,7 +54,7 @@ from ems.devices import side_stream
 from ems.errors import EmsErrorCode
 from ems.job_records import JobRecord, Stage
 from ems.kernels import CopyBackend
-from ems.kernels.raw_memory import raw_tensor
+from ems.kernels.raw_memory import address_of, raw_tensor
 from ems.planning import BlockPlan, Plan, RawPlan, encode_range
 from ems.pool_backend import PoolBackend, PoolOutcome
 from ems.staging import StagingLease, StagingPool
@@ -156,21 +155,13 @@ def fence(futures: list[concurrent.futures.Future], deadline: Deadline) -> bool:
     return True
 
 
-def readable_tensor(value: Buffer) -> torch.Tensor:
-    """A uint8 tensor over a stored value's bytes, for reading (a scatter never writes its source). No copy for the
-    store's own buffers (a read-only view of a numpy array); a copy for anything torch cannot view."""
+def stored_array(value: Buffer) -> np.ndarray:
+    """A uint8 numpy array over a stored value's bytes, for reading (a scatter never writes its source; the copy
+    backends take it as it is or view it): no copy."""
     owner = value.obj if isinstance(value, memoryview) else value
-    if (
-        isinstance(owner, np.ndarray)
-        and owner.dtype == np.uint8
-        and owner.ndim == 1
-        and owner.nbytes == len(value)
-        and owner.flags.writeable
-    ):
-        return torch.from_numpy(owner)
-    if isinstance(owner, bytearray) and len(owner) == len(value):
-        return torch.frombuffer(owner, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+    if isinstance(owner, np.ndarray) and owner.dtype == np.uint8 and owner.ndim == 1 and owner.nbytes == len(value):
+        return owner
+    return np.frombuffer(value, dtype=np.uint8)
 
 
 def buffer_addresses(values: list[Any]) -> np.ndarray:
@@ -178,11 +169,10 @@ def buffer_addresses(values: list[Any]) -> np.ndarray:
     addresses = []
     for value in values:
         owner = value.obj if isinstance(value, memoryview) else value
-        if isinstance(owner, np.ndarray) and owner.nbytes == len(value) and owner.nbytes and owner.flags.writeable:
-            # a ctypes view of a writable buffer: about 3x cheaper than `ndarray.ctypes.data` (once per value)
-            addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(owner)))
+        if isinstance(owner, np.ndarray) and owner.nbytes == len(value):
+            addresses.append(address_of(owner))
         else:
-            addresses.append(np.frombuffer(value, dtype=np.uint8).ctypes.data)
+            addresses.append(address_of(np.frombuffer(value, dtype=np.uint8)))
     return np.array(addresses, dtype=np.int64)
 
 
@@ -239,7 +229,7 @@ class EmbeddedSave:
     def _begin(self) -> None:
         plan, store, record = self.plan, self.store, self.record
         # Python ints: for the few values of a typical call they cost less than numpy's per-call overhead
-        sizes = (plan.expected.payload_len + HEADER_SIZE).tolist()
+        sizes = [length + HEADER_SIZE for length in plan.expected.payload_len.tolist()]
         capacity = store.capacity_bytes
         charges = [len(key) + size + ENTRY_OVERHEAD for key, size in zip(plan.keys, sizes)]
         count = next((i for i, charge in enumerate(charges) if charge > capacity), plan.total)  # too big, and after: refused
@@ -256,7 +246,7 @@ class EmbeddedSave:
                 plan.gather_into(self.backend, span[0], span[1], count)
             else:  # one value (its own buffer), V0 raw ranges (one copy each anyway), or buffers too far apart
                 for i, buffer in enumerate(buffers):
-                    plan.gather_value(self.backend, i, torch.from_numpy(buffer))
+                    plan.gather_value(self.backend, i, buffer)
         with record.stage(Stage.ENCODE, payload):
             write_headers(buffers, plan)
 
@@ -336,7 +326,7 @@ class PipelinedSave:
         for a, b in self._chunks:
             lo, hi = int(plan.value_start[a]), int(plan.value_start[b])
             with side_stream(self.device):  # waits for the chunk's device work at the end
-                with record.stage(Stage.GATHER, int(plan.expected.payload_len[a:b].sum())):
+                with record.stage(Stage.GATHER, plan.expected.payload_bytes(a, b)):
                     plan.gather_range(self.backend, lease.device, a, b)
                 if lease.host is not lease.device:
                     with record.stage(Stage.COPY, hi - lo):
@@ -357,7 +347,7 @@ class PipelinedSave:
         try:
             start = time.perf_counter()
             values = encode_range(plan, host, a, b)
-            record.add(Stage.ENCODE, int(plan.expected.payload_len[a:b].sum()), time.perf_counter() - start)
+            record.add(Stage.ENCODE, plan.expected.payload_bytes(a, b), time.perf_counter() - start)
             if ahead is not None:
                 concurrent.futures.wait([ahead], timeout=self._deadline.left())
             if self._stop.is_set() or self._deadline.expired():
@@ -412,11 +402,11 @@ class EmbeddedLoad:
             values = self.store.get_many(plan.keys)  # the stored buffers themselves (read-only views)
         outcome = PoolOutcome(values, nodes_contacted=1)
         present = next((i for i, value in enumerate(values) if value is None), len(values))
-        with record.stage(Stage.VERIFY, int(plan.expected.payload_len[:present].sum())):
+        with record.stage(Stage.VERIFY, plan.expected.payload_bytes(0, present)):
             hits = valid_prefix(values[:present], plan.expected)
         if not hits:
             return 0, outcome
-        with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
+        with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
             span = None
             if isinstance(plan, BlockPlan) and hits > 1:
                 span = span_of(buffer_addresses(values[:hits]), plan.expected.payload_len[:hits] + HEADER_SIZE)
@@ -424,7 +414,7 @@ class EmbeddedLoad:
                 plan.scatter_from(self.backend, span[0], span[1], hits)
             else:  # one value, V0 raw ranges, or stored values too far apart to view as one
                 for i in range(hits):
-                    plan.scatter_value(self.backend, i, readable_tensor(cast(Buffer, values[i])))  # i < hits: present
+                    plan.scatter_value(self.backend, i, stored_array(cast(Buffer, values[i])))  # i < hits: present
         return hits, outcome
 
 
@@ -493,7 +483,7 @@ class PipelinedLoad:
                         if lease.host is not lease.device:
                             with record.stage(Stage.COPY, hi - lo):
                                 lease.device[lo:hi].copy_(lease.host[lo:hi], non_blocking=True)
-                        with record.stage(Stage.SCATTER, int(plan.expected.payload_len[a : a + valid].sum())):
+                        with record.stage(Stage.SCATTER, plan.expected.payload_bytes(a, a + valid)):
                             plan.scatter_range(self.backend, lease.device, a, a + valid)
                     hits = a + valid
                 if valid < b - a:
@@ -518,10 +508,10 @@ class PipelinedLoad:
         outcome = self.pool.get_into(plan.route_keys[a:b], plan.keys[a:b], outs, self.option, expected, deadline)
         received = time.perf_counter()
         placed = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
-        record.add(Stage.RECEIVE, int(expected.payload_len[:placed].sum()) + HEADER_SIZE * placed, received - start)
+        record.add(Stage.RECEIVE, expected.payload_bytes(0, placed) + HEADER_SIZE * placed, received - start)
         # a pool that verified each value it placed (replicas: to fall back on damage) needs no second check
         valid = placed if outcome.verified else valid_prefix(outs[:placed], expected)
-        record.add(Stage.VERIFY, int(expected.payload_len[:placed].sum()), time.perf_counter() - received)
+        record.add(Stage.VERIFY, expected.payload_bytes(0, placed), time.perf_counter() - received)
         return outcome, valid
 
 
@@ -550,7 +540,7 @@ class StagedLoad:
         record = self.record
         with record.stage(Stage.RECEIVE):
             outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
-        with record.stage(Stage.VERIFY, int(plan.expected.payload_len.sum())):
+        with record.stage(Stage.VERIFY, plan.expected.payload_bytes()):
             if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
                 hits = next((i for i, v in enumerate(outcome.results) if v is None), len(outcome.results))
             else:
@@ -565,7 +555,7 @@ class StagedLoad:
                     with side_stream(self.device):
                         if lease.host is not lease.device:
                             lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
-                with record.stage(Stage.SCATTER, int(plan.expected.payload_len[:hits].sum())):
+                with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
                     with side_stream(self.device):
                         plan.scatter_range(self.backend, lease.device, 0, hits)
             finally:

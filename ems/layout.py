@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -65,6 +66,12 @@ class RegisteredLayout:
     @functools.cached_property
     def min_num_slots(self) -> int:
         return min(g.planes.num_slots for g in self.groups)
+
+    @functools.cached_property
+    def one_run_plans(self) -> dict[tuple[int, int], Any]:
+        """`ems.planning`'s cache for this layout: (first slot, tokens) of a one-value request → its plan's shape
+        and pieces (they name this layout's planes, so they live and die with it)."""
+        return {}
 
 
 def _check_tensor(name: str, tensor: object) -> torch.Tensor:

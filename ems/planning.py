@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
-from ems.kernels.base import CopyBackend
+from ems.kernels.base import CopyBackend, Staging, tensor_over
 from ems.kernels.plan import value_pieces
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
@@ -147,14 +147,15 @@ class BlockPlan:
                 move = backend.gather_pieces if gather else backend.scatter_pieces
                 move(region.group.planes, region.absolute(value_start, a, b), staging)
 
-    def gather_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
-        """Value i's payload straight into `value` (uint8, the whole value: header space first)."""
+    def gather_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
+        """Value i's payload straight into `value` (uint8, the whole value: header space first; a tensor, or a numpy
+        array for CPU planes)."""
         for region in self.regions:
             if region.piece_start[i + 1] > region.piece_start[i]:
                 backend.gather_pieces(region.group.planes, region.of_value(i), value)
 
-    def scatter_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
-        """Value i's rows into the cache straight from the stored value (uint8, verified)."""
+    def scatter_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
+        """Value i's rows into the cache straight from the stored value (uint8, verified; may be read-only)."""
         for region in self.regions:
             if region.piece_start[i + 1] > region.piece_start[i]:
                 backend.scatter_pieces(region.group.planes, region.of_value(i), value)
@@ -195,15 +196,15 @@ class RawPlan:
         a, b = int(r.seg_start[i]), int(r.seg_start[i + 1])
         return torch.from_numpy(r.ptrs[a:b]), torch.from_numpy(r.lengths[a:b])
 
-    def gather_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
+    def gather_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
         ptrs, lengths = self._segments(i)
         if ptrs.numel():
-            backend.gather_segments(ptrs, lengths, value[HEADER_SIZE:])
+            backend.gather_segments(ptrs, lengths, _as_tensor(value)[HEADER_SIZE:])
 
-    def scatter_value(self, backend: CopyBackend, i: int, value: torch.Tensor) -> None:
+    def scatter_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
         ptrs, lengths = self._segments(i)
         if ptrs.numel():
-            backend.scatter_segments(ptrs, lengths, value[HEADER_SIZE:])
+            backend.scatter_segments(ptrs, lengths, _as_tensor(value)[HEADER_SIZE:])
 
     def fill_from_values(self, host: np.ndarray, values: Sequence[Buffer], blocks: int) -> None:
         starts = self.value_start.tolist()
@@ -229,6 +230,11 @@ class RawPlan:
 
 
 Plan = BlockPlan | RawPlan
+
+
+def _as_tensor(value: Staging) -> torch.Tensor:
+    """Segments move between tensors (raw V0 ranges have no numpy path)."""
+    return tensor_over(value) if isinstance(value, np.ndarray) else value
 
 
 def encode_range(plan: Plan, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
@@ -283,8 +289,44 @@ _ONE_PIECE_START = np.arange(2, dtype=np.int64)  # a one-value request of one pi
 _ONE_PIECE_START.flags.writeable = False
 
 
+_MAX_ONE_RUN_PLANS = 4096  # per layout: a bounded cache (an engine's blocks times a few token counts)
+
+
 def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
     keys, route_keys = v1_keys(namespace, request.hashes)
+    one_run = _one_run(request)
+    if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
+        cached = layout.one_run_plans.get(one_run)
+        if cached is None:
+            cached = _shape_and_regions(request, layout)
+            if len(layout.one_run_plans) >= _MAX_ONE_RUN_PLANS:
+                layout.one_run_plans.clear()
+            layout.one_run_plans[one_run] = cached
+        shape, regions = cached
+    else:
+        shape, regions = _shape_and_regions(request, layout)
+    expected = ExpectedValues(
+        kind=ValueKind.BLOCKS_V1,
+        layout_sig=layout.signature,
+        tokens_digest=shape.tokens_digest,
+        payload_len=shape.payload_len,
+    )
+    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
+
+
+def _one_run(request: SlotRequest | ChunkRequest) -> tuple[int, int] | None:
+    """(first slot, tokens) of a one-value slot_mapping request whose slots are consecutive (a small call: the
+    engine saves or loads one block), else None."""
+    if not isinstance(request, SlotRequest) or request.total != 1:
+        return None
+    slots = request.slots.tolist()
+    first = slots[0]
+    return (first, len(slots)) if slots == list(range(first, first + len(slots))) else None
+
+
+def _shape_and_regions(request: SlotRequest | ChunkRequest, layout: RegisteredLayout) -> tuple[_RequestShape, list[GroupRegion]]:
+    """What a plan derives from the request's slots and token counts (not its keys): its shape and, per layer
+    group, its pieces (read-only: shared by the plans of a cached run)."""
     n = request.total
     groups = layout.groups
     if isinstance(request, SlotRequest):
@@ -301,14 +343,9 @@ def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, n
             if n == 1 and value.size == 1
             else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64)
         )
+        table.flags.writeable = False
         regions.append(GroupRegion(group, table, piece_start, value))
-    expected = ExpectedValues(
-        kind=ValueKind.BLOCKS_V1,
-        layout_sig=layout.signature,
-        tokens_digest=shape.tokens_digest,
-        payload_len=shape.payload_len,
-    )
-    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
+    return shape, regions
 
 
 def plan_raw(request: RawRequest, namespace: bytes) -> RawPlan:

@@ -23,6 +23,7 @@ import torch
 
 from ems.errors import invalid_argument
 from ems.kernels.plan import runs_to_slots
+from ems.kernels.raw_memory import host_array
 from ems.layout import RegisteredLayout
 from ems.types import (
     DEFAULT_OPTION,
@@ -118,12 +119,20 @@ def _option(value: object, required: bool) -> CcKvOption:
     return value
 
 
+_HOST_VIEWABLE = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))  # what host_array views
 _PLAIN_INT = {int}  # the item types of a list taken without numpy's type inference (bool is not int here)
 
 
 def int_array(name: str, value: object) -> np.ndarray:
     """An int64 numpy copy of a list/tuple/ndarray/tensor of integers; floats, bools and strings are refused."""
     if isinstance(value, torch.Tensor):
+        if value.dtype in _HOST_VIEWABLE and value.device.type == "cpu":
+            # through a view of the caller's memory, copied: `.numpy()` costs several µs per small call and gives the
+            # GIL away (perf/RESULTS.md, "Which ops give the GIL away"); these dtypes all fit int64
+            array = host_array(value)
+            if array.ndim != 1:
+                raise invalid_argument(f"{name} must be a flat list of ints, got shape {array.shape}")
+            return array.astype(np.int64)
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise invalid_argument(f"{name} must hold integers, got a {value.dtype} tensor")
         array = value.detach().to("cpu").numpy()

@@ -58,6 +58,7 @@ HEADER_SIZE = HEADER_DTYPE.itemsize  # 40
 VALUE_LEAD = (-HEADER_SIZE) % 64
 header_struct = struct.Struct("<IHHQQQQ")  # the same fields, for a few headers at a time (or one by one)
 _FEW = 4
+_SUM_IN_PYTHON_UP_TO = 64  # values: ExpectedValues.payload_bytes
 
 
 class ValueKind(enum.IntEnum):
@@ -126,6 +127,12 @@ class ExpectedValues:
     layout_sig: int
     tokens_digest: np.ndarray  # u64 [n]
     payload_len: np.ndarray  # int64 [n]
+
+    def payload_bytes(self, a: int = 0, b: int | None = None) -> int:
+        """The payload bytes of values a..b-1 (b None: to the end). Python's sum for a few values (numpy's per-call
+        overhead is the larger cost there: a small call reads this several times)."""
+        lengths = self.payload_len[a:b]
+        return sum(lengths.tolist()) if lengths.size <= _SUM_IN_PYTHON_UP_TO else int(lengths.sum())
 
     def range(self, a: int, b: int) -> ExpectedValues:
         """Values a..b-1 (value 0 of the result is value a of this)."""

@@ -30,11 +30,12 @@ import abc
 import enum
 import functools
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
 
-from ems.kernels.raw_memory import host_array
+from ems.kernels.raw_memory import host_array, raw_tensor
 
 
 class KernelBackend(str, enum.Enum):
@@ -169,6 +170,9 @@ class PlaneSet:
 
 # a piece table: int64 `[5, N]` on the host (see `CopyBackend.gather_pieces`)
 PieceTable = np.ndarray | torch.Tensor
+# value-major staging: a contiguous tensor on the planes' device, or (CPU planes) a contiguous numpy array, e.g. the
+# embedded store's own buffer (no round trip through torch for a small call's one value)
+Staging = torch.Tensor | np.ndarray
 
 
 class CopyBackend(abc.ABC):
@@ -195,26 +199,68 @@ class CopyBackend(abc.ABC):
     def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, gather: bool) -> None:
         """gather: plane rows of every piece into value-major staging; otherwise the inverse (see the docstring)."""
 
-    def gather_pieces(self, planes: PlaneSet, pieces: PieceTable, out: torch.Tensor) -> None:
-        """Copy every piece (int64 `[5, N]` on the host, a numpy array or a CPU tensor: start slot, count, base,
-        value tokens, index in value) of every plane into value-major staging `out` (contiguous, any dtype); bytes
-        no piece names are left unchanged."""
-        self._pieces(planes, pieces, out, gather=True)
+    def _host_pieces(self, planes: PlaneSet, pieces: PieceTable, stage: np.ndarray, gather: bool) -> None:
+        """`_pieces` with numpy staging (CPU planes): through a tensor over it, unless a backend moves numpy itself."""
+        self._pieces(planes, pieces, tensor_over(stage), gather)
 
-    def scatter_pieces(self, planes: PlaneSet, pieces: PieceTable, src: torch.Tensor) -> None:
-        """The inverse of `gather_pieces`: writes exactly the rows the pieces name, nothing else."""
-        self._pieces(planes, pieces, src, gather=False)
+    def gather_pieces(self, planes: PlaneSet, pieces: PieceTable, out: Staging) -> None:
+        """Copy every piece (int64 `[5, N]` on the host, a numpy array or a CPU tensor: start slot, count, base,
+        value tokens, index in value) of every plane into value-major staging `out` (contiguous, any dtype: a
+        tensor, or for CPU planes a numpy array); bytes no piece names are left unchanged."""
+        if isinstance(out, np.ndarray):
+            self._host_pieces(planes, pieces, out, gather=True)
+        else:
+            self._pieces(planes, pieces, out, gather=True)
+
+    def scatter_pieces(self, planes: PlaneSet, pieces: PieceTable, src: Staging) -> None:
+        """The inverse of `gather_pieces`: writes exactly the rows the pieces name, nothing else (`src` may be a
+        read-only numpy array)."""
+        if isinstance(src, np.ndarray):
+            self._host_pieces(planes, pieces, src, gather=False)
+        else:
+            self._pieces(planes, pieces, src, gather=False)
 
     def describe(self) -> str:
         return self.name
 
 
-def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, what: str) -> tuple[np.ndarray, torch.Tensor]:
+def tensor_over(array: np.ndarray) -> torch.Tensor:
+    """A tensor over a contiguous numpy array's memory (read-only arrays too: a scatter never writes its source)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("staging must be contiguous")
+    flat = array.reshape(-1).view(np.uint8)
+    if flat.flags.writeable:
+        return torch.from_numpy(flat)
+    return raw_tensor(flat.ctypes.data, flat.nbytes, torch.device("cpu")) if flat.size else torch.empty(0, dtype=torch.uint8)
+
+
+@overload
+def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, what: str) -> tuple[np.ndarray, torch.Tensor]: ...
+
+
+@overload
+def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@overload
+def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: Staging, what: str) -> tuple[np.ndarray, Staging]: ...
+
+
+def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: Staging, what: str) -> tuple[np.ndarray, Staging]:
     """Validate a piece table against the planes and the staging buffer; return it as int64 numpy `[5, N]` and the
-    staging as flat uint8. ValueError naming `what` on anything out of range (a bad piece is memory corruption)."""
-    if stage.device != planes.device or not stage.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous tensor on {planes.device}")
-    flat = stage if stage.dtype == torch.uint8 and stage.dim() == 1 else stage.reshape(-1).view(torch.uint8)
+    staging as flat uint8 (a numpy array stays one). ValueError naming `what` on anything out of range (a bad piece
+    is memory corruption)."""
+    flat: Staging
+    if isinstance(stage, np.ndarray):
+        if planes.device.type != "cpu" or not stage.flags.c_contiguous:
+            raise ValueError(f"{what} must be a contiguous tensor on {planes.device} (numpy staging: CPU planes only)")
+        flat = stage if stage.dtype == np.uint8 and stage.ndim == 1 else stage.reshape(-1).view(np.uint8)
+        nbytes = flat.size
+    else:
+        if stage.device != planes.device or not stage.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous tensor on {planes.device}")
+        flat = stage if stage.dtype == torch.uint8 and stage.dim() == 1 else stage.reshape(-1).view(torch.uint8)
+        nbytes = flat.numel()
     if isinstance(pieces, np.ndarray):  # the planner's own tables (no round trip through torch)
         table = pieces if pieces.dtype == np.int64 else pieces.astype(np.int64)
     elif pieces.dtype == torch.int64 and pieces.device.type == "cpu" and not pieces.requires_grad:
@@ -236,8 +282,8 @@ def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, what
             raise ValueError("a piece must stay inside one cache block")
         if index + count > tokens:
             raise ValueError("a piece must stay inside its value")
-        if base + tokens * planes.token_bytes > flat.numel():
-            raise ValueError(f"pieces reach past the end of {what} ({flat.numel()} bytes)")
+        if base + tokens * planes.token_bytes > nbytes:
+            raise ValueError(f"pieces reach past the end of {what} ({nbytes} bytes)")
         return table, flat
     start, count, base, tokens, index = table
     bs = planes.block_size
@@ -250,7 +296,7 @@ def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, what
             start + count - planes.num_slots,
             start % bs + count - bs,
             end - tokens,
-            base + tokens * planes.token_bytes - flat.numel(),
+            base + tokens * planes.token_bytes - nbytes,
         ]
     ).max(axis=1)
     if int(over[0]) > 0:
@@ -260,5 +306,5 @@ def check_pieces(planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, what
     if int(over[2]) > 0:
         raise ValueError("a piece must stay inside its value")
     if int(over[3]) > 0:
-        raise ValueError(f"pieces reach past the end of {what} ({flat.numel()} bytes)")
+        raise ValueError(f"pieces reach past the end of {what} ({nbytes} bytes)")
     return table, flat

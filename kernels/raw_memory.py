@@ -10,6 +10,8 @@ and strides: `Tensor.numpy()` gives the GIL away, which beside a busy Python thr
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -53,9 +55,19 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     shape = tuple(tensor.shape)
     if 0 in shape:  # nothing to alias (its address may be 0, which numpy before 2.4 refuses)
         return np.empty(shape, dtype=np.dtype(typestr))
+    if tensor.is_contiguous():  # numpy's default strides (the common case: a staging buffer, a stored value)
+        return np.asarray(_HostRange(tensor.data_ptr(), shape, typestr))
     size = tensor.element_size()
     strides = tuple(s * size for s in tensor.stride())
     return np.asarray(_HostRange(tensor.data_ptr(), shape, typestr, strides))
+
+
+def address_of(array: np.ndarray) -> int:
+    """The address of a numpy array's first element. A ctypes view of a writable one is about 3x cheaper than
+    `ndarray.ctypes.data` (a small call reads a few)."""
+    if array.flags.writeable and array.flags.c_contiguous and array.size:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    return int(array.ctypes.data)
 
 
 def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:

@@ -24,14 +24,15 @@ each (the Triton backend does them in one launch).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
-from ems.kernels.raw_memory import host_array, raw_tensor
+from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, Staging, check_pieces, tensor_over
+from ems.kernels.raw_memory import address_of, host_array, raw_tensor
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -96,6 +97,7 @@ class _PieceLayout:
     unit: int  # gcd of g, the lowest address and every plane's row bytes and token offset: divides every span
     tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
     np_tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # the same tables as numpy arrays
+    void_tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # ... and as rows of one void each
     # one_span with one block and slot stride for every plane (what `_move_one_piece` needs, in table rows):
     # plane p's slot s is row first_rows[p] + (s // block_size) * block_rows + (s % block_size) * slot_rows
     first_rows: np.ndarray | None = None  # int64 [P]
@@ -174,7 +176,13 @@ def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
 
 def _void_rows(rows: np.ndarray) -> np.ndarray:
     """`rows` `[N, K]` (last axis contiguous) as `[N]` elements of one K-item void each (same memory)."""
-    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))[:, 0]
+    return rows.view(_void_of(rows.shape[1] * rows.itemsize))[:, 0]
+
+
+@functools.lru_cache(maxsize=64)
+def _void_of(nbytes: int) -> np.dtype:
+    """The void dtype of `nbytes` (a row length: a layout has a few; building one costs about a µs per call)."""
+    return np.dtype((np.void, nbytes))
 
 
 def _place_rows_keeping_gil(table_rows: np.ndarray, idx: np.ndarray, staged_rows: np.ndarray) -> None:
@@ -186,6 +194,9 @@ def _place_rows_keeping_gil(table_rows: np.ndarray, idx: np.ndarray, staged_rows
         return
     per_op = max(1, min(_GIL_KEPT_BELOW_ELEMENTS - 1, _GIL_HELD_OP_BYTES // staged_rows.itemsize))
     strided = idx.size > 1 and staged_rows.strides[0] != staged_rows.itemsize
+    if idx.size <= per_op and not strided:  # one op (a small call's scatter): no slicing
+        table_rows[idx] = staged_rows
+        return
     for a in range(0, idx.size, per_op):  # one op per up to 499 rows and _GIL_HELD_OP_BYTES: never per row
         part = staged_rows[a : a + per_op]
         table_rows[idx[a : a + per_op]] = part.copy() if strided else part
@@ -252,7 +263,7 @@ def _one_span_rows_np(planes: PlaneSet, lay: _PieceLayout, length: int, width: i
     return rows
 
 
-def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torch.Tensor, gather: bool) -> int:
+def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: np.ndarray, gather: bool) -> int:
     """One piece (a one-block value) of every plane: P spans, the staging ones back to back at a constant step
     (plane-major value): one op. This is the per-call cost of a small save or load, so it is kept to Python ints,
     two numpy expressions (the row indices: the layout's first rows plus one offset; the staged view) and the op."""
@@ -261,7 +272,7 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
     row = int(lay.rbytes[0])
     length = count * row
     first = base + index * row
-    common = math.gcd(lay.unit, base, length, flat.data_ptr())
+    common = math.gcd(lay.unit, base, length, address_of(flat))
     width = min(common & -common, 8)  # the widest int (up to 8 bytes) dividing every address and length
     # numpy only (the row indices, the staged view, the copy): in a whole save call a torch op's dispatch costs
     # several µs more, and a torch call may give the GIL away
@@ -271,7 +282,7 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
     else:
         index_rows = (lay.off + (blk * lay.bstr + within * lay.sstr)) // lay.g
     step = tokens * row
-    planes_bytes = host_array(flat)[first : first + (planes.num_planes - 1) * step + length]
+    planes_bytes = flat[first : first + (planes.num_planes - 1) * step + length]
     if step == length:  # the value's planes back to back (a whole value): a reshape, not a strided view
         staged = planes_bytes.view(_NP_INT_OF_WIDTH[width]).reshape(planes.num_planes, length // width)
     else:
@@ -284,7 +295,10 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: torc
     elif gather:
         _select_or_place(_one_span_rows(planes, lay, length, width), index_rows, torch.from_numpy(staged), gather)
     else:
-        _place_rows_keeping_gil(_void_rows(rows), index_rows, _void_rows(staged))
+        void_rows = lay.void_tables.get((length, width))
+        if void_rows is None:
+            void_rows = lay.void_tables[(length, width)] = _void_rows(rows)
+        _place_rows_keeping_gil(void_rows, index_rows, _void_rows(staged))
     return 1
 
 
@@ -319,14 +333,17 @@ def _move_grid_by_lines(
     return ops
 
 
-def move_pieces(planes: PlaneSet, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int:
-    """The torch path of `CopyBackend.gather_pieces` / `scatter_pieces` (table and flat already checked): each
-    (piece, plane) is one span where the plane's rows are contiguous in a block; every piece of one length of every
-    plane moves in one op when the planes share one row size and one address span (CPU), else one op per plane.
-    Returns the number of ops issued."""
+def move_pieces(planes: PlaneSet, table: np.ndarray, flat: Staging, gather: bool) -> int:
+    """The torch path of `CopyBackend.gather_pieces` / `scatter_pieces` (table and flat already checked; flat is
+    uint8, a tensor or a numpy array over CPU memory): each (piece, plane) is one span where the plane's rows are
+    contiguous in a block; every piece of one length of every plane moves in one op when the planes share one row
+    size and one address span (CPU), else one op per plane. Returns the number of ops issued."""
     lay = _piece_layout(planes)
     if table.shape[1] == 1 and lay.one_span and lay.contiguous:
-        return _move_one_piece(planes, lay, table[:, 0].tolist(), flat, gather)
+        host = flat if isinstance(flat, np.ndarray) else host_array(flat)
+        return _move_one_piece(planes, lay, table[:, 0].tolist(), host, gather)
+    if isinstance(flat, np.ndarray):
+        flat = tensor_over(flat)
     if not lay.contiguous:
         table = single_row_pieces(table)
     start, count, base, tokens, index = table
@@ -370,10 +387,12 @@ class TorchBackend(CopyBackend):
     def __init__(self) -> None:
         self.ops_issued = 0
 
-    def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: torch.Tensor, gather: bool) -> None:
+    def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: Staging, gather: bool) -> None:
         table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")
         if table.shape[1]:
             self.ops_issued += move_pieces(planes, table, flat, gather)
+
+    _host_pieces = _pieces  # numpy staging as it is: a one-piece move works on numpy views anyway (`_move_one_piece`)
 
     def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
         position = 0

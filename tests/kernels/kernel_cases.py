@@ -180,6 +180,14 @@ def check_pieces_roundtrip(
         for k in range(pieces.shape[1]):
             backend.gather_pieces(planes, pieces[:, k : k + 1].contiguous(), one_by_one)
         assert torch.equal(one_by_one, expected)
+    # numpy staging (the embedded store's own buffers), whole and piece by piece: the same bytes
+    host = np.full(total, POISON, dtype=np.uint8)
+    backend.gather_pieces(planes, pieces, host)
+    assert np.array_equal(host, expected.numpy())
+    host_one_by_one = np.full(total, POISON, dtype=np.uint8)
+    for k in range(pieces.shape[1]):
+        backend.gather_pieces(planes, pieces[:, k : k + 1].contiguous(), host_one_by_one)
+    assert np.array_equal(host_one_by_one, expected.numpy())
     if not scatter:
         return
     src = random_tensor([total], torch.uint8, gen)
@@ -190,6 +198,15 @@ def check_pieces_roundtrip(
         first = target.data_ptr() - bases[owner].data_ptr()
         want[owner][first : first + row] = src[at : at + row]
     backend.scatter_pieces(planes, pieces, src)
+    for got, w in zip(bases, want):
+        assert torch.equal(as_bytes(got), w)
+    # again from a read-only numpy source (a stored value: a scatter never writes its source), piece by piece
+    for got, b in zip(bases, before):
+        as_bytes(got).copy_(b)
+    read_only = src.numpy().copy()
+    read_only.flags.writeable = False
+    for k in range(pieces.shape[1]):
+        backend.scatter_pieces(planes, pieces[:, k : k + 1].contiguous(), read_only)
     for got, w in zip(bases, want):
         assert torch.equal(as_bytes(got), w)
     again = torch.full((total,), POISON, dtype=torch.uint8)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import DTYPES, SPLITS, check_pieces_roundtrip, make_layout, pieces_case, split_layout
+from kernel_cases import DTYPES, SPLITS, as_bytes, check_pieces_roundtrip, make_layout, pieces_case, split_layout
 
 from ems.kernels.base import CopyBackend, PlaneSet
 from ems.kernels.plan import value_pieces
@@ -219,6 +219,21 @@ def test_pieces_rejects_out_of_range(backend: CopyBackend) -> None:
     for bad in ([[6], [4], [0], [4], [0]], [[0], [4], [8], [4], [0]], [[8], [1], [0], [1], [0]], [[0], [4], [0], [2], [0]]):
         with pytest.raises(ValueError):
             backend.gather_pieces(planes, torch.tensor(bad, dtype=torch.int64), out)
+
+
+def test_pieces_numpy_staging_refused_where_it_cannot_serve(backend: CopyBackend) -> None:
+    """numpy staging must be contiguous (and is for CPU planes only): refused by name, nothing written."""
+    gen = torch.Generator().manual_seed(3)
+    bases, planes = make_layout("plain", 1, 2, 4, 1, 8, torch.float16, gen)
+    good = torch.tensor([[0], [4], [0], [4], [0]], dtype=torch.int64)
+    strided = np.zeros(8 * planes.token_bytes, dtype=np.uint8)[::2]
+    before = [as_bytes(b).clone() for b in bases]
+    with pytest.raises(ValueError, match="contiguous"):
+        backend.gather_pieces(planes, good, strided)
+    with pytest.raises(ValueError, match="contiguous"):
+        backend.scatter_pieces(planes, good, strided)
+    assert all(torch.equal(as_bytes(b), a) for b, a in zip(bases, before))
+    assert not strided.any()
 
 
 def test_value_pieces_whole_blocks_are_one_piece_per_block() -> None:

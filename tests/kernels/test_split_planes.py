@@ -47,8 +47,9 @@ def test_split_kv_torch_per_plane_path() -> None:
         backend = tbk.TorchBackend()
         pieces_before = backend.ops_issued
         check_pieces_roundtrip(backend, bases, planes, [4, 5, 6, 7, 8, 9, 10, 11], [8], gen, scatter=False)
-        # one gather of 2 whole-block pieces (one length): one op per plane; then one per piece, one per plane
-        assert backend.ops_issued - pieces_before == planes.num_planes * (1 + 2)
+        # one gather of 2 whole-block pieces (one length): one op per plane; then one per piece, one per plane;
+        # the same again into numpy staging
+        assert backend.ops_issued - pieces_before == 2 * planes.num_planes * (1 + 2)
 
 
 def test_deepseek_sizes(backend: CopyBackend) -> None:
