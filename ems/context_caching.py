@@ -41,6 +41,7 @@ from ems.pool_backend import PoolBackend, PoolOutcome
 from ems.requests import Operation, RawRequest, Request, bind_exists, bind_request
 from ems.staging import StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
+from ems.warmup import warm_small_calls
 
 logger = logging.getLogger("ems")
 
@@ -116,9 +117,11 @@ class ContextCaching:
         self, kvcache: list[list[torch.Tensor]], store_layer_group_desc: list[StoreLayerGroupDesc] | None = None
     ) -> None:
         """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
-        `[blocks, block_size, heads, head_size]`. Moves no data. Registering again replaces the layout."""
+        `[blocks, block_size, heads, head_size]`. Moves no data (a CPU layout's small-call path is warmed on a
+        scratch cache: `ems.warmup`). Registering again replaces the layout."""
         layout = register_layout(kvcache, store_layer_group_desc)
         backend = self._backend_for(layout.device)
+        warm_small_calls(layout, backend)
         self._layout = layout
         self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
         logger.info(

@@ -294,7 +294,7 @@ _MAX_ONE_RUN_PLANS = 4096  # per layout: a bounded cache (an engine's blocks tim
 
 def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
     keys, route_keys = v1_keys(namespace, request.hashes)
-    one_run = _one_run(request)
+    one_run = request.one_run if isinstance(request, SlotRequest) else None
     if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
         cached = layout.one_run_plans.get(one_run)
         if cached is None:
@@ -312,16 +312,6 @@ def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, n
         payload_len=shape.payload_len,
     )
     return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
-
-
-def _one_run(request: SlotRequest | ChunkRequest) -> tuple[int, int] | None:
-    """(first slot, tokens) of a one-value slot_mapping request whose slots are consecutive (a small call: the
-    engine saves or loads one block), else None."""
-    if not isinstance(request, SlotRequest) or request.total != 1:
-        return None
-    slots = request.slots.tolist()
-    first = slots[0]
-    return (first, len(slots)) if slots == list(range(first, first + len(slots))) else None
 
 
 def _shape_and_regions(request: SlotRequest | ChunkRequest, layout: RegisteredLayout) -> tuple[_RequestShape, list[GroupRegion]]:

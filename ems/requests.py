@@ -70,6 +70,8 @@ class SlotRequest:
     hashes: list[int]
     slots: np.ndarray  # int64 [T]
     offsets: np.ndarray  # int64 [n] tokens per block
+    # (first slot, tokens) when the request is one block whose slots are consecutive (the engine's small call)
+    one_run: tuple[int, int] | None = None
 
     @property
     def total(self) -> int:
@@ -120,6 +122,7 @@ def _option(value: object, required: bool) -> CcKvOption:
 
 
 _HOST_VIEWABLE = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))  # what host_array views
+_SHORT_LIST = 64  # items: up to here a list or tensor is read item by item, without numpy's inference
 _PLAIN_INT = {int}  # the item types of a list taken without numpy's type inference (bool is not int here)
 
 
@@ -129,6 +132,8 @@ def int_array(name: str, value: object) -> np.ndarray:
         if value.dtype in _HOST_VIEWABLE and value.device.type == "cpu":
             # through a view of the caller's memory, copied: `.numpy()` costs several µs per small call and gives the
             # GIL away (perf/RESULTS.md, "Which ops give the GIL away"); these dtypes all fit int64
+            if value.dim() == 1 and value.numel() <= _SHORT_LIST:  # a small call's: Python ints are cheaper still
+                return np.array(value.tolist(), dtype=np.int64)
             array = host_array(value)
             if array.ndim != 1:
                 raise invalid_argument(f"{name} must be a flat list of ints, got shape {array.shape}")
@@ -136,7 +141,7 @@ def int_array(name: str, value: object) -> np.ndarray:
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise invalid_argument(f"{name} must hold integers, got a {value.dtype} tensor")
         array = value.detach().to("cpu").numpy()
-    elif isinstance(value, (list, tuple)) and len(value) <= 64 and set(map(type, value)) <= _PLAIN_INT:
+    elif isinstance(value, (list, tuple)) and len(value) <= _SHORT_LIST and set(map(type, value)) <= _PLAIN_INT:
         try:  # a short list of plain ints (the usual small call): no type inference, no bool scan
             return np.array(value, dtype=np.int64)
         except OverflowError:
@@ -254,13 +259,21 @@ def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotRequest
     if total != len(slots):
         raise invalid_argument(f"sum(offsets) ({total}) != len(slot_mapping) ({len(slots)})")
     num_slots = layout.min_num_slots
-    low, high, _ = _min_max_sum(slots)
+    one_run = None
+    if len(hashes) == 1:  # one block (at most a store block of tokens): are its slots one run?
+        slot_list = slots.tolist()
+        low = slot_list[0]
+        one_run = (low, len(slot_list)) if slot_list == list(range(low, low + len(slot_list))) else None
+    if one_run is not None:
+        high = low + one_run[1] - 1
+    else:
+        low, high, _ = _min_max_sum(slots)
     if low < 0 or high >= num_slots:
         i = _first((slots < 0) | (slots >= num_slots))
         raise invalid_argument(f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})")
-    if op is Operation.LOAD:
+    if op is Operation.LOAD and one_run is None:  # (a run repeats no slot)
         _check_no_repeats("slot_mapping", slots)
-    return SlotRequest(option, hashes, slots, offsets)
+    return SlotRequest(option, hashes, slots, offsets, one_run)
 
 
 def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkRequest:
