@@ -30,7 +30,11 @@ def copy_bytes(dst: Any, src: Any) -> None:
 # ---- pages of a mapping ----
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-POPULATE_STEP = 32 << 20  # a background populate's step (it checks whether to go on between steps)
+# A background populate's step (it checks whether to go on between steps). One transparent huge page: the kernel
+# holds the process's mmap lock for a whole MADV_POPULATE_WRITE call, so every mmap or munmap of another thread (an
+# engine's large allocations, UCX's) waits for the step: with 32 MiB steps a 1 MiB allocation right after Ems.init
+# waited 140-210 ms, with 2 MiB steps at most ~10 ms (perf/RESULTS.md, "Background populate and the mmap lock").
+POPULATE_STEP = 2 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
