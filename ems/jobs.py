@@ -218,6 +218,7 @@ class EmbeddedSave:
         record.path = "one-pass"
         self._buffers: list[np.ndarray] = []
         self._reserved: list[int] = []  # the store's reservation for each buffer
+        self._addresses: list[int] = []  # each buffer's address (the store's)
 
     def begin(self) -> None:
         try:
@@ -236,12 +237,12 @@ class EmbeddedSave:
         payload = sum(sizes[:count]) - HEADER_SIZE * count
         with record.stage(Stage.GATHER, payload):
             self._reserved = charges[:count]
-            self._buffers = buffers = store.allocate_many(sizes[:count], self._reserved)
+            self._buffers, self._addresses = buffers, addresses = store.allocate_many(sizes[:count], self._reserved)
             if not count:
                 return
             span = None
             if isinstance(plan, BlockPlan) and count > 1:
-                span = span_of(buffer_addresses(buffers), np.asarray(sizes[:count], dtype=np.int64))
+                span = span_of(np.array(addresses, dtype=np.int64), np.array(sizes[:count], dtype=np.int64))
             if isinstance(plan, BlockPlan) and span is not None:
                 plan.gather_into(self.backend, span[0], span[1], count)
             else:  # one value (its own buffer), V0 raw ranges (one copy each anyway), or buffers too far apart
@@ -254,11 +255,11 @@ class EmbeddedSave:
         """Hand the buffers to the store (no copy): every value that fitted the pool is acknowledged."""
         plan = self.plan
         try:
-            buffers, reserved = self._buffers, self._reserved
-            self._buffers, self._reserved = [], []  # the store owns them now (reservations released)
+            buffers, reserved, addresses = self._buffers, self._reserved, self._addresses
+            self._buffers, self._reserved, self._addresses = [], [], []  # the store owns them now
             count = len(buffers)
             with self.record.stage(Stage.SEND, sum(map(len, buffers))):
-                self.store.put_owned_many(plan.keys[:count], buffers, reserved)
+                self.store.put_owned_many(plan.keys[:count], buffers, reserved, addresses)
             del buffers
             outcome = PoolOutcome([True] * count + [False] * (plan.total - count))  # after: larger than the pool
             outcome.nodes_contacted = 1
@@ -270,8 +271,9 @@ class EmbeddedSave:
         """Give back every buffer not handed to the store (idempotent)."""
         buffers, self._buffers = self._buffers, []
         reserved, self._reserved = self._reserved, []
-        for buffer, reserve in zip(buffers, reserved):
-            self.store.recycle(buffer, reserve)
+        addresses, self._addresses = self._addresses, []
+        for buffer, reserve, address in zip(buffers, reserved, addresses):
+            self.store.recycle(buffer, reserve, address)
 
 
 def write_headers(buffers: list[np.ndarray], plan: Plan) -> None:
@@ -399,7 +401,8 @@ class EmbeddedLoad:
     def run(self) -> tuple[int, PoolOutcome]:
         plan, record = self.plan, self.record
         with record.stage(Stage.RECEIVE):
-            values = self.store.get_many(plan.keys)  # the stored buffers themselves (read-only views)
+            # the stored buffers themselves (read-only views), and their addresses where the store knows them
+            values, addresses = self.store.get_many_with_addresses(plan.keys)
         outcome = PoolOutcome(values, nodes_contacted=1)
         present = next((i for i, value in enumerate(values) if value is None), len(values))
         with record.stage(Stage.VERIFY, plan.expected.payload_bytes(0, present)):
@@ -409,7 +412,9 @@ class EmbeddedLoad:
         with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
             span = None
             if isinstance(plan, BlockPlan) and hits > 1:
-                span = span_of(buffer_addresses(values[:hits]), plan.expected.payload_len[:hits] + HEADER_SIZE)
+                known = addresses[:hits]
+                starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values[:hits])
+                span = span_of(starts, plan.expected.payload_len[:hits] + HEADER_SIZE)
             if isinstance(plan, BlockPlan) and span is not None:
                 plan.scatter_from(self.backend, span[0], span[1], hits)
             else:  # one value, V0 raw ranges, or stored values too far apart to view as one

@@ -55,6 +55,7 @@ from typing import TypeGuard
 import numpy as np
 
 from ems.buffers import POPULATE_STEP, Buffer, populate_pages, release_pages
+from ems.kernels.raw_memory import address_of
 from ems.value_format import VALUE_LEAD, is_well_formed
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
@@ -65,12 +66,17 @@ _UNSHARED_REFCOUNT = 3
 ARENA_ALIGN = 64  # cache line
 
 
-def _new_buffer(nbytes: int) -> np.ndarray:
+def _new_buffer(nbytes: int) -> tuple[np.ndarray, int]:
     """Uninitialised memory (no zero-filling pass: every byte is written before the value is stored), placed at
-    `VALUE_LEAD` past a cache line: a view of a slightly larger array that nothing else holds."""
+    `VALUE_LEAD` past a cache line: a view of a slightly larger array that nothing else holds; and its address."""
     raw = np.empty(nbytes + ARENA_ALIGN, dtype=np.uint8)
-    skip = (VALUE_LEAD - raw.__array_interface__["data"][0]) % ARENA_ALIGN
-    return raw[skip : skip + nbytes]
+    address = raw.__array_interface__["data"][0]
+    skip = (VALUE_LEAD - address) % ARENA_ALIGN
+    return raw[skip : skip + nbytes], address + skip
+
+
+# A free buffer kept for reuse and its address (None: not known yet, e.g. a pool node's receive buffer).
+_Spare = tuple[np.ndarray, "int | None"]
 
 
 class _Arena:
@@ -129,20 +135,21 @@ class _Arena:
             self._closed = True
             self._wake.notify_all()
 
-    def take(self, nbytes: int, count: int = 1) -> list[np.ndarray]:
+    def take(self, nbytes: int, count: int = 1) -> tuple[list[np.ndarray], range]:
         """Up to `count` buffers of `nbytes` of arena memory, back to back (each at `VALUE_LEAD` past an
-        `ARENA_ALIGN` boundary); fewer, or none, when the arena is used up (caller holds the store's lock)."""
+        `ARENA_ALIGN` boundary), and their addresses; fewer, or none, when the arena is used up (caller holds the
+        store's lock)."""
         step = (nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
         start = (self.used - VALUE_LEAD + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN + VALUE_LEAD
         count = min(count, max(0, (self.size - start - nbytes) // step + 1))
         if count <= 0:
-            return []
+            return [], range(0)
         self.used = start + (count - 1) * step + nbytes
         if self.ahead > 0 and self.populated < min(self.size, self.used + self.ahead // 2):
             with self._wake:  # the background thread falls behind: wake it (it may already be running)
                 self._wake.notify()
-        array = self.array
-        return [array[at : at + nbytes] for at in range(start, start + count * step, step)]
+        array, offsets = self.array, range(start, start + count * step, step)
+        return [array[at : at + nbytes] for at in offsets], range(self.address + start, self.address + offsets.stop, step)
 
     def release(self, buffer: np.ndarray) -> None:
         """A buffer of this arena that will never be handed out again: give its whole pages back to the system
@@ -218,8 +225,9 @@ class KvStore:
         self._verify_on_put = verify_on_put
         self._on_evict = on_evict
         self._entries: OrderedDict[bytes, Buffer] = OrderedDict()
+        self._addresses: dict[bytes, int] = {}  # each entry's buffer address, where the store knows it
         self._used = 0  # charges of stored entries and of reservations being filled
-        self._spare: dict[int, list[np.ndarray]] = {}  # evicted buffers free for reuse, by size
+        self._spare: dict[int, list[_Spare]] = {}  # evicted buffers free for reuse (and their addresses), by size
         self._spare_bytes = 0
         self._lock = threading.Lock()
         self._stats = StoreStats(capacity_bytes=capacity_bytes)
@@ -237,10 +245,10 @@ class KvStore:
 
     # ---- memory accounting (all under the lock) ----
 
-    def _retire(self, value: Buffer) -> None:
-        """A value left the index: keep its buffer as a spare when nobody else holds it."""
+    def _retire(self, value: Buffer, address: int | None) -> None:
+        """A value left the index: keep its buffer (at `address`, if known) as a spare when nobody else holds it."""
         if _recyclable(value, self._arena) and sys.getrefcount(value) <= _UNSHARED_REFCOUNT:
-            self._spare.setdefault(len(value), []).append(value)
+            self._spare.setdefault(len(value), []).append((value, address))
             self._spare_bytes += len(value)
 
     def _drop_spare(self, keep_size: int, keep_count: int) -> bool:
@@ -248,7 +256,7 @@ class KvStore:
         stay); False if there is none to drop."""
         for size, buffers in self._spare.items():
             if len(buffers) > (keep_count if size == keep_size else 0):
-                dropped = buffers.pop(0)
+                dropped, _ = buffers.pop(0)
                 self._spare_bytes -= size
                 if self._arena is not None and dropped.base is self._arena.array:
                     self._arena.release(dropped)  # lost to the arena: at least its pages go back to the system
@@ -271,13 +279,13 @@ class KvStore:
             self._stats.evictions += 1
             if self._on_evict is not None:
                 self._on_evict(evicted_key, evicted)
-            self._retire(evicted)
+            self._retire(evicted, self._addresses.pop(evicted_key, None))
 
     def _remove(self, key: bytes) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
             self._used -= self._charge(key, old)
-            self._retire(old)
+            self._retire(old, self._addresses.pop(key, None))
 
     # ---- writes ----
 
@@ -297,13 +305,14 @@ class KvStore:
                 self._make_room(reserve, nbytes)
                 self._used += reserve
             try:
-                return self._take_buffer(nbytes)
+                return self._take_buffer(nbytes)[0]
             except BaseException:  # e.g. MemoryError: the reservation goes back
                 self._used -= reserve
                 raise
 
-    def allocate_many(self, sizes: Sequence[int] | np.ndarray, reserves: Sequence[int]) -> list[np.ndarray]:
-        """`allocate` for several values under one lock: value i gets `sizes[i]` bytes and reserves `reserves[i]`.
+    def allocate_many(self, sizes: Sequence[int] | np.ndarray, reserves: Sequence[int]) -> tuple[list[np.ndarray], list[int]]:
+        """`allocate` for several values under one lock: value i gets `sizes[i]` bytes and reserves `reserves[i]`;
+        returns the buffers and their addresses (the store knows them: callers need not read them back).
         Buffers come in address order where the store can: recycled spares of one size are taken as the run most
         recently evicted (a run that was allocated together comes back in its order), fresh ones from the arena
         back to back, so a caller usually finds them at the offsets of a packed layout and copies them in one
@@ -311,6 +320,7 @@ class KvStore:
         size_list = sizes.tolist() if isinstance(sizes, np.ndarray) else list(sizes)
         total = sum(reserves)
         taken: list[np.ndarray] = []
+        addresses: list[int] = []
         with self._lock:
             if total > 0 and size_list:
                 nbytes = size_list[0]
@@ -330,26 +340,41 @@ class KvStore:
                         del spares[len(spares) - count :]
                         self._spare_bytes -= nbytes * count
                         self._stats.reused_buffers += count
-                        taken.extend(run)
+                        for buffer, address in run:
+                            taken.append(buffer)
+                            addresses.append(address_of(buffer) if address is None else address)
                         position += count
                         continue
-                    taken.extend(self._fresh_buffers(nbytes, same - position))
+                    fresh, fresh_addresses = self._fresh_buffers(nbytes, same - position)
+                    taken.extend(fresh)
+                    addresses.extend(fresh_addresses)
                     position = same
             except BaseException:
                 self._used -= total
-                for buffer in taken:
+                for buffer, address in zip(taken, addresses):
                     if _recyclable(buffer, self._arena):
-                        self._spare.setdefault(len(buffer), []).append(buffer)
+                        self._spare.setdefault(len(buffer), []).append((buffer, address))
                         self._spare_bytes += len(buffer)
                 raise
-        return taken
+        return taken, addresses
 
-    def put_owned_many(self, keys: Sequence[bytes], values: Sequence[np.ndarray], reserved: Sequence[int]) -> None:
-        """`put_owned` of well-formed values under one lock (the embedded pool's save: the caller built them)."""
+    def put_owned_many(
+        self, keys: Sequence[bytes], values: Sequence[np.ndarray], reserved: Sequence[int], addresses: Sequence[int]
+    ) -> None:
+        """`put_owned` of well-formed values under one lock (the embedded pool's save: the caller built them in
+        buffers from `allocate_many`, which gave their `addresses`)."""
         with self._lock:
-            for key, value, reserve in zip(keys, values, reserved):
-                self._used -= reserve
-                self._insert(key, value, self._charge(key, value))
+            entries, known = self._entries, self._addresses
+            for key, value, reserve, address in zip(keys, values, reserved, addresses):
+                old = entries.pop(key, None)
+                if old is not None:
+                    self._used -= self._charge(key, old)
+                    self._retire(old, known.pop(key, None))
+                entries[key] = value
+                known[key] = address
+                self._used += len(key) + len(value) + ENTRY_OVERHEAD - reserve
+            self._stats.puts += len(keys)
+            self._make_room(0, -1)  # a no-op when every value's reservation was its charge (the usual case)
 
     def close(self) -> None:
         """Stop the arena's background thread, if any (the store stays usable)."""
@@ -361,29 +386,34 @@ class KvStore:
         """What a value of `nbytes` under a key of `key_len` bytes counts against the capacity."""
         return key_len + nbytes + ENTRY_OVERHEAD
 
-    def _take_buffer(self, nbytes: int) -> np.ndarray:
-        """`allocate` with the lock held."""
+    def _take_buffer(self, nbytes: int) -> _Spare:
+        """`allocate` with the lock held: a buffer and its address (None: not known)."""
         spares = self._spare.get(nbytes)
         if spares:
             self._spare_bytes -= nbytes
             self._stats.reused_buffers += 1
             return spares.pop()
-        return self._fresh_buffers(nbytes, 1)[0]
+        buffers, addresses = self._fresh_buffers(nbytes, 1)
+        return buffers[0], addresses[0]
 
-    def _fresh_buffers(self, nbytes: int, count: int) -> list[np.ndarray]:
-        """`count` new buffers of `nbytes` (lock held): back to back from the arena while it has room, then fresh
-        memory."""
-        taken = self._arena.take(nbytes, count) if self._arena is not None else []
-        taken.extend(_new_buffer(nbytes) for _ in range(count - len(taken)))
-        return taken
+    def _fresh_buffers(self, nbytes: int, count: int) -> tuple[list[np.ndarray], list[int]]:
+        """`count` new buffers of `nbytes` and their addresses (lock held): back to back from the arena while it has
+        room, then fresh memory."""
+        taken, at = self._arena.take(nbytes, count) if self._arena is not None else ([], range(0))
+        addresses = list(at)
+        for _ in range(count - len(taken)):
+            buffer, address = _new_buffer(nbytes)
+            taken.append(buffer)
+            addresses.append(address)
+        return taken, addresses
 
-    def recycle(self, buffer: np.ndarray, reserved: int = 0) -> None:
-        """Give back a buffer from `allocate` that was never stored and that the caller no longer uses (kept as a
-        spare when there is room), and the bytes `allocate` reserved for it."""
+    def recycle(self, buffer: np.ndarray, reserved: int = 0, address: int | None = None) -> None:
+        """Give back a buffer from `allocate` (at `address`, if known) that was never stored and that the caller no
+        longer uses (kept as a spare when there is room), and the bytes `allocate` reserved for it."""
         with self._lock:
             self._used -= reserved
             if _recyclable(buffer, self._arena) and self._used + self._spare_bytes + len(buffer) <= self._capacity:
-                self._spare.setdefault(len(buffer), []).append(buffer)
+                self._spare.setdefault(len(buffer), []).append((buffer, address))
                 self._spare_bytes += len(buffer)
 
     def put(self, key: bytes, parts: Sequence[Buffer]) -> bool:
@@ -398,7 +428,7 @@ class KvStore:
         with self._lock:
             self._remove(key)
             self._make_room(charge, nbytes)
-            buffer = self._take_buffer(nbytes)
+            buffer, address = self._take_buffer(nbytes)
             self._used += charge  # reserved while the copy runs outside the lock
         try:
             target = memoryview(buffer)
@@ -416,9 +446,9 @@ class KvStore:
             self._used -= charge
             if not well_formed:
                 self._stats.rejected_puts += 1
-                self._retire(buffer)
+                self._retire(buffer, address)
                 return False
-            self._insert(key, buffer, charge)
+            self._insert(key, buffer, charge, address)
         return True
 
     def put_owned(self, key: bytes, value: Buffer, reserved: int = 0, verified: bool = False) -> bool:
@@ -436,10 +466,12 @@ class KvStore:
             self._insert(key, value, charge)
         return True
 
-    def _insert(self, key: bytes, value: Buffer, charge: int) -> None:
+    def _insert(self, key: bytes, value: Buffer, charge: int, address: int | None = None) -> None:
         self._remove(key)
         self._make_room(charge, -1)
         self._entries[key] = value
+        if address is not None:
+            self._addresses[key] = address
         self._used += charge
         self._stats.puts += 1
 
@@ -475,6 +507,15 @@ class KvStore:
         arena = self._arena
         return [value if value is None or not _store_made(value, arena) else memoryview(value).toreadonly() for value in values]
 
+    def get_many_with_addresses(self, keys: Sequence[bytes]) -> tuple[list[Buffer | None], list[int | None]]:
+        """`get_many`, and each hit's buffer address where the store knows it (None for a miss, or where it does
+        not: a buffer handed in by `put_owned`)."""
+        values = self.get_many(keys)
+        known = self._addresses
+        with self._lock:  # an entry's address is read under the lock that keeps the two together
+            addresses = [None if value is None else known.get(key) for key, value in zip(keys, values)]
+        return values, addresses
+
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             return [key in self._entries for key in keys]
@@ -489,6 +530,7 @@ class KvStore:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._addresses.clear()
             self._spare.clear()
             self._used = 0
             self._spare_bytes = 0

@@ -209,6 +209,65 @@ def test_store_buffers_put_each_payload_on_a_cache_line(prefault):
     assert ((plan.value_start[:-1] + HEADER_SIZE) % 64 == 0).all()
 
 
+def _address(buffer) -> int:
+    return buffer.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("arena", ["none", "prefaulted", "ahead"])
+def test_store_gives_every_buffer_its_own_address(arena):
+    """`allocate_many` and `get_many_with_addresses` report each buffer's real address (the embedded jobs copy to
+    and from those addresses: a wrong one would be memory corruption), through fresh memory, the arena, recycled
+    spares, evictions, overwrites and values handed in by `put_owned` (whose address the store does not know)."""
+    rng = random.Random(3)
+    kwargs = {"none": {}, "prefaulted": {"prefault_bytes": 150_000}, "ahead": {"prefault_ahead": 150_000}}[arena]
+    store = KvStore(200_000, **kwargs)  # room for a few dozen values: evictions
+    for step in range(300):
+        sizes = [rng.choice([HEADER_SIZE + 8, 1000, 4136, 20_000]) for _ in range(rng.randrange(1, 6))]
+        keys = [b"k%d" % rng.randrange(40) for _ in sizes]
+        keys = list(dict.fromkeys(keys))
+        sizes = sizes[: len(keys)]
+        reserves = [store.charge_of(len(k), n) for k, n in zip(keys, sizes)]
+        buffers, addresses = store.allocate_many(sizes, reserves)
+        assert [_address(b) for b in buffers] == addresses
+        if rng.random() < 0.2:  # given back unused
+            for b, r, a in zip(buffers, reserves, addresses):
+                store.recycle(b, r, a)
+            continue
+        for b in buffers:
+            b[:] = rng.randrange(256)
+        store.put_owned_many(keys, buffers, reserves, addresses)
+        if rng.random() < 0.1:  # a value the store did not allocate
+            outside = np.frombuffer(value(b"x" * 100), dtype=np.uint8).copy()
+            store.put_owned(b"outside%d" % step, outside)
+        probe = [b"k%d" % i for i in range(40)] + [b"outside%d" % step]
+        values, known = store.get_many_with_addresses(probe)
+        for v, a in zip(values, known):
+            if v is None:
+                assert a is None
+            elif a is not None:
+                assert a == _address(np.frombuffer(v, dtype=np.uint8))
+    assert store.stats().reused_buffers > 0 and store.stats().evictions > 0
+
+
+def test_background_populate_does_not_stall_other_threads_allocations():
+    """While a store's arena is faulted in ahead in the background, another thread's large allocations (mmap and
+    munmap, which wait for the process's mmap lock) stay quick: the populate goes in small steps."""
+    store = KvStore(512 << 20, prefault_ahead=256 << 20)
+    try:
+        worst = 0.0
+        start = time.perf_counter()
+        while store.stats().arena_populated_bytes < 128 << 20 and time.perf_counter() - start < 20:
+            t = time.perf_counter()
+            block = np.ones(1 << 20, dtype=np.uint8)  # 1 MiB: mmap'ed, touched, unmapped
+            del block
+            worst = max(worst, time.perf_counter() - t)
+        assert store.stats().arena_populated_bytes >= 128 << 20, "the background populate did not get far"
+        # one 32 MiB step held the lock 60-200 ms here; a 2 MiB one at most ~10 ms
+        assert worst < 0.06, f"a 1 MiB allocation waited {worst * 1e3:.0f} ms for the background populate"
+    finally:
+        store.close()
+
+
 def test_store_never_recycles_a_view_of_memory_someone_else_holds():
     """A value handed over with `put_owned` that is a view of a larger array (not the store's own allocation) is
     never reused for another value once evicted: whoever holds the array would see its bytes change."""
