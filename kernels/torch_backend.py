@@ -103,6 +103,8 @@ class _PieceLayout:
     first_rows: np.ndarray | None = None  # int64 [P]
     block_rows: int = 0
     slot_rows: int = 0
+    # one-piece moves prepared once per (piece, direction): an engine repeats the same few blocks' pieces
+    one_piece: dict[tuple[int, ...], _OnePiece] = field(default_factory=dict)
 
 
 def _piece_layout(planes: PlaneSet) -> _PieceLayout:
@@ -263,10 +265,61 @@ def _one_span_rows_np(planes: PlaneSet, lay: _PieceLayout, length: int, width: i
     return rows
 
 
+@dataclass(frozen=True)
+class _OnePiece:
+    """A one-piece move of a whole value (its P plane spans back to back: bytes `begin`..`end` of the value's
+    staging), prepared once: the spans as `[P]` void elements of `dtype` and the table rows they go to or come
+    from (`rows[index_rows]`, void elements of the same size). Independent of the staging buffer's address: void
+    elements are copied bytewise, aligned or not."""
+
+    begin: int
+    end: int
+    dtype: np.dtype
+    rows: np.ndarray  # [R] void rows of the one-span table
+    index_rows: np.ndarray  # int64 [P]
+
+
+_MAX_ONE_PIECE_MOVES = 8192  # per layout and direction (an engine's blocks); beyond it the cache starts over
+
+
+def _prepared_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, gather: bool) -> _OnePiece | None:
+    """The prepared move of `piece` (cached on `lay`), or None when it is not one of whole values whose planes lie
+    back to back, or is a gather large enough for torch's faster copy (which needs the buffer's alignment)."""
+    key = (*piece, gather)
+    move = lay.one_piece.get(key)
+    if move is not None:
+        return move
+    start, count, base, tokens, index = piece
+    row = int(lay.rbytes[0])
+    length = count * row
+    if count != tokens or lay.first_rows is None or (gather and planes.num_planes * length >= _NUMPY_GATHER_BELOW):
+        return None
+    blk, within = divmod(start, planes.block_size)
+    index_rows = lay.first_rows + (blk * lay.block_rows + within * lay.slot_rows)
+    index_rows.flags.writeable = False
+    begin = base + index * row
+    rows = lay.void_tables.get((length, 1))
+    if rows is None:
+        rows = lay.void_tables[(length, 1)] = _void_rows(_one_span_rows_np(planes, lay, length, 1))
+    move = _OnePiece(begin, begin + planes.num_planes * length, _void_of(length), rows, index_rows)
+    if len(lay.one_piece) >= 2 * _MAX_ONE_PIECE_MOVES:
+        lay.one_piece.clear()
+    lay.one_piece[key] = move
+    return move
+
+
 def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: np.ndarray, gather: bool) -> int:
     """One piece (a one-block value) of every plane: P spans, the staging ones back to back at a constant step
-    (plane-major value): one op. This is the per-call cost of a small save or load, so it is kept to Python ints,
-    two numpy expressions (the row indices: the layout's first rows plus one offset; the staged view) and the op."""
+    (plane-major value): one op. This is the per-call cost of a small save or load: a whole value's move is
+    prepared once (`_prepared_one_piece`), then each call is a slice, a view and the op."""
+    move = _prepared_one_piece(planes, lay, piece, gather)
+    if move is not None:
+        spans = flat[move.begin : move.end].view(move.dtype)
+        if gather:
+            spans[...] = move.rows[move.index_rows]  # P elements: numpy keeps the GIL
+        else:
+            move.rows[move.index_rows] = spans
+        return 1
     start, count, base, tokens, index = piece
     blk, within = divmod(start, planes.block_size)
     row = int(lay.rbytes[0])
