@@ -280,10 +280,9 @@ def write_headers(buffers: list[np.ndarray], plan: Plan) -> None:
     """Checksum the payload of each of `plan`'s first `len(buffers)` values in `buffers` (while a value's bytes are
     the last ones read) and write its header in place."""
     expected, count = plan.expected, len(buffers)
-    kind, signature = int(expected.kind), expected.layout_sig
+    kind, signature, pack = int(expected.kind), expected.layout_sig, header_struct.pack_into
     for buffer, digest, length in zip(buffers, expected.tokens_digest[:count].tolist(), expected.payload_len[:count].tolist()):
-        view = memoryview(buffer)
-        header_struct.pack_into(view, 0, MAGIC, VERSION, kind, signature, digest, length, checksum([view[HEADER_SIZE:]]))
+        pack(buffer, 0, MAGIC, VERSION, kind, signature, digest, length, checksum([buffer[HEADER_SIZE:]]))
 
 
 class PipelinedSave:

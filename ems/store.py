@@ -241,7 +241,8 @@ class KvStore:
 
     @staticmethod
     def _charge(key: bytes, value: Buffer) -> int:
-        return len(key) + memoryview(value).nbytes + ENTRY_OVERHEAD
+        nbytes = value.nbytes if type(value) is np.ndarray else memoryview(value).nbytes  # (the store's own: cheaper)
+        return len(key) + nbytes + ENTRY_OVERHEAD
 
     # ---- memory accounting (all under the lock) ----
 
@@ -266,20 +267,30 @@ class KvStore:
     def _make_room(self, charge: int, nbytes: int, count: int = 1) -> None:
         """Evict (LRU first) and free spares until values of `charge` in all fit, counting the spares of `nbytes`
         that `count` values of that size will reuse."""
+        spare, entries, addresses, on_evict = self._spare, self._entries, self._addresses, self._on_evict
         while True:
-            reusable = nbytes * min(len(self._spare.get(nbytes, ())), count)
-            if self._used + self._spare_bytes - reusable + charge <= self._capacity:
+            reusable = nbytes * min(len(spare.get(nbytes, ())), count)
+            excess = self._used + self._spare_bytes - reusable + charge - self._capacity
+            if excess <= 0:
                 return
-            if self._drop_spare(nbytes, count):
+            # spares beyond those the values will reuse are freed first (none: no need to look for one)
+            if self._spare_bytes > reusable and self._drop_spare(nbytes, count):
                 continue
-            if not self._entries:  # nothing left to evict: a value up to the capacity fits by now
+            if not entries:  # nothing left to evict: a value up to the capacity fits by now
                 return
-            evicted_key, evicted = self._entries.popitem(last=False)
-            self._used -= self._charge(evicted_key, evicted)
-            self._stats.evictions += 1
-            if self._on_evict is not None:
-                self._on_evict(evicted_key, evicted)
-            self._retire(evicted, self._addresses.pop(evicted_key, None))
+            # evict until the excess is covered, as if each evicted buffer were reused or let go (a spare of another
+            # size is not: the next round frees it, or evicts more)
+            evictions = 0
+            while excess > 0 and entries:
+                evicted_key, evicted = entries.popitem(last=False)
+                freed = self._charge(evicted_key, evicted)
+                self._used -= freed
+                excess -= freed
+                evictions += 1
+                if on_evict is not None:
+                    on_evict(evicted_key, evicted)
+                self._retire(evicted, addresses.pop(evicted_key, None))
+            self._stats.evictions += evictions
 
     def _remove(self, key: bytes) -> None:
         old = self._entries.pop(key, None)

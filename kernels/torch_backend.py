@@ -386,6 +386,39 @@ def _move_grid_by_lines(
     return ops
 
 
+def _move_whole_values(planes: PlaneSet, lay: _PieceLayout, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int | None:
+    """Pieces that are each a whole value of one token count (the embedded pool's save or load of whole blocks: one
+    piece per value), at staging bases a constant step apart (its buffers back to back): plane p's spans are then
+    `base + p * length + k * step`, one op per plane, from a few vectorised index expressions. None when the table
+    has another shape, or fewer values than planes (the general path runs, one op per value)."""
+    start, count, base, _tokens, index = table
+    m = count.size
+    first_rows = lay.first_rows
+    if first_rows is None or m < max(
+        2, planes.num_planes
+    ):  # fewer values than planes: one op per value is fewer (the general path)
+        return None
+    c = int(count[0])
+    step = int(base[1] - base[0])
+    length = c * int(lay.rbytes[0])
+    if (
+        step < planes.num_planes * length
+        or index.any()
+        or not (table[[1, 3]] == c).all()
+        or int(base[-1] - base[0]) != step * (m - 1)
+        or not (np.diff(base) == step).all()
+    ):
+        return None
+    first = int(base[0])
+    width = _widest([math.gcd(lay.unit, first, step), length, int(flat.data_ptr())])
+    rows = _one_span_rows(planes, lay, length, width)
+    blocks, within = np.divmod(start, planes.block_size)
+    value_rows = blocks * lay.block_rows + within * lay.slot_rows
+    for p, plane_row in enumerate(first_rows.tolist()):
+        _move_run(rows, value_rows + plane_row, flat, first + p * length, step, length, width, gather)
+    return planes.num_planes
+
+
 def move_pieces(planes: PlaneSet, table: np.ndarray, flat: Staging, gather: bool) -> int:
     """The torch path of `CopyBackend.gather_pieces` / `scatter_pieces` (table and flat already checked; flat is
     uint8, a tensor or a numpy array over CPU memory): each (piece, plane) is one span where the plane's rows are
@@ -397,6 +430,10 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: Staging, gather: bool
         return _move_one_piece(planes, lay, table[:, 0].tolist(), host, gather)
     if isinstance(flat, np.ndarray):
         flat = tensor_over(flat)
+    if lay.contiguous:
+        ops = _move_whole_values(planes, lay, table, flat, gather)
+        if ops is not None:
+            return ops
     if not lay.contiguous:
         table = single_row_pieces(table)
     start, count, base, tokens, index = table

@@ -54,6 +54,20 @@ def test_pieces_uniform_layouts(backend: CopyBackend, kind: str) -> None:
         _check(backend, bases, planes, slots, counts, gen)
 
 
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_pieces_many_whole_blocks(backend: CopyBackend, kind: str) -> None:
+    """Whole blocks in any order, more values than planes (the torch path's one op per plane at the values' common
+    step), then the same values with a shorter last one (no common step: the general path), both directions, like
+    the reference."""
+    gen = torch.Generator().manual_seed(17)
+    bs = 4
+    bases, planes = make_layout(kind, 2, 12, bs, 2, 8, torch.float16, gen)
+    order = torch.randperm(12, generator=gen).tolist()
+    slots = [b * bs + j for b in order[:9] for j in range(bs)]
+    _check(backend, bases, planes, slots, [bs] * 9, gen)
+    _check(backend, bases, planes, slots[:-1], [bs] * 8 + [bs - 1], gen)
+
+
 def test_pieces_odd_value_offsets(backend: CopyBackend) -> None:
     """Values at odd byte offsets: every backend must fall back to narrower moves, never misalign."""
     gen = torch.Generator().manual_seed(5)
