@@ -13,6 +13,7 @@ A slot outside the registered cache never reaches a kernel (that would be memory
 
 from __future__ import annotations
 
+import array as pyarray
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,6 +125,7 @@ def _option(value: object, required: bool) -> CcKvOption:
 _HOST_VIEWABLE = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))  # what host_array views
 _SHORT_LIST = 64  # items: up to here a list or tensor is read item by item, without numpy's inference
 _PLAIN_INT = {int}  # the item types of a list taken without numpy's type inference (bool is not int here)
+_BOOLS = frozenset((bool, np.bool_))  # refused as ints (numpy would take them as 0 and 1)
 
 
 def int_array(name: str, value: object) -> np.ndarray:
@@ -146,6 +148,8 @@ def int_array(name: str, value: object) -> np.ndarray:
             return np.array(value, dtype=np.int64)
         except OverflowError:
             array = np.asarray(value, dtype=object)  # outside int64: reported below, item by item
+    elif isinstance(value, (list, tuple)) and (packed := _packed_ints(value)) is not None:
+        return packed
     elif isinstance(value, (list, tuple, np.ndarray)):
         try:
             array = np.asarray(value)
@@ -157,7 +161,7 @@ def int_array(name: str, value: object) -> np.ndarray:
         raise invalid_argument(f"{name} must be a flat list of ints, got shape {array.shape}")
     # numpy turns [0, True] into ints and [0, 1.0] into floats: look at the caller's own items for the culprit
     items = value if isinstance(value, (list, tuple)) else None
-    if items is not None and array.dtype.kind in "iu" and bool in set(map(type, items)):
+    if items is not None and array.dtype.kind in "iu" and not _BOOLS.isdisjoint(map(type, items)):
         array = np.asarray(items, dtype=object)
     if array.size and array.dtype.kind not in "iu":
         # object arrays and lists numpy could not type: every item must be an int within int64 (rare path, per item)
@@ -172,6 +176,21 @@ def int_array(name: str, value: object) -> np.ndarray:
         raise invalid_argument(f"{name} holds integers outside the int64 range")
     # a list's array is already the caller-independent copy; an array or tensor's is copied (the caller may reuse it)
     return array.astype(np.int64, copy=items is None)
+
+
+def _packed_ints(items: list | tuple) -> np.ndarray | None:
+    """A long list of ints as int64, about 3x cheaper than numpy's inference plus a scan of every item's type; None
+    when an item is not an int (or is a bool, or outside int64): the general path then says which. `array("q")`
+    takes ints (and integers with `__index__`) only, so floats and strings raise; a bool becomes 0 or 1, so only the
+    items that came out 0 or 1 need their type looked at."""
+    try:
+        array = np.frombuffer(pyarray.array("q", items), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return None
+    for i in np.flatnonzero((array >> 1) == 0).tolist():
+        if type(items[i]) in _BOOLS:
+            return None
+    return array
 
 
 def _describe_int(value: int) -> str:
