@@ -30,7 +30,7 @@ from ems.kernels.plan import value_pieces
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
-from ems.value_format import HEADER_SIZE, VALUE_LEAD, ExpectedValues, ValueKind, build_headers, checksum, tokens_digest
+from ems.value_format import HEADER_SIZE, VALUE_LEAD, ExpectedValues, ValueKind, build_headers, part_checksum, tokens_digest
 
 ALIGN = 64
 
@@ -240,7 +240,7 @@ def _as_tensor(value: Staging) -> torch.Tensor:
 def encode_range(plan: Plan, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
     """Checksum the staged payloads of values a..b-1 and give them their headers (written in place where the plan
     has room for them): those values as the pool stores them."""
-    headers = build_headers(plan.expected, [checksum([p]) for p in plan.payloads(host, a, b)], a)
+    headers = build_headers(plan.expected, [part_checksum(p) for p in plan.payloads(host, a, b)], a)
     return plan.stored_values(host, headers, a)
 
 

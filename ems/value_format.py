@@ -94,18 +94,23 @@ def checksum(parts: Sequence[Buffer]) -> int:
     """XXH3-64 of the concatenation of `parts` (streamed, no copy). A large single part is hashed with the GIL held
     (`_xxh3_holding_the_gil`); the result is the same."""
     if len(parts) == 1:
-        part = parts[0]
-        if _XXH3_HOLDING_THE_GIL is not None and len(part) >= _GIL_HELD_FROM:
-            try:
-                view = np.frombuffer(part, dtype=np.uint8)  # any contiguous buffer, read-only ones included
-            except (ValueError, TypeError):
-                return xxhash.xxh3_64_intdigest(part)
-            return int(_XXH3_HOLDING_THE_GIL(view.ctypes.data, view.nbytes))  # `view` keeps the buffer alive
-        return xxhash.xxh3_64_intdigest(part)
+        return part_checksum(parts[0])
     hasher = xxhash.xxh3_64()
     for part in parts:
         hasher.update(part)
     return hasher.intdigest()
+
+
+def part_checksum(part: Buffer) -> int:
+    """`checksum([part])`: XXH3-64 of one buffer (a small one straight through xxhash, a large one with the GIL
+    held). The per-value call of every save's encode and every load's verify."""
+    if len(part) < _GIL_HELD_FROM or _XXH3_HOLDING_THE_GIL is None:
+        return xxhash.xxh3_64_intdigest(part)
+    try:
+        view = np.frombuffer(part, dtype=np.uint8)  # any contiguous buffer, read-only ones included
+    except (ValueError, TypeError):
+        return xxhash.xxh3_64_intdigest(part)
+    return int(_XXH3_HOLDING_THE_GIL(view.ctypes.data, view.nbytes))  # `view` keeps the buffer alive
 
 
 def tokens_digest(token_counts: np.ndarray) -> np.ndarray:
@@ -184,7 +189,7 @@ def is_well_formed(value: Buffer) -> bool:
     header = parse_header(value, NODE_VERSIONS)
     if header is None or len(value) != HEADER_SIZE + int(header["payload_len"]):
         return False
-    return checksum([memoryview(value)[HEADER_SIZE:]]) == int(header["checksum"])
+    return part_checksum(memoryview(value)[HEADER_SIZE:]) == int(header["checksum"])
 
 
 def matches(value: Buffer | None, expected: ExpectedValues, i: int) -> bool:
@@ -207,7 +212,7 @@ def valid_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> i
             or value_signature != signature
             or value_digest != digest
             or value_length != length
-            or checksum([memoryview(value)[HEADER_SIZE:]]) != value_checksum
+            or part_checksum(memoryview(value)[HEADER_SIZE:]) != value_checksum
         ):
             return i
     return len(values)
