@@ -32,9 +32,14 @@ Contract:
   bump pointer (`MADV_POPULATE_WRITE`, a system call that runs without the GIL; then the mapping spans the whole
   capacity as reserved address space, `MAP_NORESERVE`). Cost: `prefault_ahead` bytes of memory in use beyond what
   the values use, and one core busy for about as long as it takes to touch them, in the background after start-up;
-  nothing on the caller's path. Arena buffers are recycled like any other buffer (by size); a spare dropped to make
-  room is lost to the arena (its pages go back to the system, `MADV_DONTNEED`), which only happens when value sizes
-  change. The arena's bytes are not charged to the capacity until values use them. 0 and 0 reserve nothing.
+  nothing on the caller's path (it goes in steps of `POPULATE_STEP`: other threads' mmap and munmap, which wait for
+  the mmap lock a populate holds, wait at most one small step). Arena buffers are recycled like any other buffer (by
+  size); a spare dropped to make room is lost to the arena (its pages go back to the system, `MADV_DONTNEED`), which
+  only happens when value sizes change. The arena's bytes are not charged to the capacity until values use them. 0 and 0 reserve nothing.
+* Addresses: the store knows where every buffer it made lies (arena offsets; a spare or an entry keeps its buffer's
+  address), so `allocate_many` returns each buffer's address with it and `get_many_with_addresses` each hit's (None
+  for a buffer handed in by `put_owned`): the embedded jobs address a request's values together without reading each
+  address back (about 0.75 µs a value through ctypes).
 * `on_evict(key, value)` (optional): called with each value evicted to make room (not with overwritten or deleted
   ones), with the store's lock held: it must return at once and never call the store (a pool node's disk tier
   queues the value for writing). While it holds the value, its buffer is not reused.

@@ -234,6 +234,9 @@ class BlockMover:
 
     def _count_load(self, n: int, loaded: int, future: CcFuture | None) -> None:
         job = future.job if future is not None else None
+        if job is not None and loaded < n and job.blocks_total:  # the call returned (a raised one was logged)
+            # the lookup promised these blocks: they were evicted, lost with a node, or failed verification since
+            logger.warning("load of %d promised blocks: the pool served %d, the engine recomputes the rest", n, loaded)
         self.stats.add(
             load_blocks=loaded,
             load_failed_blocks=n - loaded,

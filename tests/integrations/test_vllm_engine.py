@@ -105,6 +105,16 @@ def engine(
         return json.load(f)
 
 
+def ems_log_lines(setup, name: str, last: int = 40) -> str:
+    """The connector's own lines (warnings and errors of `ems` and EmsConnector) in an engine's log: what a failed
+    assertion on its counters shows."""
+    with open(setup["root"] / f"{name}.log") as f:
+        lines = [
+            line.rstrip() for line in f if "ems" in line.lower() and ("WARN" in line or "ERROR" in line or "load of" in line)
+        ]
+    return "\n".join(lines[-last:]) or "(none)"
+
+
 @pytest.fixture(scope="module")
 def reference(setup):
     """Greedy outputs of an engine without the connector."""
@@ -353,7 +363,8 @@ def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
     assert [r["num_cached_tokens"] for r in a["rounds"][0]] == [0, 0]
     assert [r["num_cached_tokens"] for r in b["rounds"][0]] == [(n - 1) // 16 * 16 for n in (100, 70)]
     assert [r["tokens"] for r in b["rounds"][0]] == [r["tokens"] for r in a["rounds"][0]]
-    assert b["stats"]["worker"]["load_blocks"] == (99 // 16 + 69 // 16)
+    worker = b["stats"]["worker"]
+    assert worker["load_blocks"] == (99 // 16 + 69 // 16), f"{worker}; engine B's log:\n{ems_log_lines(setup, 'mla-b')}"
 
 
 def test_tensor_parallel_2_saves_in_one_engine_and_loads_in_another(setup):
