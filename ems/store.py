@@ -35,7 +35,8 @@ Contract:
   nothing on the caller's path (it goes in steps of `POPULATE_STEP`: other threads' mmap and munmap, which wait for
   the mmap lock a populate holds, wait at most one small step). Arena buffers are recycled like any other buffer (by
   size); a spare dropped to make room is lost to the arena (its pages go back to the system, `MADV_DONTNEED`), which
-  only happens when value sizes change. The arena's bytes are not charged to the capacity until values use them. 0 and 0 reserve nothing.
+  only happens when value sizes change. The arena's bytes are not charged to the capacity until values use them. 0
+  and 0 reserve nothing.
 * Addresses: the store knows where every buffer it made lies (arena offsets; a spare or an entry keeps its buffer's
   address), so `allocate_many` returns each buffer's address with it and `get_many_with_addresses` each hit's (None
   for a buffer handed in by `put_owned`): the embedded jobs address a request's values together without reading each
@@ -388,7 +389,7 @@ class KvStore:
                     self._retire(old, known.pop(key, None))
                 entries[key] = value
                 known[key] = address
-                self._used += len(key) + len(value) + ENTRY_OVERHEAD - reserve
+                self._used += self._charge(key, value) - reserve
             self._stats.puts += len(keys)
             self._make_room(0, -1)  # a no-op when every value's reservation was its charge (the usual case)
 
