@@ -394,9 +394,8 @@ def _move_whole_values(planes: PlaneSet, lay: _PieceLayout, table: np.ndarray, f
     start, count, base, _tokens, index = table
     m = count.size
     first_rows = lay.first_rows
-    if first_rows is None or m < max(
-        2, planes.num_planes
-    ):  # fewer values than planes: one op per value is fewer (the general path)
+    # fewer values than planes: one op per value is fewer (the general path)
+    if first_rows is None or m < max(2, planes.num_planes):
         return None
     c = int(count[0])
     step = int(base[1] - base[0])
