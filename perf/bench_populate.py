@@ -7,7 +7,8 @@ arena is faulted in `--ahead` bytes ahead in the background (what the embedded p
 and its main thread meanwhile allocates, touches and frees 1 MiB numpy arrays (each an mmap and a munmap, as an
 engine's or UCX's large allocations are) until the populate is done. Rows: the allocations' median, 99th percentile
 and worst wait, and the populate's own rate; rounds interleave the steps (the host is shared): each figure is the
-median over rounds, worst and rate with their range (both swing with the kernel's supply of huge pages). A plot goes to perf/populate.png; the table and the command are appended to perf/RESULTS.md.
+median over rounds, worst and rate with their range (both swing with the kernel's supply of huge pages). A plot goes
+to perf/populate.png; the table and the command are appended to perf/RESULTS.md.
 
 Why it matters: MADV_POPULATE_WRITE holds the process's mmap lock for a whole call, and mmap/munmap wait for it, so
 with 32 MiB steps an engine's allocation right after `Ems.init` could wait a whole step (hundreds of ms on these VMs).
