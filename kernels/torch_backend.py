@@ -400,13 +400,7 @@ def _move_whole_values(planes: PlaneSet, lay: _PieceLayout, table: np.ndarray, f
     c = int(count[0])
     step = int(base[1] - base[0])
     length = c * int(lay.rbytes[0])
-    if (
-        step < planes.num_planes * length
-        or index.any()
-        or not (table[[1, 3]] == c).all()
-        or int(base[-1] - base[0]) != step * (m - 1)
-        or not (np.diff(base) == step).all()
-    ):
+    if step < planes.num_planes * length or index.any() or not (table[[1, 3]] == c).all() or not (np.diff(base) == step).all():
         return None
     first = int(base[0])
     width = _widest([math.gcd(lay.unit, first, step), length, int(flat.data_ptr())])
