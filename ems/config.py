@@ -361,7 +361,8 @@ def resolve_settings(config: EmsConfig) -> Settings:
     try:
         backend = KernelBackend(str(backend_value).lower())
     except ValueError:
-        raise invalid_argument(f"kernel_backend must be one of auto, triton, torch, memcpy, got {backend_value!r}") from None
+        choices = ", ".join(k.value for k in KernelBackend)
+        raise invalid_argument(f"kernel_backend must be one of {choices}, got {backend_value!r}") from None
     device = _setting(config.device, "EMS_DEVICE", None)
     if device is not None and not isinstance(device, str):
         raise invalid_argument(f"device must be a device string such as 'cpu' or 'npu:0', got {device!r}")

@@ -146,7 +146,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shared-blocks", type=int, default=32, help="blocks of the system prompt every request shares")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--device", default="cpu", help="cpu, cuda:0 or npu:0")
-    p.add_argument("--kernel-backend", default=None, help="auto, triton, torch or memcpy (default: EMS_KERNEL_BACKEND or auto)")
+    p.add_argument(
+        "--kernel-backend", default=None, help="auto, triton, host, torch or memcpy (default: EMS_KERNEL_BACKEND or auto)"
+    )
     p.add_argument("--pool-capacity", default="2GiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")

@@ -62,7 +62,7 @@ from ems.store import ENTRY_OVERHEAD, KvStore
 from ems.transport.base import TransportError
 from ems.transport.protocol import RequestLimits, key_lens
 from ems.types import CcKvOption
-from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, part_checksum, valid_prefix
+from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, payload_checksums, valid_prefix
 
 PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
 FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
@@ -281,8 +281,11 @@ def write_headers(buffers: list[np.ndarray], plan: Plan) -> None:
     the last ones read) and write its header in place."""
     expected, count = plan.expected, len(buffers)
     kind, signature, pack = int(expected.kind), expected.layout_sig, header_struct.pack_into
-    for buffer, digest, length in zip(buffers, expected.tokens_digest[:count].tolist(), expected.payload_len[:count].tolist()):
-        pack(buffer, 0, MAGIC, VERSION, kind, signature, digest, length, part_checksum(buffer[HEADER_SIZE:]))
+    sums = payload_checksums(buffers)
+    for buffer, digest, length, checksum in zip(
+        buffers, expected.tokens_digest[:count].tolist(), expected.payload_len[:count].tolist(), sums
+    ):
+        pack(buffer, 0, MAGIC, VERSION, kind, signature, digest, length, checksum)
 
 
 class PipelinedSave:

@@ -41,8 +41,9 @@ from ems.kernels.raw_memory import host_array, raw_tensor
 class KernelBackend(str, enum.Enum):
     """Which implementation moves the bytes (`EMS_KERNEL_BACKEND`)."""
 
-    AUTO = "auto"  # Triton on cuda/npu, torch on CPU
+    AUTO = "auto"  # Triton on cuda/npu; on CPU the compiled host loop where it builds, else torch
     TRITON = "triton"  # Triton kernels; on CPU tensors this is the (slow) Triton interpreter
+    HOST = "host"  # one compiled C loop per request (CPU only; host_backend.py)
     TORCH = "torch"  # vectorised torch indexing
     MEMCPY = "memcpy"  # one copy per (block or run, plane), as engines without kernels do it
 
@@ -178,7 +179,7 @@ Staging = torch.Tensor | np.ndarray
 class CopyBackend(abc.ABC):
     """Moves token rows between a `PlaneSet` and value-major staging (and raw segments) on the same device."""
 
-    #: the name shown in logs and in the demo's table, e.g. "triton", "torch", "memcpy"
+    #: the name shown in logs and in the demo's table, e.g. "triton", "host", "torch", "memcpy"
     name: str = "abstract"
     #: device operations (kernel launches, copies, plan-table uploads) this backend has queued so far; perf
     #: scripts read differences of it. Counting only: never used for control flow.

@@ -6,8 +6,9 @@ request):
 
 | requested | cuda / npu | cpu |
 |---|---|---|
-| auto | triton if `triton` imports, else torch (one warning) | torch (the CPU production path) |
+| auto | triton if `triton` imports, else torch (one warning) | host where its C library builds, else torch |
 | triton | triton; RuntimeError if `triton` cannot be imported | the Triton interpreter (*) |
+| host | RuntimeError (CPU only) | host; RuntimeError if its C library cannot be built |
 | torch | torch | torch |
 | memcpy | memcpy | memcpy |
 
@@ -25,6 +26,8 @@ import logging
 import torch
 
 from ems.kernels.base import CopyBackend, KernelBackend
+from ems.kernels.host_backend import HostBackend
+from ems.kernels.host_copy import host_copy
 from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.torch_backend import TorchBackend
 
@@ -41,6 +44,13 @@ def _make(device: torch.device, kind: KernelBackend) -> CopyBackend:
         return TorchBackend()
     if kind == KernelBackend.MEMCPY:
         return MemcpyBackend()
+    if kind == KernelBackend.HOST:
+        if device.type != "cpu":
+            raise RuntimeError(f"kernel backend 'host' copies CPU tensors only, not {device}")
+        library = host_copy()
+        if library is None:
+            raise RuntimeError("kernel backend 'host' requested but its C library cannot be built here (see the log)")
+        return HostBackend(library)
     if kind == KernelBackend.TRITON:
         if not triton_importable():
             raise RuntimeError(
@@ -57,6 +67,10 @@ def _make(device: torch.device, kind: KernelBackend) -> CopyBackend:
 
             return TritonBackend(device)
         log.warning("no triton module installed: %s uses the torch copy path (slower, more device ops)", device)
+    elif device.type == "cpu":
+        library = host_copy()
+        if library is not None:
+            return HostBackend(library)
     return TorchBackend()
 
 

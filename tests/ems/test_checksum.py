@@ -28,3 +28,49 @@ def test_every_buffer_kind_hashes_as_xxhash_does(size, offset, seed):
         assert checksum([part]) == expected
     half = size // 2
     assert checksum([data[:half], data[half:]]) == expected  # streamed parts: the same digest
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 33, 4096, _GIL_HELD_FROM + 3, 600_000]), min_size=0, max_size=12),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_payload_checksums_batch_hashes_each_payload_as_xxhash_does(sizes, seed):
+    """The one-call batch (`payload_checksums`, the C loop over xxhash's own function, GIL held or released by the
+    batch's size) gives each value's payload digest, whatever kind of buffer each value is."""
+    from ems.value_format import HEADER_SIZE, payload_checksums
+
+    rng = np.random.default_rng(seed)
+    kinds = [lambda a: a, memoryview, lambda a: a.tobytes(), lambda a: memoryview(a).toreadonly(), bytearray]
+    values = [kinds[i % len(kinds)](rng.integers(0, 256, HEADER_SIZE + n, dtype=np.uint8)) for i, n in enumerate(sizes)]
+    expected = [xxhash.xxh3_64_intdigest(bytes(memoryview(v)[HEADER_SIZE:])) for v in values]
+    assert payload_checksums(values) == expected
+
+
+def test_valid_prefix_stops_at_the_first_damaged_payload_of_a_batch():
+    """A load's verify hashes its values in one batch; a damaged byte in any value ends the prefix there."""
+    from ems.value_format import (
+        HEADER_SIZE,
+        MAGIC,
+        VERSION,
+        ExpectedValues,
+        ValueKind,
+        header_struct,
+        payload_checksums,
+        valid_prefix,
+    )
+
+    rng = np.random.default_rng(7)
+    n, length = 9, 200_000
+    digests = np.arange(1, n + 1, dtype=np.uint64)
+    expected = ExpectedValues(ValueKind.BLOCKS_V1, 0xABC, digests, np.full(n, length, dtype=np.int64))
+    values = [rng.integers(0, 256, HEADER_SIZE + length, dtype=np.uint8) for _ in range(n)]
+    for value, digest, checksum_ in zip(values, digests.tolist(), payload_checksums(values)):
+        header_struct.pack_into(value, 0, MAGIC, VERSION, int(ValueKind.BLOCKS_V1), 0xABC, digest, length, checksum_)
+    assert valid_prefix(values, expected) == n
+    for damaged in (0, 4, n - 1):
+        copy = [v.copy() for v in values]
+        copy[damaged][HEADER_SIZE + 12345] ^= 1
+        assert valid_prefix(copy, expected) == damaged
+    values[3] = values[3][:-1]  # a short value ends the prefix before any hashing
+    assert valid_prefix(values, expected) == 3

@@ -171,7 +171,7 @@ def test_v0_value_loads_into_differently_split_buffers(cc):
     assert bytes_equal(dst2, before2)
 
 
-@pytest.mark.parametrize("backend", ["torch", "memcpy"])
+@pytest.mark.parametrize("backend", ["host", "torch", "memcpy"])
 def test_forced_kernel_backends_roundtrip(backend):
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend))
     cc = Ems.get_cc()
@@ -296,7 +296,7 @@ def test_strided_views_roundtrip(backend):
     assert bytes_equal(base_k[:, :, 3], outside_k[:, :, 3]) and bytes_equal(base_v[:, 4], outside_v[:, 4])
 
 
-@pytest.mark.parametrize("backend", ["torch", "memcpy"])
+@pytest.mark.parametrize("backend", ["host", "torch", "memcpy"])
 @pytest.mark.parametrize("mode", ["inference_mode", "requires_grad"])
 def test_caches_allocated_as_engines_do_round_trip(mode, backend):
     """vLLM-style caches: allocated under torch.inference_mode(), or leaf tensors that require grad."""

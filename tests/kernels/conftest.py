@@ -1,4 +1,4 @@
-"""Kernel tests: every backend (Triton interpreter, torch, memcpy) on CPU tensors.
+"""Kernel tests: every backend (Triton interpreter, compiled host loop, torch, memcpy) on CPU tensors.
 
 TRITON_INTERPRET=1 must be in the environment before the first Triton kernel of the process is defined (the
 kernels are built lazily, at first use), so it is set here, at the top, before anything imports ems. This also
@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from ems.kernels.base import CopyBackend
+from ems.kernels.host_backend import HostBackend
+from ems.kernels.host_copy import host_copy
 from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.select import triton_importable
 from ems.kernels.torch_backend import TorchBackend
@@ -29,8 +31,16 @@ def _triton() -> CopyBackend:
     return TritonBackend(torch.device("cpu"))
 
 
+def _host() -> CopyBackend:
+    library = host_copy()
+    if library is None:
+        pytest.fail("the compiled host copy did not build (a C compiler is on every CI machine)")
+    return HostBackend(library)
+
+
 FACTORIES: dict[str, Callable[[], CopyBackend]] = {
     "triton": _triton,
+    "host": _host,
     "torch": TorchBackend,
     "memcpy": MemcpyBackend,
 }

@@ -19,8 +19,9 @@ CPU = torch.device("cpu")
 needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
 
 
-def test_auto_on_cpu_is_torch() -> None:
-    assert get_backend(CPU).name == "torch"
+def test_auto_on_cpu_is_the_host_loop() -> None:
+    assert get_backend(CPU).name == "host"
+    assert get_backend(CPU, KernelBackend.HOST).name == "host"
     assert get_backend(CPU, KernelBackend.TORCH).name == "torch"
     assert get_backend(CPU, KernelBackend.MEMCPY).name == "memcpy"
     assert get_backend(CPU) is get_backend(CPU, KernelBackend.AUTO)  # cached
@@ -158,3 +159,43 @@ def test_host_array_views_a_cpu_tensor_as_numpy_does() -> None:
             assert view.ctypes.data == tensor.data_ptr() and view.strides == tensor.numpy().strides
     with pytest.raises(ValueError, match="byte or int dtype"):
         host_array(torch.zeros(3))
+
+
+def test_auto_on_cpu_falls_back_to_torch_without_the_host_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C library (no compiler, or EMS_HOST_COPY=off): AUTO copies with torch, HOST says why it cannot."""
+    from ems.kernels import host_copy
+
+    monkeypatch.setenv("EMS_HOST_COPY", "off")
+    host_copy.host_copy.cache_clear()
+    get_backend.cache_clear()
+    try:
+        assert get_backend(CPU).name == "torch"
+        with pytest.raises(RuntimeError, match="host"):
+            get_backend(CPU, KernelBackend.HOST)
+    finally:
+        monkeypatch.delenv("EMS_HOST_COPY")
+        host_copy.host_copy.cache_clear()
+        get_backend.cache_clear()
+
+
+def test_host_loop_builds_into_a_fresh_cache(tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh cache directory gets the library built once; a second process start loads the same file."""
+    from ems.kernels import host_copy
+
+    monkeypatch.setenv("EMS_CACHE_DIR", str(tmp_path))
+    host_copy.host_copy.cache_clear()
+    try:
+        library = host_copy.host_copy()
+        assert library is not None and library.path.parent == tmp_path
+        built = sorted(p.name for p in tmp_path.iterdir())
+        assert built == [library.path.name]  # no temporary file left behind
+        host_copy.host_copy.cache_clear()
+        again = host_copy.host_copy()
+        assert again is not None and again.path == library.path
+    finally:
+        host_copy.host_copy.cache_clear()
+
+
+def test_host_backend_refuses_other_devices() -> None:
+    with pytest.raises(RuntimeError, match="CPU tensors only"):
+        get_backend(torch.device("meta"), KernelBackend.HOST)

@@ -1,0 +1,85 @@
+"""The compiled host path: every piece of a CPU request in one C call (`host_copy`), the CPU default where it builds.
+
+Contract: `HostBackend` implements `CopyBackend` (base.py) for CPU planes and staging. A gather or scatter of pieces
+is ONE call whatever the number of pieces, planes and piece lengths (`ops_issued` counts calls); raw V0 segments
+are one call too. Planes may differ in row size and dtype (MLA with split K/V), and rows may be strided inside a
+block: bytes move as they are, by address, so every dtype (fp8 included) is copied bit for bit. A call keeps the
+GIL when it moves less than `host_copy.GIL_HELD_BELOW` bytes and releases it otherwise (see `host_copy`). Per-plane
+addresses and strides are computed once per `PlaneSet` and kept on it.
+
+Why: the torch path issues an op per (piece length, plane) or per few hundred rows, each holding the GIL and
+giving it away between ops, and runs at 5-8 GB/s on this path's many 64 KiB spans; one memcpy loop runs at the
+host's copy speed (perf/RESULTS.md, "The compiled host copy").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, Staging, check_pieces
+from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses, address
+from ems.kernels.raw_memory import host_array
+
+
+def _plane_addresses(planes: PlaneSet) -> PlaneAddresses:
+    cached: PlaneAddresses | None = planes.__dict__.get("_host_plane_addresses")
+    if cached is None:
+        cached = PlaneAddresses(
+            [int(p.data_ptr()) for p in planes.planes],
+            list(planes.block_stride_bytes),
+            list(planes.slot_stride_bytes),
+            list(planes.plane_offsets),
+            list(planes.plane_row_bytes),
+            planes.block_size,
+        )
+        planes.__dict__["_host_plane_addresses"] = cached  # lives and dies with the PlaneSet
+    return cached
+
+
+def _staging_address(flat: Staging) -> int:
+    return address(flat) if isinstance(flat, np.ndarray) else int(flat.data_ptr())
+
+
+class HostBackend(CopyBackend):
+    name = "host"
+
+    def __init__(self, library: HostCopy) -> None:
+        self.library = library
+        self.ops_issued = 0
+
+    def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: Staging, gather: bool) -> None:
+        if planes.device.type != "cpu":
+            raise ValueError(f"the host backend copies CPU tensors only, not {planes.device}")
+        table, flat = check_pieces(planes, pieces, stage, "out" if gather else "src")
+        m = table.shape[1]
+        if m == 0:
+            return
+        if table.strides[1] != 8:
+            table = np.ascontiguousarray(table)
+        # the bytes moved decide the GIL; a sum over a long table would itself give the GIL away (numpy releases
+        # it from 500 elements on), and a table that long moves far more than the threshold anyway
+        nbytes = GIL_HELD_BELOW if m >= 500 else int(table[1].sum()) * planes.token_bytes
+        self.library.move_pieces(table, _plane_addresses(planes), _staging_address(flat), gather, nbytes)
+        self.ops_issued += 1
+
+    _host_pieces = _pieces  # numpy staging as it is: the C loop takes an address
+
+    def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, flat: torch.Tensor, gather: bool) -> None:
+        if flat.device.type != "cpu":
+            raise ValueError(f"the host backend copies CPU tensors only, not {flat.device}")
+        ptrs, lengths = ptrs.to("cpu", torch.int64).contiguous(), lengths.to("cpu", torch.int64).contiguous()
+        p, n = host_array(ptrs), host_array(lengths)  # views: the tensors above stay alive through the call
+        if p.shape != n.shape or p.ndim != 1:
+            raise ValueError(f"ptrs and lengths must be int64 [S] alike, got {tuple(p.shape)} and {tuple(n.shape)}")
+        total = int(n.sum())
+        if int(n.min(initial=0)) < 0 or total > flat.numel():
+            raise ValueError(f"segments of {total} bytes do not fit a staging buffer of {flat.numel()} bytes")
+        self.library.move_segments(p, n, int(flat.data_ptr()), gather, total)
+        self.ops_issued += 1
+
+    def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, out, gather=True)
+
+    def scatter_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor) -> None:
+        self._segments(ptrs, lengths, src, gather=False)

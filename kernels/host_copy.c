@@ -1,0 +1,65 @@
+/* Host-memory moves of the CPU copy path, in one call each (kernels/host_copy.py builds and loads this file).
+
+   No Python here: the loader calls these through ctypes, holding the GIL for a small move and releasing it for a
+   large one, so that a move of many pieces costs one call (and beside a busy Python thread at most one wait for
+   the GIL) instead of one numpy or torch op per piece length and plane.
+
+   Every address and length was validated by the caller (kernels/base.py `check_pieces`, the value format's
+   lengths): nothing here checks bounds. Source and destination ranges never overlap (cache vs staging). */
+
+#include <stdint.h>
+#include <string.h>
+
+/* Pieces between a PlaneSet's planes and value-major staging (kernels/base.py).
+
+   table: int64 [5][stride] (row r at table + r * stride), its first m columns used: start slot, count, base,
+       value tokens, index in value.
+   plane_addr, block_stride, slot_stride, plane_offset, row_bytes: int64 [planes], bytes (plane_offset: the
+       plane's row offset inside one staging token).
+   Plane p's rows of piece i: cache  plane_addr[p] + (start / block_size) * block_stride[p]
+                                     + (start % block_size + k) * slot_stride[p]
+                              staging flat + base + tokens * plane_offset[p] + (index + k) * row_bytes[p],
+   k < count: one memcpy of count * row_bytes[p] where the plane's rows are contiguous in a block, else one per row.
+   Pieces outer, planes inner: a value's plane-major staging part is walked front to back. */
+void ems_move_pieces(const int64_t *table, int64_t m, int64_t stride, const int64_t *plane_addr,
+                     const int64_t *block_stride, const int64_t *slot_stride, const int64_t *plane_offset,
+                     const int64_t *row_bytes, int64_t planes, int64_t block_size, int64_t flat, int32_t gather) {
+    const int64_t *start = table, *count = table + stride, *base = table + 2 * stride;
+    const int64_t *tokens = table + 3 * stride, *index = table + 4 * stride;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t block = start[i] / block_size, within = start[i] % block_size, c = count[i];
+        for (int64_t p = 0; p < planes; p++) {
+            const int64_t r = row_bytes[p], step = slot_stride[p];
+            char *cache = (char *)(intptr_t)(plane_addr[p] + block * block_stride[p] + within * step);
+            char *stage = (char *)(intptr_t)(flat + base[i] + tokens[i] * plane_offset[p] + index[i] * r);
+            if (step == r) {
+                if (gather) memcpy(stage, cache, (size_t)(c * r));
+                else memcpy(cache, stage, (size_t)(c * r));
+                continue;
+            }
+            for (int64_t k = 0; k < c; k++, cache += step, stage += r) {
+                if (gather) memcpy(stage, cache, (size_t)r);
+                else memcpy(cache, stage, (size_t)r);
+            }
+        }
+    }
+}
+
+/* Raw segments (V0 KvBufferWrapper ranges): flat[sum(lengths[:i]) : ... + lengths[i]] <-> bytes at ptrs[i]. */
+void ems_move_segments(const int64_t *ptrs, const int64_t *lengths, int64_t n, int64_t flat, int32_t gather) {
+    char *position = (char *)(intptr_t)flat;
+    for (int64_t i = 0; i < n; i++) {
+        char *segment = (char *)(intptr_t)ptrs[i];
+        if (gather) memcpy(position, segment, (size_t)lengths[i]);
+        else memcpy(segment, position, (size_t)lengths[i]);
+        position += lengths[i];
+    }
+}
+
+/* out[i] = hash(bytes at ptrs[i], lengths[i]) for i < n, `hash` being the xxhash extension's own XXH3_64bits
+   (its address is passed in: the digests are xxhash's, bit for bit). */
+typedef uint64_t (*ems_hash_fn)(const void *, size_t);
+
+void ems_hash_many(ems_hash_fn hash, const int64_t *ptrs, const int64_t *lengths, uint64_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = hash((const void *)(intptr_t)ptrs[i], (size_t)lengths[i]);
+}
