@@ -35,6 +35,7 @@ from ems.buffers import Buffer, copy_bytes, populate_in_background
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, shm
+from ems.transport.shm_channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
 
 if TYPE_CHECKING:
     from ems.transport.ucx import UcxNode
@@ -59,6 +60,7 @@ class ClientRegion:
     ep: Any
     array: np.ndarray
     allocator: shm.RangeAllocator
+    channel: ClientChannel | None = None  # the hand-over socket, kept for this region's requests (shm_channel.py)
 
     def __post_init__(self) -> None:
         self.base = int(self.array.ctypes.data)
@@ -171,7 +173,7 @@ class ShmClient:
         """Forget the region (its connection is being dropped): unmapped once no lease of it is held any more."""
         region, self._region = self._region, None
         if region is not None:
-            region.allocator.poison()
+            _retire(region)
 
     # ---- machinery ----
 
@@ -195,10 +197,17 @@ class ShmClient:
             reply, body = _request(ex, rid, op, count=count, meta=meta)
             return bytes(body[: reply.meta_len])
 
+        channel = region.channel
         try:
-            result = self.node._call(run, deadline)
+            if channel is not None and channel.lock.acquire(blocking=False):
+                try:
+                    result = self._over_channel(region, channel, op, meta, count, deadline)
+                finally:
+                    channel.lock.release()
+            else:  # no channel, or another call holds it: this one goes over UCX
+                result = self.node._call(run, deadline)
         except BaseException:
-            region.allocator.poison()
+            _retire(region)
             if self._region is region:
                 self._region = None
             raise
@@ -206,11 +215,33 @@ class ShmClient:
             region.allocator.free(taken)
         return result
 
+    def _over_channel(
+        self, region: ClientRegion, channel: ClientChannel, op: int, meta: bytes, count: int, deadline: Deadline
+    ) -> Any:
+        """One request over the region's channel; its reply meta, or _STALE when the region's connection is no longer
+        the current one. Any failure drops the connection, as a failed UCX request does (`UcxNode._fail`)."""
+        from ems.transport.ucx import Failure  # (ucx imports this module)
+
+        node = self.node
+        if node._conn is not region.ep:
+            return _STALE
+        try:
+            return channel.request(op, count, meta, deadline.at)
+        except ChannelTimeout:
+            error = node._fail(region.ep, EmsErrorCode.EMS_IO_TIMEOUT, "no answer within the call's deadline")
+        except ChannelRefused as refused:
+            error = node._fail(region.ep, EmsErrorCode.EMS_IO_ERROR, str(refused), Failure.REFUSED)
+        except (ChannelClosed, OSError) as lost:
+            error = node._fail(region.ep, EmsErrorCode.EMS_IO_ERROR, f"shared-memory channel lost: {lost}")
+        except protocol.ProtocolError as malformed:
+            error = node._fail(region.ep, EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {malformed}")
+        raise error
+
     def _malformed(self, message: str) -> Exception:
         from ems.transport.base import TransportError
 
         if self._region is not None:
-            self._region.allocator.poison()
+            _retire(self._region)
             self._region = None
         self.node.close()
         return TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.node.address}: malformed reply: {message}")
@@ -246,23 +277,35 @@ class ShmClient:
             self._no_region_on = ep
             return None
         try:
-            array = _receive_region(offer, min(HANDOVER_TIMEOUT_S, deadline.left()))
+            array, sock = _receive_region(offer, min(HANDOVER_TIMEOUT_S, deadline.left()))
         except (OSError, ValueError) as error:
             log.info("%s: no shared memory (using UCX): %s", self.node.address, error)
             self._no_region_on = ep
             return None
         populate_in_background(array, populate_mib << 20, "ems-shm-prefault")  # the node populates as much
-        region = ClientRegion(ep, array, shm.RangeAllocator(array.nbytes))
+        region = ClientRegion(ep, array, shm.RangeAllocator(array.nbytes), ClientChannel(sock))
         self._last_allocator = region.allocator
-        self._region = region
+        previous_region, self._region = self._region, region
+        if previous_region is not None:  # an older connection's: nothing of it is used again
+            _retire(previous_region)
         return region
 
 
-def _receive_region(offer: shm.OpenReply, timeout_s: float) -> np.ndarray:
-    """Present the token on the node's Unix socket and map the descriptor it hands over."""
+def _retire(region: ClientRegion) -> None:
+    """Nothing of `region` is handed out or asked over its channel again (leases still held keep its mapping)."""
+    region.allocator.poison()
+    if region.channel is not None:
+        region.channel.close()
+
+
+def _receive_region(offer: shm.OpenReply, timeout_s: float) -> tuple[np.ndarray, socket.socket]:
+    """Present the token on the node's Unix socket and map the descriptor it hands over; the socket stays open as
+    the region's request channel."""
     if not offer.socket_name.startswith(b"\0"):
         raise ValueError("the node's socket is not an abstract one")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    fds: list[int] = []
+    try:
         sock.settimeout(max(0.01, timeout_s))
         sock.connect(offer.socket_name)
         pid, _uid = shm.peer_credentials(sock)
@@ -270,13 +313,16 @@ def _receive_region(offer: shm.OpenReply, timeout_s: float) -> np.ndarray:
             raise ValueError(f"the socket's peer is pid {pid}, not the node's pid {offer.node_pid}")
         sock.sendall(offer.token)
         message, fds, _flags, _addr = socket.recv_fds(sock, 1, 4)
-    try:
         if message != b"\1" or len(fds) != 1:
             raise ValueError("the node refused the mapping")
-        return shm.map_region(fds[0], offer.region_bytes)
+        array = shm.map_region(fds[0], offer.region_bytes)
+    except BaseException:
+        sock.close()
+        raise
     finally:
         for fd in fds:
             os.close(fd)
+    return array, sock
 
 
 def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequence[int]) -> list[int] | None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ems.buffers import populate_in_background
-from ems.transport import protocol, shm
+from ems.transport import protocol, shm, shm_channel
 
 if TYPE_CHECKING:
     from ems.transport.node_handlers import NodeHandlers, RequestChannel
@@ -54,6 +54,9 @@ class _Region:
     expires: float
     closing: bool = False
     populate_bytes: int = 0  # what the client stated it populates (SHM_OPEN's count, in MiB)
+    prefix: bytes = b""  # the connection's tenant namespace (its channel's requests are served under it)
+    channel: socket.socket | None = None  # the hand-over socket, kept as the region's request channel ...
+    channel_task: asyncio.Task | None = None  # ... and the task serving it
 
     def close_fd(self) -> None:
         if self.fd >= 0:
@@ -74,6 +77,7 @@ class ShmService:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._handovers: set[asyncio.Task] = set()
+        self._channels: set[asyncio.Task] = set()  # one per region whose client kept its hand-over socket
 
     # ---- life cycle ----
 
@@ -95,7 +99,7 @@ class ShmService:
     def stop(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
-        for task in list(self._handovers):
+        for task in list(self._handovers) + list(self._channels):
             task.cancel()
         if self._listener is not None:
             self._listener.close()
@@ -112,6 +116,11 @@ class ShmService:
             region.token = None
         region.close_fd()
         region.closing = True
+        if region.channel_task is not None:  # (cancelled, it closes the socket: never closed under a pending read)
+            region.channel_task.cancel()
+        elif region.channel is not None:
+            region.channel.close()
+        region.channel = None
         self._bytes -= region.array.nbytes
 
     # ---- requests ----
@@ -122,7 +131,7 @@ class ShmService:
         if header.data_len:
             raise protocol.ProtocolError("shared-memory requests carry no data frames")
         if header.op == protocol.Op.SHM_OPEN:
-            await self._open(channel, shm.decode_open(await channel.meta()))
+            await self._open(channel, shm.decode_open(await channel.meta()), prefix)
             return 0
         region = self._regions.get(channel.conn)
         if region is None:
@@ -133,7 +142,7 @@ class ShmService:
             return await self._put(channel, region, keys, request)
         return await self._get(channel, region, keys, request)
 
-    async def _open(self, channel: RequestChannel, creds: tuple[int, int]) -> None:
+    async def _open(self, channel: RequestChannel, creds: tuple[int, int], prefix: bytes) -> None:
         conn = channel.conn
         self.forget(conn)  # a connection has at most one region
         size = self.settings.region_bytes
@@ -148,6 +157,7 @@ class ShmService:
                 token = secrets.token_bytes(shm.TOKEN_BYTES)
                 region = _Region(conn, fd, array, creds[0], creds[1], token, time.monotonic() + TOKEN_TTL_S)
                 region.populate_bytes = channel.header.count << 20  # see shm.py; done once the client has mapped it
+                region.prefix = prefix
                 self._regions[conn] = region
                 self._tokens[token] = region
                 self._bytes += array.nbytes
@@ -235,6 +245,7 @@ class ShmService:
 
     async def _hand_over(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        kept = False  # the socket became the region's channel
         try:
             sock.setblocking(False)
             token = b""
@@ -260,10 +271,45 @@ class ShmService:
             # as much of the node's mapping as the client populates of its own (shm.py): only now that a client
             # holds the region, so that a connection which only asks for one commits no memory
             populate_in_background(region.array, region.populate_bytes, "ems-shm-prefault")
+            # the socket stays open as the region's request channel (shm_channel.py)
+            region.channel, kept = sock, True
+            task = region.channel_task = asyncio.ensure_future(self._serve_channel(sock, region))
+            self._channels.add(task)
+            task.add_done_callback(self._channels.discard)
         except (OSError, asyncio.TimeoutError) as error:
             log.info("shared-memory hand-over failed: %r", error)
         finally:
+            if not kept:
+                sock.close()
+
+    async def _serve_channel(self, sock: socket.socket, region: _Region) -> None:
+        """Serve a region's channel until its client closes it, it sends something malformed, a request is
+        refused, or the region's connection ends (`forget` closes the socket)."""
+        from ems.transport.node_handlers import Refusal  # (node_handlers imports this module)
+
+        peer = region.conn.peer
+        try:
+            while not region.closing:
+                request = await shm_channel.read_request(sock)
+                if request is None:
+                    return
+                header, meta = request
+                channel = shm_channel.NodeChannel(sock, header, region.conn, meta)
+                try:
+                    await self.handlers.serve(channel, region.prefix)
+                except Refusal as refusal:
+                    log.warning("refused a shared-memory request from %s: %s", peer, refusal)
+                    await channel.reply(header.op, meta=str(refusal).encode(), status=protocol.Status.BAD_REQUEST)
+                    return
+        except protocol.ProtocolError as error:
+            log.warning("closing the shared-memory channel of %s: malformed request: %s", peer, error)
+        except (OSError, ConnectionError) as error:
+            if not region.closing:
+                log.info("shared-memory channel of %s ended: %r", peer, error)
+        finally:
             sock.close()
+            if region.channel is sock:
+                region.channel = None
 
 
 def _refusal(region: _Region | None, pid: int, uid: int) -> str | None:

@@ -329,3 +329,93 @@ def test_connect_opens_the_region_and_populates_it_before_the_first_call(shared_
         assert _resident_pages(fresh.array, want) <= (1 << 20) // 4096
     finally:
         node.close()
+
+
+class _ChannelSpy:
+    """Counts the requests a client sends over its region's channel and over UCX (the real paths run)."""
+
+    def __init__(self, node, monkeypatch) -> None:
+        from ems.transport import shm_channel
+
+        self.channel = 0
+        self.ucx = 0
+        real_request, real_call = shm_channel.ClientChannel.request, node._call
+
+        def request(channel, *args, **kwargs):
+            self.channel += 1
+            return real_request(channel, *args, **kwargs)
+
+        def call(*args, **kwargs):
+            self.ucx += 1
+            return real_call(*args, **kwargs)
+
+        monkeypatch.setattr(shm_channel.ClientChannel, "request", request)
+        monkeypatch.setattr(node, "_call", call)
+
+
+def test_requests_travel_on_the_region_channel_not_on_ucx(shared_node, node_clients, monkeypatch):
+    """Once the region is open, a same-host put and get are one request each on the region's socket: no UCX post."""
+    node = node_clients(shared_node.address)
+    assert node.put([b"warm"], [_value(100, 1)], 5.0) == [True]
+    assert _region(node).channel is not None
+    spy = _ChannelSpy(node, monkeypatch)
+    values = [_value(300_000, seed=i) for i in range(5)]
+    keys = [b"chan-%d" % i for i in range(5)]
+    assert node.put(keys, values, 5.0) == [True] * 5
+    outs = [np.empty(len(joined(v)), np.uint8) for v in values]
+    assert node.get_into(keys + [b"chan-missing"], outs + [np.empty(10, np.uint8)], 5.0) == [True] * 5 + [False]
+    assert [o.tobytes() for o in outs] == [joined(v) for v in values]
+    assert (spy.channel, spy.ucx) == (2, 0)
+
+
+def test_a_busy_channel_sends_the_next_call_over_ucx(shared_node, node_clients, monkeypatch):
+    """Calls in flight at once share the region: the one that finds the channel taken posts its request on UCX."""
+    node = node_clients(shared_node.address)
+    assert node.put([b"warm2"], [_value(100, 2)], 5.0) == [True]
+    channel = _region(node).channel
+    spy = _ChannelSpy(node, monkeypatch)
+    assert channel.lock.acquire(blocking=False)
+    try:
+        assert node.put([b"side"], [_value(70_000, 3)], 5.0) == [True]
+        out = np.empty(len(joined(_value(70_000, 3))), np.uint8)
+        assert node.get_into([b"side"], [out], 5.0) == [True] and out.tobytes() == joined(_value(70_000, 3))
+    finally:
+        channel.lock.release()
+    assert (spy.channel, spy.ucx) == (0, 2)
+    assert _region(node).channel is channel  # still the region's channel, used again once free
+    assert node.get_into([b"side"], [out], 5.0) == [True] and spy.channel == 1
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"\x00" * 32,  # not a header
+        "open",  # a well-formed header of an op the channel does not carry
+        "huge",  # a header announcing a meta past the protocol's limit
+    ],
+    ids=["zeros", "open", "huge"],
+)
+def test_junk_on_the_channel_closes_it_and_the_client_recovers(shared_node, node_clients, junk):
+    """A client that writes anything but an SHM_GET / SHM_PUT on its channel loses the channel (and its connection,
+    at its next call); the node keeps serving, and the client's next connection has a working region."""
+    from ems.transport import protocol
+
+    node = node_clients(shared_node.address)
+    assert node.put([b"j"], [_value(5000, 4)], 5.0) == [True]
+    old = _region(node)
+    if junk == "open":
+        junk = protocol.pack_header(protocol.Op.SHM_OPEN, request_id=1).tobytes()
+    elif junk == "huge":
+        junk = protocol.pack_header(protocol.Op.SHM_GET, count=1, meta_len=protocol.MAX_META_BYTES + 1, request_id=1).tobytes()
+    old.channel._sock.setblocking(True)
+    old.channel._sock.sendall(junk)
+    old.channel._sock.setblocking(False)
+    time.sleep(0.2)
+    with pytest.raises(TransportError):
+        node.get_into([b"j"], [np.empty(len(joined(_value(5000, 4))), np.uint8)], 2.0)
+    assert old.allocator.poisoned and old.channel.closed
+    time.sleep(0.6)  # past the reconnect back-off
+    out = np.empty(len(joined(_value(5000, 4))), np.uint8)
+    assert node.get_into([b"j"], [out], 5.0) == [True] and out.tobytes() == joined(_value(5000, 4))
+    new = _region(node)
+    assert new is not old and new.channel is not None and not new.channel.closed

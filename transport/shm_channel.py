@@ -1,0 +1,197 @@
+"""A region's request channel: SHM_GET / SHM_PUT and their replies over the Unix socket the region was handed over on.
+
+Contract:
+* After the hand-over (`shm_server`, `shm_client`) the socket stays open, one per region, and carries that region's
+  data requests: the same 32-byte header and meta as on UCX (`protocol.pack_header`; no data frames, count and
+  request id as there), the reply a header (op | REPLY, status, count, meta length) and its meta. The socket's
+  peer was proven at the hand-over (token, SO_PEERCRED both ways), so a request on it belongs to the region's
+  connection and tenant; only SHM_GET and SHM_PUT travel on it, one at a time (the client holds the channel for
+  the whole request), and the node serves them as it serves the same ops on UCX.
+* The node ends a channel on anything malformed (a ProtocolError) and on a refusal (answered BAD_REQUEST first),
+  and when the region's connection ends. The client drops the connection after any failure on its channel
+  (a timeout included), as after any failed UCX request: the region is poisoned and a fresh connection gets a
+  fresh region.
+* Client side, `ClientChannel.request` keeps the GIL through its socket calls (non-blocking `send` / `recv` through
+  libc with the GIL held) and releases it once, to wait for the reply (`poll`).
+
+Why: over UCX an SHM request posts its receive and its head (ucxx releases the GIL for each post) and then waits:
+three GIL hand-overs per request, each up to a switch interval (5 ms) beside a busy Python thread (an engine's
+loop). Here a request costs one (perf/RESULTS.md, "Same-host requests over the region's socket").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import os
+import select
+import socket
+import threading
+import time
+
+from ems.transport import protocol
+
+_MSG_DONTWAIT = 0x40
+_MSG_NOSIGNAL = 0x4000
+_SHM_DATA_OPS = frozenset({int(protocol.Op.SHM_GET), int(protocol.Op.SHM_PUT)})
+
+_libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: these calls keep the GIL (never block: MSG_DONTWAIT)
+_libc.send.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.send.restype = ctypes.c_ssize_t
+_libc.recv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.recv.restype = ctypes.c_ssize_t
+
+
+class ChannelTimeout(Exception):
+    """No reply within the call's deadline."""
+
+
+class ChannelClosed(Exception):
+    """The node closed the channel (it ended the region, or it died)."""
+
+
+class ChannelRefused(Exception):
+    """The node answered with an error status (its message is args[0])."""
+
+
+class ClientChannel:
+    """The client's end of a region's channel (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._fd = sock.fileno()
+        self.lock = threading.Lock()  # one request at a time; a caller that finds it held uses UCX
+        self._head = ctypes.create_string_buffer(protocol.HEADER_SIZE)
+        self._next_id = 0
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self._sock.close()
+
+    def request(self, op: int, count: int, meta: bytes, deadline_at: float) -> bytes:
+        """Send one SHM request and return its reply meta; the caller holds `lock`. ChannelTimeout past
+        `deadline_at` (monotonic), ChannelRefused on an error status, ChannelClosed or ProtocolError otherwise."""
+        if self.closed:
+            raise ChannelClosed("the channel is closed")
+        self._next_id = self._next_id % protocol.MAX_REQUEST_ID + 1
+        rid = self._next_id
+        header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid)
+        self._send_all(header.tobytes() + meta, deadline_at)
+        head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
+        reply = protocol.unpack_header(head)
+        body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
+        if reply.status != protocol.Status.OK:
+            raise ChannelRefused(body.decode("utf-8", "replace") or f"node answered status {reply.status}")
+        if reply.op != op | protocol.REPLY or reply.request_id != rid or reply.count != count:
+            raise protocol.ProtocolError(f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x}")
+        return body
+
+    def _send_all(self, data: bytes, deadline_at: float) -> None:
+        view = memoryview(data)
+        buffer = (ctypes.c_char * len(data)).from_buffer_copy(data)
+        sent = 0
+        while sent < len(view):
+            n = _libc.send(self._fd, ctypes.addressof(buffer) + sent, len(view) - sent, _MSG_DONTWAIT | _MSG_NOSIGNAL)
+            if n >= 0:
+                sent += n
+                continue
+            code = ctypes.get_errno()
+            if code == errno.EINTR:
+                continue
+            if code != errno.EAGAIN:
+                raise ChannelClosed(os.strerror(code))
+            self._wait(select.POLLOUT, deadline_at)
+
+    def _recv_exactly(self, n: int, deadline_at: float, into: ctypes.Array | None = None) -> bytes:
+        buffer = into if into is not None and len(into) >= n else ctypes.create_string_buffer(n)
+        got = 0
+        while got < n:
+            r = _libc.recv(self._fd, ctypes.addressof(buffer) + got, n - got, _MSG_DONTWAIT)
+            if r > 0:
+                got += r
+                continue
+            if r == 0:
+                raise ChannelClosed("the node closed the channel")
+            code = ctypes.get_errno()
+            if code == errno.EINTR:
+                continue
+            if code != errno.EAGAIN:
+                raise ChannelClosed(os.strerror(code))
+            self._wait(select.POLLIN, deadline_at)  # the one place the GIL is given away
+        return buffer.raw[:n]
+
+    def _wait(self, events: int, deadline_at: float) -> None:
+        poller = select.poll()
+        poller.register(self._fd, events | select.POLLHUP | select.POLLERR)
+        while True:
+            left = deadline_at - time.monotonic()
+            if left <= 0:
+                raise ChannelTimeout()
+            if poller.poll(max(1, int(left * 1000) + 1)):
+                return
+
+
+class NodeChannel:
+    """The node's `RequestChannel` for one request read off a region's channel (`node_handlers.RequestChannel`)."""
+
+    def __init__(self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes) -> None:
+        self.sock = sock
+        self.header = header
+        self.conn = conn
+        self._meta = meta
+
+    async def meta(self) -> bytes:
+        return self._meta
+
+    def inline_data(self) -> memoryview | None:
+        return None
+
+    async def receive_frames(self, views: object) -> None:
+        raise protocol.ProtocolError("shared-memory requests carry no data frames")
+
+    async def reply(
+        self,
+        op: int,
+        *,
+        count: int = 0,
+        meta: bytes = b"",
+        data: object = (),
+        data_len: int = 0,
+        status: protocol.Status = protocol.Status.OK,
+    ) -> None:
+        if data or data_len:
+            raise protocol.ProtocolError("a shared-memory reply carries no data frames")
+        header = protocol.pack_header(
+            op | protocol.REPLY, count=count, meta_len=len(meta), status=status, request_id=self.header.request_id
+        )
+        await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
+
+
+async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | None:
+    """The next request's header and meta off a region's channel; None when the client closed it between requests.
+    ProtocolError for anything but an SHM_GET or SHM_PUT within the protocol's limits."""
+    head = await _recv_exactly(sock, protocol.HEADER_SIZE, allow_eof=True)
+    if head is None:
+        return None
+    header = protocol.unpack_header(head)  # checks magic, version and every limit (meta length included)
+    if header.op not in _SHM_DATA_OPS or header.data_len or header.status or header.flags:
+        raise protocol.ProtocolError(f"op {header.op} (data {header.data_len}) on a shared-memory channel")
+    meta = await _recv_exactly(sock, header.meta_len) if header.meta_len else b""
+    return header, meta or b""
+
+
+async def _recv_exactly(sock: socket.socket, n: int, allow_eof: bool = False) -> bytes | None:
+    loop = asyncio.get_running_loop()
+    parts, got = [], 0
+    while got < n:
+        chunk = await loop.sock_recv(sock, min(n - got, 1 << 20))
+        if not chunk:
+            if allow_eof and got == 0:
+                return None
+            raise ConnectionError("the client closed the channel mid-request")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
