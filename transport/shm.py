@@ -27,6 +27,8 @@ Contract:
   start first, so a region's first calls do not fault page by page (fresh memfd pages cost about 2 ms per MiB on
   a VM, and each side's first touch of a page faults: a 62 MiB first load took 7x a warm one). Memory: that much
   of the region in use from the start, which the calls would fault in anyway.
+* SHM_PUT and SHM_GET travel on the region's channel (the hand-over socket, kept open: `shm_channel.py`) or, when
+  a client's channel is busy with another request, on the connection like any request.
 * Every range must lie inside the region (`ProtocolError` otherwise: the node closes the connection).
 * Concurrency (client side): `RangeAllocator` hands out disjoint page-aligned ranges, one per request in flight,
   freed when the request's reply has come back. A request that failed or timed out may still be copied into by the
