@@ -75,3 +75,96 @@ def test_cpu_scatter_never_gives_the_gil_away(layers: int, blocks_moved: int) ->
     assert torch.equal(as_bytes(again[written]), as_bytes(fresh[written]))
     assert seconds < SWITCH_S / 2, f"the scatter waited for the GIL: {seconds:.3f} s"
     del bases
+
+
+def _host_backend():
+    from ems.kernels.host_backend import HostBackend
+    from ems.kernels.host_copy import host_copy
+
+    library = host_copy()
+    if library is None:
+        pytest.fail("the compiled host copy did not build")
+    return HostBackend(library)
+
+
+def test_host_scatter_keeps_the_gil_below_its_threshold() -> None:
+    """A compiled scatter of less than `GIL_HELD_BELOW` bytes (24 blocks x 8 planes of 2 KiB here) keeps the GIL:
+    no switch interval lost beside the busy thread."""
+    from ems.kernels.host_copy import GIL_HELD_BELOW
+
+    gen = torch.Generator().manual_seed(12)
+    bs, blocks, moved = 16, 64, 24
+    _bases, planes = make_layout("plain", 4, blocks, bs, 1, 64, torch.float16, gen)
+    slots = [b * bs + k for b in torch.randperm(blocks, generator=gen)[:moved].tolist() for k in range(bs)]
+    pieces, tok_start, part_base, total = pieces_case(planes, slots, [bs] * moved)
+    assert total < GIL_HELD_BELOW
+    backend = _host_backend()
+    src = random_tensor([total], torch.uint8, gen)
+    times = []
+    with busy_python_thread():
+        for _ in range(3):
+            time.sleep(0)
+            start = time.perf_counter()
+            backend.scatter_pieces(planes, pieces, src)
+            times.append(time.perf_counter() - start)
+    assert min(times) < SWITCH_S / 2, f"the scatter waited for the GIL: {min(times):.3f} s"
+    _, written = reference_pieces(planes, slots, tok_start, part_base, total)
+    again = torch.empty(total, dtype=torch.uint8)
+    backend.gather_pieces(planes, pieces, again)
+    assert torch.equal(as_bytes(again[written]), as_bytes(src[written]))
+
+
+def test_host_scatter_above_its_threshold_lets_other_threads_run() -> None:
+    """A large compiled scatter releases the GIL for the copy: with a switch interval of SWITCH_S, a thread counting
+    in pure Python cannot run while this thread holds the GIL (no forced switch comes sooner), so it advances
+    across the call only if the C loop released it. A small scatter, which keeps the GIL, is the control."""
+    from ems.kernels.host_copy import GIL_HELD_BELOW
+
+    gen = torch.Generator().manual_seed(13)
+    bs, blocks = 16, 128
+    _bases, planes = make_layout("plain", 8, blocks, bs, 4, 128, torch.float16, gen)  # 16 planes x 16 KiB per block
+    order = torch.randperm(blocks, generator=gen).tolist()
+    backend = _host_backend()
+
+    def case(moved: int) -> tuple:
+        slots = [b * bs + k for b in order[:moved] for k in range(bs)]
+        pieces, tok_start, part_base, total = pieces_case(planes, slots, [bs] * moved)
+        return slots, pieces, tok_start, part_base, total, random_tensor([total], torch.uint8, gen)
+
+    large, small = case(blocks), case(2)
+    assert large[4] > 4 * GIL_HELD_BELOW > 4 * small[4]
+    for c in (large, small):
+        backend.scatter_pieces(planes, c[1], c[5])  # warm: the pages of both sides
+    counter = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    def advance_across(c: tuple) -> int:
+        before = counter[0]
+        backend.scatter_pieces(planes, c[1], c[5])
+        return counter[0] - before
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_S)
+    thread = threading.Thread(target=count, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.01)  # the counter runs; this thread gets the GIL back within SWITCH_S
+        advanced = [advance_across(large) for _ in range(2)]
+        time.sleep(0.01)
+        kept = [advance_across(small) for _ in range(2)]
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(previous)
+    assert min(advanced) > 0, "the other thread never ran during a 32 MiB scatter: the GIL was held"
+    assert min(kept) == 0, "a scatter below the threshold gave the GIL away"
+    slots, pieces, tok_start, part_base, total, src = large
+    backend.scatter_pieces(planes, pieces, src)  # (the small case overwrote two of its blocks)
+    _, written = reference_pieces(planes, slots, tok_start, part_base, total)
+    again = torch.empty(total, dtype=torch.uint8)
+    backend.gather_pieces(planes, pieces, again)
+    assert torch.equal(as_bytes(again[written]), as_bytes(src[written]))
