@@ -62,7 +62,7 @@ import numpy as np
 
 from ems.buffers import POPULATE_STEP, Buffer, populate_pages, release_pages
 from ems.kernels.raw_memory import address_of
-from ems.value_format import VALUE_LEAD, is_well_formed
+from ems.value_format import VALUE_LEAD, is_well_formed, well_formed_many
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
 # References to a retired value inside `_retire`: the caller's local, the parameter, getrefcount's argument.
@@ -482,6 +482,12 @@ class KvStore:
             self._used -= reserved
             self._insert(key, value, charge)
         return True
+
+    def put_owned_each(self, keys: Sequence[bytes], values: Sequence[Buffer], reserved: Sequence[int]) -> list[bool]:
+        """`put_owned` of each value (a pool node's PUT), the values checked in one batch first (`well_formed_many`:
+        one call, which gives the GIL away once for a large batch instead of holding it per value)."""
+        good = well_formed_many(values) if self._verify_on_put else [True] * len(values)
+        return [self.put_owned(k, v, reserved=r, verified=ok) for k, v, r, ok in zip(keys, values, reserved, good)]
 
     def _insert(self, key: bytes, value: Buffer, charge: int, address: int | None = None) -> None:
         self._remove(key)

@@ -90,6 +90,11 @@ class NodeStore(Protocol):
 
     def put_owned(self, key: bytes, value: Buffer, reserved: int = 0) -> bool: ...
 
+    def put_owned_each(self, keys: Sequence[bytes], values: Sequence[Buffer], reserved: Sequence[int]) -> list[bool]:
+        """`put_owned` of each value, the values checked in one batch first (a large batch gives the GIL away once,
+        on a worker thread, instead of holding it per value: the event loop keeps progressing UCX meanwhile)."""
+        ...
+
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
@@ -293,7 +298,7 @@ class NodeHandlers:
 
     def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview], reserved: Sequence[int]) -> list[bool]:
         """Store each value; `reserved[i]`: the bytes `allocate` reserved for it (released on every path)."""
-        return [self.store.put_owned(k, v, reserved=r) for k, v, r in zip(keys, values, reserved)]
+        return self.store.put_owned_each(keys, values, reserved)
 
     async def _receive_put(self, channel: RequestChannel, request: protocol.PutRequest, segments: list) -> None:
         """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else

@@ -34,6 +34,7 @@ from ems.transport import protocol
 
 _MSG_DONTWAIT = 0x40
 _MSG_NOSIGNAL = 0x4000
+_MAX_POLL_MS = 60_000
 _SHM_DATA_OPS = frozenset({int(protocol.Op.SHM_GET), int(protocol.Op.SHM_PUT)})
 
 _libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: these calls keep the GIL (never block: MSG_DONTWAIT)
@@ -130,7 +131,8 @@ class ClientChannel:
             left = deadline_at - time.monotonic()
             if left <= 0:
                 raise ChannelTimeout()
-            if poller.poll(max(1, int(left * 1000) + 1)):
+            # at most a minute per poll (a deadline of years would overflow poll's int): the loop re-checks the deadline
+            if poller.poll(min(int(left * 1000) + 1, _MAX_POLL_MS)):
                 return
 
 

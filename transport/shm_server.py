@@ -175,24 +175,30 @@ class ShmService:
         return total
 
     def _store(self, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> list[bool]:
-        """Copy each value out of the region into a buffer of the store's, which checks it before keeping it."""
+        """Copy each value out of the region into a buffer of the store's, then store them, checked in one batch
+        (`NodeStore.put_owned_each`)."""
         store = self.handlers.store
-        stored: list[bool] = []
-        refused: list[np.ndarray] = []  # for the metrics: a refused value may be a damaged one
-        for key, offset, n in zip(keys, request.offsets.tolist(), request.lens.tolist()):
-            charge = store.charge_of(len(key), n)
-            if charge > store.capacity_bytes:
-                stored.append(False)
-                continue
-            buffer = store.allocate(n, reserve=charge)
-            try:
+        fits: list[int] = []  # the values the store can hold at all
+        buffers: list[np.ndarray] = []
+        charges: list[int] = []
+        try:
+            for i, (key, offset, n) in enumerate(zip(keys, request.offsets.tolist(), request.lens.tolist())):
+                charge = store.charge_of(len(key), n)
+                if charge > store.capacity_bytes:
+                    continue
+                buffer = store.allocate(n, reserve=charge)
+                buffers.append(buffer)
+                charges.append(charge)
                 buffer[:] = region.array[offset : offset + n]
-            except BaseException:
+                fits.append(i)
+        except BaseException:
+            for buffer, charge in zip(buffers, charges):
                 store.recycle(buffer, reserved=charge)
-                raise
-            stored.append(store.put_owned(key, buffer, reserved=charge))
-            if not stored[-1]:
-                refused.append(buffer)
+            raise
+        stored = [False] * len(keys)
+        for i, ok in zip(fits, store.put_owned_each([keys[i] for i in fits], buffers, charges)):
+            stored[i] = ok
+        refused = [b for b, ok in zip(buffers, (stored[i] for i in fits)) if not ok]  # for the metrics: maybe damaged
         if refused and self.handlers.metrics is not None:
             self.handlers.metrics.count_damaged(refused, [False] * len(refused))
         return stored

@@ -34,7 +34,7 @@ import numpy as np
 from ems.buffers import Buffer
 from ems.pool.disk_tier import DiskTier, DiskTierStats
 from ems.store import KvStore, StoreStats
-from ems.value_format import is_well_formed
+from ems.value_format import is_well_formed, well_formed_many
 
 MIN_READ_BYTES = 64 << 20
 
@@ -73,14 +73,19 @@ class TieredStore:
     def recycle(self, buffer: np.ndarray, reserved: int = 0) -> None:
         self.dram.recycle(buffer, reserved)
 
-    def put_owned(self, key: bytes, value: Buffer, reserved: int = 0) -> bool:
-        # checksummed before the lock (DRAM then need not do it again under it); a damaged value goes to DRAM's own
-        # refusal, which counts it and releases its reservation
-        if not is_well_formed(value):
+    def put_owned(self, key: bytes, value: Buffer, reserved: int = 0, verified: bool = False) -> bool:
+        # checksummed before the lock (DRAM then need not do it again under it), unless the caller did; a damaged
+        # value goes to DRAM's own refusal, which counts it and releases its reservation
+        if not verified and not is_well_formed(value):
             return self.dram.put_owned(key, value, reserved)
         with self._put_lock:
             self.disk.invalidate(key)
             return self.dram.put_owned(key, value, reserved, verified=True)
+
+    def put_owned_each(self, keys: Sequence[bytes], values: Sequence[Buffer], reserved: Sequence[int]) -> list[bool]:
+        """`put_owned` of each value, checked in one batch first (`well_formed_many`, see `KvStore.put_owned_each`)."""
+        good = well_formed_many(values)
+        return [self.put_owned(k, v, reserved=r, verified=ok) for k, v, r, ok in zip(keys, values, reserved, good)]
 
     def may_block(self, keys: Sequence[bytes]) -> bool:
         """Whether `get_many(keys)` may read the disk (some key is not in DRAM)."""

@@ -74,3 +74,34 @@ def test_valid_prefix_stops_at_the_first_damaged_payload_of_a_batch():
         assert valid_prefix(copy, expected) == damaged
     values[3] = values[3][:-1]  # a short value ends the prefix before any hashing
     assert valid_prefix(values, expected) == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cases=st.lists(st.sampled_from(["good", "short", "magic", "version", "length", "checksum", "payload"]), max_size=10),
+    size=st.sampled_from([0, 100, 300_000]),
+)
+def test_well_formed_many_agrees_with_is_well_formed(cases, size):
+    """A node checks a PUT's values in one batch (`well_formed_many`); each answer is `is_well_formed`'s."""
+    from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, is_well_formed, part_checksum, well_formed_many
+
+    rng = np.random.default_rng(size)
+    values = []
+    for case in cases:
+        value = rng.integers(0, 256, HEADER_SIZE + size, dtype=np.uint8)
+        header_struct.pack_into(value, 0, MAGIC, VERSION, 2, 7, 9, size, part_checksum(value[HEADER_SIZE:]))
+        if case == "short":
+            value = value[: HEADER_SIZE - 1]
+        elif case == "magic":
+            value[0] ^= 1
+        elif case == "version":
+            value[4] = 200
+        elif case == "length":
+            value = value[:-1] if size else np.concatenate([value, np.zeros(1, np.uint8)])
+        elif case == "checksum":
+            value[HEADER_SIZE - 1] ^= 1
+        elif case == "payload" and size:
+            value[HEADER_SIZE + size // 2] ^= 0x80
+        values.append(value)
+    assert well_formed_many(values) == [is_well_formed(v) for v in values]
+    assert [ok for ok, case in zip(well_formed_many(values), cases) if case == "good"] == [True] * cases.count("good")
