@@ -377,8 +377,10 @@ def run(spec: dict) -> dict:
             raise RuntimeError("saves still pending after 30 s")
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict(), "jobs": job_totals()}
+    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)  # what the attention backend settled on
     llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
     return {
+        "block_size": block_size,
         "rounds": out_rounds,
         "stats": stats,
         "preemptions": preemptions[0],
