@@ -3,17 +3,26 @@
 Contract: `HostBackend` implements `CopyBackend` (base.py) for CPU planes and staging. A gather or scatter of pieces
 is ONE call whatever the number of pieces, planes and piece lengths (`ops_issued` counts calls), except a lone
 piece, which takes the torch path's prepared one-piece move (one op, less Python per call); raw V0 segments are
-one call too. Planes may differ in row size and dtype (MLA with split K/V), and rows may be strided inside a
-block: bytes move as they are, by address, so every dtype (fp8 included) is copied bit for bit. A call keeps the
-GIL when it moves less than `host_copy.GIL_HELD_BELOW` bytes and releases it otherwise (see `host_copy`). Per-plane
-addresses and strides are computed once per `PlaneSet` and kept on it.
+one call too. `CompiledMoves.SCATTERS` (the CPU default) leaves gathers to the torch path. Planes may differ in
+row size and dtype (MLA with split K/V), and rows may be strided inside a block: bytes move as they are, by
+address, so every dtype (fp8 included) is copied bit for bit. A call keeps the GIL when it moves less than
+`host_copy.GIL_HELD_BELOW` bytes and releases it otherwise (see `host_copy`). Per-plane addresses and strides are
+computed once per `PlaneSet` and kept on it.
 
 Why: the torch path issues an op per (piece length, plane) or per few hundred rows, each holding the GIL and
 giving it away between ops, and runs at 5-8 GB/s on this path's many 64 KiB spans; one memcpy loop runs at the
 host's copy speed (perf/RESULTS.md, "The compiled host copy").
+
+Why gathers stay on torch by default: in a vLLM engine (`perf/bench_vllm.py`), compiled gathers made a pooled
+request that arrives right after a cold one, whose saves are in flight, wait 0.32-0.48 s for its first token
+instead of 0.12-0.16 s, while compiled scatters alone changed nothing there (the quiet pooled load got slightly
+faster). The gathers themselves took 5-13 ms; what the engine waited for is not pinned down (a guess: the saves
+reach the node sooner and the load queues behind them). Until it is, a save's gather keeps the torch path.
 """
 
 from __future__ import annotations
+
+import enum
 
 import numpy as np
 import torch
@@ -22,6 +31,13 @@ from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, Staging, check_p
 from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses, address
 from ems.kernels.raw_memory import host_array
 from ems.kernels.torch_backend import move_pieces
+
+
+class CompiledMoves(str, enum.Enum):
+    """Which piece moves go through the C loop (the others take the torch path)."""
+
+    BOTH = "both"  # gathers and scatters (`EMS_KERNEL_BACKEND=host`)
+    SCATTERS = "scatters"  # loads only: the CPU default (AUTO), see the module docstring
 
 
 def _plane_addresses(planes: PlaneSet) -> PlaneAddresses:
@@ -46,9 +62,13 @@ def _staging_address(flat: Staging) -> int:
 class HostBackend(CopyBackend):
     name = "host"
 
-    def __init__(self, library: HostCopy) -> None:
+    def __init__(self, library: HostCopy, moves: CompiledMoves = CompiledMoves.BOTH) -> None:
         self.library = library
+        self.moves = moves
         self.ops_issued = 0
+
+    def describe(self) -> str:
+        return self.name if self.moves == CompiledMoves.BOTH else f"{self.name} (scatters; gathers by torch)"
 
     def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: Staging, gather: bool) -> None:
         if planes.device.type != "cpu":
@@ -57,7 +77,7 @@ class HostBackend(CopyBackend):
         m = table.shape[1]
         if m == 0:
             return
-        if m == 1:
+        if m == 1 or (gather and self.moves == CompiledMoves.SCATTERS):
             # a lone piece (the embedded pool's one-block call): the torch path's move prepared once per piece and
             # direction costs less Python per call (about 3.5 µs against 8.5 through ctypes' argument conversion)
             self.ops_issued += move_pieces(planes, table, flat, gather)
