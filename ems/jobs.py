@@ -54,7 +54,7 @@ from ems.devices import side_stream
 from ems.errors import EmsErrorCode
 from ems.job_records import JobRecord, Stage
 from ems.kernels import CopyBackend
-from ems.kernels.raw_memory import address_of, raw_tensor
+from ems.kernels.raw_memory import buffer_addresses, raw_tensor
 from ems.planning import BlockPlan, Plan, RawPlan, encode_range
 from ems.pool_backend import PoolBackend, PoolOutcome
 from ems.staging import StagingLease, StagingPool
@@ -162,18 +162,6 @@ def stored_array(value: Buffer) -> np.ndarray:
     if isinstance(owner, np.ndarray) and owner.dtype == np.uint8 and owner.ndim == 1 and owner.nbytes == len(value):
         return owner
     return np.frombuffer(value, dtype=np.uint8)
-
-
-def buffer_addresses(values: list[Any]) -> np.ndarray:
-    """int64 `[n]`: the address of each buffer's first byte (numpy arrays, or memoryviews of whole ones)."""
-    addresses = []
-    for value in values:
-        owner = value.obj if isinstance(value, memoryview) else value
-        if isinstance(owner, np.ndarray) and owner.nbytes == len(value):
-            addresses.append(address_of(owner))
-        else:
-            addresses.append(address_of(np.frombuffer(value, dtype=np.uint8)))
-    return np.array(addresses, dtype=np.int64)
 
 
 def span_of(addresses: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, np.ndarray] | None:

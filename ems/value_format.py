@@ -37,6 +37,7 @@ import xxhash
 
 from ems.buffers import Buffer
 from ems.kernels.host_copy import host_copy
+from ems.kernels.raw_memory import buffer_addresses
 
 MAGIC = 0x56534D45  # b"EMSV" read as little-endian u32
 VERSION = 3
@@ -124,13 +125,11 @@ def payload_checksums(values: Sequence[Buffer]) -> list[int]:
     library = host_copy() if len(values) > 1 else None
     if library is None or _XXH3_ADDRESS is None:
         return [part_checksum(memoryview(v)[HEADER_SIZE:]) for v in values]
-    views = [v if isinstance(v, np.ndarray) and v.flags.c_contiguous else np.frombuffer(v, dtype=np.uint8) for v in values]
-    ptrs = np.fromiter((v.__array_interface__["data"][0] + HEADER_SIZE for v in views), dtype=np.int64, count=len(views))
-    lens = [v.nbytes - HEADER_SIZE for v in views]
+    lens = [memoryview(v).nbytes - HEADER_SIZE for v in values]
     if min(lens) < 0:
         raise ValueError("a value shorter than its header")
+    ptrs = buffer_addresses(values) + HEADER_SIZE  # (`values` keeps every buffer alive through the call)
     digests = library.hash_many(_XXH3_ADDRESS, ptrs, np.array(lens, dtype=np.int64), sum(lens))
-    del views  # (kept alive through the call above)
     return cast(list[int], digests.tolist())
 
 
@@ -207,10 +206,17 @@ def parse_header(value: Buffer, versions: frozenset[int] = frozenset({VERSION}))
 def is_well_formed(value: Buffer) -> bool:
     """Header of a known version (`NODE_VERSIONS`), length consistent and checksum right: what a pool node checks
     before storing."""
+    stated = _stated_checksum(value)
+    return stated is not None and part_checksum(memoryview(value)[HEADER_SIZE:]) == stated
+
+
+def _stated_checksum(value: Buffer) -> int | None:
+    """The checksum a value's header states, when the header is of a known version (`NODE_VERSIONS`) and the
+    length it states is the value's; else None."""
     header = parse_header(value, NODE_VERSIONS)
     if header is None or len(value) != HEADER_SIZE + int(header["payload_len"]):
-        return False
-    return part_checksum(memoryview(value)[HEADER_SIZE:]) == int(header["checksum"])
+        return None
+    return int(header["checksum"])
 
 
 def well_formed_many(values: Sequence[Buffer]) -> list[bool]:
@@ -220,10 +226,10 @@ def well_formed_many(values: Sequence[Buffer]) -> list[bool]:
     candidates: list[int] = []
     stated: list[int] = []
     for i, value in enumerate(values):
-        header = parse_header(value, NODE_VERSIONS)
-        if header is not None and len(value) == HEADER_SIZE + int(header["payload_len"]):
+        checksum = _stated_checksum(value)
+        if checksum is not None:
             candidates.append(i)
-            stated.append(int(header["checksum"]))
+            stated.append(checksum)
     for i, computed, want in zip(candidates, payload_checksums([values[i] for i in candidates]), stated):
         ok[i] = computed == want
     return ok

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, Staging, check_pieces
-from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses, address
-from ems.kernels.raw_memory import host_array
+from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses
+from ems.kernels.raw_memory import address_of, host_array
 from ems.kernels.torch_backend import move_pieces
 
 
@@ -56,7 +56,7 @@ def _plane_addresses(planes: PlaneSet) -> PlaneAddresses:
 
 
 def _staging_address(flat: Staging) -> int:
-    return address(flat) if isinstance(flat, np.ndarray) else int(flat.data_ptr())
+    return address_of(flat) if isinstance(flat, np.ndarray) else int(flat.data_ptr())
 
 
 class HostBackend(CopyBackend):

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ems.kernels.raw_memory import address_of
+
 log = logging.getLogger("ems.kernels")
 
 GIL_HELD_BELOW = 1 << 20  # bytes: below this a move keeps the GIL (well under a switch interval at memcpy speed)
@@ -42,11 +44,6 @@ _SIGNATURES: dict[str, list] = {
     "ems_move_segments": [_PTR, _PTR, _I64, _I64, ctypes.c_int32],
     "ems_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64],
 }
-
-
-def address(array: np.ndarray) -> int:
-    """The data address of a numpy array (cheaper than `array.ctypes.data`, which builds a ctypes object)."""
-    return int(array.__array_interface__["data"][0])
 
 
 class HostCopy:
@@ -78,7 +75,7 @@ class HostCopy:
         if table.strides[1] != 8:
             raise ValueError("a piece table's rows must be contiguous")
         self._library(nbytes).ems_move_pieces(
-            address(table),
+            address_of(table),
             table.shape[1],
             table.strides[0] // 8,
             layout.addr_ptr,
@@ -94,12 +91,12 @@ class HostCopy:
 
     def move_segments(self, ptrs: np.ndarray, lengths: np.ndarray, flat: int, gather: bool, nbytes: int) -> None:
         """flat[sum(lengths[:i]) : ... + lengths[i]] to (gather: from) the bytes at ptrs[i] (int64 `[S]` each)."""
-        self._library(nbytes).ems_move_segments(address(ptrs), address(lengths), ptrs.size, flat, int(gather))
+        self._library(nbytes).ems_move_segments(address_of(ptrs), address_of(lengths), ptrs.size, flat, int(gather))
 
     def hash_many(self, hash_function: int, ptrs: np.ndarray, lengths: np.ndarray, nbytes: int) -> np.ndarray:
         """uint64 `[N]`: `hash_function(ptrs[i], lengths[i])`, a C function `uint64_t (const void *, size_t)`."""
         out = np.empty(ptrs.size, dtype=np.uint64)
-        self._library(nbytes).ems_hash_many(hash_function, address(ptrs), address(lengths), address(out), ptrs.size)
+        self._library(nbytes).ems_hash_many(hash_function, address_of(ptrs), address_of(lengths), address_of(out), ptrs.size)
         return out
 
 
@@ -108,7 +105,7 @@ class PlaneAddresses:
 
     def __init__(self, addrs: list[int], bstr: list[int], sstr: list[int], poffs: list[int], rbytes: list[int], block_size: int):
         self.arrays = [np.array(v, dtype=np.int64) for v in (addrs, bstr, sstr, poffs, rbytes)]
-        self.addr_ptr, self.bstr_ptr, self.sstr_ptr, self.poffs_ptr, self.rbytes_ptr = (address(a) for a in self.arrays)
+        self.addr_ptr, self.bstr_ptr, self.sstr_ptr, self.poffs_ptr, self.rbytes_ptr = (address_of(a) for a in self.arrays)
         self.planes = len(addrs)
         self.block_size = block_size
 

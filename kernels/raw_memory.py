@@ -11,6 +11,8 @@ and strides: `Tensor.numpy()` gives the GIL away, which beside a busy Python thr
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,6 +70,19 @@ def address_of(array: np.ndarray) -> int:
     if array.flags.writeable and array.flags.c_contiguous and array.size:
         return ctypes.addressof(ctypes.c_char.from_buffer(array))
     return int(array.ctypes.data)
+
+
+def buffer_addresses(values: Sequence[Any]) -> np.ndarray:
+    """int64 `[n]`: the address of each contiguous buffer's first byte (numpy arrays, memoryviews of whole ones, or
+    anything numpy can view as bytes)."""
+    addresses = []
+    for value in values:
+        owner = value.obj if isinstance(value, memoryview) else value
+        if isinstance(owner, np.ndarray) and owner.nbytes == len(value):
+            addresses.append(address_of(owner))
+        else:
+            addresses.append(address_of(np.frombuffer(value, dtype=np.uint8)))
+    return np.array(addresses, dtype=np.int64)
 
 
 def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:

@@ -91,11 +91,10 @@ class ClientChannel:
         return body
 
     def _send_all(self, data: bytes, deadline_at: float) -> None:
-        view = memoryview(data)
         buffer = (ctypes.c_char * len(data)).from_buffer_copy(data)
         sent = 0
-        while sent < len(view):
-            n = _libc.send(self._fd, ctypes.addressof(buffer) + sent, len(view) - sent, _MSG_DONTWAIT | _MSG_NOSIGNAL)
+        while sent < len(data):
+            n = _libc.send(self._fd, ctypes.addressof(buffer) + sent, len(data) - sent, _MSG_DONTWAIT | _MSG_NOSIGNAL)
             if n >= 0:
                 sent += n
                 continue
