@@ -28,8 +28,8 @@ class Stage(str, enum.Enum):
     ENCODE = "encode"  # checksum and header per value
     SEND = "send"  # to the pool (the embedded store's index, or the wire)
     RECEIVE = "receive"  # from the pool
-    VERIFY = "verify"  # header and checksum per value, up to the first miss
-    SCATTER = "scatter"  # staging or the stored value → engine cache
+    VERIFY = "verify"  # header and checksum per value, up to the first miss (headers only where the scatter verifies)
+    SCATTER = "scatter"  # staging or the stored value → engine cache (with the checksums, on the compiled host copy)
 
 
 class JobKind(str, enum.Enum):

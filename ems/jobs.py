@@ -18,8 +18,11 @@ staging on accelerators). `save_job` / `load_job` pick the job type for a reques
   `begin` returns once every chunk is gathered, `finish` waits for the puts and merges their outcomes. A load runs
   each chunk's receive (`PoolClient.get_into`: values land in their places in staging) and its verification on
   the pipeline threads, and scatters chunk k's verified prefix while later chunks arrive, stopping at the first
-  miss. `EMS_CHUNK_BYTES=0` makes the request one chunk; so is a load staged in a same-host node's region (below:
-  the node only copies). A request of one chunk has nothing to overlap, so its put (in `finish`) and its receive
+  miss. Where the staging is the cache's own memory (CPU) and the copy backend verifies while it scatters (the
+  compiled host copy), the receive checks only the headers and the scatter hashes each value just before writing
+  it (`BlockPlan.verify_scatter_from`: one pass over bytes still in cache); the embedded load does the same.
+  `EMS_CHUNK_BYTES=0` makes the request one chunk; so is a load staged in a same-host node's region (below: the
+  node only copies). A request of one chunk has nothing to overlap, so its put (in `finish`) and its receive
   run on the calling thread.
   In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk
   k - depth has returned; a load starts chunk k + depth once chunk k verified), and at most `PIPELINE_THREADS`
@@ -62,7 +65,7 @@ from ems.store import ENTRY_OVERHEAD, KvStore
 from ems.transport.base import TransportError
 from ems.transport.protocol import RequestLimits, key_lens
 from ems.types import CcKvOption
-from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, payload_checksums, valid_prefix
+from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, payload_checksums, stated_checksums, valid_prefix
 
 PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
 FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
@@ -395,13 +398,23 @@ class EmbeddedLoad:
             values, addresses = self.store.get_many_with_addresses(plan.keys)
         outcome = PoolOutcome(values, nodes_contacted=1)
         present = next((i for i, value in enumerate(values) if value is None), len(values))
+        span = None
+        if isinstance(plan, BlockPlan) and present > 1 and self.backend.verifies_while_scattering:
+            with record.stage(Stage.VERIFY):  # the headers here; the payloads' checksums as they are scattered
+                stated = stated_checksums(values[:present], plan.expected)
+            if len(stated) > 1:
+                known = addresses[: len(stated)]
+                starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values[: len(stated)])
+                span = span_of(starts, plan.expected.payload_len[: len(stated)] + HEADER_SIZE)
+            if span is not None:
+                with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, len(stated))):
+                    return plan.verify_scatter_from(self.backend, span[0], span[1], 0, stated), outcome
         with record.stage(Stage.VERIFY, plan.expected.payload_bytes(0, present)):
             hits = valid_prefix(values[:present], plan.expected)
         if not hits:
             return 0, outcome
         with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
-            span = None
-            if isinstance(plan, BlockPlan) and hits > 1:
+            if isinstance(plan, BlockPlan) and hits > 1 and span is None:
                 known = addresses[:hits]
                 starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values[:hits])
                 span = span_of(starts, plan.expected.payload_len[:hits] + HEADER_SIZE)
@@ -452,11 +465,14 @@ class PipelinedLoad:
             raise
         host = lease.host_view()
         receives: list[concurrent.futures.Future] = []
+        # staged where the cache is (CPU) and a backend that hashes while it scatters: each chunk's payloads are
+        # verified in its scatter, one pass over bytes still in cache (the receive checks the headers only)
+        fused = lease.host is lease.device and self.backend.verifies_while_scattering
 
         def start(k: int) -> None:
             if k < len(chunks):
                 a, b = chunks[k]
-                call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop)
+                call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop, fused)
                 # one chunk: nothing to overlap, so it runs here (no thread hop); else on the pipeline threads
                 receives.append(run_now(call) if len(chunks) == 1 else self.pool.executor.start(call))
 
@@ -468,7 +484,7 @@ class PipelinedLoad:
                 start(k)
             for k, (a, b) in enumerate(chunks):
                 got = _chunk_outcome(receives[k], b - a, deadline)
-                outcome, valid = got if isinstance(got, tuple) else (got, 0)
+                outcome, valid, stated = got if isinstance(got, tuple) else (got, 0, None)
                 outcomes.append(outcome)
                 if valid == b - a:
                     start(k + PIPELINE_DEPTH)  # before the scatter: chunk k + depth arrives while chunk k is written
@@ -479,7 +495,10 @@ class PipelinedLoad:
                             with record.stage(Stage.COPY, hi - lo):
                                 lease.device[lo:hi].copy_(lease.host[lo:hi], non_blocking=True)
                         with record.stage(Stage.SCATTER, plan.expected.payload_bytes(a, a + valid)):
-                            plan.scatter_range(self.backend, lease.device, a, a + valid)
+                            if stated is None:  # verified already
+                                plan.scatter_range(self.backend, lease.device, a, a + valid)
+                            else:
+                                valid = plan.verify_scatter_from(self.backend, lease.device, plan.value_start, a, stated)
                     hits = a + valid
                 if valid < b - a:
                     break
@@ -490,13 +509,15 @@ class PipelinedLoad:
         return hits, merge_outcomes(outcomes, plan.total)
 
     def _receive_chunk(
-        self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: Deadline, stop: threading.Event
-    ) -> tuple[PoolOutcome, int]:
+        self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: Deadline, stop: threading.Event, fused: bool
+    ) -> tuple[PoolOutcome, int, list[int] | None]:
         """On a pipeline thread: values a..b-1 straight into their places in staging, then how many of them, from
-        the first, are exactly the expected values."""
+        the first, are exactly the expected values. `fused`: the payloads are left for the scatter to verify
+        (`BlockPlan.verify_scatter_from`): the count is of the values whose headers are right, with the checksums
+        they state (None: verified here, or by the pool)."""
         record = self.record
         if stop.is_set():  # the load already stopped before this chunk
-            return PoolOutcome([False] * (b - a)), 0
+            return PoolOutcome([False] * (b - a)), 0, None
         expected = plan.expected.range(a, b)
         start = time.perf_counter()
         outs = plan.value_views(host, a, b)
@@ -505,9 +526,15 @@ class PipelinedLoad:
         placed = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
         record.add(Stage.RECEIVE, expected.payload_bytes(0, placed) + HEADER_SIZE * placed, received - start)
         # a pool that verified each value it placed (replicas: to fall back on damage) needs no second check
-        valid = placed if outcome.verified else valid_prefix(outs[:placed], expected)
+        if outcome.verified:
+            return outcome, placed, None
+        if fused:
+            stated = stated_checksums(outs[:placed], expected)
+            record.add(Stage.VERIFY, 0, time.perf_counter() - received)
+            return outcome, len(stated), stated
+        valid = valid_prefix(outs[:placed], expected)
         record.add(Stage.VERIFY, expected.payload_bytes(0, placed), time.perf_counter() - received)
-        return outcome, valid
+        return outcome, valid, None
 
 
 class StagedLoad:

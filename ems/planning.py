@@ -30,7 +30,17 @@ from ems.kernels.plan import value_pieces
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
-from ems.value_format import HEADER_SIZE, VALUE_LEAD, ExpectedValues, ValueKind, build_headers, part_checksum, tokens_digest
+from ems.value_format import (
+    HEADER_SIZE,
+    PAYLOAD_HASH_ADDRESS,
+    VALUE_LEAD,
+    ExpectedValues,
+    ValueKind,
+    build_headers,
+    part_checksum,
+    payload_checksums,
+    tokens_digest,
+)
 
 ALIGN = 64
 
@@ -141,7 +151,45 @@ class BlockPlan:
         """The inverse of `gather_into`: the tokens of values 0..count-1 from their places in `span` into the cache."""
         self._move(backend, span, value_offsets, 0, count, gather=False)
 
-    def _move(self, backend: CopyBackend, staging: torch.Tensor, value_start: np.ndarray, a: int, b: int, gather: bool) -> None:
+    def verify_scatter_from(
+        self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, stated: Sequence[int]
+    ) -> int:
+        """Values a..a+n-1 (n = len(stated)), each placed in `span` at byte `value_offsets[i]` (value i of the
+        request; header first) with its header already checked (`stated`: the checksums those headers state): how
+        many of them, from the first, have a payload of the stated checksum. Their tokens are written into the
+        cache, nothing of the first one that has not, nor after it. Where the backend verifies while it scatters
+        (the compiled host copy) this is one pass over the bytes, each value hashed and written while in cache;
+        else the checksums in one batch, then the verified prefix scattered."""
+        n = len(stated)
+        if n == 0:
+            return 0
+        lengths = self.expected.payload_len[a : a + n]
+        starts = value_offsets[a : a + n] + HEADER_SIZE
+        regions = [region for region in self.regions if region.has_pieces(a, a + n)]
+        if not regions or not backend.verifies_while_scattering or PAYLOAD_HASH_ADDRESS is None:
+            flat = span if isinstance(span, np.ndarray) else span.numpy()
+            payloads = [flat[s : s + length] for s, length in zip(starts.tolist(), lengths.tolist())]
+            valid = next((i for i, (got, want) in enumerate(zip(payload_checksums(payloads), stated)) if got != want), n)
+            if valid:
+                self._move(backend, span, value_offsets, a, a + valid, gather=False)
+            return valid
+        first, rest = regions[0], regions[1:]
+        piece_end = first.piece_start[a + 1 : a + n + 1] - first.piece_start[a]
+        valid = backend.scatter_pieces_verified(
+            first.group.planes,
+            first.absolute(value_offsets, a, a + n),
+            span,
+            np.stack([starts, lengths]),
+            np.asarray(stated, dtype=np.uint64),
+            piece_end,
+            PAYLOAD_HASH_ADDRESS,
+        )
+        for region in rest:  # the other layer groups' rows of the verified values
+            if valid and region.has_pieces(a, a + valid):
+                backend.scatter_pieces(region.group.planes, region.absolute(value_offsets, a, a + valid), span)
+        return valid
+
+    def _move(self, backend: CopyBackend, staging: Staging, value_start: np.ndarray, a: int, b: int, gather: bool) -> None:
         for region in self.regions:
             if region.has_pieces(a, b):
                 move = backend.gather_pieces if gather else backend.scatter_pieces

@@ -516,9 +516,19 @@ class KvStore:
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """`get` of each key under one lock (a hit is a read-only view, as `get` gives)."""
+        return self._get_many(keys, None)
+
+    def get_many_with_addresses(self, keys: Sequence[bytes]) -> tuple[list[Buffer | None], list[int | None]]:
+        """`get_many`, and each hit's buffer address where the store knows it (None for a miss, or where it does
+        not: a buffer handed in by `put_owned`), read under the same lock as the values, so that an address is
+        always the address of the value returned beside it (a load may hash and copy from the address)."""
+        addresses: list[int | None] = []
+        return self._get_many(keys, addresses), addresses
+
+    def _get_many(self, keys: Sequence[bytes], addresses: list[int | None] | None) -> list[Buffer | None]:
         values: list[Buffer | None] = []
         with self._lock:
-            entries, stats = self._entries, self._stats
+            entries, stats, known = self._entries, self._stats, self._addresses
             for key in keys:
                 value = entries.get(key)
                 if value is None:
@@ -527,17 +537,10 @@ class KvStore:
                     entries.move_to_end(key)
                     stats.hits += 1
                 values.append(value)
+                if addresses is not None:
+                    addresses.append(None if value is None else known.get(key))
         arena = self._arena
         return [value if value is None or not _store_made(value, arena) else memoryview(value).toreadonly() for value in values]
-
-    def get_many_with_addresses(self, keys: Sequence[bytes]) -> tuple[list[Buffer | None], list[int | None]]:
-        """`get_many`, and each hit's buffer address where the store knows it (None for a miss, or where it does
-        not: a buffer handed in by `put_owned`)."""
-        values = self.get_many(keys)
-        known = self._addresses
-        with self._lock:  # an entry's address is read under the lock that keeps the two together
-            addresses = [None if value is None else known.get(key) for key, value in zip(keys, values)]
-        return values, addresses
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:

@@ -87,8 +87,11 @@ def _xxh3_holding_the_gil() -> Callable[[int, int], int] | None:
 
 
 _XXH3_HOLDING_THE_GIL = _xxh3_holding_the_gil()
-# the same function's address, for `payload_checksums`'s one C loop over many values
-_XXH3_ADDRESS = None if _XXH3_HOLDING_THE_GIL is None else ctypes.cast(cast(Any, _XXH3_HOLDING_THE_GIL), ctypes.c_void_p).value
+# the same function's address, for `payload_checksums`'s one C loop over many values and for a copy backend that
+# verifies while it scatters (None where xxhash does not export it)
+PAYLOAD_HASH_ADDRESS: int | None = (
+    None if _XXH3_HOLDING_THE_GIL is None else ctypes.cast(cast(Any, _XXH3_HOLDING_THE_GIL), ctypes.c_void_p).value
+)
 # from this size on xxhash's own call may release the GIL (it does at 512 KiB, not at 64 KiB, on xxhash 3.x and 4.x);
 # below it the direct call is cheaper than taking the buffer's address
 _GIL_HELD_FROM = 64 << 10
@@ -123,13 +126,13 @@ def payload_checksums(values: Sequence[Buffer]) -> list[int]:
     load's verify or save's encode instead of one per value, holding the GIL for a small batch and releasing it
     once for a large one. The digests are the same either way."""
     library = host_copy() if len(values) > 1 else None
-    if library is None or _XXH3_ADDRESS is None:
+    if library is None or PAYLOAD_HASH_ADDRESS is None:
         return [part_checksum(memoryview(v)[HEADER_SIZE:]) for v in values]
     lens = [memoryview(v).nbytes - HEADER_SIZE for v in values]
     if min(lens) < 0:
         raise ValueError("a value shorter than its header")
     ptrs = buffer_addresses(values) + HEADER_SIZE  # (`values` keeps every buffer alive through the call)
-    digests = library.hash_many(_XXH3_ADDRESS, ptrs, np.array(lens, dtype=np.int64), sum(lens))
+    digests = library.hash_many(PAYLOAD_HASH_ADDRESS, ptrs, np.array(lens, dtype=np.int64), sum(lens))
     return cast(list[int], digests.tolist())
 
 
@@ -240,12 +243,11 @@ def matches(value: Buffer | None, expected: ExpectedValues, i: int) -> bool:
     return valid_prefix([value], expected.range(i, i + 1)) == 1
 
 
-def valid_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> int:
-    """How many values, from the first, are present and exactly what `expected` describes (checksum included).
-    Headers are read with `struct` (a fraction of a microsecond each: this runs once per value of every load)."""
+def stated_checksums(values: Sequence[Buffer | None], expected: ExpectedValues) -> list[int]:
+    """The checksums stated by the leading values whose headers and lengths are exactly what `expected` describes
+    (stopping at the first that is not, or is absent); the payloads are not read. Headers are read with `struct` (a
+    fraction of a microsecond each: this runs once per value of every load)."""
     kind, signature = int(expected.kind), expected.layout_sig
-    # the headers first (a fraction of a microsecond each), then the payloads of the values whose headers are
-    # right, in one batch (`payload_checksums`)
     stated: list[int] = []
     for value, digest, length in zip(values, expected.tokens_digest.tolist(), expected.payload_len.tolist()):
         if value is None or len(value) != HEADER_SIZE + length:
@@ -261,6 +263,14 @@ def valid_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> i
         ):
             break
         stated.append(value_checksum)
+    return stated
+
+
+def valid_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> int:
+    """How many values, from the first, are present and exactly what `expected` describes (checksum included): the
+    headers first (`stated_checksums`), then the payloads of the values whose headers are right, in one batch
+    (`payload_checksums`)."""
+    stated = stated_checksums(values, expected)
     candidates = cast(Sequence[Buffer], values[: len(stated)])
     for i, (computed, want) in enumerate(zip(payload_checksums(candidates), stated)):
         if computed != want:

@@ -184,6 +184,9 @@ class CopyBackend(abc.ABC):
     #: device operations (kernel launches, copies, plan-table uploads) this backend has queued so far; perf
     #: scripts read differences of it. Counting only: never used for control flow.
     ops_issued: int = 0
+    #: whether `scatter_pieces_verified` runs here (a load's verify and scatter in one pass over the bytes); where
+    #: it does not, the caller verifies, then scatters
+    verifies_while_scattering: bool = False
 
     @abc.abstractmethod
     def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
@@ -220,6 +223,24 @@ class CopyBackend(abc.ABC):
             self._host_pieces(planes, pieces, src, gather=False)
         else:
             self._pieces(planes, pieces, src, gather=False)
+
+    def scatter_pieces_verified(
+        self,
+        planes: PlaneSet,
+        pieces: PieceTable,
+        src: Staging,
+        payloads: np.ndarray,
+        expected: np.ndarray,
+        piece_end: np.ndarray,
+        hash_function: int,
+    ) -> int:
+        """A load's verify and scatter in one pass (only where `verifies_while_scattering`): value v's payload is
+        `src` bytes `payloads[0, v] .. + payloads[1, v]` (int64 `[2, V]`: offset, length); from v = 0 on, it is
+        hashed with `hash_function` (a C function `uint64_t (const void *, size_t)`), and if the digest is
+        `expected[v]` (uint64 `[V]`) its pieces, columns `piece_end[v - 1] .. piece_end[v] - 1` of `pieces`
+        (int64 `[V]`, non-decreasing, the last one the number of pieces), are scattered as `scatter_pieces` does;
+        at the first value whose digest is not, it stops. Returns how many values were verified and written."""
+        raise NotImplementedError(f"the {self.name} backend does not verify while scattering")
 
     def describe(self) -> str:
         return self.name

@@ -92,6 +92,46 @@ class HostBackend(CopyBackend):
 
     _host_pieces = _pieces  # numpy staging as it is: the C loop takes an address
 
+    verifies_while_scattering = True
+
+    def scatter_pieces_verified(
+        self,
+        planes: PlaneSet,
+        pieces: PieceTable,
+        src: Staging,
+        payloads: np.ndarray,
+        expected: np.ndarray,
+        piece_end: np.ndarray,
+        hash_function: int,
+    ) -> int:
+        if planes.device.type != "cpu":
+            raise ValueError(f"the host backend copies CPU tensors only, not {planes.device}")
+        table, flat = check_pieces(planes, pieces, src, "src")
+        if table.strides[1] != 8:
+            table = np.ascontiguousarray(table)
+        m = table.shape[1]
+        payloads = np.ascontiguousarray(payloads, dtype=np.int64)
+        expected = np.ascontiguousarray(expected, dtype=np.uint64)
+        piece_end = np.ascontiguousarray(piece_end, dtype=np.int64)
+        n = expected.size
+        if payloads.shape != (2, n) or piece_end.shape != (n,):
+            raise ValueError(f"payloads must be int64 [2, {n}] and piece_end [{n}], got {payloads.shape} and {piece_end.shape}")
+        if n == 0:
+            return 0
+        # the C loop trusts every range: each payload inside the staging, the piece ranges ordered and complete
+        size = flat.nbytes if isinstance(flat, np.ndarray) else flat.numel() * flat.element_size()
+        offsets, lengths = payloads[0], payloads[1]
+        if int(offsets.min()) < 0 or int(lengths.min()) < 0 or int((offsets + lengths).max()) > size:
+            raise ValueError(f"payload ranges outside a staging buffer of {size} bytes")
+        if int(piece_end[0]) < 0 or bool((np.diff(piece_end) < 0).any()) or int(piece_end[-1]) != m:
+            raise ValueError(f"piece_end must be non-decreasing and end at the {m} pieces")
+        base = _staging_address(flat)
+        verified = self.library.verify_scatter_pieces(
+            hash_function, offsets + base, lengths, expected, piece_end, table, _plane_addresses(planes), base
+        )
+        self.ops_issued += 1
+        return verified
+
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, flat: torch.Tensor, gather: bool) -> None:
         if flat.device.type != "cpu":
             raise ValueError(f"the host backend copies CPU tensors only, not {flat.device}")

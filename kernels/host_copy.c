@@ -21,12 +21,13 @@
                               staging flat + base + tokens * plane_offset[p] + (index + k) * row_bytes[p],
    k < count: one memcpy of count * row_bytes[p] where the plane's rows are contiguous in a block, else one per row.
    Pieces outer, planes inner: a value's plane-major staging part is walked front to back. */
-void ems_move_pieces(const int64_t *table, int64_t m, int64_t stride, const int64_t *plane_addr,
-                     const int64_t *block_stride, const int64_t *slot_stride, const int64_t *plane_offset,
-                     const int64_t *row_bytes, int64_t planes, int64_t block_size, int64_t flat, int32_t gather) {
+static void move_piece_range(const int64_t *table, int64_t first, int64_t end, int64_t stride,
+                             const int64_t *plane_addr, const int64_t *block_stride, const int64_t *slot_stride,
+                             const int64_t *plane_offset, const int64_t *row_bytes, int64_t planes,
+                             int64_t block_size, int64_t flat, int32_t gather) {
     const int64_t *start = table, *count = table + stride, *base = table + 2 * stride;
     const int64_t *tokens = table + 3 * stride, *index = table + 4 * stride;
-    for (int64_t i = 0; i < m; i++) {
+    for (int64_t i = first; i < end; i++) {
         const int64_t block = start[i] / block_size, within = start[i] % block_size, c = count[i];
         for (int64_t p = 0; p < planes; p++) {
             const int64_t r = row_bytes[p], step = slot_stride[p];
@@ -43,6 +44,13 @@ void ems_move_pieces(const int64_t *table, int64_t m, int64_t stride, const int6
             }
         }
     }
+}
+
+void ems_move_pieces(const int64_t *table, int64_t m, int64_t stride, const int64_t *plane_addr,
+                     const int64_t *block_stride, const int64_t *slot_stride, const int64_t *plane_offset,
+                     const int64_t *row_bytes, int64_t planes, int64_t block_size, int64_t flat, int32_t gather) {
+    move_piece_range(table, 0, m, stride, plane_addr, block_stride, slot_stride, plane_offset, row_bytes, planes,
+                     block_size, flat, gather);
 }
 
 /* Raw segments (V0 KvBufferWrapper ranges): flat[sum(lengths[:i]) : ... + lengths[i]] <-> bytes at ptrs[i]. */
@@ -62,4 +70,25 @@ typedef uint64_t (*ems_hash_fn)(const void *, size_t);
 
 void ems_hash_many(ems_hash_fn hash, const int64_t *ptrs, const int64_t *lengths, uint64_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = hash((const void *)(intptr_t)ptrs[i], (size_t)lengths[i]);
+}
+
+/* A load's verify and scatter in one pass, value by value, so that each value is read once, while it is in cache:
+   for v < n_values, digest = hash(bytes at payload_addr[v], payload_len[v]); at the first v whose digest is not
+   expected[v], stop and return v (nothing of v or after it is written); else scatter its pieces, table columns
+   piece_end[v - 1] .. piece_end[v] - 1 (piece_end[-1] read as 0), as ems_move_pieces does. Returns n_values when
+   every value matched. */
+int64_t ems_verify_scatter_pieces(ems_hash_fn hash, const int64_t *payload_addr, const int64_t *payload_len,
+                                  const uint64_t *expected, const int64_t *piece_end, int64_t n_values,
+                                  const int64_t *table, int64_t stride, const int64_t *plane_addr,
+                                  const int64_t *block_stride, const int64_t *slot_stride,
+                                  const int64_t *plane_offset, const int64_t *row_bytes, int64_t planes,
+                                  int64_t block_size, int64_t flat) {
+    int64_t first = 0;
+    for (int64_t v = 0; v < n_values; v++) {
+        if (hash((const void *)(intptr_t)payload_addr[v], (size_t)payload_len[v]) != expected[v]) return v;
+        move_piece_range(table, first, piece_end[v], stride, plane_addr, block_stride, slot_stride, plane_offset,
+                         row_bytes, planes, block_size, flat, 0);
+        first = piece_end[v];
+    }
+    return n_values;
 }

@@ -6,7 +6,9 @@ Contract:
   compiler into `EMS_CACHE_DIR` (default `$XDG_CACHE_HOME/ems`, else `~/.cache/ems`), written under a temporary
   name and renamed into place, so concurrent processes (an engine and its node) never load half a file.
 * `HostCopy.move_pieces` / `move_segments` / `hash_many` run one C loop over every piece, segment or value (see
-  `host_copy.c` for the layouts). They trust their arguments: the caller has validated every address and length.
+  `host_copy.c` for the layouts); `verify_scatter_pieces` is a load's verify and scatter in one loop, value by
+  value (each value's bytes read once, while in cache), stopping at the first value whose digest is wrong. They
+  trust their arguments: the caller has validated every address and length.
 * The GIL: a call that moves less than `GIL_HELD_BELOW` bytes keeps it (`ctypes.PyDLL`), a larger one releases it
   for the call (`ctypes.CDLL`). Why: beside a thread that keeps the GIL (an engine's busy Python loop) every
   release costs a wait of up to a switch interval (5 ms) to get it back, which a small move must not pay; a large
@@ -43,7 +45,9 @@ _SIGNATURES: dict[str, list] = {
     "ems_move_pieces": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int32],
     "ems_move_segments": [_PTR, _PTR, _I64, _I64, ctypes.c_int32],
     "ems_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64],
+    "ems_verify_scatter_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
 }
+_RETURNS_COUNT = {"ems_verify_scatter_pieces"}  # these return an int64; the others nothing
 
 
 class HostCopy:
@@ -56,7 +60,7 @@ class HostCopy:
             for name, argtypes in _SIGNATURES.items():
                 function = getattr(library, name)
                 function.argtypes = argtypes
-                function.restype = None
+                function.restype = _I64 if name in _RETURNS_COUNT else None
         self._held, self._free = held, free
 
     def _library(self, nbytes: int) -> ctypes.CDLL:
@@ -88,6 +92,48 @@ class HostCopy:
             flat,
             int(gather),
         )
+
+    def verify_scatter_pieces(
+        self,
+        hash_function: int,
+        payload_ptrs: np.ndarray,
+        payload_lens: np.ndarray,
+        expected: np.ndarray,
+        piece_end: np.ndarray,
+        table: np.ndarray,
+        layout: PlaneAddresses,
+        flat: int,
+    ) -> int:
+        """How many values, from the first, hash to `expected` (uint64 `[V]`); each of them scattered as soon as
+        it is verified (its pieces: `table` columns `piece_end[v - 1] .. piece_end[v] - 1`), nothing of the first
+        that does not match or after it. payload_ptrs, payload_lens, piece_end: int64 `[V]`; table as in
+        `move_pieces`. Reads and writes the payloads' bytes once each, so it keeps the GIL below `GIL_HELD_BELOW`
+        like a move of as many bytes."""
+        if table.strides[1] != 8:
+            raise ValueError("a piece table's rows must be contiguous")
+        n = payload_ptrs.size
+        if not (payload_lens.size == expected.size == piece_end.size == n):
+            raise ValueError("payload_ptrs, payload_lens, expected and piece_end must be [V] alike")
+        nbytes = GIL_HELD_BELOW if n >= 500 else sum(payload_lens.tolist())
+        verified: int = self._library(nbytes).ems_verify_scatter_pieces(
+            hash_function,
+            address_of(payload_ptrs),
+            address_of(payload_lens),
+            address_of(expected),
+            address_of(piece_end),
+            n,
+            address_of(table),
+            table.strides[0] // 8,
+            layout.addr_ptr,
+            layout.bstr_ptr,
+            layout.sstr_ptr,
+            layout.poffs_ptr,
+            layout.rbytes_ptr,
+            layout.planes,
+            layout.block_size,
+            flat,
+        )
+        return verified
 
     def move_segments(self, ptrs: np.ndarray, lengths: np.ndarray, flat: int, gather: bool, nbytes: int) -> None:
         """flat[sum(lengths[:i]) : ... + lengths[i]] to (gather: from) the bytes at ptrs[i] (int64 `[S]` each)."""

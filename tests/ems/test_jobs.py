@@ -60,15 +60,23 @@ def test_records_account_for_every_byte(cc):
     assert metrics["save_blocks_ok"] == 2 and metrics["load_blocks"] == 3 and metrics["load_stage_verify_seconds"] > 0
 
 
-def test_a_damaged_value_stops_the_one_pass_load_there(cc):
+@pytest.mark.parametrize("where", ["in place", "a buffer handed in"])
+def test_a_damaged_value_stops_the_one_pass_load_there(cc, where):
+    """Value 1 of 3 damaged in its last byte: in the store's own buffer (a bit flip in memory), or replaced by a
+    damaged buffer the store did not allocate (as `put_owned` hands them in: no known address)."""
     cache = make_cache(layers=1, blocks=8, block_size=2)
     cc.register_kvcache(cache)
     assert cc.save([0, 1, 2, 3, 4, 5], [1, 2, 3], [2, 2, 2]).success == 3
     store = Ems._pool.nodes[0].store
     keys = list(store._entries)
-    damaged = bytearray(store._entries[keys[1]])
-    damaged[-1] ^= 0xFF
-    store._entries[keys[1]] = bytes(damaged)
+    if where == "in place":
+        memoryview(store._entries[keys[1]]).cast("B")[-1] ^= 0xFF
+    else:
+        damaged = bytearray(store._entries[keys[1]])
+        damaged[-1] ^= 0xFF
+        with store._lock:
+            store._entries[keys[1]] = bytes(damaged)
+            store._addresses.pop(keys[1], None)
     before = [t.clone() for t in cache[0]]
     assert cc.load([8, 9, 10, 11, 12, 13], [1, 2, 3], [2, 2, 2]).success == 1
     for t, b in zip(cache[0], before):  # block 4 got block 0's rows; blocks 5 and 6 untouched

@@ -244,14 +244,20 @@ def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(n
     set_chunk_bytes(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     starts = _chunk_starts(cc, slots, hashes, offsets)
-    scatter = BlockPlan.scatter_range
+    scatter, verify_scatter = BlockPlan.scatter_range, BlockPlan.verify_scatter_from
 
     def kill_after_first(self, backend, staging, a, b):
         if a == 0:
             node.kill()
         scatter(self, backend, staging, a, b)
 
+    def kill_after_first_verified(self, backend, span, value_offsets, a, stated):  # the compiled host copy's scatter
+        if a == 0:
+            node.kill()
+        return verify_scatter(self, backend, span, value_offsets, a, stated)
+
     monkeypatch.setattr(BlockPlan, "scatter_range", kill_after_first)
+    monkeypatch.setattr(BlockPlan, "verify_scatter_from", kill_after_first_verified)
     poisoned = poison(cache)
     start = time.monotonic()
     result = cc.load(slots, hashes, offsets, CcKvOption(timeout=2000))
