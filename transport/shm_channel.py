@@ -5,14 +5,19 @@ Contract:
   data requests: the same 32-byte header and meta as on UCX (`protocol.pack_header`; no data frames, count and
   request id as there), the reply a header (op | REPLY, status, count, meta length) and its meta. The socket's
   peer was proven at the hand-over (token, SO_PEERCRED both ways), so a request on it belongs to the region's
-  connection and tenant; only SHM_GET and SHM_PUT travel on it, one at a time (the client holds the channel for
-  the whole request), and the node serves them as it serves the same ops on UCX.
+  connection and tenant; only SHM_GET and SHM_PUT travel on it, and the node serves them as it serves the same
+  ops on UCX. Up to `CHANNEL_IN_FLIGHT` requests are in flight on it at once, told apart by their request ids (an
+  id is not reused while its request is in flight: the node ends the channel if it is); a client call takes one of
+  the channel's slots for its whole request, and one that finds none free goes over UCX. The node serves the
+  requests of a channel at once and writes each reply whole; replies may come in any order.
 * The node ends a channel on anything malformed (a ProtocolError) and on a refusal (answered BAD_REQUEST first),
   and when the region's connection ends. The client drops the connection after any failure on its channel
   (a timeout included), as after any failed UCX request: the region is poisoned and a fresh connection gets a
   fresh region.
 * Client side, `ClientChannel.request` keeps the GIL through its socket calls (non-blocking `send` / `recv` through
-  libc with the GIL held) and releases it once, to wait for the reply (`poll`).
+  libc with the GIL held) and releases it once, to wait for the reply (`poll`). With several requests in flight,
+  one waiter at a time reads the socket and hands the others their replies (a condition variable); any failure
+  (a timeout included) spends the channel for every request on it.
 
 Why: over UCX an SHM request posts its receive and its head (ucxx releases the GIL for each post) and then waits:
 three GIL hand-overs per request, each up to a switch interval (5 ms) beside a busy Python thread (an engine's
@@ -36,6 +41,7 @@ _MSG_DONTWAIT = 0x40
 _MSG_NOSIGNAL = 0x4000
 _MAX_POLL_MS = 60_000
 _SHM_DATA_OPS = frozenset({int(protocol.Op.SHM_GET), int(protocol.Op.SHM_PUT)})
+CHANNEL_IN_FLIGHT = 8  # requests in flight on one region's channel (the node serves them at once, in this bound)
 
 _libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: these calls keep the GIL (never block: MSG_DONTWAIT)
 _libc.send.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -59,36 +65,101 @@ class ChannelRefused(Exception):
 class ClientChannel:
     """The client's end of a region's channel (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, in_flight: int = CHANNEL_IN_FLIGHT) -> None:
         sock.setblocking(False)
         self._sock = sock
         self._fd = sock.fileno()
-        self.lock = threading.Lock()  # one request at a time; a caller that finds it held uses UCX
+        # a caller takes a slot for its whole request; one that finds none free uses UCX
+        self.slots = threading.BoundedSemaphore(in_flight)
+        self._send_lock = threading.Lock()  # one request's bytes at a time on the socket
+        self._cond = threading.Condition()  # guards everything below
         self._head = ctypes.create_string_buffer(protocol.HEADER_SIZE)
         self._next_id = 0
+        self._waiting: set[int] = set()  # the ids of the requests sent and not yet answered
+        self._replies: dict[int, tuple[protocol.Header, bytes]] = {}  # read by the reader for another waiter
+        self._reading = False  # a waiter is reading replies off the socket for everyone
+        self._failure: str | None = None  # the channel is spent: why (every request on it raises ChannelClosed)
         self.closed = False
 
     def close(self) -> None:
-        self.closed = True
+        with self._cond:
+            self.closed = True
+            if self._failure is None:
+                self._failure = "the channel is closed"
+            self._cond.notify_all()
         self._sock.close()
 
     def request(self, op: int, count: int, meta: bytes, deadline_at: float) -> bytes:
-        """Send one SHM request and return its reply meta; the caller holds `lock`. ChannelTimeout past
-        `deadline_at` (monotonic), ChannelRefused on an error status, ChannelClosed or ProtocolError otherwise."""
-        if self.closed:
-            raise ChannelClosed("the channel is closed")
-        self._next_id = self._next_id % protocol.MAX_REQUEST_ID + 1
-        rid = self._next_id
-        header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid)
-        self._send_all(header.tobytes() + meta, deadline_at)
-        head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
-        reply = protocol.unpack_header(head)
-        body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
+        """Send one SHM request and return its reply meta; the caller holds one of `slots`. ChannelTimeout past
+        `deadline_at` (monotonic), ChannelRefused on an error status, ChannelClosed or ProtocolError otherwise.
+        Any failure spends the channel for every request in flight on it (their callers drop the connection)."""
+        with self._cond:
+            if self._failure is not None:
+                raise ChannelClosed(self._failure)
+            self._next_id = self._next_id % protocol.MAX_REQUEST_ID + 1
+            rid = self._next_id
+            self._waiting.add(rid)
+        try:
+            header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid)
+            with self._send_lock:
+                self._send_all(header.tobytes() + meta, deadline_at)
+            reply, body = self._reply_of(rid, deadline_at)
+        except Exception as error:
+            self._spend(error)
+            raise
+        finally:
+            with self._cond:
+                self._waiting.discard(rid)
         if reply.status != protocol.Status.OK:
-            raise ChannelRefused(body.decode("utf-8", "replace") or f"node answered status {reply.status}")
-        if reply.op != op | protocol.REPLY or reply.request_id != rid or reply.count != count:
-            raise protocol.ProtocolError(f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x}")
+            refused = ChannelRefused(body.decode("utf-8", "replace") or f"node answered status {reply.status}")
+            self._spend(refused)
+            raise refused
+        if reply.op != op | protocol.REPLY or reply.count != count:
+            malformed = protocol.ProtocolError(f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x}")
+            self._spend(malformed)
+            raise malformed
         return body
+
+    def _reply_of(self, rid: int, deadline_at: float) -> tuple[protocol.Header, bytes]:
+        """Request `rid`'s reply: handed over by the waiter reading the socket, or read here while no other waiter
+        reads it (then the replies of others are handed to them). Alone, a request never waits on the condition:
+        it reads its own reply, so the GIL is given away once, in `poll`."""
+        with self._cond:
+            while True:
+                if self._failure is not None:
+                    raise ChannelClosed(self._failure)
+                got = self._replies.pop(rid, None)
+                if got is not None:
+                    return got
+                if not self._reading:
+                    self._reading = True
+                    break
+                left = deadline_at - time.monotonic()
+                if left <= 0:
+                    raise ChannelTimeout()
+                self._cond.wait(left)
+        try:
+            while True:
+                head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
+                reply = protocol.unpack_header(head)
+                body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
+                if reply.request_id == rid:
+                    return reply, body
+                with self._cond:
+                    if reply.request_id not in self._waiting:
+                        raise protocol.ProtocolError(f"a reply to request {reply.request_id}, which is not in flight")
+                    self._replies[reply.request_id] = (reply, body)
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()  # another waiter takes over the reading
+
+    def _spend(self, error: Exception) -> None:
+        with self._cond:
+            if self._failure is None:
+                self._failure = f"the channel failed: {error!r}"
+            self._cond.notify_all()
 
     def _send_all(self, data: bytes, deadline_at: float) -> None:
         buffer = (ctypes.c_char * len(data)).from_buffer_copy(data)
@@ -138,11 +209,12 @@ class ClientChannel:
 class NodeChannel:
     """The node's `RequestChannel` for one request read off a region's channel (`node_handlers.RequestChannel`)."""
 
-    def __init__(self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes) -> None:
+    def __init__(self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes, sending: asyncio.Lock) -> None:
         self.sock = sock
         self.header = header
         self.conn = conn
         self._meta = meta
+        self._sending = sending  # the channel's: one reply's bytes at a time (requests are served at once)
 
     async def meta(self) -> bytes:
         return self._meta
@@ -168,7 +240,8 @@ class NodeChannel:
         header = protocol.pack_header(
             op | protocol.REPLY, count=count, meta_len=len(meta), status=status, request_id=self.header.request_id
         )
-        await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
+        async with self._sending:
+            await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
 
 
 async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | None:

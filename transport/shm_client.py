@@ -199,12 +199,12 @@ class ShmClient:
 
         channel = region.channel
         try:
-            if channel is not None and channel.lock.acquire(blocking=False):
+            if channel is not None and channel.slots.acquire(blocking=False):
                 try:
                     result = self._over_channel(region, channel, op, meta, count, deadline)
                 finally:
-                    channel.lock.release()
-            else:  # no channel, or another call holds it: this one goes over UCX
+                    channel.slots.release()
+            else:  # no channel, or every slot of it taken: this one goes over UCX
                 result = self.node._call(run, deadline)
         except BaseException:
             _retire(region)

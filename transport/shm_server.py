@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -290,32 +291,74 @@ class ShmService:
 
     async def _serve_channel(self, sock: socket.socket, region: _Region) -> None:
         """Serve a region's channel until its client closes it, it sends something malformed, a request is
-        refused, or the region's connection ends (`forget` closes the socket)."""
-        from ems.transport.node_handlers import Refusal  # (node_handlers imports this module)
-
+        refused, or the region's connection ends (`forget` cancels this task, which closes the socket: never a
+        socket closed under a pending read). Up to `CHANNEL_IN_FLIGHT` requests are served at once, each as a
+        task of its own; the next request is read only once a slot is free (back-pressure on the socket), and
+        replies go out whole, one at a time."""
         peer = region.conn.peer
+        slots = asyncio.Semaphore(shm_channel.CHANNEL_IN_FLIGHT)
+        sending = asyncio.Lock()
+        serving: dict[int, asyncio.Task] = {}  # request id → its task
+        ended: asyncio.Future = asyncio.get_running_loop().create_future()  # a request's task ends the channel
+        reading: asyncio.Future | None = None
+
+        def finished(rid: int, task: asyncio.Task) -> None:
+            serving.pop(rid, None)
+            slots.release()
+            if not task.cancelled() and task.exception() is not None and not ended.done():
+                ended.set_exception(task.exception())  # type: ignore[arg-type]
+            elif not task.cancelled() and task.result() is False and not ended.done():
+                ended.set_result(None)  # refused: the channel ends after its answer
+
         try:
-            while not region.closing:
-                request = await shm_channel.read_request(sock)
+            while not region.closing and not ended.done():
+                await slots.acquire()
+                reading = asyncio.ensure_future(shm_channel.read_request(sock))
+                await asyncio.wait([reading, ended], return_when=asyncio.FIRST_COMPLETED)
+                if not reading.done():  # a request's task ended the channel meanwhile
+                    reading.cancel()
+                    break
+                request = reading.result()
                 if request is None:
                     return
                 header, meta = request
-                channel = shm_channel.NodeChannel(sock, header, region.conn, meta)
-                try:
-                    await self.handlers.serve(channel, region.prefix)
-                except Refusal as refusal:
-                    log.warning("refused a shared-memory request from %s: %s", peer, refusal)
-                    await channel.reply(header.op, meta=str(refusal).encode(), status=protocol.Status.BAD_REQUEST)
-                    return
+                if header.request_id in serving:
+                    raise protocol.ProtocolError(f"request id {header.request_id} is already in flight on the channel")
+                channel = shm_channel.NodeChannel(sock, header, region.conn, meta, sending)
+                task = asyncio.ensure_future(self._serve_one(channel, region))
+                serving[header.request_id] = task
+                task.add_done_callback(functools.partial(finished, header.request_id))
+            if ended.done():
+                ended.result()  # a request's failure, raised here
         except protocol.ProtocolError as error:
             log.warning("closing the shared-memory channel of %s: malformed request: %s", peer, error)
         except (OSError, ConnectionError) as error:
             if not region.closing:
                 log.info("shared-memory channel of %s ended: %r", peer, error)
         finally:
+            if reading is not None:
+                reading.cancel()
+            for task in list(serving.values()):
+                task.cancel()
+            if serving:
+                await asyncio.gather(*serving.values(), return_exceptions=True)
+            if ended.done() and not ended.cancelled():
+                ended.exception()  # (retrieved: asyncio would log it as never retrieved)
             sock.close()
             if region.channel is sock:
                 region.channel = None
+
+    async def _serve_one(self, channel: shm_channel.NodeChannel, region: _Region) -> bool:
+        """One request off a region's channel; False when it was refused (answered BAD_REQUEST: the channel ends)."""
+        from ems.transport.node_handlers import Refusal  # (node_handlers imports this module)
+
+        try:
+            await self.handlers.serve(channel, region.prefix)
+        except Refusal as refusal:
+            log.warning("refused a shared-memory request from %s: %s", region.conn.peer, refusal)
+            await channel.reply(channel.header.op, meta=str(refusal).encode(), status=protocol.Status.BAD_REQUEST)
+            return False
+        return True
 
 
 def _refusal(region: _Region | None, pid: int, uid: int) -> str | None:

@@ -368,22 +368,138 @@ def test_requests_travel_on_the_region_channel_not_on_ucx(shared_node, node_clie
     assert (spy.channel, spy.ucx) == (2, 0)
 
 
+def test_calls_in_flight_at_once_all_travel_on_the_channel(shared_node, node_clients, monkeypatch):
+    """Up to CHANNEL_IN_FLIGHT calls at once share the region's channel (replies told apart by request id, in any
+    order): none of them posts on UCX, and every value comes back byte-exact to the call that asked for it."""
+    from ems.transport import shm_channel
+    from ems.transport.shm_channel import CHANNEL_IN_FLIGHT
+
+    node = node_clients(shared_node.address)
+    assert node.put([b"warm3"], [_value(100, 5)], 5.0) == [True]
+    spy = _ChannelSpy(node, monkeypatch)
+    in_flight_at_send: list[int] = []
+    real_send = shm_channel.ClientChannel._send_all
+
+    def send_all(channel, *args):
+        in_flight_at_send.append(len(channel._waiting))  # this request included
+        return real_send(channel, *args)
+
+    monkeypatch.setattr(shm_channel.ClientChannel, "_send_all", send_all)
+    threads = CHANNEL_IN_FLIGHT
+    rounds = 6
+    start = threading.Barrier(threads)
+    failures: list[str] = []
+
+    def work(t: int) -> None:
+        start.wait()
+        for r in range(rounds):
+            size = 40_000 + 300_000 * ((t + r) % 4)  # replies of different sizes finish out of order
+            keys = [b"fly-%d-%d-%d" % (t, r, i) for i in range(3)]
+            values = [_value(size, seed=1000 * t + 10 * r + i) for i in range(3)]
+            if node.put(keys, values, 10.0) != [True] * 3:
+                failures.append(f"put {t}/{r}")
+                return
+            outs = [np.empty(len(joined(v)), np.uint8) for v in values]
+            if node.get_into(keys, outs, 10.0) != [True] * 3 or [o.tobytes() for o in outs] != [joined(v) for v in values]:
+                failures.append(f"get {t}/{r}")
+                return
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not failures and not any(w.is_alive() for w in workers)
+    assert (spy.channel, spy.ucx) == (2 * threads * rounds, 0)
+    assert max(in_flight_at_send) > 1, "the calls never overlapped: nothing was in flight at once"
+    assert not _region(node).channel.closed
+
+
 def test_a_busy_channel_sends_the_next_call_over_ucx(shared_node, node_clients, monkeypatch):
-    """Calls in flight at once share the region: the one that finds the channel taken posts its request on UCX."""
+    """Calls in flight at once share the region: one that finds every slot of the channel taken posts its request on
+    UCX."""
+    from ems.transport.shm_channel import CHANNEL_IN_FLIGHT
+
     node = node_clients(shared_node.address)
     assert node.put([b"warm2"], [_value(100, 2)], 5.0) == [True]
     channel = _region(node).channel
     spy = _ChannelSpy(node, monkeypatch)
-    assert channel.lock.acquire(blocking=False)
+    for _ in range(CHANNEL_IN_FLIGHT):
+        assert channel.slots.acquire(blocking=False)
     try:
         assert node.put([b"side"], [_value(70_000, 3)], 5.0) == [True]
         out = np.empty(len(joined(_value(70_000, 3))), np.uint8)
         assert node.get_into([b"side"], [out], 5.0) == [True] and out.tobytes() == joined(_value(70_000, 3))
     finally:
-        channel.lock.release()
+        for _ in range(CHANNEL_IN_FLIGHT):
+            channel.slots.release()
     assert (spy.channel, spy.ucx) == (0, 2)
     assert _region(node).channel is channel  # still the region's channel, used again once free
     assert node.get_into([b"side"], [out], 5.0) == [True] and spy.channel == 1
+
+
+def _raw_get(request_id: int, key: bytes, capacity: int = 1 << 16) -> bytes:
+    """An SHM_GET of one key into the region's first `capacity` bytes, as bytes for the channel."""
+    from ems.transport import protocol, shm
+
+    meta = shm.encode_ranged([key], [0], [capacity])
+    return protocol.pack_header(protocol.Op.SHM_GET, count=1, meta_len=len(meta), request_id=request_id).tobytes() + meta
+
+
+def _raw_reply(sock) -> tuple:
+    from ems.transport import protocol
+
+    head = b""
+    while len(head) < protocol.HEADER_SIZE:
+        chunk = sock.recv(protocol.HEADER_SIZE - len(head))
+        if not chunk:
+            return None, b""
+        head += chunk
+    header = protocol.unpack_header(head)
+    body = b""
+    while len(body) < header.meta_len:
+        body += sock.recv(header.meta_len - len(body))
+    return header, body
+
+
+def test_the_node_answers_requests_in_flight_by_their_ids_and_ends_the_channel_on_a_reused_one(shared_node, node_clients):
+    """From a raw client on the region's socket: two requests sent back to back are both answered, each under its
+    own id; a request whose id is still in flight is malformed and ends the channel (the client then recovers)."""
+    from ems.transport import protocol
+
+    node = node_clients(shared_node.address)
+    assert node.put([b"ids"], [_value(5000, 6)], 5.0) == [True]
+    big = _value(6 << 20, 7)
+    assert node.put([b"ids-big"], [big], 10.0) == [True]
+    region = _region(node)
+    sock = region.channel._sock
+    sock.setblocking(True)
+    sock.settimeout(5.0)
+    try:
+        sock.sendall(_raw_get(7, b"ids") + _raw_get(9, b"absent"))
+        replies = {}
+        for _ in range(2):
+            header, body = _raw_reply(sock)
+            assert header is not None and header.op == protocol.Op.SHM_GET | protocol.REPLY
+            replies[header.request_id] = np.frombuffer(body, "<i8").tolist()
+        assert replies == {7: [len(joined(_value(5000, 6)))], 9: [-1]}
+        # the same id twice, the first still in flight: its 6 MiB copy runs on the node's worker thread (over
+        # OFFLOAD_BYTES) while the node reads the second request
+        sock.sendall(_raw_get(11, b"ids-big", len(joined(big))) + _raw_get(11, b"ids"))
+        seen = []
+        while True:
+            header, _ = _raw_reply(sock)
+            if header is None:
+                break  # the node closed the channel
+            seen.append(header.request_id)
+        assert seen in ([], [11])  # at most the first one answered, then the channel ended
+    finally:
+        sock.setblocking(False)
+    with pytest.raises(TransportError):
+        node.get_into([b"ids"], [np.empty(len(joined(_value(5000, 6))), np.uint8)], 2.0)
+    time.sleep(0.6)  # past the reconnect back-off
+    out = np.empty(len(joined(_value(5000, 6))), np.uint8)
+    assert node.get_into([b"ids"], [out], 5.0) == [True] and out.tobytes() == joined(_value(5000, 6))
 
 
 @pytest.mark.parametrize(
