@@ -16,7 +16,7 @@ Contract:
   fresh region.
 * Client side, `ClientChannel.request` keeps the GIL through its socket calls (non-blocking `send` / `recv` through
   libc with the GIL held) and releases it once, to wait for the reply (`poll`). With several requests in flight,
-  one waiter at a time reads the socket and hands the others their replies (a condition variable); any failure
+  one waiter at a time reads the socket and hands the others their replies (each waking only its owner); any failure
   (a timeout included) spends the channel for every request on it.
 
 Why: over UCX an SHM request posts its receive and its head (ucxx releases the GIL for each post) and then waits:
@@ -72,60 +72,60 @@ class ClientChannel:
         # a caller takes a slot for its whole request; one that finds none free uses UCX
         self.slots = threading.BoundedSemaphore(in_flight)
         self._send_lock = threading.Lock()  # one request's bytes at a time on the socket
-        self._cond = threading.Condition()  # guards everything below
-        self._head = ctypes.create_string_buffer(protocol.HEADER_SIZE)
+        self._lock = threading.Lock()  # guards everything below
+        self._head = ctypes.create_string_buffer(protocol.HEADER_SIZE)  # the reader's (one at a time)
         self._next_id = 0
-        self._waiting: set[int] = set()  # the ids of the requests sent and not yet answered
+        # the requests sent and not yet answered, each with its own event, set to wake just that waiter (its reply
+        # handed over, the reading handed on to it, or a failure): a reply wakes one thread, not every waiter
+        self._waiting: dict[int, threading.Event] = {}
         self._replies: dict[int, tuple[protocol.Header, bytes]] = {}  # read by the reader for another waiter
         self._reading = False  # a waiter is reading replies off the socket for everyone
         self._failure: str | None = None  # the channel is spent: why (every request on it raises ChannelClosed)
         self.closed = False
 
     def close(self) -> None:
-        with self._cond:
-            self.closed = True
-            if self._failure is None:
-                self._failure = "the channel is closed"
-            self._cond.notify_all()
+        self._spend_with("the channel is closed")
+        self.closed = True
         self._sock.close()
 
     def request(self, op: int, count: int, meta: bytes, deadline_at: float) -> bytes:
         """Send one SHM request and return its reply meta; the caller holds one of `slots`. ChannelTimeout past
         `deadline_at` (monotonic), ChannelRefused on an error status, ChannelClosed or ProtocolError otherwise.
         Any failure spends the channel for every request in flight on it (their callers drop the connection)."""
-        with self._cond:
+        woken = threading.Event()
+        with self._lock:
             if self._failure is not None:
                 raise ChannelClosed(self._failure)
             self._next_id = self._next_id % protocol.MAX_REQUEST_ID + 1
             rid = self._next_id
-            self._waiting.add(rid)
+            self._waiting[rid] = woken
         try:
             header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid)
             with self._send_lock:
                 self._send_all(header.tobytes() + meta, deadline_at)
-            reply, body = self._reply_of(rid, deadline_at)
+            reply, body = self._reply_of(rid, woken, deadline_at)
         except Exception as error:
-            self._spend(error)
+            self._spend_with(f"the channel failed: {error!r}")
             raise
         finally:
-            with self._cond:
-                self._waiting.discard(rid)
+            with self._lock:
+                self._waiting.pop(rid, None)
         if reply.status != protocol.Status.OK:
             refused = ChannelRefused(body.decode("utf-8", "replace") or f"node answered status {reply.status}")
-            self._spend(refused)
+            self._spend_with(f"the node refused a request: {refused}")
             raise refused
         if reply.op != op | protocol.REPLY or reply.count != count:
             malformed = protocol.ProtocolError(f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x}")
-            self._spend(malformed)
+            self._spend_with(f"a malformed reply: {malformed}")
             raise malformed
         return body
 
-    def _reply_of(self, rid: int, deadline_at: float) -> tuple[protocol.Header, bytes]:
+    def _reply_of(self, rid: int, woken: threading.Event, deadline_at: float) -> tuple[protocol.Header, bytes]:
         """Request `rid`'s reply: handed over by the waiter reading the socket, or read here while no other waiter
-        reads it (then the replies of others are handed to them). Alone, a request never waits on the condition:
-        it reads its own reply, so the GIL is given away once, in `poll`."""
-        with self._cond:
-            while True:
+        reads it (then the replies of others are handed to them, each waking only its own waiter). Alone, a request
+        never waits on its event: it reads its own reply, so the GIL is given away once, in `poll`."""
+        while True:
+            with self._lock:
                 if self._failure is not None:
                     raise ChannelClosed(self._failure)
                 got = self._replies.pop(rid, None)
@@ -134,10 +134,10 @@ class ClientChannel:
                 if not self._reading:
                     self._reading = True
                     break
-                left = deadline_at - time.monotonic()
-                if left <= 0:
-                    raise ChannelTimeout()
-                self._cond.wait(left)
+                woken.clear()  # (under the lock: a hand-over after this sets it again)
+            left = deadline_at - time.monotonic()
+            if left <= 0 or not woken.wait(left):
+                raise ChannelTimeout()
         try:
             while True:
                 head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
@@ -145,21 +145,27 @@ class ClientChannel:
                 body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
                 if reply.request_id == rid:
                     return reply, body
-                with self._cond:
-                    if reply.request_id not in self._waiting:
+                with self._lock:
+                    owner = self._waiting.get(reply.request_id)
+                    if owner is None:
                         raise protocol.ProtocolError(f"a reply to request {reply.request_id}, which is not in flight")
                     self._replies[reply.request_id] = (reply, body)
-                    self._cond.notify_all()
+                    owner.set()
         finally:
-            with self._cond:
+            with self._lock:
                 self._reading = False
-                self._cond.notify_all()  # another waiter takes over the reading
+                # the reading goes on with one waiter still without its reply
+                heir = next((e for r, e in self._waiting.items() if r != rid and r not in self._replies), None)
+                if heir is not None:
+                    heir.set()
 
-    def _spend(self, error: Exception) -> None:
-        with self._cond:
+    def _spend_with(self, why: str) -> None:
+        """The channel fails every request on it from now on; the waiting ones are woken to see it."""
+        with self._lock:
             if self._failure is None:
-                self._failure = f"the channel failed: {error!r}"
-            self._cond.notify_all()
+                self._failure = why
+            for event in self._waiting.values():
+                event.set()
 
     def _send_all(self, data: bytes, deadline_at: float) -> None:
         buffer = (ctypes.c_char * len(data)).from_buffer_copy(data)
