@@ -403,9 +403,7 @@ class EmbeddedLoad:
             with record.stage(Stage.VERIFY):  # the headers here; the payloads' checksums as they are scattered
                 stated = stated_checksums(values[:present], plan.expected)
             if len(stated) > 1:
-                known = addresses[: len(stated)]
-                starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values[: len(stated)])
-                span = span_of(starts, plan.expected.payload_len[: len(stated)] + HEADER_SIZE)
+                span = _stored_span(plan, values, addresses, len(stated))
             if span is not None:
                 with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, len(stated))):
                     return plan.verify_scatter_from(self.backend, span[0], span[1], 0, stated), outcome
@@ -415,15 +413,23 @@ class EmbeddedLoad:
             return 0, outcome
         with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
             if isinstance(plan, BlockPlan) and hits > 1 and span is None:
-                known = addresses[:hits]
-                starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values[:hits])
-                span = span_of(starts, plan.expected.payload_len[:hits] + HEADER_SIZE)
+                span = _stored_span(plan, values, addresses, hits)
             if isinstance(plan, BlockPlan) and span is not None:
                 plan.scatter_from(self.backend, span[0], span[1], hits)
             else:  # one value, V0 raw ranges, or stored values too far apart to view as one
                 for i in range(hits):
                     plan.scatter_value(self.backend, i, stored_array(cast(Buffer, values[i])))  # i < hits: present
         return hits, outcome
+
+
+def _stored_span(
+    plan: BlockPlan, values: list[Buffer | None], addresses: list[int | None], count: int
+) -> tuple[torch.Tensor, np.ndarray] | None:
+    """The first `count` stored values (present) as one span and their offsets in it (`span_of`), from the
+    addresses the store knows, else from the buffers themselves."""
+    known = addresses[:count]
+    starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values[:count])
+    return span_of(starts, plan.expected.payload_len[:count] + HEADER_SIZE)
 
 
 class PipelinedLoad:

@@ -82,13 +82,7 @@ class HostCopy:
             address_of(table),
             table.shape[1],
             table.strides[0] // 8,
-            layout.addr_ptr,
-            layout.bstr_ptr,
-            layout.sstr_ptr,
-            layout.poffs_ptr,
-            layout.rbytes_ptr,
-            layout.planes,
-            layout.block_size,
+            *layout.arguments,
             flat,
             int(gather),
         )
@@ -124,13 +118,7 @@ class HostCopy:
             n,
             address_of(table),
             table.strides[0] // 8,
-            layout.addr_ptr,
-            layout.bstr_ptr,
-            layout.sstr_ptr,
-            layout.poffs_ptr,
-            layout.rbytes_ptr,
-            layout.planes,
-            layout.block_size,
+            *layout.arguments,
             flat,
         )
         return verified
@@ -151,9 +139,9 @@ class PlaneAddresses:
 
     def __init__(self, addrs: list[int], bstr: list[int], sstr: list[int], poffs: list[int], rbytes: list[int], block_size: int):
         self.arrays = [np.array(v, dtype=np.int64) for v in (addrs, bstr, sstr, poffs, rbytes)]
-        self.addr_ptr, self.bstr_ptr, self.sstr_ptr, self.poffs_ptr, self.rbytes_ptr = (address_of(a) for a in self.arrays)
-        self.planes = len(addrs)
-        self.block_size = block_size
+        # what every piece move of host_copy.c takes after its table: plane_addr, block_stride, slot_stride,
+        # plane_offset, row_bytes (addresses of the arrays above), planes, block_size
+        self.arguments = (*(address_of(a) for a in self.arrays), len(addrs), block_size)
 
 
 def _compiler() -> list[str]:
