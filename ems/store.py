@@ -61,8 +61,9 @@ from typing import TypeGuard
 import numpy as np
 
 from ems.buffers import POPULATE_STEP, Buffer, populate_pages, release_pages
+from ems.kernels.host_copy import copy_buffers
 from ems.kernels.raw_memory import address_of
-from ems.value_format import VALUE_LEAD, is_well_formed, well_formed_many
+from ems.value_format import VALUE_LEAD, copy_well_formed_many, is_well_formed, well_formed_many
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
 # References to a retired value inside `_retire`: the caller's local, the parameter, getrefcount's argument.
@@ -488,6 +489,27 @@ class KvStore:
         one call, which gives the GIL away once for a large batch instead of holding it per value)."""
         good = well_formed_many(values) if self._verify_on_put else [True] * len(values)
         return [self.put_owned(k, v, reserved=r, verified=ok) for k, v, r, ok in zip(keys, values, reserved, good)]
+
+    def put_copied_each(
+        self, keys: Sequence[bytes], buffers: Sequence[np.ndarray], sources: Sequence[Buffer], reserved: Sequence[int]
+    ) -> list[bool]:
+        """`put_owned_each` of `buffers` (from `allocate`), each first filled with the bytes of the source beside it
+        (same lengths): a node's save out of memory its client can still write (a shared-memory region), so the
+        copies are what is checked and stored. Copy and check in one pass (`copy_well_formed_many`). A refused
+        buffer's reservation is released here, as `put_owned` does; on an error nothing is stored and the caller
+        still owns every buffer."""
+        if self._verify_on_put:
+            good = copy_well_formed_many(buffers, sources)
+        else:
+            copy_buffers(buffers, sources)
+            good = [True] * len(buffers)
+        return [self.put_owned(k, v, reserved=r, verified=ok) for k, v, r, ok in zip(keys, buffers, reserved, good)]
+
+    @staticmethod
+    def read_into(values: Sequence[Buffer], outs: Sequence[Buffer]) -> None:
+        """Copy each value (as `get_many` returned it) into the writable buffer of `outs` beside it (same lengths),
+        in one call for the batch: a node's load into a shared-memory region (`copy_buffers`)."""
+        copy_buffers(outs, values)
 
     def _insert(self, key: bytes, value: Buffer, charge: int, address: int | None = None) -> None:
         self._remove(key)

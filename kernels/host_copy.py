@@ -5,10 +5,12 @@ Contract:
   `EMS_HOST_COPY=off`): callers then use their numpy / torch path. The library is built once per source and
   compiler into `EMS_CACHE_DIR` (default `$XDG_CACHE_HOME/ems`, else `~/.cache/ems`), written under a temporary
   name and renamed into place, so concurrent processes (an engine and its node) never load half a file.
-* `HostCopy.move_pieces` / `move_segments` / `hash_many` run one C loop over every piece, segment or value (see
-  `host_copy.c` for the layouts); `verify_scatter_pieces` is a load's verify and scatter in one loop, value by
-  value (each value's bytes read once, while in cache), stopping at the first value whose digest is wrong. They
-  trust their arguments: the caller has validated every address and length.
+* `HostCopy.move_pieces` / `move_segments` / `hash_many` / `copy_many` run one C loop over every piece, segment,
+  value or buffer (see `host_copy.c` for the layouts; `copy_many`'s large copies use streaming stores on x86);
+  `copy_hash_many` hashes each copy step by step right after copying it; `verify_scatter_pieces` is a load's
+  verify and scatter in one loop, value by value (each value's bytes read once, while in cache), stopping at the
+  first value whose digest is wrong. They trust their arguments: the caller has validated every address and
+  length (`copy_buffers` and `copy_lengths` check a batch of copies).
 * The GIL: a call that moves less than `GIL_HELD_BELOW` bytes keeps it (`ctypes.PyDLL`), a larger one releases it
   for the call (`ctypes.CDLL`). Why: beside a thread that keeps the GIL (an engine's busy Python loop) every
   release costs a wait of up to a switch interval (5 ms) to get it back, which a small move must not pay; a large
@@ -27,11 +29,13 @@ import shlex
 import subprocess
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ems.kernels.raw_memory import address_of
+from ems.kernels.raw_memory import address_of, buffer_addresses
 
 log = logging.getLogger("ems.kernels")
 
@@ -46,8 +50,10 @@ _SIGNATURES: dict[str, list] = {
     "ems_move_segments": [_PTR, _PTR, _I64, _I64, ctypes.c_int32],
     "ems_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64],
     "ems_verify_scatter_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "ems_copy_many": [_PTR, _PTR, _PTR, _I64],
+    "ems_copy_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64],
 }
-_RETURNS_COUNT = {"ems_verify_scatter_pieces"}  # these return an int64; the others nothing
+_RETURNS_COUNT = {"ems_verify_scatter_pieces", "ems_copy_hash_many"}  # these return an int64; the others nothing
 
 
 class HostCopy:
@@ -108,8 +114,7 @@ class HostCopy:
         n = payload_ptrs.size
         if not (payload_lens.size == expected.size == piece_end.size == n):
             raise ValueError("payload_ptrs, payload_lens, expected and piece_end must be [V] alike")
-        nbytes = GIL_HELD_BELOW if n >= 500 else sum(payload_lens.tolist())
-        verified: int = self._library(nbytes).ems_verify_scatter_pieces(
+        verified: int = self._library(_total(payload_lens)).ems_verify_scatter_pieces(
             hash_function,
             address_of(payload_ptrs),
             address_of(payload_lens),
@@ -127,11 +132,65 @@ class HostCopy:
         """flat[sum(lengths[:i]) : ... + lengths[i]] to (gather: from) the bytes at ptrs[i] (int64 `[S]` each)."""
         self._library(nbytes).ems_move_segments(address_of(ptrs), address_of(lengths), ptrs.size, flat, int(gather))
 
+    def copy_many(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
+        """`lengths[i]` bytes from address `src[i]` to address `dst[i]` (int64 `[N]` each, contiguous), in one call."""
+        if not (dst.size == src.size == lengths.size):
+            raise ValueError("dst, src and lengths must be [N] alike")
+        self._library(_total(lengths)).ems_copy_many(address_of(dst), address_of(src), address_of(lengths), dst.size)
+
+    def copy_hash_many(self, hasher: np.ndarray, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, skip: int) -> np.ndarray:
+        """`copy_many`, and uint64 `[N]`: the XXH3-64 of each copy's bytes from `skip` on, hashed step by step right
+        after each step is copied, while in cache (every `lengths[i] >= skip`). `hasher`: int64 `[5]`, the addresses
+        of XXH3's createState, freeState, 64bits_reset, 64bits_update and 64bits_digest (`host_copy.c`)."""
+        if not (dst.size == src.size == lengths.size):
+            raise ValueError("dst, src and lengths must be [N] alike")
+        if hasher.dtype != np.int64 or hasher.size != 5:
+            raise ValueError("hasher must be the int64 [5] table of XXH3's streaming functions")
+        if dst.size and int(lengths.min()) < skip:
+            raise ValueError(f"every length must be at least skip ({skip})")
+        out = np.empty(dst.size, dtype=np.uint64)
+        failed = self._library(_total(lengths)).ems_copy_hash_many(
+            address_of(hasher), address_of(dst), address_of(src), address_of(lengths), skip, address_of(out), dst.size
+        )
+        if failed:
+            raise MemoryError("no memory for an XXH3 hash state")
+        return out
+
     def hash_many(self, hash_function: int, ptrs: np.ndarray, lengths: np.ndarray, nbytes: int) -> np.ndarray:
         """uint64 `[N]`: `hash_function(ptrs[i], lengths[i])`, a C function `uint64_t (const void *, size_t)`."""
         out = np.empty(ptrs.size, dtype=np.uint64)
         self._library(nbytes).ems_hash_many(hash_function, address_of(ptrs), address_of(lengths), address_of(out), ptrs.size)
         return out
+
+
+def _total(lengths: np.ndarray) -> int:
+    """The bytes of a batch (it decides the GIL): a long batch counts as large without summing it."""
+    return GIL_HELD_BELOW if lengths.size >= 500 else int(lengths.sum())
+
+
+def copy_lengths(dsts: Sequence[Any], srcs: Sequence[Any]) -> np.ndarray:
+    """int64 `[N]`: each source's length, once every destination is checked to be a writable contiguous buffer of
+    its source's length (what a batch of copies trusts; raises ValueError)."""
+    if len(dsts) != len(srcs):
+        raise ValueError("dsts and srcs must be as many")
+    lengths = np.fromiter((memoryview(s).nbytes for s in srcs), dtype=np.int64, count=len(srcs))
+    for dst, n in zip(dsts, lengths.tolist()):
+        view = memoryview(dst)
+        if view.readonly or view.nbytes != n or not view.c_contiguous:
+            raise ValueError("every destination must be writable, contiguous and of its source's length")
+    return lengths
+
+
+def copy_buffers(dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+    """Copy each contiguous buffer of `srcs` into the one of `dsts` beside it (same lengths, checked): one C call
+    for the batch (one GIL hand-over for a large one) where the library is available, else one numpy copy each."""
+    lengths = copy_lengths(dsts, srcs)
+    library = host_copy() if len(srcs) > 1 else None
+    if library is None:
+        for dst, src in zip(dsts, srcs):
+            np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
+        return
+    library.copy_many(buffer_addresses(dsts), buffer_addresses(srcs), lengths)  # (the lists keep the buffers alive)
 
 
 class PlaneAddresses:

@@ -95,7 +95,18 @@ class NodeStore(Protocol):
         on a worker thread, instead of holding it per value: the event loop keeps progressing UCX meanwhile)."""
         ...
 
+    def put_copied_each(
+        self, keys: Sequence[bytes], buffers: Sequence[np.ndarray], sources: Sequence[Buffer], reserved: Sequence[int]
+    ) -> list[bool]:
+        """`put_owned_each` of `buffers` (from `allocate`), each first filled from the source beside it, copy and
+        check in one pass: a save out of memory the client can still write (the copies are what is checked)."""
+        ...
+
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
+
+    def read_into(self, values: Sequence[Buffer], outs: Sequence[Buffer]) -> None:
+        """Copy each value (as `get_many` returned it) into the buffer of `outs` beside it, in one call."""
+        ...
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 

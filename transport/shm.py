@@ -16,7 +16,8 @@ Contract:
   host's own.
 * `SHM_PUT` meta: offsets u64[count] | value_lens u64[count] | key_lens u32[count] | keys; no data frames: value i
   is region[offsets[i] : offsets[i] + value_lens[i]]. The reply is PUT's (u8[count], 1 = stored); the node copies
-  each value out of the region into its own buffer and verifies that copy (checksum) before storing it.
+  each value out of the region into its own buffer and verifies that copy (checksum) before storing it, in one
+  pass (each 64 KiB hashed right after it is copied: `value_format.copy_well_formed_many`).
 * `SHM_GET` meta: offsets u64[count] | capacities u64[count] | key_lens u32[count] | keys. The reply meta is GET's
   i64[count] (the value's length, -1 = miss); the value is in region[offsets[i]:] when (and only when) its length
   equals capacities[i]. The client reads a range only after the reply: nothing is placed from a failed request.

@@ -176,28 +176,29 @@ class ShmService:
         return total
 
     def _store(self, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> list[bool]:
-        """Copy each value out of the region into a buffer of the store's, then store them, checked in one batch
-        (`NodeStore.put_owned_each`)."""
+        """Copy each value out of the region into a buffer of the store's and store it, copy and check in one pass
+        (`NodeStore.put_copied_each`: the copies are checked, never the region, which the client can still write)."""
         store = self.handlers.store
         fits: list[int] = []  # the values the store can hold at all
         buffers: list[np.ndarray] = []
+        sources: list[np.ndarray] = []
         charges: list[int] = []
         try:
             for i, (key, offset, n) in enumerate(zip(keys, request.offsets.tolist(), request.lens.tolist())):
                 charge = store.charge_of(len(key), n)
                 if charge > store.capacity_bytes:
                     continue
-                buffer = store.allocate(n, reserve=charge)
-                buffers.append(buffer)
+                buffers.append(store.allocate(n, reserve=charge))
                 charges.append(charge)
-                buffer[:] = region.array[offset : offset + n]
+                sources.append(region.array[offset : offset + n])
                 fits.append(i)
+            verdicts = store.put_copied_each([keys[i] for i in fits], buffers, sources, charges)
         except BaseException:
             for buffer, charge in zip(buffers, charges):
                 store.recycle(buffer, reserved=charge)
             raise
         stored = [False] * len(keys)
-        for i, ok in zip(fits, store.put_owned_each([keys[i] for i in fits], buffers, charges)):
+        for i, ok in zip(fits, verdicts):
             stored[i] = ok
         refused = [b for b, ok in zip(buffers, (stored[i] for i in fits)) if not ok]  # for the metrics: maybe damaged
         if refused and self.handlers.metrics is not None:
@@ -217,12 +218,18 @@ class ShmService:
         try:
             if total:
                 chosen = [(v, o) for v, o, p in zip(values, request.offsets.tolist(), placed.tolist()) if p]
-                await self._copy(total, _place, region, chosen)
+                await self._copy(total, self._place, region, chosen)
         finally:
             self.handlers.budget.release(total)
         del values
         await channel.reply(protocol.Op.SHM_GET, count=len(keys), meta=lens.astype("<i8").tobytes())
         return total
+
+    def _place(self, region: _Region, chosen: list[tuple[Any, int]]) -> None:
+        """Copy each chosen value into the region at its offset, in one call (`NodeStore.read_into`)."""
+        values = [value for value, _ in chosen]
+        outs = [region.array[offset : offset + memoryview(value).nbytes] for value, offset in chosen]
+        self.handlers.store.read_into(values, outs)
 
     async def _copy(self, nbytes: int, fn: Any, region: _Region, *args: Any) -> Any:
         """Run a copy over `region` on the loop (small) or a worker thread (large); the region's mapping is
@@ -371,9 +378,3 @@ def _refusal(region: _Region | None, pid: int, uid: int) -> str | None:
     if uid != region.uid or pid != region.pid:
         return f"not the process the connection named (pid {region.pid}, uid {region.uid})"
     return None
-
-
-def _place(region: _Region, chosen: list[tuple[Any, int]]) -> None:
-    for value, offset in chosen:
-        source = np.frombuffer(value, dtype=np.uint8)
-        region.array[offset : offset + source.size] = source

@@ -34,7 +34,7 @@ import numpy as np
 from ems.buffers import Buffer
 from ems.pool.disk_tier import DiskTier, DiskTierStats
 from ems.store import KvStore, StoreStats
-from ems.value_format import is_well_formed, well_formed_many
+from ems.value_format import copy_well_formed_many, is_well_formed, well_formed_many
 
 MIN_READ_BYTES = 64 << 20
 
@@ -86,6 +86,16 @@ class TieredStore:
         """`put_owned` of each value, checked in one batch first (`well_formed_many`, see `KvStore.put_owned_each`)."""
         good = well_formed_many(values)
         return [self.put_owned(k, v, reserved=r, verified=ok) for k, v, r, ok in zip(keys, values, reserved, good)]
+
+    def put_copied_each(
+        self, keys: Sequence[bytes], buffers: Sequence[np.ndarray], sources: Sequence[Buffer], reserved: Sequence[int]
+    ) -> list[bool]:
+        """`put_owned_each` of `buffers`, each first filled from its source and checked in one pass (see
+        `KvStore.put_copied_each`)."""
+        good = copy_well_formed_many(buffers, sources)
+        return [self.put_owned(k, v, reserved=r, verified=ok) for k, v, r, ok in zip(keys, buffers, reserved, good)]
+
+    read_into = staticmethod(KvStore.read_into)
 
     def may_block(self, keys: Sequence[bytes]) -> bool:
         """Whether `get_many(keys)` may read the disk (some key is not in DRAM)."""

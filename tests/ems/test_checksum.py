@@ -4,6 +4,7 @@ hashed through the xxhash extension's C function with the GIL held; see `_xxh3_h
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,3 +106,59 @@ def test_well_formed_many_agrees_with_is_well_formed(cases, size):
         values.append(value)
     assert well_formed_many(values) == [is_well_formed(v) for v in values]
     assert [ok for ok, case in zip(well_formed_many(values), cases) if case == "good"] == [True] * cases.count("good")
+
+
+def _mixed_values(cases: list[str], size: int) -> list[np.ndarray]:
+    from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, part_checksum
+
+    rng = np.random.default_rng(size + len(cases))
+    values = []
+    for case in cases:
+        value = rng.integers(0, 256, HEADER_SIZE + size, dtype=np.uint8)
+        header_struct.pack_into(value, 0, MAGIC, VERSION, 2, 7, 9, size, part_checksum(value[HEADER_SIZE:]))
+        if case == "short":
+            value = value[: HEADER_SIZE - 1]
+        elif case == "checksum":
+            value[HEADER_SIZE - 1] ^= 1
+        elif case == "payload" and size:
+            value[HEADER_SIZE + size // 2] ^= 0x80
+        values.append(value)
+    return values
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cases=st.lists(st.sampled_from(["good", "short", "checksum", "payload"]), max_size=10),
+    size=st.sampled_from([0, 100, 300_000]),
+    source_kind=st.sampled_from(["array", "readonly view", "bytes"]),
+)
+def test_copy_well_formed_many_copies_every_value_and_judges_the_copy(cases, size, source_kind):
+    """A node's shared-memory save (`copy_well_formed_many`): every destination ends holding its source's bytes,
+    and each answer is `is_well_formed` of the copy, whatever the batch's mix and the sources' buffer kind."""
+    from ems.value_format import copy_well_formed_many, is_well_formed
+
+    values = _mixed_values(cases, size)
+    sources = {
+        "array": values,
+        "readonly view": [memoryview(v).toreadonly() for v in values],
+        "bytes": [v.tobytes() for v in values],
+    }[source_kind]
+    dsts = [np.full(v.size, 0xAB, dtype=np.uint8) for v in values]
+    verdicts = copy_well_formed_many(dsts, sources)
+    for dst, value in zip(dsts, values):
+        assert dst.tobytes() == value.tobytes()
+    assert verdicts == [is_well_formed(v) for v in values]
+    assert [ok for ok, case in zip(verdicts, cases) if case == "good"] == [True] * cases.count("good")
+
+
+def test_copy_refuses_a_destination_it_cannot_write_or_of_another_length():
+    from ems.kernels.host_copy import copy_buffers
+    from ems.value_format import copy_well_formed_many
+
+    value = _mixed_values(["good"], 64)[0]
+    for bad in (np.empty(value.size - 1, np.uint8), memoryview(np.empty_like(value)).toreadonly(), bytes(value.size)):
+        for copy in (copy_buffers, copy_well_formed_many):
+            with pytest.raises(ValueError, match="writable, contiguous"):
+                copy([np.empty_like(value), bad], [value, value])
+    with pytest.raises(ValueError, match="as many"):
+        copy_buffers([np.empty_like(value)], [value, value])
