@@ -68,6 +68,25 @@ def test_pieces_many_whole_blocks(backend: CopyBackend, kind: str) -> None:
     _check(backend, bases, planes, slots[:-1], [bs] * 8 + [bs - 1], gen)
 
 
+@pytest.mark.parametrize("kind", ["plain", "kv_interleaved"])
+def test_pieces_engine_sized_runs(backend: CopyBackend, kind: str) -> None:
+    """Runs of an engine's size (16 tokens x 8 heads x 128 fp16 = 32 KiB a (block, plane), 64 KiB with 32 tokens),
+    and 600-byte rows whose runs start unaligned and end off a cache line: every byte like the reference's (the
+    other cases here are a few hundred bytes a run)."""
+    if type(backend).__name__ == "TritonBackend":
+        pytest.skip("engine-sized shapes are too slow for the Triton interpreter (the host copy is what this checks)")
+    gen = torch.Generator().manual_seed(23)
+    # (block size, heads, head size): whole 32 / 64 KiB runs; then 600-byte rows, whose runs start unaligned in the
+    # cache and end off a 64-byte line
+    for bs, heads, head_size in ((16, 8, 128), (32, 8, 128), (32, 3, 100)):
+        bases, planes = make_layout(kind, 2, 5, bs, heads, head_size, torch.float16, gen)
+        order = torch.randperm(5, generator=gen).tolist()
+        whole = [b * bs + j for b in order[:4] for j in range(bs)]
+        _check(backend, bases, planes, whole, [bs] * 4, gen, align=1)  # values at odd offsets: unaligned runs
+        _check(backend, bases, planes, whole[: 3 * bs + 5], [bs, bs, bs + 5], gen)  # a partial last block
+        _check(backend, bases, planes, whole, [bs - 1, bs + 1, bs - 3, bs + 3], gen)  # values cutting blocks
+
+
 def test_pieces_odd_value_offsets(backend: CopyBackend) -> None:
     """Values at odd byte offsets: every backend must fall back to narrower moves, never misalign."""
     gen = torch.Generator().manual_seed(5)
