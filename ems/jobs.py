@@ -23,7 +23,12 @@ staging on accelerators). `save_job` / `load_job` pick the job type for a reques
   it (`BlockPlan.verify_scatter_from`: one pass over bytes still in cache); the embedded load does the same.
   `EMS_CHUNK_BYTES=0` makes the request one chunk; so is a load staged in a same-host node's region (below: the
   node only copies). A request of one chunk has nothing to overlap, so its put (in `finish`) and its receive
-  run on the calling thread.
+  run on the calling thread. A load staged in the region, fused as above, overlaps within its one request
+  instead: the node publishes how many leading values it has placed (a progress word in the region), and the
+  receive verifies and scatters each as it lands, in one GIL-free C call, while the node copies the next
+  (`BlockPlan.verify_scatter_as_placed`); what that call did not take (the node stopped counting: a miss, a
+  value of another length; the reply came first) is checked and scattered from the reply as before, and a value
+  that fails its check ends the load there.
   In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk
   k - depth has returned; a load starts chunk k + depth once chunk k verified), and at most `PIPELINE_THREADS`
   chunk calls run at once per client (the rest queue, in order).
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -57,16 +63,18 @@ from ems.devices import side_stream
 from ems.errors import EmsErrorCode
 from ems.job_records import JobRecord, Stage
 from ems.kernels import CopyBackend
+from ems.kernels.base import PlacedStop, Placement
 from ems.kernels.raw_memory import buffer_addresses, raw_tensor
 from ems.planning import BlockPlan, Plan, RawPlan, encode_range
 from ems.pool_backend import PoolBackend, PoolOutcome
 from ems.staging import StagingLease, StagingPool
 from ems.store import ENTRY_OVERHEAD, KvStore
-from ems.transport.base import TransportError
+from ems.transport.base import AsPlaced, TransportError
 from ems.transport.protocol import RequestLimits, key_lens
 from ems.types import CcKvOption
 from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, payload_checksums, stated_checksums, valid_prefix
 
+log = logging.getLogger("ems")
 PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
 FENCE_GRACE_S = 2.0  # past the request's deadline, how long a job waits for a chunk call that bounds itself anyway
 # the embedded path views the address span of a request's buffers as one tensor: never one wider than this
@@ -474,11 +482,17 @@ class PipelinedLoad:
         # staged where the cache is (CPU) and a backend that hashes while it scatters: each chunk's payloads are
         # verified in its scatter, one pass over bytes still in cache (the receive checks the headers only)
         fused = lease.host is lease.device and self.backend.verifies_while_scattering
+        # ... and staged in a same-host node's region, as one chunk: values are verified and scattered while the
+        # node is still placing the later ones (`BlockPlan.verify_scatter_as_placed`), from inside the receive
+        early: list[tuple[int, PlacedStop]] = []
+        as_placed = None
+        if fused and lease.shared is not None and len(chunks) == 1:
+            as_placed = functools.partial(self._scatter_as_placed, plan, lease.device, chunks[0], early)
 
         def start(k: int) -> None:
             if k < len(chunks):
                 a, b = chunks[k]
-                call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop, fused)
+                call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop, fused, as_placed, early)
                 # one chunk: nothing to overlap, so it runs here (no thread hop); else on the pipeline threads
                 receives.append(run_now(call) if len(chunks) == 1 else self.pool.executor.start(call))
 
@@ -490,21 +504,23 @@ class PipelinedLoad:
                 start(k)
             for k, (a, b) in enumerate(chunks):
                 got = _chunk_outcome(receives[k], b - a, deadline)
-                outcome, valid, stated = got if isinstance(got, tuple) else (got, 0, None)
+                outcome, valid, stated, written = got if isinstance(got, tuple) else (got, 0, None, 0)
                 outcomes.append(outcome)
                 if valid == b - a:
                     start(k + PIPELINE_DEPTH)  # before the scatter: chunk k + depth arrives while chunk k is written
-                if valid:
-                    lo, hi = int(plan.value_start[a]), int(plan.value_start[a + valid])
+                if valid > written:  # (values a .. a + written were verified and written during the receive)
+                    lo, hi = int(plan.value_start[a + written]), int(plan.value_start[a + valid])
                     with side_stream(self.device):
                         if lease.host is not lease.device:
                             with record.stage(Stage.COPY, hi - lo):
                                 lease.device[lo:hi].copy_(lease.host[lo:hi], non_blocking=True)
-                        with record.stage(Stage.SCATTER, plan.expected.payload_bytes(a, a + valid)):
+                        with record.stage(Stage.SCATTER, plan.expected.payload_bytes(a + written, a + valid)):
                             if stated is None:  # verified already
-                                plan.scatter_range(self.backend, lease.device, a, a + valid)
+                                plan.scatter_range(self.backend, lease.device, a + written, a + valid)
                             else:
-                                valid = plan.verify_scatter_from(self.backend, lease.device, plan.value_start, a, stated)
+                                rest = plan.verify_scatter_from(self.backend, lease.device, plan.value_start, a + written, stated)
+                                valid = written + rest
+                if valid:
                     hits = a + valid
                 if valid < b - a:
                     break
@@ -514,33 +530,72 @@ class PipelinedLoad:
             (self.staging.release if clean else self.staging.retire)(lease)
         return hits, merge_outcomes(outcomes, plan.total)
 
+    def _scatter_as_placed(
+        self,
+        plan: BlockPlan,
+        span: torch.Tensor,
+        chunk: tuple[int, int],
+        early: list[tuple[int, PlacedStop]],
+        progress: int,
+        fd: int,
+        deadline_ns: int,
+    ) -> None:
+        """Run by the pool while a same-host node places the chunk's values (`AsPlaced`): verify and scatter each
+        as it lands; `early` gets (values verified and written from the chunk's first, why it stopped)."""
+        a, b = chunk
+        start = time.perf_counter()
+        placement = Placement(progress, fd, deadline_ns)
+        try:
+            early.append(plan.verify_scatter_as_placed(self.backend, span, plan.value_start, a, b, placement))
+        except (ValueError, RuntimeError) as error:  # refused before writing anything: the load goes on without it
+            log.warning("ems: scattering values as they are placed failed (%r); waiting for the reply instead", error)
+            early.append((0, PlacedStop.INTERRUPTED))
+        self.record.add(Stage.SCATTER, plan.expected.payload_bytes(a, a + early[-1][0]), time.perf_counter() - start)
+
     def _receive_chunk(
-        self, plan: BlockPlan, host: memoryview, a: int, b: int, deadline: Deadline, stop: threading.Event, fused: bool
-    ) -> tuple[PoolOutcome, int, list[int] | None]:
+        self,
+        plan: BlockPlan,
+        host: memoryview,
+        a: int,
+        b: int,
+        deadline: Deadline,
+        stop: threading.Event,
+        fused: bool,
+        as_placed: AsPlaced | None = None,
+        early: list[tuple[int, PlacedStop]] | None = None,
+    ) -> tuple[PoolOutcome, int, list[int] | None, int]:
         """On a pipeline thread: values a..b-1 straight into their places in staging, then how many of them, from
         the first, are exactly the expected values. `fused`: the payloads are left for the scatter to verify
         (`BlockPlan.verify_scatter_from`): the count is of the values whose headers are right, with the checksums
-        they state (None: verified here, or by the pool)."""
+        they state (None: verified here, or by the pool) for the values not yet written. The last item: how many
+        leading values `as_placed` (passed to the pool; its results in `early`) already verified and wrote into
+        the cache, of those the reply confirms: those are hits; the rest are checked as without it."""
         record = self.record
         if stop.is_set():  # the load already stopped before this chunk
-            return PoolOutcome([False] * (b - a)), 0, None
+            return PoolOutcome([False] * (b - a)), 0, None, 0
         expected = plan.expected.range(a, b)
         start = time.perf_counter()
         outs = plan.value_views(host, a, b)
-        outcome = self.pool.get_into(plan.route_keys[a:b], plan.keys[a:b], outs, self.option, expected, deadline)
+        outcome = self.pool.get_into(
+            plan.route_keys[a:b], plan.keys[a:b], outs, self.option, expected, deadline, as_placed=as_placed
+        )
         received = time.perf_counter()
         placed = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
+        written, why = early[-1] if early else (0, PlacedStop.INTERRUPTED)
+        written = min(written, placed)  # (a value the reply does not confirm is not a hit, whatever was written)
         record.add(Stage.RECEIVE, expected.payload_bytes(0, placed) + HEADER_SIZE * placed, received - start)
+        if why == PlacedStop.DAMAGED and written < placed:  # value `written` failed its check: the load ends there
+            return outcome, written, [], written
         # a pool that verified each value it placed (replicas: to fall back on damage) needs no second check
         if outcome.verified:
-            return outcome, placed, None
+            return outcome, placed, None, written
         if fused:
-            stated = stated_checksums(outs[:placed], expected)
+            stated = stated_checksums(outs[written:placed], expected.range(written, placed))
             record.add(Stage.VERIFY, 0, time.perf_counter() - received)
-            return outcome, len(stated), stated
+            return outcome, written + len(stated), stated, written
         valid = valid_prefix(outs[:placed], expected)
         record.add(Stage.VERIFY, expected.payload_bytes(0, placed), time.perf_counter() - received)
-        return outcome, valid, None
+        return outcome, valid, None, written
 
 
 class StagedLoad:

@@ -59,7 +59,7 @@ from ems.job_executor import ChunkExecutor
 from ems.pool_backend import PoolOutcome
 from ems.staging import StagingLease, StagingPool
 from ems.store import KvStore
-from ems.transport.base import TransportError
+from ems.transport.base import AsPlaced, TransportError
 from ems.transport.protocol import RequestLimits
 from ems.types import CcKvOption
 from ems.value_format import HEADER_SIZE, ExpectedValues
@@ -437,9 +437,11 @@ class MooncakePool:
         option: CcKvOption,
         expected: ExpectedValues | None = None,
         deadline: Deadline | None = None,
+        as_placed: AsPlaced | None = None,
     ) -> PoolOutcome[bool]:
         """`batch_get_into` straight into `outs` (through the bounce buffer where they are not registered); True
-        where a value of exactly `len(outs[i])` bytes was placed."""
+        where a value of exactly `len(outs[i])` bytes was placed. `as_placed` is never run (Mooncake places a batch
+        whole)."""
         n = len(keys)
         if len(outs) != n:
             raise ValueError(f"{n} keys but {len(outs)} buffers")

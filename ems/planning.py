@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
-from ems.kernels.base import CopyBackend, Staging, tensor_over
+from ems.kernels.base import CopyBackend, PlacedStop, Placement, Staging, tensor_over
 from ems.kernels.plan import value_pieces
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
@@ -43,6 +43,7 @@ from ems.value_format import (
 )
 
 ALIGN = 64
+PLACED_HEAD_BYTES = HEADER_SIZE - 8  # a header's fields a load expects (all but the checksum, which it verifies)
 
 
 def _align(n: int) -> int:
@@ -188,6 +189,37 @@ class BlockPlan:
             if valid and region.has_pieces(a, a + valid):
                 backend.scatter_pieces(region.group.planes, region.absolute(value_offsets, a, a + valid), span)
         return valid
+
+    def verify_scatter_as_placed(
+        self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, b: int, placement: Placement
+    ) -> tuple[int, PlacedStop]:
+        """Values a..b-1 while a same-host node is still placing them in `span` at bytes `value_offsets[i]` (value
+        i of the request; header first), each taken once `placement` says it is placed: how many of them, from the
+        first, are exactly the expected values (header and checksum), their tokens written into the cache as they
+        are verified; and why it stopped (`PlacedStop`: at a damaged value the load ends; interrupted, it goes on
+        from the reply). Only where the backend verifies while it scatters."""
+        regions = [region for region in self.regions if region.has_pieces(a, b)]
+        if b <= a or not regions or not backend.verifies_while_scattering or PAYLOAD_HASH_ADDRESS is None:
+            return 0, PlacedStop.INTERRUPTED
+        n = b - a
+        heads = np.frombuffer(
+            b"".join(h[:PLACED_HEAD_BYTES] for h in build_headers(self.expected.range(a, b), [0] * n)), dtype=np.uint8
+        ).reshape(n, PLACED_HEAD_BYTES)
+        first, rest = regions[0], regions[1:]
+        done, why = backend.scatter_pieces_as_placed(
+            first.group.planes,
+            first.absolute(value_offsets, a, b),
+            span,
+            np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
+            heads,
+            first.piece_start[a + 1 : b + 1] - first.piece_start[a],
+            PAYLOAD_HASH_ADDRESS,
+            placement,
+        )
+        for region in rest:  # the other layer groups' rows of the verified values
+            if done and region.has_pieces(a, a + done):
+                backend.scatter_pieces(region.group.planes, region.absolute(value_offsets, a, a + done), span)
+        return done, why
 
     def _move(self, backend: CopyBackend, staging: Staging, value_start: np.ndarray, a: int, b: int, gather: bool) -> None:
         for region in self.regions:

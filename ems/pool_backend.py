@@ -36,7 +36,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.job_executor import ChunkExecutor
 from ems.store import KvStore
-from ems.transport.base import TransportError
+from ems.transport.base import AsPlaced, TransportError
 from ems.transport.protocol import RequestLimits
 from ems.types import CcKvOption
 from ems.value_format import ExpectedValues
@@ -130,8 +130,11 @@ class PoolBackend(Protocol):
         option: CcKvOption,
         expected: ExpectedValues | None = None,
         deadline: Deadline | None = None,
+        as_placed: AsPlaced | None = None,
     ) -> PoolOutcome[bool]:
-        """Each key's value placed in `outs[i]`; True where a value of exactly `len(outs[i])` bytes is there."""
+        """Each key's value placed in `outs[i]`; True where a value of exactly `len(outs[i])` bytes is there.
+        `as_placed`: a pool may run it while the values are still being placed (a same-host node, the buffers in its
+        shared region: `transport.base.AsPlaced`), or never."""
         ...
 
     def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:

@@ -30,7 +30,7 @@ from ems.pool_backend import PoolOutcome
 from ems.pool_routing import NodeRouter
 from ems.read_cache import ReadCache
 from ems.store import KvStore
-from ems.transport.base import NodeClient
+from ems.transport.base import AsPlaced, NodeClient
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
 from ems.value_format import ExpectedValues
@@ -142,17 +142,21 @@ class PoolClient:
         option: CcKvOption,
         expected: ExpectedValues | None = None,
         deadline: Deadline | None = None,
+        as_placed: AsPlaced | None = None,
     ) -> PoolOutcome[bool]:
         """Place each key's value in the caller's writable buffer `outs[i]` (the read cache first, then, unless
         local-only, the owning node, which receives it there without an intermediate copy when it travels alone);
         `results[i]` is True where a value of exactly `len(outs[i])` bytes is now in `outs[i]`. A buffer whose
-        result is False holds unspecified bytes. `expected` is `get`'s; `deadline` replaces the option's timeout."""
+        result is False holds unspecified bytes. `expected` is `get`'s; `deadline` replaces the option's timeout.
+        `as_placed`: run while a same-host node places the values, when nothing came from the read cache and the
+        whole request goes to that node in one call (`NodeRouter.get_into`); else never."""
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         results: list = [False] * len(keys) if self.cache is None else self.cache.place(keys, outs, expected)
         if not self._remote_reads(option):
             return PoolOutcome(results)
-        return self.router.get_into(route_keys, keys, outs, deadline or Deadline.of(option), expected, results)
+        progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
+        return self.router.get_into(route_keys, keys, outs, deadline or Deadline.of(option), expected, results, progressive)
 
     def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
         """Whether each key is held (the read cache first, then the owning nodes unless local-only)."""

@@ -34,7 +34,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.pool_backend import PoolOutcome
 from ems.store import KvStore
-from ems.transport.base import NodeClient, TransportError
+from ems.transport.base import AsPlaced, NodeClient, TransportError
 from ems.transport.inprocess import InProcessNode
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
 from ems.value_format import HEADER_SIZE, ExpectedValues, matches
@@ -320,13 +320,23 @@ class NodeRouter:
         deadline: Deadline,
         expected: ExpectedValues | None = None,
         results: list | None = None,
+        as_placed: AsPlaced | None = None,
     ) -> PoolOutcome[bool]:
         """Place each wanted key's value (`results[i]` False: wanted) in the caller's writable buffer `outs[i]`,
         which the node receives it into without an intermediate copy when it travels alone; `results[i]` is True
         where a value of exactly `len(outs[i])` bytes is now in `outs[i]` (a buffer whose result is False holds
-        unspecified bytes). With replicas each placed value is checked against `expected` (as `get`)."""
+        unspecified bytes). With replicas each placed value is checked against `expected` (as `get`).
+        `as_placed`: handed to a node that places values progressively (`UcxNode.get_into`) when the whole request
+        goes to it as one call, with no replicas (it may then run while the node places them); else unused."""
         results = [False] * len(keys) if results is None else results
         check = expected if self.replicas > 1 else None
+        progressive = as_placed if check is None else None
+
+        def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:
+            wanted_keys, wanted_outs = [keys[i] for i in idx], [outs[i] for i in idx]
+            if progressive is not None and idx.size == len(keys) and getattr(node, "places_progressively", False):
+                return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d, as_placed=progressive))
+            return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d))
 
         def accept(i: int, placed: object) -> bool:  # a miss (or a value of another length) asks the next owner
             return bool(placed) and (check is None or matches(outs[i], check, i))
@@ -338,7 +348,7 @@ class NodeRouter:
         outcome = self._fan_out(
             route_keys,
             ~np.asarray(results, dtype=bool),
-            lambda node, idx, d: node.get_into([keys[i] for i in idx], [outs[i] for i in idx], d),
+            fetch,
             costs,
             results,
             deadline,

@@ -506,10 +506,11 @@ class KvStore:
         return [self.put_owned(k, v, reserved=r, verified=ok) for k, v, r, ok in zip(keys, buffers, reserved, good)]
 
     @staticmethod
-    def read_into(values: Sequence[Buffer], outs: Sequence[Buffer]) -> None:
+    def read_into(values: Sequence[Buffer], outs: Sequence[Buffer], progress: int = 0, signalled: int = 0) -> None:
         """Copy each value (as `get_many` returned it) into the writable buffer of `outs` beside it (same lengths),
-        in one call for the batch: a node's load into a shared-memory region (`copy_buffers`)."""
-        copy_buffers(outs, values)
+        in one call for the batch: a node's load into a shared-memory region (`copy_buffers`; `progress`,
+        `signalled`: its reader's progress word, published as each of the first `signalled` values lands)."""
+        copy_buffers(outs, values, progress, signalled)
 
     def _insert(self, key: bytes, value: Buffer, charge: int, address: int | None = None) -> None:
         self._remove(key)

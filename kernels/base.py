@@ -176,6 +176,26 @@ PieceTable = np.ndarray | torch.Tensor
 Staging = torch.Tensor | np.ndarray
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a same-host load's node publishes how many of the request's leading values it has placed
+    (`progress`: the address of a u32 in the shared region), what interrupts the wait for the next one (`fd`: the
+    region's channel, readable once any reply is there or the node hung up), and until when (`deadline_ns`,
+    CLOCK_MONOTONIC nanoseconds)."""
+
+    progress: int
+    fd: int
+    deadline_ns: int
+
+
+class PlacedStop(enum.IntEnum):
+    """Why `scatter_pieces_as_placed` returned (`host_copy.c` `ems_verify_scatter_as_placed`'s codes)."""
+
+    ALL = 0  # every value verified and written
+    DAMAGED = 1  # the value at the count failed its check: the load stops there
+    INTERRUPTED = 2  # the value at the count had not arrived (a reply came, or the deadline): go on from the reply
+
+
 class CopyBackend(abc.ABC):
     """Moves token rows between a `PlaneSet` and value-major staging (and raw segments) on the same device."""
 
@@ -240,6 +260,24 @@ class CopyBackend(abc.ABC):
         `expected[v]` (uint64 `[V]`) its pieces, columns `piece_end[v - 1] .. piece_end[v] - 1` of `pieces`
         (int64 `[V]`, non-decreasing, the last one the number of pieces), are scattered as `scatter_pieces` does;
         at the first value whose digest is not, it stops. Returns how many values were verified and written."""
+        raise NotImplementedError(f"the {self.name} backend does not verify while scattering")
+
+    def scatter_pieces_as_placed(
+        self,
+        planes: PlaneSet,
+        pieces: PieceTable,
+        src: Staging,
+        values: np.ndarray,
+        heads: np.ndarray,
+        piece_end: np.ndarray,
+        hash_function: int,
+        placement: Placement,
+    ) -> tuple[int, PlacedStop]:
+        """`scatter_pieces_verified` of values that a same-host node is still copying into `src` (only where
+        `verifies_while_scattering`): value v is `src` bytes `values[0, v] .. + values[1, v]` (int64 `[2, V]`:
+        offset, payload length; its 40-byte header first), taken once `placement`'s progress word exceeds v; its
+        header must begin with `heads[v]` (uint8 `[V, 32]`) and its payload hash to the checksum the header states.
+        (How many values were verified and written, from the first; why it stopped.)"""
         raise NotImplementedError(f"the {self.name} backend does not verify while scattering")
 
     def describe(self) -> str:

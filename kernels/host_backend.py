@@ -27,7 +27,7 @@ import enum
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, Staging, check_pieces
+from ems.kernels.base import CopyBackend, PieceTable, PlacedStop, Placement, PlaneSet, Staging, check_pieces
 from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses
 from ems.kernels.raw_memory import address_of, host_array
 from ems.kernels.torch_backend import move_pieces
@@ -38,6 +38,9 @@ class CompiledMoves(str, enum.Enum):
 
     BOTH = "both"  # gathers and scatters (`EMS_KERNEL_BACKEND=host`)
     SCATTERS = "scatters"  # loads only: the CPU default (AUTO), see the module docstring
+
+
+VALUE_HEADER = 40  # bytes before a value's payload (`ems.value_format.HEADER_SIZE`; kernels import nothing of ems)
 
 
 def _plane_addresses(planes: PlaneSet) -> PlaneAddresses:
@@ -131,6 +134,56 @@ class HostBackend(CopyBackend):
         )
         self.ops_issued += 1
         return verified
+
+    def scatter_pieces_as_placed(
+        self,
+        planes: PlaneSet,
+        pieces: PieceTable,
+        src: Staging,
+        values: np.ndarray,
+        heads: np.ndarray,
+        piece_end: np.ndarray,
+        hash_function: int,
+        placement: Placement,
+    ) -> tuple[int, PlacedStop]:
+        if planes.device.type != "cpu":
+            raise ValueError(f"the host backend copies CPU tensors only, not {planes.device}")
+        table, flat = check_pieces(planes, pieces, src, "src")
+        if table.strides[1] != 8:
+            table = np.ascontiguousarray(table)
+        m = table.shape[1]
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        heads = np.ascontiguousarray(heads, dtype=np.uint8)
+        piece_end = np.ascontiguousarray(piece_end, dtype=np.int64)
+        n = piece_end.size
+        if values.shape != (2, n) or heads.shape != (n, 32):
+            raise ValueError(f"values must be int64 [2, {n}] and heads uint8 [{n}, 32], got {values.shape} and {heads.shape}")
+        if n == 0:
+            return 0, PlacedStop.ALL
+        # the C loop trusts every range: each whole value (header and payload) inside the staging, the piece
+        # ranges ordered and complete
+        size = flat.nbytes if isinstance(flat, np.ndarray) else flat.numel() * flat.element_size()
+        offsets, lengths = values[0], values[1]
+        if int(offsets.min()) < 0 or int(lengths.min()) < 0 or int((offsets + lengths).max()) + VALUE_HEADER > size:
+            raise ValueError(f"value ranges outside a staging buffer of {size} bytes")
+        if int(piece_end[0]) < 0 or bool((np.diff(piece_end) < 0).any()) or int(piece_end[-1]) != m:
+            raise ValueError(f"piece_end must be non-decreasing and end at the {m} pieces")
+        base = _staging_address(flat)
+        done, why = self.library.verify_scatter_as_placed(
+            hash_function,
+            placement.progress,
+            placement.fd,
+            placement.deadline_ns,
+            heads,
+            offsets + base,
+            lengths,
+            piece_end,
+            table,
+            _plane_addresses(planes),
+            base,
+        )
+        self.ops_issued += 1
+        return done, PlacedStop(why)
 
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, flat: torch.Tensor, gather: bool) -> None:
         if flat.device.type != "cpu":

@@ -9,6 +9,13 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
 
 /* Pieces between a PlaneSet's planes and value-major staging (kernels/base.py).
 
@@ -126,11 +133,90 @@ static void copy_streaming(char *d, const char *s, int64_t n) {
 
 /* Copies between buffers: dst[i] <- src[i], lengths[i] bytes, for i < n (int64 [n] each; addresses). A node's
    batch of values into a shared-memory region, in one call; the stores are fenced before it returns, so they are
-   visible to the region's reader once the reply is sent. */
-void ems_copy_many(const int64_t *dst, const int64_t *src, const int64_t *lengths, int64_t n) {
-    for (int64_t i = 0; i < n; i++) copy_streaming((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i], lengths[i]);
+   visible to the region's reader once the reply is sent.
+   progress: 0, or the address of a u32 in that region (its reader's, 4-byte aligned, outside every dst range):
+   after copy i, for i < signalled, the stores are fenced and i + 1 is stored there with release order, then its
+   waiters are woken (a shared futex), so that the reader may take value i before the whole batch is done (a
+   same-host load scattering as the node places: `ems_verify_scatter_as_placed`). */
+void ems_copy_many(const int64_t *dst, const int64_t *src, const int64_t *lengths, int64_t n, int64_t progress,
+                   int64_t signalled) {
+    for (int64_t i = 0; i < n; i++) {
+        copy_streaming((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i], lengths[i]);
+        if (progress != 0 && i < signalled) {
+#ifdef EMS_STREAMING_STORES
+            _mm_sfence();  /* streaming stores are weakly ordered: visible before the count that covers them */
+#endif
+            __atomic_store_n((uint32_t *)(intptr_t)progress, (uint32_t)(i + 1), __ATOMIC_RELEASE);
+#ifdef __linux__
+            syscall(SYS_futex, (uint32_t *)(intptr_t)progress, FUTEX_WAKE, 1, NULL, NULL, 0);
+#endif
+        }
+    }
 #ifdef EMS_STREAMING_STORES
     _mm_sfence();
+#endif
+}
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "value headers are little-endian: this file reads them in place"
+#endif
+#define EMS_HEAD_CHECKED 32 /* a value header's bytes before its checksum: magic .. payload_len (value_format.py) */
+#define EMS_WAIT_SLICE_NS 1000000L /* a wait for the next value re-checks the deadline and the socket this often */
+
+static int64_t monotonic_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000L + now.tv_nsec;
+}
+
+/* A same-host load's verify and scatter while the node is still placing its values (the client side of
+   ems_copy_many's progress): for v < n_values, wait until the u32 at `progress` exceeds v (acquire order; a shared
+   futex wait in slices of EMS_WAIT_SLICE_NS), then check value v as ems_verify_scatter_pieces does, its header
+   too: the value at value_addr[v] must start with heads[v * 32 .. v * 32 + 32) (magic, version, kind, layout,
+   tokens, payload length: what the load expects) and its payload (payload_len[v] bytes after the 40-byte header)
+   must hash to the checksum its header states; then scatter its pieces. Returns how many values were verified and
+   written, from the first, and sets *why: 0 every value, 1 value `returned` failed its check (stop the load there),
+   2 interrupted before value `returned` arrived: `fd` became readable or hung up (a reply on the region's channel:
+   ours, for a value the node will not place, or another request's), or `deadline_ns` (CLOCK_MONOTONIC) passed.
+   Nothing of a value is written before it is checked, nor anything after the first that fails. */
+int64_t ems_verify_scatter_as_placed(ems_hash_fn hash, int64_t progress, int32_t fd, int64_t deadline_ns,
+                                     const unsigned char *heads, const int64_t *value_addr, const int64_t *payload_len,
+                                     const int64_t *piece_end, int64_t n_values, int64_t *why, const int64_t *table,
+                                     int64_t stride, const int64_t *plane_addr, const int64_t *block_stride,
+                                     const int64_t *slot_stride, const int64_t *plane_offset,
+                                     const int64_t *row_bytes, int64_t planes, int64_t block_size, int64_t flat) {
+    int64_t first = 0;
+    *why = 0;
+#ifndef __linux__
+    (void)progress, (void)fd, (void)deadline_ns;
+    *why = 2; /* no futex, no poll here: the caller waits for the reply instead */
+    return 0;
+#else
+    uint32_t *word = (uint32_t *)(intptr_t)progress;
+    for (int64_t v = 0; v < n_values; v++) {
+        uint32_t placed;
+        while ((placed = __atomic_load_n(word, __ATOMIC_ACQUIRE)) <= (uint32_t)v) {
+            struct pollfd channel = {fd, POLLIN, 0};
+            if (monotonic_ns() >= deadline_ns || poll(&channel, 1, 0) != 0) {
+                *why = 2;
+                return v;
+            }
+            struct timespec slice = {0, EMS_WAIT_SLICE_NS};
+            syscall(SYS_futex, word, FUTEX_WAIT, placed, &slice, NULL, 0);
+        }
+        const unsigned char *value = (const unsigned char *)(intptr_t)value_addr[v];
+        uint64_t stated;
+        memcpy(&stated, value + EMS_HEAD_CHECKED, sizeof stated); /* little-endian, as the header is */
+        if (memcmp(value, heads + v * EMS_HEAD_CHECKED, EMS_HEAD_CHECKED) != 0 ||
+            hash(value + EMS_HEAD_CHECKED + sizeof stated, (size_t)payload_len[v]) != stated) {
+            *why = 1;
+            return v;
+        }
+        move_piece_range(table, first, piece_end[v], stride, plane_addr, block_stride, slot_stride, plane_offset,
+                         row_bytes, planes, block_size, flat, 0);
+        first = piece_end[v];
+    }
+    return n_values;
 #endif
 }
 

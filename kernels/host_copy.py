@@ -50,10 +50,36 @@ _SIGNATURES: dict[str, list] = {
     "ems_move_segments": [_PTR, _PTR, _I64, _I64, ctypes.c_int32],
     "ems_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64],
     "ems_verify_scatter_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
-    "ems_copy_many": [_PTR, _PTR, _PTR, _I64],
+    "ems_copy_many": [_PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "ems_verify_scatter_as_placed": [
+        _PTR,
+        _I64,
+        ctypes.c_int32,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+    ],
     "ems_copy_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64],
 }
-_RETURNS_COUNT = {"ems_verify_scatter_pieces", "ems_copy_hash_many"}  # these return an int64; the others nothing
+_RETURNS_COUNT = {
+    "ems_verify_scatter_pieces",
+    "ems_copy_hash_many",
+    "ems_verify_scatter_as_placed",
+}  # these return an int64; the others nothing
 
 
 class HostCopy:
@@ -132,11 +158,62 @@ class HostCopy:
         """flat[sum(lengths[:i]) : ... + lengths[i]] to (gather: from) the bytes at ptrs[i] (int64 `[S]` each)."""
         self._library(nbytes).ems_move_segments(address_of(ptrs), address_of(lengths), ptrs.size, flat, int(gather))
 
-    def copy_many(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
-        """`lengths[i]` bytes from address `src[i]` to address `dst[i]` (int64 `[N]` each, contiguous), in one call."""
+    def copy_many(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, progress: int = 0, signalled: int = 0) -> None:
+        """`lengths[i]` bytes from address `src[i]` to address `dst[i]` (int64 `[N]` each, contiguous), in one call.
+        `progress`: 0, or the address of a 4-byte aligned u32 outside every destination, where `i + 1` is published
+        after copy i for each i < `signalled` (release order, waiters woken: `verify_scatter_as_placed`)."""
         if not (dst.size == src.size == lengths.size):
             raise ValueError("dst, src and lengths must be [N] alike")
-        self._library(_total(lengths)).ems_copy_many(address_of(dst), address_of(src), address_of(lengths), dst.size)
+        if progress % 4 or not 0 <= signalled <= dst.size:
+            raise ValueError("progress must be a 4-byte aligned address, and signalled within the batch")
+        self._library(_total(lengths)).ems_copy_many(
+            address_of(dst), address_of(src), address_of(lengths), dst.size, progress, signalled
+        )
+
+    def verify_scatter_as_placed(
+        self,
+        hash_function: int,
+        progress: int,
+        fd: int,
+        deadline_ns: int,
+        heads: np.ndarray,
+        value_addrs: np.ndarray,
+        payload_lens: np.ndarray,
+        piece_end: np.ndarray,
+        table: np.ndarray,
+        layout: PlaneAddresses,
+        flat: int,
+    ) -> tuple[int, int]:
+        """`verify_scatter_pieces` of values whose node is still placing them (`host_copy.c`
+        `ems_verify_scatter_as_placed`): each value waited for on the u32 at `progress`, its header checked against
+        `heads` (uint8 `[V, 32]`) and its payload against the checksum its header states. value_addrs,
+        payload_lens, piece_end: int64 `[V]`. (count verified and written, why it stopped: 0 all, 1 a value failed
+        its check, 2 interrupted: `fd` readable or `deadline_ns` of CLOCK_MONOTONIC passed). Releases the GIL."""
+        if table.strides[1] != 8:
+            raise ValueError("a piece table's rows must be contiguous")
+        n = value_addrs.size
+        if not (payload_lens.size == piece_end.size == n) or heads.shape != (n, 32) or not heads.flags.c_contiguous:
+            raise ValueError("value_addrs, payload_lens, piece_end must be [V] and heads uint8 [V, 32], contiguous")
+        if progress % 4:
+            raise ValueError("progress must be a 4-byte aligned address")
+        why = np.zeros(1, dtype=np.int64)
+        done: int = self._free.ems_verify_scatter_as_placed(
+            hash_function,
+            progress,
+            fd,
+            deadline_ns,
+            address_of(heads),
+            address_of(value_addrs),
+            address_of(payload_lens),
+            address_of(piece_end),
+            n,
+            address_of(why),
+            address_of(table),
+            table.strides[0] // 8,
+            *layout.arguments,
+            flat,
+        )
+        return done, int(why[0])
 
     def copy_hash_many(self, hasher: np.ndarray, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, skip: int) -> np.ndarray:
         """`copy_many`, and uint64 `[N]`: the XXH3-64 of each copy's bytes from `skip` on, hashed step by step right
@@ -181,16 +258,19 @@ def copy_lengths(dsts: Sequence[Any], srcs: Sequence[Any]) -> np.ndarray:
     return lengths
 
 
-def copy_buffers(dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+def copy_buffers(dsts: Sequence[Any], srcs: Sequence[Any], progress: int = 0, signalled: int = 0) -> None:
     """Copy each contiguous buffer of `srcs` into the one of `dsts` beside it (same lengths, checked): one C call
-    for the batch (one GIL hand-over for a large one) where the library is available, else one numpy copy each."""
+    for the batch (one GIL hand-over for a large one) where the library is available, else one numpy copy each.
+    `progress`, `signalled`: as `HostCopy.copy_many`'s (published only by the C call: without the library a
+    reader of the progress word sees nothing until the end, and waits for the reply)."""
     lengths = copy_lengths(dsts, srcs)
-    library = host_copy() if len(srcs) > 1 else None
+    library = host_copy() if len(srcs) > 1 or progress else None
     if library is None:
         for dst, src in zip(dsts, srcs):
             np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
         return
-    library.copy_many(buffer_addresses(dsts), buffer_addresses(srcs), lengths)  # (the lists keep the buffers alive)
+    # (the lists keep the buffers alive)
+    library.copy_many(buffer_addresses(dsts), buffer_addresses(srcs), lengths, progress, signalled)
 
 
 class PlaneAddresses:

@@ -14,12 +14,17 @@ Layering: the transport imports nothing of `ems` but the leaf modules `ems.error
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ems.buffers import Buffer
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
+
+#: A load's use of values while a same-host node is still placing them (`NodeClient.places_progressively`):
+#: called with the address of the request's progress word (a u32: how many leading values are placed, `shm.py`),
+#: the descriptor to watch for the node's reply, and the call's deadline in CLOCK_MONOTONIC nanoseconds.
+AsPlaced = Callable[[int, int, int], None]
 
 
 class LocalStore(Protocol):
@@ -48,6 +53,8 @@ class NodeClient(abc.ABC):
     address: str = "?"
     #: True when every call returns or raises by its deadline by itself (no caller-side thread needed)
     self_timed: bool = False
+    #: True when `get_into` takes `as_placed` (an `AsPlaced`), which it may run while the node places the values
+    places_progressively: bool = False
 
     @abc.abstractmethod
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], deadline: Deadline | float) -> list[bool]:

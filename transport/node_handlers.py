@@ -104,8 +104,9 @@ class NodeStore(Protocol):
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
 
-    def read_into(self, values: Sequence[Buffer], outs: Sequence[Buffer]) -> None:
-        """Copy each value (as `get_many` returned it) into the buffer of `outs` beside it, in one call."""
+    def read_into(self, values: Sequence[Buffer], outs: Sequence[Buffer], progress: int = 0, signalled: int = 0) -> None:
+        """Copy each value (as `get_many` returned it) into the buffer of `outs` beside it, in one call; `progress`:
+        0, or the address of a u32 to publish `i + 1` to after copy i for i < `signalled` (`shm.py`)."""
         ...
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...

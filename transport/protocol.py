@@ -64,8 +64,9 @@ import numpy as np
 from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
-# 4: request tags are the base tag XOR the request id (3 hashed them); 3: version 2 plus the shared-memory ops
-VERSION = 4
+# 5: a same-host GET may name a progress word (transport/shm.py); 4: request tags are the base tag XOR the request
+# id (3 hashed them); 3: version 2 plus the shared-memory ops
+VERSION = 5
 HEADER_DTYPE = np.dtype(
     [
         ("magic", "<u4"),

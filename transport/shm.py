@@ -14,13 +14,20 @@ Contract:
   connection stated; the token is spent by the first attempt, right or wrong. The client, in turn, accepts the
   descriptor only from the node's pid (SO_PEERCRED), and only tries at all when the node's address is one of this
   host's own.
-* `SHM_PUT` meta: offsets u64[count] | value_lens u64[count] | key_lens u32[count] | keys; no data frames: value i
-  is region[offsets[i] : offsets[i] + value_lens[i]]. The reply is PUT's (u8[count], 1 = stored); the node copies
-  each value out of the region into its own buffer and verifies that copy (checksum) before storing it, in one
-  pass (each 64 KiB hashed right after it is copied: `value_format.copy_well_formed_many`).
-* `SHM_GET` meta: offsets u64[count] | capacities u64[count] | key_lens u32[count] | keys. The reply meta is GET's
-  i64[count] (the value's length, -1 = miss); the value is in region[offsets[i]:] when (and only when) its length
-  equals capacities[i]. The client reads a range only after the reply: nothing is placed from a failed request.
+* `SHM_PUT` meta: progress u64 (NO_PROGRESS: a PUT has none) | offsets u64[count] | value_lens u64[count] |
+  key_lens u32[count] | keys; no data frames: value i is region[offsets[i] : offsets[i] + value_lens[i]]. The
+  reply is PUT's (u8[count], 1 = stored); the node copies each value out of the region into its own buffer and
+  verifies that copy (checksum) before storing it, in one pass (each 64 KiB hashed right after it is copied:
+  `value_format.copy_well_formed_many`).
+* `SHM_GET` meta: progress u64 | offsets u64[count] | capacities u64[count] | key_lens u32[count] | keys. The reply
+  meta is GET's i64[count] (the value's length, -1 = miss); the value is in region[offsets[i]:] when (and only
+  when) its length equals capacities[i]. Without a progress word (NO_PROGRESS) the client reads a range only after
+  the reply: nothing is placed from a failed request. With one (the region offset of a u32 the client zeroed,
+  4-byte aligned, outside every value range, else the request is malformed), the node stores there, with release
+  order, after placing each of the request's leading values, how many of them it has placed, and wakes the
+  word's futex waiters: value i may then be read before the reply once the word exceeds i (the client verifies
+  it, header and checksum, before using it: `ems_verify_scatter_as_placed`). The word never counts a value the
+  reply will not give as placed, and is never written after the reply.
 * Both sides populate the start of a region on a background thread when they map it (MADV_POPULATE_WRITE, no
   GIL): the client chooses how much (PREFAULT_BYTES for a client's first region; for a reconnect's region, as much
   as the region before it had handed out, `RangeAllocator.high_water`) and states it in SHM_OPEN's `count`, in
@@ -53,6 +60,8 @@ import numpy as np
 from ems.transport import protocol
 
 TOKEN_BYTES = 32
+NO_PROGRESS = (1 << 64) - 1  # a request's progress offset when it has no progress word
+PROGRESS_BYTES = 4  # a progress word: a u32 (a futex)
 PAGE = 4096
 MAX_SOCKET_NAME = 107  # sun_path
 DEFAULT_REGION_BYTES = 256 << 20  # per connection (`python -m ems.pool --shm-bytes`)
@@ -237,25 +246,35 @@ class RangedRequest:
     keys: list[bytes]
     offsets: np.ndarray  # int64
     lens: np.ndarray  # int64
+    progress: int | None = None  # SHM_GET: the region offset of the client's progress word, if it asked for one
 
 
-def encode_ranged(keys: Sequence[bytes], offsets: Sequence[int], lens: Sequence[int]) -> bytes:
+def encode_ranged(keys: Sequence[bytes], offsets: Sequence[int], lens: Sequence[int], progress: int | None = None) -> bytes:
     key_lens, blob = protocol.encode_keys(keys)
-    return np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(lens, dtype="<u8").tobytes() + key_lens.tobytes() + blob
+    head = np.array([NO_PROGRESS if progress is None else progress], dtype="<u8").tobytes()
+    return head + np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(lens, dtype="<u8").tobytes() + key_lens.tobytes() + blob
 
 
 def decode_ranged(count: int, meta: memoryview | bytes, region_bytes: int) -> RangedRequest:
-    """Parse an SHM_PUT/SHM_GET meta and check every range against the region and the protocol's limits."""
+    """Parse an SHM_PUT/SHM_GET meta and check every range against the region and the protocol's limits (a
+    progress word too: 4-byte aligned, inside the region, outside every value range)."""
     meta = memoryview(meta)
-    if len(meta) < 20 * count:
+    if len(meta) < 8 + 20 * count:
         raise protocol.ProtocolError("shared-memory request meta shorter than its lengths")
-    offsets = np.frombuffer(meta, dtype="<u8", count=count).astype(np.uint64)
-    lens = np.frombuffer(meta, dtype="<u8", count=count, offset=8 * count).astype(np.uint64)
-    key_lens = np.frombuffer(meta, dtype="<u4", count=count, offset=16 * count)
-    keys = protocol.split_keys(key_lens, meta[20 * count :])
+    progress = int(np.frombuffer(meta, dtype="<u8", count=1)[0])
+    offsets = np.frombuffer(meta, dtype="<u8", count=count, offset=8).astype(np.uint64)
+    lens = np.frombuffer(meta, dtype="<u8", count=count, offset=8 + 8 * count).astype(np.uint64)
+    key_lens = np.frombuffer(meta, dtype="<u4", count=count, offset=8 + 16 * count)
+    keys = protocol.split_keys(key_lens, meta[8 + 20 * count :])
     if count and (int(lens.max()) > protocol.MAX_VALUE_BYTES or int(offsets.max()) > region_bytes):
         raise protocol.ProtocolError("a shared-memory range out of bounds")
     ends = offsets + lens  # no overflow: both are bounded above
     if count and int(ends.max()) > region_bytes:
         raise protocol.ProtocolError("a shared-memory range out of bounds")
-    return RangedRequest(keys, offsets.astype(np.int64), lens.astype(np.int64))
+    if progress == NO_PROGRESS:
+        return RangedRequest(keys, offsets.astype(np.int64), lens.astype(np.int64), None)
+    if progress % PROGRESS_BYTES or progress > region_bytes - PROGRESS_BYTES:
+        raise protocol.ProtocolError("a progress word unaligned or out of bounds")
+    if count and bool(((offsets < progress + PROGRESS_BYTES) & (ends > progress)).any()):
+        raise protocol.ProtocolError("a progress word inside a value's range")
+    return RangedRequest(keys, offsets.astype(np.int64), lens.astype(np.int64), progress)

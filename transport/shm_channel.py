@@ -34,6 +34,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from ems.transport import protocol
 
@@ -88,10 +89,14 @@ class ClientChannel:
         self.closed = True
         self._sock.close()
 
-    def request(self, op: int, count: int, meta: bytes, deadline_at: float) -> bytes:
+    def request(
+        self, op: int, count: int, meta: bytes, deadline_at: float, after_send: Callable[[int], None] | None = None
+    ) -> bytes:
         """Send one SHM request and return its reply meta; the caller holds one of `slots`. ChannelTimeout past
         `deadline_at` (monotonic), ChannelRefused on an error status, ChannelClosed or ProtocolError otherwise.
-        Any failure spends the channel for every request in flight on it (their callers drop the connection)."""
+        Any failure spends the channel for every request in flight on it (their callers drop the connection).
+        `after_send(fd)` runs once the request is sent, before its reply is read: work that overlaps the node's
+        (it may watch the socket's descriptor, never read it)."""
         woken = threading.Event()
         with self._lock:
             if self._failure is not None:
@@ -103,6 +108,8 @@ class ClientChannel:
             header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid)
             with self._send_lock:
                 self._send_all(header.tobytes() + meta, deadline_at)
+            if after_send is not None:
+                after_send(self._fd)
             reply, body = self._reply_of(rid, woken, deadline_at)
         except Exception as error:
             self._spend_with(f"the channel failed: {error!r}")

@@ -15,17 +15,21 @@ Contract:
   they are. Otherwise a save copies its values into a range of the region first, and a load copies each placed
   value out of one.
 * A value is placed in a load's buffer only from a reply with status OK that gives it exactly that buffer's length.
+  A load whose buffers lie in the region and whose request travels on the region's channel may pass `as_placed`:
+  it then also gets the request's progress word (`shm.py`), to use values as the node places them, before the
+  reply; what it does with them is its own (the load verifies each value before writing it anywhere).
 * `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +39,7 @@ from ems.buffers import Buffer, copy_bytes, populate_in_background
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, shm
+from ems.transport.base import AsPlaced
 from ems.transport.shm_channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
 
 if TYPE_CHECKING:
@@ -129,20 +134,38 @@ class ShmClient:
             return None
         return protocol.decode_flags(len(keys), body)
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: Deadline) -> list[bool] | None:
+    def get_into(
+        self, keys: Sequence[bytes], outs: Sequence[memoryview], deadline: Deadline, as_placed: AsPlaced | None = None
+    ) -> list[bool] | None:
+        """See the module docstring. `as_placed(progress, fd, deadline_ns)`: where the buffers lie in the region and
+        the request travels on the region's channel, run once the request is sent, with the address of its progress
+        word (`shm.py`: how many leading values the node has placed so far), the channel's descriptor and the
+        deadline (CLOCK_MONOTONIC ns): the caller may use each value as it is placed, before the reply."""
         region = self.region(deadline)
         if region is None:
             return None
         caps = [o.nbytes for o in outs]
         offsets = _offsets_in(region, [[o] for o in outs], caps)
         taken: shm.ShmRange | None = None
+        word: shm.ShmRange | None = None
         if offsets is None:
             taken = region.allocator.alloc(sum(caps))
             if taken is None:
                 return None
             offsets = (taken.offset + np.cumsum(caps) - np.asarray(caps, dtype=np.int64)).tolist()
-        meta = shm.encode_ranged(keys, offsets, caps)
-        body = self._send(region, protocol.Op.SHM_GET, meta, len(keys), taken, deadline, keep=True)
+        elif as_placed is not None:
+            word = region.allocator.alloc(shm.PROGRESS_BYTES)
+        after_send = None
+        if word is not None and as_placed is not None:
+            region.array[word.offset : word.offset + shm.PROGRESS_BYTES] = 0  # (aligned: the allocator's ranges are)
+            address = region.array.ctypes.data + word.offset
+            after_send = functools.partial(_run_as_placed, as_placed, address, int(deadline.at * 1e9))
+        meta = shm.encode_ranged(keys, offsets, caps, None if word is None else word.offset)
+        try:
+            body = self._send(region, protocol.Op.SHM_GET, meta, len(keys), taken, deadline, keep=True, after_send=after_send)
+        finally:  # the node writes the word only before its reply (after a failure the region is poisoned)
+            if word is not None:
+                region.allocator.free(word)
         try:
             if body is _STALE:
                 return None
@@ -186,6 +209,7 @@ class ShmClient:
         taken: shm.ShmRange | None,
         deadline: Deadline,
         keep: bool = False,
+        after_send: Callable[[int], None] | None = None,
     ) -> Any:
         """Run one SHM request on the region's connection; its reply meta (or _STALE). `taken` is freed after a
         success unless `keep` (the caller still reads it), and the region is poisoned after a failure."""
@@ -201,7 +225,7 @@ class ShmClient:
         try:
             if channel is not None and channel.slots.acquire(blocking=False):
                 try:
-                    result = self._over_channel(region, channel, op, meta, count, deadline)
+                    result = self._over_channel(region, channel, op, meta, count, deadline, after_send)
                 finally:
                     channel.slots.release()
             else:  # no channel, or every slot of it taken: this one goes over UCX
@@ -216,7 +240,14 @@ class ShmClient:
         return result
 
     def _over_channel(
-        self, region: ClientRegion, channel: ClientChannel, op: int, meta: bytes, count: int, deadline: Deadline
+        self,
+        region: ClientRegion,
+        channel: ClientChannel,
+        op: int,
+        meta: bytes,
+        count: int,
+        deadline: Deadline,
+        after_send: Callable[[int], None] | None = None,
     ) -> Any:
         """One request over the region's channel; its reply meta, or _STALE when the region's connection is no longer
         the current one. Any failure drops the connection, as a failed UCX request does (`UcxNode._fail`)."""
@@ -226,7 +257,7 @@ class ShmClient:
         if node._conn is not region.ep:
             return _STALE
         try:
-            return channel.request(op, count, meta, deadline.at)
+            return channel.request(op, count, meta, deadline.at, after_send)
         except ChannelTimeout:
             error = node._fail(region.ep, EmsErrorCode.EMS_IO_TIMEOUT, "no answer within the call's deadline")
         except ChannelRefused as refused:
@@ -289,6 +320,10 @@ class ShmClient:
         if previous_region is not None:  # an older connection's: nothing of it is used again
             _retire(previous_region)
         return region
+
+
+def _run_as_placed(as_placed: AsPlaced, progress: int, deadline_ns: int, fd: int) -> None:
+    as_placed(progress, fd, deadline_ns)
 
 
 def _retire(region: ClientRegion) -> None:

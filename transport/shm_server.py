@@ -140,6 +140,8 @@ class ShmService:
         request = shm.decode_ranged(header.count, await channel.meta(), region.array.nbytes)
         keys = [prefix + k for k in request.keys]
         if header.op == protocol.Op.SHM_PUT:
+            if request.progress is not None:
+                raise protocol.ProtocolError("a shared-memory PUT with a progress word")
             return await self._put(channel, region, keys, request)
         return await self._get(channel, region, keys, request)
 
@@ -218,18 +220,22 @@ class ShmService:
         try:
             if total:
                 chosen = [(v, o) for v, o, p in zip(values, request.offsets.tolist(), placed.tolist()) if p]
-                await self._copy(total, self._place, region, chosen)
+                # the request's leading placed values (the first len(chosen) of them when nothing is missing)
+                leading = int(placed.argmin()) if not placed.all() else len(chosen)
+                await self._copy(total, self._place, region, chosen, request.progress, leading)
         finally:
             self.handlers.budget.release(total)
         del values
         await channel.reply(protocol.Op.SHM_GET, count=len(keys), meta=lens.astype("<i8").tobytes())
         return total
 
-    def _place(self, region: _Region, chosen: list[tuple[Any, int]]) -> None:
-        """Copy each chosen value into the region at its offset, in one call (`NodeStore.read_into`)."""
+    def _place(self, region: _Region, chosen: list[tuple[Any, int]], progress: int | None, leading: int) -> None:
+        """Copy each chosen value into the region at its offset, in one call (`NodeStore.read_into`), publishing
+        each of the first `leading` to the request's progress word as it lands, if it named one (`shm.py`)."""
         values = [value for value, _ in chosen]
         outs = [region.array[offset : offset + memoryview(value).nbytes] for value, offset in chosen]
-        self.handlers.store.read_into(values, outs)
+        address = 0 if progress is None else region.array.ctypes.data + progress
+        self.handlers.store.read_into(values, outs, address, leading if progress is not None else 0)
 
     async def _copy(self, nbytes: int, fn: Any, region: _Region, *args: Any) -> Any:
         """Run a copy over `region` on the loop (small) or a worker thread (large); the region's mapping is

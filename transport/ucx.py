@@ -38,7 +38,7 @@ from ems.buffers import Buffer, copy_bytes
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
-from ems.transport.base import NodeClient, TransportError
+from ems.transport.base import AsPlaced, NodeClient, TransportError
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
@@ -92,6 +92,7 @@ class UcxNode(NodeClient):
     """A remote pool node over UCX; see the module docstring."""
 
     self_timed = True
+    places_progressively = True  # (through shared memory only: see `get_into`)
 
     def __init__(
         self,
@@ -137,7 +138,11 @@ class UcxNode(NodeClient):
         meta = protocol.encode_keys_meta(keys)
         return self._call(lambda ex, rid: _get(ex, rid, meta, len(keys), None), deadline)
 
-    def get_into(self, keys: Sequence[bytes], outs: Sequence[Buffer], deadline: Deadline | float) -> list[bool]:
+    def get_into(
+        self, keys: Sequence[bytes], outs: Sequence[Buffer], deadline: Deadline | float, as_placed: AsPlaced | None = None
+    ) -> list[bool]:
+        """`NodeClient.get_into`; `as_placed` runs only where the values travel through this host's shared memory
+        into buffers that lie in the region (`ShmClient.get_into`)."""
         if not keys:
             return []
         if len(outs) != len(keys):
@@ -145,7 +150,7 @@ class UcxNode(NodeClient):
         views = [_writable_bytes(o) for o in outs]
         deadline = Deadline.within(deadline)
         if self.shm is not None:
-            placed = self.shm.get_into(keys, views, deadline)
+            placed = self.shm.get_into(keys, views, deadline, as_placed)
             if placed is not None:
                 return placed
         meta = protocol.encode_keys_meta(keys)

@@ -11,7 +11,10 @@ import torch
 
 from ems import CcConfig, ContextCaching, EmsConfig
 from ems.config import parse_size, resolve_settings
+from ems.planning import BlockPlan
 from ems.pool_client import PoolClient
+from ems.transport.ucx import UcxNode
+from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
 
 #: run a test that takes the `cc` fixture once per pool backend: the embedded pool, then a real Mooncake Store
 on_both_pools = pytest.mark.parametrize("cc", ["embedded", "mooncake"], indirect=True)
@@ -129,3 +132,20 @@ def store_of_ems():
     from ems import Ems
 
     return Ems._pool.nodes[0].store  # type: ignore[union-attr]
+
+
+def store_refused_value(address: str, key: bytes, route_key: bytes, plan: BlockPlan, i: int, how: str) -> None:
+    """Store under value i's key a well-formed value the load must refuse: of another layout, or another length."""
+    payload = np.random.default_rng(i).integers(0, 255, int(plan.expected.payload_len[i]), dtype=np.uint8).tobytes()
+    sig = plan.expected.layout_sig ^ (1 if how == "layout" else 0)
+    if how == "length":
+        payload = payload[:-64]
+    expected = ExpectedValues(
+        ValueKind.BLOCKS_V1, sig, plan.expected.tokens_digest[i : i + 1], np.array([len(payload)], dtype=np.int64)
+    )
+    header = build_headers(expected, [checksum([payload])])[0]
+    node = UcxNode(address, connect_timeout_ms=2000)
+    try:
+        assert node.put([key], [[header, payload]], 5.0) == [True]
+    finally:
+        node.close()

@@ -30,6 +30,7 @@ from ems_testlib import (
     set_chunk_bytes,
     slots_of_blocks,
     snapshot,
+    store_refused_value,
 )
 
 from ems import CcKvOption, CcResult, EmsException, KvBufferWrapper, PrimaryKey
@@ -40,7 +41,6 @@ from ems.planning import BlockPlan, plan_blocks
 from ems.requests import Operation, bind_request
 from ems.transport.shm_client import ShmMode
 from ems.transport.ucx import UcxNode
-from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 from pool_testlib import PoolProcess
@@ -177,23 +177,6 @@ def test_v0_raw_values_in_many_chunks(shared, connect, monkeypatch):
     _idle(cc)
 
 
-def _damage(address: str, key: bytes, route_key: bytes, plan: BlockPlan, i: int, how: str) -> None:
-    """Store under value i's key a well-formed value the load must refuse: of another layout, or another length."""
-    payload = np.random.default_rng(i).integers(0, 255, int(plan.expected.payload_len[i]), dtype=np.uint8).tobytes()
-    sig = plan.expected.layout_sig ^ (1 if how == "layout" else 0)
-    if how == "length":
-        payload = payload[:-64]
-    expected = ExpectedValues(
-        ValueKind.BLOCKS_V1, sig, plan.expected.tokens_digest[i : i + 1], np.array([len(payload)], dtype=np.int64)
-    )
-    header = build_headers(expected, [checksum([payload])])[0]
-    node = UcxNode(address, connect_timeout_ms=2000)
-    try:
-        assert node.put([key], [[header, payload]], 5.0) == [True]
-    finally:
-        node.close()
-
-
 @pytest.mark.parametrize("how", ["layout", "length"])
 def test_a_damaged_value_in_chunk_k_stops_the_load_there(shared, connect, monkeypatch, how):
     cc = connect(shared.address)
@@ -205,7 +188,7 @@ def test_a_damaged_value_in_chunk_k_stops_the_load_there(shared, connect, monkey
     starts = _chunk_starts(cc, slots, hashes, offsets)
     bad = starts[9] + 1  # in chunk 9, not its first value: the chunk's first values are written, nothing after it
     assert starts[10] > bad
-    _damage(shared.address, plan.keys[bad], plan.route_keys[bad], plan, bad, how)
+    store_refused_value(shared.address, plan.keys[bad], plan.route_keys[bad], plan, bad, how)
     poisoned = poison(cache)
     assert cc.load(slots, hashes, offsets) == CcResult(bad, BLOCKS)
     written = slots_of_blocks(list(range(bad)), BS, offsets[:bad])
@@ -226,7 +209,7 @@ def test_with_replicas_a_damaged_copy_falls_back_to_the_good_one(nodes, connect,
     view = cc._pool.members.view
     firsts = ranked_owners(plan.route_keys, view.seeds, 2)[:, 0]
     for i in (5, 30):  # damage the copy on the owner asked first
-        _damage(view.nodes[int(firsts[i])].address, plan.keys[i], plan.route_keys[i], plan, i, "layout")
+        store_refused_value(view.nodes[int(firsts[i])].address, plan.keys[i], plan.route_keys[i], plan, i, "layout")
     poisoned = poison(cache)
     assert cc.load(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     assert_cache_equals(cache, expected_after_load(original, poisoned, slots))

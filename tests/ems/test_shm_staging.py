@@ -124,3 +124,63 @@ def test_a_failed_save_retires_its_region_and_the_next_connection_serves(client,
     new = ucx.shm._region
     assert new is not None and new is not old and leases[-1].shared is not None
     assert leases[-1].shared.region is new and new.allocator.used == 0
+
+
+@pytest.fixture
+def as_placed(monkeypatch):
+    """What each load's scatter-as-placed returned (count written, why it stopped), in order."""
+    from ems.planning import BlockPlan
+
+    seen: list = []
+    real = BlockPlan.verify_scatter_as_placed
+
+    def spy(self, *args, **kwargs):
+        seen.append(real(self, *args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(BlockPlan, "verify_scatter_as_placed", spy)
+    return seen
+
+
+def test_a_load_in_the_region_verifies_and_scatters_each_value_as_the_node_places_it(client, as_placed):
+    from ems.kernels.base import PlacedStop
+
+    cc, ucx = client
+    cache, slots, hashes, offsets = _setup(cc, seed=4)
+    _round_trip(cc, cache, slots, hashes, offsets)  # the first call opens the region
+    as_placed.clear()
+    _round_trip(cc, cache, slots, hashes[::-1], offsets)
+    _round_trip(cc, cache, slots, hashes, offsets)
+    assert as_placed == [(BLOCKS, PlacedStop.ALL)] * 2  # every value taken before the reply came
+    assert ucx.shm._region.allocator.used == 0 and cc._staging.leased_bytes == 0  # progress words given back
+
+
+@pytest.mark.parametrize("how", ["layout", "length", "missing"])
+def test_a_value_the_load_refuses_stops_it_there_while_values_are_placed(client, node, as_placed, how):
+    """Another layout's header: the value arrives and fails its check (the load stops at it); another length or no
+    value: the node never counts it as placed, so the wait for it ends with the reply, which says so. Either way the
+    blocks before it are exact and nothing at or after it is written."""
+    from ems_testlib import store_refused_value
+
+    from ems.kernels.base import PlacedStop
+    from ems.planning import plan_blocks
+    from ems.requests import Operation, bind_request
+
+    cc, _ = client
+    cache, slots, hashes, offsets = _setup(cc, seed=5)
+    original = snapshot(cache)
+    bad = 13
+    kept = hashes if how != "missing" else hashes[:bad]
+    kept_slots = slots_of_blocks(list(range(len(kept))), BS, offsets[: len(kept)])
+    assert cc.save(kept_slots, kept, offsets[: len(kept)]) == CcResult(len(kept), len(kept))
+    plan = plan_blocks(bind_request(Operation.LOAD, (slots, hashes, offsets), {}, cc._layout), cc._layout, cc._v1_namespace)
+    if how != "missing":
+        store_refused_value(node.address, plan.keys[bad], plan.route_keys[bad], plan, bad, how)
+    _round_trip_prefix = slots_of_blocks(list(range(bad)), BS, offsets[:bad])
+    poisoned = poison(cache)
+    as_placed.clear()
+    assert cc.load(slots, hashes, offsets) == CcResult(bad, BLOCKS)
+    assert_cache_equals(cache, expected_after_load(original, poisoned, _round_trip_prefix))
+    want = PlacedStop.DAMAGED if how == "layout" else PlacedStop.INTERRUPTED
+    assert as_placed == [(bad, want)]
+    assert cc._staging.leased_bytes == 0

@@ -158,6 +158,27 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
     assert other.put([b"still-serving"], [make_values(1, 10, 2)[0]], 5.0) == [True]
 
 
+@pytest.mark.parametrize("progress", ["unaligned", "past-the-end", "inside-the-value", "on-a-put"])
+def test_a_bad_progress_word_closes_the_connection(shared_node, node_clients, progress):
+    """A GET's progress word must be a u32 of the region outside every value's range (the node writes it while it
+    places the values); a PUT has none. Anything else is malformed: the connection closes, the node serves on."""
+    from ems.transport.ucx import _request
+
+    client = _raw(node_clients, shared_node.address)
+    offer = _offer(client)
+    op = protocol.Op.SHM_PUT if progress == "on-a-put" else protocol.Op.SHM_GET
+    word = {"unaligned": 8194, "past-the-end": offer.region_bytes - 2, "inside-the-value": 4096 + 100, "on-a-put": 0}
+    meta = shm.encode_ranged([b"k"], [4096], [4096], word[progress])
+
+    def run(ex, rid):
+        _request(ex, rid, op, count=1, meta=meta)
+
+    with pytest.raises(TransportError):
+        client._call(run, 5.0)
+    other = node_clients(shared_node.address)
+    assert other.put([b"still-serving"], [make_values(1, 10, 2)[0]], 5.0) == [True]
+
+
 def test_another_tenant_reads_nothing_through_shared_memory(node_clients):
     node = PoolProcess("64MiB", {"alpha": KEY_A, "beta": KEY_B})
     try:
