@@ -65,14 +65,14 @@ from ems.job_records import JobRecord, Stage
 from ems.kernels import CopyBackend
 from ems.kernels.base import PlacedStop, Placement
 from ems.kernels.raw_memory import buffer_addresses, raw_tensor
-from ems.planning import BlockPlan, Plan, RawPlan, encode_range
+from ems.planning import BlockPlan, Plan, RawPlan
 from ems.pool_backend import PoolBackend, PoolOutcome
 from ems.staging import StagingLease, StagingPool
 from ems.store import ENTRY_OVERHEAD, KvStore
 from ems.transport.base import AsPlaced, TransportError
 from ems.transport.protocol import RequestLimits, key_lens
 from ems.types import CcKvOption
-from ems.value_format import HEADER_SIZE, MAGIC, VERSION, header_struct, payload_checksums, stated_checksums, valid_prefix
+from ems.value_format import HEADER_SIZE, encode_in_place, stated_checksums, valid_prefix
 
 log = logging.getLogger("ems")
 PIPELINE_DEPTH = 2  # chunk requests of one job on the wire at once (see perf/RESULTS.md, API over UCX)
@@ -248,7 +248,7 @@ class EmbeddedSave:
                 for i, buffer in enumerate(buffers):
                     plan.gather_value(self.backend, i, buffer)
         with record.stage(Stage.ENCODE, payload):
-            write_headers(buffers, plan)
+            encode_in_place(buffers, plan.expected, 0, addresses)
 
     def finish(self) -> PoolOutcome:
         """Hand the buffers to the store (no copy): every value that fitted the pool is acknowledged."""
@@ -273,18 +273,6 @@ class EmbeddedSave:
         addresses, self._addresses = self._addresses, []
         for buffer, reserve, address in zip(buffers, reserved, addresses):
             self.store.recycle(buffer, reserve, address)
-
-
-def write_headers(buffers: list[np.ndarray], plan: Plan) -> None:
-    """Checksum the payload of each of `plan`'s first `len(buffers)` values in `buffers` (while a value's bytes are
-    the last ones read) and write its header in place."""
-    expected, count = plan.expected, len(buffers)
-    kind, signature, pack = int(expected.kind), expected.layout_sig, header_struct.pack_into
-    sums = payload_checksums(buffers)
-    for buffer, digest, length, checksum in zip(
-        buffers, expected.tokens_digest[:count].tolist(), expected.payload_len[:count].tolist(), sums
-    ):
-        pack(buffer, 0, MAGIC, VERSION, kind, signature, digest, length, checksum)
 
 
 class PipelinedSave:
@@ -349,7 +337,7 @@ class PipelinedSave:
             return PoolOutcome([False] * (b - a))
         try:
             start = time.perf_counter()
-            values = encode_range(plan, host, a, b)
+            values = plan.encode(host, a, b)
             record.add(Stage.ENCODE, plan.expected.payload_bytes(a, b), time.perf_counter() - start)
             if ahead is not None:
                 concurrent.futures.wait([ahead], timeout=self._deadline.left())

@@ -27,6 +27,7 @@ import torch
 from ems.buffers import Buffer
 from ems.kernels.base import CopyBackend, PlacedStop, Placement, Staging, tensor_over
 from ems.kernels.plan import value_pieces
+from ems.kernels.raw_memory import address_of
 from ems.keys import v0_keys, v1_keys
 from ems.layout import LayerGroup, RegisteredLayout
 from ems.requests import ChunkRequest, RawRequest, SlotRequest
@@ -37,13 +38,14 @@ from ems.value_format import (
     ExpectedValues,
     ValueKind,
     build_headers,
+    encode_in_place,
+    expected_heads,
     part_checksum,
     payload_checksums,
     tokens_digest,
 )
 
 ALIGN = 64
-PLACED_HEAD_BYTES = HEADER_SIZE - 8  # a header's fields a load expects (all but the checksum, which it verifies)
 
 
 def _align(n: int) -> int:
@@ -120,12 +122,12 @@ class BlockPlan:
         lens = self.expected.payload_len[a:b].tolist()
         return [host[s + HEADER_SIZE : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
 
-    def stored_values(self, host: memoryview, headers: Sequence[bytes], a: int = 0) -> list[list[Buffer]]:
-        """Values a..a+len(headers)-1 as the pool stores them: the headers written into their places, each value one
-        buffer."""
-        views = self.value_views(host, a, a + len(headers))
-        for view, header in zip(views, headers):
-            view[:HEADER_SIZE] = header
+    def encode(self, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
+        """Values a..b-1, their payloads gathered into `host` (staging), as the pool stores them: each payload
+        checksummed and its header written into its place (`encode_in_place`: one call for many values), each value
+        one buffer."""
+        views = self.value_views(host, a, b)
+        encode_in_place(views, self.expected, a, address_of(np.frombuffer(host, dtype=np.uint8)) + self.value_start[a:b])
         return [[view] for view in views]
 
     def value_views(self, host: memoryview, a: int, b: int) -> list[memoryview]:
@@ -201,10 +203,7 @@ class BlockPlan:
         regions = [region for region in self.regions if region.has_pieces(a, b)]
         if b <= a or not regions or not backend.verifies_while_scattering or PAYLOAD_HASH_ADDRESS is None:
             return 0, PlacedStop.INTERRUPTED
-        n = b - a
-        heads = np.frombuffer(
-            b"".join(h[:PLACED_HEAD_BYTES] for h in build_headers(self.expected.range(a, b), [0] * n)), dtype=np.uint8
-        ).reshape(n, PLACED_HEAD_BYTES)
+        heads = expected_heads(self.expected, a, b)
         first, rest = regions[0], regions[1:]
         done, why = backend.scatter_pieces_as_placed(
             first.group.planes,
@@ -268,8 +267,12 @@ class RawPlan:
         bounds = self.value_start[a : b + 1].tolist()
         return [host[s:e] for s, e in itertools.pairwise(bounds)]
 
-    def stored_values(self, host: memoryview, headers: Sequence[bytes], a: int = 0) -> list[list[Buffer]]:
-        return [[header, payload] for header, payload in zip(headers, self.payloads(host, a, a + len(headers)))]
+    def encode(self, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
+        """Values a..b-1 as the pool stores them: each its header (its payload's checksum in it) and its payload in
+        `host` (staging has no room for headers here)."""
+        payloads = self.payloads(host, a, b)
+        headers = build_headers(self.expected, [part_checksum(p) for p in payloads], a)
+        return [[header, payload] for header, payload in zip(headers, payloads)]
 
     def _segments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.request
@@ -315,13 +318,6 @@ Plan = BlockPlan | RawPlan
 def _as_tensor(value: Staging) -> torch.Tensor:
     """Segments move between tensors (raw V0 ranges have no numpy path)."""
     return tensor_over(value) if isinstance(value, np.ndarray) else value
-
-
-def encode_range(plan: Plan, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
-    """Checksum the staged payloads of values a..b-1 and give them their headers (written in place where the plan
-    has room for them): those values as the pool stores them."""
-    headers = build_headers(plan.expected, [part_checksum(p) for p in plan.payloads(host, a, b)], a)
-    return plan.stored_values(host, headers, a)
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,54 @@ def build_headers(expected: ExpectedValues, checksums: Sequence[int], start: int
     return [packed[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]
 
 
+_HEAD_NAMES = [name for name in HEADER_DTYPE.names or () if name != "checksum"]
+_HEAD_DTYPE = np.dtype({"names": _HEAD_NAMES, "formats": [HEADER_DTYPE[name] for name in _HEAD_NAMES]})
+HEAD_BYTES = _HEAD_DTYPE.itemsize  # 32: a header's fields before its checksum (known before the payload is)
+
+
+def expected_heads(expected: ExpectedValues, a: int, b: int) -> np.ndarray:
+    """uint8 `[b - a, 32]`: the first `HEAD_BYTES` of the headers of values a..b-1 (magic .. payload length:
+    everything but the checksum), as a save writes them and a load expects them."""
+    heads = np.empty(b - a, dtype=_HEAD_DTYPE)
+    heads["magic"] = MAGIC
+    heads["version"] = VERSION
+    heads["kind"] = int(expected.kind)
+    heads["layout_sig"] = expected.layout_sig
+    heads["tokens_digest"] = expected.tokens_digest[a:b]
+    heads["payload_len"] = expected.payload_len[a:b]
+    return heads.view(np.uint8).reshape(b - a, HEAD_BYTES)
+
+
+def encode_in_place(
+    values: Sequence[Buffer], expected: ExpectedValues, start: int = 0, addresses: Sequence[int] | np.ndarray | None = None
+) -> None:
+    """A save's encode: `values[i]` is the whole buffer of value `start + i` of `expected` (writable, contiguous,
+    `HEADER_SIZE` + its payload length; checked), its payload already in place; its payload's checksum is computed
+    and its header written before it. More than a few values take one C call (`kernels/host_copy.c`
+    `ems_encode_values`: each value hashed and headed in turn, one GIL hand-over for a large batch); `addresses`
+    (optional) are the buffers' addresses where the caller already knows them."""
+    n = len(values)
+    lengths = expected.payload_len[start : start + n]
+    library = host_copy() if n > _FEW else None
+    if library is None or PAYLOAD_HASH_ADDRESS is None:
+        views = [memoryview(value).cast("B") for value in values]
+        if [view.nbytes - HEADER_SIZE for view in views] != lengths.tolist():
+            raise ValueError("every value must be its header and payload long")
+        kind, signature, pack = int(expected.kind), expected.layout_sig, header_struct.pack_into
+        for view, digest, length in zip(views, expected.tokens_digest[start : start + n].tolist(), lengths.tolist()):
+            pack(view, 0, MAGIC, VERSION, kind, signature, digest, length, part_checksum(view[HEADER_SIZE:]))
+        return
+    sizes = np.fromiter(map(len, values), dtype=np.int64, count=n)  # bytes: numpy arrays and memoryviews of uint8
+    if lengths.size != n or not np.array_equal(sizes, lengths + HEADER_SIZE):
+        raise ValueError("every value must be its header and payload long")
+    # (`values` keeps every buffer alive through the call)
+    at = buffer_addresses(values) if addresses is None else np.asarray(addresses, dtype=np.int64)
+    if at.shape != (n,):
+        raise ValueError("addresses must be one per value")
+    total = int(sizes.sum())
+    library.encode_values(PAYLOAD_HASH_ADDRESS, expected_heads(expected, start, start + n), at, lengths, total)
+
+
 def parse_header(value: Buffer, versions: frozenset[int] = frozenset({VERSION})) -> np.void | None:
     """The header fields of a stored value, or None when it is too short, not an EMS value, or of a version not in
     `versions` (by default this client's own)."""

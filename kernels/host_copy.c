@@ -17,6 +17,11 @@
 #include <unistd.h>
 #endif
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "value headers are little-endian: this file reads and writes them in place"
+#endif
+#define EMS_HEAD_CHECKED 32 /* a value header's bytes before its checksum: magic .. payload_len (value_format.py) */
+
 /* Pieces between a PlaneSet's planes and value-major staging (kernels/base.py).
 
    table: int64 [5][stride] (row r at table + r * stride), its first m columns used: start slot, count, base,
@@ -77,6 +82,19 @@ typedef uint64_t (*ems_hash_fn)(const void *, size_t);
 
 void ems_hash_many(ems_hash_fn hash, const int64_t *ptrs, const int64_t *lengths, uint64_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = hash((const void *)(intptr_t)ptrs[i], (size_t)lengths[i]);
+}
+
+/* A save's encode in one call: for v < n, the value at value_addr[v] gets its 40-byte header, heads[v * 32 ..
+   v * 32 + 32) (magic, version, kind, layout, tokens, payload length) and then the XXH3 of its payload (the
+   payload_len[v] bytes after the header), computed here while the value's bytes are the last ones written. */
+void ems_encode_values(ems_hash_fn hash, const unsigned char *heads, const int64_t *value_addr,
+                       const int64_t *payload_len, int64_t n) {
+    for (int64_t v = 0; v < n; v++) {
+        unsigned char *value = (unsigned char *)(intptr_t)value_addr[v];
+        const uint64_t digest = hash(value + EMS_HEAD_CHECKED + sizeof digest, (size_t)payload_len[v]);
+        memcpy(value, heads + v * EMS_HEAD_CHECKED, EMS_HEAD_CHECKED);
+        memcpy(value + EMS_HEAD_CHECKED, &digest, sizeof digest);
+    }
 }
 
 /* A load's verify and scatter in one pass, value by value, so that each value is read once, while it is in cache:
@@ -157,10 +175,6 @@ void ems_copy_many(const int64_t *dst, const int64_t *src, const int64_t *length
 #endif
 }
 
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "value headers are little-endian: this file reads them in place"
-#endif
-#define EMS_HEAD_CHECKED 32 /* a value header's bytes before its checksum: magic .. payload_len (value_format.py) */
 #define EMS_WAIT_SLICE_NS 1000000L /* a wait for the next value re-checks the deadline and the socket this often */
 
 static int64_t monotonic_ns(void) {

@@ -5,8 +5,9 @@ Contract:
   `EMS_HOST_COPY=off`): callers then use their numpy / torch path. The library is built once per source and
   compiler into `EMS_CACHE_DIR` (default `$XDG_CACHE_HOME/ems`, else `~/.cache/ems`), written under a temporary
   name and renamed into place, so concurrent processes (an engine and its node) never load half a file.
-* `HostCopy.move_pieces` / `move_segments` / `hash_many` / `copy_many` run one C loop over every piece, segment,
-  value or buffer (see `host_copy.c` for the layouts; `copy_many`'s large copies use streaming stores on x86);
+* `HostCopy.move_pieces` / `move_segments` / `hash_many` / `encode_values` / `copy_many` run one C loop over every
+  piece, segment, value or buffer (see `host_copy.c` for the layouts; `copy_many`'s large copies use streaming
+  stores on x86);
   `copy_hash_many` hashes each copy step by step right after copying it; `verify_scatter_pieces` is a load's
   verify and scatter in one loop, value by value (each value's bytes read once, while in cache), stopping at the
   first value whose digest is wrong. They trust their arguments: the caller has validated every address and
@@ -49,6 +50,7 @@ _SIGNATURES: dict[str, list] = {
     "ems_move_pieces": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int32],
     "ems_move_segments": [_PTR, _PTR, _I64, _I64, ctypes.c_int32],
     "ems_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64],
+    "ems_encode_values": [_PTR, _PTR, _PTR, _PTR, _I64],
     "ems_verify_scatter_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "ems_copy_many": [_PTR, _PTR, _PTR, _I64, _I64, _I64],
     "ems_verify_scatter_as_placed": [
@@ -232,6 +234,19 @@ class HostCopy:
         if failed:
             raise MemoryError("no memory for an XXH3 hash state")
         return out
+
+    def encode_values(
+        self, hash_function: int, heads: np.ndarray, value_addrs: np.ndarray, payload_lens: np.ndarray, nbytes: int
+    ) -> None:
+        """A save's encode: value v at address `value_addrs[v]` gets the header bytes `heads[v]` (uint8 `[V, 32]`:
+        magic .. payload length) and then the `hash_function` digest of its payload (`payload_lens[v]` bytes after
+        its 40-byte header). value_addrs, payload_lens: int64 `[V]`; `nbytes` decides the GIL."""
+        n = value_addrs.size
+        if payload_lens.size != n or heads.shape != (n, 32) or not heads.flags.c_contiguous:
+            raise ValueError("value_addrs, payload_lens must be [V] and heads uint8 [V, 32], contiguous")
+        self._library(nbytes).ems_encode_values(
+            hash_function, address_of(heads), address_of(value_addrs), address_of(payload_lens), n
+        )
 
     def hash_many(self, hash_function: int, ptrs: np.ndarray, lengths: np.ndarray, nbytes: int) -> np.ndarray:
         """uint64 `[N]`: `hash_function(ptrs[i], lengths[i])`, a C function `uint64_t (const void *, size_t)`."""

@@ -162,3 +162,48 @@ def test_copy_refuses_a_destination_it_cannot_write_or_of_another_length():
                 copy([np.empty_like(value), bad], [value, value])
     with pytest.raises(ValueError, match="as many"):
         copy_buffers([np.empty_like(value)], [value, value])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 33, 4096, _GIL_HELD_FROM + 3, 600_000]), min_size=1, max_size=12),
+    start=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_encode_in_place_writes_the_headers_a_load_accepts(sizes, start, seed):
+    """A save's encode (`encode_in_place`: one C call for more than a few values, struct for a few) gives each value
+    exactly the header `build_headers` makes with its payload's XXH3, whatever the path, the buffer kind or where the
+    values start in the request; a load then takes every one (`matches`)."""
+    from ems.value_format import HEADER_SIZE, ExpectedValues, ValueKind, build_headers, encode_in_place, matches
+
+    rng = np.random.default_rng(seed)
+    lengths = np.array([0] * start + sizes, dtype=np.int64)
+    expected = ExpectedValues(
+        ValueKind.BLOCKS_V1, int(rng.integers(0, 2**63)), rng.integers(0, 2**63, lengths.size).astype(np.uint64), lengths
+    )
+    payloads = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    want = [
+        h + p.tobytes()
+        for h, p in zip(build_headers(expected, [xxhash.xxh3_64_intdigest(p.tobytes()) for p in payloads], start), payloads)
+    ]
+    for as_buffer in (lambda a: a, memoryview):
+        values = [np.concatenate([rng.integers(0, 256, HEADER_SIZE, dtype=np.uint8), p]) for p in payloads]  # stale headers
+        encode_in_place([as_buffer(v) for v in values], expected, start)
+        assert [v.tobytes() for v in values] == want
+        assert all(matches(v, expected, start + i) for i, v in enumerate(values))
+
+
+def test_encode_in_place_refuses_a_value_of_the_wrong_length_and_writes_nothing():
+    """The C loop trusts its lengths: a batch with one value shorter than its header and payload is refused before
+    any header is written."""
+    from ems.value_format import HEADER_SIZE, ExpectedValues, ValueKind, encode_in_place
+
+    n = 8
+    lengths = np.full(n, 256, dtype=np.int64)
+    expected = ExpectedValues(ValueKind.BLOCKS_V1, 7, np.arange(n, dtype=np.uint64), lengths)
+    values = [np.full(HEADER_SIZE + 256, 0xAB, dtype=np.uint8) for _ in range(n)]
+    values[5] = values[5][:-1]
+    for batch, start in ((values, 0), (values[4:6], 4)):  # the C path, and the struct path of a few
+        with pytest.raises(ValueError):
+            encode_in_place(batch, expected, start)
+        assert all((v == 0xAB).all() for v in values)
