@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
-from typing import TYPE_CHECKING, Any, Union
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 if TYPE_CHECKING:
     import numpy as np
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
 #: bytes-like values as they cross a transport and live in the pool: stored values, their parts, callers' receive
 #: buffers (numpy arrays included: the store keeps values in them)
 Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]
+T = TypeVar("T")
 
 
 def copy_bytes(dst: Any, src: Any) -> None:
@@ -58,10 +62,73 @@ def release_pages(address: int, length: int) -> None:
     _madvise(address, length, mmap.MADV_DONTNEED)
 
 
+def host_idle_seconds() -> float | None:
+    """Seconds the host's CPUs have spent idle (idle and iowait, all CPUs together) since boot, from /proc/stat;
+    None where it cannot be read."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            fields = stat.readline().split()
+        return (int(fields[4]) + int(fields[5])) / _TICKS_PER_S
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class SpareCpuPacer:
+    """Paces a background thread whose work can wait (pages populated ahead of use) to CPU time that no other
+    thread wants: `run(step)` runs one step once the host has a spare core. The host has one when, over the last
+    window of at least `WINDOW_S`, its idle time plus this thread's own CPU time came to at least `SPARE_CORES`
+    of the window (this thread alone would have found that much of a core idle); else the step waits, window by
+    window, until one does. Where the idle time cannot be read it never waits.
+
+    Why: an engine's forward pass keeps every core busy in bursts (its OpenMP threads meet at barriers, so one of
+    them losing its core stalls them all), and a pool node on the same host populating its arena in the background
+    took a core for about 2 ms per MiB right then: in a vLLM engine a 0.1 s prefill step took 0.3-0.5 s
+    (perf/RESULTS.md, "A node's background populate and an engine's step"). The kernel's own view of the thread
+    does not tell: a thread that sleeps often is scheduled first when it wakes, so it never waits for a CPU itself;
+    the others wait for it."""
+
+    WINDOW_S = 0.03
+    SPARE_CORES = 0.75
+    STALE_S = 4 * WINDOW_S  # a window this old (the thread waited for work) says nothing of now: a fresh one is taken
+
+    def __init__(
+        self,
+        idle: Callable[[], float | None] = host_idle_seconds,
+        own_cpu: Callable[[], float] = time.thread_time,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._idle, self._own_cpu, self._clock, self._sleep = idle, own_cpu, clock, sleep
+        self.waited_s = 0.0  # waited for a spare core, in all
+        self._window = self._sample()  # where the current window started: (idle, own CPU, clock)
+
+    def _sample(self) -> tuple[float | None, float, float]:
+        return self._idle(), self._own_cpu(), self._clock()
+
+    def run(self, step: Callable[[], T]) -> T:
+        """`step()` once the host has a spare core (see the class docstring); its result."""
+        while self._clock() - self._window[2] >= self.WINDOW_S:
+            (idle, own, start), now = self._window, self._sample()
+            self._window = now
+            if idle is None or now[0] is None:
+                break  # the kernel does not say: never wait
+            elapsed = now[2] - start
+            if elapsed <= self.STALE_S and (now[0] - idle) + (now[1] - own) >= self.SPARE_CORES * elapsed:
+                break
+            self._sleep(self.WINDOW_S)  # busy (or not known lately): this window is spent waiting, then looked at
+            self.waited_s += self.WINDOW_S
+        return step()
+
+
 def populate_in_background(array: Any, nbytes: int, name: str) -> threading.Thread | None:
     """Populate the first `nbytes` of `array` (a uint8 numpy array over a mapping) on a daemon thread, in steps,
     so that its first use does not fault page by page (on a VM, touching fresh memory costs about 2 ms per MiB).
-    The thread holds `array` (so the mapping stays) until it is done. None when there is nothing to do."""
+    The thread holds `array` (so the mapping stays) until it is done. None when there is nothing to do. Not paced
+    (`SpareCpuPacer`): it runs once, when a connection's region is new, and a first save into a region still being
+    populated would take the faults on its own path."""
     end = min(int(nbytes), int(array.nbytes)) // mmap.PAGESIZE * mmap.PAGESIZE
     if end <= 0:
         return None

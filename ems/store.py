@@ -49,6 +49,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import mmap
 import sys
 import threading
@@ -60,7 +61,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from ems.buffers import POPULATE_STEP, Buffer, populate_pages, release_pages
+from ems.buffers import POPULATE_STEP, Buffer, SpareCpuPacer, populate_pages, release_pages
 from ems.kernels.host_copy import copy_buffers
 from ems.kernels.raw_memory import address_of
 from ems.value_format import VALUE_LEAD, copy_well_formed_many, is_well_formed, well_formed_many
@@ -125,7 +126,9 @@ class _Arena:
         self.populated = end
 
     def _populate_ahead(self) -> None:
-        """The background thread: populate in steps until `ahead` bytes past `used` are there, then wait for takes."""
+        """The background thread: populate in steps until `ahead` bytes past `used` are there, then wait for takes;
+        steps taken on spare CPU (`SpareCpuPacer`: an engine on the same host keeps its cores)."""
+        pacer = SpareCpuPacer()
         while True:
             with self._wake:
                 while not self._closed and self.populated >= min(self.size, self.used + self.ahead):
@@ -134,7 +137,7 @@ class _Arena:
                     self._wake.wait()
                 if self._closed:
                     return
-            self._populate(min(self.populated + POPULATE_STEP, self.size))
+            pacer.run(functools.partial(self._populate, min(self.populated + POPULATE_STEP, self.size)))
 
     def close(self) -> None:
         """Stop the background thread (the mapping stays valid for as long as buffers of it are referenced)."""
