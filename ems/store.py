@@ -383,17 +383,23 @@ class KvStore:
         self, keys: Sequence[bytes], values: Sequence[np.ndarray], reserved: Sequence[int], addresses: Sequence[int]
     ) -> None:
         """`put_owned` of well-formed values under one lock (the embedded pool's save: the caller built them in
-        buffers from `allocate_many`, which gave their `addresses`)."""
+        buffers from `allocate_many`, which gave their `addresses`; each value one-dimensional uint8, as those
+        are)."""
         with self._lock:
             entries, known = self._entries, self._addresses
-            for key, value, reserve, address in zip(keys, values, reserved, addresses):
-                old = entries.pop(key, None)
-                if old is not None:
-                    self._used -= self._charge(key, old)
-                    self._retire(old, known.pop(key, None))
-                entries[key] = value
-                known[key] = address
-                self._used += self._charge(key, value) - reserve
+            if entries.keys().isdisjoint(keys):  # new keys, the usual save: the index takes them in C loops
+                entries.update(zip(keys, values))
+                known.update(zip(keys, addresses))
+                self._used += sum(map(len, keys)) + sum(map(len, values)) + ENTRY_OVERHEAD * len(keys) - sum(reserved)
+            else:
+                for key, value, reserve, address in zip(keys, values, reserved, addresses):
+                    old = entries.pop(key, None)
+                    if old is not None:
+                        self._used -= self._charge(key, old)
+                        self._retire(old, known.pop(key, None))
+                    entries[key] = value
+                    known[key] = address
+                    self._used += self._charge(key, value) - reserve
             self._stats.puts += len(keys)
             self._make_room(0, -1)  # a no-op when every value's reservation was its charge (the usual case)
 
