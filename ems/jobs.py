@@ -242,13 +242,15 @@ class EmbeddedSave:
             span = None
             if isinstance(plan, BlockPlan) and count > 1:
                 span = span_of(np.array(addresses, dtype=np.int64), np.array(sizes[:count], dtype=np.int64))
+            encoded = False
             if isinstance(plan, BlockPlan) and span is not None:
-                plan.gather_into(self.backend, span[0], span[1], count)
+                encoded = plan.gather_into(self.backend, span[0], span[1], 0, count)  # encoded too where it can be
             else:  # one value (its own buffer), V0 raw ranges (one copy each anyway), or buffers too far apart
                 for i, buffer in enumerate(buffers):
                     plan.gather_value(self.backend, i, buffer)
-        with record.stage(Stage.ENCODE, payload):
-            encode_in_place(buffers, plan.expected, 0, addresses)
+        if not encoded:
+            with record.stage(Stage.ENCODE, payload):
+                encode_in_place(buffers, plan.expected, 0, addresses)
 
     def finish(self) -> PoolOutcome:
         """Hand the buffers to the store (no copy): every value that fitted the pool is acknowledged."""
@@ -318,27 +320,32 @@ class PipelinedSave:
             lo, hi = int(plan.value_start[a]), int(plan.value_start[b])
             with side_stream(self.device):  # waits for the chunk's device work at the end
                 with record.stage(Stage.GATHER, plan.expected.payload_bytes(a, b)):
-                    plan.gather_range(self.backend, lease.device, a, b)
+                    # host staging may come out of the gather encoded (the compiled host copy's one pass)
+                    encoded = plan.gather_range(self.backend, lease.device, a, b) and lease.host is lease.device
                 if lease.host is not lease.device:
                     with record.stage(Stage.COPY, hi - lo):
                         lease.host[lo:hi].copy_(lease.device[lo:hi], non_blocking=True)
+            send = functools.partial(self._send_chunk, host, a, b, encoded)
             if len(self._chunks) == 1:  # nothing to overlap: `finish` sends it on its own thread (no thread hop)
-                self._lone = functools.partial(self._send_chunk, host, a, b, None)
+                self._lone = functools.partial(send, None)
                 return
             ahead = self._sends[-PIPELINE_DEPTH] if len(self._sends) >= PIPELINE_DEPTH else None
-            self._sends.append(self.pool.executor.start(functools.partial(self._send_chunk, host, a, b, ahead)))
+            self._sends.append(self.pool.executor.start(functools.partial(send, ahead)))
 
-    def _send_chunk(self, host: memoryview, a: int, b: int, ahead: concurrent.futures.Future | None) -> PoolOutcome:
-        """On a pipeline thread: checksum and header values a..b-1 in place, then, once the chunk `PIPELINE_DEPTH`
-        places ahead (`ahead`, started earlier: running or done) has returned, put them (by the request's
-        deadline)."""
+    def _send_chunk(
+        self, host: memoryview, a: int, b: int, encoded: bool, ahead: concurrent.futures.Future | None
+    ) -> PoolOutcome:
+        """On a pipeline thread: checksum and header values a..b-1 in place (unless their gather `encoded` them),
+        then, once the chunk `PIPELINE_DEPTH` places ahead (`ahead`, started earlier: running or done) has
+        returned, put them (by the request's deadline)."""
         plan, record = self.plan, self.record
         if self._stop.is_set():  # the save's prefix already ends before this chunk: not sent
             return PoolOutcome([False] * (b - a))
         try:
             start = time.perf_counter()
-            values = plan.encode(host, a, b)
-            record.add(Stage.ENCODE, plan.expected.payload_bytes(a, b), time.perf_counter() - start)
+            values = plan.encode(host, a, b, encoded)
+            if not encoded:
+                record.add(Stage.ENCODE, plan.expected.payload_bytes(a, b), time.perf_counter() - start)
             if ahead is not None:
                 concurrent.futures.wait([ahead], timeout=self._deadline.left())
             if self._stop.is_set() or self._deadline.expired():

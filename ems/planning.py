@@ -122,12 +122,14 @@ class BlockPlan:
         lens = self.expected.payload_len[a:b].tolist()
         return [host[s + HEADER_SIZE : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
 
-    def encode(self, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
-        """Values a..b-1, their payloads gathered into `host` (staging), as the pool stores them: each payload
-        checksummed and its header written into its place (`encode_in_place`: one call for many values), each value
-        one buffer."""
+    def encode(self, host: memoryview, a: int, b: int, encoded: bool = False) -> list[list[Buffer]]:
+        """Values a..b-1, their payloads gathered into `host` (staging), as the pool stores them, each value one
+        buffer: each payload checksummed and its header written into its place (`encode_in_place`: one call for
+        many values), unless the gather `encoded` them already."""
         views = self.value_views(host, a, b)
-        encode_in_place(views, self.expected, a, address_of(np.frombuffer(host, dtype=np.uint8)) + self.value_start[a:b])
+        if not encoded:
+            base = address_of(np.frombuffer(host, dtype=np.uint8))
+            encode_in_place(views, self.expected, a, base + self.value_start[a:b])
         return [[view] for view in views]
 
     def value_views(self, host: memoryview, a: int, b: int) -> list[memoryview]:
@@ -136,19 +138,37 @@ class BlockPlan:
         lens = self.expected.payload_len[a:b].tolist()
         return [host[s : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
 
-    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
-        """The payloads of values a..b-1 into their places in staging: one backend call per layer group."""
-        self._move(backend, staging, self.value_start, a, b, gather=True)
+    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> bool:
+        """The payloads of values a..b-1 into their places in staging: `gather_into` at the staging layout's
+        offsets. True when they are encoded too (headers written)."""
+        return self.gather_into(backend, staging, self.value_start, a, b)
 
     def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
         """Write the tokens of values a..b-1 from their places in staging back into the cache, nothing else: one
         backend call per layer group."""
         self._move(backend, staging, self.value_start, a, b, gather=False)
 
-    def gather_into(self, backend: CopyBackend, span: torch.Tensor, value_offsets: np.ndarray, count: int) -> None:
-        """The payloads of values 0..count-1 into values placed anywhere in `span` (uint8): value i's header at
-        byte `value_offsets[i]` (int64 `[count]`), its payload after it. One backend call per layer group."""
-        self._move(backend, span, value_offsets, 0, count, gather=True)
+    def gather_into(self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, b: int) -> bool:
+        """The payloads of values a..b-1 into values placed anywhere in `span` (uint8): value i's header at byte
+        `value_offsets[i]` (int64, indexed by value), its payload after it. One backend call per layer group.
+        Where the backend encodes while it gathers (the compiled host copy) and one layer group holds the values'
+        tokens, each value is also checksummed and its header written right after its bytes, while they are in
+        cache: then True (the values are as the pool stores them); else False (the caller encodes them)."""
+        regions = [region for region in self.regions if region.has_pieces(a, b)]
+        if len(regions) != 1 or not backend.encodes_while_gathering or PAYLOAD_HASH_ADDRESS is None:
+            self._move(backend, span, value_offsets, a, b, gather=True)
+            return False
+        region = regions[0]
+        backend.gather_pieces_encoded(
+            region.group.planes,
+            region.absolute(value_offsets, a, b),
+            span,
+            np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
+            expected_heads(self.expected, a, b),
+            region.piece_start[a + 1 : b + 1] - region.piece_start[a],
+            PAYLOAD_HASH_ADDRESS,
+        )
+        return True
 
     def scatter_from(self, backend: CopyBackend, span: torch.Tensor, value_offsets: np.ndarray, count: int) -> None:
         """The inverse of `gather_into`: the tokens of values 0..count-1 from their places in `span` into the cache."""
@@ -267,9 +287,9 @@ class RawPlan:
         bounds = self.value_start[a : b + 1].tolist()
         return [host[s:e] for s, e in itertools.pairwise(bounds)]
 
-    def encode(self, host: memoryview, a: int, b: int) -> list[list[Buffer]]:
+    def encode(self, host: memoryview, a: int, b: int, encoded: bool = False) -> list[list[Buffer]]:
         """Values a..b-1 as the pool stores them: each its header (its payload's checksum in it) and its payload in
-        `host` (staging has no room for headers here)."""
+        `host` (staging has no room for headers here: a gather never encodes them, `encoded` is always False)."""
         payloads = self.payloads(host, a, b)
         headers = build_headers(self.expected, [part_checksum(p) for p in payloads], a)
         return [[header, payload] for header, payload in zip(headers, payloads)]
@@ -301,10 +321,12 @@ class RawPlan:
         lo, hi = int(self.value_start[a]), int(self.value_start[b])
         return torch.from_numpy(r.ptrs[s:e]), torch.from_numpy(r.lengths[s:e]), staging[lo:hi]
 
-    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
+    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> bool:
+        """Values a..b-1's device ranges into their places in staging; False: the headers are the encode's."""
         ptrs, lengths, span = self._range(staging, a, b)
         if ptrs.numel():
             backend.gather_segments(ptrs, lengths, span)
+        return False
 
     def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
         ptrs, lengths, span = self._range(staging, a, b)

@@ -207,6 +207,9 @@ class CopyBackend(abc.ABC):
     #: whether `scatter_pieces_verified` runs here (a load's verify and scatter in one pass over the bytes); where
     #: it does not, the caller verifies, then scatters
     verifies_while_scattering: bool = False
+    #: whether `gather_pieces_encoded` runs here (a save's gather and encode in one pass over the bytes); where it
+    #: does not, the caller gathers, then encodes
+    encodes_while_gathering: bool = False
 
     @abc.abstractmethod
     def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
@@ -243,6 +246,23 @@ class CopyBackend(abc.ABC):
             self._host_pieces(planes, pieces, src, gather=False)
         else:
             self._pieces(planes, pieces, src, gather=False)
+
+    def gather_pieces_encoded(
+        self,
+        planes: PlaneSet,
+        pieces: PieceTable,
+        out: Staging,
+        values: np.ndarray,
+        heads: np.ndarray,
+        piece_end: np.ndarray,
+        hash_function: int,
+    ) -> None:
+        """A save's gather and encode in one pass (only where `encodes_while_gathering`): value v is `out` bytes
+        `values[0, v] .. + 40 + values[1, v]` (int64 `[2, V]`: offset, payload length; its 40-byte header first);
+        from v = 0 on, its pieces, columns `piece_end[v - 1] .. piece_end[v] - 1` of `pieces` (int64 `[V]`,
+        non-decreasing, the last one the number of pieces), are gathered as `gather_pieces` does, then its header
+        is written: `heads[v]` (uint8 `[V, 32]`) and the `hash_function` digest of its payload."""
+        raise NotImplementedError(f"the {self.name} backend does not encode while gathering")
 
     def scatter_pieces_verified(
         self,

@@ -3,26 +3,25 @@
 Contract: `HostBackend` implements `CopyBackend` (base.py) for CPU planes and staging. A gather or scatter of pieces
 is ONE call whatever the number of pieces, planes and piece lengths (`ops_issued` counts calls), except a lone
 piece, which takes the torch path's prepared one-piece move (one op, less Python per call); raw V0 segments are
-one call too. `CompiledMoves.SCATTERS` (the CPU default) leaves gathers to the torch path. Planes may differ in
-row size and dtype (MLA with split K/V), and rows may be strided inside a block: bytes move as they are, by
-address, so every dtype (fp8 included) is copied bit for bit. A call keeps the GIL when it moves less than
-`host_copy.GIL_HELD_BELOW` bytes and releases it otherwise (see `host_copy`). Per-plane addresses and strides are
-computed once per `PlaneSet` and kept on it.
+one call too. Planes may differ in row size and dtype (MLA with split K/V), and rows may be strided inside a
+block: bytes move as they are, by address, so every dtype (fp8 included) is copied bit for bit. A call keeps the
+GIL when it moves less than `host_copy.GIL_HELD_BELOW` bytes and releases it otherwise (see `host_copy`).
+Per-plane addresses and strides are computed once per `PlaneSet` and kept on it. A load verifies while it
+scatters (`scatter_pieces_verified`, `scatter_pieces_as_placed`) and a save encodes while it gathers
+(`gather_pieces_encoded`): one pass over each value's bytes, hashed while they are in cache.
 
 Why: the torch path issues an op per (piece length, plane) or per few hundred rows, each holding the GIL and
 giving it away between ops, and runs at 5-8 GB/s on this path's many 64 KiB spans; one memcpy loop runs at the
 host's copy speed (perf/RESULTS.md, "The compiled host copy").
 
-Why gathers stay on torch by default: in a vLLM engine (`perf/bench_vllm.py`), compiled gathers made a pooled
-request that arrives right after a cold one, whose saves are in flight, wait 0.32-0.48 s for its first token
-instead of 0.12-0.16 s, while compiled scatters alone changed nothing there (the quiet pooled load got slightly
-faster). The gathers themselves took 5-13 ms; what the engine waited for is not pinned down (a guess: the saves
-reach the node sooner and the load queues behind them). Until it is, a save's gather keeps the torch path.
+Gathers were left to torch for a while: in a vLLM engine, compiled gathers made a pooled request arriving right
+after a cold one wait 0.3-0.5 s for its first token instead of about 0.1 s. The cause was not the gather: its
+faster saves moved the pool node's background populate of its arena into the engine's next prefill step, which a
+core taken by that populate slowed four- to fivefold; the populate now runs on spare CPU only
+(`ems.buffers.SpareCpuPacer`; perf/RESULTS.md, "A node's background populate and an engine's step").
 """
 
 from __future__ import annotations
-
-import enum
 
 import numpy as np
 import torch
@@ -31,14 +30,6 @@ from ems.kernels.base import CopyBackend, PieceTable, PlacedStop, Placement, Pla
 from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses
 from ems.kernels.raw_memory import address_of, host_array
 from ems.kernels.torch_backend import move_pieces
-
-
-class CompiledMoves(str, enum.Enum):
-    """Which piece moves go through the C loop (the others take the torch path)."""
-
-    BOTH = "both"  # gathers and scatters (`EMS_KERNEL_BACKEND=host`)
-    SCATTERS = "scatters"  # loads only: the CPU default (AUTO), see the module docstring
-
 
 VALUE_HEADER = 40  # bytes before a value's payload (`ems.value_format.HEADER_SIZE`; kernels import nothing of ems)
 
@@ -65,13 +56,9 @@ def _staging_address(flat: Staging) -> int:
 class HostBackend(CopyBackend):
     name = "host"
 
-    def __init__(self, library: HostCopy, moves: CompiledMoves = CompiledMoves.BOTH) -> None:
+    def __init__(self, library: HostCopy) -> None:
         self.library = library
-        self.moves = moves
         self.ops_issued = 0
-
-    def describe(self) -> str:
-        return self.name if self.moves == CompiledMoves.BOTH else f"{self.name} (scatters; gathers by torch)"
 
     def _pieces(self, planes: PlaneSet, pieces: PieceTable, stage: Staging, gather: bool) -> None:
         if planes.device.type != "cpu":
@@ -80,7 +67,7 @@ class HostBackend(CopyBackend):
         m = table.shape[1]
         if m == 0:
             return
-        if m == 1 or (gather and self.moves == CompiledMoves.SCATTERS):
+        if m == 1:
             # a lone piece (the embedded pool's one-block call): the torch path's move prepared once per piece and
             # direction costs less Python per call (about 3.5 µs against 8.5 through ctypes' argument conversion)
             self.ops_issued += move_pieces(planes, table, flat, gather)
@@ -96,6 +83,54 @@ class HostBackend(CopyBackend):
     _host_pieces = _pieces  # numpy staging as it is: the C loop takes an address
 
     verifies_while_scattering = True
+    encodes_while_gathering = True
+
+    def _value_ranges(
+        self, planes: PlaneSet, pieces: PieceTable, stage: Staging, values: np.ndarray, piece_end: np.ndarray, what: str
+    ) -> tuple[np.ndarray, Staging, np.ndarray, np.ndarray, int]:
+        """The checks a one-pass call over whole values needs before its C loop, which trusts every range: each
+        value (header and payload) inside the staging, the piece ranges ordered and complete. (Its contiguous
+        table, staging, values and piece_end, and the staging's address.)"""
+        if planes.device.type != "cpu":
+            raise ValueError(f"the host backend copies CPU tensors only, not {planes.device}")
+        table, flat = check_pieces(planes, pieces, stage, what)
+        if table.strides[1] != 8:
+            table = np.ascontiguousarray(table)
+        m = table.shape[1]
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        piece_end = np.ascontiguousarray(piece_end, dtype=np.int64)
+        n = piece_end.size
+        if values.shape != (2, n):
+            raise ValueError(f"values must be int64 [2, {n}], got {values.shape}")
+        if n:
+            size = flat.nbytes if isinstance(flat, np.ndarray) else flat.numel() * flat.element_size()
+            offsets, lengths = values[0], values[1]
+            if int(offsets.min()) < 0 or int(lengths.min()) < 0 or int((offsets + lengths).max()) + VALUE_HEADER > size:
+                raise ValueError(f"value ranges outside a staging buffer of {size} bytes")
+            if int(piece_end[0]) < 0 or bool((np.diff(piece_end) < 0).any()) or int(piece_end[-1]) != m:
+                raise ValueError(f"piece_end must be non-decreasing and end at the {m} pieces")
+        return table, flat, values, piece_end, _staging_address(flat)
+
+    def gather_pieces_encoded(
+        self,
+        planes: PlaneSet,
+        pieces: PieceTable,
+        out: Staging,
+        values: np.ndarray,
+        heads: np.ndarray,
+        piece_end: np.ndarray,
+        hash_function: int,
+    ) -> None:
+        table, _, values, piece_end, base = self._value_ranges(planes, pieces, out, values, piece_end, "out")
+        heads = np.ascontiguousarray(heads, dtype=np.uint8)
+        if heads.shape != (piece_end.size, 32):
+            raise ValueError(f"heads must be uint8 [{piece_end.size}, 32], got {heads.shape}")
+        if piece_end.size == 0:
+            return
+        self.library.gather_encode_pieces(
+            hash_function, heads, values[0] + base, values[1], piece_end, table, _plane_addresses(planes), base
+        )
+        self.ops_issued += 1
 
     def scatter_pieces_verified(
         self,
@@ -146,37 +181,20 @@ class HostBackend(CopyBackend):
         hash_function: int,
         placement: Placement,
     ) -> tuple[int, PlacedStop]:
-        if planes.device.type != "cpu":
-            raise ValueError(f"the host backend copies CPU tensors only, not {planes.device}")
-        table, flat = check_pieces(planes, pieces, src, "src")
-        if table.strides[1] != 8:
-            table = np.ascontiguousarray(table)
-        m = table.shape[1]
-        values = np.ascontiguousarray(values, dtype=np.int64)
+        table, _, values, piece_end, base = self._value_ranges(planes, pieces, src, values, piece_end, "src")
         heads = np.ascontiguousarray(heads, dtype=np.uint8)
-        piece_end = np.ascontiguousarray(piece_end, dtype=np.int64)
-        n = piece_end.size
-        if values.shape != (2, n) or heads.shape != (n, 32):
-            raise ValueError(f"values must be int64 [2, {n}] and heads uint8 [{n}, 32], got {values.shape} and {heads.shape}")
-        if n == 0:
+        if heads.shape != (piece_end.size, 32):
+            raise ValueError(f"heads must be uint8 [{piece_end.size}, 32], got {heads.shape}")
+        if piece_end.size == 0:
             return 0, PlacedStop.ALL
-        # the C loop trusts every range: each whole value (header and payload) inside the staging, the piece
-        # ranges ordered and complete
-        size = flat.nbytes if isinstance(flat, np.ndarray) else flat.numel() * flat.element_size()
-        offsets, lengths = values[0], values[1]
-        if int(offsets.min()) < 0 or int(lengths.min()) < 0 or int((offsets + lengths).max()) + VALUE_HEADER > size:
-            raise ValueError(f"value ranges outside a staging buffer of {size} bytes")
-        if int(piece_end[0]) < 0 or bool((np.diff(piece_end) < 0).any()) or int(piece_end[-1]) != m:
-            raise ValueError(f"piece_end must be non-decreasing and end at the {m} pieces")
-        base = _staging_address(flat)
         done, why = self.library.verify_scatter_as_placed(
             hash_function,
             placement.progress,
             placement.fd,
             placement.deadline_ns,
             heads,
-            offsets + base,
-            lengths,
+            values[0] + base,
+            values[1],
             piece_end,
             table,
             _plane_addresses(planes),

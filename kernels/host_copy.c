@@ -87,13 +87,33 @@ void ems_hash_many(ems_hash_fn hash, const int64_t *ptrs, const int64_t *lengths
 /* A save's encode in one call: for v < n, the value at value_addr[v] gets its 40-byte header, heads[v * 32 ..
    v * 32 + 32) (magic, version, kind, layout, tokens, payload length) and then the XXH3 of its payload (the
    payload_len[v] bytes after the header), computed here while the value's bytes are the last ones written. */
+static void encode_value(ems_hash_fn hash, const unsigned char *head, int64_t value_addr, int64_t payload_len) {
+    unsigned char *value = (unsigned char *)(intptr_t)value_addr;
+    const uint64_t digest = hash(value + EMS_HEAD_CHECKED + sizeof digest, (size_t)payload_len);
+    memcpy(value, head, EMS_HEAD_CHECKED);
+    memcpy(value + EMS_HEAD_CHECKED, &digest, sizeof digest);
+}
+
 void ems_encode_values(ems_hash_fn hash, const unsigned char *heads, const int64_t *value_addr,
                        const int64_t *payload_len, int64_t n) {
-    for (int64_t v = 0; v < n; v++) {
-        unsigned char *value = (unsigned char *)(intptr_t)value_addr[v];
-        const uint64_t digest = hash(value + EMS_HEAD_CHECKED + sizeof digest, (size_t)payload_len[v]);
-        memcpy(value, heads + v * EMS_HEAD_CHECKED, EMS_HEAD_CHECKED);
-        memcpy(value + EMS_HEAD_CHECKED, &digest, sizeof digest);
+    for (int64_t v = 0; v < n; v++) encode_value(hash, heads + v * EMS_HEAD_CHECKED, value_addr[v], payload_len[v]);
+}
+
+/* A save's gather and encode in one pass, value by value, so that each value is hashed right after its bytes were
+   written, while they are in cache: for v < n_values, gather its pieces (table columns piece_end[v - 1] ..
+   piece_end[v] - 1, piece_end[-1] read as 0, as ems_move_pieces does), then give the value at value_addr[v] its
+   header as ems_encode_values does. */
+void ems_gather_encode_pieces(ems_hash_fn hash, const unsigned char *heads, const int64_t *value_addr,
+                              const int64_t *payload_len, const int64_t *piece_end, int64_t n_values,
+                              const int64_t *table, int64_t stride, const int64_t *plane_addr,
+                              const int64_t *block_stride, const int64_t *slot_stride, const int64_t *plane_offset,
+                              const int64_t *row_bytes, int64_t planes, int64_t block_size, int64_t flat) {
+    int64_t first = 0;
+    for (int64_t v = 0; v < n_values; v++) {
+        move_piece_range(table, first, piece_end[v], stride, plane_addr, block_stride, slot_stride, plane_offset,
+                         row_bytes, planes, block_size, flat, 1);
+        encode_value(hash, heads + v * EMS_HEAD_CHECKED, value_addr[v], payload_len[v]);
+        first = piece_end[v];
     }
 }
 

@@ -7,11 +7,11 @@ Contract:
   name and renamed into place, so concurrent processes (an engine and its node) never load half a file.
 * `HostCopy.move_pieces` / `move_segments` / `hash_many` / `encode_values` / `copy_many` run one C loop over every
   piece, segment, value or buffer (see `host_copy.c` for the layouts; `copy_many`'s large copies use streaming
-  stores on x86);
-  `copy_hash_many` hashes each copy step by step right after copying it; `verify_scatter_pieces` is a load's
-  verify and scatter in one loop, value by value (each value's bytes read once, while in cache), stopping at the
-  first value whose digest is wrong. They trust their arguments: the caller has validated every address and
-  length (`copy_buffers` and `copy_lengths` check a batch of copies).
+  stores on x86); `copy_hash_many` hashes each copy step by step right after copying it; `gather_encode_pieces`
+  is a save's gather and encode in one loop, value by value (each value hashed right after it is written, while
+  in cache); `verify_scatter_pieces` is a load's verify and scatter in one loop, value by value (each value's bytes
+  read once, while in cache), stopping at the first value whose digest is wrong. They trust their arguments: the
+  caller has validated every address and length (`copy_buffers` and `copy_lengths` check a batch of copies).
 * The GIL: a call that moves less than `GIL_HELD_BELOW` bytes keeps it (`ctypes.PyDLL`), a larger one releases it
   for the call (`ctypes.CDLL`). Why: beside a thread that keeps the GIL (an engine's busy Python loop) every
   release costs a wait of up to a switch interval (5 ms) to get it back, which a small move must not pay; a large
@@ -51,6 +51,7 @@ _SIGNATURES: dict[str, list] = {
     "ems_move_segments": [_PTR, _PTR, _I64, _I64, ctypes.c_int32],
     "ems_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64],
     "ems_encode_values": [_PTR, _PTR, _PTR, _PTR, _I64],
+    "ems_gather_encode_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "ems_verify_scatter_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "ems_copy_many": [_PTR, _PTR, _PTR, _I64, _I64, _I64],
     "ems_verify_scatter_as_placed": [
@@ -246,6 +247,39 @@ class HostCopy:
             raise ValueError("value_addrs, payload_lens must be [V] and heads uint8 [V, 32], contiguous")
         self._library(nbytes).ems_encode_values(
             hash_function, address_of(heads), address_of(value_addrs), address_of(payload_lens), n
+        )
+
+    def gather_encode_pieces(
+        self,
+        hash_function: int,
+        heads: np.ndarray,
+        value_addrs: np.ndarray,
+        payload_lens: np.ndarray,
+        piece_end: np.ndarray,
+        table: np.ndarray,
+        layout: PlaneAddresses,
+        flat: int,
+    ) -> None:
+        """A save's gather and `encode_values` in one pass, value by value (`host_copy.c`
+        `ems_gather_encode_pieces`): value v's pieces (`table` columns `piece_end[v - 1] .. piece_end[v] - 1`, as in
+        `move_pieces`) gathered, then its header written at `value_addrs[v]` with its payload's digest. heads: uint8
+        `[V, 32]`; value_addrs, payload_lens, piece_end: int64 `[V]`. Keeps the GIL below `GIL_HELD_BELOW` bytes."""
+        if table.strides[1] != 8:
+            raise ValueError("a piece table's rows must be contiguous")
+        n = value_addrs.size
+        if not (payload_lens.size == piece_end.size == n) or heads.shape != (n, 32) or not heads.flags.c_contiguous:
+            raise ValueError("value_addrs, payload_lens, piece_end must be [V] and heads uint8 [V, 32], contiguous")
+        self._library(_total(payload_lens)).ems_gather_encode_pieces(
+            hash_function,
+            address_of(heads),
+            address_of(value_addrs),
+            address_of(payload_lens),
+            address_of(piece_end),
+            n,
+            address_of(table),
+            table.strides[0] // 8,
+            *layout.arguments,
+            flat,
         )
 
     def hash_many(self, hash_function: int, ptrs: np.ndarray, lengths: np.ndarray, nbytes: int) -> np.ndarray:

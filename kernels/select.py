@@ -6,13 +6,12 @@ request):
 
 | requested | cuda / npu | cpu |
 |---|---|---|
-| auto | triton if `triton` imports, else torch (one warning) | host scatters, torch gathers (*2); torch without a C compiler |
+| auto | triton if `triton` imports, else torch (one warning) | host; torch without a C compiler |
 | triton | triton; RuntimeError if `triton` cannot be imported | the Triton interpreter (*) |
 | host | RuntimeError (CPU only) | host; RuntimeError if its C library cannot be built |
 | torch | torch | torch |
 | memcpy | memcpy | memcpy |
 
-(*2) host_backend.py says why gathers stay on torch.
 (*) RuntimeError unless `TRITON_INTERPRET=1` was set before Triton kernels were first built in the process.
 
 The choice is logged once at INFO on `ems.kernels` per (device, backend); each backend has `.name`.
@@ -27,7 +26,7 @@ import logging
 import torch
 
 from ems.kernels.base import CopyBackend, KernelBackend
-from ems.kernels.host_backend import CompiledMoves, HostBackend
+from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
 from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.torch_backend import TorchBackend
@@ -71,7 +70,7 @@ def _make(device: torch.device, kind: KernelBackend) -> CopyBackend:
     elif device.type == "cpu":
         library = host_copy()
         if library is not None:
-            return HostBackend(library, CompiledMoves.SCATTERS)  # gathers by torch: host_backend.py says why
+            return HostBackend(library)
     return TorchBackend()
 
 

@@ -117,6 +117,37 @@ def test_one_pass_and_staged_values_are_identical(data):
     assert all(matches(v, plan.expected, i) for i, v in enumerate(values))
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_gather_that_encodes_writes_exactly_what_gather_then_encode_writes(data):
+    """The compiled host copy's one pass (each value gathered, then hashed and headed while in cache) against the
+    torch path's gather followed by `encode_in_place`, into staging poisoned with random bytes: every value's bytes,
+    header included, are the same, for a whole request and for a chunk of it."""
+    from ems.kernels.torch_backend import TorchBackend
+
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]))
+    blocks = 12
+    cache = make_cache(layers=data.draw(st.integers(1, 3)), blocks=blocks, block_size=bs, interleaved=data.draw(st.booleans()))
+    n = data.draw(st.integers(1, 10))
+    offsets = [data.draw(st.integers(1, bs)) for _ in range(n)]
+    slots = data.draw(st.permutations(range(blocks * bs)))[: sum(offsets)]
+    if len(slots) < sum(offsets):
+        return
+    plan = _planned(cache, list(slots), list(range(100, 100 + n)), offsets)
+    a = data.draw(st.integers(0, n - 1))
+    b = data.draw(st.integers(a + 1, n))
+    seed = data.draw(st.integers(0, 2**31))
+    staged = []
+    for backend in (TorchBackend(), get_backend(torch.device("cpu"))):
+        staging = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, plan.staging_bytes, dtype=np.uint8))
+        encoded = plan.gather_range(backend, staging, a, b)
+        assert encoded == (backend.name == "host")
+        host = memoryview(staging.numpy())
+        staged.append([bytes(v[0]) for v in plan.encode(host, a, b, encoded)])
+    assert staged[0] == staged[1]
+    assert all(matches(v, plan.expected, a + i) for i, v in enumerate(staged[1]))
+
+
 def test_split_kv_planes_round_trip_on_the_one_pass_path(cc):
     k = [torch.randn(6, 4, 1, 32).to(torch.bfloat16) for _ in range(2)]
     v = [torch.randn(6, 4, 1, 8).to(torch.float32) for _ in range(2)]

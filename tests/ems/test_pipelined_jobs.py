@@ -139,7 +139,12 @@ def test_many_chunks_round_trip_byte_exact(shared, connect, monkeypatch, save_ch
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     record = cc.jobs.last(JobKind.SAVE)
     chunks = len(plan_chunks(_plan(cc, slots, hashes, offsets), cc._pool.limits, parse_size("chunk", save_chunk)))
-    assert record.path == "pipelined" and record.stages[Stage.SEND].runs == chunks == record.stages[Stage.ENCODE].runs
+    assert record.path == "pipelined" and record.stages[Stage.SEND].runs == chunks == record.stages[Stage.GATHER].runs
+    # each chunk encoded: in its gather's pass where the backend can (the compiled host copy), else as a stage of its own
+    if cc.kernel_backend == "host":
+        assert Stage.ENCODE not in record.stages
+    else:
+        assert record.stages[Stage.ENCODE].runs == chunks
     assert chunks == {"0": 1, "1": BLOCKS}.get(save_chunk, chunks) and (chunks > 12 or save_chunk == "0")
     assert record.stages[Stage.GATHER].nbytes == record.nbytes
     _idle(cc)

@@ -139,8 +139,10 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_connection_does_not_spin(pool_nodes, node_clients):
     """A connected, idle client and its node (a receive always posted on both) sleep: neither uses a sizeable share
-    of a core (ucxx's own non-thread progress modes poll and burn a whole core here)."""
-    proc = pool_nodes("64MiB")
+    of a core (ucxx's own non-thread progress modes poll and burn a whole core here). The node populates no arena
+    ahead: that one-time work runs on spare CPU (`ems.buffers.SpareCpuPacer`), so after a busy start it may fall in
+    the idle window, and a fresh VM page costs up to ~12 ms per MiB to fault in."""
+    proc = pool_nodes("64MiB", args=("--prefault-ahead", "0"))
     node = node_clients(proc.address)
     assert node.ping(5.0)
     node_cpu, own_cpu = _cpu_seconds(proc.proc.pid), _cpu_seconds(os.getpid())
