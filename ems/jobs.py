@@ -11,7 +11,7 @@ staging on accelerators). `save_job` / `load_job` pick the job type for a reques
   scatters it straight from the stored bytes with one backend call per layer group. V0 values (raw ranges) move
   value by value (torch has no batched copy between arbitrary addresses).
 * **Pipelined** (`PipelinedSave`, `PipelinedLoad`: remote pools, accelerators): the request's staging is one
-  lease, cut into chunks of consecutive values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 32 MiB, and within
+  lease, cut into chunks of consecutive values (`plan_chunks`: about `EMS_CHUNK_BYTES`, default 16 MiB, and within
   the pool's request limits). A save gathers chunk k into its range of staging (one backend call per layer group;
   then device → host on accelerators) and starts its encode (checksum, headers in place) and put on the jobs'
   executor (`PoolBackend.executor`, `ems.job_executor`), then gathers chunk k+1 while k is encoded and on the wire;

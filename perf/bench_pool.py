@@ -769,7 +769,7 @@ def caller_progress_probe(rounds: int) -> str:
     )
 
 
-CHUNK_MODES = ("0", "1MiB", "4MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
+CHUNK_MODES = ("0", "1MiB", "4MiB", "8MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
 
 
 def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] = CHUNK_MODES) -> tuple[str, str, dict]:
