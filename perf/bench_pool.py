@@ -23,9 +23,10 @@ best one-chunk and pipelined jobs (stages overlap: their sum against the job's w
 Inside an engine (`--engine-only` runs just this, also part of the full run): the 62 MiB load of a 4,000-token
 prompt (124 values of 512 KiB, `PoolClient.get_into` into reused buffers, one node, default client settings), best
 of N, alone and with a second Python thread of this process spinning in pure Python (as an engine's busy loops
-hold the GIL), next to each other in turn; the first `ContextCaching.load` of a freshly started client; and the
-node's CPU time (all its threads, /proc schedstat) per request (1-key
-exists) and per MiB (1 MiB saves and loads, less the per-request part).
+hold the GIL), next to each other in turn, and `ContextCaching.load` also beside a thread as busy that does not
+hold the GIL (what the third busy thread costs in CPU alone on this host); the first `ContextCaching.load` of a
+freshly started client; and the node's CPU time (all its threads, /proc schedstat) per request (1-key exists) and
+per MiB (1 MiB saves and loads, less the per-request part).
 Progress models (`--progress-probe`, issue 16 item 1's measurement): in a separate process whose UCX worker has no
 progress thread (ucxx "blocking" mode), the calling thread posts the protocol's frames itself and progresses the
 worker until they complete (`progress_once`, then either sleeping in the worker's epoll, "event", or spinning,
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -475,11 +477,12 @@ def node_cpu_s(node: PoolProcess) -> float:
     return total / 1e9
 
 
-def api_load_beside_busy_thread(node: PoolProcess, blocks: int, rounds: int) -> tuple[float, float, float, str]:
+def api_load_beside_busy_thread(node: PoolProcess, blocks: int, rounds: int) -> tuple[float, float, float, float, str]:
     """Seconds of `ContextCaching.load` of `blocks` blocks of 512 KiB (8 layers x 8 KV heads x 128 fp16, 16
     tokens) from `node`: the first load of a freshly started client (connected at `Ems.init`, then 1 s of an
-    engine's start-up), then the best alone and beside a busy Python thread, in turn; and the stage table of the
-    best load of each (where the busy thread's cost lands)."""
+    engine's start-up), then the best alone, beside a busy Python thread and beside a thread as busy that does not
+    hold the GIL (what the CPU alone costs on this host), in turn; and the stage table of the best load of the first
+    two (where the busy thread's cost lands)."""
     from ems import CcConfig, Ems, EmsConfig
     from ems.demo import Engine
     from ems.job_records import JobKind, JobRecord, stage_table
@@ -508,18 +511,16 @@ def api_load_beside_busy_thread(node: PoolProcess, blocks: int, rounds: int) -> 
                 raise RuntimeError("load incomplete")
 
         load()
-        best: dict[str, tuple[float, JobRecord | None]] = {"alone": (float("inf"), None), "busy": (float("inf"), None)}
+        modes = {"alone": contextlib.nullcontext, "busy": BusyPythonThread, "gil-free": GilFreeThread}
+        best: dict[str, tuple[float, JobRecord | None]] = {mode: (float("inf"), None) for mode in modes}
         for _ in range(rounds):
-            for mode in ("alone", "busy"):
-                if mode == "busy":
-                    with BusyPythonThread():
-                        seconds = best_of(load, 1)
-                else:
+            for mode, beside in modes.items():
+                with beside():
                     seconds = best_of(load, 1)
                 if seconds < best[mode][0]:
                     best[mode] = (seconds, cc.jobs.last(JobKind.LOAD))
-        records = [record for _, record in best.values() if record is not None]
-        return first, best["alone"][0], best["busy"][0], stage_table(records)
+        records = [record for mode in ("alone", "busy") if (record := best[mode][1]) is not None]
+        return first, best["alone"][0], best["busy"][0], best["gil-free"][0], stage_table(records)
     finally:
         Ems.shutdown()
 
@@ -545,7 +546,7 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
             with BusyPythonThread():
                 busy = min(busy, best_of(load, 1))
         total = n * size
-        api_first, api_alone, api_busy, api_stages = api_load_beside_busy_thread(node, n, rounds)
+        api_first, api_alone, api_busy, api_gil_free, api_stages = api_load_beside_busy_thread(node, n, rounds)
         one = make_values(1, (1 << 20) - 40, seed=63)
         assert pool.put([b"cpu-one"], [b"cpu-one"], one, option).results == [True]
         one_out = [np.empty(1 << 20, np.uint8)]
@@ -572,6 +573,8 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
         "api load alone GB/s": total / api_alone / 1e9,
         "api load busy GB/s": total / api_busy / 1e9,
         "api busy/alone": api_alone / api_busy,
+        "api load gil-free busy GB/s": total / api_gil_free / 1e9,
+        "api gil-free/alone": api_alone / api_gil_free,
         "node cpu us per request": per_request,
         "node cpu us per MiB save": cpu["save 1 MiB"] - per_request,
         "node cpu us per MiB load": cpu["load 1 MiB"] - per_request,
@@ -586,6 +589,11 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
             f"| {figures['busy/alone']:.2f} | >= 0.8 |",
             f"| ContextCaching.load (default chunks, verify + scatter) | {figures['api load alone GB/s']:.2f} "
             f"| {figures['api load busy GB/s']:.2f} | {figures['api busy/alone']:.2f} | >= 0.8 |",
+            "",
+            f"The same `ContextCaching.load` beside a thread as busy that does not hold the GIL (CPU alone): "
+            f"{figures['api load gil-free busy GB/s']:.2f} GB/s, {figures['api gil-free/alone']:.2f}x of alone "
+            "(on two cores the load's own two threads, the client's scatter and the node's copy, then share them "
+            "with a third: the ceiling of the busy-thread ratio on this host, whatever the GIL costs).",
             "",
             f"The first `ContextCaching.load` of a freshly started client (connected at init, then 1 s): "
             f"{figures['api first load GB/s']:.2f} GB/s ({figures['api first load GB/s'] / figures['api load alone GB/s']:.2f}x "
