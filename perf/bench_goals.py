@@ -20,8 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ems.config import DEFAULT_CHUNK_BYTES
+
 HERE = Path(__file__).resolve().parent
-DEFAULT_CHUNKS = "32MiB"  # the API rows' EMS_CHUNK_BYTES that equals the default (ems.jobs.DEFAULT_CHUNK_BYTES)
+DEFAULT_CHUNKS = f"{DEFAULT_CHUNK_BYTES >> 20}MiB"  # the API rows' EMS_CHUNK_BYTES that equals the default
 
 
 def run(script: str, args: list[str], out: Path) -> dict:

@@ -71,6 +71,7 @@ from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx_config  # noqa: E402 - UCX environment before ucxx loads
+from ems.config import DEFAULT_CHUNK_BYTES  # noqa: E402
 from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.shm_client import ShmMode  # noqa: E402
 from ems.transport.ucx import UcxNode  # noqa: E402
@@ -778,6 +779,7 @@ def caller_progress_probe(rounds: int) -> str:
 
 
 CHUNK_MODES = ("0", "1MiB", "4MiB", "8MiB", "16MiB", "32MiB")  # EMS_CHUNK_BYTES of the API rows (0: one chunk)
+DEFAULT_MODE = f"{DEFAULT_CHUNK_BYTES >> 20}MiB"  # the one of them that is the default
 
 
 def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] = CHUNK_MODES) -> tuple[str, str, dict]:
@@ -787,10 +789,13 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] =
     from ems.demo import Engine
     from ems.job_records import JobKind, stage_table
 
-    node = PoolProcess("1GiB")  # holds ~20 requests: later saves evict (the steady state)
-    load_before = os.getloadavg()[0]
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header: what crosses the wire, for both peers
     total = blocks * value_bytes
+    # two rounds' values: from the third round on every save evicts and reuses the buffers it frees (the steady
+    # state). A node still growing writes fresh memory, and on this project's VMs a page the host has not backed yet
+    # costs 5-14 ms per MiB to fault in (perf/RESULTS.md, "Fresh memory on these VMs"): a growing node measures that.
+    node = PoolProcess(f"{2 * (len(modes) + 1) * total >> 20}MiB")
+    load_before = os.getloadavg()[0]
     best = {mode: {"save": float("inf"), "load": float("inf")} for mode in modes}
     records: dict = {}
     raw_save = raw_load = client_save = client_load = float("inf")
@@ -810,8 +815,8 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] =
         values = make_values(blocks, value_bytes - 40, seed=blocks)
         outs = [np.empty(value_bytes, np.uint8) for _ in range(blocks)]
         counter = iter(range(1, 1 << 30))
-        for _ in range(rounds + 1):  # the first round warms up (connection, staging, node buffers): not counted
-            warm = not records
+        for round_ in range(rounds + 2):  # two rounds warm up (connection, staging, the node full): not counted
+            warm = round_ < 2
             for mode in modes:
                 # white-box: each chunk size in one session (Settings.chunk_bytes is read at Ems.init)
                 cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", mode))
@@ -836,7 +841,6 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] =
             if not warm:
                 raw_save, raw_load = min(raw_save, t_save), min(raw_load, t_load)
                 client_save, client_load = min(client_save, c_save), min(client_load, c_load)
-            records.setdefault("warm", None)
     finally:
         if client is not None:
             client.close()
@@ -862,8 +866,8 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] =
         f"| PoolClient put / get_into alone (same values, one call) | - | {c_s:.2f} | {c_l:.2f} | {raw_s:.2f} "
         f"| {raw_l:.2f} | {c_s / raw_s:.2f}x | {c_l / raw_l:.2f}x |"
     )
-    shown = [records[(m, op)] for m in ("0", "32MiB") if m in modes for op in ("save", "load")]
-    stages = stage_table(shown).replace("| job |", "| job (one chunk, then 32 MiB chunks: the default) |", 1)
+    shown = [records[(m, op)] for m in ("0", DEFAULT_MODE) if m in modes for op in ("save", "load")]
+    stages = stage_table(shown).replace("| job |", f"| job (one chunk, then {DEFAULT_MODE} chunks: the default) |", 1)
     figures = {mode: {op: total / best[mode][op] / 1e9 for op in ("save", "load")} for mode in modes}
     figures.update({"raw": {"save": raw_s, "load": raw_l}, "client": {"save": c_s, "load": c_l}, "blocks": blocks})
     return "\n".join(lines), stages, figures
@@ -976,7 +980,7 @@ def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
             ]
         finally:
             pool.close()
-        api, _, _ = api_over_ucx(raw, api_blocks, rounds, ("0", "32MiB"))
+        api, _, _ = api_over_ucx(raw, api_blocks, rounds, ("0", DEFAULT_MODE))
         lines.append(api)
     finally:
         raw.close()
