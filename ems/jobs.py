@@ -1,7 +1,10 @@
 """Save and load jobs: one request's data path as explicit stages, each recorded (`ems.job_records`).
 
 A save runs gather → encode → send, a load receive → verify → scatter (plus `copy` between device and host
-staging on accelerators). `save_job` / `load_job` pick the job type for a request's path (never the caller):
+staging on accelerators). Where the copy backend encodes while it gathers (the compiled host copy:
+`BlockPlan.gather_into`) a save's encode is part of its gather stage, each value hashed and headed right after its
+rows are written; where it verifies while it scatters, a load's verify is part of its scatter. `save_job` /
+`load_job` pick the job type for a request's path (never the caller):
 
 * **Embedded** (`EmbeddedSave`, `EmbeddedLoad`: the embedded pool on CPU), one pass: a save takes every value's
   buffer from the store at once (`KvStore.allocate_many`: usually back to back, the layout a plan packs values

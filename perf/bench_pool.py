@@ -36,7 +36,8 @@ Issue 16's client goals (`--client-goals`), one run, shared memory off (every by
 in for a node on another host): a 1-key exists next to raw UCXX 8-byte ping-pongs with the same peer process (posted
 and waited for by the calling thread through `transport.ucx_direct`; from the calling thread through the event loop;
 and back to back inside the event loop, the fastest; this process's event loop drives UCX itself, "loop" mode);
-1-value saves per second, 1 vs 8 in flight (8 caller threads, one connection), for 1 MiB and 64 KiB values; the 62
+1-value saves per second, 1 vs 8 in flight (8 caller threads, one connection), for 1 MiB and 64 KiB values, with
+the CPU one save costs in this process and in the node together (the most saves in flight can gain here); the 62
 MiB load alone, beside a busy Python thread and beside a thread as busy that does not hold the GIL (what the CPU
 alone costs on this host); and the API rows above for 32 blocks (one chunk and the default chunks).
 Usage: python perf/bench_pool.py [--quick] [--sweep] [--no-mooncake] [--api-only] [--engine-only] [--progress-probe]
@@ -442,6 +443,33 @@ def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, 
     if errors:
         raise RuntimeError(f"{len(errors)} saves failed")
     return per * in_flight / (time.perf_counter() - start)
+
+
+def process_cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far, every thread it ever had (/proc/PID/stat: in clock ticks, so measure over
+    a second or more)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_save(pool: PoolClient, node: PoolProcess, value: list, saves: int, option: CcKvOption) -> tuple[float, float]:
+    """CPU seconds per 1-value save, one at a time: (this process, the node). On a host of C cores, saves in flight
+    can at most reach C / (their sum) saves per second, whatever the transport does. The saves overwrite 64 keys in
+    turn, so the node reuses the buffers it frees instead of faulting in fresh memory (see "Fresh memory on these
+    VMs" in perf/RESULTS.md), and a first pass over them is not counted."""
+    keys = [f"cpu-{i}".encode() for i in range(64)]
+
+    def run(count: int) -> None:
+        for i in range(count):
+            key = keys[i % len(keys)]
+            if not pool.put([key], [key], [value], option).results[0]:
+                raise RuntimeError("a save failed")
+
+    run(len(keys))
+    own, theirs = time.process_time(), process_cpu_s(node.proc.pid)
+    run(saves)
+    return (time.process_time() - own) / saves, (process_cpu_s(node.proc.pid) - theirs) / saves
 
 
 class BusyPythonThread:
@@ -900,7 +928,9 @@ class GilFreeThread:
 def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
     """Issue 16's client goals in one run, shared memory off (`--client-goals`; see the module docstring)."""
     option = CcKvOption(timeout=60_000, write_rcache=False)
-    raw, direct, node = RawUcx(), RawDirect(), PoolProcess("1GiB")
+    # a node that soon holds all it can (saves then reuse what they evict) and populates nothing in the background,
+    # so that its CPU per save is the save's own (see "Fresh memory on these VMs" in perf/RESULTS.md)
+    raw, direct, node = RawUcx(), RawDirect(), PoolProcess("256MiB", args=("--prefault-ahead", "0"))
     lines: list[str] = []
     try:
         pool = PoolClient([UcxNode(node.address, connect_timeout_ms=5000, shm=ShmMode.OFF)])
@@ -932,6 +962,7 @@ def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
                 "",
             ]
             conc: dict = {}
+            ceiling: dict = {}
             for size in (1 << 20, 64 << 10):
                 value = make_values(1, size - 40, seed=size)[0]
                 rates = {1: 0.0, 8: 0.0}
@@ -939,12 +970,20 @@ def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
                     for k in rates:
                         rates[k] = max(rates[k], saves_per_second(pool, value, k, 240, option))
                 conc[size] = rates
+                ceiling[size] = cpu_per_save(pool, node, value, 1500, option)
             lines += [
-                f"1-value saves per second on one connection (8 in flight: 8 caller threads), best of {rounds} in turn:",
+                f"1-value saves per second on one connection (8 in flight: 8 caller threads), best of {rounds} in turn; "
+                "the CPU one save costs, this process and the node together, over 1,500 saves one at a time, and the "
+                "most in-flight saves can gain on this host's cores when every core is busy with them:",
                 "",
-                "| value | 1 at a time /s | 8 in flight /s | ratio |",
-                "|---|---|---|---|",
-                *(f"| {size >> 10} KiB | {r[1]:.0f} | {r[8]:.0f} | {r[8] / r[1]:.2f}x |" for size, r in conc.items()),
+                "| value | 1 at a time /s | 8 in flight /s | ratio | CPU per save, µs (client + node) | ceiling |",
+                "|---|---|---|---|---|---|",
+                *(
+                    f"| {size >> 10} KiB | {r[1]:.0f} | {r[8]:.0f} | {r[8] / r[1]:.2f}x | {sum(ceiling[size]) * 1e6:.0f} "
+                    f"({ceiling[size][0] * 1e6:.0f} + {ceiling[size][1] * 1e6:.0f}) "
+                    f"| {(os.cpu_count() or 1) / r[1] / sum(ceiling[size]):.2f}x |"
+                    for size, r in conc.items()
+                ),
                 "",
             ]
             n, size = 124, 512 << 10
