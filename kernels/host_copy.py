@@ -194,9 +194,7 @@ class HostCopy:
         its check, 2 interrupted: `fd` readable or `deadline_ns` of CLOCK_MONOTONIC passed). Releases the GIL."""
         if table.strides[1] != 8:
             raise ValueError("a piece table's rows must be contiguous")
-        n = value_addrs.size
-        if not (payload_lens.size == piece_end.size == n) or heads.shape != (n, 32) or not heads.flags.c_contiguous:
-            raise ValueError("value_addrs, payload_lens, piece_end must be [V] and heads uint8 [V, 32], contiguous")
+        n = _value_count(heads, value_addrs, payload_lens, piece_end)
         if progress % 4:
             raise ValueError("progress must be a 4-byte aligned address")
         why = np.zeros(1, dtype=np.int64)
@@ -242,9 +240,7 @@ class HostCopy:
         """A save's encode: value v at address `value_addrs[v]` gets the header bytes `heads[v]` (uint8 `[V, 32]`:
         magic .. payload length) and then the `hash_function` digest of its payload (`payload_lens[v]` bytes after
         its 40-byte header). value_addrs, payload_lens: int64 `[V]`; `nbytes` decides the GIL."""
-        n = value_addrs.size
-        if payload_lens.size != n or heads.shape != (n, 32) or not heads.flags.c_contiguous:
-            raise ValueError("value_addrs, payload_lens must be [V] and heads uint8 [V, 32], contiguous")
+        n = _value_count(heads, value_addrs, payload_lens)
         self._library(nbytes).ems_encode_values(
             hash_function, address_of(heads), address_of(value_addrs), address_of(payload_lens), n
         )
@@ -266,9 +262,7 @@ class HostCopy:
         `[V, 32]`; value_addrs, payload_lens, piece_end: int64 `[V]`. Keeps the GIL below `GIL_HELD_BELOW` bytes."""
         if table.strides[1] != 8:
             raise ValueError("a piece table's rows must be contiguous")
-        n = value_addrs.size
-        if not (payload_lens.size == piece_end.size == n) or heads.shape != (n, 32) or not heads.flags.c_contiguous:
-            raise ValueError("value_addrs, payload_lens, piece_end must be [V] and heads uint8 [V, 32], contiguous")
+        n = _value_count(heads, value_addrs, payload_lens, piece_end)
         self._library(_total(payload_lens)).ems_gather_encode_pieces(
             hash_function,
             address_of(heads),
@@ -287,6 +281,15 @@ class HostCopy:
         out = np.empty(ptrs.size, dtype=np.uint64)
         self._library(nbytes).ems_hash_many(hash_function, address_of(ptrs), address_of(lengths), address_of(out), ptrs.size)
         return out
+
+
+def _value_count(heads: np.ndarray, *per_value: np.ndarray) -> int:
+    """V, once every per-value array is `[V]` and `heads` (each value's header bytes before its checksum) uint8
+    `[V, 32]`, contiguous: what the loops over whole values read."""
+    n = per_value[0].size
+    if any(array.size != n for array in per_value) or heads.shape != (n, 32) or not heads.flags.c_contiguous:
+        raise ValueError("every per-value array must be [V] and heads uint8 [V, 32], contiguous")
+    return n
 
 
 def _total(lengths: np.ndarray) -> int:
