@@ -25,8 +25,9 @@ Contract:
 * Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
   0 turns it off), `--shm-total` for all connections together (default 4GiB).
 * `--prefault-ahead SIZE` (default 256MiB): the store's values live in one arena of the capacity, whose pages a
-  background thread keeps faulted in that far ahead of the values (`ems.store`): a save into fresh memory otherwise
-  faults page by page (about 2 ms per MiB on a VM: a fresh node stored at about 1 GB/s). 0 turns it off.
+  background thread keeps faulted in that far ahead of the values (`ems.store`), on spare CPU only (an engine on the
+  same host keeps its cores: `ems.buffers.SpareCpuPacer`): a save into fresh memory otherwise faults page by page
+  (about 2 ms per MiB on a VM, up to 14 for memory the VM's host has not backed yet). 0 turns it off.
 * `--disk DIR --disk-capacity SIZE`: a disk tier behind DRAM (`ems.pool.tiered_store`, `ems.pool.disk_tier`):
   values evicted from DRAM are written there, found there, and found again after a restart (the index is rebuilt
   from DIR before the ready line). A DIR that cannot be used at start exits with status 1; a disk that fails later
