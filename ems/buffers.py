@@ -62,6 +62,9 @@ def release_pages(address: int, length: int) -> None:
     _madvise(address, length, mmap.MADV_DONTNEED)
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def host_idle_seconds() -> float | None:
     """Seconds the host's CPUs have spent idle (idle and iowait, all CPUs together) since boot, from /proc/stat;
     None where it cannot be read."""
@@ -71,9 +74,6 @@ def host_idle_seconds() -> float | None:
         return (int(fields[4]) + int(fields[5])) / _TICKS_PER_S
     except (OSError, ValueError, IndexError):
         return None
-
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class SpareCpuPacer:

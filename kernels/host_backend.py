@@ -86,11 +86,18 @@ class HostBackend(CopyBackend):
     encodes_while_gathering = True
 
     def _value_ranges(
-        self, planes: PlaneSet, pieces: PieceTable, stage: Staging, values: np.ndarray, piece_end: np.ndarray, what: str
-    ) -> tuple[np.ndarray, Staging, np.ndarray, np.ndarray, int]:
+        self,
+        planes: PlaneSet,
+        pieces: PieceTable,
+        stage: Staging,
+        values: np.ndarray,
+        heads: np.ndarray,
+        piece_end: np.ndarray,
+        what: str,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """The checks a one-pass call over whole values needs before its C loop, which trusts every range: each
-        value (header and payload) inside the staging, the piece ranges ordered and complete. (Its contiguous
-        table, staging, values and piece_end, and the staging's address.)"""
+        value (header and payload) inside the staging, a header's 32 leading bytes per value, the piece ranges
+        ordered and complete. (Its contiguous table, values, heads and piece_end, and the staging's address.)"""
         if planes.device.type != "cpu":
             raise ValueError(f"the host backend copies CPU tensors only, not {planes.device}")
         table, flat = check_pieces(planes, pieces, stage, what)
@@ -98,10 +105,11 @@ class HostBackend(CopyBackend):
             table = np.ascontiguousarray(table)
         m = table.shape[1]
         values = np.ascontiguousarray(values, dtype=np.int64)
+        heads = np.ascontiguousarray(heads, dtype=np.uint8)
         piece_end = np.ascontiguousarray(piece_end, dtype=np.int64)
         n = piece_end.size
-        if values.shape != (2, n):
-            raise ValueError(f"values must be int64 [2, {n}], got {values.shape}")
+        if values.shape != (2, n) or heads.shape != (n, 32):
+            raise ValueError(f"values must be int64 [2, {n}] and heads uint8 [{n}, 32], got {values.shape} and {heads.shape}")
         if n:
             size = flat.nbytes if isinstance(flat, np.ndarray) else flat.numel() * flat.element_size()
             offsets, lengths = values[0], values[1]
@@ -109,7 +117,7 @@ class HostBackend(CopyBackend):
                 raise ValueError(f"value ranges outside a staging buffer of {size} bytes")
             if int(piece_end[0]) < 0 or bool((np.diff(piece_end) < 0).any()) or int(piece_end[-1]) != m:
                 raise ValueError(f"piece_end must be non-decreasing and end at the {m} pieces")
-        return table, flat, values, piece_end, _staging_address(flat)
+        return table, values, heads, piece_end, _staging_address(flat)
 
     def gather_pieces_encoded(
         self,
@@ -121,10 +129,7 @@ class HostBackend(CopyBackend):
         piece_end: np.ndarray,
         hash_function: int,
     ) -> None:
-        table, _, values, piece_end, base = self._value_ranges(planes, pieces, out, values, piece_end, "out")
-        heads = np.ascontiguousarray(heads, dtype=np.uint8)
-        if heads.shape != (piece_end.size, 32):
-            raise ValueError(f"heads must be uint8 [{piece_end.size}, 32], got {heads.shape}")
+        table, values, heads, piece_end, base = self._value_ranges(planes, pieces, out, values, heads, piece_end, "out")
         if piece_end.size == 0:
             return
         self.library.gather_encode_pieces(
@@ -181,10 +186,7 @@ class HostBackend(CopyBackend):
         hash_function: int,
         placement: Placement,
     ) -> tuple[int, PlacedStop]:
-        table, _, values, piece_end, base = self._value_ranges(planes, pieces, src, values, piece_end, "src")
-        heads = np.ascontiguousarray(heads, dtype=np.uint8)
-        if heads.shape != (piece_end.size, 32):
-            raise ValueError(f"heads must be uint8 [{piece_end.size}, 32], got {heads.shape}")
+        table, values, heads, piece_end, base = self._value_ranges(planes, pieces, src, values, heads, piece_end, "src")
         if piece_end.size == 0:
             return 0, PlacedStop.ALL
         done, why = self.library.verify_scatter_as_placed(
