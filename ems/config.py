@@ -21,7 +21,7 @@ Configs are mutable, as in the EMS SDK (an engine may set `cfg.kvcache_type = KV
 it): fields are checked when a config is built and again, all of them, at `Ems.init` (`check_config`), which
 keeps a checked snapshot; changing a config after `Ems.init` has no effect on the running SDK.
 
-With `pool_backend="mooncake"` the pool is a Mooncake Store deployment (`ems.mooncake_pool`, docs/mooncake.md):
+With `pool_backend="mooncake"` the pool is a Mooncake Store deployment (`ems.backends.mooncake`, docs/mooncake.md):
 `pool_replicas` is then Mooncake's `replica_num`; `pool_nodes`, `pool_etcd` and `read_cache_capacity` do not apply
 (giving nodes or etcd with it is refused).
 
@@ -186,7 +186,7 @@ class CcConfig_v1(CcConfig):
 # perf/RESULTS.md ("A save that encodes while it gathers"): since a save's gather and encode are one pass on the
 # calling thread, a request of two chunks or more overlaps it with the node's copy and check of the chunk before
 # (32 and 48 MiB requests to a node on the same host saved 10-25% faster in 16 MiB chunks than in one or two), while
-# chunks of 4 MiB and less lose to per-request costs; PIPELINE_DEPTH (ems.jobs) x 16 MiB stays within the smallest
+# chunks of 4 MiB and less lose to per-request costs; PIPELINE_DEPTH (ems.datapath.jobs) x 16 MiB stays within the smallest
 # default in-flight budget of a node (64 MiB: a chunk never waits)
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -294,7 +294,7 @@ class Settings:
     pool_etcd: str | None = None
     pool_cluster: str = "default"
     pool_replicas: int = 1
-    pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store)
+    pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store.kv_store)
     pool_prefault_ahead: int = 256 << 20  # embedded pool: bytes kept faulted in ahead of use, in the background
     pool_backend: PoolBackendKind = PoolBackendKind.EMS
     mooncake: MooncakeSettings | None = None  # with pool_backend mooncake

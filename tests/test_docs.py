@@ -21,9 +21,9 @@ import pytest
 from ems.config import POOL_SETTINGS, EmsConfig, Settings, parse_size, resolve_settings
 from ems.errors import EmsErrorCode
 from ems.kernels.base import KernelBackend
+from ems.store.value_format import VERSION
 from ems.transport import protocol
 from ems.transport.ucx_config import UcxSettings
-from ems.value_format import VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -68,7 +68,7 @@ class Refusal(Exception):
 
 
 class NodeStoreStats(Protocol):
-    """The memory figures a node logs (`ems.store.StoreStats` has them)."""
+    """The memory figures a node logs (`ems.store.kv_store.StoreStats` has them)."""
 
     used_bytes: int
     spare_bytes: int
@@ -76,7 +76,7 @@ class NodeStoreStats(Protocol):
 
 
 class NodeStore(Protocol):
-    """What the node needs of the store it serves (`ems.store.KvStore` is one); see that class for the contract."""
+    """What the node needs of the store it serves (`ems.store.kv_store.KvStore` is one); see that class for the contract."""
 
     @property
     def capacity_bytes(self) -> int: ...

@@ -25,7 +25,7 @@ Contract:
 * Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
   0 turns it off), `--shm-total` for all connections together (default 4GiB).
 * `--prefault-ahead SIZE` (default 256MiB): the store's values live in one arena of the capacity, whose pages a
-  background thread keeps faulted in that far ahead of the values (`ems.store`), on spare CPU only (an engine on the
+  background thread keeps faulted in that far ahead of the values (`ems.store.kv_store`), on spare CPU only (an engine on the
   same host keeps its cores: `ems.buffers.SpareCpuPacer`): a save into fresh memory otherwise faults page by page
   (about 2 ms per MiB on a VM, up to 14 for memory the VM's host has not backed yet). 0 turns it off.
 * `--disk DIR --disk-capacity SIZE`: a disk tier behind DRAM (`ems.pool.tiered_store`, `ems.pool.disk_tier`):
@@ -176,7 +176,7 @@ async def _run(
 def _build_store(capacity: int, args: argparse.Namespace) -> NodeStore:
     """The node's store: DRAM only, or DRAM in front of a disk tier (`--disk`), whose index is rebuilt from the
     disk before the node serves. OSError when the disk directory cannot be used."""
-    from ems.store import KvStore
+    from ems.store.kv_store import KvStore
 
     ahead = args.prefault_ahead  # bytes (checked with the other sizes)
     if args.disk is None:

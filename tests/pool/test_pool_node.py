@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, tcp_sockets, wait_until
 
+from ems.backends.pool_client import PoolClient
 from ems.errors import EmsErrorCode
 from ems.pool.__main__ import parse_keys
-from ems.pool_client import PoolClient
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
 from ems.types import CcKvOption
