@@ -3,6 +3,7 @@ back-pressure, an oversized request runs alone)."""
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
@@ -13,10 +14,12 @@ import torch
 from ems_testlib import direct_cc, make_cache, slots_of_blocks
 from fault_injection import damage
 
+from ems.buffers import POPULATE_STEP, SpareCpuPacer
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
 from ems.datapath.requests import Operation, bind_request
 from ems.datapath.staging import MIN_BUFFER, StagingPool
+from ems.store import kv_store
 from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
 from ems.store.value_format import (
     HEADER_SIZE,
@@ -249,21 +252,28 @@ def test_store_gives_every_buffer_its_own_address(arena):
     assert store.stats().reused_buffers > 0 and store.stats().evictions > 0
 
 
-def test_background_populate_does_not_stall_other_threads_allocations():
-    """While a store's arena is faulted in ahead in the background, another thread's large allocations (mmap and
-    munmap, which wait for the process's mmap lock) stay quick: the populate goes in small steps."""
+def test_background_populate_goes_in_small_steps(monkeypatch):
+    """A store's arena is faulted in ahead in the background in steps of at most `POPULATE_STEP` (each step holds the
+    process's mmap lock, which other threads' mmap and munmap wait for), and gets as far as `prefault_ahead`. How
+    long another thread's allocations wait beside it is a figure of perf/bench_populate.py, not a test bound: on a
+    busy host it measures the scheduler. The pacer is told the host has spare CPU (a busy host would otherwise hold
+    the populate back, which is `SpareCpuPacer`'s own test)."""
+    steps: list[int] = []
+    real_populate = kv_store.populate_pages
+
+    def recording_populate(address: int, length: int) -> bool:
+        steps.append(length)
+        return real_populate(address, length)
+
+    monkeypatch.setattr(kv_store, "populate_pages", recording_populate)
+    monkeypatch.setattr(kv_store, "SpareCpuPacer", functools.partial(SpareCpuPacer, idle=lambda: None))
     store = KvStore(512 << 20, prefault_ahead=256 << 20)
     try:
-        worst = 0.0
-        start = time.perf_counter()
-        while store.stats().arena_populated_bytes < 128 << 20 and time.perf_counter() - start < 20:
-            t = time.perf_counter()
-            block = np.ones(1 << 20, dtype=np.uint8)  # 1 MiB: mmap'ed, touched, unmapped
-            del block
-            worst = max(worst, time.perf_counter() - t)
-        assert store.stats().arena_populated_bytes >= 128 << 20, "the background populate did not get far"
-        # one 32 MiB step held the lock 60-200 ms here; a 2 MiB one at most ~10 ms
-        assert worst < 0.06, f"a 1 MiB allocation waited {worst * 1e3:.0f} ms for the background populate"
+        deadline = time.monotonic() + 120  # progress, not speed: generous for a host whose cores are busy
+        while store.stats().arena_populated_bytes < 256 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.stats().arena_populated_bytes >= 256 << 20, "the background populate did not get as far as ahead"
+        assert len(steps) >= (256 << 20) // POPULATE_STEP and max(steps) <= POPULATE_STEP, sorted(set(steps))
     finally:
         store.close()
 
