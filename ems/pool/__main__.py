@@ -84,7 +84,9 @@ def load_keys(keys_file: str | None) -> dict[str, str]:
     if keys_file:
         with open(keys_file, encoding="utf-8") as f:
             keys.update(parse_keys(f.read().splitlines(), keys_file))
-    env = os.environ.get("EMS_POOL_KEYS", "")
+    from ems.config import pool_keys_from_environment
+
+    env = pool_keys_from_environment()
     if env.strip():
         keys.update(parse_keys(env.split(","), "EMS_POOL_KEYS"))
     return keys
@@ -324,10 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _restrict_ucx_devices(host)
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ems-pool %(levelname)s %(message)s")
-    from ems.config import parse_size
+    from ems.config import host_copy_settings, parse_size
     from ems.errors import EmsException
 
     try:
+        host_copy_settings()  # EMS_HOST_COPY / EMS_CACHE_DIR checked at start, not at the first value
         capacity = parse_size("--capacity", args.capacity)
         if capacity <= 0:
             raise ValueError("--capacity must be > 0")
