@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: ems_testlib
 
 from ems_testlib import fill_random, make_cache, slots_of_blocks, tensors
 
