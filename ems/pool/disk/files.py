@@ -7,8 +7,8 @@ Contract:
   it), else 0 (buffered I/O); docs/pool-nodes.md says why O_DIRECT.
 * `scan(root)`: what a restart finds, from the names alone (a listing of each folder, its names parsed in one
   vectorised pass, no file opened): every record, oldest sequence first (the LRU order); where a key has two records
-  (killed between naming the new one and dropping the old one) the newer wins and the older is stale, as is every
-  temporary file (a write cut short: never named, never served).
+  (killed between naming the new one and dropping the old one) the newer wins, in its own place in that order, and
+  the older is stale, as is every temporary file (a write cut short: never named, never served).
 * `RecordReader.read(path, nbytes)`: a record file's bytes (a truncated file: the bytes there are) in this thread's
   aligned bounce buffer, valid until this thread's next read; OSError as the system call raised it.
 * `unlink_all(paths)`: removes what is there, quietly (already gone, or the disk failed: nothing to do either way).
@@ -88,6 +88,8 @@ def scan(root: str) -> Scan:
     if len(ordered) < len(records):  # killed between naming a new record and dropping the old one
         kept = {id(r) for r in ordered.values()}
         stale += [record_path(root, h, r.seq, r.nbytes) for h, r in zip(ordered_hashes, records) if id(r) not in kept]
+        # and it takes the newer one's place in the LRU order (a dict keeps a key where it was first inserted)
+        ordered = {h: ordered[h] for h in reversed(dict.fromkeys(reversed(ordered_hashes)))}
     return Scan(ordered, int(seqs.max()) if seqs.size else 0, stale)
 
 
