@@ -1,4 +1,4 @@
-"""The pool-node wire protocol, version 4: frames, limits and the data-segment plan (pure functions, no I/O).
+"""The pool-node wire protocol, version 5 (`VERSION`): frames, limits and the data-segment plan (pure functions, no I/O).
 
 Contract:
 * Every exchange starts with one fixed 32-byte little-endian **header**:
@@ -508,10 +508,14 @@ def _decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> Put
     keys = split_keys(key_lens, meta[12 * count + 8 * nframes :])
     if value_lens.size and (int(value_lens.max()) > MAX_VALUE_BYTES or int(value_lens.min()) < 0):
         raise ProtocolError(f"a value of {int(value_lens.max())} bytes, limit {MAX_VALUE_BYTES}")
+    # each frame bounded before any sum (u64 lengths of 2**63 and above read as negative here): frame lengths near
+    # 2**64 could otherwise wrap around to data_len in the int64 sum and pass
+    if frame_lens.size and int(frame_lens.min()) <= 0:
+        raise ProtocolError("an empty data frame (or one of 2**63 bytes or more)")
+    if frame_lens.size and int(frame_lens.max()) > MAX_DATA_BYTES:
+        raise ProtocolError(f"a data frame of {int(frame_lens.max())} bytes, limit {MAX_DATA_BYTES}")
     if int(value_lens.sum()) != data_len or int(frame_lens.sum()) != data_len:
         raise ProtocolError("value and data frame lengths do not match data_len")
-    if frame_lens.size and int(frame_lens.min()) <= 0:
-        raise ProtocolError("an empty data frame")
     plan = segment_plan(value_lens)
     value_offsets, segment_sizes = segment_bounds(value_lens, plan)
     seg_ends = np.cumsum(segment_sizes)
