@@ -21,8 +21,12 @@ Contract:
   own tag is that base tag with its low 32 bits XORed with `request_id` (`ucx_progress.request_tag`), so every tag
   of one connection shares the base tag's high 32 bits. A node gives each live connection distinct high bits and
   discards every message it has not received on a connection's tags when that connection ends, as well as messages
-  on tags of no connection at all, so unread messages never hold its memory past their connection. Before the
-  handshake completes, only the base tag may carry messages: a message on another tag of the connection closes it.
+  on tags of no connection at all, so unread messages never pile up past their connection. The memory UCX took for
+  them is not returned to the system, though: it goes back into UCX's buffer pools, which keep their largest size
+  for later messages, so a node's resident memory rises to about the most unread messages that arrived between two
+  sweeps and stays there (measured: 12,000 frames of 4 KiB on tags of no connection, +58 to +97 MiB over six rounds
+  of them, the first round most of it). Before the handshake completes, only the base tag may carry messages: a
+  message on another tag of the connection closes it.
 * Request ids: an inline request's id is 1..MAX_REQUEST_ID (0 is the base tag) and unique among the connection's
   requests in flight. An id is in flight from its head until the node starts its reply; a client may reuse it as
   soon as it has received that reply in full (the node never refuses such a reuse). A head naming an id still in
