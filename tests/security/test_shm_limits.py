@@ -136,6 +136,54 @@ def test_regions_piled_up_and_kept_never_hold_more_than_the_total(attacked, node
         assert not np.frombuffer(m, dtype=np.uint8)[:: mmap.PAGESIZE * 64].any()
 
 
+def test_random_sequences_of_opens_hand_overs_and_hang_ups_stay_within_the_limits(attacked, node_clients):
+    """Two tenants, three connections each, 80 random steps: ask for a region (asking the node to populate it or
+    not), present the token or not, touch the region, hang up, reconnect, wait. After every step the host's memory
+    in the regions stays within --shm-total and the node never counts more than it; once every connection has
+    ended nothing is left, whatever descriptors the attackers kept."""
+    rng = np.random.default_rng(35)
+    node = attacked
+    keys = {"alpha": KEY_A, "beta": KEY_B}
+
+    def connect(tenant: str):
+        return node_clients(node.address, access_id=tenant, access_key=keys[tenant], shm=ShmMode.OFF)
+
+    clients = {(t, i): connect(t) for t in keys for i in range(3)}
+    offers: dict = {}
+    offer_times: dict = {}
+    live: dict = {}  # connection -> the descriptor of its current region (touching one the node has freed would
+    # fault pages of the attacker's own, as in any memfd it makes: not the node's, so not touched here)
+    for _ in range(80):
+        who = list(clients)[int(rng.integers(len(clients)))]
+        step = rng.choice(["open", "open", "open", "present", "present", "present", "touch", "touch", "hang-up", "wait"])
+        if step == "open":
+            live.pop(who, None)  # a new SHM_OPEN ends the connection's region
+            offer = _offer(clients[who], populate_mib=int(rng.choice([0, 64])))
+            offers[who] = offer if offer.region_bytes else None
+            offer_times[who] = time.monotonic()
+        elif step == "present" and offers.get(who) is not None:
+            offer = offers.pop(who)
+            fd = _take(offer) if time.monotonic() < offer_times[who] + TOKEN_TTL_S - 1 else None
+            if fd is not None:  # (a token near its expiry is left to expire)
+                node.held.append(fd)
+                live[who] = fd
+        elif step == "touch" and who in live:
+            _touch(live[who], REGION)
+        elif step == "hang-up":
+            clients[who].close()
+            clients[who] = connect(who[0])
+            offers.pop(who, None)
+            live.pop(who, None)
+        elif step == "wait":
+            time.sleep(float(rng.uniform(0.05, 0.5)))
+        held = memfd_pages(node.proc.pid, os.getpid())
+        assert held <= TOTAL, (step, held)
+    assert _scrape(node.metrics)[("ems_pool_shm_bytes", ())] <= TOTAL
+    for client in clients.values():
+        client.close()
+    assert wait_until(lambda: memfd_pages(node.proc.pid, os.getpid()) == 0, 10), memfd_pages(node.proc.pid, os.getpid())
+
+
 def test_one_tenant_cannot_take_every_region(attacked, node_clients):
     """With two tenants' keys each holds at most half of --shm-total by default: alpha's second region is refused
     (counted as `tenant`), and beta still gets one (it used to be offered size 0)."""
