@@ -213,7 +213,14 @@ def test_bad_limit_options_exit_2():
     import subprocess
     import sys
 
-    for args in (["--stall-timeout", "0"], ["--max-inflight", "-1"], ["--max-connections", "x"]):
+    for args in (
+        ["--stall-timeout", "0"],
+        ["--max-inflight", "-1"],
+        ["--max-connections", "x"],
+        ["--shm-tenant", "1MiB"],  # less than one region (--shm-bytes, 256 MiB by default)
+        ["--shm-tenant", "lots"],
+        ["--capacity", "9" * 400],  # more than any size (1 EiB)
+    ):
         proc = subprocess.run(
             [sys.executable, "-m", "ems.pool", *args],
             capture_output=True,
