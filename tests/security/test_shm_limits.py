@@ -21,12 +21,12 @@ from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, wait_until
 
 from ems.transport import protocol, shm
 from ems.transport.shm_client import ShmMode
+from ems.transport.shm_server import TOKEN_TTL_S
 
 pytestmark = pytest.mark.slow
 
 REGION, TOTAL = 64 << 20, 128 << 20
 SHM_ARGS = ("--shm-bytes", "64MiB", "--shm-total", "128MiB")
-TOKEN_TTL_S = 10.0  # the node's (transport/shm_server.py), as a client sees it
 NOBODY = 65534
 
 
