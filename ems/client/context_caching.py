@@ -22,7 +22,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
@@ -39,9 +39,13 @@ from ems.datapath.planning import Plan, plan_blocks, plan_raw
 from ems.datapath.records import JobKind, JobLedger, JobRecord, Stage
 from ems.datapath.requests import Operation, RawRequest, Request, bind_exists, bind_request
 from ems.datapath.staging import StagingPool
+from ems.datapath.tokens import TokenForm, TokenRequest, bind_tokens, call_result, is_token_form, plan_tokens
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # (typing's from Python 3.11 on)
 
 logger = logging.getLogger("ems")
 
@@ -190,13 +194,16 @@ class ContextCaching:
                 f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
             ) from exc
 
-    def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device]:
+    def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device]:
         layout = self._layout
-        request = bind_request(op, args, kwargs, layout)
+        bind = bind_tokens if is_token_form(kwargs) else bind_request  # the token form: ems.datapath.tokens
+        request = bind(op, args, kwargs, layout)
         if isinstance(request, RawRequest):
             return request, plan_raw(request, self._v0_namespace), self._raw_device_now()
         if layout is None:  # bind_request already refuses this; kept for type narrowing
             raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "V1 calls need register_kvcache() first")
+        if isinstance(request, TokenRequest):
+            return request, plan_tokens(request, layout, self._v1_namespace), layout.device
         return request, plan_blocks(request, layout, self._v1_namespace), layout.device
 
     @staticmethod
@@ -234,7 +241,7 @@ class ContextCaching:
             successes = consecutive_prefix(outcome.results)
             self._raise_if_unreachable(outcome, successes)
             self._job_done(record.finish(successes, plan.total, plan.expected.payload_bytes()))
-            return CcResult(successes, plan.total)
+            return call_result(request, successes, plan.total)
 
         return finish, job.abandon
 
@@ -249,9 +256,13 @@ class ContextCaching:
     @overload
     def save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
 
+    @overload
+    def save(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcResult: ...
+
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
-        offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
+        offsets, option=None)`, `save(hashes=..., chunk_descs=..., option=None)` or, the token form,
+        `save(slot_mapping, option=None, token_ids=..., mask=...)`: `ems.datapath.tokens`). Blocks until stored."""
         with self._calls:
             finish, _ = self._begin_save(args, kwargs)
             with _EmsErrors(self._metrics.record_error):
@@ -269,6 +280,9 @@ class ContextCaching:
 
     @overload
     def async_save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+
+    @overload
+    def async_save(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcFuture: ...
 
     def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `save`, but returns a `CcFuture` at once.
@@ -295,16 +309,16 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- load
 
-    def _load(self, request: Request, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
+    def _load(self, request: Request | TokenRequest, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
         job = load_job(
             plan, device, self._backend_for(device), self._pool, self._staging, request.option, record, self._settings.chunk_bytes
         )
         hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
         self._job_done(record.finish(hits, plan.total, plan.expected.payload_bytes(0, hits)))
-        return CcResult(hits, plan.total)
+        return call_result(request, hits, plan.total)
 
-    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device, JobRecord]:
+    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device, JobRecord]:
         record = JobRecord(JobKind.LOAD, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.LOAD, args, kwargs)
@@ -321,11 +335,14 @@ class ContextCaching:
     @overload
     def load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
 
-    def load(self, *args: Any, **kwargs: Any) -> CcResult:
-        """Load blocks from the pool into the places the arguments name (the same three forms as `save`).
+    @overload
+    def load(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcResult: ...
 
-        `success` is the number of blocks, from the first, that were found and verified: exactly those are
-        written; nothing after the first miss is touched."""
+    def load(self, *args: Any, **kwargs: Any) -> CcResult:
+        """Load blocks from the pool into the places the arguments name (the same four forms as `save`).
+
+        `success` is the number of blocks (the token form: tokens), from the first, that were found and verified:
+        exactly those are written; nothing after the first miss is touched."""
         with self._calls:
             request, plan, device, record = self._bind_load(args, kwargs)
             with _EmsErrors(self._metrics.record_error):
@@ -343,6 +360,9 @@ class ContextCaching:
 
     @overload
     def async_load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+
+    @overload
+    def async_load(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcFuture: ...
 
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
