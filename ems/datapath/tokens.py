@@ -32,6 +32,7 @@ tokens as computed. A mask of zeros asks for nothing: `CcResult(0, 0)`, and no p
 
 from __future__ import annotations
 
+import array as pyarray
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,10 +148,13 @@ def mask_prefix(value: object, n: int) -> int:
     elif isinstance(value, np.ndarray):
         array = value
     elif isinstance(value, (list, tuple)):
-        try:
-            array = np.asarray(value)
-        except (ValueError, OverflowError):
-            array = np.asarray(value, dtype=object)
+        try:  # ints and bools in a byte each (array("b") takes nothing else): the usual list, ~8x less to scan
+            array = np.frombuffer(pyarray.array("b", value), dtype=np.int8)
+        except (TypeError, OverflowError):  # nested, floats, strings, large ints: the checks below name the item
+            try:
+                array = np.asarray(value)
+            except (ValueError, OverflowError):
+                array = np.asarray(value, dtype=object)
     else:
         raise invalid_argument(f"mask must be a list of 0 and 1, got {type(value).__name__}")
     if array.ndim != 1:
@@ -163,13 +167,12 @@ def mask_prefix(value: object, n: int) -> int:
             if not isinstance(item, (int, np.integer, np.bool_)) or int(item) not in (0, 1):
                 raise invalid_argument(f"mask[{i}] must be 0 or 1, got {type(item).__name__} {item!r}")
         raise invalid_argument(f"mask must hold 0 and 1, got {array.dtype} values")
-    bits = (array == 0) | (array == 1)
-    if not bits.all():
-        i = _first(~bits)
+    if array.dtype.kind != "b" and (int(array.min()) < 0 or int(array.max()) > 1):
+        i = _first((array < 0) | (array > 1))
         raise invalid_argument(f"mask[{i}] = {array[i].item()!r} must be 0 or 1")
-    ones = array.astype(bool)
-    masked = n - int(np.count_nonzero(ones))
-    if ones[:masked].any():
+    masked = n - int(np.count_nonzero(array))
+    if array[:masked].any():
+        ones = array.astype(bool)
         i = _first(ones[:-1] & ~ones[1:]) + 1
         raise invalid_argument(
             f"mask[{i}] = 0 follows a 1: the mask is 0 for the prefix the engine holds, then 1 to the end (0…0 1…1)"
