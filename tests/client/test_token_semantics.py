@@ -425,3 +425,42 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("EMS_")}
+
+
+@pytest.mark.parametrize("backend", ["host", "torch", "memcpy"])
+@pytest.mark.parametrize("path", ["embedded", "pipelined"])
+def test_every_copy_backend_and_path_writes_only_the_mask_ones(clean_ems, fault_node_factory, backend, path):
+    """A load whose mask starts inside a block writes part of that block's value: on each copy backend, on the
+    embedded one-pass path and on the pipelined one (a node, chunks of one value), with K and V interleaved per
+    block (strided views)."""
+    from ems_testlib import set_chunk_bytes
+
+    from ems.datapath.records import JobKind
+
+    if path == "embedded":
+        Ems.init(
+            EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="16MiB", kernel_backend=backend)
+        )
+        cc = Ems.get_cc()
+    else:
+        cc = direct_cc([fault_node_factory()], kernel_backend=backend)  # a node of its own: the pipelined path
+        set_chunk_bytes(cc, "1KiB")
+    try:
+        cache = make_cache(layers=2, blocks=6, block_size=BS, dtype=torch.bfloat16, interleaved=True)
+        cc.register_kvcache(cache)
+        assert cc.kernel_backend == backend
+        n, tokens = 11, [17 * t for t in range(11)]
+        slots = _paged_slots([5, 0, 3], n)
+        original = snapshot(cache)
+        assert cc.save(slots, token_ids=tokens, mask=[1] * n) == CcResult(n, n)
+        for masked in (0, 2, 5, 9, 11):
+            poisoned = poison(cache)
+            assert cc.load(slots, token_ids=tokens, mask=_mask(n, masked)) == CcResult(n - masked, n - masked)
+            assert_cache_equals(cache, expected_after_load(original, poisoned, slots[masked:]))
+            record = cc.jobs.last(JobKind.LOAD)
+            assert record is not None and record.path == ("none" if masked == n else {"embedded": "one-pass"}.get(path, path))
+    finally:
+        if path == "embedded":
+            Ems.shutdown()
+        else:
+            cc.close()
