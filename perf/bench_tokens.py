@@ -7,9 +7,10 @@ bytes, `ems.datapath.tokens`), so its fixed cost grows with the sequence, not wi
 
 1. Key derivation for n tokens: the compiled loop (`chain_digests`), the Python fallback (one xxhash call per block)
    and, as the limit, one XXH3-128 over all n tokens' bytes at once (no chaining).
-2. Calls on the embedded pool (CPU): a decode step's one-block save at the end of an n-token sequence, and a
-   prefill's load of the whole sequence, by tokens (a list, as the SDK's sample passes them) vs by hashes the engine
-   already holds (the hash form's cost, which does no hashing of its own).
+2. Calls on the embedded pool (CPU): a decode step's one-block save at the end of an n-token sequence (its
+   arguments as lists, as the SDK's sample passes them, or as tensors), and a prefill's load of the whole sequence
+   (lists), by tokens vs by hashes the engine already holds (the hash form's cost, which does no hashing of its own;
+   its one-block save passes only that block's slots).
 
 Medians of `--reps` calls, interleaved. Prints the tables and appends them with this command to perf/RESULTS.md.
 """
@@ -94,17 +95,21 @@ def calls_table(reps: int) -> list[str]:
         step_mask = [0] * last + [1] * BLOCK
         assert cc.save(slots, token_ids=tokens, mask=[1] * n) == CcResult(n, n)
         assert cc.save(slots, hashes, [BLOCK] * len(hashes)).success == len(hashes)
+        as_tensors = {"token_ids": torch.tensor(tokens), "mask": torch.tensor(step_mask)}
+        slot_tensor = torch.tensor(slots)
         t = median_us(
             {
                 "step_tokens": lambda: cc.save(slots, token_ids=tokens, mask=step_mask),
+                "step_tensors": lambda: cc.save(slot_tensor, **as_tensors),
                 "step_hashes": lambda: cc.save(slots[last:], hashes[-1:], [BLOCK]),
             },
             reps,
         )
-        rows.append(
-            f"| one-block save at the end of the sequence | {n} | {t['step_tokens']:.0f} | {t['step_hashes']:.0f} "
-            f"| {t['step_tokens'] / t['step_hashes']:.1f}x |"
-        )
+        for name, form in (("step_tokens", "lists"), ("step_tensors", "tensors")):
+            rows.append(
+                f"| one-block save at the end of the sequence, {form} | {n} | {t[name]:.0f} | {t['step_hashes']:.0f} "
+                f"| {t[name] / t['step_hashes']:.1f}x |"
+            )
         t = median_us(
             {
                 "load_tokens": lambda: cc.load(slots, token_ids=tokens, mask=[1] * n),
