@@ -19,7 +19,7 @@ from ems_testlib import (
     snapshot,
     store_of_ems,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ems import CcConfig, CcKvOption, CcResult, Ems, EmsConfig, EmsErrorCode, EmsException, StoreLayerGroupDesc
@@ -464,3 +464,60 @@ def test_every_copy_backend_and_path_writes_only_the_mask_ones(clean_ems, fault_
             Ems.shutdown()
         else:
             cc.close()
+
+
+# ---------------------------------------------------------------- any arguments: a result, or a refusal that writes nothing
+
+_ITEMS = st.one_of(
+    st.integers(-2, 40), st.integers(-(2**70), 2**70), st.booleans(), st.floats(allow_nan=True), st.none(), st.text(max_size=2)
+)
+_SEQUENCES = st.one_of(
+    st.lists(st.integers(0, 31), min_size=1, max_size=12),  # mostly well formed
+    st.lists(st.integers(0, 1), min_size=1, max_size=12).map(sorted),  # masks of the right shape
+    st.lists(_ITEMS, max_size=12),
+    st.lists(st.integers(0, 31), min_size=1, max_size=12).map(lambda v: torch.tensor(v, dtype=torch.int32)),
+    st.lists(st.floats(0, 2), min_size=1, max_size=4).map(torch.tensor),
+    st.lists(st.integers(0, 1), min_size=1, max_size=12).map(lambda v: np.array(sorted(v), dtype=np.uint8)),
+    _ITEMS,
+)
+
+
+@st.composite
+def token_arguments(draw):
+    """A well-formed (slot_mapping, token_ids, mask) of one length, then (mostly) one or two of them replaced by
+    anything: wrong lengths, types, values, shapes."""
+    n = draw(st.integers(1, 12))
+    args = {
+        "slot_mapping": draw(st.lists(st.integers(0, 31), min_size=n, max_size=n, unique=True)),
+        "token_ids": draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=n, max_size=n)),
+        "mask": _mask(n, draw(st.integers(0, n))),
+    }
+    for name in draw(st.lists(st.sampled_from(sorted(args)), max_size=2, unique=True)):
+        args[name] = draw(_SEQUENCES)
+    return args
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    method=st.sampled_from(METHODS),
+    args=token_arguments(),
+    extra=st.dictionaries(st.sampled_from(["hashes", "offsets", "chunk_descs", "option", "key_list"]), _ITEMS, max_size=1),
+)
+def test_any_token_call_is_a_result_or_a_refusal_that_writes_nothing(registered, method, args, extra):
+    cc, cache = registered
+    slot_mapping = args.pop("slot_mapping")
+    store = store_of_ems()
+    stats, before = store.stats(), snapshot(cache)
+    try:
+        result = getattr(cc, method)(slot_mapping, **args, **extra)
+    except EmsException as exc:
+        event("refused")
+        assert exc.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT, exc
+        after = store.stats()
+        assert (after.entries, after.puts, after.hits) == (stats.entries, stats.puts, stats.hits)
+        assert_cache_equals(cache, before)
+        return
+    if method.startswith("async"):
+        result = cc.get_result(result)
+    event("a result")
+    assert 0 <= result.success <= result.total <= len(slot_mapping)
