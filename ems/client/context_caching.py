@@ -28,21 +28,22 @@ import numpy as np
 import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
+from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
 from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
 from ems.datapath.devices import default_raw_device, parse_device
 from ems.datapath.jobs import load_job, save_job
-from ems.datapath.keys import namespace, v0_keys, v1_keys
+from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan, plan_blocks, plan_raw
 from ems.datapath.records import JobKind, JobLedger, JobRecord, Stage
-from ems.datapath.requests import Operation, RawRequest, Request, bind_exists, bind_request
+from ems.datapath.requests import Operation, RawRequest, Request, bind_request
 from ems.datapath.staging import StagingPool
 from ems.datapath.tokens import TokenForm, TokenRequest, bind_tokens, call_result, is_token_form, plan_tokens
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
-from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
+from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # (typing's from Python 3.11 on)
@@ -53,14 +54,6 @@ logger = logging.getLogger("ems")
 IntList = Sequence[int] | np.ndarray | torch.Tensor  # slot_mapping, offsets
 HashList = Sequence[int] | np.ndarray | torch.Tensor  # block hashes: int64 or u64 values
 ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
-
-
-def consecutive_prefix(flags: Sequence[bool]) -> int:
-    """How many leading entries are true."""
-    for i, flag in enumerate(flags):
-        if not flag:
-            return i
-    return len(flags)
 
 
 def _as_ems_exception(exc: Exception) -> EmsException:
@@ -405,39 +398,10 @@ class ContextCaching:
     def exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
-        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising."""
+        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising (`ems.client.lookup`)."""
         with self._calls:
-            return self._exists(hashes, option, kwargs)
-
-    def _exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None, kwargs: dict[str, Any]) -> CcResult:
-        items, checked_option = bind_exists(hashes, option, kwargs)
-        if isinstance(items[0], (PrimaryKey, str)):
-            keys, route_keys = v0_keys(self._v0_namespace, items)
-        else:
-            if self._layout is None:
-                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
-            keys, route_keys = v1_keys(self._v1_namespace, items)
-        store = self._pool.local_store
-        if store is not None:  # the embedded pool: its index answers directly (as the one-pass jobs use it)
-            result = CcResult(consecutive_prefix(store.contains_many(keys)), len(keys))
-            self._metrics.record_exists(result.success, result.total)
-            return result
-        try:
-            outcome = self._pool.exists(route_keys, keys, checked_option)
-        except Exception as exc:  # the contract: a failing pool is a miss, not an exception
-            logger.warning("exists: pool failure reported as 0 hits: %s", exc)
-            return CcResult(0, len(keys))
-        if outcome.errors:  # said once per call, so that misses caused by a failing node are not silent
-            error = outcome.first_error()
-            logger.warning(
-                "exists: %d of %d pool node(s) failed, their keys count as misses: %s",
-                len(outcome.errors),
-                outcome.nodes_contacted,
-                error.message() if error is not None else "",
-            )
-        result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
-        self._metrics.record_exists(result.success, result.total)
-        return result
+            v1_namespace = self._v1_namespace if self._layout is not None else None
+            return count_held(self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace)
 
     # ---------------------------------------------------------------- lifecycle
 
