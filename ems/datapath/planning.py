@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
-from ems.datapath.keys import v0_keys, v1_keys
+from ems.datapath.keys import FORM_V1, v0_keys, v1_keys
 from ems.datapath.layout import LayerGroup, RegisteredLayout
 from ems.datapath.requests import ChunkRequest, RawRequest, SlotRequest
 from ems.kernels.base import CopyBackend, PlacedStop, Placement, Staging, tensor_over
@@ -390,8 +390,12 @@ _ONE_PIECE_START.flags.writeable = False
 _MAX_ONE_RUN_PLANS = 4096  # per layout: a bounded cache (an engine's blocks times a few token counts)
 
 
-def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
-    keys, route_keys = v1_keys(namespace, request.hashes)
+def plan_blocks(
+    request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes, form: bytes = FORM_V1
+) -> BlockPlan:
+    """A V1 request's plan: block i is stored under `request.hashes[i]` in `namespace` and the key form `form`
+    (`keys.v1_keys`)."""
+    keys, route_keys = v1_keys(namespace, request.hashes, form)
     one_run = request.one_run if isinstance(request, SlotRequest) else None
     if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
         cached = layout.one_run_plans.get(one_run)
