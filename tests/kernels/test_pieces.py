@@ -143,8 +143,8 @@ def test_pieces_tile_edges(backend: CopyBackend) -> None:
     """Pieces longer than one tile: several span tiles per piece (contiguous rows), several row and column tiles
     per piece (strided rows), masks at every edge."""
     gen = torch.Generator().manual_seed(7)
-    if hasattr(backend, "tile_elems"):
-        backend.tile_elems = 64  # tiny tiles, so small data crosses many tile edges
+    if hasattr(backend, "tile_override"):
+        backend.tile_override = 64  # tiny tiles, so small data crosses many tile edges
     # row = 3 * 33 = 99 fp32 units -> 2 column tiles of 64; a 16-slot piece = 1584 units -> 25 span tiles
     bases, planes = make_layout("plain", layers=1, blocks=3, block_size=16, heads=3, head_size=33, dtype=torch.float32, gen=gen)
     _check(backend, bases, planes, list(range(0, 48)), [16, 20, 12], gen)
