@@ -176,6 +176,22 @@ def ascend() -> list[dict[str, Any]]:
     return reports
 
 
+def reports(kind: str) -> list[dict[str, Any]]:
+    """`kind` ("cuda" or "ascend")'s reports, compiled by this script in a process of its own (without
+    TRITON_INTERPRET); RuntimeError with its output if it fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, f"{kind}.json")
+        done = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), kind, out], env=env, capture_output=True, text=True, timeout=900
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"ahead-of-time compile ({kind}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        with open(out) as f:
+            found: list[dict[str, Any]] = json.load(f)
+    return found
+
+
 if __name__ == "__main__":
     # a file, not stdout: triton-ascend prints to stdout while it compiles
     with open(sys.argv[2], "w") as out:

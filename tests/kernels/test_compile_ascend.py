@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import math
-import os
 import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
+import aot_compile
 import pytest
 
 
@@ -46,17 +41,10 @@ TABLE_ENTRY = "memref<1xi64, strided<[1], offset: ?>>"
 
 @functools.cache
 def _reports() -> list[dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("aot_compile.py")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ascend.json"
-        done = subprocess.run(
-            [sys.executable, str(script), "ascend", str(out)], env=env, capture_output=True, text=True, timeout=900
-        )
-        if done.returncode != 0:
-            pytest.fail(f"lowering failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-        reports: list[dict[str, Any]] = json.loads(out.read_text())
-    return reports
+    try:
+        return aot_compile.reports("ascend")
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 def _name(r: dict[str, Any]) -> str:

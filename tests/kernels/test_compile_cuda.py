@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
+import aot_compile
 import pytest
 
 SM_REGISTERS = 65536  # 32-bit registers per SM on sm_80 and sm_90
@@ -41,13 +37,10 @@ pytestmark = pytest.mark.skipif(not _nvidia_backend(), reason="upstream Triton's
 
 @functools.cache
 def _reports() -> list[dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("aot_compile.py")
-    done = subprocess.run([sys.executable, str(script), "cuda"], env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        pytest.fail(f"ahead-of-time compile failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    reports: list[dict[str, Any]] = json.loads(done.stdout)
-    return reports
+    try:
+        return aot_compile.reports("cuda")
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 def _name(r: dict[str, Any]) -> str:
