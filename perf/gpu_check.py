@@ -70,7 +70,7 @@ class Context:
 
 
 def _module(device: torch.device) -> Any:
-    from ems.devices import device_module
+    from ems.datapath.devices import device_module
 
     return device_module(device)
 
@@ -99,7 +99,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pinned(nbytes: int, device: torch.device) -> torch.Tensor:
-    from ems.devices import host_buffer
+    from ems.datapath.devices import host_buffer
 
     out = host_buffer(nbytes, device)
     if device.type != "cpu" and not out.is_pinned():
@@ -314,7 +314,7 @@ def kernel_vs_copy(ctx: Context) -> list[dict[str, Any]]:
             part_base = np.arange(n, dtype=np.int64) * bs * planes.token_bytes
             table = value_pieces(slots.numpy(), bs, tok_start, part_base)[0]
             moved_planes, pieces = planes, torch.from_numpy(table)
-            if kind == "block_major":  # what `ems.planning` hands the backends for whole-block values
+            if kind == "block_major":  # what `ems.datapath.planning` hands the backends for whole-block values
                 runs, run_table = planes.block_runs, block_run_pieces(table, bs)
                 if runs is None or run_table is None:
                     raise CheckFailed(f"{model.name}: block-major cache not detected as cross-layer blocks")
@@ -507,7 +507,7 @@ def kernel_vs_dma(ctx: Context) -> list[dict[str, Any]]:
 
 def api_roundtrip(ctx: Context) -> list[dict[str, Any]]:
     from ems import CcConfig, CcKvOption, Ems, EmsConfig
-    from ems.job_records import JobKind, Stage
+    from ems.datapath.records import JobKind, Stage
 
     layers, blocks, bs, heads, head_size = (2, 8, 4, 2, 8) if ctx.tiny else (32, 256, 16, 8, 128)
     n = 4 if ctx.tiny else 64
@@ -778,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--device cpu runs the Triton interpreter: add --tiny")
         os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel is built (kernels are built lazily)
     else:
-        from ems.devices import device_module
+        from ems.datapath.devices import device_module
 
         try:
             module = device_module(device)

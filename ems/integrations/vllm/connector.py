@@ -24,7 +24,7 @@ Contract:
   request, again when vLLM recomputes blocks after a failed load) to the workers.
 * Cross-layer blocks (`cross_layer_blocks`): `get_required_kvcache_layout` asks vLLM for the block-outermost
   layout BLHNC, where one vLLM block of every layer is one run of memory; the registered planes are then detected
-  as cross-layer (`ems.layout`) and a block's save or load is one copy. vLLM takes it where every attention backend
+  as cross-layer (`ems.datapath.layout`) and a block's save or load is one copy. vLLM takes it where every attention backend
   of the model accepts it (CPU MLA does; CPU attention reads LBHNC only) and otherwise keeps its own choice (a
   warning); the worker logs which it got. Not asked on vLLM's CPU platform, where no attention backend runs it.
 * Worker side: `register_kv_caches` registers each layer's tensor as two planes whose rows are whole vLLM blocks
