@@ -266,6 +266,6 @@ print("ok")
 def test_a_tensor_whose_storage_is_replaced_after_registration_never_has_freed_memory_written():
     """The host path kept the planes' addresses without holding their storage: a load wrote the freed block and
     the process died at exit. In a child process, so that a crash fails this test instead of the run."""
-    script = _REPLACED_STORAGE.format(testlib=str(Path(__file__).resolve().parent))
+    script = _REPLACED_STORAGE.format(testlib=str(Path(__file__).resolve().parent.parent))  # tests/: ems_testlib
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.split()[-1:] == ["ok"], (run.returncode, run.stdout[-500:], run.stderr[-2000:])
