@@ -143,23 +143,30 @@ class ContextCaching:
     # ---------------------------------------------------------------- registration
 
     def register_kvcache(
-        self, kvcache: list[list[torch.Tensor]], store_layer_group_desc: list[StoreLayerGroupDesc] | None = None
+        self,
+        kvcache: list[list[torch.Tensor]] | torch.Tensor,
+        store_layer_group_desc: list[StoreLayerGroupDesc] | None = None,
     ) -> None:
         """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
-        `[blocks, block_size, heads, head_size]`. Moves no data (a CPU layout's small-call path is warmed on a
-        scratch cache: `ems.client.warmup`). Registering again replaces the layout."""
+        `[blocks, block_size, heads, head_size]` (a list of `[K, V]` lists, or one `[layers, 2, blocks, block_size,
+        heads, head_size]` tensor). Views of storage that keeps each block's layers together (cross-layer blocks)
+        are detected: a whole-block value then moves as one copy (`ems.datapath.layout`). Moves no data (a CPU
+        layout's small-call path is warmed on a scratch cache: `ems.client.warmup`). Registering again replaces the
+        layout."""
         with self._calls:
             layout = register_layout(kvcache, store_layer_group_desc)
             backend = self._backend_for(layout.device)
             warm_small_calls(layout, backend)
             self._layout = layout
             self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
+        cross = [g.index for g in layout.groups if g.cross_layer]
         logger.info(
-            "registered KV cache: %d layers in %d group(s) on %s, copy backend %s",
+            "registered KV cache: %d layers in %d group(s) on %s, copy backend %s%s",
             layout.num_layers,
             len(layout.groups),
             layout.device,
             backend.describe(),
+            f", cross-layer blocks in group(s) {cross} (a whole block is one copy)" if cross else "",
         )
 
     @property

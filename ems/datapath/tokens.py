@@ -225,20 +225,29 @@ def plan_tokens(request: TokenRequest, layout: RegisteredLayout, namespace: byte
 
 
 def _without_leading_tokens(region: GroupRegion, skip: int) -> GroupRegion:
-    """`region` with the first `skip` tokens of value 0 left out of its pieces (a load then never writes them)."""
+    """`region` with the first `skip` tokens of value 0 left out of its pieces (a load then never writes them).
+    A region of cross-layer block runs (one piece per whole block) goes back to its planes' pieces first: a run
+    cannot lose tokens."""
+    planes, all_pieces = region.planes, region.pieces
+    if planes is not region.group.planes:  # block runs: block b at part base p is the planes' piece (b * size, size)
+        size = region.group.planes.block_size
+        block, _, base, _, _ = all_pieces
+        full = np.full(block.size, size, dtype=np.int64)
+        planes = region.group.planes
+        all_pieces = np.stack([block * size, full, base, full, np.zeros(block.size, dtype=np.int64)])
     end = int(region.piece_start[1])
-    head = region.pieces[:, :end]
+    head = all_pieces[:, :end]
     cut = np.clip(skip - head[4], 0, head[1])  # tokens each of value 0's pieces loses
     keep = cut < head[1]
     kept = head[:, keep].copy()
     kept[0] += cut[keep]  # start slot (a piece is a run of slots inside one block)
     kept[1] -= cut[keep]  # count
     kept[4] += cut[keep]  # index in the value
-    pieces = np.ascontiguousarray(np.concatenate([kept, region.pieces[:, end:]], axis=1))
+    pieces = np.ascontiguousarray(np.concatenate([kept, all_pieces[:, end:]], axis=1))
     piece_start = region.piece_start.copy()
     piece_start[1:] -= end - kept.shape[1]
     piece_value = np.concatenate([region.piece_value[:end][keep], region.piece_value[end:]])
-    return GroupRegion(region.group, pieces, piece_start, piece_value)
+    return GroupRegion(region.group, planes, pieces, piece_start, piece_value)
 
 
 def call_result(request: Request | TokenRequest, blocks_done: int, blocks: int) -> CcResult:

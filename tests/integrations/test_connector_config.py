@@ -47,7 +47,8 @@ def test_defaults_and_every_key(monkeypatch):
     ems_config = full.ems_config("m-1", "MLA", pool)
     assert ems_config.pool_nodes == ["10.0.0.1:7700", "10.0.0.2:7700"] and ems_config.max_inflight == 4
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
-    assert len(KEYS) == 13 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert len(KEYS) == 14 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
 
@@ -142,6 +143,7 @@ def test_equal_configs_for_every_process():
         {"lookup_timeout_ms": 0},
         {"breaker_cooldown_s": "1"},
         {"lookup_cache_s": -1},
+        {"cross_layer_blocks": "yes"},
     ],
 )
 def test_bad_values_name_the_key(extra):

@@ -328,14 +328,9 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     assert out["held_preemptions"] > 0
 
 
-def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
-    """A tiny random DeepSeek-style model on vLLM's CPU MLA backend: engine A computes and saves (one shared latent
-    key per block), engine B, another process, loads every full block and gives A's greedy outputs. The backend
-    sets the block size: cpu_mla forces 16-token blocks (and turns vLLM's prefix cache off), AMX_MLA, chosen on
-    CPUs with AMX, keeps the 32 asked for; the expected counts follow the engine's own (a fixed 16 made this test
-    fail on AMX hosts, loading 5 blocks "of 10": the 5 whole 32-token blocks)."""
-    from ems.integrations.local_pool import stop_local_pool
-
+@pytest.fixture(scope="module")
+def mla_model(setup) -> str:
+    """A tiny random DeepSeek-style model (MLA attention, 2 layers)."""
     model = str(setup["root"] / "mla")
     subprocess.run(
         [
@@ -347,11 +342,22 @@ def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
         timeout=300,
         capture_output=True,
     )
+    return model
+
+
+def test_mla_model_saves_in_one_engine_and_loads_in_another(setup, mla_model):
+    """A tiny random DeepSeek-style model on vLLM's CPU MLA backend: engine A computes and saves (one shared latent
+    key per block), engine B, another process, loads every full block and gives A's greedy outputs. The backend
+    sets the block size: cpu_mla forces 16-token blocks (and turns vLLM's prefix cache off), AMX_MLA, chosen on
+    CPUs with AMX, keeps the 32 asked for; the expected counts follow the engine's own (a fixed 16 made this test
+    fail on AMX hosts, loading 5 blocks "of 10": the 5 whole 32-token blocks)."""
+    from ems.integrations.local_pool import stop_local_pool
+
     rng = random.Random(5)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (100, 70)]
     pool_dir = str(setup["root"] / "pool-mla")
     mla = {
-        "model": model,
+        "model": mla_model,
         "prompts": prompts,
         "num_blocks": 96,
         "max_model_len": 512,
@@ -370,6 +376,7 @@ def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
     assert [r["tokens"] for r in b["rounds"][0]] == [r["tokens"] for r in a["rounds"][0]]
     worker = b["stats"]["worker"]
     assert worker["load_blocks"] == (99 // bs + 69 // bs), f"{worker}; engine B's log:\n{ems_log_lines(setup, 'mla-b')}"
+    assert a["layout"]["cross_layer"] == [False]  # vLLM's default layout keeps each layer's blocks together
 
 
 def test_tensor_parallel_2_saves_in_one_engine_and_loads_in_another(setup):

