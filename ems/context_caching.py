@@ -353,9 +353,12 @@ class ContextCaching:
     def exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
-        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising."""
+        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising. This package's
+        additions: `lease_ms=N` counts only keys the pool also leases to the caller, kept from eviction until they
+        are read (the load the lookup promised) or N ms have passed; `pin=True` counts only keys it pins (kept until
+        replaced). `ems.store_holds` says what a pool node or the embedded pool keeps and within which budgets."""
         self._check_open()
-        items, checked_option = bind_exists(hashes, option, kwargs)
+        items, checked_option, hold = bind_exists(hashes, option, kwargs)
         if isinstance(items[0], (PrimaryKey, str)):
             keys, route_keys = v0_keys(self._v0_namespace, items)
         else:
@@ -364,11 +367,12 @@ class ContextCaching:
             keys, route_keys = v1_keys(self._v1_namespace, items)
         store = self._pool.local_store
         if store is not None:  # the embedded pool: its index answers directly (as the one-pass jobs use it)
-            result = CcResult(consecutive_prefix(store.contains_many(keys)), len(keys))
+            held = store.contains_many(keys) if hold is None else store.hold_many(keys, hold)
+            result = CcResult(consecutive_prefix(held), len(keys))
             self._metrics.record_exists(result.success, result.total)
             return result
         try:
-            outcome = self._pool.exists(route_keys, keys, checked_option)
+            outcome = self._pool.exists(route_keys, keys, checked_option, hold)
         except Exception as exc:  # the contract: a failing pool is a miss, not an exception
             logger.warning("exists: pool failure reported as 0 hits: %s", exc)
             return CcResult(0, len(keys))

@@ -45,6 +45,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import AsPlaced, NodeClient, TransportError
+from ems.transport.holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
@@ -169,12 +170,13 @@ class UcxNode(NodeClient):
         meta = protocol.encode_keys_meta(keys)
         return self._call(lambda ex, rid: _get(ex, rid, meta, len(keys), views), deadline)
 
-    def exists(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], deadline: Deadline | float, hold: Hold | None = None) -> list[bool]:
         if not keys:
             return []
-        meta = protocol.encode_keys_meta(keys)
+        meta = encode_exists_meta(protocol.encode_keys_meta(keys), hold)
+        flags = 0 if hold is None else hold.flags
         reply = Reply.ONE_MESSAGE if protocol.head_layout(len(keys), 0).meta_inline else Reply.FRAMES
-        return self._call(lambda ex, rid: _exists(ex, rid, meta, len(keys)), deadline, reply)
+        return self._call(lambda ex, rid: _exists(ex, rid, meta, len(keys), flags), deadline, reply)
 
     def ping(self, deadline: Deadline | float) -> bool:
         try:
@@ -341,12 +343,13 @@ def _request(
     meta: bytes = b"",
     data: Sequence[Any] = (),
     data_len: int = 0,
+    flags: int = 0,
 ) -> tuple[protocol.Header, memoryview]:
     """Send one inline request (head on the base tag, the rest on tag `rid`) and receive its reply's head (on tag
     `rid`): the reply header (status OK, the expected op) and its inline bytes; the reply's meta frame, when it did
     not fit inline, is received too and returned in place of the inline bytes."""
     header = protocol.pack_header(
-        op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE, request_id=rid
+        op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE | flags, request_id=rid
     )
     layout = protocol.head_layout(len(meta), data_len)
     head = protocol.pack_head(header, meta, data)
@@ -387,8 +390,8 @@ def _put(ex: Exchange, rid: int, meta: bytes, frames: list, data_len: int, count
     return protocol.decode_flags(count, body[: reply.meta_len])
 
 
-def _exists(ex: Exchange, rid: int, meta: bytes, count: int) -> list[bool]:
-    reply, body = _request(ex, rid, protocol.Op.EXISTS, count=count, meta=meta)
+def _exists(ex: Exchange, rid: int, meta: bytes, count: int, flags: int = 0) -> list[bool]:
+    reply, body = _request(ex, rid, protocol.Op.EXISTS, count=count, meta=meta, flags=flags)
     return protocol.decode_flags(count, body[: reply.meta_len])
 
 
