@@ -12,6 +12,11 @@ Contract (no engine imports):
 * `EpochRecord.reset()` writes a fresh random epoch: from then on every block saved before is a miss for every
   engine that reads the record. Returns the new epoch, or None when the pool did not take the write (the caller
   reports the reset as failed).
+* The record is pinned (`ContextCaching.exists(..., pin=True)` after each write and each read: the pool keeps it
+  from eviction until it is replaced), so pressure on the pool cannot silently reset every engine's hits by taking
+  it. A pool that cannot pin it (a Mooncake Store: its pins are set at put; a node whose pin budget is used up)
+  keeps it as an ordinary value, said once in the log; an engine that then finds it gone writes a fresh epoch (only
+  misses, never an old epoch's blocks).
 * Writes never go to the client's local read cache (`write_rcache=False`), so a read always asks the pool.
 """
 
@@ -48,6 +53,8 @@ class EpochRecord:
         self._cc = cc
         self._option = CcKvOption(write_rcache=False, timeout=timeout_ms)
         self._buffer = torch.zeros(EPOCH_BYTES, dtype=torch.uint8)
+        self.pinned = False  # the last pin asked for was granted
+        self._said_unpinned = False
 
     def _wrapper(self) -> list[list[KvBufferWrapper]]:
         return [[KvBufferWrapper(self._buffer.data_ptr(), EPOCH_BYTES)]]
@@ -56,15 +63,32 @@ class EpochRecord:
         """The recorded epoch, or None when there is none; raises EmsException when the pool cannot be read."""
         self._buffer.zero_()
         result = self._cc.load(self._option, [EPOCH_KEY], self._wrapper())
-        return bytes(self._buffer.numpy().tobytes()) if result.success == 1 else None
+        if result.success != 1:
+            return None
+        self.pin()
+        return bytes(self._buffer.numpy().tobytes())
 
     def write(self, epoch: bytes) -> bool:
         self._buffer.copy_(torch.frombuffer(bytearray(epoch[:EPOCH_BYTES]), dtype=torch.uint8))
         try:
-            return self._cc.save(self._option, [EPOCH_KEY], self._wrapper()).success == 1
+            written = self._cc.save(self._option, [EPOCH_KEY], self._wrapper()).success == 1
         except EmsException as exc:
             logger.warning("could not write the namespace epoch: %s", exc.message())
             return False
+        if written:
+            self.pin()
+        return written
+
+    def pin(self) -> bool:
+        """Ask the pool to keep the record from eviction (see the module contract); whether it does."""
+        self.pinned = self._cc.exists([EPOCH_KEY], self._option, pin=True).success == 1
+        if not self.pinned and not self._said_unpinned:
+            self._said_unpinned = True
+            logger.warning(
+                "the pool did not pin the namespace epoch record (a Mooncake Store, or a node's pin budget used up): "
+                "eviction may take it, and an engine that finds it gone starts a new epoch (earlier blocks then miss)"
+            )
+        return self.pinned
 
     def current(self) -> EpochRead:
         try:

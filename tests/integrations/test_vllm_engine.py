@@ -237,6 +237,95 @@ def test_engines_share_prefixes_through_a_mooncake_store(setup, reference, moonc
     assert scheduler["lookup_hit_blocks"] == pool_blocks
 
 
+def start_engine(setup, name: str, spec: dict) -> subprocess.Popen:
+    """An engine process started in the background, single-process mode (`finish_engine` waits for it)."""
+    spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "vllm_engine.py"), spec_path, out_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+def finish_engine(setup, name: str, proc: subprocess.Popen) -> dict:
+    try:
+        code = proc.wait(ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if code != 0:
+        with open(setup["root"] / f"{name}.log") as f:
+            pytest.fail(f"engine {name} exited {code}:\n{f.read()[-6000:]}")
+    with open(setup["root"] / f"{name}.out.json") as f:
+        return json.load(f)
+
+
+def log_count(setup, name: str, text: str) -> int:
+    with open(setup["root"] / f"{name}.log") as f:
+        return sum(text in line for line in f)
+
+
+def test_two_engines_on_a_small_node_one_filling_it_while_the_other_reads(setup):
+    """A 2 MiB node (about six of these prompts) behind two engines run side by side, vLLM's default
+    kv_load_failure_policy ("fail"): the writer computes 4 prompts at a time, each saved, evicting the oldest; the
+    reader asks for each round of prompts while the writer computes the next round. Every block a lookup reports is
+    leased for its load, the epoch record is pinned: no request fails, no promised block goes missing, the reader's
+    tokens are the writer's (computed without the pool), and most of its prompts come from the pool. (Before the
+    leases: 8 of 80 reader requests failed, "Failing 1 request(s) due to KV load failure".)"""
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    rng = random.Random(13)
+    n, batch = 48, 4
+    prompts = [[rng.randrange(512) for _ in range(20 * BLOCK + 16)] for _ in range(n)]
+    pool_dir = str(setup["root"] / "pool-pressure")
+    progress = {name: str(setup["root"] / f"pressure-{name}.progress") for name in ("writer", "reader")}
+    spec = {
+        "model": setup["model"],
+        "prompts": prompts,
+        "rounds": [list(range(i, i + batch)) for i in range(0, n, batch)],
+        "batch": True,
+        "max_tokens": 4,
+        "dtype": "float32",  # bf16 outputs of this random model differ with the batch's composition (loads change it)
+        "num_blocks": 96,
+        # the connector's defaults (no kv_load_failure_policy: vLLM's default), but for the node and the read cache
+        "extra": {"local_pool_dir": pool_dir, "read_cache_capacity": 0},
+    }
+    ensure_local_pool(pool_dir, "2MiB")
+    try:
+        writer = start_engine(
+            setup,
+            "pressure-writer",
+            {**spec, "progress_file": progress["writer"], "follow": {"file": progress["reader"], "lag": -2 * batch, "total": n}},
+        )
+        reader = start_engine(
+            setup,
+            "pressure-reader",
+            {**spec, "progress_file": progress["reader"], "follow": {"file": progress["writer"], "lag": 0, "total": n}},
+        )
+        w = finish_engine(setup, "pressure-writer", writer)
+        r = finish_engine(setup, "pressure-reader", reader)
+    finally:
+        stop_local_pool(pool_dir)
+    expected = {x["prompt"]: x["samples"] for rnd in w["rounds"] for x in rnd}
+    reads = [x for rnd in r["rounds"] for x in rnd]
+    assert [x["prompt"] for x in reads] == list(range(n))
+    assert not [x["prompt"] for x in reads if x["finish_reason"] == "error"], ems_log_lines(setup, "pressure-reader")
+    assert log_count(setup, "pressure-reader", "due to KV load failure") == 0
+    for x in reads:
+        assert x["samples"] == expected[x["prompt"]], x["prompt"]
+    worker, scheduler = r["stats"]["worker"], r["stats"]["scheduler"]
+    assert scheduler["lookup_hit_blocks"] > 0 and worker["load_blocks"] == scheduler["lookup_hit_blocks"]
+    assert worker["load_failed_blocks"] == 0, ems_log_lines(setup, "pressure-reader")
+    assert sum(x["num_cached_tokens"] > 0 for x in reads) >= n // 2
+    for name in ("pressure-writer", "pressure-reader"):
+        assert log_count(setup, name, "could not read the namespace epoch") == 0, ems_log_lines(setup, name)
+
+
 def test_stats_object_aggregates_and_reduces():
     from ems.integrations.block_transfer import TransferStats
     from ems.integrations.vllm import EmsConnector, EmsConnectorStats

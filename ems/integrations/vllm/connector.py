@@ -12,13 +12,16 @@ Contract:
   engine of the model within `epoch_refresh_s` (the scheduler re-reads the record on a daemon thread). Requests
   admitted before a reset save nothing more.
 * Refused at start (`engine_checks`): pipeline or context parallelism, several KV cache groups, non-full-attention
-  caches. vLLM's top-level `kv_load_failure_policy` is the user's and stands; the extra-config key
-  `load_failure_policy` applies only over vLLM's default.
+  caches. A load that comes up short (a node died) recomputes its blocks where vLLM's top-level
+  `kv_load_failure_policy` says vLLM's default; requests fail on it only where the extra config's
+  `load_failure_policy` says "fail" (`engine_checks.apply_failure_policy`).
 * Scheduler side: `get_num_new_matched_tokens` never asks the pool on the scheduler's thread: it records a lookup
   (the request's full prompt blocks after the local prefix-cache hit, by vLLM's own `request.block_hashes`; never
   the block holding the last prompt token, vLLM must compute at least one token) and answers None ("ask again next
   step"); `build_connector_meta` hands the step's lookups to `lookup_batcher` (one batch, a background thread,
   `exists` per distinct prefix with the lookup timeout and circuit breaker), and the next step takes the answer.
+  The pool leases the blocks a lookup reports to the load that follows (`lease_ms`), so eviction cannot turn a
+  reported hit into a failed load; a load reads the epoch its lookup found the blocks in.
   A hit loads asynchronously: the request waits while others run. `update_state_after_alloc` records the load,
   `build_connector_meta` sends the loads and the full prompt blocks computed by this step (each block once per
   request, again when vLLM recomputes blocks after a failed load) to the workers.
@@ -113,6 +116,8 @@ class EmsConnectorMetadata(KVConnectorMetadata):
 # With nothing scheduled, vLLM's engine loop calls the workers again at once; a worker whose loads or copy-outs are
 # still running waits this long for one to end instead of spinning (which would take the CPU and the GIL from them).
 IDLE_WAIT_S = 0.01
+# A scheduler that could not read the namespace epoch (a private one meanwhile: only misses) asks again this soon.
+EPOCH_RETRY_S = 0.5
 # A preemption waits for the preempted requests' copy-outs (never skipped: their blocks are about to be reused); a
 # copy-out that takes this long is said in the log.
 PREEMPTION_WARN_S = 5.0
@@ -178,7 +183,8 @@ class _EpochWatch:
     def __init__(self, record: EpochRecord, refresh_s: float) -> None:
         self._record = record
         self._lock = threading.Lock()
-        self._epoch = record.current().epoch
+        first = record.current()
+        self._epoch, self._ok = first.epoch, first.ok  # not ok: a private epoch until a read succeeds (soon)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(refresh_s,), name="ems-epoch", daemon=True)
         self._thread.start()
@@ -189,8 +195,10 @@ class _EpochWatch:
             return self._epoch
 
     def _run(self, refresh_s: float) -> None:
-        while not self._stop.wait(refresh_s):
+        ok = self._ok
+        while not self._stop.wait(refresh_s if ok else min(refresh_s, EPOCH_RETRY_S)):
             read = self._record.current()
+            ok = read.ok
             if read.ok:
                 with self._lock:
                     if read.epoch != self._epoch:
@@ -280,6 +288,7 @@ class EmsConnector(KVConnectorBase_V1):
             self._config.lookup_timeout_ms,
             self._config.breaker_cooldown_s,
             self._stats,
+            self._config.lease_ms,
         )
         self._batcher = LookupBatcher(self._breaker)
         self._asking: dict[str, tuple[int, int, bytes]] = {}  # request -> (start, blocks, epoch) asked, unanswered
@@ -369,7 +378,9 @@ class EmsConnector(KVConnectorBase_V1):
         if asked:
             self._stats.add(lookup_hit_blocks=loaded, lookup_miss_blocks=asked - loaded)
         block_ids = list(blocks.get_block_ids()[0])
-        epoch = self._current_epoch()
+        # a load reads the epoch its lookup found (and leased) the blocks in; the request saves only while that is
+        # still the epoch (a reset in between: its KV may be the old weights')
+        epoch = found.epoch if found is not None and loaded > 0 else self._current_epoch()
         if loaded > 0:
             hashes = self._hashes(request)
             self._loads[rid] = BlockTransfer(rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch)
