@@ -4,7 +4,7 @@ and without the connector while loads happen, and the worst step time with a hun
     flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py [--tokens 4000] [--out perf/vllm.png]
 
 Writes a random Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 4096) into a temporary folder; every
-engine is its own process (tests/integrations/vllm_engine.py) on one local pool node (`EmsConnector`, no pool
+engine is its own process (tests/integrations/vllm_connector/vllm_engine.py) on one local pool node (`EmsConnector`, no pool
 configured, `read_cache_capacity` 0 so that every lookup and load crosses the node).
 
 1. TTFT: engine A serves the long prompt P cold and saves it. Engine B: prompt Q of the same length cold, then P
@@ -49,7 +49,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations", "vllm_connector"))
 
 
 def engine(root: str, name: str, spec: dict) -> dict:
@@ -59,7 +59,12 @@ def engine(root: str, name: str, spec: dict) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with open(os.path.join(root, f"{name}.log"), "w") as log:
         subprocess.run(
-            [sys.executable, os.path.join(HERE, "..", "tests", "integrations", "vllm_engine.py"), spec_path, out_path],
+            [
+                sys.executable,
+                os.path.join(HERE, "..", "tests", "integrations", "vllm_connector", "vllm_engine.py"),
+                spec_path,
+                out_path,
+            ],
             check=True,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -94,7 +99,7 @@ def start_engine(root: str, name: str, spec: dict, multiprocessing: bool = False
         json.dump(spec, f)
     mp = "1" if multiprocessing else "0"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": mp, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    script = os.path.join(HERE, "..", "tests", "integrations", "vllm_engine.py")
+    script = os.path.join(HERE, "..", "tests", "integrations", "vllm_connector", "vllm_engine.py")
     with open(os.path.join(root, f"{name}.log"), "w") as log:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, script, spec_path, out_path], stdout=log, stderr=subprocess.STDOUT, env=env)
 

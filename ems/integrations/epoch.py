@@ -18,12 +18,17 @@ Contract (no engine imports):
   keeps it as an ordinary value, said once in the log; an engine that then finds it gone writes a fresh epoch (only
   misses, never an old epoch's blocks).
 * Writes never go to the client's local read cache (`write_rcache=False`), so a read always asks the pool.
+* `EpochWatch(record, refresh_s)`: one engine's view of the epoch (its scheduler's): read at start, on `reset()`, and
+  every `refresh_s` by a daemon thread (never on the engine's step), so a reset by another engine reaches this one
+  within `refresh_s`. A read that fails keeps the epoch it had; while it has only a private one (the pool could not
+  be read at start), it asks again every `RETRY_S`.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,7 @@ from ems import CcKvOption, ContextCaching, EmsException, KvBufferWrapper, Prima
 logger = logging.getLogger("ems.integrations")
 
 EPOCH_BYTES = 16
+RETRY_S = 0.5  # an `EpochWatch` with a private epoch reads the record again this soon
 EPOCH_KEY = PrimaryKey(distribute_key="ems-integrations-epoch", attribute_key="v1")
 
 
@@ -104,3 +110,44 @@ class EpochRecord:
     def reset(self) -> bytes | None:
         epoch = new_epoch()
         return epoch if self.write(epoch) else None
+
+
+class EpochWatch:
+    """An engine's view of the namespace epoch (see the module contract)."""
+
+    def __init__(self, record: EpochRecord, refresh_s: float) -> None:
+        self._record = record
+        self._lock = threading.Lock()
+        first = record.current()
+        self._epoch, self._ok = first.epoch, first.ok  # not ok: a private epoch until a read succeeds (soon)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(refresh_s,), name="ems-epoch", daemon=True)
+        self._thread.start()
+
+    @property
+    def epoch(self) -> bytes:
+        with self._lock:
+            return self._epoch
+
+    def _run(self, refresh_s: float) -> None:
+        ok = self._ok
+        while not self._stop.wait(refresh_s if ok else min(refresh_s, RETRY_S)):
+            read = self._record.current()
+            ok = read.ok
+            if read.ok:
+                with self._lock:
+                    if read.epoch != self._epoch:
+                        logger.info("the namespace epoch changed (a reset): earlier blocks now miss")
+                    self._epoch = read.epoch
+
+    def reset(self) -> bool:
+        """Write a new epoch; False when the pool did not take it (nothing changed)."""
+        epoch = self._record.reset()
+        if epoch is None:
+            return False
+        with self._lock:
+            self._epoch = epoch
+        return True
+
+    def close(self) -> None:
+        self._stop.set()

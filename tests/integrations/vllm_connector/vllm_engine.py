@@ -1,6 +1,6 @@
 """Run one vLLM engine in this process and print its results as JSON (used by the tests and perf/bench_vllm.py).
 
-    python tests/integrations/vllm_engine.py SPEC.json OUT.json
+    python tests/integrations/vllm_connector/vllm_engine.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
        "extra": {kv_connector_extra_config}, "kv_load_failure_policy": str (top level; default: vLLM's),
@@ -187,11 +187,12 @@ def delay_copy_outs(control: dict, held_preemptions: list[int]) -> None:
 
         return wait
 
-    worker._ready_event = ready
+    half = worker.connector_worker  # the connector's worker half (ems.integrations.vllm.worker)
+    half._ready_event = ready
     original = worker.handle_preemptions
 
     def handle_preemptions(meta):
-        copier = worker._copier
+        copier = half._copier
         if any(copier.copying(rid) for rid in getattr(meta, "preempted", ())):
             held_preemptions[0] += 1
         if getattr(meta, "preempted", None):

@@ -4,7 +4,7 @@ without the connector; an emptied pool and a pool node killed mid-run cost only 
 prefixes through a Mooncake Store (`pool_backend="mooncake"`) the same way.
 
 Runs where vllm is importable (CI: `.venv-vllm`, see .ci/run); skipped otherwise. Each engine is a subprocess
-(tests/integrations/vllm_engine.py); they share the host's local pool node recorded in a temporary folder.
+(tests/integrations/vllm_connector/vllm_engine.py); they share the host's local pool node recorded in a temporary folder.
 """
 
 from __future__ import annotations
