@@ -52,6 +52,11 @@ class LookupBreaker:
         self._probe: tuple[list[EngineHash], bytes] | None = None
         self._stop = threading.Event()
 
+    @property
+    def leases(self) -> bool:
+        """Lookups lease what they report (`lease_ms` > 0)."""
+        return self._lease_ms > 0
+
     def is_open(self) -> bool:
         with self._lock:
             return self._open

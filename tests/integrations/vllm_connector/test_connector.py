@@ -76,8 +76,7 @@ def engine(
         "num_blocks": 48,
         "max_tokens": 6,
         "before_round": before_round or {},
-        "kv_load_failure_policy": "recompute",
-        **settings,
+        **settings,  # no kv_load_failure_policy: vLLM's default, which the connector makes "recompute"
     }
     spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
@@ -183,8 +182,9 @@ def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_mis
 def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, reference):
     """Engine C on an emptied pool computes everything; then (prefix cache reset) the scheduler finds prompt 0's
     blocks in the pool, the node is killed just before the worker loads them: the load reports every promised
-    block as failed and vLLM recomputes them (the top-level kv_load_failure_policy "recompute" of the user);
-    later requests see a dead pool as misses. Outputs stay exact."""
+    block as failed and vLLM recomputes them, under vLLM's default kv_load_failure_policy ("fail"), which the
+    connector, a best-effort cache, makes "recompute"; later requests see a dead pool as misses. No request fails;
+    outputs stay exact."""
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
     prompts = setup["prompts"]
@@ -199,7 +199,7 @@ def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, r
     )
     first, second, third = c["rounds"]
     for r in first + second + third:
-        assert r["tokens"] == reference[r["prompt"]], r["prompt"]
+        assert r["finish_reason"] != "error" and r["tokens"] == reference[r["prompt"]], r["prompt"]
     assert [r["num_cached_tokens"] for r in first] == [0, 0]  # nothing in an emptied pool
     worker, scheduler = c["stats"]["worker"], c["stats"]["scheduler"]
     promised = full_blocks(len(prompts[0])) // BLOCK
