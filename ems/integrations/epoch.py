@@ -20,8 +20,10 @@ Contract (no engine imports):
 * Writes never go to the client's local read cache (`write_rcache=False`), so a read always asks the pool.
 * `EpochWatch(record, refresh_s)`: one engine's view of the epoch (its scheduler's): read at start, on `reset()`, and
   every `refresh_s` by a daemon thread (never on the engine's step), so a reset by another engine reaches this one
-  within `refresh_s`. A read that fails keeps the epoch it had; while it has only a private one (the pool could not
-  be read at start), it asks again every `RETRY_S`.
+  within `refresh_s`. A read that fails keeps the epoch it had. It reads again within `RETRY_S` while it has only a
+  private epoch (the pool could not be read at start), and `RETRY_S` after it wrote the record (it created it, or
+  reset): engines that start, or reset, at the same moment converge on the last one written within `RETRY_S`, not
+  `refresh_s` (two engines started together used to save and look up in different epochs for 5 s).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +52,8 @@ def new_epoch() -> bytes:
 class EpochRead:
     epoch: bytes
     ok: bool  # False: the pool could not be read; `epoch` is a private one
+    # this read found no record and wrote it: another engine may have written one at once (not part of the value)
+    wrote: bool = field(default=False, compare=False)
 
 
 class EpochRecord:
@@ -97,15 +101,16 @@ class EpochRecord:
         return self.pinned
 
     def current(self) -> EpochRead:
+        wrote = False
         try:
             epoch = self.read()
             if epoch is None:
-                self.write(new_epoch())
+                wrote = self.write(new_epoch())
                 epoch = self.read()
         except EmsException as exc:
             logger.warning("could not read the namespace epoch (pool down?): using a private one: %s", exc.message())
             return EpochRead(new_epoch(), False)
-        return EpochRead(epoch, True) if epoch is not None else EpochRead(new_epoch(), False)
+        return EpochRead(epoch, True, wrote) if epoch is not None else EpochRead(new_epoch(), False)
 
     def reset(self) -> bytes | None:
         epoch = new_epoch()
@@ -119,8 +124,10 @@ class EpochWatch:
         self._record = record
         self._lock = threading.Lock()
         first = record.current()
-        self._epoch, self._ok = first.epoch, first.ok  # not ok: a private epoch until a read succeeds (soon)
-        self._stop = threading.Event()
+        self._epoch = first.epoch
+        self._soon = not first.ok or first.wrote  # read again within RETRY_S (see the contract)
+        self._stopped = False
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(refresh_s,), name="ems-epoch", daemon=True)
         self._thread.start()
 
@@ -130,14 +137,18 @@ class EpochWatch:
             return self._epoch
 
     def _run(self, refresh_s: float) -> None:
-        ok = self._ok
-        while not self._stop.wait(refresh_s if ok else min(refresh_s, RETRY_S)):
+        while not self._stopped:
+            with self._lock:
+                wait_s = min(refresh_s, RETRY_S) if self._soon else refresh_s
+            if self._wake.wait(wait_s):  # a reset (wait RETRY_S from now) or close
+                self._wake.clear()
+                continue
             read = self._record.current()
-            ok = read.ok
-            if read.ok:
-                with self._lock:
+            with self._lock:
+                self._soon = not read.ok or read.wrote
+                if read.ok:
                     if read.epoch != self._epoch:
-                        logger.info("the namespace epoch changed (a reset): earlier blocks now miss")
+                        logger.info("the namespace epoch changed (a reset, or another engine's record): earlier blocks miss")
                     self._epoch = read.epoch
 
     def reset(self) -> bool:
@@ -147,7 +158,10 @@ class EpochWatch:
             return False
         with self._lock:
             self._epoch = epoch
+            self._soon = True
+        self._wake.set()
         return True
 
     def close(self) -> None:
-        self._stop.set()
+        self._stopped = True
+        self._wake.set()

@@ -4,12 +4,14 @@ this user's key), each "engine" its own `Ems` client."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.integrations.block_transfer import block_keys, lookup_keys
-from ems.integrations.epoch import EPOCH_BYTES, EpochRecord
+from ems.integrations.epoch import EPOCH_BYTES, EpochRecord, EpochWatch, new_epoch
 from ems.integrations.local_pool import LocalPool, ensure_local_pool, stop_local_pool
 
 
@@ -65,6 +67,30 @@ def test_the_record_is_pinned_and_outlives_a_flood(tmp_path):
     finally:
         Ems.shutdown()
         stop_local_pool(str(tmp_path))
+
+
+def test_engines_that_write_the_record_at_once_converge_soon(node):
+    """Two engines start together: both find no record and both write one. The one whose write came first learns the
+    other's epoch within RETRY_S (it reads again soon after writing), not at its next refresh; the same after a
+    reset."""
+    first = record(node, "race")
+    watch = EpochWatch(first, refresh_s=60.0)  # its refresh alone would take a minute
+    try:
+        other = new_epoch()
+        assert first.write(other)  # the other engine's write, just after this one's
+        deadline = time.monotonic() + 5
+        while watch.epoch != other and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.epoch == other
+        assert watch.reset()
+        again = new_epoch()
+        assert first.write(again)  # another engine reset at the same moment
+        deadline = time.monotonic() + 5
+        while watch.epoch != again and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.epoch == again
+    finally:
+        watch.close()
 
 
 def test_an_unreachable_pool_gives_a_private_epoch(node, tmp_path):
