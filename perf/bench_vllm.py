@@ -4,7 +4,7 @@ and without the connector while loads happen, and the worst step time with a hun
     flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py [--tokens 4000] [--out perf/vllm.png]
 
 Writes a random Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 4096) into a temporary folder; every
-engine is its own process (tests/integrations/vllm_engine.py) on one local pool node (`EmsConnector`, no pool
+engine is its own process (tests/integrations/vllm_connector/vllm_engine.py) on one local pool node (`EmsConnector`, no pool
 configured, `read_cache_capacity` 0 so that every lookup and load crosses the node).
 
 1. TTFT: engine A serves the long prompt P cold and saves it. Engine B: prompt Q of the same length cold, then P
@@ -23,6 +23,17 @@ configured, `read_cache_capacity` 0 so that every lookup and load crosses the no
    step time against engine C's (which computes the same prompts: the hung node's lookups miss), with
    `lookup_timeout_ms` 300. The first round of engines B and C is a warm-up (not reported).
 Prints a table, saves a bar plot, appends both to RESULTS.md with this command.
+
+    flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py --pressure [--policy fail|recompute]
+
+4. `--pressure` (only this): a small pool node (`--node`, 2 MiB) behind two engines of a tiny random Llama (16 KiB
+   blocks) running side by side: the writer computes `--prompts` distinct prompts of `--blocks` full blocks one
+   after the other (each saved, evicting the oldest), the reader asks for prompt k while the writer computes prompt
+   k + `--lag` + 1 (the two follow each other's progress; `--batch N`: N prompts at once, round by round), so what
+   it reads is being evicted under it. vLLM's `kv_load_failure_policy` is left at its default ("fail") unless
+   `--policy` names one. Reports the reader's failed requests, its hits, whether its tokens
+   are the writer's (computed without the pool), the blocks its lookups promised and its loads did not deliver, and
+   both engines' "could not read the namespace epoch" lines.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations", "vllm_connector"))
 
 
 def engine(root: str, name: str, spec: dict) -> dict:
@@ -48,7 +59,12 @@ def engine(root: str, name: str, spec: dict) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with open(os.path.join(root, f"{name}.log"), "w") as log:
         subprocess.run(
-            [sys.executable, os.path.join(HERE, "..", "tests", "integrations", "vllm_engine.py"), spec_path, out_path],
+            [
+                sys.executable,
+                os.path.join(HERE, "..", "tests", "integrations", "vllm_connector", "vllm_engine.py"),
+                spec_path,
+                out_path,
+            ],
             check=True,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -56,6 +72,141 @@ def engine(root: str, name: str, spec: dict) -> dict:
         )
     with open(out_path) as f:
         return json.load(f)
+
+
+def ems_commit() -> str:
+    """The commit of the `ems` the engines import (this interpreter's), with "+changes" when its tree differs."""
+    import ems
+
+    where = os.path.dirname(os.path.abspath(ems.__file__))
+    run = {"capture_output": True, "text": True, "cwd": where, "check": False}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()  # type: ignore[call-overload]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()  # type: ignore[call-overload]
+    return f"{commit}{'+changes' if dirty else ''} ({where})"
+
+
+def make_bench_llama(path: str, max_pos: int) -> str:
+    """The random Llama of modes 1-3 (hidden 1024, 8 layers, 8 KV heads: 1 MiB blocks of 32 tokens in bf16)."""
+    from vllm_engine import make_tiny_llama
+
+    return make_tiny_llama(path, hidden=1024, layers=8, heads=16, kv_heads=8, vocab=4096, intermediate=2816, max_pos=max_pos)
+
+
+def start_engine(root: str, name: str, spec: dict, multiprocessing: bool = False) -> subprocess.Popen:
+    """`engine`, started in the background (`finish_engine` waits for it)."""
+    spec_path, out_path = os.path.join(root, f"{name}.json"), os.path.join(root, f"{name}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    mp = "1" if multiprocessing else "0"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": mp, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    script = os.path.join(HERE, "..", "tests", "integrations", "vllm_connector", "vllm_engine.py")
+    with open(os.path.join(root, f"{name}.log"), "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, script, spec_path, out_path], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def finish_engine(root: str, name: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> dict:
+    if proc.wait(timeout_s) != 0:
+        raise RuntimeError(f"engine {name} exited {proc.returncode}: see {os.path.join(root, name + '.log')}")
+    with open(os.path.join(root, f"{name}.out.json")) as f:
+        return json.load(f)
+
+
+def log_count(root: str, name: str, text: str) -> int:
+    with open(os.path.join(root, f"{name}.log")) as f:
+        return sum(text in line for line in f)
+
+
+def pressure(args: argparse.Namespace) -> None:
+    """Mode 4 (see the module docstring)."""
+    from vllm_engine import make_tiny_llama
+
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    root = tempfile.mkdtemp(prefix="ems-bench-pressure-")
+    block = 32
+    if args.model == "tiny":  # 16 KiB blocks
+        model, vocab = make_tiny_llama(os.path.join(root, "model")), 512
+    else:  # modes 1-3's model: 1 MiB blocks
+        model, vocab = make_bench_llama(os.path.join(root, "model"), args.blocks * block + 256), 4096
+    rng = random.Random(3)
+    prompts = [[rng.randrange(vocab) for _ in range(args.blocks * block + 16)] for _ in range(args.prompts)]
+    pool_dir = os.path.join(root, "pool")
+    progress = {name: os.path.join(root, f"{name}.progress") for name in ("writer", "reader")}
+    base: dict = {
+        "model": model,
+        "prompts": prompts,
+        "rounds": [list(range(args.prompts))],
+        "max_tokens": 4,
+        # the connector's defaults, but for the node (and no read cache: every lookup and load asks the node)
+        "extra": {"local_pool_dir": pool_dir, "read_cache_capacity": 0},
+        "num_blocks": 4 * args.blocks + 16,
+        "max_model_len": args.blocks * block + 64,
+    }
+    if args.policy:
+        base["kv_load_failure_policy"] = args.policy
+    load_before = os.getloadavg()[0]
+    try:
+        ensure_local_pool(pool_dir, args.node)
+        follow = {"total": args.prompts}
+        # in step: the reader asks for prompt k (round k) while the writer computes prompt (round) k + lag + 1
+        rounds = [list(range(i, min(i + args.batch, args.prompts))) for i in range(0, args.prompts, args.batch)]
+        spec = {**base, "rounds": rounds, **({"batch": True} if args.batch > 1 else {})}
+        w_spec = {**spec, "follow": {**follow, "file": progress["reader"], "lag": -(args.lag + 2) * args.batch}}
+        r_spec = spec
+        r_follow = {**follow, "file": progress["writer"], "lag": args.lag * args.batch}
+        writer = start_engine(root, "writer", {**w_spec, "progress_file": progress["writer"]}, args.mp)
+        reader = start_engine(root, "reader", {**r_spec, "progress_file": progress["reader"], "follow": r_follow}, args.mp)
+        w = finish_engine(root, "writer", writer)
+        r = finish_engine(root, "reader", reader)
+    finally:
+        stop_local_pool(pool_dir)
+    expected = {x["prompt"]: x.get("tokens") or x["samples"][0] for rnd in w["rounds"] for x in rnd}
+    reads = [x for rnd in r["rounds"] for x in rnd]
+    failed = [x for x in reads if x.get("finish_reason") == "error"]
+    served = [x for x in reads if x.get("finish_reason") != "error"]
+    same = sum((x.get("tokens") or x["samples"][0]) == expected[x["prompt"]] for x in served)
+    hits = [x for x in served if x["num_cached_tokens"] > 0]
+    worker, scheduler = r["stats"].get("worker", {}), r["stats"].get("scheduler", {})
+    epoch_lines = {n: log_count(root, n, "could not read the namespace epoch") for n in ("writer", "reader")}
+    row = {
+        "requests": len(reads),
+        "failed": len(failed),
+        "hits": len(hits),
+        "hit_rate": sum(x["num_cached_tokens"] for x in hits) / max(1, len(reads) * args.blocks * block),
+        "same_tokens": same,
+        "promised": scheduler.get("lookup_hit_blocks", 0),
+        "loaded": worker.get("load_blocks", 0),
+        "load_failed": worker.get("load_failed_blocks", 0),
+        "epoch_lines": epoch_lines,
+        "failing_lines": log_count(root, "reader", "due to KV load failure"),
+    }
+    print(json.dumps(row))
+    commit = ems_commit()
+    policy = args.policy or "vLLM's default (fail)"
+    model_words = "tiny, 16 KiB" if args.model == "tiny" else "hidden 1024, 8 layers, 1 MiB"
+    lines = [
+        "",
+        f"## vLLM: two engines on a {args.node} node, one filling it while the other reads ({time.strftime('%Y-%m-%d')})",
+        "",
+        (
+            f"Command: `flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py {' '.join(sys.argv[1:])}` "
+            f"at commit {commit}; {os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at "
+            f"start). Random Llama ({model_words} blocks), {args.blocks} full blocks a prompt, {args.batch} at once; "
+            f"kv_load_failure_policy: {policy}. Logs: {root}."
+        ),
+        "",
+        "| reader requests | failed | with hits | hit rate (prompt tokens) | same tokens as the writer | blocks promised | "
+        "loaded | promised, not loaded | epoch-read failures (writer, reader) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        (
+            f"| {row['requests']} | {row['failed']} | {row['hits']} | {row['hit_rate']:.2f} | {same} of {len(served)} | "
+            f"{row['promised']} | {row['loaded']} | {row['load_failed']} | {epoch_lines['writer']}, {epoch_lines['reader']} |"
+        ),
+        "",
+    ]
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n".join(lines))
 
 
 def mean(values: list[float]) -> float:
@@ -81,23 +232,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--out", default=os.path.join(HERE, "vllm.png"))
-    parser.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+    parser.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"), help="'' : append nothing")
+    parser.add_argument("--pressure", action="store_true", help="only mode 4: two engines on a small node")
+    parser.add_argument("--node", default="2MiB", help="--pressure: the pool node's capacity")
+    parser.add_argument("--prompts", type=int, default=40, help="--pressure: distinct prompts")
+    parser.add_argument("--blocks", type=int, default=20, help="--pressure: full blocks a prompt")
+    parser.add_argument("--lag", type=int, default=2, help="--pressure: prompts the writer is ahead")
+    parser.add_argument("--mp", action="store_true", help="--pressure: vLLM's multi-process mode (no counters)")
+    parser.add_argument("--batch", type=int, default=1, help="--pressure: prompts each engine runs at once")
+    parser.add_argument("--model", choices=("tiny", "bench"), default="tiny", help="--pressure: the model")
+    parser.add_argument("--policy", choices=("fail", "recompute"), help="--pressure: kv_load_failure_policy")
     args = parser.parse_args()
-    from vllm_engine import make_tiny_llama
-
+    if args.pressure:
+        pressure(args)
+        return
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
     root = tempfile.mkdtemp(prefix="ems-bench-vllm-")
-    model = make_tiny_llama(
-        os.path.join(root, "model"),
-        hidden=1024,
-        layers=8,
-        heads=16,
-        kv_heads=8,
-        vocab=4096,
-        intermediate=2816,
-        max_pos=args.tokens + 256,
-    )
+    model = make_bench_llama(os.path.join(root, "model"), args.tokens + 256)
     rng = random.Random(0)
     long_p = [rng.randrange(4096) for _ in range(args.tokens)]
     long_q = [rng.randrange(4096) for _ in range(args.tokens)]

@@ -22,6 +22,7 @@ from ems.buffers import Buffer
 from ems.datapath.keys import encode_hash
 from ems.errors import EmsErrorCode
 from ems.transport.base import NodeClient, TransportError
+from ems.transport.holds import Hold
 
 NAMESPACE_PREFIX = 17  # 16-byte namespace + 1 form byte
 
@@ -120,9 +121,9 @@ class FaultyNode(NodeClient):
             values = [None if v is None else damage(bytes(v), self.corrupt_gets) for v in values]
         return values
 
-    def exists(self, keys: Sequence[bytes], timeout_s: float) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], timeout_s: float, hold: Hold | None = None) -> list[bool]:
         self._before("exists", timeout_s)
-        return self.inner.exists(keys, timeout_s)
+        return self.inner.exists(keys, timeout_s, hold)
 
     def ping(self, timeout_s: float) -> bool:
         self.calls["ping"] += 1

@@ -20,6 +20,7 @@ from typing import Protocol
 from ems.buffers import Buffer
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
+from ems.transport.holds import Hold
 
 #: A load's use of values while a same-host node is still placing them (`NodeClient.places_progressively`):
 #: called with the address of the request's progress word (a u32: how many leading values are placed, `shm.py`),
@@ -35,6 +36,8 @@ class LocalStore(Protocol):
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]: ...
 
     def close(self) -> None: ...
 
@@ -81,8 +84,9 @@ class NodeClient(abc.ABC):
         return placed
 
     @abc.abstractmethod
-    def exists(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[bool]:
-        """Whether the node holds each key."""
+    def exists(self, keys: Sequence[bytes], deadline: Deadline | float, hold: Hold | None = None) -> list[bool]:
+        """Whether the node holds each key; with `hold`, whether it holds it and keeps it as asked (a lease or a
+        pin: `transport.holds`)."""
 
     @abc.abstractmethod
     def ping(self, deadline: Deadline | float) -> bool:

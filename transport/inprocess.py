@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from ems.buffers import Buffer
 from ems.deadline import Deadline
 from ems.transport.base import LocalStore, NodeClient
+from ems.transport.holds import Hold
 
 
 class InProcessNode(NodeClient):
@@ -24,8 +25,8 @@ class InProcessNode(NodeClient):
     def get(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[Buffer | None]:
         return list(self.store.get_many(keys))
 
-    def exists(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[bool]:
-        return self.store.contains_many(keys)
+    def exists(self, keys: Sequence[bytes], deadline: Deadline | float, hold: Hold | None = None) -> list[bool]:
+        return self.store.contains_many(keys) if hold is None else self.store.hold_many(keys, hold)
 
     def ping(self, deadline: Deadline | float) -> bool:
         return True

@@ -20,6 +20,7 @@ Contract:
   the worker threads (`executor`); smaller ones on the loop (cheaper than the hop). A GET the store says may wait
   for a disk (`may_block(keys)`) is looked up on a worker thread. Every buffer and budget byte is released on every
   path.
+* An EXISTS with a lease or a pin (`transport.holds`) is answered by the store's `hold_many`: held *and* kept.
 * A malformed request raises `protocol.ProtocolError` (the session closes that connection only).
 * With `metrics` (`ems.pool.metrics.NodeMetrics`), each request is counted once, with its outcome and bytes.
 """
@@ -38,6 +39,7 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.transport import protocol
+from ems.transport.holds import Hold, decode_exists_meta
 from ems.transport.node_budget import ByteBudget, NodeLimits
 from ems.transport.scratch import ScratchBuffers
 from ems.transport.shm import ShmSettings, metric_name
@@ -111,6 +113,10 @@ class NodeStore(Protocol):
         ...
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]:
+        """Lease or pin each key held (`ems.store.holds`); True where it is held and kept as asked."""
+        ...
 
     def stats(self) -> NodeStoreStats: ...
 
@@ -199,8 +205,7 @@ class NodeHandlers:
             else:
                 if header.op != _EXISTS or header.data_len:
                     raise protocol.ProtocolError(f"op {header.op} cannot be answered at once")
-                keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, meta))
-                reply = protocol.encode_flags(self.store.contains_many(keys))
+                reply = self._exists(header, meta, prefix)
             ok = True
             return reply
         finally:
@@ -215,10 +220,10 @@ class NodeHandlers:
                 raise protocol.ProtocolError("GET/EXISTS carry no data")
             await self.take(header.meta_len)
             try:
-                keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, await channel.meta()))
                 if op == _EXISTS:
-                    await channel.reply(op, count=len(keys), meta=protocol.encode_flags(self.store.contains_many(keys)))
+                    await channel.reply(op, count=header.count, meta=self._exists(header, await channel.meta(), prefix))
                     return 0
+                keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, await channel.meta()))
             finally:
                 self.budget.release(header.meta_len)
             if len(keys) == 1:
@@ -235,6 +240,12 @@ class NodeHandlers:
         if op in _SHM_OPS:
             return await self.shm.serve(channel, prefix)
         raise protocol.ProtocolError(f"unexpected op {op} after the handshake")
+
+    def _exists(self, header: protocol.Header, meta: memoryview | bytes, prefix: bytes) -> bytes:
+        """An EXISTS's reply meta: the keys held (and, where it asks, leased or pinned: `transport.holds`)."""
+        hold, keys_meta = decode_exists_meta(header.flags, meta)
+        keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, keys_meta))
+        return protocol.encode_flags(self.store.contains_many(keys) if hold is None else self.store.hold_many(keys, hold))
 
     async def take(self, nbytes: int) -> None:
         """Reserve `nbytes` of the in-flight budget for a request, or refuse it (`Refusal`)."""

@@ -1,4 +1,4 @@
-"""The pool-node wire protocol, version 5 (`VERSION`): frames, limits and the data-segment plan (pure functions, no I/O).
+"""The pool-node wire protocol, version 6 (`VERSION`): frames, limits and the data-segment plan (pure functions, no I/O).
 
 Contract:
 * Every exchange starts with one fixed 32-byte little-endian **header**:
@@ -38,10 +38,11 @@ Contract:
   (status OK, or AUTH_FAILED with a UTF-8 message in meta, then the node closes). The key never crosses the wire.
 * PUT meta: value_lens u64[count] | key_lens u32[count] | frame_lens u64[data frames] | keys. `flags` of the header
   carries nothing; the data frame count is `(meta_len - 12*count - sum(key_lens)) / 8`. GET/EXISTS meta: key_lens
-  u32[count] | keys. PING: nothing. SHM_OPEN, SHM_PUT, SHM_GET: see `transport/shm.py` (values in a region of
-  shared memory, never in data frames).
-* Replies: PUT/EXISTS meta u8[count] (1 = stored / held); GET meta i64[count] (value length, -1 = miss) and then one
-  data frame per segment of the present values.
+  u32[count] | keys; an EXISTS with `flags` LEASE asks the node to lease the keys it finds and carries the lease's
+  milliseconds (u32) before that, one with PIN asks it to pin them (`transport/holds.py`). PING: nothing.
+  SHM_OPEN, SHM_PUT, SHM_GET: see `transport/shm.py` (values in a region of shared memory, never in data frames).
+* Replies: PUT/EXISTS meta u8[count] (1 = stored / held, and kept as asked); GET meta i64[count] (value length,
+  -1 = miss) and then one data frame per segment of the present values.
 * Values travel in **segments** (`segment_plan`): a value of at least SEGMENT_BYTES is a segment of its own (sent
   without copying); runs of smaller values are packed into segments of about SEGMENT_BYTES, so a batch of small
   values costs few messages. A PUT splits segments further into data frames (e.g. a value's header and payload parts),
@@ -68,9 +69,10 @@ import numpy as np
 from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
-# 5: a same-host GET may name a progress word (transport/shm.py); 4: request tags are the base tag XOR the request
+# 6: an EXISTS may ask for a lease or a pin on the keys it finds (transport/holds.py); 5: a same-host GET may name a
+# progress word (transport/shm.py); 4: request tags are the base tag XOR the request
 # id (3 hashed them); 3: version 2 plus the shared-memory ops
-VERSION = 5
+VERSION = 6
 HEADER_DTYPE = np.dtype(
     [
         ("magic", "<u4"),
@@ -137,9 +139,11 @@ class Flags(enum.IntFlag):
     NONE = 0
     AUTH_REQUIRED = 1  # CHALLENGE: the node only serves clients that prove a configured key
     INLINE = 2  # a request (and its reply) in the inline framing, on the request's own tag
+    LEASE = 4  # EXISTS: lease the keys found (transport/holds.py)
+    PIN = 8  # EXISTS: pin the keys found
 
 
-ALL_FLAGS = Flags.AUTH_REQUIRED | Flags.INLINE
+ALL_FLAGS = Flags.AUTH_REQUIRED | Flags.INLINE | Flags.LEASE | Flags.PIN
 _INLINE = int(Flags.INLINE)  # plain ints on the per-request path (IntFlag arithmetic is slow)
 _UNKNOWN_FLAGS = ~int(ALL_FLAGS)
 

@@ -3,10 +3,15 @@
 Contract:
 * Every call runs on the calling thread (`transport.ucx_direct`): it posts its frames on the process's client UCX
   worker, whose C++ progress thread moves the bytes without the GIL, and waits for their completion itself. The
-  calling thread waits until the call's `Deadline` at most; on timeout the call's requests are kept until UCX ends them and the
-  endpoint is aborted (a late reply can never be read as the answer to a later request), and `TransportError
-  (EMS_IO_TIMEOUT)` is raised. Lost connections, refused handshakes and malformed replies raise `EMS_IO_ERROR`.
-* One connection per node, several requests in flight on it (protocol version 4, inline framing): each request has
+  calling thread waits until the call's `Deadline` at most; on timeout the call's requests are kept until UCX ends them and
+  `TransportError(EMS_IO_TIMEOUT)` is raised. A request whose whole reply is one message, whose receive was posted
+  before the request went out (an EXISTS or PING: `Reply.ONE_MESSAGE`), leaves the connection as it is: the kept
+  receive takes the late reply, on the request's own tag, so it can never answer a later request, and the other
+  calls in flight on the connection go on (a lookup's short timeout on a busy node used to abort the connection
+  under every load, save and record read sharing it, and the backoff then failed them all for a while). Any other
+  request's timeout aborts the endpoint (a reply's later frames would have no receive to take them). Lost
+  connections, refused handshakes and malformed replies raise `EMS_IO_ERROR`.
+* One connection per node, several requests in flight on it (inline framing): each request has
   a request id, its frames after the head and its whole reply travel on its own tag, so concurrent calls (async
   saves, TP ranks) overlap on one connection. An exists or any small request is one message each way. A GET posts
   every segment receive at once as soon as the reply head is in: its bytes never wait for the calling thread.
@@ -14,7 +19,8 @@ Contract:
   place, length-verified; small packed values are copied out of their segment), so a load allocates nothing.
 * Lazy reconnect: a call on a dropped connection reconnects first (concurrent calls wait for one connect). After a
   failure, calls within `RECONNECT_BACKOFF_S` fail at once with the last error instead of hammering a dead node.
-  A timeout or failure aborts the endpoint (the other requests in flight on it fail too).
+  A failure, or a timeout of a request whose reply may have several frames, aborts the endpoint (the other requests
+  in flight on it fail too).
 * Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
   connection (`transport.shm_client`); any call it cannot serve goes over UCX as above.
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels.
@@ -39,6 +45,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import AsPlaced, NodeClient, TransportError
+from ems.transport.holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
@@ -82,6 +89,13 @@ class Failure(enum.Enum):
     UNREACHABLE = "unreachable"  # connection refused, reset or lost; malformed replies
     TIMEOUT = "timeout"
     REFUSED = "refused"  # the node answered with an error (authentication failed)
+
+
+class Reply(enum.Enum):
+    """What a request's reply is, which decides what its timeout costs the connection (see the contract)."""
+
+    ONE_MESSAGE = "one message"  # an inline head only, its receive posted up front: a timeout keeps the connection
+    FRAMES = "frames"  # may bring frames received after the head: a timeout aborts the connection
 
 
 class _Refused(Exception):
@@ -156,15 +170,17 @@ class UcxNode(NodeClient):
         meta = protocol.encode_keys_meta(keys)
         return self._call(lambda ex, rid: _get(ex, rid, meta, len(keys), views), deadline)
 
-    def exists(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[bool]:
+    def exists(self, keys: Sequence[bytes], deadline: Deadline | float, hold: Hold | None = None) -> list[bool]:
         if not keys:
             return []
-        meta = protocol.encode_keys_meta(keys)
-        return self._call(lambda ex, rid: _exists(ex, rid, meta, len(keys)), deadline)
+        meta = encode_exists_meta(protocol.encode_keys_meta(keys), hold)
+        flags = 0 if hold is None else hold.flags
+        reply = Reply.ONE_MESSAGE if protocol.head_layout(len(keys), 0).meta_inline else Reply.FRAMES
+        return self._call(lambda ex, rid: _exists(ex, rid, meta, len(keys), flags), deadline, reply)
 
     def ping(self, deadline: Deadline | float) -> bool:
         try:
-            self._call(_ping, deadline)
+            self._call(_ping, deadline, Reply.ONE_MESSAGE)
             return True
         except TransportError:
             return False
@@ -194,7 +210,7 @@ class UcxNode(NodeClient):
 
     # ---- machinery ----
 
-    def _call(self, request: Callable[[Exchange, int], T], limit: Deadline | float) -> T:
+    def _call(self, request: Callable[[Exchange, int], T], limit: Deadline | float, reply: Reply = Reply.FRAMES) -> T:
         deadline = Deadline.within(limit).at
         timeout_s = max(0.0, deadline - time.monotonic())
         self._check_backoff()
@@ -211,7 +227,11 @@ class UcxNode(NodeClient):
             self.last_failure = Failure.NONE
             return result
         except WaitTimeout:
-            raise self._fail(conn, EmsErrorCode.EMS_IO_TIMEOUT, f"no answer within {timeout_s:.3f} s") from None
+            message = f"no answer within {timeout_s:.3f} s"
+            if reply is Reply.ONE_MESSAGE and exchange is not None:  # sent, its reply's receive kept: see the contract
+                self.last_failure = Failure.TIMEOUT
+                raise TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{self.address}: {message}") from None
+            raise self._fail(conn, EmsErrorCode.EMS_IO_TIMEOUT, message) from None
         except _ConnectTimeout:
             raise self._fail(conn, EmsErrorCode.EMS_IO_TIMEOUT, "connect timed out") from None
         except _Refused as error:
@@ -315,13 +335,21 @@ class UcxNode(NodeClient):
 
 
 def _request(
-    ex: Exchange, rid: int, op: int, *, count: int = 0, meta: bytes = b"", data: Sequence[Any] = (), data_len: int = 0
+    ex: Exchange,
+    rid: int,
+    op: int,
+    *,
+    count: int = 0,
+    meta: bytes = b"",
+    data: Sequence[Any] = (),
+    data_len: int = 0,
+    flags: int = 0,
 ) -> tuple[protocol.Header, memoryview]:
     """Send one inline request (head on the base tag, the rest on tag `rid`) and receive its reply's head (on tag
     `rid`): the reply header (status OK, the expected op) and its inline bytes; the reply's meta frame, when it did
     not fit inline, is received too and returned in place of the inline bytes."""
     header = protocol.pack_header(
-        op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE, request_id=rid
+        op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE | flags, request_id=rid
     )
     layout = protocol.head_layout(len(meta), data_len)
     head = protocol.pack_head(header, meta, data)
@@ -362,8 +390,8 @@ def _put(ex: Exchange, rid: int, meta: bytes, frames: list, data_len: int, count
     return protocol.decode_flags(count, body[: reply.meta_len])
 
 
-def _exists(ex: Exchange, rid: int, meta: bytes, count: int) -> list[bool]:
-    reply, body = _request(ex, rid, protocol.Op.EXISTS, count=count, meta=meta)
+def _exists(ex: Exchange, rid: int, meta: bytes, count: int, flags: int = 0) -> list[bool]:
+    reply, body = _request(ex, rid, protocol.Op.EXISTS, count=count, meta=meta, flags=flags)
     return protocol.decode_flags(count, body[: reply.meta_len])
 
 

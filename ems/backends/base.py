@@ -38,6 +38,7 @@ from ems.errors import EmsErrorCode
 from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues
 from ems.transport.base import AsPlaced, TransportError
+from ems.transport.holds import Hold
 from ems.transport.protocol import RequestLimits
 from ems.types import CcKvOption
 
@@ -137,8 +138,12 @@ class PoolBackend(Protocol):
         shared region: `transport.base.AsPlaced`), or never."""
         ...
 
-    def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
-        """Whether the pool holds each key."""
+    def exists(
+        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption, hold: Hold | None = None
+    ) -> PoolOutcome[bool]:
+        """Whether the pool holds each key; with `hold` (`ems.transport.holds`), whether it holds it and keeps it as
+        asked: leased until it is read or the lease's time has passed, or pinned. A pool that cannot keep keys so
+        says False for them (a lookup then promises nothing it could lose)."""
         ...
 
     def healthy(self, timeout_s: float = 1.0) -> bool:

@@ -32,6 +32,7 @@ from ems.deadline import Deadline
 from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues
 from ems.transport.base import AsPlaced, NodeClient
+from ems.transport.holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
 
@@ -158,12 +159,16 @@ class PoolClient:
         progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
         return self.router.get_into(route_keys, keys, outs, deadline or Deadline.of(option), expected, results, progressive)
 
-    def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
-        """Whether each key is held (the read cache first, then the owning nodes unless local-only)."""
-        results: list = [False] * len(keys) if self.cache is None else self.cache.contains(keys)
+    def exists(
+        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption, hold: Hold | None = None
+    ) -> PoolOutcome[bool]:
+        """Whether each key is held (the read cache first, then the owning nodes unless local-only). With a lease, a
+        key in the read cache needs none (the load reads it there); a pin is a node's, never the cache's."""
+        cached = self.cache is not None and (hold is None or hold.kind is HoldKind.LEASE)
+        results: list = self.cache.contains(keys) if cached and self.cache is not None else [False] * len(keys)
         if not self._remote_reads(option):
             return PoolOutcome(results)
-        return self.router.exists(route_keys, keys, Deadline.of(option), results)
+        return self.router.exists(route_keys, keys, Deadline.of(option), results, hold)
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """True when at least one node answers a ping within `timeout_s` (the pool is usable)."""

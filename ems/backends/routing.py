@@ -36,6 +36,7 @@ from ems.errors import EmsErrorCode
 from ems.store.kv_store import KvStore
 from ems.store.value_format import HEADER_SIZE, ExpectedValues, matches
 from ems.transport.base import AsPlaced, NodeClient, TransportError
+from ems.transport.holds import Hold
 from ems.transport.inprocess import InProcessNode
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
 
@@ -358,14 +359,20 @@ class NodeRouter:
         return outcome
 
     def exists(
-        self, route_keys: Sequence[bytes], keys: Sequence[bytes], deadline: Deadline, results: list | None = None
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        deadline: Deadline,
+        results: list | None = None,
+        hold: Hold | None = None,
     ) -> PoolOutcome[bool]:
-        """Whether each wanted key (`results[i]` False: wanted) is held."""
+        """Whether each wanted key (`results[i]` False: wanted) is held (with `hold`: held and kept as asked, by the
+        node that answered for it)."""
         results = [False] * len(keys) if results is None else results
         return self._fan_out(
             route_keys,
             ~np.asarray(results, dtype=bool),
-            lambda node, idx, d: node.exists([keys[i] for i in idx], d),
+            lambda node, idx, d: node.exists([keys[i] for i in idx], d, hold),
             lambda idx: RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()])),
             results,
             deadline,

@@ -405,7 +405,11 @@ class ContextCaching:
     def exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
-        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising (`ems.client.lookup`)."""
+        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising (`ems.client.lookup`).
+        This package's additions: `lease_ms=N` counts only keys the pool also leases to the caller, kept from eviction
+        until they are read (the load the lookup promised) or N ms have passed; `pin=True` counts only keys it pins
+        (kept until replaced). `ems.store.holds` says what a pool node or the embedded pool keeps and within which
+        budgets."""
         with self._calls:
             v1_namespace = self._v1_namespace if self._layout is not None else None
             return count_held(self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace)

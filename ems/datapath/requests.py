@@ -29,6 +29,7 @@ from ems.datapath.layout import RegisteredLayout
 from ems.errors import invalid_argument
 from ems.kernels.plan import runs_to_slots
 from ems.kernels.raw_memory import host_array
+from ems.transport.holds import Hold
 from ems.types import (
     DEFAULT_OPTION,
     CcKvOption,
@@ -420,12 +421,30 @@ def bind_request(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLay
     return _bind_slots(op, b, layout)
 
 
-def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> tuple[list[int] | list[V0Key], CcKvOption]:
-    """exists(hashes, option=None): V1 block hashes, or V0 keys (PrimaryKey or str)."""
-    if kwargs:
-        raise invalid_argument(f"exists() got unexpected arguments {sorted(kwargs)}")
+def bind_exists(
+    hashes: object, option: object, kwargs: dict[str, Any]
+) -> tuple[list[int] | list[V0Key], CcKvOption, Hold | None]:
+    """exists(hashes, option=None, lease_ms=..., pin=...): V1 block hashes, or V0 keys (PrimaryKey or str), and what
+    the pool is to keep of the keys it finds (this package's addition, `ems.transport.holds`): `lease_ms` (an int in
+    1..MAX_LEASE_MS) leases them until they are read or that time has passed, `pin=True` pins them."""
+    unknown = sorted(set(kwargs) - {"lease_ms", "pin"})
+    if unknown:
+        raise invalid_argument(f"exists() got unexpected arguments {unknown}")
+    hold: Hold | None = None
+    lease_ms, pin = kwargs.get("lease_ms"), kwargs.get("pin", False)
+    if not isinstance(pin, bool):
+        raise invalid_argument(f"exists(): pin must be a bool, got {type(pin).__name__}")
+    if lease_ms is not None:
+        if pin:
+            raise invalid_argument("exists(): give lease_ms or pin=True, not both")
+        try:
+            hold = Hold.lease(lease_ms)
+        except ValueError as error:
+            raise invalid_argument(f"exists(): {error}") from None
+    elif pin:
+        hold = Hold.pin()
     checked_option = _option(option, required=False)
     if isinstance(hashes, (list, tuple)) and hashes and isinstance(hashes[0], (PrimaryKey, str)):
         _check_v0_keys("hashes", hashes)
-        return list(hashes), checked_option
-    return _hashes(hashes), checked_option
+        return list(hashes), checked_option, hold
+    return _hashes(hashes), checked_option, hold

@@ -9,7 +9,9 @@ Contract (no engine imports):
   only if every rank holds it. Engine hashes may be bytes (vLLM's sha256 block hashes: the first 16 bytes are used)
   or ints. With an `epoch` (the namespace's epoch, `ems.integrations.epoch`: random bytes) a block's 128 bits are
   BLAKE2b keyed by the epoch, so the keys of one epoch are never the keys of another, whatever the engine's hashes
-  (a reset moves to a new random epoch).
+  (a reset moves to a new random epoch). With `lease_ms`, `lookup` counts only blocks the pool leases to the load
+  that follows (`ContextCaching.exists(..., lease_ms=...)`): eviction cannot take them before it. With MLA (one
+  shared key per block) the first rank's read ends the lease.
 * `BlockMover.load` is synchronous and returns which engine blocks did *not* arrive (a pool that fails, partly or
   wholly, is reported, never raised: the engine recomputes those blocks). `start_load` / `poll_load` are the same
   load asynchronously (`ContextCaching.async_load`): `poll_load` never blocks and gives the `LoadOutcome` once it
@@ -162,11 +164,14 @@ def lookup(
     option: CcKvOption | None = None,
     stats: StatsSink | None = None,
     epoch: bytes = b"",
+    lease_ms: int = 0,
 ) -> int:
-    """How many of `hashes`, from the first, every rank holds in the pool (a failing pool: 0)."""
+    """How many of `hashes`, from the first, every rank holds in the pool (a failing pool: 0); with `lease_ms`, only
+    blocks the pool also leases for that long (kept from eviction until each rank's load reads them)."""
     if not hashes:
         return 0
-    result = cc.exists(lookup_keys(hashes, tp_size, shared, epoch), option)
+    keys = lookup_keys(hashes, tp_size, shared, epoch)
+    result = cc.exists(keys, option, lease_ms=lease_ms) if lease_ms > 0 else cc.exists(keys, option)
     ranks = 1 if shared else tp_size
     hits = result.success // ranks
     if stats is not None:

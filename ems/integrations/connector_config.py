@@ -15,7 +15,8 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | local_pool_capacity | "2GiB"                     | capacity of a local node this engine starts                   |
 | model_id            | derived from the model     | key namespace: engines that share blocks must agree           |
 | timeout_ms          | 5000                       | `CcKvOption.timeout` of every lookup, load and save           |
-| load_failure_policy | none                       | vLLM's `kv_load_failure_policy` when the top level leaves vLLM's default |
+| load_failure_policy | "recompute"                | vLLM's `kv_load_failure_policy` where the top level says vLLM's default |
+| lease_ms            | 10000                      | how long the pool keeps a lookup's blocks for its load (0: no lease) |
 | epoch_refresh_s     | 5.0                        | how often the scheduler re-reads the namespace epoch (reset)  |
 | lookup_timeout_ms   | 500                        | the scheduler's lookup timeout: the most a hung node costs a step |
 | breaker_cooldown_s  | 2.0                        | how often a pool counted as down is asked again              |
@@ -46,6 +47,12 @@ from ems.config import (
     access_key_from_environment,
     resolve_settings,
 )
+from ems.transport.holds import MAX_LEASE_MS
+
+# A lookup's blocks are leased for the load that follows (`ems.transport.holds`): long enough for a request that vLLM
+# admits a few steps later (its answer is reused for `lookup_cache_s`) and for loads that wait for the in-flight
+# budget; the load's read ends the lease at once.
+DEFAULT_LEASE_MS = 10_000
 
 
 def invalid_argument(message: str) -> EmsException:
@@ -66,6 +73,7 @@ KEYS = (
     "lookup_timeout_ms",
     "breaker_cooldown_s",
     "lookup_cache_s",
+    "lease_ms",
     "access_id",
     "access_key",
     "cross_layer_blocks",
@@ -90,6 +98,7 @@ class ConnectorConfig:
     lookup_timeout_ms: int = 500
     breaker_cooldown_s: float = 2.0
     lookup_cache_s: float = 1.0
+    lease_ms: int = DEFAULT_LEASE_MS
     access_id: str | None = None
     access_key: str | None = field(default=None, repr=False)
     max_inflight: int = DEFAULT_MAX_INFLIGHT
@@ -131,6 +140,9 @@ class ConnectorConfig:
         lookup_timeout = extra.get("lookup_timeout_ms", 500)
         if isinstance(lookup_timeout, bool) or not isinstance(lookup_timeout, int) or lookup_timeout < 1:
             raise invalid_argument(f"kv_connector_extra_config.lookup_timeout_ms must be an int >= 1, got {lookup_timeout!r}")
+        lease_ms = extra.get("lease_ms", DEFAULT_LEASE_MS)
+        if isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or not 0 <= lease_ms <= MAX_LEASE_MS:
+            raise invalid_argument(f"kv_connector_extra_config.lease_ms must be an int in 0..{MAX_LEASE_MS}, got {lease_ms!r}")
         inflight = pool.max_inflight
         cross_layer = extra.get("cross_layer_blocks", False)
         if not isinstance(cross_layer, bool):
@@ -150,6 +162,7 @@ class ConnectorConfig:
             lookup_timeout_ms=lookup_timeout,
             breaker_cooldown_s=float(seconds["breaker_cooldown_s"]),
             lookup_cache_s=float(seconds["lookup_cache_s"]),
+            lease_ms=lease_ms,
             access_id=extra.get("access_id"),
             access_key=extra.get("access_key") or (access_key_from_environment() if extra.get("access_id") else None),
             max_inflight=inflight,

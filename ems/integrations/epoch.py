@@ -12,14 +12,26 @@ Contract (no engine imports):
 * `EpochRecord.reset()` writes a fresh random epoch: from then on every block saved before is a miss for every
   engine that reads the record. Returns the new epoch, or None when the pool did not take the write (the caller
   reports the reset as failed).
+* The record is pinned (`ContextCaching.exists(..., pin=True)` after each write and each read: the pool keeps it
+  from eviction until it is replaced), so pressure on the pool cannot silently reset every engine's hits by taking
+  it. A pool that cannot pin it (a Mooncake Store: its pins are set at put; a node whose pin budget is used up)
+  keeps it as an ordinary value, said once in the log; an engine that then finds it gone writes a fresh epoch (only
+  misses, never an old epoch's blocks).
 * Writes never go to the client's local read cache (`write_rcache=False`), so a read always asks the pool.
+* `EpochWatch(record, refresh_s)`: one engine's view of the epoch (its scheduler's): read at start, on `reset()`, and
+  every `refresh_s` by a daemon thread (never on the engine's step), so a reset by another engine reaches this one
+  within `refresh_s`. A read that fails keeps the epoch it had. It reads again within `RETRY_S` while it has only a
+  private epoch (the pool could not be read at start), and `RETRY_S` after it wrote the record (it created it, or
+  reset): engines that start, or reset, at the same moment converge on the last one written within `RETRY_S`, not
+  `refresh_s` (two engines started together used to save and look up in different epochs for 5 s).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +40,7 @@ from ems import CcKvOption, ContextCaching, EmsException, KvBufferWrapper, Prima
 logger = logging.getLogger("ems.integrations")
 
 EPOCH_BYTES = 16
+RETRY_S = 0.5  # an `EpochWatch` with a private epoch reads the record again this soon
 EPOCH_KEY = PrimaryKey(distribute_key="ems-integrations-epoch", attribute_key="v1")
 
 
@@ -39,6 +52,8 @@ def new_epoch() -> bytes:
 class EpochRead:
     epoch: bytes
     ok: bool  # False: the pool could not be read; `epoch` is a private one
+    # this read found no record and wrote it: another engine may have written one at once (not part of the value)
+    wrote: bool = field(default=False, compare=False)
 
 
 class EpochRecord:
@@ -48,6 +63,8 @@ class EpochRecord:
         self._cc = cc
         self._option = CcKvOption(write_rcache=False, timeout=timeout_ms)
         self._buffer = torch.zeros(EPOCH_BYTES, dtype=torch.uint8)
+        self.pinned = False  # the last pin asked for was granted
+        self._said_unpinned = False
 
     def _wrapper(self) -> list[list[KvBufferWrapper]]:
         return [[KvBufferWrapper(self._buffer.data_ptr(), EPOCH_BYTES)]]
@@ -56,27 +73,95 @@ class EpochRecord:
         """The recorded epoch, or None when there is none; raises EmsException when the pool cannot be read."""
         self._buffer.zero_()
         result = self._cc.load(self._option, [EPOCH_KEY], self._wrapper())
-        return bytes(self._buffer.numpy().tobytes()) if result.success == 1 else None
+        if result.success != 1:
+            return None
+        self.pin()
+        return bytes(self._buffer.numpy().tobytes())
 
     def write(self, epoch: bytes) -> bool:
         self._buffer.copy_(torch.frombuffer(bytearray(epoch[:EPOCH_BYTES]), dtype=torch.uint8))
         try:
-            return self._cc.save(self._option, [EPOCH_KEY], self._wrapper()).success == 1
+            written = self._cc.save(self._option, [EPOCH_KEY], self._wrapper()).success == 1
         except EmsException as exc:
             logger.warning("could not write the namespace epoch: %s", exc.message())
             return False
+        if written:
+            self.pin()
+        return written
+
+    def pin(self) -> bool:
+        """Ask the pool to keep the record from eviction (see the module contract); whether it does."""
+        self.pinned = self._cc.exists([EPOCH_KEY], self._option, pin=True).success == 1
+        if not self.pinned and not self._said_unpinned:
+            self._said_unpinned = True
+            logger.warning(
+                "the pool did not pin the namespace epoch record (a Mooncake Store, or a node's pin budget used up): "
+                "eviction may take it, and an engine that finds it gone starts a new epoch (earlier blocks then miss)"
+            )
+        return self.pinned
 
     def current(self) -> EpochRead:
+        wrote = False
         try:
             epoch = self.read()
             if epoch is None:
-                self.write(new_epoch())
+                wrote = self.write(new_epoch())
                 epoch = self.read()
         except EmsException as exc:
             logger.warning("could not read the namespace epoch (pool down?): using a private one: %s", exc.message())
             return EpochRead(new_epoch(), False)
-        return EpochRead(epoch, True) if epoch is not None else EpochRead(new_epoch(), False)
+        return EpochRead(epoch, True, wrote) if epoch is not None else EpochRead(new_epoch(), False)
 
     def reset(self) -> bytes | None:
         epoch = new_epoch()
         return epoch if self.write(epoch) else None
+
+
+class EpochWatch:
+    """An engine's view of the namespace epoch (see the module contract)."""
+
+    def __init__(self, record: EpochRecord, refresh_s: float) -> None:
+        self._record = record
+        self._lock = threading.Lock()
+        first = record.current()
+        self._epoch = first.epoch
+        self._soon = not first.ok or first.wrote  # read again within RETRY_S (see the contract)
+        self._stopped = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(refresh_s,), name="ems-epoch", daemon=True)
+        self._thread.start()
+
+    @property
+    def epoch(self) -> bytes:
+        with self._lock:
+            return self._epoch
+
+    def _run(self, refresh_s: float) -> None:
+        while not self._stopped:
+            with self._lock:
+                wait_s = min(refresh_s, RETRY_S) if self._soon else refresh_s
+            if self._wake.wait(wait_s):  # a reset (wait RETRY_S from now) or close
+                self._wake.clear()
+                continue
+            read = self._record.current()
+            with self._lock:
+                self._soon = not read.ok or read.wrote
+                if read.ok:
+                    if read.epoch != self._epoch:
+                        logger.info("the namespace epoch changed (a reset, or another engine's record): earlier blocks miss")
+                    self._epoch = read.epoch
+
+    def reset(self) -> bool:
+        """Write a new epoch; False when the pool did not take it (nothing changed)."""
+        epoch = self._record.reset()
+        if epoch is None:
+            return False
+        with self._lock:
+            self._epoch = epoch
+            self._soon = True
+        self._wake.set()
+        return True
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()

@@ -6,11 +6,13 @@ Contract (no engine imports):
   the scheduler has seen every waiting request) hands everything asked since the last dispatch to one daemon
   thread as a batch, and returns at once. `answer(req_id)` gives the number of leading blocks the pool holds, once
   the batch is answered (None until then: vLLM asks again next step); `forget(req_id)` drops a request.
-* A batch costs the network as little as it can: requests sharing a prefix share what was learnt, so a block is
-  asked for once per batch. Requests are answered longest first; for each, the leading blocks already known present
-  are skipped, and a request whose next block is known missing is answered without the network; the rest is one
-  `LookupBreaker.lookup` (`exists` under the lookup timeout, the circuit breaker) of the unknown suffix. With the
-  breaker open every answer is 0 at once (no network).
+* A batch costs the network as little as it can: requests sharing a prefix share what was learnt. Requests are
+  answered longest first; a request whose next unknown block is known missing is answered without the network; the
+  rest is one `LookupBreaker.lookup` (`exists` under the lookup timeout, the circuit breaker). Without leases a
+  request's leading blocks already known present are skipped, so a block is asked for once per batch; with leases
+  (`LookupBreaker.leases`) every request that may hit asks for its blocks up to the first one known missing: each
+  load ends one lease holder, so two requests that will both load a block must each hold one. With the breaker open
+  every answer is 0 at once (no network).
 * `wait(timeout_s)` waits for the batch in flight (an engine step with nothing else to run, instead of spinning).
 * `close()` stops the thread.
 """
@@ -41,15 +43,21 @@ def answer_batch(asks: Sequence[_Ask], breaker: LookupBreaker) -> dict[str, int]
     present: set[tuple[bytes, EngineHash]] = set()
     missing: set[tuple[bytes, EngineHash]] = set()
     answers: dict[str, int] = {}
+    leases = breaker.leases
     for ask in sorted(asks, key=lambda a: len(a.hashes), reverse=True):
         hashes, epoch = ask.hashes, ask.epoch
         known = 0
         while known < len(hashes) and (epoch, hashes[known]) in present:
             known += 1
-        if known == len(hashes) or (epoch, hashes[known]) in missing:
+        ends_known = known == len(hashes) or (epoch, hashes[known]) in missing
+        if ends_known and (known == 0 or not leases):
             answers[ask.req_id] = known
             continue
-        hits = known + breaker.lookup(hashes[known:], epoch)
+        if leases:  # its own lease on every block it may load (up to the first known missing one)
+            end = next((i for i in range(known, len(hashes)) if (epoch, hashes[i]) in missing), len(hashes))
+            hits = breaker.lookup(hashes[:end], epoch)
+        else:
+            hits = known + breaker.lookup(hashes[known:], epoch)
         present.update((epoch, h) for h in hashes[known:hits])
         if hits < len(hashes):
             missing.add((epoch, hashes[hits]))

@@ -1,8 +1,9 @@
 """Scheduler lookups that a hung pool node cannot stall: a short timeout, then a circuit breaker.
 
 Contract (no engine imports):
-* `LookupBreaker.lookup(hashes, epoch)` is `block_transfer.lookup` with its own timeout (`lookup_timeout_ms`),
-  so one lookup costs the scheduler's step at most that long.
+* `LookupBreaker.lookup(hashes, epoch)` is `block_transfer.lookup` with its own timeout (`lookup_timeout_ms`) and
+  lease (`lease_ms`: the blocks it reports are kept for the load), so one lookup costs the scheduler's step at most
+  that long. The breaker's probes ask without a lease (no load follows them).
 * A lookup that comes back short only at its timeout (`exists` reports a failing node as 0 hits, so the time it
   took is what tells a hung node from a miss) opens the breaker: from then on `lookup` answers 0 at once, without
   the network. A daemon thread re-asks the pool for the keys of that last lookup every `cooldown_s`; the first
@@ -37,8 +38,10 @@ class LookupBreaker:
         lookup_timeout_ms: int,
         cooldown_s: float,
         stats: StatsSink | None = None,
+        lease_ms: int = 0,
     ) -> None:
         self._cc = cc
+        self._lease_ms = lease_ms
         self._tp_size, self._shared = tp_size, shared
         self._option = CcKvOption(timeout=lookup_timeout_ms)
         self._slow_s = SLOW_FRACTION * lookup_timeout_ms / 1000
@@ -48,6 +51,11 @@ class LookupBreaker:
         self._open = False
         self._probe: tuple[list[EngineHash], bytes] | None = None
         self._stop = threading.Event()
+
+    @property
+    def leases(self) -> bool:
+        """Lookups lease what they report (`lease_ms` > 0)."""
+        return self._lease_ms > 0
 
     def is_open(self) -> bool:
         with self._lock:
@@ -61,7 +69,7 @@ class LookupBreaker:
                 self._stats.add(lookup_skipped_blocks=len(hashes))
             return 0
         started = time.monotonic()
-        hits = lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch)
+        hits = lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch, lease_ms=self._lease_ms)
         if hits < len(hashes) and time.monotonic() - started >= self._slow_s:
             self._trip(list(hashes), epoch)
             return 0

@@ -14,7 +14,9 @@ Contract:
   misses: the values it returns are held until they are sent, so a GET naming more than DRAM holds cannot make the
   node hold more than about that again. Lookups that reach the disk block
   on I/O: `may_block` tells the server which ones to run off its event loop.
-* `contains_many` (EXISTS) answers for both tiers.
+* `contains_many` (EXISTS) answers for both tiers. `hold_many` (an EXISTS with a lease or pin) holds what DRAM has
+  (`KvStore.hold_many`); a key only on disk counts as kept as it is (DRAM's pressure does not reach the disk, and a
+  read promotes it).
 * `stats()` is DRAM's (`StoreStats`: the memory figures the server logs) with hits and misses counted over both
   tiers; `tier_stats()` gives each tier's own figures (metrics, `ems-pool status`).
 * A disk that fails turns the node into a DRAM-only node (`DiskTier`'s contract): lookups then miss on disk.
@@ -35,6 +37,7 @@ from ems.buffers import Buffer
 from ems.pool.disk import DiskTier, DiskTierStats
 from ems.store.kv_store import KvStore, StoreStats
 from ems.store.value_format import copy_well_formed_many, is_well_formed, well_formed_many
+from ems.transport.holds import Hold
 
 MIN_READ_BYTES = 64 << 20
 
@@ -136,6 +139,13 @@ class TieredStore:
             return in_dram
         on_disk = self.disk.contains_many(keys)
         return [a or b for a, b in zip(in_dram, on_disk)]
+
+    def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]:
+        held = self.dram.hold_many(keys, hold)
+        if all(held) or not self.disk.up:
+            return held
+        on_disk = self.disk.contains_many(keys)
+        return [a or b for a, b in zip(held, on_disk)]
 
     def stats(self) -> StoreStats:
         stats = self.dram.stats()

@@ -44,6 +44,10 @@ Contract:
 * `on_evict(key, value)` (optional): called with each value evicted to make room (not with overwritten or deleted
   ones), with the store's lock held: it must return at once and never call the store (a pool node's disk tier
   queues the value for writing). While it holds the value, its buffer is not reused.
+* Holds (`ems.store.holds`): `hold_many(keys, hold)` leases or pins the keys the store has, within its budgets, and
+  says which it holds and keeps; eviction passes held keys by while anything else can make room; a read (`get`,
+  `get_many`, `get_many_with_addresses`) of a leased key releases one holder of its lease; a value that leaves the
+  store takes its holds with it.
 * Thread-safe: one lock, held only for index updates, never while checksumming or copying.
 """
 
@@ -64,7 +68,9 @@ import numpy as np
 from ems.buffers import POPULATE_STEP, Buffer, SpareCpuPacer, populate_pages, release_pages
 from ems.kernels.host_copy import copy_buffers
 from ems.kernels.raw_memory import address_of
+from ems.store.holds import Holds
 from ems.store.value_format import VALUE_LEAD, copy_well_formed_many, is_well_formed, well_formed_many
+from ems.transport.holds import Hold
 
 ENTRY_OVERHEAD = 96  # bytes charged per entry for the index, so many tiny values cannot exceed the capacity
 # References to a retired value inside `_retire`: the caller's local, the parameter, getrefcount's argument.
@@ -211,6 +217,9 @@ class StoreStats:
     arena_used_bytes: int = 0
     arena_populated_bytes: int = 0  # arena bytes faulted in so far (at start-up, then ahead of use)
     prefault_seconds: float = 0.0
+    leased_bytes: int = 0  # charges of the keys leased to lookups (`hold_many`)
+    pinned_bytes: int = 0
+    held_evictions: int = 0  # held keys evicted because nothing else could make room
 
 
 class KvStore:
@@ -240,6 +249,7 @@ class KvStore:
         self._spare: dict[int, list[_Spare]] = {}  # evicted buffers free for reuse (and their addresses), by size
         self._spare_bytes = 0
         self._lock = threading.Lock()
+        self._holds = Holds.for_capacity(capacity_bytes)
         self._stats = StoreStats(capacity_bytes=capacity_bytes)
         if self._arena is not None:
             self._stats.arena_bytes = self._arena.size
@@ -277,7 +287,10 @@ class KvStore:
     def _make_room(self, charge: int, nbytes: int, count: int = 1) -> None:
         """Evict (LRU first) and free spares until values of `charge` in all fit, counting the spares of `nbytes`
         that `count` values of that size will reuse."""
-        spare, entries, addresses, on_evict = self._spare, self._entries, self._addresses, self._on_evict
+        spare, entries, addresses, on_evict, holds = self._spare, self._entries, self._addresses, self._on_evict, self._holds
+        if holds:
+            holds.expire()
+        passed = 0  # held entries passed by (moved to the most recently used end) in this call
         while True:
             reusable = nbytes * min(len(spare.get(nbytes, ())), count)
             excess = self._used + self._spare_bytes - reusable + charge - self._capacity
@@ -293,6 +306,14 @@ class KvStore:
             evictions = 0
             while excess > 0 and entries:
                 evicted_key, evicted = entries.popitem(last=False)
+                if holds:
+                    if passed < len(holds) and holds.keeps(evicted_key):
+                        entries[evicted_key] = evicted  # kept: back at the far end, reached again only after the rest
+                        passed += 1
+                        continue
+                    if holds.keeps(evicted_key):  # every entry left is held: a capacity is a hard limit
+                        self._stats.held_evictions += 1
+                    holds.forget(evicted_key)
                 freed = self._charge(evicted_key, evicted)
                 self._used -= freed
                 excess -= freed
@@ -307,6 +328,8 @@ class KvStore:
         if old is not None:
             self._used -= self._charge(key, old)
             self._retire(old, self._addresses.pop(key, None))
+            if self._holds:
+                self._holds.forget(key)
 
     # ---- writes ----
 
@@ -397,6 +420,7 @@ class KvStore:
                     if old is not None:
                         self._used -= self._charge(key, old)
                         self._retire(old, known.pop(key, None))
+                        self._holds.forget(key)
                     entries[key] = value
                     known[key] = address
                     self._used += self._charge(key, value) - reserve
@@ -543,6 +567,8 @@ class KvStore:
                 return None
             self._entries.move_to_end(key)
             self._stats.hits += 1
+            if self._holds:
+                self._holds.release(key)
         # a read-only view: holds the buffer (so it is never reused under the reader) and cannot write to it
         return memoryview(value).toreadonly() if _store_made(value, self._arena) else value
 
@@ -560,7 +586,7 @@ class KvStore:
     def _get_many(self, keys: Sequence[bytes], addresses: list[int | None] | None) -> list[Buffer | None]:
         values: list[Buffer | None] = []
         with self._lock:
-            entries, stats, known = self._entries, self._stats, self._addresses
+            entries, stats, known, holds = self._entries, self._stats, self._addresses, self._holds
             for key in keys:
                 value = entries.get(key)
                 if value is None:
@@ -568,6 +594,8 @@ class KvStore:
                 else:
                     entries.move_to_end(key)
                     stats.hits += 1
+                    if holds:
+                        holds.release(key)  # the read a lookup's lease was for
                 values.append(value)
                 if addresses is not None:
                     addresses.append(None if value is None else known.get(key))
@@ -577,6 +605,17 @@ class KvStore:
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             return [key in self._entries for key in keys]
+
+    def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]:
+        """Hold each key the store has as `hold` asks (`ems.store.holds`); True where it holds the key and keeps it
+        (False: absent, or the budget of that kind of hold is used up)."""
+        with self._lock:
+            entries, holds, charge = self._entries, self._holds, self._charge
+            out = []
+            for key in keys:
+                value = entries.get(key)
+                out.append(value is not None and holds.grant(key, charge(key, value), hold))
+            return out
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -589,6 +628,7 @@ class KvStore:
         with self._lock:
             self._entries.clear()
             self._addresses.clear()
+            self._holds.clear()
             self._spare.clear()
             self._used = 0
             self._spare_bytes = 0
@@ -600,4 +640,6 @@ class KvStore:
             self._stats.spare_bytes = self._spare_bytes
             self._stats.arena_used_bytes = self._arena.used if self._arena is not None else 0
             self._stats.arena_populated_bytes = self._arena.populated if self._arena is not None else 0
+            self._stats.leased_bytes = self._holds.leased_bytes
+            self._stats.pinned_bytes = self._holds.pinned_bytes
             return StoreStats(**vars(self._stats))

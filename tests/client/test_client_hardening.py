@@ -50,9 +50,9 @@ class RecordingNode(FaultyNode):
         self._record("get", keys, 0)
         return super().get(keys, timeout_s)
 
-    def exists(self, keys, timeout_s):
+    def exists(self, keys, timeout_s, hold=None):
         self._record("exists", keys, 0)
-        return super().exists(keys, timeout_s)
+        return super().exists(keys, timeout_s, hold)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from ems.integrations.connector_config import (
 def test_defaults_and_every_key(monkeypatch):
     config = ConnectorConfig.from_extra(None)
     assert config.pool_nodes == () and config.local_pool == LocalPoolMode.AUTO and config.timeout_ms == 5000
-    assert config.load_failure_policy is None and config.epoch_refresh_s == 5.0  # None: vLLM's own policy stands
+    # None: "recompute" where vLLM's top level says its default (engine_checks.apply_failure_policy)
+    assert config.load_failure_policy is None and config.epoch_refresh_s == 5.0 and config.lease_ms == 10_000
     full = ConnectorConfig.from_extra(
         {
             "pool_nodes": "10.0.0.1:7700, 10.0.0.2:7700",
@@ -30,6 +31,7 @@ def test_defaults_and_every_key(monkeypatch):
             "model_id": "m-1",
             "timeout_ms": 100,
             "load_failure_policy": "fail",
+            "lease_ms": 0,
             "access_id": "team-a",
             "access_key": "k" * 32,
             "pool_capacity": "1GiB",
@@ -47,7 +49,8 @@ def test_defaults_and_every_key(monkeypatch):
     ems_config = full.ems_config("m-1", "MLA", pool)
     assert ems_config.pool_nodes == ["10.0.0.1:7700", "10.0.0.2:7700"] and ems_config.max_inflight == 4
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
-    assert len(KEYS) == 14 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert full.lease_ms == 0 and full.load_failure_policy == "fail"
+    assert len(KEYS) == 15 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
@@ -144,6 +147,9 @@ def test_equal_configs_for_every_process():
         {"breaker_cooldown_s": "1"},
         {"lookup_cache_s": -1},
         {"cross_layer_blocks": "yes"},
+        {"lease_ms": -1},
+        {"lease_ms": 60_001},
+        {"lease_ms": 1.5},
     ],
 )
 def test_bad_values_name_the_key(extra):

@@ -4,11 +4,14 @@ this user's key), each "engine" its own `Ems` client."""
 
 from __future__ import annotations
 
-import pytest
+import time
 
-from ems import CcConfig_v1, Ems, EmsConfig
+import pytest
+import torch
+
+from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.integrations.block_transfer import block_keys, lookup_keys
-from ems.integrations.epoch import EPOCH_BYTES, EpochRecord
+from ems.integrations.epoch import EPOCH_BYTES, EpochRecord, EpochWatch, new_epoch
 from ems.integrations.local_pool import LocalPool, ensure_local_pool, stop_local_pool
 
 
@@ -45,6 +48,49 @@ def test_one_epoch_per_model_and_a_reset_reaches_every_later_reader(node):
     assert new is not None and new != first.epoch
     assert record(node, "m1").current().epoch == new
     assert record(node, "m2").current() == other  # untouched
+
+
+def test_the_record_is_pinned_and_outlives_a_flood(tmp_path):
+    """Another model's saves fill a small node many times over: the pinned record is still the epoch every reader
+    sees (an evicted record would make the next reader start a new epoch: a silent reset of every engine's hits)."""
+    pool = ensure_local_pool(str(tmp_path), "4MiB")
+    try:
+        reader = record(pool, "m1")
+        first = reader.current()
+        assert first.ok and reader.pinned
+        flood = record(pool, "m2")._cc
+        buffer = torch.ones(64 << 10, dtype=torch.uint8)
+        for i in range(200):  # 12.5 MiB
+            wrapper = [[KvBufferWrapper(buffer.data_ptr(), buffer.numel())]]
+            flood.save(CcKvOption(write_rcache=False), [PrimaryKey(distribute_key=f"f{i}", attribute_key="a")], wrapper)
+        assert record(pool, "m1").current() == first
+    finally:
+        Ems.shutdown()
+        stop_local_pool(str(tmp_path))
+
+
+def test_engines_that_write_the_record_at_once_converge_soon(node):
+    """Two engines start together: both find no record and both write one. The one whose write came first learns the
+    other's epoch within RETRY_S (it reads again soon after writing), not at its next refresh; the same after a
+    reset."""
+    first = record(node, "race")
+    watch = EpochWatch(first, refresh_s=60.0)  # its refresh alone would take a minute
+    try:
+        other = new_epoch()
+        assert first.write(other)  # the other engine's write, just after this one's
+        deadline = time.monotonic() + 5
+        while watch.epoch != other and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.epoch == other
+        assert watch.reset()
+        again = new_epoch()
+        assert first.write(again)  # another engine reset at the same moment
+        deadline = time.monotonic() + 5
+        while watch.epoch != again and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.epoch == again
+    finally:
+        watch.close()
 
 
 def test_an_unreachable_pool_gives_a_private_epoch(node, tmp_path):

@@ -75,6 +75,28 @@ def test_a_batch_answers_what_each_lookup_alone_would_asking_each_block_at_most_
         assert asked_calls == 1
 
 
+def test_with_leases_every_request_that_will_load_a_block_holds_its_own_lease(pool):
+    """Two requests of one batch share a prefix: each holds a lease on it (each load ends one), so the first load
+    does not leave the second one's blocks to eviction; a request known to miss at its first block asks nothing."""
+    cc, mover, _ = pool
+    shared = [block_hash(200 + i) for i in range(3)]
+    assert mover.save_async([0, 1, 2], shared) and mover.wait(30)
+    breaker = LookupBreaker(cc, 1, False, 2000, 1.0, lease_ms=30_000)
+    store = cc._pool.local_store
+    asks = [
+        _Ask("long", (*shared, block_hash(250)), b""),
+        _Ask("short", tuple(shared[:2]), b""),
+        _Ask("other", (block_hash(250),), b""),
+    ]
+    calls = cc.metrics()["exists_calls"]
+    assert answer_batch(asks, breaker) == {"long": 3, "short": 2, "other": 0}
+    assert cc.metrics()["exists_calls"] - calls == 2  # "other" starts with the block "long" found missing
+    assert mover.load([4, 5, 6], shared).loaded == 3  # the first request's load: the second's leases remain
+    assert store.stats().leased_bytes > 0
+    assert mover.load([4, 5], shared[:2]).loaded == 2
+    assert store.stats().leased_bytes == 0
+
+
 def test_the_background_thread_answers_dispatched_asks_and_drops_stale_ones(pool):
     cc, mover, _ = pool
     hashes = [block_hash(100 + i) for i in range(4)]

@@ -52,6 +52,7 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.store.kv_store import KvStore
 from ems.store.value_format import HEADER_SIZE, ExpectedValues
 from ems.transport.base import AsPlaced, TransportError
+from ems.transport.holds import Hold, HoldKind
 from ems.transport.protocol import RequestLimits
 from ems.types import CcKvOption
 
@@ -273,10 +274,15 @@ class MooncakePool:
             outcome.results = [v if len(v) else None for v in values]
         return outcome
 
-    def exists(self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption) -> PoolOutcome[bool]:
-        """`batch_is_exist`: True where Mooncake holds the key."""
+    def exists(
+        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption, hold: Hold | None = None
+    ) -> PoolOutcome[bool]:
+        """`batch_is_exist`: True where Mooncake holds the key. Mooncake's master leases every object an exists finds
+        (its own `default_kv_lease_ttl`, 5 s by default: eviction passes it by meanwhile), so a lease asked for is
+        Mooncake's, of Mooncake's length, ended by its time only. A pin cannot be added to an object Mooncake already
+        holds (its pins are set when an object is put): False for every key."""
         n = len(keys)
-        if n == 0 or option.read_local_only:
+        if n == 0 or option.read_local_only or (hold is not None and hold.kind is HoldKind.PIN):
             return PoolOutcome([False] * n)
         store, deadline = self._begin(option, None)
         if store is None:

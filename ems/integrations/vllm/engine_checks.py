@@ -7,10 +7,11 @@ Contract:
   tokens sharded across ranks), several KV cache groups (hybrid models), a group that is not full attention
   (sliding-window and other specs free or reuse blocks inside a prompt, so a block id may hold no prompt KV), a
   block size that is not a multiple of the hash block size.
-* `apply_failure_policy(kv_transfer_config, extra_policy)`: the user's top-level `kv_load_failure_policy` always
-  stands. vLLM's default ("fail") cannot be told apart from an explicit "fail", so the extra-config key
-  `load_failure_policy` applies only over that default; an extra key that contradicts an explicit top-level
-  "recompute" is refused rather than silently dropped.
+* `apply_failure_policy(kv_transfer_config, extra_policy)`: the pool is a best-effort cache, so a load that comes up
+  short (a node died; a lease broken) recomputes by default: where the top level says vLLM's default ("fail", which
+  cannot be told apart from an explicit "fail"), the policy becomes the extra-config key `load_failure_policy`, or
+  "recompute" without one; a top-level "recompute" stands, and an extra key that contradicts it is refused rather
+  than silently dropped. So requests fail on a short load only where the extra config says "fail".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 VLLM_DEFAULT_POLICY = "fail"
+CACHE_DEFAULT_POLICY = "recompute"  # the connector's own default: a short load costs recomputation, not the request
 
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
@@ -52,10 +54,12 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 
 
 def apply_failure_policy(kv_transfer_config: KVTransferConfig, extra_policy: str | None) -> str:
-    """Set vLLM's `kv_load_failure_policy` from the extra-config key where the user left vLLM's default; return
-    the policy in force."""
+    """Set vLLM's `kv_load_failure_policy` where the top level says vLLM's default: the extra-config key, else
+    "recompute" (see the module contract); return the policy in force."""
     top = str(kv_transfer_config.kv_load_failure_policy)
-    if extra_policy is None or extra_policy == top:
+    if extra_policy is None:
+        extra_policy = CACHE_DEFAULT_POLICY if top == VLLM_DEFAULT_POLICY else top
+    if extra_policy == top:
         return top
     if top != VLLM_DEFAULT_POLICY:
         raise ValueError(

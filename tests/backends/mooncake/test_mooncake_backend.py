@@ -96,6 +96,18 @@ def test_tenants_and_models_are_apart_in_the_key_space(mooncake):
     assert cc.exists([7, 8]) == CcResult(2, 2)
 
 
+def test_a_lookup_lease_is_mooncakes_own_and_a_pin_finds_nothing(mooncake):
+    """On Mooncake a lease asked for by a lookup is its master's own (every object an exists finds): the blocks are
+    counted; a pin cannot be added to an object Mooncake already holds, so a pinning lookup counts none."""
+    cc = _init(mooncake.settings())
+    cache = make_cache(blocks=4, block_size=BS)
+    cc.register_kvcache(cache)
+    assert _save(cc, cache, [0, 1], [31, 32]) == CcResult(2, 2)
+    assert cc.exists([31, 32], lease_ms=1000) == CcResult(2, 2)
+    assert cc.exists([31, 32], pin=True) == CcResult(0, 2)
+    assert cc.exists([31, 32]) == CcResult(2, 2)
+
+
 def test_storage_killed_mid_run_gives_misses_never_a_wrong_block():
     """Saves and loads run in threads while the storage process is killed: every result is a prefix whose blocks
     are byte-exact, every call returns within its timeout (plus scheduling slack), and afterwards loads miss."""

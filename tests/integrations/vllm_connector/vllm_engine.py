@@ -1,6 +1,6 @@
 """Run one vLLM engine in this process and print its results as JSON (used by the tests and perf/bench_vllm.py).
 
-    python tests/integrations/vllm_engine.py SPEC.json OUT.json
+    python tests/integrations/vllm_connector/vllm_engine.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
        "extra": {kv_connector_extra_config}, "kv_load_failure_policy": str (top level; default: vLLM's),
@@ -22,8 +22,13 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   kill_pid kills a process (a pool node) before the round; kill_pid_at_next_load kills it inside the worker's
   start_load_kv just before the connector's next load (after the scheduler's lookup promised the blocks), so the
   load fails and vLLM must recompute (single-process mode only).
-OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s}, ...], ...], "stats": {...},
-     "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode),
+  "progress_file": each finished request appends its prompt index to this file (with "batch": a round's, once
+  the round has finished), for another engine to follow. "follow": {"file": path, "lag": n, "total": t}: before
+  prompt i (a batch round: its largest i) this engine waits until the followed file has min(i + 1 + n, t) lines
+  (n may be negative). Two engines that follow each other with lags n and -(n + 2) run in step: this one reads
+  prompt i while the other computes prompt i + n + 1 (the pool-pressure test).
+OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str}, ...], ...],
+     "stats": {...}, "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode),
      "layout": {"vllm": vLLM's resolved KV cache layout, "cross_layer": [per registered group],
                 "copy_ops": the copy backend's device operations over the rounds} (single-process mode)}
 """
@@ -122,6 +127,21 @@ def token_times(out) -> dict:
     return {"ttft_s": m.first_token_ts - m.queued_ts, "itl_s": itl}
 
 
+def wait_for_lines(path: str, count: int, timeout_s: float = 300.0) -> None:
+    """Wait until the file at `path` has at least `count` lines (another engine's progress)."""
+    deadline = time.monotonic() + timeout_s
+    while count > 0:
+        try:
+            with open(path) as f:
+                if sum(1 for _ in f) >= count:
+                    return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not reach {count} lines in {timeout_s} s")
+        time.sleep(0.01)
+
+
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
     for _ in range(200):
@@ -168,11 +188,12 @@ def delay_copy_outs(control: dict, held_preemptions: list[int]) -> None:
 
         return wait
 
-    worker._ready_event = ready
+    half = worker.connector_worker  # the connector's worker half (ems.integrations.vllm.worker)
+    half._ready_event = ready
     original = worker.handle_preemptions
 
     def handle_preemptions(meta):
-        copier = worker._copier
+        copier = half._copier
         if any(copier.copying(rid) for rid in getattr(meta, "preempted", ())):
             held_preemptions[0] += 1
         if getattr(meta, "preempted", None):
@@ -323,6 +344,7 @@ def run(spec: dict) -> dict:
     ops_before = backend.ops_issued if backend is not None else 0
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
+    progress_file, follow = spec.get("progress_file"), spec.get("follow")
     out_rounds = []
     for r, indexes in enumerate(rounds):
         before = spec.get("before_round", {}).get(str(r), {})
@@ -343,6 +365,8 @@ def run(spec: dict) -> dict:
         if before.get("sigstop_pid"):
             os.kill(int(before["sigstop_pid"]), signal.SIGSTOP)
         if spec.get("batch"):
+            if follow:
+                wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             step_seconds.clear()
             start = time.perf_counter()
             try:
@@ -351,11 +375,15 @@ def run(spec: dict) -> dict:
                 if before.get("sigstop_pid"):
                     os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
             wall = time.perf_counter() - start
+            if progress_file:
+                with open(progress_file, "a") as f:
+                    f.write("".join(f"{i}\n" for i in indexes))
             out_rounds.append(
                 [
                     {
                         "prompt": i,
                         "samples": sorted(list(o.token_ids) for o in out.outputs),
+                        "finish_reason": out.outputs[0].finish_reason,
                         "num_cached_tokens": out.num_cached_tokens,
                         "max_step_s": max(step_seconds, default=0.0),
                         "step_s": list(step_seconds),
@@ -368,6 +396,8 @@ def run(spec: dict) -> dict:
             continue
         results = []
         for i in indexes:  # one request at a time: TTFT and num_cached_tokens per prompt
+            if follow:
+                wait_for_lines(follow["file"], min(i + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             loads_before = job_totals().get("load", {})
             start = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)[0]
@@ -378,12 +408,16 @@ def run(spec: dict) -> dict:
                     "prompt": i,
                     "tokens": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens,
+                    "finish_reason": out.outputs[0].finish_reason,
                     "seconds": seconds,
                     # this request's load jobs (the connector's, in this process): bytes and seconds
                     "load_bytes": loads_after.get("nbytes", 0) - loads_before.get("nbytes", 0),
                     "load_seconds": loads_after.get("seconds", 0.0) - loads_before.get("seconds", 0.0),
                 }
             )
+            if progress_file:
+                with open(progress_file, "a") as f:
+                    f.write(f"{i}\n")
         out_rounds.append(results)
     stats: dict = {}
     if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":

@@ -146,7 +146,9 @@ def test_unsupported_engines_are_refused_with_a_message(model_dir):
         check_supported(config, kv_cache_config(spec_cls=Windowed))
 
 
-def test_the_users_failure_policy_stands():
+def test_a_short_load_recomputes_unless_the_extra_config_says_fail():
+    """vLLM's default "fail" cannot be told from an explicit one: the connector (a best-effort cache) recomputes
+    there, unless its own key says "fail"; a top-level "recompute" stands."""
     from vllm.config import KVTransferConfig
 
     from ems.integrations.vllm.engine_checks import apply_failure_policy
@@ -157,7 +159,12 @@ def test_the_users_failure_policy_stands():
     explicit = transfer(kv_load_failure_policy="recompute")
     assert apply_failure_policy(explicit, None) == "recompute" and explicit.kv_load_failure_policy == "recompute"
     default = transfer()
-    assert apply_failure_policy(default, None) == "fail" and default.kv_load_failure_policy == "fail"
+    assert apply_failure_policy(default, None) == "recompute" and default.kv_load_failure_policy == "recompute"
+    default = transfer()
     assert apply_failure_policy(default, "recompute") == "recompute" and default.kv_load_failure_policy == "recompute"
+    asked = transfer()
+    assert apply_failure_policy(asked, "fail") == "fail" and asked.kv_load_failure_policy == "fail"
+    said_twice = transfer(kv_load_failure_policy="fail")
+    assert apply_failure_policy(said_twice, "fail") == "fail" and said_twice.kv_load_failure_policy == "fail"
     with pytest.raises(ValueError, match="disagree"):
         apply_failure_policy(transfer(kv_load_failure_policy="recompute"), "fail")

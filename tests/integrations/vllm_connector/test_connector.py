@@ -4,7 +4,7 @@ without the connector; an emptied pool and a pool node killed mid-run cost only 
 prefixes through a Mooncake Store (`pool_backend="mooncake"`) the same way.
 
 Runs where vllm is importable (CI: `.venv-vllm`, see .ci/run); skipped otherwise. Each engine is a subprocess
-(tests/integrations/vllm_engine.py); they share the host's local pool node recorded in a temporary folder.
+(tests/integrations/vllm_connector/vllm_engine.py); they share the host's local pool node recorded in a temporary folder.
 """
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ def engine(
         "num_blocks": 48,
         "max_tokens": 6,
         "before_round": before_round or {},
-        "kv_load_failure_policy": "recompute",
-        **settings,
+        **settings,  # no kv_load_failure_policy: vLLM's default, which the connector makes "recompute"
     }
     spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
@@ -183,8 +182,9 @@ def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_mis
 def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, reference):
     """Engine C on an emptied pool computes everything; then (prefix cache reset) the scheduler finds prompt 0's
     blocks in the pool, the node is killed just before the worker loads them: the load reports every promised
-    block as failed and vLLM recomputes them (the top-level kv_load_failure_policy "recompute" of the user);
-    later requests see a dead pool as misses. Outputs stay exact."""
+    block as failed and vLLM recomputes them, under vLLM's default kv_load_failure_policy ("fail"), which the
+    connector, a best-effort cache, makes "recompute"; later requests see a dead pool as misses. No request fails;
+    outputs stay exact."""
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
     prompts = setup["prompts"]
@@ -199,7 +199,7 @@ def test_emptied_pool_and_a_node_killed_mid_run_only_cost_recomputation(setup, r
     )
     first, second, third = c["rounds"]
     for r in first + second + third:
-        assert r["tokens"] == reference[r["prompt"]], r["prompt"]
+        assert r["finish_reason"] != "error" and r["tokens"] == reference[r["prompt"]], r["prompt"]
     assert [r["num_cached_tokens"] for r in first] == [0, 0]  # nothing in an emptied pool
     worker, scheduler = c["stats"]["worker"], c["stats"]["scheduler"]
     promised = full_blocks(len(prompts[0])) // BLOCK
@@ -235,6 +235,99 @@ def test_engines_share_prefixes_through_a_mooncake_store(setup, reference, moonc
     pool_blocks = sum(full_blocks(len(prompts[i])) // BLOCK for i in range(3)) - 3
     assert worker["load_blocks"] == pool_blocks and worker["load_failed_blocks"] == 0
     assert scheduler["lookup_hit_blocks"] == pool_blocks
+
+
+def start_engine(setup, name: str, spec: dict) -> subprocess.Popen:
+    """An engine process started in the background, single-process mode (`finish_engine` waits for it)."""
+    spec_path, out_path, log_path = (str(setup["root"] / f"{name}.{ext}") for ext in ("spec.json", "out.json", "log"))
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "vllm_engine.py"), spec_path, out_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+def finish_engine(setup, name: str, proc: subprocess.Popen) -> dict:
+    try:
+        code = proc.wait(ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if code != 0:
+        with open(setup["root"] / f"{name}.log") as f:
+            pytest.fail(f"engine {name} exited {code}:\n{f.read()[-6000:]}")
+    with open(setup["root"] / f"{name}.out.json") as f:
+        return json.load(f)
+
+
+def log_count(setup, name: str, text: str) -> int:
+    with open(setup["root"] / f"{name}.log") as f:
+        return sum(text in line for line in f)
+
+
+def test_two_engines_on_a_small_node_one_filling_it_while_the_other_reads(setup):
+    """A 2 MiB node (about six of these prompts) behind two engines run side by side, vLLM's default
+    kv_load_failure_policy ("fail"): the writer computes 4 prompts at a time, each saved, evicting the oldest; the
+    reader asks for each round of prompts while the writer computes the next round. Every block a lookup reports is
+    leased for its load, the epoch record is pinned: no request fails, no promised block goes missing, the reader's
+    tokens are the writer's (computed without the pool), and some of its prompts come from the pool. (Before the
+    leases: 8 of 80 reader requests failed, "Failing 1 request(s) due to KV load failure".)"""
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    rng = random.Random(13)
+    n, batch = 48, 4
+    prompts = [[rng.randrange(512) for _ in range(20 * BLOCK + 16)] for _ in range(n)]
+    pool_dir = str(setup["root"] / "pool-pressure")
+    progress = {name: str(setup["root"] / f"pressure-{name}.progress") for name in ("writer", "reader")}
+    spec = {
+        "model": setup["model"],
+        "prompts": prompts,
+        "rounds": [list(range(i, i + batch)) for i in range(0, n, batch)],
+        "batch": True,
+        "max_tokens": 4,
+        "dtype": "float32",  # bf16 outputs of this random model differ with the batch's composition (loads change it)
+        "num_blocks": 96,
+        # the connector's defaults (no kv_load_failure_policy: vLLM's default), but for the node and the read cache
+        "extra": {"local_pool_dir": pool_dir, "read_cache_capacity": 0},
+    }
+    ensure_local_pool(pool_dir, "2MiB")
+    try:
+        writer = start_engine(
+            setup,
+            "pressure-writer",
+            {**spec, "progress_file": progress["writer"], "follow": {"file": progress["reader"], "lag": -2 * batch, "total": n}},
+        )
+        reader = start_engine(
+            setup,
+            "pressure-reader",
+            {**spec, "progress_file": progress["reader"], "follow": {"file": progress["writer"], "lag": 0, "total": n}},
+        )
+        w = finish_engine(setup, "pressure-writer", writer)
+        r = finish_engine(setup, "pressure-reader", reader)
+    finally:
+        stop_local_pool(pool_dir)
+    expected = {x["prompt"]: x["samples"] for rnd in w["rounds"] for x in rnd}
+    reads = [x for rnd in r["rounds"] for x in rnd]
+    assert [x["prompt"] for x in reads] == list(range(n))
+    assert not [x["prompt"] for x in reads if x["finish_reason"] == "error"], ems_log_lines(setup, "pressure-reader")
+    assert log_count(setup, "pressure-reader", "due to KV load failure") == 0
+    for x in reads:
+        assert x["samples"] == expected[x["prompt"]], x["prompt"]
+    worker, scheduler = r["stats"]["worker"], r["stats"]["scheduler"]
+    assert scheduler["lookup_hit_blocks"] > 0 and worker["load_blocks"] == scheduler["lookup_hit_blocks"]
+    assert worker["load_failed_blocks"] == 0, ems_log_lines(setup, "pressure-reader")
+    # How many of the reader's prompts are still in the node when it asks is a race with the writer's saves (the two
+    # rounds do not fit): 17, 18 and 11 of 48 in three runs on a loaded 2-core host (2026-12-03: this branch after main's
+    # merge, twice, and a branch forked from it before). A floor under that: engines that disagree on the epoch (0 hits)
+    # still fail it (a quarter of the lowest count seen, as CI shares its cores with nothing but may be slower).
+    assert sum(x["num_cached_tokens"] > 0 for x in reads) >= n // 16
+    for name in ("pressure-writer", "pressure-reader"):
+        assert log_count(setup, name, "could not read the namespace epoch") == 0, ems_log_lines(setup, name)
 
 
 def test_stats_object_aggregates_and_reduces():

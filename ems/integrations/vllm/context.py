@@ -1,0 +1,133 @@
+"""What both halves of `EmsConnector` share: the engine's settings as the connector reads them, and the SDK client.
+
+Contract:
+* `ConnectorContext.from_vllm(vllm_config, kv_cache_config)` reads the connector's settings
+  (`connector_config.ConnectorConfig`, refused where bad), refuses what the connector does not support
+  (`engine_checks.check_supported`), derives the key namespace (`namespace`), resolves the pool (the host's local
+  node, configured nodes, etcd or Mooncake) and initialises the process's SDK client (`Ems.init`; every process of
+  one engine passes an equal config, so a process that hosts both halves initialises once). The scheduler half
+  (`scheduler.EmsScheduler`) and the worker half (`worker.EmsWorker`) each take one.
+* The context holds no per-request state and starts no thread; its fields never change.
+* Registration (`register_shadow`, `register_worker`): what this process registered with its process-wide
+  `ContextCaching`: a worker's real KV cache, or the scheduler's one-block shadow of the same layout (the scheduler
+  holds no KV cache, and `exists` needs a layout). A worker always registers (replacing a shadow); the scheduler
+  only when nothing is registered yet, so it never replaces a worker's cache in a process that hosts both.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ems import CcKvOption, ContextCaching, Ems
+from ems.integrations import kv_layouts
+from ems.integrations.block_transfer import StatsSink
+from ems.integrations.connector_config import ConnectorConfig, ResolvedPool, derive_model_id
+from ems.integrations.vllm.engine_checks import check_supported
+from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_registered_lock = threading.Lock()
+_registered: tuple[weakref.ref[ContextCaching], str] | None = None  # the client, and "shadow" or "worker"
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """The engine as the connector sees it (see the module contract)."""
+
+    config: ConnectorConfig
+    block_size: int  # tokens per engine block (= one pool value per rank)
+    hash_stride: int  # vLLM block hashes per engine block (block size / hash block size)
+    tp_size: int
+    mla: bool  # one shared latent KV per block for every TP rank
+    num_blocks: int
+    layer_names: tuple[str, ...]  # in layer order
+    shapes: tuple[kv_layouts.PlaneShape, ...]  # each layer's planes, from vLLM's KV cache spec
+    backend: str  # the attention backend the namespace names
+    model_id: str
+    pool: ResolvedPool
+    cc: ContextCaching
+    stats: StatsSink  # what this connector counted (scheduler lookups, worker transfers)
+
+    @property
+    def option(self) -> CcKvOption:
+        """The option of every load and save."""
+        return CcKvOption(timeout=self.config.timeout_ms)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(s.block_bytes for s in self.shapes)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ConnectorContext:
+        transfer = vllm_config.kv_transfer_config
+        if transfer is None:
+            raise ValueError("EmsConnector needs vLLM's kv_transfer_config")
+        config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        check_supported(vllm_config, kv_cache_config)
+        block_size = int(vllm_config.cache_config.block_size)
+        hash_block_size = int(kv_cache_config.hash_block_size or block_size)
+        mla = bool(vllm_config.model_config.use_mla)
+        layer_names = tuple(sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order))
+        model_id = config.model_id or derive_model_id(
+            str(vllm_config.model_config.model), namespace_parts(vllm_config, kv_cache_config)
+        )
+        pool = config.resolve_pool()
+        Ems.init(config.ems_config(model_id, "MLA" if mla else "MHA", pool))
+        cc = Ems.get_cc()
+        if cc is None:
+            raise RuntimeError("Ems.init gave no ContextCaching")
+        return cls(
+            config=config,
+            block_size=block_size,
+            hash_stride=block_size // hash_block_size,
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            mla=mla,
+            num_blocks=int(kv_cache_config.num_blocks),
+            layer_names=layer_names,
+            shapes=tuple(_spec_shape(kv_cache_config, name) for name in layer_names),
+            backend=predicted_backend(vllm_config, kv_cache_config),
+            model_id=model_id,
+            pool=pool,
+            cc=cc,
+            stats=StatsSink(),
+        )
+
+    def register_shadow(self) -> None:
+        """Register the one-block shadow of the layout, unless this process registered anything already."""
+        global _registered
+        with _registered_lock:
+            if _registered is None or _registered[0]() is not self.cc:  # (a client of an earlier `Ems.init`: gone)
+                self.cc.register_kvcache(kv_layouts.shadow_kvcache(list(self.shapes)), kv_layouts.store_groups(list(self.shapes)))
+                _registered = (weakref.ref(self.cc), "shadow")
+
+    def register_worker(self, planes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Register a worker's KV cache (each layer's two planes), replacing a shadow."""
+        global _registered
+        with _registered_lock:
+            self.cc.register_kvcache([list(p) for p in planes], kv_layouts.store_groups(list(self.shapes)))
+            _registered = (weakref.ref(self.cc), "worker")
+
+
+def _spec_shape(kv_cache_config: KVCacheConfig, layer: str) -> kv_layouts.PlaneShape:
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    if per_layer is not None:
+        spec = per_layer[layer]
+    return kv_layouts.plane_shape(int(spec.real_page_size_bytes), spec.dtype)
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return extract_layer_index(name), name
+    # a name without a layer index: order by name after the indexed ones
+    except (ImportError, ValueError, IndexError, AttributeError):
+        return 1 << 30, name

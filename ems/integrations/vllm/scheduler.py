@@ -1,0 +1,190 @@
+"""The scheduler half of `EmsConnector`: which blocks of each request come from the pool and which go to it.
+
+Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's scheduler-side calls here):
+* `get_num_new_matched_tokens(request, num_computed_tokens)`: the request's full prompt blocks past vLLM's local
+  prefix-cache hit, by vLLM's own `request.block_hashes` (never the block holding the last prompt token: vLLM must
+  compute at least one token), are looked up in the pool off this thread (`lookups.PoolLookups`); vLLM is told None
+  ("ask again next step") until the answer is in. A hit is an asynchronous load (the request waits while others
+  run); the blocks it reports are leased for that load.
+* `update_state_after_alloc` records the request (`RequestState`) and its load, keyed in the epoch its lookup found
+  the blocks in; `build_connector_meta` sends the step's loads and the full prompt blocks the step computed
+  (each block once per request, again when vLLM recomputes blocks after a failed load) to the workers, and names
+  the requests with saves in flight that the step preempted. A request admitted in an epoch that is no longer the
+  current one (a reset since) saves nothing more: its KV may be the old weights'.
+* `request_finished`: True (vLLM's delayed free) while the request has saves sent to the workers, whose copy-outs
+  run after the step: the workers release it in `get_finished` once they have ended.
+* `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
+  promised before it are reported failed, never loaded; False when the pool did not take it.
+* KV events go to `events` (`observability.KvEventLog`): a `BlockStored` for every run of blocks sent to the pool,
+  `AllBlocksCleared` on a reset.
+
+Extending it (a step policy, roles): per-request state is `RequestState` (`requests`), what the pool answered
+for a request is `lookups.LookupAnswer`, and a step's work for the workers is `metadata.EmsConnectorMetadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ems.integrations.epoch import EpochRecord, EpochWatch
+from ems.integrations.vllm.context import ConnectorContext
+from ems.integrations.vllm.lookups import PoolLookups
+from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("ems.integrations.vllm")
+
+
+class EventSink(Protocol):
+    """Where the scheduler half reports KV events (`observability.KvEventLog`)."""
+
+    def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+@dataclass
+class RequestState:
+    request: Request
+    block_ids: list[int]
+    next_save: int  # index of the first prompt block not yet saved (or known to be in the pool)
+    epoch: bytes  # the epoch its blocks are keyed in: after a reset its KV (maybe the old weights') is never saved
+
+
+class EmsScheduler:
+    """See the module contract."""
+
+    def __init__(self, ctx: ConnectorContext, events: EventSink) -> None:
+        self._ctx = ctx
+        self._block_size = ctx.block_size
+        self._events = events
+        self.epoch = EpochWatch(EpochRecord(ctx.cc, ctx.config.timeout_ms), ctx.config.epoch_refresh_s)
+        self.lookups = PoolLookups(ctx)
+        self.requests: dict[str, RequestState] = {}
+        self._loads: dict[str, BlockTransfer] = {}  # admitted with a hit, not sent to the workers yet
+        # requests with saves sent to the workers since they were last admitted: when one finishes, vLLM keeps its
+        # blocks until every worker has copied them out (`request_finished` True, the workers' finished_sending)
+        self._saving: set[str] = set()
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        hashes = request.block_hashes
+        stride = self._ctx.hash_stride
+        return list(hashes) if stride == 1 else list(hashes[stride - 1 :: stride])
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        block_size = self._block_size
+        full = min((request.num_prompt_tokens - 1) // block_size, len(request.block_hashes) // self._ctx.hash_stride)
+        start = num_computed_tokens // block_size
+        hits = self.lookups.match(request.request_id, start, full, self.epoch.epoch, lambda: self._hashes(request)[start:full])
+        if hits is None:
+            return None, False
+        return hits * block_size, hits > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        found = self.lookups.take(rid)
+        start, asked = (found.start, found.asked) if found else (request.num_computed_tokens // self._block_size, 0)
+        loaded = num_external_tokens // self._block_size
+        if asked:
+            self._ctx.stats.add(lookup_hit_blocks=loaded, lookup_miss_blocks=asked - loaded)
+        block_ids = list(blocks.get_block_ids()[0])
+        # a load reads the epoch its lookup found (and leased) the blocks in; the request saves only while that is
+        # still the epoch (a reset in between: its KV may be the old weights')
+        epoch = found.epoch if found is not None and loaded > 0 else self.epoch.epoch
+        if loaded > 0:
+            hashes = self._hashes(request)
+            self._loads[rid] = BlockTransfer(rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch)
+        self.requests[rid] = RequestState(request, block_ids, start + loaded, epoch)
+
+    def _add_saves(self, meta: EmsConnectorMetadata, state: RequestState, computed_before: int, computed_after: int) -> None:
+        request, block_size = state.request, self._block_size
+        # fewer tokens computed than saved: a load failed and vLLM recomputes them (or a preemption): save again
+        state.next_save = min(state.next_save, computed_before // block_size)
+        if state.epoch != self.epoch.epoch:  # admitted before a reset: its KV may be the old weights' KV
+            return
+        upto = min(
+            computed_after // block_size,
+            request.num_prompt_tokens // block_size,
+            len(request.block_hashes) // self._ctx.hash_stride,
+            len(state.block_ids),
+        )
+        if upto <= state.next_save:
+            return
+        all_hashes = self._hashes(request)
+        hashes = all_hashes[state.next_save : upto]
+        meta.saves.append(BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch))
+        self._saving.add(request.request_id)
+        self._events.stored(
+            hashes,
+            all_hashes[state.next_save - 1] if state.next_save > 0 else None,
+            list(request.all_token_ids[state.next_save * block_size : upto * block_size]),
+            block_size,
+        )
+        state.next_save = upto
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EmsConnectorMetadata:
+        meta = EmsConnectorMetadata()
+        # (a request may be preempted and admitted again in one schedule, e.g. reset_running_requests: its new
+        # saves are added below, after this, and the workers wait for the old ones before the forward)
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._saving:
+                meta.preempted.add(rid)
+                self._saving.discard(rid)  # the workers forget it too once its copy-outs have ended
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._add_saves(meta, state, new.num_computed_tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[i]
+            self._add_saves(meta, state, computed, computed + scheduled.get(rid, 0))
+        # asynchronous loads: their requests wait (not scheduled) until the workers report them in get_finished
+        meta.loads.extend(self._loads.values())
+        self._loads.clear()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        # this step's lookups, one batch, off this thread; a step with nothing to run waits a little for them
+        self.lookups.end_step(meta.idle)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self.requests.pop(rid, None)
+        self.lookups.forget(rid)
+        # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished.
+        # Saves copy their blocks out after the step, off it: vLLM keeps them until every worker reports the request
+        # in finished_sending (each worker knows the same requests from the metadata).
+        held = rid in self._saving
+        self._saving.discard(rid)
+        return held, None
+
+    def reset_cache(self) -> bool:
+        if not self.epoch.reset():
+            logger.warning("EmsConnector reset_cache: the pool did not take the new epoch; nothing was reset")
+            return False
+        for load in self._loads.values():  # promised in the old epoch: recomputed, not loaded
+            load.cancelled = True
+        self._events.cleared()
+        self.lookups.clear()
+        logger.info("EmsConnector reset_cache: new namespace epoch; every earlier block now misses")
+        return True
+
+    def shutdown(self) -> None:
+        self.epoch.close()
+        self.lookups.close()

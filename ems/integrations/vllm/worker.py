@@ -1,0 +1,225 @@
+"""The worker half of `EmsConnector`: moves the blocks the scheduler half named between vLLM's KV cache and the pool.
+
+Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side calls here with the step's
+`metadata.EmsConnectorMetadata`):
+* `register_kv_caches(kv_caches, tp_rank, used_backends)` registers each layer's tensor as two planes whose rows
+  are whole vLLM blocks (`kv_layouts`), after checking that they match vLLM's KV cache spec (the scheduler addresses
+  the same keys from it) and that the layers really use the attention backend the namespace names.
+* Loads: `start_load_kv(meta)` starts the step's loads (`BlockMover.start_load`, asynchronous); one beyond the
+  in-flight budget starts on a later step; a load cancelled by a reset finishes at once, its blocks failed.
+  `get_finished` names each request whose load has finished (never blocks, but for a step with nothing scheduled:
+  `IDLE_WAIT_S`); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM
+  recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`).
+* Saves: `wait_for_save(meta)` queues the step's saves on the copier's thread (`save_copier`) and returns: the
+  copy-out runs off the step. A finished request with saves sent is named in `get_finished`'s finished_sending once
+  its copy-outs have ended (vLLM keeps its blocks until then); `handle_preemptions(meta)` waits for the copy-outs of
+  the requests the step preempted (their blocks may be written by this step's forward). A save that finds the
+  in-flight budget used up (a slow pool) is dropped: a later miss.
+* `wait_saves(timeout_s)` waits until every save has been copied out and sent; `shutdown()` lets them finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ems.integrations import kv_layouts
+from ems.integrations.block_transfer import BlockMover, PendingLoad
+from ems.integrations.save_copier import SaveCopier
+from ems.integrations.vllm.context import ConnectorContext
+from ems.integrations.vllm.metadata import IDLE_WAIT_S, BlockTransfer, EmsConnectorMetadata
+
+logger = logging.getLogger("ems.integrations.vllm")
+
+# A preemption waits for the preempted requests' copy-outs (never skipped: their blocks are about to be reused); a
+# copy-out that takes this long is said in the log.
+PREEMPTION_WARN_S = 5.0
+
+
+def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | None:
+    """On an accelerator, a factory of "the step's kernels have written the blocks" waits for the copier (an event
+    recorded on the current stream at `wait_for_save`); None on CPU, where the forward has finished when vLLM calls
+    `wait_for_save`."""
+    if device.type == "cpu":
+        return None
+
+    def record() -> Callable[[], None]:
+        event = torch.Event(device=device)
+        event.record()
+        return event.synchronize
+
+    return record
+
+
+class EmsWorker:
+    """See the module contract."""
+
+    def __init__(self, ctx: ConnectorContext) -> None:
+        self._ctx = ctx
+        self._mover: BlockMover | None = None
+        self._copier: SaveCopier | None = None
+        self._ready_event: Callable[[], Callable[[], None]] | None = None
+        self._load_errors: set[int] = set()
+        self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
+        self._inflight_loads: dict[str, PendingLoad] = {}
+        self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
+        self._load_ended = threading.Event()
+        self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], tp_rank: int, used_backends: set[str]) -> None:
+        ctx = self._ctx
+        missing = [n for n in ctx.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"register_kv_caches: no tensor for layers {missing[:4]}")
+        planes = [kv_layouts.block_planes(kv_caches[n], ctx.num_blocks, name=n) for n in ctx.layer_names]
+        shapes = tuple(kv_layouts.shape_of(p) for p in planes)
+        if shapes != ctx.shapes:
+            raise ValueError(
+                f"KV cache tensors ({shapes[0]}, ...) do not match vLLM's KV cache spec ({ctx.shapes[0]}, ...): "
+                "the scheduler could not address this worker's blocks"
+            )
+        # the namespace names the backend predicted from the KV cache spec (the scheduler holds no layers): the layers
+        # must really use it, or blocks would be shared between engines whose bytes differ
+        if used_backends and used_backends != {ctx.backend}:
+            raise ValueError(
+                f"EmsConnector: the attention layers use {sorted(used_backends)}, but the KV cache spec predicts "
+                f"{ctx.backend!r} (the key namespace names it): set attention_config.backend explicitly"
+            )
+        ctx.register_worker(planes)
+        layout = ctx.cc.layout
+        cross = layout is not None and all(g.cross_layer for g in layout.groups)
+        asked = ctx.config.cross_layer_blocks
+        (logger.warning if asked and not cross else logger.info)(
+            "EmsConnector: registered KV cache: %s",
+            "cross-layer blocks (a block's save or load is one copy)"
+            if cross
+            else "a copy per block and layer" + (" (cross_layer_blocks was asked for)" if asked else ""),
+        )
+        if self._copier is not None:  # registered again: the earlier mover's copy-outs end first
+            self._copier.close()
+        self._mover = BlockMover(
+            ctx.cc,
+            ctx.block_bytes,
+            tp_rank=tp_rank,
+            tp_size=ctx.tp_size,
+            shared=ctx.mla,
+            option=ctx.option,
+            stats=ctx.stats,
+            inflight_budget=ctx.config.max_inflight,
+        )
+        self._copier = SaveCopier(self._mover)
+        self._ready_event = _step_end_event(planes[0][0].device)
+
+    # ---- loads ----
+
+    def start_load_kv(self, meta: EmsConnectorMetadata | None) -> None:
+        """Start this step's loads (asynchronous: each request waits in vLLM until `get_finished` names it)."""
+        if self._mover is None or meta is None:
+            return
+        self._queued_loads.extend(meta.loads)
+        self._start_queued_loads()
+
+    def _start_queued_loads(self) -> None:
+        if self._mover is None:
+            return
+        waiting: list[BlockTransfer] = []
+        for load in self._queued_loads:
+            if load.cancelled:  # promised before a reset: never loaded, reported failed (vLLM recomputes)
+                self._load_errors.update(load.block_ids)
+                self._done_loads.add(load.req_id)
+                continue
+            pending = self._mover.start_load(load.block_ids, load.hashes, load.epoch)
+            if pending is None:  # in-flight budget used up (a slow pool): started on a later step
+                waiting.append(load)
+            else:
+                self._inflight_loads[load.req_id] = pending
+                if pending.future is not None:
+                    pending.future.add_done_callback(lambda _: self._load_ended.set())
+        self._queued_loads = waiting
+
+    def get_finished(
+        self, finished_req_ids: set[str], meta: EmsConnectorMetadata | None
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """(finished requests whose saves have been copied out, requests whose load has finished): never blocks
+        (but for a step with nothing scheduled: see IDLE_WAIT_S); failed blocks go to
+        `get_block_ids_with_load_errors` in the same step."""
+        held = finished_req_ids & self._save_requests  # vLLM keeps their blocks until we name them here
+        self._save_requests -= finished_req_ids
+        copier = self._copier
+        if copier is None:  # never registered: nothing was copied, nothing to hold
+            return held or None, None
+        copier.release_when_copied(held)
+        self._start_queued_loads()
+        done, self._done_loads = self._done_loads, set()
+        done |= self._poll_loads()
+        sent = copier.take_released()
+        if not done and not sent and meta is not None and meta.idle:  # nothing else to run: sleep, not spin
+            if self._inflight_loads:
+                self._load_ended.wait(IDLE_WAIT_S)
+                done |= self._poll_loads()
+            else:
+                copier.wait_released(IDLE_WAIT_S)
+            sent = copier.take_released()
+        return sent or None, done or None
+
+    def _poll_loads(self) -> set[str]:
+        self._load_ended.clear()
+        done: set[str] = set()
+        mover = self._mover
+        if mover is None:  # loads start only once the mover exists
+            return done
+        for rid, pending in list(self._inflight_loads.items()):
+            outcome = mover.poll_load(pending)
+            if outcome is not None:
+                del self._inflight_loads[rid]
+                self._load_errors.update(outcome.failed_block_ids)
+                done.add(rid)
+        return done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves ----
+
+    def wait_for_save(self, meta: EmsConnectorMetadata | None) -> None:
+        """Queue this step's saves and return: their copy-out runs on the copier's thread, off the step."""
+        if meta is None or not meta.saves:
+            return
+        self._save_requests.update(save.req_id for save in meta.saves)
+        if self._copier is None:
+            return
+        ready = self._ready_event() if self._ready_event is not None else None
+        for save in meta.saves:
+            self._copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready)
+
+    def handle_preemptions(self, meta: EmsConnectorMetadata) -> None:
+        """Before a step's forward: requests preempted by its schedule give their blocks back, and the forward may
+        write them for other requests, so their copy-outs must have ended (a copy never waits for the network)."""
+        preempted = meta.preempted
+        if not preempted:
+            return
+        self._save_requests -= preempted  # the scheduler forgot their saves too
+        if self._copier is None:
+            return
+        while not self._copier.wait_copied(preempted, PREEMPTION_WARN_S):
+            logger.warning("EmsConnector: preempted requests' copy-outs still running after %.0f s", PREEMPTION_WARN_S)
+
+    def wait_saves(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every save of this worker has been copied out and sent (True), or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self._copier is not None and not self._copier.idle():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return self._mover is None or self._mover.wait(max(0.0, deadline - time.monotonic()))
+
+    def shutdown(self) -> None:
+        if self._copier is not None and not self._copier.close(30.0):
+            logger.warning("EmsConnector shutdown: copy-outs still running after 30 s")
+        if self._mover is not None and not self._mover.wait(timeout=30.0):
+            logger.warning("EmsConnector shutdown: %d saves still pending after 30 s", self._mover.pending())
