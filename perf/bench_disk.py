@@ -37,7 +37,8 @@ from pool_testlib import PoolProcess, joined, make_values  # noqa: E402
 
 import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 from ems.config import parse_size  # noqa: E402
-from ems.pool.disk_tier import ALIGN, DiskTier, aligned_buffer  # noqa: E402
+from ems.pool.disk import DiskTier  # noqa: E402
+from ems.pool.disk.records import ALIGN, aligned_buffer  # noqa: E402
 from ems.pool.tiered_store import TieredStore  # noqa: E402
 from ems.transport.remote import connect  # noqa: E402
 

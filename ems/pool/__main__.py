@@ -31,7 +31,7 @@ Contract:
   background thread keeps faulted in that far ahead of the values (`ems.store.kv_store`), on spare CPU only (an engine on the
   same host keeps its cores: `ems.buffers.SpareCpuPacer`): a save into fresh memory otherwise faults page by page
   (about 2 ms per MiB on a VM, up to 14 for memory the VM's host has not backed yet). 0 turns it off.
-* `--disk DIR --disk-capacity SIZE`: a disk tier behind DRAM (`ems.pool.tiered_store`, `ems.pool.disk_tier`):
+* `--disk DIR --disk-capacity SIZE`: a disk tier behind DRAM (`ems.pool.tiered_store`, `ems.pool.disk`):
   values evicted from DRAM are written there, found there, and found again after a restart (the index is rebuilt
   from DIR before the ready line). A DIR that cannot be used at start exits with status 1; a disk that fails later
   turns the node DRAM-only. `--disk-queue`: bytes of evicted values waiting to be written (beyond them an eviction
@@ -186,7 +186,7 @@ def _build_store(capacity: int, args: argparse.Namespace) -> NodeStore:
     ahead = args.prefault_ahead  # bytes (checked with the other sizes)
     if args.disk is None:
         return KvStore(capacity, prefault_ahead=ahead)
-    from ems.pool.disk_tier import DiskTier
+    from ems.pool.disk import DiskTier
     from ems.pool.tiered_store import TieredStore
 
     disk = DiskTier(args.disk, args.disk_capacity, args.disk_queue)

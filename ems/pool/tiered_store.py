@@ -34,7 +34,7 @@ from typing import cast
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.pool.disk_tier import DiskTier, DiskTierStats
+from ems.pool.disk import DiskTier, DiskTierStats
 from ems.store.kv_store import KvStore, StoreStats
 from ems.store.value_format import copy_well_formed_many, is_well_formed, well_formed_many
 from ems.transport.holds import Hold

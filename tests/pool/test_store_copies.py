@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pool_testlib import joined, make_values
 
-from ems.pool.disk_tier import DiskTier
+from ems.pool.disk import DiskTier
 from ems.pool.tiered_store import TieredStore
 from ems.store.kv_store import KvStore
 

@@ -8,10 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pool_testlib import joined, make_values
 
-from ems.pool.disk_tier import (
+from ems.pool.disk.records import (
     ALIGN,
     HEADER_BYTES,
-    _WriteRing,
     aligned_buffer,
     decode_record,
     encode_record,
@@ -20,6 +19,7 @@ from ems.pool.disk_tier import (
     record_bytes,
     record_name,
 )
+from ems.pool.disk.ring import WriteRing
 
 
 def _record(key: bytes, size: int, seed: int = 0) -> tuple[np.ndarray, bytes]:
@@ -59,7 +59,7 @@ def test_record_names_parse_back_and_other_names_are_left_out():
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 12), st.integers(0, 50)), max_size=120))
 def test_the_write_ring_never_hands_out_overlapping_live_slots(ops):
-    ring = _WriteRing(16 * ALIGN)
+    ring = WriteRing(16 * ALIGN)
     live = []
     for take, pages, pick in ops:
         if take or not live:
@@ -82,7 +82,7 @@ def test_one_lookup_reads_at_most_drams_size_from_the_disk(tmp_path):
     them is still found on its own."""
     import time
 
-    from ems.pool.disk_tier import DiskTier
+    from ems.pool.disk import DiskTier
     from ems.pool.tiered_store import TieredStore
 
     disk = DiskTier(str(tmp_path), 64 << 20, 64 << 20)

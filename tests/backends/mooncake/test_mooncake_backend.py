@@ -96,6 +96,18 @@ def test_tenants_and_models_are_apart_in_the_key_space(mooncake):
     assert cc.exists([7, 8]) == CcResult(2, 2)
 
 
+def test_a_lookup_lease_is_mooncakes_own_and_a_pin_finds_nothing(mooncake):
+    """On Mooncake a lease asked for by a lookup is its master's own (every object an exists finds): the blocks are
+    counted; a pin cannot be added to an object Mooncake already holds, so a pinning lookup counts none."""
+    cc = _init(mooncake.settings())
+    cache = make_cache(blocks=4, block_size=BS)
+    cc.register_kvcache(cache)
+    assert _save(cc, cache, [0, 1], [31, 32]) == CcResult(2, 2)
+    assert cc.exists([31, 32], lease_ms=1000) == CcResult(2, 2)
+    assert cc.exists([31, 32], pin=True) == CcResult(0, 2)
+    assert cc.exists([31, 32]) == CcResult(2, 2)
+
+
 def test_storage_killed_mid_run_gives_misses_never_a_wrong_block():
     """Saves and loads run in threads while the storage process is killed: every result is a prefix whose blocks
     are byte-exact, every call returns within its timeout (plus scheduling slack), and afterwards loads miss."""
@@ -309,66 +321,8 @@ def test_staging_is_registered_once_and_zero_copy(mooncake):
         hashes = [round_ * 100 + i for i in range(8)]
         assert _save(cc, cache, list(range(8)), hashes) == CcResult(8, 8)
         assert _load(cc, list(range(8, 16)), hashes) == CcResult(8, 8)
-    assert 1 <= len(pool._registered) <= 3
-    assert pool._bounce.leased_bytes == 0 and not pool._bounce._free  # V1 never bounced
-    bases = np.array(sorted(pool._registered), dtype=np.int64)
-    assert pool._registry.covers(bases, np.ones_like(bases)).all()
-
-
-# ---------------------------------------------------------------- the backend's own parts, without a store
-
-
-def test_worker_deadline_bounds_the_caller_and_a_queued_call_never_runs():
-    """Calls that hang hold their workers; a call queued behind them returns EMS_IO_TIMEOUT by its deadline and is
-    never started; actions waiting for idleness run once the hung calls return."""
-    from ems.backends.mooncake import _Workers
-    from ems.deadline import Deadline
-    from ems.transport.base import TransportError
-
-    workers = _Workers(2, "test-workers")
-    release = threading.Event()
-    ran: list = []
-    try:
-        hung = [workers.submit(release.wait) for _ in range(2)]
-        started = time.monotonic()
-        with pytest.raises(TransportError) as raised:
-            workers.call(lambda: ran.append("queued"), Deadline.after(0.2), "queued call")
-        assert raised.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
-        assert time.monotonic() - started < 1.0
-        idle: list = []
-        workers.when_idle(lambda: idle.append(True))
-        assert not idle  # two calls still hang
-        release.set()
-        for future in hung:
-            assert future.result(5) is True
-        deadline = time.monotonic() + 5
-        while not idle and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert idle == [True] and workers.in_flight == 0 and ran == []
-        assert workers.call(lambda: 7, Deadline.after(5), "a call") == 7
-    finally:
-        release.set()
-        workers.close()
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_registry_covers_exactly_the_ranges_inside_one_region(seed):
-    """`_Registry.covers` against a brute-force check, over random disjoint regions and random ranges."""
-    from ems.backends.mooncake import _Registry
-
-    rng = np.random.default_rng(seed)
-    registry = _Registry()
-    regions = []
-    at = int(rng.integers(0, 1000))
-    for _ in range(int(rng.integers(0, 8))):
-        size = int(rng.integers(1, 500))
-        regions.append((at, at + size))
-        registry.add(at, size)
-        at += size + int(rng.integers(0, 50))  # adjacent regions too (gap 0): a range across both is not covered
-    if regions and rng.random() < 0.5:
-        start, _ = regions.pop(int(rng.integers(0, len(regions))))
-        registry.remove(start)
-    addresses = rng.integers(0, at + 100, 400).astype(np.int64)
-    sizes = rng.integers(0, 300, 400).astype(np.int64)
-    want = np.array([any(lo <= a and a + n <= hi for lo, hi in regions) for a, n in zip(addresses, sizes)])
-    assert (registry.covers(addresses, sizes) == want).all()
+    memory = pool._memory
+    assert 1 <= len(memory.registered) <= 3
+    assert memory.bounce.leased_bytes == 0 and not memory.bounce._free  # V1 never bounced
+    bases = np.array(sorted(memory.registered), dtype=np.int64)
+    assert memory.registry.covers(bases, np.ones_like(bases)).all()
