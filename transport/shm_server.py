@@ -1,7 +1,8 @@
 """The node's side of same-host shared memory (`transport/shm.py` has the protocol and the security model).
 
 Contract:
-* `ShmService(settings, handlers)` belongs to one node's `NodeHandlers` (its store, budget and worker threads).
+* `ShmService(settings, handlers)` belongs to one node's handlers (`transport.handler.ShmHost`: its store, budget
+  and worker threads; `ems.pool.handlers.NodeHandlers` in a node).
   `start()` listens on a fresh abstract Unix socket (a random name, so no other process can predict it or take it
   first); `stop()` closes it and reclaims every region.
 * `serve(channel, prefix)` answers SHM_OPEN, SHM_PUT and SHM_GET of one authenticated connection (keys in the
@@ -27,7 +28,7 @@ Contract:
 * Refusals are counted by reason (`ShmRefusal`, `refusals`); `stats()` gives the regions and bytes counted and the
   pages their memfds hold (their allocated blocks, whoever faulted them), for the node's metrics. `stats()` may be
   called from any thread.
-* Copies of more than `node_handlers.OFFLOAD_BYTES` run on the handlers' worker threads; the node counts the copies
+* Copies of more than the handlers' `offload_bytes` run on the handlers' worker threads; the node counts the copies
   running over each region (a region is reclaimed only once none runs) and keeps a reference to every value it
   copies, so the store never recycles a buffer under a copy. The bytes a request copies count against the node's
   in-flight budget like a UCX request's, with the same answers: a PUT that cannot get room is refused
@@ -47,15 +48,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ems.buffers import populate_in_background, remove_pages
 from ems.transport import protocol, shm, shm_channel
-
-if TYPE_CHECKING:
-    from ems.transport.node_handlers import NodeHandlers, RequestChannel
+from ems.transport.handler import Refusal, RequestChannel, ShmHost
 
 log = logging.getLogger("ems.pool")
 
@@ -125,14 +124,12 @@ class _Region:
 class ShmService:
     """Regions of one node's connections; see the module docstring."""
 
-    def __init__(self, settings: shm.ShmSettings, handlers: NodeHandlers) -> None:
-        from ems.transport.node_handlers import OFFLOAD_BYTES  # (node_handlers imports this module)
-
+    def __init__(self, settings: shm.ShmSettings, handlers: ShmHost) -> None:
         self.settings = settings
         self.handlers = handlers
         self.name = b"\0ems-shm-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
         self.refusals: Counter[ShmRefusal] = Counter()
-        self._offload_bytes = OFFLOAD_BYTES
+        self._offload_bytes = handlers.offload_bytes
         self._regions: dict[Any, _Region] = {}  # connection -> its current region (offered or handed over)
         self._tokens: dict[bytes, _Region] = {}  # the tokens out: regions waiting for their client
         self._counted: set[_Region] = set()  # every region not yet reclaimed
@@ -350,41 +347,11 @@ class ShmService:
         total = int(request.lens.sum())
         await self.handlers.take(total)  # as a UCX PUT: refused (and the connection closed) when it cannot fit
         try:
-            stored = await self._copy(total, self._store, region, keys, request)
+            stored = await self._copy(total, self.handlers.store_copies, region, keys, request)
         finally:
-            self.handlers.budget.release(total)
+            self.handlers.release(total)
         await channel.reply(protocol.Op.SHM_PUT, count=len(keys), meta=protocol.encode_flags(stored))
         return total
-
-    def _store(self, array: np.ndarray, keys: list[bytes], request: shm.RangedRequest) -> list[bool]:
-        """Copy each value out of the region into a buffer of the store's and store it, copy and check in one pass
-        (`NodeStore.put_copied_each`: the copies are checked, never the region, which the client can still write)."""
-        store = self.handlers.store
-        fits: list[int] = []  # the values the store can hold at all
-        buffers: list[np.ndarray] = []
-        sources: list[np.ndarray] = []
-        charges: list[int] = []
-        try:
-            for i, (key, offset, n) in enumerate(zip(keys, request.offsets.tolist(), request.lens.tolist())):
-                charge = store.charge_of(len(key), n)
-                if charge > store.capacity_bytes:
-                    continue
-                buffers.append(store.allocate(n, reserve=charge))
-                charges.append(charge)
-                sources.append(array[offset : offset + n])
-                fits.append(i)
-            verdicts = store.put_copied_each([keys[i] for i in fits], buffers, sources, charges)
-        except BaseException:
-            for buffer, charge in zip(buffers, charges):
-                store.recycle(buffer, reserved=charge)
-            raise
-        stored = [False] * len(keys)
-        for i, ok in zip(fits, verdicts):
-            stored[i] = ok
-        refused = [b for b, ok in zip(buffers, (stored[i] for i in fits)) if not ok]  # for the metrics: maybe damaged
-        if refused and self.handlers.metrics is not None:
-            self.handlers.metrics.count_damaged(refused, [False] * len(refused))
-        return stored
 
     async def _get(self, channel: RequestChannel, region: _Region, keys: list[bytes], request: shm.RangedRequest) -> int:
         values = await self.handlers.lookup_values(keys)  # off the event loop when it may read a disk
@@ -403,7 +370,7 @@ class ShmService:
                 leading = int(placed.argmin()) if not placed.all() else len(chosen)
                 await self._copy(total, self._place, region, chosen, request.progress, leading)
         finally:
-            self.handlers.budget.release(total)
+            self.handlers.release(total)
         del values
         await channel.reply(protocol.Op.SHM_GET, count=len(keys), meta=lens.astype("<i8").tobytes())
         return total
@@ -414,7 +381,7 @@ class ShmService:
         values = [value for value, _ in chosen]
         outs = [array[offset : offset + memoryview(value).nbytes] for value, offset in chosen]
         address = 0 if progress is None else array.ctypes.data + progress
-        self.handlers.store.read_into(values, outs, address, leading if progress is not None else 0)
+        self.handlers.read_into(values, outs, address, leading if progress is not None else 0)
 
     async def _copy(self, nbytes: int, fn: Any, region: _Region, *args: Any) -> Any:
         """`fn(region's mapping, *args)`: on the loop (small) or a worker thread (large). The copy is counted on the
@@ -605,8 +572,6 @@ class ShmService:
 
     async def _serve_one(self, channel: shm_channel.NodeChannel, region: _Region) -> bool:
         """One request off a region's channel; False when it was refused (answered BAD_REQUEST: the channel ends)."""
-        from ems.transport.node_handlers import Refusal  # (node_handlers imports this module)
-
         try:
             await self.handlers.serve(channel, region.prefix)
         except Refusal as refusal:

@@ -1,7 +1,8 @@
 """The pool-node server's session part: the listener, admission, the handshake, the watchdog and each connection's
 requests, over UCX (`ems.transport.protocol`), beside its client `ems.transport.ucx`. What a request does to the store
-and the in-flight budget is `transport.node_handlers`' (`NodeHandlers`); this module only moves requests to and from
-it. The transport does not import the store: the node assembly (`ems.pool.__main__`) hands one in.
+and the in-flight budget is the handlers' (`transport.handler.RequestHandler`; `ems.pool.handlers.NodeHandlers` in a
+node); this module only moves requests to and from them. The transport imports neither the store nor `ems.pool`:
+the node assembly (`ems.pool.node`) hands the handlers in.
 
 Contract:
 * One asyncio event loop serves every connection (UCX progress settings: `transport.ucx_config`). Each
@@ -12,13 +13,14 @@ Contract:
   rule complete at once).
 * Handshake first (`protocol` docstring). With access keys configured, a client must prove one (HMAC over a
   fresh nonce) or is refused with AUTH_FAILED; without keys every client is accepted under the tenant it names,
-  whose namespace (`node_handlers.tenant_prefix`) every key of the connection is stored under.
+  whose namespace (the handlers' `namespace`) every key of the connection is stored under.
 * Every received frame has its length verified (`transport.ucx_frames`): a short frame can never leave a recycled
   buffer's old bytes (another tenant's value) in a stored value.
-* A request the handlers refuse (`node_handlers.Refusal`: no room in the in-flight budget) is answered with
+* A request the handlers refuse (`transport.handler.Refusal`: no room in the in-flight budget) is answered with
   BAD_REQUEST and its message, then the connection is closed (its data frames are left unread). Replies are sent in
   windows of SEND_WINDOW_BYTES.
-* Timeouts (`NodeLimits`): a connection must finish the handshake within `handshake_timeout_s`; once a request has
+* Timeouts (`SessionLimits`, of the node's `NodeLimits`): a connection must finish the handshake within
+  `handshake_timeout_s`; once a request has
   started, every frame of it (in either direction) must complete within `stall_timeout_s` of the previous one of
   the same request (a deadline per request in flight). A connection that breaks either is aborted. An
   authenticated connection may stay idle between requests (clients keep one).
@@ -34,9 +36,10 @@ Contract:
 * A malformed or oversized frame, or any transport error, closes that connection only.
 * `stop()` closes the listener and every connection; the caller then lets the loop finish.
 * Same-host clients may move value bytes through a shared-memory region of their connection (`shm`:
-  `transport.shm_server`); off unless `shm` enables it (`python -m ems.pool` does by default).
-* With `metrics` (`ems.pool.metrics.NodeMetrics`), each connection and refused handshake is counted once (and each
-  request, by the handlers).
+  `transport.shm_server`, owned by the handlers); off unless the node's settings enable it (`python -m ems.pool`
+  does by default).
+* With `metrics` (`SessionMetrics`; `ems.pool.metrics.NodeMetrics` in a node), each connection and refused
+  handshake is counted once (and each request, by the handlers).
 """
 
 from __future__ import annotations
@@ -48,21 +51,16 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ems.transport import protocol, ucx_progress
-from ems.transport.node_budget import NodeLimits
-from ems.transport.node_handlers import NodeHandlers, NodeStore, Refusal, tenant_prefix
-from ems.transport.shm import ShmSettings
+from ems.transport.handler import Refusal, RequestHandler, SessionLimits, SessionMetrics
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_endpoint import connecting_tags, install_safe_listener_exchange, peer_host
 from ems.transport.ucx_frames import new_canary, recv_all_into, recv_head, recv_header_frame, recv_meta, send_all
 from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_sockets import SocketReaper
 from ems.transport.ucx_unexpected import discard, oldest
-
-if TYPE_CHECKING:
-    from ems.pool.metrics import NodeMetrics
 
 log = logging.getLogger("ems.pool")
 T = TypeVar("T")  # what an awaited frame step gives
@@ -134,7 +132,7 @@ class Connection:
 
 class Channel:
     """Where one request's frames and reply travel: classic (base tag, in order) or inline (its own tag); the
-    `node_handlers.RequestChannel` the handlers see."""
+    `transport.handler.RequestChannel` the handlers see."""
 
     __slots__ = ("body", "conn", "header", "key", "stall_s", "tag")
 
@@ -226,23 +224,19 @@ class Channel:
 
 
 class PoolServer:
-    """Serves one store (`NodeStore`); see the module docstring."""
+    """Serves one node's handlers (`RequestHandler`); see the module docstring."""
 
     def __init__(
         self,
-        store: NodeStore,
+        handlers: RequestHandler,
+        limits: SessionLimits,
         access_keys: dict[str, str] | None = None,
-        limits: NodeLimits | None = None,
-        metrics: NodeMetrics | None = None,
-        shm: ShmSettings | None = None,
+        metrics: SessionMetrics | None = None,
     ) -> None:
-        self.store = store
+        self.handlers = handlers
         self.metrics = metrics
         self.access_keys = dict(access_keys or {})
-        self.limits = limits or NodeLimits.for_capacity(store.capacity_bytes)
-        self.handlers = NodeHandlers(store, self.limits, metrics, shm)
-        if metrics is not None:
-            metrics.watch_shm(self.handlers.shm.stats)
+        self.limits = limits
         self._listener: Any = None
         self._connections: dict[Any, Connection] = {}
         self._by_tag: dict[int, Connection] = {}  # high bits of a live connection's base tag -> that connection
@@ -271,7 +265,7 @@ class PoolServer:
 
             self._worker = _get_ctx().worker
         self._tasks = [asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._reaper())]
-        self.handlers.shm.start()
+        self.handlers.start()
         return self.port
 
     async def stop(self) -> None:
@@ -296,17 +290,7 @@ class PoolServer:
             now = time.monotonic()
             if now >= next_report and log.isEnabledFor(logging.DEBUG):
                 next_report = now + 5.0
-                stats = self.store.stats()
-                log.debug(
-                    "memory: store %d used + %d spare of %d, in flight %d (peak %d) of %d, %d connections",
-                    stats.used_bytes,
-                    stats.spare_bytes,
-                    stats.capacity_bytes,
-                    self.handlers.budget.used,
-                    self.handlers.budget.peak,
-                    self.handlers.budget.total,
-                    len(self._connections),
-                )
+                log.debug("memory: %s, %d connections", self.handlers.memory_report(), len(self._connections))
             for conn in list(self._connections.values()):
                 stalled = conn.overdue(now)
                 if stalled is not None and not conn.aborted:
@@ -418,7 +402,7 @@ class PoolServer:
             if tenant is None:
                 return
             conn.stage = _Stage.IDLE
-            prefix = tenant_prefix(tenant)
+            prefix = self.handlers.namespace(tenant)
             classic = -1  # the watchdog's key for the classic request being served (inline ones: positive serials)
             while not conn.aborted:
                 await conn.slots.acquire()
@@ -479,7 +463,7 @@ class PoolServer:
                 if self._per_peer[conn.peer] <= 0:
                     del self._per_peer[conn.peer]
             conn.aborted = True
-            self.handlers.shm.forget(conn)
+            self.handlers.forget(conn)
             _abort(ep)  # fails the UCX requests of the inline requests still in flight: their tasks end by themselves
             if conn.tasks:
                 await asyncio.gather(*conn.tasks, return_exceptions=True)

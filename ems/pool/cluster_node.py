@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ems.cluster.membership import Registration
+    from ems.pool.handlers import NodeStore
     from ems.pool.metrics import MetricsServer, NodeMetrics
-    from ems.transport.node_handlers import NodeStore
 
 log = logging.getLogger("ems.pool")
 

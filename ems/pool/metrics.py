@@ -16,8 +16,9 @@ Contract:
   written), `tier_errors_total{kind}` (`integrity`: damaged records dropped, `io`: read/write errors,
   `dropped_write`: evictions not written), `disk_queued_bytes`, `disk_queued_values`, `disk_restored_values`,
   `disk_restore_seconds`.
-* Same-host shared memory (`transport.shm_server`, registered by the server with `watch_shm`): `shm_regions`
-  (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed), `shm_handed_regions`,
+* Same-host shared memory (`transport.shm_server`, registered by the node assembly `ems.pool.node` with `watch_shm`):
+  `shm_regions` (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed),
+  `shm_handed_regions`,
   `shm_bytes` (their bytes: what `--shm-total` bounds), `shm_resident_bytes` (the pages their memfds hold, whoever
   faulted them in: the host's shared memory on the node's account), `shm_total_bytes`, and
   `shm_refusals_total{reason}` (regions and hand-overs refused, by `ShmRefusal`).
@@ -50,7 +51,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 
 if TYPE_CHECKING:
-    from ems.transport.node_handlers import NodeStore
+    from ems.pool.handlers import NodeStore
     from ems.transport.shm_server import ShmStats
 
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from ems.deadline import Deadline
+from ems.pool.budget import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits
 from ems.transport import protocol
-from ems.transport.node_budget import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits
 from ems.transport.ucx_server import _windows
 
 GiB = 1 << 30
