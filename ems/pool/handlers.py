@@ -328,7 +328,7 @@ class NodeHandlers:
             try:
                 for size, reserve in zip(sizes.tolist(), reserves.tolist()):
                     segments.append(self.store.allocate(int(size), reserve=int(reserve)))
-                await self._receive_put(channel, request, segments)
+                await _receive_put(channel, request, segments)
             except BaseException:
                 for seg, reserve in zip(segments, reserves.tolist()):
                     self.store.recycle(seg, reserved=int(reserve))  # every receive into it has ended
@@ -339,33 +339,13 @@ class NodeHandlers:
                 if reserve == 0:  # a packed segment: its values were copied out
                     self.store.recycle(seg)
             del segments
-            stored = await self.offload(header.data_len, self._store_all, keys, values, reserved)
+            stored = await self.offload(header.data_len, self.store.put_owned_each, keys, values, reserved)
             if self.metrics is not None and not all(stored):
                 self.metrics.count_damaged(values, stored)
             del values
         finally:
             self.budget.release(charge)
         await channel.reply(_PUT, count=len(keys), meta=protocol.encode_flags(stored))
-
-    def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview], reserved: Sequence[int]) -> list[bool]:
-        """Store each value; `reserved[i]`: the bytes `allocate` reserved for it (released on every path)."""
-        return self.store.put_owned_each(keys, values, reserved)
-
-    async def _receive_put(self, channel: RequestChannel, request: protocol.PutRequest, segments: list) -> None:
-        """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
-        by length-verified receives. Returns only once every receive has ended (so a failed request's buffers can
-        be recycled: UCX writes into none of them any more)."""
-        inline = channel.inline_data()
-        if inline is not None:
-            starts = np.cumsum(request.segment_sizes) - request.segment_sizes
-            for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
-                seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
-            return
-        views = [memoryview(s) for s in segments]
-        ends = (request.frame_offsets + request.frame_lens).tolist()
-        await channel.receive_frames(
-            [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)]
-        )
 
     # ---- GET ----
 
@@ -438,6 +418,23 @@ class NodeHandlers:
 
 
 # ---- helpers ----
+
+
+async def _receive_put(channel: RequestChannel, request: protocol.PutRequest, segments: list) -> None:
+    """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
+    by length-verified receives. Returns only once every receive has ended (so a failed request's buffers can
+    be recycled: UCX writes into none of them any more)."""
+    inline = channel.inline_data()
+    if inline is not None:
+        starts = np.cumsum(request.segment_sizes) - request.segment_sizes
+        for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
+            seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
+        return
+    views = [memoryview(s) for s in segments]
+    ends = (request.frame_offsets + request.frame_lens).tolist()
+    await channel.receive_frames(
+        [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)]
+    )
 
 
 def _no_room(channel: RequestChannel, total: int) -> None:

@@ -52,7 +52,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 if TYPE_CHECKING:
     from ems.pool.handlers import NodeStore
-    from ems.transport.shm_server import ShmStats
+    from ems.transport.shm_regions import ShmStats
 
 
 class _StoreCollector(Collector):
