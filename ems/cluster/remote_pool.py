@@ -34,7 +34,7 @@ def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -
     pool = PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas, connect=connect)
 
     def on_change(members: dict[str, NodeInfo]) -> None:
-        pool.set_members(sorted(set(static) | set(members)))
+        pool.set_members(sorted(set(static) | set(members)), {a: i.incarnation for a, i in members.items()})
 
     watcher = MembershipWatcher(settings.pool_etcd, settings.pool_cluster, on_change)
     try:

@@ -2,7 +2,9 @@
 
 A long random sequence of saves, loads, node failures, damaged copies, wiped nodes and membership changes is checked
 against a model of where good copies are: a load is a hit exactly when one of the first k live owners (rank order,
-failed nodes skipped) holds a good copy, and a loaded block is always byte-exact; nothing else is ever written.
+failed nodes skipped) holds a good copy, k being the replicas plus the nodes that joined in the rebalancing window
+(`Members.fallback`; a run with the window at 0 checks the replicas alone), and a loaded block is always
+byte-exact; nothing else is ever written.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fault_injection import FaultyNode
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.pool_client import PoolClient
+from ems.cluster import placement
 from ems.cluster.routing import node_seeds, ranked_owners
 from ems.config import resolve_settings
 from ems.datapath.keys import v1_keys
@@ -58,7 +61,9 @@ def _load_one(cc, cache, original, block: int, block_hash: int) -> bool:
 
 @pytest.mark.parametrize("replicas", [1, 2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_sequence_matches_the_copy_model(replicas, seed):
+@pytest.mark.parametrize("rebalance_s", [0.0, placement.REBALANCE_S])
+def test_random_sequence_matches_the_copy_model(replicas, seed, rebalance_s, monkeypatch):
+    monkeypatch.setattr(placement, "REBALANCE_S", rebalance_s)
     rng = random.Random(seed * 10 + replicas)
     nodes, pool, cc = _cluster(5, replicas)
     try:
@@ -82,7 +87,8 @@ def test_random_sequence_matches_the_copy_model(replicas, seed):
                 good[block] = good.get(block, set()) | set(up)
             elif action == "load":
                 ranks = [a for a in _ranks(cc, pool, h) if not nodes[a].fail]
-                expect_hit = bool(set(ranks[:replicas]) & good.get(block, set()))
+                tries = replicas + pool.members.fallback()  # joins in the window: their keys' old owners too
+                expect_hit = bool(set(ranks[:tries]) & good.get(block, set()))
                 if not ranks:
                     continue
                 assert _load_one(cc, cache, original, block, h) == expect_hit, (block, ranks, good.get(block))
