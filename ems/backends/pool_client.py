@@ -46,8 +46,9 @@ class PoolClient:
         replicas: int = 1,
         connect: Callable[[str], NodeClient] | None = None,
         limits: RequestLimits = WIRE_LIMITS,
+        hedge: bool = True,
     ) -> None:
-        self.router = NodeRouter(nodes, replicas, connect, limits)
+        self.router = NodeRouter(nodes, replicas, connect, limits, hedge)
         self.limits = limits
         self.replicas = replicas
         self.is_local = self.router.is_local

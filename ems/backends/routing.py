@@ -16,10 +16,10 @@ Contract:
   says, then gives up on them (`FanOut.writes`): a slow node does not hold every save up to its deadline.
 * A read (`ems.backends.reads.read`) asks each wanted key's first owner, and sends what it missed, found damaged (not
   the `expected` value) or could not get from a failed node to the next node, until the deadline; while the pool
-  rebalances after a join it also asks the nodes after the owners (`Members.fallback`). With replicas, reads are
-  hedged: a node slower than `NodeLatency.hedge_delay` has its keys asked of the next owner too, and slow nodes are
-  asked last. A read's `results` may come filled in for some keys by a layer above (the read cache): only the
-  others are wanted (None for `get`, False for `get_into` and `exists`).
+  rebalances after a join it also asks the nodes after the owners (`Members.fallback`). With replicas (and `hedge`,
+  the `pool_hedge` setting), reads are hedged: a node slower than `NodeLatency.hedge_delay` has its keys asked of
+  the next owner too, and slow nodes are asked last. A read's `results` may come filled in for some keys by a layer
+  above (the read cache): only the others are wanted (None for `get`, False for `get_into` and `exists`).
 * Results come back in request order; interpreting them (the consecutive prefix, raising when nothing was
   reachable) is the caller's job.
 """
@@ -57,6 +57,7 @@ class NodeRouter:
         replicas: int = 1,
         connect: Callable[[str], NodeClient] | None = None,
         limits: RequestLimits = WIRE_LIMITS,
+        hedge: bool = True,
     ) -> None:
         if not nodes and connect is None:
             raise ValueError("a pool client needs at least one node")
@@ -64,6 +65,7 @@ class NodeRouter:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.replicas = replicas
         self.limits = limits
+        self.hedge = hedge  # reads hedged around slow nodes (with replicas)
         self.members = Members(nodes, connect)
         self.is_local = bool(nodes) and all(isinstance(n, InProcessNode) for n in nodes)
         self.latency = NodeLatency()
@@ -111,7 +113,7 @@ class NodeRouter:
             accept,
             self.replicas,
             self.members.fallback(),
-            hedge if self.replicas > 1 else None,
+            hedge if self.replicas > 1 and self.hedge else None,
         )
 
     # ---- batched operations ----
