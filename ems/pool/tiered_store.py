@@ -14,7 +14,8 @@ Contract:
   misses: the values it returns are held until they are sent, so a GET naming more than DRAM holds cannot make the
   node hold more than about that again. Lookups that reach the disk block
   on I/O: `may_block` tells the server which ones to run off its event loop.
-* `contains_many` (EXISTS) answers for both tiers.
+* `contains_many` (EXISTS) answers for both tiers. `keys()` and `peek_many` (a node's repair) see DRAM only: the
+  disk's index knows its records by key hash.
 * `stats()` is DRAM's (`StoreStats`: the memory figures the server logs) with hits and misses counted over both
   tiers; `tier_stats()` gives each tier's own figures (metrics, `ems-pool status`).
 * A disk that fails turns the node into a DRAM-only node (`DiskTier`'s contract): lookups then miss on disk.
@@ -136,6 +137,14 @@ class TieredStore:
             return in_dram
         on_disk = self.disk.contains_many(keys)
         return [a or b for a, b in zip(in_dram, on_disk)]
+
+    def keys(self) -> list[bytes]:
+        """DRAM's keys (`KvStore.keys`): the disk's index knows its records by key hash only."""
+        return self.dram.keys()
+
+    def peek_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """DRAM's values (`KvStore.peek_many`), no disk read, no promotion."""
+        return self.dram.peek_many(keys)
 
     def stats(self) -> StoreStats:
         stats = self.dram.stats()
