@@ -2,8 +2,8 @@
 writes share (`ems.backends.routing`, `ems.backends.reads`).
 
 Contract (`FanOut`):
-* `run(node, idx, call, costs, deadline)` sends one node its keys (`idx`, indices into the caller's key list) in
-  requests within the protocol's limits (`RequestLimits.batches` over `costs(idx)`), one after the other, until the
+* `run(node, idx, call, per_key, deadline)` sends one node its keys (`idx`, indices into the caller's key list) in
+  requests within the protocol's limits (`RequestLimits.batches` over their costs), one after the other, until the
   deadline, and returns `NodeAnswer`: the answers of a prefix of its keys (all of them unless the node failed) and
   the node's error, if any. Each node's answered requests are timed into `latency` (`NodeLatency.observe`).
 * `start(...)` runs `run` on the fan-out's threads (or inline, for nodes in this process, which cannot hang) and
@@ -69,7 +69,7 @@ class NodeCall:
     def __init__(self, node: NodeClient, idx: np.ndarray, nbytes: int, future: concurrent.futures.Future | None) -> None:
         self.node = node
         self.idx = idx
-        self.nbytes = nbytes  # value bytes it moves (expected)
+        self.nbytes = nbytes  # value bytes it moves (expected; 0 for a call that ran inline)
         self.started = time.monotonic()
         self.future = future
         self.answer: NodeAnswer | None = None  # set when it ran inline, or once collected
@@ -114,9 +114,12 @@ class FanOut:
     def submit(self, fn: Callable[..., object], *args: object) -> concurrent.futures.Future:
         return self._pool().submit(fn, *args)
 
-    def run(self, node: NodeClient, idx: np.ndarray, call: NodeRequest, costs: CostsOf, deadline: Deadline) -> NodeAnswer:
+    def run(
+        self, node: NodeClient, idx: np.ndarray, call: NodeRequest, per_key: Costs, deadline: Deadline, observe: bool = True
+    ) -> NodeAnswer:
+        """One node's keys (`per_key`: their costs) in requests within the limits, each answered one timed into
+        `latency` when `observe`; see the module docstring."""
         answers: list = []
-        per_key = costs(idx)
         for batch in self.limits.batches(per_key):
             if deadline.expired():
                 return NodeAnswer(answers, TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer in time"))
@@ -124,22 +127,31 @@ class FanOut:
             try:
                 answers.extend(call(node, idx[batch], deadline))
             except TransportError as error:
+                if observe and error.status_code() == EmsErrorCode.EMS_IO_TIMEOUT:  # (at least that long: slow)
+                    self.latency.observe(node.address, int(per_key[0][batch].sum()), time.monotonic() - started)
                 return NodeAnswer(answers, error)
-            if not self.inline:
+            if observe:
                 self.latency.observe(node.address, int(per_key[0][batch].sum()), time.monotonic() - started)
         return NodeAnswer(answers)
 
     def start(
-        self, node: NodeClient, idx: np.ndarray, call: NodeRequest, costs: CostsOf, deadline: Deadline, here: bool = False
+        self,
+        node: NodeClient,
+        idx: np.ndarray,
+        call: NodeRequest,
+        costs: CostsOf,
+        deadline: Deadline,
+        here: bool = False,
+        observe: bool = True,
     ) -> NodeCall:
         """`run` on the fan-out's threads; inline when the nodes are in this process or `here` (the caller's own
-        thread: a transport that bounds its calls by the deadline itself)."""
-        nbytes = int(costs(idx)[0].sum())
+        thread: a transport that bounds its calls by the deadline itself, and no hedge to send meanwhile)."""
+        per_key = costs(idx)
         if self.inline or here:
-            pending = NodeCall(node, idx, nbytes, None)
-            pending.answer = self.run(node, idx, call, costs, deadline)
+            pending = NodeCall(node, idx, 0, None)
+            pending.answer = self.run(node, idx, call, per_key, deadline, observe and not self.inline)
             return pending
-        return NodeCall(node, idx, nbytes, self.submit(self.run, node, idx, call, costs, deadline))
+        return NodeCall(node, idx, int(per_key[0].sum()), self.submit(self.run, node, idx, call, per_key, deadline))
 
     def all(
         self,
@@ -148,10 +160,12 @@ class FanOut:
         costs: CostsOf,
         deadline: Deadline,
         outcome: PoolOutcome,
+        observe: bool = True,
     ) -> list[NodeAnswer]:
-        """Every node's keys at once, waiting for all up to the deadline; errors go to `outcome.errors`."""
+        """Every node's keys at once, waiting for all up to the deadline; errors go to `outcome.errors`. `observe`:
+        time the answers into `latency` (what hedging needs; a pool of one node has nothing to hedge to)."""
         here = len(node_keys) == 1 and node_keys[0][0].self_timed
-        calls = [self.start(node, idx, call, costs, deadline, here) for node, idx in node_keys]
+        calls = [self.start(node, idx, call, costs, deadline, here, observe) for node, idx in node_keys]
         return self.collect(calls, deadline, outcome)
 
     def collect(self, calls: Sequence[NodeCall], deadline: Deadline, outcome: PoolOutcome) -> list[NodeAnswer]:
@@ -176,10 +190,12 @@ class FanOut:
         costs: CostsOf,
         deadline: Deadline,
         outcome: PoolOutcome,
+        observe: bool = True,
     ) -> list[NodeAnswer]:
-        """A put's requests (see the module docstring): `keys` is the number of keys of the call."""
+        """A put's requests (see the module docstring): `keys` is the number of keys of the call; `observe` as for
+        `all`."""
         if self.inline or len(node_keys) == 1:
-            return self.all(node_keys, call, costs, deadline, outcome)
+            return self.all(node_keys, call, costs, deadline, outcome, observe)
         calls = [self.start(node, idx, call, costs, deadline) for node, idx in node_keys]
         answered = np.zeros(keys, dtype=bool)
         give_up: float | None = None

@@ -8,7 +8,7 @@ Contract (`NodeLatency`, thread-safe):
   weighted averages (`ALPHA`), so a node that slows down or recovers shows it within a few requests. A node with no
   observation yet gets `DEFAULT_BASE_S` and `DEFAULT_BYTES_PER_S`.
 * `expected(nbytes)`: how long a request of `nbytes` takes on a typical node: the median of the nodes' models
-  (so one slow node, which is what hedging is for, does not move it).
+  (so one slow node, which is what hedging is for, does not move it), recomputed at most every `TYPICAL_EVERY_S`.
 * `hedge_delay(nbytes)`: how long a read waits for its node before asking the next owner too: `HEDGE_FACTOR`
   times `expected(nbytes)`, plus `HEDGE_FLOOR_S` (scheduling noise on a busy host). `abort_delay(nbytes)`: how long
   a request may run before it is stopped (its connection aborted) when its keys were served elsewhere:
@@ -39,6 +39,7 @@ ABORT_FACTOR = 10.0
 ABORT_FLOOR_S = 0.05
 SLOW_FACTOR = 8.0
 RETRY_SLOW_S = 2.0
+TYPICAL_EVERY_S = 0.05
 
 
 @dataclasses.dataclass
@@ -58,6 +59,9 @@ class NodeLatency:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[str, _Model] = {}
+        self._typical = _Model()  # the median model, recomputed at most every TYPICAL_EVERY_S
+        self._typical_at = 0.0
+        self.any_slow = False  # (read without the lock: a hint that spares the callers a look per node)
 
     def observe(self, address: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -69,24 +73,27 @@ class NodeLatency:
                 rate = nbytes / max(seconds - model.base_s, seconds / 2, 1e-6)
                 model.bytes_per_s = rate if first else (1 - ALPHA) * model.bytes_per_s + ALPHA * rate
             model.samples += 1
-            typical = self._typical(exclude=address)
-            if typical is not None and model.predict(SMALL_BYTES) > SLOW_FACTOR * typical.predict(SMALL_BYTES):
+            now = time.monotonic()
+            if first or now - self._typical_at > TYPICAL_EVERY_S:
+                self._typical = self._median()
+                self._typical_at = now
+            if model.predict(SMALL_BYTES) > SLOW_FACTOR * self._typical.predict(SMALL_BYTES) and len(self._models) > 1:
                 if model.slow_since is None:
-                    model.slow_since = time.monotonic()
-            else:
+                    model.slow_since = now
+                    self.any_slow = True
+            elif model.slow_since is not None:
                 model.slow_since = None
+                self.any_slow = any(m.slow_since is not None for m in self._models.values())
 
-    def _typical(self, exclude: str | None = None) -> _Model | None:
-        """The median model of the nodes observed (other than `exclude`), or None."""
-        models = [m for a, m in self._models.items() if m.samples and a != exclude]
+    def _median(self) -> _Model:
+        """The median model of the nodes observed (a default one before any)."""
+        models = [m for m in self._models.values() if m.samples]
         if not models:
-            return None
+            return _Model()
         return _Model(statistics.median(m.base_s for m in models), statistics.median(m.bytes_per_s for m in models))
 
     def expected(self, nbytes: int) -> float:
-        with self._lock:
-            typical = self._typical()
-        return (typical or _Model()).predict(nbytes)
+        return self._typical.predict(nbytes)
 
     def hedge_delay(self, nbytes: int) -> float:
         return HEDGE_FACTOR * self.expected(nbytes) + HEDGE_FLOOR_S
@@ -95,6 +102,8 @@ class NodeLatency:
         return max(ABORT_FACTOR * self.expected(nbytes), ABORT_FLOOR_S)
 
     def slow(self, address: str) -> bool:
+        if not self.any_slow:
+            return False
         with self._lock:
             model = self._models.get(address)
             if model is None or model.slow_since is None:
@@ -108,3 +117,5 @@ class NodeLatency:
         """A node that left (or came back as another incarnation) starts afresh."""
         with self._lock:
             self._models.pop(address, None)
+            self.any_slow = any(m.slow_since is not None for m in self._models.values())
+            self._typical = self._median()

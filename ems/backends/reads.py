@@ -6,11 +6,13 @@ Contract (`read`):
   accepted value goes to its next node in rank order, round by round, until the deadline. A miss or a damaged value
   uses up one of the key's tries; a node that failed (lost, timed out) does not, and is skipped for the rest of the
   call, so a key whose owner died is read from the nodes after it (also before membership drops the dead node).
-* Tries: `replicas`, plus `fallback` (`Members.fallback`: nodes that joined or came back recently): while the pool
+* Tries: `replicas`, plus `fallback()` (`Members.fallback`: nodes that joined or came back recently): while the pool
   rebalances after a join, a key's new owner may not hold it yet and its previous owner, now one rank further,
   does; so a key missing at its owners is also asked of that many nodes after them. Never more than the nodes.
 * Slow nodes (`NodeLatency.slow`) are asked last among the nodes a key may try.
-* Hedging (`hedge` given, and the key has another node it may try): when a node has not answered its share within
+* Hedging (`hedge` given, and the key has another node it may try): a request of no value bytes to speak of (an
+  exists; under `SMALL_BYTES`) to one node that is not seen slow runs on the calling thread and is not hedged (a
+  node that fails or times out is then skipped as above); otherwise, when a node has not answered its share within
   `NodeLatency.hedge_delay` of its expected bytes, the keys of that share still without a value are also asked of
   their next node; whichever answers first with an accepted value wins. For a read into the caller's buffers
   (`Hedge.needs_quiet`) the hedge receives into buffers of its own, and its values are copied into the caller's
@@ -31,6 +33,7 @@ import numpy as np
 
 from ems.backends.base import PoolOutcome
 from ems.backends.fanout import CostsOf, FanOut, NodeCall, NodeRequest
+from ems.backends.latency import SMALL_BYTES
 from ems.cluster.placement import View
 from ems.cluster.routing import ranked_owners
 from ems.deadline import Deadline
@@ -74,7 +77,7 @@ def read(
     deadline: Deadline,
     accept: Accept,
     replicas: int,
-    fallback: int = 0,
+    fallback: Callable[[], int] = lambda: 0,
     hedge: Hedge | None = None,
 ) -> PoolOutcome:
     """See the module docstring. Fills `results` (the accepted answers) and returns the outcome."""
@@ -88,19 +91,26 @@ def read(
         outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
         return outcome
     if n == 1:  # one live node owns every key (the usual same-host node): one round, nothing to rank
-        (answer,) = fanout.all([(view.nodes[0], pending)], call, costs, deadline, outcome)
+        (answer,) = fanout.all([(view.nodes[0], pending)], call, costs, deadline, outcome, observe=False)
         for i, value in zip(pending[: len(answer.answers)].tolist(), answer.answers):  # a failed node answered a prefix
             if accept(i, value):
                 results[i] = value
         outcome.nodes_contacted = 1
         return outcome
-    allowed = min(n, replicas + fallback)  # tries a key may use
+    allowed = min(n, replicas + fallback())  # tries a key may use
     ranks = ranked_owners([route_keys[i] for i in pending.tolist()], view.seeds, n)  # every node: failover
-    slow = np.fromiter((fanout.latency.slow(node.address) for node in view.nodes), dtype=bool, count=n)
-    if slow.any() and allowed > 1:  # slow nodes last among the nodes a key may try (stable otherwise)
+    latency = fanout.latency
+    slow = np.zeros(n, dtype=bool)
+    if latency.any_slow and allowed > 1:
+        slow = np.fromiter((latency.slow(node.address) for node in view.nodes), dtype=bool, count=n)
+    if slow.any():  # slow nodes last among the nodes a key may try (stable otherwise)
         head = ranks[:, :allowed]
         ranks[:, :allowed] = np.take_along_axis(head, np.argsort(slow[head], axis=1, kind="stable"), axis=1)
     state = _Keys(pending, ranks, n)
+
+    def small(idx: np.ndarray) -> bool:  # a request of no value bytes to speak of (exists, a few small values)
+        return int(costs(idx)[0].sum()) < SMALL_BYTES
+
     contacted = np.zeros(n, dtype=bool)
     hedging = hedge is not None and allowed > 1
     while state.pending.size:
@@ -109,7 +119,10 @@ def read(
             break
         node_ids = np.unique(candidate).tolist()
         contacted[node_ids] = True
-        here = not hedging and len(node_ids) == 1 and view.nodes[node_ids[0]].self_timed
+        # one node, whose transport bounds its calls by the deadline: on this thread (no hop) unless a hedge may be
+        # needed: a request that moves value bytes, or one to a node seen slow
+        lone = view.nodes[node_ids[0]] if len(node_ids) == 1 else None
+        here = lone is not None and lone.self_timed and (not hedging or (small(state.pending) and not latency.slow(lone.address)))
         shares = [
             _Share(fanout.start(view.nodes[j], state.pending[candidate == j], call, costs, deadline, here), True)
             for j in node_ids

@@ -112,7 +112,7 @@ class NodeRouter:
             deadline,
             accept,
             self.replicas,
-            self.members.fallback(),
+            self.members.fallback,
             hedge if self.replicas > 1 and self.hedge else None,
         )
 
@@ -164,6 +164,7 @@ class NodeRouter:
             costs,
             deadline,
             outcome,
+            observe=len(view.nodes) > 1,
         )
         acked = np.zeros(len(keys), dtype=bool)
         refused = np.zeros(len(keys), dtype=bool)

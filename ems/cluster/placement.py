@@ -100,9 +100,11 @@ class Members:
 
     def fallback(self) -> int:
         """Nodes that joined or came back in the last REBALANCE_S seconds."""
-        with self._lock:
-            now = time.monotonic()
-            return sum(1 for t in self._joins if now - t < REBALANCE_S)
+        joins = self._joins  # (replaced, never changed in place: no lock needed)
+        if not joins:
+            return 0
+        now = time.monotonic()
+        return sum(1 for t in joins if now - t < REBALANCE_S)
 
     def close(self) -> None:
         with self._lock:
