@@ -53,18 +53,22 @@ if TYPE_CHECKING:
     from ems.kernels.base import KernelBackend
 
 MAX_IDENTIFIER_CHARS = 512
+MAX_SIZE = 1 << 60  # bytes: the largest size setting (far past any host; sums and products of sizes stay in int64)
 _ACCESS_ID_RE = re.compile(rf"[\x20-\x7e]{{1,{MAX_IDENTIFIER_CHARS}}}")  # printable ASCII
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 
 
 def parse_size(name: str, value: object) -> int:
-    """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB", "4096"."""
+    """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB", "4096", at most MAX_SIZE (so that no
+    arithmetic on a size can leave int64)."""
     if isinstance(value, bool):
         raise invalid_argument(f"{name} must be a size, got a bool")
     if isinstance(value, int):
         if value < 0:
             raise invalid_argument(f"{name} must be >= 0, got {value}")
+        if value > MAX_SIZE:
+            raise invalid_argument(f"{name} = {value} bytes is more than the largest size, {MAX_SIZE} (1 EiB)")
         return value
     if not isinstance(value, str):
         raise invalid_argument(f"{name} must be an int or a size string like '512MiB', got {type(value).__name__}")
@@ -74,6 +78,8 @@ def parse_size(name: str, value: object) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "").upper()
     base = 1024 if "I" in unit else 1000
     scale = 1 if unit in ("", "B") else base ** ("KMGT".index(unit[0]) + 1)
+    if not number * scale <= MAX_SIZE:  # (an overlong number of digits reads as infinity)
+        raise invalid_argument(f"{name}: {value!r} is more than the largest size, {MAX_SIZE} bytes (1 EiB)")
     return int(number * scale)
 
 

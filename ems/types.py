@@ -79,16 +79,23 @@ class PrimaryKey:
                 raise invalid_argument(f"PrimaryKey.{name} must not be empty")
             if len(value) > MAX_KEY_CHARS:
                 raise invalid_argument(f"PrimaryKey.{name} is {len(value)} characters; a key must be under {MAX_KEY_CHARS + 1}")
+            _check_utf8(f"PrimaryKey.{name}", value)
+
+
+def _check_utf8(name: str, value: str) -> bytes:
+    """`value` in UTF-8 (how keys are stored and routed); EMS_INVALID_ARGUMENT naming `name` when it cannot be
+    encoded (a lone surrogate such as "\\ud800")."""
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_argument(f"{name} is not encodable as UTF-8: {exc.reason} at index {exc.start}") from None
 
 
 def check_str_key(name: str, key: str) -> bytes:
     """A V0 plain-str key as the UTF-8 bytes it is stored and routed by; EMS_INVALID_ARGUMENT naming `name`."""
     if not key:
         raise invalid_argument(f"{name} must not be an empty str")
-    try:
-        raw = key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid_argument(f"{name} is not encodable as UTF-8: {exc.reason} at index {exc.start}") from None
+    raw = _check_utf8(name, key)
     if len(raw) > MAX_STR_KEY_BYTES:
         raise invalid_argument(f"{name} is {len(raw)} bytes in UTF-8; a str key holds at most {MAX_STR_KEY_BYTES}")
     return raw

@@ -53,12 +53,17 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
         return MooncakePool(settings.mooncake, settings.pool_replicas, settings.connect_timeout_ms / 1000.0)
     if settings.embedded:
         # values come from this process's own checksummed staging: re-verifying them on put would only repeat work
-        store = KvStore(
-            settings.pool_capacity,
-            verify_on_put=False,
-            prefault_bytes=settings.pool_prefault,
-            prefault_ahead=settings.pool_prefault_ahead,
-        )
+        try:
+            store = KvStore(
+                settings.pool_capacity,
+                verify_on_put=False,
+                prefault_bytes=settings.pool_prefault,
+                prefault_ahead=settings.pool_prefault_ahead,
+            )
+        except OSError as exc:  # the arena's address space could not be reserved
+            raise invalid_argument(
+                f"pool_capacity={settings.pool_capacity}: the embedded pool cannot reserve it: {exc}"
+            ) from None
         return PoolClient([InProcessNode(store)])
     try:
         require("ucxx", "ucx", "pool_nodes")  # UCX is needed only with remote nodes

@@ -89,6 +89,38 @@ class _EmsErrors:
             raise converted from exc
 
 
+class _OpenCalls:
+    """The calls running inside one `ContextCaching`: `close()` refuses new ones and returns once none runs, so a call
+    racing `Ems.shutdown` from another thread either runs whole (an async call: is submitted, and shutdown waits for
+    it) or is refused with an `EmsException`, never half-way into a closed executor or pool. A plain class, as
+    `_EmsErrors`: every public call enters it once."""
+
+    __slots__ = ("_count", "_idle", "closed")
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition(threading.Lock())
+        self._count = 0
+        self.closed = False
+
+    def __enter__(self) -> None:
+        with self._idle:
+            if self.closed:
+                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "this ContextCaching was shut down")
+            self._count += 1
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        with self._idle:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        """Refuse new calls; wait for the running ones to return."""
+        with self._idle:
+            self.closed = True
+            self._idle.wait_for(lambda: self._count == 0)
+
+
 class ContextCaching:
     """The EMS Context Caching client of one process (get it from `Ems.get_cc()`)."""
 
@@ -106,7 +138,7 @@ class ContextCaching:
         )
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="ems-cc")
         self._inflight = threading.BoundedSemaphore(settings.max_inflight)
-        self._closed = False
+        self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
         self._metrics.register()
@@ -119,11 +151,12 @@ class ContextCaching:
         """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
         `[blocks, block_size, heads, head_size]`. Moves no data (a CPU layout's small-call path is warmed on a
         scratch cache: `ems.client.warmup`). Registering again replaces the layout."""
-        layout = register_layout(kvcache, store_layer_group_desc)
-        backend = self._backend_for(layout.device)
-        warm_small_calls(layout, backend)
-        self._layout = layout
-        self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
+        with self._calls:
+            layout = register_layout(kvcache, store_layer_group_desc)
+            backend = self._backend_for(layout.device)
+            warm_small_calls(layout, backend)
+            self._layout = layout
+            self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
         logger.info(
             "registered KV cache: %d layers in %d group(s) on %s, copy backend %s",
             layout.num_layers,
@@ -157,12 +190,7 @@ class ContextCaching:
                 f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
             ) from exc
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "this ContextCaching was shut down")
-
     def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device]:
-        self._check_open()
         layout = self._layout
         request = bind_request(op, args, kwargs, layout)
         if isinstance(request, RawRequest):
@@ -224,9 +252,10 @@ class ContextCaching:
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
-        finish, _ = self._begin_save(args, kwargs)
-        with _EmsErrors(self._metrics.record_error):
-            return finish()
+        with self._calls:
+            finish, _ = self._begin_save(args, kwargs)
+            with _EmsErrors(self._metrics.record_error):
+                return finish()
 
     @overload
     def async_save(
@@ -249,19 +278,20 @@ class ContextCaching:
         `max_inflight` async calls are pending; a further call waits for one to finish (back-pressure).
         Bad arguments raise here, before anything moves. The future's `job` is the call's job record.
         """
-        self._inflight.acquire()
-        try:
-            record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
-            finish, abandon = self._begin_save(args, kwargs, record)
-        except BaseException:
-            self._inflight.release()
-            raise
-        try:
-            return self._submit(finish, record)
-        except BaseException:  # never submitted (e.g. shut down meanwhile): give back what the job held
-            abandon()
-            self._inflight.release()
-            raise
+        with self._calls:
+            self._inflight.acquire()
+            try:
+                record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
+                finish, abandon = self._begin_save(args, kwargs, record)
+            except BaseException:
+                self._inflight.release()
+                raise
+            try:
+                return self._submit(finish, record)
+            except BaseException:  # never submitted: give back what the job held
+                abandon()
+                self._inflight.release()
+                raise
 
     # ---------------------------------------------------------------- load
 
@@ -296,9 +326,10 @@ class ContextCaching:
 
         `success` is the number of blocks, from the first, that were found and verified: exactly those are
         written; nothing after the first miss is touched."""
-        request, plan, device, record = self._bind_load(args, kwargs)
-        with _EmsErrors(self._metrics.record_error):
-            return self._load(request, plan, device, record)
+        with self._calls:
+            request, plan, device, record = self._bind_load(args, kwargs)
+            with _EmsErrors(self._metrics.record_error):
+                return self._load(request, plan, device, record)
 
     @overload
     def async_load(
@@ -316,13 +347,14 @@ class ContextCaching:
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
         the future is done. Bad arguments raise here. The future's `job` is the call's job record."""
-        self._inflight.acquire()
-        try:
-            request, plan, device, record = self._bind_load(args, kwargs)
-            return self._submit(lambda: self._load(request, plan, device, record), record)
-        except BaseException:
-            self._inflight.release()
-            raise
+        with self._calls:
+            self._inflight.acquire()
+            try:
+                request, plan, device, record = self._bind_load(args, kwargs)
+                return self._submit(lambda: self._load(request, plan, device, record), record)
+            except BaseException:
+                self._inflight.release()
+                raise
 
     # ---------------------------------------------------------------- futures
 
@@ -354,7 +386,10 @@ class ContextCaching:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
         A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising."""
-        self._check_open()
+        with self._calls:
+            return self._exists(hashes, option, kwargs)
+
+    def _exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None, kwargs: dict[str, Any]) -> CcResult:
         items, checked_option = bind_exists(hashes, option, kwargs)
         if isinstance(items[0], (PrimaryKey, str)):
             keys, route_keys = v0_keys(self._v0_namespace, items)
@@ -391,8 +426,9 @@ class ContextCaching:
         return self._metrics.snapshot()
 
     def close(self) -> None:
-        """Wait for pending async calls, then release threads and staging buffers."""
-        self._closed = True
+        """Refuse new calls, wait for the running ones and for pending async calls, then release threads and staging
+        buffers."""
+        self._calls.close()
         self._executor.shutdown(wait=True)
         self._staging.clear()
         self._metrics.unregister()

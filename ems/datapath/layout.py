@@ -6,9 +6,12 @@ contiguous as a whole (engines hand out views), but each token row (`heads * hea
 groups may differ in block size, heads, head_size and dtype. Within a group every tensor has the same number of
 blocks and block size (a slot names one row of each), while K and V may differ in heads, head size and dtype: MLA
 with split K/V (DeepSeek on Ascend) registers per layer K = the latent `[blocks, block_size, 1, 512]` and V = the
-rope part `[blocks, block_size, 1, 64]`. The signature covers everything a stored value's bytes depend on (each
-group's layers and every plane's dtype, heads and head_size), so a differently shaped engine never reads foreign
-bytes.
+rope part `[blocks, block_size, 1, 64]`. The layout records views of the registered tensors (not the tensor objects),
+which keep their storages alive: a tensor whose storage the engine replaces after registration (`K.set_(other)`)
+does not move the registration; calls go on reading and writing the registered memory, which stays allocated until
+the next `register_kvcache` or shutdown (register again after replacing a cache). The signature covers everything a
+stored value's bytes depend on (each group's layers and every plane's dtype, heads and head_size), so a differently
+shaped engine never reads foreign bytes.
 """
 
 from __future__ import annotations
@@ -151,7 +154,9 @@ def register_layout(kvcache: object, store_layer_group_desc: Sequence[StoreLayer
                         "(heads, head_size and dtype may differ; register layers with other blocks as separate "
                         "StoreLayerGroupDesc groups)"
                     )
-                planes.append(tensor)
+                # a view of our own: it holds the tensor's storage, so an engine that replaces its tensor's storage
+                # afterwards (`K.set_(...)`) cannot free the memory the recorded addresses point at
+                planes.append(tensor.detach())
         groups.append(LayerGroup(g, tuple(desc.layer_ids), desc.store_block_size, PlaneSet(tuple(planes))))
     signature = xxhash.xxh3_64_intdigest("|".join(g.describe() for g in groups).encode())
     return RegisteredLayout(tuple(groups), len(tensors), device, signature)

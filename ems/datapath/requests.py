@@ -35,7 +35,6 @@ from ems.types import (
     check_str_key,
 )
 
-MAX_U64 = (1 << 64) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # A block hash is any int from -2**255 to 2**256 - 1: signed int64 (Python's hash() values), unsigned u64 (xxhash
 # digests in numpy u64 arrays) and whole SHA-256 digests (vLLM's block hashes, wider keys that fold in a rank). Wider
@@ -122,6 +121,7 @@ def _option(value: object, required: bool) -> CcKvOption:
     return value
 
 
+_UNSIGNED_TENSOR = frozenset((torch.uint8, torch.uint16, torch.uint32, torch.uint64))
 _HOST_VIEWABLE = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))  # what host_array views
 _SHORT_LIST = 64  # items: up to here a list or tensor is read item by item, without numpy's inference
 _PLAIN_INT = {int}  # the item types of a list taken without numpy's type inference (bool is not int here)
@@ -201,6 +201,8 @@ def _describe_int(value: int) -> str:
 def _hashes(value: object) -> list[int]:
     if isinstance(value, np.ndarray) and value.dtype.kind in "uO" and value.ndim == 1:
         value = value.tolist()  # u64 hashes are keys, not offsets: no int64 limit; object arrays are checked as lists
+    elif isinstance(value, torch.Tensor) and value.dtype in _UNSIGNED_TENSOR and value.dim() == 1:
+        value = value.tolist()  # the same for torch's unsigned dtypes (uint64 values up to 2**64 - 1)
     elif isinstance(value, (np.ndarray, torch.Tensor)):
         value = int_array("hashes", value).tolist()
     if not isinstance(value, (list, tuple)) or not value:
@@ -327,21 +329,26 @@ def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkReque
                     raise invalid_argument(f"chunk_descs[{g}][{i}] must be a (start_slot, length) pair of ints, got {run!r}")
             raise invalid_argument(f"chunk_descs[{g}] holds integers outside the int64 range")
         starts[g], lengths[g] = pairs[:, 0], pairs[:, 1]
-        planes = group.planes
-        problems = [
-            (starts[g] < 0, "start_slot is negative"),
-            (lengths[g] <= 0, "length must be >= 1"),
-            (lengths[g] > group.store_block_size, f"length exceeds the group's store block size {group.store_block_size}"),
-            (starts[g] + lengths[g] > planes.num_slots, f"the run leaves the registered cache ({planes.num_slots} slots)"),
-        ]
-        for mask, why in problems:
-            if mask.any():
-                i = _first(mask)
-                raise invalid_argument(f"chunk_descs[{g}][{i}] = ({int(starts[g, i])}, {int(lengths[g, i])}): {why}")
+        num_slots = group.planes.num_slots
+        # in this order, each check relying on the ones before it: once every length is 1..store_block_size,
+        # `num_slots - length` cannot overflow, where `start + length` would wrap for a start near 2**63
+        _refuse_run(g, starts[g], lengths[g], starts[g] < 0, "start_slot is negative")
+        _refuse_run(g, starts[g], lengths[g], lengths[g] <= 0, "length must be >= 1")
+        too_long = lengths[g] > group.store_block_size
+        _refuse_run(g, starts[g], lengths[g], too_long, f"length exceeds the group's store block size {group.store_block_size}")
+        leaves = starts[g] > num_slots - lengths[g]
+        _refuse_run(g, starts[g], lengths[g], leaves, f"the run leaves the registered cache ({num_slots} slots)")
         if op is Operation.LOAD:
             slots = runs_to_slots(torch.from_numpy(starts[g]), torch.from_numpy(lengths[g])).numpy()
             _check_no_repeats(f"chunk_descs[{g}]", slots)
     return ChunkRequest(option, hashes, starts, lengths)
+
+
+def _refuse_run(g: int, starts: np.ndarray, lengths: np.ndarray, mask: np.ndarray, why: str) -> None:
+    """EMS_INVALID_ARGUMENT naming the first run of layer group `g` that `mask` marks, if any."""
+    if mask.any():
+        i = _first(mask)
+        raise invalid_argument(f"chunk_descs[{g}][{i}] = ({int(starts[i])}, {int(lengths[i])}): {why}")
 
 
 def _bind_raw(op: Operation, b: dict) -> RawRequest:
@@ -368,13 +375,16 @@ def _bind_raw(op: Operation, b: dict) -> RawRequest:
         for j, buffer in enumerate(buffers):
             if not isinstance(buffer, KvBufferWrapper):
                 raise invalid_argument(f"value_list[{i}][{j}] must be a KvBufferWrapper, got {type(buffer).__name__}")
-            if buffer.data_ptr + buffer.length > MAX_U64:
-                raise invalid_argument(f"value_list[{i}][{j}]: the range wraps around the address space")
+            # (Python ints: exact) a range ending past 2**63 - 1 would also wrap in the int64 plan arithmetic
+            if buffer.data_ptr + buffer.length - 1 > INT64_MAX:
+                raise invalid_argument(
+                    f"value_list[{i}][{j}] = ({buffer.data_ptr:#x}, {buffer.length}) ends above 2**63, which no device maps"
+                )
             ptrs.append(buffer.data_ptr)
             lengths.append(buffer.length)
         counts[i + 1] = len(buffers)
-    if max(ptrs) > np.iinfo(np.int64).max:
-        raise invalid_argument("value_list holds an address above 2**63, which no device maps")
+    if sum(lengths) > INT64_MAX:  # the plan's byte offsets are int64
+        raise invalid_argument(f"value_list's ranges add up to {sum(lengths)} bytes, more than 2**63 - 1")
     return RawRequest(option, list(key_list), np.asarray(ptrs, np.int64), np.asarray(lengths, np.int64), np.cumsum(counts))
 
 

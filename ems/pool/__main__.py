@@ -3,6 +3,7 @@
     ems-pool --listen HOST:PORT --capacity 4GiB [--keys-file PATH] [--log-level info]
              [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
              [--max-connections N] [--max-connections-per-peer N] [--shm-bytes SIZE] [--shm-total SIZE]
+             [--shm-tenant SIZE]
              [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]
                                       [--replicas K] [--repair-rate SIZE] [--repair-interval S]]
              [--metrics HOST:PORT] [--prefault-ahead SIZE] [--disk DIR --disk-capacity SIZE [--disk-queue SIZE]]
@@ -24,7 +25,9 @@ Contract:
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
 * Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
-  0 turns it off), `--shm-total` for all connections together (default 4GiB).
+  0 turns it off), `--shm-total` for all connections together (default 4GiB), `--shm-tenant` for one tenant's
+  connections together (default: half of the total on a node with two or more keys, else the whole total). A region
+  counts until the node has freed its pages, whatever its client does (`transport.shm_server`).
 * `--prefault-ahead SIZE` (default 256MiB): the store's values live in one arena of the capacity, whose pages a
   background thread keeps faulted in that far ahead of the values (`ems.store.kv_store`), on spare CPU only (an engine on the
   same host keeps its cores: `ems.buffers.SpareCpuPacer`): a save into fresh memory otherwise faults page by page
@@ -298,6 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shm-bytes", default="256MiB", help="shared memory per same-host connection (0: off)")
     parser.add_argument("--shm-total", default="4GiB", help="shared memory of all connections together")
     parser.add_argument(
+        "--shm-tenant",
+        default=None,
+        help="shared memory of one tenant's connections together (default: half of --shm-total with two or more "
+        "keys, else all of it)",
+    )
+    parser.add_argument(
         "--prefault-ahead",
         default="256MiB",
         help="bytes of DRAM kept faulted in ahead of the values, in the background (0: fault on first write)",
@@ -354,7 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits = dataclasses.replace(limits, inflight_bytes=inflight)
         from ems.transport.shm import ShmSettings
 
-        shm = ShmSettings(parse_size("--shm-bytes", args.shm_bytes), parse_size("--shm-total", args.shm_total))
+        shm_total = parse_size("--shm-total", args.shm_total)
+        shm_tenant = (
+            ShmSettings.default_tenant_bytes(shm_total, len(keys))
+            if args.shm_tenant is None
+            else parse_size("--shm-tenant", args.shm_tenant)
+        )
+        shm = ShmSettings(parse_size("--shm-bytes", args.shm_bytes), shm_total, shm_tenant)
+        if shm.enabled and shm.tenant_share < shm.region_bytes:
+            raise ValueError(f"--shm-tenant ({shm.tenant_share} bytes) must hold at least one region (--shm-bytes)")
         args.prefault_ahead = parse_size("--prefault-ahead", args.prefault_ahead)
         args.repair_rate = parse_size("--repair-rate", args.repair_rate)
         if args.replicas < 1 or args.repair_rate < 0 or not args.repair_interval > 0:
