@@ -18,8 +18,9 @@ Contract (`Repairer`, started by `ems.pool.cluster_node` on a node registered in
   value's checksum before it stores it, as for any PUT, so a damaged copy is refused, never stored. Only owners
   lacking a key get it: a copy never replaces a value. Values are read with `store.peek_many` (no LRU or hit-count
   change); a value evicted meanwhile is skipped.
-* Bandwidth: copies are paced to `rate` bytes per second (a token bucket, one batch of burst), so repair takes at
-  most that share of the node's link; serving is not otherwise touched (the checks are small requests).
+* Bandwidth: copies are paced to `rate` bytes per second (a token bucket whose burst is 100 ms at that rate, at
+  least 64 KiB and at most one batch; a batch larger than the burst waits for its bytes before it is sent), so
+  repair takes at most that share of the node's link; serving is not otherwise touched (the checks are small requests).
 * Failures: a peer that fails (killed during repair, timed out) fails only its own copies and checks in that pass;
   its leave (or the next interval) starts another pass. Nothing here can fail a client's request.
 * Progress (`progress()`, a `RepairProgress`): for the node's metrics (`ems_pool_repair_*`) and `ems-pool status`.
@@ -46,7 +47,7 @@ from ems.transport.node_handlers import split_tenant
 log = logging.getLogger("ems.pool.repair")
 
 BATCH_KEYS = 512  # keys checked per round of exists requests
-BATCH_BYTES = 8 << 20  # value bytes per copy request (and the token bucket's burst)
+BATCH_BYTES = 8 << 20  # value bytes per copy request (and the most the token bucket's burst can be)
 REQUEST_TIMEOUT_S = 10.0
 
 
@@ -107,6 +108,11 @@ class TokenBucket:
             self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
             self._at = now
         return True
+
+
+def burst_bytes(rate: int) -> int:
+    """The repair bucket's burst at `rate` bytes per second: 100 ms of it, within [64 KiB, one batch]."""
+    return min(BATCH_BYTES, max(64 << 10, rate // 10))
 
 
 def copy_plan(ranks: np.ndarray, me: int, replicas: int, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -241,7 +247,7 @@ class Repairer:
             self._progress.running = True
             self._progress.pending_keys = len(stored)
         copied_before = self._progress.copied_values
-        bucket = TokenBucket(self.settings.rate, BATCH_BYTES) if self.settings.rate > 0 else None
+        bucket = TokenBucket(self.settings.rate, burst_bytes(self.settings.rate)) if self.settings.rate > 0 else None
         for tenant, entries in by_tenant.items():
             if self._tenant_keys and tenant not in self._tenant_keys:
                 if tenant not in self._refused_tenants:

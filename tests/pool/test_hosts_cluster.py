@@ -213,13 +213,17 @@ def test_kill_partition_restart_heal_then_lose_a_third(scene):
     assert _copies(e, blocks) == [2] * 64
 
     killed, cut, third = nodes
+    on_third = [third.address in h for h in e.call(op="holders", blocks=blocks)["holders"]]
     killed.kill()
     assert e.call(op="load", blocks=blocks)["result"] == ["hit"] * 64  # the other copy of each
     s.hosts.cut(cut.host)
     start = time.monotonic()
     result = e.call(op="load", blocks=blocks, timeout_s=600)["result"]
     took = time.monotonic() - start
-    assert "wrong" not in result and "error" not in result, result
+    # a block with a copy on the live node loads; one whose both owners are gone is a miss or (reaching no node)
+    # raises EMS_IO_TIMEOUT / EMS_IO_ERROR, as the API documents; never a wrong block
+    assert [r == "hit" for r in result] == on_third, (result, on_third)
+    assert set(result) <= {"hit", "miss", "error"}, result
     assert took < 64 * 2.0 + 30  # each call bounded by its 2 s timeout
 
     killed.restart()  # empty, same address
@@ -238,8 +242,9 @@ def test_kill_partition_restart_heal_then_lose_a_third(scene):
 
 def test_a_node_killed_during_repair(scene):
     s = scene(4)
-    # repair slowed to 1 MiB/s: copying a node's share (~1.5 MiB) takes long enough to kill another node mid-way
-    nodes = [s.node(h, "--replicas", "2", "--repair-rate", "1MiB") for h in ("n1", "n2", "n3", "n4")]
+    # repair slowed to 256 KiB/s (a burst of 64 KiB): copying a node's share (~1.3 MiB per survivor) takes ~5 s,
+    # long enough to kill another node mid-way
+    nodes = [s.node(h, "--replicas", "2", "--repair-rate", "256KiB") for h in ("n1", "n2", "n3", "n4")]
     e = s.engine(replicas=2, timeout_ms=3000, layers=4, heads=4, head_size=64, blocks=128, block_size=16)
     e.wait_members({n.address for n in nodes})
     blocks = list(range(128))  # 64 KiB values: 8 MiB, two copies each

@@ -349,3 +349,19 @@ def test_metrics_and_status_show_repair_progress():
     progress.running, progress.pending_keys = False, 0
     again = parse_metrics(metrics.exposition().decode())
     assert render([NodeStatus("a:1", "m:1", "up", again)]).splitlines()[1].split()[-2:] == ["idle", "64"]
+
+
+def test_repair_pacing_bounds_a_burst_to_100_ms_of_its_rate():
+    """The bucket lets at most 100 ms of the rate (at least 64 KiB, at most a batch) through at once, so a slow
+    --repair-rate is a bound from the first byte: 2 MiB at 8 MiB/s takes at least (2 MiB - burst) / rate."""
+    from ems.pool.repair import BATCH_BYTES, TokenBucket, burst_bytes
+
+    assert burst_bytes(256 << 10) == 64 << 10 and burst_bytes(64 << 20) == (64 << 20) // 10
+    assert burst_bytes(1 << 40) == BATCH_BYTES
+    rate = 8 << 20
+    bucket = TokenBucket(rate, burst_bytes(rate))
+    start = time.monotonic()
+    for _ in range(32):
+        assert bucket.spend(64 << 10, lambda: False, time.sleep)
+    took = time.monotonic() - start
+    assert took >= ((2 << 20) - burst_bytes(rate)) / rate * 0.95, took
