@@ -4,6 +4,8 @@
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
        "extra": {kv_connector_extra_config}, "kv_load_failure_policy": str (top level; default: vLLM's),
+       "kv_role": "kv_both" (default) | "kv_producer" | "kv_consumer",
+       "kv_transfer_params": {"<prompt index>": {...}} (a P/D proxy's, handed to that prompt's request),
        "hf_overrides": {...}, "dtype": str (default bfloat16), "tensor_parallel_size": int, "num_blocks": int,
        "max_model_len": int,
        "rounds": [[prompt indexes], ...] (default: one round with every prompt),
@@ -27,7 +29,8 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   prompt i (a batch round: its largest i) this engine waits until the followed file has min(i + 1 + n, t) lines
   (n may be negative). Two engines that follow each other with lags n and -(n + 2) run in step: this one reads
   prompt i while the other computes prompt i + n + 1 (the pool-pressure test).
-OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str}, ...], ...],
+OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str,
+                  "kv_transfer_params": {...} (what the connector returned for the request)}, ...], ...],
      "stats": {...},
      "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode)}
 """
@@ -257,7 +260,7 @@ def run(spec: dict) -> dict:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="EmsConnector",
             kv_connector_module_path="ems.integrations.vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("kv_role", "kv_both"),
             kv_connector_extra_config=spec.get("extra", {}),
             **policy,
         )
@@ -384,7 +387,12 @@ def run(spec: dict) -> dict:
                 wait_for_lines(follow["file"], min(i + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             loads_before = job_totals().get("load", {})
             start = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)[0]
+            transfer = spec.get("kv_transfer_params", {}).get(str(i))
+            request_params = params
+            if transfer is not None:
+                request_params = params.clone()
+                request_params.extra_args = {"kv_transfer_params": transfer}
+            out = llm.generate([{"prompt_token_ids": prompts[i]}], request_params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
             loads_after = job_totals().get("load", {})
             results.append(
@@ -393,6 +401,7 @@ def run(spec: dict) -> dict:
                     "tokens": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens,
                     "finish_reason": out.outputs[0].finish_reason,
+                    "kv_transfer_params": out.kv_transfer_params,
                     "seconds": seconds,
                     # this request's load jobs (the connector's, in this process): bytes and seconds
                     "load_bytes": loads_after.get("nbytes", 0) - loads_before.get("nbytes", 0),
