@@ -340,6 +340,11 @@ class BlockMover:
         with self._lock:
             return len(self._pending)
 
+    def inflight(self) -> int:
+        """Async calls (loads and saves) of this mover in flight."""
+        with self._lock:
+            return self._reserved
+
     def wait(self, timeout: float = 30.0) -> bool:
         """Wait until every async save has finished (True) or `timeout` seconds passed (False)."""
         deadline = time.monotonic() + timeout

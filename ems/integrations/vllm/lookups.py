@@ -16,8 +16,9 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   `clear()` drops every answer (after a reset).
 * The pool leases what a lookup reports (`lease_ms`, `ems.transport.holds`) to the load that follows, so a reported
   hit is not evicted before it is loaded.
-* `end_step(idle)` dispatches the step's lookups (one batch, one background thread); a step with nothing else to
-  run (`idle`) waits up to `IDLE_WAIT_S` for the batch instead of spinning. `close()` stops the threads.
+* `end_step(idle, record)` dispatches the step's lookups (one batch, one background thread); a step with nothing
+  else to run (`idle`) waits up to `IDLE_WAIT_S` for the batch instead of spinning. It fills the step's record
+  (`steps.SchedulerStep`: lookups sent, the step's wait, batches answered and their seconds). `close()` stops the threads.
 
 Extending it: a policy that asks some lookups inside the step (a fast pool) would answer them in `match` by
 `self.breaker.lookup(...)` directly; everything else (the answers' reuse, `take`, the epoch) stays the same.
@@ -34,6 +35,7 @@ from ems.integrations.lookup_batcher import LookupBatcher
 from ems.integrations.lookup_breaker import LookupBreaker
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import IDLE_WAIT_S
+from ems.integrations.vllm.steps import SchedulerStep
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,13 @@ class PoolLookups:
         self._answers.clear()
         self._wait_until.clear()
 
-    def end_step(self, idle: bool) -> None:
-        self._batcher.dispatch()
+    def end_step(self, idle: bool, record: SchedulerStep) -> None:
+        record.lookups_sent = self._batcher.dispatch()
         if idle and self._batcher.pending():
+            started = time.perf_counter()
             self._batcher.wait(IDLE_WAIT_S)
+            record.wait_s = time.perf_counter() - started
+        record.lookup_batches, record.lookup_s = self._batcher.take_answered()
 
     def close(self) -> None:
         self._batcher.close()

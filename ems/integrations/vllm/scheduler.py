@@ -21,6 +21,8 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   `kv_transfer_params` naming the request's prompt blocks in the pool or on their way there (for a P/D proxy).
 * `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
   promised before it are reported failed, never loaded; False when the pool did not take it.
+* `steps`: the per-step record (`steps.SchedulerStep`: lookups, loads and saves sent, the lookup batches' and the
+  step's waits).
 * KV events go to `events` (`observability.KvEventLog`): a `BlockStored` for every run of blocks sent to the pool,
   `AllBlocksCleared` on a reset.
 
@@ -40,6 +42,7 @@ from ems.integrations.epoch import EpochRecord, EpochWatch
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.lookups import PoolLookups
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
+from ems.integrations.vllm.steps import SchedulerStep, StepLog
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -88,6 +91,8 @@ class EmsScheduler:
         # block hashes this engine sent to be saved in the last `save_wait_ms` -> when (insertion order = time order):
         # a lookup that stops short of one waits for it (`PoolLookups.match`'s `expect`)
         self._pending: dict[bytes, float] = {}
+        self.steps: StepLog[SchedulerStep] = StepLog()  # the per-step record
+        self._waiting_lookups = 0  # requests told "ask again next step" during this step
         self._save_wait_s = ctx.config.save_wait_ms / 1000
 
     def _hashes(self, request: Request) -> list[bytes]:
@@ -111,6 +116,7 @@ class EmsScheduler:
             self._expected(request, start, full),
         )
         if hits is None:
+            self._waiting_lookups += 1
             return None, False
         return hits * block_size, hits > 0
 
@@ -218,8 +224,18 @@ class EmsScheduler:
         meta.loads.extend(self._loads.values())
         self._loads.clear()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        record = SchedulerStep(
+            scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            scheduled_reqs=len(scheduler_output.num_scheduled_tokens),
+            lookups_waiting=self._waiting_lookups,
+            loads_sent=len(meta.loads),
+            load_blocks=sum(len(load.block_ids) for load in meta.loads),
+            save_blocks=sum(len(save.block_ids) for save in meta.saves),
+        )
+        self._waiting_lookups = 0
         # this step's lookups, one batch, off this thread; a step with nothing to run waits a little for them
-        self.lookups.end_step(meta.idle)
+        self.lookups.end_step(meta.idle, record)
+        self.steps.append(record)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

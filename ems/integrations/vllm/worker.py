@@ -15,6 +15,8 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
   its copy-outs have ended (vLLM keeps its blocks until then); `handle_preemptions(meta)` waits for the copy-outs of
   the requests the step preempted (their blocks may be written by this step's forward). A save that finds the
   in-flight budget used up (a slow pool) is dropped: a later miss.
+* `steps`: the per-step record (`steps.WorkerStep`: loads started, queued and finished, copy-outs queued, the
+  seconds the connector's calls took on the step and waited).
 * `wait_saves(timeout_s)` waits until every save has been copied out and sent; `shutdown()` lets them finish.
 """
 
@@ -24,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +35,7 @@ from ems.integrations.block_transfer import BlockMover, PendingLoad
 from ems.integrations.save_copier import SaveCopier
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import IDLE_WAIT_S, BlockTransfer, EmsConnectorMetadata
+from ems.integrations.vllm.steps import StepLog, WorkerStep
 
 logger = logging.getLogger("ems.integrations.vllm")
 
@@ -55,6 +59,14 @@ def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | 
     return record
 
 
+@dataclass
+class _LoadCall:
+    """One `async_load` (a request's)."""
+
+    pending: PendingLoad
+    loads: list[BlockTransfer]
+
+
 class EmsWorker:
     """See the module contract."""
 
@@ -65,10 +77,12 @@ class EmsWorker:
         self._ready_event: Callable[[], Callable[[], None]] | None = None
         self._load_errors: set[int] = set()
         self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
-        self._inflight_loads: dict[str, PendingLoad] = {}
+        self._inflight_loads: list[_LoadCall] = []  # one per call (a request's load)
         self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
         self._load_ended = threading.Event()
         self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
+        self.steps: StepLog[WorkerStep] = StepLog()  # the per-step record, closed at get_finished
+        self._step = WorkerStep()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], tp_rank: int, used_backends: set[str]) -> None:
         ctx = self._ctx
@@ -111,8 +125,10 @@ class EmsWorker:
         """Start this step's loads (asynchronous: each request waits in vLLM until `get_finished` names it)."""
         if self._mover is None or meta is None:
             return
+        started = time.perf_counter()
         self._queued_loads.extend(meta.loads)
         self._start_queued_loads()
+        self._step.call_s += time.perf_counter() - started
 
     def _start_queued_loads(self) -> None:
         if self._mover is None:
@@ -127,10 +143,13 @@ class EmsWorker:
             if pending is None:  # in-flight budget used up (a slow pool): started on a later step
                 waiting.append(load)
             else:
-                self._inflight_loads[load.req_id] = pending
+                self._step.loads_started += 1
+                self._step.load_calls += 1
+                self._inflight_loads.append(_LoadCall(pending, [load]))
                 if pending.future is not None:
                     pending.future.add_done_callback(lambda _: self._load_ended.set())
         self._queued_loads = waiting
+        self._step.loads_queued = len(waiting)
 
     def get_finished(
         self, finished_req_ids: set[str], meta: EmsConnectorMetadata | None
@@ -138,6 +157,18 @@ class EmsWorker:
         """(finished requests whose saves have been copied out, requests whose load has finished): never blocks
         (but for a step with nothing scheduled: see IDLE_WAIT_S); failed blocks go to
         `get_block_ids_with_load_errors` in the same step."""
+        started = time.perf_counter()
+        try:
+            return self._get_finished(finished_req_ids, meta)
+        finally:
+            step, self._step = self._step, WorkerStep()
+            step.call_s += time.perf_counter() - started
+            step.inflight = self._mover.inflight() if self._mover is not None else 0
+            self.steps.append(step)
+
+    def _get_finished(
+        self, finished_req_ids: set[str], meta: EmsConnectorMetadata | None
+    ) -> tuple[set[str] | None, set[str] | None]:
         held = finished_req_ids & self._save_requests  # vLLM keeps their blocks until we name them here
         self._save_requests -= finished_req_ids
         copier = self._copier
@@ -149,12 +180,14 @@ class EmsWorker:
         done |= self._poll_loads()
         sent = copier.take_released()
         if not done and not sent and meta is not None and meta.idle:  # nothing else to run: sleep, not spin
+            waited = time.perf_counter()
             if self._inflight_loads:
                 self._load_ended.wait(IDLE_WAIT_S)
                 done |= self._poll_loads()
             else:
                 copier.wait_released(IDLE_WAIT_S)
             sent = copier.take_released()
+            self._step.wait_s += time.perf_counter() - waited
         return sent or None, done or None
 
     def _poll_loads(self) -> set[str]:
@@ -163,12 +196,14 @@ class EmsWorker:
         mover = self._mover
         if mover is None:  # loads start only once the mover exists
             return done
-        for rid, pending in list(self._inflight_loads.items()):
-            outcome = mover.poll_load(pending)
+        for call in list(self._inflight_loads):
+            outcome = mover.poll_load(call.pending)
             if outcome is not None:
-                del self._inflight_loads[rid]
+                self._inflight_loads.remove(call)
+                self._step.load_s += time.perf_counter() - call.pending.started
+                self._step.loads_done += 1
                 self._load_errors.update(outcome.failed_block_ids)
-                done.add(rid)
+                done.add(call.loads[0].req_id)
         return done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -184,9 +219,12 @@ class EmsWorker:
         self._save_requests.update(save.req_id for save in meta.saves)
         if self._copier is None:
             return
+        started = time.perf_counter()
         ready = self._ready_event() if self._ready_event is not None else None
         for save in meta.saves:
             self._copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready)
+            self._step.save_blocks += len(save.block_ids)
+        self._step.call_s += time.perf_counter() - started
 
     def handle_preemptions(self, meta: EmsConnectorMetadata) -> None:
         """Before a step's forward: requests preempted by its schedule give their blocks back, and the forward may
@@ -197,8 +235,12 @@ class EmsWorker:
         self._save_requests -= preempted  # the scheduler forgot their saves too
         if self._copier is None:
             return
+        started = time.perf_counter()
         while not self._copier.wait_copied(preempted, PREEMPTION_WARN_S):
             logger.warning("EmsConnector: preempted requests' copy-outs still running after %.0f s", PREEMPTION_WARN_S)
+        waited = time.perf_counter() - started
+        self._step.wait_s += waited
+        self._step.call_s += waited
 
     def wait_saves(self, timeout_s: float = 30.0) -> bool:
         """Wait until every save of this worker has been copied out and sent (True), or `timeout_s` passed."""

@@ -260,3 +260,26 @@ def test_save_wait_ms_0_never_waits(halves):
         assert ctx.stats.totals().lookup_save_waits == 0
     finally:
         consumer.shutdown()
+
+
+def test_each_step_is_recorded(halves):
+    """The per-step record (`steps`): the scheduler's lookups, loads and saves sent, its waits; the worker's loads
+    started and finished, copy-outs queued and the seconds its calls took."""
+    _, sched, worker, _, _ = halves
+    save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+    b = Request("b", PROMPT)
+    assert answer(sched, b) == 3 * BLOCK
+    sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+    step(sched, worker, Schedule())
+    finish_load(worker, "b")
+    records = sched.steps.records()
+    assert sum(r["lookups_sent"] for r in records) == 2  # a's and b's, each in its step's batch
+    assert sum(r["lookup_batches"] for r in records) == 2 and all(r["lookup_s"] >= 0 for r in records)
+    assert [(r["loads_sent"], r["load_blocks"]) for r in records if r["loads_sent"]] == [(1, 3)]
+    assert [r["save_blocks"] for r in records if r["save_blocks"]] == [3]
+    assert any(r["lookups_waiting"] for r in records)  # told "ask again" while their batch ran
+    assert [r["at_s"] for r in records] == sorted(r["at_s"] for r in records)
+    done = worker.steps.records()
+    assert sum(r["loads_started"] for r in done) == 1 and sum(r["loads_done"] for r in done) == 1
+    assert sum(r["save_blocks"] for r in done) == 3
+    assert all(r["call_s"] >= r["wait_s"] >= 0 for r in done) and sum(r["load_s"] for r in done) > 0

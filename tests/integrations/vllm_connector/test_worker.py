@@ -52,6 +52,7 @@ def test_loads_beyond_the_in_flight_budget_start_on_later_steps(ctx):
     assert done == set(prompts) and worker.get_block_ids_with_load_errors() == set()
     for layer in caches.values():
         assert torch.equal(layer[10:16], layer[0:6])
+    assert sum(r["load_calls"] for r in worker.steps.records()) == 3
     worker.shutdown()
 
 

@@ -32,7 +32,9 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
 OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str,
                   "kv_transfer_params": {...} (what the connector returned for the request)}, ...], ...],
      "stats": {...},
-     "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode)}
+     "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode),
+     "step_records": {"<batch round>": {"scheduler": [...], "worker": [...]}} (the connector's per-step record of
+                     each batch round, `EmsConnector.step_records`; single-process mode)}
 """
 
 from __future__ import annotations
@@ -238,6 +240,23 @@ def job_totals() -> dict:
     return out
 
 
+def connector_steps(llm, since: float) -> dict:
+    """The connector's per-step record (`EmsConnector.step_records`) since `since` (time.monotonic()): the
+    scheduler's and the worker's (single-process mode only; {} otherwise)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return {}
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if scheduler is None:
+        return {}
+    worker = get_kv_transfer_group()
+    return {
+        "scheduler": [r for r in scheduler.step_records() if r["at_s"] >= since],
+        "worker": [r for r in worker.step_records() if r["at_s"] >= since],
+    }
+
+
 def settle(llm) -> None:
     """Step an in-process engine until no finished request holds blocks (the connector keeps a finished request's
     blocks until its saves are copied out, and `generate` returns before the step that releases them): vLLM
@@ -329,6 +348,7 @@ def run(spec: dict) -> dict:
     copy_control = {"delay_s": 0.0, "hold": False, "released": threading.Event()}
     if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         delay_copy_outs(copy_control, held_preemptions)
+    step_records: dict[str, dict] = {}  # batch round -> the connector's per-step record of that round
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     progress_file, follow = spec.get("progress_file"), spec.get("follow")
@@ -355,6 +375,7 @@ def run(spec: dict) -> dict:
             if follow:
                 wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             step_seconds.clear()
+            round_start = time.monotonic()
             start = time.perf_counter()
             try:
                 outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indexes], params, use_tqdm=False)
@@ -362,6 +383,7 @@ def run(spec: dict) -> dict:
                 if before.get("sigstop_pid"):
                     os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
             wall = time.perf_counter() - start
+            step_records[str(r)] = connector_steps(llm, round_start)
             if progress_file:
                 with open(progress_file, "a") as f:
                     f.write("".join(f"{i}\n" for i in indexes))
@@ -430,6 +452,7 @@ def run(spec: dict) -> dict:
         "preemptions": preemptions[0],
         "held_preemptions": held_preemptions[0],
         "events": events,
+        "step_records": step_records,
     }
 
 
