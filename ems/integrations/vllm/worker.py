@@ -5,8 +5,13 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
 * `register_kv_caches(kv_caches, tp_rank, used_backends)` registers each layer's tensor as two planes whose rows
   are whole vLLM blocks (`kv_layouts`), after checking that they match vLLM's KV cache spec (the scheduler addresses
   the same keys from it) and that the layers really use the attention backend the namespace names.
-* Loads: `start_load_kv(meta)` starts the step's loads (`BlockMover.start_load`, asynchronous); one beyond the
-  in-flight budget starts on a later step; a load cancelled by a reset finishes at once, its blocks failed.
+* Loads: `start_load_kv(meta)` starts the step's loads (`BlockMover.start_load`, asynchronous) as **one call**
+  (every request's blocks one after the other; one call per epoch), so 16 requests admitted together take one
+  in-flight slot, not 16 (which sent them in waves); a call beyond the in-flight budget starts on a later step; a
+  load cancelled by a reset finishes at once, its blocks failed. A call comes back with the count of blocks loaded
+  from the first (the API's `success`): the request it stopped in keeps its leading blocks (the rest recomputed);
+  the requests after it were not read, and are asked for once more on the next step when the call loaded anything
+  (else they are recomputed: a pool that served nothing is not asked again).
   `get_finished` names each request whose load has finished (never blocks, but for a step with nothing scheduled:
   `IDLE_WAIT_S`); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM
   recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`).
@@ -27,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -61,7 +67,7 @@ def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | 
 
 @dataclass
 class _LoadCall:
-    """One `async_load` (a request's)."""
+    """One `async_load` of a step's loads (their blocks one after the other, in `loads` order)."""
 
     pending: PendingLoad
     loads: list[BlockTransfer]
@@ -77,9 +83,10 @@ class EmsWorker:
         self._ready_event: Callable[[], Callable[[], None]] | None = None
         self._load_errors: set[int] = set()
         self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
-        self._inflight_loads: list[_LoadCall] = []  # one per call (a request's load)
+        self._inflight_loads: list[_LoadCall] = []  # one per call: a step's loads (of one epoch) together
         self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
         self._load_ended = threading.Event()
+        self._retried: set[str] = set()  # requests whose load is asked for a second time (after a short call)
         self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
         self.steps: StepLog[WorkerStep] = StepLog()  # the per-step record, closed at get_finished
         self._step = WorkerStep()
@@ -133,21 +140,26 @@ class EmsWorker:
     def _start_queued_loads(self) -> None:
         if self._mover is None:
             return
-        waiting: list[BlockTransfer] = []
+        by_epoch: dict[bytes, list[BlockTransfer]] = {}
         for load in self._queued_loads:
             if load.cancelled:  # promised before a reset: never loaded, reported failed (vLLM recomputes)
                 self._load_errors.update(load.block_ids)
                 self._done_loads.add(load.req_id)
-                continue
-            pending = self._mover.start_load(load.block_ids, load.hashes, load.epoch)
-            if pending is None:  # in-flight budget used up (a slow pool): started on a later step
-                waiting.append(load)
             else:
-                self._step.loads_started += 1
-                self._step.load_calls += 1
-                self._inflight_loads.append(_LoadCall(pending, [load]))
-                if pending.future is not None:
-                    pending.future.add_done_callback(lambda _: self._load_ended.set())
+                by_epoch.setdefault(load.epoch, []).append(load)
+        waiting: list[BlockTransfer] = []
+        for epoch, loads in by_epoch.items():  # every load of the step in one call (one per epoch: almost always one)
+            block_ids = list(chain.from_iterable(load.block_ids for load in loads))
+            hashes = list(chain.from_iterable(load.hashes for load in loads))
+            pending = self._mover.start_load(block_ids, hashes, epoch)
+            if pending is None:  # in-flight budget used up (a slow pool): started on a later step
+                waiting.extend(loads)
+                continue
+            self._step.loads_started += len(loads)
+            self._step.load_calls += 1
+            self._inflight_loads.append(_LoadCall(pending, loads))
+            if pending.future is not None:
+                pending.future.add_done_callback(lambda _: self._load_ended.set())
         self._queued_loads = waiting
         self._step.loads_queued = len(waiting)
 
@@ -198,12 +210,26 @@ class EmsWorker:
             return done
         for call in list(self._inflight_loads):
             outcome = mover.poll_load(call.pending)
-            if outcome is not None:
-                self._inflight_loads.remove(call)
-                self._step.load_s += time.perf_counter() - call.pending.started
-                self._step.loads_done += 1
-                self._load_errors.update(outcome.failed_block_ids)
-                done.add(call.loads[0].req_id)
+            if outcome is None:
+                continue
+            self._inflight_loads.remove(call)
+            self._step.load_s += time.perf_counter() - call.pending.started
+            # a load's `success` counts blocks from the first: the request it stopped in gets its leading blocks (the
+            # rest is recomputed); the requests after it were not read (their leases hold), so when the pool served
+            # anything (it is up) they are asked for once more, on the next step, instead of being recomputed
+            offset = 0
+            for load in call.loads:
+                n = len(load.block_ids)
+                got = min(max(outcome.loaded - offset, 0), n)
+                if offset > outcome.loaded and outcome.loaded > 0 and load.req_id not in self._retried:
+                    self._retried.add(load.req_id)
+                    self._queued_loads.append(load)
+                else:
+                    self._retried.discard(load.req_id)
+                    self._load_errors.update(load.block_ids[got:])
+                    self._step.loads_done += 1
+                    done.add(load.req_id)
+                offset += n
         return done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
