@@ -49,7 +49,8 @@ class WorkerStep:
     load_calls: int = 0  # async_load calls they took (a step's loads go in one)
     loads_queued: int = 0  # not started: the in-flight budget was used up
     loads_done: int = 0
-    load_s: float = 0.0  # seconds, from start to end, of the loads that finished in this step (summed)
+    load_s: float = 0.0  # seconds, from start to end, of the load calls that finished in this step (summed)
+    copied_blocks: int = 0  # blocks a call loaded once and copied into other requests' blocks (a shared prefix)
     save_blocks: int = 0  # queued for copy-out
     call_s: float = 0.0  # the connector's worker calls of this step
     wait_s: float = 0.0  # of which waiting (an idle step's wait for a load; a preemption's for copy-outs)

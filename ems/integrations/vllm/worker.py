@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
+from operator import itemgetter
 
 import torch
 
@@ -67,10 +68,36 @@ def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | 
 
 @dataclass
 class _LoadCall:
-    """One `async_load` of a step's loads (their blocks one after the other, in `loads` order)."""
+    """One `async_load` of a step's loads: each distinct block hash once (into the block of the first request that
+    names it), then copied in the KV cache into the other requests' blocks with that hash (requests admitted together
+    that share a prefix each load it: one key may appear once in a call, and is read once)."""
 
-    pending: PendingLoad
     loads: list[BlockTransfer]
+    block_ids: list[int]  # the call's blocks, one per distinct hash
+    hashes: list[bytes]  # (BlockTransfer's: vLLM's block hashes)
+    positions: list[tuple[int, ...]]  # per load: each of its blocks' index in the call
+    pending: PendingLoad | None = None
+
+    @classmethod
+    def plan(cls, loads: list[BlockTransfer]) -> _LoadCall:
+        every = list(chain.from_iterable(load.hashes for load in loads))
+        ids = list(chain.from_iterable(load.block_ids for load in loads))
+        first = dict(zip(reversed(every), reversed(ids)))  # hash -> the block of its first request
+        hashes = list(dict.fromkeys(every))  # distinct, in first-seen order
+        index = {h: i for i, h in enumerate(hashes)}
+        where = itemgetter(*every)(index) if len(every) > 1 else tuple(index[h] for h in every)
+        positions, offset = [], 0
+        for load in loads:
+            positions.append(tuple(where[offset : offset + len(load.hashes)]))
+            offset += len(load.hashes)
+        block_ids = list(itemgetter(*hashes)(first)) if len(hashes) > 1 else [first[h] for h in hashes]
+        return cls(loads, block_ids, hashes, positions)
+
+    def loaded_blocks(self, position: tuple[int, ...], loaded: int) -> int:
+        """How many leading blocks of a load with these positions the call's first `loaded` blocks gave it."""
+        if loaded >= len(self.hashes):
+            return len(position)
+        return next((k for k, p in enumerate(position) if p >= loaded), len(position))
 
 
 class EmsWorker:
@@ -86,6 +113,7 @@ class EmsWorker:
         self._inflight_loads: list[_LoadCall] = []  # one per call: a step's loads (of one epoch) together
         self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
         self._load_ended = threading.Event()
+        self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's planes (rows: blocks)
         self._retried: set[str] = set()  # requests whose load is asked for a second time (after a short call)
         self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
         self.steps: StepLog[WorkerStep] = StepLog()  # the per-step record, closed at get_finished
@@ -111,6 +139,7 @@ class EmsWorker:
                 f"{ctx.backend!r} (the key namespace names it): set attention_config.backend explicitly"
             )
         ctx.register_worker(planes)
+        self._planes = planes
         if self._copier is not None:  # registered again: the earlier mover's copy-outs end first
             self._copier.close()
         self._mover = BlockMover(
@@ -149,15 +178,15 @@ class EmsWorker:
                 by_epoch.setdefault(load.epoch, []).append(load)
         waiting: list[BlockTransfer] = []
         for epoch, loads in by_epoch.items():  # every load of the step in one call (one per epoch: almost always one)
-            block_ids = list(chain.from_iterable(load.block_ids for load in loads))
-            hashes = list(chain.from_iterable(load.hashes for load in loads))
-            pending = self._mover.start_load(block_ids, hashes, epoch)
+            call = _LoadCall.plan(loads)
+            pending = self._mover.start_load(call.block_ids, call.hashes, epoch)
             if pending is None:  # in-flight budget used up (a slow pool): started on a later step
                 waiting.extend(loads)
                 continue
+            call.pending = pending
             self._step.loads_started += len(loads)
             self._step.load_calls += 1
-            self._inflight_loads.append(_LoadCall(pending, loads))
+            self._inflight_loads.append(call)
             if pending.future is not None:
                 pending.future.add_done_callback(lambda _: self._load_ended.set())
         self._queued_loads = waiting
@@ -209,28 +238,52 @@ class EmsWorker:
         if mover is None:  # loads start only once the mover exists
             return done
         for call in list(self._inflight_loads):
+            if call.pending is None:
+                continue
             outcome = mover.poll_load(call.pending)
             if outcome is None:
                 continue
             self._inflight_loads.remove(call)
             self._step.load_s += time.perf_counter() - call.pending.started
-            # a load's `success` counts blocks from the first: the request it stopped in gets its leading blocks (the
-            # rest is recomputed); the requests after it were not read (their leases hold), so when the pool served
-            # anything (it is up) they are asked for once more, on the next step, instead of being recomputed
-            offset = 0
-            for load in call.loads:
-                n = len(load.block_ids)
-                got = min(max(outcome.loaded - offset, 0), n)
-                if offset > outcome.loaded and outcome.loaded > 0 and load.req_id not in self._retried:
+            # a load's `success` counts the call's blocks from the first: a request gets its leading blocks the call
+            # loaded (the rest is recomputed) unless its first missing block was never read (the call stopped
+            # earlier, at another request's block; its lease holds): then, when the call loaded anything (the pool
+            # is up), it is asked for once more on the next step instead of being recomputed
+            loaded = outcome.loaded
+            src: list[int] = []
+            dst: list[int] = []
+            for load, position in zip(call.loads, call.positions):
+                got = call.loaded_blocks(position, loaded)
+                if got < len(position) and position[got] > loaded and loaded > 0 and load.req_id not in self._retried:
                     self._retried.add(load.req_id)
                     self._queued_loads.append(load)
-                else:
-                    self._retried.discard(load.req_id)
-                    self._load_errors.update(load.block_ids[got:])
-                    self._step.loads_done += 1
-                    done.add(load.req_id)
-                offset += n
+                    continue
+                self._retried.discard(load.req_id)
+                self._load_errors.update(load.block_ids[got:])
+                self._step.loads_done += 1
+                done.add(load.req_id)
+                src.extend(
+                    itemgetter(*position[:got])(call.block_ids) if got > 1 else [call.block_ids[p] for p in position[:got]]
+                )
+                dst.extend(load.block_ids[:got])
+            self._copy_blocks(src, dst)
         return done
+
+    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV cache blocks `src` into `dst`, every layer (blocks the step's call loaded once for requests that
+        share them)."""
+        if not src or self._planes is None:
+            return
+        src_t, dst_t = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        moved = src_t != dst_t
+        if not bool(moved.any()):
+            return
+        device = self._planes[0][0].device
+        src_t, dst_t = src_t[moved].to(device), dst_t[moved].to(device)
+        for planes in self._planes:
+            for plane in planes:
+                plane.index_copy_(0, dst_t, plane.index_select(0, src_t))
+        self._step.copied_blocks += int(moved.sum())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -128,3 +128,23 @@ def test_a_call_that_loads_nothing_fails_every_request_in_it(ctx):
     assert worker.get_block_ids_with_load_errors() == {10, 11, 12, 13}
     assert sum(r["load_calls"] for r in worker.steps.records()) == 1
     worker.shutdown()
+
+
+def test_requests_sharing_a_prefix_in_one_step_read_it_once_and_each_gets_it(ctx):
+    """b and c (admitted together) load the same two blocks into their own blocks, and d loads a's first block only:
+    one call reads each key once (a key may appear once in a call), and the blocks are copied into the others'."""
+    prompts = {"a": list(range(0, 8))}
+    worker, caches = saved_worker(ctx, prompts)
+    hashes = block_hashes(prompts["a"])
+    loads = [BlockTransfer("b", [10, 11], hashes), BlockTransfer("c", [12, 13], hashes), BlockTransfer("d", [14], hashes[:1])]
+    worker.start_load_kv(EmsConnectorMetadata(loads=loads))
+    assert finish_all(worker, {"b", "c", "d"}) == {"b", "c", "d"}
+    assert worker.get_block_ids_with_load_errors() == set()
+    for layer in caches.values():
+        for first in (10, 12):
+            assert torch.equal(layer[first : first + 2], layer[0:2])
+        assert torch.equal(layer[14], layer[0])
+    records = worker.steps.records()
+    assert sum(r["load_calls"] for r in records) == 1 and sum(r["copied_blocks"] for r in records) == 3
+    assert ctx.stats.totals().load_blocks == 2  # each key read once
+    worker.shutdown()
