@@ -24,9 +24,9 @@ _EXPORTS = {
     "CcFuture": "ems.types",
     "CcKvOption": "ems.types",
     "CcResult": "ems.types",
-    "ContextCache_v1": "ems.context_caching",
-    "ContextCaching": "ems.context_caching",
-    "Ems": "ems.api",
+    "ContextCache_v1": "ems.client.context_caching",
+    "ContextCaching": "ems.client.context_caching",
+    "Ems": "ems.client.api",
     "EmsConfig": "ems.config",
     "EmsErrorCode": "ems.errors",
     "EmsException": "ems.errors",
@@ -40,9 +40,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from ems.api import Ems
+    from ems.client.api import Ems
+    from ems.client.context_caching import ContextCache_v1, ContextCaching
     from ems.config import CcConfig, CcConfig_v1, EmsConfig, KVCacheType, KvCacheType
-    from ems.context_caching import ContextCache_v1, ContextCaching
     from ems.errors import EmsErrorCode, EmsException
     from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
 

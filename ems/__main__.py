@@ -1,4 +1,4 @@
-"""`python -m ems demo [options]`: the end-to-end demo on the embedded pool (see `ems.demo`)."""
+"""`python -m ems demo [options]`: the end-to-end demo on the embedded pool (see `ems.tools.demo`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m ems demo [--help] [options]\n       python -m ems.pool --listen HOST:PORT ...")
         return 0 if args else 2
     if args[0] == "demo":
-        from ems.demo import main as demo_main
+        from ems.tools.demo import main as demo_main
 
         return demo_main(args[1:])
     print(f"unknown command {args[0]!r}; try: python -m ems demo", file=sys.stderr)

@@ -62,6 +62,17 @@ def release_pages(address: int, length: int) -> None:
     _madvise(address, length, mmap.MADV_DONTNEED)
 
 
+_MADV_REMOVE = 9
+
+
+def remove_pages(address: int, length: int) -> bool:
+    """Free the pages of a shared file mapping's [address, address + length) in the file itself (MADV_REMOVE: a hole
+    punched in the memfd), so that they are gone from every process that maps it, not only from this one: another
+    process's mapping reads zeros there, and a page it touches again is a new page of its own faulting. False when
+    the kernel refuses (then nothing was freed)."""
+    return _madvise(address, length, _MADV_REMOVE) == 0
+
+
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -123,12 +134,13 @@ class SpareCpuPacer:
         return step()
 
 
-def populate_in_background(array: Any, nbytes: int, name: str) -> threading.Thread | None:
+def populate_in_background(array: Any, nbytes: int, name: str, stop: threading.Event | None = None) -> threading.Thread | None:
     """Populate the first `nbytes` of `array` (a uint8 numpy array over a mapping) on a daemon thread, in steps,
     so that its first use does not fault page by page (on a VM, touching fresh memory costs about 2 ms per MiB).
-    The thread holds `array` (so the mapping stays) until it is done. None when there is nothing to do. Not paced
-    (`SpareCpuPacer`): it runs once, when a connection's region is new, and a first save into a region still being
-    populated would take the faults on its own path."""
+    The thread holds `array` (so the mapping stays) until it is done; once `stop` is set it populates no further
+    step (a joiner waits one step at most). None when there is nothing to do. Not paced (`SpareCpuPacer`): it runs
+    once, when a connection's region is new, and a first save into a region still being populated would take the
+    faults on its own path."""
     end = min(int(nbytes), int(array.nbytes)) // mmap.PAGESIZE * mmap.PAGESIZE
     if end <= 0:
         return None
@@ -136,8 +148,10 @@ def populate_in_background(array: Any, nbytes: int, name: str) -> threading.Thre
 
     def run(held: Any = array) -> None:
         for begin in range(0, end, POPULATE_STEP):
+            if stop is not None and stop.is_set():
+                break
             if not populate_pages(address + begin, min(POPULATE_STEP, end - begin)):
-                return  # an old kernel: the pages fault in on use
+                break  # an old kernel: the pages fault in on use
         del held
 
     thread = threading.Thread(target=run, name=name, daemon=True)

@@ -2,11 +2,19 @@
 
 The SDK's fields keep their names, order and defaults. `Settings` is every setting this package reads, resolved
 once at `Ems.init` (`resolve_settings`): a pool setting given to `EmsConfig` wins, else its environment variable,
-else its default; the process settings (`chunk_bytes`, `profiling`, `sdk_log_dir`, `pool_shm`, `ucx`) come from the
-environment only, and the `mooncake_*` settings become `Settings.mooncake` with `pool_backend="mooncake"`. Each
-setting, its variable and its default are in the README's Configuration table, the one list of them
-(tests/test_docs.py checks it against the code both ways). Nothing re-reads them later: to change one, call
-`Ems.shutdown()` and `Ems.init` again (UCX's, which are process-wide, hold from the first UCX connection on).
+else its default; the process settings (`chunk_bytes`, `profiling`, `sdk_log_dir`, `pool_shm`, `host_copy`,
+`cache_dir`, `ucx`) come from the environment only, and the `mooncake_*` settings become `Settings.mooncake` with
+`pool_backend="mooncake"`. Each setting, its variable and its default are in docs/configuration.md's table, the one
+list of them (tests/test_docs.py checks it against the code both ways). Nothing re-reads them later: to change one,
+call `Ems.shutdown()` and `Ems.init` again (UCX's, which are process-wide, hold from the first UCX connection on; the
+compiled host copy's, `host_copy_settings`, from its first use).
+
+This module is the one place the package reads its environment (tests/test_settings_home.py holds the code to it):
+`resolve_settings` for an SDK process, and for the parts that run before or without `Ems.init`:
+`host_copy_settings` (the compiled host copy, built on first use, in engines and pool nodes alike),
+`pool_keys_from_environment` (a pool node's `EMS_POOL_KEYS`), `local_pool_dir_from_environment` and
+`access_key_from_environment` (the vLLM connector's). What reads its own environment elsewhere, and why, is listed
+in that test (UCX's and Triton's own variables, the C compiler's `CC`).
 
 `device` default: the registered KV cache's device; else `npu:<device_id>` when torch_npu is already imported,
 `cuda:<device_id>` when CUDA is available, otherwise `cpu`.
@@ -21,7 +29,7 @@ Configs are mutable, as in the EMS SDK (an engine may set `cfg.kvcache_type = KV
 it): fields are checked when a config is built and again, all of them, at `Ems.init` (`check_config`), which
 keeps a checked snapshot; changing a config after `Ems.init` has no effect on the running SDK.
 
-With `pool_backend="mooncake"` the pool is a Mooncake Store deployment (`ems.mooncake_pool`, docs/mooncake.md):
+With `pool_backend="mooncake"` the pool is a Mooncake Store deployment (`ems.backends.mooncake`, docs/mooncake.md):
 `pool_replicas` is then Mooncake's `replica_num`; `pool_nodes`, `pool_etcd` and `read_cache_capacity` do not apply
 (giving nodes or etcd with it is refused).
 
@@ -45,18 +53,22 @@ if TYPE_CHECKING:
     from ems.kernels.base import KernelBackend
 
 MAX_IDENTIFIER_CHARS = 512
+MAX_SIZE = 1 << 60  # bytes: the largest size setting (far past any host; sums and products of sizes stay in int64)
 _ACCESS_ID_RE = re.compile(rf"[\x20-\x7e]{{1,{MAX_IDENTIFIER_CHARS}}}")  # printable ASCII
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 
 
 def parse_size(name: str, value: object) -> int:
-    """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB", "4096"."""
+    """Bytes from an int or a string such as "512MiB", "4GiB", "1.5GB", "4096", at most MAX_SIZE (so that no
+    arithmetic on a size can leave int64)."""
     if isinstance(value, bool):
         raise invalid_argument(f"{name} must be a size, got a bool")
     if isinstance(value, int):
         if value < 0:
             raise invalid_argument(f"{name} must be >= 0, got {value}")
+        if value > MAX_SIZE:
+            raise invalid_argument(f"{name} = {value} bytes is more than the largest size, {MAX_SIZE} (1 EiB)")
         return value
     if not isinstance(value, str):
         raise invalid_argument(f"{name} must be an int or a size string like '512MiB', got {type(value).__name__}")
@@ -66,6 +78,8 @@ def parse_size(name: str, value: object) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "").upper()
     base = 1024 if "I" in unit else 1000
     scale = 1 if unit in ("", "B") else base ** ("KMGT".index(unit[0]) + 1)
+    if not number * scale <= MAX_SIZE:  # (an overlong number of digits reads as infinity)
+        raise invalid_argument(f"{name}: {value!r} is more than the largest size, {MAX_SIZE} bytes (1 EiB)")
     return int(number * scale)
 
 
@@ -186,9 +200,10 @@ class CcConfig_v1(CcConfig):
 # perf/RESULTS.md ("A save that encodes while it gathers"): since a save's gather and encode are one pass on the
 # calling thread, a request of two chunks or more overlaps it with the node's copy and check of the chunk before
 # (32 and 48 MiB requests to a node on the same host saved 10-25% faster in 16 MiB chunks than in one or two), while
-# chunks of 4 MiB and less lose to per-request costs; PIPELINE_DEPTH (ems.jobs) x 16 MiB stays within the smallest
+# chunks of 4 MiB and less lose to per-request costs; PIPELINE_DEPTH (ems.datapath.jobs) x 16 MiB stays within the smallest
 # default in-flight budget of a node (64 MiB: a chunk never waits)
 DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_MAX_INFLIGHT = 8  # async calls pending at once (`max_inflight`)
 
 POOL_SETTINGS = (
     "pool_nodes",
@@ -294,7 +309,7 @@ class Settings:
     pool_etcd: str | None = None
     pool_cluster: str = "default"
     pool_replicas: int = 1
-    pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store)
+    pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store.kv_store)
     pool_prefault_ahead: int = 256 << 20  # embedded pool: bytes kept faulted in ahead of use, in the background
     pool_backend: PoolBackendKind = PoolBackendKind.EMS
     mooncake: MooncakeSettings | None = None  # with pool_backend mooncake
@@ -303,6 +318,8 @@ class Settings:
     profiling: bool = False
     sdk_log_dir: str | None = None
     pool_shm: str = "auto"  # "auto": shared memory with a node on this host; "off": always UCX
+    host_copy: str = "auto"  # "auto": the compiled host copy where it builds; "off": torch and numpy ops
+    cache_dir: str = ""  # where the compiled host copy is kept ("" until resolved: `host_copy_settings`)
     ucx: UcxSettings = field(default_factory=UcxSettings)
 
     @property
@@ -374,7 +391,7 @@ def resolve_settings(config: EmsConfig) -> Settings:
             "read_cache_capacity", _setting(config.read_cache_capacity, "EMS_READ_CACHE_CAPACITY", "256MiB")
         ),
         staging_capacity=parse_size("staging_capacity", _setting(config.staging_capacity, "EMS_STAGING_CAPACITY", "512MiB")),
-        max_inflight=_int_setting("max_inflight", _setting(config.max_inflight, "EMS_MAX_INFLIGHT", 8), 1),
+        max_inflight=_int_setting("max_inflight", _setting(config.max_inflight, "EMS_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT), 1),
         kernel_backend=backend,
         connect_timeout_ms=_int_setting(
             "connect_timeout_ms", _setting(config.connect_timeout_ms, "EMS_CONNECT_TIMEOUT_MS", 3000), 1
@@ -401,8 +418,9 @@ def resolve_settings(config: EmsConfig) -> Settings:
 
 
 def _process_settings() -> dict:
-    """chunk_bytes, profiling, sdk_log_dir, ucx: from the environment only, checked."""
+    """chunk_bytes, profiling, sdk_log_dir, pool_shm, host_copy, cache_dir, ucx: from the environment only, checked."""
     chunk = os.environ.get("EMS_CHUNK_BYTES", "").strip()
+    host_copy = host_copy_settings()
     try:
         ucx = UcxSettings.from_env()
     except ValueError as exc:
@@ -412,6 +430,8 @@ def _process_settings() -> dict:
         "profiling": os.environ.get("ENABLE_CC_PROFILING") == "1",
         "sdk_log_dir": os.environ.get("EMS_SDK_LOG") or None,
         "pool_shm": _shm_setting(os.environ.get("EMS_POOL_SHM") or "auto"),
+        "host_copy": host_copy.mode,
+        "cache_dir": host_copy.cache_dir,
         "ucx": ucx,
     }
 
@@ -421,6 +441,48 @@ def _shm_setting(value: str) -> str:
     if mode not in ("auto", "off"):
         raise invalid_argument(f"EMS_POOL_SHM must be 'auto' or 'off', got {value!r}")
     return mode
+
+
+_HOST_COPY_OFF = ("off", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class HostCopySettings:
+    """The compiled host copy's settings (`ems.kernels.host_copy`): `EMS_HOST_COPY` and `EMS_CACHE_DIR`."""
+
+    mode: str  # "auto" or "off"
+    cache_dir: str  # EMS_CACHE_DIR, else $XDG_CACHE_HOME/ems, else ~/.cache/ems
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode == "auto"
+
+
+def host_copy_settings() -> HostCopySettings:
+    """`EMS_HOST_COPY` (`auto`, or `off`: also 0, false, no) and `EMS_CACHE_DIR`, checked. Read where the compiled
+    copy is first used (an engine's first copy, a pool node's first value), which may come before `Ems.init`."""
+    value = (os.environ.get("EMS_HOST_COPY") or "auto").strip().lower()
+    if value not in ("auto", *_HOST_COPY_OFF):
+        raise invalid_argument(f"EMS_HOST_COPY must be 'auto' or 'off', got {value!r}")
+    cache_dir = os.environ.get("EMS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ems"
+    )
+    return HostCopySettings("off" if value in _HOST_COPY_OFF else "auto", cache_dir)
+
+
+def pool_keys_from_environment() -> str:
+    """A pool node's `EMS_POOL_KEYS` (`id:key,id:key`), read once when it starts; "" when unset."""
+    return os.environ.get("EMS_POOL_KEYS", "")
+
+
+def local_pool_dir_from_environment() -> str | None:
+    """`EMS_LOCAL_POOL_DIR`: where the vLLM connector records the host's local pool node; None when unset."""
+    return os.environ.get("EMS_LOCAL_POOL_DIR") or None
+
+
+def access_key_from_environment() -> str | None:
+    """`EMS_ACCESS_KEY`: the vLLM connector's tenant key when its config names an `access_id` but no key."""
+    return os.environ.get("EMS_ACCESS_KEY") or None
 
 
 _CLUSTER_RE = re.compile(r"[0-9a-z._-]{1,512}")

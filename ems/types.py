@@ -15,7 +15,7 @@ from ems.deadline import MAX_TIMEOUT_MS  # noqa: F401 - re-exported: the longest
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 
 if TYPE_CHECKING:
-    from ems.job_records import JobRecord
+    from ems.datapath.records import JobRecord
 
 MAX_KEY_CHARS = 127  # a V0 PrimaryKey field is "under 128 characters"
 # a V0 plain-str key (the SDK's older form, e.g. "vllm@tenant@pp1@tp1@0@<hash>"), in UTF-8 bytes: well within the
@@ -79,16 +79,23 @@ class PrimaryKey:
                 raise invalid_argument(f"PrimaryKey.{name} must not be empty")
             if len(value) > MAX_KEY_CHARS:
                 raise invalid_argument(f"PrimaryKey.{name} is {len(value)} characters; a key must be under {MAX_KEY_CHARS + 1}")
+            _check_utf8(f"PrimaryKey.{name}", value)
+
+
+def _check_utf8(name: str, value: str) -> bytes:
+    """`value` in UTF-8 (how keys are stored and routed); EMS_INVALID_ARGUMENT naming `name` when it cannot be
+    encoded (a lone surrogate such as "\\ud800")."""
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid_argument(f"{name} is not encodable as UTF-8: {exc.reason} at index {exc.start}") from None
 
 
 def check_str_key(name: str, key: str) -> bytes:
     """A V0 plain-str key as the UTF-8 bytes it is stored and routed by; EMS_INVALID_ARGUMENT naming `name`."""
     if not key:
         raise invalid_argument(f"{name} must not be an empty str")
-    try:
-        raw = key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid_argument(f"{name} is not encodable as UTF-8: {exc.reason} at index {exc.start}") from None
+    raw = _check_utf8(name, key)
     if len(raw) > MAX_STR_KEY_BYTES:
         raise invalid_argument(f"{name} is {len(raw)} bytes in UTF-8; a str key holds at most {MAX_STR_KEY_BYTES}")
     return raw
@@ -134,7 +141,7 @@ class CcFuture:
 
     def __init__(self, inner: concurrent.futures.Future[CcResult], job: JobRecord | None = None) -> None:
         self._inner = inner
-        # this package's addition: the call's job record (`ems.job_records`: blocks, bytes, seconds, stages), final
+        # this package's addition: the call's job record (`ems.datapath.records`: blocks, bytes, seconds, stages), final
         # once the future is done (a call that raised leaves it unfinished: no blocks, no bytes)
         self.job = job
 

@@ -4,11 +4,41 @@
 every backend keeps. Backends: `TorchBackend` (vectorised torch, the CPU production path), `MemcpyBackend` (one
 copy per block and plane, for comparison), and `ems.kernels.triton_backend.TritonBackend` (Triton kernels on
 cuda/npu, the interpreter on CPU), imported lazily so that `import ems` never imports triton.
+
+The names below are imported on first use (PEP 562), as `ems`'s own: the torch-free modules of this package
+(`host_copy`, `raw_memory`: the copies and addresses a pool node's store uses) can be imported without torch, so a
+pool node never loads it (tests/pool/test_pool_node.py checks).
 """
 
-from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
-from ems.kernels.memcpy_backend import MemcpyBackend
-from ems.kernels.select import get_backend
-from ems.kernels.torch_backend import TorchBackend
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CopyBackend": "ems.kernels.base",
+    "KernelBackend": "ems.kernels.base",
+    "PlaneSet": "ems.kernels.base",
+    "MemcpyBackend": "ems.kernels.memcpy_backend",
+    "get_backend": "ems.kernels.select",
+    "TorchBackend": "ems.kernels.torch_backend",
+}
 
 __all__ = ["CopyBackend", "KernelBackend", "MemcpyBackend", "PlaneSet", "TorchBackend", "get_backend"]
+
+if TYPE_CHECKING:
+    from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
+    from ems.kernels.memcpy_backend import MemcpyBackend
+    from ems.kernels.select import get_backend
+    from ems.kernels.torch_backend import TorchBackend
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ems.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

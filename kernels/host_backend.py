@@ -31,7 +31,7 @@ from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses
 from ems.kernels.raw_memory import address_of, host_array
 from ems.kernels.torch_backend import move_pieces
 
-VALUE_HEADER = 40  # bytes before a value's payload (`ems.value_format.HEADER_SIZE`; kernels import nothing of ems)
+VALUE_HEADER = 40  # bytes before a value's payload (`ems.store.value_format.HEADER_SIZE`; kernels import nothing of ems)
 
 
 def _plane_addresses(planes: PlaneSet) -> PlaneAddresses:

@@ -340,19 +340,14 @@ def _compiler() -> list[str]:
     return shlex.split(str(configured))
 
 
-def _cache_dir() -> Path:
-    configured = os.environ.get("EMS_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ems"
-
-
 def _build() -> Path:
     """The library for this source and compiler, compiled now unless the cache already has it."""
     compiler = _compiler()
     source = _SOURCE.read_bytes()
     digest = hashlib.sha256(source + repr((compiler, _FLAGS)).encode()).hexdigest()[:16]
-    directory = _cache_dir()
+    from ems.config import host_copy_settings  # the one home of the package's settings (torch-free)
+
+    directory = Path(host_copy_settings().cache_dir)
     target = directory / f"host_copy-{digest}.so"
     if target.exists():
         return target
@@ -376,7 +371,9 @@ def _build() -> Path:
 @functools.cache
 def host_copy() -> HostCopy | None:
     """The process's compiled moves, or None (the reason is logged once)."""
-    if os.environ.get("EMS_HOST_COPY", "auto").lower() in ("0", "off", "false", "no"):
+    from ems.config import host_copy_settings
+
+    if not host_copy_settings().enabled:
         return None
     try:
         return HostCopy(_build())

@@ -11,11 +11,14 @@ and strides: `Tensor.numpy()` gives the GIL away, which beside a busy Python thr
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class _CudaRange:
@@ -46,12 +49,18 @@ class _HostRange:
         }
 
 
-_TYPESTR = {torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}
+@functools.cache
+def _typestr() -> dict[Any, str]:
+    """numpy's type string of each tensor dtype `host_array` views (built on first use: `address_of` and
+    `buffer_addresses` serve a pool node's store, which never imports torch)."""
+    import torch
+
+    return {torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
     """The CPU tensor's memory as a numpy array of its shape and strides (byte and int dtypes); see the docstring."""
-    typestr = _TYPESTR.get(tensor.dtype)
+    typestr = _typestr().get(tensor.dtype)
     if typestr is None or tensor.device.type != "cpu":
         raise ValueError(f"host_array takes a CPU tensor of a byte or int dtype, got {tensor.dtype} on {tensor.device}")
     shape = tuple(tensor.shape)
@@ -87,6 +96,8 @@ def buffer_addresses(values: Sequence[Any]) -> np.ndarray:
 
 def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 `[nbytes]` tensor aliasing `nbytes` bytes at address `ptr` on `device` (no copy)."""
+    import torch
+
     if device.type == "cpu":
         return torch.from_numpy(np.asarray(_HostRange(ptr, (nbytes,))))
     if device.type == "cuda":

@@ -29,8 +29,8 @@ import torch
 from benchlib import machine
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
-from ems.demo import Engine
-from ems.job_records import JobKind, JobRecord, stage_table
+from ems.datapath.records import JobKind, JobRecord, stage_table
+from ems.tools.demo import Engine
 
 HERE = Path(__file__).resolve().parent
 LAYERS, HEADS, HEAD_SIZE = 16, 8, 128

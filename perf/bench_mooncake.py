@@ -35,11 +35,11 @@ import torch
 
 import ems.transport.ucx_config  # noqa: F401 - UCX environment before ucxx loads
 from ems import CcConfig, ContextCaching, EmsConfig
+from ems.backends.mooncake import MooncakePool
+from ems.backends.pool_client import PoolClient
 from ems.config import resolve_settings
-from ems.demo import Engine
-from ems.job_records import JobKind, stage_table
-from ems.mooncake_pool import MooncakePool
-from ems.pool_client import PoolClient
+from ems.datapath.records import JobKind, stage_table
+from ems.tools.demo import Engine
 from ems.transport.ucx import UcxNode
 from ems.types import CcKvOption
 

@@ -72,8 +72,8 @@ from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx_config  # noqa: E402 - UCX environment before ucxx loads
+from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.config import DEFAULT_CHUNK_BYTES  # noqa: E402
-from ems.pool_client import PoolClient  # noqa: E402
 from ems.transport.shm_client import ShmMode  # noqa: E402
 from ems.transport.ucx import UcxNode  # noqa: E402
 from ems.transport.ucx_loop import UcxRuntime  # noqa: E402
@@ -513,8 +513,8 @@ def api_load_beside_busy_thread(node: PoolProcess, blocks: int, rounds: int) -> 
     hold the GIL (what the CPU alone costs on this host), in turn; and the stage table of the best load of the first
     two (where the busy thread's cost lands)."""
     from ems import CcConfig, Ems, EmsConfig
-    from ems.demo import Engine
-    from ems.job_records import JobKind, JobRecord, stage_table
+    from ems.datapath.records import JobKind, JobRecord, stage_table
+    from ems.tools.demo import Engine
 
     Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-engine"), pool_nodes=[node.address], read_cache_capacity=0))
     try:
@@ -814,8 +814,8 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] =
     """The API-over-UCX rows (see the module docstring): (the table, the stage table, the figures in GB/s)."""
     from ems import CcConfig, Ems, EmsConfig
     from ems.config import parse_size
-    from ems.demo import Engine
-    from ems.job_records import JobKind, stage_table
+    from ems.datapath.records import JobKind, stage_table
+    from ems.tools.demo import Engine
 
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header: what crosses the wire, for both peers
     total = blocks * value_bytes

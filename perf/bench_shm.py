@@ -31,7 +31,7 @@ from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
-from ems.pool_client import PoolClient  # noqa: E402
+from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx import UcxNode  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 
@@ -55,8 +55,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from ems import CcConfig, Ems, EmsConfig
-    from ems.demo import Engine
-    from ems.job_records import JobKind, stage_table
+    from ems.datapath.records import JobKind, stage_table
+    from ems.tools.demo import Engine
 
     blocks = args.blocks
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header

@@ -46,7 +46,7 @@ def fault_node_factory():
     """Build `FaultyNode`s (tests/fault_injection.py) around embedded stores; releases injected hangs at teardown."""
     from fault_injection import FaultyNode
 
-    from ems.store import KvStore
+    from ems.store.kv_store import KvStore
     from ems.transport.inprocess import InProcessNode
 
     made: list = []

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from ems.buffers import Buffer
+from ems.datapath.keys import encode_hash
 from ems.errors import EmsErrorCode
-from ems.keys import encode_hash
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.holds import Hold
 

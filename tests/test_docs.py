@@ -1,8 +1,8 @@
 """The docs against the code, wherever they quote names: settings, environment variables, formats, links.
 
-* Every field of `ems.config.Settings` is a row of the README's Configuration table, and every row is a field.
+* Every field of `ems.config.Settings` is a row of docs/configuration.md's Settings table, and every row is a field.
 * Each row's environment variable is the one the code reads for it (set it, resolve, see the value).
-* Every `EMS_*` environment variable the package reads is in the README, and every `EMS_*` name the docs mention
+* Every `EMS_*` environment variable the package reads is in that table's page, and every `EMS_*` name the docs mention
   is read somewhere (package, tests or benchmarks) or is an error code.
 * The defaults the table quotes are the code's.
 * The value format and wire protocol versions the docs quote are the code's.
@@ -21,12 +21,13 @@ import pytest
 from ems.config import POOL_SETTINGS, EmsConfig, Settings, parse_size, resolve_settings
 from ems.errors import EmsErrorCode
 from ems.kernels.base import KernelBackend
+from ems.store.value_format import VERSION
 from ems.transport import protocol
 from ems.transport.ucx_config import UcxSettings
-from ems.value_format import VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+CONFIGURATION = ROOT / "docs" / "configuration.md"  # the one table of settings
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGE = [ROOT / "ems", ROOT / "kernels", ROOT / "transport"]
 ENV_NAME = re.compile(r"(?:EMS_[A-Z0-9_]*[A-Z0-9]|ENABLE_CC_PROFILING)")
@@ -51,6 +52,8 @@ ENV_VALUES: dict[str, tuple[str, object]] = {
     "profiling": ("1", True),
     "sdk_log_dir": ("/tmp/ems-docs-test", "/tmp/ems-docs-test"),
     "pool_shm": ("off", "off"),
+    "host_copy": ("off", "off"),
+    "cache_dir": ("/tmp/ems-docs-test-cache", "/tmp/ems-docs-test-cache"),
     "ucx.progress_mode": ("loop", "loop"),
     "ucx.python_future": ("0", False),
     "ucx.notifier": ("ucxx", "ucxx"),
@@ -87,8 +90,8 @@ def _table(text: str, heading: str) -> list[list[str]]:
 
 
 def _settings_rows() -> dict[str, str]:
-    """README Configuration table: setting -> its environment variable."""
-    rows = _table(README.read_text(), "## Configuration")
+    """docs/configuration.md's Settings table: setting -> its environment variable."""
+    rows = _table(CONFIGURATION.read_text(), "## Settings")
     return {row[0]: ENV_NAME.search(row[1]).group(0) for row in rows}  # type: ignore[union-attr]
 
 
@@ -128,8 +131,8 @@ def _package_env_names() -> set[str]:
 def test_every_setting_is_a_row_of_the_readme_table_and_back():
     rows = set(_settings_rows())
     code = _setting_names()
-    assert code - rows == set(), f"settings missing from the README table: {sorted(code - rows)}"
-    assert rows - code == set(), f"README rows that are no setting: {sorted(rows - code)}"
+    assert code - rows == set(), f"settings missing from docs/configuration.md's table: {sorted(code - rows)}"
+    assert rows - code == set(), f"table rows that are no setting: {sorted(rows - code)}"
     assert set(ENV_VALUES) == code, f"give tests/test_docs.py ENV_VALUES a value for {sorted(code ^ set(ENV_VALUES))}"
     assert set(MOONCAKE_FIELDS) == {n for n in code if n.startswith("mooncake_")}
 
@@ -146,10 +149,10 @@ def test_each_row_names_the_variable_the_code_reads(setting, monkeypatch):
     assert resolved == getattr(expected, "value", expected), f"{variable}={text} gave {setting}={resolved!r}"
 
 
-def test_every_variable_the_package_reads_is_in_the_readme():
-    readme = README.read_text()
-    missing = sorted(name for name in _package_env_names() if name not in readme)
-    assert not missing, f"environment variables read by the package but not in the README: {missing}"
+def test_every_variable_the_package_reads_is_in_the_configuration_page():
+    page = CONFIGURATION.read_text()
+    missing = sorted(name for name in _package_env_names() if name not in page)
+    assert not missing, f"environment variables read by the package but not in docs/configuration.md: {missing}"
 
 
 def test_every_variable_the_docs_name_exists():
@@ -192,7 +195,7 @@ def test_links_to_repository_files_resolve():
 
 
 def test_the_table_quotes_the_defaults(monkeypatch):
-    rows = _table(README.read_text(), "## Configuration")
+    rows = _table(CONFIGURATION.read_text(), "## Settings")
     for row in rows:
         monkeypatch.delenv(_settings_rows()[row[0]], raising=False)
     resolved = resolve_settings(EmsConfig())
@@ -206,7 +209,9 @@ def test_the_table_quotes_the_defaults(monkeypatch):
         default = _resolved(with_mooncake if row[0] in MOONCAKE_FIELDS else resolved, row[0])
         quoted = row[2]
         if re.fullmatch(r"\d+(?:[KMGT]iB)?", quoted):
-            assert parse_size(row[0], quoted) == default, f"README: {row[0]} default {quoted}, the code: {default!r}"
+            assert parse_size(row[0], quoted) == default, (
+                f"docs/configuration.md: {row[0]} default {quoted}, the code: {default!r}"
+            )
             checked += 1
         elif isinstance(default, str) and quoted.split()[0] in {"auto", "default", "ems", "tcp", "P2PHANDSHAKE", "127.0.0.1"}:
             assert quoted.split()[0] == default, (row[0], quoted, default)

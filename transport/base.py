@@ -8,7 +8,7 @@ Per-key outcomes (a refused put, a missing key) are results, not errors.
 
 Layering: the transport imports nothing of `ems` but the leaf modules `ems.errors`, `ems.deadline` and `ems.buffers`
 (the `Buffer` type both sides share), and the in-process node reaches the embedded store only through `LocalStore`, so
-`ems.transport.*` never imports `ems.store` (tests/transport/test_layering.py checks it).
+`ems.transport.*` never imports `ems.store.kv_store` (tests/transport/test_layering.py checks it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ AsPlaced = Callable[[int, int, int], None]
 
 
 class LocalStore(Protocol):
-    """What the in-process node needs of a store in this process (`ems.store.KvStore` is one)."""
+    """What the in-process node needs of a store in this process (`ems.store.kv_store.KvStore` is one)."""
 
     def put_many(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> list[bool]: ...
 

@@ -1,4 +1,4 @@
-"""The in-process transport: the embedded pool, a store living in this process (an `ems.store.KvStore`, reached
+"""The in-process transport: the embedded pool, a store living in this process (an `ems.store.kv_store.KvStore`, reached
 through the `LocalStore` protocol so that the transport does not import the store)."""
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Contract:
   finds no room within `stall_timeout_s`, raises `Refusal` before its data is received (the session answers
   BAD_REQUEST with the message and closes the connection). A GET reply never exceeds the protocol's
   `WIRE_LIMITS.max_data_bytes` nor the budget: the values beyond are answered as misses (so loads stop there), and
-  a key named many times is looked up once. A 1-key GET is answered without per-segment work (`_get_one`), from
-  the store's buffer.
+  a key named many times is looked up once. A value alone in its segment (any size) is sent from the store's own
+  buffer, so naming a value many times costs no copy; packed small values are copied once each into send buffers
+  (`scratch`). A 1-key GET is answered without per-segment work (`_get_one`), from the store's buffer.
 * A PUT's data is received into buffers recycled from evicted values where the store has them, every receive's
   length verified (`RequestChannel.receive_frames`), so a recycled buffer's old bytes can never be stored; a value
   alone in its segment is stored as that buffer. Checksumming and storing a PUT of more than OFFLOAD_BYTES runs on
@@ -70,7 +71,7 @@ class Refusal(Exception):
 
 
 class NodeStoreStats(Protocol):
-    """The memory figures a node logs (`ems.store.StoreStats` has them)."""
+    """The memory figures a node logs (`ems.store.kv_store.StoreStats` has them)."""
 
     used_bytes: int
     spare_bytes: int
@@ -78,7 +79,7 @@ class NodeStoreStats(Protocol):
 
 
 class NodeStore(Protocol):
-    """What the node needs of the store it serves (`ems.store.KvStore` is one); see that class for the contract."""
+    """What the node needs of the store it serves (`ems.store.kv_store.KvStore` is one); see that class for the contract."""
 
     @property
     def capacity_bytes(self) -> int: ...
@@ -114,7 +115,7 @@ class NodeStore(Protocol):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
     def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]:
-        """Lease or pin each key held (`ems.store_holds`); True where it is held and kept as asked."""
+        """Lease or pin each key held (`ems.store.holds`); True where it is held and kept as asked."""
         ...
 
     def stats(self) -> NodeStoreStats: ...
@@ -363,9 +364,10 @@ class NodeHandlers:
             frames: list = []
             packed: list[np.ndarray] = []
             counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
-            # one frame per segment: a lone value is sent from the store itself, packed small values are copied once
+            # one frame per segment: a value alone in its segment, whatever its size, is sent from the store itself
+            # (a key named many times costs no memory), packed small values are copied once
             for seg, n in enumerate(counts.tolist()):
-                if n == 1 and int(sizes[seg]) >= protocol.SEGMENT_BYTES:
+                if n == 1:
                     frames.append(values[int(present[np.searchsorted(plan, seg)])])
                     continue
                 buf = self.send_scratch.take(int(sizes[seg]))  # reused: a fresh buffer faults in page by page

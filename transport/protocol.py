@@ -1,4 +1,4 @@
-"""The pool-node wire protocol, version 6: frames, limits and the data-segment plan (pure functions, no I/O).
+"""The pool-node wire protocol, version 6 (`VERSION`): frames, limits and the data-segment plan (pure functions, no I/O).
 
 Contract:
 * Every exchange starts with one fixed 32-byte little-endian **header**:
@@ -21,8 +21,12 @@ Contract:
   own tag is that base tag with its low 32 bits XORed with `request_id` (`ucx_progress.request_tag`), so every tag
   of one connection shares the base tag's high 32 bits. A node gives each live connection distinct high bits and
   discards every message it has not received on a connection's tags when that connection ends, as well as messages
-  on tags of no connection at all, so unread messages never hold its memory past their connection. Before the
-  handshake completes, only the base tag may carry messages: a message on another tag of the connection closes it.
+  on tags of no connection at all, so unread messages never pile up past their connection. The memory UCX took for
+  them is not returned to the system, though: it goes back into UCX's buffer pools, which keep their largest size
+  for later messages, so a node's resident memory rises to about the most unread messages that arrived between two
+  sweeps and stays there (measured: 12,000 frames of 4 KiB on tags of no connection, +58 to +97 MiB over six rounds
+  of them, the first round most of it). Before the handshake completes, only the base tag may carry messages: a
+  message on another tag of the connection closes it.
 * Request ids: an inline request's id is 1..MAX_REQUEST_ID (0 is the base tag) and unique among the connection's
   requests in flight. An id is in flight from its head until the node starts its reply; a client may reuse it as
   soon as it has received that reply in full (the node never refuses such a reuse). A head naming an id still in
@@ -512,10 +516,14 @@ def _decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> Put
     keys = split_keys(key_lens, meta[12 * count + 8 * nframes :])
     if value_lens.size and (int(value_lens.max()) > MAX_VALUE_BYTES or int(value_lens.min()) < 0):
         raise ProtocolError(f"a value of {int(value_lens.max())} bytes, limit {MAX_VALUE_BYTES}")
+    # each frame bounded before any sum (u64 lengths of 2**63 and above read as negative here): frame lengths near
+    # 2**64 could otherwise wrap around to data_len in the int64 sum and pass
+    if frame_lens.size and int(frame_lens.min()) <= 0:
+        raise ProtocolError("an empty data frame (or one of 2**63 bytes or more)")
+    if frame_lens.size and int(frame_lens.max()) > MAX_DATA_BYTES:
+        raise ProtocolError(f"a data frame of {int(frame_lens.max())} bytes, limit {MAX_DATA_BYTES}")
     if int(value_lens.sum()) != data_len or int(frame_lens.sum()) != data_len:
         raise ProtocolError("value and data frame lengths do not match data_len")
-    if frame_lens.size and int(frame_lens.min()) <= 0:
-        raise ProtocolError("an empty data frame")
     plan = segment_plan(value_lens)
     value_offsets, segment_sizes = segment_bounds(value_lens, plan)
     seg_ends = np.cumsum(segment_sizes)

@@ -3,9 +3,11 @@
 Contract:
 * A **region** is one sealed memfd per authenticated connection, created by the node and mapped by that client
   only: never shared between connections, never reused (a fresh memfd's pages are zero, so it can hold no stale
-  bytes of another connection); the node unmaps it when the connection ends (its pages go once the client has
-  unmapped it too, which a client does when it drops the connection). Its size is fixed by the node and sealed
-  (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): a client cannot truncate it under the node (no SIGBUS there).
+  bytes of another connection). When it ends (its connection ends, a later SHM_OPEN replaces it, its token
+  expires) the node punches its pages out of the memfd, freeing them in the client's mapping too, and counts it
+  against its limits until then (`shm_server`). Its size is fixed by the node and sealed (F_SEAL_SHRINK |
+  F_SEAL_GROW | F_SEAL_SEAL): a client cannot truncate it under the node (no SIGBUS there), nor seal it against
+  the node's punching.
 * Opening (`SHM_OPEN`, an ordinary inline request on the authenticated connection): the client states its uid and
   pid; the node answers a one-time token, the region's size, its own pid and the abstract Unix socket it listens
   on (size 0: no region for this connection, the client uses UCX). The client connects to that socket, sends the
@@ -74,18 +76,32 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid (struct ucred)
 
 @dataclass(frozen=True)
 class ShmSettings:
-    """What a node offers: bytes per connection's region (0: shared memory off) and in all."""
+    """What a node offers: bytes per connection's region (0: shared memory off), in all, and to one tenant (None:
+    no share below the total)."""
 
     region_bytes: int = DEFAULT_REGION_BYTES
     total_bytes: int = DEFAULT_TOTAL_BYTES
+    tenant_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.region_bytes < 0 or self.total_bytes < 0:
+        if self.region_bytes < 0 or self.total_bytes < 0 or (self.tenant_bytes is not None and self.tenant_bytes < 0):
             raise ValueError("shared-memory sizes must be >= 0")
 
     @property
     def enabled(self) -> bool:
         return self.region_bytes > 0 and self.total_bytes >= self.region_bytes
+
+    @property
+    def tenant_share(self) -> int:
+        """The most bytes of regions one tenant's connections hold together."""
+        return self.total_bytes if self.tenant_bytes is None else min(self.tenant_bytes, self.total_bytes)
+
+    @staticmethod
+    def default_tenant_bytes(total_bytes: int, tenants: int) -> int | None:
+        """A node's default share per tenant: half the total when it serves two or more tenants by key (so that no
+        one tenant holds it all), none below the total otherwise (one tenant; or a node without keys, whose tenant
+        names anyone may claim)."""
+        return total_bytes // 2 if tenants >= 2 else None
 
 
 def metric_name(op: int) -> str:

@@ -222,10 +222,13 @@ class ClientChannel:
 class NodeChannel:
     """The node's `RequestChannel` for one request read off a region's channel (`node_handlers.RequestChannel`)."""
 
-    def __init__(self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes, sending: asyncio.Lock) -> None:
+    def __init__(
+        self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes, sending: asyncio.Lock, region: object
+    ) -> None:
         self.sock = sock
         self.header = header
         self.conn = conn
+        self.region = region  # the region this channel belongs to (its requests are served over it, whatever comes later)
         self._meta = meta
         self._sending = sending  # the channel's: one reply's bytes at a time (requests are served at once)
 

@@ -9,7 +9,9 @@ Contract:
   handed out again, since the node may still be copying.
 * The region is opened lazily by the first call on a connection (one thread opens; concurrent calls use UCX
   meanwhile) and belongs to that connection only: a reconnect opens a fresh one. A connection whose node offered
-  no region, or whose hand-over failed, is not asked again.
+  no region (its total or the tenant's share taken, or shared memory off), or whose hand-over failed (the node
+  busy, the token expired), is asked again after a back-off (RETRY_FIRST_S, doubling up to RETRY_MAX_S; a success
+  starts it over); its calls use UCX meanwhile.
 * Zero copy where the caller's buffers already lie in the region (`buffer(nbytes)` hands out such buffers, once a
   call has opened the region: a staging area the caller fills and reads in place): their offsets go on the wire as
   they are. Otherwise a save copies its values into a range of the region first, and a load copies each placed
@@ -29,6 +31,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("ems.transport")
 
 HANDOVER_TIMEOUT_S = 2.0
+RETRY_FIRST_S = 1.0  # a connection without a region asks again after this long ...
+RETRY_MAX_S = 30.0  # ... doubling up to this
 _STALE = object()  # a request found the connection newer than the region: the caller falls back to UCX
 
 
@@ -98,7 +103,9 @@ class ShmClient:
     def __init__(self, node: UcxNode) -> None:
         self.node = node
         self._region: ClientRegion | None = None
-        self._no_region_on: Any = None  # the endpoint whose node offered no region (not asked again)
+        self._no_region_on: Any = None  # the endpoint that got no region: not asked again before `_retry_at`
+        self._retry_at = 0.0  # (monotonic)
+        self._retry_s = RETRY_FIRST_S
         self._opening = threading.Lock()
         self._last_allocator: shm.RangeAllocator | None = None  # the latest region's (how much to populate next)
 
@@ -283,7 +290,7 @@ class ShmClient:
         region = self._region
         if region is not None and region.ep is ep and ep is not None and not region.allocator.poisoned:
             return region
-        if ep is not None and ep is self._no_region_on:
+        if ep is not None and ep is self._no_region_on and time.monotonic() < self._retry_at:
             return None
         if not self._opening.acquire(blocking=False):
             return None  # another thread is opening it: this call goes over UCX
@@ -305,14 +312,15 @@ class ShmClient:
 
         ep, offer = self.node._call(run, deadline)
         if offer.region_bytes == 0:
-            self._no_region_on = ep
+            self._no_region(ep)
             return None
         try:
             array, sock = _receive_region(offer, min(HANDOVER_TIMEOUT_S, deadline.left()))
         except (OSError, ValueError) as error:
-            log.info("%s: no shared memory (using UCX): %s", self.node.address, error)
-            self._no_region_on = ep
+            log.info("%s: no shared memory for now (using UCX): %s", self.node.address, error)
+            self._no_region(ep)
             return None
+        self._no_region_on, self._retry_s = None, RETRY_FIRST_S
         populate_in_background(array, populate_mib << 20, "ems-shm-prefault")  # the node populates as much
         region = ClientRegion(ep, array, shm.RangeAllocator(array.nbytes), ClientChannel(sock))
         self._last_allocator = region.allocator
@@ -320,6 +328,12 @@ class ShmClient:
         if previous_region is not None:  # an older connection's: nothing of it is used again
             _retire(previous_region)
         return region
+
+    def _no_region(self, ep: Any) -> None:
+        """`ep` got no region: its calls use UCX, and it asks again after the back-off."""
+        self._no_region_on = ep
+        self._retry_at = time.monotonic() + self._retry_s
+        self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
 
 
 def _run_as_placed(as_placed: AsPlaced, progress: int, deadline_ns: int, fd: int) -> None:

@@ -241,6 +241,8 @@ class PoolServer:
         self.access_keys = dict(access_keys or {})
         self.limits = limits or NodeLimits.for_capacity(store.capacity_bytes)
         self.handlers = NodeHandlers(store, self.limits, metrics, shm)
+        if metrics is not None:
+            metrics.watch_shm(self.handlers.shm.stats)
         self._listener: Any = None
         self._connections: dict[Any, Connection] = {}
         self._by_tag: dict[int, Connection] = {}  # high bits of a live connection's base tag -> that connection

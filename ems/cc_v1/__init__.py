@@ -13,12 +13,12 @@ from ems.cc_v1.cc_config import CcConfig_v1, KVCacheType, KvCacheType
 __all__ = ["CcConfig_v1", "ContextCache_v1", "KVCacheType", "KvCacheType"]
 
 if TYPE_CHECKING:
-    from ems.context_caching import ContextCache_v1
+    from ems.client.context_caching import ContextCache_v1
 
 
 def __getattr__(name: str) -> Any:
     if name == "ContextCache_v1":
-        from ems.context_caching import ContextCache_v1
+        from ems.client.context_caching import ContextCache_v1
 
         return ContextCache_v1
     raise AttributeError(f"module 'ems.cc_v1' has no attribute {name!r}")

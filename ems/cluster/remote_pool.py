@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ems.backends.pool_client import PoolClient
 from ems.cluster.etcd import EtcdError
 from ems.cluster.membership import MembershipWatcher, NodeInfo
 from ems.config import Settings
 from ems.errors import EmsErrorCode, EmsException
-from ems.pool_client import PoolClient
 from ems.transport.base import NodeClient
 
 log = logging.getLogger("ems")

@@ -36,17 +36,22 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ems import CcConfig_v1, EmsConfig, EmsErrorCode, EmsException
-from ems.config import POOL_SETTINGS
+from ems.config import (
+    DEFAULT_MAX_INFLIGHT,
+    POOL_SETTINGS,
+    PoolBackendKind,
+    Settings,
+    access_key_from_environment,
+    resolve_settings,
+)
 from ems.transport.holds import MAX_LEASE_MS
 
-DEFAULT_MAX_INFLIGHT = 8  # EmsConfig's own default
 # A lookup's blocks are leased for the load that follows (`ems.transport.holds`): long enough for a request that vLLM
 # admits a few steps later (its answer is reused for `lookup_cache_s`) and for loads that wait for the in-flight
 # budget; the load's read ends the lease at once.
@@ -132,6 +137,7 @@ class ConnectorConfig:
     access_key: str | None = field(default=None, repr=False)
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     ems_settings: tuple[tuple[str, Any], ...] = ()
+    pool_settings: Settings | None = None  # the pool settings resolved (`from_extra`)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -139,11 +145,12 @@ class ConnectorConfig:
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             raise invalid_argument(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(KEYS)}")
-        nodes: Any = extra.get("pool_nodes") or os.environ.get("EMS_POOL_NODES") or ()
-        if isinstance(nodes, str):
-            nodes = [n.strip() for n in nodes.split(",") if n.strip()]
-        if not isinstance(nodes, (list, tuple)) or not all(isinstance(n, str) for n in nodes):
-            raise invalid_argument(f"kv_connector_extra_config.pool_nodes must be a list of 'host:port', got {nodes!r}")
+        # The EmsConfig pool settings, resolved as `Ems.init` will resolve them (their EMS_* variables included),
+        # so a bad one stops the engine here, naming it, and nothing below re-reads the environment.
+        try:
+            pool = resolve_settings(EmsConfig(**{k: extra[k] for k in POOL_SETTINGS if k in extra}))
+        except EmsException as exc:
+            raise invalid_argument(f"kv_connector_extra_config: {exc.message()}") from None
         try:
             mode = LocalPoolMode(str(extra.get("local_pool", "auto")).lower())
         except ValueError:
@@ -174,16 +181,12 @@ class ConnectorConfig:
             raise invalid_argument(
                 f"kv_connector_extra_config.save_wait_ms must be an int in 0..{MAX_SAVE_WAIT_MS}, got {save_wait!r}"
             )
-        inflight: Any = extra.get("max_inflight", os.environ.get("EMS_MAX_INFLIGHT") or DEFAULT_MAX_INFLIGHT)
-        if isinstance(inflight, str) and inflight.strip().isdigit():
-            inflight = int(inflight)
-        if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
-            raise invalid_argument(f"kv_connector_extra_config.max_inflight must be an int >= 1, got {inflight!r}")
+        inflight = pool.max_inflight
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
             raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")
         return cls(
-            pool_nodes=tuple(nodes),
+            pool_nodes=pool.pool_nodes,
             local_pool=mode,
             local_pool_dir=extra.get("local_pool_dir"),
             local_pool_capacity=str(extra.get("local_pool_capacity", "2GiB")),
@@ -197,11 +200,12 @@ class ConnectorConfig:
             lease_ms=lease_ms,
             save_wait_ms=save_wait,
             access_id=extra.get("access_id"),
-            access_key=extra.get("access_key") or (os.environ.get("EMS_ACCESS_KEY") if extra.get("access_id") else None),
+            access_key=extra.get("access_key") or (access_key_from_environment() if extra.get("access_id") else None),
             max_inflight=inflight,
             # max_inflight goes to the client explicitly: the workers' in-flight budget is exactly its limit
             ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra and k != "max_inflight")
             + (("max_inflight", inflight),),
+            pool_settings=pool,
         )
 
     def resolve_pool(self) -> ResolvedPool:
@@ -218,13 +222,12 @@ class ConnectorConfig:
     @property
     def uses_etcd(self) -> bool:
         """Nodes come from etcd membership (`pool_etcd` here or `EMS_POOL_ETCD`): no local pool is started."""
-        return bool(dict(self.ems_settings).get("pool_etcd") or os.environ.get("EMS_POOL_ETCD"))
+        return self.pool_settings is not None and self.pool_settings.pool_etcd is not None
 
     @property
     def uses_mooncake(self) -> bool:
         """The pool is a Mooncake Store (`pool_backend` here or `EMS_POOL_BACKEND`): no local pool is started."""
-        backend = dict(self.ems_settings).get("pool_backend") or os.environ.get("EMS_POOL_BACKEND") or ""
-        return str(backend).strip().lower() == "mooncake"
+        return self.pool_settings is not None and self.pool_settings.pool_backend == PoolBackendKind.MOONCAKE
 
     def ems_config(self, model_id: str, kvcache_type: str, pool: ResolvedPool) -> EmsConfig:
         cc = CcConfig_v1(rank_id=0, device_id=0, model_id=model_id, llm_engine="vllm", kvcache_type=kvcache_type)

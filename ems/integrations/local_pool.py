@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ems import EmsErrorCode, EmsException
+from ems.config import local_pool_dir_from_environment
 
 HOST = "127.0.0.1"
 
@@ -64,7 +65,7 @@ class LocalPool:
 
 
 def default_dir() -> str:
-    return os.environ.get("EMS_LOCAL_POOL_DIR") or os.path.join(tempfile.gettempdir(), f"ems-local-pool-{os.getuid()}")
+    return local_pool_dir_from_environment() or os.path.join(tempfile.gettempdir(), f"ems-local-pool-{os.getuid()}")
 
 
 def _private_dir(directory: str) -> None:

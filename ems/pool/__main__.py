@@ -3,6 +3,7 @@
     ems-pool --listen HOST:PORT --capacity 4GiB [--keys-file PATH] [--log-level info]
              [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
              [--max-connections N] [--max-connections-per-peer N] [--shm-bytes SIZE] [--shm-total SIZE]
+             [--shm-tenant SIZE]
              [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]]
              [--metrics HOST:PORT] [--prefault-ahead SIZE] [--disk DIR --disk-capacity SIZE [--disk-queue SIZE]]
     ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)   (see ems.pool.status)
@@ -23,9 +24,11 @@ Contract:
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
 * Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
-  0 turns it off), `--shm-total` for all connections together (default 4GiB).
+  0 turns it off), `--shm-total` for all connections together (default 4GiB), `--shm-tenant` for one tenant's
+  connections together (default: half of the total on a node with two or more keys, else the whole total). A region
+  counts until the node has freed its pages, whatever its client does (`transport.shm_server`).
 * `--prefault-ahead SIZE` (default 256MiB): the store's values live in one arena of the capacity, whose pages a
-  background thread keeps faulted in that far ahead of the values (`ems.store`), on spare CPU only (an engine on the
+  background thread keeps faulted in that far ahead of the values (`ems.store.kv_store`), on spare CPU only (an engine on the
   same host keeps its cores: `ems.buffers.SpareCpuPacer`): a save into fresh memory otherwise faults page by page
   (about 2 ms per MiB on a VM, up to 14 for memory the VM's host has not backed yet). 0 turns it off.
 * `--disk DIR --disk-capacity SIZE`: a disk tier behind DRAM (`ems.pool.tiered_store`, `ems.pool.disk_tier`):
@@ -84,7 +87,9 @@ def load_keys(keys_file: str | None) -> dict[str, str]:
     if keys_file:
         with open(keys_file, encoding="utf-8") as f:
             keys.update(parse_keys(f.read().splitlines(), keys_file))
-    env = os.environ.get("EMS_POOL_KEYS", "")
+    from ems.config import pool_keys_from_environment
+
+    env = pool_keys_from_environment()
     if env.strip():
         keys.update(parse_keys(env.split(","), "EMS_POOL_KEYS"))
     return keys
@@ -176,7 +181,7 @@ async def _run(
 def _build_store(capacity: int, args: argparse.Namespace) -> NodeStore:
     """The node's store: DRAM only, or DRAM in front of a disk tier (`--disk`), whose index is rebuilt from the
     disk before the node serves. OSError when the disk directory cannot be used."""
-    from ems.store import KvStore
+    from ems.store.kv_store import KvStore
 
     ahead = args.prefault_ahead  # bytes (checked with the other sizes)
     if args.disk is None:
@@ -293,6 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shm-bytes", default="256MiB", help="shared memory per same-host connection (0: off)")
     parser.add_argument("--shm-total", default="4GiB", help="shared memory of all connections together")
     parser.add_argument(
+        "--shm-tenant",
+        default=None,
+        help="shared memory of one tenant's connections together (default: half of --shm-total with two or more "
+        "keys, else all of it)",
+    )
+    parser.add_argument(
         "--prefault-ahead",
         default="256MiB",
         help="bytes of DRAM kept faulted in ahead of the values, in the background (0: fault on first write)",
@@ -324,10 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _restrict_ucx_devices(host)
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ems-pool %(levelname)s %(message)s")
-    from ems.config import parse_size
+    from ems.config import host_copy_settings, parse_size
     from ems.errors import EmsException
 
     try:
+        host_copy_settings()  # EMS_HOST_COPY / EMS_CACHE_DIR checked at start, not at the first value
         capacity = parse_size("--capacity", args.capacity)
         if capacity <= 0:
             raise ValueError("--capacity must be > 0")
@@ -348,7 +360,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits = dataclasses.replace(limits, inflight_bytes=inflight)
         from ems.transport.shm import ShmSettings
 
-        shm = ShmSettings(parse_size("--shm-bytes", args.shm_bytes), parse_size("--shm-total", args.shm_total))
+        shm_total = parse_size("--shm-total", args.shm_total)
+        shm_tenant = (
+            ShmSettings.default_tenant_bytes(shm_total, len(keys))
+            if args.shm_tenant is None
+            else parse_size("--shm-tenant", args.shm_tenant)
+        )
+        shm = ShmSettings(parse_size("--shm-bytes", args.shm_bytes), shm_total, shm_tenant)
+        if shm.enabled and shm.tenant_share < shm.region_bytes:
+            raise ValueError(f"--shm-tenant ({shm.tenant_share} bytes) must hold at least one region (--shm-bytes)")
         args.prefault_ahead = parse_size("--prefault-ahead", args.prefault_ahead)
         _disk_options(args, capacity)
     except (EmsException, ValueError, OSError) as error:

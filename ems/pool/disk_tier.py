@@ -11,7 +11,7 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
   never sees an older file than the newest value.
 * Record file: `HEADER_BYTES` header (magic 'EMSD', version, key length, value length, sequence number, and an
   XXH3 over those fields, the key and the value's own 40-byte header), the full key (tenant prefix included), the
-  EMS value; padded to `ALIGN` (O_DIRECT). The value's header carries the payload's checksum (`ems.value_format`),
+  EMS value; padded to `ALIGN` (O_DIRECT). The value's header carries the payload's checksum (`ems.store.value_format`),
   so the record's check and the value's check together cover every byte.
 * Crash safety: a record is written to a temporary name and renamed into place only once fully written (and only
   while it is still the key's newest value: the rename and a put's `invalidate` are ordered by the lock), so a file
@@ -60,7 +60,7 @@ import xxhash
 
 from ems.buffers import Buffer
 from ems.pool.disk_io import WriteHelper
-from ems.value_format import HEADER_SIZE, is_well_formed
+from ems.store.value_format import HEADER_SIZE, is_well_formed
 
 log = logging.getLogger("ems.pool")
 

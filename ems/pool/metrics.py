@@ -16,6 +16,11 @@ Contract:
   written), `tier_errors_total{kind}` (`integrity`: damaged records dropped, `io`: read/write errors,
   `dropped_write`: evictions not written), `disk_queued_bytes`, `disk_queued_values`, `disk_restored_values`,
   `disk_restore_seconds`.
+* Same-host shared memory (`transport.shm_server`, registered by the server with `watch_shm`): `shm_regions`
+  (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed), `shm_handed_regions`,
+  `shm_bytes` (their bytes: what `--shm-total` bounds), `shm_resident_bytes` (the pages their memfds hold, whoever
+  faulted them in: the host's shared memory on the node's account), `shm_total_bytes`, and
+  `shm_refusals_total{reason}` (regions and hand-overs refused, by `ShmRefusal`).
 * `MetricsServer` serves `GET /metrics` (text exposition) and `GET /healthz` (200 `ok` while serving, 503
   `draining` once the node is leaving) from a daemon thread; anything else is 404.
 """
@@ -39,13 +44,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from ems.buffers import Buffer
-from ems.value_format import is_well_formed
+from ems.store.value_format import is_well_formed
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 if TYPE_CHECKING:
     from ems.transport.node_handlers import NodeStore
+    from ems.transport.shm_server import ShmStats
 
 
 class _StoreCollector(Collector):
@@ -65,6 +71,25 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily(
             "ems_pool_rejected_puts", "Values refused (damaged, or larger than the capacity)", value=stats.rejected_puts
         )
+
+
+class _ShmCollector(Collector):
+    def __init__(self, stats: Callable[[], ShmStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator:
+        stats = self.stats()
+        yield GaugeMetricFamily("ems_pool_shm_regions", "Shared-memory regions counted against the total", value=stats.regions)
+        yield GaugeMetricFamily("ems_pool_shm_handed_regions", "Regions handed over to their clients", value=stats.handed)
+        yield GaugeMetricFamily("ems_pool_shm_bytes", "Bytes of the regions counted (bounded by --shm-total)", value=stats.bytes)
+        yield GaugeMetricFamily(
+            "ems_pool_shm_resident_bytes", "Pages the regions' memfds hold, whoever faulted them in", value=stats.resident_bytes
+        )
+        yield GaugeMetricFamily("ems_pool_shm_total_bytes", "--shm-total", value=stats.total_bytes)
+        refusals = CounterMetricFamily("ems_pool_shm_refusals", "Regions and hand-overs refused, by reason", labels=["reason"])
+        for reason, count in sorted(stats.refusals.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
 
 
 def _tier_families(store: Any, stats: Any) -> Iterator:
@@ -128,6 +153,10 @@ class NodeMetrics:
         self.connections = Gauge("ems_pool_connections", "Client connections open now", registry=r)
         self.connections_opened = Counter("ems_pool_connections_opened", "Client connections accepted", registry=r)
         self.registry.register(_StoreCollector(store))
+
+    def watch_shm(self, stats: Callable[[], ShmStats]) -> None:
+        """Serve the same-host shared-memory figures, read from `stats()` when scraped."""
+        self.registry.register(_ShmCollector(stats))
 
     def request(self, op: str, ok: bool, seconds: float, nbytes: int = 0) -> None:
         """Count one request (called once per request)."""

@@ -1,4 +1,4 @@
-"""A pool node's store with two tiers: an `ems.store.KvStore` in DRAM in front of a `DiskTier` on a local disk,
+"""A pool node's store with two tiers: an `ems.store.kv_store.KvStore` in DRAM in front of a `DiskTier` on a local disk,
 served by the node's server through the same `NodeStore` protocol as a plain `KvStore`.
 
 Contract:
@@ -35,9 +35,9 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.pool.disk_tier import DiskTier, DiskTierStats
-from ems.store import KvStore, StoreStats
+from ems.store.kv_store import KvStore, StoreStats
+from ems.store.value_format import copy_well_formed_many, is_well_formed, well_formed_many
 from ems.transport.holds import Hold
-from ems.value_format import copy_well_formed_many, is_well_formed, well_formed_many
 
 MIN_READ_BYTES = 64 << 20
 

@@ -175,7 +175,7 @@ def test_credentials_refused_at_init_are_not_recoverable(pool_nodes):
 
 
 def test_a_value_of_another_format_version_is_a_miss():
-    from ems.value_format import HEADER_DTYPE, VERSION, is_well_formed
+    from ems.store.value_format import HEADER_DTYPE, VERSION, is_well_formed
 
     engine = V1Engine()
     cache = make_cache(2, 4, BS, (1, 512), (1, 64), torch.float16, torch.float32, 5)

@@ -28,7 +28,7 @@ from sdk_engines import (
 )
 
 from ems import Ems
-from ems.context_caching import ContextCaching
+from ems.client.context_caching import ContextCaching
 
 BS = 4
 LAYERS, BLOCKS = 3, 12

@@ -121,6 +121,9 @@ def test_mooncake_settings_reach_ems_config_and_start_no_local_pool(monkeypatch)
     assert moon.devices == "mlx5_0" and moon.metadata == "http://10.0.0.5:8080/metadata"
     assert moon.segment_bytes == 4 << 30 and moon.buffer_bytes == 256 << 20 and moon.hostname == "10.0.0.9"
     monkeypatch.setenv("EMS_POOL_BACKEND", "Mooncake")
+    with pytest.raises(EmsException, match="mooncake_master"):  # refused when vLLM creates the connector
+        ConnectorConfig.from_extra({})
+    monkeypatch.setenv("EMS_MOONCAKE_MASTER", "10.0.0.5:50051")
     assert ConnectorConfig.from_extra({}).uses_mooncake
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ems.kernels.host_copy import copy_buffers, host_copy
 from ems.kernels.raw_memory import buffer_addresses
-from ems.value_format import STREAM_HASH_TABLE
+from ems.store.value_format import STREAM_HASH_TABLE
 
 # around the streaming-store threshold (256 KiB) and the hash step (64 KiB), and the 1 MiB block of a value
 SIZES = st.sampled_from([0, 1, 15, 64, (64 << 10) - 1, (256 << 10) - 1, 256 << 10, (256 << 10) + 17, (1 << 20) + 40])

@@ -1,6 +1,6 @@
 """`gather_pieces_encoded` (the host backend's save gather and encode in one pass): its refusals, which come before
 anything is written; what it writes is checked against the torch path's gather plus `encode_in_place` through a
-request's plan (tests/ems/test_jobs.py)."""
+request's plan (tests/datapath/test_jobs.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
 from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.torch_backend import TorchBackend
-from ems.value_format import PAYLOAD_HASH_ADDRESS
+from ems.store.value_format import PAYLOAD_HASH_ADDRESS
 
 HEADER = 40
 

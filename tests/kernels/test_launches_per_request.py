@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ems import CcConfig, CcKvOption, ContextCaching, Ems, EmsConfig, StoreLayerGroupDesc
+from ems.backends.pool_client import PoolClient
 from ems.kernels.select import triton_importable
-from ems.pool_client import PoolClient
-from ems.store import KvStore
+from ems.store.kv_store import KvStore
 from ems.transport.inprocess import InProcessNode
 from tests.fault_injection import FaultyNode
 

@@ -20,7 +20,7 @@ from ems.kernels.base import PlacedStop, Placement
 from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
 from ems.kernels.plan import value_pieces
-from ems.value_format import HEADER_SIZE, PAYLOAD_HASH_ADDRESS, ExpectedValues, ValueKind, build_headers, checksum
+from ems.store.value_format import HEADER_SIZE, PAYLOAD_HASH_ADDRESS, ExpectedValues, ValueKind, build_headers, checksum
 
 BS = 16
 

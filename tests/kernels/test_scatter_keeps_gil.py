@@ -22,6 +22,7 @@ from kernel_cases import as_bytes, make_layout, pieces_case, random_tensor, refe
 from ems.kernels.torch_backend import TorchBackend
 
 SWITCH_S = 0.4
+TRIES = 20  # GIL-free calls a busy host gets to schedule the other thread in
 
 
 @contextmanager
@@ -153,14 +154,18 @@ def test_host_scatter_above_its_threshold_lets_other_threads_run() -> None:
     thread.start()
     try:
         time.sleep(0.01)  # the counter runs; this thread gets the GIL back within SWITCH_S
-        advanced = [advance_across(large) for _ in range(2)]
+        # The counter advances across a GIL-free call only if the OS runs its thread meanwhile: on a host whose cores
+        # are busy it may not in one call (a few ms), so up to TRIES calls, stopping at the first it ran in.
+        advanced = []
+        while len(advanced) < TRIES and not any(advanced):
+            advanced.append(advance_across(large))
         time.sleep(0.01)
         kept = [advance_across(small) for _ in range(2)]
     finally:
         stop.set()
         thread.join()
         sys.setswitchinterval(previous)
-    assert min(advanced) > 0, "the other thread never ran during a 32 MiB scatter: the GIL was held"
+    assert max(advanced) > 0, f"the other thread never ran during {len(advanced)} 32 MiB scatters: the GIL was held"
     assert min(kept) == 0, "a scatter below the threshold gave the GIL away"
     slots, pieces, tok_start, part_base, total, src = large
     backend.scatter_pieces(planes, pieces, src)  # (the small case overwrote two of its blocks)

@@ -16,7 +16,7 @@ from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
 from ems.kernels.plan import value_pieces
 from ems.kernels.torch_backend import TorchBackend
-from ems.value_format import PAYLOAD_HASH_ADDRESS
+from ems.store.value_format import PAYLOAD_HASH_ADDRESS
 
 
 def _host() -> HostBackend:

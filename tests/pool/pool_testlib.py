@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ems.value_format import ExpectedValues, ValueKind, build_headers, checksum
+from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 
 READY_PREFIX = "ems-pool ready on "
 START_TIMEOUT_S = 30.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: ems_testlib
 
 from ems_testlib import direct_cc, fill_random, make_cache, snapshot, tensors
 

@@ -55,7 +55,7 @@ def test_a_full_node_receives_new_keys_into_recycled_buffers():
     import numpy as np
     from pool_testlib import joined, make_values
 
-    from ems.store import KvStore
+    from ems.store.kv_store import KvStore
 
     value_len = (1 << 20) + 40
     store = KvStore(6 * value_len)

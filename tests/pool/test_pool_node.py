@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, tcp_sockets, wait_until
 
+from ems.backends.pool_client import PoolClient
 from ems.errors import EmsErrorCode
 from ems.pool.__main__ import parse_keys
-from ems.pool_client import PoolClient
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
 from ems.types import CcKvOption
@@ -32,6 +32,25 @@ def test_ready_line_and_clean_sigterm(pool_nodes, node_clients):
     assert node_clients(node.address).ping(2.0)
     assert node.terminate() == 0
     assert "Traceback" not in node.log_text()
+
+
+def test_a_node_never_loads_torch(pool_nodes, node_clients, tmp_path):
+    """A pool node serves without torch (nor triton): it used to load it through the store's copy helpers, 250+ MiB
+    of resident memory at rest for a node of 8 MiB. Checked in the running node's own mappings, after a save and a
+    load through both paths (UCX and same-host shared memory), on a node with a disk tier."""
+    from ems.transport.shm_client import ShmMode
+
+    node = pool_nodes("8MiB", args=("--disk", str(tmp_path), "--disk-capacity", "64MiB"))
+    values = make_values(3, 300_000)
+    for shm in (ShmMode.OFF, ShmMode.AUTO):
+        client = node_clients(node.address, shm=shm)
+        keys = [f"{shm.value}-{i}".encode() for i in range(3)]
+        assert client.put(keys, values, 5.0) == [True] * 3
+        outs = [np.empty(len(joined(v)), np.uint8) for v in values]
+        assert client.get_into(keys, outs, 5.0) == [True] * 3
+    with open(f"/proc/{node.proc.pid}/maps", encoding="ascii", errors="replace") as maps:
+        loaded = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/" in line}
+    assert not {name for name in loaded if name.startswith(("libtorch", "libc10", "libtriton"))}, sorted(loaded)
 
 
 def test_sigint_stops_cleanly(pool_nodes):

@@ -10,7 +10,7 @@ from pool_testlib import joined, make_values
 
 from ems.pool.disk_tier import DiskTier
 from ems.pool.tiered_store import TieredStore
-from ems.store import KvStore
+from ems.store.kv_store import KvStore
 
 
 @pytest.fixture(params=["dram", "tiered"])

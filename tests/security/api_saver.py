@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ems"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: ems_testlib
 
 from ems_testlib import fill_random, make_cache, slots_of_blocks, tensors
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
-from ems.value_format import HEADER_SIZE
+from ems.store.value_format import HEADER_SIZE
 
 LAYERS, BLOCK_SIZE, HEADS, HEAD_SIZE = 16, 16, 8, 128  # one block: 16 layers x K,V x 16 x 8 x 128 x fp16 = 1 MiB
 

@@ -22,6 +22,7 @@ from raw_ucx import CLOSED, SILENT, RawSession, Reply
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
+from ems.transport.shm_client import ShmMode
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -96,6 +97,29 @@ def test_a_get_naming_one_key_1500_times_is_bounded(pool_nodes, node_clients):
     assert all(g is not None for g in got[: len(hits)]) and all(g is None for g in got[len(hits) :])  # a prefix
     assert bytes(hits[0]) == joined(value[0]) and bytes(hits[-1]) == joined(value[0])
     assert node.rss_bytes() - base_rss < 160 * MiB, (node.rss_bytes() - base_rss) / MiB
+
+
+@pytest.mark.parametrize("size", [MiB - 4096, 100_000, 4096])
+def test_a_get_naming_one_smaller_value_many_times_copies_nothing(pool_nodes, node_clients, size):
+    """A value smaller than a segment named 63 times in one GET (a 63 MiB reply for the largest): each value alone
+    in its segment is sent from the store's own buffer, so the node's peak resident memory (VmHWM, reset before the
+    GET) hardly moves; it used to copy every occurrence into fresh send buffers, +64 MiB. Values packed several to
+    a segment are still copied once each (within the in-flight budget): 100 KB and 4 KiB values show that bound."""
+    node = pool_nodes("8MiB")  # in-flight budget: 64 MiB
+    client = node_clients(node.address, shm=ShmMode.OFF)
+    value = make_values(1, size - 40, seed=6)
+    assert client.put([b"one"], value, 5.0) == [True]
+    times = 63 * MiB // size if size < MiB // 2 else 63
+    time.sleep(0.5)
+    with open(f"/proc/{node.proc.pid}/clear_refs", "w") as refs:
+        refs.write("5")  # the peak resident memory starts over from now
+    base = node.rss_bytes()
+    got = client.get([b"one"] * times, 30.0)
+    assert all(bytes(g) == joined(value[0]) for g in got if g is not None) and got[0] is not None
+    with open(f"/proc/{node.proc.pid}/status", encoding="ascii") as status:
+        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    bound = 16 * MiB if size > MiB // 2 else 64 * MiB + 16 * MiB  # lone: no copy; packed: the budget (+ slack)
+    assert peak - base < bound, ((peak - base) / MiB, sum(g is not None for g in got))
 
 
 def test_junk_tcp_connections_leave_no_socket_behind(pool_nodes, node_clients):
@@ -189,7 +213,14 @@ def test_bad_limit_options_exit_2():
     import subprocess
     import sys
 
-    for args in (["--stall-timeout", "0"], ["--max-inflight", "-1"], ["--max-connections", "x"]):
+    for args in (
+        ["--stall-timeout", "0"],
+        ["--max-inflight", "-1"],
+        ["--max-connections", "x"],
+        ["--shm-tenant", "1MiB"],  # less than one region (--shm-bytes, 256 MiB by default)
+        ["--shm-tenant", "lots"],
+        ["--capacity", "9" * 400],  # more than any size (1 EiB)
+    ):
         proc = subprocess.run(
             [sys.executable, "-m", "ems.pool", *args],
             capture_output=True,

@@ -1,6 +1,6 @@
 """The transport's layering: no `ems.transport.*` module imports the store, and `Buffer` has one definition.
 
-Each module is imported in a fresh interpreter, since this test process has long imported `ems.store`.
+Each module is imported in a fresh interpreter, since this test process has long imported `ems.store.kv_store`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import pytest
 
 import ems.buffers
+import ems.store.value_format
 import ems.transport
-import ems.value_format
 from ems.transport import base
 
 TRANSPORT_MODULES = sorted(f"ems.transport.{m.name}" for m in pkgutil.iter_modules(ems.transport.__path__))
@@ -32,13 +32,13 @@ def test_transport_module_imports_no_store(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert module in loaded  # the probe did import the module it names
-    assert "ems.store" not in loaded
+    assert "ems.store.kv_store" not in loaded
     outside = {m for m in loaded if not m.startswith("ems.transport.")} - ALLOWED_EMS
     assert outside == set(), f"{module} imports {sorted(outside)}"
 
 
 def test_buffer_has_one_definition() -> None:
-    assert ems.value_format.Buffer is ems.buffers.Buffer
+    assert ems.store.value_format.Buffer is ems.buffers.Buffer
     assert base.Buffer is ems.buffers.Buffer
 
 

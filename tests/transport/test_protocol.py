@@ -86,6 +86,23 @@ def test_put_meta_round_trip_and_data_frame_checks():
         protocol.decode_put_meta(3, int(lens.sum()), meta[:-1])
 
 
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [1 << 62, 1 << 62, 1 << 62, (1 << 62) + 100],  # positive in int64, their int64 sum wraps around to 100
+        [(1 << 64) - 1, 101],  # -1 and 101 once read as int64
+        [1 << 63, (1 << 63) + 100],  # both negative in int64
+    ],
+)
+def test_put_meta_frame_lengths_cannot_wrap_around_to_data_len(frames):
+    """Data frame lengths are u64 on the wire: lengths whose sum wraps around to data_len in int64 arithmetic are
+    malformed, never decoded into frames that address outside their segments."""
+    meta = protocol.encode_put_meta([b"a", b"b"], np.array([50, 50]), np.array(frames, dtype=np.uint64))
+    assert sum(frames) % (1 << 64) == 100
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_put_meta(2, 100, meta)
+
+
 def test_keys_meta_round_trip_and_limits():
     keys = [b"", b"x" * 100, bytes(range(256))]
     assert protocol.decode_keys_meta(3, protocol.encode_keys_meta(keys)) == keys

@@ -1,0 +1,184 @@
+"""The pool as one client sees it (a `PoolBackend`): the embedded store or `ems.pool` nodes over UCX, assembled from
+three parts with contracts of their own.
+
+* Routing (`ems.backends.routing.NodeRouter`): owners and replicas, per-node requests within the protocol's
+  `RequestLimits`, fan-out in parallel with one `Deadline`, failover to the next owner on reads.
+* The read cache (`ems.backends.read_cache.ReadCache`, remote pools only): in front of the router. A put with
+  `write_rcache` keeps what it stored there; a read takes what it holds first (an entry that is not the `expected`
+  value is dropped) and asks the nodes for the rest; with `read_local_only` a read never leaves the process. The
+  embedded pool is local, so it always serves.
+* The jobs' executor (`ems.datapath.executor.ChunkExecutor`): the threads a job's chunk calls run on.
+
+Contract: every call returns by the option's timeout, or by `deadline` where given (the chunks of one request
+share its deadline); results come back in request order, a failed node's keys as misses with its error in
+`PoolOutcome.errors`; interpreting them (the consecutive prefix, raising when nothing was reachable) is the caller's
+job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ems.backends.base import PoolOutcome
+from ems.backends.read_cache import ReadCache
+from ems.backends.routing import NodeRouter
+from ems.buffers import Buffer
+from ems.cluster.placement import Members
+from ems.datapath.executor import ChunkExecutor
+from ems.deadline import Deadline
+from ems.store.kv_store import KvStore
+from ems.store.value_format import ExpectedValues
+from ems.transport.base import AsPlaced, NodeClient
+from ems.transport.holds import Hold, HoldKind
+from ems.transport.protocol import WIRE_LIMITS, RequestLimits
+from ems.types import CcKvOption
+
+
+class PoolClient:
+    """Routes batched put/get/exists to the owning nodes, behind the read cache; see the module docstring."""
+
+    def __init__(
+        self,
+        nodes: Sequence[NodeClient],
+        read_cache_capacity: int = 0,
+        replicas: int = 1,
+        connect: Callable[[str], NodeClient] | None = None,
+        limits: RequestLimits = WIRE_LIMITS,
+    ) -> None:
+        self.router = NodeRouter(nodes, replicas, connect, limits)
+        self.limits = limits
+        self.replicas = replicas
+        self.is_local = self.router.is_local
+        self.cache: ReadCache | None = ReadCache(read_cache_capacity) if read_cache_capacity > 0 and not self.is_local else None
+        self.executor = ChunkExecutor()
+        self._on_close: list[Callable[[], None]] = []
+
+    @property
+    def members(self) -> Members:
+        """The live set placement uses (`ems.cluster.placement.Members`)."""
+        return self.router.members
+
+    @property
+    def nodes(self) -> list[NodeClient]:
+        """The nodes placement uses now (the live set)."""
+        return self.router.nodes
+
+    @property
+    def read_cache(self) -> KvStore | None:
+        """The read cache's store, or None without one."""
+        return None if self.cache is None else self.cache.store
+
+    @property
+    def local_store(self) -> KvStore | None:
+        """The embedded pool's store when this client's only node is in-process (the one-pass data path), else None."""
+        return self.router.local_store
+
+    def set_members(self, addresses: Sequence[str]) -> None:
+        """Route to exactly these nodes from now on (membership changes; see `ems.cluster.placement.Members`)."""
+        self.router.members.set(addresses)
+
+    def describe(self) -> str:
+        """ "embedded", or the live nodes' addresses (for logs)."""
+        return "embedded" if self.is_local else ", ".join(n.address for n in self.nodes)
+
+    def prepare_staging(self, buffer: Any) -> None:
+        """Nothing to do: UCX registers what it sends (see `ems.backends.base`)."""
+
+    def release_staging(self, buffer: Any) -> None:
+        """Nothing to do (see `prepare_staging`)."""
+
+    def shm_staging(self, nbytes: int) -> Any | None:
+        """A buffer of `nbytes` in the shared-memory region of this pool's one node (`UcxNode.shm_buffer`: its calls
+        move values lying there without a copy), or None: several nodes, a node elsewhere, or no room."""
+        return self.router.shm_staging(nbytes)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Run `callback` first when this client closes (e.g. stop a membership watch)."""
+        self._on_close.append(callback)
+
+    # ---- batched operations ----
+
+    def _remote_reads(self, option: CcKvOption) -> bool:
+        """Whether a read may ask the nodes (not with `read_local_only` on a remote pool)."""
+        return self.is_local or not option.read_local_only
+
+    def put(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        values: Sequence[Sequence[Buffer]],
+        option: CcKvOption,
+        value_lens: np.ndarray | None = None,
+        deadline: Deadline | None = None,
+    ) -> PoolOutcome[bool]:
+        """Store each value at its owning nodes (`NodeRouter.put`: when a value counts as stored), and keep the
+        stored ones in the read cache when `option.write_rcache`. `value_lens` (int64 bytes of each value) saves
+        measuring every part; `deadline` replaces the option's timeout when given."""
+        outcome = self.router.put(route_keys, keys, values, deadline or Deadline.of(option), value_lens)
+        if self.cache is not None and option.write_rcache:
+            self.cache.remember(keys, values, outcome.results)
+        return outcome
+
+    def get(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        option: CcKvOption,
+        expected: ExpectedValues | None = None,
+    ) -> PoolOutcome[Buffer | None]:
+        """Each key's stored value, or None: the read cache first, then (unless local-only) the owning nodes."""
+        results: list = [None] * len(keys) if self.cache is None else self.cache.lookup(keys, expected)
+        if not self._remote_reads(option):
+            return PoolOutcome(results)
+        return self.router.get(route_keys, keys, Deadline.of(option), expected, results)
+
+    def get_into(
+        self,
+        route_keys: Sequence[bytes],
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        option: CcKvOption,
+        expected: ExpectedValues | None = None,
+        deadline: Deadline | None = None,
+        as_placed: AsPlaced | None = None,
+    ) -> PoolOutcome[bool]:
+        """Place each key's value in the caller's writable buffer `outs[i]` (the read cache first, then, unless
+        local-only, the owning node, which receives it there without an intermediate copy when it travels alone);
+        `results[i]` is True where a value of exactly `len(outs[i])` bytes is now in `outs[i]`. A buffer whose
+        result is False holds unspecified bytes. `expected` is `get`'s; `deadline` replaces the option's timeout.
+        `as_placed`: run while a same-host node places the values, when nothing came from the read cache and the
+        whole request goes to that node in one call (`NodeRouter.get_into`); else never."""
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
+        results: list = [False] * len(keys) if self.cache is None else self.cache.place(keys, outs, expected)
+        if not self._remote_reads(option):
+            return PoolOutcome(results)
+        progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
+        return self.router.get_into(route_keys, keys, outs, deadline or Deadline.of(option), expected, results, progressive)
+
+    def exists(
+        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption, hold: Hold | None = None
+    ) -> PoolOutcome[bool]:
+        """Whether each key is held (the read cache first, then the owning nodes unless local-only). With a lease, a
+        key in the read cache needs none (the load reads it there); a pin is a node's, never the cache's."""
+        cached = self.cache is not None and (hold is None or hold.kind is HoldKind.LEASE)
+        results: list = self.cache.contains(keys) if cached and self.cache is not None else [False] * len(keys)
+        if not self._remote_reads(option):
+            return PoolOutcome(results)
+        return self.router.exists(route_keys, keys, Deadline.of(option), results, hold)
+
+    def healthy(self, timeout_s: float = 1.0) -> bool:
+        """True when at least one node answers a ping within `timeout_s` (the pool is usable)."""
+        return self.router.healthy(timeout_s)
+
+    def close(self) -> None:
+        for callback in self._on_close:
+            try:
+                callback()
+            except Exception:  # closing must release everything even if one step fails
+                pass
+        self.router.close()
+        self.executor.close()

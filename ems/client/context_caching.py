@@ -1,0 +1,441 @@
+"""`ContextCaching`: the save/load/exists pipeline behind the SDK's calls.
+
+One save: check the arguments (`requests`) → plan keys, values and copies (`planning`) → a `SaveJob` (`jobs`):
+gather → encode → send, each stage recorded → `CcResult(consecutive acknowledged blocks, total)`. A load is a
+`LoadJob`: receive → verify → scatter, writing only the prefix of values that are present and exactly what the
+request expects (header and checksum). On the embedded pool (CPU) both run in one pass over the store's own
+buffers; otherwise through staging (see `jobs`). Every finished job's `JobRecord` goes to `self.jobs` (a
+`JobLedger`: what metrics read) and, with ENABLE_CC_PROFILING=1, to the `ems.profile` log.
+
+Failure semantics: bad arguments raise `EmsException(EMS_INVALID_ARGUMENT)` before anything moves; a save or load
+whose keys partly fail returns the consecutive prefix; one that reached no node raises `EMS_IO_ERROR` (or
+`EMS_IO_TIMEOUT`); `exists` never raises for pool failures, it reports 0 hits. A load never writes a block it did not
+verify, nor any block after the first miss.
+
+Counters (`metrics()`, `ems.client.metrics`): every finished call adds its job record (blocks, bytes, and bytes and
+time per stage) once (no per-block work); they are registered with prometheus_client's default registry when it is installed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, overload
+
+import numpy as np
+import torch
+
+from ems.backends.base import PoolBackend, PoolOutcome
+from ems.client.metrics import CcMetrics
+from ems.client.warmup import warm_small_calls
+from ems.config import CcConfig, Settings
+from ems.datapath.devices import default_raw_device, parse_device
+from ems.datapath.jobs import load_job, save_job
+from ems.datapath.keys import namespace, v0_keys, v1_keys
+from ems.datapath.layout import RegisteredLayout, register_layout
+from ems.datapath.planning import Plan, plan_blocks, plan_raw
+from ems.datapath.records import JobKind, JobLedger, JobRecord, Stage
+from ems.datapath.requests import Operation, RawRequest, Request, bind_exists, bind_request
+from ems.datapath.staging import StagingPool
+from ems.errors import EmsErrorCode, EmsException
+from ems.kernels import CopyBackend, get_backend
+from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
+
+logger = logging.getLogger("ems")
+
+# The argument types of the public call forms (what `requests.bind_request` accepts).
+IntList = Sequence[int] | np.ndarray | torch.Tensor  # slot_mapping, offsets
+HashList = Sequence[int] | np.ndarray | torch.Tensor  # block hashes: int64 or u64 values
+ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
+
+
+def consecutive_prefix(flags: Sequence[bool]) -> int:
+    """How many leading entries are true."""
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)
+
+
+def _as_ems_exception(exc: Exception) -> EmsException:
+    if isinstance(exc, EmsException):
+        return exc
+    return EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+
+
+class _EmsErrors:
+    """Turn any `Exception` into an `EmsException` (EMS_INTERNAL_ERROR unless it already is one). `KeyboardInterrupt`,
+    `SystemExit` and other `BaseException`s pass through unchanged: the caller's process must be able to stop.
+    `on_error` (the error counter) runs first for every `Exception`. (A plain class: a generator-based context
+    manager costs several µs, and every call runs one or two.)"""
+
+    __slots__ = ("_on_error",)
+
+    def __init__(self, on_error: Callable[[], None] | None = None) -> None:
+        self._on_error = on_error
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or not isinstance(exc, Exception):
+            return
+        if self._on_error is not None:
+            self._on_error()
+        converted = _as_ems_exception(exc)
+        if converted is not exc:
+            raise converted from exc
+
+
+class _OpenCalls:
+    """The calls running inside one `ContextCaching`: `close()` refuses new ones and returns once none runs, so a call
+    racing `Ems.shutdown` from another thread either runs whole (an async call: is submitted, and shutdown waits for
+    it) or is refused with an `EmsException`, never half-way into a closed executor or pool. A plain class, as
+    `_EmsErrors`: every public call enters it once."""
+
+    __slots__ = ("_count", "_idle", "closed")
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition(threading.Lock())
+        self._count = 0
+        self.closed = False
+
+    def __enter__(self) -> None:
+        with self._idle:
+            if self.closed:
+                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "this ContextCaching was shut down")
+            self._count += 1
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        with self._idle:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        """Refuse new calls; wait for the running ones to return."""
+        with self._idle:
+            self.closed = True
+            self._idle.wait_for(lambda: self._count == 0)
+
+
+class ContextCaching:
+    """The EMS Context Caching client of one process (get it from `Ems.get_cc()`)."""
+
+    def __init__(self, cc_config: CcConfig, tenant: str | None, pool: PoolBackend, settings: Settings) -> None:
+        self._cc_config = cc_config
+        self._tenant = tenant
+        self._pool = pool
+        self._settings = settings
+        self._layout: RegisteredLayout | None = None
+        self._v1_namespace = b""
+        self._v0_namespace = namespace(tenant, cc_config, None)
+        self._raw_device = parse_device(settings.device) if settings.device else None
+        self._staging = StagingPool(
+            settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="ems-cc")
+        self._inflight = threading.BoundedSemaphore(settings.max_inflight)
+        self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
+        self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
+        self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
+        self._metrics.register()
+
+    # ---------------------------------------------------------------- registration
+
+    def register_kvcache(
+        self, kvcache: list[list[torch.Tensor]], store_layer_group_desc: list[StoreLayerGroupDesc] | None = None
+    ) -> None:
+        """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
+        `[blocks, block_size, heads, head_size]`. Moves no data (a CPU layout's small-call path is warmed on a
+        scratch cache: `ems.client.warmup`). Registering again replaces the layout."""
+        with self._calls:
+            layout = register_layout(kvcache, store_layer_group_desc)
+            backend = self._backend_for(layout.device)
+            warm_small_calls(layout, backend)
+            self._layout = layout
+            self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
+        logger.info(
+            "registered KV cache: %d layers in %d group(s) on %s, copy backend %s",
+            layout.num_layers,
+            len(layout.groups),
+            layout.device,
+            backend.describe(),
+        )
+
+    @property
+    def layout(self) -> RegisteredLayout | None:
+        return self._layout
+
+    @property
+    def kernel_backend(self) -> str:
+        """The copy backend serving the registered cache's device (or the V0 device)."""
+        return str(self._backend_for(self._layout.device if self._layout else self._raw_device_now()).describe())
+
+    # ---------------------------------------------------------------- helpers
+
+    def _raw_device_now(self) -> torch.device:
+        if self._raw_device is not None:
+            return self._raw_device
+        return default_raw_device(self._cc_config.device_id, self._layout.device if self._layout else None)
+
+    def _backend_for(self, device: torch.device) -> CopyBackend:
+        try:
+            return get_backend(device, self._settings.kernel_backend)
+        except RuntimeError as exc:  # e.g. triton forced where it cannot run: the setting is at fault
+            raise EmsException(
+                EmsErrorCode.EMS_INVALID_ARGUMENT,
+                f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
+            ) from exc
+
+    def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device]:
+        layout = self._layout
+        request = bind_request(op, args, kwargs, layout)
+        if isinstance(request, RawRequest):
+            return request, plan_raw(request, self._v0_namespace), self._raw_device_now()
+        if layout is None:  # bind_request already refuses this; kept for type narrowing
+            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "V1 calls need register_kvcache() first")
+        return request, plan_blocks(request, layout, self._v1_namespace), layout.device
+
+    @staticmethod
+    def _raise_if_unreachable(outcome: PoolOutcome, successes: int) -> None:
+        if successes == 0 and outcome.unreachable:
+            error = outcome.first_error()
+            if error is not None:
+                raise EmsException(error.status_code(), f"no pool node could be reached: {error.message()}")
+
+    def _job_done(self, record: JobRecord) -> None:
+        """A finished job's record goes to the ledger, the one account of each call (`metrics()` reads it)."""
+        self.jobs.add(record)
+
+    # ---------------------------------------------------------------- save
+
+    def _begin_save(
+        self, args: tuple, kwargs: dict, record: JobRecord | None = None
+    ) -> tuple[Callable[[], CcResult], Callable[[], None]]:
+        """Check, plan and copy the blocks out of the engine's cache; return (the rest of the save, the way to give
+        its buffers back should it never run). `record` (a new one if None) is the save's job record.
+
+        When this returns, every byte the save needs is out of the engine's cache: the engine may overwrite it.
+        """
+        if record is None:
+            record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
+        with record.stage(Stage.PLAN):
+            request, plan, device = self._bind(Operation.SAVE, args, kwargs)
+            backend = self._backend_for(device)
+        job = save_job(plan, device, backend, self._pool, self._staging, request.option, record, self._settings.chunk_bytes)
+        with _EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
+            job.begin()
+
+        def finish() -> CcResult:
+            outcome = job.finish()
+            successes = consecutive_prefix(outcome.results)
+            self._raise_if_unreachable(outcome, successes)
+            self._job_done(record.finish(successes, plan.total, plan.expected.payload_bytes()))
+            return CcResult(successes, plan.total)
+
+        return finish, job.abandon
+
+    @overload
+    def save(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcResult: ...
+
+    @overload
+    def save(self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None) -> CcResult: ...
+
+    @overload
+    def save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
+
+    def save(self, *args: Any, **kwargs: Any) -> CcResult:
+        """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
+        offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
+        with self._calls:
+            finish, _ = self._begin_save(args, kwargs)
+            with _EmsErrors(self._metrics.record_error):
+                return finish()
+
+    @overload
+    def async_save(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcFuture: ...
+
+    @overload
+    def async_save(
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None
+    ) -> CcFuture: ...
+
+    @overload
+    def async_save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+
+    def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
+        """Like `save`, but returns a `CcFuture` at once.
+
+        The blocks have been copied out of the engine's cache when this returns, so the engine may reuse or
+        overwrite them immediately; the transfer to the pool continues in the background. At most
+        `max_inflight` async calls are pending; a further call waits for one to finish (back-pressure).
+        Bad arguments raise here, before anything moves. The future's `job` is the call's job record.
+        """
+        with self._calls:
+            self._inflight.acquire()
+            try:
+                record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
+                finish, abandon = self._begin_save(args, kwargs, record)
+            except BaseException:
+                self._inflight.release()
+                raise
+            try:
+                return self._submit(finish, record)
+            except BaseException:  # never submitted: give back what the job held
+                abandon()
+                self._inflight.release()
+                raise
+
+    # ---------------------------------------------------------------- load
+
+    def _load(self, request: Request, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
+        job = load_job(
+            plan, device, self._backend_for(device), self._pool, self._staging, request.option, record, self._settings.chunk_bytes
+        )
+        hits, outcome = job.run()
+        self._raise_if_unreachable(outcome, hits)
+        self._job_done(record.finish(hits, plan.total, plan.expected.payload_bytes(0, hits)))
+        return CcResult(hits, plan.total)
+
+    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device, JobRecord]:
+        record = JobRecord(JobKind.LOAD, profile=self._settings.profiling)
+        with record.stage(Stage.PLAN):
+            request, plan, device = self._bind(Operation.LOAD, args, kwargs)
+        return request, plan, device, record
+
+    @overload
+    def load(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcResult: ...
+
+    @overload
+    def load(self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None) -> CcResult: ...
+
+    @overload
+    def load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
+
+    def load(self, *args: Any, **kwargs: Any) -> CcResult:
+        """Load blocks from the pool into the places the arguments name (the same three forms as `save`).
+
+        `success` is the number of blocks, from the first, that were found and verified: exactly those are
+        written; nothing after the first miss is touched."""
+        with self._calls:
+            request, plan, device, record = self._bind_load(args, kwargs)
+            with _EmsErrors(self._metrics.record_error):
+                return self._load(request, plan, device, record)
+
+    @overload
+    def async_load(
+        self, option: CcKvOption, key_list: Sequence[V0Key], value_list: Sequence[Sequence[KvBufferWrapper]]
+    ) -> CcFuture: ...
+
+    @overload
+    def async_load(
+        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None
+    ) -> CcFuture: ...
+
+    @overload
+    def async_load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+
+    def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
+        """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
+        the future is done. Bad arguments raise here. The future's `job` is the call's job record."""
+        with self._calls:
+            self._inflight.acquire()
+            try:
+                request, plan, device, record = self._bind_load(args, kwargs)
+                return self._submit(lambda: self._load(request, plan, device, record), record)
+            except BaseException:
+                self._inflight.release()
+                raise
+
+    # ---------------------------------------------------------------- futures
+
+    def _submit(self, job: Callable[[], CcResult], record: JobRecord) -> CcFuture:
+        def run() -> CcResult:
+            try:
+                with _EmsErrors(self._metrics.record_error):
+                    return job()
+            finally:
+                self._inflight.release()
+
+        return CcFuture(self._executor.submit(run), record)
+
+    def is_ready(self, future: CcFuture) -> bool:
+        """Whether an async call has finished; never blocks."""
+        if not isinstance(future, CcFuture):
+            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, f"future must be a CcFuture, got {type(future).__name__}")
+        return future.done()
+
+    def get_result(self, future: CcFuture) -> CcResult:
+        """The result of an async call, waiting for it; raises what the call raised."""
+        if not isinstance(future, CcFuture):
+            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, f"future must be a CcFuture, got {type(future).__name__}")
+        return future.result()
+
+    # ---------------------------------------------------------------- exists
+
+    def exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
+        """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
+
+        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising. This package's
+        additions: `lease_ms=N` counts only keys the pool also leases to the caller, kept from eviction until they
+        are read (the load the lookup promised) or N ms have passed; `pin=True` counts only keys it pins (kept until
+        replaced). `ems.store.holds` says what a pool node or the embedded pool keeps and within which budgets."""
+        with self._calls:
+            return self._exists(hashes, option, kwargs)
+
+    def _exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None, kwargs: dict[str, Any]) -> CcResult:
+        items, checked_option, hold = bind_exists(hashes, option, kwargs)
+        if isinstance(items[0], (PrimaryKey, str)):
+            keys, route_keys = v0_keys(self._v0_namespace, items)
+        else:
+            if self._layout is None:
+                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
+            keys, route_keys = v1_keys(self._v1_namespace, items)
+        store = self._pool.local_store
+        if store is not None:  # the embedded pool: its index answers directly (as the one-pass jobs use it)
+            held = store.contains_many(keys) if hold is None else store.hold_many(keys, hold)
+            result = CcResult(consecutive_prefix(held), len(keys))
+            self._metrics.record_exists(result.success, result.total)
+            return result
+        try:
+            outcome = self._pool.exists(route_keys, keys, checked_option, hold)
+        except Exception as exc:  # the contract: a failing pool is a miss, not an exception
+            logger.warning("exists: pool failure reported as 0 hits: %s", exc)
+            return CcResult(0, len(keys))
+        if outcome.errors:  # said once per call, so that misses caused by a failing node are not silent
+            error = outcome.first_error()
+            logger.warning(
+                "exists: %d of %d pool node(s) failed, their keys count as misses: %s",
+                len(outcome.errors),
+                outcome.nodes_contacted,
+                error.message() if error is not None else "",
+            )
+        result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
+        self._metrics.record_exists(result.success, result.total)
+        return result
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def metrics(self) -> dict[str, float]:
+        """This process's counters since start (this package's addition); keys in `ems.client.metrics`."""
+        return self._metrics.snapshot()
+
+    def close(self) -> None:
+        """Refuse new calls, wait for the running ones and for pending async calls, then release threads and staging
+        buffers."""
+        self._calls.close()
+        self._executor.shutdown(wait=True)
+        self._staging.clear()
+        self._metrics.unregister()
+
+
+ContextCache_v1 = ContextCaching  # the EMS SDK's name of its V1 client: one type, two names

@@ -1,0 +1,450 @@
+"""Request planning: a checked request → storage keys, expected values and the copy plan (host, numpy).
+
+Staging layout (V1, value format 3). The staging buffer holds the stored values themselves, back to back (each
+starting 24 bytes past a 64-byte boundary, so that its payload, after the 40-byte header, starts on one): value i
+is `header | part of group 0 | part of group 1 | ...`, and block i's part of group g holds its `n` tokens
+plane-major, `[planes][n][row]` (planes may differ in row size and dtype: MLA split K/V). Where a plane's rows are
+contiguous in the engine's cache, the rows of one (block, plane) are thus ONE span on both sides, and the copy
+backends move whole spans (`CopyBackend.gather_pieces`). The header's 40 bytes are left for the save job to fill,
+so a value goes to the pool as one buffer without any repacking. The same per-value piece tables let a job gather
+one value straight into the store's buffer, or scatter straight from a stored value (`gather_value` /
+`scatter_value`: the embedded pool's one pass). A V0 plan concatenates every value's device ranges; its header
+travels as a separate part.
+
+No per-token Python loops: token positions, slots, pieces and byte offsets are numpy expressions; only per-block
+objects (keys, memoryviews) are built per block.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ems.buffers import Buffer
+from ems.datapath.keys import v0_keys, v1_keys
+from ems.datapath.layout import LayerGroup, RegisteredLayout
+from ems.datapath.requests import ChunkRequest, RawRequest, SlotRequest
+from ems.kernels.base import CopyBackend, PlacedStop, Placement, Staging, tensor_over
+from ems.kernels.plan import value_pieces
+from ems.kernels.raw_memory import address_of
+from ems.store.value_format import (
+    HEADER_SIZE,
+    PAYLOAD_HASH_ADDRESS,
+    VALUE_LEAD,
+    ExpectedValues,
+    ValueKind,
+    build_headers,
+    encode_in_place,
+    expected_heads,
+    part_checksum,
+    payload_checksums,
+    tokens_digest,
+)
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
+    """int64 `[len(counts) + 1]`: 0, counts[0], counts[0] + counts[1], ..."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The slots of runs (lengths >= 0), in order: int64 `[sum(lengths)]`."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    slots: np.ndarray = np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (np.arange(first.size, dtype=np.int64) - first)
+    return slots
+
+
+@dataclass(frozen=True)
+class GroupRegion:
+    """One layer group's pieces in every value of a request."""
+
+    group: LayerGroup
+    pieces: np.ndarray  # int64 [5, N]: start slot, count, part offset INSIDE its value, value tokens, index in value
+    piece_start: np.ndarray  # int64 [n + 1]: value i's pieces are pieces[:, piece_start[i] : piece_start[i + 1]]
+    piece_value: np.ndarray  # int64 [N]
+
+    def absolute(self, value_start: np.ndarray, a: int, b: int) -> np.ndarray:
+        """The pieces of values a..b-1 with bases in staging (value i at value_start[i])."""
+        start, end = int(self.piece_start[a]), int(self.piece_start[b])
+        table = self.pieces[:, start:end].copy()
+        table[2] += value_start[self.piece_value[start:end]]
+        return table
+
+    def has_pieces(self, a: int, b: int) -> bool:
+        """Whether values a..b-1 hold any of this group's tokens."""
+        return bool(self.piece_start[b] > self.piece_start[a])
+
+    def of_value(self, i: int) -> np.ndarray:
+        """Value i's pieces with bases inside the value (for a buffer holding just that value)."""
+        return self.pieces[:, int(self.piece_start[i]) : int(self.piece_start[i + 1])]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """A V1 request: one value per block hash."""
+
+    keys: list[bytes]
+    route_keys: list[bytes]
+    expected: ExpectedValues
+    regions: list[GroupRegion]
+    value_start: np.ndarray  # int64 [n + 1]: value i at staging bytes value_start[i] .. + value_len(i)
+    staging_bytes: int
+
+    @property
+    def total(self) -> int:
+        return len(self.keys)
+
+    @property
+    def header_in_staging(self) -> bool:
+        """Each value's header has its 40 bytes in staging, before the payload."""
+        return True
+
+    def value_len(self, i: int) -> int:
+        return HEADER_SIZE + int(self.expected.payload_len[i])
+
+    def payloads(self, host: memoryview, a: int = 0, b: int = -1) -> list[Buffer]:
+        """The payloads of values a..b-1 (b -1: to the end) in staging (what the checksum covers)."""
+        b = self.total if b < 0 else b
+        starts = self.value_start[a:b].tolist()
+        lens = self.expected.payload_len[a:b].tolist()
+        return [host[s + HEADER_SIZE : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
+
+    def encode(self, host: memoryview, a: int, b: int, encoded: bool = False) -> list[list[Buffer]]:
+        """Values a..b-1, their payloads gathered into `host` (staging), as the pool stores them, each value one
+        buffer: each payload checksummed and its header written into its place (`encode_in_place`: one call for
+        many values), unless the gather `encoded` them already."""
+        views = self.value_views(host, a, b)
+        if not encoded:
+            base = address_of(np.frombuffer(host, dtype=np.uint8))
+            encode_in_place(views, self.expected, a, base + self.value_start[a:b])
+        return [[view] for view in views]
+
+    def value_views(self, host: memoryview, a: int, b: int) -> list[memoryview]:
+        """Values a..b-1's places in staging, header included (where a load receives them in place)."""
+        starts = self.value_start[a:b].tolist()
+        lens = self.expected.payload_len[a:b].tolist()
+        return [host[s : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
+
+    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> bool:
+        """The payloads of values a..b-1 into their places in staging: `gather_into` at the staging layout's
+        offsets. True when they are encoded too (headers written)."""
+        return self.gather_into(backend, staging, self.value_start, a, b)
+
+    def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
+        """Write the tokens of values a..b-1 from their places in staging back into the cache, nothing else: one
+        backend call per layer group."""
+        self._move(backend, staging, self.value_start, a, b, gather=False)
+
+    def gather_into(self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, b: int) -> bool:
+        """The payloads of values a..b-1 into values placed anywhere in `span` (uint8): value i's header at byte
+        `value_offsets[i]` (int64, indexed by value), its payload after it. One backend call per layer group.
+        Where the backend encodes while it gathers (the compiled host copy) and one layer group holds the values'
+        tokens, each value is also checksummed and its header written right after its bytes, while they are in
+        cache: then True (the values are as the pool stores them); else False (the caller encodes them)."""
+        regions = [region for region in self.regions if region.has_pieces(a, b)]
+        if len(regions) != 1 or not backend.encodes_while_gathering or PAYLOAD_HASH_ADDRESS is None:
+            self._move(backend, span, value_offsets, a, b, gather=True)
+            return False
+        region = regions[0]
+        backend.gather_pieces_encoded(
+            region.group.planes,
+            region.absolute(value_offsets, a, b),
+            span,
+            np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
+            expected_heads(self.expected, a, b),
+            region.piece_start[a + 1 : b + 1] - region.piece_start[a],
+            PAYLOAD_HASH_ADDRESS,
+        )
+        return True
+
+    def scatter_from(self, backend: CopyBackend, span: torch.Tensor, value_offsets: np.ndarray, count: int) -> None:
+        """The inverse of `gather_into`: the tokens of values 0..count-1 from their places in `span` into the cache."""
+        self._move(backend, span, value_offsets, 0, count, gather=False)
+
+    def verify_scatter_from(
+        self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, stated: Sequence[int]
+    ) -> int:
+        """Values a..a+n-1 (n = len(stated)), each placed in `span` at byte `value_offsets[i]` (value i of the
+        request; header first) with its header already checked (`stated`: the checksums those headers state): how
+        many of them, from the first, have a payload of the stated checksum. Their tokens are written into the
+        cache, nothing of the first one that has not, nor after it. Where the backend verifies while it scatters
+        (the compiled host copy) this is one pass over the bytes, each value hashed and written while in cache;
+        else the checksums in one batch, then the verified prefix scattered."""
+        n = len(stated)
+        if n == 0:
+            return 0
+        lengths = self.expected.payload_len[a : a + n]
+        starts = value_offsets[a : a + n] + HEADER_SIZE
+        regions = [region for region in self.regions if region.has_pieces(a, a + n)]
+        if not regions or not backend.verifies_while_scattering or PAYLOAD_HASH_ADDRESS is None:
+            flat = span if isinstance(span, np.ndarray) else span.numpy()
+            payloads = [flat[s : s + length] for s, length in zip(starts.tolist(), lengths.tolist())]
+            valid = next((i for i, (got, want) in enumerate(zip(payload_checksums(payloads), stated)) if got != want), n)
+            if valid:
+                self._move(backend, span, value_offsets, a, a + valid, gather=False)
+            return valid
+        first, rest = regions[0], regions[1:]
+        piece_end = first.piece_start[a + 1 : a + n + 1] - first.piece_start[a]
+        valid = backend.scatter_pieces_verified(
+            first.group.planes,
+            first.absolute(value_offsets, a, a + n),
+            span,
+            np.stack([starts, lengths]),
+            np.asarray(stated, dtype=np.uint64),
+            piece_end,
+            PAYLOAD_HASH_ADDRESS,
+        )
+        for region in rest:  # the other layer groups' rows of the verified values
+            if valid and region.has_pieces(a, a + valid):
+                backend.scatter_pieces(region.group.planes, region.absolute(value_offsets, a, a + valid), span)
+        return valid
+
+    def verify_scatter_as_placed(
+        self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, b: int, placement: Placement
+    ) -> tuple[int, PlacedStop]:
+        """Values a..b-1 while a same-host node is still placing them in `span` at bytes `value_offsets[i]` (value
+        i of the request; header first), each taken once `placement` says it is placed: how many of them, from the
+        first, are exactly the expected values (header and checksum), their tokens written into the cache as they
+        are verified; and why it stopped (`PlacedStop`: at a damaged value the load ends; interrupted, it goes on
+        from the reply). Only where the backend verifies while it scatters."""
+        regions = [region for region in self.regions if region.has_pieces(a, b)]
+        if b <= a or not regions or not backend.verifies_while_scattering or PAYLOAD_HASH_ADDRESS is None:
+            return 0, PlacedStop.INTERRUPTED
+        heads = expected_heads(self.expected, a, b)
+        first, rest = regions[0], regions[1:]
+        done, why = backend.scatter_pieces_as_placed(
+            first.group.planes,
+            first.absolute(value_offsets, a, b),
+            span,
+            np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
+            heads,
+            first.piece_start[a + 1 : b + 1] - first.piece_start[a],
+            PAYLOAD_HASH_ADDRESS,
+            placement,
+        )
+        for region in rest:  # the other layer groups' rows of the verified values
+            if done and region.has_pieces(a, a + done):
+                backend.scatter_pieces(region.group.planes, region.absolute(value_offsets, a, a + done), span)
+        return done, why
+
+    def _move(self, backend: CopyBackend, staging: Staging, value_start: np.ndarray, a: int, b: int, gather: bool) -> None:
+        for region in self.regions:
+            if region.has_pieces(a, b):
+                move = backend.gather_pieces if gather else backend.scatter_pieces
+                move(region.group.planes, region.absolute(value_start, a, b), staging)
+
+    def gather_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
+        """Value i's payload straight into `value` (uint8, the whole value: header space first; a tensor, or a numpy
+        array for CPU planes)."""
+        for region in self.regions:
+            if region.piece_start[i + 1] > region.piece_start[i]:
+                backend.gather_pieces(region.group.planes, region.of_value(i), value)
+
+    def scatter_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
+        """Value i's rows into the cache straight from the stored value (uint8, verified; may be read-only)."""
+        for region in self.regions:
+            if region.piece_start[i + 1] > region.piece_start[i]:
+                backend.scatter_pieces(region.group.planes, region.of_value(i), value)
+
+
+@dataclass(frozen=True)
+class RawPlan:
+    """A V0 request: value i is the concatenation of its device ranges."""
+
+    keys: list[bytes]
+    route_keys: list[bytes]
+    expected: ExpectedValues
+    request: RawRequest
+    value_start: np.ndarray  # int64 [n + 1]: byte offsets of each value in staging
+    staging_bytes: int
+
+    @property
+    def total(self) -> int:
+        return len(self.keys)
+
+    @property
+    def header_in_staging(self) -> bool:
+        return False
+
+    def value_len(self, i: int) -> int:
+        return HEADER_SIZE + int(self.expected.payload_len[i])
+
+    def payloads(self, host: memoryview, a: int = 0, b: int = -1) -> list[Buffer]:
+        b = self.total if b < 0 else b
+        bounds = self.value_start[a : b + 1].tolist()
+        return [host[s:e] for s, e in itertools.pairwise(bounds)]
+
+    def encode(self, host: memoryview, a: int, b: int, encoded: bool = False) -> list[list[Buffer]]:
+        """Values a..b-1 as the pool stores them: each its header (its payload's checksum in it) and its payload in
+        `host` (staging has no room for headers here: a gather never encodes them, `encoded` is always False)."""
+        payloads = self.payloads(host, a, b)
+        headers = build_headers(self.expected, [part_checksum(p) for p in payloads], a)
+        return [[header, payload] for header, payload in zip(headers, payloads)]
+
+    def _segments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.request
+        a, b = int(r.seg_start[i]), int(r.seg_start[i + 1])
+        return torch.from_numpy(r.ptrs[a:b]), torch.from_numpy(r.lengths[a:b])
+
+    def gather_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
+        ptrs, lengths = self._segments(i)
+        if ptrs.numel():
+            backend.gather_segments(ptrs, lengths, _as_tensor(value)[HEADER_SIZE:])
+
+    def scatter_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
+        ptrs, lengths = self._segments(i)
+        if ptrs.numel():
+            backend.scatter_segments(ptrs, lengths, _as_tensor(value)[HEADER_SIZE:])
+
+    def fill_from_values(self, host: np.ndarray, values: Sequence[Buffer], blocks: int) -> None:
+        starts = self.value_start.tolist()
+        for i in range(blocks):
+            host[starts[i] : starts[i + 1]] = np.frombuffer(values[i], dtype=np.uint8, offset=HEADER_SIZE)
+
+    def _range(self, staging: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Values a..b-1's segments (pointers, lengths) and their bytes in staging."""
+        r = self.request
+        s, e = int(r.seg_start[a]), int(r.seg_start[b])
+        lo, hi = int(self.value_start[a]), int(self.value_start[b])
+        return torch.from_numpy(r.ptrs[s:e]), torch.from_numpy(r.lengths[s:e]), staging[lo:hi]
+
+    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> bool:
+        """Values a..b-1's device ranges into their places in staging; False: the headers are the encode's."""
+        ptrs, lengths, span = self._range(staging, a, b)
+        if ptrs.numel():
+            backend.gather_segments(ptrs, lengths, span)
+        return False
+
+    def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
+        ptrs, lengths, span = self._range(staging, a, b)
+        if ptrs.numel():
+            backend.scatter_segments(ptrs, lengths, span)
+
+
+Plan = BlockPlan | RawPlan
+
+
+def _as_tensor(value: Staging) -> torch.Tensor:
+    """Segments move between tensors (raw V0 ranges have no numpy path)."""
+    return tensor_over(value) if isinstance(value, np.ndarray) else value
+
+
+@dataclass(frozen=True)
+class _RequestShape:
+    """What a V1 plan derives from its tokens per block and group alone (not from slots or keys): the part that
+    repeats from step to step (an engine saves and loads requests of the same few shapes), so it is computed once
+    per shape (`_shape_of`) and the arrays are shared, read-only, by every plan of that shape."""
+
+    payload_len: np.ndarray  # int64 [n]
+    value_start: np.ndarray  # int64 [n + 1]
+    part_offset: np.ndarray  # int64 [n, G]: each group's part inside its value
+    token_start: np.ndarray  # int64 [G, n + 1]: each group's first token of each value
+    tokens_digest: np.ndarray  # u64 [n]
+    staging_bytes: int
+
+
+_SHAPES: dict[tuple[int, bytes], _RequestShape] = {}
+_MAX_SHAPES = 256  # a bounded cache: an engine uses a few shapes; anything else is recomputed
+
+
+def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
+    """The shape part of a plan for per-block token counts `counts` (int64 `[n, G]`), from the cache if seen."""
+    key = (layout.signature, counts.tobytes())
+    shape = _SHAPES.get(key)
+    if shape is not None:
+        return shape
+    token_bytes = np.array([g.token_bytes for g in layout.groups], dtype=np.int64)
+    part_bytes = counts * token_bytes[None, :]
+    payload_len = part_bytes.sum(axis=1)
+    value_start = VALUE_LEAD + exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
+    part_offset = HEADER_SIZE + np.cumsum(part_bytes, axis=1) - part_bytes
+    token_start = np.stack([exclusive_cumsum(counts[:, g]) for g in range(counts.shape[1])])
+    shape = _RequestShape(
+        payload_len, value_start, part_offset, token_start, tokens_digest(counts), max(int(value_start[-1]), ALIGN)
+    )
+    for array in (shape.payload_len, shape.value_start, shape.part_offset, shape.token_start, shape.tokens_digest):
+        array.flags.writeable = False  # shared by every plan of this shape
+    if len(_SHAPES) >= _MAX_SHAPES:
+        _SHAPES.clear()
+    _SHAPES[key] = shape
+    return shape
+
+
+_ONE_PIECE_START = np.arange(2, dtype=np.int64)  # a one-value request of one piece (shared: read-only)
+_ONE_PIECE_START.flags.writeable = False
+
+
+_MAX_ONE_RUN_PLANS = 4096  # per layout: a bounded cache (an engine's blocks times a few token counts)
+
+
+def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
+    keys, route_keys = v1_keys(namespace, request.hashes)
+    one_run = request.one_run if isinstance(request, SlotRequest) else None
+    if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
+        cached = layout.one_run_plans.get(one_run)
+        if cached is None:
+            cached = _shape_and_regions(request, layout)
+            if len(layout.one_run_plans) >= _MAX_ONE_RUN_PLANS:
+                layout.one_run_plans.clear()
+            layout.one_run_plans[one_run] = cached
+        shape, regions = cached
+    else:
+        shape, regions = _shape_and_regions(request, layout)
+    expected = ExpectedValues(
+        kind=ValueKind.BLOCKS_V1,
+        layout_sig=layout.signature,
+        tokens_digest=shape.tokens_digest,
+        payload_len=shape.payload_len,
+    )
+    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
+
+
+def _shape_and_regions(request: SlotRequest | ChunkRequest, layout: RegisteredLayout) -> tuple[_RequestShape, list[GroupRegion]]:
+    """What a plan derives from the request's slots and token counts (not its keys): its shape and, per layer
+    group, its pieces (read-only: shared by the plans of a cached run)."""
+    n = request.total
+    groups = layout.groups
+    if isinstance(request, SlotRequest):
+        counts = np.repeat(request.offsets[:, None], len(groups), axis=1) if len(groups) > 1 else request.offsets[:, None]
+    else:
+        counts = np.ascontiguousarray(request.lengths.T)
+    shape = _shape_of(counts, layout)
+    regions: list[GroupRegion] = []
+    for g, group in enumerate(groups):
+        slots = request.slots if isinstance(request, SlotRequest) else _expand_runs(request.starts[g], request.lengths[g])
+        table, value = value_pieces(slots, group.planes.block_size, shape.token_start[g], shape.part_offset[:, g])
+        piece_start = (
+            _ONE_PIECE_START
+            if n == 1 and value.size == 1
+            else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64)
+        )
+        table.flags.writeable = False
+        regions.append(GroupRegion(group, table, piece_start, value))
+    return shape, regions
+
+
+def plan_raw(request: RawRequest, namespace: bytes) -> RawPlan:
+    keys, route_keys = v0_keys(namespace, request.keys)
+    seg_bytes = exclusive_cumsum(request.lengths)
+    value_start = seg_bytes[request.seg_start]
+    payload_len = np.diff(value_start)
+    expected = ExpectedValues(
+        kind=ValueKind.RAW_V0,
+        layout_sig=0,
+        tokens_digest=np.zeros(request.total, dtype=np.uint64),
+        payload_len=payload_len,
+    )
+    return RawPlan(keys, route_keys, expected, request, value_start, max(_align(int(value_start[-1])), ALIGN))

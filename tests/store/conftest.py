@@ -1,0 +1,3 @@
+"""Fixtures of tests/store: the SDK-level ones (tests/ems_fixtures.py)."""
+
+from ems_fixtures import _isolated_ems, cc, faulty  # noqa: F401 (fixtures pytest finds by name)
