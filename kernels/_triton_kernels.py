@@ -11,6 +11,12 @@ Kernels (all offsets in moved units: elements of the signed int type the launch 
   K/V): one span per (piece, plane) where the plane's rows are contiguous in a block, else 2-D tiles; one scalar
   int64 base per (piece, plane, tile), int32 tile offsets.
 * `segments_kernel` copies raw address ranges, addressed relative to the staging buffer, into/out of it.
+
+`VEC` (a power of two) is what the host proved about alignment: every base, stride, row length and offset the
+kernel computes is a multiple of `VEC` units and both buffers start 16-byte aligned (a launch passes them so), so
+the compiler may move `VEC` units per access (128 bits on the aligned paths). `VEC = 1` claims nothing. The hints
+are `tl.multiple_of` on the scalars everything else is derived from; they are facts the host checked
+(`triton_backend.move_shape`), never guesses: a wrong one is a misaligned access on a device.
 """
 
 import triton
@@ -24,6 +30,7 @@ def segments_kernel(
     n_chunks,
     GATHER: tl.constexpr,
     TILE: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -32,6 +39,10 @@ def segments_kernel(
         raw = tl.load(chunks_ptr + i)
         length = tl.load(chunks_ptr + n_chunks + i).to(tl.int32)
         staged = tl.load(chunks_ptr + 2 * n_chunks + i)
+        if VEC > 1:
+            raw = tl.multiple_of(raw, VEC)
+            length = tl.multiple_of(length, VEC)
+            staged = tl.multiple_of(staged, VEC)
         for c0 in range(0, length, TILE):
             cols = c0 + cc
             mask = cols < length
@@ -57,7 +68,8 @@ def pieces_kernel(
     GATHER: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
-    SPAN: tl.constexpr,  # a contiguous run's tile: ROWS * COLS elements along the run
+    SPAN: tl.constexpr,  # a contiguous run's tile, in elements
+    VEC: tl.constexpr,  # every offset below is a multiple of VEC units (1: no claim)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -73,12 +85,23 @@ def pieces_kernel(
         blk = start // block_size
         off = start - blk * block_size
         for p in range(0, n_planes):
+            plane_off = tl.load(plane_table_ptr + p)
+            block_stride = tl.load(plane_table_ptr + n_planes + p)
             slot_stride = tl.load(plane_table_ptr + 2 * n_planes + p)
             row_units64 = tl.load(plane_table_ptr + 3 * n_planes + p)
+            token_off = tl.load(plane_table_ptr + 4 * n_planes + p)
             row_units = row_units64.to(tl.int32)  # per plane: MLA split K/V
-            cache_row = tl.load(plane_table_ptr + p) + blk * tl.load(plane_table_ptr + n_planes + p) + off * slot_stride
+            if VEC > 1:
+                base = tl.multiple_of(base, VEC)
+                plane_off = tl.multiple_of(plane_off, VEC)
+                block_stride = tl.multiple_of(block_stride, VEC)
+                slot_stride = tl.multiple_of(slot_stride, VEC)
+                row_units64 = tl.multiple_of(row_units64, VEC)
+                row_units = tl.multiple_of(row_units, VEC)
+                token_off = tl.multiple_of(token_off, VEC)
+            cache_row = plane_off + blk * block_stride + off * slot_stride
             # plane-major inside the value: this plane's rows of the value are one run, this piece a slice of it
-            stage_row = base + tokens * tl.load(plane_table_ptr + 4 * n_planes + p) + index * row_units64
+            stage_row = base + tokens * token_off + index * row_units64
             if slot_stride == row_units64:
                 # rows contiguous in the cache too: the piece is ONE span on both sides, tiled along its length
                 span = count * row_units  # host checked block_size * row units < 2**31
@@ -93,6 +116,8 @@ def pieces_kernel(
                         tl.store(cache_ptr + cache_row + at, x, mask=mask)
             else:
                 slot_stride32 = slot_stride.to(tl.int32)  # host checked ROWS * slot_stride < 2**31
+                if VEC > 1:
+                    slot_stride32 = tl.multiple_of(slot_stride32, VEC)
                 for r0 in range(0, count, ROWS):
                     row_ok = (r0 + rr) < count
                     for c0 in range(0, row_units, COLS):

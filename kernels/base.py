@@ -14,7 +14,9 @@ consecutive slots inside one cache block and one value: int64 row `(start_slot, 
 index_in_value)`, its plane-p rows at `base + value_tokens * plane_offsets[p] + (index_in_value + k) * row_bytes[p]`
 (`plan.value_pieces` builds the table). Where a plane's rows are contiguous in the cache (`slot_stride ==
 row_elems`), a piece of that plane is ONE span of `count * row_bytes` bytes on both sides: backends move it as a
-span, not row by row.
+span, not row by row. Where every plane of a block lies in one run in plane order (cross-layer blocks,
+`PlaneSet.block_runs`), a whole-block value is that run: the planner hands the backends the runs as one plane
+(`plan.block_run_pieces`), so each such value is ONE span or copy.
 
 Rules every backend keeps:
 * A gather writes exactly the staging bytes its pieces name (a segment gather: all of `out`); a scatter writes
@@ -167,6 +169,47 @@ class PlaneSet:
     @functools.cached_property
     def slot_stride_bytes(self) -> tuple[int, ...]:
         return tuple(s * e for s, e in zip(self.slot_strides, self.plane_element_sizes))
+
+    @functools.cached_property
+    def block_run_bytes(self) -> int:
+        """Bytes of one block of every plane: `block_size * token_bytes`."""
+        return self.block_size * self.token_bytes
+
+    @functools.cached_property
+    def block_runs(self) -> PlaneSet | None:
+        """Cross-layer blocks: where the planes (two or more) keep each block's rows together, one contiguous run
+        per block, plane after plane with each plane's rows back to back (`[planes][block_size][row]`, the order
+        of a stored value's part), this run as the single row of a `[num_blocks, 1, 1, block_run_bytes]` uint8
+        PlaneSet over the same memory; else None. A value of one whole block is then exactly its block's run:
+        the copy backends move it as ONE run (one copy, one kernel span), wherever the planes were registered from
+        (e.g. `[layers, 2, blocks, ...]` views of block-major storage, or vLLM's block-outermost layouts).
+        Requires one allocation (never two that happen to be adjacent) and blocks that do not overlap."""
+        if self.num_planes < 2:
+            return None
+        first = self.planes[0]
+        storage = first.untyped_storage().data_ptr()
+        start = int(first.data_ptr())
+        stride = self.block_stride_bytes[0]
+        for p, plane in enumerate(self.planes):
+            if plane.untyped_storage().data_ptr() != storage:
+                return None
+            if self.block_size > 1 and self.slot_stride_bytes[p] != self.plane_row_bytes[p]:
+                return None
+            if self.num_blocks > 1 and self.block_stride_bytes[p] != stride:
+                return None
+            if int(plane.data_ptr()) != start + self.block_size * self.plane_offsets[p]:
+                return None
+        run = self.block_run_bytes
+        if self.num_blocks > 1 and stride < run:
+            return None
+        raw = torch.empty(0, dtype=torch.uint8, device=first.device)
+        raw.set_(
+            first.untyped_storage(),
+            first.storage_offset() * first.element_size(),
+            (self.num_blocks, 1, 1, run),
+            (stride if self.num_blocks > 1 else run, run, run, 1),
+        )
+        return PlaneSet((raw,))
 
 
 # a piece table: int64 `[5, N]` on the host (see `CopyBackend.gather_pieces`)

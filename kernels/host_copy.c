@@ -291,3 +291,31 @@ int64_t ems_copy_hash_many(const int64_t *hasher, const int64_t *dst, const int6
     h.release(state);
     return 0;
 }
+
+/* The token form's block keys (ems/datapath/tokens.py), chained: digest j = XXH3-128(digest j-1 || the tokens of
+   block j), digest -1 = the 16 bytes at `seed`, block j = tokens[j * block .. min((j + 1) * block, n)) as int64
+   (little-endian: this file builds only there). `hash` is the xxhash extension's own XXH3_128bits (by address), and
+   each digest is written to out + 16 * j in XXH128's canonical form (high half then low half, big-endian): the
+   bytes of xxhash's `xxh3_128_digest`, bit for bit. `scratch`: 16 + 8 * block bytes. */
+typedef struct {
+    uint64_t low64, high64;
+} ems_hash128;
+typedef ems_hash128 (*ems_hash128_fn)(const void *, size_t);
+
+static void put_big_endian(unsigned char *out, uint64_t v) {
+    for (int i = 7; i >= 0; i--, v >>= 8) out[i] = (unsigned char)v;
+}
+
+void ems_chain_digests(ems_hash128_fn hash, const unsigned char *seed, const int64_t *tokens, int64_t n,
+                       int64_t block, unsigned char *scratch, unsigned char *out) {
+    const unsigned char *previous = seed;
+    for (int64_t first = 0; first < n; first += block, out += 16) {
+        const int64_t count = n - first < block ? n - first : block;
+        memcpy(scratch, previous, 16);
+        memcpy(scratch + 16, tokens + first, (size_t)count * sizeof *tokens);
+        const ems_hash128 digest = hash(scratch, 16 + (size_t)count * sizeof *tokens);
+        put_big_endian(out, digest.high64);
+        put_big_endian(out + 8, digest.low64);
+        previous = out;
+    }
+}

@@ -7,9 +7,10 @@ Contract:
   name and renamed into place, so concurrent processes (an engine and its node) never load half a file.
 * `HostCopy.move_pieces` / `move_segments` / `hash_many` / `encode_values` / `copy_many` run one C loop over every
   piece, segment, value or buffer (see `host_copy.c` for the layouts; `copy_many`'s large copies use streaming
-  stores on x86); `copy_hash_many` hashes each copy step by step right after copying it; `gather_encode_pieces`
-  is a save's gather and encode in one loop, value by value (each value hashed right after it is written, while
-  in cache); `verify_scatter_pieces` is a load's verify and scatter in one loop, value by value (each value's bytes
+  stores on x86); `chain_digests` one over the blocks of a token sequence (the token form's keys);
+  `copy_hash_many` hashes each copy step by step right after copying it; `gather_encode_pieces` is a save's
+  gather and encode in one loop, value by value (each value hashed right after it is written, while in cache);
+  `verify_scatter_pieces` is a load's verify and scatter in one loop, value by value (each value's bytes
   read once, while in cache), stopping at the first value whose digest is wrong. They trust their arguments: the
   caller has validated every address and length (`copy_buffers` and `copy_lengths` check a batch of copies).
 * The GIL: a call that moves less than `GIL_HELD_BELOW` bytes keeps it (`ctypes.PyDLL`), a larger one releases it
@@ -77,6 +78,7 @@ _SIGNATURES: dict[str, list] = {
         _I64,
     ],
     "ems_copy_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64],
+    "ems_chain_digests": [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR],
 }
 _RETURNS_COUNT = {
     "ems_verify_scatter_pieces",
@@ -275,6 +277,21 @@ class HostCopy:
             *layout.arguments,
             flat,
         )
+
+    def chain_digests(self, hash_function: int, seed: bytes, tokens: np.ndarray, block: int) -> np.ndarray:
+        """uint8 `[ceil(n / block), 16]`: the chained XXH3-128 digests of `tokens` (int64 `[n]`, contiguous) cut into
+        blocks of `block` (the last may be shorter), digest j = `hash_function(digest j-1 + bytes of block j)`,
+        digest -1 = `seed` (16 bytes), each in canonical (big-endian) form (`host_copy.c` `ems_chain_digests`).
+        `hash_function`: the address of XXH3_128bits."""
+        if tokens.dtype != np.int64 or tokens.ndim != 1 or not tokens.flags.c_contiguous or len(seed) != 16 or block < 1:
+            raise ValueError("tokens must be int64 [n] contiguous, seed 16 bytes and block >= 1")
+        out = np.empty((-(-tokens.size // block), 16), dtype=np.uint8)
+        scratch = np.empty(16 + 8 * block, dtype=np.uint8)
+        seed_array = np.frombuffer(seed, dtype=np.uint8)
+        self._library(tokens.nbytes).ems_chain_digests(
+            hash_function, address_of(seed_array), address_of(tokens), tokens.size, block, address_of(scratch), address_of(out)
+        )
+        return out
 
     def hash_many(self, hash_function: int, ptrs: np.ndarray, lengths: np.ndarray, nbytes: int) -> np.ndarray:
         """uint64 `[N]`: `hash_function(ptrs[i], lengths[i])`, a C function `uint64_t (const void *, size_t)`."""

@@ -3,6 +3,8 @@
 * `value_pieces` cuts the tokens of a V1 plan into *pieces* (see base.py): runs of consecutive slots inside one
   cache block and one stored value, so that a piece of one plane is one span (rows contiguous in a block) or one
   strided tile loop; whole-block values give one piece per (value, block), scattered slots one piece per token.
+* `block_run_pieces` rewrites a table of whole-block values for a PlaneSet's `block_runs` (cross-layer blocks: one
+  run per block, one piece per value).
 * `runs_to_slots` expands chunk_descs runs into slots (request parsing); `split_segments` cuts raw V0 segments
   into chunks for the segment kernel.
 
@@ -81,3 +83,15 @@ def value_pieces(
     value_tokens = np.diff(bounds)[value]
     table = np.stack([s[first], counts, np.asarray(part_base, dtype=np.int64)[value], value_tokens, first - bounds[value]])
     return table, value
+
+
+def block_run_pieces(table: np.ndarray, block_size: int) -> np.ndarray | None:
+    """Pieces of `PlaneSet.block_runs` moving the same bytes as `table` (pieces of the planes), when every piece is
+    one whole block that is a whole value (`count == value tokens == block_size`): block b's run, one token of
+    `block_run_bytes`, at the same part base; else None (then the planes' pieces move the values)."""
+    start, count, base, tokens, index = table
+    whole = (count == block_size) & (tokens == block_size) & (index == 0) & (start % block_size == 0)
+    if count.size == 0 or not bool(whole.all()):
+        return None
+    ones = np.ones(count.size, dtype=np.int64)
+    return np.stack([start // block_size, ones, base, ones, np.zeros(count.size, dtype=np.int64)])

@@ -32,19 +32,33 @@ Design (Ascend first):
 * **Bytes move as signed ints** of the widest width in (4, 2, 1) that divides the row bytes, every stride and
   every address involved: int32/int16/int8 (no unsigned types, no fp64: triton-ascend's load/store on A2/A3 lacks
   them, and integer moves are bit-exact for every dtype, fp8 included).
-* **Tiles** hold at most `TILE_ELEMS` = 4096 elements: 16 KB of data at int32, plus the int32 offset and mask
-  tensors (~36 KB), well under the ~96 KB of double-buffered unified buffer. Only tile sizes and the gather/
-  scatter direction are `tl.constexpr`; lengths, counts, strides are runtime values and no integer argument is
+* **Vector accesses where the data allows** (`move_shape`): the host finds the largest power of two up to 16 bytes
+  dividing every address, stride, row length, token offset and part base of the call; it moves int32 where that
+  is >= 4 and passes `VEC` = alignment / 4 (a `tl.constexpr`: at most three aligned specialisations per kernel and
+  width), and the kernel marks its scalar bases `tl.multiple_of(VEC)`. With 16-byte alignment (what engines' caches
+  and this package's staging have) sm_90 and sm_80 PTX then moves payload with 128-bit `ld/st.global.v4.b32` and
+  nothing else; unaligned rows keep a `VEC = 1` specialisation (no claim). Checked without a GPU:
+  tests/kernels/test_compile_cuda.py.
+* **Tiles** come from one place, `tile_elems(device, width)`: on an NPU from the unified buffer (`UB_BYTES`, 192
+  KiB on a 910B, per vector core): the lowered kernel allocates `UB_TILE_BUFFERS` = 2 tile buffers (the span tile
+  and the 2-D tile), double-buffered, so a tile holds `UB_BYTES / 4` rounded down to a power of two = 32 KiB of
+  any dtype (8192 int32, 16384 int16, 32768 int8 elements); on a GPU, where a tile lives in registers, 4096
+  int32 or int16 and 2048 int8 elements (at most 128 registers per thread, so the 4 programs per SM fit at once;
+  no spills); in the interpreter 16384 elements (it pays per op, not per byte).
+  `tile_shape` cuts that into `[ROWS, COLS]` for strided rows. Only tile sizes, `VEC` and the gather/scatter
+  direction are `tl.constexpr`; lengths, counts, strides are runtime values and no integer argument is
   specialised, so a new request never recompiles.
 * **Raw segments** (V0): one launch for all segments; the table holds each segment's offset from the staging
   buffer's address (int64, may be negative), its length and its staging position, segments cut into chunks of
   at most `SEG_CHUNK` units so that programs share the work evenly.
 * **Lazy build.** Kernels are defined on first use, never at import: the interpreter is chosen by Triton when a
   kernel is *defined*, so `TRITON_INTERPRET=1` must be set before the first kernel use in the process.
-* **Checked without devices** (tests/kernels/test_compile_*.py): upstream Triton compiles both kernels to sm_90
-  cubins offline; triton-ascend 3.2 lowers them through triton-adapter-opt (TTIR -> linalg), where each tile
-  becomes one structured 2-D strided `memref.copy` (`16x256, strides [?, 1]`, the mask as a subview: a DMA, not
-  a scalar gather). Only the CANN-only last stage (bishengir-compile) is unverified here.
+* **Checked without devices** (tests/kernels/test_compile_*.py): upstream Triton compiles every variant to sm_90
+  and sm_80 cubins offline (PTX access widths, registers, no spills, no local memory); triton-ascend 3.2 lowers
+  every variant through triton-adapter-opt (TTIR -> linalg), where each tile is one structured (strided)
+  `memref.copy` into a unified-buffer tile and one `materialize_in_destination` out of it (the mask as a subview:
+  a DMA, not a scalar gather), scalar `memref.load`s only of the int64 tables, and the tiles' buffers within the
+  unified buffer. Only the CANN-only last stage (bishengir-compile) is unverified here.
 * **Fallback.** If a kernel fails to compile or launch on a device, the backend logs ONE warning and serves that
   call and every later one with the torch path; inputs are validated before any launch, so a fallback never
   follows a partial write.
@@ -67,12 +81,20 @@ from ems.kernels.torch_backend import TorchBackend
 
 log = logging.getLogger("ems.kernels")
 
-TILE_ELEMS = 4096  # elements per tile on a device (see module docstring for the unified-buffer budget)
+UB_BYTES = 192 << 10  # unified buffer per vector core of a 910B
+UB_TILE_BUFFERS = 2  # tile buffers the lowered pieces kernel allocates (span tile, 2-D tile): test_compile_ascend
+UB_STAGES = 2  # triton-ascend double-buffers by default
+# a GPU tile lives in registers, one per element moved singly (an int8 costs one as an int32 does), four per 128-bit
+# access. Per move width, the most elements over 4 warps that stay within 128 registers per thread without spills at
+# sm_90 and sm_80 (test_compile_cuda): 8192 int32 spill, and so do 4096 int8
+CUDA_TILE_ELEMS = {4: 4096, 2: 4096, 1: 2048}
 INTERPRETER_TILE_ELEMS = 16384  # the interpreter pays per op, not per byte: bigger tiles, fewer ops
+MAX_ALIGN = 16  # bytes: the widest access (128 bits) the kernels ask for
 SEG_CHUNK = 1 << 20  # segment chunk, in moved units
 MAX_GRID = 65535
+CUDA_PROGRAMS_PER_SM = 4  # a program moves one tile at a time: one per SM would leave the memory system idle
 _INT32_MAX = 2**31 - 1
-_WIDTHS = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
+_DTYPE_OF_WIDTH = {4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def interpreter_active() -> bool:
@@ -114,18 +136,72 @@ def _program_count(device: torch.device) -> int:
                 count = 0
         count = count or 48  # a 910B2 has 48 vector cores
     elif device.type == "cuda":
-        count = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        count = CUDA_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         count = 4
     return max(1, min(count, MAX_GRID))
 
 
-def move_width(addresses: tuple[int, ...], byte_quantities: tuple[int, ...]) -> tuple[int, torch.dtype]:
-    """The widest signed int (4, 2 or 1 bytes) dividing every address and byte quantity."""
-    for width, dtype in _WIDTHS:
-        if all(a % width == 0 for a in addresses) and all(q % width == 0 for q in byte_quantities):
-            return width, dtype
-    return 1, torch.int8
+def _floor_pow2(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
+
+
+def tile_elems(device_type: str, width: int) -> int:
+    """Elements of `width` bytes per tile: THE place tile sizes come from (see the module docstring)."""
+    if device_type == "npu":
+        return _floor_pow2(UB_BYTES // (UB_TILE_BUFFERS * UB_STAGES)) // width
+    if device_type == "cpu":
+        return INTERPRETER_TILE_ELEMS
+    return CUDA_TILE_ELEMS[width]
+
+
+def tile_shape(elems: int, row_units: int, block_size: int) -> tuple[int, int]:
+    """(ROWS, COLS) of a 2-D tile of at most `elems` elements for rows of `row_units` in blocks of `block_size`:
+    COLS covers the row (powers of two), ROWS the rest, no more rows than a block has."""
+    cols = min(_next_pow2(row_units), elems)
+    rows = max(1, min(elems // cols, _next_pow2(block_size)))
+    return rows, cols
+
+
+@dataclass(frozen=True)
+class MoveShape:
+    """How a launch moves bytes: as signed ints of `width` bytes, `vec` of them per access at most (every address
+    and quantity involved is a multiple of `width * vec` bytes)."""
+
+    width: int
+    vec: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPE_OF_WIDTH[self.width]
+
+
+# every MoveShape `move_shape` can return: at most five specialisations of each kernel and direction
+MOVE_SHAPES = (MoveShape(4, 4), MoveShape(4, 2), MoveShape(4, 1), MoveShape(2, 1), MoveShape(1, 1))
+
+
+def move_shape(addresses: tuple[int, ...], byte_quantities: tuple[int, ...]) -> MoveShape:
+    """The widest signed int (4, 2 or 1 bytes) and vector (up to `MAX_ALIGN` bytes) that every address and byte
+    quantity is a multiple of."""
+    align = MAX_ALIGN
+    for q in addresses + byte_quantities:
+        q = int(q)
+        if q:
+            align = min(align, q & -q)  # the largest power of two dividing q
+    width = min(align, 4)
+    return MoveShape(width, align // width)
+
+
+def pieces_constexprs(elems: int, move: MoveShape, row_units: int, block_size: int, gather: bool) -> dict[str, Any]:
+    """The `tl.constexpr` arguments of a `pieces_kernel` launch (tiles of `elems` elements; the widest plane's row
+    is `row_units` elements of `move.width` bytes): what decides which compiled variant runs."""
+    rows, cols = tile_shape(elems, row_units, block_size)
+    return {"GATHER": gather, "ROWS": rows, "COLS": cols, "SPAN": elems, "VEC": move.vec}
+
+
+def segments_constexprs(elems: int, move: MoveShape, gather: bool) -> dict[str, Any]:
+    """The `tl.constexpr` arguments of a `segments_kernel` launch."""
+    return {"GATHER": gather, "TILE": elems, "VEC": move.vec}
 
 
 @dataclass(frozen=True)
@@ -135,8 +211,7 @@ class _PlaneInfo:
 
     base: torch.Tensor  # intW view of the lowest-addressed plane
     table: torch.Tensor  # int64 [5, P] on the device
-    width: int
-    dtype: torch.dtype
+    move: MoveShape
     max_row_units: int  # the widest plane's row
     max_slot_stride: int
 
@@ -161,7 +236,8 @@ class TritonBackend(CopyBackend):
                     + "; use the torch backend on CPU instead"
                 )
         self.interpreted = self.device.type == "cpu"
-        self.tile_elems = INTERPRETER_TILE_ELEMS if self.interpreted else TILE_ELEMS
+        #: elements per tile instead of `tile_elems(device, width)` (tests: tiny tiles cross many tile edges)
+        self.tile_override: int | None = None
 
     def describe(self) -> str:
         if self._fallback is not None:
@@ -174,11 +250,12 @@ class TritonBackend(CopyBackend):
             raise ValueError(f"tensor on {t.device}, backend serves {self.device.type}")
 
     def _planes(self, planes: PlaneSet, stage: torch.Tensor, extra: tuple[int, ...] = ()) -> _PlaneInfo:
-        """`extra`: further byte quantities the move width must divide (value-major part bases)."""
+        """`extra`: further byte quantities the move shape must divide (value-major part bases)."""
         ptrs = tuple(int(p.data_ptr()) for p in planes.planes)
         bstr, sstr = planes.block_stride_bytes, planes.slot_stride_bytes
         rbytes, soffs = planes.plane_row_bytes, planes.plane_offsets
-        width, wdtype = move_width(ptrs + (int(stage.data_ptr()),), rbytes + soffs + bstr + sstr + extra)
+        move = move_shape(ptrs + (int(stage.data_ptr()),), rbytes + soffs + bstr + sstr + extra)
+        width = move.width
         for p in planes.planes:
             if (p.shape[3] > 1 and p.stride(3) != 1) or (p.shape[2] > 1 and p.stride(2) != p.shape[3]):
                 raise ValueError("each token row (heads * head_size) must be contiguous")
@@ -186,7 +263,7 @@ class TritonBackend(CopyBackend):
         plane = planes.planes[low]
         base = plane.as_strided(
             (planes.num_blocks, planes.block_size, planes.plane_row_elems[low]), (plane.stride(0), plane.stride(1), 1)
-        ).view(wdtype)
+        ).view(move.dtype)
         key = (planes.device, ptrs, bstr, sstr, rbytes, width)
         table = self._table_cache.get(key)
         if table is None:
@@ -206,7 +283,10 @@ class TritonBackend(CopyBackend):
             if len(self._table_cache) > 64:  # registrations are few; never grow without bound
                 self._table_cache.clear()
             self._table_cache[key] = table
-        return _PlaneInfo(base, table, width, wdtype, max(rbytes) // width, max(sstr) // width)
+        return _PlaneInfo(base, table, move, max(rbytes) // width, max(sstr) // width)
+
+    def _tile_elems(self, width: int) -> int:
+        return self.tile_override or tile_elems(self.device.type, width)
 
     def _upload(self, table: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
@@ -242,11 +322,11 @@ class TritonBackend(CopyBackend):
         if table.shape[1] == 0:
             return
         info = self._planes(planes, stage, (int(np.gcd.reduce(table[2])),))
-        width = info.width
+        width = info.move.width
         r = info.max_row_units
-        cols = min(_next_pow2(r), self.tile_elems)
-        rows = max(1, min(self.tile_elems // cols, _next_pow2(planes.block_size)))
-        if planes.block_size * max(r, info.max_slot_stride) + max(rows, cols) > _INT32_MAX:
+        elems = self._tile_elems(width)
+        constexprs = pieces_constexprs(elems, info.move, r, planes.block_size, gather)
+        if planes.block_size * max(r, info.max_slot_stride) + elems > _INT32_MAX:
             raise ValueError("a piece's offsets would overflow int32; rows this large are not supported")
         units = table.copy()
         units[2] //= width
@@ -255,16 +335,13 @@ class TritonBackend(CopyBackend):
         try:
             _build()["pieces"][grid](
                 info.base,
-                flat[: flat.numel() // width * width].view(info.dtype),
+                flat[: flat.numel() // width * width].view(info.move.dtype),
                 info.table,
                 uploaded,
                 int(units.shape[1]),
                 planes.num_planes,
                 planes.block_size,
-                GATHER=gather,
-                ROWS=rows,
-                COLS=cols,
-                SPAN=self.tile_elems,
+                **constexprs,
             )
         except Exception as err:
             fb = self._fail(err)
@@ -298,17 +375,17 @@ class TritonBackend(CopyBackend):
         if p.size == 0:
             return
         stage_addr = int(stage.data_ptr())
-        width, wdtype = move_width(tuple(int(a) for a in p) + (stage_addr,), tuple(int(x) for x in n))
+        move = move_shape(tuple(int(a) for a in p) + (stage_addr,), tuple(int(x) for x in n))
+        width = move.width
         src, length, dst = split_segments((p - stage_addr) // width, n // width, SEG_CHUNK)
         chunks = self._upload(np.stack([src, length, dst]))
         grid = (min(_program_count(self.device), int(src.size)),)
         try:
             _build()["segments"][grid](
-                stage.view(wdtype),
+                stage.view(move.dtype),
                 chunks,
                 int(src.size),
-                GATHER=gather,
-                TILE=self.tile_elems,
+                **segments_constexprs(self._tile_elems(width), move, gather),
             )
         except Exception as err:
             fb = self._fail(err)

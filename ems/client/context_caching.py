@@ -22,26 +22,31 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
+from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
 from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
 from ems.datapath.devices import default_raw_device, parse_device
 from ems.datapath.jobs import load_job, save_job
-from ems.datapath.keys import namespace, v0_keys, v1_keys
+from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan, plan_blocks, plan_raw
 from ems.datapath.records import JobKind, JobLedger, JobRecord, Stage
-from ems.datapath.requests import Operation, RawRequest, Request, bind_exists, bind_request
+from ems.datapath.requests import Operation, RawRequest, Request, bind_request
 from ems.datapath.staging import StagingPool
+from ems.datapath.tokens import TokenForm, TokenRequest, bind_tokens, call_result, is_token_form, plan_tokens
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
-from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
+from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # (typing's from Python 3.11 on)
 
 logger = logging.getLogger("ems")
 
@@ -49,14 +54,6 @@ logger = logging.getLogger("ems")
 IntList = Sequence[int] | np.ndarray | torch.Tensor  # slot_mapping, offsets
 HashList = Sequence[int] | np.ndarray | torch.Tensor  # block hashes: int64 or u64 values
 ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
-
-
-def consecutive_prefix(flags: Sequence[bool]) -> int:
-    """How many leading entries are true."""
-    for i, flag in enumerate(flags):
-        if not flag:
-            return i
-    return len(flags)
 
 
 def _as_ems_exception(exc: Exception) -> EmsException:
@@ -146,23 +143,30 @@ class ContextCaching:
     # ---------------------------------------------------------------- registration
 
     def register_kvcache(
-        self, kvcache: list[list[torch.Tensor]], store_layer_group_desc: list[StoreLayerGroupDesc] | None = None
+        self,
+        kvcache: list[list[torch.Tensor]] | torch.Tensor,
+        store_layer_group_desc: list[StoreLayerGroupDesc] | None = None,
     ) -> None:
         """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
-        `[blocks, block_size, heads, head_size]`. Moves no data (a CPU layout's small-call path is warmed on a
-        scratch cache: `ems.client.warmup`). Registering again replaces the layout."""
+        `[blocks, block_size, heads, head_size]` (a list of `[K, V]` lists, or one `[layers, 2, blocks, block_size,
+        heads, head_size]` tensor). Views of storage that keeps each block's layers together (cross-layer blocks)
+        are detected: a whole-block value then moves as one copy (`ems.datapath.layout`). Moves no data (a CPU
+        layout's small-call path is warmed on a scratch cache: `ems.client.warmup`). Registering again replaces the
+        layout."""
         with self._calls:
             layout = register_layout(kvcache, store_layer_group_desc)
             backend = self._backend_for(layout.device)
             warm_small_calls(layout, backend)
             self._layout = layout
             self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
+        cross = [g.index for g in layout.groups if g.cross_layer]
         logger.info(
-            "registered KV cache: %d layers in %d group(s) on %s, copy backend %s",
+            "registered KV cache: %d layers in %d group(s) on %s, copy backend %s%s",
             layout.num_layers,
             len(layout.groups),
             layout.device,
             backend.describe(),
+            f", cross-layer blocks in group(s) {cross} (a whole block is one copy)" if cross else "",
         )
 
     @property
@@ -190,13 +194,16 @@ class ContextCaching:
                 f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
             ) from exc
 
-    def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device]:
+    def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device]:
         layout = self._layout
-        request = bind_request(op, args, kwargs, layout)
+        bind = bind_tokens if is_token_form(kwargs) else bind_request  # the token form: ems.datapath.tokens
+        request = bind(op, args, kwargs, layout)
         if isinstance(request, RawRequest):
             return request, plan_raw(request, self._v0_namespace), self._raw_device_now()
         if layout is None:  # bind_request already refuses this; kept for type narrowing
             raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "V1 calls need register_kvcache() first")
+        if isinstance(request, TokenRequest):
+            return request, plan_tokens(request, layout, self._v1_namespace), layout.device
         return request, plan_blocks(request, layout, self._v1_namespace), layout.device
 
     @staticmethod
@@ -234,7 +241,7 @@ class ContextCaching:
             successes = consecutive_prefix(outcome.results)
             self._raise_if_unreachable(outcome, successes)
             self._job_done(record.finish(successes, plan.total, plan.expected.payload_bytes()))
-            return CcResult(successes, plan.total)
+            return call_result(request, successes, plan.total)
 
         return finish, job.abandon
 
@@ -249,9 +256,13 @@ class ContextCaching:
     @overload
     def save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
 
+    @overload
+    def save(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcResult: ...
+
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
-        offsets, option=None)` or `save(hashes=..., chunk_descs=..., option=None)`). Blocks until stored."""
+        offsets, option=None)`, `save(hashes=..., chunk_descs=..., option=None)` or, the token form,
+        `save(slot_mapping, option=None, token_ids=..., mask=...)`: `ems.datapath.tokens`). Blocks until stored."""
         with self._calls:
             finish, _ = self._begin_save(args, kwargs)
             with _EmsErrors(self._metrics.record_error):
@@ -269,6 +280,9 @@ class ContextCaching:
 
     @overload
     def async_save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+
+    @overload
+    def async_save(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcFuture: ...
 
     def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `save`, but returns a `CcFuture` at once.
@@ -295,16 +309,16 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- load
 
-    def _load(self, request: Request, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
+    def _load(self, request: Request | TokenRequest, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
         job = load_job(
             plan, device, self._backend_for(device), self._pool, self._staging, request.option, record, self._settings.chunk_bytes
         )
         hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
         self._job_done(record.finish(hits, plan.total, plan.expected.payload_bytes(0, hits)))
-        return CcResult(hits, plan.total)
+        return call_result(request, hits, plan.total)
 
-    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request, Plan, torch.device, JobRecord]:
+    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device, JobRecord]:
         record = JobRecord(JobKind.LOAD, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.LOAD, args, kwargs)
@@ -321,11 +335,14 @@ class ContextCaching:
     @overload
     def load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
 
-    def load(self, *args: Any, **kwargs: Any) -> CcResult:
-        """Load blocks from the pool into the places the arguments name (the same three forms as `save`).
+    @overload
+    def load(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcResult: ...
 
-        `success` is the number of blocks, from the first, that were found and verified: exactly those are
-        written; nothing after the first miss is touched."""
+    def load(self, *args: Any, **kwargs: Any) -> CcResult:
+        """Load blocks from the pool into the places the arguments name (the same four forms as `save`).
+
+        `success` is the number of blocks (the token form: tokens), from the first, that were found and verified:
+        exactly those are written; nothing after the first miss is touched."""
         with self._calls:
             request, plan, device, record = self._bind_load(args, kwargs)
             with _EmsErrors(self._metrics.record_error):
@@ -343,6 +360,9 @@ class ContextCaching:
 
     @overload
     def async_load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+
+    @overload
+    def async_load(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcFuture: ...
 
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
@@ -385,43 +405,14 @@ class ContextCaching:
     def exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
-        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising. This package's
-        additions: `lease_ms=N` counts only keys the pool also leases to the caller, kept from eviction until they
-        are read (the load the lookup promised) or N ms have passed; `pin=True` counts only keys it pins (kept until
-        replaced). `ems.store.holds` says what a pool node or the embedded pool keeps and within which budgets."""
+        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising (`ems.client.lookup`).
+        This package's additions: `lease_ms=N` counts only keys the pool also leases to the caller, kept from eviction
+        until they are read (the load the lookup promised) or N ms have passed; `pin=True` counts only keys it pins
+        (kept until replaced). `ems.store.holds` says what a pool node or the embedded pool keeps and within which
+        budgets."""
         with self._calls:
-            return self._exists(hashes, option, kwargs)
-
-    def _exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None, kwargs: dict[str, Any]) -> CcResult:
-        items, checked_option, hold = bind_exists(hashes, option, kwargs)
-        if isinstance(items[0], (PrimaryKey, str)):
-            keys, route_keys = v0_keys(self._v0_namespace, items)
-        else:
-            if self._layout is None:
-                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
-            keys, route_keys = v1_keys(self._v1_namespace, items)
-        store = self._pool.local_store
-        if store is not None:  # the embedded pool: its index answers directly (as the one-pass jobs use it)
-            held = store.contains_many(keys) if hold is None else store.hold_many(keys, hold)
-            result = CcResult(consecutive_prefix(held), len(keys))
-            self._metrics.record_exists(result.success, result.total)
-            return result
-        try:
-            outcome = self._pool.exists(route_keys, keys, checked_option, hold)
-        except Exception as exc:  # the contract: a failing pool is a miss, not an exception
-            logger.warning("exists: pool failure reported as 0 hits: %s", exc)
-            return CcResult(0, len(keys))
-        if outcome.errors:  # said once per call, so that misses caused by a failing node are not silent
-            error = outcome.first_error()
-            logger.warning(
-                "exists: %d of %d pool node(s) failed, their keys count as misses: %s",
-                len(outcome.errors),
-                outcome.nodes_contacted,
-                error.message() if error is not None else "",
-            )
-        result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
-        self._metrics.record_exists(result.success, result.total)
-        return result
+            v1_namespace = self._v1_namespace if self._layout is not None else None
+            return count_held(self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -644,6 +644,27 @@ class StagedLoad:
         return hits, outcome
 
 
+class NothingToMove:
+    """The job of a request of no values (a token-form call whose mask asks for no token): it copies nothing and
+    contacts no pool; a save stores and a load writes nothing."""
+
+    def __init__(self, record: JobRecord) -> None:
+        self.record = record
+        record.path = "none"
+
+    def begin(self) -> None:
+        return None
+
+    def finish(self) -> PoolOutcome:
+        return PoolOutcome([])
+
+    def abandon(self) -> None:
+        return None
+
+    def run(self) -> tuple[int, PoolOutcome]:
+        return 0, PoolOutcome([])
+
+
 def _embedded_store(pool: PoolBackend, device: torch.device) -> KvStore | None:
     """The store a request's job works on directly (the one-pass path): the embedded pool's, for CPU tensors."""
     return pool.local_store if device.type == "cpu" else None
@@ -659,7 +680,10 @@ def save_job(
     record: JobRecord,
     chunk_bytes: int,
 ) -> SaveJob:
-    """The save job for this request's path: embedded (CPU tensors, the embedded pool) or pipelined."""
+    """The save job for this request's path: embedded (CPU tensors, the embedded pool) or pipelined (or, for no
+    values, nothing)."""
+    if plan.total == 0:
+        return NothingToMove(record)
     store = _embedded_store(pool, device)
     if store is not None:
         return EmbeddedSave(plan, backend, store, record)
@@ -676,7 +700,10 @@ def load_job(
     record: JobRecord,
     chunk_bytes: int,
 ) -> LoadJob:
-    """The load job for this request's path: embedded, pipelined (V1) or staged (V0 from pool nodes)."""
+    """The load job for this request's path: embedded, pipelined (V1) or staged (V0 from pool nodes) (or, for no
+    values, nothing)."""
+    if plan.total == 0:
+        return NothingToMove(record)
     store = _embedded_store(pool, device)
     if store is not None:
         return EmbeddedLoad(plan, backend, store, record)

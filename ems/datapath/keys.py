@@ -5,7 +5,8 @@ everything a stored value depends on besides the caller's key: tenant, model, te
 (dropped for MLA, where every TP rank holds the same KV, so ranks share keys), and for V1 the registered layout's
 signature. Routing keys are what the DESIGN routes by: the block hash (V1), `distribute_key` (V0 `PrimaryKey`),
 or the whole key (V0 plain `str`, the SDK's older form: such a key routes by itself). Each form has its own form
-byte, so a `str` key never collides with a `PrimaryKey` or a block hash.
+byte, so a `str` key never collides with a `PrimaryKey` or a block hash, and a block of the token form (keyed by the
+chained digest of its tokens, `ems.datapath.tokens`) never with a block hash an engine gives.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ems.types import V0Key
 FORM_V0 = b"\x00"
 FORM_V1 = b"\x01"
 FORM_V0_STR = b"\x02"
+FORM_TOKENS = b"\x03"  # V1 blocks of the token form: their hash is derived from their tokens, not given
 
 
 def namespace(tenant: str | None, cc_config: CcConfig, layout_signature: int | None) -> bytes:
@@ -38,10 +40,11 @@ def encode_hash(block_hash: int) -> bytes:
     return block_hash.to_bytes((block_hash.bit_length() + 8) // 8, "little", signed=True)
 
 
-def v1_keys(ns: bytes, hashes: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
-    """(storage keys, routing keys) of V1 block hashes."""
+def v1_keys(ns: bytes, hashes: Sequence[int], form: bytes = FORM_V1) -> tuple[list[bytes], list[bytes]]:
+    """(storage keys, routing keys) of V1 block hashes (`form`: FORM_V1 for hashes an engine gives, FORM_TOKENS for
+    the token form's derived ones)."""
     routes = [encode_hash(h) for h in hashes]
-    prefix = ns + FORM_V1
+    prefix = ns + form
     return [prefix + r for r in routes], routes
 
 

@@ -1,7 +1,8 @@
 """The registered KV-cache layout: layer groups, their tensors and strides, and the layout signature.
 
 `register_layout(kvcache, store_layer_group_desc)` checks what an engine registers and records it; it moves no data.
-`kvcache[layer][0 or 1]` is that layer's K or V tensor, `[blocks, block_size, heads, head_size]`. Tensors need not be
+`kvcache[layer][0 or 1]` is that layer's K or V tensor, `[blocks, block_size, heads, head_size]`: a list of
+`[K, V]` lists, or one `[layers, 2, blocks, block_size, heads, head_size]` tensor (the SDK's overall shape). Tensors need not be
 contiguous as a whole (engines hand out views), but each token row (`heads * head_size` elements) must be. Layer
 groups may differ in block size, heads, head_size and dtype. Within a group every tensor has the same number of
 blocks and block size (a slot names one row of each), while K and V may differ in heads, head size and dtype: MLA
@@ -12,6 +13,12 @@ does not move the registration; calls go on reading and writing the registered m
 the next `register_kvcache` or shutdown (register again after replacing a cache). The signature covers everything a
 stored value's bytes depend on (each group's layers and every plane's dtype, heads and head_size), so a differently
 shaped engine never reads foreign bytes.
+
+Cross-layer blocks: where a group's tensors are views of block-major storage that keeps each block's layers
+together (`[blocks, layers, 2, block_size, heads, head_size]` seen as `[layers, 2, blocks, ...]`, or vLLM's
+block-outermost layouts), `group.planes.block_runs` is not None: a whole-block value is then one run of the cache
+and moves as one copy (`ems.datapath.planning`); `LayerGroup.cross_layer` says so. The stored bytes are the same
+either way.
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ class LayerGroup:
     def token_bytes(self) -> int:
         """Bytes one token occupies in a stored value: every plane's row."""
         return self.planes.token_bytes
+
+    @property
+    def cross_layer(self) -> bool:
+        """Whether each block of this group is one contiguous run of the cache (see the module docstring)."""
+        return self.planes.block_runs is not None
 
     def describe(self) -> str:
         def spec(t: torch.Tensor) -> str:
@@ -126,8 +138,17 @@ def _group_descs(
 
 def register_layout(kvcache: object, store_layer_group_desc: Sequence[StoreLayerGroupDesc] | None = None) -> RegisteredLayout:
     """Check `kvcache` (and the optional layer groups) and record the layout; raises EmsException on bad input."""
+    if isinstance(kvcache, torch.Tensor):
+        if kvcache.dim() != 6 or kvcache.shape[1] != 2 or kvcache.shape[0] < 1:
+            raise invalid_argument(
+                f"kvcache as one tensor must be [layers, 2, blocks, block_size, heads, head_size], got {tuple(kvcache.shape)}"
+            )
+        kvcache = [[kvcache[layer, 0], kvcache[layer, 1]] for layer in range(int(kvcache.shape[0]))]
     if not isinstance(kvcache, (list, tuple)) or not kvcache:
-        raise invalid_argument("kvcache must be a non-empty list (layers) of [K, V] tensor pairs")
+        raise invalid_argument(
+            "kvcache must be a non-empty list (layers) of [K, V] tensor pairs, or one "
+            "[layers, 2, blocks, block_size, heads, head_size] tensor"
+        )
     tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
     for layer, pair in enumerate(kvcache):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:

@@ -5,7 +5,9 @@ starting 24 bytes past a 64-byte boundary, so that its payload, after the 40-byt
 is `header | part of group 0 | part of group 1 | ...`, and block i's part of group g holds its `n` tokens
 plane-major, `[planes][n][row]` (planes may differ in row size and dtype: MLA split K/V). Where a plane's rows are
 contiguous in the engine's cache, the rows of one (block, plane) are thus ONE span on both sides, and the copy
-backends move whole spans (`CopyBackend.gather_pieces`). The header's 40 bytes are left for the save job to fill,
+backends move whole spans (`CopyBackend.gather_pieces`); where the engine's cache keeps each block's planes together
+in that same order (cross-layer blocks, `PlaneSet.block_runs`), a request of whole-block values moves one run per
+block (`GroupRegion.planes` are then the block runs). The header's 40 bytes are left for the save job to fill,
 so a value goes to the pool as one buffer without any repacking. The same per-value piece tables let a job gather
 one value straight into the store's buffer, or scatter straight from a stored value (`gather_value` /
 `scatter_value`: the embedded pool's one pass). A V0 plan concatenates every value's device ranges; its header
@@ -25,11 +27,11 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
-from ems.datapath.keys import v0_keys, v1_keys
+from ems.datapath.keys import FORM_V1, v0_keys, v1_keys
 from ems.datapath.layout import LayerGroup, RegisteredLayout
 from ems.datapath.requests import ChunkRequest, RawRequest, SlotRequest
-from ems.kernels.base import CopyBackend, PlacedStop, Placement, Staging, tensor_over
-from ems.kernels.plan import value_pieces
+from ems.kernels.base import CopyBackend, PlacedStop, Placement, PlaneSet, Staging, tensor_over
+from ems.kernels.plan import block_run_pieces, value_pieces
 from ems.kernels.raw_memory import address_of
 from ems.store.value_format import (
     HEADER_SIZE,
@@ -69,9 +71,12 @@ def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class GroupRegion:
-    """One layer group's pieces in every value of a request."""
+    """One layer group's pieces in every value of a request: pieces of the group's planes, or, where the group
+    keeps each block's planes together (cross-layer blocks) and every value is one whole block, pieces of its
+    `block_runs` (one run per block: one copy each)."""
 
     group: LayerGroup
+    planes: PlaneSet  # what the pieces name: `group.planes` or `group.planes.block_runs`
     pieces: np.ndarray  # int64 [5, N]: start slot, count, part offset INSIDE its value, value tokens, index in value
     piece_start: np.ndarray  # int64 [n + 1]: value i's pieces are pieces[:, piece_start[i] : piece_start[i + 1]]
     piece_value: np.ndarray  # int64 [N]
@@ -160,7 +165,7 @@ class BlockPlan:
             return False
         region = regions[0]
         backend.gather_pieces_encoded(
-            region.group.planes,
+            region.planes,
             region.absolute(value_offsets, a, b),
             span,
             np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
@@ -199,7 +204,7 @@ class BlockPlan:
         first, rest = regions[0], regions[1:]
         piece_end = first.piece_start[a + 1 : a + n + 1] - first.piece_start[a]
         valid = backend.scatter_pieces_verified(
-            first.group.planes,
+            first.planes,
             first.absolute(value_offsets, a, a + n),
             span,
             np.stack([starts, lengths]),
@@ -209,7 +214,7 @@ class BlockPlan:
         )
         for region in rest:  # the other layer groups' rows of the verified values
             if valid and region.has_pieces(a, a + valid):
-                backend.scatter_pieces(region.group.planes, region.absolute(value_offsets, a, a + valid), span)
+                backend.scatter_pieces(region.planes, region.absolute(value_offsets, a, a + valid), span)
         return valid
 
     def verify_scatter_as_placed(
@@ -226,7 +231,7 @@ class BlockPlan:
         heads = expected_heads(self.expected, a, b)
         first, rest = regions[0], regions[1:]
         done, why = backend.scatter_pieces_as_placed(
-            first.group.planes,
+            first.planes,
             first.absolute(value_offsets, a, b),
             span,
             np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
@@ -237,27 +242,27 @@ class BlockPlan:
         )
         for region in rest:  # the other layer groups' rows of the verified values
             if done and region.has_pieces(a, a + done):
-                backend.scatter_pieces(region.group.planes, region.absolute(value_offsets, a, a + done), span)
+                backend.scatter_pieces(region.planes, region.absolute(value_offsets, a, a + done), span)
         return done, why
 
     def _move(self, backend: CopyBackend, staging: Staging, value_start: np.ndarray, a: int, b: int, gather: bool) -> None:
         for region in self.regions:
             if region.has_pieces(a, b):
                 move = backend.gather_pieces if gather else backend.scatter_pieces
-                move(region.group.planes, region.absolute(value_start, a, b), staging)
+                move(region.planes, region.absolute(value_start, a, b), staging)
 
     def gather_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
         """Value i's payload straight into `value` (uint8, the whole value: header space first; a tensor, or a numpy
         array for CPU planes)."""
         for region in self.regions:
             if region.piece_start[i + 1] > region.piece_start[i]:
-                backend.gather_pieces(region.group.planes, region.of_value(i), value)
+                backend.gather_pieces(region.planes, region.of_value(i), value)
 
     def scatter_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
         """Value i's rows into the cache straight from the stored value (uint8, verified; may be read-only)."""
         for region in self.regions:
             if region.piece_start[i + 1] > region.piece_start[i]:
-                backend.scatter_pieces(region.group.planes, region.of_value(i), value)
+                backend.scatter_pieces(region.planes, region.of_value(i), value)
 
 
 @dataclass(frozen=True)
@@ -390,8 +395,12 @@ _ONE_PIECE_START.flags.writeable = False
 _MAX_ONE_RUN_PLANS = 4096  # per layout: a bounded cache (an engine's blocks times a few token counts)
 
 
-def plan_blocks(request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
-    keys, route_keys = v1_keys(namespace, request.hashes)
+def plan_blocks(
+    request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes, form: bytes = FORM_V1
+) -> BlockPlan:
+    """A V1 request's plan: block i is stored under `request.hashes[i]` in `namespace` and the key form `form`
+    (`keys.v1_keys`)."""
+    keys, route_keys = v1_keys(namespace, request.hashes, form)
     one_run = request.one_run if isinstance(request, SlotRequest) else None
     if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
         cached = layout.one_run_plans.get(one_run)
@@ -425,14 +434,20 @@ def _shape_and_regions(request: SlotRequest | ChunkRequest, layout: RegisteredLa
     regions: list[GroupRegion] = []
     for g, group in enumerate(groups):
         slots = request.slots if isinstance(request, SlotRequest) else _expand_runs(request.starts[g], request.lengths[g])
-        table, value = value_pieces(slots, group.planes.block_size, shape.token_start[g], shape.part_offset[:, g])
+        planes = group.planes
+        table, value = value_pieces(slots, planes.block_size, shape.token_start[g], shape.part_offset[:, g])
+        runs = planes.block_runs
+        if runs is not None:  # cross-layer blocks: whole-block values move as one run each
+            run_table = block_run_pieces(table, planes.block_size)
+            if run_table is not None:
+                planes, table = runs, run_table
         piece_start = (
             _ONE_PIECE_START
             if n == 1 and value.size == 1
             else np.searchsorted(value, np.arange(n + 1), side="left").astype(np.int64)
         )
         table.flags.writeable = False
-        regions.append(GroupRegion(group, table, piece_start, value))
+        regions.append(GroupRegion(group, planes, table, piece_start, value))
     return shape, regions
 
 

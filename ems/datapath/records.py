@@ -56,7 +56,7 @@ class JobRecord:
 
     kind: JobKind
     profile: bool = False  # log the record on `ems.profile` when it finishes (Settings.profiling)
-    path: str = ""  # "one-pass", "pipelined" or (V0 loads from pool nodes) "staged"
+    path: str = ""  # "one-pass", "pipelined", (V0 loads from pool nodes) "staged" or (no values) "none"
     blocks_ok: int = 0
     blocks_total: int = 0
     nbytes: int = 0

@@ -6,6 +6,9 @@
 * V1, slot_mapping form:   `(slot_mapping, hashes, offsets, option=None)`
 * V1, chunk_descs form:    `(hashes=..., chunk_descs=..., option=None)`
 
+(The SDK's fourth form, token semantics `(slot_mapping, option=None, token_ids=..., mask=...)`, is bound by
+`ems.datapath.tokens`, with these checks.)
+
 Every check happens here, vectorised where it concerns tokens: a bad argument raises
 `EmsException(EMS_INVALID_ARGUMENT)` naming the argument and the offending index, and nothing has been written.
 A slot outside the registered cache never reaches a kernel (that would be memory corruption).
@@ -244,8 +247,9 @@ def _first(mask: np.ndarray) -> int:
 _SET_CHECK_MAX = 8192  # tokens: up to here repeats are looked for with a Python set
 
 
-def _check_no_repeats(name: str, slots: np.ndarray) -> None:
-    """A load must not write one slot twice (which copy would win is undefined)."""
+def _check_no_repeats(name: str, slots: np.ndarray, first: int = 0) -> None:
+    """A load must not write one slot twice (which copy would win is undefined). `slots` are the argument's entries
+    from index `first` on (the indices a refusal names)."""
     if slots.size <= _SET_CHECK_MAX and len(set(slots.tolist())) == slots.size:
         # no repeats (the usual case). A Python set costs about what a sort does at these sizes, and keeps the GIL:
         # numpy's sort gives it away, which costs a switch interval (5 ms) beside a busy engine thread
@@ -254,7 +258,9 @@ def _check_no_repeats(name: str, slots: np.ndarray) -> None:
     repeated = np.nonzero(slots[order][1:] == slots[order][:-1])[0]
     if repeated.size:
         i, j = sorted((int(order[repeated[0]]), int(order[repeated[0] + 1])))
-        raise invalid_argument(f"{name}: slot {int(slots[j])} at index {j} repeats index {i}; a load writes each slot once")
+        raise invalid_argument(
+            f"{name}: slot {int(slots[j])} at index {first + j} repeats index {first + i}; a load writes each slot once"
+        )
 
 
 def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotRequest:

@@ -23,6 +23,7 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | lookup_cache_s      | 1.0                        | how long a waiting request's lookup answer is reused          |
 | save_wait_ms        | 2000                       | how long a lookup waits for blocks still being saved (0: never) |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
+| cross_layer_blocks  | false                      | ask vLLM for its block-outermost layout BLHNC: one copy a block |
 | max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
 | every other `EmsConfig` pool setting (pool_capacity, pool_replicas, pool_backend, ...) | as `EmsConfig` | see README |
 
@@ -84,6 +85,7 @@ KEYS = (
     "save_wait_ms",
     "access_id",
     "access_key",
+    "cross_layer_blocks",
 ) + EMS_SETTINGS
 
 
@@ -136,6 +138,7 @@ class ConnectorConfig:
     access_id: str | None = None
     access_key: str | None = field(default=None, repr=False)
     max_inflight: int = DEFAULT_MAX_INFLIGHT
+    cross_layer_blocks: bool = False
     ems_settings: tuple[tuple[str, Any], ...] = ()
     pool_settings: Settings | None = None  # the pool settings resolved (`from_extra`)
 
@@ -182,6 +185,9 @@ class ConnectorConfig:
                 f"kv_connector_extra_config.save_wait_ms must be an int in 0..{MAX_SAVE_WAIT_MS}, got {save_wait!r}"
             )
         inflight = pool.max_inflight
+        cross_layer = extra.get("cross_layer_blocks", False)
+        if not isinstance(cross_layer, bool):
+            raise invalid_argument(f"kv_connector_extra_config.cross_layer_blocks must be true or false, got {cross_layer!r}")
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
             raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")
@@ -202,6 +208,7 @@ class ConnectorConfig:
             access_id=extra.get("access_id"),
             access_key=extra.get("access_key") or (access_key_from_environment() if extra.get("access_id") else None),
             max_inflight=inflight,
+            cross_layer_blocks=cross_layer,
             # max_inflight goes to the client explicitly: the workers' in-flight budget is exactly its limit
             ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra and k != "max_inflight")
             + (("max_inflight", inflight),),

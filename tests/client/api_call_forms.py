@@ -28,6 +28,12 @@ def exercise(cc: ContextCaching, buffer: torch.Tensor) -> list[CcResult]:
     results.append(cc.load(hashes=[16, 17], chunk_descs=[[[4, 2], [6, 2]]], option=option))
     results.append(cc.get_result(cc.async_save(hashes=[18], chunk_descs=[[(0, 1)]], option=option)))
     results.append(cc.get_result(cc.async_load(hashes=[18], chunk_descs=[[(4, 1)]])))
+    # V1, token form (the SDK's 2025-09 edition): slot_mapping with token_ids and mask by keyword; lists or tensors
+    results.append(cc.save([0, 1, 2], token_ids=[7, 8, 9], mask=[1, 1, 1]))
+    results.append(cc.save(slot_mapping=[0, 1, 2], token_ids=torch.tensor([7, 8, 9]), mask=[0, 1, 1], option=option))
+    results.append(cc.load([4, 5, 6], token_ids=np.array([7, 8, 9]), mask=[True, True, True], option=option))
+    results.append(cc.get_result(cc.async_save(torch.tensor([0, 1]), token_ids=(5, 6), mask=torch.tensor([1, 1]))))
+    results.append(cc.get_result(cc.async_load([4, 5], token_ids=[5, 6], mask=np.array([0, 1]), option=option)))
     # V0: positional or by keyword
     keys = [PrimaryKey("doc", "a"), PrimaryKey("doc", "b")]
     values = [[KvBufferWrapper(buffer.data_ptr(), 16)], [KvBufferWrapper(buffer.data_ptr() + 16, 16)]]
@@ -51,3 +57,6 @@ def _refused_forms(cc: ContextCaching) -> None:  # never called: only type-check
     cc.save(CcKvOption(), [11], [2])  # type: ignore[list-item]
     cc.load(hashes=[1], chunk_descs=[[(0, 1)]], offsets=[1])  # type: ignore[call-overload]
     cc.async_save("0, 1", [11], [2])  # type: ignore[arg-type]
+    cc.save([0, 1], token_ids=[1, 2])  # type: ignore[call-overload]
+    cc.load([0, 1], [11], [2], token_ids=[1, 2], mask=[1, 1])  # type: ignore[call-overload]
+    cc.async_load([0, 1], token_ids="12", mask=[1, 1])  # type: ignore[arg-type]

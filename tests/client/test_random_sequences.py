@@ -2,10 +2,11 @@
 
 State carried between calls (staging buffers of every size, keys written earlier, async calls in flight) is where
 bugs hide: a staging pool that failed once requests varied in size (issue 7, defect 2) passed every single-call
-test. Each sequence mixes sync and async calls of 1 to hundreds of blocks in all three call forms (V0 raw ranges, V1
-slot_mapping, V1 chunk_descs), keeps a model of what the pool must hold, and checks every loaded byte, every byte a
-load must not touch, and every `CcResult`. Seeds are fixed; the embedded pool is large enough that nothing is
-evicted, so the model is exact (a hit is required, not merely allowed).
+test. Each sequence mixes sync and async calls of 1 to hundreds of blocks in all four call forms (V0 raw ranges, V1
+slot_mapping, V1 chunk_descs, V1 tokens: sequences that share prefixes, masks of any length), keeps a model of what
+the pool must hold, and checks every loaded byte, every byte a load must not touch, and every `CcResult`. Seeds are
+fixed; the embedded pool is large enough that nothing is evicted, so the model is exact (a hit is required, not
+merely allowed).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Model:
         self.cc.register_kvcache(self.cache)
         self.v1: dict[int, Saved] = {}
         self.v0: dict[PrimaryKey, bytes] = {}
+        self.documents: list[tuple[list[int], int]] = []  # token sequences the token form saved, and their masked prefix
+        self.by_tokens: dict[bytes, Saved] = {}  # the token form: a block, keyed by every token up to its end
         self.arena = torch.zeros(V0_ARENA, dtype=torch.uint8)
         self.hash_space = [self.rng.randrange(-(2**63), 2**64) for _ in range(3000)]
         self.ops = 0
@@ -86,6 +89,9 @@ class Model:
     # ---- V1 ----
 
     def v1_save(self, form: str, use_async: bool) -> None:
+        if form == "tokens":
+            self.tokens_save(use_async)
+            return
         n = self.count()
         block_ids = self.rng.sample(range(BLOCKS), n)
         hashes = self.rng.sample(self.hash_space, n)
@@ -108,6 +114,9 @@ class Model:
             self.v1[h] = Saved(k, r)
 
     def v1_load(self, form: str, use_async: bool) -> None:
+        if form == "tokens":
+            self.tokens_load(use_async)
+            return
         n = self.count()
         known = list(self.v1)
         hashes = self.rng.sample(known, min(n, len(known))) if known else []
@@ -132,6 +141,76 @@ class Model:
             if not torch.equal(t.view(torch.uint8), want.view(torch.uint8)):
                 raise AssertionError(f"plane {p} differs after loading {n} blocks ({expected_hits} hits)")
         self.loaded_blocks += expected_hits
+
+    # ---- V1, token form: keys derived from the tokens, results in tokens ----
+
+    def token_sequence(self, known: float) -> tuple[list[int], int]:
+        """A token sequence of 1 to ~600 tokens and a masked prefix for it: with probability `known` one that shares
+        a prefix with a saved one (as long as it can be, or cut at a random point, then grown) and, mostly, masks
+        what that save masked, else a new one with any mask."""
+        n = self.rng.randint(1, BLOCK_SIZE * min(BLOCKS // 2, self.count()))
+        if not self.documents or self.rng.random() >= known:
+            return [self.rng.randrange(32000) for _ in range(n)], self.rng.choice([0, 0, self.rng.randint(0, n)])
+        base, base_masked = self.rng.choice(self.documents)
+        keep = min(n, len(base)) if self.rng.random() < 0.6 else self.rng.randint(0, min(n, len(base)))
+        tokens = base[:keep] + [self.rng.randrange(32000) for _ in range(n - keep)]
+        low = min(keep, base_masked) if self.rng.random() < 0.8 else 0
+        return tokens, self.rng.choice([low, self.rng.randint(low, keep)])
+
+    @staticmethod
+    def token_key(tokens: list[int]) -> bytes:
+        return np.array(tokens, dtype=np.int64).tobytes()
+
+    def token_args(self, tokens: list[int], masked: int, block_ids: list[int]) -> dict:
+        n = len(tokens)
+        slots = [block_ids[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(n)]
+        mask = [0] * masked + [1] * (n - masked)
+        if self.rng.random() < 0.5:
+            return {"slot_mapping": torch.tensor(slots), "token_ids": torch.tensor(tokens), "mask": torch.tensor(mask)}
+        return {"slot_mapping": slots, "token_ids": tokens, "mask": mask, "option": CcKvOption(timeout=5000)}
+
+    def tokens_save(self, use_async: bool) -> None:
+        tokens, masked = self.token_sequence(known=0.5)
+        n, nb = len(tokens), -(-len(tokens) // BLOCK_SIZE)
+        block_ids = self.rng.sample(range(BLOCKS), nb)
+        for b in block_ids:
+            for t in tensors(self.cache):
+                fill_random(t[b])
+        counts = [min(BLOCK_SIZE, n - j * BLOCK_SIZE) for j in range(nb)]
+        rows = self.rows_of(block_ids, counts)
+        kwargs = self.token_args(tokens, masked, block_ids)
+        if use_async:
+            future = self.cc.async_save(**kwargs)
+            for b in block_ids:  # copied out when async_save returned: overwriting them is allowed
+                for t in tensors(self.cache):
+                    fill_random(t[b])
+            result = self.cc.get_result(future)
+        else:
+            result = self.cc.save(**kwargs)
+        assert result == CcResult(n - masked, n - masked)
+        for j in range(masked // BLOCK_SIZE, nb):
+            self.by_tokens[self.token_key(tokens[: j * BLOCK_SIZE + counts[j]])] = Saved(counts[j], rows[j])
+        self.documents.append((tokens, masked))
+
+    def tokens_load(self, use_async: bool) -> None:
+        tokens, masked = self.token_sequence(known=0.85)
+        n, nb = len(tokens), -(-len(tokens) // BLOCK_SIZE)
+        block_ids = self.rng.sample(range(BLOCKS), nb)
+        before = [t.clone() for t in tensors(self.cache)]
+        result = self.call(use_async, self.cc.load, self.cc.async_load, **self.token_args(tokens, masked, block_ids))
+        first = found = masked // BLOCK_SIZE
+        while found < nb and self.token_key(tokens[: (found + 1) * BLOCK_SIZE]) in self.by_tokens:
+            found += 1
+        success = min(n, found * BLOCK_SIZE) - masked if found > first else 0
+        assert result == CcResult(success, n - masked), (n, masked, result)
+        for p, (t, want) in enumerate(zip(tensors(self.cache), before)):
+            for j in range(first, found):  # the mask-1 tokens of each block found, nothing else
+                saved = self.by_tokens[self.token_key(tokens[: (j + 1) * BLOCK_SIZE])]
+                lo = max(masked - j * BLOCK_SIZE, 0)
+                want[block_ids[j], lo : saved.tokens] = saved.rows[p][lo:]
+            if not torch.equal(t.view(torch.uint8), want.view(torch.uint8)):
+                raise AssertionError(f"plane {p} differs after loading {n} tokens by token ids ({success} loaded)")
+        self.loaded_blocks += found - first
 
     def v1_exists(self) -> None:
         n = self.count()
@@ -188,7 +267,7 @@ class Model:
     def step(self) -> None:
         use_async = self.rng.random() < 0.4
         roll = self.rng.random()
-        form = self.rng.choice(["slots", "chunks"])
+        form = self.rng.choice(["slots", "chunks", "tokens"])
         if roll < 0.35:
             self.v1_save(form, use_async)
         elif roll < 0.65:
@@ -324,12 +403,12 @@ class CallSequence(RuleBasedStateMachine):
         self.model.rng = random.Random(seed)
         torch.manual_seed(seed)
 
-    @rule(seed=st.integers(0, 2**32), form=st.sampled_from(["slots", "chunks"]), use_async=st.booleans())
+    @rule(seed=st.integers(0, 2**32), form=st.sampled_from(["slots", "chunks", "tokens"]), use_async=st.booleans())
     def v1_save(self, seed: int, form: str, use_async: bool) -> None:
         self.reseed(seed)
         self.model.v1_save(form, use_async)
 
-    @rule(seed=st.integers(0, 2**32), form=st.sampled_from(["slots", "chunks"]), use_async=st.booleans())
+    @rule(seed=st.integers(0, 2**32), form=st.sampled_from(["slots", "chunks", "tokens"]), use_async=st.booleans())
     def v1_load(self, seed: int, form: str, use_async: bool) -> None:
         self.reseed(seed)
         self.model.v1_load(form, use_async)

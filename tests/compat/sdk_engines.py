@@ -12,6 +12,9 @@ does, never this package's internals.
   registered as a list of per-layer `[K, V]`; `async_save` / `async_load(slot_mapping=, hashes=, offsets=,
   option=)` with whole-block slot mappings; results polled from the engine loop with `is_ready` / `get_result`
   and taken as `success * block_size` tokens; a daemon thread calling `Ems.check_health()` periodically.
+* `V1TokenEngine`: the same engine on the token semantics of the SDK's 2025-09 edition: `async_save` /
+  `async_load(slot_mapping=, token_ids=, mask=, option=)` over a prompt's tokens, no hashes, `mask` 0 for the
+  prefix the engine holds already; results count tokens, so a load's computed tokens are that prefix + `success`.
 """
 
 from __future__ import annotations
@@ -248,3 +251,64 @@ class V1Engine:
     def close(self) -> None:
         if self.health is not None:
             self.health.stop()
+
+
+def token_slots(block_ids: Sequence[int], n: int, block_size: int) -> list[int]:
+    """The slots of a request's first n tokens in its blocks (the last block may be partly filled)."""
+    return whole_block_slots(block_ids, block_size)[:n]
+
+
+class V1TokenEngine(V1Engine):
+    """The V1 engine on token semantics: prompts as token ids and a mask, no hashes; results in tokens."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.held: dict[str, int] = {}  # per request: the tokens it held before the call (the mask's zeros)
+
+    def _token_args(self, token_ids: Sequence[int] | torch.Tensor, block_ids: Sequence[int], held: int) -> dict:
+        n = len(token_ids)
+        return {
+            "slot_mapping": token_slots(block_ids, n, self.block_size),
+            "token_ids": token_ids,
+            "mask": [0] * held + [1] * (n - held),
+            "option": option(),
+        }
+
+    def async_save_tokens(
+        self, req_id: str, token_ids: Sequence[int] | torch.Tensor, block_ids: Sequence[int], held: int
+    ) -> None:
+        assert self.context_caching is not None
+        self.save_futures[req_id] = Pending(self.context_caching.async_save(**self._token_args(token_ids, block_ids, held)))
+        self.held[req_id] = held
+
+    def async_load_tokens(
+        self, req_id: str, token_ids: Sequence[int] | torch.Tensor, block_ids: Sequence[int], held: int
+    ) -> None:
+        assert self.context_caching is not None
+        future = self.context_caching.async_load(**self._token_args(token_ids, block_ids, held))
+        self.load_futures[req_id] = (Pending(future), 0)
+        self.held[req_id] = held
+
+    def finished_saves(self) -> list[tuple[str, int]]:
+        """(req_id, tokens the pool holds for the request from its start: the held prefix + the tokens saved)."""
+        done = self._done(self.save_futures)
+        for req_id, _ in done:
+            del self.save_futures[req_id]
+        return done
+
+    def finished_loads(self) -> list[tuple[str, int]]:
+        """(req_id, computed tokens = the held prefix + the tokens loaded) of the loads that are done."""
+        done = self._done({req_id: pending for req_id, (pending, _) in self.load_futures.items()})
+        for req_id, _ in done:
+            del self.load_futures[req_id]
+        return done
+
+    def _done(self, calls: dict[str, Pending]) -> list[tuple[str, int]]:
+        """The calls that are done (never blocks: is_ready, then get_result), with held + success tokens each."""
+        cc = self.context_caching
+        assert cc is not None
+        return [
+            (req_id, self.held.pop(req_id) + cc.get_result(pending.future).success)
+            for req_id, pending in calls.items()
+            if cc.is_ready(pending.future)
+        ]

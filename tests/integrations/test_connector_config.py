@@ -53,7 +53,8 @@ def test_defaults_and_every_key(monkeypatch):
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
     assert full.lease_ms == 0 and full.load_failure_policy == "fail" and full.save_wait_ms == 500
     assert config.save_wait_ms == 2000
-    assert len(KEYS) == 15 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert len(KEYS) == 16 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
 
@@ -148,6 +149,7 @@ def test_equal_configs_for_every_process():
         {"lookup_timeout_ms": 0},
         {"breaker_cooldown_s": "1"},
         {"lookup_cache_s": -1},
+        {"cross_layer_blocks": "yes"},
         {"lease_ms": -1},
         {"lease_ms": 60_001},
         {"save_wait_ms": -1},

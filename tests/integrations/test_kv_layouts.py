@@ -168,3 +168,41 @@ def test_store_groups_split_by_shape():
     groups = kv_layouts.store_groups([a, b, a, b, a])
     assert [g.layer_ids for g in groups] == [[0, 2, 4], [1, 3]]
     assert all(g.store_block_size == 1 for g in groups)
+
+
+def test_block_outermost_buffer_registers_as_cross_layer_blocks():
+    """vLLM's BLHNC cache (one `[blocks, layers, H, N, C]` buffer, each layer a `[B, H, N, C]` view, what the worker
+    is handed with `cross_layer_blocks`): its layers' whole-block planes are detected as cross-layer blocks, so a
+    save or load of whole engine blocks is ONE copy per block (the memcpy path counts them), byte for byte."""
+    from ems import CcKvOption
+    from ems.kernels.base import KernelBackend
+    from ems.kernels.select import get_backend
+
+    Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "blhnc"), kernel_backend="memcpy", pool_capacity="64MiB"))
+    try:
+        cc = Ems.get_cc()
+        gen = torch.Generator().manual_seed(4)
+        layers = 4
+        buffer = _random((BLOCKS, layers, 2, 16, 64), gen=gen)  # [B, L, H, N, C]
+        planes = [kv_layouts.block_planes(buffer[:, layer], BLOCKS) for layer in range(layers)]
+        shapes = [kv_layouts.shape_of(p) for p in planes]
+        cc.register_kvcache([list(p) for p in planes], kv_layouts.store_groups(shapes))
+        assert [g.cross_layer for g in cc.layout.groups] == [True]
+        memcpy = get_backend(torch.device("cpu"), KernelBackend.MEMCPY)
+        blocks = [7, 1, 4]
+        saved = buffer.clone()
+        before = memcpy.ops_issued
+        assert cc.save(blocks, [11, 12, 13], [1, 1, 1], CcKvOption()).success == 3  # a slot is an engine block
+        assert memcpy.ops_issued - before == 3
+        buffer.copy_(_random(buffer.shape, gen=gen))
+        poisoned = buffer.clone()
+        before = memcpy.ops_issued
+        assert cc.load(blocks, [11, 12, 13], [1, 1, 1], CcKvOption()).success == 3
+        assert memcpy.ops_issued - before == 3
+        for b in range(BLOCKS):
+            assert torch.equal(buffer[b], (saved if b in blocks else poisoned)[b])
+        # one layer of such a buffer registered alone (LBHNC-like): its blocks are runs too, of one layer each
+        cc.register_kvcache([list(planes[0])], kv_layouts.store_groups(shapes[:1]))
+        assert [g.cross_layer for g in cc.layout.groups] == [True]
+    finally:
+        Ems.shutdown()

@@ -44,10 +44,14 @@ def make_layout(
     gen: torch.Generator,
 ) -> tuple[list[torch.Tensor], PlaneSet]:
     """kind: "plain" (one allocation per plane), "kv_interleaved" (one [blocks, 2, bs, h, d] per layer),
-    "padded_block" (block stride padded by 3 slots), "padded_slot" (slot stride = row + 2 elements)."""
+    "padded_block" (block stride padded by 3 slots), "padded_slot" (slot stride = row + 2 elements),
+    "block_major" (cross-layer blocks: one [blocks, layers, 2, bs, h, d] allocation, each block's planes one run)."""
     bases: list[torch.Tensor] = []
     planes: list[torch.Tensor] = []
     row = heads * head_size
+    if kind == "block_major":
+        t = random_tensor([blocks, layers, 2, block_size, heads, head_size], dtype, gen)
+        return [t], PlaneSet(tuple(t[:, layer, kv] for layer in range(layers) for kv in range(2)))
     for _ in range(layers):
         if kind == "plain":
             for _kv in range(2):
@@ -109,12 +113,12 @@ def split_layout(
 GAP = 40  # bytes before every value (a header)
 
 
-def values_layout(counts: Sequence[int], token_bytes: int, align: int = 8) -> tuple[np.ndarray, np.ndarray, int]:
-    """tok_start [n + 1], part_base [n] with a GAP before each value (values `align`-byte aligned), total bytes."""
+def values_layout(counts: Sequence[int], token_bytes: int, align: int = 8, gap: int = GAP) -> tuple[np.ndarray, np.ndarray, int]:
+    """tok_start [n + 1], part_base [n] with `gap` bytes before each value (values `align`-byte aligned), total bytes."""
     tok_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-    sizes = GAP + np.asarray(counts, np.int64) * token_bytes
+    sizes = gap + np.asarray(counts, np.int64) * token_bytes
     starts = np.concatenate(([0], np.cumsum((sizes + align - 1) // align * align)))
-    return tok_start, starts[:-1] + GAP, int(starts[-1])
+    return tok_start, starts[:-1] + gap, int(starts[-1])
 
 
 def reference_pieces(
@@ -146,10 +150,10 @@ def _reference_rows(
 
 
 def pieces_case(
-    planes: PlaneSet, slots: Sequence[int], counts: Sequence[int], align: int = 8
+    planes: PlaneSet, slots: Sequence[int], counts: Sequence[int], align: int = 8, gap: int = GAP
 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray, int]:
     """(piece table, tok_start, part_base, total staging bytes) for `slots` cut into values of `counts` tokens."""
-    tok_start, part_base, total = values_layout(counts, planes.token_bytes, align)
+    tok_start, part_base, total = values_layout(counts, planes.token_bytes, align, gap)
     table, _ = value_pieces(np.asarray(slots, np.int64), planes.block_size, tok_start, part_base)
     return torch.from_numpy(table), tok_start, part_base, total
 
@@ -163,11 +167,12 @@ def check_pieces_roundtrip(
     gen: torch.Generator,
     align: int = 8,
     scatter: bool = True,
+    gap: int = GAP,
 ) -> None:
     """Gather like the reference (ONE launch on the Triton path; piece by piece gives the same bytes); then, unless
     `scatter` is False (slots with repeats), scatter fresh bytes: exactly the named rows change, padding and every
     other row stay, and a gather reads the new bytes back."""
-    pieces, tok_start, part_base, total = pieces_case(planes, slots, counts, align)
+    pieces, tok_start, part_base, total = pieces_case(planes, slots, counts, align, gap)
     expected, written = reference_pieces(planes, slots, tok_start, part_base, total)
     out = torch.full((total,), POISON, dtype=torch.uint8)
     ops = backend.ops_issued

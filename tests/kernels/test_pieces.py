@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kernel_cases import DTYPES, SPLITS, as_bytes, check_pieces_roundtrip, make_layout, pieces_case, split_layout
 
 from ems.kernels.base import CopyBackend, PlaneSet
-from ems.kernels.plan import value_pieces
+from ems.kernels.plan import block_run_pieces, value_pieces
 
-LAYOUTS = ["plain", "kv_interleaved", "padded_block", "padded_slot"]
+LAYOUTS = ["plain", "kv_interleaved", "padded_block", "padded_slot", "block_major"]
 
 
 def _check(
@@ -143,8 +143,8 @@ def test_pieces_tile_edges(backend: CopyBackend) -> None:
     """Pieces longer than one tile: several span tiles per piece (contiguous rows), several row and column tiles
     per piece (strided rows), masks at every edge."""
     gen = torch.Generator().manual_seed(7)
-    if hasattr(backend, "tile_elems"):
-        backend.tile_elems = 64  # tiny tiles, so small data crosses many tile edges
+    if hasattr(backend, "tile_override"):
+        backend.tile_override = 64  # tiny tiles, so small data crosses many tile edges
     # row = 3 * 33 = 99 fp32 units -> 2 column tiles of 64; a 16-slot piece = 1584 units -> 25 span tiles
     bases, planes = make_layout("plain", layers=1, blocks=3, block_size=16, heads=3, head_size=33, dtype=torch.float32, gen=gen)
     _check(backend, bases, planes, list(range(0, 48)), [16, 20, 12], gen)
@@ -288,3 +288,80 @@ def test_value_pieces_cover_every_slot_in_order(block_size: int, slots: list[int
     assert np.all(start // block_size == (start + count - 1) // block_size)
     assert np.all(base == value * 1000) and np.all(tokens == np.diff(cuts)[value])
     assert np.all(cuts[value] + index + count <= cuts[value + 1])
+
+
+@pytest.mark.parametrize("split", [None, SPLITS[1]])
+def test_cross_layer_blocks_move_one_run_per_block(backend: CopyBackend, split) -> None:
+    """Cross-layer blocks (each block's planes one run of the cache): whole-block values move as ONE piece per block
+    of `PlaneSet.block_runs` (one span in the kernel, one copy on the memcpy path), byte for byte what the planes'
+    pieces move; both directions, blocks in any order, values with gaps between them."""
+    gen = torch.Generator().manual_seed(31)
+    bs, blocks, layers = 4, 8, 3
+    if split is None:
+        bases, planes = make_layout("block_major", layers, blocks, bs, 2, 8, torch.bfloat16, gen)
+    else:  # MLA split K/V of different row sizes and dtypes, packed per block across layers
+        (kh, kd), kdt, (vh, vd), vdt = split
+        kbytes, vbytes = bs * kh * kd * kdt.itemsize, bs * vh * vd * vdt.itemsize
+        raw = torch.randint(1, 256, (blocks, layers, kbytes + vbytes), dtype=torch.int32, generator=gen).to(torch.uint8)
+        bases = [raw]
+        planes = PlaneSet(
+            tuple(
+                p
+                for layer in range(layers)
+                for p in (
+                    raw[:, layer, :kbytes].view(kdt).view(blocks, bs, kh, kd),
+                    raw[:, layer, kbytes:].view(vdt).view(blocks, bs, vh, vd),
+                )
+            )
+        )
+    runs = planes.block_runs
+    assert runs is not None and runs.num_planes == 1 and runs.block_size == 1
+    assert runs.plane_row_bytes == (bs * planes.token_bytes,) == (planes.block_run_bytes,)
+    order = torch.randperm(blocks, generator=gen).tolist()[:5]
+    slots = [b * bs + j for b in order for j in range(bs)]
+    pieces, _tok, _base, total = pieces_case(planes, slots, [bs] * len(order))
+    table = block_run_pieces(pieces.numpy(), bs)
+    assert table is not None and table.shape == (5, len(order))
+    assert table[0].tolist() == order
+    want = torch.full((total,), 0xA5, dtype=torch.uint8)
+    backend.gather_pieces(planes, pieces, want)
+    got = torch.full((total,), 0xA5, dtype=torch.uint8)
+    before = backend.ops_issued
+    backend.gather_pieces(runs, torch.from_numpy(table), got)
+    if backend.name == "memcpy":
+        assert backend.ops_issued - before == len(order)  # one copy per block (the planes' pieces: one per plane)
+    if backend.name == "triton":
+        assert backend.ops_issued - before == 1
+    assert torch.equal(got, want)
+    # scatter the block runs from fresh bytes: exactly the planes' scatter of the same bytes
+    src = torch.randint(0, 256, (total,), dtype=torch.int32, generator=gen).to(torch.uint8)
+    twin = bases[0].clone()
+    backend.scatter_pieces(runs, torch.from_numpy(table), src)
+    after_runs = bases[0].clone()
+    bases[0].copy_(twin)
+    backend.scatter_pieces(planes, pieces, src)
+    assert torch.equal(as_bytes(after_runs), as_bytes(bases[0]))
+    assert not torch.equal(as_bytes(after_runs), as_bytes(twin))
+    # a partial value, or a value through two blocks, is no whole block: no block-run table
+    partial, *_ = pieces_case(planes, slots[: 2 * bs - 1], [bs, bs - 1])
+    assert block_run_pieces(partial.numpy(), bs) is None
+    shifted, *_ = pieces_case(planes, slots[1 : bs + 1], [bs])
+    assert block_run_pieces(shifted.numpy(), bs) is None
+
+
+@pytest.mark.parametrize("kind", ["plain", "kv_interleaved", "padded_block", "padded_slot"])
+def test_other_layouts_are_not_cross_layer(kind: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    _, planes = make_layout(kind, 2, 4, 4, 2, 8, torch.float16, gen)
+    assert planes.block_runs is None
+
+
+def test_block_runs_need_plane_order_and_one_allocation() -> None:
+    """K of every layer, then V of every layer, in a block ([blocks, 2, layers, ...]): each block is one run, but
+    not in the planes' order (the value's): no block runs. One layer's K/V interleaved per block is one."""
+    t = torch.zeros(4, 2, 3, 4, 2, 8, dtype=torch.float16)
+    assert PlaneSet(tuple(t[:, kv, layer] for layer in range(3) for kv in range(2))).block_runs is None
+    assert PlaneSet(tuple(t[:, kv, layer] for kv in range(2) for layer in range(3))).block_runs is not None
+    u = torch.zeros(4, 2, 4, 2, 8, dtype=torch.float16)
+    assert PlaneSet((u[:, 0], u[:, 1])).block_runs is not None
+    assert PlaneSet((u[:, 0],)).block_runs is None  # one plane: its rows already move as one span

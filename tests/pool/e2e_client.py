@@ -1,4 +1,5 @@
-"""A client process for test_e2e_api: `python e2e_client.py JSON` runs one save / load / exists through `import ems`
+"""A client process for test_e2e_api: `python e2e_client.py JSON` runs save / load / exists (and the token form's
+save and load: `tsave`, `tload`) through `import ems`
 and prints one JSON line with the results. The KV cache is seeded, so every process builds the same bytes."""
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main() -> None:
     hashes = [1000 + i for i in block_ids]
     slots = slots_of_blocks(block_ids, bs)
     option = CcKvOption(timeout=3000)
+    tokens = [(7919 * i) % 32000 for i in range(len(slots))]  # 48 tokens, the same in every process
     for step in args["steps"]:
         if step == "save":
             r = cc.save(slots, hashes, [bs] * blocks, option)
@@ -68,6 +70,17 @@ def main() -> None:
             out["load"] = [r.success, r.total]
             expected = expected_after_load(original, poisoned, slots_of_blocks(block_ids[: r.success], bs))
             out["load_exact"] = all(
+                torch.equal(t.view(torch.uint8), e.view(torch.uint8)) for t, e in zip([t for p in cache for t in p], expected)
+            )
+        elif step == "tsave":  # the token form: every token, keys derived from the token ids
+            r = cc.save(slots, option=option, token_ids=tokens, mask=[1] * len(tokens))
+            out["tsave"] = [r.success, r.total]
+        elif step == "tload":  # the token form, the first 6 tokens held already: tokens 6.. written, nothing else
+            poisoned = poison(cache)
+            r = cc.load(slots, option=option, token_ids=torch.tensor(tokens, dtype=torch.int32), mask=[0] * 6 + [1] * 42)
+            out["tload"] = [r.success, r.total]
+            expected = expected_after_load(original, poisoned, slots[6 : 6 + r.success])
+            out["tload_exact"] = all(
                 torch.equal(t.view(torch.uint8), e.view(torch.uint8)) for t, e in zip([t for p in cache for t in p], expected)
             )
         elif step == "health":

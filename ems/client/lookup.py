@@ -1,0 +1,75 @@
+"""`exists`: how many of an engine's blocks, from the first, the pool holds (the lookup behind `ContextCaching.exists`).
+
+Contract: `hashes` (V1 block hashes, or V0 keys: `PrimaryKey` or str) is checked by `requests.bind_exists` (bad input
+raises `EmsException(EMS_INVALID_ARGUMENT)`); V1 hashes need a registered layout (`v1_namespace` is None until then:
+refused the same way). This package's addition: `lease_ms=N` or `pin=True` in `kwargs` asks the pool to keep what it
+reports (`ems.store.holds`); only keys it keeps count as held. The answer is `CcResult(consecutive hits from the
+first, len(hashes))`. A failing or unreachable pool never raises: its keys count as misses (a pool that raised reports
+0 hits), logged once per call. The embedded pool's index answers directly (as the one-pass jobs use it). Each answered
+call is added to the metrics' exists counters once (a pool that raised is not counted, as before this module existed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ems.backends.base import PoolBackend
+from ems.client.metrics import CcMetrics
+from ems.datapath.keys import v0_keys, v1_keys
+from ems.datapath.requests import bind_exists
+from ems.errors import EmsErrorCode, EmsException
+from ems.types import CcKvOption, CcResult, PrimaryKey
+
+logger = logging.getLogger("ems")
+
+
+def consecutive_prefix(flags: Sequence[bool]) -> int:
+    """How many leading entries are true."""
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)
+
+
+def count_held(
+    pool: PoolBackend,
+    metrics: CcMetrics,
+    hashes: Any,
+    option: CcKvOption | None,
+    kwargs: dict[str, Any],
+    v0_namespace: bytes,
+    v1_namespace: bytes | None,
+) -> CcResult:
+    """How many of `hashes`, from the first, `pool` holds (the module's contract). `v1_namespace` is the registered
+    layout's key namespace, None before `register_kvcache`."""
+    items, checked_option, hold = bind_exists(hashes, option, kwargs)
+    if isinstance(items[0], (PrimaryKey, str)):
+        keys, route_keys = v0_keys(v0_namespace, items)
+    else:
+        if v1_namespace is None:
+            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
+        keys, route_keys = v1_keys(v1_namespace, items)
+    store = pool.local_store
+    if store is not None:  # the embedded pool: its index answers directly (as the one-pass jobs use it)
+        held = store.contains_many(keys) if hold is None else store.hold_many(keys, hold)
+        result = CcResult(consecutive_prefix(held), len(keys))
+        metrics.record_exists(result.success, result.total)
+        return result
+    try:
+        outcome = pool.exists(route_keys, keys, checked_option, hold)
+    except Exception as exc:  # the contract: a failing pool is a miss, not an exception
+        logger.warning("exists: pool failure reported as 0 hits: %s", exc)
+        return CcResult(0, len(keys))
+    if outcome.errors:  # said once per call, so that misses caused by a failing node are not silent
+        error = outcome.first_error()
+        logger.warning(
+            "exists: %d of %d pool node(s) failed, their keys count as misses: %s",
+            len(outcome.errors),
+            outcome.nodes_contacted,
+            error.message() if error is not None else "",
+        )
+    result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
+    metrics.record_exists(result.success, result.total)
+    return result
