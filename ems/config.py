@@ -219,6 +219,7 @@ POOL_SETTINGS = (
     "pool_etcd",
     "pool_cluster",
     "pool_replicas",
+    "pool_hedge",
     "pool_backend",
     "mooncake_master",
     "mooncake_metadata",
@@ -262,6 +263,7 @@ class EmsConfig:
     pool_etcd: str | None = None
     pool_cluster: str | None = None
     pool_replicas: int | None = None
+    pool_hedge: str | bool | None = None
     pool_backend: str | None = None
     mooncake_master: str | None = None
     mooncake_metadata: str | None = None
@@ -309,6 +311,7 @@ class Settings:
     pool_etcd: str | None = None
     pool_cluster: str = "default"
     pool_replicas: int = 1
+    pool_hedge: bool = True  # with replicas: reads hedged around slow nodes (ems.backends.reads)
     pool_prefault: int = 0  # embedded pool: bytes of its arena pre-faulted at start-up (see ems.store.kv_store)
     pool_prefault_ahead: int = 256 << 20  # embedded pool: bytes kept faulted in ahead of use, in the background
     pool_backend: PoolBackendKind = PoolBackendKind.EMS
@@ -489,7 +492,7 @@ _CLUSTER_RE = re.compile(r"[0-9a-z._-]{1,512}")
 
 
 def _cluster_settings(config: EmsConfig) -> dict:
-    """pool_etcd, pool_cluster, pool_replicas, checked."""
+    """pool_etcd, pool_cluster, pool_replicas, pool_hedge, checked."""
     etcd = _setting(config.pool_etcd, "EMS_POOL_ETCD", None)
     if etcd is not None:
         from ems.cluster.etcd import parse_url
@@ -502,7 +505,12 @@ def _cluster_settings(config: EmsConfig) -> dict:
     if not isinstance(cluster, str) or _CLUSTER_RE.fullmatch(cluster) is None:
         raise invalid_argument(f"pool_cluster must be 1-512 characters of [0-9a-z._-] (an etcd key part), got {cluster!r}")
     replicas = _int_setting("pool_replicas", _setting(config.pool_replicas, "EMS_POOL_REPLICAS", 1), 1)
-    return {"pool_etcd": etcd, "pool_cluster": cluster, "pool_replicas": replicas}
+    hedge = _setting(config.pool_hedge, "EMS_POOL_HEDGE", "on")
+    if isinstance(hedge, str) and hedge.strip().lower() in ("on", "off"):
+        hedge = hedge.strip().lower() == "on"
+    if not isinstance(hedge, bool):
+        raise invalid_argument(f"pool_hedge must be 'on' or 'off' (or a bool), got {hedge!r}")
+    return {"pool_etcd": etcd, "pool_cluster": cluster, "pool_replicas": replicas, "pool_hedge": hedge}
 
 
 _PROTOCOL_RE = re.compile(r"[0-9a-z_]{1,64}")

@@ -34,6 +34,14 @@ Prints a table, saves a bar plot, appends both to RESULTS.md with this command.
    `--policy` names one. Reports the reader's failed requests, its hits, whether its tokens
    are the writer's (computed without the pool), the blocks its lookups promised and its loads did not deliver, and
    both engines' "could not read the namespace epoch" lines.
+
+    flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_vllm.py --round [--prefix 1024] [--out perf/vllm_steps.png]
+
+5. `--round` (only this): the 16-request round of mode 2, with the connector (engine B: round 0 computes and saves
+   the prompts, round 1, its prefix cache reset, loads them from the pool) and without (engine C: round 1 from
+   vLLM's prefix cache), side by side: steps, throughput, ITL, TTFT and their ratios, and the connector's per-step
+   record of B's round 1 (`EmsConnector.step_records`: lookups, loads, saves, their waits), summed in RESULTS.md
+   and plotted step by step.
 """
 
 from __future__ import annotations
@@ -227,6 +235,136 @@ def batch_row(label: str, rnd: list[dict], generated: int) -> dict:
     }
 
 
+def step_summary(steps: list[float], records: dict) -> dict:
+    """The 16-request round's per-step record (the connector's `step_records`), summed: where the steps went."""
+    sched, work = records.get("scheduler", []), records.get("worker", [])
+    return {
+        "engine_steps": len(steps),
+        "idle_steps": sum(r["scheduled_tokens"] == 0 for r in sched),
+        "steps_with_lookups_waiting": sum(r["lookups_waiting"] > 0 for r in sched),
+        "lookup_batches": sum(r["lookup_batches"] for r in sched),
+        "lookup_s": sum(r["lookup_s"] for r in sched),
+        "scheduler_wait_s": sum(r["wait_s"] for r in sched),
+        "loads_sent": sum(r["loads_sent"] for r in sched),
+        "steps_with_loads_in_flight": sum(r["inflight"] > 0 for r in work),
+        "loads_queued_max": max((r["loads_queued"] for r in work), default=0),
+        "load_s_mean": sum(r["load_s"] for r in work) / max(1, sum(r["loads_done"] for r in work)),
+        "worker_call_s": sum(r["call_s"] for r in work),
+        "worker_wait_s": sum(r["wait_s"] for r in work),
+        "step_s": sum(steps),
+    }
+
+
+def round_only(args: argparse.Namespace) -> None:
+    """Mode 5 (`--round`): only the 16-request round, with the connector (engine B: the prompts from the pool) and
+    without (engine C: from vLLM's prefix cache), side by side, with the connector's per-step record of B's round."""
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    root = tempfile.mkdtemp(prefix="ems-bench-round-")
+    model = make_bench_llama(os.path.join(root, "model"), args.prefix + 256)
+    rng = random.Random(0)
+    prefix = [rng.randrange(4096) for _ in range(args.prefix)]
+    many = [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
+    pool_dir = os.path.join(root, "pool")
+    new_tokens = 32
+    base = {
+        "model": model,
+        "prompts": many,
+        "rounds": [list(range(16)), list(range(16))],
+        "batch": True,
+        "max_tokens": new_tokens,
+        "log_stats": True,
+        "extra": {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300},
+        "kv_load_failure_policy": "recompute",
+        "num_blocks": 16 * ((args.prefix + 64 + new_tokens) // 32 + 2) + 16,
+        "max_model_len": args.prefix + 256,
+        "max_num_batched_tokens": args.prefix + 256,
+    }
+    load_before = os.getloadavg()[0]
+    try:
+        ensure_local_pool(pool_dir, "2GiB")
+        # B: round 0 computes and saves the prompts; round 1 (its prefix cache reset) loads them from the pool
+        b = engine(root, "b", {**base, "before_round": {"1": {"reset_prefix_cache": True}}})
+        # C: round 0 computes; round 1 from vLLM's prefix cache
+        c = engine(root, "c", {**base, "connector": False})
+    finally:
+        stop_local_pool(pool_dir)
+    generated = 16 * new_tokens
+    with_connector = batch_row("16 requests, with the connector (from the pool)", b["rounds"][1], generated)
+    prefix_cache = batch_row("16 requests, without the connector (vLLM's prefix cache)", c["rounds"][1], generated)
+    computed = batch_row("16 requests, without the connector (computed)", c["rounds"][0], generated)
+    records = b.get("step_records", {}).get("1", {})
+    summary = step_summary(b["rounds"][1][0]["step_s"], records)
+    ratios = {
+        "steps": with_connector["steps"] / prefix_cache["steps"],
+        "throughput": with_connector["tokens_per_s"] / prefix_cache["tokens_per_s"],
+        "itl": with_connector["itl_s"] / prefix_cache["itl_s"],
+        "ttft": with_connector["ttft_s"] / prefix_cache["ttft_s"],
+    }
+    rows = [with_connector, prefix_cache, computed]
+    for row in rows:
+        print(json.dumps(row))
+    print(json.dumps(ratios))
+    print(json.dumps(summary))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sched, work = records.get("scheduler", []), records.get("worker", [])
+    steps = b["rounds"][1][0]["step_s"]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
+    axes[0].bar(range(len(steps)), [1000 * x for x in steps], color="tab:blue")
+    axes[0].set_ylabel("step ms")
+    axes[1].plot([r["scheduled_tokens"] for r in sched], label="tokens scheduled")
+    axes[1].set_ylabel("tokens")
+    axes[1].legend(loc="upper right")
+    axes[2].plot([r["lookups_waiting"] for r in sched], label="requests waiting for a lookup")
+    axes[2].plot([r["inflight"] for r in work], label="worker calls in flight (loads, saves)")
+    axes[2].plot([r["loads_done"] for r in work], label="loads finished")
+    axes[2].set_ylabel("count")
+    axes[2].set_xlabel("engine step (16 requests from the pool, with the connector)")
+    axes[2].legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    commit = ems_commit()
+    lines = [
+        "",
+        f"## vLLM: the 16-request round and its per-step record ({time.strftime('%Y-%m-%d')}, cpu)",
+        "",
+        (
+            f"Command: `flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_vllm.py {' '.join(sys.argv[1:])}` at "
+            f"commit {commit}; {os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at start). "
+            f"Random Llama (hidden 1024, 8 layers, bf16, block 32); 16 requests sharing a {args.prefix}-token prefix "
+            f"(64-token tails, {new_tokens} tokens each) submitted at once; engine B's prompts from the pool (its "
+            "prefix cache reset after its first round saved them), engine C's from vLLM's prefix cache; one run, "
+            f"side by side. Plot: `{os.path.relpath(args.out, HERE)}`."
+        ),
+        "",
+        "| round | steps | throughput tok/s | mean ITL ms | mean TTFT ms | worst step ms |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['label']} | {r['steps']} | {r['tokens_per_s']:.0f} | {1000 * r['itl_s']:.1f} | "
+            f"{1000 * r['ttft_s']:.0f} | {1000 * r['max_step_s']:.0f} |"
+            for r in rows
+        ),
+        "",
+        (
+            f"With / without the connector: steps **{ratios['steps']:.2f}x** (goal <= 1.1), throughput "
+            f"**{ratios['throughput']:.2f}x** (goal >= 0.9), mean ITL **{ratios['itl']:.2f}x** (goal <= 1.1), mean TTFT "
+            f"{ratios['ttft']:.2f}x."
+        ),
+        "",
+        "Engine B's per-step record of that round (`EmsConnector.step_records`, summed): "
+        + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
+        + ".",
+        "",
+    ]
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4000)
@@ -242,7 +380,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="--pressure: prompts each engine runs at once")
     parser.add_argument("--model", choices=("tiny", "bench"), default="tiny", help="--pressure: the model")
     parser.add_argument("--policy", choices=("fail", "recompute"), help="--pressure: kv_load_failure_policy")
+    parser.add_argument("--round", action="store_true", help="only mode 5: the 16-request round, its per-step record")
     args = parser.parse_args()
+    if args.round:
+        round_only(args)
+        return
     if args.pressure:
         pressure(args)
         return

@@ -7,6 +7,7 @@
     node.fail = True                      # every call raises TransportError(EMS_IO_ERROR)
     node.delay_s = 0.2                    # every call sleeps first
     node.hang = True                      # every call blocks until `release()` (past any timeout)
+    node.abort()                          # calls sleeping or hanging now fail at once, as UcxNode.abort does
 
 Keys are the storage keys the client computed: `namespace (16 bytes) | form byte | caller's key`;
 `v1_key_suffix(h)` is the tail of a V1 block hash's key, so `key.endswith(...)`/`key[17:] ==` selects a block.
@@ -64,6 +65,9 @@ class FaultyNode(NodeClient):
         self.corrupt_gets: str | None = None
         self._drop: Callable[[bytes], bool] = lambda key: False
         self._released = threading.Event()
+        self._aborts = 0  # bumped by abort(): a sleeping or hanging call that sees it change fails
+        self._abort_event = threading.Condition()
+        self.aborted = 0
         self.calls = {"put": 0, "get": 0, "exists": 0, "ping": 0}
         self.dropped: list[bytes] = []
 
@@ -93,6 +97,21 @@ class FaultyNode(NodeClient):
     def release(self) -> None:
         self._released.set()
 
+    def abort(self) -> None:
+        with self._abort_event:
+            self._aborts += 1
+            self.aborted += 1
+            self._abort_event.notify_all()
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep `seconds`, or fail at once when `abort()` is called meanwhile (what an aborted connection does)."""
+        with self._abort_event:
+            start, end = self._aborts, time.monotonic() + seconds
+            while self._aborts == start and time.monotonic() < end:
+                self._abort_event.wait(end - time.monotonic())
+            if self._aborts != start:
+                raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.address}: aborted")
+
     # ---- the misbehaviour ----
 
     def _before(self, op: str, timeout_s: float) -> None:
@@ -100,9 +119,12 @@ class FaultyNode(NodeClient):
         if self.fail:
             raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.address}: injected failure")
         if self.delay_s:
-            time.sleep(self.delay_s)
+            self._sleep(self.delay_s)
         if self.hang:
-            self._released.wait(30.0)
+            start, end = self._aborts, time.monotonic() + 30.0
+            while not self._released.wait(0.02) and time.monotonic() < end:
+                if self._aborts != start:
+                    raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.address}: aborted")
 
     def put(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], timeout_s: float) -> list[bool]:
         self._before("put", timeout_s)

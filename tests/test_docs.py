@@ -48,6 +48,7 @@ ENV_VALUES: dict[str, tuple[str, object]] = {
     "pool_etcd": ("http://127.0.0.1:1", "http://127.0.0.1:1"),
     "pool_cluster": ("docs-test", "docs-test"),
     "pool_replicas": ("2", 2),
+    "pool_hedge": ("off", False),
     "chunk_bytes": ("4MiB", 4 << 20),
     "profiling": ("1", True),
     "sdk_log_dir": ("/tmp/ems-docs-test", "/tmp/ems-docs-test"),

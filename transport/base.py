@@ -92,5 +92,10 @@ class NodeClient(abc.ABC):
     def ping(self, deadline: Deadline | float) -> bool:
         """True when the node answers by `deadline`; never raises."""
 
+    def abort(self) -> None:
+        """Make the calls in flight on this node fail now (a caller that stopped waiting for a slow node); each
+        returns once nothing of it can touch its buffers, or by its own deadline. Further calls may reconnect.
+        Nodes whose calls cannot be stopped (in this process) ignore it."""
+
     def close(self) -> None:
         """Release connections; further calls may reconnect."""

@@ -185,6 +185,11 @@ class UcxNode(NodeClient):
         except TransportError:
             return False
 
+    def abort(self) -> None:
+        """`NodeClient.abort`: drop the connection (its requests in flight fail; each call returns once UCX has
+        completed its requests, or by its deadline); the next call reconnects after the usual back-off."""
+        self._drop(None)
+
     def close(self) -> None:
         self._drop(None)
         if self.shm is not None:

@@ -17,7 +17,7 @@ job.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,8 +47,9 @@ class PoolClient:
         replicas: int = 1,
         connect: Callable[[str], NodeClient] | None = None,
         limits: RequestLimits = WIRE_LIMITS,
+        hedge: bool = True,
     ) -> None:
-        self.router = NodeRouter(nodes, replicas, connect, limits)
+        self.router = NodeRouter(nodes, replicas, connect, limits, hedge)
         self.limits = limits
         self.replicas = replicas
         self.is_local = self.router.is_local
@@ -76,9 +77,10 @@ class PoolClient:
         """The embedded pool's store when this client's only node is in-process (the one-pass data path), else None."""
         return self.router.local_store
 
-    def set_members(self, addresses: Sequence[str]) -> None:
-        """Route to exactly these nodes from now on (membership changes; see `ems.cluster.placement.Members`)."""
-        self.router.members.set(addresses)
+    def set_members(self, addresses: Sequence[str], incarnations: Mapping[str, object] | None = None) -> None:
+        """Route to exactly these nodes from now on (membership changes; see `ems.cluster.placement.Members`:
+        `incarnations` tell a node that came back from one that stayed)."""
+        self.router.members.set(addresses, incarnations)
 
     def describe(self) -> str:
         """ "embedded", or the live nodes' addresses (for logs)."""

@@ -1,5 +1,6 @@
-"""Routing a pool call's keys to their nodes: owners and replicas, per-node requests within the limits, fan-out with
-one deadline.
+"""Routing a pool call's keys to their nodes: owners and replicas, per-node requests within the limits, with one
+deadline; reads in `ems.backends.reads`, the fan-out in `ems.backends.fanout`, what is known of each node's speed in
+`ems.backends.latency`.
 
 Contract:
 * Each key has `replicas` owning nodes among the live ones (`ems.cluster.routing.ranked_owners`, rendezvous hashing of
@@ -10,10 +11,15 @@ Contract:
 * A node's keys are cut, in request order, into requests within `limits` (`protocol.RequestLimits`: its
   `batches` and the wire's per-key costs) and sent one after the other, so a call of any size works; the caller
   never sees the cut.
-* A put goes to every owner of each key at once; see `put` for when a value counts as stored. A read asks each
-  wanted key's first owner, and sends what it missed, found damaged (not the `expected` value) or could not get
-  from a failed node to the next owner, until the deadline. A read's `results` may come filled in for some keys by
-  a layer above (the read cache): only the others are wanted (None for `get`, False for `get_into` and `exists`).
+* A put goes to every owner of each key at once; see `put` for when a value counts as stored. Once every key has
+  been answered by one owner, a put waits for the owners still sending only as long as `NodeLatency.abort_delay`
+  says, then gives up on them (`FanOut.writes`): a slow node does not hold every save up to its deadline.
+* A read (`ems.backends.reads.read`) asks each wanted key's first owner, and sends what it missed, found damaged (not
+  the `expected` value) or could not get from a failed node to the next node, until the deadline; while the pool
+  rebalances after a join it also asks the nodes after the owners (`Members.fallback`). With replicas (and `hedge`,
+  the `pool_hedge` setting), reads are hedged: a node slower than `NodeLatency.hedge_delay` has its keys asked of
+  the next owner too, and slow nodes are asked last. A read's `results` may come filled in for some keys by a layer
+  above (the read cache): only the others are wanted (None for `get`, False for `get_into` and `exists`).
 * Results come back in request order; interpreting them (the consecutive prefix, raising when nothing was
   reachable) is the caller's job.
 """
@@ -21,13 +27,15 @@ Contract:
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
 
 from ems.backends.base import PoolOutcome
+from ems.backends.fanout import FanOut
+from ems.backends.latency import NodeLatency
+from ems.backends.reads import Hedge, read
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.cluster.routing import ranked_owners
@@ -40,8 +48,6 @@ from ems.transport.holds import Hold
 from ems.transport.inprocess import InProcessNode
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
 
-NodeCall = Callable[[NodeClient, np.ndarray, Deadline], list]  # one request to one node: its keys' indices
-
 
 class NodeRouter:
     """Routes batched put/get/exists to the owning nodes; see the module docstring."""
@@ -52,6 +58,7 @@ class NodeRouter:
         replicas: int = 1,
         connect: Callable[[str], NodeClient] | None = None,
         limits: RequestLimits = WIRE_LIMITS,
+        hedge: bool = True,
     ) -> None:
         if not nodes and connect is None:
             raise ValueError("a pool client needs at least one node")
@@ -59,10 +66,16 @@ class NodeRouter:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.replicas = replicas
         self.limits = limits
+        self.hedge = hedge  # reads hedged around slow nodes (with replicas)
         self.members = Members(nodes, connect)
         self.is_local = bool(nodes) and all(isinstance(n, InProcessNode) for n in nodes)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self.latency = NodeLatency()
+        self.fanout = FanOut(limits, self.latency, self.is_local, lambda: 4 * len(self.members.view.nodes))
+        self.members.on_change(self._forget)
+
+    def _forget(self, added: list[str], removed: list[str]) -> None:
+        for address in removed:  # (a node that came back is in both: measured afresh)
+            self.latency.forget(address)
 
     @property
     def nodes(self) -> list[NodeClient]:
@@ -78,144 +91,31 @@ class NodeRouter:
             return store if isinstance(store, KvStore) else None
         return None
 
-    # ---- fan-out ----
-
-    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=max(8, 4 * len(self.members.view.nodes)), thread_name_prefix="ems-pool"
-                )
-            return self._executor
-
-    def _run_per_node(
-        self,
-        node_keys: list[tuple[NodeClient, np.ndarray]],
-        call: NodeCall,
-        costs: Callable[[np.ndarray], Costs],
-        deadline: Deadline,
-        outcome: PoolOutcome,
-    ) -> list[tuple[list, bool]]:
-        """Run `call(node, indices, deadline)` for each node's keys, nodes in parallel, in requests within the limits
-        (`costs(indices)` → per-key data bytes, meta bytes, data frames), until `deadline`. Per node: the answers for
-        a prefix of its keys (all of them unless its node failed) and whether the node failed (its error is added
-        to `outcome.errors`)."""
-
-        def run(node: NodeClient, idx: np.ndarray) -> tuple[list, TransportError | None]:
-            answers: list = []
-            for batch in self.limits.batches(costs(idx)):
-                if deadline.expired():
-                    return answers, TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer in time")
-                try:
-                    answers.extend(call(node, idx[batch], deadline))
-                except TransportError as error:
-                    return answers, error
-            return answers, None
-
-        out: list[tuple[list, bool]] = [([], True)] * len(node_keys)
-        if self.is_local or (len(node_keys) == 1 and node_keys[0][0].self_timed):
-            # in-process, nothing can hang; a lone node whose transport bounds every call by its deadline itself
-            # needs no watching thread either: no thread hop
-            for j, (node, idx) in enumerate(node_keys):
-                answers, error = run(node, idx)
-                if error is not None:
-                    outcome.errors.append(error)
-                out[j] = (answers, error is not None)
-            return out
-        timeout_s = deadline.left()
-        futures = {self._pool().submit(run, node, idx): j for j, (node, idx) in enumerate(node_keys)}
-        done, not_done = concurrent.futures.wait(futures, timeout=timeout_s)
-        for future in done:
-            node = node_keys[futures[future]][0]
-            try:
-                answers, error = future.result()
-            except Exception as exc:  # a transport bug must not become a wrong block: fail the node's keys
-                outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, f"{node.address}: {exc!r}"))
-                continue
-            if error is not None:
-                outcome.errors.append(error)
-            out[futures[future]] = (answers, error is not None)
-        for future in not_done:
-            node = node_keys[futures[future]][0]
-            outcome.errors.append(
-                TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{node.address}: no answer within {timeout_s:.3f} s")
-            )
-        return out
-
-    def _fan_out(
+    def _read(
         self,
         route_keys: Sequence[bytes],
         wanted: np.ndarray,
-        call: NodeCall,
-        costs: Callable[[np.ndarray], Costs],
+        call: Any,
+        costs: Any,
         results: list,
         deadline: Deadline,
-        accept: Callable[[int, object], bool],
+        accept: Any,
+        hedge: Hedge | None,
     ) -> PoolOutcome:
-        """A read: ask each wanted key's first owner; a key not answered with an accepted value goes to its next
-        owner in rank order, round by round, until the deadline. A miss or a damaged value uses up one of the key's
-        `replicas` tries; a node that failed (lost, timed out) does not, and is skipped for the rest of the call, so
-        a key whose owner died is read from the owners after it (also before membership drops the dead node).
-        Fills `results`."""
-        outcome = PoolOutcome(results)
-        pending = np.nonzero(wanted)[0]
-        if pending.size == 0:
-            return outcome
-        view = self.members.view
-        n = len(view.nodes)
-        if n == 0:
-            outcome.nodes_contacted = 1
-            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
-            return outcome
-        if n == 1:  # one live node owns every key (the usual same-host node): one round, nothing to rank
-            ((values, _),) = self._run_per_node([(view.nodes[0], pending)], call, costs, deadline, outcome)
-            for i, value in zip(pending[: len(values)].tolist(), values):  # a failed node answered a prefix
-                if accept(i, value):
-                    results[i] = value
-            outcome.nodes_contacted = 1
-            return outcome
-        depth = n if self.replicas > 1 or n > 1 else 1  # a failed owner passes its keys on: rank every node
-        ranks = ranked_owners([route_keys[i] for i in pending.tolist()], view.seeds, depth)
-        pos = np.zeros(pending.size, dtype=np.int64)  # each pending key's next rank to ask
-        tries = np.zeros(pending.size, dtype=np.int64)  # answers (miss or damaged) each key has had
-        failed = np.zeros(n, dtype=bool)
-        contacted = np.zeros(n, dtype=bool)
-        while pending.size:
-            rows = np.arange(pending.size)
-            candidate = ranks[rows, np.minimum(pos, depth - 1)]
-            while True:  # skip owners that already failed in this call
-                skip = failed[candidate] & (pos < depth)
-                if not skip.any():
-                    break
-                pos[skip] += 1
-                candidate = ranks[rows, np.minimum(pos, depth - 1)]
-            keep = pos < depth
-            pending, ranks, pos, tries, candidate = pending[keep], ranks[keep], pos[keep], tries[keep], candidate[keep]
-            if pending.size == 0:
-                break
-            node_ids = np.unique(candidate).tolist()
-            node_keys = [(view.nodes[j], pending[candidate == j]) for j in node_ids]
-            contacted[node_ids] = True
-            answers = self._run_per_node(node_keys, call, costs, deadline, outcome)
-            accepted = np.zeros(len(results), dtype=bool)
-            answered = np.zeros(len(results), dtype=bool)
-            for j, (_, idx), (values, node_failed) in zip(node_ids, node_keys, answers):
-                failed[j] |= node_failed
-                got = idx[: len(values)]  # a node that failed midway answered a prefix of its keys
-                answered[got] = True
-                for i, value in zip(got.tolist(), values):
-                    if accept(i, value):
-                        results[i] = value
-                        accepted[i] = True
-            got = answered[pending]
-            pos[got] += 1
-            tries[got] += 1
-            keep = ~accepted[pending] & (tries < self.replicas) & (pos < depth)
-            pending, ranks, pos, tries = pending[keep], ranks[keep], pos[keep], tries[keep]
-            if deadline.expired():
-                break
-        outcome.nodes_contacted = int(contacted.sum())
-        return outcome
+        return read(
+            self.fanout,
+            self.members.view,
+            route_keys,
+            wanted,
+            call,
+            costs,
+            results,
+            deadline,
+            accept,
+            self.replicas,
+            self.members.fallback,
+            hedge if self.replicas > 1 and self.hedge else None,
+        )
 
     # ---- batched operations ----
 
@@ -258,16 +158,19 @@ class NodeRouter:
                 )
             return RequestLimits.put_costs(key_lens([keys[i] for i in idx.tolist()]), data, parts)
 
-        answers = self._run_per_node(
+        answers = self.fanout.writes(
             node_keys,
+            len(keys),
             lambda node, idx, d: node.put([keys[i] for i in idx], [values[i] for i in idx], d),
             costs,
             deadline,
             outcome,
+            observe=len(view.nodes) > 1,
         )
         acked = np.zeros(len(keys), dtype=bool)
         refused = np.zeros(len(keys), dtype=bool)
-        for (_, idx), (flags, _) in zip(node_keys, answers):
+        for (_, idx), answer in zip(node_keys, answers):
+            flags = answer.answers
             ok = np.asarray(flags, dtype=bool)
             got = idx[: len(flags)]  # a node that failed midway acknowledged a prefix of its keys
             acked[got[ok]] = True
@@ -301,14 +204,21 @@ class NodeRouter:
             reply = None if expected is None else np.asarray(expected.payload_len, dtype=np.int64)[idx] + HEADER_SIZE
             return RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()]), reply)
 
-        outcome = self._fan_out(
+        def get(node: NodeClient, idx: np.ndarray, d: Deadline) -> list:
+            return node.get([keys[i] for i in idx], d)
+
+        def prepare(idx: np.ndarray) -> tuple[Any, Any, Any]:  # a hedge's values are new buffers: kept as they are
+            return get, accept, results.__setitem__
+
+        outcome = self._read(
             route_keys,
             np.fromiter((r is None for r in results), dtype=bool, count=len(keys)),
-            lambda node, idx, d: node.get([keys[i] for i in idx], d),
+            get,
             costs,
             results,
             deadline,
             accept,
+            Hedge(prepare, needs_quiet=False),
         )
         outcome.verified = check is not None
         return outcome
@@ -346,7 +256,23 @@ class NodeRouter:
             reply = np.fromiter((memoryview(outs[i]).nbytes for i in idx.tolist()), dtype=np.int64, count=idx.size)
             return RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()]), reply)
 
-        outcome = self._fan_out(
+        def prepare(idx: np.ndarray) -> tuple[Any, Any, Any]:
+            """A hedge receives into buffers of its own; a value is copied into the caller's once adopted."""
+            own = {i: np.empty(memoryview(outs[i]).nbytes, dtype=np.uint8) for i in idx.tolist()}
+
+            def fetch_own(node: Any, sub: np.ndarray, d: Deadline) -> list[bool]:
+                return cast(list[bool], node.get_into([keys[i] for i in sub], [own[i] for i in sub.tolist()], d))
+
+            def accept_own(i: int, placed: object) -> bool:
+                return bool(placed) and (check is None or matches(own[i], check, i))
+
+            def adopt(i: int, placed: object) -> None:
+                memoryview(outs[i]).cast("B")[:] = own[i]
+                results[i] = True
+
+            return fetch_own, accept_own, adopt
+
+        outcome = self._read(
             route_keys,
             ~np.asarray(results, dtype=bool),
             fetch,
@@ -354,6 +280,7 @@ class NodeRouter:
             results,
             deadline,
             accept,
+            Hedge(prepare, needs_quiet=True),
         )
         outcome.verified = check is not None
         return outcome
@@ -369,14 +296,22 @@ class NodeRouter:
         """Whether each wanted key (`results[i]` False: wanted) is held (with `hold`: held and kept as asked, by the
         node that answered for it)."""
         results = [False] * len(keys) if results is None else results
-        return self._fan_out(
+
+        def exists(node: NodeClient, idx: np.ndarray, d: Deadline) -> list:
+            return node.exists([keys[i] for i in idx], d, hold)
+
+        def held(i: int, flag: object) -> bool:
+            return bool(flag)
+
+        return self._read(
             route_keys,
             ~np.asarray(results, dtype=bool),
-            lambda node, idx, d: node.exists([keys[i] for i in idx], d, hold),
+            exists,
             lambda idx: RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()])),
             results,
             deadline,
-            lambda i, held: bool(held),
+            held,
+            Hedge(lambda idx: (exists, held, results.__setitem__), needs_quiet=False),
         )
 
     def healthy(self, timeout_s: float) -> bool:
@@ -387,7 +322,7 @@ class NodeRouter:
         if not nodes:
             return False
         deadline = Deadline.after(timeout_s)
-        futures = [self._pool().submit(node.ping, deadline) for node in nodes]
+        futures = [self.fanout.submit(node.ping, deadline) for node in nodes]
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
         return any(f.result() for f in done if f.exception() is None)
 
@@ -399,7 +334,4 @@ class NodeRouter:
 
     def close(self) -> None:
         self.members.close()
-        with self._executor_lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+        self.fanout.close()

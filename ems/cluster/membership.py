@@ -1,7 +1,8 @@
 """Pool membership on etcd: nodes register themselves, engines watch who is in the pool.
 
 Layout: node `HOST:PORT` of cluster `NAME` is the key `/ems/pool/NAME/nodes/HOST:PORT`, its value JSON
-`{"address": "HOST:PORT", "metrics": "HOST:PORT" or null}`, attached to a lease the node keeps alive. etcd holds
+`{"address": "HOST:PORT", "metrics": "HOST:PORT" or null, "incarnation": a random id of the node process}`,
+attached to a lease the node keeps alive. etcd holds
 only who is in the pool; data never goes through it (clients place keys by rendezvous hashing over the live set).
 
 Contract:
@@ -40,16 +41,20 @@ def cluster_prefix(cluster: str) -> bytes:
 class NodeInfo:
     address: str
     metrics: str | None = None
+    # a random id of the node process: a node restarted on the same address (empty, unless its disk kept values)
+    # registers another, so watchers see it come back even when its old entry had not expired yet
+    incarnation: str | None = None
 
     def encode(self) -> bytes:
-        return json.dumps({"address": self.address, "metrics": self.metrics}).encode()
+        return json.dumps({"address": self.address, "metrics": self.metrics, "incarnation": self.incarnation}).encode()
 
     @staticmethod
     def decode(raw: bytes) -> NodeInfo | None:
         try:
             data = json.loads(raw)
-            return NodeInfo(str(data["address"]), data.get("metrics") or None)
-        except (ValueError, KeyError, TypeError):
+            incarnation = data.get("incarnation")
+            return NodeInfo(str(data["address"]), data.get("metrics") or None, None if incarnation is None else str(incarnation))
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
 

@@ -8,7 +8,7 @@ Contract (`open_remote_pool`):
   (recoverable: `Ems.init` may be called again). With
   `pool_nodes` the engine starts on them and picks up etcd's members once it answers. When etcd goes away later,
   the engine keeps the last set it saw and goes on serving.
-* `pool_replicas` is handed to the `PoolClient` (k owners per block).
+* `pool_replicas` (k owners per block) and `pool_hedge` are handed to the `PoolClient`.
 """
 
 from __future__ import annotations
@@ -30,11 +30,19 @@ def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -
     static = list(settings.pool_nodes)
     nodes = [connect(address) for address in static]
     if settings.pool_etcd is None:
-        return PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas)
-    pool = PoolClient(nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas, connect=connect)
+        return PoolClient(
+            nodes, read_cache_capacity=settings.read_cache_capacity, replicas=settings.pool_replicas, hedge=settings.pool_hedge
+        )
+    pool = PoolClient(
+        nodes,
+        read_cache_capacity=settings.read_cache_capacity,
+        replicas=settings.pool_replicas,
+        connect=connect,
+        hedge=settings.pool_hedge,
+    )
 
     def on_change(members: dict[str, NodeInfo]) -> None:
-        pool.set_members(sorted(set(static) | set(members)))
+        pool.set_members(sorted(set(static) | set(members)), {a: i.incarnation for a, i in members.items()})
 
     watcher = MembershipWatcher(settings.pool_etcd, settings.pool_cluster, on_change)
     try:

@@ -6,7 +6,8 @@ everything a stored value depends on besides the caller's key: tenant, model, te
 signature. Routing keys are what the DESIGN routes by: the block hash (V1), `distribute_key` (V0 `PrimaryKey`),
 or the whole key (V0 plain `str`, the SDK's older form: such a key routes by itself). Each form has its own form
 byte, so a `str` key never collides with a `PrimaryKey` or a block hash, and a block of the token form (keyed by the
-chained digest of its tokens, `ems.datapath.tokens`) never with a block hash an engine gives.
+chained digest of its tokens, `ems.datapath.tokens`) never with a block hash an engine gives. `route_key_of` reads
+the routing key back out of a storage key (a pool node placing the keys it holds, `ems.pool.repair`).
 """
 
 from __future__ import annotations
@@ -65,3 +66,20 @@ def v0_keys(ns: bytes, key_list: Sequence[V0Key]) -> tuple[list[bytes], list[byt
         routes.append(dk)
         storage.append(prefix + len(dk).to_bytes(2, "little") + dk + ak)
     return storage, routes
+
+
+def route_key_of(key: bytes) -> bytes:
+    """The routing key of storage key `key` (`v1_keys`, `v0_keys`): the inverse of their layout. A key of no known
+    form (too short, an unknown form byte, a length past its end) routes by itself, as any client key that is not
+    this package's would."""
+    ns = 16
+    if len(key) <= ns:
+        return key
+    form = key[ns : ns + 1]
+    if form in (FORM_V1, FORM_TOKENS, FORM_V0_STR):
+        return key[ns + 1 :]
+    if form == FORM_V0 and len(key) >= ns + 3:
+        n = int.from_bytes(key[ns + 1 : ns + 3], "little")
+        if ns + 3 + n <= len(key):
+            return key[ns + 3 : ns + 3 + n]
+    return key

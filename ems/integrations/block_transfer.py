@@ -89,6 +89,7 @@ class TransferStats:
     lookup_miss_blocks: int = 0
     lookup_skipped_blocks: int = 0  # not asked: the pool counted as down (`lookup_breaker`)
     breaker_trips: int = 0
+    lookup_save_waits: int = 0  # lookups asked again: short of blocks still being saved (`save_wait_ms`)
     load_blocks: int = 0
     load_failed_blocks: int = 0
     load_bytes: int = 0
@@ -122,6 +123,7 @@ class TransferStats:
             "hit_rate": round(self.lookup_hit_blocks / max(1, self.lookup_hit_blocks + self.lookup_miss_blocks), 4),
             "skipped_blocks": self.lookup_skipped_blocks,
             "breaker_trips": self.breaker_trips,
+            "save_waits": self.lookup_save_waits,
             "loaded_blocks": self.load_blocks,
             "load_failed_blocks": self.load_failed_blocks,
             "loaded_bytes": self.load_bytes,
@@ -337,6 +339,11 @@ class BlockMover:
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def inflight(self) -> int:
+        """Async calls (loads and saves) of this mover in flight."""
+        with self._lock:
+            return self._reserved
 
     def wait(self, timeout: float = 30.0) -> bool:
         """Wait until every async save has finished (True) or `timeout` seconds passed (False)."""

@@ -21,12 +21,16 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | lookup_timeout_ms   | 500                        | the scheduler's lookup timeout: the most a hung node costs a step |
 | breaker_cooldown_s  | 2.0                        | how often a pool counted as down is asked again              |
 | lookup_cache_s      | 1.0                        | how long a waiting request's lookup answer is reused          |
+| save_wait_ms        | 2000                       | how long a lookup waits for blocks still being saved (0: never) |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | cross_layer_blocks  | false                      | ask vLLM for its block-outermost layout BLHNC: one copy a block |
 | max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
 | every other `EmsConfig` pool setting (pool_capacity, pool_replicas, pool_backend, ...) | as `EmsConfig` | see README |
 
 With `pool_backend="mooncake"` (here or `EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool is started.
+
+`KvRole.of(kv_role)` reads vLLM's top-level `kv_role` (not an extra-config key): `kv_producer` saves and never
+loads, `kv_consumer` loads and never saves, `kv_both` (or none) does both.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ from ems.transport.holds import MAX_LEASE_MS
 # admits a few steps later (its answer is reused for `lookup_cache_s`) and for loads that wait for the in-flight
 # budget; the load's read ends the lease at once.
 DEFAULT_LEASE_MS = 10_000
+# A lookup that finds fewer blocks than are on their way to the pool (a producer announced them, or this engine sent
+# them to be saved) asks again each step for this long before the request computes them (`save_wait_ms`).
+DEFAULT_SAVE_WAIT_MS = 2000
+MAX_SAVE_WAIT_MS = 60_000
 
 
 def invalid_argument(message: str) -> EmsException:
@@ -74,10 +82,37 @@ KEYS = (
     "breaker_cooldown_s",
     "lookup_cache_s",
     "lease_ms",
+    "save_wait_ms",
     "access_id",
     "access_key",
     "cross_layer_blocks",
 ) + EMS_SETTINGS
+
+
+class KvRole(str, enum.Enum):
+    """vLLM's `kv_role`: what the connector does with the pool (disaggregated prefill/decode)."""
+
+    BOTH = "kv_both"
+    PRODUCER = "kv_producer"  # a prefill engine: saves, never loads
+    CONSUMER = "kv_consumer"  # a decode engine: loads, never saves
+
+    @property
+    def loads(self) -> bool:
+        return self is not KvRole.PRODUCER
+
+    @property
+    def saves(self) -> bool:
+        return self is not KvRole.CONSUMER
+
+    @classmethod
+    def of(cls, value: object) -> KvRole:
+        """vLLM's `kv_transfer_config.kv_role` (None: both)."""
+        if value is None:
+            return cls.BOTH
+        try:
+            return cls(str(value))
+        except ValueError:
+            raise invalid_argument(f"kv_role must be one of {[r.value for r in cls]}, got {value!r}") from None
 
 
 class LocalPoolMode(str, enum.Enum):
@@ -99,6 +134,7 @@ class ConnectorConfig:
     breaker_cooldown_s: float = 2.0
     lookup_cache_s: float = 1.0
     lease_ms: int = DEFAULT_LEASE_MS
+    save_wait_ms: int = DEFAULT_SAVE_WAIT_MS
     access_id: str | None = None
     access_key: str | None = field(default=None, repr=False)
     max_inflight: int = DEFAULT_MAX_INFLIGHT
@@ -143,6 +179,11 @@ class ConnectorConfig:
         lease_ms = extra.get("lease_ms", DEFAULT_LEASE_MS)
         if isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or not 0 <= lease_ms <= MAX_LEASE_MS:
             raise invalid_argument(f"kv_connector_extra_config.lease_ms must be an int in 0..{MAX_LEASE_MS}, got {lease_ms!r}")
+        save_wait = extra.get("save_wait_ms", DEFAULT_SAVE_WAIT_MS)
+        if isinstance(save_wait, bool) or not isinstance(save_wait, int) or not 0 <= save_wait <= MAX_SAVE_WAIT_MS:
+            raise invalid_argument(
+                f"kv_connector_extra_config.save_wait_ms must be an int in 0..{MAX_SAVE_WAIT_MS}, got {save_wait!r}"
+            )
         inflight = pool.max_inflight
         cross_layer = extra.get("cross_layer_blocks", False)
         if not isinstance(cross_layer, bool):
@@ -163,6 +204,7 @@ class ConnectorConfig:
             breaker_cooldown_s=float(seconds["breaker_cooldown_s"]),
             lookup_cache_s=float(seconds["lookup_cache_s"]),
             lease_ms=lease_ms,
+            save_wait_ms=save_wait,
             access_id=extra.get("access_id"),
             access_key=extra.get("access_key") or (access_key_from_environment() if extra.get("access_id") else None),
             max_inflight=inflight,

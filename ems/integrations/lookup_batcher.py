@@ -14,6 +14,7 @@ Contract (no engine imports):
   load ends one lease holder, so two requests that will both load a block must each hold one. With the breaker open
   every answer is 0 at once (no network).
 * `wait(timeout_s)` waits for the batch in flight (an engine step with nothing else to run, instead of spinning).
+* `take_answered()`: the batches answered since the last call and their seconds on the thread (the per-step record).
 * `close()` stops the thread.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,6 +77,7 @@ class LookupBatcher:
         self._waiting: dict[str, _Ask] = {}  # dispatched, not answered
         self._answers: dict[str, tuple[_Ask, int]] = {}
         self._stop = False
+        self._answered = (0, 0.0)  # batches answered since `take_answered`, their seconds
         self._thread = threading.Thread(target=self._run, name="ems-lookup", daemon=True)
         self._thread.start()
 
@@ -88,15 +91,17 @@ class LookupBatcher:
         with self._cond:
             return req_id in self._asked or req_id in self._waiting
 
-    def dispatch(self) -> None:
+    def dispatch(self) -> int:
+        """Hand what was asked since the last dispatch to the thread as one batch; the number of lookups in it."""
         with self._cond:
             if not self._asked:
-                return
+                return 0
             batch = list(self._asked.values())
             self._asked.clear()
             self._waiting.update((a.req_id, a) for a in batch)
             self._batches.append(batch)
             self._cond.notify_all()
+            return len(batch)
 
     def answer(self, req_id: str) -> int | None:
         with self._cond:
@@ -125,18 +130,27 @@ class LookupBatcher:
                 if self._stop:
                     return
                 batch = self._batches.popleft()
+            started = time.perf_counter()
             try:
                 answers = answer_batch(batch, self._breaker)
             except Exception:  # e.g. the client shut down under us: every request of the batch is a miss
                 logger.exception("EmsConnector: a lookup batch failed; its requests count as misses")
                 answers = {a.req_id: 0 for a in batch}
             with self._cond:
+                count, seconds = self._answered
+                self._answered = (count + 1, seconds + time.perf_counter() - started)
                 for ask in batch:
                     # only the lookup still wanted: a request forgotten or asked again meanwhile drops this answer
                     if self._waiting.get(ask.req_id) is ask:
                         del self._waiting[ask.req_id]
                         self._answers[ask.req_id] = (ask, answers[ask.req_id])
                 self._cond.notify_all()
+
+    def take_answered(self) -> tuple[int, float]:
+        """Batches answered since the last call, and their seconds on the lookup thread."""
+        with self._cond:
+            answered, self._answered = self._answered, (0, 0.0)
+        return answered
 
     def close(self) -> None:
         with self._cond:

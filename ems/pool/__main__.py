@@ -4,7 +4,8 @@
              [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
              [--max-connections N] [--max-connections-per-peer N] [--shm-bytes SIZE] [--shm-total SIZE]
              [--shm-tenant SIZE]
-             [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]]
+             [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]
+                                      [--replicas K] [--repair-rate SIZE] [--repair-interval S]]
              [--metrics HOST:PORT] [--prefault-ahead SIZE] [--disk DIR --disk-capacity SIZE [--disk-queue SIZE]]
     ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)   (see ems.pool.status)
 
@@ -40,7 +41,9 @@ Contract:
 * `--etcd URL` registers the node in etcd under `--cluster` (`ems.cluster.membership`) before the ready line,
   as `--advertise` (default: the `--listen` host and the bound port); etcd unreachable at start exits with
   status 1. On SIGTERM/SIGINT the node first deregisters and reports `/healthz` 503, keeps serving for `--drain`
-  seconds (so engines see it leave and calls in flight finish), then stops (`ems.pool.cluster_node`).
+  seconds (so engines see it leave and calls in flight finish), then stops (`ems.pool.cluster_node`). A registered
+  node repairs (`ems.pool.repair`): after membership changes it copies what it holds to owners lacking it
+  (`--replicas`, the engines' pool_replicas), at most `--repair-rate` bytes per second (0: off).
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ async def _run(
     except OSError as error:
         print(f"ems-pool: cannot use --disk {args.disk}: {error}", file=sys.stderr, flush=True)
         return 1
-    extras = NodeExtras(store, args)
+    extras = NodeExtras(store, args, keys)
     server = assemble(store, keys, limits, metrics=extras.metrics, shm=shm)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -370,6 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if shm.enabled and shm.tenant_share < shm.region_bytes:
             raise ValueError(f"--shm-tenant ({shm.tenant_share} bytes) must hold at least one region (--shm-bytes)")
         args.prefault_ahead = parse_size("--prefault-ahead", args.prefault_ahead)
+        args.repair_rate = parse_size("--repair-rate", args.repair_rate)
+        if args.replicas < 1 or args.repair_rate < 0 or not args.repair_interval > 0:
+            raise ValueError("--replicas must be >= 1, --repair-rate >= 0 and --repair-interval > 0")
         _disk_options(args, capacity)
     except (EmsException, ValueError, OSError) as error:
         parser.error(str(error))

@@ -1,10 +1,14 @@
-"""A pool node's part in a cluster: its `--metrics` endpoint and its `--etcd` registration, and the drain on stop.
+"""A pool node's part in a cluster: its `--metrics` endpoint, its `--etcd` registration and repair, and the drain on
+stop.
 
 Contract (`NodeExtras`, used by `ems.pool.__main__`):
 * Built before the server starts: creates `metrics` (`ems.pool.metrics.NodeMetrics`) when `--metrics` is given,
   else None (the server then counts nothing).
 * `start(address)`: serves `/metrics` and `/healthz` on `--metrics`, then registers `--advertise` (default
-  `address`) with its metrics address in etcd under `--cluster`. Raises when either fails (the node exits 1).
+  `address`) with its metrics address and a fresh incarnation id in etcd under `--cluster`. Raises when either
+  fails (the node exits 1). With `--etcd` and `--repair-rate` > 0 it then watches the cluster's membership and
+  repairs (`ems.pool.repair.Repairer`: `--replicas`, `--repair-rate`, `--repair-interval`), its progress in the
+  metrics.
 * `drain()` (on SIGTERM/SIGINT, while the server still serves): deregisters, turns `/healthz` to 503, and waits
   `--drain` seconds for engines to see the leave and finish the calls they had sent. Without `--etcd` it returns
   at once (engines with a static node list are not told). `close()` stops the metrics endpoint.
@@ -15,13 +19,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ems.cluster.membership import Registration
+    from ems.cluster.membership import MembershipWatcher, Registration
     from ems.pool.handlers import NodeStore
     from ems.pool.metrics import MetricsServer, NodeMetrics
+    from ems.pool.repair import Repairer
+    from ems.transport.base import NodeClient
 
 log = logging.getLogger("ems.pool")
 
@@ -71,13 +78,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lease-ttl", type=int, default=5, help="seconds etcd keeps a silent node registered")
     parser.add_argument("--drain", type=float, default=1.0, help="seconds to keep serving after deregistering")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="copies of each value the cluster keeps (the engines' pool_replicas)"
+    )
+    parser.add_argument(
+        "--repair-rate",
+        default="64MiB",
+        help="bytes per second this node may spend copying values to their owners after membership changes (0: off)",
+    )
+    parser.add_argument("--repair-interval", type=float, default=60.0, help="seconds between repair passes without changes")
 
 
 class NodeExtras:
     """Metrics endpoint, etcd registration and drain of one node; see the module docstring."""
 
-    def __init__(self, store: NodeStore, args: argparse.Namespace) -> None:
+    def __init__(self, store: NodeStore, args: argparse.Namespace, keys: Mapping[str, str] | None = None) -> None:
         self.args = args
+        self.store = store
+        self.keys = dict(keys or {})
+        self.repair: Repairer | None = None
+        self._watcher: MembershipWatcher | None = None
         self.metrics: NodeMetrics | None = None
         if args.metrics is not None:
             from ems.pool.metrics import NodeMetrics
@@ -100,14 +120,41 @@ class NodeExtras:
             from ems.cluster.membership import NodeInfo, Registration
 
             advertise = f"{self.args.advertise[0]}:{self.args.advertise[1]}" if self.args.advertise else address
-            self._registration = Registration(
-                self.args.etcd, self.args.cluster, NodeInfo(advertise, metrics_address), ttl_s=self.args.lease_ttl
-            )
+            info = NodeInfo(advertise, metrics_address, secrets.token_hex(8))
+            self._registration = Registration(self.args.etcd, self.args.cluster, info, ttl_s=self.args.lease_ttl)
             self._registration.start()
             log.info("registered as %s in cluster %r at %s", advertise, self.args.cluster, self.args.etcd)
+            if self.args.repair_rate > 0:
+                self._start_repair(advertise)
+
+    def _start_repair(self, advertise: str) -> None:
+        from ems.cluster.membership import MembershipWatcher
+        from ems.pool.repair import Repairer, RepairSettings
+
+        settings = RepairSettings(self.args.replicas, self.args.repair_rate, self.args.repair_interval)
+        self.repair = Repairer(self.store, advertise, settings, self._connect_peer, self.keys)
+        if self.metrics is not None:
+            self.metrics.watch_repair(self.repair.progress)
+        self.repair.start()
+        self._watcher = MembershipWatcher(
+            self.args.etcd,
+            self.args.cluster,
+            lambda members: self.repair.on_members({a: i.incarnation for a, i in members.items()}) if self.repair else None,
+        )
+        self._watcher.start_background()
+        log.info("repairing to %d replica(s) at up to %d bytes/s", settings.replicas, settings.rate)
+
+    def _connect_peer(self, address: str, tenant: str) -> NodeClient:
+        """A connection to another node as `tenant` (its key from this node's keys; anonymous without keys)."""
+        from ems.transport.shm_client import ShmMode
+        from ems.transport.ucx import UcxNode
+
+        return UcxNode(address, access_id=tenant, access_key=self.keys.get(tenant), connect_timeout_ms=3000, shm=ShmMode.OFF)
 
     async def drain(self) -> None:
         self.draining = True
+        if self.repair is not None:  # a leaving node copies nothing more
+            await asyncio.get_running_loop().run_in_executor(None, self.repair.close)
         if self._registration is None:
             return
         await asyncio.get_running_loop().run_in_executor(None, self._registration.deregister)
@@ -115,6 +162,12 @@ class NodeExtras:
         await asyncio.sleep(self.args.drain)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        if self.repair is not None:
+            self.repair.close()
+            self.repair = None
         if self._registration is not None:
             self._registration.deregister()  # idempotent: also on the error paths
             self._registration = None

@@ -69,6 +69,20 @@ def tenant_prefix(access_id: str) -> bytes:
     return struct.pack("<H", len(raw)) + raw
 
 
+def split_tenant(stored_key: bytes) -> tuple[str, bytes] | None:
+    """(tenant id, the client's key) of a key as the store holds it (`tenant_prefix` + key), or None when it does
+    not parse (a node's repair, `ems.pool.repair`, connects to other nodes as each key's tenant)."""
+    if len(stored_key) < 2:
+        return None
+    n = struct.unpack_from("<H", stored_key)[0]
+    if len(stored_key) < 2 + n:
+        return None
+    try:
+        return stored_key[2 : 2 + n].decode("ascii"), stored_key[2 + n :]
+    except UnicodeDecodeError:
+        return None
+
+
 class NodeStoreStats(Protocol):
     """The memory figures a node logs (`ems.store.kv_store.StoreStats` has them)."""
 

@@ -16,6 +16,11 @@ Contract:
   written), `tier_errors_total{kind}` (`integrity`: damaged records dropped, `io`: read/write errors,
   `dropped_write`: evictions not written), `disk_queued_bytes`, `disk_queued_values`, `disk_restored_values`,
   `disk_restore_seconds`.
+* Repair (a node registered in etcd, `ems.pool.repair`; `watch_repair`): `repair_running` (1 while a pass runs),
+  `repair_pending_keys` (keys of the pass under way not checked yet), `repair_passes_total`,
+  `repair_abandoned_total` (passes a membership change stopped), `repair_checked_keys_total`,
+  `repair_copied_values_total`, `repair_copied_bytes_total`, `repair_failed_copies_total`,
+  `repair_last_pass_seconds`, read from the repairer when scraped.
 * Same-host shared memory (`transport.shm_server`, registered by the node assembly `ems.pool.node` with `watch_shm`):
   `shm_regions` (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed),
   `shm_handed_regions`,
@@ -138,6 +143,24 @@ def _tier_families(store: Any, stats: Any) -> Iterator:
     yield GaugeMetricFamily("ems_pool_disk_restore_seconds", "Seconds to rebuild the index at start", value=disk.restore_seconds)
 
 
+class _RepairCollector(Collector):
+    def __init__(self, progress: Callable[[], Any]) -> None:
+        self.progress = progress
+
+    def collect(self) -> Iterator:
+        p = self.progress()
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield g("ems_pool_repair_running", "1 while a repair pass runs", value=float(p.running))
+        yield g("ems_pool_repair_pending_keys", "Keys of the pass under way not checked yet", value=p.pending_keys)
+        yield c("ems_pool_repair_passes", "Repair passes finished", value=p.passes)
+        yield c("ems_pool_repair_abandoned", "Repair passes stopped by a membership change", value=p.abandoned)
+        yield c("ems_pool_repair_checked_keys", "Keys repair checked", value=p.checked_keys)
+        yield c("ems_pool_repair_copied_values", "Values repair copied to their owners", value=p.copied_values)
+        yield c("ems_pool_repair_copied_bytes", "Bytes repair copied to their owners", value=p.copied_bytes)
+        yield c("ems_pool_repair_failed_copies", "Copies refused or not acknowledged", value=p.failed_copies)
+        yield g("ems_pool_repair_last_pass_seconds", "Duration of the last finished pass", value=p.last_pass_seconds)
+
+
 class NodeMetrics:
     """Counters of one pool node; see the module docstring."""
 
@@ -154,6 +177,10 @@ class NodeMetrics:
         self.connections = Gauge("ems_pool_connections", "Client connections open now", registry=r)
         self.connections_opened = Counter("ems_pool_connections_opened", "Client connections accepted", registry=r)
         self.registry.register(_StoreCollector(store))
+
+    def watch_repair(self, progress: Callable[[], Any]) -> None:
+        """Report the node's repair (`progress()` gives an `ems.pool.repair.RepairProgress`) when scraped."""
+        self.registry.register(_RepairCollector(progress))
 
     def watch_shm(self, stats: Callable[[], ShmStats]) -> None:
         """Serve the same-host shared-memory figures, read from `stats()` when scraped."""

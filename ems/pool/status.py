@@ -7,10 +7,13 @@ Contract:
 * The node list comes from etcd membership (each node registers its `--metrics` address there) or from `--nodes`
   (their metrics endpoints). Each node's `/metrics` is read twice, `--interval` seconds apart, and parsed with
   `prometheus_client`'s parser.
-* Prints a header and one line per node, sorted by address: `NODE STATE HELD/CAPACITY VALUES HIT-RATE REQ/S`.
+* Prints a header and one line per node, sorted by address: `NODE STATE HELD/CAPACITY VALUES HIT-RATE REQ/S
+  REPAIR COPIED`.
   STATE is `up`, `down` (its metrics did not answer) or `no-metrics` (registered without `--metrics`). HIT-RATE is
   GET hits / (hits + misses) since the node started (`-` before its first GET); REQ/S is requests served per second
-  over the interval. A node with a disk tier (`--disk`) gets one more line per tier under its own (NODE `  dram`,
+  over the interval. REPAIR is the node's repair (`ems.pool.repair`): `idle`, `N-left` (a pass is under way,
+  N keys still to check) or `-` (the node does not repair); COPIED the values it has copied to their owners since it
+  started. A node with a disk tier (`--disk`) gets one more line per tier under its own (NODE `  dram`,
   `  disk`): the tier's state (`up`, or `failed` for a disk that turned the node DRAM-only), held/capacity, values,
   and the share of the node's GET lookups that tier answered. Then a total line.
 * Exit status: 0 when every node is up, 1 when any is down or none is registered, 2 on bad options.
@@ -39,6 +42,9 @@ class Sample:
     hits: float = 0.0
     misses: float = 0.0
     requests: float = 0.0
+    repair_running: float | None = None  # None: the node does not repair
+    repair_pending: float = 0.0
+    repair_copied: float = 0.0
     tiers: dict[str, TierSample] = dataclasses.field(default_factory=dict)
 
 
@@ -94,6 +100,12 @@ def parse_metrics(text: str) -> Sample:
                 sample.misses = s.value
             elif s.name == "ems_pool_requests_total":
                 sample.requests += s.value
+            elif s.name == "ems_pool_repair_running":
+                sample.repair_running = s.value
+            elif s.name == "ems_pool_repair_pending_keys":
+                sample.repair_pending = s.value
+            elif s.name == "ems_pool_repair_copied_values_total":
+                sample.repair_copied = s.value
             elif s.name in _TIER_FIELDS and "tier" in s.labels:
                 tier = sample.tiers.setdefault(s.labels["tier"], TierSample())
                 setattr(tier, _TIER_FIELDS[s.name], s.value)
@@ -143,16 +155,23 @@ def _size(n: float) -> str:
     return f"{n:.1f}TiB"
 
 
+def _repair(s: Sample) -> str:
+    if s.repair_running is None:
+        return "-"
+    return f"{s.repair_pending:.0f}-left" if s.repair_running else "idle"
+
+
 def render(statuses: Sequence[NodeStatus]) -> str:
-    rows = [("NODE", "STATE", "HELD/CAPACITY", "VALUES", "HIT-RATE", "REQ/S")]
-    held = capacity = values = rps = 0.0
+    rows = [("NODE", "STATE", "HELD/CAPACITY", "VALUES", "HIT-RATE", "REQ/S", "REPAIR", "COPIED")]
+    held = capacity = values = rps = copied = 0.0
     for st in statuses:
         if st.sample is None:
-            rows.append((st.address, st.state, "-", "-", "-", "-"))
+            rows.append((st.address, st.state, "-", "-", "-", "-", "-", "-"))
             continue
         s = st.sample
         held, capacity, values, rps = held + s.held_bytes, capacity + s.capacity_bytes, values + s.values, rps + st.requests_per_s
         hit = "-" if st.hit_rate is None else f"{100 * st.hit_rate:.1f}%"
+        copied += s.repair_copied
         rows.append(
             (
                 st.address,
@@ -161,6 +180,8 @@ def render(statuses: Sequence[NodeStatus]) -> str:
                 f"{s.values:.0f}",
                 hit,
                 f"{st.requests_per_s:.1f}",
+                _repair(s),
+                "-" if s.repair_running is None else f"{s.repair_copied:.0f}",
             )
         )
         if "disk" in s.tiers:
@@ -176,10 +197,23 @@ def render(statuses: Sequence[NodeStatus]) -> str:
                         f"{t.values:.0f}",
                         share,
                         "",
+                        "",
+                        "",
                     )
                 )
     up = sum(st.state == "up" for st in statuses)
-    rows.append((f"total: {up}/{len(statuses)} up", "", f"{_size(held)}/{_size(capacity)}", f"{values:.0f}", "", f"{rps:.1f}"))
+    rows.append(
+        (
+            f"total: {up}/{len(statuses)} up",
+            "",
+            f"{_size(held)}/{_size(capacity)}",
+            f"{values:.0f}",
+            "",
+            f"{rps:.1f}",
+            "",
+            f"{copied:.0f}",
+        )
+    )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

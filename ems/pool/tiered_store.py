@@ -16,7 +16,8 @@ Contract:
   on I/O: `may_block` tells the server which ones to run off its event loop.
 * `contains_many` (EXISTS) answers for both tiers. `hold_many` (an EXISTS with a lease or pin) holds what DRAM has
   (`KvStore.hold_many`); a key only on disk counts as kept as it is (DRAM's pressure does not reach the disk, and a
-  read promotes it).
+  read promotes it). `keys()` and `peek_many` (a node's repair) see DRAM only: the disk's index knows its records
+  by key hash.
 * `stats()` is DRAM's (`StoreStats`: the memory figures the server logs) with hits and misses counted over both
   tiers; `tier_stats()` gives each tier's own figures (metrics, `ems-pool status`).
 * A disk that fails turns the node into a DRAM-only node (`DiskTier`'s contract): lookups then miss on disk.
@@ -146,6 +147,14 @@ class TieredStore:
             return held
         on_disk = self.disk.contains_many(keys)
         return [a or b for a, b in zip(held, on_disk)]
+
+    def keys(self) -> list[bytes]:
+        """DRAM's keys (`KvStore.keys`): the disk's index knows its records by key hash only."""
+        return self.dram.keys()
+
+    def peek_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """DRAM's values (`KvStore.peek_many`), no disk read, no promotion."""
+        return self.dram.peek_many(keys)
 
     def stats(self) -> StoreStats:
         stats = self.dram.stats()

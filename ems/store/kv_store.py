@@ -617,6 +617,20 @@ class KvStore:
                 out.append(value is not None and holds.grant(key, charge(key, value), hold))
             return out
 
+    def keys(self) -> list[bytes]:
+        """The keys held now, least recently used first: a snapshot taken under the lock (a pool node's repair
+        walks it, `ems.pool.repair`)."""
+        with self._lock:
+            return list(self._entries)
+
+    def peek_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """`get_many` that leaves the LRU order and the hit and miss counts alone: a node's repair reading what it
+        copies to another node is not a client's read."""
+        with self._lock:
+            values = [self._entries.get(key) for key in keys]
+        arena = self._arena
+        return [value if value is None or not _store_made(value, arena) else memoryview(value).toreadonly() for value in values]
+
     def delete(self, key: bytes) -> bool:
         with self._lock:
             if key not in self._entries:

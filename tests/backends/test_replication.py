@@ -2,7 +2,9 @@
 
 A long random sequence of saves, loads, node failures, damaged copies, wiped nodes and membership changes is checked
 against a model of where good copies are: a load is a hit exactly when one of the first k live owners (rank order,
-failed nodes skipped) holds a good copy, and a loaded block is always byte-exact; nothing else is ever written.
+failed nodes skipped) holds a good copy, k being the replicas plus the nodes that joined in the rebalancing window
+(`Members.fallback`; a run with the window at 0 checks the replicas alone), and a loaded block is always
+byte-exact; nothing else is ever written.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fault_injection import FaultyNode
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.pool_client import PoolClient
+from ems.cluster import placement
 from ems.cluster.routing import node_seeds, ranked_owners
 from ems.config import resolve_settings
 from ems.datapath.keys import v1_keys
@@ -58,7 +61,9 @@ def _load_one(cc, cache, original, block: int, block_hash: int) -> bool:
 
 @pytest.mark.parametrize("replicas", [1, 2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_sequence_matches_the_copy_model(replicas, seed):
+@pytest.mark.parametrize("rebalance_s", [0.0, placement.REBALANCE_S])
+def test_random_sequence_matches_the_copy_model(replicas, seed, rebalance_s, monkeypatch):
+    monkeypatch.setattr(placement, "REBALANCE_S", rebalance_s)
     rng = random.Random(seed * 10 + replicas)
     nodes, pool, cc = _cluster(5, replicas)
     try:
@@ -82,7 +87,8 @@ def test_random_sequence_matches_the_copy_model(replicas, seed):
                 good[block] = good.get(block, set()) | set(up)
             elif action == "load":
                 ranks = [a for a in _ranks(cc, pool, h) if not nodes[a].fail]
-                expect_hit = bool(set(ranks[:replicas]) & good.get(block, set()))
+                tries = replicas + pool.members.fallback()  # joins in the window: their keys' old owners too
+                expect_hit = bool(set(ranks[:tries]) & good.get(block, set()))
                 if not ranks:
                     continue
                 assert _load_one(cc, cache, original, block, h) == expect_hit, (block, ranks, good.get(block))
@@ -114,6 +120,83 @@ def test_random_sequence_matches_the_copy_model(replicas, seed):
                 pool.set_members(members)
         assert loads > 20
     finally:
+        cc.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_sequence_with_slow_nodes_never_serves_a_wrong_block(replicas, seed):
+    """The copy model with slow nodes (`delay_s`): a slow node's requests may be hedged around and stopped, so what
+    it holds and whether it is asked are uncertain; a load must hit when a fast node it certainly asks holds a good
+    copy, must miss when no node it may ask holds one, and is byte-exact (or untouched) either way."""
+    rng = random.Random(100 + seed * 10 + replicas)
+    nodes, pool, cc = _cluster(5, replicas)
+    try:
+        torch.manual_seed(seed)
+        cache = make_cache(layers=2, blocks=12, block_size=BS, heads=2, head_size=8)
+        cc.register_kvcache(cache)
+        original = snapshot(cache)
+        good: dict[int, set[str]] = {}  # certainly holding a good copy
+        maybe: dict[int, set[str]] = {}  # a slow owner a save may or may not have reached
+        loads = 0
+        for _ in range(100):
+            action = rng.choice(["save", "save", "load", "load", "load", "slow", "fast", "fail", "heal", "damage"])
+            block = rng.randrange(12)
+            h = 9000 + block
+            slow = {a for a, n in nodes.items() if n.delay_s}
+            if action == "save":
+                owners = _ranks(cc, pool, h)[:replicas]
+                up = [a for a in owners if not nodes[a].fail]
+                if not up:
+                    continue
+                r = cc.save(slots_of_blocks([block], BS), [h], [BS], CcKvOption(timeout=5000))
+                if set(up) <= slow:
+                    assert r.success in (0, 1)
+                else:
+                    assert r.success == 1, (owners, up)
+                good[block] = good.get(block, set()) | (set(up) - slow)
+                maybe[block] = maybe.get(block, set()) | (set(up) & slow)
+            elif action == "load":
+                ranks = [a for a in _ranks(cc, pool, h) if not nodes[a].fail]
+                if not ranks:
+                    continue
+                fast_ranks = [a for a in ranks if a not in slow]
+                certain = set(ranks[:replicas]) - slow  # asked whatever the slow nodes do
+                possible = set(ranks[:replicas]) | set(fast_ranks[:replicas])
+                held = good.get(block, set())
+                hit = _load_one(cc, cache, original, block, h)  # exact or untouched, checked inside
+                if certain & held:
+                    assert hit, (block, ranks, held, slow)
+                if not possible & (held | maybe.get(block, set())):
+                    assert not hit, (block, ranks, held, slow)
+                loads += 1
+                for t, o in zip(tensors(cache), original):
+                    t.copy_(o)
+            elif action == "slow" and len(slow) < 2:
+                nodes[rng.choice(list(nodes))].delay_s = 0.15
+            elif action == "fast":
+                for node in nodes.values():
+                    node.delay_s = 0.0
+            elif action == "fail":
+                if sum(n.fail for n in nodes.values()) < 1:
+                    nodes[rng.choice(list(nodes))].fail = True
+            elif action == "heal":
+                for node in nodes.values():
+                    node.fail = False
+            elif action == "damage":
+                holders = sorted(good.get(block, set()) | maybe.get(block, set()))
+                if holders:
+                    victim = rng.choice(holders)
+                    key = v1_keys(cc._v1_namespace, [h])[0][0]
+                    if key in nodes[victim].store._entries:
+                        nodes[victim].corrupt_stored(key, rng.choice(["flip", "header", "truncate"]))
+                    good.get(block, set()).discard(victim)
+                    maybe.get(block, set()).discard(victim)
+        assert loads > 15
+    finally:
+        for node in nodes.values():
+            node.delay_s = 0.0
         cc.close()
         pool.close()
 

@@ -12,6 +12,7 @@ from ems.config import POOL_SETTINGS
 from ems.integrations.connector_config import (
     KEYS,
     ConnectorConfig,
+    KvRole,
     LocalPoolMode,
     derive_model_id,
 )
@@ -32,6 +33,7 @@ def test_defaults_and_every_key(monkeypatch):
             "timeout_ms": 100,
             "load_failure_policy": "fail",
             "lease_ms": 0,
+            "save_wait_ms": 500,
             "access_id": "team-a",
             "access_key": "k" * 32,
             "pool_capacity": "1GiB",
@@ -49,8 +51,9 @@ def test_defaults_and_every_key(monkeypatch):
     ems_config = full.ems_config("m-1", "MLA", pool)
     assert ems_config.pool_nodes == ["10.0.0.1:7700", "10.0.0.2:7700"] and ems_config.max_inflight == 4
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
-    assert full.lease_ms == 0 and full.load_failure_policy == "fail"
-    assert len(KEYS) == 15 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert full.lease_ms == 0 and full.load_failure_policy == "fail" and full.save_wait_ms == 500
+    assert config.save_wait_ms == 2000
+    assert len(KEYS) == 16 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
@@ -149,6 +152,9 @@ def test_equal_configs_for_every_process():
         {"cross_layer_blocks": "yes"},
         {"lease_ms": -1},
         {"lease_ms": 60_001},
+        {"save_wait_ms": -1},
+        {"save_wait_ms": 60_001},
+        {"save_wait_ms": 0.5},
         {"lease_ms": 1.5},
     ],
 )
@@ -157,6 +163,15 @@ def test_bad_values_name_the_key(extra):
         ConnectorConfig.from_extra(extra)
     assert info.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
     assert next(iter(extra)) in info.value.message() or "unknown" in info.value.message()
+
+
+def test_kv_roles():
+    assert KvRole.of(None) is KvRole.BOTH and KvRole.of("kv_both").loads and KvRole.of("kv_both").saves
+    assert not KvRole.of("kv_producer").loads and KvRole.of("kv_producer").saves
+    assert KvRole.of("kv_consumer").loads and not KvRole.of("kv_consumer").saves
+    with pytest.raises(EmsException) as info:
+        KvRole.of("kv_decoder")
+    assert info.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT and "kv_role" in info.value.message()
 
 
 def test_model_ids():

@@ -1,13 +1,24 @@
 """An engine process for the cluster tests: `python cluster_engine.py CONFIG_JSON`, then one JSON command per stdin
 line, one JSON reply per stdout line (first reply: `{"ready": true}`).
 
-CONFIG: etcd, cluster, replicas, hash_base. The KV cache is seeded, so block b always has the same bytes (hash
-`hash_base + b`). Each block is saved and loaded by its own call, so every block's outcome is seen:
+CONFIG: etcd (or nodes: a fixed list), cluster, replicas, hash_base; optional timeout_ms (3000), layers, blocks,
+block_size, heads, head_size (the KV cache's geometry: 2 layers, 64 blocks of 4 tokens x 2 heads x 16 by default).
+The KV cache is seeded, so block b always has the same bytes (hash `hash_base + b`). Each block is saved and loaded
+by its own call, so every block's outcome is seen:
 * {"op": "save", "blocks": [...]} → {"saved": [0/1...], "errors": [...]}
 * {"op": "load", "blocks": [...]} → {"result": ["hit" (byte-exact) | "miss" (slots untouched) | "wrong" | "error"]}
 * {"op": "traffic", "seconds": s, "blocks": [...]} → save+load the blocks over and over: counts of calls, raised
   errors, wrong blocks
 * {"op": "members"} → {"members": [...], "connected": bool};  {"op": "metrics"} → ContextCaching.metrics()
+* {"op": "holders", "blocks": [...]} → {"holders": [[addresses of the live nodes holding block b]...]} (each node
+  asked directly, as this engine's tenant)
+* {"op": "bulk", "what": "save"|"load", "blocks": [...], "rounds": r, "base": h} → one call for all the blocks
+  (hashes `h + b`), r times: {"seconds": [...], "success": [...], "stages": {stage: seconds} of the fastest}
+* {"op": "timed", "what": "load"|"exists", "blocks": [...], "rounds": r} → per-call seconds of one-block calls,
+  r rounds over the blocks: {"seconds": [...], "hits": n, "wrong": n}
+* {"op": "scrape", "url": "http://..."} → {"text": ...} (a node's metrics, read from this engine's host)
+* {"op": "probe", "rounds": r} → {"ping": [...], "exists": [...]}: seconds of the first node's client `ping` and
+  `exists` of one key, r of each (the layers under `ContextCaching.exists`)
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -24,9 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: ems_t
 from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException
-
-BS, BLOCKS = 4, 64
-OPTION = CcKvOption(timeout=3000)
 
 
 def main() -> None:
@@ -45,8 +54,9 @@ def main() -> None:
     Ems.init(
         EmsConfig(
             cc_config=CcConfig(rank_id=0, device_id=0, model_id="cluster-model"),
-            pool_etcd=config["etcd"],
-            pool_cluster=config["cluster"],
+            pool_etcd=config.get("etcd"),
+            pool_nodes=config.get("nodes"),
+            pool_cluster=config.get("cluster", "default"),
             pool_replicas=config["replicas"],
             read_cache_capacity=0,
             connect_timeout_ms=2000,
@@ -54,7 +64,16 @@ def main() -> None:
     )
     cc = Ems.get_cc()
     torch.manual_seed(99)
-    cache = make_cache(layers=2, blocks=BLOCKS, block_size=BS, heads=2, head_size=16, dtype=torch.float16)
+    BS, BLOCKS = int(config.get("block_size", 4)), int(config.get("blocks", 64))
+    OPTION = CcKvOption(timeout=int(config.get("timeout_ms", 3000)), write_rcache=False)
+    cache = make_cache(
+        layers=int(config.get("layers", 2)),
+        blocks=BLOCKS,
+        block_size=BS,
+        heads=int(config.get("heads", 2)),
+        head_size=int(config.get("head_size", 16)),
+        dtype=torch.float16,
+    )
     original = snapshot(cache)
     cc.register_kvcache(cache)
     base = int(config.get("hash_base", 0))
@@ -91,6 +110,63 @@ def main() -> None:
             out.append(("hit" if r.success else "miss") if exact else "wrong")
         return out
 
+    def holders(cc, blocks: list[int]) -> list[list[str]]:
+        from ems.datapath.keys import v1_keys
+
+        keys, _ = v1_keys(cc._v1_namespace, [base + b for b in blocks])
+        out: list[list[str]] = [[] for _ in blocks]
+        for node in Ems._pool.nodes:  # type: ignore[union-attr]
+            try:
+                flags = node.exists(keys, 3.0)
+            except EmsException:
+                continue
+            for i, held in enumerate(flags):
+                if held:
+                    out[i].append(node.address)
+        return out
+
+    def bulk(what: str, blocks: list[int], rounds: int, first: int) -> dict:
+        from ems.datapath.records import JobKind
+
+        restore()
+        slots, hashes, offsets = slots_of_blocks(blocks, BS), [first + b for b in blocks], [BS] * len(blocks)
+        seconds, success, best, stages = [], [], float("inf"), {}
+        for _ in range(rounds):
+            start = time.perf_counter()
+            try:
+                r = (cc.save if what == "save" else cc.load)(slots, hashes, offsets, OPTION).success
+            except EmsException:
+                r = -1
+            t = time.perf_counter() - start
+            seconds.append(t)
+            success.append(r)
+            if t < best:
+                best = t
+                job = cc.jobs.last(JobKind.SAVE if what == "save" else JobKind.LOAD)
+                stages = {k.value: v.seconds for k, v in job.stages.items()} if job is not None else {}
+        return {"seconds": seconds, "success": success, "stages": stages}
+
+    def timed(what: str, blocks: list[int], rounds: int) -> dict:
+        poisoned = poison(cache)
+        seconds, hits, wrong = [], 0, 0
+        for _ in range(rounds):
+            for b in blocks:
+                start = time.perf_counter()
+                try:
+                    if what == "exists":
+                        ok = cc.exists([base + b], OPTION).success
+                    else:
+                        ok = cc.load(slots_of_blocks([b], BS), [base + b], [BS], OPTION).success
+                except EmsException:
+                    ok = 0
+                seconds.append(time.perf_counter() - start)
+                hits += ok
+                if what == "load":
+                    want = original if ok else poisoned
+                    if not all(torch.equal(t[b].view(torch.uint8), w[b].view(torch.uint8)) for t, w in zip(tensors(cache), want)):
+                        wrong += 1
+        return {"seconds": seconds, "hits": hits, "wrong": wrong}
+
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
@@ -120,6 +196,29 @@ def main() -> None:
             reply = {"calls": calls, "errors": errors, "wrong": wrong, "misses": misses}
         elif op == "metrics":
             reply = cc.metrics()
+        elif op == "holders":
+            reply = {"holders": holders(cc, command["blocks"])}
+        elif op == "bulk":
+            reply = bulk(command["what"], command["blocks"], int(command.get("rounds", 1)), int(command.get("base", base)))
+        elif op == "timed":
+            reply = timed(command["what"], command["blocks"], int(command.get("rounds", 1)))
+        elif op == "probe":  # per-call seconds of the layers under `exists`: the node client's ping and exists
+            node = Ems._pool.nodes[0]  # type: ignore[union-attr]
+            from ems.datapath.keys import v1_keys
+
+            key = v1_keys(cc._v1_namespace, [base])[0]
+            pings, exists = [], []
+            for _ in range(int(command.get("rounds", 500))):
+                start = time.perf_counter()
+                node.ping(3.0)
+                pings.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                node.exists(key, 3.0)
+                exists.append(time.perf_counter() - start)
+            reply = {"ping": pings, "exists": exists}
+        elif op == "scrape":
+            with urllib.request.urlopen(command["url"], timeout=5) as r:
+                reply = {"text": r.read().decode()}
         else:
             reply = {"unknown": op}
         print(json.dumps(reply), flush=True)

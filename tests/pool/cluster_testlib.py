@@ -130,9 +130,11 @@ class ClusterNode(PoolProcess):
 class Engine:
     """An engine process (`cluster_engine.py`): one JSON command per line in, one JSON reply per line out."""
 
-    def __init__(self, **config) -> None:
+    def __init__(self, prefix: tuple[str, ...] | list[str] = (), **config) -> None:
+        """`prefix`: argv that runs the engine elsewhere (`HostCluster.exec_prefix`: inside a host)."""
         self.proc = subprocess.Popen(
-            [sys.executable, ENGINE, json.dumps(config)],
+            [*prefix, sys.executable, ENGINE, json.dumps(config)],
+            cwd=tempfile.gettempdir(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -96,7 +96,7 @@ def test_grow_kill_drain_and_etcd_restart(etcd):
         status = _status("--etcd", etcd.url, "--cluster", cluster, "--interval", "0.2")
         assert status.returncode == 0, status.stderr
         lines = status.stdout.strip().splitlines()
-        assert lines[0].split() == ["NODE", "STATE", "HELD/CAPACITY", "VALUES", "HIT-RATE", "REQ/S"]
+        assert lines[0].split() == ["NODE", "STATE", "HELD/CAPACITY", "VALUES", "HIT-RATE", "REQ/S", "REPAIR", "COPIED"]
         rows = {line.split()[0]: line.split() for line in lines[1:-1]}
         assert set(rows) == live and all(r[1] == "up" for r in rows.values())
         assert sum(int(r[3]) for r in rows.values()) == 2 * 32 + 32  # replicas=2 and replicas=1 copies

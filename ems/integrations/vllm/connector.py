@@ -250,6 +250,12 @@ class EmsConnector(KVConnectorBase_V1):
     ) -> KVConnectorPromMetrics | None:
         return EmsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def step_records(self) -> list[dict[str, Any]]:
+        """This half's per-step record, oldest first (`steps`: the scheduler's `SchedulerStep`s or the worker's
+        `WorkerStep`s; this package's addition, for tools and benchmarks)."""
+        half = self.connector_scheduler or self.connector_worker
+        return half.steps.records() if half is not None else []
+
     def totals(self) -> TransferStats:
         """Everything this connector counted since it started (this package's addition, for tests and tools)."""
         return self.context.stats.totals()

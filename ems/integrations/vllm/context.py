@@ -7,6 +7,8 @@ Contract:
   node, configured nodes, etcd or Mooncake) and initialises the process's SDK client (`Ems.init`; every process of
   one engine passes an equal config, so a process that hosts both halves initialises once). The scheduler half
   (`scheduler.EmsScheduler`) and the worker half (`worker.EmsWorker`) each take one.
+* `role` is vLLM's `kv_role` (`connector_config.KvRole`): the scheduler half never asks the pool for a producer's
+  requests and never sends a consumer's blocks to it.
 * The context holds no per-request state and starts no thread; its fields never change.
 * Registration (`register_shadow`, `register_worker`): what this process registered with its process-wide
   `ContextCaching`: a worker's real KV cache, or the scheduler's one-block shadow of the same layout (the scheduler
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 from ems import CcKvOption, ContextCaching, Ems
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import StatsSink
-from ems.integrations.connector_config import ConnectorConfig, ResolvedPool, derive_model_id
+from ems.integrations.connector_config import ConnectorConfig, KvRole, ResolvedPool, derive_model_id
 from ems.integrations.vllm.engine_checks import check_supported
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 
@@ -54,6 +56,7 @@ class ConnectorContext:
     pool: ResolvedPool
     cc: ContextCaching
     stats: StatsSink  # what this connector counted (scheduler lookups, worker transfers)
+    role: KvRole = KvRole.BOTH  # vLLM's kv_role: a producer never loads, a consumer never saves
 
     @property
     def option(self) -> CcKvOption:
@@ -70,6 +73,7 @@ class ConnectorContext:
         if transfer is None:
             raise ValueError("EmsConnector needs vLLM's kv_transfer_config")
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        role = KvRole.of(transfer.kv_role)
         check_supported(vllm_config, kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         hash_block_size = int(kv_cache_config.hash_block_size or block_size)
@@ -97,6 +101,7 @@ class ConnectorContext:
             pool=pool,
             cc=cc,
             stats=StatsSink(),
+            role=role,
         )
 
     def register_shadow(self) -> None:

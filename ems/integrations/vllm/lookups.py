@@ -1,19 +1,24 @@
 """The scheduler half's pool lookups: how many blocks past vLLM's local hit the pool holds (and leases) for a request.
 
 Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's scheduler thread):
-* `match(req_id, start, full, epoch, hashes)`: the request's blocks `start..full` (`hashes()` gives their engine
-  hashes, asked for only when needed) in `epoch`. Answers the number of leading blocks the pool holds, or None:
-  "not known yet, ask again next step". Never asks the pool on the caller's thread: a new lookup is recorded for the
-  step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken at the next `match`. With the circuit
-  breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at once, without the network.
+* `match(req_id, start, full, epoch, hashes, expect)`: the request's blocks `start..full` (`hashes()` gives their
+  engine hashes, asked for only when needed) in `epoch`. Answers the number of leading blocks the pool holds, or
+  None: "not known yet, ask again next step". `expect` blocks (from `start`) are on their way to the pool (a
+  producer announced them, or this engine sent them to be saved): an answer short of them is not taken but asked
+  again each step until `save_wait_ms` after the request's first ask; then the request takes what the pool holds
+  (a save that failed costs that wait, bounded, and then recomputation). Never asks the pool on the caller's
+  thread: a new lookup is recorded for the step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken
+  at the next `match`. With the circuit breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at
+  once, without the network. `skip(req_id, start)` records a request that asks nothing (a producer's).
 * An answer is kept per request (`LookupAnswer`) and reused while it is fresh (the same blocks and epoch, younger
   than `lookup_cache_s`): vLLM asks again every step for a request it could not admit yet. `take(req_id)` hands the
   answer vLLM admitted the request with to `update_state_after_alloc`; `forget(req_id)` drops a request;
   `clear()` drops every answer (after a reset).
 * The pool leases what a lookup reports (`lease_ms`, `ems.transport.holds`) to the load that follows, so a reported
   hit is not evicted before it is loaded.
-* `end_step(idle)` dispatches the step's lookups (one batch, one background thread); a step with nothing else to
-  run (`idle`) waits up to `IDLE_WAIT_S` for the batch instead of spinning. `close()` stops the threads.
+* `end_step(idle, record)` dispatches the step's lookups (one batch, one background thread); a step with nothing
+  else to run (`idle`) waits up to `IDLE_WAIT_S` for the batch instead of spinning. It fills the step's record
+  (`steps.SchedulerStep`: lookups sent, the step's wait, batches answered and their seconds). `close()` stops the threads.
 
 Extending it: a policy that asks some lookups inside the step (a fast pool) would answer them in `match` by
 `self.breaker.lookup(...)` directly; everything else (the answers' reuse, `take`, the epoch) stays the same.
@@ -30,6 +35,7 @@ from ems.integrations.lookup_batcher import LookupBatcher
 from ems.integrations.lookup_breaker import LookupBreaker
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import IDLE_WAIT_S
+from ems.integrations.vllm.steps import SchedulerStep
 
 
 @dataclass(frozen=True)
@@ -56,22 +62,39 @@ class PoolLookups:
         self._batcher = LookupBatcher(self.breaker)
         self._answers: dict[str, LookupAnswer] = {}
         self._asking: dict[str, tuple[int, int, bytes]] = {}  # request -> (start, blocks, epoch) asked, unanswered
+        self._wait_until: dict[str, float] = {}  # request -> when it stops waiting for blocks still being saved
 
-    def match(self, req_id: str, start: int, full: int, epoch: bytes, hashes: Callable[[], Sequence[EngineHash]]) -> int | None:
+    def match(
+        self,
+        req_id: str,
+        start: int,
+        full: int,
+        epoch: bytes,
+        hashes: Callable[[], Sequence[EngineHash]],
+        expect: int = 0,
+    ) -> int | None:
         if full <= start:
-            self._answers[req_id] = LookupAnswer(start, 0, 0, b"", 0.0)  # nothing to ask; saves start after the local hit
+            self.skip(req_id, start)  # nothing to ask; saves start after the local hit
             return 0
         now = time.monotonic()
+        # blocks on their way to the pool (a producer's, or this engine's saves): an answer short of them is asked
+        # again each step until `save_wait_ms` after the first ask, instead of recomputing them at once
+        waiting = expect > 0 and now < self._wait_until.setdefault(req_id, now + self._ctx.config.save_wait_ms / 1000)
+        wanted_hits = min(expect, full - start) if waiting else 0
         cached = self._answers.get(req_id)
         # a request vLLM could not admit yet is asked again every step: the answer is reused for a while
         if cached is not None and cached.fresh(start, full - start, epoch, now, self._ctx.config.lookup_cache_s):
-            return cached.hits
+            if cached.hits >= wanted_hits:
+                return cached.hits
+            del self._answers[req_id]  # short of blocks still being saved: asked again below
         wanted = (start, full - start, epoch)
         asked = self._asking.get(req_id)
         hits = self._batcher.answer(req_id)
         if asked == wanted and hits is None and self._batcher.asked(req_id):
             return None  # still being asked
-        if asked != wanted or hits is None:  # not asked yet (or asked for other blocks, before a reset)
+        if hits is not None and hits < wanted_hits:
+            self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked again
+        if asked != wanted or hits is None or hits < wanted_hits:  # not asked yet, for other blocks, or short
             wanted_hashes = hashes()
             if not self.breaker.is_open():
                 self._ctx.register_shadow()
@@ -79,25 +102,36 @@ class PoolLookups:
                 self._asking[req_id] = wanted
                 return None
             hits = self.breaker.lookup(wanted_hashes, epoch)  # the pool counts as down: 0 at once, no network
-        self._asking.pop(req_id, None)
+        self._asking.pop(req_id, None)  # (its wait's end is kept until `take`: one wait per request)
         self._answers[req_id] = LookupAnswer(start, hits, full - start, epoch, now)
         return hits
 
+    def skip(self, req_id: str, start: int) -> None:
+        """The request asks the pool nothing (nothing past its local hit, or a producer, which never loads): its
+        saves start at block `start`."""
+        self._answers[req_id] = LookupAnswer(start, 0, 0, b"", 0.0)
+
     def take(self, req_id: str) -> LookupAnswer | None:
+        self._wait_until.pop(req_id, None)
         return self._answers.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self._answers.pop(req_id, None)
+        self._wait_until.pop(req_id, None)
         if self._asking.pop(req_id, None) is not None:
             self._batcher.forget(req_id)
 
     def clear(self) -> None:
         self._answers.clear()
+        self._wait_until.clear()
 
-    def end_step(self, idle: bool) -> None:
-        self._batcher.dispatch()
+    def end_step(self, idle: bool, record: SchedulerStep) -> None:
+        record.lookups_sent = self._batcher.dispatch()
         if idle and self._batcher.pending():
+            started = time.perf_counter()
             self._batcher.wait(IDLE_WAIT_S)
+            record.wait_s = time.perf_counter() - started
+        record.lookup_batches, record.lookup_s = self._batcher.take_answered()
 
     def close(self) -> None:
         self._batcher.close()

@@ -11,10 +11,18 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   (each block once per request, again when vLLM recomputes blocks after a failed load) to the workers, and names
   the requests with saves in flight that the step preempted. A request admitted in an epoch that is no longer the
   current one (a reset since) saves nothing more: its KV may be the old weights'.
+* Roles (`ctx.role`, vLLM's `kv_role`): a producer never asks the pool (every lookup is 0 at once) and a consumer
+  never sends a block to it. A lookup short of blocks still on their way to the pool waits for them, up to
+  `save_wait_ms` from its first ask (`lookups.PoolLookups.match`'s `expect`): blocks a producer announced in the
+  request's `kv_transfer_params` (`PARAM_BLOCKS`, in the namespace `PARAM_MODEL`), or blocks this engine sent to be
+  saved within the last `save_wait_ms`.
 * `request_finished`: True (vLLM's delayed free) while the request has saves sent to the workers, whose copy-outs
-  run after the step: the workers release it in `get_finished` once they have ended.
+  run after the step: the workers release it in `get_finished` once they have ended. An engine that saves returns
+  `kv_transfer_params` naming the request's prompt blocks in the pool or on their way there (for a P/D proxy).
 * `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
   promised before it are reported failed, never loaded; False when the pool did not take it.
+* `steps`: the per-step record (`steps.SchedulerStep`: lookups, loads and saves sent, the lookup batches' and the
+  step's waits).
 * KV events go to `events` (`observability.KvEventLog`): a `BlockStored` for every run of blocks sent to the pool,
   `AllBlocksCleared` on a reset.
 
@@ -25,13 +33,16 @@ for a request is `lookups.LookupAnswer`, and a step's work for the workers is `m
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ems.integrations.epoch import EpochRecord, EpochWatch
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.lookups import PoolLookups
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
+from ems.integrations.vllm.steps import SchedulerStep, StepLog
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,6 +50,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("ems.integrations.vllm")
+
+# What a producer tells the consumer through vLLM's `kv_transfer_params` (the response of the prefill engine, handed
+# to the decode engine's request by the proxy): the request's full prompt blocks that are in the pool or on their
+# way there, and the namespace they are keyed in.
+PARAM_BLOCKS = "ems_blocks"
+PARAM_MODEL = "ems_model_id"
 
 
 class EventSink(Protocol):
@@ -71,6 +88,12 @@ class EmsScheduler:
         # requests with saves sent to the workers since they were last admitted: when one finishes, vLLM keeps its
         # blocks until every worker has copied them out (`request_finished` True, the workers' finished_sending)
         self._saving: set[str] = set()
+        # block hashes this engine sent to be saved in the last `save_wait_ms` -> when (insertion order = time order):
+        # a lookup that stops short of one waits for it (`PoolLookups.match`'s `expect`)
+        self._pending: dict[bytes, float] = {}
+        self.steps: StepLog[SchedulerStep] = StepLog()  # the per-step record
+        self._waiting_lookups = 0  # requests told "ask again next step" during this step
+        self._save_wait_s = ctx.config.save_wait_ms / 1000
 
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = request.block_hashes
@@ -79,12 +102,50 @@ class EmsScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         block_size = self._block_size
-        full = min((request.num_prompt_tokens - 1) // block_size, len(request.block_hashes) // self._ctx.hash_stride)
         start = num_computed_tokens // block_size
-        hits = self.lookups.match(request.request_id, start, full, self.epoch.epoch, lambda: self._hashes(request)[start:full])
+        if not self._ctx.role.loads:  # a producer never loads
+            self.lookups.skip(request.request_id, start)
+            return 0, False
+        full = min((request.num_prompt_tokens - 1) // block_size, len(request.block_hashes) // self._ctx.hash_stride)
+        hits = self.lookups.match(
+            request.request_id,
+            start,
+            full,
+            self.epoch.epoch,
+            lambda: self._hashes(request)[start:full],
+            self._expected(request, start, full),
+        )
         if hits is None:
+            self._waiting_lookups += 1
             return None, False
         return hits * block_size, hits > 0
+
+    def _expected(self, request: Request, start: int, full: int) -> int:
+        """How many of the request's blocks from `start` are on their way to the pool: what a producer announced in
+        the request's `kv_transfer_params`, or up to the last one this engine sent to be saved in the last
+        `save_wait_ms` (another request of this engine is saving the prefix)."""
+        if self._save_wait_s <= 0 or full <= start:
+            return 0
+        expect = 0
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get(PARAM_MODEL) == self._ctx.model_id:
+            announced = params.get(PARAM_BLOCKS)
+            if isinstance(announced, int) and not isinstance(announced, bool):
+                expect = min(announced, full) - start
+        self._expire_pending(time.monotonic())
+        if self._pending:
+            pending = self._pending
+            hashes = self._hashes(request)[start:full]
+            expect = max(expect, next((len(hashes) - i for i, h in enumerate(reversed(hashes)) if h in pending), 0))
+        return max(0, expect)
+
+    def _expire_pending(self, now: float) -> None:
+        pending, oldest = self._pending, now - self._save_wait_s
+        while pending:
+            first = next(iter(pending))
+            if pending[first] > oldest:
+                return
+            del pending[first]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -106,8 +167,8 @@ class EmsScheduler:
         request, block_size = state.request, self._block_size
         # fewer tokens computed than saved: a load failed and vLLM recomputes them (or a preemption): save again
         state.next_save = min(state.next_save, computed_before // block_size)
-        if state.epoch != self.epoch.epoch:  # admitted before a reset: its KV may be the old weights' KV
-            return
+        if state.epoch != self.epoch.epoch or not self._ctx.role.saves:  # a consumer never saves; a request admitted
+            return  # before a reset neither: its KV may be the old weights' KV
         upto = min(
             computed_after // block_size,
             request.num_prompt_tokens // block_size,
@@ -120,6 +181,10 @@ class EmsScheduler:
         hashes = all_hashes[state.next_save : upto]
         meta.saves.append(BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch))
         self._saving.add(request.request_id)
+        if self._save_wait_s > 0:  # on their way to the pool: a lookup that stops short of them waits for them
+            for h in hashes:
+                self._pending.pop(h, None)  # keep the insertion order the time order
+            self._pending.update(zip(hashes, repeat(time.monotonic())))
         self._events.stored(
             hashes,
             all_hashes[state.next_save - 1] if state.next_save > 0 else None,
@@ -159,20 +224,35 @@ class EmsScheduler:
         meta.loads.extend(self._loads.values())
         self._loads.clear()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        record = SchedulerStep(
+            scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            scheduled_reqs=len(scheduler_output.num_scheduled_tokens),
+            lookups_waiting=self._waiting_lookups,
+            loads_sent=len(meta.loads),
+            load_blocks=sum(len(load.block_ids) for load in meta.loads),
+            save_blocks=sum(len(save.block_ids) for save in meta.saves),
+        )
+        self._waiting_lookups = 0
         # this step's lookups, one batch, off this thread; a step with nothing to run waits a little for them
-        self.lookups.end_step(meta.idle)
+        self.lookups.end_step(meta.idle, record)
+        self.steps.append(record)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self.requests.pop(rid, None)
+        state = self.requests.pop(rid, None)
         self.lookups.forget(rid)
         # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished.
         # Saves copy their blocks out after the step, off it: vLLM keeps them until every worker reports the request
         # in finished_sending (each worker knows the same requests from the metadata).
         held = rid in self._saving
         self._saving.discard(rid)
-        return held, None
+        # the prompt blocks in the pool or on their way there, for a decode engine that continues the request
+        # (kv_transfer_params: a P/D proxy hands them from this engine's response to the consumer's request)
+        params = None
+        if self._ctx.role.saves and state is not None and state.next_save > 0 and state.epoch == self.epoch.epoch:
+            params = {PARAM_BLOCKS: state.next_save, PARAM_MODEL: self._ctx.model_id}
+        return held, params
 
     def reset_cache(self) -> bool:
         if not self.epoch.reset():

@@ -5,8 +5,13 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
 * `register_kv_caches(kv_caches, tp_rank, used_backends)` registers each layer's tensor as two planes whose rows
   are whole vLLM blocks (`kv_layouts`), after checking that they match vLLM's KV cache spec (the scheduler addresses
   the same keys from it) and that the layers really use the attention backend the namespace names.
-* Loads: `start_load_kv(meta)` starts the step's loads (`BlockMover.start_load`, asynchronous); one beyond the
-  in-flight budget starts on a later step; a load cancelled by a reset finishes at once, its blocks failed.
+* Loads: `start_load_kv(meta)` starts the step's loads (`BlockMover.start_load`, asynchronous) as **one call**
+  (every request's blocks one after the other; one call per epoch), so 16 requests admitted together take one
+  in-flight slot, not 16 (which sent them in waves); a call beyond the in-flight budget starts on a later step; a
+  load cancelled by a reset finishes at once, its blocks failed. A call comes back with the count of blocks loaded
+  from the first (the API's `success`): the request it stopped in keeps its leading blocks (the rest recomputed);
+  the requests after it were not read, and are asked for once more on the next step when the call loaded anything
+  (else they are recomputed: a pool that served nothing is not asked again).
   `get_finished` names each request whose load has finished (never blocks, but for a step with nothing scheduled:
   `IDLE_WAIT_S`); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM
   recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`).
@@ -15,6 +20,8 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
   its copy-outs have ended (vLLM keeps its blocks until then); `handle_preemptions(meta)` waits for the copy-outs of
   the requests the step preempted (their blocks may be written by this step's forward). A save that finds the
   in-flight budget used up (a slow pool) is dropped: a later miss.
+* `steps`: the per-step record (`steps.WorkerStep`: loads started, queued and finished, copy-outs queued, the
+  seconds the connector's calls took on the step and waited).
 * `wait_saves(timeout_s)` waits until every save has been copied out and sent; `shutdown()` lets them finish.
 """
 
@@ -24,6 +31,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 
 import torch
 
@@ -32,6 +42,7 @@ from ems.integrations.block_transfer import BlockMover, PendingLoad
 from ems.integrations.save_copier import SaveCopier
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import IDLE_WAIT_S, BlockTransfer, EmsConnectorMetadata
+from ems.integrations.vllm.steps import StepLog, WorkerStep
 
 logger = logging.getLogger("ems.integrations.vllm")
 
@@ -55,6 +66,40 @@ def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | 
     return record
 
 
+@dataclass
+class _LoadCall:
+    """One `async_load` of a step's loads: each distinct block hash once (into the block of the first request that
+    names it), then copied in the KV cache into the other requests' blocks with that hash (requests admitted together
+    that share a prefix each load it: one key may appear once in a call, and is read once)."""
+
+    loads: list[BlockTransfer]
+    block_ids: list[int]  # the call's blocks, one per distinct hash
+    hashes: list[bytes]  # (BlockTransfer's: vLLM's block hashes)
+    positions: list[tuple[int, ...]]  # per load: each of its blocks' index in the call
+    pending: PendingLoad | None = None
+
+    @classmethod
+    def plan(cls, loads: list[BlockTransfer]) -> _LoadCall:
+        every = list(chain.from_iterable(load.hashes for load in loads))
+        ids = list(chain.from_iterable(load.block_ids for load in loads))
+        first = dict(zip(reversed(every), reversed(ids)))  # hash -> the block of its first request
+        hashes = list(dict.fromkeys(every))  # distinct, in first-seen order
+        index = {h: i for i, h in enumerate(hashes)}
+        where = itemgetter(*every)(index) if len(every) > 1 else tuple(index[h] for h in every)
+        positions, offset = [], 0
+        for load in loads:
+            positions.append(tuple(where[offset : offset + len(load.hashes)]))
+            offset += len(load.hashes)
+        block_ids = list(itemgetter(*hashes)(first)) if len(hashes) > 1 else [first[h] for h in hashes]
+        return cls(loads, block_ids, hashes, positions)
+
+    def loaded_blocks(self, position: tuple[int, ...], loaded: int) -> int:
+        """How many leading blocks of a load with these positions the call's first `loaded` blocks gave it."""
+        if loaded >= len(self.hashes):
+            return len(position)
+        return next((k for k, p in enumerate(position) if p >= loaded), len(position))
+
+
 class EmsWorker:
     """See the module contract."""
 
@@ -65,10 +110,14 @@ class EmsWorker:
         self._ready_event: Callable[[], Callable[[], None]] | None = None
         self._load_errors: set[int] = set()
         self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
-        self._inflight_loads: dict[str, PendingLoad] = {}
+        self._inflight_loads: list[_LoadCall] = []  # one per call: a step's loads (of one epoch) together
         self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
         self._load_ended = threading.Event()
+        self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's planes (rows: blocks)
+        self._retried: set[str] = set()  # requests whose load is asked for a second time (after a short call)
         self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
+        self.steps: StepLog[WorkerStep] = StepLog()  # the per-step record, closed at get_finished
+        self._step = WorkerStep()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], tp_rank: int, used_backends: set[str]) -> None:
         ctx = self._ctx
@@ -90,6 +139,7 @@ class EmsWorker:
                 f"{ctx.backend!r} (the key namespace names it): set attention_config.backend explicitly"
             )
         ctx.register_worker(planes)
+        self._planes = planes
         layout = ctx.cc.layout
         cross = layout is not None and all(g.cross_layer for g in layout.groups)
         asked = ctx.config.cross_layer_blocks
@@ -120,26 +170,36 @@ class EmsWorker:
         """Start this step's loads (asynchronous: each request waits in vLLM until `get_finished` names it)."""
         if self._mover is None or meta is None:
             return
+        started = time.perf_counter()
         self._queued_loads.extend(meta.loads)
         self._start_queued_loads()
+        self._step.call_s += time.perf_counter() - started
 
     def _start_queued_loads(self) -> None:
         if self._mover is None:
             return
-        waiting: list[BlockTransfer] = []
+        by_epoch: dict[bytes, list[BlockTransfer]] = {}
         for load in self._queued_loads:
             if load.cancelled:  # promised before a reset: never loaded, reported failed (vLLM recomputes)
                 self._load_errors.update(load.block_ids)
                 self._done_loads.add(load.req_id)
-                continue
-            pending = self._mover.start_load(load.block_ids, load.hashes, load.epoch)
-            if pending is None:  # in-flight budget used up (a slow pool): started on a later step
-                waiting.append(load)
             else:
-                self._inflight_loads[load.req_id] = pending
-                if pending.future is not None:
-                    pending.future.add_done_callback(lambda _: self._load_ended.set())
+                by_epoch.setdefault(load.epoch, []).append(load)
+        waiting: list[BlockTransfer] = []
+        for epoch, loads in by_epoch.items():  # every load of the step in one call (one per epoch: almost always one)
+            call = _LoadCall.plan(loads)
+            pending = self._mover.start_load(call.block_ids, call.hashes, epoch)
+            if pending is None:  # in-flight budget used up (a slow pool): started on a later step
+                waiting.extend(loads)
+                continue
+            call.pending = pending
+            self._step.loads_started += len(loads)
+            self._step.load_calls += 1
+            self._inflight_loads.append(call)
+            if pending.future is not None:
+                pending.future.add_done_callback(lambda _: self._load_ended.set())
         self._queued_loads = waiting
+        self._step.loads_queued = len(waiting)
 
     def get_finished(
         self, finished_req_ids: set[str], meta: EmsConnectorMetadata | None
@@ -147,6 +207,18 @@ class EmsWorker:
         """(finished requests whose saves have been copied out, requests whose load has finished): never blocks
         (but for a step with nothing scheduled: see IDLE_WAIT_S); failed blocks go to
         `get_block_ids_with_load_errors` in the same step."""
+        started = time.perf_counter()
+        try:
+            return self._get_finished(finished_req_ids, meta)
+        finally:
+            step, self._step = self._step, WorkerStep()
+            step.call_s += time.perf_counter() - started
+            step.inflight = self._mover.inflight() if self._mover is not None else 0
+            self.steps.append(step)
+
+    def _get_finished(
+        self, finished_req_ids: set[str], meta: EmsConnectorMetadata | None
+    ) -> tuple[set[str] | None, set[str] | None]:
         held = finished_req_ids & self._save_requests  # vLLM keeps their blocks until we name them here
         self._save_requests -= finished_req_ids
         copier = self._copier
@@ -158,12 +230,14 @@ class EmsWorker:
         done |= self._poll_loads()
         sent = copier.take_released()
         if not done and not sent and meta is not None and meta.idle:  # nothing else to run: sleep, not spin
+            waited = time.perf_counter()
             if self._inflight_loads:
                 self._load_ended.wait(IDLE_WAIT_S)
                 done |= self._poll_loads()
             else:
                 copier.wait_released(IDLE_WAIT_S)
             sent = copier.take_released()
+            self._step.wait_s += time.perf_counter() - waited
         return sent or None, done or None
 
     def _poll_loads(self) -> set[str]:
@@ -172,13 +246,53 @@ class EmsWorker:
         mover = self._mover
         if mover is None:  # loads start only once the mover exists
             return done
-        for rid, pending in list(self._inflight_loads.items()):
-            outcome = mover.poll_load(pending)
-            if outcome is not None:
-                del self._inflight_loads[rid]
-                self._load_errors.update(outcome.failed_block_ids)
-                done.add(rid)
+        for call in list(self._inflight_loads):
+            if call.pending is None:
+                continue
+            outcome = mover.poll_load(call.pending)
+            if outcome is None:
+                continue
+            self._inflight_loads.remove(call)
+            self._step.load_s += time.perf_counter() - call.pending.started
+            # a load's `success` counts the call's blocks from the first: a request gets its leading blocks the call
+            # loaded (the rest is recomputed) unless its first missing block was never read (the call stopped
+            # earlier, at another request's block; its lease holds): then, when the call loaded anything (the pool
+            # is up), it is asked for once more on the next step instead of being recomputed
+            loaded = outcome.loaded
+            src: list[int] = []
+            dst: list[int] = []
+            for load, position in zip(call.loads, call.positions):
+                got = call.loaded_blocks(position, loaded)
+                if got < len(position) and position[got] > loaded and loaded > 0 and load.req_id not in self._retried:
+                    self._retried.add(load.req_id)
+                    self._queued_loads.append(load)
+                    continue
+                self._retried.discard(load.req_id)
+                self._load_errors.update(load.block_ids[got:])
+                self._step.loads_done += 1
+                done.add(load.req_id)
+                src.extend(
+                    itemgetter(*position[:got])(call.block_ids) if got > 1 else [call.block_ids[p] for p in position[:got]]
+                )
+                dst.extend(load.block_ids[:got])
+            self._copy_blocks(src, dst)
         return done
+
+    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV cache blocks `src` into `dst`, every layer (blocks the step's call loaded once for requests that
+        share them)."""
+        if not src or self._planes is None:
+            return
+        src_t, dst_t = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        moved = src_t != dst_t
+        if not bool(moved.any()):
+            return
+        device = self._planes[0][0].device
+        src_t, dst_t = src_t[moved].to(device), dst_t[moved].to(device)
+        for planes in self._planes:
+            for plane in planes:
+                plane.index_copy_(0, dst_t, plane.index_select(0, src_t))
+        self._step.copied_blocks += int(moved.sum())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -193,9 +307,12 @@ class EmsWorker:
         self._save_requests.update(save.req_id for save in meta.saves)
         if self._copier is None:
             return
+        started = time.perf_counter()
         ready = self._ready_event() if self._ready_event is not None else None
         for save in meta.saves:
             self._copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready)
+            self._step.save_blocks += len(save.block_ids)
+        self._step.call_s += time.perf_counter() - started
 
     def handle_preemptions(self, meta: EmsConnectorMetadata) -> None:
         """Before a step's forward: requests preempted by its schedule give their blocks back, and the forward may
@@ -206,8 +323,12 @@ class EmsWorker:
         self._save_requests -= preempted  # the scheduler forgot their saves too
         if self._copier is None:
             return
+        started = time.perf_counter()
         while not self._copier.wait_copied(preempted, PREEMPTION_WARN_S):
             logger.warning("EmsConnector: preempted requests' copy-outs still running after %.0f s", PREEMPTION_WARN_S)
+        waited = time.perf_counter() - started
+        self._step.wait_s += waited
+        self._step.call_s += waited
 
     def wait_saves(self, timeout_s: float = 30.0) -> bool:
         """Wait until every save of this worker has been copied out and sent (True), or `timeout_s` passed."""

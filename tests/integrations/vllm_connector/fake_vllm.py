@@ -34,6 +34,7 @@ class Request:
     request_id: str
     prompt: list[int]
     num_computed_tokens: int = 0
+    kv_transfer_params: dict | None = None  # a P/D proxy's, from the producer's response
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -330,6 +330,43 @@ def test_two_engines_on_a_small_node_one_filling_it_while_the_other_reads(setup)
         assert log_count(setup, name, "could not read the namespace epoch") == 0, ems_log_lines(setup, name)
 
 
+def test_a_producer_never_loads_and_a_consumer_loads_what_it_saved_and_never_saves(setup):
+    """Disaggregated prefill/decode through the pool (vLLM's `kv_role`): a `kv_producer` engine computes prompts X and
+    Y and saves them, and computes X again after its local cache is reset without loading it from the pool; a
+    `kv_consumer` engine, handed X's `kv_transfer_params` from the producer's response (as a P/D proxy does), loads
+    every full prompt block of X and answers the producer's tokens; it computes Z and saves none of it (after its
+    local cache is reset, Z finds nothing in the pool)."""
+    rng = random.Random(31)
+    x, y, z = ([rng.randrange(512) for _ in range(n)] for n in (5 * BLOCK + 7, 3 * BLOCK + 1, 4 * BLOCK + 9))
+    prompts = [x, y, z]
+    p = engine(
+        setup, "producer", [[0, 1], [0]], prompts=prompts, kv_role="kv_producer", before_round={"1": {"reset_prefix_cache": True}}
+    )
+    first, again = p["rounds"][0][0], p["rounds"][1][0]
+    assert again["num_cached_tokens"] == 0 and again["tokens"] == first["tokens"]  # the pool held X: never loaded
+    worker, scheduler = p["stats"]["worker"], p["stats"]["scheduler"]
+    assert worker["load_blocks"] == 0 and scheduler["lookup_hit_blocks"] + scheduler["lookup_miss_blocks"] == 0
+    assert worker["save_blocks"] >= len(x) // BLOCK + len(y) // BLOCK
+    params = first["kv_transfer_params"]
+    assert params["ems_blocks"] == len(x) // BLOCK
+    d = engine(
+        setup,
+        "consumer",
+        [[0, 2], [2]],
+        prompts=prompts,
+        kv_role="kv_consumer",
+        kv_transfer_params={"0": params},
+        before_round={"1": {"reset_prefix_cache": True}},
+    )
+    loaded, computed, again = d["rounds"][0][0], d["rounds"][0][1], d["rounds"][1][0]
+    assert loaded["num_cached_tokens"] == full_blocks(len(x)) and loaded["tokens"] == first["tokens"]
+    assert computed["num_cached_tokens"] == 0 and loaded["kv_transfer_params"] is None
+    assert again["num_cached_tokens"] == 0 and again["tokens"] == computed["tokens"]  # nothing of Z in the pool
+    worker, scheduler = d["stats"]["worker"], d["stats"]["scheduler"]
+    assert worker["save_blocks"] == 0 and worker["save_failed_blocks"] == 0
+    assert worker["load_blocks"] == full_blocks(len(x)) // BLOCK and worker["load_failed_blocks"] == 0
+
+
 def test_stats_object_aggregates_and_reduces():
     from ems.integrations.block_transfer import TransferStats
     from ems.integrations.vllm import EmsConnector, EmsConnectorStats

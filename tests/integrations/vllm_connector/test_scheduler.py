@@ -5,12 +5,14 @@ the load, a reset cancelling promised loads, and a load keyed in the epoch its l
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import torch
 from fake_vllm import BLOCK, Blocks, Events, Request, Schedule, kv_caches, make_context
 
+from ems.integrations.connector_config import ConnectorConfig, KvRole
 from ems.integrations.epoch import EpochRecord
 from ems.integrations.vllm.metadata import EmsConnectorMetadata
 from ems.integrations.vllm.scheduler import EmsScheduler
@@ -79,7 +81,8 @@ def test_a_request_loads_what_another_saved_and_its_lease_holds_until_the_load(h
     meta = save(sched, worker, a, [0, 1, 2, 3])
     assert [(s.req_id, s.block_ids) for s in meta.saves] == [("a", [0, 1, 2])]  # never the partial block
     assert events.runs == [(Request("a", PROMPT).block_hashes, None, 3 * BLOCK)]
-    assert sched.request_finished(a, [0, 1, 2, 3]) == (True, None)  # vLLM keeps the blocks for the copy-outs
+    # vLLM keeps the blocks for the copy-outs; the response names the blocks on their way to the pool (P/D)
+    assert sched.request_finished(a, [0, 1, 2, 3]) == (True, {"ems_blocks": 3, "ems_model_id": ctx.model_id})
     deadline = time.monotonic() + 10
     while not (sent := worker.get_finished({"a"}, None)[0]) and time.monotonic() < deadline:
         pass
@@ -145,3 +148,138 @@ def test_the_breaker_answers_at_once_while_the_pool_counts_as_down(halves):
     sched.lookups.breaker._trip([b"x"], b"")  # as a lookup that took its whole timeout would
     assert sched.get_num_new_matched_tokens(Request("a", PROMPT), 0) == (0, False)  # no step waited, nothing asked
     assert ctx.stats.totals().lookup_skipped_blocks == 3
+
+
+def test_a_producer_saves_and_never_loads_and_a_consumer_loads_and_never_saves(halves):
+    ctx, sched, worker, _, events = halves
+    producer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.PRODUCER), events)
+    consumer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.CONSUMER), events)
+    try:
+        a = Request("a", PROMPT)
+        meta = save(producer, worker, a, [0, 1, 2, 3])
+        assert [(s.req_id, s.block_ids) for s in meta.saves] == [("a", [0, 1, 2])]
+        assert producer.request_finished(a, [0, 1, 2, 3]) == (True, {"ems_blocks": 3, "ems_model_id": ctx.model_id})
+        # the pool holds a's blocks, but a producer never asks for them (answered at once, nothing leased)
+        store = ctx.cc._pool.local_store
+        assert store is not None
+        assert producer.get_num_new_matched_tokens(Request("p2", PROMPT), 0) == (0, False)
+        assert store.stats().leased_bytes == 0
+        # a consumer loads them ...
+        b = Request("b", PROMPT)
+        assert answer(consumer, b) == 3 * BLOCK
+        consumer.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+        meta = step(consumer, worker, Schedule())
+        assert [(x.req_id, x.block_ids) for x in meta.loads] == [("b", [8, 9, 10])]
+        assert finish_load(worker, "b") == set()
+        # ... and never saves what it computes: nothing of c reaches the pool, and its response announces nothing
+        saved = ctx.stats.totals().save_blocks
+        c = Request("c", list(range(900, 900 + 3 * BLOCK + 1)))
+        assert save(consumer, worker, c, [12, 13, 14, 15]).saves == []
+        assert consumer.request_finished(c, [12, 13, 14, 15]) == (False, None)
+        assert ctx.stats.totals().save_blocks == saved
+        assert answer(sched, Request("c2", c.prompt)) == 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def waits_for(sched: EmsScheduler, request: Request, seconds: float) -> bool:
+    """The lookup stays unanswered ("ask again next step") for `seconds` of idle steps."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sched.get_num_new_matched_tokens(request, 0)[0] is not None:
+            return False
+        sched.build_connector_meta(Schedule())
+    return True
+
+
+def test_a_consumer_waits_for_the_blocks_a_producer_is_still_saving(halves):
+    """The producer's response names 3 blocks whose copy-outs have not run yet: the consumer's lookup, short of them,
+    asks again each step instead of recomputing, and loads them once they are in the pool."""
+    ctx, _, worker, _, events = halves
+    producer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.PRODUCER), events)
+    consumer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.CONSUMER), events)
+    try:
+        a = Request("a", PROMPT)
+        assert answer(producer, a) == 0
+        producer.update_state_after_alloc(a, Blocks([0, 1, 2, 3]), 0)
+        meta = producer.build_connector_meta(Schedule.prefill(a, [0, 1, 2, 3]))  # the forward ran; no copy-out yet
+        _, params = producer.request_finished(a, [0, 1, 2, 3])
+        b = Request("b", PROMPT, kv_transfer_params=params)
+        assert waits_for(consumer, b, 0.3)
+        worker.wait_for_save(meta)  # the copy-outs run now
+        assert worker.wait_saves(10)
+        assert answer(consumer, b) == 3 * BLOCK
+        assert ctx.stats.totals().lookup_save_waits > 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_a_wait_for_blocks_that_never_arrive_is_bounded_by_save_wait_ms(halves):
+    ctx, _, _, _, events = halves
+    config = dataclasses.replace(ctx.config, save_wait_ms=400)
+    consumer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.CONSUMER, config=config), events)
+    try:
+        announced = {"ems_blocks": 3, "ems_model_id": ctx.model_id}
+        started = time.monotonic()
+        b = Request("b", PROMPT, kv_transfer_params=announced)
+        assert waits_for(consumer, b, 0.2)
+        assert answer(consumer, b) == 0  # the producer's save never came: computed, not waited on forever
+        assert 0.4 <= time.monotonic() - started < 5
+        # another namespace's announcement is not waited for at all
+        other = Request("c", PROMPT, kv_transfer_params={**announced, "ems_model_id": "another-model"})
+        started = time.monotonic()
+        assert answer(consumer, other) == 0 and time.monotonic() - started < 0.4
+    finally:
+        consumer.shutdown()
+
+
+def test_a_request_waits_for_a_prefix_this_engine_is_saving(halves):
+    """kv_both: request a's blocks were sent to be saved and are still being copied out; request c (the same
+    prefix, not in vLLM's local cache) waits for them instead of recomputing."""
+    _, sched, worker, _, _ = halves
+    a = Request("a", PROMPT)
+    assert answer(sched, a) == 0
+    sched.update_state_after_alloc(a, Blocks([0, 1, 2, 3]), 0)
+    meta = sched.build_connector_meta(Schedule.prefill(a, [0, 1, 2, 3]))
+    c = Request("c", PROMPT)
+    assert waits_for(sched, c, 0.3)
+    worker.wait_for_save(meta)
+    assert worker.wait_saves(10)
+    assert answer(sched, c) == 3 * BLOCK
+
+
+def test_save_wait_ms_0_never_waits(halves):
+    ctx, _, _, _, events = halves
+    config = ConnectorConfig.from_extra({"local_pool": "off", "save_wait_ms": 0})
+    consumer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.CONSUMER, config=config), events)
+    try:
+        b = Request("b", PROMPT, kv_transfer_params={"ems_blocks": 3, "ems_model_id": ctx.model_id})
+        assert answer(consumer, b) == 0
+        assert ctx.stats.totals().lookup_save_waits == 0
+    finally:
+        consumer.shutdown()
+
+
+def test_each_step_is_recorded(halves):
+    """The per-step record (`steps`): the scheduler's lookups, loads and saves sent, its waits; the worker's loads
+    started and finished, copy-outs queued and the seconds its calls took."""
+    _, sched, worker, _, _ = halves
+    save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+    b = Request("b", PROMPT)
+    assert answer(sched, b) == 3 * BLOCK
+    sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+    step(sched, worker, Schedule())
+    finish_load(worker, "b")
+    records = sched.steps.records()
+    assert sum(r["lookups_sent"] for r in records) == 2  # a's and b's, each in its step's batch
+    assert sum(r["lookup_batches"] for r in records) == 2 and all(r["lookup_s"] >= 0 for r in records)
+    assert [(r["loads_sent"], r["load_blocks"]) for r in records if r["loads_sent"]] == [(1, 3)]
+    assert [r["save_blocks"] for r in records if r["save_blocks"]] == [3]
+    assert any(r["lookups_waiting"] for r in records)  # told "ask again" while their batch ran
+    assert [r["at_s"] for r in records] == sorted(r["at_s"] for r in records)
+    done = worker.steps.records()
+    assert sum(r["loads_started"] for r in done) == 1 and sum(r["loads_done"] for r in done) == 1
+    assert sum(r["save_blocks"] for r in done) == 3
+    assert all(r["call_s"] >= r["wait_s"] >= 0 for r in done) and sum(r["load_s"] for r in done) > 0

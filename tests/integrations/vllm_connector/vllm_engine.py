@@ -4,6 +4,8 @@
 
 SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connector": bool,
        "extra": {kv_connector_extra_config}, "kv_load_failure_policy": str (top level; default: vLLM's),
+       "kv_role": "kv_both" (default) | "kv_producer" | "kv_consumer",
+       "kv_transfer_params": {"<prompt index>": {...}} (a P/D proxy's, handed to that prompt's request),
        "hf_overrides": {...}, "dtype": str (default bfloat16), "tensor_parallel_size": int, "num_blocks": int,
        "max_model_len": int,
        "rounds": [[prompt indexes], ...] (default: one round with every prompt),
@@ -27,10 +29,13 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   prompt i (a batch round: its largest i) this engine waits until the followed file has min(i + 1 + n, t) lines
   (n may be negative). Two engines that follow each other with lags n and -(n + 2) run in step: this one reads
   prompt i while the other computes prompt i + n + 1 (the pool-pressure test).
-OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str}, ...], ...],
+OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str,
+                  "kv_transfer_params": {...} (what the connector returned for the request)}, ...], ...],
      "stats": {...}, "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode),
      "layout": {"vllm": vLLM's resolved KV cache layout, "cross_layer": [per registered group],
-                "copy_ops": the copy backend's device operations over the rounds} (single-process mode)}
+                "copy_ops": the copy backend's device operations over the rounds} (single-process mode),
+     "step_records": {"<batch round>": {"scheduler": [...], "worker": [...]}} (the connector's per-step record of
+                     each batch round, `EmsConnector.step_records`; single-process mode)}
 """
 
 from __future__ import annotations
@@ -236,6 +241,23 @@ def job_totals() -> dict:
     return out
 
 
+def connector_steps(llm, since: float) -> dict:
+    """The connector's per-step record (`EmsConnector.step_records`) since `since` (time.monotonic()): the
+    scheduler's and the worker's (single-process mode only; {} otherwise)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return {}
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if scheduler is None:
+        return {}
+    worker = get_kv_transfer_group()
+    return {
+        "scheduler": [r for r in scheduler.step_records() if r["at_s"] >= since],
+        "worker": [r for r in worker.step_records() if r["at_s"] >= since],
+    }
+
+
 def copy_backend(spec: dict):
     """The copy backend of this process's registered cache (the worker's, in single-process mode), or None."""
     from ems import Ems
@@ -270,7 +292,7 @@ def run(spec: dict) -> dict:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="EmsConnector",
             kv_connector_module_path="ems.integrations.vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("kv_role", "kv_both"),
             kv_connector_extra_config=spec.get("extra", {}),
             **policy,
         )
@@ -339,6 +361,7 @@ def run(spec: dict) -> dict:
     copy_control = {"delay_s": 0.0, "hold": False, "released": threading.Event()}
     if spec.get("connector", True) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         delay_copy_outs(copy_control, held_preemptions)
+    step_records: dict[str, dict] = {}  # batch round -> the connector's per-step record of that round
     single_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     backend = copy_backend(spec) if spec.get("connector", True) and single_process else None
     ops_before = backend.ops_issued if backend is not None else 0
@@ -368,6 +391,7 @@ def run(spec: dict) -> dict:
             if follow:
                 wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             step_seconds.clear()
+            round_start = time.monotonic()
             start = time.perf_counter()
             try:
                 outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indexes], params, use_tqdm=False)
@@ -375,6 +399,7 @@ def run(spec: dict) -> dict:
                 if before.get("sigstop_pid"):
                     os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
             wall = time.perf_counter() - start
+            step_records[str(r)] = connector_steps(llm, round_start)
             if progress_file:
                 with open(progress_file, "a") as f:
                     f.write("".join(f"{i}\n" for i in indexes))
@@ -400,7 +425,12 @@ def run(spec: dict) -> dict:
                 wait_for_lines(follow["file"], min(i + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             loads_before = job_totals().get("load", {})
             start = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)[0]
+            transfer = spec.get("kv_transfer_params", {}).get(str(i))
+            request_params = params
+            if transfer is not None:
+                request_params = params.clone()
+                request_params.extra_args = {"kv_transfer_params": transfer}
+            out = llm.generate([{"prompt_token_ids": prompts[i]}], request_params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
             loads_after = job_totals().get("load", {})
             results.append(
@@ -409,6 +439,7 @@ def run(spec: dict) -> dict:
                     "tokens": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens,
                     "finish_reason": out.outputs[0].finish_reason,
+                    "kv_transfer_params": out.kv_transfer_params,
                     "seconds": seconds,
                     # this request's load jobs (the connector's, in this process): bytes and seconds
                     "load_bytes": loads_after.get("nbytes", 0) - loads_before.get("nbytes", 0),
@@ -444,6 +475,7 @@ def run(spec: dict) -> dict:
         "preemptions": preemptions[0],
         "held_preemptions": held_preemptions[0],
         "events": events,
+        "step_records": step_records,
         "layout": layout,
     }
 

@@ -1,0 +1,381 @@
+"""A read's keys to the nodes that hold them: owners in rank order, failover, the fallback while the pool rebalances,
+and hedging around slow nodes (used by `ems.backends.routing.NodeRouter` for get, get_into and exists).
+
+Contract (`read`):
+* Each wanted key is asked of its first owner (rendezvous rank over the live nodes); a key not answered with an
+  accepted value goes to its next node in rank order, round by round, until the deadline. A miss or a damaged value
+  uses up one of the key's tries; a node that failed (lost, timed out) does not, and is skipped for the rest of the
+  call, so a key whose owner died is read from the nodes after it (also before membership drops the dead node).
+* Tries: `replicas`, plus `fallback()` (`Members.fallback`: nodes that joined or came back recently): while the pool
+  rebalances after a join, a key's new owner may not hold it yet and its previous owner, now one rank further,
+  does; so a key missing at its owners is also asked of that many nodes after them. Never more than the nodes.
+* Slow nodes (`NodeLatency.slow`) are asked last among the nodes a key may try.
+* Hedging (`hedge` given, and the key has another node it may try): a request of no value bytes to speak of (an
+  exists; under `SMALL_BYTES`) to one node that is not seen slow runs on the calling thread and is not hedged (a
+  node that fails or times out is then skipped as above); otherwise, when a node has not answered its share within
+  `NodeLatency.hedge_delay` of its expected bytes, the keys of that share still without a value are also asked of
+  their next node; whichever answers first with an accepted value wins. For a read into the caller's buffers
+  (`Hedge.needs_quiet`) the hedge receives into buffers of its own, and its values are copied into the caller's
+  only once the slow node's request can no longer write there: it ends by itself within `NodeLatency.abort_delay`,
+  or is then aborted (`FanOut.abandon`) and waited for (a key whose slow request could not be stopped by the
+  deadline is a miss, with an error). An abort is reported in the outcome (`errors`), so the caller retires its
+  buffers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ems.backends.base import PoolOutcome
+from ems.backends.fanout import CostsOf, FanOut, NodeCall, NodeRequest
+from ems.backends.latency import SMALL_BYTES
+from ems.cluster.placement import View
+from ems.cluster.routing import ranked_owners
+from ems.deadline import Deadline
+from ems.errors import EmsErrorCode
+from ems.transport.base import TransportError
+
+Accept = Callable[[int, object], bool]
+
+
+@dataclasses.dataclass
+class Hedge:
+    """How a read asks a second node for keys: `prepare(idx)` gives the request (into buffers of its own where the
+    read fills the caller's) and how to check and keep each of its answers: `accept(i, answer)` (is it the value
+    wanted), `adopt(i, answer)` (make it the key's result)."""
+
+    prepare: Callable[[np.ndarray], tuple[NodeRequest, Accept, Callable[[int, object], None]]]
+    needs_quiet: bool  # the primary request writes into the caller's buffers: adopt only once it is stopped
+
+
+@dataclasses.dataclass
+class _Share:
+    """One node's share of a round: its call, and the hedge calls made for it."""
+
+    call: NodeCall
+    primary: bool
+    hedge_of: _Share | None = None  # for a hedge: the share it backs up
+    accept: Accept | None = None  # a hedge's own
+    adopt: Callable[[int, object], None] | None = None
+    hedged: bool = False  # (a primary) a hedge was sent for it
+    processed: bool = False
+
+
+def read(
+    fanout: FanOut,
+    view: View,
+    route_keys: Sequence[bytes],
+    wanted: np.ndarray,
+    call: NodeRequest,
+    costs: CostsOf,
+    results: list,
+    deadline: Deadline,
+    accept: Accept,
+    replicas: int,
+    fallback: Callable[[], int] = lambda: 0,
+    hedge: Hedge | None = None,
+) -> PoolOutcome:
+    """See the module docstring. Fills `results` (the accepted answers) and returns the outcome."""
+    outcome = PoolOutcome(results)
+    pending = np.nonzero(wanted)[0]
+    if pending.size == 0:
+        return outcome
+    n = len(view.nodes)
+    if n == 0:
+        outcome.nodes_contacted = 1
+        outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
+        return outcome
+    if n == 1:  # one live node owns every key (the usual same-host node): one round, nothing to rank
+        (answer,) = fanout.all([(view.nodes[0], pending)], call, costs, deadline, outcome, observe=False)
+        for i, value in zip(pending[: len(answer.answers)].tolist(), answer.answers):  # a failed node answered a prefix
+            if accept(i, value):
+                results[i] = value
+        outcome.nodes_contacted = 1
+        return outcome
+    allowed = min(n, replicas + fallback())  # tries a key may use
+    ranks = ranked_owners([route_keys[i] for i in pending.tolist()], view.seeds, n)  # every node: failover
+    latency = fanout.latency
+    slow = np.zeros(n, dtype=bool)
+    if latency.any_slow and allowed > 1:
+        slow = np.fromiter((latency.slow(node.address) for node in view.nodes), dtype=bool, count=n)
+    if slow.any():  # slow nodes last among the nodes a key may try (stable otherwise)
+        head = ranks[:, :allowed]
+        ranks[:, :allowed] = np.take_along_axis(head, np.argsort(slow[head], axis=1, kind="stable"), axis=1)
+    state = _Keys(pending, ranks, n)
+
+    def small(idx: np.ndarray) -> bool:  # a request of no value bytes to speak of (exists, a few small values)
+        return int(costs(idx)[0].sum()) < SMALL_BYTES
+
+    contacted = np.zeros(n, dtype=bool)
+    hedging = hedge is not None and allowed > 1
+    while state.pending.size:
+        candidate = state.next_candidates()
+        if state.pending.size == 0:
+            break
+        node_ids = np.unique(candidate).tolist()
+        contacted[node_ids] = True
+        # one node, whose transport bounds its calls by the deadline: on this thread (no hop) unless a hedge may be
+        # needed: a request that moves value bytes, or one to a node seen slow
+        lone = view.nodes[node_ids[0]] if len(node_ids) == 1 else None
+        here = lone is not None and lone.self_timed and (not hedging or (small(state.pending) and not latency.slow(lone.address)))
+        shares = [
+            _Share(fanout.start(view.nodes[j], state.pending[candidate == j], call, costs, deadline, here), True)
+            for j in node_ids
+        ]
+        alt_pos = np.full(len(results), -1, dtype=np.int64)  # per key: the rank position its hedge asked
+        answered = np.zeros(len(results), dtype=bool)  # its primary answered it
+        hedge_missed = np.zeros(len(results), dtype=bool)  # its hedge answered it without an accepted value
+        accepted = np.zeros(len(results), dtype=bool)
+        by_hedge: dict[int, tuple[_Share, object]] = {}  # key -> (hedge share, answer), accepted, not adopted yet
+        failed_now = np.zeros(n, dtype=bool)
+        while True:
+            for share in shares:
+                if share.processed or not share.call.done():
+                    continue
+                share.processed = True
+                done = share.call.wait(0)
+                if done is None:  # (done: cannot happen)
+                    continue
+                answer = done
+                got = share.call.idx[: len(answer.answers)]  # a node that failed midway answered a prefix of its keys
+                if share.primary:
+                    if answer.error is not None:
+                        outcome.errors.append(answer.error)
+                        failed_now[view.nodes.index(share.call.node)] = True
+                    answered[got] = True
+                    for i, value in zip(got.tolist(), answer.answers):
+                        if not accepted[i] and accept(i, value):
+                            results[i] = value
+                            accepted[i] = True
+                            by_hedge.pop(i, None)
+                elif share.accept is not None:
+                    if answer.error is not None:  # a hedge's failure fails that node for the call, as any
+                        failed_now[view.nodes.index(share.call.node)] = True
+                    for i, value in zip(got.tolist(), answer.answers):
+                        if accepted[i] or i in by_hedge:
+                            continue
+                        if share.accept(i, value):
+                            by_hedge[i] = (share, value)
+                        else:
+                            hedge_missed[i] = True
+            if hedge is not None and not hedge.needs_quiet:  # nothing to stop first: take hedged values at once
+                for i, (share, value) in list(by_hedge.items()):
+                    assert share.adopt is not None
+                    share.adopt(i, value)
+                    accepted[i] = True
+                del_keys = [i for i in by_hedge if accepted[i]]
+                for i in del_keys:
+                    by_hedge.pop(i)
+            unresolved = [s for s in shares if s.primary and not s.processed and not _resolved(s, accepted, by_hedge)]
+            if not unresolved or deadline.expired():
+                break
+            now = time.monotonic()
+            next_at = deadline.at
+            for share in unresolved:
+                if not hedging or share.hedged:
+                    continue
+                at = share.call.started + fanout.latency.hedge_delay(share.call.nbytes)
+                if at <= now:
+                    share.hedged = True
+                    assert hedge is not None
+                    shares += _send_hedges(
+                        fanout,
+                        view,
+                        share,
+                        state,
+                        alt_pos,
+                        accepted,
+                        by_hedge,
+                        failed_now,
+                        allowed,
+                        hedge,
+                        costs,
+                        deadline,
+                        contacted,
+                    )
+                else:
+                    next_at = min(next_at, at)
+            futures = [s.call.future for s in shares if not s.processed and s.call.future is not None]
+            if futures:
+                concurrent.futures.wait(
+                    futures, timeout=max(0.0, next_at - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED
+                )
+        _settle(fanout, shares, accepted, by_hedge, outcome, deadline, hedge is not None and hedge.needs_quiet)
+        state.advance(answered, accepted, hedge_missed, alt_pos, failed_now, allowed)
+        if deadline.expired():
+            break
+    outcome.nodes_contacted = int(contacted.sum())
+    return outcome
+
+
+def _resolved(share: _Share, accepted: np.ndarray, by_hedge: dict) -> bool:
+    """Every key of a primary share has a value (its own, or a hedge's)."""
+    return all(accepted[i] or i in by_hedge for i in share.call.idx.tolist())
+
+
+def _send_hedges(
+    fanout: FanOut,
+    view: View,
+    share: _Share,
+    state: _Keys,
+    alt_pos: np.ndarray,
+    accepted: np.ndarray,
+    by_hedge: dict,
+    failed_now: np.ndarray,
+    allowed: int,
+    hedge: Hedge,
+    costs: CostsOf,
+    deadline: Deadline,
+    contacted: np.ndarray,
+) -> list[_Share]:
+    """Ask the next node of each key of `share` without a value yet (see the module docstring)."""
+    slow_node = view.nodes.index(share.call.node)
+    keys = [i for i in share.call.idx.tolist() if not accepted[i] and i not in by_hedge]
+    rows, alts = state.alternates(keys, slow_node, failed_now, allowed)
+    out = []
+    for j in np.unique(alts).tolist():
+        idx = rows[alts == j]
+        request, accept, adopt = hedge.prepare(idx)
+        alt_pos[idx] = state.position_of(idx, j)
+        contacted[j] = True
+        out.append(_Share(fanout.start(view.nodes[j], idx, request, costs, deadline), False, share, accept, adopt))
+    return out
+
+
+def _settle(
+    fanout: FanOut,
+    shares: list[_Share],
+    accepted: np.ndarray,
+    by_hedge: dict,
+    outcome: PoolOutcome,
+    deadline: Deadline,
+    needs_quiet: bool,
+) -> None:
+    """End a round: adopt the hedged values whose slow request is stopped (aborting it first when it still runs);
+    a primary request still running without a value for each of its keys did not answer in time."""
+    for share in shares:
+        if not share.primary or share.processed:
+            continue
+        mine = [i for i in share.call.idx.tolist() if i in by_hedge and not accepted[i]]
+        if not mine:
+            if not needs_quiet and all(accepted[i] for i in share.call.idx.tolist()):
+                continue  # its keys were read elsewhere; its late answer touches nothing of the caller's
+            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{share.call.node.address}: no answer in time"))
+            continue
+        # the hedge has its values: give the slow request until its abort delay to end by itself (a busy host's
+        # hiccup), then stop it
+        wait_until = min(deadline.at, share.call.started + fanout.latency.abort_delay(share.call.nbytes))
+        answer = share.call.wait(wait_until - time.monotonic())
+        if answer is not None:
+            share.processed = True
+            if answer.error is not None:
+                outcome.errors.append(answer.error)
+            continue
+        answer = fanout.abandon(share.call, deadline, "slow: its keys were read from the next owner")
+        if answer is None:
+            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{share.call.node.address}: no answer in time"))
+            continue  # it may still write into the caller's buffers: its keys stay misses
+        if answer.error is not None:
+            outcome.errors.append(answer.error)
+        share.processed = True  # (an answer that came in as it was stopped is not used: the hedge's values are)
+    for share in shares:
+        if not share.primary or not share.processed:
+            continue
+        answer = share.call.wait(0)
+        if answer is None or not answer.quiet:
+            continue
+        for i in share.call.idx.tolist():
+            if i in by_hedge and not accepted[i]:
+                hedge_share, value = by_hedge.pop(i)
+                assert hedge_share.adopt is not None
+                hedge_share.adopt(i, value)
+                accepted[i] = True
+    by_hedge.clear()
+
+
+class _Keys:
+    """The keys still wanted, each with its ranking, the rank position to ask next and the tries it used."""
+
+    def __init__(self, pending: np.ndarray, ranks: np.ndarray, n: int) -> None:
+        self.pending = pending
+        self.ranks = ranks
+        self.pos = np.zeros(pending.size, dtype=np.int64)
+        self.tries = np.zeros(pending.size, dtype=np.int64)
+        self.failed = np.zeros(n, dtype=bool)
+        self.depth = ranks.shape[1]
+
+    def _rows(self) -> np.ndarray:
+        return np.arange(self.pending.size)
+
+    def next_candidates(self) -> np.ndarray:
+        """Each pending key's node to ask now (failed nodes skipped); keys with none left are dropped."""
+        rows = self._rows()
+        candidate = self.ranks[rows, np.minimum(self.pos, self.depth - 1)]
+        while True:
+            skip = self.failed[candidate] & (self.pos < self.depth)
+            if not skip.any():
+                break
+            self.pos[skip] += 1
+            candidate = self.ranks[rows, np.minimum(self.pos, self.depth - 1)]
+        keep = self.pos < self.depth
+        self._keep(keep)
+        chosen: np.ndarray = candidate[keep]
+        return chosen
+
+    def _keep(self, keep: np.ndarray) -> None:
+        self.pending, self.ranks = self.pending[keep], self.ranks[keep]
+        self.pos, self.tries = self.pos[keep], self.tries[keep]
+
+    def alternates(
+        self, keys: Sequence[int], slow_node: int, failed_now: np.ndarray, allowed: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """For the given keys (indices into the request): the ones that may try another node, and that node (the next
+        in its ranking after the one asked now that has not failed)."""
+        where = {int(k): r for r, k in enumerate(self.pending.tolist())}
+        chosen, alts = [], []
+        for key in keys:
+            r = where.get(key)
+            if r is None or self.tries[r] + 1 >= allowed:
+                continue
+            p = int(self.pos[r]) + 1
+            while p < self.depth and (
+                self.failed[self.ranks[r, p]] or failed_now[self.ranks[r, p]] or self.ranks[r, p] == slow_node
+            ):
+                p += 1
+            if p < self.depth:
+                chosen.append(key)
+                alts.append(int(self.ranks[r, p]))
+        return np.asarray(chosen, dtype=np.int64), np.asarray(alts, dtype=np.int64)
+
+    def position_of(self, keys: np.ndarray, node: int) -> np.ndarray:
+        """The rank position of `node` in each key's ranking."""
+        where = {int(k): r for r, k in enumerate(self.pending.tolist())}
+        rows = np.fromiter((where[int(k)] for k in keys.tolist()), dtype=np.int64, count=keys.size)
+        positions: np.ndarray = np.argmax(self.ranks[rows] == node, axis=1)
+        return positions
+
+    def advance(
+        self,
+        answered: np.ndarray,
+        accepted: np.ndarray,
+        hedge_missed: np.ndarray,
+        alt_pos: np.ndarray,
+        failed_now: np.ndarray,
+        allowed: int,
+    ) -> None:
+        """After a round: keys answered move on one node (one try used); a key whose hedge missed moves past the
+        hedge's node too (another try); accepted keys and keys out of tries are done."""
+        self.failed |= failed_now
+        got = answered[self.pending]
+        self.pos[got] += 1
+        self.tries[got] += 1
+        missed = hedge_missed[self.pending]
+        self.pos[missed] = np.maximum(self.pos[missed], alt_pos[self.pending][missed] + 1)
+        self.tries[missed] += 1
+        keep = ~accepted[self.pending] & (self.tries < allowed) & (self.pos < self.depth)
+        self._keep(keep)

@@ -1,0 +1,434 @@
+"""The pool across hosts: one client host, node hosts and an etcd host, each a network namespace behind one bridge,
+every node host's link limited to 4 Gbit/s each way by a token bucket (`tests/pool/hosts_testlib.py`; this kernel has
+no netem: no delay is added, a round trip is what the veths and the bridge cost). Everything runs in one run, side by
+side, so the ratios hold even on a busy machine. Needs root (network namespaces), iperf3 and etcd.
+
+Sections (`--only` picks some):
+* `link`: iperf3 client->node and node->client (3 s each, one TCP stream), TCP round trip (8-byte ping-pong,
+  median of 2,000), next to `ContextCaching.exists` of one block (median of 1,000 calls) and, for its stage timings,
+  a 32 MiB save and load through the API to one node (32 blocks of 1 MiB: 16 layers x 8 KV heads x 128 fp16,
+  16 tokens a block), best and median of N rounds, with the stages of the best.
+* `fanout`: a load of 96 blocks spread over three node hosts (each ~32 MiB) next to each node's share alone (its
+  blocks only): the fan-out's time against the slowest share's.
+* `scenario`: the issue's rows on etcd membership with replicas=2 of 3 nodes: one node killed (blocks exact), another
+  partitioned (each call bounded by its 2 s timeout, none wrong), the killed node restarted empty and the partition
+  healed, 15 s, then a third node lost: blocks loaded.
+* `repair`: four nodes (replicas=2) holding 256 MiB of 1 MiB values; one is killed: how long the survivors take to
+  bring every value back to two copies, at the default `--repair-rate` (64 MiB/s) and unbounded, and the latency of
+  one-block loads meanwhile (p50/p99) next to the same loads before the kill.
+* `slow`: replicas=2 over three nodes, one node's link squeezed to 8 Mbit/s each way: p50/p99 of one-block loads
+  (64 KiB blocks) with hedging on and off (`EMS_POOL_HEDGE`), and of the same loads with no slow node.
+
+* `sweep` (not in the default run): `link`'s save and load under other UCX and chunk settings, one at a time.
+
+Usage: python perf/bench_hosts.py [--only link,fanout,scenario,repair,slow,sweep] [--rounds N] [--rate 4gbit]
+Prints tables (markdown) for perf/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "pool"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from benchlib import machine  # noqa: E402
+from cluster_testlib import Engine  # noqa: E402
+from hosts_testlib import HostCluster, HostEtcd, HostNode, unavailable  # noqa: E402
+
+MIB = 1 << 20
+BIG = {"layers": 16, "heads": 8, "head_size": 128, "block_size": 16}  # 1 MiB blocks (fp16 K and V)
+SMALL = {"layers": 4, "heads": 4, "head_size": 64, "block_size": 16}  # 64 KiB blocks
+
+
+def block_bytes(geometry: dict) -> int:
+    return 2 * geometry["layers"] * geometry["block_size"] * geometry["heads"] * geometry["head_size"] * 2
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def iperf(hosts: HostCluster, client: str, server: str, reverse: bool, seconds: int = 3) -> float:
+    """GB/s of one TCP stream, server -> client when `reverse` (a load's direction), else client -> server."""
+    srv = hosts.popen(server, ["iperf3", "-s", "-1", "-p", "5299"], stdout=-3, stderr=-3)
+    time.sleep(0.5)
+    argv = ["iperf3", "-c", hosts.ip(server), "-p", "5299", "-t", str(seconds), "-J"] + (["-R"] if reverse else [])
+    out = hosts.run(client, argv, timeout_s=seconds + 30)
+    srv.wait(10)
+    return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8e9
+
+
+PINGPONG = r"""
+import socket, sys, time, statistics
+mode, host = sys.argv[1], sys.argv[2]
+if mode == "serve":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, 5298)); s.listen(1)
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        d = c.recv(8)
+        if not d: break
+        c.sendall(d)
+else:
+    c = socket.create_connection((host, 5298)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t = []
+    for _ in range(2200):
+        a = time.perf_counter(); c.sendall(b"12345678"); c.recv(8); t.append(time.perf_counter() - a)
+    print(statistics.median(t[200:]))
+"""
+
+
+def tcp_rtt(hosts: HostCluster, client: str, server: str) -> float:
+    srv = hosts.popen(server, [sys.executable, "-c", PINGPONG, "serve", hosts.ip(server)])
+    time.sleep(0.5)
+    out = hosts.run(client, [sys.executable, "-c", PINGPONG, "client", hosts.ip(server)])
+    srv.kill()
+    return float(out.stdout.strip())
+
+
+class Bench:
+    def __init__(self, nodes: int, rate: str) -> None:
+        self.names = [f"n{i + 1}" for i in range(nodes)]
+        self.hosts = HostCluster(["etcd", "client", *self.names], rate, shaped=self.names)
+        for name in self.names:
+            self.hosts.shape(name, rate, ingress=True)
+        self.etcd: HostEtcd | None = None
+        self.nodes: dict[str, HostNode] = {}
+        self.engines: list[Engine] = []
+
+    def start_etcd(self) -> str:
+        self.etcd = HostEtcd(self.hosts, "etcd")
+        return self.etcd.url
+
+    def node(self, host: str, *args: str, capacity: str = "1GiB", etcd: bool = False) -> HostNode:
+        node = HostNode(self.hosts, host, self.etcd.url if etcd and self.etcd else None, capacity, args)
+        self.nodes[host] = node
+        return node
+
+    def engine(self, **config) -> Engine:
+        engine = Engine(self.hosts.exec_prefix("client"), **config)
+        self.engines.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+        for n in self.nodes.values():
+            n.cleanup()
+        if self.etcd is not None:
+            self.etcd.cleanup()
+        self.hosts.close()
+
+
+def section_link(rate: str, rounds: int) -> str:
+    b = Bench(1, rate)
+    try:
+        up, down = iperf(b.hosts, "client", "n1", False), iperf(b.hosts, "client", "n1", True)
+        rtt = tcp_rtt(b.hosts, "client", "n1")
+        node = b.node("n1")
+        e = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000, blocks=64, **BIG)
+        blocks = list(range(32))
+        nbytes = 32 * (block_bytes(BIG) + 40)
+        saves, loads = [], []
+        save_stages, load_stages = {}, {}
+        for r in range(rounds + 2):
+            s = e.call(op="bulk", what="save", blocks=blocks, rounds=1, base=10_000 * (r + 1), timeout_s=600)
+            ld = e.call(op="bulk", what="load", blocks=blocks, rounds=1, base=10_000 * (r + 1), timeout_s=600)
+            assert s["success"] == [32] and ld["success"] == [32], (s, ld)
+            if r >= 2:  # two rounds warm up (connection, staging, the node's memory)
+                if not saves or s["seconds"][0] < min(saves):
+                    save_stages = s["stages"]
+                if not loads or ld["seconds"][0] < min(loads):
+                    load_stages = ld["stages"]
+                saves.append(s["seconds"][0])
+                loads.append(ld["seconds"][0])
+        e.call(op="save", blocks=[0])
+        exists = e.call(op="timed", what="exists", blocks=[0], rounds=1000, timeout_s=600)["seconds"]
+        probe = e.call(op="probe", rounds=1000, timeout_s=600)
+    finally:
+        b.close()
+    ex = statistics.median(exists)
+    best_s, best_l = nbytes / min(saves) / 1e9, nbytes / min(loads) / 1e9
+    med_s, med_l = nbytes / statistics.median(saves) / 1e9, nbytes / statistics.median(loads) / 1e9
+    lines = [
+        f"Link {rate} each way; iperf3 client->node {up:.3f} GB/s, node->client {down:.3f} GB/s; TCP round trip "
+        f"{rtt * 1e6:.0f} us (median)",
+        "",
+        "| what | through the API | reference | ratio (best) | ratio (median) |",
+        "|---|---|---|---|---|",
+        f"| 32 MiB save (best / median of {rounds}) | {best_s:.3f} / {med_s:.3f} GB/s | iperf3 {up:.3f} GB/s "
+        f"| {best_s / up:.2f}x | {med_s / up:.2f}x |",
+        f"| 32 MiB load | {best_l:.3f} / {med_l:.3f} GB/s | iperf3 {down:.3f} GB/s | {best_l / down:.2f}x "
+        f"| {med_l / down:.2f}x |",
+        f"| exists of one block (median of 1000; p99 {pct(exists, 0.99) * 1e6:.0f} us) | {ex * 1e6:.0f} us "
+        f"| TCP round trip {rtt * 1e6:.0f} us | RTT + {(ex - rtt) * 1e6:.0f} us | |",
+        f"| the same, `UcxNode.exists` alone / `UcxNode.ping` (header only) | {statistics.median(probe['exists']) * 1e6:.0f}"
+        f" / {statistics.median(probe['ping']) * 1e6:.0f} us | TCP round trip {rtt * 1e6:.0f} us | | |",
+        "",
+        "Stages of the best save and load (seconds, stages overlap): save "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in save_stages.items())
+        + "; load "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in load_stages.items()),
+    ]
+    return "\n".join(lines)
+
+
+SWEEP = (
+    {},
+    {"EMS_CHUNK_BYTES": "0"},
+    {"EMS_CHUNK_BYTES": "4MiB"},
+    {"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_RX_SEG_SIZE": "64k"},
+    {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "64k"},
+    {"UCX_RNDV_SCHEME": "am"},
+    {"UCX_RNDV_SCHEME": "get_zcopy"},
+    {"UCX_TCP_SNDBUF": "8m", "UCX_TCP_RCVBUF": "8m"},
+    {"UCX_MAX_RNDV_RAILS": "1"},
+    {"EMS_UCX_PROGRESS_MODE": "thread"},
+)
+
+
+def section_sweep(rate: str, rounds: int) -> str:
+    """The 32 MiB save and load of `link` under other settings (environment of the node and the engine alike)."""
+    out = [
+        "| settings | save GB/s (best / median) | load GB/s (best / median) | load stages of the best (ms) |",
+        "|---|---|---|---|",
+    ]
+    for env in SWEEP:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        b = Bench(1, rate)
+        try:
+            node = b.node("n1")
+            e = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000, blocks=64, **BIG)
+            blocks = list(range(32))
+            nbytes = 32 * (block_bytes(BIG) + 40)
+            saves, loads, stages = [], [], {}
+            for r in range(rounds + 2):
+                sv = e.call(op="bulk", what="save", blocks=blocks, rounds=1, base=10_000 * (r + 1), timeout_s=600)
+                ld = e.call(op="bulk", what="load", blocks=blocks, rounds=1, base=10_000 * (r + 1), timeout_s=600)
+                if r >= 2:
+                    if not loads or ld["seconds"][0] < min(loads):
+                        stages = ld["stages"]
+                    saves.append(sv["seconds"][0])
+                    loads.append(ld["seconds"][0])
+        finally:
+            b.close()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        name = " ".join(f"{k}={v}" for k, v in env.items()) or "defaults"
+        out.append(
+            f"| {name} | {nbytes / min(saves) / 1e9:.3f} / {nbytes / statistics.median(saves) / 1e9:.3f} "
+            f"| {nbytes / min(loads) / 1e9:.3f} / {nbytes / statistics.median(loads) / 1e9:.3f} "
+            f"| {', '.join(f'{k} {v * 1e3:.1f}' for k, v in stages.items())} |"
+        )
+        print(out[-1], flush=True)
+    return "\n".join(out)
+
+
+def section_fanout(rate: str, rounds: int) -> str:
+    b = Bench(3, rate)
+    try:
+        nodes = [b.node(h) for h in b.names]
+        e = b.engine(nodes=[n.address for n in nodes], replicas=1, timeout_ms=60_000, blocks=96, **BIG)
+        blocks = list(range(96))
+        assert e.call(op="bulk", what="save", blocks=blocks, rounds=1, timeout_s=600)["success"] == [96]
+        holders = e.call(op="holders", blocks=blocks)["holders"]
+        shares = {n.address: [b_ for b_, h in zip(blocks, holders) if h == [n.address]] for n in nodes}
+        whole, parts = [], {a: [] for a in shares}
+        for _ in range(rounds + 1):
+            whole.append(e.call(op="bulk", what="load", blocks=blocks, rounds=1, timeout_s=600)["seconds"][0])
+            for a, mine in shares.items():
+                parts[a].append(e.call(op="bulk", what="load", blocks=mine, rounds=1, timeout_s=600)["seconds"][0])
+    finally:
+        b.close()
+    whole_t = statistics.median(whole[1:])
+    part_t = {a: statistics.median(v[1:]) for a, v in parts.items()}
+    slowest = max(part_t.values())
+    lines = [
+        f"Fan-out: 96 blocks of 1 MiB over three node hosts ({rate} each), median of {rounds}",
+        "",
+        "| load | blocks | ms | GB/s |",
+        "|---|---|---|---|",
+    ]
+    for a, t in part_t.items():
+        lines.append(f"| share of {a} alone | {len(shares[a])} | {t * 1e3:.1f} | {len(shares[a]) * MIB / t / 1e9:.3f} |")
+    lines.append(f"| all three at once | 96 | {whole_t * 1e3:.1f} | {96 * MIB / whole_t / 1e9:.3f} |")
+    lines += ["", f"All three at once took {whole_t / slowest:.2f}x the slowest share alone (sum of shares: "
+              f"{whole_t / sum(part_t.values()):.2f}x their sum)."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _copies(e: Engine, blocks: list[int]) -> list[int]:
+    return [len(h) for h in e.call(op="holders", blocks=blocks, timeout_s=120)["holders"]]
+
+
+def section_scenario(rate: str) -> str:
+    b = Bench(3, rate)
+    rows = []
+    try:
+        url = b.start_etcd()
+        nodes = [b.node(h, "--replicas", "2", etcd=True, capacity="256MiB") for h in b.names]
+        e = b.engine(etcd=url, cluster="hosts", replicas=2, timeout_ms=2000)
+        e.wait_members({n.address for n in nodes}, timeout_s=30)
+        blocks = list(range(64))
+        assert e.call(op="save", blocks=blocks)["saved"] == [1] * 64
+        killed, cut, third = nodes
+        killed.kill()
+        r = e.call(op="load", blocks=blocks)["result"]
+        rows.append(("replicas = 2 of 3 nodes, one node killed", f"{r.count('hit')}/64 blocks exact, {r.count('wrong')} wrong"))
+        b.hosts.cut(cut.host)
+        timed = e.call(op="timed", what="load", blocks=blocks, rounds=1, timeout_s=900)
+        rows.append(
+            (
+                "one node killed and another partitioned",
+                f"{timed['hits']}/64 hits, {timed['wrong']} wrong, slowest call {max(timed['seconds']):.2f} s at a 2 s timeout",
+            )
+        )
+        killed.restart()
+        b.hosts.restore(cut.host)
+        e.wait_members({n.address for n in nodes}, timeout_s=30)
+        time.sleep(15)
+        copies = _copies(e, blocks)
+        third.kill()
+        r = e.call(op="load", blocks=blocks)["result"]
+        rows.append(
+            (
+                "the killed node restarted empty, the partition healed, 15 s, then a third node lost",
+                f"{r.count('hit')}/64 blocks exact, {r.count('wrong')} wrong (before the loss: "
+                f"{copies.count(2)}/64 blocks with two copies)",
+            )
+        )
+    finally:
+        b.close()
+    return "\n".join(["| what | measured |", "|---|---|", *(f"| {a} | {m} |" for a, m in rows)])
+
+
+def _scrape_sum(e: Engine, nodes: list[HostNode], name: str) -> float:
+    total = 0.0
+    for n in nodes:
+        try:
+            text = e.call(op="scrape", url=f"http://{n.metrics_address}/metrics")["text"]
+        except Exception:  # a node that is gone
+            continue
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def section_repair(rate: str) -> str:
+    out = [
+        "| --repair-rate | values to copy | copied | repair took | MB/s copied | one-block load p50 / p99 before | "
+        "during repair |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for repair_rate in ("64MiB", "4GiB"):
+        b = Bench(4, rate)
+        try:
+            url = b.start_etcd()
+            nodes = [b.node(h, "--replicas", "2", "--repair-rate", repair_rate, etcd=True, capacity="1GiB") for h in b.names]
+            e = b.engine(etcd=url, cluster="hosts", replicas=2, timeout_ms=5000, blocks=256, **BIG)
+            e.wait_members({n.address for n in nodes}, timeout_s=30)
+            blocks = list(range(256))
+            for start in range(0, 256, 32):
+                assert e.call(op="bulk", what="save", blocks=blocks[start : start + 32], rounds=1, timeout_s=600)["success"] == [
+                    32
+                ]
+            probe = list(range(0, 256, 8))
+            before = e.call(op="timed", what="load", blocks=probe, rounds=1, timeout_s=600)["seconds"]
+            victim = nodes[0]
+            holders = e.call(op="holders", blocks=blocks, timeout_s=120)["holders"]
+            to_copy = sum(victim.address in h for h in holders)
+            copied0 = _scrape_sum(e, nodes[1:], "ems_pool_repair_copied_values_total")
+            victim.kill()
+            t0 = time.monotonic()
+            e.wait_members({n.address for n in nodes[1:]}, timeout_s=30)
+            during: list[float] = []
+            done_at = None
+            while time.monotonic() - t0 < 120:
+                during += e.call(op="timed", what="load", blocks=probe[:8], rounds=1, timeout_s=600)["seconds"]
+                copied = _scrape_sum(e, nodes[1:], "ems_pool_repair_copied_values_total") - copied0
+                running = _scrape_sum(e, nodes[1:], "ems_pool_repair_running")
+                if copied >= to_copy and running == 0:
+                    done_at = time.monotonic()
+                    break
+            took = (done_at or time.monotonic()) - t0
+            copied_bytes = _scrape_sum(e, nodes[1:], "ems_pool_repair_copied_bytes_total")
+            out.append(
+                f"| {repair_rate}/s | {to_copy} | {copied:.0f} | {took:.1f} s (from the kill: a lease of 2 s first) "
+                f"| {copied_bytes / took / 1e6:.0f} | {pct(before, 0.5) * 1e3:.2f} / {pct(before, 0.99) * 1e3:.2f} ms "
+                f"| {pct(during, 0.5) * 1e3:.2f} / {pct(during, 0.99) * 1e3:.2f} ms ({len(during)} loads) |"
+            )
+        finally:
+            b.close()
+    return "\n".join(out)
+
+
+def section_slow(rate: str, rounds: int) -> str:
+    out = ["| slow node | hedging | loads | hits | wrong | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|---|---|---|"]
+    for slow, hedge in ((False, "on"), (True, "off"), (True, "on")):
+        b = Bench(3, rate)
+        os.environ["EMS_POOL_HEDGE"] = hedge
+        try:
+            nodes = [b.node(h) for h in b.names]
+            e = b.engine(nodes=[n.address for n in nodes], replicas=2, timeout_ms=20_000, blocks=64, **SMALL)
+            blocks = list(range(64))
+            assert e.call(op="save", blocks=blocks)["saved"] == [1] * 64
+            e.call(op="timed", what="load", blocks=blocks, rounds=1, timeout_s=600)  # warm up, latency model
+            if slow:
+                b.hosts.shape("n1", "8mbit", ingress=True)
+            t = e.call(op="timed", what="load", blocks=blocks, rounds=rounds, timeout_s=1800)
+            s = t["seconds"]
+            out.append(
+                f"| {'n1 at 8 Mbit/s' if slow else 'none'} | {hedge} | {len(s)} | {t['hits']} | {t['wrong']} "
+                f"| {pct(s, 0.5) * 1e3:.2f} | {pct(s, 0.99) * 1e3:.2f} | {max(s) * 1e3:.1f} |"
+            )
+        finally:
+            os.environ.pop("EMS_POOL_HEDGE", None)
+            b.close()
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="link,fanout,scenario,repair,slow")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rate", default="4gbit")
+    args = parser.parse_args()
+    reason = unavailable()
+    if reason is not None:
+        sys.exit(f"bench_hosts: {reason}")
+    print(f"# bench_hosts: {machine()}")
+    print(f"command: python perf/bench_hosts.py {' '.join(sys.argv[1:])}".rstrip())
+    for name in args.only.split(","):
+        print(f"\n## {name}\n", flush=True)
+        if name == "link":
+            print(section_link(args.rate, args.rounds))
+        elif name == "sweep":
+            print(section_sweep(args.rate, args.rounds))
+        elif name == "fanout":
+            print(section_fanout(args.rate, args.rounds))
+        elif name == "scenario":
+            print(section_scenario(args.rate))
+        elif name == "repair":
+            print(section_repair(args.rate))
+        elif name == "slow":
+            print(section_slow(args.rate, max(2, args.rounds // 2)))
+        else:
+            sys.exit(f"unknown section {name!r}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
