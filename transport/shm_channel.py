@@ -220,7 +220,7 @@ class ClientChannel:
 
 
 class NodeChannel:
-    """The node's `RequestChannel` for one request read off a region's channel (`node_handlers.RequestChannel`)."""
+    """The node's `RequestChannel` for one request read off a region's channel (`transport.handler.RequestChannel`)."""
 
     def __init__(
         self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes, sending: asyncio.Lock, region: object

@@ -20,7 +20,7 @@ Contract:
 * `--listen HOST:PORT` binds there: a wildcard HOST (0.0.0.0, ::) listens on every interface; a specific address
   binds the UCX listener to it (`transport.ucx_listener`) and limits UCX's data connections to its interface
   (UCX_NET_DEVICES, unless set); when UCX cannot listen there, the node exits with status 1 and UCX's reason.
-* Limits (`ems.transport.node_budget.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
+* Limits (`ems.pool.budget.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
@@ -60,8 +60,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ems.transport.node_budget import NodeLimits
-    from ems.transport.node_handlers import NodeStore
+    from ems.pool.budget import NodeLimits
+    from ems.pool.handlers import NodeStore
     from ems.transport.shm import ShmSettings
 
 _ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
@@ -132,7 +132,7 @@ async def _run(
 ) -> int:
     """Serve until SIGTERM/SIGINT; the exit status (1 when it cannot listen, register or serve metrics)."""
     from ems.pool.cluster_node import NodeExtras
-    from ems.transport.ucx_server import PoolServer
+    from ems.pool.node import assemble
 
     try:
         store = _build_store(capacity, args)
@@ -140,7 +140,7 @@ async def _run(
         print(f"ems-pool: cannot use --disk {args.disk}: {error}", file=sys.stderr, flush=True)
         return 1
     extras = NodeExtras(store, args, keys)
-    server = PoolServer(store, keys, limits, metrics=extras.metrics, shm=shm)
+    server = assemble(store, keys, limits, metrics=extras.metrics, shm=shm)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if capacity <= 0:
             raise ValueError("--capacity must be > 0")
         keys = load_keys(args.keys_file)
-        from ems.transport.node_budget import NodeLimits
+        from ems.pool.budget import NodeLimits
 
         limits = NodeLimits.for_capacity(
             capacity,

@@ -21,8 +21,9 @@ Contract:
   `repair_abandoned_total` (passes a membership change stopped), `repair_checked_keys_total`,
   `repair_copied_values_total`, `repair_copied_bytes_total`, `repair_failed_copies_total`,
   `repair_last_pass_seconds`, read from the repairer when scraped.
-* Same-host shared memory (`transport.shm_server`, registered by the server with `watch_shm`): `shm_regions`
-  (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed), `shm_handed_regions`,
+* Same-host shared memory (`transport.shm_server`, registered by the node assembly `ems.pool.node` with `watch_shm`):
+  `shm_regions` (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed),
+  `shm_handed_regions`,
   `shm_bytes` (their bytes: what `--shm-total` bounds), `shm_resident_bytes` (the pages their memfds hold, whoever
   faulted them in: the host's shared memory on the node's account), `shm_total_bytes`, and
   `shm_refusals_total{reason}` (regions and hand-overs refused, by `ShmRefusal`).
@@ -55,8 +56,8 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 
 if TYPE_CHECKING:
-    from ems.transport.node_handlers import NodeStore
-    from ems.transport.shm_server import ShmStats
+    from ems.pool.handlers import NodeStore
+    from ems.transport.shm_regions import ShmStats
 
 
 class _StoreCollector(Collector):

@@ -41,8 +41,8 @@ import numpy as np
 from ems.cluster.routing import node_seeds, ranked_owners
 from ems.datapath.keys import route_key_of
 from ems.deadline import Deadline
+from ems.pool.handlers import split_tenant
 from ems.transport.base import NodeClient, TransportError
-from ems.transport.node_handlers import split_tenant
 
 log = logging.getLogger("ems.pool.repair")
 

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from ems.deadline import Deadline
+from ems.pool.budget import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits
 from ems.transport import protocol
-from ems.transport.node_budget import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits
-from ems.transport.ucx_server import _windows
+from ems.transport.ucx_channel import send_windows as _windows
 
 GiB = 1 << 30
 

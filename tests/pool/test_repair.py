@@ -19,10 +19,10 @@ from pool_testlib import make_values
 from ems.cluster.routing import node_seeds, ranked_owners
 from ems.datapath.keys import FORM_TOKENS, route_key_of, v0_keys, v1_keys
 from ems.errors import EmsErrorCode
+from ems.pool.handlers import split_tenant, tenant_prefix
 from ems.pool.repair import Repairer, RepairSettings, asked, copy_plan
 from ems.store.kv_store import KvStore
 from ems.transport.base import NodeClient, TransportError
-from ems.transport.node_handlers import split_tenant, tenant_prefix
 from ems.types import PrimaryKey
 
 NS = bytes(range(16))

@@ -22,7 +22,7 @@ from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, wait_until
 from ems.transport import protocol, shm
 from ems.transport.base import TransportError
 from ems.transport.shm_client import ShmMode
-from ems.transport.shm_server import TOKEN_TTL_S
+from ems.transport.shm_regions import TOKEN_TTL_S
 
 pytestmark = pytest.mark.slow
 

@@ -1,14 +1,17 @@
-"""The transport's layering: no `ems.transport.*` module imports the store, and `Buffer` has one definition.
+"""The transport's layering: no `ems.transport.*` module imports the store or the node that serves through it
+(`ems.pool`), not even for type checking, and `Buffer` has one definition.
 
 Each module is imported in a fresh interpreter, since this test process has long imported `ems.store.kv_store`.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +38,41 @@ def test_transport_module_imports_no_store(module: str) -> None:
     assert "ems.store.kv_store" not in loaded
     outside = {m for m in loaded if not m.startswith("ems.transport.")} - ALLOWED_EMS
     assert outside == set(), f"{module} imports {sorted(outside)}"
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module an `import` or `from ... import` of the file names, wherever it stands (`TYPE_CHECKING` blocks,
+    functions), resolved for relative imports."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(["ems.transport", *filter(None, [base])][: None if node.level == 1 else -(node.level - 1)])
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+TRANSPORT_FILES = sorted(Path(ems.transport.__path__[0]).glob("*.py"))
+
+
+@pytest.mark.parametrize("path", TRANSPORT_FILES, ids=lambda p: p.name)
+def test_transport_never_names_the_node_or_the_store(path: Path) -> None:
+    """The node (`ems.pool`) serves through `transport.handler`'s protocols: no transport file imports it (nor the
+    store), even only for type checking or inside a function."""
+    forbidden = {
+        n
+        for n in _imported_names(path)
+        if n.split(".")[:2] in (["ems", "pool"], ["ems", "store"]) or n in ("ems.pool", "ems.store")
+    }
+    assert forbidden == set(), f"{path.name} imports {sorted(forbidden)}"
+
+
+def test_transport_files_are_found() -> None:
+    assert {"handler.py", "ucx_server.py", "shm_server.py"} <= {p.name for p in TRANSPORT_FILES}
 
 
 def test_buffer_has_one_definition() -> None:

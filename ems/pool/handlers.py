@@ -1,11 +1,12 @@
 """The pool node's request handlers: PING, PUT, GET, EXISTS (and the shared-memory ops, `transport.shm_server`) over
 the store it serves and the in-flight byte budget. The session part (`transport.ucx_server`: admission, handshake,
-watchdog, one connection's requests) hands each authenticated request here as a `RequestChannel`.
+watchdog, one connection's requests) hands each authenticated request here as a `RequestChannel`; `NodeHandlers`
+is the `transport.handler.RequestHandler` it serves through, and the `ShmHost` of the node's `ShmService`.
 
 Contract:
 * `NodeHandlers.serve(channel, prefix)` answers one request, start to reply, and returns the value bytes it moved.
-  Keys are namespaced with the tenant's `prefix` (`tenant_prefix`) before the store sees them, so a tenant never
-  reads, overwrites or tests another's keys.
+  Keys are namespaced with the tenant's `prefix` (`tenant_prefix`, `NodeHandlers.namespace`) before the store sees
+  them, so a tenant never reads, overwrites or tests another's keys.
 * Memory: the bytes of requests in flight (PUT meta and data being received and stored, GET replies being sent),
   all connections together, stay within the budget (`NodeLimits.inflight_bytes`). A PUT that could never fit, or
   finds no room within `stall_timeout_s`, raises `Refusal` before its data is received (the session answers
@@ -21,7 +22,8 @@ Contract:
   for a disk (`may_block(keys)`) is looked up on a worker thread. Every buffer and budget byte is released on every
   path.
 * An EXISTS with a lease or a pin (`transport.holds`) is answered by the store's `hold_many`: held *and* kept.
-* A malformed request raises `protocol.ProtocolError` (the session closes that connection only).
+* A malformed request raises `protocol.ProtocolError` (the session closes that connection only); a refused one
+  `transport.handler.Refusal`.
 * With `metrics` (`ems.pool.metrics.NodeMetrics`), each request is counted once, with its outcome and bytes.
 """
 
@@ -38,11 +40,12 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 
 from ems.buffers import Buffer
+from ems.pool.budget import ByteBudget, NodeLimits
 from ems.transport import protocol
+from ems.transport.handler import Refusal, RequestChannel
 from ems.transport.holds import Hold, decode_exists_meta
-from ems.transport.node_budget import ByteBudget, NodeLimits
 from ems.transport.scratch import ScratchBuffers
-from ems.transport.shm import ShmSettings, metric_name
+from ems.transport.shm import RangedRequest, ShmSettings, metric_name
 from ems.transport.shm_server import ShmService
 
 if TYPE_CHECKING:
@@ -78,10 +81,6 @@ def split_tenant(stored_key: bytes) -> tuple[str, bytes] | None:
         return stored_key[2 : 2 + n].decode("ascii"), stored_key[2 + n :]
     except UnicodeDecodeError:
         return None
-
-
-class Refusal(Exception):
-    """A request the node answers with BAD_REQUEST and a message, then closes the connection."""
 
 
 class NodeStoreStats(Protocol):
@@ -135,39 +134,6 @@ class NodeStore(Protocol):
     def stats(self) -> NodeStoreStats: ...
 
 
-class RequestChannel(Protocol):
-    """Where one request's frames and reply travel (`transport.ucx_server.Channel`)."""
-
-    header: protocol.Header
-    conn: Any  # the connection (its `peer` and `aborted`; the key of its shared-memory region)
-
-    async def meta(self) -> bytes:
-        """The request's meta (inline in its head, or a frame of its own)."""
-        ...
-
-    def inline_data(self) -> memoryview | None:
-        """The request's data when it came inline in its head, else None."""
-        ...
-
-    async def receive_frames(self, views: Sequence[memoryview]) -> None:
-        """Receive the request's data frames, one into each view in order (lengths verified); returns once every
-        receive has ended, raising the first failure."""
-        ...
-
-    async def reply(
-        self,
-        op: int,
-        *,
-        count: int = 0,
-        meta: bytes = b"",
-        data: Sequence[Any] = (),
-        data_len: int = 0,
-        status: protocol.Status = protocol.Status.OK,
-    ) -> None:
-        """Send the reply."""
-        ...
-
-
 class NodeHandlers:
     """Serves requests over one store and one in-flight budget; see the module docstring."""
 
@@ -184,14 +150,34 @@ class NodeHandlers:
         self.budget = ByteBudget(limits.inflight_bytes)
         self.send_scratch = ScratchBuffers(SEND_SCRATCH_BYTES)  # a GET's packed segments (transport/scratch.py)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
+        self.offload_bytes = OFFLOAD_BYTES
         self.shm = ShmService(shm or ShmSettings(region_bytes=0), self)  # same-host shared memory; off by default
         self._may_block = getattr(store, "may_block", None)  # a store with a disk tier (looked up once)
         # a GET reply's most data bytes: the protocol's and the budget's limits
         self.reply_limit = min(protocol.WIRE_LIMITS.max_data_bytes, self.budget.total)
 
+    # ---- the node's life (`transport.handler.RequestHandler`) ----
+
+    def namespace(self, access_id: str) -> bytes:
+        return tenant_prefix(access_id)
+
+    def start(self) -> None:
+        self.shm.start()
+
+    def forget(self, conn: Any) -> None:
+        self.shm.forget(conn)
+
     def close(self) -> None:
         self.shm.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def memory_report(self) -> str:
+        stats = self.store.stats()
+        budget = self.budget
+        return (
+            f"store {stats.used_bytes} used + {stats.spare_bytes} spare of {stats.capacity_bytes}, "
+            f"in flight {budget.used} (peak {budget.peak}) of {budget.total}"
+        )
 
     async def serve(self, channel: RequestChannel, prefix: bytes) -> int:
         """Serve one request (see the module docstring); the value bytes it moved."""
@@ -276,6 +262,10 @@ class NodeHandlers:
             return True
         return nbytes <= self.budget.total and await self.budget.acquire(nbytes, self.limits.stall_deadline())
 
+    def release(self, nbytes: int) -> None:
+        """Give back `nbytes` of the budget taken by `take` or `room`."""
+        self.budget.release(nbytes)
+
     async def lookup_values(self, keys: list[bytes]) -> list[Buffer | None]:
         """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
         disk (a store with a disk tier has `may_block`)."""
@@ -289,6 +279,43 @@ class NodeHandlers:
         if nbytes > OFFLOAD_BYTES:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         return fn(*args)
+
+    # ---- copies between a shared-memory region and the store (`transport.handler.ShmHost`) ----
+
+    def store_copies(self, array: np.ndarray, keys: list[bytes], request: RangedRequest) -> list[bool]:
+        """Copy each value out of the region `array` into a buffer of the store's and store it, copy and check in one
+        pass (`NodeStore.put_copied_each`: the copies are checked, never the region, which the client can still
+        write). Every buffer is recycled on every error path."""
+        store = self.store
+        fits: list[int] = []  # the values the store can hold at all
+        buffers: list[np.ndarray] = []
+        sources: list[np.ndarray] = []
+        charges: list[int] = []
+        try:
+            for i, (key, offset, n) in enumerate(zip(keys, request.offsets.tolist(), request.lens.tolist())):
+                charge = store.charge_of(len(key), n)
+                if charge > store.capacity_bytes:
+                    continue
+                buffers.append(store.allocate(n, reserve=charge))
+                charges.append(charge)
+                sources.append(array[offset : offset + n])
+                fits.append(i)
+            verdicts = store.put_copied_each([keys[i] for i in fits], buffers, sources, charges)
+        except BaseException:
+            for buffer, charge in zip(buffers, charges):
+                store.recycle(buffer, reserved=charge)
+            raise
+        stored = [False] * len(keys)
+        for i, ok in zip(fits, verdicts):
+            stored[i] = ok
+        refused = [b for b, ok in zip(buffers, (stored[i] for i in fits)) if not ok]  # for the metrics: maybe damaged
+        if refused and self.metrics is not None:
+            self.metrics.count_damaged(refused, [False] * len(refused))
+        return stored
+
+    def read_into(self, values: Sequence[Buffer], outs: Sequence[Buffer], progress: int, signalled: int) -> None:
+        """Copy each value into the buffer of `outs` beside it (`NodeStore.read_into`)."""
+        self.store.read_into(values, outs, progress, signalled)
 
     # ---- PUT ----
 
@@ -315,7 +342,7 @@ class NodeHandlers:
             try:
                 for size, reserve in zip(sizes.tolist(), reserves.tolist()):
                     segments.append(self.store.allocate(int(size), reserve=int(reserve)))
-                await self._receive_put(channel, request, segments)
+                await _receive_put(channel, request, segments)
             except BaseException:
                 for seg, reserve in zip(segments, reserves.tolist()):
                     self.store.recycle(seg, reserved=int(reserve))  # every receive into it has ended
@@ -326,33 +353,13 @@ class NodeHandlers:
                 if reserve == 0:  # a packed segment: its values were copied out
                     self.store.recycle(seg)
             del segments
-            stored = await self.offload(header.data_len, self._store_all, keys, values, reserved)
+            stored = await self.offload(header.data_len, self.store.put_owned_each, keys, values, reserved)
             if self.metrics is not None and not all(stored):
                 self.metrics.count_damaged(values, stored)
             del values
         finally:
             self.budget.release(charge)
         await channel.reply(_PUT, count=len(keys), meta=protocol.encode_flags(stored))
-
-    def _store_all(self, keys: Sequence[bytes], values: Sequence[memoryview], reserved: Sequence[int]) -> list[bool]:
-        """Store each value; `reserved[i]`: the bytes `allocate` reserved for it (released on every path)."""
-        return self.store.put_owned_each(keys, values, reserved)
-
-    async def _receive_put(self, channel: RequestChannel, request: protocol.PutRequest, segments: list) -> None:
-        """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
-        by length-verified receives. Returns only once every receive has ended (so a failed request's buffers can
-        be recycled: UCX writes into none of them any more)."""
-        inline = channel.inline_data()
-        if inline is not None:
-            starts = np.cumsum(request.segment_sizes) - request.segment_sizes
-            for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
-                seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
-            return
-        views = [memoryview(s) for s in segments]
-        ends = (request.frame_offsets + request.frame_lens).tolist()
-        await channel.receive_frames(
-            [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)]
-        )
 
     # ---- GET ----
 
@@ -425,6 +432,23 @@ class NodeHandlers:
 
 
 # ---- helpers ----
+
+
+async def _receive_put(channel: RequestChannel, request: protocol.PutRequest, segments: list) -> None:
+    """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
+    by length-verified receives. Returns only once every receive has ended (so a failed request's buffers can
+    be recycled: UCX writes into none of them any more)."""
+    inline = channel.inline_data()
+    if inline is not None:
+        starts = np.cumsum(request.segment_sizes) - request.segment_sizes
+        for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
+            seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
+        return
+    views = [memoryview(s) for s in segments]
+    ends = (request.frame_offsets + request.frame_lens).tolist()
+    await channel.receive_frames(
+        [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)]
+    )
 
 
 def _no_room(channel: RequestChannel, total: int) -> None:

@@ -1,0 +1,235 @@
+"""The pool-node server's connections over UCX (`transport.ucx_server`): each connection's state, admission, the
+tags of live and ended connections, and the watchdog.
+
+Contract:
+* `ConnectionTable.admit(ep)` admits a new connection, or refuses it (None; the server aborts it at once): at most
+  `max_connections` in all and `max_connections_per_peer` per peer IP address (`SessionLimits`), and never one whose
+  tags collide with a live or lately ended connection's (one in 2**32 per pair: the client reconnects). A connection
+  must finish its handshake within `handshake_timeout_s`. `release(conn)` ends its counts (the server calls it on
+  every path); `forget_tags(conn)` discards what it left unread, now and for UNREAD_LINGER_S.
+* `watch()` (a task for the node's life) is the watchdog: every WATCHDOG_PERIOD_S it aborts connections past their
+  handshake deadline or whose request in flight waited more than `stall_timeout_s` for its next frame (never
+  cancelling a UCX request: the abort fails it), and, in progress mode "loop" (`worker` set), discards the messages
+  nobody will receive (`transport.ucx_unexpected`; `transport.ucx_server`'s docstring, "Messages nobody will
+  receive"), closing a connection that parks messages on tags it has no request for. It logs the node's memory
+  figures now and then (debug).
+* No lock: everything here runs on the node's one event loop. `Connection.requests` (the deadline of each request's
+  next frame) is written by the request's channel (`transport.ucx_channel`) and read by the watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from ems.transport import ucx_progress
+from ems.transport.handler import SessionLimits
+from ems.transport.ucx_endpoint import connecting_tags, peer_host
+from ems.transport.ucx_unexpected import discard, oldest
+
+log = logging.getLogger("ems.pool")
+
+WATCHDOG_PERIOD_S = 0.5
+# inline requests of one connection served at once; the connection's next head waits for a free slot
+MAX_REQUESTS_PER_CONNECTION = 32
+# how long the tags of a connection that ended are still swept for messages that were on the wire when it closed
+UNREAD_LINGER_S = 5.0
+CONNECTION_TAG_MASK = ucx_progress.CONNECTION_TAG_MASK
+_FULL_TAG_MASK = (1 << 64) - 1
+
+
+class Closed(Exception):
+    """The peer closed the connection (not an error worth a warning)."""
+
+
+class Stage(enum.Enum):
+    """Where a connection is: before its handshake, between requests, or serving one."""
+
+    HANDSHAKE = "handshake"
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+class Connection:
+    """One client connection's state, as the watchdog sees it: a deadline per request in flight."""
+
+    __slots__ = (
+        "aborted",
+        "base_tag",
+        "deadline",
+        "ep",
+        "next_key",
+        "peer",
+        "receiving",
+        "requests",
+        "slots",
+        "stage",
+        "suspect",
+        "tasks",
+    )
+
+    def __init__(self, ep: Any, peer: str, deadline: float, base_tag: int) -> None:
+        self.ep = ep
+        self.peer = peer
+        self.stage = Stage.HANDSHAKE
+        self.deadline = deadline  # of the handshake
+        self.aborted = False
+        self.requests: dict[int, float] = {}  # request key (a serial of this connection) -> deadline of its next frame
+        self.tasks: set[asyncio.Task] = set()  # inline requests being served
+        self.slots = asyncio.Semaphore(MAX_REQUESTS_PER_CONNECTION)
+        self.base_tag = base_tag  # the tag this node receives the connection's heads on (protocol docstring, "Tags")
+        self.receiving: set[int] = set()  # inline request ids in flight: from the head until the reply starts
+        self.next_key = 0
+        self.suspect: int | None = None  # a tag the last sweep found parked with no request for it
+
+    def new_key(self) -> int:
+        self.next_key += 1
+        return self.next_key
+
+    def overdue(self, now: float) -> str | None:
+        if self.stage == Stage.HANDSHAKE:
+            return "handshake" if now > self.deadline else None
+        return "a request" if any(now > d for d in self.requests.values()) else None
+
+
+class ConnectionTable:
+    """The node's connections: admission, the tag registry, the watchdog; see the module docstring."""
+
+    def __init__(self, limits: SessionLimits, memory_report: Callable[[], str]) -> None:
+        self.limits = limits
+        self._memory_report = memory_report  # the handlers' memory figures, for the debug log
+        self._connections: dict[Any, Connection] = {}
+        self._by_tag: dict[int, Connection] = {}  # high bits of a live connection's base tag -> that connection
+        self._ended_tags: dict[int, float] = {}  # high bits of ended connections' tags -> sweep them until then
+        self.worker: Any = None  # the UCX worker, when the loop progresses it (mode "loop"): unread messages swept
+        self._per_peer: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._connections)
+
+    def admit(self, ep: Any) -> Connection | None:
+        """A new connection's state, or None when it is refused (its tags collide, or a connection limit is reached)."""
+        peer = peer_host(ep)
+        base_tag = int(ep._tags["msg_recv"])
+        high = base_tag & CONNECTION_TAG_MASK
+        connecting_tags.pop(high, None)
+        if high in self._by_tag or high in self._ended_tags:  # one in 2**32 per pair: the client reconnects
+            log.info("refused a connection from %s: its tags collide with another connection's", peer)
+            return None
+        if len(self._connections) >= self.limits.max_connections:
+            log.warning("refused a connection from %s: %d connections open", peer, len(self._connections))
+            return None
+        if self._per_peer[peer] >= self.limits.max_connections_per_peer:
+            log.warning("refused a connection from %s: %d connections from it open", peer, self._per_peer[peer])
+            return None
+        conn = Connection(ep, peer, time.monotonic() + self.limits.handshake_timeout_s, base_tag)
+        self._connections[ep] = conn
+        self._by_tag[high] = conn
+        self._per_peer[peer] += 1
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """The connection ended: it no longer counts against the limits."""
+        if self._connections.pop(conn.ep, None) is not None:
+            self._per_peer[conn.peer] -= 1
+            if self._per_peer[conn.peer] <= 0:
+                del self._per_peer[conn.peer]
+
+    def abort_all(self) -> None:
+        """The node stops: abort every connection."""
+        for ep in list(self._connections):
+            abort(ep)
+        self._connections.clear()
+        self._by_tag.clear()
+        self._per_peer.clear()
+
+    async def watch(self) -> None:
+        """Abort connections past their deadline (never cancelling a UCX request: the abort fails it); log the
+        memory figures now and then (debug)."""
+        next_report = time.monotonic()
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            now = time.monotonic()
+            if now >= next_report and log.isEnabledFor(logging.DEBUG):
+                next_report = now + 5.0
+                log.debug("memory: %s, %d connections", self._memory_report(), len(self._connections))
+            for conn in list(self._connections.values()):
+                stalled = conn.overdue(now)
+                if stalled is not None and not conn.aborted:
+                    log.warning("closing a connection from %s: stalled in %s", conn.peer, stalled)
+                    conn.aborted = True
+                    abort(conn.ep)
+            if self.worker is not None:
+                try:
+                    self._sweep_unread(now)
+                except Exception:  # never lose the watchdog over one sweep
+                    log.exception("sweeping unread messages failed")
+
+    def _sweep_unread(self, now: float) -> None:
+        """Discard the messages nobody will receive; close connections that park them (module docstring)."""
+        worker = self.worker
+        for high, until in list(self._ended_tags.items()):
+            discard(worker, high, CONNECTION_TAG_MASK)
+            if now > until:
+                del self._ended_tags[high]
+        loop_now = asyncio.get_running_loop().time()
+        for high, until in list(connecting_tags.items()):  # set up long ago and never admitted: ended
+            if loop_now > until:
+                del connecting_tags[high]
+                self._ended_tags.setdefault(high, now + UNREAD_LINGER_S)
+        dropped = 0
+        while True:  # oldest first: stop at the first message a live connection (or one being set up) may receive
+            front = oldest(worker, 0, 0)
+            if (
+                front is None
+                or (front[0] & CONNECTION_TAG_MASK) in self._by_tag
+                or (front[0] & CONNECTION_TAG_MASK) in connecting_tags
+            ):
+                break
+            dropped += discard(worker, front[0], _FULL_TAG_MASK)
+        if dropped:
+            log.info("discarded %d messages sent on the tags of no connection", dropped)
+        for conn in list(self._connections.values()):
+            if conn.aborted:
+                continue
+            first = oldest(worker, conn.base_tag, CONNECTION_TAG_MASK)
+            parked = None if first is None or first[0] == conn.base_tag else first[0]
+            if parked is not None and conn.stage == Stage.HANDSHAKE:
+                reason = "a message on a request tag before the handshake"
+            elif (
+                parked is not None
+                and (parked ^ conn.base_tag) not in conn.receiving
+                and oldest(worker, conn.base_tag, _FULL_TAG_MASK) is None
+            ):
+                if conn.suspect != parked:
+                    conn.suspect = parked  # a head read this instant may not have registered its id yet
+                    continue
+                reason = f"messages for request {parked ^ conn.base_tag}, which is not in flight"
+            else:
+                conn.suspect = None
+                continue
+            log.warning("closing a connection from %s: %s", conn.peer, reason)
+            conn.aborted = True
+            abort(conn.ep)
+
+    def forget_tags(self, conn: Connection) -> None:
+        """The connection ended: discard what it left unread, now and for UNREAD_LINGER_S."""
+        high = conn.base_tag & CONNECTION_TAG_MASK
+        if self._by_tag.get(high) is conn:
+            del self._by_tag[high]
+            self._ended_tags[high] = time.monotonic() + UNREAD_LINGER_S
+            if self.worker is not None:
+                discard(self.worker, high, CONNECTION_TAG_MASK)
+
+
+def abort(ep: Any) -> None:
+    try:
+        ep.abort(period=10**8)
+    except Exception:  # already closed by the peer or by us
+        pass
+    ucx_progress.kick()  # the aborted requests' failures reach their tasks now
