@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
+from ems.client.binding import bind_and_plan
 from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
 from ems.client.warmup import warm_small_calls
@@ -36,11 +37,11 @@ from ems.datapath.devices import default_raw_device, parse_device
 from ems.datapath.jobs import load_job, save_job
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
-from ems.datapath.planning import Plan, plan_blocks, plan_raw
+from ems.datapath.planning import Plan
 from ems.datapath.records import JobKind, JobLedger, JobRecord, Stage
-from ems.datapath.requests import Operation, RawRequest, Request, bind_request
+from ems.datapath.requests import Operation, Request
 from ems.datapath.staging import StagingPool
-from ems.datapath.tokens import TokenForm, TokenRequest, bind_tokens, call_result, is_token_form, plan_tokens
+from ems.datapath.tokens import TokenForm, TokenRequest, call_result
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
@@ -196,15 +197,7 @@ class ContextCaching:
 
     def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device]:
         layout = self._layout
-        bind = bind_tokens if is_token_form(kwargs) else bind_request  # the token form: ems.datapath.tokens
-        request = bind(op, args, kwargs, layout)
-        if isinstance(request, RawRequest):
-            return request, plan_raw(request, self._v0_namespace), self._raw_device_now()
-        if layout is None:  # bind_request already refuses this; kept for type narrowing
-            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "V1 calls need register_kvcache() first")
-        if isinstance(request, TokenRequest):
-            return request, plan_tokens(request, layout, self._v1_namespace), layout.device
-        return request, plan_blocks(request, layout, self._v1_namespace), layout.device
+        return bind_and_plan(op, args, kwargs, layout, self._v0_namespace, self._v1_namespace, self._raw_device_now)
 
     @staticmethod
     def _raise_if_unreachable(outcome: PoolOutcome, successes: int) -> None:
@@ -405,11 +398,8 @@ class ContextCaching:
     def exists(self, hashes: HashList | Sequence[V0Key], option: CcKvOption | None = None, **kwargs: Any) -> CcResult:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
-        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising (`ems.client.lookup`).
-        This package's additions: `lease_ms=N` counts only keys the pool also leases to the caller, kept from eviction
-        until they are read (the load the lookup promised) or N ms have passed; `pin=True` counts only keys it pins
-        (kept until replaced). `ems.store.holds` says what a pool node or the embedded pool keeps and within which
-        budgets."""
+        A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising. This package's
+        additions, `lease_ms=N` and `pin=True` (keep what is reported from eviction): `ems.client.lookup`."""
         with self._calls:
             v1_namespace = self._v1_namespace if self._layout is not None else None
             return count_held(self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace)
