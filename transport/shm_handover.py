@@ -79,6 +79,9 @@ class Handover:
         loop = asyncio.get_running_loop()
         listener = self._listener
         while listener is not None:
+            # A queued peer is accepted without a wait (the future is done at once), so without this the loop would
+            # never yield while a flood keeps the backlog full: the node's UCX service would starve.
+            await asyncio.sleep(0)
             try:
                 sock, _ = await loop.sock_accept(listener)
             except asyncio.CancelledError:
