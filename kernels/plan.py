@@ -95,3 +95,11 @@ def block_run_pieces(table: np.ndarray, block_size: int) -> np.ndarray | None:
         return None
     ones = np.ones(count.size, dtype=np.int64)
     return np.stack([start // block_size, ones, base, ones, np.zeros(count.size, dtype=np.int64)])
+
+
+def plane_pieces_of_runs(table: np.ndarray, block_size: int) -> np.ndarray:
+    """The inverse of `block_run_pieces`: pieces of the planes moving the same bytes as `table` (pieces of
+    `block_runs`, block b at part base p) -- each run one whole block of `block_size` tokens."""
+    block, _, base, _, _ = table
+    full = np.full(block.size, block_size, dtype=np.int64)
+    return np.stack([block * block_size, full, base, full, np.zeros(block.size, dtype=np.int64)])

@@ -59,6 +59,7 @@ from ems.datapath.requests import (
 )
 from ems.errors import invalid_argument
 from ems.kernels.host_copy import host_copy
+from ems.kernels.plan import plane_pieces_of_runs
 from ems.store.value_format import _xxh3_addresses
 from ems.types import CcKvOption, CcResult
 
@@ -229,12 +230,9 @@ def _without_leading_tokens(region: GroupRegion, skip: int) -> GroupRegion:
     A region of cross-layer block runs (one piece per whole block) goes back to its planes' pieces first: a run
     cannot lose tokens."""
     planes, all_pieces = region.planes, region.pieces
-    if planes is not region.group.planes:  # block runs: block b at part base p is the planes' piece (b * size, size)
-        size = region.group.planes.block_size
-        block, _, base, _, _ = all_pieces
-        full = np.full(block.size, size, dtype=np.int64)
+    if planes is not region.group.planes:  # block runs
         planes = region.group.planes
-        all_pieces = np.stack([block * size, full, base, full, np.zeros(block.size, dtype=np.int64)])
+        all_pieces = plane_pieces_of_runs(all_pieces, planes.block_size)
     end = int(region.piece_start[1])
     head = all_pieces[:, :end]
     cut = np.clip(skip - head[4], 0, head[1])  # tokens each of value 0's pieces loses
