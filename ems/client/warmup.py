@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from ems.datapath.copier import copier_for
 from ems.datapath.jobs import EmbeddedLoad, EmbeddedSave
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import BlockPlan, plan_blocks
@@ -67,12 +68,13 @@ def _save_and_load_scratch(layout: RegisteredLayout, backend: CopyBackend) -> No
     slot_tensor = torch.arange(_first_block_tokens(scratch), dtype=torch.int64)
     slot_list = slot_tensor.tolist()
     store: KvStore | None = None
+    copier = copier_for(backend, in_cache_memory=True)
     for i in range(ROUNDS):
         slots = slot_tensor if i % 2 else slot_list
         plan = _one_block_plan(scratch, Operation.SAVE, slots, i)
         if store is None:
             store = KvStore(4 * (plan.value_len(0) + (4 << 10)))  # a few values: every save fits
-        save = EmbeddedSave(plan, backend, store, JobRecord(JobKind.SAVE))
+        save = EmbeddedSave(plan, copier, store, JobRecord(JobKind.SAVE))
         save.begin()
         save.finish()
-        EmbeddedLoad(_one_block_plan(scratch, Operation.LOAD, slots, i), backend, store, JobRecord(JobKind.LOAD)).run()
+        EmbeddedLoad(_one_block_plan(scratch, Operation.LOAD, slots, i), copier, store, JobRecord(JobKind.LOAD)).run()

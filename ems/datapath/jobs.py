@@ -1,8 +1,9 @@
 """Save and load jobs: one request's data path as explicit stages, each recorded (`ems.datapath.records`).
 
 A save runs gather → encode → send, a load receive → verify → scatter (plus `copy` between device and host
-staging on accelerators). Where the copy backend encodes while it gathers (the compiled host copy:
-`BlockPlan.gather_into`) a save's encode is part of its gather stage, each value hashed and headed right after its
+staging on accelerators). The copies are the job's copier's (`ems.datapath.copier`, chosen once per job by
+`save_job` / `load_job`: fused or separate); where it is the fused one (the compiled host copy, CPU:
+`FusedCopier.gather_at`) a save's encode is part of its gather stage, each value hashed and headed right after its
 rows are written; where it verifies while it scatters, a load's verify is part of its scatter. `save_job` /
 `load_job` pick the job type for a request's path (never the caller):
 
@@ -23,13 +24,13 @@ rows are written; where it verifies while it scatters, a load's verify is part o
   the pipeline threads, and scatters chunk k's verified prefix while later chunks arrive, stopping at the first
   miss. Where the staging is the cache's own memory (CPU) and the copy backend verifies while it scatters (the
   compiled host copy), the receive checks only the headers and the scatter hashes each value just before writing
-  it (`BlockPlan.verify_scatter_from`: one pass over bytes still in cache); the embedded load does the same.
+  it (`FusedCopier.verify_scatter`: one pass over bytes still in cache); the embedded load does the same.
   `EMS_CHUNK_BYTES=0` makes the request one chunk; so is a load staged in a same-host node's region (below: the
   node only copies). A request of one chunk has nothing to overlap, so its put (in `finish`) and its receive
   run on the calling thread. A load staged in the region, fused as above, overlaps within its one request
   instead: the node publishes how many leading values it has placed (a progress word in the region), and the
   receive verifies and scatters each as it lands, in one GIL-free C call, while the node copies the next
-  (`BlockPlan.verify_scatter_as_placed`); what that call did not take (the node stopped counting: a miss, a
+  (`FusedCopier.as_placed`); what that call did not take (the node stopped counting: a miss, a
   value of another length; the reply came first) is checked and scattered from the reply as before, and a value
   that fails its check ends the load there.
   In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk
@@ -55,6 +56,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -62,6 +64,7 @@ import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
 from ems.buffers import Buffer
+from ems.datapath.copier import Checked, Copier, Gathered, PlacedScatter, Verified, copier_for, encode_values
 from ems.datapath.devices import side_stream
 from ems.datapath.planning import BlockPlan, Plan, RawPlan
 from ems.datapath.records import JobRecord, Stage
@@ -69,11 +72,11 @@ from ems.datapath.staging import StagingLease, StagingPool
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.kernels import CopyBackend
-from ems.kernels.base import PlacedStop, Placement
+from ems.kernels.base import PlacedStop
 from ems.kernels.raw_memory import buffer_addresses, raw_tensor
 from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
-from ems.store.value_format import HEADER_SIZE, encode_in_place, stated_checksums, valid_prefix
-from ems.transport.base import AsPlaced, TransportError
+from ems.store.value_format import HEADER_SIZE, encode_in_place, valid_prefix
+from ems.transport.base import TransportError
 from ems.transport.protocol import RequestLimits, key_lens
 from ems.types import CcKvOption
 
@@ -163,7 +166,7 @@ def fence(futures: list[concurrent.futures.Future], deadline: Deadline) -> bool:
         if future.exception() is not None:
             return False
         result = future.result()
-        outcome = result[0] if isinstance(result, tuple) else result
+        outcome = result.outcome if isinstance(result, Received) else result
         if outcome.errors:
             return False
     return True
@@ -215,8 +218,8 @@ class LoadJob(Protocol):
 class EmbeddedSave:
     """The embedded pool's one-pass save (see the module docstring)."""
 
-    def __init__(self, plan: Plan, backend: CopyBackend, store: KvStore, record: JobRecord) -> None:
-        self.plan, self.backend, self.store, self.record = plan, backend, store, record
+    def __init__(self, plan: Plan, copier: Copier, store: KvStore, record: JobRecord) -> None:
+        self.plan, self.copier, self.store, self.record = plan, copier, store, record
         record.path = "one-pass"
         self._buffers: list[np.ndarray] = []
         self._reserved: list[int] = []  # the store's reservation for each buffer
@@ -245,13 +248,13 @@ class EmbeddedSave:
             span = None
             if isinstance(plan, BlockPlan) and count > 1:
                 span = span_of(np.array(addresses, dtype=np.int64), np.array(sizes[:count], dtype=np.int64))
-            encoded = False
+            gathered = Gathered.PAYLOADS
             if isinstance(plan, BlockPlan) and span is not None:
-                encoded = plan.gather_into(self.backend, span[0], span[1], 0, count)  # encoded too where it can be
+                gathered = self.copier.gather_at(plan, span[0], span[1], 0, count)  # encoded too where it can be
             else:  # one value (its own buffer), V0 raw ranges (one copy each anyway), or buffers too far apart
                 for i, buffer in enumerate(buffers):
-                    plan.gather_value(self.backend, i, buffer)
-        if not encoded:
+                    self.copier.gather_value(plan, i, buffer)
+        if gathered is Gathered.PAYLOADS:
             with record.stage(Stage.ENCODE, payload):
                 encode_in_place(buffers, plan.expected, 0, addresses)
 
@@ -287,14 +290,14 @@ class PipelinedSave:
         self,
         plan: Plan,
         device: torch.device,
-        backend: CopyBackend,
+        copier: Copier,
         pool: PoolBackend,
         staging: StagingPool,
         option: CcKvOption,
         record: JobRecord,
         chunk_bytes: int,
     ) -> None:
-        self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
+        self.plan, self.device, self.copier, self.pool = plan, device, copier, pool
         self.staging, self.option, self.record = staging, option, record
         self.chunk_bytes = chunk_bytes  # Settings.chunk_bytes
         record.path = "pipelined"
@@ -323,12 +326,12 @@ class PipelinedSave:
             lo, hi = int(plan.value_start[a]), int(plan.value_start[b])
             with side_stream(self.device):  # waits for the chunk's device work at the end
                 with record.stage(Stage.GATHER, plan.expected.payload_bytes(a, b)):
-                    # host staging may come out of the gather encoded (the compiled host copy's one pass)
-                    encoded = plan.gather_range(self.backend, lease.device, a, b) and lease.host is lease.device
+                    # host staging may come out of the gather encoded (the fused copier's one pass)
+                    gathered = self.copier.gather(plan, lease.device, a, b)
                 if lease.host is not lease.device:
                     with record.stage(Stage.COPY, hi - lo):
                         lease.host[lo:hi].copy_(lease.device[lo:hi], non_blocking=True)
-            send = functools.partial(self._send_chunk, host, a, b, encoded)
+            send = functools.partial(self._send_chunk, host, a, b, gathered)
             if len(self._chunks) == 1:  # nothing to overlap: `finish` sends it on its own thread (no thread hop)
                 self._lone = functools.partial(send, None)
                 return
@@ -336,9 +339,9 @@ class PipelinedSave:
             self._sends.append(self.pool.executor.start(functools.partial(send, ahead)))
 
     def _send_chunk(
-        self, host: memoryview, a: int, b: int, encoded: bool, ahead: concurrent.futures.Future | None
+        self, host: memoryview, a: int, b: int, gathered: Gathered, ahead: concurrent.futures.Future | None
     ) -> PoolOutcome:
-        """On a pipeline thread: checksum and header values a..b-1 in place (unless their gather `encoded` them),
+        """On a pipeline thread: checksum and header values a..b-1 in place (unless their gather did: `gathered`),
         then, once the chunk `PIPELINE_DEPTH` places ahead (`ahead`, started earlier: running or done) has
         returned, put them (by the request's deadline)."""
         plan, record = self.plan, self.record
@@ -346,8 +349,8 @@ class PipelinedSave:
             return PoolOutcome([False] * (b - a))
         try:
             start = time.perf_counter()
-            values = plan.encode(host, a, b, encoded)
-            if not encoded:
+            values = encode_values(plan, host, a, b, gathered)
+            if gathered is Gathered.PAYLOADS:
                 record.add(Stage.ENCODE, plan.expected.payload_bytes(a, b), time.perf_counter() - start)
             if ahead is not None:
                 concurrent.futures.wait([ahead], timeout=self._deadline.left())
@@ -393,8 +396,8 @@ class PipelinedSave:
 class EmbeddedLoad:
     """The embedded pool's one-pass load (see the module docstring)."""
 
-    def __init__(self, plan: Plan, backend: CopyBackend, store: KvStore, record: JobRecord) -> None:
-        self.plan, self.backend, self.store, self.record = plan, backend, store, record
+    def __init__(self, plan: Plan, copier: Copier, store: KvStore, record: JobRecord) -> None:
+        self.plan, self.copier, self.store, self.record = plan, copier, store, record
         record.path = "one-pass"
 
     def run(self) -> tuple[int, PoolOutcome]:
@@ -404,27 +407,21 @@ class EmbeddedLoad:
             values, addresses = self.store.get_many_with_addresses(plan.keys)
         outcome = PoolOutcome(values, nodes_contacted=1)
         present = next((i for i, value in enumerate(values) if value is None), len(values))
-        span = None
-        if isinstance(plan, BlockPlan) and present > 1 and self.backend.verifies_while_scattering:
-            with record.stage(Stage.VERIFY):  # the headers here; the payloads' checksums as they are scattered
-                stated = stated_checksums(values[:present], plan.expected)
-            if len(stated) > 1:
-                span = _stored_span(plan, values, addresses, len(stated))
+        if isinstance(plan, BlockPlan) and present > 1:
+            # the copier's check: the headers only where its scatter verifies the payloads (the fused copier)
+            checked = self.copier.check(values[:present], plan.expected, record)
+            span = _stored_span(plan, values, addresses, checked.count) if checked.count > 1 else None
             if span is not None:
-                with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, len(stated))):
-                    return plan.verify_scatter_from(self.backend, span[0], span[1], 0, stated), outcome
-        with record.stage(Stage.VERIFY, plan.expected.payload_bytes(0, present)):
-            hits = valid_prefix(values[:present], plan.expected)
-        if not hits:
-            return 0, outcome
-        with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
-            if isinstance(plan, BlockPlan) and hits > 1 and span is None:
-                span = _stored_span(plan, values, addresses, hits)
-            if isinstance(plan, BlockPlan) and span is not None:
-                plan.scatter_from(self.backend, span[0], span[1], hits)
-            else:  # one value, V0 raw ranges, or stored values too far apart to view as one
+                with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, checked.count)):
+                    return checked.scatter(self.copier, plan, span[0], span[1], 0), outcome
+            hits = checked.confirm(values, plan.expected)
+        else:
+            with record.stage(Stage.VERIFY, plan.expected.payload_bytes(0, present)):
+                hits = valid_prefix(values[:present], plan.expected)
+        if hits:  # one value, V0 raw ranges, or stored values too far apart to view as one
+            with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
                 for i in range(hits):
-                    plan.scatter_value(self.backend, i, stored_array(cast(Buffer, values[i])))  # i < hits: present
+                    self.copier.scatter_value(plan, i, stored_array(cast(Buffer, values[i])))  # i < hits: present
         return hits, outcome
 
 
@@ -438,6 +435,22 @@ def _stored_span(
     return span_of(starts, plan.expected.payload_len[:count] + HEADER_SIZE)
 
 
+@dataclass(frozen=True)
+class Received:
+    """A load chunk's receive: the pool's outcome; `written`: how many leading values were verified and written into
+    the cache while the node placed them (`PlacedScatter`), of those the reply confirms; `checked`: what was
+    checked of the values after those (the scatter's to write)."""
+
+    outcome: PoolOutcome
+    written: int
+    checked: Checked
+
+    @property
+    def valid(self) -> int:
+        """The chunk's leading values that are hits once the scatter has written them (as far as checked)."""
+        return self.written + self.checked.count
+
+
 class PipelinedLoad:
     """A load from pool nodes (or into an accelerator) through staging, chunk by chunk: see the module docstring."""
 
@@ -445,14 +458,14 @@ class PipelinedLoad:
         self,
         plan: BlockPlan,
         device: torch.device,
-        backend: CopyBackend,
+        copier: Copier,
         pool: PoolBackend,
         staging: StagingPool,
         option: CcKvOption,
         record: JobRecord,
         chunk_bytes: int,
     ) -> None:
-        self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
+        self.plan, self.device, self.copier, self.pool = plan, device, copier, pool
         self.staging, self.option, self.record = staging, option, record
         self.chunk_bytes = chunk_bytes  # Settings.chunk_bytes
         record.path = "pipelined"
@@ -477,20 +490,16 @@ class PipelinedLoad:
             raise
         host = lease.host_view()
         receives: list[concurrent.futures.Future] = []
-        # staged where the cache is (CPU) and a backend that hashes while it scatters: each chunk's payloads are
-        # verified in its scatter, one pass over bytes still in cache (the receive checks the headers only)
-        fused = lease.host is lease.device and self.backend.verifies_while_scattering
-        # ... and staged in a same-host node's region, as one chunk: values are verified and scattered while the
-        # node is still placing the later ones (`BlockPlan.verify_scatter_as_placed`), from inside the receive
-        early: list[tuple[int, PlacedStop]] = []
-        as_placed = None
-        if fused and lease.shared is not None and len(chunks) == 1:
-            as_placed = functools.partial(self._scatter_as_placed, plan, lease.device, chunks[0], early)
+        # staged in a same-host node's region, as one chunk: the fused copier verifies and scatters values while the
+        # node is still placing the later ones (`FusedCopier.as_placed`), from inside the receive
+        placed = None
+        if lease.shared is not None and len(chunks) == 1:
+            placed = self.copier.as_placed(plan, lease.device, *chunks[0], record)
 
         def start(k: int) -> None:
             if k < len(chunks):
                 a, b = chunks[k]
-                call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop, fused, as_placed, early)
+                call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop, placed)
                 # one chunk: nothing to overlap, so it runs here (no thread hop); else on the pipeline threads
                 receives.append(run_now(call) if len(chunks) == 1 else self.pool.executor.start(call))
 
@@ -502,22 +511,21 @@ class PipelinedLoad:
                 start(k)
             for k, (a, b) in enumerate(chunks):
                 got = _chunk_outcome(receives[k], b - a, deadline)
-                outcome, valid, stated, written = got if isinstance(got, tuple) else (got, 0, None, 0)
-                outcomes.append(outcome)
+                received = got if isinstance(got, Received) else Received(got, 0, Verified(0))
+                outcomes.append(received.outcome)
+                valid, written = received.valid, received.written
                 if valid == b - a:
                     start(k + PIPELINE_DEPTH)  # before the scatter: chunk k + depth arrives while chunk k is written
-                if valid > written:  # (values a .. a + written were verified and written during the receive)
+                if received.checked.count:  # (values a .. a + written were verified and written during the receive)
                     lo, hi = int(plan.value_start[a + written]), int(plan.value_start[a + valid])
                     with side_stream(self.device):
                         if lease.host is not lease.device:
                             with record.stage(Stage.COPY, hi - lo):
                                 lease.device[lo:hi].copy_(lease.host[lo:hi], non_blocking=True)
                         with record.stage(Stage.SCATTER, plan.expected.payload_bytes(a + written, a + valid)):
-                            if stated is None:  # verified already
-                                plan.scatter_range(self.backend, lease.device, a + written, a + valid)
-                            else:
-                                rest = plan.verify_scatter_from(self.backend, lease.device, plan.value_start, a + written, stated)
-                                valid = written + rest
+                            valid = written + received.checked.scatter(
+                                self.copier, plan, lease.device, plan.value_start, a + written
+                            )
                 if valid:
                     hits = a + valid
                 if valid < b - a:
@@ -528,28 +536,6 @@ class PipelinedLoad:
             (self.staging.release if clean else self.staging.retire)(lease)
         return hits, merge_outcomes(outcomes, plan.total)
 
-    def _scatter_as_placed(
-        self,
-        plan: BlockPlan,
-        span: torch.Tensor,
-        chunk: tuple[int, int],
-        early: list[tuple[int, PlacedStop]],
-        progress: int,
-        fd: int,
-        deadline_ns: int,
-    ) -> None:
-        """Run by the pool while a same-host node places the chunk's values (`AsPlaced`): verify and scatter each
-        as it lands; `early` gets (values verified and written from the chunk's first, why it stopped)."""
-        a, b = chunk
-        start = time.perf_counter()
-        placement = Placement(progress, fd, deadline_ns)
-        try:
-            early.append(plan.verify_scatter_as_placed(self.backend, span, plan.value_start, a, b, placement))
-        except (ValueError, RuntimeError) as error:  # refused before writing anything: the load goes on without it
-            log.warning("ems: scattering values as they are placed failed (%r); waiting for the reply instead", error)
-            early.append((0, PlacedStop.INTERRUPTED))
-        self.record.add(Stage.SCATTER, plan.expected.payload_bytes(a, a + early[-1][0]), time.perf_counter() - start)
-
     def _receive_chunk(
         self,
         plan: BlockPlan,
@@ -558,42 +544,38 @@ class PipelinedLoad:
         b: int,
         deadline: Deadline,
         stop: threading.Event,
-        fused: bool,
-        as_placed: AsPlaced | None = None,
-        early: list[tuple[int, PlacedStop]] | None = None,
-    ) -> tuple[PoolOutcome, int, list[int] | None, int]:
-        """On a pipeline thread: values a..b-1 straight into their places in staging, then how many of them, from
-        the first, are exactly the expected values. `fused`: the payloads are left for the scatter to verify
-        (`BlockPlan.verify_scatter_from`): the count is of the values whose headers are right, with the checksums
-        they state (None: verified here, or by the pool) for the values not yet written. The last item: how many
-        leading values `as_placed` (passed to the pool; its results in `early`) already verified and wrote into
-        the cache, of those the reply confirms: those are hits; the rest are checked as without it."""
+        placed: PlacedScatter | None = None,
+    ) -> Received:
+        """On a pipeline thread: values a..b-1 straight into their places in staging, then what the copier checks of
+        them before the scatter (`Copier.check`: every value, or the headers where the scatter verifies the
+        payloads). `placed` (passed to the pool) may already have verified and written leading values into the
+        cache: those the reply confirms are hits; the rest are checked as without it."""
         record = self.record
         if stop.is_set():  # the load already stopped before this chunk
-            return PoolOutcome([False] * (b - a)), 0, None, 0
+            return Received(PoolOutcome([False] * (b - a)), 0, Verified(0))
         expected = plan.expected.range(a, b)
         start = time.perf_counter()
         outs = plan.value_views(host, a, b)
         outcome = self.pool.get_into(
-            plan.route_keys[a:b], plan.keys[a:b], outs, self.option, expected, deadline, as_placed=as_placed
+            plan.route_keys[a:b],
+            plan.keys[a:b],
+            outs,
+            self.option,
+            expected,
+            deadline,
+            as_placed=placed.run if placed is not None else None,
         )
         received = time.perf_counter()
-        placed = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
-        written, why = early[-1] if early else (0, PlacedStop.INTERRUPTED)
-        written = min(written, placed)  # (a value the reply does not confirm is not a hit, whatever was written)
-        record.add(Stage.RECEIVE, expected.payload_bytes(0, placed) + HEADER_SIZE * placed, received - start)
-        if why == PlacedStop.DAMAGED and written < placed:  # value `written` failed its check: the load ends there
-            return outcome, written, [], written
+        present = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
+        written, why = placed.result() if placed is not None else (0, PlacedStop.INTERRUPTED)
+        written = min(written, present)  # (a value the reply does not confirm is not a hit, whatever was written)
+        record.add(Stage.RECEIVE, expected.payload_bytes(0, present) + HEADER_SIZE * present, received - start)
+        if why == PlacedStop.DAMAGED and written < present:  # value `written` failed its check: the load ends there
+            return Received(outcome, written, Verified(0))
         # a pool that verified each value it placed (replicas: to fall back on damage) needs no second check
         if outcome.verified:
-            return outcome, placed, None, written
-        if fused:
-            stated = stated_checksums(outs[written:placed], expected.range(written, placed))
-            record.add(Stage.VERIFY, 0, time.perf_counter() - received)
-            return outcome, written + len(stated), stated, written
-        valid = valid_prefix(outs[:placed], expected)
-        record.add(Stage.VERIFY, expected.payload_bytes(0, placed), time.perf_counter() - received)
-        return outcome, valid, None, written
+            return Received(outcome, written, Verified(present - written))
+        return Received(outcome, written, self.copier.check(outs[written:present], expected.range(written, present), record))
 
 
 class StagedLoad:
@@ -603,13 +585,13 @@ class StagedLoad:
         self,
         plan: RawPlan,
         device: torch.device,
-        backend: CopyBackend,
+        copier: Copier,
         pool: PoolBackend,
         staging: StagingPool,
         option: CcKvOption,
         record: JobRecord,
     ) -> None:
-        self.plan, self.device, self.backend, self.pool = plan, device, backend, pool
+        self.plan, self.device, self.copier, self.pool = plan, device, copier, pool
         self.staging, self.option, self.record = staging, option, record
         record.path = "staged"
 
@@ -632,16 +614,23 @@ class StagedLoad:
             try:
                 with record.stage(Stage.COPY, nbytes):
                     present = cast(list[Buffer], outcome.results[:hits])  # the first `hits` are present
-                    plan.fill_from_values(lease.host_array(), present, hits)
+                    _fill_from_values(plan, lease.host_array(), present)
                     with side_stream(self.device):
                         if lease.host is not lease.device:
                             lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
                 with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
                     with side_stream(self.device):
-                        plan.scatter_range(self.backend, lease.device, 0, hits)
+                        self.copier.scatter(plan, lease.device, 0, hits)
             finally:
                 self.staging.release(lease)
         return hits, outcome
+
+
+def _fill_from_values(plan: RawPlan, host: np.ndarray, values: list[Buffer]) -> None:
+    """The payloads of the leading values (verified) into their places in staging (V0 staging holds no headers)."""
+    starts = plan.value_start.tolist()
+    for i, value in enumerate(values):
+        host[starts[i] : starts[i + 1]] = np.frombuffer(value, dtype=np.uint8, offset=HEADER_SIZE)
 
 
 class NothingToMove:
@@ -684,10 +673,11 @@ def save_job(
     values, nothing)."""
     if plan.total == 0:
         return NothingToMove(record)
+    copier = copier_for(backend, in_cache_memory=device.type == "cpu")
     store = _embedded_store(pool, device)
     if store is not None:
-        return EmbeddedSave(plan, backend, store, record)
-    return PipelinedSave(plan, device, backend, pool, staging, option, record, chunk_bytes)
+        return EmbeddedSave(plan, copier, store, record)
+    return PipelinedSave(plan, device, copier, pool, staging, option, record, chunk_bytes)
 
 
 def load_job(
@@ -704,9 +694,10 @@ def load_job(
     values, nothing)."""
     if plan.total == 0:
         return NothingToMove(record)
+    copier = copier_for(backend, in_cache_memory=device.type == "cpu")
     store = _embedded_store(pool, device)
     if store is not None:
-        return EmbeddedLoad(plan, backend, store, record)
+        return EmbeddedLoad(plan, copier, store, record)
     if isinstance(plan, BlockPlan):
-        return PipelinedLoad(plan, device, backend, pool, staging, option, record, chunk_bytes)
-    return StagedLoad(plan, device, backend, pool, staging, option, record)
+        return PipelinedLoad(plan, device, copier, pool, staging, option, record, chunk_bytes)
+    return StagedLoad(plan, device, copier, pool, staging, option, record)
