@@ -364,11 +364,11 @@ class FusedCopier(Copier):
         return done, why
 
 
-def copier_for(backend: CopyBackend, in_cache_memory: bool) -> Copier:
-    """The job's copier, chosen once: fused where the values lie in the cache's own memory (`in_cache_memory`: CPU
-    staging, the store's buffers), the backend runs both one-pass copies and the payload hash has its C entry;
-    separate otherwise."""
+def copier_for(backend: CopyBackend, device: torch.device) -> Copier:
+    """The job's copier, chosen once: fused where the values lie in the cache's own memory (a CPU cache: its
+    staging and the store's buffers are host memory), the backend runs both one-pass copies and the payload hash
+    has its C entry; separate otherwise."""
     fuses = backend.encodes_while_gathering and backend.verifies_while_scattering
-    if in_cache_memory and fuses and PAYLOAD_HASH_ADDRESS is not None:
+    if device.type == "cpu" and fuses and PAYLOAD_HASH_ADDRESS is not None:
         return FusedCopier(backend, PAYLOAD_HASH_ADDRESS)
     return SeparateCopier(backend)

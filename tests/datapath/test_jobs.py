@@ -104,7 +104,7 @@ def test_one_pass_and_staged_values_are_identical(data):
     plan = _planned(cache, list(slots), list(range(n)), offsets)
     backend = get_backend(torch.device("cpu"))
     staging = torch.zeros(plan.staging_bytes, dtype=torch.uint8)
-    copier = copier_for(backend, in_cache_memory=True)
+    copier = copier_for(backend, torch.device("cpu"))
     copier.gather(plan, staging, 0, plan.total)
     for i in range(n):
         value = torch.zeros(plan.value_len(i), dtype=torch.uint8)
@@ -144,7 +144,7 @@ def test_a_gather_that_encodes_writes_exactly_what_gather_then_encode_writes(dat
     staged = []
     for backend in (TorchBackend(), get_backend(torch.device("cpu"))):
         staging = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, plan.staging_bytes, dtype=np.uint8))
-        gathered = copier_for(backend, in_cache_memory=True).gather(plan, staging, a, b)
+        gathered = copier_for(backend, torch.device("cpu")).gather(plan, staging, a, b)
         assert (gathered is Gathered.VALUES) == (backend.name == "host")
         host = memoryview(staging.numpy())
         staged.append([bytes(v[0]) for v in encode_values(plan, host, a, b, gathered)])
