@@ -102,7 +102,7 @@ def chunk_outcome(future: concurrent.futures.Future, count: int, deadline: Deadl
 
 
 def run_now(call: Callable[[], Any]) -> concurrent.futures.Future:
-    """Run `call` in this thread; its result or exception as a finished future (what `fence` and `_chunk_outcome`
+    """Run `call` in this thread; its result or exception as a finished future (what `fence` and `chunk_outcome`
     read). An interrupt is recorded too (the transfer may still touch its buffer: `fence` then says so), then
     raised."""
     future: concurrent.futures.Future = concurrent.futures.Future()

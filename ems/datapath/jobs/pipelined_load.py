@@ -32,6 +32,7 @@ from ems.datapath.jobs.chunks import Received, chunk_outcome, fence, merge_outco
 from ems.datapath.jobs.transfer import PoolRoute, Transfer
 from ems.datapath.planning import BlockPlan
 from ems.datapath.records import Stage
+from ems.datapath.staging import StagingKind
 from ems.deadline import Deadline
 from ems.kernels.base import PlacedStop
 from ems.store.value_format import HEADER_SIZE
@@ -63,7 +64,7 @@ class PipelinedLoad:
         # request is one chunk, received on this thread (no hand-over to a pipeline thread and back, which beside a
         # busy engine thread waits for the GIL: perf/RESULTS.md, "A load beside a busy Python thread")
         try:
-            chunks = plan_chunks(plan, self.pool.limits, 0 if lease.shared is not None else self.chunk_bytes)
+            chunks = plan_chunks(plan, self.pool.limits, 0 if lease.kind is StagingKind.SHARED else self.chunk_bytes)
         except BaseException:
             self.staging.release(lease)  # nothing was sent into it
             raise
@@ -72,7 +73,7 @@ class PipelinedLoad:
         # staged in a same-host node's region, as one chunk: the fused copier verifies and scatters values while the
         # node is still placing the later ones (`FusedCopier.as_placed`), from inside the receive
         placed = None
-        if lease.shared is not None and len(chunks) == 1:
+        if lease.kind is StagingKind.SHARED and len(chunks) == 1:
             placed = self.copier.as_placed(plan, lease.device, *chunks[0], record)
 
         def start(k: int) -> None:
@@ -98,9 +99,7 @@ class PipelinedLoad:
                 if received.checked.count:  # (values a .. a + written were verified and written during the receive)
                     lo, hi = int(plan.value_start[a + written]), int(plan.value_start[a + valid])
                     with side_stream(self.device):
-                        if lease.host is not lease.device:
-                            with record.stage(Stage.COPY, hi - lo):
-                                lease.device[lo:hi].copy_(lease.host[lo:hi], non_blocking=True)
+                        lease.copy_to_device(lo, hi, record)
                         with record.stage(Stage.SCATTER, plan.expected.payload_bytes(a + written, a + valid)):
                             valid = written + received.checked.scatter(
                                 self.copier, plan, lease.device, plan.value_start, a + written

@@ -65,9 +65,7 @@ class PipelinedSave:
                 with record.stage(Stage.GATHER, plan.expected.payload_bytes(a, b)):
                     # host staging may come out of the gather encoded (the fused copier's one pass)
                     gathered = self.copier.gather(plan, lease.device, a, b)
-                if lease.host is not lease.device:
-                    with record.stage(Stage.COPY, hi - lo):
-                        lease.host[lo:hi].copy_(lease.device[lo:hi], non_blocking=True)
+                lease.copy_to_host(lo, hi, record)
             send = functools.partial(self._send_chunk, host, a, b, gathered)
             if len(self._chunks) == 1:  # nothing to overlap: `finish` sends it on its own thread (no thread hop)
                 self._lone = functools.partial(send, None)

@@ -51,8 +51,7 @@ class StagedLoad:
                     present = cast(list[Buffer], outcome.results[:hits])  # the first `hits` are present
                     _fill_from_values(plan, lease.host_array(), present)
                     with side_stream(self.device):
-                        if lease.host is not lease.device:
-                            lease.device[:nbytes].copy_(lease.host[:nbytes], non_blocking=True)
+                        lease.copy_to_device(0, nbytes)
                 with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
                     with side_stream(self.device):
                         self.copier.scatter(plan, lease.device, 0, hits)
