@@ -14,6 +14,7 @@ miss, and gives every buffer it took from the store back on every path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -55,15 +56,46 @@ def span_of(addresses: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, n
     return raw_tensor(lo, hi - lo, torch.device("cpu")), addresses - lo
 
 
+@dataclass
+class StoreBuffers:
+    """The store's buffers for a save's leading values (`KvStore.allocate_many`), one per value, as one value:
+    each buffer, the store's reservation for it and its address (columns: a call's values are handled in batches,
+    never one by one). Held by one owner at a time: the save, until `hand_to` gives them to the store under their
+    keys or `give_back` returns them; `take` moves them out (the holder is left empty, so each is given once)."""
+
+    buffers: list[np.ndarray] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)  # the store's reservation for each buffer
+    addresses: list[int] = field(default_factory=list)  # each buffer's address (the store's)
+
+    @property
+    def count(self) -> int:
+        return len(self.buffers)
+
+    def take(self) -> StoreBuffers:
+        """These buffers, moved into a new holder (this one is left empty)."""
+        taken = StoreBuffers(self.buffers, self.reserved, self.addresses)
+        self.buffers, self.reserved, self.addresses = [], [], []
+        return taken
+
+    def hand_to(self, store: KvStore, keys: list[bytes]) -> None:
+        """Store value i's buffer under `keys[i]` (no copy): the store owns them now."""
+        taken = self.take()
+        store.put_owned_many(keys[: taken.count], taken.buffers, taken.reserved, taken.addresses)
+
+    def give_back(self, store: KvStore) -> None:
+        """Return every buffer to the store unused (idempotent)."""
+        taken = self.take()
+        for buffer, reserve, address in zip(taken.buffers, taken.reserved, taken.addresses):
+            store.recycle(buffer, reserve, address)
+
+
 class EmbeddedSave:
     """The embedded pool's one-pass save (see the module docstring)."""
 
     def __init__(self, transfer: Transfer, store: KvStore) -> None:
         self.plan, self.copier, self.record, self.store = transfer.plan, transfer.copier, transfer.record, store
         self.record.path = "one-pass"
-        self._buffers: list[np.ndarray] = []
-        self._reserved: list[int] = []  # the store's reservation for each buffer
-        self._addresses: list[int] = []  # each buffer's address (the store's)
+        self._values = StoreBuffers()  # the values' buffers while this save holds them
 
     def begin(self) -> None:
         try:
@@ -81,8 +113,8 @@ class EmbeddedSave:
         count = next((i for i, charge in enumerate(charges) if charge > capacity), plan.total)  # too big, and after: refused
         payload = sum(sizes[:count]) - HEADER_SIZE * count
         with record.stage(Stage.GATHER, payload):
-            self._reserved = charges[:count]
-            self._buffers, self._addresses = buffers, addresses = store.allocate_many(sizes[:count], self._reserved)
+            buffers, addresses = store.allocate_many(sizes[:count], charges[:count])
+            self._values = StoreBuffers(buffers, charges[:count], addresses)
             if not count:
                 return
             span = None
@@ -102,12 +134,10 @@ class EmbeddedSave:
         """Hand the buffers to the store (no copy): every value that fitted the pool is acknowledged."""
         plan = self.plan
         try:
-            buffers, reserved, addresses = self._buffers, self._reserved, self._addresses
-            self._buffers, self._reserved, self._addresses = [], [], []  # the store owns them now
-            count = len(buffers)
-            with self.record.stage(Stage.SEND, sum(map(len, buffers))):
-                self.store.put_owned_many(plan.keys[:count], buffers, reserved, addresses)
-            del buffers
+            values = self._values.take()
+            count = values.count
+            with self.record.stage(Stage.SEND, sum(map(len, values.buffers))):
+                values.hand_to(self.store, plan.keys)
             outcome = PoolOutcome([True] * count + [False] * (plan.total - count))  # after: larger than the pool
             outcome.nodes_contacted = 1
             return outcome
@@ -116,11 +146,7 @@ class EmbeddedSave:
 
     def abandon(self) -> None:
         """Give back every buffer not handed to the store (idempotent)."""
-        buffers, self._buffers = self._buffers, []
-        reserved, self._reserved = self._reserved, []
-        addresses, self._addresses = self._addresses, []
-        for buffer, reserve, address in zip(buffers, reserved, addresses):
-            self.store.recycle(buffer, reserve, address)
+        self._values.give_back(self.store)
 
 
 class EmbeddedLoad:
