@@ -256,10 +256,12 @@ def step_summary(steps: list[float], records: dict) -> dict:
 
 
 def round_only(args: argparse.Namespace) -> None:
-    """Mode 5 (`--round`): only the 16-request round, with the connector (engine B: the prompts from the pool) and
-    without (engine C: from vLLM's prefix cache), side by side, with the connector's per-step record of B's round."""
+    """Mode 5 (`--round`): only the 16-request round, with the connector (engine B, once per `--step-policies`: the
+    prompts from the pool) and without (engine C: from vLLM's prefix cache), side by side, with the connector's
+    per-step record of each B's round and each engine's CPU seconds by thread."""
     from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 
+    policies = [p for p in args.step_policies.split(",") if p]
     root = tempfile.mkdtemp(prefix="ems-bench-round-")
     model = make_bench_llama(os.path.join(root, "model"), args.prefix + 256)
     rng = random.Random(0)
@@ -267,6 +269,7 @@ def round_only(args: argparse.Namespace) -> None:
     many = [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
     pool_dir = os.path.join(root, "pool")
     new_tokens = 32
+    extra = {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300}
     base = {
         "model": model,
         "prompts": many,
@@ -274,45 +277,79 @@ def round_only(args: argparse.Namespace) -> None:
         "batch": True,
         "max_tokens": new_tokens,
         "log_stats": True,
-        "extra": {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300},
+        "extra": extra,
         "kv_load_failure_policy": "recompute",
         "num_blocks": 16 * ((args.prefix + 64 + new_tokens) // 32 + 2) + 16,
         "max_model_len": args.prefix + 256,
         "max_num_batched_tokens": args.prefix + 256,
     }
     load_before = os.getloadavg()[0]
+    bs: dict[str, dict] = {}
     try:
         ensure_local_pool(pool_dir, "2GiB")
-        # B: round 0 computes and saves the prompts; round 1 (its prefix cache reset) loads them from the pool
-        b = engine(root, "b", {**base, "before_round": {"1": {"reset_prefix_cache": True}}})
         # C: round 0 computes; round 1 from vLLM's prefix cache
         c = engine(root, "c", {**base, "connector": False})
+        # B, per step policy: round 0 computes and saves the prompts; round 1 (its prefix cache reset) loads them
+        # from the pool (every B's epoch is its own: a reset before round 0 makes the pool's earlier blocks misses)
+        for policy in policies:
+            bs[policy] = engine(
+                root,
+                f"b-{policy}",
+                {
+                    **base,
+                    "extra": {**extra, "step_policy": policy},
+                    "before_round": {"0": {"reset_connector": True}, "1": {"reset_prefix_cache": True}},
+                },
+            )
     finally:
         stop_local_pool(pool_dir)
     generated = 16 * new_tokens
-    with_connector = batch_row("16 requests, with the connector (from the pool)", b["rounds"][1], generated)
     prefix_cache = batch_row("16 requests, without the connector (vLLM's prefix cache)", c["rounds"][1], generated)
     computed = batch_row("16 requests, without the connector (computed)", c["rounds"][0], generated)
-    records = b.get("step_records", {}).get("1", {})
-    summary = step_summary(b["rounds"][1][0]["step_s"], records)
-    ratios = {
-        "steps": with_connector["steps"] / prefix_cache["steps"],
-        "throughput": with_connector["tokens_per_s"] / prefix_cache["tokens_per_s"],
-        "itl": with_connector["itl_s"] / prefix_cache["itl_s"],
-        "ttft": with_connector["ttft_s"] / prefix_cache["ttft_s"],
-    }
-    rows = [with_connector, prefix_cache, computed]
-    for row in rows:
+    rows, lines_by_policy, summaries = [], [], {}
+    for policy, b in bs.items():
+        row = batch_row(f"16 requests, with the connector (from the pool), step_policy {policy}", b["rounds"][1], generated)
+        rows.append(row)
+        records = b.get("step_records", {}).get("1", {})
+        summary = step_summary(b["rounds"][1][0]["step_s"], records)
+        summaries[policy] = (summary, records)
+        ratios = {
+            "steps": row["steps"] / prefix_cache["steps"],
+            "throughput": row["tokens_per_s"] / prefix_cache["tokens_per_s"],
+            "itl": row["itl_s"] / prefix_cache["itl_s"],
+            "ttft": row["ttft_s"] / prefix_cache["ttft_s"],
+        }
+        print(json.dumps({"policy": policy, **row}))
+        print(json.dumps({"policy": policy, "ratios": ratios}))
+        print(json.dumps({"policy": policy, "summary": summary}))
+        print(json.dumps({"policy": policy, "cpu_s": b["rounds"][1][0].get("cpu_s", {})}))
+        lines_by_policy += [
+            (
+                f"step_policy `{policy}`, with / without the connector: steps **{ratios['steps']:.2f}x** (goal <= 1.1), "
+                f"throughput **{ratios['throughput']:.2f}x** (goal >= 0.9), mean ITL **{ratios['itl']:.2f}x** "
+                f"(goal <= 1.1), mean TTFT {ratios['ttft']:.2f}x. Its per-step record (`EmsConnector.step_records`, "
+                "summed): "
+                + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
+                + ". CPU seconds of the round by thread: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(b["rounds"][1][0].get("cpu_s", {}).items()) if v >= 0.01)
+                + "."
+            ),
+            "",
+        ]
+    cpu_c = c["rounds"][1][0].get("cpu_s", {})
+    print(json.dumps({"policy": "none (prefix cache)", "cpu_s": cpu_c}))
+    rows += [prefix_cache, computed]
+    for row in rows[-2:]:
         print(json.dumps(row))
-    print(json.dumps(ratios))
-    print(json.dumps(summary))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plotted = policies[-1]
+    summary, records = summaries[plotted]
     sched, work = records.get("scheduler", []), records.get("worker", [])
-    steps = b["rounds"][1][0]["step_s"]
+    steps = bs[plotted]["rounds"][1][0]["step_s"]
     fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
     axes[0].bar(range(len(steps)), [1000 * x for x in steps], color="tab:blue")
     axes[0].set_ylabel("step ms")
@@ -321,9 +358,10 @@ def round_only(args: argparse.Namespace) -> None:
     axes[1].legend(loc="upper right")
     axes[2].plot([r["lookups_waiting"] for r in sched], label="requests waiting for a lookup")
     axes[2].plot([r["inflight"] for r in work], label="worker calls in flight (loads, saves)")
-    axes[2].plot([r["loads_done"] for r in work], label="loads finished")
+    axes[2].plot([r["loads_done"] for r in work], label="asynchronous loads finished")
+    axes[2].plot([r.get("in_step_loads", 0) for r in work], label="in-step loads")
     axes[2].set_ylabel("count")
-    axes[2].set_xlabel("engine step (16 requests from the pool, with the connector)")
+    axes[2].set_xlabel(f"engine step (16 requests from the pool, with the connector, step_policy {plotted})")
     axes[2].legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
@@ -337,8 +375,9 @@ def round_only(args: argparse.Namespace) -> None:
             f"commit {commit}; {os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at start). "
             f"Random Llama (hidden 1024, 8 layers, bf16, block 32); 16 requests sharing a {args.prefix}-token prefix "
             f"(64-token tails, {new_tokens} tokens each) submitted at once; engine B's prompts from the pool (its "
-            "prefix cache reset after its first round saved them), engine C's from vLLM's prefix cache; one run, "
-            f"side by side. Plot: `{os.path.relpath(args.out, HERE)}`."
+            "prefix cache reset after its first round saved them; one engine B per step policy), engine C's from "
+            f"vLLM's prefix cache; one run, side by side. Plot (step_policy {plotted}): "
+            f"`{os.path.relpath(args.out, HERE)}`."
         ),
         "",
         "| round | steps | throughput tok/s | mean ITL ms | mean TTFT ms | worst step ms |",
@@ -349,14 +388,9 @@ def round_only(args: argparse.Namespace) -> None:
             for r in rows
         ),
         "",
-        (
-            f"With / without the connector: steps **{ratios['steps']:.2f}x** (goal <= 1.1), throughput "
-            f"**{ratios['throughput']:.2f}x** (goal >= 0.9), mean ITL **{ratios['itl']:.2f}x** (goal <= 1.1), mean TTFT "
-            f"{ratios['ttft']:.2f}x."
-        ),
-        "",
-        "Engine B's per-step record of that round (`EmsConnector.step_records`, summed): "
-        + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
+        *lines_by_policy,
+        "Without the connector, CPU seconds of the round by thread: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu_c.items()) if v >= 0.01)
         + ".",
         "",
     ]
@@ -381,6 +415,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("tiny", "bench"), default="tiny", help="--pressure: the model")
     parser.add_argument("--policy", choices=("fail", "recompute"), help="--pressure: kv_load_failure_policy")
     parser.add_argument("--round", action="store_true", help="only mode 5: the 16-request round, its per-step record")
+    parser.add_argument("--step-policies", default="async,auto", help="--round: one engine with the connector per step_policy")
     args = parser.parse_args()
     if args.round:
         round_only(args)

@@ -270,6 +270,32 @@ def copy_backend(spec: dict):
     return get_backend(cc.layout.device, KernelBackend(spec.get("extra", {}).get("kernel_backend", "auto")))
 
 
+def cpu_seconds(pool_dir: str | None) -> dict:
+    """CPU seconds so far (user + system) of each of this process's threads, summed by thread name, and of the local
+    pool node recorded in `pool_dir` ("pool node"), and torch's intra-op thread count: where a round's CPU went."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-_")
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    if pool_dir:
+        try:
+            with open(os.path.join(pool_dir, "pool.json")) as f:
+                pid = int(json.load(f)["pid"])
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out["pool node"] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
 def settle(llm) -> None:
     """Step an in-process engine until no finished request holds blocks (the connector keeps a finished request's
     blocks until its saves are copied out, and `generate` returns before the step that releases them): vLLM
@@ -296,6 +322,10 @@ def run(spec: dict) -> dict:
             kv_connector_extra_config=spec.get("extra", {}),
             **policy,
         )
+    if spec.get("torch_threads"):
+        import torch
+
+        torch.set_num_threads(int(spec["torch_threads"]))
     if spec.get("hf_overrides"):
         kwargs["hf_overrides"] = spec["hf_overrides"]
     llm = LLM(
@@ -391,6 +421,7 @@ def run(spec: dict) -> dict:
             if follow:
                 wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             step_seconds.clear()
+            cpu_before = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
             round_start = time.monotonic()
             start = time.perf_counter()
             try:
@@ -399,6 +430,8 @@ def run(spec: dict) -> dict:
                 if before.get("sigstop_pid"):
                     os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
             wall = time.perf_counter() - start
+            cpu_after = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
+            round_cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()}
             step_records[str(r)] = connector_steps(llm, round_start)
             if progress_file:
                 with open(progress_file, "a") as f:
@@ -413,6 +446,7 @@ def run(spec: dict) -> dict:
                         "max_step_s": max(step_seconds, default=0.0),
                         "step_s": list(step_seconds),
                         "wall_s": wall,
+                        "cpu_s": round_cpu,
                         **token_times(out),
                     }
                     for i, out in zip(indexes, outs)
