@@ -13,8 +13,10 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
                                           "kill_pid_at_next_load": pid}}}
   reset_connector: `llm.reset_prefix_cache(reset_connector=True)` (vLLM's and the connector's caches).
   "batch": true: each round's prompts go to vLLM at once (concurrent requests; `n`, `temperature`, `seed` set the
-  sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s") and the
-  round's wall time ("wall_s"); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
+  sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s"), the
+  round's wall time ("wall_s"), the CPU seconds of this process's threads by name and of the local pool node in
+  `extra.local_pool_dir` ("cpu_s") and the most KV cache blocks in use at once ("max_used_blocks", single-process
+  mode); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
   per-request timestamps); "sigstop_pid" in before_round stops a
   process (a hung pool node) for that round and resumes it after the round. "copy_delay_s": in that round every
   save's copy-out starts that late; "hold_copy_outs": in that round copy-outs first wait for the next preemption
@@ -356,6 +358,13 @@ def run(spec: dict) -> dict:
     engine_step = llm.llm_engine.step
     preempt_at = [-1]  # this round's step at which every running request is preempted (-1: none)
 
+    used_blocks = [0]  # this round's most KV cache blocks in use at once (single-process mode)
+    block_pool = (
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        else None
+    )
+
     def timed_step(*args, **kwargs):
         if len(step_seconds) == preempt_at[0]:
             preempt_running(llm)
@@ -364,6 +373,8 @@ def run(spec: dict) -> dict:
             return engine_step(*args, **kwargs)
         finally:
             step_seconds.append(time.perf_counter() - start)
+            if block_pool is not None:
+                used_blocks[0] = max(used_blocks[0], block_pool.num_gpu_blocks - block_pool.get_num_free_blocks())
 
     llm.llm_engine.step = timed_step
     preemptions = [0]
@@ -421,6 +432,7 @@ def run(spec: dict) -> dict:
             if follow:
                 wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             step_seconds.clear()
+            used_blocks[0] = 0
             cpu_before = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
             round_start = time.monotonic()
             start = time.perf_counter()
@@ -447,6 +459,7 @@ def run(spec: dict) -> dict:
                         "step_s": list(step_seconds),
                         "wall_s": wall,
                         "cpu_s": round_cpu,
+                        "max_used_blocks": used_blocks[0],
                         **token_times(out),
                     }
                     for i, out in zip(indexes, outs)
