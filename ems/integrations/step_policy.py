@@ -15,9 +15,10 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
   thread) and `record_transfer(...)` (the workers' load and save jobs, as vLLM hands their statistics to the
   scheduler) keep exponential moving averages: the latency of one lookup and the load rate (bytes/s). Until a load
   has been measured the save rate stands in for it (the same link, the other way). `AUTO` runs a lookup in the step
-  once one has been measured and its latency fits what is left of the budget, and a load in the step once a rate
-  is known and the load's predicted seconds (`blocks * block_bytes / rate`) fit. An in-step lookup that used its
-  whole timeout marks the pool slow: `AUTO` asks asynchronously until a lookup on the lookup thread is fast again.
+  once one has been measured and twice its latency fits what is left of the budget, and a load in the step once a
+  rate is known and twice the load's predicted seconds (`blocks * block_bytes / rate`) fit (it reserves that
+  much). An in-step lookup that used its whole timeout marks the pool slow: `AUTO` asks asynchronously until a
+  lookup on the lookup thread is fast again.
 * `begin_step()` starts a new step's budget (the scheduler calls it at the end of each step); `decide_load(blocks)`
   and `lookup_timeout_s()` spend it. `StepDecision` is what `decide_load` answers: the placement and the predicted
   seconds. Counted per step for the record: in-step lookups and their seconds, in-step loads (requests, blocks).
@@ -33,6 +34,9 @@ from dataclasses import dataclass
 EWMA_WEIGHT = 0.3
 # An in-step lookup is tried only when its measured latency, times this margin, fits what is left of the budget.
 LOOKUP_MARGIN = 2.0
+# An in-step load is placed only when its predicted seconds, times this margin, fit what is left of the budget (the
+# margin is what it reserves): a load that then runs late still ends before its timeout, the bound.
+LOAD_MARGIN = 2.0
 # The least an in-step lookup's timeout may be (the SDK's timeout is in whole milliseconds).
 MIN_LOOKUP_TIMEOUT_S = 0.001
 
@@ -150,9 +154,9 @@ class StepPolicy:
             return StepDecision(Placement.ASYNC, predicted)
         if self.mode is StepMode.AUTO and rate is None:
             return StepDecision(Placement.ASYNC, predicted)  # nothing measured yet
-        if predicted > self.left_s():
+        if predicted * LOAD_MARGIN > self.left_s():
             return StepDecision(Placement.ASYNC, predicted)
-        self.spent_s += predicted
+        self.spent_s += predicted * LOAD_MARGIN
         self.step_loads += 1
         self.step_load_blocks += blocks
         return StepDecision(Placement.IN_STEP, predicted)

@@ -86,8 +86,8 @@ def test_auto_waits_for_measurements_and_backs_off_a_slow_pool():
     assert policy.lookup_timeout_s(False) == pytest.approx(0.05)
     assert policy.lookup_timeout_s(True) is None  # breaker open
     policy.record_transfer(0, 0.0, 100 * BLOCK_BYTES, 0.1)  # saves at 1 GB/s stand in for the load rate
-    assert policy.decide_load(10).placement is Placement.IN_STEP  # ~10 ms predicted
-    assert policy.decide_load(60).placement is Placement.ASYNC  # ~63 ms: past what is left
+    assert policy.decide_load(10).placement is Placement.IN_STEP  # ~10 ms predicted, 20 ms reserved
+    assert policy.decide_load(20).placement is Placement.ASYNC  # ~42 ms reserved: past the 30 ms left
     policy.record_transfer(BLOCK_BYTES, 1.0)  # a measured load at 1 MB/s replaces the stand-in
     policy.begin_step()
     assert policy.decide_load(1).placement is Placement.ASYNC
