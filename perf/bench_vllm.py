@@ -274,6 +274,31 @@ def step_summary(steps: list[float], records: dict) -> dict:
     }
 
 
+def plot_round(out: str, plotted: str, records: dict, steps: list[float]) -> None:
+    """The round's per-step record, step by step (step time, tokens, lookups waiting, calls in flight, loads)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sched, work = records.get("scheduler", []), records.get("worker", [])
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
+    axes[0].bar(range(len(steps)), [1000 * x for x in steps], color="tab:blue")
+    axes[0].set_ylabel("step ms")
+    axes[1].plot([r["scheduled_tokens"] for r in sched], label="tokens scheduled")
+    axes[1].set_ylabel("tokens")
+    axes[1].legend(loc="upper right")
+    axes[2].plot([r["lookups_waiting"] for r in sched], label="requests waiting for a lookup")
+    axes[2].plot([r["inflight"] for r in work], label="worker calls in flight (loads, saves)")
+    axes[2].plot([r["loads_done"] for r in work], label="asynchronous loads finished")
+    axes[2].plot([r.get("in_step_loads", 0) for r in work], label="in-step loads")
+    axes[2].set_ylabel("count")
+    axes[2].set_xlabel(f"engine step (16 requests from the pool, with the connector, step_policy {plotted})")
+    axes[2].legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def round_only(args: argparse.Namespace) -> None:
     """Mode 5 (`--round`): only the 16-request round, with the connector (engine B, once per `--step-policies`: the
     prompts from the pool) and without (engine C: from vLLM's prefix cache), side by side, with the connector's
@@ -360,30 +385,13 @@ def round_only(args: argparse.Namespace) -> None:
     rows += [prefix_cache, computed]
     for row in rows[-2:]:
         print(json.dumps(row))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     plotted = policies[-1]
-    summary, records = summaries[plotted]
-    sched, work = records.get("scheduler", []), records.get("worker", [])
-    steps = bs[plotted]["rounds"][1][0]["step_s"]
-    fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
-    axes[0].bar(range(len(steps)), [1000 * x for x in steps], color="tab:blue")
-    axes[0].set_ylabel("step ms")
-    axes[1].plot([r["scheduled_tokens"] for r in sched], label="tokens scheduled")
-    axes[1].set_ylabel("tokens")
-    axes[1].legend(loc="upper right")
-    axes[2].plot([r["lookups_waiting"] for r in sched], label="requests waiting for a lookup")
-    axes[2].plot([r["inflight"] for r in work], label="worker calls in flight (loads, saves)")
-    axes[2].plot([r["loads_done"] for r in work], label="asynchronous loads finished")
-    axes[2].plot([r.get("in_step_loads", 0) for r in work], label="in-step loads")
-    axes[2].set_ylabel("count")
-    axes[2].set_xlabel(f"engine step (16 requests from the pool, with the connector, step_policy {plotted})")
-    axes[2].legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    try:
+        import matplotlib
+    except ImportError:  # the figures still go to RESULTS.md
+        matplotlib = None
+    if matplotlib is not None:
+        plot_round(args.out, plotted, summaries[plotted][1], bs[plotted]["rounds"][1][0]["step_s"])
     commit = ems_commit()
     lines = [
         "",
