@@ -9,6 +9,12 @@ Contract:
   (`scheduler.EmsScheduler`) and the worker half (`worker.EmsWorker`) each take one.
 * `role` is vLLM's `kv_role` (`connector_config.KvRole`): the scheduler half never asks the pool for a producer's
   requests and never sends a consumer's blocks to it.
+* KV cache groups (`groups`, one `engine_checks.GroupKind` per vLLM group): a hybrid model (several groups, vLLM's
+  hybrid memory allocator) shares one block pool and one set of KV cache tensors among its groups: tensor `t` holds
+  layer `t` of every group, and block id `b` is owned by one group at a time. So the connector registers one
+  "layer" per KV cache tensor (`layer_names` names the first layer sharing it; `shared_layers` the others, which
+  must view the same memory), and moving engine block `b` moves exactly the bytes of its owning group's layers.
+  With one group every tensor is one layer's, as before.
 * The context holds no per-request state and starts no thread; its fields never change.
 * Registration (`register_shadow`, `register_worker`): what this process registered with its process-wide
   `ContextCaching`: a worker's real KV cache, or the scheduler's one-block shadow of the same layout (the scheduler
@@ -27,7 +33,7 @@ from ems import CcKvOption, ContextCaching, Ems
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import StatsSink
 from ems.integrations.connector_config import ConnectorConfig, KvRole, ResolvedPool, derive_model_id
-from ems.integrations.vllm.engine_checks import check_supported
+from ems.integrations.vllm.engine_checks import GroupKind, check_supported, group_kind
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 
 if TYPE_CHECKING:
@@ -49,7 +55,7 @@ class ConnectorContext:
     tp_size: int
     mla: bool  # one shared latent KV per block for every TP rank
     num_blocks: int
-    layer_names: tuple[str, ...]  # in layer order
+    layer_names: tuple[str, ...]  # in layer order (a hybrid model: the first layer of each KV cache tensor)
     shapes: tuple[kv_layouts.PlaneShape, ...]  # each layer's planes, from vLLM's KV cache spec
     backend: str  # the attention backend the namespace names
     model_id: str
@@ -57,6 +63,14 @@ class ConnectorContext:
     cc: ContextCaching
     stats: StatsSink  # what this connector counted (scheduler lookups, worker transfers)
     role: KvRole = KvRole.BOTH  # vLLM's kv_role: a producer never loads, a consumer never saves
+    groups: tuple[GroupKind, ...] = (GroupKind.FULL,)  # vLLM's KV cache groups, in vLLM's order
+    shared_layers: tuple[tuple[str, ...], ...] = ()  # per `layer_names` entry, the other layers on its tensor
+    windows: tuple[int | None, ...] = (None,)  # per group, a sliding window's tokens (None: full attention)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups: every key names its group (`block_transfer.group_hashes`)."""
+        return len(self.groups) > 1
 
     @property
     def option(self) -> CcKvOption:
@@ -78,7 +92,17 @@ class ConnectorContext:
         block_size = int(vllm_config.cache_config.block_size)
         hash_block_size = int(kv_cache_config.hash_block_size or block_size)
         mla = bool(vllm_config.model_config.use_mla)
-        layer_names = tuple(sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order))
+        groups = tuple(group_kind(g.kv_cache_spec) or GroupKind.FULL for g in kv_cache_config.kv_cache_groups)
+        if len(groups) > 1:  # one registered layer per tensor: the bytes of a block id, whichever group owns it
+            tensors = sorted(
+                (sorted(t.layers, key=_layer_order) for t in kv_cache_config.kv_cache_tensors), key=lambda ls: _layer_order(ls[0])
+            )
+            layer_names = tuple(layers[0] for layers in tensors)
+            shared = tuple(tuple(layers[1:]) for layers in tensors)
+        else:
+            layer_names = tuple(sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order))
+            shared = tuple(() for _ in layer_names)
+        shapes = tuple(_tensor_shape(kv_cache_config, (name, *others)) for name, others in zip(layer_names, shared))
         model_id = config.model_id or derive_model_id(
             str(vllm_config.model_config.model), namespace_parts(vllm_config, kv_cache_config)
         )
@@ -95,13 +119,19 @@ class ConnectorContext:
             mla=mla,
             num_blocks=int(kv_cache_config.num_blocks),
             layer_names=layer_names,
-            shapes=tuple(_spec_shape(kv_cache_config, name) for name in layer_names),
+            shapes=shapes,
             backend=predicted_backend(vllm_config, kv_cache_config),
             model_id=model_id,
             pool=pool,
             cc=cc,
             stats=StatsSink(),
             role=role,
+            groups=groups,
+            shared_layers=shared,
+            windows=tuple(
+                int(g.kv_cache_spec.sliding_window) if kind is GroupKind.SLIDING else None
+                for g, kind in zip(kv_cache_config.kv_cache_groups, groups)
+            ),
         )
 
     def register_shadow(self) -> None:
@@ -121,11 +151,24 @@ class ConnectorContext:
 
 
 def _spec_shape(kv_cache_config: KVCacheConfig, layer: str) -> kv_layouts.PlaneShape:
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    groups = kv_cache_config.kv_cache_groups
+    spec = next((g.kv_cache_spec for g in groups if layer in g.layer_names), groups[0].kv_cache_spec)
     per_layer = getattr(spec, "kv_cache_specs", None)
     if per_layer is not None:
         spec = per_layer[layer]
     return kv_layouts.plane_shape(int(spec.real_page_size_bytes), spec.dtype)
+
+
+def _tensor_shape(kv_cache_config: KVCacheConfig, layers: tuple[str, ...]) -> kv_layouts.PlaneShape:
+    """The plane of a KV cache tensor: every layer on it must hold a block in the same bytes (a hybrid model whose
+    groups pad their pages differently would leave some of a block's bytes unmoved: refused)."""
+    shapes = {_spec_shape(kv_cache_config, layer) for layer in layers}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"EmsConnector: the layers {list(layers)} share a KV cache tensor but hold a block in different bytes "
+            f"({sorted(shapes, key=repr)}): not supported"
+        )
+    return shapes.pop()
 
 
 def _layer_order(name: str) -> tuple[int, str]:
