@@ -10,11 +10,11 @@ Contract:
 * `role` is vLLM's `kv_role` (`connector_config.KvRole`): the scheduler half never asks the pool for a producer's
   requests and never sends a consumer's blocks to it.
 * KV cache groups (`groups`, one `engine_checks.GroupKind` per vLLM group): a hybrid model (several groups, vLLM's
-  hybrid memory allocator) shares one block pool and one set of KV cache tensors among its groups: tensor `t` holds
-  layer `t` of every group, and block id `b` is owned by one group at a time. So the connector registers one
-  "layer" per KV cache tensor (`layer_names` names the first layer sharing it; `shared_layers` the others, which
-  must view the same memory), and moving engine block `b` moves exactly the bytes of its owning group's layers.
-  With one group every tensor is one layer's, as before.
+  hybrid memory allocator) shares one block pool and one KV cache allocation among its groups: layer `i` of every
+  group views the same pages, and block id `b` is owned by one group at a time. So the connector registers one
+  "layer" per aliased page (`layer_names` names group 0's layer there; `shared_layers` the others, which must view
+  the same memory: checked when the worker registers), and moving engine block `b` moves exactly the bytes of its
+  owning group's layers. With one group every layer is registered, as before.
 * The context holds no per-request state and starts no thread; its fields never change.
 * Registration (`register_shadow`, `register_worker`): what this process registered with its process-wide
   `ContextCaching`: a worker's real KV cache, or the scheduler's one-block shadow of the same layout (the scheduler
@@ -55,7 +55,7 @@ class ConnectorContext:
     tp_size: int
     mla: bool  # one shared latent KV per block for every TP rank
     num_blocks: int
-    layer_names: tuple[str, ...]  # in layer order (a hybrid model: the first layer of each KV cache tensor)
+    layer_names: tuple[str, ...]  # in layer order (a hybrid model: group 0's layer of each aliased page)
     shapes: tuple[kv_layouts.PlaneShape, ...]  # each layer's planes, from vLLM's KV cache spec
     backend: str  # the attention backend the namespace names
     model_id: str
@@ -93,12 +93,8 @@ class ConnectorContext:
         hash_block_size = int(kv_cache_config.hash_block_size or block_size)
         mla = bool(vllm_config.model_config.use_mla)
         groups = tuple(group_kind(g.kv_cache_spec) or GroupKind.FULL for g in kv_cache_config.kv_cache_groups)
-        if len(groups) > 1:  # one registered layer per tensor: the bytes of a block id, whichever group owns it
-            tensors = sorted(
-                (sorted(t.layers, key=_layer_order) for t in kv_cache_config.kv_cache_tensors), key=lambda ls: _layer_order(ls[0])
-            )
-            layer_names = tuple(layers[0] for layers in tensors)
-            shared = tuple(tuple(layers[1:]) for layers in tensors)
+        if len(groups) > 1:  # one registered layer per aliased page: the bytes of a block id, whichever group owns it
+            layer_names, shared = _aliased_layers(kv_cache_config)
         else:
             layer_names = tuple(sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order))
             shared = tuple(() for _ in layer_names)
@@ -159,13 +155,31 @@ def _spec_shape(kv_cache_config: KVCacheConfig, layer: str) -> kv_layouts.PlaneS
     return kv_layouts.plane_shape(int(spec.real_page_size_bytes), spec.dtype)
 
 
+def _aliased_layers(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """A hybrid model's layers by the bytes they view: vLLM lays every group's layers over one allocation from byte 0
+    (`KVCacheTensor`: layer `i` of a group at `offset + i * layer_stride`), so layer `i` of every group views the same
+    pages (a block id is one group's at a time). Returns the first layer of each index and the others on it; groups
+    laid out otherwise (unequal pages: their layers overlap only in part) are refused."""
+    tensors = kv_cache_config.kv_cache_tensors
+    strides = {(int(t.offset), int(t.layer_stride), int(t.block_stride)) for t in tensors}
+    if len(strides) != 1 or next(iter(strides))[0] != 0:
+        raise ValueError(
+            "EmsConnector: this hybrid model's KV cache groups are laid out with different pages "
+            f"(offset, layer stride, block stride: {sorted(strides)}), so one group's block is not another's: "
+            "not supported"
+        )
+    depth = max(len(t.layers) for t in tensors)
+    at_index = [tuple(t.layers[i] for t in tensors if i < len(t.layers)) for i in range(depth)]
+    return tuple(layers[0] for layers in at_index), tuple(layers[1:] for layers in at_index)
+
+
 def _tensor_shape(kv_cache_config: KVCacheConfig, layers: tuple[str, ...]) -> kv_layouts.PlaneShape:
-    """The plane of a KV cache tensor: every layer on it must hold a block in the same bytes (a hybrid model whose
+    """The plane of aliased layers: every one must hold a block in the same bytes (a hybrid model whose
     groups pad their pages differently would leave some of a block's bytes unmoved: refused)."""
     shapes = {_spec_shape(kv_cache_config, layer) for layer in layers}
     if len(shapes) != 1:
         raise ValueError(
-            f"EmsConnector: the layers {list(layers)} share a KV cache tensor but hold a block in different bytes "
+            f"EmsConnector: the layers {list(layers)} view the same pages but hold a block in different bytes "
             f"({sorted(shapes, key=repr)}): not supported"
         )
     return shapes.pop()

@@ -131,13 +131,13 @@ class EmsWorker:
             raise ValueError(f"register_kv_caches: no tensor for layers {missing[:4]}")
         planes = [kv_layouts.block_planes(kv_caches[n], ctx.num_blocks, name=n) for n in ctx.layer_names]
         for name, layer_planes, others in zip(ctx.layer_names, planes, ctx.shared_layers):
-            for other in others:  # a hybrid model: a tensor's other layers (other groups) must view the same bytes
+            for other in others:  # a hybrid model: the other groups' layers on these pages must view the same bytes
                 other_planes = kv_layouts.block_planes(kv_caches[other], ctx.num_blocks, name=other)
                 if [(p.data_ptr(), p.stride(), p.shape) for p in other_planes] != [
                     (p.data_ptr(), p.stride(), p.shape) for p in layer_planes
                 ]:
                     raise ValueError(
-                        f"EmsConnector: layers {name} and {other} share a KV cache tensor in vLLM's config but their "
+                        f"EmsConnector: layers {name} and {other} view the same pages in vLLM's config but their "
                         "caches do not hold a block in the same bytes: not supported"
                     )
         shapes = tuple(kv_layouts.shape_of(p) for p in planes)
