@@ -211,3 +211,30 @@ def test_a_short_load_recomputes_unless_the_extra_config_says_fail():
     assert apply_failure_policy(said_twice, "fail") == "fail" and said_twice.kv_load_failure_policy == "fail"
     with pytest.raises(ValueError, match="disagree"):
         apply_failure_policy(transfer(kv_load_failure_policy="recompute"), "fail")
+
+
+def test_a_hybrid_models_groups_are_registered_by_the_pages_they_alias():
+    """vLLM lays every group's layers over one allocation: layer i of each group views the same pages, so the
+    connector registers each index once (group 0's layer) and checks the others there; groups laid out with other
+    strides (unequal pages) are refused."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from ems.integrations.vllm.context import _aliased_layers
+
+    full, sliding = ["l.1", "l.3"], ["l.0", "l.2"]
+    groups = [KVCacheGroupSpec(full, attention()), KVCacheGroupSpec(sliding, attention(window=64))]
+
+    def config(*tensors):
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=list(tensors), kv_cache_groups=groups)
+
+    page = attention().page_size_bytes
+    aliased = config(
+        *(KVCacheTensor(size=16 * page, layers=g, layer_stride=8 * page, block_stride=page) for g in (full, sliding))
+    )
+    assert _aliased_layers(aliased) == (("l.1", "l.3"), (("l.0",), ("l.2",)))
+    apart = config(
+        KVCacheTensor(size=16 * page, layers=full, layer_stride=8 * page, block_stride=page),
+        KVCacheTensor(size=16 * page, layers=sliding, layer_stride=4 * page, block_stride=page // 2),
+    )
+    with pytest.raises(ValueError, match="different pages"):
+        _aliased_layers(apart)
