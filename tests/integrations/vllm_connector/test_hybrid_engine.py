@@ -59,8 +59,8 @@ def test_a_hybrid_model_loads_every_groups_blocks_and_answers_the_same(gemma):
     # blocks shared with prompt 0 come from the pool), then prompts 0 and 1 (from the pool, or what vLLM cached of
     # prompt 2's load)
     rounds = [[0, 1], [2, 0, 1]]
-    out = engine(gemma, "hybrid", rounds, before_round={"1": {"reset_prefix_cache": True}}, num_blocks=64)
-    base = engine(gemma, "hybrid-base", rounds, connector=False, num_blocks=64)
+    out = engine(gemma, "hybrid", rounds, before_round={"1": {"reset_prefix_cache": True}}, num_blocks=96, max_model_len=512)
+    base = engine(gemma, "hybrid-base", rounds, connector=False, num_blocks=96, max_model_len=512)
     assert sorted(out["kv_cache_groups"]) == ["FullAttentionSpec", "SlidingWindowSpec"], out["kv_cache_groups"]
     for got, want in zip(out["rounds"], base["rounds"]):
         assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
