@@ -17,6 +17,10 @@ Contract (no engine imports):
   load asynchronously (`ContextCaching.async_load`): `poll_load` never blocks and gives the `LoadOutcome` once it
   has finished. `save_async` returns once the blocks are copied out of the engine's cache
   (`ContextCaching.async_save`); failures only cost future misses.
+* KV cache groups (a hybrid model: full and sliding-window attention): `group_hashes(hashes, group)` tags each
+  engine hash with its group (a 16-byte BLAKE2b of the hash's 128 bits, personalised by the group index), so the
+  blocks of one position in two groups are two keys and never collide; a model with one group uses its hashes
+  untagged (its keys as before).
 * Never blocks on back-pressure: the mover keeps at most `inflight_budget` async calls of its own pending (at most
   the client's `max_inflight`, whose semaphore would otherwise make the caller wait for a slow pool). A save
   beyond it is dropped (counted as failed: a later miss) and `start_load` returns None (the caller retries).
@@ -59,6 +63,17 @@ def _epoch_hash(h: EngineHash, epoch: bytes) -> int:
         return _hash128(h)
     digest = hashlib.blake2b(_hash128(h).to_bytes(16, "little"), key=epoch, digest_size=16).digest()
     return int.from_bytes(digest, "little")
+
+
+def group_hashes(hashes: Sequence[EngineHash], group: int) -> list[bytes]:
+    """`hashes` tagged with KV cache group `group` (see the module contract)."""
+    if not 0 <= group < 1 << 16:
+        raise ValueError(f"KV cache group {group} out of range")
+    salt = group.to_bytes(2, "little")
+    return [
+        hashlib.blake2b(_hash128(h).to_bytes(16, "little"), digest_size=16, person=b"ems-kv-group", salt=salt).digest()
+        for h in hashes
+    ]
 
 
 def rank_tag(tp_rank: int, tp_size: int, shared: bool) -> int:

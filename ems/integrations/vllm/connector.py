@@ -14,9 +14,11 @@ raises `RuntimeError`. What each half does is in its module. Shared by both:
   (`ems.integrations.epoch`, a pinned record in the pool). `reset_cache` (vLLM's `reset_prefix_cache(
   reset_connector=True)`) writes a new epoch: every earlier block misses from then on, for this engine at once and
   for every other engine of the model within `epoch_refresh_s`.
-* Refused at start (`engine_checks`): pipeline or context parallelism, several KV cache groups, non-full-attention
-  caches. A load that comes up short (a node died) recomputes its blocks where vLLM's top-level
-  `kv_load_failure_policy` says vLLM's default; requests fail on it only where the extra config's
+* Hybrid models (full and sliding-window attention groups under vLLM's hybrid memory allocator: `SupportsHMA`):
+  every group's blocks are pooled under group-tagged keys (`scheduler`, `context`). Refused at start
+  (`engine_checks`): pipeline or context parallelism, any other group kind (recurrent/Mamba state, ...).
+* A load that comes up short (a node died) recomputes its blocks (a hybrid model: its request) where vLLM's
+  top-level `kv_load_failure_policy` says vLLM's default; requests fail on it only where the extra config's
   `load_failure_policy` says "fail" (`engine_checks.apply_failure_policy`).
 * Cross-layer blocks (`cross_layer_blocks`): `get_required_kvcache_layout` asks vLLM for the block-outermost
   layout BLHNC, where one vLLM block of every layer is one run of memory; the registered planes are then detected
@@ -40,6 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -94,7 +98,7 @@ class EmsConnectorStats(KVConnectorStats):
         return TransferStats.from_dict(self.data).is_empty()
 
 
-class EmsConnector(KVConnectorBase_V1):
+class EmsConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -186,6 +190,13 @@ class EmsConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid memory allocator (`SupportsHMA`): the same as `request_finished` (the scheduler half keeps
+        each group's blocks itself)."""
+        return self._scheduler().request_finished(request, block_ids[0] if block_ids else [])
+
     def reset_cache(self) -> bool:
         """`llm.reset_prefix_cache(reset_connector=True)`: a new namespace epoch (see `EmsScheduler.reset_cache`)."""
         return self.connector_scheduler is not None and self.connector_scheduler.reset_cache()
@@ -215,6 +226,15 @@ class EmsConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker().get_finished(finished_req_ids, self._metadata())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and a hybrid model's requests whose load came up short (`failed_recving`: vLLM takes
+        no block-level load errors with several KV cache groups)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker().take_failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()) | failed, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()

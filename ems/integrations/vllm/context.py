@@ -9,6 +9,12 @@ Contract:
   (`scheduler.EmsScheduler`) and the worker half (`worker.EmsWorker`) each take one.
 * `role` is vLLM's `kv_role` (`connector_config.KvRole`): the scheduler half never asks the pool for a producer's
   requests and never sends a consumer's blocks to it.
+* KV cache groups (`groups`, one `engine_checks.GroupKind` per vLLM group): a hybrid model (several groups, vLLM's
+  hybrid memory allocator) shares one block pool and one KV cache allocation among its groups: layer `i` of every
+  group views the same pages, and block id `b` is owned by one group at a time. So the connector registers one
+  "layer" per aliased page (`layer_names` names group 0's layer there; `shared_layers` the others, which must view
+  the same memory: checked when the worker registers), and moving engine block `b` moves exactly the bytes of its
+  owning group's layers. With one group every layer is registered, as before.
 * The context holds no per-request state and starts no thread; its fields never change.
 * Registration (`register_shadow`, `register_worker`): what this process registered with its process-wide
   `ContextCaching`: a worker's real KV cache, or the scheduler's one-block shadow of the same layout (the scheduler
@@ -27,7 +33,7 @@ from ems import CcKvOption, ContextCaching, Ems
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import StatsSink
 from ems.integrations.connector_config import ConnectorConfig, KvRole, ResolvedPool, derive_model_id
-from ems.integrations.vllm.engine_checks import check_supported
+from ems.integrations.vllm.engine_checks import GroupKind, check_supported, group_kind
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 
 if TYPE_CHECKING:
@@ -49,7 +55,7 @@ class ConnectorContext:
     tp_size: int
     mla: bool  # one shared latent KV per block for every TP rank
     num_blocks: int
-    layer_names: tuple[str, ...]  # in layer order
+    layer_names: tuple[str, ...]  # in layer order (a hybrid model: group 0's layer of each aliased page)
     shapes: tuple[kv_layouts.PlaneShape, ...]  # each layer's planes, from vLLM's KV cache spec
     backend: str  # the attention backend the namespace names
     model_id: str
@@ -57,6 +63,14 @@ class ConnectorContext:
     cc: ContextCaching
     stats: StatsSink  # what this connector counted (scheduler lookups, worker transfers)
     role: KvRole = KvRole.BOTH  # vLLM's kv_role: a producer never loads, a consumer never saves
+    groups: tuple[GroupKind, ...] = (GroupKind.FULL,)  # vLLM's KV cache groups, in vLLM's order
+    shared_layers: tuple[tuple[str, ...], ...] = ()  # per `layer_names` entry, the other layers on its tensor
+    windows: tuple[int | None, ...] = (None,)  # per group, a sliding window's tokens (None: full attention)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups: every key names its group (`block_transfer.group_hashes`)."""
+        return len(self.groups) > 1
 
     @property
     def option(self) -> CcKvOption:
@@ -78,7 +92,13 @@ class ConnectorContext:
         block_size = int(vllm_config.cache_config.block_size)
         hash_block_size = int(kv_cache_config.hash_block_size or block_size)
         mla = bool(vllm_config.model_config.use_mla)
-        layer_names = tuple(sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order))
+        groups = tuple(group_kind(g.kv_cache_spec) or GroupKind.FULL for g in kv_cache_config.kv_cache_groups)
+        if len(groups) > 1:  # one registered layer per aliased page: the bytes of a block id, whichever group owns it
+            layer_names, shared = _aliased_layers(kv_cache_config)
+        else:
+            layer_names = tuple(sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order))
+            shared = tuple(() for _ in layer_names)
+        shapes = tuple(_tensor_shape(kv_cache_config, (name, *others)) for name, others in zip(layer_names, shared))
         model_id = config.model_id or derive_model_id(
             str(vllm_config.model_config.model), namespace_parts(vllm_config, kv_cache_config)
         )
@@ -95,13 +115,19 @@ class ConnectorContext:
             mla=mla,
             num_blocks=int(kv_cache_config.num_blocks),
             layer_names=layer_names,
-            shapes=tuple(_spec_shape(kv_cache_config, name) for name in layer_names),
+            shapes=shapes,
             backend=predicted_backend(vllm_config, kv_cache_config),
             model_id=model_id,
             pool=pool,
             cc=cc,
             stats=StatsSink(),
             role=role,
+            groups=groups,
+            shared_layers=shared,
+            windows=tuple(
+                int(g.kv_cache_spec.sliding_window) if kind is GroupKind.SLIDING else None
+                for g, kind in zip(kv_cache_config.kv_cache_groups, groups)
+            ),
         )
 
     def register_shadow(self) -> None:
@@ -121,11 +147,42 @@ class ConnectorContext:
 
 
 def _spec_shape(kv_cache_config: KVCacheConfig, layer: str) -> kv_layouts.PlaneShape:
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    groups = kv_cache_config.kv_cache_groups
+    spec = next((g.kv_cache_spec for g in groups if layer in g.layer_names), groups[0].kv_cache_spec)
     per_layer = getattr(spec, "kv_cache_specs", None)
     if per_layer is not None:
         spec = per_layer[layer]
     return kv_layouts.plane_shape(int(spec.real_page_size_bytes), spec.dtype)
+
+
+def _aliased_layers(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """A hybrid model's layers by the bytes they view: vLLM lays every group's layers over one allocation from byte 0
+    (`KVCacheTensor`: layer `i` of a group at `offset + i * layer_stride`), so layer `i` of every group views the same
+    pages (a block id is one group's at a time). Returns the first layer of each index and the others on it; groups
+    laid out otherwise (unequal pages: their layers overlap only in part) are refused."""
+    tensors = kv_cache_config.kv_cache_tensors
+    strides = {(int(t.offset), int(t.layer_stride), int(t.block_stride)) for t in tensors}
+    if len(strides) != 1 or next(iter(strides))[0] != 0:
+        raise ValueError(
+            "EmsConnector: this hybrid model's KV cache groups are laid out with different pages "
+            f"(offset, layer stride, block stride: {sorted(strides)}), so one group's block is not another's: "
+            "not supported"
+        )
+    depth = max(len(t.layers) for t in tensors)
+    at_index = [tuple(t.layers[i] for t in tensors if i < len(t.layers)) for i in range(depth)]
+    return tuple(layers[0] for layers in at_index), tuple(layers[1:] for layers in at_index)
+
+
+def _tensor_shape(kv_cache_config: KVCacheConfig, layers: tuple[str, ...]) -> kv_layouts.PlaneShape:
+    """The plane of aliased layers: every one must hold a block in the same bytes (a hybrid model whose
+    groups pad their pages differently would leave some of a block's bytes unmoved: refused)."""
+    shapes = {_spec_shape(kv_cache_config, layer) for layer in layers}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"EmsConnector: the layers {list(layers)} view the same pages but hold a block in different bytes "
+            f"({sorted(shapes, key=repr)}): not supported"
+        )
+    return shapes.pop()
 
 
 def _layer_order(name: str) -> tuple[int, str]:

@@ -2,11 +2,13 @@
 
 Contract:
 * `check_supported(vllm_config, kv_cache_config)` raises `ValueError` with a message naming the setting when the
-  connector's block math (one engine block = one pool value per TP rank, every block of a prompt held by this
-  rank, full attention) does not hold: pipeline parallelism, decode- or prefill-context parallelism (blocks'
-  tokens sharded across ranks), several KV cache groups (hybrid models), a group that is not full attention
-  (sliding-window and other specs free or reuse blocks inside a prompt, so a block id may hold no prompt KV), a
-  block size that is not a multiple of the hash block size.
+  connector's block math (one engine block = one pool value per TP rank and KV cache group, every block of a
+  prompt held by this rank) does not hold: pipeline parallelism, decode- or prefill-context parallelism (blocks'
+  tokens sharded across ranks), a block size that is not a multiple of the hash block size. One KV cache group
+  must be full attention (standard or MLA), as before. Several groups (a hybrid model under vLLM's hybrid memory
+  allocator) must each be `GroupKind.FULL` (full attention) or `GroupKind.SLIDING` (sliding-window attention),
+  all with the engine's block size: anything else (recurrent/Mamba state, chunked-local, cross or sink
+  attention, ...) is refused with the model's group kinds named (`group_kinds`), rather than served wrong.
 * `apply_failure_policy(kv_transfer_config, extra_policy)`: the pool is a best-effort cache, so a load that comes up
   short (a node died; a lease broken) recomputes by default: where the top level says vLLM's default ("fail", which
   cannot be told apart from an explicit "fail"), the policy becomes the extra-config key `load_failure_policy`, or
@@ -16,7 +18,8 @@ Contract:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import enum
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -40,17 +43,63 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
                 "across ranks, and the connector moves each rank's whole blocks"
             )
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"EmsConnector supports one KV cache group, this model has {len(groups)} (hybrid model)")
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) is not None:
-        raise ValueError(
-            f"EmsConnector supports full-attention KV caches (standard or MLA), this model's is {type(spec).__name__}"
-        )
     block_size = int(vllm_config.cache_config.block_size)
+    if len(groups) > 1:
+        kinds = [group_kind(g.kv_cache_spec) for g in groups]
+        if None in kinds:
+            raise ValueError(
+                "EmsConnector pools hybrid models whose KV cache groups are all full or sliding-window attention; "
+                f"this model's groups are {group_kinds(groups)} (recurrent/Mamba state and other kinds are not pooled)"
+            )
+        sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+        if sizes != {block_size}:
+            raise ValueError(
+                f"EmsConnector needs every KV cache group in blocks of the engine's block size {block_size}; this "
+                f"model's groups are {group_kinds(groups)}"
+            )
+    elif len(groups) == 1:
+        spec = groups[0].kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) is not None:
+            raise ValueError(
+                f"EmsConnector supports full-attention KV caches (standard or MLA) and hybrid models of full and "
+                f"sliding-window groups; this model's is {group_kinds(groups)}"
+            )
+    else:
+        raise ValueError("EmsConnector: this model has no KV cache group (nothing to pool)")
     hash_block_size = int(kv_cache_config.hash_block_size or block_size)
     if block_size % hash_block_size:
         raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block_size}")
+
+
+class GroupKind(str, enum.Enum):
+    """What a KV cache group of a hybrid model holds, as the connector moves it."""
+
+    FULL = "full"  # full attention (standard or MLA): every block of a prompt is kept
+    SLIDING = "sliding"  # sliding-window attention: vLLM keeps (null-pads the rest) only the window's blocks
+
+
+def group_kind(spec: Any) -> GroupKind | None:
+    """The kind of a hybrid model's group spec, None where the connector does not pool it. Exact classes: a
+    subclass (reversed or sink windows, hidden-state caches, Mamba) frees or fills blocks by other rules."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec
+
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec) and getattr(spec, "sliding_window", None) is None:
+        return GroupKind.FULL
+    if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec) and not getattr(spec, "extra_retained_tokens", 0):
+        return GroupKind.SLIDING
+    return None
+
+
+def group_kinds(groups: Any) -> str:
+    """The model's KV cache groups as an error message names them: `[SlidingWindowSpec (window 64) x 2 layers, ...]`."""
+    parts = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        detail = f" (window {window})" if window is not None else ""
+        size = getattr(spec, "block_size", None)
+        parts.append(f"{type(spec).__name__}{detail}, block {size}, x {len(g.layer_names)} layers")
+    return "[" + "; ".join(parts) + "]"
 
 
 def apply_failure_policy(kv_transfer_config: KVTransferConfig, extra_policy: str | None) -> str:

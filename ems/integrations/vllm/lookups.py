@@ -2,7 +2,8 @@
 
 Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's scheduler thread):
 * `match(req_id, start, full, epoch, hashes, expect)`: the request's blocks `start..full` (`hashes()` gives their
-  engine hashes, asked for only when needed) in `epoch`. Answers the number of leading blocks the pool holds, or
+  engine hashes, asked for only when needed; a hybrid model's: one per KV cache group and position, position by
+  position, so a position counts once every group holds it) in `epoch`. Answers the number of leading blocks the pool holds, or
   None: "not known yet, ask again next step". `expect` blocks (from `start`) are on their way to the pool (a
   producer announced them, or this engine sent them to be saved): an answer short of them is not taken but asked
   again each step until `save_wait_ms` after the request's first ask; then the request takes what the pool holds
@@ -68,6 +69,7 @@ class PoolLookups:
         self._answers: dict[str, LookupAnswer] = {}
         self._asking: dict[str, tuple[int, int, bytes]] = {}  # request -> (start, blocks, epoch) asked, unanswered
         self._wait_until: dict[str, float] = {}  # request -> when it stops waiting for blocks still being saved
+        self._per_block = len(ctx.groups)  # keys asked per block (a hybrid model: one per KV cache group)
 
     def match(
         self,
@@ -95,6 +97,8 @@ class PoolLookups:
         wanted = (start, full - start, epoch)
         asked = self._asking.get(req_id)
         hits = self._batcher.answer(req_id)
+        if hits is not None:
+            hits //= self._per_block
         if asked == wanted and hits is None and self._batcher.asked(req_id):
             return None  # still being asked
         if hits is not None and hits < wanted_hits:
@@ -111,18 +115,18 @@ class PoolLookups:
                     self._asking.pop(req_id, None)
                 in_step = self.breaker.lookup_within(wanted_hashes, epoch, timeout_s)
                 self.policy.spend_lookup(in_step.seconds, in_step.timed_out)
-                if not in_step.timed_out and in_step.hits < wanted_hits:
+                if not in_step.timed_out and in_step.hits // self._per_block < wanted_hits:
                     self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked next step
                     return None
             if in_step is not None and not in_step.timed_out:
-                hits = in_step.hits
+                hits = in_step.hits // self._per_block
             elif not breaker_open:
                 self._ctx.register_shadow()
                 self._batcher.ask(req_id, wanted_hashes, epoch)
                 self._asking[req_id] = wanted
                 return None
-            else:
-                hits = self.breaker.lookup(wanted_hashes, epoch)  # the pool counts as down: 0 at once, no network
+            else:  # the pool counts as down: 0 at once, no network
+                hits = self.breaker.lookup(wanted_hashes, epoch) // self._per_block
         self._asking.pop(req_id, None)  # (its wait's end is kept until `take`: one wait per request)
         self._answers[req_id] = LookupAnswer(start, hits, full - start, epoch, now)
         return hits

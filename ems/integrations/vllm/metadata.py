@@ -6,7 +6,9 @@ request's blocks, their engine hashes and the epoch its lookup found them in; `i
 forward, the request computed in the same step; a load promised before a reset is `cancelled`: reported failed,
 never loaded), the blocks the step computed to save, whether the step scheduled
 nothing (`idle`), and the requests with saves in flight that its schedule preempted (`preempted`: the worker waits
-for their copy-outs before the forward, `EmsWorker.handle_preemptions`).
+for their copy-outs before the forward, `EmsWorker.handle_preemptions`) or whose sliding-window blocks it may have
+freed (`flush`, hybrid models: the same wait). A hybrid model's transfers name each KV cache group's blocks with
+group-tagged hashes (`block_transfer.group_hashes`), so the workers move them as any other blocks.
 """
 
 from __future__ import annotations
@@ -37,3 +39,6 @@ class EmsConnectorMetadata:
     # requests with saves sent, preempted by this step's schedule: their blocks may be handed to other requests
     # and written by this step's forward, so their copy-outs must end first (`handle_preemptions`)
     preempted: set[str] = field(default_factory=set)
+    # requests that sent sliding-window blocks to be saved in the previous step: this step's schedule may have freed
+    # them (the window moved) and its forward may write them for other requests, so their copy-outs end first too
+    flush: set[str] = field(default_factory=set)

@@ -11,7 +11,8 @@ passes to `Ems.init` (the pool's key namespace). What goes in:
   rope scaling or any overridden field changes the namespace), plus the overrides themselves, `dtype`,
   `disable_sliding_window`;
 * the cache: vLLM's own `CacheConfig.compute_hash()` (block size, KV cache dtype, KV scales, ...), the KV cache
-  spec of the engine's group (kind, heads, head size, dtype, quantisation mode, page padding, ...) and the KV cache
+  spec of the engine's group (kind, heads, head size, dtype, quantisation mode, page padding, ...; a hybrid model:
+  every group's spec and layers, so a model whose groups change never reads another's blocks) and the KV cache
   layout the engine core resolved (`kv_cache_config.kv_cache_layout`);
 * attention: vLLM's `AttentionConfig.compute_hash()` (the requested backend and its knobs) and the backend vLLM
   selects for this spec (`predicted_backend`; each worker checks that its layers really use it);
@@ -102,4 +103,9 @@ def namespace_parts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pla
         "platform": platform or f"{current_platform.device_type}/{current_platform.device_name}",
         "vllm": str(vllm.__version__),
     }
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:  # (one group: the parts as before, so its blocks keep their namespace)
+        parts["kv_cache_groups"] = _canonical(
+            [[f"{type(g.kv_cache_spec).__name__}{g.kv_cache_spec!r}", sorted(g.layer_names)] for g in groups]
+        )
     return parts

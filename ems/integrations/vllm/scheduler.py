@@ -25,6 +25,14 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   `kv_transfer_params` naming the request's prompt blocks in the pool or on their way there (for a P/D proxy).
 * `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
   promised before it are reported failed, never loaded; False when the pool did not take it.
+* Hybrid models (several KV cache groups, `ctx.hybrid`): every position's block is one value per group, keyed by
+  the group (`block_transfer.group_hashes`). A lookup counts a position as hit only where every group holds it;
+  a load writes, for each group, the blocks vLLM allocated for the hit (a sliding-window group gets only the blocks
+  of the window before the hit's end: vLLM pads the rest with its null block 0, which is never written); a save
+  sends each group's blocks of the positions the step computed (a sliding-window group: those its window still
+  holds). vLLM frees a sliding-window group's blocks as the window moves, possibly while their copy-out runs: the
+  requests with such saves are named in the next step's `flush` (the workers wait for those copy-outs before the
+  forward, `EmsWorker.handle_preemptions`).
 * `steps`: the per-step record (`steps.SchedulerStep`: lookups, loads and saves sent, the lookup batches' and the
   step's waits).
 * KV events go to `events` (`observability.KvEventLog`): a `BlockStored` for every run of blocks sent to the pool,
@@ -42,10 +50,11 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ems.integrations.block_transfer import TransferStats
+from ems.integrations.block_transfer import TransferStats, group_hashes
 from ems.integrations.epoch import EpochRecord, EpochWatch
 from ems.integrations.step_policy import Placement
 from ems.integrations.vllm.context import ConnectorContext
+from ems.integrations.vllm.engine_checks import GroupKind
 from ems.integrations.vllm.lookups import PoolLookups
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
 from ems.integrations.vllm.steps import SchedulerStep, StepLog
@@ -62,6 +71,7 @@ logger = logging.getLogger("ems.integrations.vllm")
 # way there, and the namespace they are keyed in.
 PARAM_BLOCKS = "ems_blocks"
 PARAM_MODEL = "ems_model_id"
+NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a position a sliding-window group does not hold
 
 
 class EventSink(Protocol):
@@ -75,7 +85,7 @@ class EventSink(Protocol):
 @dataclass
 class RequestState:
     request: Request
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     next_save: int  # index of the first prompt block not yet saved (or known to be in the pool)
     epoch: bytes  # the epoch its blocks are keyed in: after a reset its KV (maybe the old weights') is never saved
 
@@ -101,6 +111,50 @@ class EmsScheduler:
         self._waiting_lookups = 0  # requests told "ask again next step" during this step
         self._save_wait_s = ctx.config.save_wait_ms / 1000
         self._in_step: set[str] = set()  # requests whose hit the policy loads in the step, if vLLM admits them
+        self._windowed = any(kind is GroupKind.SLIDING for kind in ctx.groups)
+        self._window_saves: set[str] = set()  # requests that sent sliding-window blocks to be saved this step
+
+    def _lookup_hashes(self, request: Request, start: int, full: int) -> list[bytes]:
+        """The keys a lookup asks for: each position's hash, or (hybrid) each position's hash in every group."""
+        hashes = self._hashes(request)[start:full]
+        if not self._ctx.hybrid:
+            return hashes
+        tagged = [group_hashes(hashes, g) for g in range(len(self._ctx.groups))]
+        return [h for position in zip(*tagged) for h in position]
+
+    def _transfer(
+        self,
+        rid: str,
+        block_ids: list[list[int]],
+        hashes: list[bytes],
+        start: int,
+        end: int,
+        epoch: bytes,
+        computed: int | None = None,
+        in_step: bool = False,
+    ) -> BlockTransfer:
+        """Positions `start..end` of a request as one transfer (`hashes` from position `start`): its blocks and keys,
+        or (hybrid) each group's, position by position, without the positions a group does not hold: its null block,
+        or, for a sliding-window group with `computed` tokens computed before the step, a position before the window
+        of the step's first token (vLLM freed those blocks in this schedule)."""
+        if not self._ctx.hybrid:
+            return BlockTransfer(rid, block_ids[0][start:end], hashes[: end - start], epoch, in_step=in_step)
+        ids: list[int] = []
+        keys: list[bytes] = []
+        columns = []
+        block_size = self._block_size
+        for g, (kind, window) in enumerate(zip(self._ctx.groups, self._ctx.windows)):
+            first = start
+            if kind is GroupKind.SLIDING and computed is not None and window:
+                first = max(start, max(0, computed - window + 1) // block_size)
+            group_ids = block_ids[g][first:end]
+            columns.append((first, group_ids, group_hashes(hashes[first - start : end - start], g)))
+        for p in range(start, end):  # position by position: a short load keeps a prefix of positions
+            for first, group_ids, group_keys in columns:
+                if p >= first and p - first < len(group_ids) and group_ids[p - first] != NULL_BLOCK:
+                    ids.append(group_ids[p - first])
+                    keys.append(group_keys[p - first])
+        return BlockTransfer(rid, ids, keys, epoch, in_step=in_step)
 
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = request.block_hashes
@@ -119,7 +173,7 @@ class EmsScheduler:
             start,
             full,
             self.epoch.epoch,
-            lambda: self._hashes(request)[start:full],
+            lambda: self._lookup_hashes(request, start, full),
             self._expected(request, start, full),
         )
         if hits is None:
@@ -129,7 +183,9 @@ class EmsScheduler:
         if hits == 0:
             return 0, False
         decision = self.lookups.policy.decide_load(hits, self.lookups.breaker.is_open())
-        if decision.placement is Placement.IN_STEP:
+        # a hybrid model's loads stay asynchronous: its short load is a failed receive of the whole request, which
+        # vLLM takes only from a request waiting for its KV
+        if decision.placement is Placement.IN_STEP and not self._ctx.hybrid:
             self._in_step.add(request.request_id)
             return hits * block_size, False  # vLLM's synchronous path: loaded before this step's forward
         return hits * block_size, True
@@ -176,7 +232,7 @@ class EmsScheduler:
         loaded = num_external_tokens // self._block_size
         if asked:
             self._ctx.stats.add(lookup_hit_blocks=loaded, lookup_miss_blocks=asked - loaded)
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
         # a load reads the epoch its lookup found (and leased) the blocks in; the request saves only while that is
         # still the epoch (a reset in between: its KV may be the old weights')
         epoch = found.epoch if found is not None and loaded > 0 else self.epoch.epoch
@@ -184,8 +240,8 @@ class EmsScheduler:
         self._in_step.discard(rid)
         if loaded > 0:
             hashes = self._hashes(request)
-            self._loads[rid] = BlockTransfer(
-                rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch, in_step=in_step
+            self._loads[rid] = self._transfer(
+                rid, block_ids, hashes[start : start + loaded], start, start + loaded, epoch, in_step=in_step
             )
         self.requests[rid] = RequestState(request, block_ids, start + loaded, epoch)
 
@@ -199,13 +255,16 @@ class EmsScheduler:
             computed_after // block_size,
             request.num_prompt_tokens // block_size,
             len(request.block_hashes) // self._ctx.hash_stride,
-            len(state.block_ids),
+            len(state.block_ids[0]),
         )
         if upto <= state.next_save:
             return
         all_hashes = self._hashes(request)
         hashes = all_hashes[state.next_save : upto]
-        meta.saves.append(BlockTransfer(request.request_id, state.block_ids[state.next_save : upto], hashes, state.epoch))
+        save = self._transfer(request.request_id, state.block_ids, hashes, state.next_save, upto, state.epoch, computed_before)
+        meta.saves.append(save)
+        if self._windowed:
+            self._window_saves.add(request.request_id)
         self._saving.add(request.request_id)
         if self._save_wait_s > 0:  # on their way to the pool: a lookup that stops short of them waits for them
             for h in hashes:
@@ -221,6 +280,8 @@ class EmsScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EmsConnectorMetadata:
         meta = EmsConnectorMetadata()
+        # the previous step's sliding-window saves: this schedule may have freed their blocks (the window moved)
+        meta.flush, self._window_saves = self._window_saves, set()
         # (a request may be preempted and admitted again in one schedule, e.g. reset_running_requests: its new
         # saves are added below, after this, and the workers wait for the old ones before the forward)
         for rid in scheduler_output.preempted_req_ids or ():
@@ -232,7 +293,7 @@ class EmsScheduler:
             state = self.requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             self._add_saves(meta, state, new.num_computed_tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -241,9 +302,10 @@ class EmsScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids and new_ids is not None:
-                state.block_ids = list(new_ids[0])
+                state.block_ids = [list(ids) for ids in new_ids]
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for ids, added in zip(state.block_ids, new_ids):
+                    ids.extend(added)
             computed = cached.num_computed_tokens[i]
             self._add_saves(meta, state, computed, computed + scheduled.get(rid, 0))
         # in-step loads: their requests are scheduled in this step, the workers load them before the forward;

@@ -18,7 +18,9 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
   (vLLM recomputes them); they are never named in `get_finished`.
   `get_finished` names each request whose load has finished (never blocks, but for a step with nothing scheduled:
   `IDLE_WAIT_S`); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM
-  recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`).
+  recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's
+  request with blocks that did not arrive goes to `take_failed_loads` instead (vLLM's failed receives: it
+  recomputes the whole request, or fails it, by the same policy).
 * Saves: `wait_for_save(meta)` queues the step's saves on the copier's thread (`save_copier`) and returns: the
   copy-out runs off the step. A finished request with saves sent is named in `get_finished`'s finished_sending once
   its copy-outs have ended (vLLM keeps its blocks until then); `handle_preemptions(meta)` waits for the copy-outs of
@@ -117,6 +119,9 @@ class EmsWorker:
         self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
         self._inflight_loads: list[_LoadCall] = []  # one per call: a step's loads (of one epoch) together
         self._done_loads: set[str] = set()  # finished without a transfer (cancelled)
+        # a hybrid model's requests whose load came up short: vLLM takes no block-level errors for several KV cache
+        # groups (block ids are per group), so the request is reported failed (`take_failed_loads`) and recomputed
+        self._failed_loads: set[str] = set()
         self._load_ended = threading.Event()
         self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's planes (rows: blocks)
         self._retried: set[str] = set()  # requests whose load is asked for a second time (after a short call)
@@ -136,6 +141,16 @@ class EmsWorker:
         if missing:
             raise ValueError(f"register_kv_caches: no tensor for layers {missing[:4]}")
         planes = [kv_layouts.block_planes(kv_caches[n], ctx.num_blocks, name=n) for n in ctx.layer_names]
+        for name, layer_planes, others in zip(ctx.layer_names, planes, ctx.shared_layers):
+            for other in others:  # a hybrid model: the other groups' layers on these pages must view the same bytes
+                other_planes = kv_layouts.block_planes(kv_caches[other], ctx.num_blocks, name=other)
+                if [(p.data_ptr(), p.stride(), p.shape) for p in other_planes] != [
+                    (p.data_ptr(), p.stride(), p.shape) for p in layer_planes
+                ]:
+                    raise ValueError(
+                        f"EmsConnector: layers {name} and {other} view the same pages in vLLM's config but their "
+                        "caches do not hold a block in the same bytes: not supported"
+                    )
         shapes = tuple(kv_layouts.shape_of(p) for p in planes)
         if shapes != ctx.shapes:
             raise ValueError(
@@ -214,7 +229,7 @@ class EmsWorker:
         by_epoch: dict[bytes, list[BlockTransfer]] = {}
         for load in self._queued_loads:
             if load.cancelled:  # promised before a reset: never loaded, reported failed (vLLM recomputes)
-                self._load_errors.update(load.block_ids)
+                self._fail_blocks(load, load.block_ids)
                 self._done_loads.add(load.req_id)
             else:
                 by_epoch.setdefault(load.epoch, []).append(load)
@@ -307,7 +322,7 @@ class EmsWorker:
                 self._queued_loads.append(load)
                 continue
             self._retried.discard(load.req_id)
-            self._load_errors.update(load.block_ids[got:])
+            self._fail_blocks(load, load.block_ids[got:])
             done.add(load.req_id)
             src.extend(itemgetter(*position[:got])(call.block_ids) if got > 1 else [call.block_ids[p] for p in position[:got]])
             dst.extend(load.block_ids[:got])
@@ -331,6 +346,21 @@ class EmsWorker:
             for plane in planes:
                 plane.index_copy_(0, dst_t, plane.index_select(0, src_t))
         self._step.copied_blocks += int(moved.sum())
+
+    def _fail_blocks(self, load: BlockTransfer, block_ids: list[int]) -> None:
+        """Blocks of a load that did not arrive: vLLM recomputes them (one group), or the request (several)."""
+        if not block_ids:
+            return
+        if self._ctx.hybrid:
+            self._failed_loads.add(load.req_id)
+        else:
+            self._load_errors.update(block_ids)
+
+    def take_failed_loads(self) -> set[str]:
+        """A hybrid model's requests whose load came up short since the last call (named in the same step as in
+        `get_finished`'s finished loads)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -356,13 +386,14 @@ class EmsWorker:
         """Before a step's forward: requests preempted by its schedule give their blocks back, and the forward may
         write them for other requests, so their copy-outs must have ended (a copy never waits for the network)."""
         preempted = meta.preempted
-        if not preempted:
+        if not preempted and not meta.flush:
             return
         self._save_requests -= preempted  # the scheduler forgot their saves too
         if self._copier is None:
             return
         started = time.perf_counter()
-        while not self._copier.wait_copied(preempted, PREEMPTION_WARN_S):
+        # (and a hybrid model's sliding-window saves of the previous step: the window may have freed their blocks)
+        while not self._copier.wait_copied(preempted | meta.flush, PREEMPTION_WARN_S):
             logger.warning("EmsConnector: preempted requests' copy-outs still running after %.0f s", PREEMPTION_WARN_S)
         waited = time.perf_counter() - started
         self._step.wait_s += waited

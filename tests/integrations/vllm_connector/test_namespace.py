@@ -36,7 +36,8 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def kv_cache_config(layout=None, kv_heads=2, block_size=32, dtype=None, spec_cls=None, groups=1):
+def kv_cache_config(layout=None, kv_heads=2, block_size=32, dtype=None, spec_cls=None, groups=1, specs=None):
+    """One group of `spec_cls` (or `groups` equal ones), or one group per spec of `specs` (a hybrid model)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -45,9 +46,17 @@ def kv_cache_config(layout=None, kv_heads=2, block_size=32, dtype=None, spec_cls
     return KVCacheConfig(
         num_blocks=8,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([f"{LAYER}{g}"], spec) for g in range(groups)],
+        kv_cache_groups=[KVCacheGroupSpec([f"{LAYER}{g}"], s) for g, s in enumerate(specs or [spec] * groups)],
         kv_cache_layout=layout,
     )
+
+
+def attention(block_size=32, window=None):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    return FullAttentionSpec(**common) if window is None else SlidingWindowSpec(sliding_window=window, **common)
 
 
 def vllm_config(model_dir, model=None, cache=None, load=None, attention=None, parallel=None):
@@ -135,8 +144,8 @@ def test_unsupported_engines_are_refused_with_a_message(model_dir):
     with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
         check_supported(config, kv_cache_config())
     config = vllm_config(model_dir)
-    with pytest.raises(ValueError, match="one KV cache group"):
-        check_supported(config, kv_cache_config(groups=2))
+    check_supported(config, kv_cache_config(specs=[attention(), attention(window=64)]))  # a hybrid model: pooled
+    check_supported(config, kv_cache_config(groups=2))
 
     class Windowed(SlidingWindowSpec):
         def __init__(self, **kwargs):
@@ -144,6 +153,40 @@ def test_unsupported_engines_are_refused_with_a_message(model_dir):
 
     with pytest.raises(ValueError, match="full-attention"):
         check_supported(config, kv_cache_config(spec_cls=Windowed))
+
+
+def test_hybrid_models_with_other_group_kinds_are_refused_naming_them(model_dir):
+    """Recurrent (Mamba) state or any group kind other than full and sliding-window attention, or a group in other
+    blocks than the engine's, is refused at start with the model's group kinds in the message."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
+
+    from ems.integrations.vllm.engine_checks import check_supported
+
+    config = vllm_config(model_dir)
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    with pytest.raises(ValueError, match=r"FullAttentionSpec, block 32, x 1 layers; MambaSpec, block 32"):
+        check_supported(config, kv_cache_config(specs=[attention(), mamba]))
+    local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, attention_chunk_size=64)
+    with pytest.raises(ValueError, match="ChunkedLocalAttentionSpec"):
+        check_supported(config, kv_cache_config(specs=[attention(), local]))
+    with pytest.raises(ValueError, match=r"block size 32.*SlidingWindowSpec \(window 64\), block 16"):
+        check_supported(config, kv_cache_config(specs=[attention(), attention(block_size=16, window=64)]))
+
+
+def test_a_hybrid_models_groups_are_in_its_namespace(model_dir):
+    """Another set of groups (another window, a layer in another group) is another namespace; one group keeps the
+    namespace it had."""
+    from ems.integrations.connector_config import derive_model_id
+    from ems.integrations.vllm.namespace import namespace_parts
+
+    def ident(kv):
+        return derive_model_id(model_dir, namespace_parts(vllm_config(model_dir), kv))
+
+    hybrid = ident(kv_cache_config(specs=[attention(), attention(window=64)]))
+    assert hybrid != ident(kv_cache_config(specs=[attention(), attention(window=128)]))
+    assert hybrid != ident(kv_cache_config())
+    assert "kv_cache_groups" not in namespace_parts(vllm_config(model_dir), kv_cache_config())
 
 
 def test_a_short_load_recomputes_unless_the_extra_config_says_fail():
@@ -168,3 +211,30 @@ def test_a_short_load_recomputes_unless_the_extra_config_says_fail():
     assert apply_failure_policy(said_twice, "fail") == "fail" and said_twice.kv_load_failure_policy == "fail"
     with pytest.raises(ValueError, match="disagree"):
         apply_failure_policy(transfer(kv_load_failure_policy="recompute"), "fail")
+
+
+def test_a_hybrid_models_groups_are_registered_by_the_pages_they_alias():
+    """vLLM lays every group's layers over one allocation: layer i of each group views the same pages, so the
+    connector registers each index once (group 0's layer) and checks the others there; groups laid out with other
+    strides (unequal pages) are refused."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from ems.integrations.vllm.context import _aliased_layers
+
+    full, sliding = ["l.1", "l.3"], ["l.0", "l.2"]
+    groups = [KVCacheGroupSpec(full, attention()), KVCacheGroupSpec(sliding, attention(window=64))]
+
+    def config(*tensors):
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=list(tensors), kv_cache_groups=groups)
+
+    page = attention().page_size_bytes
+    aliased = config(
+        *(KVCacheTensor(size=16 * page, layers=g, layer_stride=8 * page, block_stride=page) for g in (full, sliding))
+    )
+    assert _aliased_layers(aliased) == (("l.1", "l.3"), (("l.0",), ("l.2",)))
+    apart = config(
+        KVCacheTensor(size=16 * page, layers=full, layer_stride=8 * page, block_stride=page),
+        KVCacheTensor(size=16 * page, layers=sliding, layer_stride=4 * page, block_stride=page // 2),
+    )
+    with pytest.raises(ValueError, match="different pages"):
+        _aliased_layers(apart)

@@ -33,7 +33,8 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   prompt i while the other computes prompt i + n + 1 (the pool-pressure test).
 OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str,
                   "kv_transfer_params": {...} (what the connector returned for the request)}, ...], ...],
-     "stats": {...}, "preemptions": n, "events": [[type, blocks, medium], ...] (single-process mode),
+     "stats": {...}, "kv_cache_groups": [spec kind per group] (single-process mode), "preemptions": n,
+     "events": [[type, blocks, medium], ...] (single-process mode),
      "layout": {"vllm": vLLM's resolved KV cache layout, "cross_layer": [per registered group],
                 "copy_ops": the copy backend's device operations over the rounds} (single-process mode),
      "step_records": {"<batch round>": {"scheduler": [...], "worker": [...]}} (the connector's per-step record of
@@ -78,6 +79,31 @@ def make_tiny_llama(
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def make_tiny_gemma2(
+    path: str, hidden: int = 128, layers: int = 4, sliding_window: int = 64, vocab: int = 512, seed: int = 0
+) -> str:
+    """A random Gemma2 (a hybrid model: sliding-window and full-attention layers alternate) written with transformers."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=vocab,
+        intermediate_size=256,
+        max_position_embeddings=4096,
+        sliding_window=sliding_window,
+        torch_dtype="bfloat16",
+    )
+    model = Gemma2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
 
@@ -514,9 +540,14 @@ def run(spec: dict) -> dict:
         layout["cross_layer"] = [g.cross_layer for g in registered.groups]
         layout["copy_ops"] = backend.ops_issued - ops_before
     block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)  # what the attention backend settled on
+    kv_groups: list[str] = []  # the engine's KV cache groups (single-process mode): their spec kinds
+    if single_process:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        kv_groups = [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]
     llm.llm_engine.engine_core.shutdown()  # workers' connectors finish their pending saves
     return {
         "block_size": block_size,
+        "kv_cache_groups": kv_groups,
         "rounds": out_rounds,
         "stats": stats,
         "preemptions": preemptions[0],
