@@ -42,6 +42,17 @@ Prints a table, saves a bar plot, appends both to RESULTS.md with this command.
    vLLM's prefix cache), side by side: steps, throughput, ITL, TTFT and their ratios, and the connector's per-step
    record of B's round 1 (`EmsConnector.step_records`: lookups, loads, saves, their waits), summed in RESULTS.md
    and plotted step by step.
+
+    flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_vllm.py --pd [--tokens 1500]
+
+6. `--pd` (only this): disaggregated prefill/decode as a user runs it: two OpenAI servers of the bench Llama on one
+   local pool node, a prefill server (`kv_role` `kv_producer`) and a decode server (`kv_consumer`), vLLM's
+   multi-process mode. For each of `--pd-prompts` prompts of `--tokens` tokens: the prefill server computes it
+   (`max_tokens` 1, as `pd_proxy` sends it), then the decode server gets it with the prefill response's
+   `kv_transfer_params` at once (the proxy's path: it may wait for blocks still being saved) and, for another
+   prompt, once the saves have landed (1 s later); then the prefill server gets the same prompt again (a hit in
+   its own prefix cache). TTFT = the wall time of a `max_tokens` 1 request over HTTP, the same on every side; the
+   ratio decode / prefix-cache hit is the goal's (<= 1.3).
 """
 
 from __future__ import annotations
@@ -232,7 +243,15 @@ def batch_row(label: str, rnd: list[dict], generated: int) -> dict:
         "wall_s": rnd[0]["wall_s"],
         "tokens_per_s": generated / rnd[0]["wall_s"],
         "cached": sum(r["num_cached_tokens"] for r in rnd),
+        "max_used_blocks": rnd[0].get("max_used_blocks", 0),
+        "decode_step_ms": 1000 * median_decode_step(rnd),
     }
+
+
+def median_decode_step(rnd: list[dict]) -> float:
+    """The median of the round's last 16 steps (decode steps: every request has had its first token by then)."""
+    tail = sorted(rnd[0]["step_s"][-16:])
+    return tail[len(tail) // 2] if tail else 0.0
 
 
 def step_summary(steps: list[float], records: dict) -> dict:
@@ -255,64 +274,14 @@ def step_summary(steps: list[float], records: dict) -> dict:
     }
 
 
-def round_only(args: argparse.Namespace) -> None:
-    """Mode 5 (`--round`): only the 16-request round, with the connector (engine B: the prompts from the pool) and
-    without (engine C: from vLLM's prefix cache), side by side, with the connector's per-step record of B's round."""
-    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
-
-    root = tempfile.mkdtemp(prefix="ems-bench-round-")
-    model = make_bench_llama(os.path.join(root, "model"), args.prefix + 256)
-    rng = random.Random(0)
-    prefix = [rng.randrange(4096) for _ in range(args.prefix)]
-    many = [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
-    pool_dir = os.path.join(root, "pool")
-    new_tokens = 32
-    base = {
-        "model": model,
-        "prompts": many,
-        "rounds": [list(range(16)), list(range(16))],
-        "batch": True,
-        "max_tokens": new_tokens,
-        "log_stats": True,
-        "extra": {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300},
-        "kv_load_failure_policy": "recompute",
-        "num_blocks": 16 * ((args.prefix + 64 + new_tokens) // 32 + 2) + 16,
-        "max_model_len": args.prefix + 256,
-        "max_num_batched_tokens": args.prefix + 256,
-    }
-    load_before = os.getloadavg()[0]
-    try:
-        ensure_local_pool(pool_dir, "2GiB")
-        # B: round 0 computes and saves the prompts; round 1 (its prefix cache reset) loads them from the pool
-        b = engine(root, "b", {**base, "before_round": {"1": {"reset_prefix_cache": True}}})
-        # C: round 0 computes; round 1 from vLLM's prefix cache
-        c = engine(root, "c", {**base, "connector": False})
-    finally:
-        stop_local_pool(pool_dir)
-    generated = 16 * new_tokens
-    with_connector = batch_row("16 requests, with the connector (from the pool)", b["rounds"][1], generated)
-    prefix_cache = batch_row("16 requests, without the connector (vLLM's prefix cache)", c["rounds"][1], generated)
-    computed = batch_row("16 requests, without the connector (computed)", c["rounds"][0], generated)
-    records = b.get("step_records", {}).get("1", {})
-    summary = step_summary(b["rounds"][1][0]["step_s"], records)
-    ratios = {
-        "steps": with_connector["steps"] / prefix_cache["steps"],
-        "throughput": with_connector["tokens_per_s"] / prefix_cache["tokens_per_s"],
-        "itl": with_connector["itl_s"] / prefix_cache["itl_s"],
-        "ttft": with_connector["ttft_s"] / prefix_cache["ttft_s"],
-    }
-    rows = [with_connector, prefix_cache, computed]
-    for row in rows:
-        print(json.dumps(row))
-    print(json.dumps(ratios))
-    print(json.dumps(summary))
+def plot_round(out: str, plotted: str, records: dict, steps: list[float]) -> None:
+    """The round's per-step record, step by step (step time, tokens, lookups waiting, calls in flight, loads)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sched, work = records.get("scheduler", []), records.get("worker", [])
-    steps = b["rounds"][1][0]["step_s"]
     fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
     axes[0].bar(range(len(steps)), [1000 * x for x in steps], color="tab:blue")
     axes[0].set_ylabel("step ms")
@@ -321,12 +290,108 @@ def round_only(args: argparse.Namespace) -> None:
     axes[1].legend(loc="upper right")
     axes[2].plot([r["lookups_waiting"] for r in sched], label="requests waiting for a lookup")
     axes[2].plot([r["inflight"] for r in work], label="worker calls in flight (loads, saves)")
-    axes[2].plot([r["loads_done"] for r in work], label="loads finished")
+    axes[2].plot([r["loads_done"] for r in work], label="asynchronous loads finished")
+    axes[2].plot([r.get("in_step_loads", 0) for r in work], label="in-step loads")
     axes[2].set_ylabel("count")
-    axes[2].set_xlabel("engine step (16 requests from the pool, with the connector)")
+    axes[2].set_xlabel(f"engine step (16 requests from the pool, with the connector, step_policy {plotted})")
     axes[2].legend(loc="upper right")
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    fig.savefig(out, dpi=110)
+
+
+def round_only(args: argparse.Namespace) -> None:
+    """Mode 5 (`--round`): only the 16-request round, with the connector (engine B, once per `--step-policies`: the
+    prompts from the pool) and without (engine C: from vLLM's prefix cache), side by side, with the connector's
+    per-step record of each B's round and each engine's CPU seconds by thread."""
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    policies = [p for p in args.step_policies.split(",") if p]
+    root = tempfile.mkdtemp(prefix="ems-bench-round-")
+    model = make_bench_llama(os.path.join(root, "model"), args.prefix + 256)
+    rng = random.Random(0)
+    prefix = [rng.randrange(4096) for _ in range(args.prefix)]
+    many = [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
+    pool_dir = os.path.join(root, "pool")
+    new_tokens = 32
+    extra = {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300}
+    base = {
+        "model": model,
+        "prompts": many,
+        "rounds": [list(range(16)), list(range(16))],
+        "batch": True,
+        "max_tokens": new_tokens,
+        "log_stats": True,
+        "extra": extra,
+        "kv_load_failure_policy": "recompute",
+        "num_blocks": 16 * ((args.prefix + 64 + new_tokens) // 32 + 2) + 16,
+        "max_model_len": args.prefix + 256,
+        "max_num_batched_tokens": args.prefix + 256,
+    }
+    load_before = os.getloadavg()[0]
+    bs: dict[str, dict] = {}
+    try:
+        ensure_local_pool(pool_dir, "2GiB")
+        # C: round 0 computes; round 1 from vLLM's prefix cache
+        c = engine(root, "c", {**base, "connector": False})
+        # B, per step policy: round 0 computes and saves the prompts; round 1 (its prefix cache reset) loads them
+        # from the pool (every B's epoch is its own: a reset before round 0 makes the pool's earlier blocks misses)
+        for policy in policies:
+            bs[policy] = engine(
+                root,
+                f"b-{policy}",
+                {
+                    **base,
+                    "extra": {**extra, "step_policy": policy},
+                    "before_round": {"0": {"reset_connector": True}, "1": {"reset_prefix_cache": True}},
+                },
+            )
+    finally:
+        stop_local_pool(pool_dir)
+    generated = 16 * new_tokens
+    prefix_cache = batch_row("16 requests, without the connector (vLLM's prefix cache)", c["rounds"][1], generated)
+    computed = batch_row("16 requests, without the connector (computed)", c["rounds"][0], generated)
+    rows, lines_by_policy, summaries = [], [], {}
+    for policy, b in bs.items():
+        row = batch_row(f"16 requests, with the connector (from the pool), step_policy {policy}", b["rounds"][1], generated)
+        rows.append(row)
+        records = b.get("step_records", {}).get("1", {})
+        summary = step_summary(b["rounds"][1][0]["step_s"], records)
+        summaries[policy] = (summary, records)
+        ratios = {
+            "steps": row["steps"] / prefix_cache["steps"],
+            "throughput": row["tokens_per_s"] / prefix_cache["tokens_per_s"],
+            "itl": row["itl_s"] / prefix_cache["itl_s"],
+            "ttft": row["ttft_s"] / prefix_cache["ttft_s"],
+        }
+        print(json.dumps({"policy": policy, **row}))
+        print(json.dumps({"policy": policy, "ratios": ratios}))
+        print(json.dumps({"policy": policy, "summary": summary}))
+        print(json.dumps({"policy": policy, "cpu_s": b["rounds"][1][0].get("cpu_s", {})}))
+        lines_by_policy += [
+            (
+                f"step_policy `{policy}`, with / without the connector: steps **{ratios['steps']:.2f}x** (goal <= 1.1), "
+                f"throughput **{ratios['throughput']:.2f}x** (goal >= 0.9), mean ITL **{ratios['itl']:.2f}x** "
+                f"(goal <= 1.1), mean TTFT {ratios['ttft']:.2f}x. Its per-step record (`EmsConnector.step_records`, "
+                "summed): "
+                + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
+                + ". CPU seconds of the round by thread: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(b["rounds"][1][0].get("cpu_s", {}).items()) if v >= 0.01)
+                + "."
+            ),
+            "",
+        ]
+    cpu_c = c["rounds"][1][0].get("cpu_s", {})
+    print(json.dumps({"policy": "none (prefix cache)", "cpu_s": cpu_c}))
+    rows += [prefix_cache, computed]
+    for row in rows[-2:]:
+        print(json.dumps(row))
+    plotted = policies[-1]
+    try:
+        import matplotlib
+    except ImportError:  # the figures still go to RESULTS.md
+        matplotlib = None
+    if matplotlib is not None:
+        plot_round(args.out, plotted, summaries[plotted][1], bs[plotted]["rounds"][1][0]["step_s"])
     commit = ems_commit()
     lines = [
         "",
@@ -337,27 +402,165 @@ def round_only(args: argparse.Namespace) -> None:
             f"commit {commit}; {os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at start). "
             f"Random Llama (hidden 1024, 8 layers, bf16, block 32); 16 requests sharing a {args.prefix}-token prefix "
             f"(64-token tails, {new_tokens} tokens each) submitted at once; engine B's prompts from the pool (its "
-            "prefix cache reset after its first round saved them), engine C's from vLLM's prefix cache; one run, "
-            f"side by side. Plot: `{os.path.relpath(args.out, HERE)}`."
+            "prefix cache reset after its first round saved them; one engine B per step policy), engine C's from "
+            f"vLLM's prefix cache; one run, side by side. Plot (step_policy {plotted}): "
+            f"`{os.path.relpath(args.out, HERE)}`."
         ),
         "",
-        "| round | steps | throughput tok/s | mean ITL ms | mean TTFT ms | worst step ms |",
-        "|---|---|---|---|---|---|",
+        "| round | steps | throughput tok/s | mean ITL ms | mean TTFT ms | worst step ms | decode step ms (median of "
+        "the last 16) | KV blocks in use (most) |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['label']} | {r['steps']} | {r['tokens_per_s']:.0f} | {1000 * r['itl_s']:.1f} | "
-            f"{1000 * r['ttft_s']:.0f} | {1000 * r['max_step_s']:.0f} |"
+            f"{1000 * r['ttft_s']:.0f} | {1000 * r['max_step_s']:.0f} | {r['decode_step_ms']:.1f} | "
+            f"{r['max_used_blocks']} |"
             for r in rows
         ),
         "",
+        *lines_by_policy,
+        "Without the connector, CPU seconds of the round by thread: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu_c.items()) if v >= 0.01)
+        + ".",
+        "",
+    ]
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n".join(lines))
+
+
+def pd_bench(args: argparse.Namespace) -> None:
+    """Mode 6 (`--pd`): decode-server TTFT from the pool against a prefix-cache hit of the same prompt."""
+    import urllib.request
+
+    from ems.integrations.local_pool import stop_local_pool
+
+    root = tempfile.mkdtemp(prefix="ems-bench-pd-")
+    max_len = args.tokens + 256
+    model = make_bench_llama(os.path.join(root, "model"), max_len)
+    pool_dir = os.path.join(root, "pool")
+
+    def free_port() -> int:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
+    def serve(role: str, port: int) -> subprocess.Popen:
+        transfer = {
+            "kv_connector": "EmsConnector",
+            "kv_connector_module_path": "ems.integrations.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {"local_pool_dir": pool_dir, "read_cache_capacity": 0},
+        }
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+            "--host", "127.0.0.1", "--skip-tokenizer-init", "--block-size", "32", "--max-model-len", str(max_len),
+            "--num-gpu-blocks-override", str(4 * (max_len // 32 + 2)), "--gpu-memory-utilization", "0.15",
+            "--enforce-eager", "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+        with open(os.path.join(root, f"{role}.log"), "w") as log:
+            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_healthy(url: str, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited {proc.returncode}: see {root}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{url} not healthy after 600 s")
+
+    def post(url: str, body: dict) -> tuple[dict, float]:
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            out = json.loads(response.read())
+        return out, time.perf_counter() - start
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4096) for _ in range(args.tokens)] for _ in range(2 * args.pd_prompts + 1)]
+    ports = {"kv_producer": free_port(), "kv_consumer": free_port()}
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    procs: dict[str, subprocess.Popen] = {}
+    load_before = os.getloadavg()[0]
+    rows: list[dict] = []
+    try:
+        procs["kv_producer"] = serve("kv_producer", ports["kv_producer"])
+        wait_healthy(urls["kv_producer"], procs["kv_producer"])  # it starts the local pool node
+        procs["kv_consumer"] = serve("kv_consumer", ports["kv_consumer"])
+        wait_healthy(urls["kv_consumer"], procs["kv_consumer"])
+
+        def body(prompt: list[int], params: dict | None = None) -> dict:
+            out = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            return {**out, "kv_transfer_params": params} if params else out
+
+        post(urls["kv_producer"], body(prompts[-1]))  # warm-up: the first request of each server, and its load
+        params = post(urls["kv_producer"], body(prompts[-1]))[0].get("kv_transfer_params")
+        post(urls["kv_consumer"], body(prompts[-1], params))
+        for i in range(args.pd_prompts):
+            proxy_prompt, quiet_prompt = prompts[2 * i], prompts[2 * i + 1]
+            first, prefill_s = post(urls["kv_producer"], body(proxy_prompt))
+            out_proxy, decode_proxy_s = post(urls["kv_consumer"], body(proxy_prompt, first.get("kv_transfer_params")))
+            first_q, _ = post(urls["kv_producer"], body(quiet_prompt))
+            time.sleep(1.0)  # its saves have landed
+            out_quiet, decode_quiet_s = post(urls["kv_consumer"], body(quiet_prompt, first_q.get("kv_transfer_params")))
+            _, hit_s = post(urls["kv_producer"], body(quiet_prompt))  # the same prompt, a prefix-cache hit
+            cached = [o["usage"].get("prompt_tokens_details") for o in (out_proxy, out_quiet)]
+            rows.append(
+                {
+                    "prefill_s": prefill_s,
+                    "decode_proxy_s": decode_proxy_s,
+                    "decode_quiet_s": decode_quiet_s,
+                    "prefix_hit_s": hit_s,
+                    "cached": cached,
+                }
+            )
+            print(json.dumps(rows[-1]))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        stop_local_pool(pool_dir)
+
+    def med(key: str) -> float:
+        values = sorted(r[key] for r in rows)
+        return values[len(values) // 2]
+
+    ratio_proxy, ratio_quiet = med("decode_proxy_s") / med("prefix_hit_s"), med("decode_quiet_s") / med("prefix_hit_s")
+    print(json.dumps({"decode_proxy_over_hit": ratio_proxy, "decode_quiet_over_hit": ratio_quiet}))
+    lines = [
+        "",
+        f"## vLLM: P/D decode TTFT vs a prefix-cache hit ({time.strftime('%Y-%m-%d')}, cpu)",
+        "",
         (
-            f"With / without the connector: steps **{ratios['steps']:.2f}x** (goal <= 1.1), throughput "
-            f"**{ratios['throughput']:.2f}x** (goal >= 0.9), mean ITL **{ratios['itl']:.2f}x** (goal <= 1.1), mean TTFT "
-            f"{ratios['ttft']:.2f}x."
+            f"Command: `flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_vllm.py {' '.join(sys.argv[1:])}` at "
+            f"commit {ems_commit()}; {os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at "
+            f"start). Bench Llama (hidden 1024, 8 layers, bf16, block 32), {args.tokens}-token prompts, two OpenAI "
+            "servers (prefill `kv_producer`, decode `kv_consumer`, vLLM's multi-process mode) on one local pool node; "
+            f"medians of {len(rows)} prompts; TTFT = a `max_tokens` 1 request's wall time over HTTP."
         ),
         "",
-        "Engine B's per-step record of that round (`EmsConnector.step_records`, summed): "
-        + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
-        + ".",
+        "| TTFT | median ms |",
+        "|---|---|",
+        f"| prefill server computes the prompt | {1000 * med('prefill_s'):.0f} |",
+        f"| decode server, right after the prefill response (the proxy's path) | {1000 * med('decode_proxy_s'):.0f} |",
+        f"| decode server, once the saves have landed | {1000 * med('decode_quiet_s'):.0f} |",
+        f"| the same prompt again on one engine (prefix-cache hit) | {1000 * med('prefix_hit_s'):.0f} |",
+        "",
+        f"Decode / prefix-cache hit: **{ratio_proxy:.2f}x** on the proxy's path, **{ratio_quiet:.2f}x** once the saves "
+        "have landed (goal <= 1.3).",
         "",
     ]
     if args.results:
@@ -381,7 +584,13 @@ def main() -> None:
     parser.add_argument("--model", choices=("tiny", "bench"), default="tiny", help="--pressure: the model")
     parser.add_argument("--policy", choices=("fail", "recompute"), help="--pressure: kv_load_failure_policy")
     parser.add_argument("--round", action="store_true", help="only mode 5: the 16-request round, its per-step record")
+    parser.add_argument("--step-policies", default="async,auto", help="--round: one engine with the connector per step_policy")
+    parser.add_argument("--pd", action="store_true", help="only mode 6: P/D decode TTFT vs a prefix-cache hit")
+    parser.add_argument("--pd-prompts", type=int, default=3, help="--pd: prompts measured")
     args = parser.parse_args()
+    if args.pd:
+        pd_bench(args)
+        return
     if args.round:
         round_only(args)
         return

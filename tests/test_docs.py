@@ -7,6 +7,8 @@
 * The defaults the table quotes are the code's.
 * The value format and wire protocol versions the docs quote are the code's.
 * Links to files in the repository resolve.
+* Every module and folder docs/architecture.md names exists (paths, `ems.` dotted names, the diagram's paths), and
+  every package folder of the source tree and every benchmark script is named there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ems.transport.ucx_config import UcxSettings
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"  # the one table of settings
+ARCHITECTURE = ROOT / "docs" / "architecture.md"  # the module map
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGE = [ROOT / "ems", ROOT / "kernels", ROOT / "transport"]
 ENV_NAME = re.compile(r"(?:EMS_[A-Z0-9_]*[A-Z0-9]|ENABLE_CC_PROFILING)")
@@ -218,3 +221,56 @@ def test_the_table_quotes_the_defaults(monkeypatch):
             assert quoted.split()[0] == default, (row[0], quoted, default)
             checked += 1
     assert checked >= 10
+
+
+def _repository_path(name: str) -> Path | None:
+    """The file or folder a repository path names (`ems/store/index.py`, `ems/pool/disk/`, or `transport/inprocess`
+    for its module); None if there is none."""
+    path = ROOT / name.rstrip("/")
+    return next((c for c in (path, path.with_name(path.name + ".py")) if c.exists()), None)
+
+
+def _dotted_name_exists(name: str) -> bool:
+    """Whether a dotted name (`ems.pool`, `ems.backends.base.PoolBackend`) is a module, or a name its longest
+    module prefix defines (a class, a function or an assignment at its top level)."""
+    parts = name.split(".")[1:]
+    if parts and parts[0] in ("kernels", "transport"):  # installed as ems.kernels, ems.transport
+        base, parts = ROOT / parts[0], parts[1:]
+    else:
+        base = ROOT / "ems"
+    for cut in range(len(parts), -1, -1):
+        folder = base.joinpath(*parts[:cut])
+        module = folder / "__init__.py" if folder.is_dir() else folder.with_suffix(".py")
+        if module.exists():
+            rest = parts[cut:]
+            if not rest:
+                return True
+            defined = rf"^(?:class|def) {rest[0]}\b|^{rest[0]}\b[^=\n]*="
+            return len(rest) == 1 and re.search(defined, module.read_text(), re.M) is not None
+    return False
+
+
+def test_every_module_the_architecture_page_names_exists():
+    text = ARCHITECTURE.read_text()
+    diagram = "\n".join(re.findall(r"```\n(.*?)```", text, flags=re.S))
+    paths = set(re.findall(r"`((?:ems|kernels|transport)/[\w./-]*)`", text))
+    paths |= set(re.findall(r"\b((?:ems|kernels|transport)/[\w/]*\w/?)", diagram))
+    dotted = set(re.findall(r"`(ems(?:\.\w+)+)`", text))
+    missing = [p for p in sorted(paths) if _repository_path(p) is None] + [
+        d for d in sorted(dotted) if not _dotted_name_exists(d)
+    ]
+    assert len(paths) > 20 and not missing, f"docs/architecture.md names what the code does not have: {missing}"
+
+
+def test_every_package_folder_is_named_on_the_architecture_page():
+    text = ARCHITECTURE.read_text()
+    folders = sorted(init.parent.relative_to(ROOT).as_posix() + "/" for top in PACKAGE for init in top.rglob("__init__.py"))
+    unnamed = [folder for folder in folders if f"`{folder}`" not in text]
+    assert len(folders) > 10 and not unnamed, f"package folders docs/architecture.md does not name: {unnamed}"
+
+
+def test_every_benchmark_is_named_on_the_architecture_page():
+    text = ARCHITECTURE.read_text()
+    scripts = sorted(p.name for p in (ROOT / "perf").glob("*.py") if p.name != "benchlib.py")
+    unnamed = [name for name in scripts if f"`{name}`" not in text]
+    assert len(scripts) > 10 and not unnamed, f"benchmarks docs/architecture.md does not name: {unnamed}"

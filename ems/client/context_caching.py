@@ -33,8 +33,9 @@ from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
 from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
+from ems.datapath.copier import copier_for
 from ems.datapath.devices import default_raw_device, parse_device
-from ems.datapath.jobs import load_job, save_job
+from ems.datapath.jobs import PoolRoute, Transfer, load_job, save_job
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan
@@ -206,6 +207,10 @@ class ContextCaching:
             if error is not None:
                 raise EmsException(error.status_code(), f"no pool node could be reached: {error.message()}")
 
+    def _route(self) -> PoolRoute:
+        """Where this client's transfers go: its pool, its staging and the chunk size of its settings now."""
+        return PoolRoute(self._pool, self._staging, self._settings.chunk_bytes)
+
     def _job_done(self, record: JobRecord) -> None:
         """A finished job's record goes to the ledger, the one account of each call (`metrics()` reads it)."""
         self.jobs.add(record)
@@ -225,7 +230,7 @@ class ContextCaching:
         with record.stage(Stage.PLAN):
             request, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
-        job = save_job(plan, device, backend, self._pool, self._staging, request.option, record, self._settings.chunk_bytes)
+        job = save_job(Transfer(plan, device, copier_for(backend, device), request.option, record), self._route())
         with _EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
@@ -303,9 +308,8 @@ class ContextCaching:
     # ---------------------------------------------------------------- load
 
     def _load(self, request: Request | TokenRequest, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
-        job = load_job(
-            plan, device, self._backend_for(device), self._pool, self._staging, request.option, record, self._settings.chunk_bytes
-        )
+        copier = copier_for(self._backend_for(device), device)
+        job = load_job(Transfer(plan, device, copier, request.option, record), self._route())
         hits, outcome = job.run()
         self._raise_if_unreachable(outcome, hits)
         self._job_done(record.finish(hits, plan.total, plan.expected.payload_bytes(0, hits)))

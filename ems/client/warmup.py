@@ -22,13 +22,15 @@ import logging
 
 import torch
 
-from ems.datapath.jobs import EmbeddedLoad, EmbeddedSave
+from ems.datapath.copier import copier_for
+from ems.datapath.jobs import EmbeddedLoad, EmbeddedSave, Transfer
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import BlockPlan, plan_blocks
 from ems.datapath.records import JobKind, JobRecord
 from ems.datapath.requests import Operation, RawRequest, bind_request
 from ems.kernels import CopyBackend
 from ems.store.kv_store import KvStore
+from ems.types import CcKvOption
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +69,15 @@ def _save_and_load_scratch(layout: RegisteredLayout, backend: CopyBackend) -> No
     slot_tensor = torch.arange(_first_block_tokens(scratch), dtype=torch.int64)
     slot_list = slot_tensor.tolist()
     store: KvStore | None = None
+    plan_device, option = torch.device("cpu"), CcKvOption()
+    copier = copier_for(backend, plan_device)
     for i in range(ROUNDS):
         slots = slot_tensor if i % 2 else slot_list
         plan = _one_block_plan(scratch, Operation.SAVE, slots, i)
         if store is None:
             store = KvStore(4 * (plan.value_len(0) + (4 << 10)))  # a few values: every save fits
-        save = EmbeddedSave(plan, backend, store, JobRecord(JobKind.SAVE))
+        save = EmbeddedSave(Transfer(plan, plan_device, copier, option, JobRecord(JobKind.SAVE)), store)
         save.begin()
         save.finish()
-        EmbeddedLoad(_one_block_plan(scratch, Operation.LOAD, slots, i), backend, store, JobRecord(JobKind.LOAD)).run()
+        load = _one_block_plan(scratch, Operation.LOAD, slots, i)
+        EmbeddedLoad(Transfer(load, plan_device, copier, option, JobRecord(JobKind.LOAD)), store).run()

@@ -1,5 +1,8 @@
 """Request planning: a checked request → storage keys, expected values and the copy plan (host, numpy).
 
+A plan is data (keys, expected values, value places, piece tables or device ranges): nothing in it executes; the
+job's copier (`ems.datapath.copier`) runs it.
+
 Staging layout (V1, value format 3). The staging buffer holds the stored values themselves, back to back (each
 starting 24 bytes past a 64-byte boundary, so that its payload, after the 40-byte header, starts on one): value i
 is `header | part of group 0 | part of group 1 | ...`, and block i's part of group g holds its `n` tokens
@@ -9,7 +12,7 @@ backends move whole spans (`CopyBackend.gather_pieces`); where the engine's cach
 in that same order (cross-layer blocks, `PlaneSet.block_runs`), a request of whole-block values moves one run per
 block (`GroupRegion.planes` are then the block runs). The header's 40 bytes are left for the save job to fill,
 so a value goes to the pool as one buffer without any repacking. The same per-value piece tables let a job gather
-one value straight into the store's buffer, or scatter straight from a stored value (`gather_value` /
+one value straight into the store's buffer, or scatter straight from a stored value (`Copier.gather_value` /
 `scatter_value`: the embedded pool's one pass). A V0 plan concatenates every value's device ranges; its header
 travels as a separate part.
 
@@ -20,7 +23,6 @@ objects (keys, memoryviews) are built per block.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,20 +32,13 @@ from ems.buffers import Buffer
 from ems.datapath.keys import FORM_V1, v0_keys, v1_keys
 from ems.datapath.layout import LayerGroup, RegisteredLayout
 from ems.datapath.requests import ChunkRequest, RawRequest, SlotRequest
-from ems.kernels.base import CopyBackend, PlacedStop, Placement, PlaneSet, Staging, tensor_over
+from ems.kernels.base import PlaneSet
 from ems.kernels.plan import block_run_pieces, value_pieces
-from ems.kernels.raw_memory import address_of
 from ems.store.value_format import (
     HEADER_SIZE,
-    PAYLOAD_HASH_ADDRESS,
     VALUE_LEAD,
     ExpectedValues,
     ValueKind,
-    build_headers,
-    encode_in_place,
-    expected_heads,
-    part_checksum,
-    payload_checksums,
     tokens_digest,
 )
 
@@ -127,142 +122,11 @@ class BlockPlan:
         lens = self.expected.payload_len[a:b].tolist()
         return [host[s + HEADER_SIZE : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
 
-    def encode(self, host: memoryview, a: int, b: int, encoded: bool = False) -> list[list[Buffer]]:
-        """Values a..b-1, their payloads gathered into `host` (staging), as the pool stores them, each value one
-        buffer: each payload checksummed and its header written into its place (`encode_in_place`: one call for
-        many values), unless the gather `encoded` them already."""
-        views = self.value_views(host, a, b)
-        if not encoded:
-            base = address_of(np.frombuffer(host, dtype=np.uint8))
-            encode_in_place(views, self.expected, a, base + self.value_start[a:b])
-        return [[view] for view in views]
-
     def value_views(self, host: memoryview, a: int, b: int) -> list[memoryview]:
         """Values a..b-1's places in staging, header included (where a load receives them in place)."""
         starts = self.value_start[a:b].tolist()
         lens = self.expected.payload_len[a:b].tolist()
         return [host[s : s + HEADER_SIZE + n] for s, n in zip(starts, lens)]
-
-    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> bool:
-        """The payloads of values a..b-1 into their places in staging: `gather_into` at the staging layout's
-        offsets. True when they are encoded too (headers written)."""
-        return self.gather_into(backend, staging, self.value_start, a, b)
-
-    def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
-        """Write the tokens of values a..b-1 from their places in staging back into the cache, nothing else: one
-        backend call per layer group."""
-        self._move(backend, staging, self.value_start, a, b, gather=False)
-
-    def gather_into(self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, b: int) -> bool:
-        """The payloads of values a..b-1 into values placed anywhere in `span` (uint8): value i's header at byte
-        `value_offsets[i]` (int64, indexed by value), its payload after it. One backend call per layer group.
-        Where the backend encodes while it gathers (the compiled host copy) and one layer group holds the values'
-        tokens, each value is also checksummed and its header written right after its bytes, while they are in
-        cache: then True (the values are as the pool stores them); else False (the caller encodes them)."""
-        regions = [region for region in self.regions if region.has_pieces(a, b)]
-        if len(regions) != 1 or not backend.encodes_while_gathering or PAYLOAD_HASH_ADDRESS is None:
-            self._move(backend, span, value_offsets, a, b, gather=True)
-            return False
-        region = regions[0]
-        backend.gather_pieces_encoded(
-            region.planes,
-            region.absolute(value_offsets, a, b),
-            span,
-            np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
-            expected_heads(self.expected, a, b),
-            region.piece_start[a + 1 : b + 1] - region.piece_start[a],
-            PAYLOAD_HASH_ADDRESS,
-        )
-        return True
-
-    def scatter_from(self, backend: CopyBackend, span: torch.Tensor, value_offsets: np.ndarray, count: int) -> None:
-        """The inverse of `gather_into`: the tokens of values 0..count-1 from their places in `span` into the cache."""
-        self._move(backend, span, value_offsets, 0, count, gather=False)
-
-    def verify_scatter_from(
-        self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, stated: Sequence[int]
-    ) -> int:
-        """Values a..a+n-1 (n = len(stated)), each placed in `span` at byte `value_offsets[i]` (value i of the
-        request; header first) with its header already checked (`stated`: the checksums those headers state): how
-        many of them, from the first, have a payload of the stated checksum. Their tokens are written into the
-        cache, nothing of the first one that has not, nor after it. Where the backend verifies while it scatters
-        (the compiled host copy) this is one pass over the bytes, each value hashed and written while in cache;
-        else the checksums in one batch, then the verified prefix scattered."""
-        n = len(stated)
-        if n == 0:
-            return 0
-        lengths = self.expected.payload_len[a : a + n]
-        starts = value_offsets[a : a + n] + HEADER_SIZE
-        regions = [region for region in self.regions if region.has_pieces(a, a + n)]
-        if not regions or not backend.verifies_while_scattering or PAYLOAD_HASH_ADDRESS is None:
-            flat = span if isinstance(span, np.ndarray) else span.numpy()
-            payloads = [flat[s : s + length] for s, length in zip(starts.tolist(), lengths.tolist())]
-            valid = next((i for i, (got, want) in enumerate(zip(payload_checksums(payloads), stated)) if got != want), n)
-            if valid:
-                self._move(backend, span, value_offsets, a, a + valid, gather=False)
-            return valid
-        first, rest = regions[0], regions[1:]
-        piece_end = first.piece_start[a + 1 : a + n + 1] - first.piece_start[a]
-        valid = backend.scatter_pieces_verified(
-            first.planes,
-            first.absolute(value_offsets, a, a + n),
-            span,
-            np.stack([starts, lengths]),
-            np.asarray(stated, dtype=np.uint64),
-            piece_end,
-            PAYLOAD_HASH_ADDRESS,
-        )
-        for region in rest:  # the other layer groups' rows of the verified values
-            if valid and region.has_pieces(a, a + valid):
-                backend.scatter_pieces(region.planes, region.absolute(value_offsets, a, a + valid), span)
-        return valid
-
-    def verify_scatter_as_placed(
-        self, backend: CopyBackend, span: Staging, value_offsets: np.ndarray, a: int, b: int, placement: Placement
-    ) -> tuple[int, PlacedStop]:
-        """Values a..b-1 while a same-host node is still placing them in `span` at bytes `value_offsets[i]` (value
-        i of the request; header first), each taken once `placement` says it is placed: how many of them, from the
-        first, are exactly the expected values (header and checksum), their tokens written into the cache as they
-        are verified; and why it stopped (`PlacedStop`: at a damaged value the load ends; interrupted, it goes on
-        from the reply). Only where the backend verifies while it scatters."""
-        regions = [region for region in self.regions if region.has_pieces(a, b)]
-        if b <= a or not regions or not backend.verifies_while_scattering or PAYLOAD_HASH_ADDRESS is None:
-            return 0, PlacedStop.INTERRUPTED
-        heads = expected_heads(self.expected, a, b)
-        first, rest = regions[0], regions[1:]
-        done, why = backend.scatter_pieces_as_placed(
-            first.planes,
-            first.absolute(value_offsets, a, b),
-            span,
-            np.stack([value_offsets[a:b], self.expected.payload_len[a:b]]),
-            heads,
-            first.piece_start[a + 1 : b + 1] - first.piece_start[a],
-            PAYLOAD_HASH_ADDRESS,
-            placement,
-        )
-        for region in rest:  # the other layer groups' rows of the verified values
-            if done and region.has_pieces(a, a + done):
-                backend.scatter_pieces(region.planes, region.absolute(value_offsets, a, a + done), span)
-        return done, why
-
-    def _move(self, backend: CopyBackend, staging: Staging, value_start: np.ndarray, a: int, b: int, gather: bool) -> None:
-        for region in self.regions:
-            if region.has_pieces(a, b):
-                move = backend.gather_pieces if gather else backend.scatter_pieces
-                move(region.planes, region.absolute(value_start, a, b), staging)
-
-    def gather_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
-        """Value i's payload straight into `value` (uint8, the whole value: header space first; a tensor, or a numpy
-        array for CPU planes)."""
-        for region in self.regions:
-            if region.piece_start[i + 1] > region.piece_start[i]:
-                backend.gather_pieces(region.planes, region.of_value(i), value)
-
-    def scatter_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
-        """Value i's rows into the cache straight from the stored value (uint8, verified; may be read-only)."""
-        for region in self.regions:
-            if region.piece_start[i + 1] > region.piece_start[i]:
-                backend.scatter_pieces(region.planes, region.of_value(i), value)
 
 
 @dataclass(frozen=True)
@@ -292,59 +156,18 @@ class RawPlan:
         bounds = self.value_start[a : b + 1].tolist()
         return [host[s:e] for s, e in itertools.pairwise(bounds)]
 
-    def encode(self, host: memoryview, a: int, b: int, encoded: bool = False) -> list[list[Buffer]]:
-        """Values a..b-1 as the pool stores them: each its header (its payload's checksum in it) and its payload in
-        `host` (staging has no room for headers here: a gather never encodes them, `encoded` is always False)."""
-        payloads = self.payloads(host, a, b)
-        headers = build_headers(self.expected, [part_checksum(p) for p in payloads], a)
-        return [[header, payload] for header, payload in zip(headers, payloads)]
+    def segments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Value i's device ranges: pointers and lengths (int64 tensors)."""
+        return self.segments_of(i, i + 1)
 
-    def _segments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r = self.request
-        a, b = int(r.seg_start[i]), int(r.seg_start[i + 1])
-        return torch.from_numpy(r.ptrs[a:b]), torch.from_numpy(r.lengths[a:b])
-
-    def gather_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
-        ptrs, lengths = self._segments(i)
-        if ptrs.numel():
-            backend.gather_segments(ptrs, lengths, _as_tensor(value)[HEADER_SIZE:])
-
-    def scatter_value(self, backend: CopyBackend, i: int, value: Staging) -> None:
-        ptrs, lengths = self._segments(i)
-        if ptrs.numel():
-            backend.scatter_segments(ptrs, lengths, _as_tensor(value)[HEADER_SIZE:])
-
-    def fill_from_values(self, host: np.ndarray, values: Sequence[Buffer], blocks: int) -> None:
-        starts = self.value_start.tolist()
-        for i in range(blocks):
-            host[starts[i] : starts[i + 1]] = np.frombuffer(values[i], dtype=np.uint8, offset=HEADER_SIZE)
-
-    def _range(self, staging: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Values a..b-1's segments (pointers, lengths) and their bytes in staging."""
+    def segments_of(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Values a..b-1's device ranges, in order: pointers and lengths (int64 tensors)."""
         r = self.request
         s, e = int(r.seg_start[a]), int(r.seg_start[b])
-        lo, hi = int(self.value_start[a]), int(self.value_start[b])
-        return torch.from_numpy(r.ptrs[s:e]), torch.from_numpy(r.lengths[s:e]), staging[lo:hi]
-
-    def gather_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> bool:
-        """Values a..b-1's device ranges into their places in staging; False: the headers are the encode's."""
-        ptrs, lengths, span = self._range(staging, a, b)
-        if ptrs.numel():
-            backend.gather_segments(ptrs, lengths, span)
-        return False
-
-    def scatter_range(self, backend: CopyBackend, staging: torch.Tensor, a: int, b: int) -> None:
-        ptrs, lengths, span = self._range(staging, a, b)
-        if ptrs.numel():
-            backend.scatter_segments(ptrs, lengths, span)
+        return torch.from_numpy(r.ptrs[s:e]), torch.from_numpy(r.lengths[s:e])
 
 
 Plan = BlockPlan | RawPlan
-
-
-def _as_tensor(value: Staging) -> torch.Tensor:
-    """Segments move between tensors (raw V0 ranges have no numpy path)."""
-    return tensor_over(value) if isinstance(value, np.ndarray) else value
 
 
 @dataclass(frozen=True)

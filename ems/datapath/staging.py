@@ -7,6 +7,11 @@ theirs (back-pressure, never unbounded memory). A request larger than the whole 
 buffer that is freed afterwards. A buffer a transfer may still touch after its request gave up (a timed-out
 receive) is retired instead of released: its bytes are given back, the buffer is never reused.
 
+Kinds (`StagingKind`, fixed when the lease is made; a job asks the lease, never compares its buffers): `HOST`, one
+host buffer (a CPU cache's own memory: nothing to copy between device and host); `TWIN`, a device buffer and its
+host twin (accelerators: `copy_to_host` / `copy_to_device` move a range between them); `SHARED`, a buffer in a
+same-host pool node's shared-memory region (below).
+
 Shared staging: on the CPU, `acquire(..., shared=...)` first asks `shared(nbytes)` for a buffer in a pool node's
 shared-memory region (`PoolClient.shm_staging`), which the node's calls then move without a copy. Such a lease
 holds no bytes of this pool's capacity (its region bounds it); release and retire hand it back to its region.
@@ -18,6 +23,8 @@ when the pool lets go of it (dropped from the free list, released without being 
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,13 +34,23 @@ import numpy as np
 import torch
 
 from ems.datapath.devices import host_buffer
+from ems.datapath.records import JobRecord, Stage
 
 MIN_BUFFER = 1 << 16
 
 
+class StagingKind(enum.Enum):
+    """Where a lease's bytes live (see the module docstring)."""
+
+    HOST = "host"  # one host buffer: the cache's own memory (CPU)
+    TWIN = "twin"  # a device buffer and its host twin (accelerators)
+    SHARED = "shared"  # a buffer in a same-host pool node's shared-memory region (CPU)
+
+
 @dataclass(eq=False)
 class StagingLease:
-    """A leased staging buffer: `device` and `host` are uint8 `[capacity]` (the same tensor on CPU).
+    """A leased staging buffer: `device` and `host` are uint8 `[capacity]` (the same tensor unless `kind` is
+    `TWIN`).
 
     Leases compare by identity (`eq=False`): a field-wise `==` would compare tensors, which raises for tensors of
     different sizes and is ambiguous for equal ones."""
@@ -41,7 +58,21 @@ class StagingLease:
     device: torch.Tensor
     host: torch.Tensor
     capacity: int
-    shared: Any = None  # the region buffer behind `host` (release() / retire()), or None for this pool's memory
+    kind: StagingKind
+    shared: Any = None  # SHARED: the region buffer behind `host` (release() / retire()); else None
+
+    def copy_to_host(self, lo: int, hi: int, record: JobRecord | None = None) -> None:
+        """Bytes lo..hi-1 from the device buffer to its host twin (queued on the current stream; recorded as
+        `Stage.COPY` in `record`); nothing where they are one buffer."""
+        if self.kind is StagingKind.TWIN:
+            with record.stage(Stage.COPY, hi - lo) if record is not None else contextlib.nullcontext():
+                self.host[lo:hi].copy_(self.device[lo:hi], non_blocking=True)
+
+    def copy_to_device(self, lo: int, hi: int, record: JobRecord | None = None) -> None:
+        """Bytes lo..hi-1 from the host twin to the device buffer (as `copy_to_host`, the other way)."""
+        if self.kind is StagingKind.TWIN:
+            with record.stage(Stage.COPY, hi - lo) if record is not None else contextlib.nullcontext():
+                self.device[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
 
     def host_array(self) -> np.ndarray:
         return self.host.numpy()
@@ -71,7 +102,7 @@ class StagingPool:
 
     @staticmethod
     def _cost(lease: StagingLease) -> int:
-        return lease.capacity * (1 if lease.device is lease.host else 2)
+        return lease.capacity * (2 if lease.kind is StagingKind.TWIN else 1)
 
     def _take_free(self, nbytes: int, device: torch.device) -> StagingLease | None:
         fits = [f for f in self._free if f.capacity >= nbytes and f.device.device == device]
@@ -99,7 +130,7 @@ class StagingPool:
             region_buffer = shared(nbytes)
             if region_buffer is not None:
                 tensor = torch.from_numpy(region_buffer.array)
-                return StagingLease(tensor, tensor, nbytes, shared=region_buffer)
+                return StagingLease(tensor, tensor, nbytes, StagingKind.SHARED, shared=region_buffer)
         size = _round_up(nbytes)
         cost = size * (1 if device.type == "cpu" else 2)
         with self._cond:
@@ -129,10 +160,10 @@ class StagingPool:
                 self._leased_bytes -= cost
                 self._cond.notify_all()
             raise
-        return StagingLease(device_buffer, host, size)
+        return StagingLease(device_buffer, host, size, StagingKind.HOST if device.type == "cpu" else StagingKind.TWIN)
 
     def release(self, lease: StagingLease) -> None:
-        if lease.shared is not None:
+        if lease.kind is StagingKind.SHARED:
             lease.shared.release()
             return
         cost = self._cost(lease)
@@ -149,7 +180,7 @@ class StagingPool:
         """Give back `lease`'s bytes without keeping its buffer for reuse: for a buffer a transfer may still touch
         (a request that timed out is aborted on its endpoint, not awaited). Its memory goes when the last holder
         (the transfer's own reference) lets go, so nothing else is ever placed in it meanwhile."""
-        if lease.shared is not None:
+        if lease.kind is StagingKind.SHARED:
             lease.shared.retire()
             return
         with self._cond:

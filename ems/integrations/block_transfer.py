@@ -223,7 +223,10 @@ class BlockMover:
     def keys(self, hashes: Sequence[EngineHash], epoch: bytes = b"") -> list[int]:
         return block_keys(hashes, self._tp_rank, self._tp_size, self._shared, epoch)
 
-    def load(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> LoadOutcome:
+    def load(
+        self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"", option: CcKvOption | None = None
+    ) -> LoadOutcome:
+        """Load and wait for it (`option`: this call's, e.g. a shorter timeout; else the mover's)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         n = len(block_ids)
@@ -231,7 +234,7 @@ class BlockMover:
             return LoadOutcome(0, [])
         future: CcFuture | None = None
         try:
-            future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
+            future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, option or self._option)
             loaded = min(future.result().success, n)
         except EmsException as exc:  # pool unreachable or timed out: nothing was written
             logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())

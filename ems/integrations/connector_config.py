@@ -22,6 +22,8 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | breaker_cooldown_s  | 2.0                        | how often a pool counted as down is asked again              |
 | lookup_cache_s      | 1.0                        | how long a waiting request's lookup answer is reused          |
 | save_wait_ms        | 2000                       | how long a lookup waits for blocks still being saved (0: never) |
+| step_policy         | "async"                    | lookups and loads in the step or asynchronously (`step_policy`) |
+| in_step_ms          | 50                         | the bound: in-step lookups of a step, and its in-step load, each at most |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | cross_layer_blocks  | false                      | ask vLLM for its block-outermost layout BLHNC: one copy a block |
 | max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
@@ -51,6 +53,7 @@ from ems.config import (
     access_key_from_environment,
     resolve_settings,
 )
+from ems.integrations.step_policy import StepMode
 from ems.transport.holds import MAX_LEASE_MS
 
 # A lookup's blocks are leased for the load that follows (`ems.transport.holds`): long enough for a request that vLLM
@@ -61,6 +64,12 @@ DEFAULT_LEASE_MS = 10_000
 # them to be saved) asks again each step for this long before the request computes them (`save_wait_ms`).
 DEFAULT_SAVE_WAIT_MS = 2000
 MAX_SAVE_WAIT_MS = 60_000
+# The step policy's bound (`in_step_ms`): a step's in-step lookups together, and its in-step load, each take at most
+# this long (a decode step of a mid-size model on an accelerator is tens of milliseconds).
+DEFAULT_IN_STEP_MS = 50
+# Asynchronous (the earlier behaviour) until "auto" has been measured against it in real engines (docs/vllm.md).
+DEFAULT_STEP_MODE = StepMode.ASYNC
+MAX_IN_STEP_MS = 60_000
 
 
 def invalid_argument(message: str) -> EmsException:
@@ -83,6 +92,8 @@ KEYS = (
     "lookup_cache_s",
     "lease_ms",
     "save_wait_ms",
+    "step_policy",
+    "in_step_ms",
     "access_id",
     "access_key",
     "cross_layer_blocks",
@@ -135,6 +146,8 @@ class ConnectorConfig:
     lookup_cache_s: float = 1.0
     lease_ms: int = DEFAULT_LEASE_MS
     save_wait_ms: int = DEFAULT_SAVE_WAIT_MS
+    step_policy: StepMode = DEFAULT_STEP_MODE
+    in_step_ms: int = DEFAULT_IN_STEP_MS
     access_id: str | None = None
     access_key: str | None = field(default=None, repr=False)
     max_inflight: int = DEFAULT_MAX_INFLIGHT
@@ -184,6 +197,18 @@ class ConnectorConfig:
             raise invalid_argument(
                 f"kv_connector_extra_config.save_wait_ms must be an int in 0..{MAX_SAVE_WAIT_MS}, got {save_wait!r}"
             )
+        try:
+            step_policy = StepMode(extra.get("step_policy", DEFAULT_STEP_MODE.value))
+        except ValueError:
+            raise invalid_argument(
+                f"kv_connector_extra_config.step_policy must be one of {[m.value for m in StepMode]}, "
+                f"got {extra.get('step_policy')!r}"
+            ) from None
+        in_step_ms = extra.get("in_step_ms", DEFAULT_IN_STEP_MS)
+        if isinstance(in_step_ms, bool) or not isinstance(in_step_ms, int) or not 0 <= in_step_ms <= MAX_IN_STEP_MS:
+            raise invalid_argument(
+                f"kv_connector_extra_config.in_step_ms must be an int in 0..{MAX_IN_STEP_MS}, got {in_step_ms!r}"
+            )
         inflight = pool.max_inflight
         cross_layer = extra.get("cross_layer_blocks", False)
         if not isinstance(cross_layer, bool):
@@ -205,6 +230,8 @@ class ConnectorConfig:
             lookup_cache_s=float(seconds["lookup_cache_s"]),
             lease_ms=lease_ms,
             save_wait_ms=save_wait,
+            step_policy=step_policy,
+            in_step_ms=in_step_ms,
             access_id=extra.get("access_id"),
             access_key=extra.get("access_key") or (access_key_from_environment() if extra.get("access_id") else None),
             max_inflight=inflight,

@@ -11,6 +11,12 @@ Contract (no engine imports):
   timeout per opening, never one per request or per step. A lookup that was merely slow (a loaded host) and trips
   it costs only misses until the next probe. Saves are not held back: the workers' movers drop what their
   in-flight budget cannot take, so a hung node never blocks a step through them either.
+* `lookup_within(hashes, epoch, timeout_s)`: the same lookup under the caller's own timeout (the step policy's
+  in-step lookups, `step_policy`), answering a `TimedLookup` (hits, seconds, whether it used its whole timeout): it
+  never trips the breaker (the caller decides what a timeout means; the lookup thread's lookups keep deciding
+  whether the pool is down), and with the breaker open it answers 0 at once.
+* `on_lookup` (optional): called with the seconds of every lookup that came back in time (the step policy's
+  latency measurement).
 * Counted in `stats`: `lookup_skipped_blocks` (asked while open) and `breaker_trips`.
 """
 
@@ -19,7 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ems import CcKvOption, ContextCaching, EmsException
 from ems.integrations.block_transfer import EngineHash, StatsSink, lookup
@@ -27,6 +34,13 @@ from ems.integrations.block_transfer import EngineHash, StatsSink, lookup
 logger = logging.getLogger("ems.integrations")
 
 SLOW_FRACTION = 0.95  # a lookup this close to its timeout counts as timed out
+
+
+@dataclass(frozen=True)
+class TimedLookup:
+    hits: int
+    seconds: float
+    timed_out: bool  # came back short only at its timeout (a slow or hung pool)
 
 
 class LookupBreaker:
@@ -51,6 +65,7 @@ class LookupBreaker:
         self._open = False
         self._probe: tuple[list[EngineHash], bytes] | None = None
         self._stop = threading.Event()
+        self.on_lookup: Callable[[float], None] | None = None
 
     @property
     def leases(self) -> bool:
@@ -70,10 +85,27 @@ class LookupBreaker:
             return 0
         started = time.monotonic()
         hits = lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch, lease_ms=self._lease_ms)
-        if hits < len(hashes) and time.monotonic() - started >= self._slow_s:
+        seconds = time.monotonic() - started
+        if hits < len(hashes) and seconds >= self._slow_s:
             self._trip(list(hashes), epoch)
             return 0
+        if self.on_lookup is not None:
+            self.on_lookup(seconds)
         return hits
+
+    def lookup_within(self, hashes: Sequence[EngineHash], epoch: bytes, timeout_s: float) -> TimedLookup:
+        """A lookup under `timeout_s` (at least 1 ms); never trips the breaker (see the module contract)."""
+        if not hashes or self.is_open():
+            return TimedLookup(self.lookup(hashes, epoch), 0.0, False)  # (open: counted as skipped, 0 at once)
+        timeout_ms = max(1, int(timeout_s * 1000))
+        option = CcKvOption(timeout=timeout_ms)
+        started = time.monotonic()
+        hits = lookup(self._cc, hashes, self._tp_size, self._shared, option, epoch=epoch, lease_ms=self._lease_ms)
+        seconds = time.monotonic() - started
+        timed_out = hits < len(hashes) and seconds >= SLOW_FRACTION * timeout_ms / 1000
+        if not timed_out and self.on_lookup is not None:
+            self.on_lookup(seconds)
+        return TimedLookup(hits, seconds, timed_out)
 
     def _trip(self, hashes: list[EngineHash], epoch: bytes) -> None:
         with self._lock:

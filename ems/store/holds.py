@@ -13,7 +13,7 @@ Contract (used by `ems.store.kv_store.KvStore` under its lock; not thread-safe b
   reported as not held (`hold_many`), so a lookup never promises a block it could not keep.
 * Holds belong to a value: when the key's value leaves the store (replaced, deleted, or evicted because nothing
   else could make room) its holds go with it (`forget`).
-* Eviction skips held keys while anything else can be evicted (`ems.store.kv_store.KvStore._make_room`); a store whose
+* Eviction skips held keys while anything else can be evicted (`ems.store.index.LruIndex.make_room`); a store whose
   evictable entries cannot make room for a new value evicts held ones too, oldest first (a capacity is a hard limit).
   With leases at most half the capacity, that takes a value larger than what is left unheld.
 """

@@ -261,12 +261,12 @@ def test_interrupts_are_not_turned_into_ems_errors(recording, interrupt):
 def test_an_interrupt_while_gathering_gives_the_lease_back(recording, monkeypatch):
     _node, cc = recording()
     cc.register_kvcache(make_cache(layers=1, blocks=8, block_size=2))
-    from ems.datapath.planning import BlockPlan
+    from ems.datapath.copier import Copier
 
-    def interrupted(self, backend, staging, a, b):
+    def interrupted(self, plan, staging, a, b):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(BlockPlan, "gather_range", interrupted)
+    monkeypatch.setattr(Copier, "gather", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cc.save([0, 1], [3, 4], [1, 1])
     with pytest.raises(KeyboardInterrupt):

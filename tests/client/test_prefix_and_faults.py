@@ -381,7 +381,7 @@ def test_staging_allocation_failure_is_an_ems_exception(cc, method, monkeypatch)
     store = Ems._pool.nodes[0].store
     used = store.stats().used_bytes
     monkeypatch.setattr(
-        "ems.store.kv_store.KvStore._fresh_buffers", lambda self, nbytes, count: (_ for _ in ()).throw(MemoryError("no memory"))
+        "ems.store.recycling.BufferSupply.fresh", lambda self, nbytes, count: (_ for _ in ()).throw(MemoryError("no memory"))
     )
     with pytest.raises(EmsException) as info:
         getattr(cc, method)(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 64)]])

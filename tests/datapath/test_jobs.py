@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems import CcConfig, Ems, EmsConfig
+from ems.datapath.copier import Gathered, copier_for, encode_values
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
 from ems.datapath.records import JobKind, Stage, stage_table
@@ -103,16 +104,19 @@ def test_one_pass_and_staged_values_are_identical(data):
     plan = _planned(cache, list(slots), list(range(n)), offsets)
     backend = get_backend(torch.device("cpu"))
     staging = torch.zeros(plan.staging_bytes, dtype=torch.uint8)
-    plan.gather_range(backend, staging, 0, plan.total)
+    copier = copier_for(backend, torch.device("cpu"))
+    copier.gather(plan, staging, 0, plan.total)
     for i in range(n):
         value = torch.zeros(plan.value_len(i), dtype=torch.uint8)
-        plan.gather_value(backend, i, value)
+        copier.gather_value(plan, i, value)
         a = int(plan.value_start[i])
         assert torch.equal(value[HEADER_SIZE:], staging[a + HEADER_SIZE : a + plan.value_len(i)])
     # scatter each value into a fresh cache: the staged scatter of the prefix writes the same rows
     host = memoryview(staging.numpy())
     headers = build_headers(plan.expected, [checksum([p]) for p in plan.payloads(host)])
-    values = [bytes(v[0]) for v in plan.encode(host, 0, plan.total)]  # one C call for more than a few values
+    values = [
+        bytes(v[0]) for v in encode_values(plan, host, 0, plan.total, Gathered.PAYLOADS)
+    ]  # one C call for more than a few values
     assert [v[:HEADER_SIZE] for v in values] == headers  # the same header bytes as the struct path
     assert all(matches(v, plan.expected, i) for i, v in enumerate(values))
 
@@ -140,10 +144,10 @@ def test_a_gather_that_encodes_writes_exactly_what_gather_then_encode_writes(dat
     staged = []
     for backend in (TorchBackend(), get_backend(torch.device("cpu"))):
         staging = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, plan.staging_bytes, dtype=np.uint8))
-        encoded = plan.gather_range(backend, staging, a, b)
-        assert encoded == (backend.name == "host")
+        gathered = copier_for(backend, torch.device("cpu")).gather(plan, staging, a, b)
+        assert (gathered is Gathered.VALUES) == (backend.name == "host")
         host = memoryview(staging.numpy())
-        staged.append([bytes(v[0]) for v in plan.encode(host, a, b, encoded)])
+        staged.append([bytes(v[0]) for v in encode_values(plan, host, a, b, gathered)])
     assert staged[0] == staged[1]
     assert all(matches(v, plan.expected, a + i) for i, v in enumerate(staged[1]))
 

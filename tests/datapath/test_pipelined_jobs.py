@@ -35,6 +35,7 @@ from ems_testlib import (
 
 from ems import CcKvOption, CcResult, EmsException, KvBufferWrapper, PrimaryKey
 from ems.config import parse_size
+from ems.datapath.copier import Copier, FusedCopier
 from ems.datapath.jobs import FENCE_GRACE_S, plan_chunks
 from ems.datapath.planning import BlockPlan, plan_blocks
 from ems.datapath.records import JobKind, Stage
@@ -222,9 +223,9 @@ def test_with_replicas_a_damaged_copy_falls_back_to_the_good_one(nodes, connect,
 
 
 def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(nodes, connect, monkeypatch):
-    import ems.datapath.jobs
+    import ems.datapath.jobs.chunks
 
-    monkeypatch.setattr(ems.datapath.jobs, "PIPELINE_DEPTH", 1)  # one chunk in flight: the kill lands mid-request
+    monkeypatch.setattr(ems.datapath.jobs.chunks, "PIPELINE_DEPTH", 1)  # one chunk in flight: the kill lands mid-request
     node = nodes()
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=5)
@@ -232,20 +233,20 @@ def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(n
     set_chunk_bytes(cc, TINY)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     starts = _chunk_starts(cc, slots, hashes, offsets)
-    scatter, verify_scatter = BlockPlan.scatter_range, BlockPlan.verify_scatter_from
+    scatter, verify_scatter = Copier.scatter_at, FusedCopier.verify_scatter
 
-    def kill_after_first(self, backend, staging, a, b):
+    def kill_after_first(self, plan, span, value_offsets, a, b):
         if a == 0:
             node.kill()
-        scatter(self, backend, staging, a, b)
+        scatter(self, plan, span, value_offsets, a, b)
 
-    def kill_after_first_verified(self, backend, span, value_offsets, a, stated):  # the compiled host copy's scatter
+    def kill_after_first_verified(self, plan, span, value_offsets, a, stated):  # the fused copier's scatter
         if a == 0:
             node.kill()
-        return verify_scatter(self, backend, span, value_offsets, a, stated)
+        return verify_scatter(self, plan, span, value_offsets, a, stated)
 
-    monkeypatch.setattr(BlockPlan, "scatter_range", kill_after_first)
-    monkeypatch.setattr(BlockPlan, "verify_scatter_from", kill_after_first_verified)
+    monkeypatch.setattr(Copier, "scatter_at", kill_after_first)
+    monkeypatch.setattr(FusedCopier, "verify_scatter", kill_after_first_verified)
     poisoned = poison(cache)
     start = time.monotonic()
     result = cc.load(slots, hashes, offsets, CcKvOption(timeout=2000))
@@ -264,15 +265,15 @@ def test_a_node_paused_mid_save_gives_the_acknowledged_prefix_in_time(nodes, con
     assert cc.exists(hashes[:1]) == CcResult(0, 1)  # connected
     set_chunk_bytes(cc, TINY)
     starts = _chunk_starts(cc, slots, hashes, offsets)
-    gather = BlockPlan.gather_range
+    gather = Copier.gather
 
-    def pause_at_chunk_5(self, backend, staging, a, b):
+    def pause_at_chunk_5(self, plan, staging, a, b):
         if a == starts[5]:
             time.sleep(0.2)  # the first chunks' puts are answered
             node.pause()
-        gather(self, backend, staging, a, b)
+        return gather(self, plan, staging, a, b)
 
-    monkeypatch.setattr(BlockPlan, "gather_range", pause_at_chunk_5)
+    monkeypatch.setattr(Copier, "gather", pause_at_chunk_5)
     start = time.monotonic()
     try:
         result = cc.save(slots, hashes, offsets, CcKvOption(timeout=1500))
@@ -282,7 +283,7 @@ def test_a_node_paused_mid_save_gives_the_acknowledged_prefix_in_time(nodes, con
     assert elapsed < 1.5 + FENCE_GRACE_S
     assert 0 < result.success <= starts[5] and result.total == BLOCKS
     _idle(cc)
-    monkeypatch.setattr(BlockPlan, "gather_range", gather)
+    monkeypatch.setattr(Copier, "gather", gather)
     time.sleep(0.6)  # the client's reconnect back-off
     poisoned = poison(cache)
     loaded = cc.load(slots, hashes, offsets)
@@ -323,21 +324,21 @@ def test_an_interrupt_while_gathering_with_puts_in_flight_gives_the_lease_back(s
     _cache, slots, hashes, offsets = _setup(cc, seed=8)
     set_chunk_bytes(cc, TINY)
     starts = _chunk_starts(cc, slots, hashes, offsets)
-    gather = BlockPlan.gather_range
+    gather = Copier.gather
 
-    def interrupted_at_chunk_3(self, backend, staging, a, b):
+    def interrupted_at_chunk_3(self, plan, staging, a, b):
         if a == starts[3]:
             raise KeyboardInterrupt
-        gather(self, backend, staging, a, b)
+        return gather(self, plan, staging, a, b)
 
-    monkeypatch.setattr(BlockPlan, "gather_range", interrupted_at_chunk_3)
+    monkeypatch.setattr(Copier, "gather", interrupted_at_chunk_3)
     with pytest.raises(KeyboardInterrupt):
         cc.save(slots, hashes, offsets)
     with pytest.raises(KeyboardInterrupt):
         cc.async_save(slots, hashes, offsets)
     _idle(cc)
     assert len(cc._staging._free) == 1  # the puts had returned: the lease is kept for reuse
-    monkeypatch.setattr(BlockPlan, "gather_range", gather)
+    monkeypatch.setattr(Copier, "gather", gather)
     assert cc.save(slots, hashes, offsets) == CcResult(BLOCKS, BLOCKS)
     _idle(cc)
 

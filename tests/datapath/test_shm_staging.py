@@ -129,16 +129,16 @@ def test_a_failed_save_retires_its_region_and_the_next_connection_serves(client,
 @pytest.fixture
 def as_placed(monkeypatch):
     """What each load's scatter-as-placed returned (count written, why it stopped), in order."""
-    from ems.datapath.planning import BlockPlan
+    from ems.datapath.copier import FusedCopier
 
     seen: list = []
-    real = BlockPlan.verify_scatter_as_placed
+    real = FusedCopier.verify_scatter_as_placed
 
     def spy(self, *args, **kwargs):
         seen.append(real(self, *args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(BlockPlan, "verify_scatter_as_placed", spy)
+    monkeypatch.setattr(FusedCopier, "verify_scatter_as_placed", spy)
     return seen
 
 

@@ -16,6 +16,7 @@ from ems.integrations.connector_config import (
     LocalPoolMode,
     derive_model_id,
 )
+from ems.integrations.step_policy import StepMode
 
 
 def test_defaults_and_every_key(monkeypatch):
@@ -34,6 +35,8 @@ def test_defaults_and_every_key(monkeypatch):
             "load_failure_policy": "fail",
             "lease_ms": 0,
             "save_wait_ms": 500,
+            "step_policy": "in_step",
+            "in_step_ms": 20,
             "access_id": "team-a",
             "access_key": "k" * 32,
             "pool_capacity": "1GiB",
@@ -53,7 +56,9 @@ def test_defaults_and_every_key(monkeypatch):
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
     assert full.lease_ms == 0 and full.load_failure_policy == "fail" and full.save_wait_ms == 500
     assert config.save_wait_ms == 2000
-    assert len(KEYS) == 16 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert config.step_policy == StepMode.ASYNC and config.in_step_ms == 50
+    assert full.step_policy == StepMode.IN_STEP and full.in_step_ms == 20
+    assert len(KEYS) == 18 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
@@ -156,6 +161,11 @@ def test_equal_configs_for_every_process():
         {"save_wait_ms": 60_001},
         {"save_wait_ms": 0.5},
         {"lease_ms": 1.5},
+        {"step_policy": "sometimes"},
+        {"step_policy": True},
+        {"in_step_ms": -1},
+        {"in_step_ms": 60_001},
+        {"in_step_ms": 2.5},
     ],
 )
 def test_bad_values_name_the_key(extra):

@@ -19,7 +19,7 @@ from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
 from ems.datapath.requests import Operation, bind_request
 from ems.datapath.staging import MIN_BUFFER, StagingPool
-from ems.store import kv_store
+from ems.store import arena
 from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
 from ems.store.value_format import (
     HEADER_SIZE,
@@ -259,14 +259,14 @@ def test_background_populate_goes_in_small_steps(monkeypatch):
     busy host it measures the scheduler. The pacer is told the host has spare CPU (a busy host would otherwise hold
     the populate back, which is `SpareCpuPacer`'s own test)."""
     steps: list[int] = []
-    real_populate = kv_store.populate_pages
+    real_populate = arena.populate_pages
 
     def recording_populate(address: int, length: int) -> bool:
         steps.append(length)
         return real_populate(address, length)
 
-    monkeypatch.setattr(kv_store, "populate_pages", recording_populate)
-    monkeypatch.setattr(kv_store, "SpareCpuPacer", functools.partial(SpareCpuPacer, idle=lambda: None))
+    monkeypatch.setattr(arena, "populate_pages", recording_populate)
+    monkeypatch.setattr(arena, "SpareCpuPacer", functools.partial(SpareCpuPacer, idle=lambda: None))
     store = KvStore(512 << 20, prefault_ahead=256 << 20)
     try:
         deadline = time.monotonic() + 120  # progress, not speed: generous for a host whose cores are busy

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("ems.integrations.vllm")
@@ -177,6 +178,11 @@ class EmsConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return cast(KVConnectorMetadata, self._scheduler().build_connector_meta(scheduler_output))  # registered above
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' output of a step: their load and save statistics feed the step policy's measured rates."""
+        stats = connector_output.kv_connector_stats
+        self._scheduler().update_connector_output(stats.data if stats is not None else None)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
 
@@ -214,7 +220,7 @@ class EmsConnector(KVConnectorBase_V1):
         return self._worker().get_block_ids_with_load_errors()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous and whole-block: a request computes only once its load has finished
+        return  # whole-block loads: an in-step load ends in start_load_kv, an asynchronous one before its request runs
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # whole blocks of every layer are saved at once in wait_for_save

@@ -20,8 +20,10 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   else to run (`idle`) waits up to `IDLE_WAIT_S` for the batch instead of spinning. It fills the step's record
   (`steps.SchedulerStep`: lookups sent, the step's wait, batches answered and their seconds). `close()` stops the threads.
 
-Extending it: a policy that asks some lookups inside the step (a fast pool) would answer them in `match` by
-`self.breaker.lookup(...)` directly; everything else (the answers' reuse, `take`, the epoch) stays the same.
+* The step policy (`policy`, `ems.integrations.step_policy`): where it says so (a fast pool, measured), a new lookup
+  is asked in `match` itself, on the caller's thread, under what is left of the step's bound
+  (`LookupBreaker.lookup_within`), and answered at once; one that times out marks the pool slow and is asked in the
+  step's batch instead. Every lookup's latency (in the step or on the lookup thread) feeds the policy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from ems.integrations.block_transfer import EngineHash
 from ems.integrations.lookup_batcher import LookupBatcher
 from ems.integrations.lookup_breaker import LookupBreaker
+from ems.integrations.step_policy import StepPolicy
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import IDLE_WAIT_S
 from ems.integrations.vllm.steps import SchedulerStep
@@ -59,6 +62,8 @@ class PoolLookups:
         self.breaker = LookupBreaker(
             ctx.cc, ctx.tp_size, ctx.mla, config.lookup_timeout_ms, config.breaker_cooldown_s, ctx.stats, config.lease_ms
         )
+        self.policy = StepPolicy(config.step_policy, config.in_step_ms / 1000, ctx.block_bytes)
+        self.breaker.on_lookup = self.policy.record_lookup
         self._batcher = LookupBatcher(self.breaker)
         self._answers: dict[str, LookupAnswer] = {}
         self._asking: dict[str, tuple[int, int, bytes]] = {}  # request -> (start, blocks, epoch) asked, unanswered
@@ -96,12 +101,28 @@ class PoolLookups:
             self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked again
         if asked != wanted or hits is None or hits < wanted_hits:  # not asked yet, for other blocks, or short
             wanted_hashes = hashes()
-            if not self.breaker.is_open():
+            breaker_open = self.breaker.is_open()
+            timeout_s = self.policy.lookup_timeout_s(breaker_open)
+            in_step = None
+            if timeout_s is not None:  # a fast pool: asked now, in the step, within what is left of its bound
+                self._ctx.register_shadow()
+                if asked is not None:
+                    self._batcher.forget(req_id)
+                    self._asking.pop(req_id, None)
+                in_step = self.breaker.lookup_within(wanted_hashes, epoch, timeout_s)
+                self.policy.spend_lookup(in_step.seconds, in_step.timed_out)
+                if not in_step.timed_out and in_step.hits < wanted_hits:
+                    self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked next step
+                    return None
+            if in_step is not None and not in_step.timed_out:
+                hits = in_step.hits
+            elif not breaker_open:
                 self._ctx.register_shadow()
                 self._batcher.ask(req_id, wanted_hashes, epoch)
                 self._asking[req_id] = wanted
                 return None
-            hits = self.breaker.lookup(wanted_hashes, epoch)  # the pool counts as down: 0 at once, no network
+            else:
+                hits = self.breaker.lookup(wanted_hashes, epoch)  # the pool counts as down: 0 at once, no network
         self._asking.pop(req_id, None)  # (its wait's end is kept until `take`: one wait per request)
         self._answers[req_id] = LookupAnswer(start, hits, full - start, epoch, now)
         return hits
@@ -132,6 +153,10 @@ class PoolLookups:
             self._batcher.wait(IDLE_WAIT_S)
             record.wait_s = time.perf_counter() - started
         record.lookup_batches, record.lookup_s = self._batcher.take_answered()
+        policy = self.policy
+        record.in_step_lookups, record.in_step_lookup_s = policy.step_lookups, policy.step_lookup_s
+        record.in_step_loads, record.in_step_load_blocks = policy.step_loads, policy.step_load_blocks
+        policy.begin_step()
 
     def close(self) -> None:
         self._batcher.close()

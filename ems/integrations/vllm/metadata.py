@@ -2,8 +2,9 @@
 
 Contract: plain data (pickled to worker processes by vLLM); `connector.py` registers `EmsConnectorMetadata` as a
 `KVConnectorMetadata` (vLLM's base is an empty ABC), so this module needs no vLLM. Per step: the loads to start (each
-request's blocks, their engine hashes and the epoch its lookup found them in; a load promised before a reset is
-`cancelled`: reported failed, never loaded), the blocks the step computed to save, whether the step scheduled
+request's blocks, their engine hashes and the epoch its lookup found them in; `in_step`: loaded before the step's
+forward, the request computed in the same step; a load promised before a reset is `cancelled`: reported failed,
+never loaded), the blocks the step computed to save, whether the step scheduled
 nothing (`idle`), and the requests with saves in flight that its schedule preempted (`preempted`: the worker waits
 for their copy-outs before the forward, `EmsWorker.handle_preemptions`).
 """
@@ -25,6 +26,7 @@ class BlockTransfer:
     hashes: list[bytes]
     epoch: bytes = b""  # the namespace epoch of its keys (`ems.integrations.epoch`)
     cancelled: bool = False  # a load promised before a reset: reported failed, never loaded
+    in_step: bool = False  # loaded before this step's forward (vLLM's synchronous path), never reported finished
 
 
 @dataclass

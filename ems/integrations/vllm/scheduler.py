@@ -4,8 +4,12 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
 * `get_num_new_matched_tokens(request, num_computed_tokens)`: the request's full prompt blocks past vLLM's local
   prefix-cache hit, by vLLM's own `request.block_hashes` (never the block holding the last prompt token: vLLM must
   compute at least one token), are looked up in the pool off this thread (`lookups.PoolLookups`); vLLM is told None
-  ("ask again next step") until the answer is in. A hit is an asynchronous load (the request waits while others
-  run); the blocks it reports are leased for that load.
+  ("ask again next step") until the answer is in, unless the step policy (`ems.integrations.step_policy`, on
+  `lookups.policy`) asks it in the step (a fast pool, measured: answered at once). A hit's load runs in the step
+  (vLLM's synchronous path, `load_kv_async` False: the workers load it before the forward and the request is
+  computed in this step) where the policy says it fits the step's bound, else asynchronously (the request waits
+  while others run); the blocks it reports are leased for that load. `update_connector_output` hands the workers'
+  load and save statistics to the policy (its measured load rate).
 * `update_state_after_alloc` records the request (`RequestState`) and its load, keyed in the epoch its lookup found
   the blocks in; `build_connector_meta` sends the step's loads and the full prompt blocks the step computed
   (each block once per request, again when vLLM recomputes blocks after a failed load) to the workers, and names
@@ -26,7 +30,7 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
 * KV events go to `events` (`observability.KvEventLog`): a `BlockStored` for every run of blocks sent to the pool,
   `AllBlocksCleared` on a reset.
 
-Extending it (a step policy, roles): per-request state is `RequestState` (`requests`), what the pool answered
+Extending it: per-request state is `RequestState` (`requests`), what the pool answered
 for a request is `lookups.LookupAnswer`, and a step's work for the workers is `metadata.EmsConnectorMetadata`.
 """
 
@@ -38,7 +42,9 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ems.integrations.block_transfer import TransferStats
 from ems.integrations.epoch import EpochRecord, EpochWatch
+from ems.integrations.step_policy import Placement
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.lookups import PoolLookups
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
@@ -94,6 +100,7 @@ class EmsScheduler:
         self.steps: StepLog[SchedulerStep] = StepLog()  # the per-step record
         self._waiting_lookups = 0  # requests told "ask again next step" during this step
         self._save_wait_s = ctx.config.save_wait_ms / 1000
+        self._in_step: set[str] = set()  # requests whose hit the policy loads in the step, if vLLM admits them
 
     def _hashes(self, request: Request) -> list[bytes]:
         hashes = request.block_hashes
@@ -118,7 +125,22 @@ class EmsScheduler:
         if hits is None:
             self._waiting_lookups += 1
             return None, False
-        return hits * block_size, hits > 0
+        self._in_step.discard(request.request_id)
+        if hits == 0:
+            return 0, False
+        decision = self.lookups.policy.decide_load(hits, self.lookups.breaker.is_open())
+        if decision.placement is Placement.IN_STEP:
+            self._in_step.add(request.request_id)
+            return hits * block_size, False  # vLLM's synchronous path: loaded before this step's forward
+        return hits * block_size, True
+
+    def update_connector_output(self, worker_stats: dict[str, Any] | None) -> None:
+        """The workers' statistics of the step (vLLM's `KVConnectorOutput.kv_connector_stats`): their load and save
+        jobs' bytes and seconds are the policy's measured rates."""
+        if not worker_stats:
+            return
+        stats = TransferStats.from_dict(worker_stats)
+        self.lookups.policy.record_transfer(stats.load_bytes, stats.load_seconds, stats.save_bytes, stats.save_seconds)
 
     def _expected(self, request: Request, start: int, full: int) -> int:
         """How many of the request's blocks from `start` are on their way to the pool: what a producer announced in
@@ -158,9 +180,13 @@ class EmsScheduler:
         # a load reads the epoch its lookup found (and leased) the blocks in; the request saves only while that is
         # still the epoch (a reset in between: its KV may be the old weights')
         epoch = found.epoch if found is not None and loaded > 0 else self.epoch.epoch
+        in_step = rid in self._in_step
+        self._in_step.discard(rid)
         if loaded > 0:
             hashes = self._hashes(request)
-            self._loads[rid] = BlockTransfer(rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch)
+            self._loads[rid] = BlockTransfer(
+                rid, block_ids[start : start + loaded], hashes[start : start + loaded], epoch, in_step=in_step
+            )
         self.requests[rid] = RequestState(request, block_ids, start + loaded, epoch)
 
     def _add_saves(self, meta: EmsConnectorMetadata, state: RequestState, computed_before: int, computed_after: int) -> None:
@@ -220,6 +246,7 @@ class EmsScheduler:
                 state.block_ids.extend(new_ids[0])
             computed = cached.num_computed_tokens[i]
             self._add_saves(meta, state, computed, computed + scheduled.get(rid, 0))
+        # in-step loads: their requests are scheduled in this step, the workers load them before the forward;
         # asynchronous loads: their requests wait (not scheduled) until the workers report them in get_finished
         meta.loads.extend(self._loads.values())
         self._loads.clear()
@@ -242,6 +269,7 @@ class EmsScheduler:
         rid = request.request_id
         state = self.requests.pop(rid, None)
         self.lookups.forget(rid)
+        self._in_step.discard(rid)
         # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished.
         # Saves copy their blocks out after the step, off it: vLLM keeps them until every worker reports the request
         # in finished_sending (each worker knows the same requests from the metadata).

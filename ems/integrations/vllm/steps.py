@@ -6,13 +6,14 @@ is one deque append, so the record costs a step nothing measurable):
 * the scheduler half one `SchedulerStep` per `build_connector_meta`: tokens and requests the step scheduled, the
   lookups it dispatched (requests, in one batch), requests still waiting for a lookup's answer, the loads and
   saves it sent (requests, blocks), the lookup batches answered since the previous step and their seconds on the
-  lookup thread, and the seconds the step itself waited for lookups (only a step with nothing else to run waits);
+  lookup thread, the seconds the step itself waited for lookups (only a step with nothing else to run waits), and
+  the step policy's in-step lookups (with their seconds) and in-step loads (requests, blocks);
 * the worker half one `WorkerStep` per step, closed at `get_finished` (vLLM's last connector call of a step): the
   loads it started (requests, and the calls they took), left queued (the in-flight budget), and saw finish (with
   their seconds from start to end), the blocks it queued for copy-out, the seconds its calls took on the step
   (`call_s`: start_load_kv, wait_for_save, handle_preemptions, get_finished) and of those the seconds spent waiting
   (`wait_s`: an idle step's wait for a load, a preemption's wait for copy-outs), and its async calls in flight at
-  the end of the step.
+  the end of the step, and the in-step loads it ran before the forward (requests, blocks, seconds).
 `records()` returns them as dicts, oldest first, each with `at_s` (time.monotonic() at the record's end).
 """
 
@@ -40,6 +41,10 @@ class SchedulerStep:
     load_blocks: int = 0
     save_blocks: int = 0
     wait_s: float = 0.0  # the step's own wait for lookups (a step with nothing else to run)
+    in_step_lookups: int = 0  # lookups asked inside the step (the step policy: a fast pool)
+    in_step_lookup_s: float = 0.0  # their seconds on the step
+    in_step_loads: int = 0  # requests whose load runs before this step's forward (vLLM's synchronous path)
+    in_step_load_blocks: int = 0
 
 
 @dataclass
@@ -55,6 +60,9 @@ class WorkerStep:
     call_s: float = 0.0  # the connector's worker calls of this step
     wait_s: float = 0.0  # of which waiting (an idle step's wait for a load; a preemption's for copy-outs)
     inflight: int = 0  # async calls of this worker in flight at the end of the step
+    in_step_loads: int = 0  # requests loaded before the forward (the step policy's in-step loads)
+    in_step_load_blocks: int = 0  # blocks they asked for (each distinct block read once)
+    in_step_load_s: float = 0.0  # the seconds those loads held the step (part of call_s)
 
 
 Record = TypeVar("Record", SchedulerStep, WorkerStep)

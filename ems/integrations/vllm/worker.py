@@ -12,6 +12,10 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
   from the first (the API's `success`): the request it stopped in keeps its leading blocks (the rest recomputed);
   the requests after it were not read, and are asked for once more on the next step when the call loaded anything
   (else they are recomputed: a pool that served nothing is not asked again).
+  Loads the step policy placed in the step (`BlockTransfer.in_step`: vLLM's synchronous path, the request is
+  computed in this step) run in `start_load_kv` itself, before the forward, as one call that waits under the policy's
+  bound (`in_step_ms` as its timeout): blocks it did not load go to `get_block_ids_with_load_errors` in this step
+  (vLLM recomputes them); they are never named in `get_finished`.
   `get_finished` names each request whose load has finished (never blocks, but for a step with nothing scheduled:
   `IDLE_WAIT_S`); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM
   recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`).
@@ -37,6 +41,7 @@ from operator import itemgetter
 
 import torch
 
+from ems import CcKvOption
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, PendingLoad
 from ems.integrations.save_copier import SaveCopier
@@ -118,6 +123,12 @@ class EmsWorker:
         self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
         self.steps: StepLog[WorkerStep] = StepLog()  # the per-step record, closed at get_finished
         self._step = WorkerStep()
+        # an in-step load holds the step: it waits at most the step policy's bound
+        self._in_step_option = CcKvOption(
+            write_rcache=ctx.option.write_rcache,
+            read_local_only=ctx.option.read_local_only,
+            timeout=max(1, ctx.config.in_step_ms),
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], tp_rank: int, used_backends: set[str]) -> None:
         ctx = self._ctx
@@ -171,9 +182,31 @@ class EmsWorker:
         if self._mover is None or meta is None:
             return
         started = time.perf_counter()
-        self._queued_loads.extend(meta.loads)
+        in_step = [load for load in meta.loads if load.in_step]
+        self._queued_loads.extend(load for load in meta.loads if not load.in_step)
+        if in_step:
+            self._load_in_step(in_step)
+            self._step.in_step_load_s += time.perf_counter() - started
         self._start_queued_loads()
         self._step.call_s += time.perf_counter() - started
+
+    def _load_in_step(self, loads: list[BlockTransfer]) -> None:
+        """The step's in-step loads, one call per epoch, waited for under the policy's bound; what did not arrive is
+        reported failed in this step."""
+        if self._mover is None:
+            return
+        by_epoch: dict[bytes, list[BlockTransfer]] = {}
+        for load in loads:
+            if load.cancelled:  # promised before a reset: never loaded (vLLM recomputes)
+                self._load_errors.update(load.block_ids)
+            else:
+                by_epoch.setdefault(load.epoch, []).append(load)
+        for epoch, group in by_epoch.items():
+            call = _LoadCall.plan(group)
+            outcome = self._mover.load(call.block_ids, call.hashes, epoch, self._in_step_option)
+            self._step.in_step_loads += len(group)
+            self._step.in_step_load_blocks += len(call.block_ids)
+            self._settle(call, outcome.loaded, retry=False)
 
     def _start_queued_loads(self) -> None:
         if self._mover is None:
@@ -254,28 +287,33 @@ class EmsWorker:
                 continue
             self._inflight_loads.remove(call)
             self._step.load_s += time.perf_counter() - call.pending.started
-            # a load's `success` counts the call's blocks from the first: a request gets its leading blocks the call
-            # loaded (the rest is recomputed) unless its first missing block was never read (the call stopped
-            # earlier, at another request's block; its lease holds): then, when the call loaded anything (the pool
-            # is up), it is asked for once more on the next step instead of being recomputed
-            loaded = outcome.loaded
-            src: list[int] = []
-            dst: list[int] = []
-            for load, position in zip(call.loads, call.positions):
-                got = call.loaded_blocks(position, loaded)
-                if got < len(position) and position[got] > loaded and loaded > 0 and load.req_id not in self._retried:
-                    self._retried.add(load.req_id)
-                    self._queued_loads.append(load)
-                    continue
-                self._retried.discard(load.req_id)
-                self._load_errors.update(load.block_ids[got:])
-                self._step.loads_done += 1
-                done.add(load.req_id)
-                src.extend(
-                    itemgetter(*position[:got])(call.block_ids) if got > 1 else [call.block_ids[p] for p in position[:got]]
-                )
-                dst.extend(load.block_ids[:got])
-            self._copy_blocks(src, dst)
+            done |= self._settle(call, outcome.loaded, retry=True)
+        return done
+
+    def _settle(self, call: _LoadCall, loaded: int, retry: bool) -> set[str]:
+        """A finished call's requests: each gets its leading blocks the call loaded (copied into its own blocks where
+        another request's block was read for it), the rest go to the load errors; returns the requests done."""
+        # a load's `success` counts the call's blocks from the first: a request gets its leading blocks the call
+        # loaded (the rest is recomputed) unless its first missing block was never read (the call stopped earlier,
+        # at another request's block; its lease holds): then, with `retry` (an asynchronous load) and when the call
+        # loaded anything (the pool is up), it is asked for once more on the next step instead of being recomputed
+        done: set[str] = set()
+        src: list[int] = []
+        dst: list[int] = []
+        for load, position in zip(call.loads, call.positions):
+            got = call.loaded_blocks(position, loaded)
+            if retry and got < len(position) and position[got] > loaded and loaded > 0 and load.req_id not in self._retried:
+                self._retried.add(load.req_id)
+                self._queued_loads.append(load)
+                continue
+            self._retried.discard(load.req_id)
+            self._load_errors.update(load.block_ids[got:])
+            done.add(load.req_id)
+            src.extend(itemgetter(*position[:got])(call.block_ids) if got > 1 else [call.block_ids[p] for p in position[:got]])
+            dst.extend(load.block_ids[:got])
+        if retry:
+            self._step.loads_done += len(done)
+        self._copy_blocks(src, dst)
         return done
 
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -154,6 +154,33 @@ def test_second_engine_serves_prefixes_from_the_pool(setup, reference):
     assert worker["load_bytes"] > 0 and worker["save_blocks"] > 0  # prompts 3 and 4's new blocks
 
 
+@pytest.mark.parametrize("policy", ["in_step", "auto"])
+def test_the_step_policy_loads_inside_the_step_with_the_same_outputs(setup, reference, policy):
+    """`step_policy` "in_step" (forced) and "auto" (measured: the first round's lookups and saves are its
+    measurements): round 0 computes and saves prompts 0-2 (a namespace of its own: a reset first), round 1 (vLLM's
+    prefix cache reset) sends them at once: each is looked up and loaded inside the step it is admitted in (vLLM's
+    synchronous path), with the reference's tokens and every full prompt block cached; no asynchronous load at all."""
+    prompts = setup["prompts"]
+    out = engine(
+        setup,
+        f"step-{policy}",
+        [[0, 1, 2], [0, 1, 2]],
+        # a bound far above what the local node takes, so a busy shared host does not send work asynchronously
+        extra={"step_policy": policy, "in_step_ms": 5000, "read_cache_capacity": 0},
+        batch=True,
+        before_round={"0": {"reset_connector": True}, "1": {"reset_prefix_cache": True}},
+    )
+    for r in out["rounds"][1]:
+        assert r["samples"] == [reference[r["prompt"]]], r["prompt"]
+        assert r["num_cached_tokens"] == full_blocks(len(prompts[r["prompt"]])), r["prompt"]
+    records = out["step_records"]["1"]
+    assert sum(r["in_step_loads"] for r in records["scheduler"]) > 0, records["scheduler"]
+    assert sum(r["in_step_loads"] for r in records["worker"]) > 0
+    assert sum(r["loads_started"] for r in records["worker"]) == 0  # nothing asynchronous
+    assert sum(r["lookups_sent"] for r in records["scheduler"]) == 0  # every lookup answered in the step
+    assert out["stats"]["worker"]["load_failed_blocks"] == 0 and out["stats"]["worker"]["load_blocks"] > 0
+
+
 def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_miss(setup, reference):
     """Engine D runs the model with another rope_theta (hf_overrides) on the pool engines A and B filled: it loads
     nothing of theirs. After `reset_prefix_cache(reset_connector=True)` it loads nothing of its own either. Engine E

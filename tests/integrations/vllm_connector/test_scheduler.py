@@ -54,7 +54,7 @@ def finish_load(worker: EmsWorker, req_id: str) -> set[int]:
 
 @pytest.fixture
 def halves():
-    ctx = make_context(epoch_refresh_s=0.05)
+    ctx = make_context(epoch_refresh_s=0.05, step_policy="async")  # the asynchronous path (test_step_policy.py: in the step)
     caches = kv_caches(ctx.num_blocks)
     worker = EmsWorker(ctx)
     worker.register_kv_caches(caches, 0, {"CPU_ATTN"})

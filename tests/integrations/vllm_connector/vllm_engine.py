@@ -13,8 +13,10 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
                                           "kill_pid_at_next_load": pid}}}
   reset_connector: `llm.reset_prefix_cache(reset_connector=True)` (vLLM's and the connector's caches).
   "batch": true: each round's prompts go to vLLM at once (concurrent requests; `n`, `temperature`, `seed` set the
-  sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s") and the
-  round's wall time ("wall_s"); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
+  sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s"), the
+  round's wall time ("wall_s"), the CPU seconds of this process's threads by name and of the local pool node in
+  `extra.local_pool_dir` ("cpu_s") and the most KV cache blocks in use at once ("max_used_blocks", single-process
+  mode); with "log_stats": true each request's "ttft_s" and mean "itl_s" (vLLM's
   per-request timestamps); "sigstop_pid" in before_round stops a
   process (a hung pool node) for that round and resumes it after the round. "copy_delay_s": in that round every
   save's copy-out starts that late; "hold_copy_outs": in that round copy-outs first wait for the next preemption
@@ -270,6 +272,32 @@ def copy_backend(spec: dict):
     return get_backend(cc.layout.device, KernelBackend(spec.get("extra", {}).get("kernel_backend", "auto")))
 
 
+def cpu_seconds(pool_dir: str | None) -> dict:
+    """CPU seconds so far (user + system) of each of this process's threads, summed by thread name, and of the local
+    pool node recorded in `pool_dir` ("pool node"), and torch's intra-op thread count: where a round's CPU went."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-_")
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    if pool_dir:
+        try:
+            with open(os.path.join(pool_dir, "pool.json")) as f:
+                pid = int(json.load(f)["pid"])
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out["pool node"] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
 def settle(llm) -> None:
     """Step an in-process engine until no finished request holds blocks (the connector keeps a finished request's
     blocks until its saves are copied out, and `generate` returns before the step that releases them): vLLM
@@ -296,6 +324,10 @@ def run(spec: dict) -> dict:
             kv_connector_extra_config=spec.get("extra", {}),
             **policy,
         )
+    if spec.get("torch_threads"):
+        import torch
+
+        torch.set_num_threads(int(spec["torch_threads"]))
     if spec.get("hf_overrides"):
         kwargs["hf_overrides"] = spec["hf_overrides"]
     llm = LLM(
@@ -326,6 +358,13 @@ def run(spec: dict) -> dict:
     engine_step = llm.llm_engine.step
     preempt_at = [-1]  # this round's step at which every running request is preempted (-1: none)
 
+    used_blocks = [0]  # this round's most KV cache blocks in use at once (single-process mode)
+    block_pool = (
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        else None
+    )
+
     def timed_step(*args, **kwargs):
         if len(step_seconds) == preempt_at[0]:
             preempt_running(llm)
@@ -334,6 +373,8 @@ def run(spec: dict) -> dict:
             return engine_step(*args, **kwargs)
         finally:
             step_seconds.append(time.perf_counter() - start)
+            if block_pool is not None:
+                used_blocks[0] = max(used_blocks[0], block_pool.num_gpu_blocks - block_pool.get_num_free_blocks())
 
     llm.llm_engine.step = timed_step
     preemptions = [0]
@@ -391,6 +432,8 @@ def run(spec: dict) -> dict:
             if follow:
                 wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             step_seconds.clear()
+            used_blocks[0] = 0
+            cpu_before = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
             round_start = time.monotonic()
             start = time.perf_counter()
             try:
@@ -399,6 +442,8 @@ def run(spec: dict) -> dict:
                 if before.get("sigstop_pid"):
                     os.kill(int(before["sigstop_pid"]), signal.SIGCONT)
             wall = time.perf_counter() - start
+            cpu_after = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
+            round_cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()}
             step_records[str(r)] = connector_steps(llm, round_start)
             if progress_file:
                 with open(progress_file, "a") as f:
@@ -413,6 +458,8 @@ def run(spec: dict) -> dict:
                         "max_step_s": max(step_seconds, default=0.0),
                         "step_s": list(step_seconds),
                         "wall_s": wall,
+                        "cpu_s": round_cpu,
+                        "max_used_blocks": used_blocks[0],
                         **token_times(out),
                     }
                     for i, out in zip(indexes, outs)

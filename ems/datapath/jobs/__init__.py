@@ -1,0 +1,73 @@
+"""Save and load jobs: one call's data path as explicit stages, each recorded (`ems.datapath.records`).
+
+A save runs gather → encode → send, a load receive → verify → scatter (plus `copy` between device and host staging
+on accelerators). A call is one `Transfer` (its plan, device, copier, option and record: `transfer.py`) along its
+client's `PoolRoute` (pool, staging, chunk size); the copies are its copier's (`ems.datapath.copier`: fused or
+separate, chosen once per job by `copier_for`). `save_job` / `load_job` pick the job for the call's path (never the
+caller), one module per path:
+
+* `embedded.py` (`EmbeddedSave`, `EmbeddedLoad`): the embedded pool with CPU tensors, one pass straight between the
+  cache and the store's own buffers;
+* `pipelined_save.py`, `pipelined_load.py` (`PipelinedSave`, `PipelinedLoad`): remote pools, accelerators: through
+  staging, chunk by chunk (`chunks.py`: cutting, in-flight bounds, fencing, merging);
+* `staged.py` (`StagedLoad`): V0 loads from pool nodes (staging without room for the headers);
+* `transfer.py`: the descriptors, the jobs' contract (`SaveJob`, `LoadJob`) and the job of no values.
+
+Failure semantics are `ContextCaching`'s: a job never writes a block it did not verify, nor one after the first
+miss, and gives back every buffer and lease on every path.
+"""
+
+from __future__ import annotations
+
+from ems.backends.base import PoolBackend
+from ems.datapath.jobs.chunks import FENCE_GRACE_S, PIPELINE_DEPTH, plan_chunks
+from ems.datapath.jobs.embedded import EmbeddedLoad, EmbeddedSave
+from ems.datapath.jobs.pipelined_load import PipelinedLoad
+from ems.datapath.jobs.pipelined_save import PipelinedSave
+from ems.datapath.jobs.staged import StagedLoad
+from ems.datapath.jobs.transfer import LoadJob, NothingToMove, PoolRoute, SaveJob, Transfer
+from ems.datapath.planning import BlockPlan
+from ems.store.kv_store import KvStore
+
+__all__ = [
+    "FENCE_GRACE_S",
+    "PIPELINE_DEPTH",
+    "EmbeddedLoad",
+    "EmbeddedSave",
+    "LoadJob",
+    "PoolRoute",
+    "SaveJob",
+    "Transfer",
+    "load_job",
+    "plan_chunks",
+    "save_job",
+]
+
+
+def _embedded_store(pool: PoolBackend, transfer: Transfer) -> KvStore | None:
+    """The store a call's job works on directly (the one-pass path): the embedded pool's, for CPU tensors."""
+    return pool.local_store if transfer.device.type == "cpu" else None
+
+
+def save_job(transfer: Transfer, route: PoolRoute) -> SaveJob:
+    """The save job for this call's path: embedded (CPU tensors, the embedded pool) or pipelined (or, for no values,
+    nothing)."""
+    if transfer.plan.total == 0:
+        return NothingToMove(transfer.record)
+    store = _embedded_store(route.pool, transfer)
+    if store is not None:
+        return EmbeddedSave(transfer, store)
+    return PipelinedSave(transfer, route)
+
+
+def load_job(transfer: Transfer, route: PoolRoute) -> LoadJob:
+    """The load job for this call's path: embedded, pipelined (V1) or staged (V0 from pool nodes) (or, for no values,
+    nothing)."""
+    if transfer.plan.total == 0:
+        return NothingToMove(transfer.record)
+    store = _embedded_store(route.pool, transfer)
+    if store is not None:
+        return EmbeddedLoad(transfer, store)
+    if isinstance(transfer.plan, BlockPlan):
+        return PipelinedLoad(transfer, route)
+    return StagedLoad(transfer, route)

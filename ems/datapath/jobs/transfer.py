@@ -1,0 +1,87 @@
+"""A call's transfer as data, and the jobs' contract.
+
+`Transfer` is one save or load call's descriptor: what moves (`plan`: data, `ems.datapath.planning`), on which device,
+by which copier (`ems.datapath.copier`, chosen once for the job), with the call's option and its job record.
+`PoolRoute` is where a client's transfers go: its pool, its staging pool and the chunk size. A job is built from
+the two (`ems.datapath.jobs.save_job` / `load_job`) and runs as `SaveJob` or `LoadJob`; no job holds anything a
+descriptor does not name, and every job gives back every buffer and lease on every path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ems.backends.base import PoolBackend, PoolOutcome
+from ems.datapath.copier import Copier
+from ems.datapath.planning import Plan
+from ems.datapath.records import JobRecord
+from ems.datapath.staging import StagingPool
+from ems.types import CcKvOption
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One call's transfer: its plan, the device of the engine's cache, the job's copier, the call's option
+    (deadline, read cache) and the job's record (every stage is recorded there)."""
+
+    plan: Plan
+    device: torch.device
+    copier: Copier
+    option: CcKvOption
+    record: JobRecord
+
+
+@dataclass(frozen=True)
+class PoolRoute:
+    """Where a client's transfers go: the pool, the staging pool (`ems.datapath.staging`) and the chunk size of a
+    pipelined job (`Settings.chunk_bytes`)."""
+
+    pool: PoolBackend
+    staging: StagingPool
+    chunk_bytes: int
+
+
+class SaveJob(Protocol):
+    """One save: `begin()` takes every byte out of the engine's cache (then the engine may overwrite it),
+    `finish()` stores them and returns the pool's outcome (which keys were acknowledged); `abandon()` gives
+    everything back when `finish` will never run (idempotent)."""
+
+    record: JobRecord
+
+    def begin(self) -> None: ...
+
+    def finish(self) -> PoolOutcome: ...
+
+    def abandon(self) -> None: ...
+
+
+class LoadJob(Protocol):
+    """One load: `run()` writes only the verified prefix and returns (blocks written, the pool's outcome)."""
+
+    record: JobRecord
+
+    def run(self) -> tuple[int, PoolOutcome]: ...
+
+
+class NothingToMove:
+    """The job of a request of no values (a token-form call whose mask asks for no token): it copies nothing and
+    contacts no pool; a save stores and a load writes nothing."""
+
+    def __init__(self, record: JobRecord) -> None:
+        self.record = record
+        record.path = "none"
+
+    def begin(self) -> None:
+        return None
+
+    def finish(self) -> PoolOutcome:
+        return PoolOutcome([])
+
+    def abandon(self) -> None:
+        return None
+
+    def run(self) -> tuple[int, PoolOutcome]:
+        return 0, PoolOutcome([])

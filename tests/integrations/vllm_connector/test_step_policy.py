@@ -1,0 +1,246 @@
+"""The step policy (`ems.integrations.step_policy`): its decisions alone (random sequences of measurements and
+requests: never in the step when forced asynchronous or with the breaker open, never past the step's bound), and
+driven through the connector's halves with stand-ins for vLLM: on a fast pool a hit is looked up and loaded inside
+the step (vLLM's synchronous path), on a hung pool node (SIGSTOPped) no step is held past the bound and the requests
+go asynchronously."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from fake_vllm import BLOCK, Blocks, Events, Request, Schedule, kv_caches, make_context
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ems import Ems
+from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+from ems.integrations.step_policy import Placement, StepMode, StepPolicy
+from ems.integrations.vllm.metadata import EmsConnectorMetadata
+from ems.integrations.vllm.scheduler import EmsScheduler
+from ems.integrations.vllm.worker import EmsWorker
+
+PROMPT = list(range(100, 100 + 3 * BLOCK + 2))  # three full blocks and a partial one
+BLOCK_BYTES = 1 << 20
+
+# ---- the decisions alone ----
+
+actions = st.one_of(
+    st.tuples(st.just("lookup"), st.floats(0.0, 0.2), st.booleans()),  # a lookup thread's measurement
+    st.tuples(st.just("transfer"), st.integers(0, 1 << 30), st.floats(0.0, 2.0)),  # workers' load bytes, seconds
+    st.tuples(st.just("save"), st.integers(0, 1 << 30), st.floats(0.0, 2.0)),
+    st.tuples(st.just("ask"), st.floats(0.0, 1.0), st.booleans()),  # an in-step lookup: fraction of timeout used
+    st.tuples(st.just("load"), st.integers(0, 200), st.booleans()),  # a hit of n blocks (breaker open?)
+    st.tuples(st.just("step"), st.just(0), st.just(False)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    mode=st.sampled_from(list(StepMode)),
+    budget_ms=st.integers(0, 200),
+    script=st.lists(actions, max_size=60),
+)
+def test_decisions_never_exceed_the_bound_and_respect_the_mode(mode, budget_ms, script):
+    policy = StepPolicy(mode, budget_ms / 1000, BLOCK_BYTES)
+    breaker_open = False
+    for kind, a, b in script:
+        if kind == "lookup":
+            policy.record_lookup(a, timed_out=b)
+        elif kind in ("transfer", "save"):
+            if kind == "transfer":
+                policy.record_transfer(a, b)
+            else:
+                policy.record_transfer(0, 0.0, a, b)
+        elif kind == "ask":
+            breaker_open = b
+            timeout = policy.lookup_timeout_s(breaker_open)
+            if timeout is None:
+                continue
+            assert mode is not StepMode.ASYNC and not breaker_open
+            assert timeout <= policy.left_s() + 1e-12 and timeout > 0
+            if mode is StepMode.AUTO:  # only once a lookup was measured fast, and not marked slow
+                assert policy.lookup_s is not None and not policy.slow
+            used = a * timeout
+            policy.spend_lookup(used, timed_out=a >= 0.95)
+        elif kind == "load":
+            decision = policy.decide_load(a, b)
+            if decision.placement is Placement.IN_STEP:
+                assert mode is not StepMode.ASYNC and not b and a > 0
+                if mode is StepMode.AUTO:
+                    assert policy.rate_Bps is not None
+        else:
+            policy.begin_step()
+        # the step's in-step work (lookups measured, loads predicted) never passes the bound
+        assert policy.spent_s <= policy.budget_s + 1e-9
+
+
+def test_auto_waits_for_measurements_and_backs_off_a_slow_pool():
+    policy = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
+    assert policy.lookup_timeout_s(False) is None  # nothing measured: asynchronous
+    assert policy.decide_load(4).placement is Placement.ASYNC
+    policy.record_lookup(0.0005)
+    assert policy.lookup_timeout_s(False) == pytest.approx(0.05)
+    assert policy.lookup_timeout_s(True) is None  # breaker open
+    policy.record_transfer(0, 0.0, 100 * BLOCK_BYTES, 0.1)  # saves at 1 GB/s stand in for the load rate
+    assert policy.decide_load(10).placement is Placement.IN_STEP  # ~10 ms predicted, 20 ms reserved
+    assert policy.decide_load(20).placement is Placement.ASYNC  # ~42 ms reserved: past the 30 ms left
+    policy.record_transfer(BLOCK_BYTES, 1.0)  # a measured load at 1 MB/s replaces the stand-in
+    policy.begin_step()
+    assert policy.decide_load(1).placement is Placement.ASYNC
+    policy.spend_lookup(0.05, timed_out=True)  # an in-step lookup used its whole timeout
+    policy.begin_step()
+    assert policy.slow and policy.lookup_timeout_s(False) is None
+    policy.record_lookup(0.0005)  # the lookup thread finds the pool fast again
+    assert not policy.slow and policy.lookup_timeout_s(False) is not None
+    forced = StepPolicy(StepMode.IN_STEP, 0.05, BLOCK_BYTES)
+    assert forced.lookup_timeout_s(False) == pytest.approx(0.05) and forced.decide_load(3).placement is Placement.IN_STEP
+    assert StepPolicy(StepMode.ASYNC, 0.05, BLOCK_BYTES).lookup_timeout_s(False) is None
+
+
+# ---- through the halves ----
+
+
+def step(sched: EmsScheduler, worker: EmsWorker, schedule: Schedule) -> EmsConnectorMetadata:
+    meta = sched.build_connector_meta(schedule)
+    worker.handle_preemptions(meta)
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    return meta
+
+
+def answer(sched: EmsScheduler, request: Request) -> tuple[int, bool, int]:
+    """`get_num_new_matched_tokens` until answered: (tokens, load_async, steps it took)."""
+    for steps in range(1000):
+        tokens, load_async = sched.get_num_new_matched_tokens(request, request.num_computed_tokens)
+        if tokens is not None:
+            return tokens, load_async, steps
+        sched.build_connector_meta(Schedule())
+    raise AssertionError("the lookup was never answered")
+
+
+def compute_and_save(sched: EmsScheduler, worker: EmsWorker, request: Request, blocks: list[int]) -> None:
+    tokens, _, _ = answer(sched, request)
+    assert tokens == 0
+    sched.update_state_after_alloc(request, Blocks(blocks), 0)
+    step(sched, worker, Schedule.prefill(request, blocks))
+    assert worker.wait_saves(10)
+    sched.request_finished(request, blocks)
+    worker.get_finished({request.request_id}, None)
+
+
+def make_halves(**extra: object):
+    ctx = make_context(**extra)
+    caches = kv_caches(ctx.num_blocks)
+    worker = EmsWorker(ctx)
+    worker.register_kv_caches(caches, 0, {"CPU_ATTN"})
+    sched = EmsScheduler(ctx, Events())
+    return ctx, sched, worker, caches
+
+
+@pytest.mark.parametrize("mode", ["auto", "in_step"])
+def test_a_fast_pool_looks_up_and_loads_inside_the_step(mode):
+    # (a bound far above what the embedded pool takes, so a busy host does not send the request asynchronously)
+    ctx, sched, worker, caches = make_halves(step_policy=mode, in_step_ms=5000)
+    try:
+        compute_and_save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+        # vLLM hands the workers' statistics to the scheduler each step: the measured rates
+        sched.update_connector_output(ctx.stats.drain().to_dict())
+        b = Request("b", PROMPT)
+        tokens, load_async, steps = answer(sched, b)
+        # answered in the step it was asked in, to be loaded before the forward (vLLM's synchronous path)
+        assert (tokens, load_async, steps) == (3 * BLOCK, False, 0)
+        sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+        b.num_computed_tokens = 3 * BLOCK
+        meta = step(sched, worker, Schedule.prefill(b, [8, 9, 10, 11]))  # b is scheduled in this same step
+        assert [(x.req_id, x.block_ids, x.in_step) for x in meta.loads] == [("b", [8, 9, 10], True)]
+        for layer in caches.values():  # loaded once start_load_kv returned: before the forward
+            assert torch.equal(layer[8:11], layer[0:3])
+        _, received = worker.get_finished(set(), meta)
+        assert not received  # never reported as an asynchronous load
+        assert worker.get_block_ids_with_load_errors() == set()
+        record = sched.steps.records()[-1]
+        assert record["in_step_loads"] == 1 and record["in_step_load_blocks"] == 3
+        assert record["in_step_lookups"] == 1 and record["lookups_sent"] == 0
+        assert worker.steps.records()[-1]["in_step_loads"] == 1
+        assert meta.saves == []  # loaded blocks are not saved again
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+        Ems.shutdown()
+
+
+def test_forced_async_keeps_the_asynchronous_path():
+    ctx, sched, worker, _ = make_halves(step_policy="async")
+    try:
+        compute_and_save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+        sched.update_connector_output(ctx.stats.drain().to_dict())
+        tokens, load_async, steps = answer(sched, Request("b", PROMPT))
+        assert tokens == 3 * BLOCK and load_async and steps >= 1
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+        Ems.shutdown()
+
+
+@pytest.fixture
+def node(tmp_path):
+    pool = ensure_local_pool(str(tmp_path), "64MiB")
+    yield pool
+    os.kill(pool.pid, signal.SIGCONT)
+    Ems.shutdown()
+    stop_local_pool(str(tmp_path))
+
+
+def test_a_hung_node_never_holds_a_step_past_the_bound(node):
+    """The node stops answering after this engine measured it fast: the step's in-step lookups together and its
+    in-step load each end within `in_step_ms` (the lookup thread's own timeout is 20 times longer), the requests go
+    asynchronously (or miss), and the load's blocks are reported failed (recomputed)."""
+    bound_ms = 150
+    ctx, sched, worker, _ = make_halves(
+        local_pool="off",
+        pool_nodes=[node.address],
+        access_id=node.access_id,
+        access_key=node.access_key,
+        step_policy="in_step",
+        in_step_ms=bound_ms,
+        lookup_timeout_ms=20 * bound_ms,
+        breaker_cooldown_s=60.0,
+    )
+    try:
+        compute_and_save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+        sched.update_connector_output(ctx.stats.drain().to_dict())
+        # measured fast: the load fits the bound even when this busy host slowed the save that measured the rate
+        sched.lookups.policy.record_transfer(1 << 30, 0.001)
+        b = Request("b", PROMPT)
+        tokens, load_async, _ = answer(sched, b)
+        assert (tokens, load_async) == (3 * BLOCK, False)  # a hit, to be loaded in the step
+        sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+        os.kill(node.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        meta = step(sched, worker, Schedule.prefill(b, [8, 9, 10, 11]))
+        load_s = time.monotonic() - started
+        assert [x.in_step for x in meta.loads] == [True]
+        assert worker.get_block_ids_with_load_errors() == {8, 9, 10}  # vLLM recomputes them
+        # five new requests in one step: their in-step lookups share the step's bound; each is asked asynchronously
+        # (its in-step lookup timed out) or misses at once (the client already counts the node as failing)
+        started = time.monotonic()
+        answers = [
+            sched.get_num_new_matched_tokens(Request(f"c{i}", [i] + PROMPT), 0)
+            for i in range(5)  # (other prompts: nothing of them is known)
+        ]
+        lookups_s = time.monotonic() - started
+        assert set(answers) <= {(None, False), (0, False)}, answers
+        sched.build_connector_meta(Schedule())
+        record = sched.steps.records()[-1]
+        assert record["lookups_sent"] == answers.count((None, False))
+        assert record["in_step_lookup_s"] <= 1.5 * bound_ms / 1000
+        # bounded by in_step_ms (150 ms), not by the lookup thread's 3 s timeout nor the loads' 5 s one
+        assert load_s < 2 * bound_ms / 1000 + 0.5 and lookups_s < 2 * bound_ms / 1000 + 0.5, (load_s, lookups_s)
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+        sched.shutdown()
+        worker.shutdown()
