@@ -8,6 +8,9 @@ Sections (`--only` picks some):
   median of 2,000), next to `ContextCaching.exists` of one block (median of 1,000 calls) and, for its stage timings,
   a 32 MiB save and load through the API to one node (32 blocks of 1 MiB: 16 layers x 8 KV heads x 128 fp16,
   16 tokens a block), best and median of N rounds, with the stages of the best.
+* `calls`: where one block's `exists` goes, layer by layer (the API, the pool client, `UcxNode.exists` and the part
+  of it spent waiting for UCX, `UcxNode.ping`, the node's handler from its metrics), next to a TCP round trip and
+  UCX's own tag ping-pong (`ucx_perftest`, busy polling and sleeping in epoll) between the same two hosts.
 * `fanout`: a load of 96 blocks spread over three node hosts (each ~32 MiB) next to each node's share alone (its
   blocks only): the fan-out's time against the slowest share's.
 * `scenario`: the issue's rows on etcd membership with replicas=2 of 3 nodes: one node killed (blocks exact), another
@@ -21,7 +24,7 @@ Sections (`--only` picks some):
 
 * `sweep` (not in the default run): `link`'s save and load under other UCX and chunk settings, one at a time.
 
-Usage: python perf/bench_hosts.py [--only link,fanout,scenario,repair,slow,sweep] [--rounds N] [--rate 4gbit]
+Usage: python perf/bench_hosts.py [--only link,calls,fanout,scenario,repair,slow,sweep] [--rounds N] [--rate 4gbit]
 Prints tables (markdown) for perf/RESULTS.md.
 """
 
@@ -195,6 +198,77 @@ SWEEP = (
 )
 
 
+def ucx_perftest_rtt(hosts: HostCluster, client: str, server: str, mode: str) -> float:
+    """Median round trip (s) of UCX's own tag ping-pong (`ucx_perftest -t tag_lat`, 8 bytes, TCP transport) between
+    two hosts, both ends in wait mode `mode` (`poll`: busy polling; `sleep`: waiting in the worker's epoll, as our
+    progress threads do). ucx_perftest reports half the round trip."""
+    import libucx
+
+    home = Path(libucx.__file__).parent
+    env = ["env", f"LD_LIBRARY_PATH={home / 'lib'}", "UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"]
+    tool = str(home / "bin" / "ucx_perftest")
+    srv = hosts.popen(server, [*env, tool, "-p", "5297", "-E", mode], stdout=-3, stderr=-3)
+    time.sleep(0.5)
+    out = hosts.run(client, [*env, tool, hosts.ip(server), "-p", "5297", "-t", "tag_lat", "-s", "8", "-n", "20000",
+                             "-E", mode], timeout_s=120)  # fmt: skip
+    srv.wait(10)
+    final = [line for line in out.stdout.splitlines() if line.startswith("Final:")]
+    if not final:
+        raise RuntimeError(f"ucx_perftest: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+    return 2 * float(final[0].split()[2]) / 1e6
+
+
+def _handler_seconds(text: str, op: str) -> tuple[float, float]:
+    """(sum of seconds, count) of a node's `ems_pool_request_seconds{op}` histogram in a metrics exposition."""
+    values = {}
+    for line in text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f'ems_pool_request_seconds_{part}{{op="{op}"}}'):
+                values[part] = float(line.split()[-1])
+    return values.get("sum", 0.0), values.get("count", 0.0)
+
+
+def section_calls(rate: str, rounds: int) -> str:
+    """Where one block's `exists` goes, layer by layer, next to the wire's and UCX's own round trips."""
+    b = Bench(1, rate)
+    try:
+        rtt = tcp_rtt(b.hosts, "client", "n1")
+        poll, sleep = (ucx_perftest_rtt(b.hosts, "client", "n1", mode) for mode in ("poll", "sleep"))
+        node = b.node("n1")
+        e = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000)
+        e.call(op="save", blocks=[0])
+        e.call(op="stages", rounds=200, timeout_s=600)  # warm-up
+        url = f"http://{node.metrics_address}/metrics"
+        before = {op: _handler_seconds(e.call(op="scrape", url=url)["text"], op) for op in ("exists", "ping")}
+        st = e.call(op="stages", rounds=1000, timeout_s=600)
+        after = {op: _handler_seconds(e.call(op="scrape", url=url)["text"], op) for op in ("exists", "ping")}
+    finally:
+        b.close()
+    med = {k: statistics.median(v) * 1e6 for k, v in st.items()}
+    outside_wait = statistics.median([n - w for n, w in zip(st["node"], st["wait"])]) * 1e6
+    handler = {op: (after[op][0] - before[op][0]) / max(1.0, after[op][1] - before[op][1]) * 1e6 for op in ("exists", "ping")}
+    lines = [
+        f"One block's `exists`, layer by layer (medians of 1000 calls each, interleaved; link {rate})",
+        "",
+        "| stage | us | what it is |",
+        "|---|---|---|",
+        f"| TCP round trip | {rtt * 1e6:.0f} | Python, 8 bytes each way, blocking sockets |",
+        f"| UCX round trip, busy polling | {poll * 1e6:.0f} | `ucx_perftest -t tag_lat -E poll`, 8 bytes, TCP |",
+        f"| UCX round trip, sleeping in epoll | {sleep * 1e6:.0f} | `ucx_perftest -E sleep`: both ends woken per "
+        "message, as a progress thread is |",
+        f"| `UcxNode.ping` | {med['ping']:.0f} | a header each way through our client and node |",
+        f"| node's handler, exists / ping (mean) | {handler['exists']:.0f} / {handler['ping']:.0f} | "
+        "`ems_pool_request_seconds` of the node |",
+        f"| `UcxNode.exists` | {med['node']:.0f} | the transport's call |",
+        f"| of it, waiting for UCX | {med['wait']:.0f} | posted to completed: both progress threads' wake-ups, "
+        "the wire, the node |",
+        f"| of it, the caller's work | {outside_wait:.0f} | request build, posts, reply parse, connection lookup |",
+        f"| pool client (`PoolClient.exists`) | {med['pool']:.0f} | + routing and reads: {med['pool'] - med['node']:.0f} |",
+        f"| API (`ContextCaching.exists`) | {med['api']:.0f} | + keys, binding, result: {med['api'] - med['pool']:.0f} |",
+    ]
+    return "\n".join(lines)
+
+
 def section_sweep(rate: str, rounds: int) -> str:
     """The 32 MiB save and load of `link` under other settings (environment of the node and the engine alike)."""
     out = [
@@ -246,8 +320,12 @@ def section_fanout(rate: str, rounds: int) -> str:
         holders = e.call(op="holders", blocks=blocks)["holders"]
         shares = {n.address: [b_ for b_, h in zip(blocks, holders) if h == [n.address]] for n in nodes}
         whole, parts = [], {a: [] for a in shares}
+        best, best_shares, best_stages = float("inf"), [], {}
         for _ in range(rounds + 1):
-            whole.append(e.call(op="bulk", what="load", blocks=blocks, rounds=1, timeout_s=600)["seconds"][0])
+            r = e.call(op="bulk", what="load", blocks=blocks, rounds=1, timeout_s=600)
+            whole.append(r["seconds"][0])
+            if r["seconds"][0] < best:
+                best, best_shares, best_stages = r["seconds"][0], r["shares"], r["stages"]
             for a, mine in shares.items():
                 parts[a].append(e.call(op="bulk", what="load", blocks=mine, rounds=1, timeout_s=600)["seconds"][0])
     finally:
@@ -266,6 +344,23 @@ def section_fanout(rate: str, rounds: int) -> str:
     lines.append(f"| all three at once | 96 | {whole_t * 1e3:.1f} | {96 * MIB / whole_t / 1e9:.3f} |")
     lines += ["", f"All three at once took {whole_t / slowest:.2f}x the slowest share alone (sum of shares: "
               f"{whole_t / sum(part_t.values()):.2f}x their sum)."]  # fmt: skip
+    lines += [
+        "",
+        f"Inside the fastest all-three load ({best * 1e3:.1f} ms; stages "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best_stages.items())
+        + "), each node's requests (`FanOut.run`, per chunk of the load):",
+        "",
+        "| node | requests | first starts at ms | last ends at ms | busy ms (sum) | its share alone ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in part_t:
+        mine = [x for x in best_shares if x[0] == a]
+        if not mine:
+            continue
+        lines.append(
+            f"| {a} | {len(mine)} | {min(x[1] for x in mine) * 1e3:.1f} | {max(x[1] + x[2] for x in mine) * 1e3:.1f} "
+            f"| {sum(x[2] for x in mine) * 1e3:.1f} | {part_t[a] * 1e3:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -402,7 +497,7 @@ def section_slow(rate: str, rounds: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="link,fanout,scenario,repair,slow")
+    parser.add_argument("--only", default="link,calls,fanout,scenario,repair,slow")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rate", default="4gbit")
     args = parser.parse_args()
@@ -415,6 +510,8 @@ def main() -> None:
         print(f"\n## {name}\n", flush=True)
         if name == "link":
             print(section_link(args.rate, args.rounds))
+        elif name == "calls":
+            print(section_calls(args.rate, args.rounds))
         elif name == "sweep":
             print(section_sweep(args.rate, args.rounds))
         elif name == "fanout":

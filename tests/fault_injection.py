@@ -7,6 +7,8 @@
     node.fail = True                      # every call raises TransportError(EMS_IO_ERROR)
     node.delay_s = 0.2                    # every call sleeps first
     node.hang = True                      # every call blocks until `release()` (past any timeout)
+    node.partitioned = True               # every call waits out its deadline, then times out (a cut link; with
+                                          # `self_timed = True`, a transport that bounds its calls, like UcxNode)
     node.abort()                          # calls sleeping or hanging now fail at once, as UcxNode.abort does
 
 Keys are the storage keys the client computed: `namespace (16 bytes) | form byte | caller's key`;
@@ -21,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ems.buffers import Buffer
 from ems.datapath.keys import encode_hash
+from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.holds import Hold
@@ -62,6 +65,7 @@ class FaultyNode(NodeClient):
         self.fail = False
         self.delay_s = 0.0
         self.hang = False
+        self.partitioned = False
         self.corrupt_gets: str | None = None
         self._drop: Callable[[bytes], bool] = lambda key: False
         self._released = threading.Event()
@@ -120,6 +124,9 @@ class FaultyNode(NodeClient):
             raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.address}: injected failure")
         if self.delay_s:
             self._sleep(self.delay_s)
+        if self.partitioned:
+            self._sleep(Deadline.within(timeout_s).left())
+            raise TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{self.address}: no answer in time (partitioned)")
         if self.hang:
             start, end = self._aborts, time.monotonic() + 30.0
             while not self._released.wait(0.02) and time.monotonic() < end:

@@ -11,15 +11,16 @@ Contract (`read`):
   does; so a key missing at its owners is also asked of that many nodes after them. Never more than the nodes.
 * Slow nodes (`NodeLatency.slow`) are asked last among the nodes a key may try.
 * Hedging (`hedge` given, and the key has another node it may try): a request of no value bytes to speak of (an
-  exists; under `SMALL_BYTES`) to one node that is not seen slow runs on the calling thread and is not hedged (a
-  node that fails or times out is then skipped as above); otherwise, when a node has not answered its share within
-  `NodeLatency.hedge_delay` of its expected bytes, the keys of that share still without a value are also asked of
-  their next node; whichever answers first with an accepted value wins. For a read into the caller's buffers
-  (`Hedge.needs_quiet`) the hedge receives into buffers of its own, and its values are copied into the caller's
-  only once the slow node's request can no longer write there: it ends by itself within `NodeLatency.abort_delay`,
-  or is then aborted (`FanOut.abandon`) and waited for (a key whose slow request could not be stopped by the
-  deadline is a miss, with an error). An abort is reported in the outcome (`errors`), so the caller retires its
-  buffers.
+  exists; under `SMALL_BYTES`) to one node that is not seen slow runs on the calling thread and is not hedged: when
+  its keys may try another node it is given `NodeLatency.abort_delay` (not the call's whole deadline), and a node
+  that fails or times out is then skipped as above, so a partitioned owner costs that delay, not the call.
+  Otherwise, when a node has not answered its share within `NodeLatency.hedge_delay` of its expected bytes, the
+  keys of that share still without a value are also asked of their next node; whichever answers first with an
+  accepted value wins. For a read into the caller's buffers (`Hedge.needs_quiet`) the hedge receives into buffers
+  of its own, and its values are copied into the caller's only once the slow node's request can no longer write
+  there: it ends by itself within `NodeLatency.abort_delay`, or is then aborted (`FanOut.abandon`) and waited for
+  (a key whose slow request could not be stopped by the deadline is a miss, with an error). An abort is reported
+  in the outcome (`errors`), so the caller retires its buffers.
 """
 
 from __future__ import annotations
@@ -123,9 +124,15 @@ def read(
         # needed: a request that moves value bytes, or one to a node seen slow
         lone = view.nodes[node_ids[0]] if len(node_ids) == 1 else None
         here = lone is not None and lone.self_timed and (not hedging or (small(state.pending) and not latency.slow(lone.address)))
+        # a call on this thread cannot be hedged: where its keys may try another node it gets until the abort delay
+        # (when a hedged request would be stopped), then its node counts as failed and the keys go on to the next
+        # (a partitioned owner used to take the whole deadline, leaving no time for the copy on a live node)
+        within = deadline
+        if here and hedging and state.tries_left(allowed):
+            delay = latency.abort_delay(int(costs(state.pending)[0].sum()))
+            within = Deadline(min(deadline.at, time.monotonic() + delay))
         shares = [
-            _Share(fanout.start(view.nodes[j], state.pending[candidate == j], call, costs, deadline, here), True)
-            for j in node_ids
+            _Share(fanout.start(view.nodes[j], state.pending[candidate == j], call, costs, within, here), True) for j in node_ids
         ]
         alt_pos = np.full(len(results), -1, dtype=np.int64)  # per key: the rank position its hedge asked
         answered = np.zeros(len(results), dtype=bool)  # its primary answered it
@@ -330,6 +337,10 @@ class _Keys:
     def _keep(self, keep: np.ndarray) -> None:
         self.pending, self.ranks = self.pending[keep], self.ranks[keep]
         self.pos, self.tries = self.pos[keep], self.tries[keep]
+
+    def tries_left(self, allowed: int) -> bool:
+        """Every pending key may try another node after the one it asks now."""
+        return bool((self.tries + 1 < allowed).all())
 
     def alternates(
         self, keys: Sequence[int], slow_node: int, failed_now: np.ndarray, allowed: int

@@ -146,3 +146,32 @@ def test_a_slow_node_is_asked_last(cluster):
     got = pool.get(keys, keys, OPTION, expected).results
     assert [bytes(g) for g in got] == values
     assert nodes[slow].calls["get"] == before  # every key had another owner: the slow one was not asked
+
+
+@pytest.mark.parametrize("op", ["get", "get_into", "exists"])
+def test_a_partitioned_first_owner_does_not_take_the_call_from_the_live_copy(cluster, op):
+    """One block per call whose first owner is cut off (its calls wait out their deadline: a transport that bounds its
+    calls itself, run on the calling thread): the block is read from its other owner within the call's timeout
+    (it used to wait out the whole timeout on the cut node and miss)."""
+    nodes, pool = cluster
+    for node in nodes.values():
+        node.self_timed = True  # as UcxNode: the read runs small calls on the calling thread
+    keys = _keys(12, f"cut-{op}")
+    values, expected = _values(len(keys), 1024, 6)
+    assert all(pool.put(keys, keys, [[v] for v in values], OPTION).results)
+    cut = route_order(pool, keys[0])[0]
+    nodes[cut].partitioned = True
+    option = CcKvOption(timeout=2_000, write_rcache=False)
+    theirs = [i for i, k in enumerate(keys) if route_order(pool, k)[0] == cut]
+    assert theirs
+    for i in theirs:  # the first call after the cut, and the ones after it
+        if op == "get":
+            got = pool.get([keys[i]], [keys[i]], option, expected.range(i, i + 1)).results[0]
+            assert got is not None and bytes(got) == values[i]
+        elif op == "get_into":
+            out = np.empty(len(values[i]), np.uint8)
+            assert pool.get_into([keys[i]], [keys[i]], [out], option, expected.range(i, i + 1)).results[0]
+            assert out.tobytes() == values[i]
+        else:
+            assert pool.exists([keys[i]], [keys[i]], option).results[0]
+    nodes[cut].partitioned = False

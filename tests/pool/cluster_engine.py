@@ -13,9 +13,14 @@ by its own call, so every block's outcome is seen:
 * {"op": "holders", "blocks": [...]} → {"holders": [[addresses of the live nodes holding block b]...]} (each node
   asked directly, as this engine's tenant)
 * {"op": "bulk", "what": "save"|"load", "blocks": [...], "rounds": r, "base": h} → one call for all the blocks
-  (hashes `h + b`), r times: {"seconds": [...], "success": [...], "stages": {stage: seconds} of the fastest}
+  (hashes `h + b`), r times: {"seconds": [...], "success": [...], "stages": {stage: seconds} of the fastest,
+  "shares": [[node address, start, seconds] of each node's requests (`FanOut.run`) in the fastest, from its start]}
 * {"op": "timed", "what": "load"|"exists", "blocks": [...], "rounds": r} → per-call seconds of one-block calls,
   r rounds over the blocks: {"seconds": [...], "hits": n, "wrong": n}
+* {"op": "stages", "rounds": r} → seconds of each layer under one block's `exists`, r calls of each, interleaved:
+  `api` (ContextCaching.exists), `pool` (the pool client: router, reads), `node` (UcxNode.exists), `wait` (the
+  part of a `node` call spent waiting for UCX to complete its requests: posted to answered), `ping` (UcxNode.ping,
+  a header each way)
 * {"op": "scrape", "url": "http://..."} → {"text": ...} (a node's metrics, read from this engine's host)
 * {"op": "probe", "rounds": r} → {"ping": [...], "exists": [...]}: seconds of the first node's client `ping` and
   `exists` of one key, r of each (the layers under `ContextCaching.exists`)
@@ -126,25 +131,42 @@ def main() -> None:
         return out
 
     def bulk(what: str, blocks: list[int], rounds: int, first: int) -> dict:
+        from ems.backends.fanout import FanOut
         from ems.datapath.records import JobKind
 
         restore()
         slots, hashes, offsets = slots_of_blocks(blocks, BS), [first + b for b in blocks], [BS] * len(blocks)
-        seconds, success, best, stages = [], [], float("inf"), {}
-        for _ in range(rounds):
-            start = time.perf_counter()
+        seconds, success, best, stages, shares = [], [], float("inf"), {}, []
+        plain_run = FanOut.run
+        runs: list[list] = []
+
+        def timed_run(self, node, *args, **kwargs):  # type: ignore[no-untyped-def]
+            begin = time.perf_counter()
             try:
-                r = (cc.save if what == "save" else cc.load)(slots, hashes, offsets, OPTION).success
-            except EmsException:
-                r = -1
-            t = time.perf_counter() - start
-            seconds.append(t)
-            success.append(r)
-            if t < best:
-                best = t
-                job = cc.jobs.last(JobKind.SAVE if what == "save" else JobKind.LOAD)
-                stages = {k.value: v.seconds for k, v in job.stages.items()} if job is not None else {}
-        return {"seconds": seconds, "success": success, "stages": stages}
+                return plain_run(self, node, *args, **kwargs)
+            finally:
+                runs.append([node.address, begin, time.perf_counter() - begin])
+
+        FanOut.run = timed_run  # type: ignore[method-assign]
+        try:
+            for _ in range(rounds):
+                runs.clear()
+                start = time.perf_counter()
+                try:
+                    r = (cc.save if what == "save" else cc.load)(slots, hashes, offsets, OPTION).success
+                except EmsException:
+                    r = -1
+                t = time.perf_counter() - start
+                seconds.append(t)
+                success.append(r)
+                if t < best:
+                    best = t
+                    job = cc.jobs.last(JobKind.SAVE if what == "save" else JobKind.LOAD)
+                    stages = {k.value: v.seconds for k, v in job.stages.items()} if job is not None else {}
+                    shares = [[a, b - start, d] for a, b, d in runs]
+        finally:
+            FanOut.run = plain_run  # type: ignore[method-assign]
+        return {"seconds": seconds, "success": success, "stages": stages, "shares": shares}
 
     def timed(what: str, blocks: list[int], rounds: int) -> dict:
         poisoned = poison(cache)
@@ -166,6 +188,46 @@ def main() -> None:
                     if not all(torch.equal(t[b].view(torch.uint8), w[b].view(torch.uint8)) for t, w in zip(tensors(cache), want)):
                         wrong += 1
         return {"seconds": seconds, "hits": hits, "wrong": wrong}
+
+    def stages(rounds: int) -> dict:
+        """White-box: the layers under one block's exists, each timed alone (see the module docstring)."""
+        from ems.datapath.keys import v1_keys
+        from ems.transport.ucx_direct import DirectRuntime
+
+        pool = Ems._pool
+        node = pool.nodes[0]  # type: ignore[union-attr]
+        key, route = v1_keys(cc._v1_namespace, [base])
+        out: dict[str, list[float]] = {"api": [], "pool": [], "node": [], "wait": [], "ping": []}
+        waits: list[float] = []
+        plain_wait = DirectRuntime.wait
+
+        def timed_wait(self, posted, deadline):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return plain_wait(self, posted, deadline)
+            finally:
+                waits.append(time.perf_counter() - start)
+
+        for _ in range(rounds):
+            start = time.perf_counter()
+            cc.exists([base], OPTION)
+            out["api"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            pool.exists(route, key, OPTION)  # type: ignore[union-attr]
+            out["pool"].append(time.perf_counter() - start)
+            DirectRuntime.wait = timed_wait  # type: ignore[method-assign]
+            waits.clear()
+            try:
+                start = time.perf_counter()
+                node.exists(key, 3.0)
+                out["node"].append(time.perf_counter() - start)
+            finally:
+                DirectRuntime.wait = plain_wait  # type: ignore[method-assign]
+            out["wait"].append(sum(waits))
+            start = time.perf_counter()
+            node.ping(3.0)
+            out["ping"].append(time.perf_counter() - start)
+        return out
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -216,6 +278,8 @@ def main() -> None:
                 node.exists(key, 3.0)
                 exists.append(time.perf_counter() - start)
             reply = {"ping": pings, "exists": exists}
+        elif op == "stages":
+            reply = stages(int(command.get("rounds", 500)))
         elif op == "scrape":
             with urllib.request.urlopen(command["url"], timeout=5) as r:
                 reply = {"text": r.read().decode()}

@@ -125,8 +125,12 @@ def test_grow_kill_drain_and_etcd_restart(scene):
         before, "ems_pool_requests_total", op="put", status="ok"
     )
     assert _value(after, "ems_pool_values") > 0 and _value(after, "ems_pool_held_bytes") > 0
+    assert _value(after, "ems_pool_capacity_bytes") == 128 << 20
+    assert _value(after, "ems_pool_request_bytes_total", op="put") > 0
     assert _value(after, "ems_pool_get_hits_total") > _value(before, "ems_pool_get_hits_total")
+    assert _value(after, "ems_pool_request_seconds_count", op="get") > 0
     assert _value(after, "ems_pool_connections") >= 2  # both engines
+    assert _value(after, "ems_pool_auth_failures_total") == 0
     m = e2.call(op="metrics")
     assert m["save_blocks_ok"] == 32 and m["load_blocks_ok"] == 32 and m["save_gbps"] > 0
 
@@ -139,6 +143,7 @@ def test_grow_kill_drain_and_etcd_restart(scene):
     assert sum(int(r[3]) for r in rows.values()) >= 2 * 32 + 32  # replicas=2 and replicas=1 copies (repair: more)
     assert lines[-1].startswith("total: 3/3 up")
 
+    passes = [_value(s.scrape(n), "ems_pool_repair_passes_total") for n in nodes]
     joiner = s.node("n4")
     live.add(joiner.address)
     for e in (e2, e1):
@@ -148,15 +153,30 @@ def test_grow_kill_drain_and_etcd_restart(scene):
     assert _value(s.scrape(joiner), "ems_pool_puts_total") > 0
 
     victim = nodes[0]
+    # replicas=1: exactly the victim's blocks miss (nothing wrong, no call raises), every other block loads exact
+    # (the join's repair passes have ended first: repair only adds copies, so the holders read below stay true)
+    assert _wait(
+        lambda: all(
+            _value(m := s.scrape(n), "ems_pool_repair_passes_total") > p and _value(m, "ems_pool_repair_running") == 0
+            for n, p in zip(nodes, passes)
+        ),
+        30,
+        0.2,
+    )
+    theirs = [h == [victim.address] for h in e1.call(op="holders", blocks=first + second)["holders"]]
+    assert any(theirs) and not all(theirs)
     victim.kill()
     assert e2.call(op="load", blocks=first)["result"] == ["hit"] * 32
     r1 = e1.call(op="load", blocks=first + second)["result"]
-    assert set(r1) <= {"hit", "miss"}, r1
-    assert r1.count("hit") > 0
+    assert r1 == ["miss" if t else "hit" for t in theirs], (r1, theirs)
+    # saves go on on the survivors: every block the dead node does not own (its own too once etcd drops it)
+    saved = e1.call(op="save", blocks=first + second)["saved"]
+    assert all(ok for ok, t in zip(saved, theirs) if not t), (saved, theirs)
     live.discard(victim.address)
     for e in (e2, e1):
         e.wait_members(live, timeout_s=10)
     assert e2.call(op="load", blocks=first)["result"] == ["hit"] * 32
+    assert e1.call(op="save", blocks=first + second)["saved"] == [1] * 64
     down = s.status("--nodes", f"{victim.metrics_address},{nodes[1].metrics_address}", "--interval", "0")
     assert down.returncode == 1 and " down " in down.stdout and " up " in down.stdout
 
@@ -220,19 +240,21 @@ def test_kill_partition_restart_heal_then_lose_a_third(scene):
     start = time.monotonic()
     result = e.call(op="load", blocks=blocks, timeout_s=600)["result"]
     took = time.monotonic() - start
-    # a block whose both owners are gone is a miss or (reaching no node) raises EMS_IO_TIMEOUT / EMS_IO_ERROR, as the
-    # API documents; never a wrong block. Known defect (issue 32, open): the first loads right after the partition
-    # can fail a block whose copy on the live node they should have read (seen on block 0 in two runs out of two),
-    # so only "hits are blocks with a live copy" is asserted, not the converse.
+    # every block with a copy on the live node is a hit, from the first load after the cut on (the cut owner used
+    # to take a call's whole timeout, leaving none for the live copy); a block whose both owners are gone is a miss
+    # or (reaching no node) raises EMS_IO_TIMEOUT / EMS_IO_ERROR, as the API documents; never a wrong block
     assert set(result) <= {"hit", "miss", "error"}, result
-    assert all(on for r, on in zip(result, on_third) if r == "hit"), (result, on_third)
-    assert sum(r == "hit" for r in result) >= sum(on_third) // 2, (result, on_third)
+    assert [r == "hit" for r in result] == on_third, (result, on_third)
     assert took < 64 * 2.0 + 30  # each call bounded by its 2 s timeout
 
     killed.restart()  # empty, same address
     s.hosts.restore(cut.host)
     live = {n.address for n in nodes}
     e.wait_members(live, timeout_s=30)
+    # right after the heal, before repair has made anything up, every block has a copy on a live node; known defect
+    # (issue 32, open): a load then can still miss one (block 6 of 64 in the one run so far), so only "never wrong"
+    # is asserted here
+    assert set(e.call(op="load", blocks=blocks, timeout_s=600)["result"]) <= {"hit", "miss", "error"}
     copies = _repaired(s, e, blocks, 2, 60)
     # at least two copies each (three where the healed node kept the copy that repair had already made up elsewhere)
     assert all(c >= 2 for c in copies), copies
