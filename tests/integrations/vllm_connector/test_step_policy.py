@@ -15,11 +15,11 @@ import torch
 from fake_vllm import BLOCK, Blocks, Events, Request, Schedule, kv_caches, make_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_scheduler import step
 
 from ems import Ems
 from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
 from ems.integrations.step_policy import Placement, StepMode, StepPolicy
-from ems.integrations.vllm.metadata import EmsConnectorMetadata
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
 
@@ -102,14 +102,6 @@ def test_auto_waits_for_measurements_and_backs_off_a_slow_pool():
 
 
 # ---- through the halves ----
-
-
-def step(sched: EmsScheduler, worker: EmsWorker, schedule: Schedule) -> EmsConnectorMetadata:
-    meta = sched.build_connector_meta(schedule)
-    worker.handle_preemptions(meta)
-    worker.start_load_kv(meta)
-    worker.wait_for_save(meta)
-    return meta
 
 
 def answer(sched: EmsScheduler, request: Request) -> tuple[int, bool, int]:
