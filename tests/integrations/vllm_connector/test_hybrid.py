@@ -44,9 +44,9 @@ def prefill(request: Request, ids: tuple[list[int], ...]) -> Schedule:
     )
 
 
-@pytest.fixture
-def hybrid():
-    ctx = make_context("hybrid", epoch_refresh_s=0.05)
+def hybrid_halves(**extra: object):
+    """A hybrid model's halves (one full, one sliding-window group) on the embedded pool, with `extra` config keys."""
+    ctx = make_context("hybrid", epoch_refresh_s=0.05, **extra)
     ctx = dataclasses.replace(
         ctx, groups=(GroupKind.FULL, GroupKind.SLIDING), windows=(None, WINDOW), shared_layers=((),) * len(ctx.layer_names)
     )
@@ -57,6 +57,11 @@ def hybrid():
     yield ctx, sched, worker, caches
     sched.shutdown()
     worker.shutdown()
+
+
+@pytest.fixture
+def hybrid():
+    yield from hybrid_halves()
 
 
 def finish(worker: EmsWorker, req_id: str) -> tuple[set[int], set[str]]:
@@ -145,3 +150,20 @@ def test_a_sliding_window_save_skips_positions_the_window_freed(hybrid):
     # a position hits only where every group holds it: positions 0 and 1 of the sliding-window group were never
     # saved, so the same prompt from the start finds nothing (though the full-attention group holds all five)
     assert answer(sched, Request("d", PROMPT)) == 0
+
+
+def test_the_step_policy_loads_a_hybrid_model_asynchronously():
+    """Forced in the step, a hybrid model's hit is still loaded asynchronously (its short load is a failed receive
+    of the request, which vLLM takes only from a request waiting for its KV)."""
+    halves = hybrid_halves(step_policy="in_step", in_step_ms=5000)
+    _, sched, worker, _ = next(halves)
+    try:
+        save_a(sched, worker)
+        b = Request("b", PROMPT)
+        assert answer(sched, b) == 5 * BLOCK  # (`answer` asserts vLLM is told the load is asynchronous)
+        sched.update_state_after_alloc(b, GroupBlocks(([13, 14, 15, 16, 17, 18], [0, 0, 0, 19, 20, 21])), 5 * BLOCK)
+        (load,) = step(sched, worker, Schedule()).loads
+        assert not load.in_step
+        assert finish(worker, "b") == (set(), set())
+    finally:
+        halves.close()
