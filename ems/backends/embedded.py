@@ -10,9 +10,11 @@ Contract, beyond `ems.backends.base`'s:
   buffers and read them where they lie (`ems.datapath.jobs.embedded`), and `exists` is the store's index. The
   other calls (the pipelined jobs, accelerators) move values as to a pool node, cut by the jobs within `limits`
   (the wire's, as for nodes).
-* A call whose deadline has passed before the store is asked fails its keys with `EMS_IO_TIMEOUT` (the store
-  itself answers at once). A put stores what the store admits (`KvStore.put_many`: a malformed value or one larger
-  than the pool is refused); a read of a value of another length than the caller's buffer is a miss.
+* A put or a `get_into` whose deadline (a job's, handed down) has passed before the store is asked fails its keys
+  with `EMS_IO_TIMEOUT`; otherwise every call is answered at once (the store cannot hang: a `get` or an `exists`,
+  whose deadline starts with the call, never times out). A put stores what the store admits (`KvStore.put_many`:
+  a malformed value or one larger than the pool is refused); a read of a value of another length than the caller's
+  buffer is a miss.
 * Closing stops the store's background threads; values already handed out stay readable.
 """
 
@@ -91,8 +93,7 @@ class EmbeddedPool:
     ) -> PoolOutcome[Buffer | None]:
         """Each key's stored value (a read-only view of the store's bytes), or None; not checked here (the caller
         checks against `expected`)."""
-        none: Buffer | None = None
-        return self._answer(keys, none, Deadline.of(option), lambda: self.store.get_many(keys))
+        return PoolOutcome(self.store.get_many(keys), nodes_contacted=1) if keys else PoolOutcome([])
 
     def get_into(
         self,
@@ -114,13 +115,10 @@ class EmbeddedPool:
         self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption, hold: Hold | None = None
     ) -> PoolOutcome[bool]:
         """Whether the store's index holds each key (with `hold`: holds it and keeps it as asked)."""
-        store = self.store
-        return self._answer(
-            keys,
-            False,
-            Deadline.of(option),
-            lambda: store.contains_many(keys) if hold is None else store.hold_many(keys, hold),
-        )
+        if not keys:
+            return PoolOutcome([])
+        held = self.store.contains_many(keys) if hold is None else self.store.hold_many(keys, hold)
+        return PoolOutcome(held, nodes_contacted=1)
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """Always True: the pool is this process."""
