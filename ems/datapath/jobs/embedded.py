@@ -25,7 +25,7 @@ import torch
 from ems.backends.base import InPlaceValues, PoolOutcome
 from ems.buffers import Buffer
 from ems.datapath.copier import Gathered
-from ems.datapath.jobs.transfer import Transfer
+from ems.datapath.jobs.transfer import SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
 from ems.datapath.records import Stage
 from ems.kernels.raw_memory import buffer_addresses, raw_tensor
@@ -91,20 +91,13 @@ class StoreBuffers:
             store.recycle(buffer, reserve, address)
 
 
-class EmbeddedSave:
+class EmbeddedSave(SaveJob):
     """The embedded pool's one-pass save (see the module docstring)."""
 
     def __init__(self, transfer: Transfer, store: InPlaceValues) -> None:
         self.plan, self.copier, self.record, self.store = transfer.plan, transfer.copier, transfer.record, store
         self.record.path = "one-pass"
         self._values = StoreBuffers()  # the values' buffers while this save holds them
-
-    def begin(self) -> None:
-        try:
-            self._begin()
-        except BaseException:  # interrupts included: nothing leaks
-            self.abandon()
-            raise
 
     def _begin(self) -> None:
         plan, store, record = self.plan, self.store, self.record
