@@ -65,6 +65,7 @@ def count_held(
             outcome.nodes_contacted,
             error.message() if error is not None else "",
         )
-    result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
+    unreachable = bool(outcome.errors) and outcome.unreachable  # (errors first: no property call on the usual path)
+    result = CcResult(0 if unreachable else consecutive_prefix(outcome.results), len(keys))
     metrics.record_exists(result.success, result.total)
     return result
