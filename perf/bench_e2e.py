@@ -101,7 +101,7 @@ def bench(block_size: int, pool_state: str, device: torch.device, rounds: int) -
             if t < load_s:
                 load_s, records["load"] = t, cc.jobs.last(JobKind.LOAD)  # type: ignore[assignment]
             copy_s = min(copy_s, _timed(lambda: target.copy_(source)))
-        store_stats = Ems._pool.nodes[0].store.stats()  # type: ignore[union-attr]
+        store_stats = Ems._pool.store.stats()  # type: ignore[union-attr]
     finally:
         Ems.shutdown()
     copy = request_bytes / copy_s / 1e9

@@ -432,7 +432,7 @@ def pd_bench(args: argparse.Namespace) -> None:
     """Mode 6 (`--pd`): decode-server TTFT from the pool against a prefix-cache hit of the same prompt."""
     import urllib.request
 
-    from ems.integrations.local_pool import stop_local_pool
+    from vllm_engine import stop_servers
 
     root = tempfile.mkdtemp(prefix="ems-bench-pd-")
     max_len = args.tokens + 256
@@ -525,14 +525,7 @@ def pd_bench(args: argparse.Namespace) -> None:
             )
             print(json.dumps(rows[-1]))
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        stop_local_pool(pool_dir)
+        stop_servers(procs.values(), pool_dir)
 
     def med(key: str) -> float:
         values = sorted(r[key] for r in rows)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ems import CcConfig, ContextCaching, EmsConfig
+from ems.backends.embedded import EmbeddedPool
 from ems.backends.pool_client import PoolClient
 from ems.config import parse_size, resolve_settings
 from ems.datapath.planning import BlockPlan
@@ -123,6 +124,13 @@ def direct_cc(nodes, *, model_id: str = "test-model", cc_config=None, tenant=Non
     return ContextCaching(cc_config, tenant, pool, resolved)
 
 
+def embedded_cc(store, *, model_id: str = "test-model", **settings) -> ContextCaching:
+    """A `ContextCaching` around `EmbeddedPool(store)` (the pool `Ems.init` builds without nodes), without
+    `Ems.init`."""
+    cc_config = CcConfig(rank_id=0, device_id=0, model_id=model_id)
+    return ContextCaching(cc_config, None, EmbeddedPool(store), resolve_settings(EmsConfig(**settings)))
+
+
 def set_chunk_bytes(cc: ContextCaching, size: str) -> None:
     """The chunk size of `cc`'s next jobs (`Settings.chunk_bytes`: EMS_CHUNK_BYTES is read once, at `Ems.init`)."""
     cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", size))
@@ -132,7 +140,7 @@ def store_of_ems():
     """The embedded store behind the initialised `Ems` (white-box: for 'nothing was written' checks)."""
     from ems import Ems
 
-    return Ems._pool.nodes[0].store  # type: ignore[union-attr]
+    return Ems._pool.store  # type: ignore[union-attr]
 
 
 def store_refused_value(address: str, key: bytes, route_key: bytes, plan: BlockPlan, i: int, how: str) -> None:

@@ -103,7 +103,7 @@ def test_environment_reaches_ems_init(monkeypatch):
     monkeypatch.setenv("EMS_KERNEL_BACKEND", "memcpy")
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m")))
     assert Ems.settings().pool_capacity == 3 << 20
-    assert Ems._pool.nodes[0].store.capacity_bytes == 3 << 20
+    assert Ems._pool.store.capacity_bytes == 3 << 20
     from ems_testlib import make_cache
 
     cc = Ems.get_cc()

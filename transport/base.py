@@ -1,7 +1,8 @@
 """The transport contract: one pool node, as a client sees it.
 
-A `NodeClient` carries batched requests to one node: the embedded store in this process (`inprocess.py`) or a
-remote pool node (`ucx.py`). Every call takes a `Deadline` (`ems.deadline`; a caller holding seconds may pass those,
+A `NodeClient` carries batched requests to one node: a remote pool node (`ucx.py`), or a store in this process
+served as a node (`inprocess.py`: the nodes of in-process clusters; the embedded pool is a backend of its own,
+`ems.backends.embedded`). Every call takes a `Deadline` (`ems.deadline`; a caller holding seconds may pass those,
 `Deadline.within`) and must return or raise by it, even when the node hangs; a node that fails raises
 `TransportError` with `EMS_IO_ERROR` (lost, refused, malformed reply) or `EMS_IO_TIMEOUT` (no answer in time).
 Per-key outcomes (a refused put, a missing key) are results, not errors.
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ems.buffers import Buffer
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
 from ems.transport.holds import Hold
+
+if TYPE_CHECKING:
+    from ems.transport.shm_client import ShmBuffer
 
 #: A load's use of values while a same-host node is still placing them (`NodeClient.places_progressively`):
 #: called with the address of the request's progress word (a u32: how many leading values are placed, `shm.py`),
@@ -40,6 +44,20 @@ class LocalStore(Protocol):
     def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]: ...
 
     def close(self) -> None: ...
+
+
+def place_values(values: Sequence[Buffer | None], outs: Sequence[Buffer]) -> list[bool]:
+    """Copy each value into the writable buffer beside it in `outs`; True where there was a value of exactly that
+    buffer's length (False: a miss, or another length; that buffer's bytes are then unchanged)."""
+    placed = []
+    for value, out in zip(values, outs):
+        target = memoryview(out).cast("B")
+        if value is None or memoryview(value).nbytes != target.nbytes:
+            placed.append(False)
+            continue
+        target[:] = memoryview(value).cast("B")
+        placed.append(True)
+    return placed
 
 
 class TransportError(EmsException):
@@ -73,15 +91,7 @@ class NodeClient(abc.ABC):
         buffer's bytes are then unspecified). Transports override this to receive in place."""
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
-        placed = []
-        for value, out in zip(self.get(keys, deadline), outs):
-            target = memoryview(out).cast("B")
-            if value is None or memoryview(value).nbytes != target.nbytes:
-                placed.append(False)
-                continue
-            target[:] = memoryview(value).cast("B")
-            placed.append(True)
-        return placed
+        return place_values(self.get(keys, deadline), outs)
 
     @abc.abstractmethod
     def exists(self, keys: Sequence[bytes], deadline: Deadline | float, hold: Hold | None = None) -> list[bool]:
@@ -91,6 +101,12 @@ class NodeClient(abc.ABC):
     @abc.abstractmethod
     def ping(self, deadline: Deadline | float) -> bool:
         """True when the node answers by `deadline`; never raises."""
+
+    def shm_buffer(self, nbytes: int) -> ShmBuffer | None:
+        """`nbytes` of memory this node shares with this process (a same-host node's shared-memory region, whose
+        values its calls move without a copy: `UcxNode.shm_buffer`), or None: none, or no room in it. A staging
+        buffer the pool client hands out (`PoolBackend.shm_staging`)."""
+        return None
 
     def abort(self) -> None:
         """Make the calls in flight on this node fail now (a caller that stopped waiting for a slow node); each

@@ -1,5 +1,7 @@
-"""The in-process transport: the embedded pool, a store living in this process (an `ems.store.kv_store.KvStore`, reached
-through the `LocalStore` protocol so that the transport does not import the store)."""
+"""The in-process transport: a store living in this process served as a pool node (an `ems.store.kv_store.KvStore`,
+reached through the `LocalStore` protocol so that the transport does not import the store): the nodes of clusters
+built in one process (tests). The embedded pool does not go through it: it is a backend of its own
+(`ems.backends.embedded.EmbeddedPool`)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from ems.transport.holds import Hold
 class InProcessNode(NodeClient):
     """A `NodeClient` over a store in this process: no copies beyond the store's own, no threads."""
 
-    address = "embedded"
+    address = "embedded"  # (a store in this process)
 
     def __init__(self, store: LocalStore) -> None:
         self.store = store

@@ -1,8 +1,9 @@
 """The pool backend contract: what the jobs, `ContextCaching` and `Ems` use of a pool, whichever pool it is.
 
-Two implementations: `ems.backends.pool_client.PoolClient` (the embedded store, or `ems.pool` nodes over UCX: routing,
-replicas and the read cache on the client) and `ems.backends.mooncake.MooncakePool` (a Mooncake Store deployment, which
-places and replicates by itself). `Ems.init` picks one from the `pool_backend` setting; nothing above it knows which.
+Three implementations: `ems.backends.embedded.EmbeddedPool` (the store in this process), `ems.backends.pool_client.PoolClient`
+(`ems.pool` nodes over UCX: routing, replicas and the read cache on the client) and `ems.backends.mooncake.MooncakePool`
+(a Mooncake Store deployment, which places and replicates by itself). `Ems.init` picks one from the settings (no pool
+nodes: embedded; `pool_backend`); nothing above it knows which, beyond what the contract says a backend can do.
 
 Contract, for every implementation:
 * Keys are opaque bytes (this package's storage keys, namespaced per tenant, model and layout); values are this
@@ -16,6 +17,9 @@ Contract, for every implementation:
   per backend, so the number of chunk calls at once is capped per client; the backend closes it.
 * `limits` (`ems.transport.protocol.RequestLimits`) is the most one request may carry: the jobs cut their chunks
   with it, the backend its requests.
+* `in_place`: where the pool's values lie in this process's memory, what it lends the one-pass jobs
+  (`InPlaceValues`: buffers to write values into, the stored bytes where they lie); None for a pool elsewhere, whose
+  values move through `put` and `get_into`.
 * `shm_staging(nbytes)`: a staging buffer in memory the pool shares with this process (an `ems` node on this host),
   or None.
 * `prepare_staging(buffer)` is called once for each host staging buffer before it carries values, and
@@ -35,7 +39,6 @@ from ems.buffers import Buffer
 from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
-from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues
 from ems.transport.base import AsPlaced, TransportError
 from ems.transport.holds import Hold
@@ -71,6 +74,38 @@ class PoolOutcome(Generic[T]):
         return self.errors[0] if self.errors else None
 
 
+class InPlaceValues(Protocol):
+    """A pool's values in this process's memory, as the one-pass jobs (`ems.datapath.jobs.embedded`) use them: a save
+    takes buffers for its values (`allocate_many`, room made and reserved in one step), writes every byte of each and
+    hands them over under their keys without a copy (`put_owned_many`), or gives back those it will not store
+    (`recycle`); a load reads the stored bytes where they lie (`get_many_with_addresses`: read-only views, and each
+    one's address where known). `ems.store.kv_store.KvStore` is one (its docstring is the full contract)."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The most the pool holds (a value charged more than this is refused)."""
+        ...
+
+    def allocate_many(self, sizes: Sequence[int] | np.ndarray, reserves: Sequence[int]) -> tuple[list[np.ndarray], list[int]]:
+        """Writable buffers of `sizes[i]` bytes (stale bytes: the caller overwrites every one), each reserving
+        `reserves[i]`, and their addresses."""
+        ...
+
+    def put_owned_many(
+        self, keys: Sequence[bytes], values: Sequence[np.ndarray], reserved: Sequence[int], addresses: Sequence[int]
+    ) -> None:
+        """Store buffers from `allocate_many`, each a well-formed value now, under `keys` (no copy: the pool owns them)."""
+        ...
+
+    def recycle(self, buffer: np.ndarray, reserved: int = 0, address: int | None = None) -> None:
+        """Give back a buffer from `allocate_many` that will not be stored, and its reservation."""
+        ...
+
+    def get_many_with_addresses(self, keys: Sequence[bytes]) -> tuple[list[Buffer | None], list[int | None]]:
+        """Each key's stored bytes (a read-only view) or None, and each hit's address where known."""
+        ...
+
+
 class PoolBackend(Protocol):
     """A pool as the SDK's data path sees it; see the module docstring."""
 
@@ -79,10 +114,8 @@ class PoolBackend(Protocol):
     #: the jobs' chunk calls run here
     executor: ChunkExecutor
 
-    @property
-    def local_store(self) -> KvStore | None:
-        """The embedded store when the pool is in this process (the one-pass data path), else None."""
-        ...
+    #: the pool's values in this process's memory, lent to the one-pass jobs; None: the pool is elsewhere
+    in_place: InPlaceValues | None
 
     def describe(self) -> str:
         """The pool in a few words, for logs ("embedded", node addresses, the Mooncake master)."""

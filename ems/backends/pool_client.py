@@ -1,12 +1,13 @@
-"""The pool as one client sees it (a `PoolBackend`): the embedded store or `ems.pool` nodes over UCX, assembled from
-three parts with contracts of their own.
+"""The pool as one client sees it (a `PoolBackend`): `ems.pool` nodes over UCX (or nodes in this process,
+`transport.inprocess`, as tests build clusters), assembled from three parts with contracts of their own. The
+embedded pool is a backend of its own (`ems.backends.embedded`).
 
 * Routing (`ems.backends.routing.NodeRouter`): owners and replicas, per-node requests within the protocol's
   `RequestLimits`, fan-out in parallel with one `Deadline`, failover to the next owner on reads.
 * The read cache (`ems.backends.read_cache.ReadCache`, remote pools only): in front of the router. A put with
   `write_rcache` keeps what it stored there; a read takes what it holds first (an entry that is not the `expected`
-  value is dropped) and asks the nodes for the rest; with `read_local_only` a read never leaves the process. The
-  embedded pool is local, so it always serves.
+  value is dropped) and asks the nodes for the rest; with `read_local_only` a read never leaves the process. Nodes
+  in this process are local: no read cache in front of them, and they always serve.
 * The jobs' executor (`ems.datapath.executor.ChunkExecutor`): the threads a job's chunk calls run on.
 
 Contract: every call returns by the option's timeout, or by `deadline` where given (the chunks of one request
@@ -18,11 +19,11 @@ job.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome
+from ems.backends.base import InPlaceValues, PoolOutcome
 from ems.backends.read_cache import ReadCache
 from ems.backends.routing import NodeRouter
 from ems.buffers import Buffer
@@ -35,6 +36,9 @@ from ems.transport.base import AsPlaced, NodeClient
 from ems.transport.holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
+
+if TYPE_CHECKING:
+    from ems.transport.shm_client import ShmBuffer
 
 
 class PoolClient:
@@ -55,6 +59,8 @@ class PoolClient:
         self.is_local = self.router.is_local
         self.cache: ReadCache | None = ReadCache(read_cache_capacity) if read_cache_capacity > 0 and not self.is_local else None
         self.executor = ChunkExecutor()
+        #: values move through put and get_into (the nodes' memory is not this process's to lend)
+        self.in_place: InPlaceValues | None = None
         self._on_close: list[Callable[[], None]] = []
 
     @property
@@ -72,11 +78,6 @@ class PoolClient:
         """The read cache's store, or None without one."""
         return None if self.cache is None else self.cache.store
 
-    @property
-    def local_store(self) -> KvStore | None:
-        """The embedded pool's store when this client's only node is in-process (the one-pass data path), else None."""
-        return self.router.local_store
-
     def set_members(self, addresses: Sequence[str], incarnations: Mapping[str, object] | None = None) -> None:
         """Route to exactly these nodes from now on (membership changes; see `ems.cluster.placement.Members`:
         `incarnations` tell a node that came back from one that stayed)."""
@@ -92,9 +93,9 @@ class PoolClient:
     def release_staging(self, buffer: Any) -> None:
         """Nothing to do (see `prepare_staging`)."""
 
-    def shm_staging(self, nbytes: int) -> Any | None:
-        """A buffer of `nbytes` in the shared-memory region of this pool's one node (`UcxNode.shm_buffer`: its calls
-        move values lying there without a copy), or None: several nodes, a node elsewhere, or no room."""
+    def shm_staging(self, nbytes: int) -> ShmBuffer | None:
+        """A buffer of `nbytes` in the shared-memory region of this pool's one node (`NodeClient.shm_buffer`: its
+        calls move values lying there without a copy), or None: several nodes, a node elsewhere, or no room."""
         return self.router.shm_staging(nbytes)
 
     def on_close(self, callback: Callable[[], None]) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -41,12 +41,14 @@ from ems.cluster.placement import Members
 from ems.cluster.routing import ranked_owners
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
-from ems.store.kv_store import KvStore
 from ems.store.value_format import HEADER_SIZE, ExpectedValues, matches
 from ems.transport.base import AsPlaced, NodeClient, TransportError
 from ems.transport.holds import Hold
 from ems.transport.inprocess import InProcessNode
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
+
+if TYPE_CHECKING:
+    from ems.transport.shm_client import ShmBuffer
 
 
 class NodeRouter:
@@ -81,15 +83,6 @@ class NodeRouter:
     def nodes(self) -> list[NodeClient]:
         """The nodes placement uses now (the live set)."""
         return list(self.members.view.nodes)
-
-    @property
-    def local_store(self) -> KvStore | None:
-        """The embedded pool's store when the only node is in-process (the one-pass data path), else None."""
-        nodes = self.members.view.nodes
-        if len(nodes) == 1 and isinstance(nodes[0], InProcessNode):
-            store = nodes[0].store
-            return store if isinstance(store, KvStore) else None
-        return None
 
     def _read(
         self,
@@ -326,11 +319,11 @@ class NodeRouter:
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
         return any(f.result() for f in done if f.exception() is None)
 
-    def shm_staging(self, nbytes: int) -> Any | None:
-        """A buffer of `nbytes` in the shared-memory region of the one node (`UcxNode.shm_buffer`), or None."""
+    def shm_staging(self, nbytes: int) -> ShmBuffer | None:
+        """A buffer of `nbytes` in the memory the one node shares with this process (`NodeClient.shm_buffer`), or
+        None: several nodes, or the node shares none."""
         nodes = self.nodes
-        shm_buffer = getattr(nodes[0], "shm_buffer", None) if len(nodes) == 1 else None
-        return None if shm_buffer is None else shm_buffer(nbytes)
+        return nodes[0].shm_buffer(nbytes) if len(nodes) == 1 else None
 
     def close(self) -> None:
         self.members.close()

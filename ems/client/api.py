@@ -20,13 +20,12 @@ import os
 import threading
 
 from ems.backends.base import PoolBackend
-from ems.backends.pool_client import PoolClient
+from ems.backends.embedded import EmbeddedPool
 from ems.client.context_caching import ContextCaching
 from ems.config import EmsConfig, PoolBackendKind, Settings, check_config, resolve_settings
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 from ems.extras import MissingExtra, require
 from ems.store.kv_store import KvStore
-from ems.transport.inprocess import InProcessNode
 
 logger = logging.getLogger("ems")
 
@@ -64,7 +63,7 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
             raise invalid_argument(
                 f"pool_capacity={settings.pool_capacity}: the embedded pool cannot reserve it: {exc}"
             ) from None
-        return PoolClient([InProcessNode(store)])
+        return EmbeddedPool(store)
     try:
         require("ucxx", "ucx", "pool_nodes")  # UCX is needed only with remote nodes
     except MissingExtra as exc:

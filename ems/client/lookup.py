@@ -5,8 +5,9 @@ raises `EmsException(EMS_INVALID_ARGUMENT)`); V1 hashes need a registered layout
 refused the same way). This package's addition: `lease_ms=N` or `pin=True` in `kwargs` asks the pool to keep what it
 reports (`ems.store.holds`); only keys it keeps count as held. The answer is `CcResult(consecutive hits from the
 first, len(hashes))`. A failing or unreachable pool never raises: its keys count as misses (a pool that raised reports
-0 hits), logged once per call. The embedded pool's index answers directly (as the one-pass jobs use it). Each answered
-call is added to the metrics' exists counters once (a pool that raised is not counted, as before this module existed).
+0 hits), logged once per call. Every pool answers through `PoolBackend.exists` (the embedded pool's is its store's
+index). Each answered call is added to the metrics' exists counters once (a pool that raised is not counted, as before
+this module existed).
 """
 
 from __future__ import annotations
@@ -51,12 +52,6 @@ def count_held(
         if v1_namespace is None:
             raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
         keys, route_keys = v1_keys(v1_namespace, items)
-    store = pool.local_store
-    if store is not None:  # the embedded pool: its index answers directly (as the one-pass jobs use it)
-        held = store.contains_many(keys) if hold is None else store.hold_many(keys, hold)
-        result = CcResult(consecutive_prefix(held), len(keys))
-        metrics.record_exists(result.success, result.total)
-        return result
     try:
         outcome = pool.exists(route_keys, keys, checked_option, hold)
     except Exception as exc:  # the contract: a failing pool is a miss, not an exception
@@ -70,6 +65,7 @@ def count_held(
             outcome.nodes_contacted,
             error.message() if error is not None else "",
         )
-    result = CcResult(0, len(keys)) if outcome.unreachable else CcResult(consecutive_prefix(outcome.results), len(keys))
+    unreachable = bool(outcome.errors) and outcome.unreachable  # (errors first: no property call on the usual path)
+    result = CcResult(0 if unreachable else consecutive_prefix(outcome.results), len(keys))
     metrics.record_exists(result.success, result.total)
     return result

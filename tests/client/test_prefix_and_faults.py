@@ -378,7 +378,7 @@ def test_staging_allocation_failure_is_an_ems_exception(cc, method, monkeypatch)
     keys = [PrimaryKey("a", "b")]
     # a value larger than the whole pool is refused before anything is allocated: a miss, not an error
     assert cc.get_result(cc.async_save(CcKvOption(), keys, [[KvBufferWrapper(t.data_ptr(), 2**62)]])).success == 0
-    store = Ems._pool.nodes[0].store
+    store = Ems._pool.store
     used = store.stats().used_bytes
     monkeypatch.setattr(
         "ems.store.recycling.BufferSupply.fresh", lambda self, nbytes, count: (_ for _ in ()).throw(MemoryError("no memory"))

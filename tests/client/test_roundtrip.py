@@ -301,17 +301,16 @@ def test_strided_views_roundtrip(backend):
 def test_caches_allocated_as_engines_do_round_trip(mode, backend):
     """vLLM-style caches: allocated under torch.inference_mode(), or leaf tensors that require grad."""
     import torch
-    from ems_testlib import direct_cc
+    from ems_testlib import embedded_cc
 
     from ems.store.kv_store import KvStore
-    from ems.transport.inprocess import InProcessNode
 
     if mode == "inference_mode":
         with torch.inference_mode():
             kv = [[torch.randn(6, 4, 2, 8) for _ in range(2)] for _ in range(3)]
     else:
         kv = [[torch.randn(6, 4, 2, 8, requires_grad=True) for _ in range(2)] for _ in range(3)]
-    cc = direct_cc([InProcessNode(KvStore(1 << 24))], kernel_backend=backend)
+    cc = embedded_cc(KvStore(1 << 24), kernel_backend=backend)
     try:
         cc.register_kvcache(kv)
         slots = list(range(4, 12))

@@ -17,7 +17,7 @@ from ems.datapath.layout import register_layout
 
 
 def _store_keys() -> list[bytes]:
-    return list(Ems._pool.nodes[0].store._entries)
+    return list(Ems._pool.store._entries)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

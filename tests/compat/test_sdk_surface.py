@@ -182,7 +182,7 @@ def test_a_value_of_another_format_version_is_a_miss():
     engine.register_kv_caches(as_dict(cache))
     cc = engine.context_caching
     assert cc.save(whole_block_slots([0, 1], BS), [11, 12], [BS] * 2, option()).success == 2
-    store = Ems._pool.nodes[0].store
+    store = Ems._pool.store
     ((key, value),) = [(k, v) for k, v in store._entries.items() if k.endswith((12).to_bytes(1, "little"))]
     older = bytearray(value)
     header = np.frombuffer(older, dtype=HEADER_DTYPE, count=1)

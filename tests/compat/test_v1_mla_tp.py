@@ -35,7 +35,7 @@ LAYERS, BLOCKS = 3, 12
 
 
 def _stored_entries() -> int:
-    return Ems._pool.nodes[0].store.stats().entries  # white-box: the embedded store
+    return Ems._pool.store.stats().entries  # white-box: the embedded store
 
 
 class _Rank:

@@ -68,7 +68,7 @@ def test_a_damaged_value_stops_the_one_pass_load_there(cc, where):
     cache = make_cache(layers=1, blocks=8, block_size=2)
     cc.register_kvcache(cache)
     assert cc.save([0, 1, 2, 3, 4, 5], [1, 2, 3], [2, 2, 2]).success == 3
-    store = Ems._pool.nodes[0].store
+    store = Ems._pool.store
     keys = list(store._entries)
     if where == "in place":
         memoryview(store._entries[keys[1]]).cast("B")[-1] ^= 0xFF
@@ -207,7 +207,7 @@ def test_pool_prefault_setting(monkeypatch, ahead, arena):
     monkeypatch.setenv("EMS_POOL_PREFAULT_AHEAD", ahead)
     Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "jobs"), pool_capacity="4MiB"))
     try:
-        stats = Ems._pool.nodes[0].store.stats()
+        stats = Ems._pool.store.stats()
         assert stats.arena_bytes == arena and stats.prefault_seconds > 0
     finally:
         Ems.shutdown()

@@ -82,7 +82,7 @@ def test_with_leases_every_request_that_will_load_a_block_holds_its_own_lease(po
     shared = [block_hash(200 + i) for i in range(3)]
     assert mover.save_async([0, 1, 2], shared) and mover.wait(30)
     breaker = LookupBreaker(cc, 1, False, 2000, 1.0, lease_ms=30_000)
-    store = cc._pool.local_store
+    store = cc._pool.store
     asks = [
         _Ask("long", (*shared, block_hash(250)), b""),
         _Ask("short", tuple(shared[:2]), b""),

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ems.backends.base import PoolOutcome
+from ems.backends.base import InPlaceValues, PoolOutcome
 from ems.backends.mooncake.connection import MooncakeConnection
 from ems.backends.mooncake.keys import mooncake_key
 from ems.backends.mooncake.memory import RegisteredMemory
@@ -49,7 +49,6 @@ from ems.config import MooncakeSettings
 from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
-from ems.store.kv_store import KvStore
 from ems.store.value_format import HEADER_SIZE, ExpectedValues
 from ems.transport.base import AsPlaced, TransportError
 from ems.transport.holds import Hold, HoldKind
@@ -97,6 +96,8 @@ class MooncakePool:
         self._connection = MooncakeConnection(settings, MooncakeDistributedStore, self._workers, connect_timeout_s)
         self._memory = RegisteredMemory(lambda: self._connection.store, self._workers)
         self.executor = ChunkExecutor()
+        #: values move through put and get_into (Mooncake's memory is not this process's to lend)
+        self.in_place: InPlaceValues | None = None
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """True when the store is set up and its master answers within `timeout_s`; never raises."""
@@ -104,10 +105,6 @@ class MooncakePool:
 
     def describe(self) -> str:
         return f"mooncake master {self.settings.master} ({self.settings.protocol})"
-
-    @property
-    def local_store(self) -> KvStore | None:
-        return None
 
     # ---- registered memory (`memory.RegisteredMemory`)
 

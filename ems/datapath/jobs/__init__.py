@@ -6,8 +6,8 @@ client's `PoolRoute` (pool, staging, chunk size); the copies are its copier's (`
 separate, chosen once per job by `copier_for`). `save_job` / `load_job` pick the job for the call's path (never the
 caller), one module per path:
 
-* `embedded.py` (`EmbeddedSave`, `EmbeddedLoad`): the embedded pool with CPU tensors, one pass straight between the
-  cache and the store's own buffers;
+* `embedded.py` (`EmbeddedSave`, `EmbeddedLoad`): a pool that lends its values (`PoolBackend.in_place`: the embedded
+  pool) with CPU tensors, one pass straight between the cache and the store's own buffers;
 * `pipelined_save.py`, `pipelined_load.py` (`PipelinedSave`, `PipelinedLoad`): remote pools, accelerators: through
   staging, chunk by chunk (`chunks.py`: cutting, in-flight bounds, fencing, merging);
 * `staged.py` (`StagedLoad`): V0 loads from pool nodes (staging without room for the headers);
@@ -19,7 +19,7 @@ miss, and gives back every buffer and lease on every path.
 
 from __future__ import annotations
 
-from ems.backends.base import PoolBackend
+from ems.backends.base import InPlaceValues, PoolBackend
 from ems.datapath.jobs.chunks import FENCE_GRACE_S, PIPELINE_DEPTH, plan_chunks
 from ems.datapath.jobs.embedded import EmbeddedLoad, EmbeddedSave
 from ems.datapath.jobs.pipelined_load import PipelinedLoad
@@ -27,7 +27,6 @@ from ems.datapath.jobs.pipelined_save import PipelinedSave
 from ems.datapath.jobs.staged import StagedLoad
 from ems.datapath.jobs.transfer import LoadJob, NothingToMove, PoolRoute, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
-from ems.store.kv_store import KvStore
 
 __all__ = [
     "FENCE_GRACE_S",
@@ -44,9 +43,10 @@ __all__ = [
 ]
 
 
-def _embedded_store(pool: PoolBackend, transfer: Transfer) -> KvStore | None:
-    """The store a call's job works on directly (the one-pass path): the embedded pool's, for CPU tensors."""
-    return pool.local_store if transfer.device.type == "cpu" else None
+def _in_place(pool: PoolBackend, transfer: Transfer) -> InPlaceValues | None:
+    """The values a call's job works on directly (the one-pass path): the pool's own, where it lends them
+    (`PoolBackend.in_place`: the embedded pool), for CPU tensors."""
+    return pool.in_place if transfer.device.type == "cpu" else None
 
 
 def save_job(transfer: Transfer, route: PoolRoute) -> SaveJob:
@@ -54,9 +54,9 @@ def save_job(transfer: Transfer, route: PoolRoute) -> SaveJob:
     nothing)."""
     if transfer.plan.total == 0:
         return NothingToMove(transfer.record)
-    store = _embedded_store(route.pool, transfer)
-    if store is not None:
-        return EmbeddedSave(transfer, store)
+    values = _in_place(route.pool, transfer)
+    if values is not None:
+        return EmbeddedSave(transfer, values)
     return PipelinedSave(transfer, route)
 
 
@@ -65,9 +65,9 @@ def load_job(transfer: Transfer, route: PoolRoute) -> LoadJob:
     nothing)."""
     if transfer.plan.total == 0:
         return NothingToMove(transfer.record)
-    store = _embedded_store(route.pool, transfer)
-    if store is not None:
-        return EmbeddedLoad(transfer, store)
+    values = _in_place(route.pool, transfer)
+    if values is not None:
+        return EmbeddedLoad(transfer, values)
     if isinstance(transfer.plan, BlockPlan):
         return PipelinedLoad(transfer, route)
     return StagedLoad(transfer, route)

@@ -1,4 +1,6 @@
-"""The embedded pool's one-pass jobs (`EmbeddedSave`, `EmbeddedLoad`: the embedded pool, CPU tensors).
+"""The embedded pool's one-pass jobs (`EmbeddedSave`, `EmbeddedLoad`): CPU tensors, and a pool whose values lie in
+this process's memory, which it lends the jobs (`PoolBackend.in_place`, an `ems.backends.base.InPlaceValues`: the
+embedded pool's store).
 
 A save takes every value's buffer from the store at once (`KvStore.allocate_many`: usually back to back, the layout
 a plan packs values in), gathers every value straight into those buffers with one backend call per layer group (the
@@ -20,14 +22,14 @@ from typing import cast
 import numpy as np
 import torch
 
-from ems.backends.base import PoolOutcome
+from ems.backends.base import InPlaceValues, PoolOutcome
 from ems.buffers import Buffer
 from ems.datapath.copier import Gathered
-from ems.datapath.jobs.transfer import Transfer
+from ems.datapath.jobs.transfer import SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
 from ems.datapath.records import Stage
 from ems.kernels.raw_memory import buffer_addresses, raw_tensor
-from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
+from ems.store.kv_store import ENTRY_OVERHEAD
 from ems.store.value_format import HEADER_SIZE, encode_in_place, valid_prefix
 
 # the embedded path views the address span of a request's buffers as one tensor: never one wider than this
@@ -77,32 +79,25 @@ class StoreBuffers:
         self.buffers, self.reserved, self.addresses = [], [], []
         return taken
 
-    def hand_to(self, store: KvStore, keys: list[bytes]) -> None:
+    def hand_to(self, store: InPlaceValues, keys: list[bytes]) -> None:
         """Store value i's buffer under `keys[i]` (no copy): the store owns them now."""
         taken = self.take()
         store.put_owned_many(keys[: taken.count], taken.buffers, taken.reserved, taken.addresses)
 
-    def give_back(self, store: KvStore) -> None:
+    def give_back(self, store: InPlaceValues) -> None:
         """Return every buffer to the store unused (idempotent)."""
         taken = self.take()
         for buffer, reserve, address in zip(taken.buffers, taken.reserved, taken.addresses):
             store.recycle(buffer, reserve, address)
 
 
-class EmbeddedSave:
+class EmbeddedSave(SaveJob):
     """The embedded pool's one-pass save (see the module docstring)."""
 
-    def __init__(self, transfer: Transfer, store: KvStore) -> None:
+    def __init__(self, transfer: Transfer, store: InPlaceValues) -> None:
         self.plan, self.copier, self.record, self.store = transfer.plan, transfer.copier, transfer.record, store
         self.record.path = "one-pass"
         self._values = StoreBuffers()  # the values' buffers while this save holds them
-
-    def begin(self) -> None:
-        try:
-            self._begin()
-        except BaseException:  # interrupts included: nothing leaks
-            self.abandon()
-            raise
 
     def _begin(self) -> None:
         plan, store, record = self.plan, self.store, self.record
@@ -152,7 +147,7 @@ class EmbeddedSave:
 class EmbeddedLoad:
     """The embedded pool's one-pass load (see the module docstring)."""
 
-    def __init__(self, transfer: Transfer, store: KvStore) -> None:
+    def __init__(self, transfer: Transfer, store: InPlaceValues) -> None:
         self.plan, self.copier, self.record, self.store = transfer.plan, transfer.copier, transfer.record, store
         self.record.path = "one-pass"
 

@@ -23,14 +23,14 @@ from ems.datapath.copier import Gathered, encode_values
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
-from ems.datapath.jobs.transfer import PoolRoute, Transfer
+from ems.datapath.jobs.transfer import PoolRoute, SaveJob, Transfer
 from ems.datapath.records import Stage
 from ems.datapath.staging import StagingLease
 from ems.deadline import Deadline
 from ems.store.value_format import HEADER_SIZE
 
 
-class PipelinedSave:
+class PipelinedSave(SaveJob):
     """A save through staging to pool nodes (or from an accelerator): see the module docstring."""
 
     def __init__(self, transfer: Transfer, route: PoolRoute) -> None:
@@ -44,13 +44,6 @@ class PipelinedSave:
         self._stop = threading.Event()  # set: chunks not yet sent are not sent (an earlier one failed, or abandon)
         self._deadline = Deadline(0.0)
         self._lone: Callable[[], PoolOutcome] | None = None  # a one-chunk save's send, run by `finish`
-
-    def begin(self) -> None:
-        try:
-            self._begin()
-        except BaseException:  # interrupts included: nothing leaks
-            self.abandon()
-            raise
 
     def _begin(self) -> None:
         """Per chunk: gather into its range of staging (then to host), start its encode + put; next chunk."""

@@ -3,12 +3,14 @@
 `Transfer` is one save or load call's descriptor: what moves (`plan`: data, `ems.datapath.planning`), on which device,
 by which copier (`ems.datapath.copier`, chosen once for the job), with the call's option and its job record.
 `PoolRoute` is where a client's transfers go: its pool, its staging pool and the chunk size. A job is built from
-the two (`ems.datapath.jobs.save_job` / `load_job`) and runs as `SaveJob` or `LoadJob`; no job holds anything a
-descriptor does not name, and every job gives back every buffer and lease on every path.
+the two (`ems.datapath.jobs.save_job` / `load_job`) and runs as a `SaveJob` (the base class of every save job) or a
+`LoadJob`; no job holds anything a descriptor does not name, and every job gives back every buffer and lease on
+every path.
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,17 +46,29 @@ class PoolRoute:
     chunk_bytes: int
 
 
-class SaveJob(Protocol):
+class SaveJob(abc.ABC):
     """One save: `begin()` takes every byte out of the engine's cache (then the engine may overwrite it),
     `finish()` stores them and returns the pool's outcome (which keys were acknowledged); `abandon()` gives
-    everything back when `finish` will never run (idempotent)."""
+    everything back when `finish` will never run (idempotent). A job implements `_begin`; `begin` runs it and, when
+    it raises (interrupts included), abandons the job before the error goes on, so nothing it took leaks."""
 
     record: JobRecord
 
-    def begin(self) -> None: ...
+    def begin(self) -> None:
+        try:
+            self._begin()
+        except BaseException:  # interrupts included: nothing leaks
+            self.abandon()
+            raise
 
+    @abc.abstractmethod
+    def _begin(self) -> None:
+        """`begin`'s work: take every byte out of the engine's cache (on failure `begin` abandons the job)."""
+
+    @abc.abstractmethod
     def finish(self) -> PoolOutcome: ...
 
+    @abc.abstractmethod
     def abandon(self) -> None: ...
 
 
@@ -66,7 +80,7 @@ class LoadJob(Protocol):
     def run(self) -> tuple[int, PoolOutcome]: ...
 
 
-class NothingToMove:
+class NothingToMove(SaveJob):
     """The job of a request of no values (a token-form call whose mask asks for no token): it copies nothing and
     contacts no pool; a save stores and a load writes nothing."""
 
@@ -74,7 +88,7 @@ class NothingToMove:
         self.record = record
         record.path = "none"
 
-    def begin(self) -> None:
+    def _begin(self) -> None:
         return None
 
     def finish(self) -> PoolOutcome:

@@ -96,9 +96,8 @@ class PoolLookups:
             del self._answers[req_id]  # short of blocks still being saved: asked again below
         wanted = (start, full - start, epoch)
         asked = self._asking.get(req_id)
-        hits = self._batcher.answer(req_id)
-        if hits is not None:
-            hits //= self._per_block
+        held = self._batcher.answer(req_id)
+        hits = None if held is None else self._blocks(held)
         if asked == wanted and hits is None and self._batcher.asked(req_id):
             return None  # still being asked
         if hits is not None and hits < wanted_hits:
@@ -107,7 +106,7 @@ class PoolLookups:
             wanted_hashes = hashes()
             breaker_open = self.breaker.is_open()
             timeout_s = self.policy.lookup_timeout_s(breaker_open)
-            in_step = None
+            in_step_hits = None  # blocks held, answered in the step
             if timeout_s is not None:  # a fast pool: asked now, in the step, within what is left of its bound
                 self._ctx.register_shadow()
                 if asked is not None:
@@ -115,21 +114,28 @@ class PoolLookups:
                     self._asking.pop(req_id, None)
                 in_step = self.breaker.lookup_within(wanted_hashes, epoch, timeout_s)
                 self.policy.spend_lookup(in_step.seconds, in_step.timed_out)
-                if not in_step.timed_out and in_step.hits // self._per_block < wanted_hits:
-                    self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked next step
-                    return None
-            if in_step is not None and not in_step.timed_out:
-                hits = in_step.hits // self._per_block
+                if not in_step.timed_out:
+                    in_step_hits = self._blocks(in_step.hits)
+                    if in_step_hits < wanted_hits:
+                        self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked next step
+                        return None
+            if in_step_hits is not None:
+                hits = in_step_hits
             elif not breaker_open:
                 self._ctx.register_shadow()
                 self._batcher.ask(req_id, wanted_hashes, epoch)
                 self._asking[req_id] = wanted
                 return None
             else:  # the pool counts as down: 0 at once, no network
-                hits = self.breaker.lookup(wanted_hashes, epoch) // self._per_block
+                hits = self._blocks(self.breaker.lookup(wanted_hashes, epoch))
         self._asking.pop(req_id, None)  # (its wait's end is kept until `take`: one wait per request)
         self._answers[req_id] = LookupAnswer(start, hits, full - start, epoch, now)
         return hits
+
+    def _blocks(self, keys_held: int) -> int:
+        """The blocks held, from the first, given the keys held from the first (a hybrid model asks one key per KV
+        cache group per block: a block is held when all of its keys are)."""
+        return keys_held // self._per_block
 
     def skip(self, req_id: str, start: int) -> None:
         """The request asks the pool nothing (nothing past its local hit, or a producer, which never loads): its

@@ -76,7 +76,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: str) -> None:
 
 
 def test_one_request_through_the_proxy_prefills_on_p_and_decodes_on_d_from_the_pool(tmp_path):
-    from ems.integrations.local_pool import stop_local_pool
+    from vllm_engine import stop_servers
+
     from ems.integrations.vllm.pd_proxy import PdProxy
 
     model = str(tmp_path / "model")
@@ -114,11 +115,4 @@ def test_one_request_through_the_proxy_prefills_on_p_and_decodes_on_d_from_the_p
     finally:
         if proxy is not None:
             proxy.shutdown()
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        stop_local_pool(pool_dir)
+        stop_servers(procs.values(), pool_dir)

@@ -90,7 +90,7 @@ def test_a_request_loads_what_another_saved_and_its_lease_holds_until_the_load(h
 
     b = Request("b", PROMPT)
     assert answer(sched, b) == 3 * BLOCK
-    store = ctx.cc._pool.local_store
+    store = ctx.cc._pool.store
     assert store is not None and store.stats().leased_bytes > 0  # kept for the load
     sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
     meta = step(sched, worker, Schedule())  # b waits for its load (not scheduled)
@@ -160,7 +160,7 @@ def test_a_producer_saves_and_never_loads_and_a_consumer_loads_and_never_saves(h
         assert [(s.req_id, s.block_ids) for s in meta.saves] == [("a", [0, 1, 2])]
         assert producer.request_finished(a, [0, 1, 2, 3]) == (True, {"ems_blocks": 3, "ems_model_id": ctx.model_id})
         # the pool holds a's blocks, but a producer never asks for them (answered at once, nothing leased)
-        store = ctx.cc._pool.local_store
+        store = ctx.cc._pool.store
         assert store is not None
         assert producer.get_num_new_matched_tokens(Request("p2", PROMPT), 0) == (0, False)
         assert store.stats().leased_bytes == 0

@@ -46,9 +46,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 
 
 def make_tiny_llama(
@@ -183,6 +185,23 @@ def kill(pid: int) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.01)
+
+
+def stop_servers(procs: Iterable[subprocess.Popen], pool_dir: str, grace_s: float = 60.0) -> None:
+    """Stop vLLM API servers started on one local pool node (test_pd_servers.py, perf/bench_vllm.py --pd): each is
+    asked to end (SIGTERM) and killed when still running `grace_s` later, then the pool node in `pool_dir` is
+    stopped."""
+    from ems.integrations.local_pool import stop_local_pool
+
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    stop_local_pool(pool_dir)
 
 
 def kill_at_next_load(pid: int) -> None:
