@@ -11,6 +11,9 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   thread: a new lookup is recorded for the step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken
   at the next `match`. With the circuit breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at
   once, without the network. `skip(req_id, start)` records a request that asks nothing (a producer's).
+* `hold(req_id)`: whether a request that waits for blocks on their way into vLLM's own prefix cache (another
+  request's asynchronous load, `scheduler`) may wait one more step. Every wait of a request, this one and `match`'s
+  `expect`, counts from its first and ends `save_wait_ms` after it: one bound per request, whatever it waits for.
 * An answer is kept per request (`LookupAnswer`) and reused while it is fresh (the same blocks and epoch, younger
   than `lookup_cache_s`): vLLM asks again every step for a request it could not admit yet. `take(req_id)` hands the
   answer vLLM admitted the request with to `update_state_after_alloc`; `forget(req_id)` drops a request;
@@ -86,7 +89,7 @@ class PoolLookups:
         now = time.monotonic()
         # blocks on their way to the pool (a producer's, or this engine's saves): an answer short of them is asked
         # again each step until `save_wait_ms` after the first ask, instead of recomputing them at once
-        waiting = expect > 0 and now < self._wait_until.setdefault(req_id, now + self._ctx.config.save_wait_ms / 1000)
+        waiting = expect > 0 and self._may_wait(req_id, now)
         wanted_hits = min(expect, full - start) if waiting else 0
         cached = self._answers.get(req_id)
         # a request vLLM could not admit yet is asked again every step: the answer is reused for a while
@@ -130,6 +133,13 @@ class PoolLookups:
         self._asking.pop(req_id, None)  # (its wait's end is kept until `take`: one wait per request)
         self._answers[req_id] = LookupAnswer(start, hits, full - start, epoch, now)
         return hits
+
+    def _may_wait(self, req_id: str, now: float) -> bool:
+        return now < self._wait_until.setdefault(req_id, now + self._ctx.config.save_wait_ms / 1000)
+
+    def hold(self, req_id: str) -> bool:
+        """True while the request may still wait for blocks on their way (see the module contract)."""
+        return self._may_wait(req_id, time.monotonic())
 
     def skip(self, req_id: str, start: int) -> None:
         """The request asks the pool nothing (nothing past its local hit, or a producer, which never loads): its

@@ -283,3 +283,89 @@ def test_each_step_is_recorded(halves):
     assert sum(r["loads_started"] for r in done) == 1 and sum(r["loads_done"] for r in done) == 1
     assert sum(r["save_blocks"] for r in done) == 3
     assert all(r["call_s"] >= r["wait_s"] >= 0 for r in done) and sum(r["load_s"] for r in done) > 0
+
+
+def admit_loading(sched: EmsScheduler, worker: EmsWorker, request: Request, blocks: list[int]) -> None:
+    """Admit `request` with its pool hit, loading asynchronously, and send its load to the worker (not reported yet)."""
+    hit = answer(sched, request)
+    assert hit > 0
+    sched.update_state_after_alloc(request, Blocks(blocks), hit)
+    assert [x.req_id for x in step(sched, worker, Schedule()).loads] == [request.request_id]
+
+
+def report_load(sched: EmsScheduler, worker: EmsWorker, req_id: str) -> set[int]:
+    """The worker's report of the load, handed to the scheduler half as vLLM does (`update_connector_output`)."""
+    failed = finish_load(worker, req_id)
+    sched.update_connector_output(None, {req_id})
+    return failed
+
+
+def test_requests_sharing_a_prefix_wait_for_the_load_under_way_instead_of_loading_their_own(halves):
+    """b's asynchronous load of a's three blocks is under way: c and d (the same prefix, c with its own tail) are not
+    admitted with their own copy but wait, asking nothing, until b's load is reported; then vLLM's prefix cache holds
+    the prefix (c and d ask past it) and the pool was read for it once."""
+    ctx, sched, worker, _, _ = halves
+    save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+    b, c, d = (
+        Request("b", PROMPT),
+        Request("c", PROMPT[: 3 * BLOCK] + list(range(900, 900 + 2 * BLOCK + 1))),
+        Request("d", PROMPT),
+    )
+    admit_loading(sched, worker, b, [8, 9, 10, 11])
+    assert finish_load(worker, "b") == set()  # the worker is done; vLLM has not been told yet
+    store = ctx.cc._pool.local_store
+    assert store is not None and store.stats().leased_bytes == 0  # b's read ended its lookup's lease
+    assert waits_for(sched, c, 0.3) and waits_for(sched, d, 0.1)
+    assert store.stats().leased_bytes == 0  # they asked the pool nothing (a lookup leases what it finds)
+    assert any(r["load_waits"] for r in sched.steps.records())
+    sched.update_connector_output(None, {"b"})
+    # vLLM now caches b's blocks: c and d find the prefix locally and ask the pool only for what lies beyond
+    c.num_computed_tokens = d.num_computed_tokens = 3 * BLOCK
+    assert answer(sched, c) == 0  # c's own blocks were never saved
+    assert sched.get_num_new_matched_tokens(d, d.num_computed_tokens) == (0, False)  # nothing past the prefix
+    assert ctx.stats.totals().load_blocks == 3  # the prefix was loaded once
+
+
+def test_the_wait_for_another_requests_load_is_bounded_by_save_wait_ms(halves):
+    """b's load is never reported: c waits `save_wait_ms` and then goes on by itself (its own lookup and load)."""
+    ctx, other, worker, _, events = halves
+    config = dataclasses.replace(ctx.config, save_wait_ms=400)
+    sched = EmsScheduler(dataclasses.replace(ctx, config=config), events)
+    try:
+        save(other, worker, Request("a", PROMPT), [0, 1, 2, 3])  # another engine saved the prefix
+        admit_loading(sched, worker, Request("b", PROMPT), [8, 9, 10, 11])
+        c = Request("c", PROMPT)
+        started = time.monotonic()
+        assert waits_for(sched, c, 0.2)
+        assert answer(sched, c) == 3 * BLOCK  # its own copy, once the wait is over
+        assert 0.4 <= time.monotonic() - started < 5
+    finally:
+        sched.shutdown()
+
+
+def test_a_failed_load_releases_the_requests_waiting_for_it(halves):
+    """The pool loses a's blocks between b's lookup and b's load (a node died): b's load fails, and c, which waited
+    for it, goes on at once (a lookup of its own, a miss), not at the end of its wait."""
+    ctx, other, worker, _, events = halves
+    config = dataclasses.replace(ctx.config, save_wait_ms=30_000)
+    sched = EmsScheduler(dataclasses.replace(ctx, config=config), events)
+    store = ctx.cc._pool.local_store
+    assert store is not None
+    try:
+        before = set(store.keys())
+        save(other, worker, Request("a", PROMPT), [0, 1, 2, 3])  # another engine saved the prefix
+        blocks = set(store.keys()) - before
+        assert len(blocks) == 3
+        b, c = Request("b", PROMPT), Request("c", PROMPT)
+        hit = answer(sched, b)
+        sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), hit)
+        for key in blocks:
+            assert store.delete(key)
+        step(sched, worker, Schedule())  # b's load goes to the worker
+        assert waits_for(sched, c, 0.2)
+        assert report_load(sched, worker, "b") == {8, 9, 10}  # vLLM recomputes them (or fails b, by its policy)
+        started = time.monotonic()
+        assert answer(sched, c) == 0  # released: the pool no longer holds the prefix
+        assert time.monotonic() - started < 5
+    finally:
+        sched.shutdown()
