@@ -53,6 +53,7 @@ for a request is `lookups.LookupAnswer`, and a step's work for the workers is `m
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Iterable
@@ -182,10 +183,23 @@ class EmsScheduler:
             self.lookups.skip(request.request_id, start)
             return 0, False
         full = min((request.num_prompt_tokens - 1) // block_size, len(request.block_hashes) // self._ctx.hash_stride)
-        if self._loading and start < full and self._behind_load(request, start) and self.lookups.hold(request.request_id):
-            self._waiting_lookups += 1
-            self._load_waits += 1
-            return None, False  # another request is loading this prefix: vLLM's prefix cache holds it once that load ends
+        if self._loading and start < full:
+            end = self._loaded_by_others(request, start, full)
+            if end is not None and self.lookups.hold(request.request_id):
+                # another request is loading this prefix: vLLM's prefix cache holds it once that load ends. What lies
+                # beyond it is asked now, so that the answer is in (`lookup_cache_s`) when the request asks from there
+                if end < full:
+                    self.lookups.match(
+                        request.request_id,
+                        end,
+                        full,
+                        self.epoch.epoch,
+                        lambda: self._lookup_hashes(request, end, full),
+                        self._expected(request, end, full),
+                    )
+                self._waiting_lookups += 1
+                self._load_waits += 1
+                return None, False
         hits = self.lookups.match(
             request.request_id,
             start,
@@ -208,12 +222,15 @@ class EmsScheduler:
             return hits * block_size, False  # vLLM's synchronous path: loaded before this step's forward
         return hits * block_size, True
 
-    def _behind_load(self, request: Request, position: int) -> bool:
-        """Whether another request's asynchronous load under way loads the request's block at `position`."""
-        stride = self._ctx.hash_stride
-        key = request.block_hashes[position * stride + stride - 1]
+    def _loaded_by_others(self, request: Request, start: int, full: int) -> int | None:
+        """Where another request's asynchronous load under way stops loading the request's blocks from `start`
+        (chained hashes: the blocks it shares with that load are a run from `start`), or None: it loads none."""
+        hashes = self._hashes(request)
         rid = request.request_id
-        return any(key in hashes for owner, hashes in self._loading.items() if owner != rid)
+        for owner, loading in self._loading.items():
+            if owner != rid and hashes[start] in loading:
+                return bisect.bisect_left(range(start, full), True, key=lambda p: hashes[p] not in loading) + start
+        return None
 
     def update_connector_output(self, worker_stats: dict[str, Any] | None, loads_done: Iterable[str] = ()) -> None:
         """The workers' output of a step (vLLM's `KVConnectorOutput`): the requests whose asynchronous load they
