@@ -14,10 +14,10 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
 * `hold(req_id)`: whether a request that waits for blocks on their way into vLLM's own prefix cache (another
   request's asynchronous load, `scheduler`) may wait one more step. Every wait of a request, this one and `match`'s
   `expect`, counts from its first and ends `save_wait_ms` after it: one bound per request, whatever it waits for.
-* An answer is kept per request (`LookupAnswer`) and reused while it is fresh (the same blocks and epoch, younger
-  than `lookup_cache_s`): vLLM asks again every step for a request it could not admit yet. `take(req_id)` hands the
-  answer vLLM admitted the request with to `update_state_after_alloc`; `forget(req_id)` drops a request;
-  `clear()` drops every answer (after a reset).
+* An answer is kept per request (`LookupAnswer`) and reused while it is fresh (the same blocks, or a later start
+  within what it found, in the same epoch, younger than `lookup_cache_s`): vLLM asks again every step for a
+  request it could not admit yet. `take(req_id)` hands the answer vLLM admitted the request with to
+  `update_state_after_alloc`; `forget(req_id)` drops a request; `clear()` drops every answer (after a reset).
 * The pool leases what a lookup reports (`lease_ms`, `ems.transport.holds`) to the load that follows, so a reported
   hit is not evicted before it is loaded.
 * `end_step(idle, record)` dispatches the step's lookups (one batch, one background thread); a step with nothing
@@ -53,8 +53,15 @@ class LookupAnswer:
     epoch: bytes  # the namespace epoch the keys were in
     at: float  # time.monotonic() of the answer
 
-    def fresh(self, start: int, asked: int, epoch: bytes, now: float, max_age_s: float) -> bool:
-        return (self.start, self.asked, self.epoch) == (start, asked, epoch) and now - self.at <= max_age_s
+    def hits_from(self, start: int, full: int, epoch: bytes, now: float, max_age_s: float) -> int | None:
+        """The leading blocks from `start` the pool holds by this answer, or None where it does not tell: another
+        epoch, other blocks, older than `max_age_s`, or a `start` past the first block it found missing. An answer
+        for blocks `s..full` tells it for every later start up to its first missing block (a request whose prefix
+        another request loaded meanwhile asks from further on)."""
+        end = self.start + self.hits
+        if self.epoch != epoch or self.start + self.asked != full or not self.start <= start <= end:
+            return None
+        return end - start if now - self.at <= max_age_s else None
 
 
 class PoolLookups:
@@ -92,10 +99,14 @@ class PoolLookups:
         waiting = expect > 0 and self._may_wait(req_id, now)
         wanted_hits = min(expect, full - start) if waiting else 0
         cached = self._answers.get(req_id)
-        # a request vLLM could not admit yet is asked again every step: the answer is reused for a while
-        if cached is not None and cached.fresh(start, full - start, epoch, now, self._ctx.config.lookup_cache_s):
-            if cached.hits >= wanted_hits:
-                return cached.hits
+        # a request vLLM could not admit yet is asked again every step: the answer is reused for a while (from a
+        # later start too: another request's load of its prefix landed in vLLM's prefix cache meanwhile)
+        known = None if cached is None else cached.hits_from(start, full, epoch, now, self._ctx.config.lookup_cache_s)
+        if cached is not None and known is not None:
+            if known >= wanted_hits:
+                if cached.start != start:
+                    self._answers[req_id] = LookupAnswer(start, known, full - start, epoch, cached.at)
+                return known
             del self._answers[req_id]  # short of blocks still being saved: asked again below
         wanted = (start, full - start, epoch)
         asked = self._asking.get(req_id)

@@ -14,6 +14,7 @@ from fake_vllm import BLOCK, Blocks, Events, Request, Schedule, kv_caches, make_
 
 from ems.integrations.connector_config import ConnectorConfig, KvRole
 from ems.integrations.epoch import EpochRecord
+from ems.integrations.vllm.lookups import LookupAnswer
 from ems.integrations.vllm.metadata import EmsConnectorMetadata
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
@@ -301,16 +302,16 @@ def report_load(sched: EmsScheduler, worker: EmsWorker, req_id: str) -> set[int]
 
 
 def test_requests_sharing_a_prefix_wait_for_the_load_under_way_instead_of_loading_their_own(halves):
-    """b's asynchronous load of a's three blocks is under way: c and d (the same prefix, c with its own tail, in the
+    """b's asynchronous load of three blocks a saved is under way: c and d (the same prefix, c with its own tail, in the
     pool too) are not admitted with their own copy but wait until b's load is reported, c's tail asked meanwhile;
     then vLLM's prefix cache holds the prefix, c loads only its tail (answered at once) and d nothing: the pool was
     read for the prefix once."""
     ctx, sched, worker, _, _ = halves
     tailed = PROMPT[: 3 * BLOCK] + list(range(900, 900 + 2 * BLOCK + 1))
-    save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
-    save(sched, worker, Request("e", tailed), [4, 5, 6, 7, 12, 13])
+    save(sched, worker, Request("a", tailed), [0, 1, 2, 4, 5, 6])  # the prefix (PROMPT's full blocks) and c's tail
     b, c, d = Request("b", PROMPT), Request("c", tailed), Request("d", PROMPT)
-    admit_loading(sched, worker, b, [8, 9, 10, 11])
+    assert answer(sched, c) == 5 * BLOCK  # c asked first (vLLM could not admit it yet) ...
+    admit_loading(sched, worker, b, [8, 9, 10, 11])  # ... and b was admitted first
     assert finish_load(worker, "b") == set()  # the worker is done; vLLM has not been told yet
     loaded = ctx.stats.totals().load_blocks
     assert waits_for(sched, c, 0.3) and waits_for(sched, d, 0.1)
@@ -324,6 +325,16 @@ def test_requests_sharing_a_prefix_wait_for_the_load_under_way_instead_of_loadin
     assert [(x.req_id, x.block_ids) for x in step(sched, worker, Schedule()).loads] == [("c", [14, 15])]
     assert finish_load(worker, "c") == set()
     assert ctx.stats.totals().load_blocks - loaded == 2  # c's tail; the prefix was loaded once, by b
+
+
+def test_an_answer_tells_later_starts_up_to_its_first_missing_block():
+    """A request that waited for another's load asks from further on: the answer it had already tells it, without
+    the network, for any start up to the first block it found missing, in the same epoch and while fresh."""
+    answer_ = LookupAnswer(start=0, hits=5, asked=7, epoch=b"e", at=100.0)
+    assert [answer_.hits_from(s, 7, b"e", 100.5, 1.0) for s in range(7)] == [5, 4, 3, 2, 1, 0, None]
+    assert answer_.hits_from(3, 8, b"e", 100.5, 1.0) is None  # other blocks (a longer prompt)
+    assert answer_.hits_from(3, 7, b"f", 100.5, 1.0) is None  # another epoch
+    assert answer_.hits_from(3, 7, b"e", 101.5, 1.0) is None  # too old
 
 
 def test_the_wait_for_another_requests_load_is_bounded_by_save_wait_ms(halves):
