@@ -115,6 +115,16 @@ class PoolLookups:
             hits //= self._per_block
         if asked == wanted and hits is None and self._batcher.asked(req_id):
             return None  # still being asked
+        if asked is not None and asked != wanted and hits is not None:
+            # the answer to an ask of other blocks: a request that waited for another request's load of its prefix
+            # asks from further on, and what that answer tells about these blocks is taken without another lookup
+            self._asking.pop(req_id, None)
+            earlier = LookupAnswer(asked[0], hits, asked[1], asked[2], now)
+            known = earlier.hits_from(start, full, epoch, now, self._ctx.config.lookup_cache_s)
+            if known is not None and known >= wanted_hits:
+                self._answers[req_id] = LookupAnswer(start, known, full - start, epoch, now)
+                return known
+            asked = hits = None
         if hits is not None and hits < wanted_hits:
             self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked again
         if asked != wanted or hits is None or hits < wanted_hits:  # not asked yet, for other blocks, or short

@@ -302,23 +302,24 @@ def report_load(sched: EmsScheduler, worker: EmsWorker, req_id: str) -> set[int]
 
 
 def test_requests_sharing_a_prefix_wait_for_the_load_under_way_instead_of_loading_their_own(halves):
-    """b's asynchronous load of three blocks a saved is under way: c and d (the same prefix, c with its own tail, in the
-    pool too) are not admitted with their own copy but wait until b's load is reported, c's tail asked meanwhile;
-    then vLLM's prefix cache holds the prefix, c loads only its tail (answered at once) and d nothing: the pool was
-    read for the prefix once."""
+    """b's asynchronous load of three blocks a saved is under way: c and d (the same prefix; c with its own tail, in
+    the pool too) are not admitted with their own copy but wait until b's load is reported. Then vLLM's prefix cache
+    holds the prefix: c asks from past it and is answered at once (its first lookup told it), d has nothing past it,
+    and the pool was read for the prefix once."""
     ctx, sched, worker, _, _ = halves
     tailed = PROMPT[: 3 * BLOCK] + list(range(900, 900 + 2 * BLOCK + 1))
     save(sched, worker, Request("a", tailed), [0, 1, 2, 4, 5, 6])  # the prefix (PROMPT's full blocks) and c's tail
     b, c, d = Request("b", PROMPT), Request("c", tailed), Request("d", PROMPT)
-    assert answer(sched, c) == 5 * BLOCK  # c asked first (vLLM could not admit it yet) ...
-    admit_loading(sched, worker, b, [8, 9, 10, 11])  # ... and b was admitted first
+    assert sched.get_num_new_matched_tokens(c, 0) == (None, False)  # c and b are asked in one batch
+    admit_loading(sched, worker, b, [8, 9, 10, 11])  # b's answer came first: it is admitted
     assert finish_load(worker, "b") == set()  # the worker is done; vLLM has not been told yet
     loaded = ctx.stats.totals().load_blocks
-    assert waits_for(sched, c, 0.3) and waits_for(sched, d, 0.1)
+    assert waits_for(sched, d, 0.3)
+    assert sched.get_num_new_matched_tokens(c, 0) == (None, False)
     assert any(r["load_waits"] for r in sched.steps.records())
     sched.update_connector_output(None, {"b"})
-    # vLLM now caches b's blocks: c and d find the prefix locally and ask the pool only for what lies beyond
-    assert sched.get_num_new_matched_tokens(c, 3 * BLOCK) == (2 * BLOCK, True)  # asked while it waited
+    # vLLM now caches b's blocks: c and d find the prefix locally and ask only for what lies beyond
+    assert sched.get_num_new_matched_tokens(c, 3 * BLOCK) == (2 * BLOCK, True)  # no step in between: no new lookup
     assert sched.get_num_new_matched_tokens(d, 3 * BLOCK) == (0, False)  # nothing past the prefix
     c.num_computed_tokens = 3 * BLOCK
     sched.update_state_after_alloc(c, Blocks([8, 9, 10, 14, 15, 16]), 2 * BLOCK)
