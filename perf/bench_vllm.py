@@ -261,6 +261,7 @@ def step_summary(steps: list[float], records: dict) -> dict:
         "engine_steps": len(steps),
         "idle_steps": sum(r["scheduled_tokens"] == 0 for r in sched),
         "steps_with_lookups_waiting": sum(r["lookups_waiting"] > 0 for r in sched),
+        "load_waits": sum(r.get("load_waits", 0) for r in sched),
         "lookup_batches": sum(r["lookup_batches"] for r in sched),
         "lookup_s": sum(r["lookup_s"] for r in sched),
         "scheduler_wait_s": sum(r["wait_s"] for r in sched),
@@ -289,6 +290,7 @@ def plot_round(out: str, plotted: str, records: dict, steps: list[float]) -> Non
     axes[1].set_ylabel("tokens")
     axes[1].legend(loc="upper right")
     axes[2].plot([r["lookups_waiting"] for r in sched], label="requests waiting for a lookup")
+    axes[2].plot([r.get("load_waits", 0) for r in sched], label="of which for another request's load")
     axes[2].plot([r["inflight"] for r in work], label="worker calls in flight (loads, saves)")
     axes[2].plot([r["loads_done"] for r in work], label="asynchronous loads finished")
     axes[2].plot([r.get("in_step_loads", 0) for r in work], label="in-step loads")

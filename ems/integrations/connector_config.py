@@ -21,7 +21,7 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | lookup_timeout_ms   | 500                        | the scheduler's lookup timeout: the most a hung node costs a step |
 | breaker_cooldown_s  | 2.0                        | how often a pool counted as down is asked again              |
 | lookup_cache_s      | 1.0                        | how long a waiting request's lookup answer is reused          |
-| save_wait_ms        | 2000                       | how long a lookup waits for blocks still being saved (0: never) |
+| save_wait_ms        | 2000                       | wait for blocks on their way (saved, or loaded by another request) |
 | step_policy         | "async"                    | lookups and loads in the step or asynchronously (`step_policy`) |
 | in_step_ms          | 50                         | the bound: in-step lookups of a step, and its in-step load, each at most |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
@@ -61,7 +61,9 @@ from ems.transport.holds import MAX_LEASE_MS
 # budget; the load's read ends the lease at once.
 DEFAULT_LEASE_MS = 10_000
 # A lookup that finds fewer blocks than are on their way to the pool (a producer announced them, or this engine sent
-# them to be saved) asks again each step for this long before the request computes them (`save_wait_ms`).
+# them to be saved) asks again each step for this long before the request computes them, and a request whose prefix
+# another request of this engine is loading waits for that load at most this long (`save_wait_ms`: one bound for
+# every wait of a request).
 DEFAULT_SAVE_WAIT_MS = 2000
 MAX_SAVE_WAIT_MS = 60_000
 # The step policy's bound (`in_step_ms`): a step's in-step lookups together, and its in-step load, each take at most

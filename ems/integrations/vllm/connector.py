@@ -183,9 +183,12 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         return cast(KVConnectorMetadata, self._scheduler().build_connector_meta(scheduler_output))  # registered above
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The workers' output of a step: their load and save statistics feed the step policy's measured rates."""
+        """The workers' output of a step: the loads they report finished (no longer waited for by requests sharing
+        their prefix) and their load and save statistics (the step policy's measured rates)."""
         stats = connector_output.kv_connector_stats
-        self._scheduler().update_connector_output(stats.data if stats is not None else None)
+        self._scheduler().update_connector_output(
+            stats.data if stats is not None else None, connector_output.finished_recving or ()
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)

@@ -11,10 +11,13 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   thread: a new lookup is recorded for the step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken
   at the next `match`. With the circuit breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at
   once, without the network. `skip(req_id, start)` records a request that asks nothing (a producer's).
-* An answer is kept per request (`LookupAnswer`) and reused while it is fresh (the same blocks and epoch, younger
-  than `lookup_cache_s`): vLLM asks again every step for a request it could not admit yet. `take(req_id)` hands the
-  answer vLLM admitted the request with to `update_state_after_alloc`; `forget(req_id)` drops a request;
-  `clear()` drops every answer (after a reset).
+* `hold(req_id)`: whether a request that waits for blocks on their way into vLLM's own prefix cache (another
+  request's asynchronous load, `scheduler`) may wait one more step. Every wait of a request, this one and `match`'s
+  `expect`, counts from its first and ends `save_wait_ms` after it: one bound per request, whatever it waits for.
+* An answer is kept per request (`LookupAnswer`) and reused while it is fresh (the same blocks, or a later start
+  within what it found, in the same epoch, younger than `lookup_cache_s`): vLLM asks again every step for a
+  request it could not admit yet. `take(req_id)` hands the answer vLLM admitted the request with to
+  `update_state_after_alloc`; `forget(req_id)` drops a request; `clear()` drops every answer (after a reset).
 * The pool leases what a lookup reports (`lease_ms`, `ems.transport.holds`) to the load that follows, so a reported
   hit is not evicted before it is loaded.
 * `end_step(idle, record)` dispatches the step's lookups (one batch, one background thread); a step with nothing
@@ -50,8 +53,15 @@ class LookupAnswer:
     epoch: bytes  # the namespace epoch the keys were in
     at: float  # time.monotonic() of the answer
 
-    def fresh(self, start: int, asked: int, epoch: bytes, now: float, max_age_s: float) -> bool:
-        return (self.start, self.asked, self.epoch) == (start, asked, epoch) and now - self.at <= max_age_s
+    def hits_from(self, start: int, full: int, epoch: bytes, now: float, max_age_s: float) -> int | None:
+        """The leading blocks from `start` the pool holds by this answer, or None where it does not tell: another
+        epoch, other blocks, older than `max_age_s`, or a `start` past the first block it found missing. An answer
+        for blocks `s..full` tells it for every later start up to its first missing block (a request whose prefix
+        another request loaded meanwhile asks from further on)."""
+        end = self.start + self.hits
+        if self.epoch != epoch or self.start + self.asked != full or not self.start <= start <= end:
+            return None
+        return end - start if now - self.at <= max_age_s else None
 
 
 class PoolLookups:
@@ -86,13 +96,17 @@ class PoolLookups:
         now = time.monotonic()
         # blocks on their way to the pool (a producer's, or this engine's saves): an answer short of them is asked
         # again each step until `save_wait_ms` after the first ask, instead of recomputing them at once
-        waiting = expect > 0 and now < self._wait_until.setdefault(req_id, now + self._ctx.config.save_wait_ms / 1000)
+        waiting = expect > 0 and self._may_wait(req_id, now)
         wanted_hits = min(expect, full - start) if waiting else 0
         cached = self._answers.get(req_id)
-        # a request vLLM could not admit yet is asked again every step: the answer is reused for a while
-        if cached is not None and cached.fresh(start, full - start, epoch, now, self._ctx.config.lookup_cache_s):
-            if cached.hits >= wanted_hits:
-                return cached.hits
+        # a request vLLM could not admit yet is asked again every step: the answer is reused for a while (from a
+        # later start too: another request's load of its prefix landed in vLLM's prefix cache meanwhile)
+        known = None if cached is None else cached.hits_from(start, full, epoch, now, self._ctx.config.lookup_cache_s)
+        if cached is not None and known is not None:
+            if known >= wanted_hits:
+                if cached.start != start:
+                    self._answers[req_id] = LookupAnswer(start, known, full - start, epoch, cached.at)
+                return known
             del self._answers[req_id]  # short of blocks still being saved: asked again below
         wanted = (start, full - start, epoch)
         asked = self._asking.get(req_id)
@@ -100,6 +114,16 @@ class PoolLookups:
         hits = None if held is None else self._blocks(held)
         if asked == wanted and hits is None and self._batcher.asked(req_id):
             return None  # still being asked
+        if asked is not None and asked != wanted and hits is not None:
+            # the answer to an ask of other blocks: a request that waited for another request's load of its prefix
+            # asks from further on, and what that answer tells about these blocks is taken without another lookup
+            self._asking.pop(req_id, None)
+            earlier = LookupAnswer(asked[0], hits, asked[1], asked[2], now)
+            known = earlier.hits_from(start, full, epoch, now, self._ctx.config.lookup_cache_s)
+            if known is not None and known >= wanted_hits:
+                self._answers[req_id] = LookupAnswer(start, known, full - start, epoch, now)
+                return known
+            asked = hits = None
         if hits is not None and hits < wanted_hits:
             self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked again
         if asked != wanted or hits is None or hits < wanted_hits:  # not asked yet, for other blocks, or short
@@ -136,6 +160,13 @@ class PoolLookups:
         """The blocks held, from the first, given the keys held from the first (a hybrid model asks one key per KV
         cache group per block: a block is held when all of its keys are)."""
         return keys_held // self._per_block
+
+    def _may_wait(self, req_id: str, now: float) -> bool:
+        return now < self._wait_until.setdefault(req_id, now + self._ctx.config.save_wait_ms / 1000)
+
+    def hold(self, req_id: str) -> bool:
+        """True while the request may still wait for blocks on their way (see the module contract)."""
+        return self._may_wait(req_id, time.monotonic())
 
     def skip(self, req_id: str, start: int) -> None:
         """The request asks the pool nothing (nothing past its local hit, or a producer, which never loads): its

@@ -20,6 +20,15 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   `save_wait_ms` from its first ask (`lookups.PoolLookups.match`'s `expect`): blocks a producer announced in the
   request's `kv_transfer_params` (`PARAM_BLOCKS`, in the namespace `PARAM_MODEL`), or blocks this engine sent to be
   saved within the last `save_wait_ms`.
+* A request whose next block (the first past its local hit) another request of this engine is loading
+  asynchronously right now waits for that load ("ask again next step", asking the pool nothing) instead of
+  loading its own copy: vLLM caches an asynchronously loaded request's blocks only once its load is reported
+  finished, and until then every request sharing the prefix would look it up, allocate and load it again. A load
+  stops being waited for once the workers report it finished (`update_connector_output`: loaded or failed; vLLM
+  then caches what arrived before it asks about any other waiting request: requests holding blocks are drained
+  first) or its request ends; a request that waits longer than `save_wait_ms` (the bound of every wait of a
+  request, `lookups.PoolLookups.hold`) goes on by itself. In-step loads are never waited for: vLLM caches their
+  blocks when it admits the request.
 * `request_finished`: True (vLLM's delayed free) while the request has saves sent to the workers, whose copy-outs
   run after the step: the workers release it in `get_finished` once they have ended. An engine that saves returns
   `kv_transfer_params` naming the request's prompt blocks in the pool or on their way there (for a P/D proxy).
@@ -33,8 +42,8 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   holds). vLLM frees a sliding-window group's blocks as the window moves, possibly while their copy-out runs: the
   requests with such saves are named in the next step's `flush` (the workers wait for those copy-outs before the
   forward, `EmsWorker.handle_preemptions`).
-* `steps`: the per-step record (`steps.SchedulerStep`: lookups, loads and saves sent, the lookup batches' and the
-  step's waits).
+* `steps`: the per-step record (`steps.SchedulerStep`: lookups, loads and saves sent, requests waiting for another
+  request's load, the lookup batches' and the step's waits).
 * KV events go to `events` (`observability.KvEventLog`): a `BlockStored` for every run of blocks sent to the pool,
   `AllBlocksCleared` on a reset.
 
@@ -44,8 +53,10 @@ for a request is `lookups.LookupAnswer`, and a step's work for the workers is `m
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
@@ -113,6 +124,10 @@ class EmsScheduler:
         self._in_step: set[str] = set()  # requests whose hit the policy loads in the step, if vLLM admits them
         self._windowed = any(kind is GroupKind.SLIDING for kind in ctx.groups)
         self._window_saves: set[str] = set()  # requests that sent sliding-window blocks to be saved this step
+        # requests whose asynchronous load is under way -> the hashes of the positions it loads: a request whose
+        # next block is among another's waits for that load instead of loading its own copy
+        self._loading: dict[str, frozenset[bytes]] = {}
+        self._load_waits = 0  # requests told to wait for another request's load during this step
 
     def _lookup_hashes(self, request: Request, start: int, full: int) -> list[bytes]:
         """The keys a lookup asks for: each position's hash, or (hybrid) each position's hash in every group."""
@@ -168,6 +183,23 @@ class EmsScheduler:
             self.lookups.skip(request.request_id, start)
             return 0, False
         full = min((request.num_prompt_tokens - 1) // block_size, len(request.block_hashes) // self._ctx.hash_stride)
+        if self._loading and start < full:
+            end = self._loaded_by_others(request, start, full)
+            if end is not None and self.lookups.hold(request.request_id):
+                # another request is loading this prefix: vLLM's prefix cache holds it once that load ends. What lies
+                # beyond it is asked now, so that the answer is in (`lookup_cache_s`) when the request asks from there
+                if end < full:
+                    self.lookups.match(
+                        request.request_id,
+                        end,
+                        full,
+                        self.epoch.epoch,
+                        lambda: self._lookup_hashes(request, end, full),
+                        self._expected(request, end, full),
+                    )
+                self._waiting_lookups += 1
+                self._load_waits += 1
+                return None, False
         hits = self.lookups.match(
             request.request_id,
             start,
@@ -190,9 +222,23 @@ class EmsScheduler:
             return hits * block_size, False  # vLLM's synchronous path: loaded before this step's forward
         return hits * block_size, True
 
-    def update_connector_output(self, worker_stats: dict[str, Any] | None) -> None:
-        """The workers' statistics of the step (vLLM's `KVConnectorOutput.kv_connector_stats`): their load and save
-        jobs' bytes and seconds are the policy's measured rates."""
+    def _loaded_by_others(self, request: Request, start: int, full: int) -> int | None:
+        """Where another request's asynchronous load under way stops loading the request's blocks from `start`
+        (chained hashes: the blocks it shares with that load are a run from `start`), or None: it loads none."""
+        hashes = self._hashes(request)
+        rid = request.request_id
+        for owner, loading in self._loading.items():
+            if owner != rid and hashes[start] in loading:
+                return bisect.bisect_left(range(start, full), True, key=lambda p: hashes[p] not in loading) + start
+        return None
+
+    def update_connector_output(self, worker_stats: dict[str, Any] | None, loads_done: Iterable[str] = ()) -> None:
+        """The workers' output of a step (vLLM's `KVConnectorOutput`): the requests whose asynchronous load they
+        report finished (`finished_recving`, loaded or failed) are no longer waited for, and their load and save
+        jobs' bytes and seconds (`kv_connector_stats`) are the policy's measured rates."""
+        if self._loading:
+            for rid in loads_done:
+                self._loading.pop(rid, None)
         if not worker_stats:
             return
         stats = TransferStats.from_dict(worker_stats)
@@ -243,6 +289,8 @@ class EmsScheduler:
             self._loads[rid] = self._transfer(
                 rid, block_ids, hashes[start : start + loaded], start, start + loaded, epoch, in_step=in_step
             )
+            if not in_step:  # vLLM caches these blocks only once the load is reported finished: others wait for it
+                self._loading[rid] = frozenset(hashes[start : start + loaded])
         self.requests[rid] = RequestState(request, block_ids, start + loaded, epoch)
 
     def _add_saves(self, meta: EmsConnectorMetadata, state: RequestState, computed_before: int, computed_after: int) -> None:
@@ -317,11 +365,12 @@ class EmsScheduler:
             scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             scheduled_reqs=len(scheduler_output.num_scheduled_tokens),
             lookups_waiting=self._waiting_lookups,
+            load_waits=self._load_waits,
             loads_sent=len(meta.loads),
             load_blocks=sum(len(load.block_ids) for load in meta.loads),
             save_blocks=sum(len(save.block_ids) for save in meta.saves),
         )
-        self._waiting_lookups = 0
+        self._waiting_lookups = self._load_waits = 0
         # this step's lookups, one batch, off this thread; a step with nothing to run waits a little for them
         self.lookups.end_step(meta.idle, record)
         self.steps.append(record)
@@ -332,6 +381,7 @@ class EmsScheduler:
         state = self.requests.pop(rid, None)
         self.lookups.forget(rid)
         self._in_step.discard(rid)
+        self._loading.pop(rid, None)  # an abandoned load: whoever waits for it goes on by itself
         # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished.
         # Saves copy their blocks out after the step, off it: vLLM keeps them until every worker reports the request
         # in finished_sending (each worker knows the same requests from the metadata).
@@ -350,6 +400,7 @@ class EmsScheduler:
             return False
         for load in self._loads.values():  # promised in the old epoch: recomputed, not loaded
             load.cancelled = True
+        self._loading.clear()  # its loads fail or load the old epoch's blocks: nobody waits for them
         self._events.cleared()
         self.lookups.clear()
         logger.info("EmsConnector reset_cache: new namespace epoch; every earlier block now misses")

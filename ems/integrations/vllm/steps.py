@@ -4,7 +4,8 @@ cost it, for tools and benchmarks (`EmsConnector.step_records()`, `perf/bench_vl
 Contract (no vLLM imports): each half keeps its last `STEP_LOG_LEN` steps in a `StepLog` (thread-safe; appending
 is one deque append, so the record costs a step nothing measurable):
 * the scheduler half one `SchedulerStep` per `build_connector_meta`: tokens and requests the step scheduled, the
-  lookups it dispatched (requests, in one batch), requests still waiting for a lookup's answer, the loads and
+  lookups it dispatched (requests, in one batch), requests still waiting for a lookup's answer (and of those, for
+  another request's load of their prefix), the loads and
   saves it sent (requests, blocks), the lookup batches answered since the previous step and their seconds on the
   lookup thread, the seconds the step itself waited for lookups (only a step with nothing else to run waits), and
   the step policy's in-step lookups (with their seconds) and in-step loads (requests, blocks);
@@ -35,6 +36,7 @@ class SchedulerStep:
     scheduled_reqs: int = 0
     lookups_sent: int = 0  # requests whose lookup this step dispatched (one batch)
     lookups_waiting: int = 0  # requests told "ask again next step" during this step
+    load_waits: int = 0  # of which waiting for another request's asynchronous load of their prefix
     lookup_batches: int = 0  # batches answered since the previous step
     lookup_s: float = 0.0  # their seconds on the lookup thread
     loads_sent: int = 0

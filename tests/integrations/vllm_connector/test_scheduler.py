@@ -14,6 +14,7 @@ from fake_vllm import BLOCK, Blocks, Events, Request, Schedule, kv_caches, make_
 
 from ems.integrations.connector_config import ConnectorConfig, KvRole
 from ems.integrations.epoch import EpochRecord
+from ems.integrations.vllm.lookups import LookupAnswer
 from ems.integrations.vllm.metadata import EmsConnectorMetadata
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
@@ -283,3 +284,100 @@ def test_each_step_is_recorded(halves):
     assert sum(r["loads_started"] for r in done) == 1 and sum(r["loads_done"] for r in done) == 1
     assert sum(r["save_blocks"] for r in done) == 3
     assert all(r["call_s"] >= r["wait_s"] >= 0 for r in done) and sum(r["load_s"] for r in done) > 0
+
+
+def admit_loading(sched: EmsScheduler, worker: EmsWorker, request: Request, blocks: list[int]) -> None:
+    """Admit `request` with its pool hit, loading asynchronously, and send its load to the worker (not reported yet)."""
+    hit = answer(sched, request)
+    assert hit > 0
+    sched.update_state_after_alloc(request, Blocks(blocks), hit)
+    assert [x.req_id for x in step(sched, worker, Schedule()).loads] == [request.request_id]
+
+
+def report_load(sched: EmsScheduler, worker: EmsWorker, req_id: str) -> set[int]:
+    """The worker's report of the load, handed to the scheduler half as vLLM does (`update_connector_output`)."""
+    failed = finish_load(worker, req_id)
+    sched.update_connector_output(None, {req_id})
+    return failed
+
+
+def test_requests_sharing_a_prefix_wait_for_the_load_under_way_instead_of_loading_their_own(halves):
+    """b's asynchronous load of three blocks a saved is under way: c and d (the same prefix; c with its own tail, in
+    the pool too) are not admitted with their own copy but wait until b's load is reported. Then vLLM's prefix cache
+    holds the prefix: c asks from past it and is answered at once (its first lookup told it), d has nothing past it,
+    and the pool was read for the prefix once."""
+    ctx, sched, worker, _, _ = halves
+    tailed = PROMPT[: 3 * BLOCK] + list(range(900, 900 + 2 * BLOCK + 1))
+    save(sched, worker, Request("a", tailed), [0, 1, 2, 4, 5, 6])  # the prefix (PROMPT's full blocks) and c's tail
+    b, c, d = Request("b", PROMPT), Request("c", tailed), Request("d", PROMPT)
+    assert sched.get_num_new_matched_tokens(c, 0) == (None, False)  # c and b are asked in one batch
+    admit_loading(sched, worker, b, [8, 9, 10, 11])  # b's answer came first: it is admitted
+    assert finish_load(worker, "b") == set()  # the worker is done; vLLM has not been told yet
+    loaded = ctx.stats.totals().load_blocks
+    assert waits_for(sched, d, 0.3)
+    assert sched.get_num_new_matched_tokens(c, 0) == (None, False)
+    assert any(r["load_waits"] for r in sched.steps.records())
+    sched.update_connector_output(None, {"b"})
+    # vLLM now caches b's blocks: c and d find the prefix locally and ask only for what lies beyond
+    assert sched.get_num_new_matched_tokens(c, 3 * BLOCK) == (2 * BLOCK, True)  # no step in between: no new lookup
+    assert sched.get_num_new_matched_tokens(d, 3 * BLOCK) == (0, False)  # nothing past the prefix
+    c.num_computed_tokens = 3 * BLOCK
+    sched.update_state_after_alloc(c, Blocks([8, 9, 10, 14, 15, 16]), 2 * BLOCK)
+    assert [(x.req_id, x.block_ids) for x in step(sched, worker, Schedule()).loads] == [("c", [14, 15])]
+    assert finish_load(worker, "c") == set()
+    assert ctx.stats.totals().load_blocks - loaded == 2  # c's tail; the prefix was loaded once, by b
+
+
+def test_an_answer_tells_later_starts_up_to_its_first_missing_block():
+    """A request that waited for another's load asks from further on: the answer it had already tells it, without
+    the network, for any start up to the first block it found missing, in the same epoch and while fresh."""
+    answer_ = LookupAnswer(start=0, hits=5, asked=7, epoch=b"e", at=100.0)
+    assert [answer_.hits_from(s, 7, b"e", 100.5, 1.0) for s in range(7)] == [5, 4, 3, 2, 1, 0, None]
+    assert answer_.hits_from(3, 8, b"e", 100.5, 1.0) is None  # other blocks (a longer prompt)
+    assert answer_.hits_from(3, 7, b"f", 100.5, 1.0) is None  # another epoch
+    assert answer_.hits_from(3, 7, b"e", 101.5, 1.0) is None  # too old
+
+
+def test_the_wait_for_another_requests_load_is_bounded_by_save_wait_ms(halves):
+    """b's load is never reported: c waits `save_wait_ms` and then goes on by itself (its own lookup and load)."""
+    ctx, other, worker, _, events = halves
+    config = dataclasses.replace(ctx.config, save_wait_ms=400)
+    sched = EmsScheduler(dataclasses.replace(ctx, config=config), events)
+    try:
+        save(other, worker, Request("a", PROMPT), [0, 1, 2, 3])  # another engine saved the prefix
+        admit_loading(sched, worker, Request("b", PROMPT), [8, 9, 10, 11])
+        c = Request("c", PROMPT)
+        started = time.monotonic()
+        assert waits_for(sched, c, 0.2)
+        assert answer(sched, c) == 3 * BLOCK  # its own copy, once the wait is over
+        assert 0.4 <= time.monotonic() - started < 5
+    finally:
+        sched.shutdown()
+
+
+def test_a_failed_load_releases_the_requests_waiting_for_it(halves):
+    """The pool loses a's blocks between b's lookup and b's load (a node died): b's load fails, and c, which waited
+    for it, goes on at once (a lookup of its own, a miss), not at the end of its wait."""
+    ctx, other, worker, _, events = halves
+    config = dataclasses.replace(ctx.config, save_wait_ms=30_000)
+    sched = EmsScheduler(dataclasses.replace(ctx, config=config), events)
+    store = ctx.cc._pool.local_store
+    assert store is not None
+    try:
+        before = set(store.keys())
+        save(other, worker, Request("a", PROMPT), [0, 1, 2, 3])  # another engine saved the prefix
+        blocks = set(store.keys()) - before
+        assert len(blocks) == 3
+        b, c = Request("b", PROMPT), Request("c", PROMPT)
+        hit = answer(sched, b)
+        sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), hit)
+        for key in blocks:
+            assert store.delete(key)
+        step(sched, worker, Schedule())  # b's load goes to the worker
+        assert waits_for(sched, c, 0.2)
+        assert report_load(sched, worker, "b") == {8, 9, 10}  # vLLM recomputes them (or fails b, by its policy)
+        started = time.monotonic()
+        assert answer(sched, c) == 0  # released: the pool no longer holds the prefix
+        assert time.monotonic() - started < 5
+    finally:
+        sched.shutdown()
