@@ -5,7 +5,8 @@
     node.corrupt_stored(key, "flip")      # damage a stored value in place (flip a byte / truncate / replace)
     node.corrupt_gets = "flip"            # damage every value on its way back
     node.fail = True                      # every call raises TransportError(EMS_IO_ERROR)
-    node.delay_s = 0.2                    # every call sleeps first
+    node.delay_s = 0.2                    # every call sleeps first (with `self_timed`, at most until its deadline,
+                                          # then times out)
     node.hang = True                      # every call blocks until `release()` (past any timeout)
     node.partitioned = True               # every call waits out its deadline, then times out (a cut link; with
                                           # `self_timed = True`, a transport that bounds its calls, like UcxNode)
@@ -123,6 +124,10 @@ class FaultyNode(NodeClient):
         if self.fail:
             raise TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.address}: injected failure")
         if self.delay_s:
+            left = Deadline.within(timeout_s).left()
+            if self.self_timed and self.delay_s > left:  # a transport that bounds its calls gives up at the deadline
+                self._sleep(left)
+                raise TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{self.address}: no answer in time (slow)")
             self._sleep(self.delay_s)
         if self.partitioned:
             self._sleep(Deadline.within(timeout_s).left())

@@ -10,17 +10,23 @@ Contract (`read`):
   rebalances after a join, a key's new owner may not hold it yet and its previous owner, now one rank further,
   does; so a key missing at its owners is also asked of that many nodes after them. Never more than the nodes.
 * Slow nodes (`NodeLatency.slow`) are asked last among the nodes a key may try.
-* Hedging (`hedge` given, and the key has another node it may try): a request of no value bytes to speak of (an
-  exists; under `SMALL_BYTES`) to one node that is not seen slow runs on the calling thread and is not hedged: when
-  its keys may try another node it is given `NodeLatency.abort_delay` (not the call's whole deadline), and a node
-  that fails or times out is then skipped as above, so a partitioned owner costs that delay, not the call.
-  Otherwise, when a node has not answered its share within `NodeLatency.hedge_delay` of its expected bytes, the
-  keys of that share still without a value are also asked of their next node; whichever answers first with an
-  accepted value wins. For a read into the caller's buffers (`Hedge.needs_quiet`) the hedge receives into buffers
-  of its own, and its values are copied into the caller's only once the slow node's request can no longer write
-  there: it ends by itself within `NodeLatency.abort_delay`, or is then aborted (`FanOut.abandon`) and waited for
-  (a key whose slow request could not be stopped by the deadline is a miss, with an error). An abort is reported
-  in the outcome (`errors`), so the caller retires its buffers.
+* Hedging (`hedge` given, and a key has another node it may try): when a node has not answered its share within
+  `NodeLatency.hedge_delay` of its expected bytes, the keys of that share still without a value are also asked of
+  their next node; whichever answers first with an accepted value wins. A hedge that misses a key (or whose node
+  fails) sends it on to the node after, as long as the key has tries left, while the slow request keeps running:
+  the slow node is never given up on before the deadline unless another node has the value (a busy host's slow
+  answer is still a hit; a partitioned owner costs a hedge delay per node asked, not the call). For a read into
+  the caller's buffers (`Hedge.needs_quiet`) the hedge receives into buffers of its own, and its values are copied
+  into the caller's only once the slow node's request can no longer write there: it ends by itself within
+  `NodeLatency.abort_delay`, or is then aborted (`FanOut.abandon`) and waited for (a key whose slow request could
+  not be stopped by the deadline is a miss, with an error). An abort is reported in the outcome (`errors`), so the
+  caller retires its buffers. A small hedged read (under `SMALL_BYTES`) has its first request receive into buffers
+  of its own too, so a hedge's value is taken at once (a request to a node that cannot be stopped, e.g. one still
+  connecting to a partitioned node, then never holds the key up): the copy of a few small values costs less than
+  the wait.
+* A request to one node, of no value bytes to speak of (an exists, a few small values: under `SMALL_BYTES`), runs
+  on the calling thread (no thread hop) when nothing could hedge it: no hedge, or none of its keys may try another
+  node; otherwise it runs hedged as above.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ems.cluster.placement import View
 from ems.cluster.routing import ranked_owners
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
-from ems.transport.base import TransportError
+from ems.transport.base import NodeClient, TransportError
 
 Accept = Callable[[int, object], bool]
 
@@ -61,7 +67,7 @@ class _Share:
     call: NodeCall
     primary: bool
     hedge_of: _Share | None = None  # for a hedge: the share it backs up
-    accept: Accept | None = None  # a hedge's own
+    accept: Accept | None = None  # a hedge's own (or a primary's receiving into buffers of its own)
     adopt: Callable[[int, object], None] | None = None
     hedged: bool = False  # (a primary) a hedge was sent for it
     processed: bool = False
@@ -123,20 +129,26 @@ def read(
         # one node, whose transport bounds its calls by the deadline: on this thread (no hop) unless a hedge may be
         # needed: a request that moves value bytes, or one to a node seen slow
         lone = view.nodes[node_ids[0]] if len(node_ids) == 1 else None
-        here = lone is not None and lone.self_timed and (not hedging or (small(state.pending) and not latency.slow(lone.address)))
-        # a call on this thread cannot be hedged: where its keys may try another node it gets until the abort delay
-        # (when a hedged request would be stopped), then its node counts as failed and the keys go on to the next
-        # (a partitioned owner used to take the whole deadline, leaving no time for the copy on a live node)
-        within = deadline
-        if here and hedging and state.tries_left(allowed):
-            delay = latency.abort_delay(int(costs(state.pending)[0].sum()))
-            within = Deadline(min(deadline.at, time.monotonic() + delay))
+        # a call on this thread cannot be hedged, so only where no hedge could help: a partitioned or slow owner of
+        # keys that may try another node must not hold them (cutting its call short at a guessed delay instead failed
+        # live nodes on a busy host, dropping their connections, and lost the keys only they held)
+        is_small = small(state.pending)
+        here = lone is not None and lone.self_timed and (not hedging or (is_small and not state.tries_left(allowed)))
+        # a small hedged read into the caller's buffers receives into buffers of its own, as a hedge does (copied
+        # over once accepted): a hedge's value is then taken at once, never waiting for a slow or unreachable node's
+        # request to be stopped first (one still connecting to a partitioned node cannot be stopped before the deadline)
+        private = hedge is not None and hedge.needs_quiet and hedging and is_small and not here
+        quiet = hedge is not None and hedge.needs_quiet and not private  # hedged values wait for the primary to stop
         shares = [
-            _Share(fanout.start(view.nodes[j], state.pending[candidate == j], call, costs, within, here), True) for j in node_ids
+            _primary(
+                fanout, view.nodes[j], state.pending[candidate == j], call, costs, deadline, here, hedge if private else None
+            )
+            for j in node_ids
         ]
-        alt_pos = np.full(len(results), -1, dtype=np.int64)  # per key: the rank position its hedge asked
+        alt_pos = np.full(len(results), -1, dtype=np.int64)  # per key: the rank position its last hedge asked
         answered = np.zeros(len(results), dtype=bool)  # its primary answered it
-        hedge_missed = np.zeros(len(results), dtype=bool)  # its hedge answered it without an accepted value
+        hedge_missed = np.zeros(len(results), dtype=np.int64)  # its hedges that answered it without an accepted value
+        hedge_open = np.zeros(len(results), dtype=bool)  # a hedge asking for it has not answered yet
         accepted = np.zeros(len(results), dtype=bool)
         by_hedge: dict[int, tuple[_Share, object]] = {}  # key -> (hedge share, answer), accepted, not adopted yet
         failed_now = np.zeros(n, dtype=bool)
@@ -156,11 +168,18 @@ def read(
                         failed_now[view.nodes.index(share.call.node)] = True
                     answered[got] = True
                     for i, value in zip(got.tolist(), answer.answers):
-                        if not accepted[i] and accept(i, value):
+                        if accepted[i]:
+                            continue
+                        if share.accept is None and accept(i, value):
                             results[i] = value
-                            accepted[i] = True
-                            by_hedge.pop(i, None)
+                        elif share.accept is not None and share.adopt is not None and share.accept(i, value):
+                            share.adopt(i, value)  # (its own buffers: copied into the caller's)
+                        else:
+                            continue
+                        accepted[i] = True
+                        by_hedge.pop(i, None)
                 elif share.accept is not None:
+                    hedge_open[share.call.idx] = False  # (a key it did not answer may be hedged on to the next node)
                     if answer.error is not None:  # a hedge's failure fails that node for the call, as any
                         failed_now[view.nodes.index(share.call.node)] = True
                     for i, value in zip(got.tolist(), answer.answers):
@@ -169,8 +188,8 @@ def read(
                         if share.accept(i, value):
                             by_hedge[i] = (share, value)
                         else:
-                            hedge_missed[i] = True
-            if hedge is not None and not hedge.needs_quiet:  # nothing to stop first: take hedged values at once
+                            hedge_missed[i] += 1
+            if hedge is not None and not quiet:  # nothing to stop first: take hedged values at once
                 for i, (share, value) in list(by_hedge.items()):
                     assert share.adopt is not None
                     share.adopt(i, value)
@@ -184,40 +203,55 @@ def read(
             now = time.monotonic()
             next_at = deadline.at
             for share in unresolved:
-                if not hedging or share.hedged:
+                if not hedging:
                     continue
                 at = share.call.started + fanout.latency.hedge_delay(share.call.nbytes)
-                if at <= now:
-                    share.hedged = True
-                    assert hedge is not None
-                    shares += _send_hedges(
-                        fanout,
-                        view,
-                        share,
-                        state,
-                        alt_pos,
-                        accepted,
-                        by_hedge,
-                        failed_now,
-                        allowed,
-                        hedge,
-                        costs,
-                        deadline,
-                        contacted,
-                    )
-                else:
+                if at > now:
                     next_at = min(next_at, at)
+                    continue
+                # its keys without a value and without a hedge still asking for them (first the hedge, then, after a
+                # hedge's miss or failure, the node after it)
+                keys = [i for i in share.call.idx.tolist() if not accepted[i] and i not in by_hedge and not hedge_open[i]]
+                if not keys or (share.hedged and not hedge_missed[keys].any() and not failed_now.any()):
+                    continue
+                share.hedged = True
+                assert hedge is not None
+                sent = _send_hedges(
+                    fanout, view, share, keys, state, alt_pos, hedge_missed, failed_now, allowed, hedge, costs, deadline
+                )
+                for hedge_share in sent:
+                    hedge_open[hedge_share.call.idx] = True
+                    contacted[view.nodes.index(hedge_share.call.node)] = True
+                shares += sent
             futures = [s.call.future for s in shares if not s.processed and s.call.future is not None]
             if futures:
                 concurrent.futures.wait(
                     futures, timeout=max(0.0, next_at - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED
                 )
-        _settle(fanout, shares, accepted, by_hedge, outcome, deadline, hedge is not None and hedge.needs_quiet)
+        _settle(fanout, shares, accepted, by_hedge, outcome, deadline, quiet)
         state.advance(answered, accepted, hedge_missed, alt_pos, failed_now, allowed)
         if deadline.expired():
             break
     outcome.nodes_contacted = int(contacted.sum())
     return outcome
+
+
+def _primary(
+    fanout: FanOut,
+    node: NodeClient,
+    idx: np.ndarray,
+    call: NodeRequest,
+    costs: CostsOf,
+    deadline: Deadline,
+    here: bool,
+    private: Hedge | None,
+) -> _Share:
+    """Start a round's request to `node` for its keys `idx`: into the caller's buffers, or (`private`: the read's
+    hedge) into buffers of its own, checked and adopted as a hedge's are."""
+    if private is None:
+        return _Share(fanout.start(node, idx, call, costs, deadline, here), True)
+    request, accept, adopt = private.prepare(idx)
+    return _Share(fanout.start(node, idx, request, costs, deadline, here), True, accept=accept, adopt=adopt)
 
 
 def _resolved(share: _Share, accepted: np.ndarray, by_hedge: dict) -> bool:
@@ -229,27 +263,25 @@ def _send_hedges(
     fanout: FanOut,
     view: View,
     share: _Share,
+    keys: Sequence[int],
     state: _Keys,
     alt_pos: np.ndarray,
-    accepted: np.ndarray,
-    by_hedge: dict,
+    hedge_missed: np.ndarray,
     failed_now: np.ndarray,
     allowed: int,
     hedge: Hedge,
     costs: CostsOf,
     deadline: Deadline,
-    contacted: np.ndarray,
 ) -> list[_Share]:
-    """Ask the next node of each key of `share` without a value yet (see the module docstring)."""
+    """Ask each of `keys` (of the slow primary `share`) of its next node after the last one asked (see the module
+    docstring)."""
     slow_node = view.nodes.index(share.call.node)
-    keys = [i for i in share.call.idx.tolist() if not accepted[i] and i not in by_hedge]
-    rows, alts = state.alternates(keys, slow_node, failed_now, allowed)
+    rows, alts = state.alternates(keys, slow_node, failed_now, allowed, alt_pos, hedge_missed)
     out = []
     for j in np.unique(alts).tolist():
         idx = rows[alts == j]
         request, accept, adopt = hedge.prepare(idx)
         alt_pos[idx] = state.position_of(idx, j)
-        contacted[j] = True
         out.append(_Share(fanout.start(view.nodes[j], idx, request, costs, deadline), False, share, accept, adopt))
     return out
 
@@ -339,21 +371,28 @@ class _Keys:
         self.pos, self.tries = self.pos[keep], self.tries[keep]
 
     def tries_left(self, allowed: int) -> bool:
-        """Every pending key may try another node after the one it asks now."""
-        return bool((self.tries + 1 < allowed).all())
+        """Some pending key may try another node after the one it asks now."""
+        return bool((self.tries + 1 < allowed).any())
 
     def alternates(
-        self, keys: Sequence[int], slow_node: int, failed_now: np.ndarray, allowed: int
+        self,
+        keys: Sequence[int],
+        slow_node: int,
+        failed_now: np.ndarray,
+        allowed: int,
+        alt_pos: np.ndarray,
+        hedge_missed: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """For the given keys (indices into the request): the ones that may try another node, and that node (the next
-        in its ranking after the one asked now that has not failed)."""
+        in its ranking that has not failed, after the one asked now and after the last hedge's, `alt_pos`; a hedge's
+        miss used a try, `hedge_missed`)."""
         where = {int(k): r for r, k in enumerate(self.pending.tolist())}
         chosen, alts = [], []
         for key in keys:
             r = where.get(key)
-            if r is None or self.tries[r] + 1 >= allowed:
+            if r is None or self.tries[r] + 1 + hedge_missed[key] >= allowed:
                 continue
-            p = int(self.pos[r]) + 1
+            p = max(int(self.pos[r]), int(alt_pos[key])) + 1
             while p < self.depth and (
                 self.failed[self.ranks[r, p]] or failed_now[self.ranks[r, p]] or self.ranks[r, p] == slow_node
             ):
@@ -379,14 +418,15 @@ class _Keys:
         failed_now: np.ndarray,
         allowed: int,
     ) -> None:
-        """After a round: keys answered move on one node (one try used); a key whose hedge missed moves past the
-        hedge's node too (another try); accepted keys and keys out of tries are done."""
+        """After a round: keys answered move on one node (one try used); a key whose hedges missed moves past the
+        last hedge's node too (a try per miss); accepted keys and keys out of tries are done."""
         self.failed |= failed_now
         got = answered[self.pending]
         self.pos[got] += 1
         self.tries[got] += 1
-        missed = hedge_missed[self.pending]
+        misses = hedge_missed[self.pending]
+        missed = misses > 0
         self.pos[missed] = np.maximum(self.pos[missed], alt_pos[self.pending][missed] + 1)
-        self.tries[missed] += 1
+        self.tries += misses
         keep = ~accepted[self.pending] & (self.tries < allowed) & (self.pos < self.depth)
         self._keep(keep)

@@ -175,3 +175,63 @@ def test_a_partitioned_first_owner_does_not_take_the_call_from_the_live_copy(clu
         else:
             assert pool.exists([keys[i]], [keys[i]], option).results[0]
     nodes[cut].partitioned = False
+
+
+def _read_one(pool: PoolClient, op: str, key: bytes, value: bytes, expected: ExpectedValues, option: CcKvOption) -> bool:
+    """One key by `op`: True when it came back (byte-exact for get and get_into)."""
+    if op == "get":
+        got = pool.get([key], [key], option, expected).results[0]
+        return got is not None and bytes(got) == value
+    if op == "get_into":
+        out = np.empty(len(value), np.uint8)
+        return bool(pool.get_into([key], [key], [out], option, expected).results[0]) and out.tobytes() == value
+    return bool(pool.exists([key], [key], option).results[0])
+
+
+@pytest.mark.parametrize("op", ["get", "get_into", "exists"])
+def test_a_slow_owner_holding_the_only_copy_is_still_a_hit(cluster, op):
+    """A first owner that answers late (a busy host: later than any abort delay, well within the call's timeout),
+    holding the only copy (the other owner lost it): waited for, a hit. (A small read used to get only the abort
+    delay from it, then count it failed: the key missed although its node answered.)"""
+    nodes, pool = cluster
+    for node in nodes.values():
+        node.self_timed = True  # as UcxNode: small reads may run on the calling thread
+    keys = _keys(8, f"late-{op}")
+    values, expected = _values(len(keys), 1024, 7)
+    for i, key in enumerate(keys):
+        first, second = route_order(pool, key)[:2]
+        nodes[first].put([key], [[values[i]]], 5.0)  # the first owner only
+        assert nodes[second].get([key], 5.0) == [None]
+    slow = route_order(pool, keys[0])[0]
+    theirs = [i for i, k in enumerate(keys) if route_order(pool, k)[0] == slow]
+    nodes[slow].delay_s = 0.4  # many abort delays (>= 50 ms), a fifth of the timeout
+    option = CcKvOption(timeout=2_000, write_rcache=False)
+    for i in theirs:
+        assert _read_one(pool, op, keys[i], values[i], expected.range(i, i + 1), option), i
+
+
+@pytest.mark.parametrize("op", ["get", "get_into", "exists"])
+def test_a_hedge_whose_node_fails_goes_on_to_the_next_node(cluster, op):
+    """First owner cut off, second owner failing at once, the copy on the node after them (where repair or a
+    membership change left it): the hedge that failed is followed by one to that node, within the timeout."""
+    nodes, pool = cluster
+    for node in nodes.values():
+        node.self_timed = True
+    keys = _keys(12, f"onward-{op}")
+    values, expected = _values(len(keys), 1024, 8)
+    cut, failing, holder = route_order(pool, keys[0])
+    theirs = [i for i, k in enumerate(keys) if route_order(pool, k) == [cut, failing, holder]]
+    for i in theirs:
+        nodes[cut].put([keys[i]], [[values[i]]], 5.0)
+        nodes[holder].put([keys[i]], [[values[i]]], 5.0)
+    nodes[cut].partitioned = True
+    nodes[failing].fail = True
+    option = CcKvOption(timeout=2_000, write_rcache=False)
+    try:
+        for i in theirs:
+            start = time.monotonic()
+            assert _read_one(pool, op, keys[i], values[i], expected.range(i, i + 1), option), i
+            assert time.monotonic() - start < 1.5  # not the whole timeout on the cut node
+    finally:
+        nodes[cut].partitioned = False
+        nodes[failing].fail = False

@@ -9,7 +9,8 @@ by its own call, so every block's outcome is seen:
 * {"op": "load", "blocks": [...]} → {"result": ["hit" (byte-exact) | "miss" (slots untouched) | "wrong" | "error"]}
 * {"op": "traffic", "seconds": s, "blocks": [...]} → save+load the blocks over and over: counts of calls, raised
   errors, wrong blocks
-* {"op": "members"} → {"members": [...], "connected": bool};  {"op": "metrics"} → ContextCaching.metrics()
+* {"op": "members"} → {"members": [...], "connected": bool, "rebalancing": nodes seen joining or coming back in the
+  last `ems.cluster.placement.REBALANCE_S`};  {"op": "metrics"} → ContextCaching.metrics()
 * {"op": "holders", "blocks": [...]} → {"holders": [[addresses of the live nodes holding block b]...]} (each node
   asked directly, as this engine's tenant)
 * {"op": "bulk", "what": "save"|"load", "blocks": [...], "rounds": r, "base": h} → one call for all the blocks
@@ -239,6 +240,8 @@ def main() -> None:
             reply = {
                 "members": [n.address for n in Ems._pool.nodes],  # type: ignore[union-attr]
                 "connected": bool(watchers and watchers[-1].connected),
+                # nodes seen joining or coming back lately: reads also ask the nodes after a key's owners
+                "rebalancing": Ems._pool.router.members.fallback(),  # type: ignore[union-attr]
             }
         elif op == "save":
             saved, errors = save(command["blocks"])

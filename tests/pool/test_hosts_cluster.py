@@ -251,10 +251,13 @@ def test_kill_partition_restart_heal_then_lose_a_third(scene):
     s.hosts.restore(cut.host)
     live = {n.address for n in nodes}
     e.wait_members(live, timeout_s=30)
-    # right after the heal, before repair has made anything up, every block has a copy on a live node; known defect
-    # (issue 32, open): a load then can still miss one (block 6 of 64 in the one run so far), so only "never wrong"
-    # is asserted here
-    assert set(e.call(op="load", blocks=blocks, timeout_s=600)["result"]) <= {"hit", "miss", "error"}
+    # the restarted node is back as a new incarnation (the same address: membership only tells by its etcd record,
+    # which the engine may see a moment after the node serves): until then a read asks only a key's owners
+    assert _wait(lambda: e.call(op="members")["rebalancing"] >= 1, 30, 0.05)
+    # right after the heal, before repair has made anything up, every block has a copy on a live node, which a read
+    # finds: its owners first, then (the pool rebalancing) the nodes after them, hedged around the slow reconnects
+    after_heal = e.call(op="load", blocks=blocks, timeout_s=600)["result"]
+    assert after_heal == ["hit"] * 64, after_heal
     copies = _repaired(s, e, blocks, 2, 60)
     # at least two copies each (three where the healed node kept the copy that repair had already made up elsewhere)
     assert all(c >= 2 for c in copies), copies
@@ -263,8 +266,10 @@ def test_kill_partition_restart_heal_then_lose_a_third(scene):
     # (a pass may still be checking keys after the last copy landed: it ends)
     assert _wait(lambda: all(_value(s.scrape(n), "ems_pool_repair_running") == 0 for n in nodes), 30, 0.5)
 
+    holders = e.call(op="holders", blocks=blocks)["holders"]
     third.kill()  # a third node lost: every block still has a copy
-    assert e.call(op="load", blocks=blocks)["result"] == ["hit"] * 64
+    result = e.call(op="load", blocks=blocks)["result"]
+    assert result == ["hit"] * 64, [(b, r, holders[b]) for b, r in enumerate(result) if r != "hit"]
 
 
 def test_a_node_killed_during_repair(scene):
