@@ -246,11 +246,15 @@ def section_calls(rate: str, rounds: int, submissions: list[str]) -> str:
         node = b.node("n1")
         engines: dict[str, Engine] = {}
         for mode in submissions:
-            os.environ["EMS_UCX_CLIENT_SUBMIT"] = mode
+            # "MODE+mutex": that mode with UCX's worker lock a mutex instead of a spinlock (UCX_USE_MT_MUTEX=y)
+            os.environ["EMS_UCX_CLIENT_SUBMIT"] = mode.split("+")[0]
+            if mode.endswith("+mutex"):
+                os.environ["UCX_USE_MT_MUTEX"] = "y"
             try:
                 engines[mode] = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000, blocks=64, **BIG)
             finally:
                 os.environ.pop("EMS_UCX_CLIENT_SUBMIT", None)
+                os.environ.pop("UCX_USE_MT_MUTEX", None)
         url = f"http://{node.metrics_address}/metrics"
         st: dict[str, dict[str, list[float]]] = {m: {} for m in submissions}
         handler: dict[str, dict[str, list[float]]] = {m: {"exists": [0.0, 0.0], "ping": [0.0, 0.0]} for m in submissions}
