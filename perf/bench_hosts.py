@@ -11,8 +11,8 @@ Sections (`--only` picks some):
 * `calls`: where one block's `exists` goes, layer by layer (the API, the pool client, `UcxNode.exists` and the part
   of it spent waiting for UCX, `UcxNode.ping`, the node's handler from its metrics), next to a TCP round trip and
   UCX's own tag ping-pong (`ucx_perftest`, busy polling and sleeping in epoll) between the same two hosts; one
-  engine per client submission mode (`--submit`, `EMS_UCX_CLIENT_SUBMIT`), rounds alternating, each with a 32 MiB
-  save and load (best / median).
+  engine per client submission mode (`--submit`, `EMS_UCX_CLIENT_SUBMIT`; `MODE+mutex`: that mode with UCX's worker
+  lock a mutex, `UCX_USE_MT_MUTEX=y`), rounds alternating, each with a 32 MiB save and load (best / median).
 * `fanout`: a load of 96 blocks spread over three node hosts (each ~32 MiB) next to each node's share alone (its
   blocks only): the fan-out's time against the slowest share's, each node's requests inside the fastest, and the
   client's CPU time by thread in the fastest load of each kind.

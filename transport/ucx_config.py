@@ -26,8 +26,10 @@ Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Pe
   a posted receive burns a whole core; "loop" idles like "thread".
 * client submission (`Submission`, EMS_UCX_CLIENT_SUBMIT) "direct": a pool client's posting thread submits its
   requests itself instead of queueing them for its worker's progress thread (ucxx's delayed submission), so a small
-  call no longer waits for that thread's wake-up before its request leaves (across hosts `UcxNode.exists` 356 -> 318
-  us, 32 MiB saves and loads unchanged: perf/RESULTS.md "Issue 32: client submission").
+  call no longer waits for that thread's wake-up before its request leaves (across hosts `UcxNode.exists` 340 -> 306
+  us, 32 MiB saves and loads unchanged: perf/RESULTS.md "Issue 32: client submission"). Posting threads then take
+  the worker's lock beside its progress thread: the client's context makes it a mutex (UCX's spinlock spun through
+  its holder's preemption here, a small call's p99 2-3x).
 * UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE = 1m: the 8 KiB default splits every large message into many small
   TCP sends; 1 MiB segments doubled loopback throughput.
 * endpoint error handling stays ON: it lets UCX report a dead peer (peer failure / keepalive) instead of hanging or

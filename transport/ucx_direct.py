@@ -46,9 +46,12 @@ How a wait works (why this design, the figures in perf/RESULTS.md "Issue 16: the
   (a send with bytes left, a large receive that may have matched a rendezvous) signals the progress thread
   (`ucp_worker_signal`), which carries it on. With ucxx's delayed submission (DELAYED, the earlier default) a post
   only queues the request and wakes the progress thread, which submits it: every small call paid that thread's
-  wake-up before its request left (perf/RESULTS.md, "Issue 32: client submission": `UcxNode.exists` 356 -> 318 us
+  wake-up before its request left (perf/RESULTS.md, "Issue 32: client submission": `UcxNode.exists` 340 -> 306 us
   across hosts, bulk unchanged). Without the signal, a large send posted directly stalled until the progress
-  thread's next wake-up (a 1 MiB put 4.5 ms instead of 1.1 ms, issue 16).
+  thread's next wake-up (a 1 MiB put 4.5 ms instead of 1.1 ms, issue 16). Posting threads take the worker's lock
+  beside the progress thread, so the client's UCX context makes it a mutex (`USE_MT_MUTEX`): with UCX's default
+  spinlock a small call's p99 was 2-3x delayed submission's on this 2-core host (waiters spinning through the
+  holder's preemption), with the mutex within 10%.
 """
 
 from __future__ import annotations
@@ -71,7 +74,11 @@ LEAD_PERIOD_S = 0.05  # a leader re-checks its deadline and the waits at least t
 ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)
 _GRAVEYARD_LIMIT = 1 << 16  # requests given up on and kept; past it the oldest are let go (never grows unbounded)
 _PEER_INFO = struct.Struct("QQ")
-SMALL_RECV_BYTES = 8192  # a receive this size or smaller is always eager on UCX's TCP transport (no rendezvous)
+# DIRECT: a receive posted of at most this many bytes signals no one: it completes from the bytes' arrival (which wakes
+# the progress thread). Past it (UCX's RNDV_THRESH is 8K on TCP) it may match a rendezvous already announced, whose
+# answer UCX sends at post time but may leave queued for progress; a reply head (8 KiB) is always posted before its
+# request goes out, so it never matches one already announced
+SMALL_RECV_BYTES = 8192
 
 
 class WaitTimeout(TimeoutError):
@@ -166,12 +173,14 @@ class DirectRuntime:
     def __init__(self) -> None:
         names = _ucxx()
         api = names["api"]
-        self.context = api.UCXContext({})
+        self.submission = ucx_config.settings().client_submit
+        delayed = self.submission is ucx_config.Submission.DELAYED
+        # DIRECT: every posting thread enters the worker beside its progress thread, so UCX's worker lock is a mutex
+        # (a spinlock's waiter spun through the holder's preemption on a busy host: p99 of a small call 2-3x)
+        self.context = api.UCXContext({} if delayed else {"USE_MT_MUTEX": "y"})
         # ucx_config.Submission (see the module docstring): DIRECT, the posting thread submits its request itself
         # (the worker is thread-safe) and signals the progress thread only for a post UCX did not finish at once
         # (`Connection.send` / `recv`); DELAYED, a posting thread only queues it and the progress thread submits it
-        self.submission = ucx_config.settings().client_submit
-        delayed = self.submission is ucx_config.Submission.DELAYED
         self.worker = api.UCXWorker(self.context, enable_delayed_submission=delayed, enable_python_future=True)
         self._signal = _worker_signal(self.worker) if not delayed else None
         with futures_context():
