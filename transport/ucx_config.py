@@ -6,8 +6,8 @@ must run inside the event loop thread that will drive UCX (the progress mode hoo
 anything else imports `ucxx`: UCX reads its options from the environment when the library loads and when its
 context is created, so the defaults are written into `os.environ` there, when the transport is first opened, never
 at import. This package's own knobs (`UcxSettings`: EMS_UCX_PROGRESS_MODE, EMS_UCX_PYTHON_FUTURE, EMS_UCX_NOTIFIER,
-EMS_UCX_CLIENT_SUBMIT)
-are read once: `configure()` at `Ems.init` or at a pool node's start, else from the environment at `init_ucx`.
+EMS_UCX_CLIENT_SUBMIT) are read once: `configure()` at `Ems.init` or at a pool node's start, else from the environment
+at `init_ucx` or a pool client's first connection (`settings()`).
 
 Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Per-call cost over UCX"):
 * progress mode of the asyncio side (a pool node; the test suites' raw sessions and scripted nodes,
