@@ -10,9 +10,12 @@ Sections (`--only` picks some):
   16 tokens a block), best and median of N rounds, with the stages of the best.
 * `calls`: where one block's `exists` goes, layer by layer (the API, the pool client, `UcxNode.exists` and the part
   of it spent waiting for UCX, `UcxNode.ping`, the node's handler from its metrics), next to a TCP round trip and
-  UCX's own tag ping-pong (`ucx_perftest`, busy polling and sleeping in epoll) between the same two hosts.
+  UCX's own tag ping-pong (`ucx_perftest`, busy polling and sleeping in epoll) between the same two hosts; one
+  engine per client submission mode (`--submit`, `EMS_UCX_CLIENT_SUBMIT`; `MODE+mutex`: that mode with UCX's worker
+  lock a mutex, `UCX_USE_MT_MUTEX=y`), rounds alternating, each with a 32 MiB save and load (best / median).
 * `fanout`: a load of 96 blocks spread over three node hosts (each ~32 MiB) next to each node's share alone (its
-  blocks only): the fan-out's time against the slowest share's.
+  blocks only): the fan-out's time against the slowest share's, each node's requests inside the fastest, and the
+  client's CPU time by thread in the fastest load of each kind.
 * `scenario`: the issue's rows on etcd membership with replicas=2 of 3 nodes: one node killed (blocks exact), another
   partitioned (each call bounded by its 2 s timeout, none wrong), the killed node restarted empty and the partition
   healed, 15 s, then a third node lost: blocks loaded.
@@ -25,6 +28,7 @@ Sections (`--only` picks some):
 * `sweep` (not in the default run): `link`'s save and load under other UCX and chunk settings, one at a time.
 
 Usage: python perf/bench_hosts.py [--only link,calls,fanout,scenario,repair,slow,sweep] [--rounds N] [--rate 4gbit]
+       [--submit delayed,direct]
 Prints tables (markdown) for perf/RESULTS.md.
 """
 
@@ -228,44 +232,97 @@ def _handler_seconds(text: str, op: str) -> tuple[float, float]:
     return values.get("sum", 0.0), values.get("count", 0.0)
 
 
-def section_calls(rate: str, rounds: int) -> str:
-    """Where one block's `exists` goes, layer by layer, next to the wire's and UCX's own round trips."""
+SUBMISSIONS = ("delayed", "direct")  # EMS_UCX_CLIENT_SUBMIT values compared by `calls`
+
+
+def section_calls(rate: str, rounds: int, submissions: list[str]) -> str:
+    """Where one block's `exists` goes, layer by layer, next to the wire's and UCX's own round trips; one engine per
+    client submission mode (`EMS_UCX_CLIENT_SUBMIT`), all against the same node, their calls interleaved round by
+    round, with a 32 MiB save and load each (the bulk path must not pay for a faster small call)."""
     b = Bench(1, rate)
     try:
         rtt = tcp_rtt(b.hosts, "client", "n1")
         poll, sleep = (ucx_perftest_rtt(b.hosts, "client", "n1", mode) for mode in ("poll", "sleep"))
         node = b.node("n1")
-        e = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000)
-        e.call(op="save", blocks=[0])
-        e.call(op="stages", rounds=200, timeout_s=600)  # warm-up
+        engines: dict[str, Engine] = {}
+        for mode in submissions:
+            # "MODE+mutex": that mode with UCX's worker lock a mutex instead of a spinlock (UCX_USE_MT_MUTEX=y)
+            os.environ["EMS_UCX_CLIENT_SUBMIT"] = mode.split("+")[0]
+            if mode.endswith("+mutex"):
+                os.environ["UCX_USE_MT_MUTEX"] = "y"
+            try:
+                engines[mode] = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000, blocks=64, **BIG)
+            finally:
+                os.environ.pop("EMS_UCX_CLIENT_SUBMIT", None)
+                os.environ.pop("UCX_USE_MT_MUTEX", None)
         url = f"http://{node.metrics_address}/metrics"
-        before = {op: _handler_seconds(e.call(op="scrape", url=url)["text"], op) for op in ("exists", "ping")}
-        st = e.call(op="stages", rounds=1000, timeout_s=600)
-        after = {op: _handler_seconds(e.call(op="scrape", url=url)["text"], op) for op in ("exists", "ping")}
+        st: dict[str, dict[str, list[float]]] = {m: {} for m in submissions}
+        handler: dict[str, dict[str, list[float]]] = {m: {"exists": [0.0, 0.0], "ping": [0.0, 0.0]} for m in submissions}
+        bulk: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in submissions}
+        blocks = list(range(32))
+        nbytes = 32 * (block_bytes(BIG) + 40)
+        for e in engines.values():
+            e.call(op="save", blocks=[0])
+            e.call(op="stages", rounds=200, timeout_s=600)  # warm-up
+            for r in range(2):  # warm-up of the bulk path (connection, staging, the node's memory)
+                e.call(op="bulk", what="save", blocks=blocks, rounds=1, base=1_000_000 * (r + 1), timeout_s=600)
+                e.call(op="bulk", what="load", blocks=blocks, rounds=1, base=1_000_000 * (r + 1), timeout_s=600)
+        for r in range(rounds):
+            for i, (mode, e) in enumerate(engines.items()):
+                before = {op: _handler_seconds(e.call(op="scrape", url=url)["text"], op) for op in ("exists", "ping")}
+                part = e.call(op="stages", rounds=max(1, 1000 // rounds), timeout_s=600)
+                after = {op: _handler_seconds(e.call(op="scrape", url=url)["text"], op) for op in ("exists", "ping")}
+                for k, v in part.items():
+                    st[mode].setdefault(k, []).extend(v)
+                for op in ("exists", "ping"):
+                    handler[mode][op][0] += after[op][0] - before[op][0]
+                    handler[mode][op][1] += after[op][1] - before[op][1]
+                base = 10_000 * (r + 1) + 100 * (i + 1) + 5_000_000
+                sv = e.call(op="bulk", what="save", blocks=blocks, rounds=1, base=base, timeout_s=600)
+                ld = e.call(op="bulk", what="load", blocks=blocks, rounds=1, base=base, timeout_s=600)
+                assert sv["success"] == [32] and ld["success"] == [32], (mode, sv, ld)
+                bulk[mode]["save"].append(sv["seconds"][0])
+                bulk[mode]["load"].append(ld["seconds"][0])
     finally:
         b.close()
-    med = {k: statistics.median(v) * 1e6 for k, v in st.items()}
-    outside_wait = statistics.median([n - w for n, w in zip(st["node"], st["wait"])]) * 1e6
-    handler = {op: (after[op][0] - before[op][0]) / max(1.0, after[op][1] - before[op][1]) * 1e6 for op in ("exists", "ping")}
     lines = [
-        f"One block's `exists`, layer by layer (medians of 1000 calls each, interleaved; link {rate})",
+        f"One block's `exists`, layer by layer (medians of {rounds * max(1, 1000 // rounds)} calls each, interleaved; "
+        f"link {rate}), per client submission mode (`EMS_UCX_CLIENT_SUBMIT`, one engine each, rounds alternating)",
         "",
-        "| stage | us | what it is |",
-        "|---|---|---|",
-        f"| TCP round trip | {rtt * 1e6:.0f} | Python, 8 bytes each way, blocking sockets |",
-        f"| UCX round trip, busy polling | {poll * 1e6:.0f} | `ucx_perftest -t tag_lat -E poll`, 8 bytes, TCP |",
-        f"| UCX round trip, sleeping in epoll | {sleep * 1e6:.0f} | `ucx_perftest -E sleep`: both ends woken per "
-        "message, as a progress thread is |",
-        f"| `UcxNode.ping` | {med['ping']:.0f} | a header each way through our client and node |",
-        f"| node's handler, exists / ping (mean) | {handler['exists']:.0f} / {handler['ping']:.0f} | "
-        "`ems_pool_request_seconds` of the node |",
-        f"| `UcxNode.exists` | {med['node']:.0f} | the transport's call |",
-        f"| of it, waiting for UCX | {med['wait']:.0f} | posted to completed: both progress threads' wake-ups, "
-        "the wire, the node |",
-        f"| of it, the caller's work | {outside_wait:.0f} | request build, posts, reply parse, connection lookup |",
-        f"| pool client (`PoolClient.exists`) | {med['pool']:.0f} | + routing and reads: {med['pool'] - med['node']:.0f} |",
-        f"| API (`ContextCaching.exists`) | {med['api']:.0f} | + keys, binding, result: {med['api'] - med['pool']:.0f} |",
+        f"TCP round trip {rtt * 1e6:.0f} us (Python, 8 bytes each way, blocking sockets); UCX's own tag ping-pong "
+        f"(`ucx_perftest -t tag_lat`, 8 bytes, TCP): busy polling {poll * 1e6:.0f} us, sleeping in epoll "
+        f"{sleep * 1e6:.0f} us (both ends woken per message)",
+        "",
+        "| stage (median us) | " + " | ".join(submissions) + " | what it is |",
+        "|---|" + "---|" * len(submissions) + "---|",
     ]
+    med = {m: {k: statistics.median(v) * 1e6 for k, v in st[m].items()} for m in submissions}
+    p99 = {m: pct(st[m]["node"], 0.99) * 1e6 for m in submissions}
+    outside = {m: statistics.median([n - w for n, w in zip(st[m]["node"], st[m]["wait"])]) * 1e6 for m in submissions}
+    hand = {m: {op: handler[m][op][0] / max(1.0, handler[m][op][1]) * 1e6 for op in ("exists", "ping")} for m in submissions}
+
+    def row(name: str, values: dict[str, str], what: str) -> str:
+        return f"| {name} | " + " | ".join(values[m] for m in submissions) + f" | {what} |"
+
+    lines += [
+        row("`UcxNode.ping`", {m: f"{med[m]['ping']:.0f}" for m in submissions}, "a header each way through our client and node"),
+        row("node's handler, exists / ping (mean)", {m: f"{hand[m]['exists']:.0f} / {hand[m]['ping']:.0f}" for m in submissions},
+            "`ems_pool_request_seconds` of the node"),
+        row("`UcxNode.exists` (p99)", {m: f"{med[m]['node']:.0f} ({p99[m]:.0f})" for m in submissions}, "the transport's call"),
+        row("of it, waiting for UCX", {m: f"{med[m]['wait']:.0f}" for m in submissions},
+            "posted to completed: the wake-ups, the wire, the node"),
+        row("of it, the caller's work", {m: f"{outside[m]:.0f}" for m in submissions},
+            "request build, posts, reply parse, connection lookup"),
+        row("pool client (`PoolClient.exists`)", {m: f"{med[m]['pool']:.0f}" for m in submissions}, "+ routing and reads"),
+        row("API (`ContextCaching.exists`)", {m: f"{med[m]['api']:.0f}" for m in submissions}, "+ keys, binding, result"),
+        row("API exists - TCP round trip", {m: f"{med[m]['api'] - rtt * 1e6:.0f}" for m in submissions}, "goal: <= 100"),
+        row(f"32 MiB save, GB/s best / median of {rounds}",
+            {m: f"{nbytes / min(bulk[m]['save']) / 1e9:.3f} / {nbytes / statistics.median(bulk[m]['save']) / 1e9:.3f}"
+             for m in submissions}, "32 blocks of 1 MiB through the API"),
+        row(f"32 MiB load, GB/s best / median of {rounds}",
+            {m: f"{nbytes / min(bulk[m]['load']) / 1e9:.3f} / {nbytes / statistics.median(bulk[m]['load']) / 1e9:.3f}"
+             for m in submissions}, "the same blocks loaded"),
+    ]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -320,14 +377,18 @@ def section_fanout(rate: str, rounds: int) -> str:
         holders = e.call(op="holders", blocks=blocks)["holders"]
         shares = {n.address: [b_ for b_, h in zip(blocks, holders) if h == [n.address]] for n in nodes}
         whole, parts = [], {a: [] for a in shares}
-        best, best_shares, best_stages = float("inf"), [], {}
+        best, best_shares, best_stages, best_cpu = float("inf"), [], {}, ({}, 0.0)
+        part_cpu: dict[str, tuple[float, tuple[dict, float]]] = {}  # node -> (seconds, client CPU by thread) of its fastest share
         for _ in range(rounds + 1):
             r = e.call(op="bulk", what="load", blocks=blocks, rounds=1, timeout_s=600)
             whole.append(r["seconds"][0])
             if r["seconds"][0] < best:
-                best, best_shares, best_stages = r["seconds"][0], r["shares"], r["stages"]
+                best, best_shares, best_stages, best_cpu = r["seconds"][0], r["shares"], r["stages"], (r["cpu"], r["host_cpu"])
             for a, mine in shares.items():
-                parts[a].append(e.call(op="bulk", what="load", blocks=mine, rounds=1, timeout_s=600)["seconds"][0])
+                p = e.call(op="bulk", what="load", blocks=mine, rounds=1, timeout_s=600)
+                parts[a].append(p["seconds"][0])
+                if a not in part_cpu or p["seconds"][0] < part_cpu[a][0]:
+                    part_cpu[a] = (p["seconds"][0], (p["cpu"], p["host_cpu"]))
     finally:
         b.close()
     whole_t = statistics.median(whole[1:])
@@ -360,6 +421,25 @@ def section_fanout(rate: str, rounds: int) -> str:
         lines.append(
             f"| {a} | {len(mine)} | {min(x[1] for x in mine) * 1e3:.1f} | {max(x[1] + x[2] for x in mine) * 1e3:.1f} "
             f"| {sum(x[2] for x in mine) * 1e3:.1f} | {part_t[a] * 1e3:.1f} |"
+        )
+    lines += [
+        "",
+        "CPU in the fastest load of each kind: the client's (its threads' CPU time, /proc schedstat; its busiest",
+        "threads, Python threads by name, others by id: UCX's progress thread) and the whole machine's (/proc/stat,",
+        "10 ms ticks: every process, the nodes' included, and the kernel's network work; this machine has "
+        f"{os.cpu_count()} CPUs):",
+        "",
+        "| load | wall ms | client CPU ms (cores busy) | machine CPU ms (cores busy) | client's busiest threads, CPU ms |",
+        "|---|---|---|---|---|",
+    ]
+    for label, (wall, (cpu, host)) in [("all three at once", (best, best_cpu))] + [
+        (f"share of {a} alone", part_cpu[a]) for a in part_t if a in part_cpu
+    ]:
+        total = sum(cpu.values())
+        top = ", ".join(f"{name} {v * 1e3:.1f}" for name, v in list(cpu.items())[:4])
+        lines.append(
+            f"| {label} | {wall * 1e3:.1f} | {total * 1e3:.1f} ({total / wall:.2f}) "
+            f"| {host * 1e3:.0f} ({host / wall:.2f}) | {top} |"
         )
     return "\n".join(lines)
 
@@ -500,6 +580,7 @@ def main() -> None:
     parser.add_argument("--only", default="link,calls,fanout,scenario,repair,slow")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rate", default="4gbit")
+    parser.add_argument("--submit", default=",".join(SUBMISSIONS), help="client submission modes `calls` compares")
     args = parser.parse_args()
     reason = unavailable()
     if reason is not None:
@@ -511,7 +592,7 @@ def main() -> None:
         if name == "link":
             print(section_link(args.rate, args.rounds))
         elif name == "calls":
-            print(section_calls(args.rate, args.rounds))
+            print(section_calls(args.rate, args.rounds, args.submit.split(",")))
         elif name == "sweep":
             print(section_sweep(args.rate, args.rounds))
         elif name == "fanout":

@@ -25,7 +25,7 @@ from ems.errors import EmsErrorCode
 from ems.kernels.base import KernelBackend
 from ems.store.value_format import VERSION
 from ems.transport import protocol
-from ems.transport.ucx_config import UcxSettings
+from ems.transport.ucx_config import Submission, UcxSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -61,6 +61,7 @@ ENV_VALUES: dict[str, tuple[str, object]] = {
     "ucx.progress_mode": ("loop", "loop"),
     "ucx.python_future": ("0", False),
     "ucx.notifier": ("ucxx", "ucxx"),
+    "ucx.client_submit": ("direct", Submission.DIRECT),
     "pool_backend": ("mooncake", "mooncake"),
     "mooncake_master": ("10.0.0.9:50051", "10.0.0.9:50051"),
     "mooncake_metadata": ("http://10.0.0.9:8080/metadata", "http://10.0.0.9:8080/metadata"),

@@ -5,8 +5,9 @@ operator can override any of them), then calls `ucxx.init` with the chosen progr
 must run inside the event loop thread that will drive UCX (the progress mode hooks into that loop), and before
 anything else imports `ucxx`: UCX reads its options from the environment when the library loads and when its
 context is created, so the defaults are written into `os.environ` there, when the transport is first opened, never
-at import. This package's own knobs (`UcxSettings`: EMS_UCX_PROGRESS_MODE, EMS_UCX_PYTHON_FUTURE, EMS_UCX_NOTIFIER)
-are read once: `configure()` at `Ems.init` or at a pool node's start, else from the environment at `init_ucx`.
+at import. This package's own knobs (`UcxSettings`: EMS_UCX_PROGRESS_MODE, EMS_UCX_PYTHON_FUTURE, EMS_UCX_NOTIFIER,
+EMS_UCX_CLIENT_SUBMIT) are read once: `configure()` at `Ems.init` or at a pool node's start, else from the environment
+at `init_ucx` or a pool client's first connection (`settings()`).
 
 Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Per-call cost over UCX"):
 * progress mode of the asyncio side (a pool node; the test suites' raw sessions and scripted nodes,
@@ -23,6 +24,13 @@ Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Pe
   without the GIL (perf/RESULTS.md, "Per-call cost over UCX"). A node runs nothing else, so it gets "loop".
   ucxx's own "polling" and "blocking" modes await every request by polling with asyncio.sleep(0): any process with
   a posted receive burns a whole core; "loop" idles like "thread".
+* client submission (`Submission`, EMS_UCX_CLIENT_SUBMIT) "delayed" by default (ucxx's delayed submission: the
+  worker's progress thread submits what a thread posts); "direct" (opt-in): a pool client's posting thread submits
+  its requests itself, so a small call no longer waits for that thread's wake-up before its request leaves (across
+  hosts `UcxNode.exists` 340 -> 306 us, 32 MiB saves and loads unchanged: perf/RESULTS.md "Issue 32: client
+  submission"). Posting threads then take the worker's lock beside its progress thread: the client's context makes
+  it a mutex (UCX's spinlock spun through its holder's preemption here, a small call's p99 2-3x). It stays opt-in
+  until its tail latency and its thread safety under engines' load are measured beyond the two runs so far.
 * UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE = 1m: the 8 KiB default splits every large message into many small
   TCP sends; 1 MiB segments doubled loopback throughput.
 * endpoint error handling stays ON: it lets UCX report a dead peer (peer failure / keepalive) instead of hanging or
@@ -43,6 +51,7 @@ Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Pe
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import queue
@@ -73,6 +82,17 @@ PROGRESS_MODES = ("loop", "thread", "thread-polling", "polling", "blocking")
 NOTIFIERS = ("ems", "ucxx")
 
 
+class Submission(enum.Enum):
+    """How a pool client's UCX worker (`ucx_direct.DirectRuntime`) submits what a thread posts."""
+
+    # ucxx's delayed submission: the posting thread queues the request and wakes the worker's progress thread,
+    # which submits it (every post costs a wake-up of that thread before anything reaches the wire)
+    DELAYED = "delayed"
+    # the posting thread submits the request itself (the worker is thread-safe): a small eager send is on the wire
+    # when the post returns; a post UCX could not finish at once signals the progress thread to carry it on
+    DIRECT = "direct"
+
+
 @dataclass(frozen=True)
 class UcxSettings:
     """This package's UCX knobs (part of `ems.config.Settings`; a pool node reads them at start)."""
@@ -84,6 +104,8 @@ class UcxSettings:
     python_future: bool = True
     # EMS_UCX_NOTIFIER: "ems" (`_notifier_thread`) or "ucxx" (ucxx's own notifier thread)
     notifier: str = "ems"
+    # EMS_UCX_CLIENT_SUBMIT: "delayed" or "direct" (`Submission`), for pool clients' requests
+    client_submit: Submission = Submission.DELAYED
 
     def __post_init__(self) -> None:
         if self.progress_mode is not None and self.progress_mode not in PROGRESS_MODES:
@@ -97,7 +119,16 @@ class UcxSettings:
             progress_mode=environ.get("EMS_UCX_PROGRESS_MODE") or None,
             python_future=environ.get("EMS_UCX_PYTHON_FUTURE", "1") != "0",
             notifier=environ.get("EMS_UCX_NOTIFIER") or "ems",
+            client_submit=_submission(environ.get("EMS_UCX_CLIENT_SUBMIT") or Submission.DELAYED.value),
         )
+
+
+def _submission(text: str) -> Submission:
+    try:
+        return Submission(text)
+    except ValueError:
+        choices = ", ".join(s.value for s in Submission)
+        raise ValueError(f"EMS_UCX_CLIENT_SUBMIT must be one of {choices}, got {text!r}") from None
 
 
 PROGRESS_MODE = "(not started)"  # the mode this process runs, once `init_ucx` ran
@@ -115,6 +146,15 @@ def configure(settings: UcxSettings) -> None:
         if _initialised and settings != _settings:
             raise ValueError(f"UCX already runs in this process with {_settings}; cannot switch to {settings}")
         _settings = settings
+
+
+def settings() -> UcxSettings:
+    """The settings this process uses: those given to `configure`, else the environment's (read once)."""
+    global _settings
+    with _lock:
+        if _settings is None:
+            _settings = UcxSettings.from_env()
+        return _settings
 
 
 def apply_env_defaults() -> None:

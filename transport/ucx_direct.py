@@ -7,7 +7,7 @@ Contract:
 * `connect(ip, port, deadline)` returns a `Connection` (error handling on) once ucxx's peer-info exchange is done, or
   raises (`WaitTimeout` past `deadline`); a connect that fails or times out closes its endpoint and keeps the
   exchange's buffers until UCX has finished with them.
-* `Connection.send(buffer, tag)` / `recv(buffer, tag)` post one tagged message now and return a `Posted` (the
+* `Connection.send(buffer, tag)` / `recv(buffer, tag)` post (submit, see below) one tagged message now and return a `Posted` (the
   request and the buffer UCX uses, kept alive together). `tag` None is the connection's base tag, else a request id
   (the protocol's tag layout, `ucx_progress.request_tag`). Any thread may post, concurrently with others.
 * `DirectRuntime.wait(posted, deadline)` blocks the calling thread until every request in `posted` is complete and
@@ -41,6 +41,17 @@ How a wait works (why this design, the figures in perf/RESULTS.md "Issue 16: the
   failures of requests (reported to their callers by `wait`) out of the log.
 * Requests are kept referenced by Python until UCX completes them, so ucxx's progress thread never drops the last
   reference of a notification object (which would make it take the GIL).
+* Submission (`ucx_config.Submission`, EMS_UCX_CLIENT_SUBMIT): with DIRECT (opt-in) the posting thread submits its
+  request to UCX itself, so a small request is on the wire when `send` returns; a post UCX could not finish at once
+  (a send with bytes left, a large receive that may have matched a rendezvous) signals the progress thread
+  (`ucp_worker_signal`), which carries it on. With ucxx's delayed submission (DELAYED, the default) a post
+  only queues the request and wakes the progress thread, which submits it: every small call paid that thread's
+  wake-up before its request left (perf/RESULTS.md, "Issue 32: client submission": `UcxNode.exists` 340 -> 306 us
+  across hosts, bulk unchanged). Without the signal, a large send posted directly stalled until the progress
+  thread's next wake-up (a 1 MiB put 4.5 ms instead of 1.1 ms, issue 16). Posting threads take the worker's lock
+  beside the progress thread, so the client's UCX context makes it a mutex (`USE_MT_MUTEX`): with UCX's default
+  spinlock a small call's p99 was 2-3x delayed submission's on this 2-core host (waiters spinning through the
+  holder's preemption), with the mutex within 10%.
 """
 
 from __future__ import annotations
@@ -63,6 +74,11 @@ LEAD_PERIOD_S = 0.05  # a leader re-checks its deadline and the waits at least t
 ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)
 _GRAVEYARD_LIMIT = 1 << 16  # requests given up on and kept; past it the oldest are let go (never grows unbounded)
 _PEER_INFO = struct.Struct("QQ")
+# DIRECT: a receive posted of at most this many bytes signals no one: it completes from the bytes' arrival (which wakes
+# the progress thread). Past it (UCX's RNDV_THRESH is 8K on TCP) it may match a rendezvous already announced, whose
+# answer UCX sends at post time but may leave queued for progress; a reply head (8 KiB) is always posted before its
+# request goes out, so it never matches one already announced
+SMALL_RECV_BYTES = 8192
 
 
 class WaitTimeout(TimeoutError):
@@ -157,10 +173,16 @@ class DirectRuntime:
     def __init__(self) -> None:
         names = _ucxx()
         api = names["api"]
-        self.context = api.UCXContext({})
-        # delayed submission: a thread posting a request only queues it, and the progress thread (the one thread
-        # that drives the worker) submits it, so posting never contends with progress for the worker
-        self.worker = api.UCXWorker(self.context, enable_delayed_submission=True, enable_python_future=True)
+        self.submission = ucx_config.settings().client_submit
+        delayed = self.submission is ucx_config.Submission.DELAYED
+        # DIRECT: every posting thread enters the worker beside its progress thread, so UCX's worker lock is a mutex
+        # (a spinlock's waiter spun through the holder's preemption on a busy host: p99 of a small call 2-3x)
+        self.context = api.UCXContext({} if delayed else {"USE_MT_MUTEX": "y"})
+        # ucx_config.Submission (see the module docstring): DIRECT, the posting thread submits its request itself
+        # (the worker is thread-safe) and signals the progress thread only for a post UCX did not finish at once
+        # (`Connection.send` / `recv`); DELAYED, a posting thread only queues it and the progress thread submits it
+        self.worker = api.UCXWorker(self.context, enable_delayed_submission=delayed, enable_python_future=True)
+        self._signal = _worker_signal(self.worker) if not delayed else None
         with futures_context():
             self.worker.populate_python_futures_pool()
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_MS)
@@ -272,6 +294,12 @@ class DirectRuntime:
                     other.lock.release()
                     return
 
+    def signal(self) -> None:
+        """Wake the progress thread (DIRECT submission: a request posted from another thread that UCX did not finish
+        at once needs the worker progressed, and the progress thread may be asleep in epoll)."""
+        if self._signal is not None:
+            self._signal()
+
     def bury(self, posted: Sequence[Posted]) -> None:
         """Keep `posted` (given up on) until UCX completes them; see the module docstring."""
         with self._mutex:
@@ -279,6 +307,20 @@ class DirectRuntime:
             if len(self._graveyard) > _GRAVEYARD_LIMIT:
                 self._graveyard = [p for p in self._graveyard if not p.request.completed]
                 del self._graveyard[: max(0, len(self._graveyard) - _GRAVEYARD_LIMIT)]
+
+
+def _worker_signal(worker: Any) -> Any:
+    """A callable that wakes `worker`'s progress thread out of its epoll wait (UCX's `ucp_worker_signal`, which
+    ucxx does not expose to Python)."""
+    import ctypes
+
+    from ems.transport.ucxx_internals import loaded_library
+
+    signal = loaded_library("libucp").ucp_worker_signal
+    signal.argtypes = [ctypes.c_void_p]
+    signal.restype = ctypes.c_int
+    handle = ctypes.c_void_p(worker.handle)
+    return lambda: signal(handle)
 
 
 class Connection:
@@ -303,12 +345,18 @@ class Connection:
         """Post one tagged send of `buffer` now."""
         array = self._array(buffer)
         request = self._live().tag_send(array, self._tag(request_tag(self.send_tag, tag)))
+        if not request.completed:  # DIRECT: the rest of it needs progress (DELAYED: a no-op)
+            self.runtime.signal()
         return Posted(request, array, buffer)
 
     def recv(self, buffer: Any, tag: int | None = None) -> Posted:
         """Post one tagged receive into `buffer` (writable) now."""
         array = self._array(buffer)
         request = self._live().tag_recv(array, self._tag(request_tag(self.recv_tag, tag)), self._mask)
+        # DIRECT: a small receive only waits for the peer's bytes (their arrival wakes the progress thread); a large
+        # one may have matched a rendezvous already announced, whose reply UCX then has to progress
+        if array.nbytes > SMALL_RECV_BYTES and not request.completed:
+            self.runtime.signal()
         return Posted(request, array, buffer)
 
     def abort(self) -> None:

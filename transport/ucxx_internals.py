@@ -65,6 +65,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("ucxx.core", "_get_ctx", "ucx_config, ucx_endpoint, ucx_listener: the process's ucxx context"),
     Internal("ucxx.exceptions", "UCXCloseError", "ucx_progress: a closed endpoint's error"),
     Internal("ucxx", "stop_notifier_thread", "ucx_loop, ems.pool: stopping UCX's threads at exit"),
+    Internal("ucxx._lib.libucxx", "UCXWorker.handle", "ucx_direct: the worker's UCX handle, to signal it"),
+    Internal("libucp", "ucp_worker_signal", "ucx_direct: waking the progress thread (direct submission)"),
     Internal("libucp", "ucp_ep_query", "ucx_endpoint: a connection's peer address"),
     Internal("libucp", "ucp_listener_create", "ucx_listener: listening on one address"),
     Internal("libucp", "ucp_listener_query", "ucx_listener: the bound port"),

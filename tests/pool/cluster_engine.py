@@ -15,7 +15,9 @@ by its own call, so every block's outcome is seen:
   asked directly, as this engine's tenant)
 * {"op": "bulk", "what": "save"|"load", "blocks": [...], "rounds": r, "base": h} → one call for all the blocks
   (hashes `h + b`), r times: {"seconds": [...], "success": [...], "stages": {stage: seconds} of the fastest,
-  "shares": [[node address, start, seconds] of each node's requests (`FanOut.run`) in the fastest, from its start]}
+  "shares": [[node address, start, seconds] of each node's requests (`FanOut.run`) in the fastest, from its start],
+  "cpu": {thread name: CPU seconds of this process's threads of that name during the fastest (/proc schedstat)},
+  "host_cpu": CPU seconds the whole machine spent busy (every process, the kernel's network work) during it}
 * {"op": "timed", "what": "load"|"exists", "blocks": [...], "rounds": r} → per-call seconds of one-block calls,
   r rounds over the blocks: {"seconds": [...], "hits": n, "wrong": n}
 * {"op": "stages", "rounds": r} → seconds of each layer under one block's `exists`, r calls of each, interleaved:
@@ -131,13 +133,43 @@ def main() -> None:
                     out[i].append(node.address)
         return out
 
+    def thread_cpu() -> dict[str, tuple[str, int]]:
+        """This process's threads: id -> (name, nanoseconds on a CPU so far); a Python thread by its Python name
+        ("MainThread", an executor's "ThreadPoolExecutor-0_1"), any other ("native") by its id: UCX's progress
+        and async threads, torch's."""
+        import threading
+
+        python = {t.native_id: t.name for t in threading.enumerate()}
+        out = {}
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                ns = int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):  # a thread that just ended
+                continue
+            out[task.name] = (python.get(int(task.name), f"native-{task.name}"), ns)
+        return out
+
+    def host_busy_s() -> float:
+        """CPU seconds the machine has spent busy so far, all CPUs (/proc/stat: user..steal minus idle, iowait)."""
+        import os
+
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+    def cpu_between(before: dict[str, tuple[str, int]], after: dict[str, tuple[str, int]]) -> dict[str, float]:
+        """CPU seconds per thread name between two `thread_cpu` readings."""
+        spent: dict[str, float] = {}
+        for tid, (name, ns) in after.items():
+            spent[name] = spent.get(name, 0.0) + (ns - before.get(tid, (name, 0))[1]) / 1e9
+        return {name: s for name, s in sorted(spent.items(), key=lambda kv: -kv[1]) if s > 0}
+
     def bulk(what: str, blocks: list[int], rounds: int, first: int) -> dict:
         from ems.backends.fanout import FanOut
         from ems.datapath.records import JobKind
 
         restore()
         slots, hashes, offsets = slots_of_blocks(blocks, BS), [first + b for b in blocks], [BS] * len(blocks)
-        seconds, success, best, stages, shares = [], [], float("inf"), {}, []
+        seconds, success, best, stages, shares, cpu, host = [], [], float("inf"), {}, [], {}, 0.0
         plain_run = FanOut.run
         runs: list[list] = []
 
@@ -152,12 +184,14 @@ def main() -> None:
         try:
             for _ in range(rounds):
                 runs.clear()
+                cpu_before, host_before = thread_cpu(), host_busy_s()
                 start = time.perf_counter()
                 try:
                     r = (cc.save if what == "save" else cc.load)(slots, hashes, offsets, OPTION).success
                 except EmsException:
                     r = -1
                 t = time.perf_counter() - start
+                cpu_after, host_after = thread_cpu(), host_busy_s()
                 seconds.append(t)
                 success.append(r)
                 if t < best:
@@ -165,9 +199,10 @@ def main() -> None:
                     job = cc.jobs.last(JobKind.SAVE if what == "save" else JobKind.LOAD)
                     stages = {k.value: v.seconds for k, v in job.stages.items()} if job is not None else {}
                     shares = [[a, b - start, d] for a, b, d in runs]
+                    cpu, host = cpu_between(cpu_before, cpu_after), host_after - host_before
         finally:
             FanOut.run = plain_run  # type: ignore[method-assign]
-        return {"seconds": seconds, "success": success, "stages": stages, "shares": shares}
+        return {"seconds": seconds, "success": success, "stages": stages, "shares": shares, "cpu": cpu, "host_cpu": host}
 
     def timed(what: str, blocks: list[int], rounds: int) -> dict:
         poisoned = poison(cache)
