@@ -361,8 +361,7 @@ def test_a_failed_load_releases_the_requests_waiting_for_it(halves):
     ctx, other, worker, _, events = halves
     config = dataclasses.replace(ctx.config, save_wait_ms=30_000)
     sched = EmsScheduler(dataclasses.replace(ctx, config=config), events)
-    store = ctx.cc._pool.local_store
-    assert store is not None
+    store = ctx.cc._pool.store
     try:
         before = set(store.keys())
         save(other, worker, Request("a", PROMPT), [0, 1, 2, 3])  # another engine saved the prefix
