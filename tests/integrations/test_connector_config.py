@@ -56,7 +56,7 @@ def test_defaults_and_every_key(monkeypatch):
     assert ems_config.cc_config_v1.kvcache_type.value == "MLA" and ems_config.access_id == "team-a"
     assert full.lease_ms == 0 and full.load_failure_policy == "fail" and full.save_wait_ms == 500
     assert config.save_wait_ms == 2000
-    assert config.step_policy == StepMode.ASYNC and config.in_step_ms == 50
+    assert config.step_policy == StepMode.AUTO and config.in_step_ms == 50
     assert full.step_policy == StepMode.IN_STEP and full.in_step_ms == 20
     assert len(KEYS) == 18 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks

@@ -71,7 +71,8 @@ def engine(
         "prompts": setup["prompts"],
         "rounds": rounds,
         "connector": connector,
-        # lookups run off the step, so a long lookup timeout costs no step; a busy shared host can take 0.5 s
+        # a long lookup timeout costs no step: lookups run off the step, or in it (step_policy "auto", the default)
+        # under what is left of `in_step_ms`, never this timeout; a busy shared host can take 0.5 s
         "extra": {"local_pool_dir": setup["pool_dir"], "timeout_ms": 3000, "lookup_timeout_ms": 3000, **(extra or {})},
         "num_blocks": 48,
         "max_tokens": 6,
@@ -413,11 +414,14 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     """Twelve concurrent requests on three shared prefixes, prefill chunked over several steps (64-token budget),
     a KV cache too small for all of them (preemption), n=2 sampling (top-k 1): an engine with the connector gives the
     samples of an engine without it when it computes everything, when it loads from the pool while other
-    requests run (asynchronous loads), and when its pool node is SIGSTOPped (hung): then no step waits for the
-    node (lookups, loads and copy-outs all run off the step). In the first round no copy-out runs before step 8,
+    requests run (the default step policy, "auto": in the step or asynchronously, as measured), and when its pool
+    node is SIGSTOPped (hung): then no step waits for the node past `in_step_ms` (an in-step lookup or load times
+    out within it and marks the pool slow; the lookups on the lookup thread then trip the breaker; copy-outs run off
+    the step). In the first round no copy-out runs before step 8,
     where every running request is preempted, and each then takes 0.1 s: finished requests' blocks are held for the
     copy-outs, the preemption finds copy-outs pending and must wait for them; what the second round loads from the
     pool (those saves) still gives the same samples."""
+    from ems.integrations.connector_config import DEFAULT_IN_STEP_MS
     from ems.integrations.local_pool import stop_local_pool
 
     rng = random.Random(11)
@@ -477,9 +481,17 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     worker, scheduler = out["stats"]["worker"], out["stats"]["scheduler"]
     assert worker["load_blocks"] > 0 and worker["load_failed_blocks"] == 0 and worker["save_blocks"] > 0
     assert scheduler["breaker_trips"] >= 1 and scheduler["lookup_skipped_blocks"] > 0
-    # lookups run off the scheduler's thread: no step waits for the hung node (a lookup on the step would take its
-    # whole 2 s timeout once, before the breaker opens; loads and saves would wait 5 s)
+    # no step waits for the hung node past the step policy's bound (a lookup bounded only by its own timeout would
+    # hold a step 2 s once, before the breaker opens; loads and saves would wait 5 s)
     assert hung[0]["max_step_s"] < 1.5, hung[0]["max_step_s"]
+    # the default step policy ("auto") measured the node fast in the first rounds, so the hung round's first lookup
+    # runs in the step: it times out within `in_step_ms` (not the 2 s lookup timeout) and marks the pool slow; the
+    # others go to the lookup thread, where the breaker opens (2026-12-04: one in-step lookup, 50.6 ms)
+    bound_s = DEFAULT_IN_STEP_MS / 1000
+    hung_steps = out["step_records"]["2"]
+    assert sum(r["in_step_lookups"] for r in hung_steps["scheduler"]) >= 1, hung_steps["scheduler"][:4]
+    assert max(r["in_step_lookup_s"] for r in hung_steps["scheduler"]) < 2 * bound_s
+    assert max(r["in_step_load_s"] for r in hung_steps["worker"]) < 2 * bound_s
     assert out["preemptions"] > 0  # the small KV cache did preempt requests (the reference engine happened not to)
     # some preempted request's copy-out was still pending: its blocks, reused at once, were saved as they were
     assert out["held_preemptions"] > 0
