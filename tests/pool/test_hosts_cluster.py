@@ -348,7 +348,10 @@ def test_a_slow_node_is_hedged_around(scene):
     assert statistics.median(hedged["seconds"]) < 5 * typical_fast + 0.010, (hedged, fast)
     saved = e.call(op="bulk", what="save", blocks=blocks, rounds=1, base=5000)
     # the slow node owns about two thirds of the 2 MiB (~1.4 s at 1 MB/s); a save that stops waiting for it once every
-    # block has a copy ends within a wide margin of the unsqueezed save plus the abort delay (`NodeLatency`)
+    # block has a copy ends within a wide margin of the unsqueezed save plus the abort delay (`NodeLatency`). (Known
+    # gap: as it stands the slow node's share of this save fails within ~1 ms, see "shares" in the printed figures,
+    # most likely its reconnect back-off after a hedged load aborted its connection, so these blocks get one copy
+    # and the give-up path is not what this bound exercises.)
     assert saved["success"] == [32] and saved["seconds"][0] < 5 * fast_save["seconds"][0] + 0.5, (saved, fast_save)
     print(
         json.dumps(
@@ -357,6 +360,8 @@ def test_a_slow_node_is_hedged_around(scene):
                 "hedged": hedged["seconds"][:8],
                 "fast_save": fast_save["seconds"],
                 "saved": saved["seconds"],
+                "shares": saved["shares"],
+                "fast_shares": fast_save["shares"],
             }
         )
     )
