@@ -19,7 +19,7 @@ by its own call, so every block's outcome is seen:
   "cpu": {thread name: CPU seconds of this process's threads of that name during the fastest (/proc schedstat)},
   "host_cpu": CPU seconds the whole machine spent busy (every process, the kernel's network work) during it}
 * {"op": "timed", "what": "load"|"exists", "blocks": [...], "rounds": r} → per-call seconds of one-block calls,
-  r rounds over the blocks: {"seconds": [...], "hits": n, "wrong": n}
+  r rounds over the blocks: {"seconds": [...], "hits": n, "wrong": n, "missed": [blocks not hit, in call order]}
 * {"op": "stages", "rounds": r} → seconds of each layer under one block's `exists`, r calls of each, interleaved:
   `api` (ContextCaching.exists), `pool` (the pool client: router, reads), `node` (UcxNode.exists), `wait` (the
   part of a `node` call spent waiting for UCX to complete its requests: posted to answered), `ping` (UcxNode.ping,
@@ -206,7 +206,7 @@ def main() -> None:
 
     def timed(what: str, blocks: list[int], rounds: int) -> dict:
         poisoned = poison(cache)
-        seconds, hits, wrong = [], 0, 0
+        seconds, hits, wrong, missed = [], 0, 0, []
         for _ in range(rounds):
             for b in blocks:
                 start = time.perf_counter()
@@ -219,11 +219,13 @@ def main() -> None:
                     ok = 0
                 seconds.append(time.perf_counter() - start)
                 hits += ok
+                if not ok:
+                    missed.append(b)
                 if what == "load":
                     want = original if ok else poisoned
                     if not all(torch.equal(t[b].view(torch.uint8), w[b].view(torch.uint8)) for t, w in zip(tensors(cache), want)):
                         wrong += 1
-        return {"seconds": seconds, "hits": hits, "wrong": wrong}
+        return {"seconds": seconds, "hits": hits, "wrong": wrong, "missed": missed}
 
     def stages(rounds: int) -> dict:
         """White-box: the layers under one block's exists, each timed alone (see the module docstring)."""
