@@ -126,12 +126,11 @@ def read(
             break
         node_ids = np.unique(candidate).tolist()
         contacted[node_ids] = True
-        # one node, whose transport bounds its calls by the deadline: on this thread (no hop) unless a hedge may be
-        # needed: a request that moves value bytes, or one to a node seen slow
-        lone = view.nodes[node_ids[0]] if len(node_ids) == 1 else None
-        # a call on this thread cannot be hedged, so only where no hedge could help: a partitioned or slow owner of
+        # one node, whose transport bounds its calls by the deadline: on this thread (no hop), but a call on this
+        # thread cannot be hedged, so only where no hedge could help: a partitioned or slow owner of
         # keys that may try another node must not hold them (cutting its call short at a guessed delay instead failed
         # live nodes on a busy host, dropping their connections, and lost the keys only they held)
+        lone = view.nodes[node_ids[0]] if len(node_ids) == 1 else None
         is_small = small(state.pending)
         here = lone is not None and lone.self_timed and (not hedging or (is_small and not state.tries_left(allowed)))
         # a small hedged read into the caller's buffers receives into buffers of its own, as a hedge does (copied
@@ -167,15 +166,14 @@ def read(
                         outcome.errors.append(answer.error)
                         failed_now[view.nodes.index(share.call.node)] = True
                     answered[got] = True
+                    check = share.accept or accept  # (a primary receiving into buffers of its own checks those)
                     for i, value in zip(got.tolist(), answer.answers):
-                        if accepted[i]:
+                        if accepted[i] or not check(i, value):
                             continue
-                        if share.accept is None and accept(i, value):
+                        if share.adopt is None:
                             results[i] = value
-                        elif share.accept is not None and share.adopt is not None and share.accept(i, value):
-                            share.adopt(i, value)  # (its own buffers: copied into the caller's)
                         else:
-                            continue
+                            share.adopt(i, value)  # (its own buffers: copied into the caller's)
                         accepted[i] = True
                         by_hedge.pop(i, None)
                 elif share.accept is not None:
@@ -216,13 +214,22 @@ def read(
                     continue
                 share.hedged = True
                 assert hedge is not None
-                sent = _send_hedges(
-                    fanout, view, share, keys, state, alt_pos, hedge_missed, failed_now, allowed, hedge, costs, deadline
+                shares += _send_hedges(
+                    fanout,
+                    view,
+                    share,
+                    keys,
+                    state,
+                    alt_pos,
+                    hedge_missed,
+                    hedge_open,
+                    failed_now,
+                    allowed,
+                    hedge,
+                    costs,
+                    deadline,
+                    contacted,
                 )
-                for hedge_share in sent:
-                    hedge_open[hedge_share.call.idx] = True
-                    contacted[view.nodes.index(hedge_share.call.node)] = True
-                shares += sent
             futures = [s.call.future for s in shares if not s.processed and s.call.future is not None]
             if futures:
                 concurrent.futures.wait(
@@ -267,14 +274,16 @@ def _send_hedges(
     state: _Keys,
     alt_pos: np.ndarray,
     hedge_missed: np.ndarray,
+    hedge_open: np.ndarray,
     failed_now: np.ndarray,
     allowed: int,
     hedge: Hedge,
     costs: CostsOf,
     deadline: Deadline,
+    contacted: np.ndarray,
 ) -> list[_Share]:
     """Ask each of `keys` (of the slow primary `share`) of its next node after the last one asked (see the module
-    docstring)."""
+    docstring); marks the keys asked (`hedge_open`) and the nodes (`contacted`)."""
     slow_node = view.nodes.index(share.call.node)
     rows, alts = state.alternates(keys, slow_node, failed_now, allowed, alt_pos, hedge_missed)
     out = []
@@ -282,6 +291,8 @@ def _send_hedges(
         idx = rows[alts == j]
         request, accept, adopt = hedge.prepare(idx)
         alt_pos[idx] = state.position_of(idx, j)
+        hedge_open[idx] = True
+        contacted[j] = True
         out.append(_Share(fanout.start(view.nodes[j], idx, request, costs, deadline), False, share, accept, adopt))
     return out
 
