@@ -11,8 +11,7 @@ Contract:
   down, or this node cut off, longer than the TTL), registers again with a new lease. `on_reconnect()` (optional)
   is called each time etcd answers again after it could not be reached (e.g. to renew the node's own watch).
   `deregister()` deletes the key and revokes the lease (best effort), so watchers see the node leave at once
-  instead of after the TTL. A node that dies without
-  deregistering disappears when its lease expires.
+  instead of after the TTL. A node that dies without deregistering disappears when its lease expires.
 * `MembershipWatcher` (engine side): `start()` reads the current members (raises `EtcdError` if etcd cannot be
   reached), then a thread watches the prefix and calls `on_change(members)` after every change, with the whole new
   set. If the watch breaks (etcd stopped, network lost) the watcher keeps the last set it saw, retries every
