@@ -10,7 +10,8 @@ Contract:
 * Every unary call returns within `timeout_s` or raises `EtcdError` (unreachable, refused, malformed reply).
 * `watch_prefix` blocks, calling `on_events` for each batch, until the stream ends (etcd stopped, connection lost:
   it raises `EtcdError`), nothing arrives for `idle_s` seconds (`WatchIdle`: a half-open connection after a network
-  partition would otherwise wait forever), or `stop()` is called on the handle from another thread (it returns).
+  partition would otherwise wait forever), `renew()` is called on the handle from another thread (`WatchIdle` too:
+  the caller knows the stream may be stale), or `stop()` is called on the handle from another thread (it returns).
 """
 
 from __future__ import annotations
@@ -78,18 +79,32 @@ def parse_url(url: str) -> tuple[str, int]:
 
 
 class WatchHandle:
-    """Stops a running `watch_prefix` from another thread."""
+    """Stops, or renews, a running `watch_prefix` from another thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
         self.stopped = False
+        self._renew = False
 
     def _attach(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
             self._conn = conn
+            self._renew = False  # a watch made now is fresh: an earlier renew() has nothing left to end
             if self.stopped:
                 _shutdown(conn)
+
+    def renew(self) -> None:
+        """End the running watch with `WatchIdle` (the caller then reads the set again and watches anew)."""
+        with self._lock:
+            self._renew = True
+            if self._conn is not None:
+                _shutdown(self._conn)
+
+    def _renewed(self) -> bool:
+        with self._lock:
+            renewed, self._renew = self._renew, False
+            return renewed
 
     def stop(self) -> None:
         with self._lock:
@@ -203,6 +218,8 @@ class EtcdClient:
                 line = response.readline()
                 if handle.stopped:
                     return
+                if handle._renewed():
+                    raise WatchIdle(f"etcd at {self.url}: watch renewed on request")
                 if not line:
                     raise EtcdError(f"etcd at {self.url}: the watch stream ended")
                 if not line.strip():
@@ -231,6 +248,8 @@ class EtcdClient:
         except (OSError, http.client.HTTPException, ValueError) as error:
             if handle.stopped:
                 return
+            if handle._renewed():
+                raise WatchIdle(f"etcd at {self.url}: watch renewed on request") from None
             if isinstance(error, TimeoutError):
                 raise WatchIdle(f"etcd at {self.url}: nothing on the watch for {idle_s} s") from None
             raise EtcdError(f"etcd at {self.url}: watch lost: {error!r}") from None

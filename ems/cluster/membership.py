@@ -8,15 +8,18 @@ only who is in the pool; data never goes through it (clients place keys by rende
 Contract:
 * `Registration` (node side): `start()` grants a lease of `ttl_s` seconds and puts the key (raises `EtcdError` if
   etcd cannot be reached); a thread refreshes the lease every `ttl_s / 3` seconds and, if etcd lost it (etcd was
-  down longer than the TTL), registers again with a new lease. `deregister()` deletes the key and revokes the lease
-  (best effort), so watchers see the node leave at once instead of after the TTL. A node that dies without
-  deregistering disappears when its lease expires.
+  down, or this node cut off, longer than the TTL), registers again with a new lease. `on_reconnect()` (optional)
+  is called each time etcd answers again after it could not be reached (e.g. to renew the node's own watch).
+  `deregister()` deletes the key and revokes the lease (best effort), so watchers see the node leave at once
+  instead of after the TTL. A node that dies without deregistering disappears when its lease expires.
 * `MembershipWatcher` (engine side): `start()` reads the current members (raises `EtcdError` if etcd cannot be
   reached), then a thread watches the prefix and calls `on_change(members)` after every change, with the whole new
   set. If the watch breaks (etcd stopped, network lost) the watcher keeps the last set it saw, retries every
   `retry_s` seconds, and on reconnecting reads the whole set again (so changes made meanwhile are not lost).
   A watch quiet for `idle_s` seconds is re-established the same way (one range read), so a connection lost without
-  a reset cannot freeze the view. `connected` says whether the watch is live now.
+  a reset cannot freeze the view. `resync()` does the same at once, for a caller that knows the stream may be stale
+  (a node whose lease refresh found etcd again after a partition: the events sent meanwhile wait in TCP's
+  retransmission back-off, tens of seconds after a long cut). `connected` says whether the watch is live now.
 """
 
 from __future__ import annotations
@@ -74,13 +77,16 @@ def read_members(client: EtcdClient, cluster: str) -> tuple[dict[str, NodeInfo],
 class Registration:
     """One node's entry in the pool; see the module docstring."""
 
-    def __init__(self, url: str, cluster: str, info: NodeInfo, ttl_s: int = 5) -> None:
+    def __init__(
+        self, url: str, cluster: str, info: NodeInfo, ttl_s: int = 5, on_reconnect: Callable[[], None] | None = None
+    ) -> None:
         if ttl_s < 2:
             raise ValueError(f"the lease TTL must be >= 2 s, got {ttl_s}")
         self.client = EtcdClient(url, timeout_s=max(1.0, ttl_s / 3))
         self.key = cluster_prefix(cluster) + info.address.encode()
         self.info = info
         self.ttl_s = ttl_s
+        self.on_reconnect = on_reconnect
         self.lease = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,6 +110,11 @@ class Registration:
                     self._register()
                 if unreachable:
                     log.info("etcd reachable again")
+                    if self.on_reconnect is not None:
+                        try:
+                            self.on_reconnect()
+                        except Exception:  # a failing listener must not stop the lease's refresh
+                            log.exception("on_reconnect failed")
                 unreachable = False
             except EtcdError as error:
                 if not unreachable:
@@ -219,6 +230,10 @@ class MembershipWatcher:
                 self.connected = False
                 resync = True
                 self._stopped.wait(self.retry_s)
+
+    def resync(self) -> None:
+        """Read the whole set again now and watch anew (the running watch ends; a watch not yet made is fresh)."""
+        self._handle.renew()
 
     def close(self) -> None:
         self._stopped.set()

@@ -8,7 +8,9 @@ Contract (`NodeExtras`, used by `ems.pool.__main__`):
   `address`) with its metrics address and a fresh incarnation id in etcd under `--cluster`. Raises when either
   fails (the node exits 1). With `--etcd` and `--repair-rate` > 0 it then watches the cluster's membership and
   repairs (`ems.pool.repair.Repairer`: `--replicas`, `--repair-rate`, `--repair-interval`), its progress in the
-  metrics.
+  metrics. When its lease refresh finds etcd again after failing (the node was cut off, or etcd was down), the
+  membership watch is renewed at once (`MembershipWatcher.resync`), so a healed node's repair does not wait for a
+  stale watch stream to catch up.
 * `drain()` (on SIGTERM/SIGINT, while the server still serves): deregisters, turns `/healthz` to 503, and waits
   `--drain` seconds for engines to see the leave and finish the calls they had sent. Without `--etcd` it returns
   at once (engines with a static node list are not told). `close()` stops the metrics endpoint.
@@ -121,7 +123,9 @@ class NodeExtras:
 
             advertise = f"{self.args.advertise[0]}:{self.args.advertise[1]}" if self.args.advertise else address
             info = NodeInfo(advertise, metrics_address, secrets.token_hex(8))
-            self._registration = Registration(self.args.etcd, self.args.cluster, info, ttl_s=self.args.lease_ttl)
+            self._registration = Registration(
+                self.args.etcd, self.args.cluster, info, ttl_s=self.args.lease_ttl, on_reconnect=self._etcd_back
+            )
             self._registration.start()
             log.info("registered as %s in cluster %r at %s", advertise, self.args.cluster, self.args.etcd)
             if self.args.repair_rate > 0:
@@ -143,6 +147,14 @@ class NodeExtras:
         )
         self._watcher.start_background()
         log.info("repairing to %d replica(s) at up to %d bytes/s", settings.replicas, settings.rate)
+
+    def _etcd_back(self) -> None:
+        """etcd answers this node again (it was cut off): the membership it watched meanwhile may be a stale stream
+        whose events wait in TCP's retransmission back-off; read the set again now, so repair starts at once."""
+        watcher = self._watcher
+        if watcher is not None:
+            log.info("etcd reachable again: reading the pool's membership anew")
+            watcher.resync()
 
     def _connect_peer(self, address: str, tenant: str) -> NodeClient:
         """A connection to another node as `tenant` (its key from this node's keys; anonymous without keys)."""

@@ -20,7 +20,8 @@ Contract:
   `repair_pending_keys` (keys of the pass under way not checked yet), `repair_passes_total`,
   `repair_abandoned_total` (passes a membership change stopped), `repair_checked_keys_total`,
   `repair_copied_values_total`, `repair_copied_bytes_total`, `repair_failed_copies_total`,
-  `repair_last_pass_seconds`, read from the repairer when scraped.
+  `repair_last_pass_seconds`, `repair_incomplete` (1 when the last finished pass could not reach a peer: another
+  follows within seconds), read from the repairer when scraped.
 * Same-host shared memory (`transport.shm_server`, registered by the node assembly `ems.pool.node` with `watch_shm`):
   `shm_regions` (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed),
   `shm_handed_regions`,
@@ -159,6 +160,9 @@ class _RepairCollector(Collector):
         yield c("ems_pool_repair_copied_bytes", "Bytes repair copied to their owners", value=p.copied_bytes)
         yield c("ems_pool_repair_failed_copies", "Copies refused or not acknowledged", value=p.failed_copies)
         yield g("ems_pool_repair_last_pass_seconds", "Duration of the last finished pass", value=p.last_pass_seconds)
+        yield g(
+            "ems_pool_repair_incomplete", "1 when the last pass left checks or copies undone (retried)", value=float(p.incomplete)
+        )
 
 
 class NodeMetrics:

@@ -21,9 +21,15 @@ Contract (`Repairer`, started by `ems.pool.cluster_node` on a node registered in
 * Bandwidth: copies are paced to `rate` bytes per second (a token bucket whose burst is 100 ms at that rate, at
   least 64 KiB and at most one batch; a batch larger than the burst waits for its bytes before it is sent), so
   repair takes at most that share of the node's link; serving is not otherwise touched (the checks are small requests).
-* Failures: a peer that fails (killed during repair, timed out) fails only its own copies and checks in that pass;
-  its leave (or the next interval) starts another pass. Nothing here can fail a client's request.
+* Failures: a peer that fails (killed during repair, timed out, not reconnected yet) fails only its own copies and
+  checks in that pass, which then counts as incomplete (a value the owner refuses, damaged or too large, does not:
+  sending it again would be refused again): another pass follows `RETRY_S` later (doubling at each
+  incomplete pass in a row, up to `interval_s`), besides the one its leave starts. So copies a pass could not make
+  to a node that is still a member are retried within seconds, not at the next interval. Nothing here can fail a
+  client's request.
 * Progress (`progress()`, a `RepairProgress`): for the node's metrics (`ems_pool_repair_*`) and `ems-pool status`.
+  Repair is done on a node when it runs no pass (`running` False) and its last pass was complete (`incomplete`
+  False): every key it held was checked against every live node it had to ask, and every copy it owed landed.
 * `close()` stops the pass under way (within one request's timeout) and closes the connections to other nodes.
 """
 
@@ -49,6 +55,7 @@ log = logging.getLogger("ems.pool.repair")
 BATCH_KEYS = 512  # keys checked per round of exists requests
 BATCH_BYTES = 8 << 20  # value bytes per copy request (and the most the token bucket's burst can be)
 REQUEST_TIMEOUT_S = 10.0
+RETRY_S = 1.0  # after an incomplete pass, the next one this much later (doubling, up to the interval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +86,7 @@ class RepairProgress:
     failed_copies: int = 0  # values a peer refused, or that a failing peer never acknowledged
     last_pass_seconds: float = 0.0
     last_pass_copied: int = 0
+    incomplete: bool = False  # the last finished pass left checks or copies undone (a peer failed): it is retried
 
 
 class _Changed(Exception):
@@ -160,6 +168,8 @@ class Repairer:
         self._stop = threading.Event()
         self._members: dict[str, object] = {}  # address -> incarnation
         self._generation = 0  # bumped by every membership change
+        self._failed_peers = 0  # peers that failed a check or a copy in the pass under way
+        self._retries = 0  # incomplete passes in a row (each waits twice as long as the one before)
         self._peers: dict[tuple[str, str], NodeClient] = {}
         self._incarnations: dict[str, object] = {}  # of the nodes the peers were made for
         self._progress = RepairProgress()
@@ -179,6 +189,7 @@ class Repairer:
                 return
             self._members = dict(members)
             self._generation += 1
+        log.info("repair: membership changed, %d node(s) now; a pass follows", len(members))
         self._wake.set()
 
     def progress(self) -> RepairProgress:
@@ -201,9 +212,15 @@ class Repairer:
 
     # ---- the thread ----
 
+    def _next_wait(self) -> float:
+        """Seconds until the next pass when nothing changes: the interval, or sooner after an incomplete pass."""
+        if self._retries == 0:
+            return self.settings.interval_s
+        return min(self.settings.interval_s, RETRY_S * 2.0 ** (self._retries - 1))
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._wake.wait(self.settings.interval_s):
+            if self._wake.wait(self._next_wait()):
                 self._wake.clear()
                 # more changes may follow at once (a restart is a leave, then a join): let them settle first
                 if self._stop.wait(self.settings.settle_s) or self._wake.is_set():
@@ -214,6 +231,7 @@ class Repairer:
                 members, generation = dict(self._members), self._generation
             if not members:
                 continue
+            self._failed_peers = 0
             try:
                 self._pass(members, generation)
             except _Changed:
@@ -221,9 +239,11 @@ class Repairer:
                     self._progress.abandoned += 1
                     self._progress.running = False
                     self._progress.pending_keys = 0
-            except Exception:  # never let the repair thread die: log, and try again at the next change or interval
+            except Exception:  # never let the repair thread die: log, and try again as after an incomplete pass
                 log.exception("repair pass failed")
+                self._retries += 1
                 with self._lock:
+                    self._progress.incomplete = True
                     self._progress.running = False
                     self._progress.pending_keys = 0
 
@@ -260,6 +280,8 @@ class Repairer:
                 batch = entries[start : start + BATCH_KEYS]
                 self._batch(tenant, batch, addresses, seeds, me, generation, bucket)
                 self._count(checked=len(batch))
+        incomplete = self._failed_peers > 0
+        self._retries = self._retries + 1 if incomplete else 0
         with self._lock:
             p = self._progress
             p.running = False
@@ -267,12 +289,14 @@ class Repairer:
             p.passes += 1
             p.last_pass_seconds = time.monotonic() - started
             p.last_pass_copied = p.copied_values - copied_before
-        if self._progress.last_pass_copied:
+            p.incomplete = incomplete
+        if self._progress.last_pass_copied or incomplete:
             log.info(
-                "repair pass: %d value(s) copied in %.2f s over %d node(s)",
+                "repair pass: %d value(s) copied in %.2f s over %d node(s)%s",
                 self._progress.last_pass_copied,
                 self._progress.last_pass_seconds,
                 len(addresses),
+                f"; incomplete (a peer failed), again in {self._next_wait():.0f} s" if incomplete else "",
             )
 
     def _count(self, checked: int = 0, copied: int = 0, nbytes: int = 0, failed: int = 0) -> None:
@@ -306,8 +330,10 @@ class Repairer:
                 flags = self._peer(addresses[node], tenant).exists(
                     [client_keys[i] for i in rows.tolist()], Deadline.after(REQUEST_TIMEOUT_S)
                 )
-            except TransportError:  # it counts as holding nothing, and gets no copies in this batch
+            except TransportError as error:  # it counts as holding nothing, gets no copies in this batch: retried
+                log.info("repair: checks on %s failed: %s", addresses[node], error.message())
                 down[node] = True
+                self._failed_peers += 1
                 continue
             hit = rows[np.asarray(flags, dtype=bool)]
             held[hit] |= ranks[hit] == node
@@ -345,6 +371,7 @@ class Repairer:
                 )
             except TransportError as error:
                 log.info("repair: copies to %s failed: %s", address, error.message())
+                self._failed_peers += 1
                 self._count(failed=len(part))
                 return  # this peer fails the rest of its copies in this pass
             ok = sum(bool(s) for s in stored)

@@ -11,8 +11,9 @@ Contract:
   REPAIR COPIED`.
   STATE is `up`, `down` (its metrics did not answer) or `no-metrics` (registered without `--metrics`). HIT-RATE is
   GET hits / (hits + misses) since the node started (`-` before its first GET); REQ/S is requests served per second
-  over the interval. REPAIR is the node's repair (`ems.pool.repair`): `idle`, `N-left` (a pass is under way,
-  N keys still to check) or `-` (the node does not repair); COPIED the values it has copied to their owners since it
+  over the interval. REPAIR is the node's repair (`ems.pool.repair`): `idle` (done), `N-left` (a pass is under
+  way, N keys still to check), `retry` (the last pass could not reach a peer; another follows within seconds) or
+  `-` (the node does not repair); COPIED the values it has copied to their owners since it
   started. A node with a disk tier (`--disk`) gets one more line per tier under its own (NODE `  dram`,
   `  disk`): the tier's state (`up`, or `failed` for a disk that turned the node DRAM-only), held/capacity, values,
   and the share of the node's GET lookups that tier answered. Then a total line.
@@ -45,6 +46,7 @@ class Sample:
     repair_running: float | None = None  # None: the node does not repair
     repair_pending: float = 0.0
     repair_copied: float = 0.0
+    repair_incomplete: float = 0.0
     tiers: dict[str, TierSample] = dataclasses.field(default_factory=dict)
 
 
@@ -106,6 +108,8 @@ def parse_metrics(text: str) -> Sample:
                 sample.repair_pending = s.value
             elif s.name == "ems_pool_repair_copied_values_total":
                 sample.repair_copied = s.value
+            elif s.name == "ems_pool_repair_incomplete":
+                sample.repair_incomplete = s.value
             elif s.name in _TIER_FIELDS and "tier" in s.labels:
                 tier = sample.tiers.setdefault(s.labels["tier"], TierSample())
                 setattr(tier, _TIER_FIELDS[s.name], s.value)
@@ -158,7 +162,9 @@ def _size(n: float) -> str:
 def _repair(s: Sample) -> str:
     if s.repair_running is None:
         return "-"
-    return f"{s.repair_pending:.0f}-left" if s.repair_running else "idle"
+    if s.repair_running:
+        return f"{s.repair_pending:.0f}-left"
+    return "retry" if s.repair_incomplete else "idle"
 
 
 def render(statuses: Sequence[NodeStatus]) -> str:

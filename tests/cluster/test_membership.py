@@ -64,7 +64,8 @@ def test_kv_lease_and_watch(etcd):
 def test_registration_watcher_and_resync_after_an_etcd_restart(etcd):
     seen: list[dict] = []
     watcher = MembershipWatcher(etcd.url, "resync", lambda m: seen.append(m), retry_s=0.1)
-    a = Registration(etcd.url, "resync", NodeInfo("10.0.0.1:1", "10.0.0.1:9"), ttl_s=2)
+    reconnected = threading.Event()
+    a = Registration(etcd.url, "resync", NodeInfo("10.0.0.1:1", "10.0.0.1:9"), ttl_s=2, on_reconnect=reconnected.set)
     a.start()
     try:
         assert watcher.start() == {"10.0.0.1:1": NodeInfo("10.0.0.1:1", "10.0.0.1:9")}
@@ -75,8 +76,10 @@ def test_registration_watcher_and_resync_after_an_etcd_restart(etcd):
         etcd.stop()
         assert wait_for(lambda: not watcher.connected, 5)
         assert set(watcher.members) == {"10.0.0.1:1", "10.0.0.2:1"}  # the last set is kept
-        time.sleep(0.5)
+        time.sleep(1.0)  # longer than a's lease refresh period (ttl / 3): one refresh fails
+        assert not reconnected.is_set()
         etcd.start()
+        assert wait_for(reconnected.is_set, 10)  # a's refresh found etcd again and said so
         b.deregister()  # a change after the restart: seen by the resynced watch
         assert wait_for(lambda: set(watcher.members) == {"10.0.0.1:1"}, 10)
         assert wait_for(lambda: watcher.connected, 5)
@@ -99,6 +102,25 @@ def test_a_quiet_watch_is_renewed_and_still_sees_changes(etcd):
         node = Registration(etcd.url, "quiet", NodeInfo("10.0.0.3:1"), ttl_s=2)
         node.start()
         assert wait_for(lambda: set(watcher.members) == {"10.0.0.3:1"}, 5)
+        node.deregister()
+        assert wait_for(lambda: watcher.members == {}, 5)
+    finally:
+        watcher.close()
+
+
+def test_resync_renews_a_running_watch_at_once(etcd):
+    """`resync()` ends the running watch (as a quiet one would end after `idle_s`) and reads the set anew at once:
+    what a node cut off from etcd does when etcd answers it again, instead of waiting on a stale stream."""
+    watcher = MembershipWatcher(etcd.url, "renew", lambda m: None, retry_s=0.1, idle_s=60)
+    try:
+        assert watcher.start() == {}
+        assert wait_for(lambda: watcher.connected, 5)
+        watcher.resync()
+        assert wait_for(lambda: watcher.renewals == 1, 2)  # not 60 s later
+        assert watcher.connected and watcher.disconnects == 0
+        node = Registration(etcd.url, "renew", NodeInfo("10.0.0.4:1"), ttl_s=2)
+        node.start()
+        assert wait_for(lambda: set(watcher.members) == {"10.0.0.4:1"}, 5)  # the renewed watch sees changes
         node.deregister()
         assert wait_for(lambda: watcher.members == {}, 5)
     finally:

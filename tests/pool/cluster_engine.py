@@ -11,8 +11,10 @@ by its own call, so every block's outcome is seen:
   errors, wrong blocks
 * {"op": "members"} → {"members": [...], "connected": bool, "rebalancing": nodes seen joining or coming back in the
   last `ems.cluster.placement.REBALANCE_S`};  {"op": "metrics"} → ContextCaching.metrics()
-* {"op": "holders", "blocks": [...]} → {"holders": [[addresses of the live nodes holding block b]...]} (each node
-  asked directly, as this engine's tenant)
+* {"op": "holders", "blocks": [...]} → {"holders": [[addresses of the live nodes holding block b]...], "unreached":
+  [addresses]} (each node asked directly, as this engine's tenant; a node whose call fails, e.g. a connection to a
+  restarted node that has not reconnected yet, is asked again after the client's reconnect back-off, up to 4 times;
+  one that never answers is listed in "unreached", its blocks counted as not held there)
 * {"op": "bulk", "what": "save"|"load", "blocks": [...], "rounds": r, "base": h} → one call for all the blocks
   (hashes `h + b`), r times: {"seconds": [...], "success": [...], "stages": {stage: seconds} of the fastest,
   "shares": [[node address, start, seconds] of each node's requests (`FanOut.run`) in the fastest, from its start],
@@ -118,20 +120,26 @@ def main() -> None:
             out.append(("hit" if r.success else "miss") if exact else "wrong")
         return out
 
-    def holders(cc, blocks: list[int]) -> list[list[str]]:
+    def holders(cc, blocks: list[int]) -> tuple[list[list[str]], list[str]]:
         from ems.datapath.keys import v1_keys
 
         keys, _ = v1_keys(cc._v1_namespace, [base + b for b in blocks])
         out: list[list[str]] = [[] for _ in blocks]
+        unreached: list[str] = []
         for node in Ems._pool.nodes:  # type: ignore[union-attr]
-            try:
-                flags = node.exists(keys, 3.0)
-            except EmsException:
+            for _ in range(4):
+                try:
+                    flags = node.exists(keys, 3.0)
+                    break
+                except EmsException:
+                    time.sleep(0.6)  # past the client's reconnect back-off (0.5 s)
+            else:
+                unreached.append(node.address)
                 continue
             for i, held in enumerate(flags):
                 if held:
                     out[i].append(node.address)
-        return out
+        return out, unreached
 
     def thread_cpu() -> dict[str, tuple[str, int]]:
         """This process's threads: id -> (name, nanoseconds on a CPU so far); a Python thread by its Python name
@@ -299,7 +307,8 @@ def main() -> None:
         elif op == "metrics":
             reply = cc.metrics()
         elif op == "holders":
-            reply = {"holders": holders(cc, command["blocks"])}
+            found, unreached = holders(cc, command["blocks"])
+            reply = {"holders": found, "unreached": unreached}
         elif op == "bulk":
             reply = bulk(command["what"], command["blocks"], int(command.get("rounds", 1)), int(command.get("base", base)))
         elif op == "timed":

@@ -332,6 +332,42 @@ def test_a_peer_that_fails_fails_only_its_copies():
     assert all(held_by(net, "t", k) == {"a:1", "c:1"} for k in keys)
 
 
+def test_an_incomplete_pass_is_retried_within_seconds_not_at_the_interval():
+    """A pass that cannot reach an owner (its connection not back yet after a restart or a partition) reports itself
+    incomplete and runs again RETRY_S later, doubling, without waiting for a membership change or the interval."""
+    from ems.pool.repair import RETRY_S
+
+    nodes = ["a:1", "b:1"]
+    net = Net(nodes)
+    keys = block_keys(40)
+    values = make_values(len(keys), 256, seed=8)
+    for key, value in zip(keys, values):
+        net.stores["a:1"].put(tenant_prefix("t") + key, value)
+    net.down.add("b:1")
+    repairer = Repairer(net.stores["a:1"], "a:1", RepairSettings(2, rate=1 << 30, interval_s=3600, settle_s=0.01), net.connect)
+    try:
+        repairer.start()
+        repairer.on_members({a: 1 for a in nodes})
+        assert _until(lambda: repairer.progress().passes >= 2, 5 * RETRY_S)  # retried, the interval is an hour
+        p = repairer.progress()
+        assert p.incomplete and not p.running and p.copied_values == 0
+        net.down.discard("b:1")  # b answers again; membership never changed
+        assert _until(lambda: all(held_by(net, "t", k) == {"a:1", "b:1"} for k in keys), 10 * RETRY_S)
+        assert _until(lambda: not repairer.progress().incomplete, 5)
+        assert repairer.progress().copied_values == len(keys)
+    finally:
+        repairer.close()
+
+
+def _until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def test_metrics_and_status_show_repair_progress():
     pytest.importorskip("prometheus_client")
     from ems.pool.metrics import NodeMetrics
@@ -351,6 +387,9 @@ def test_metrics_and_status_show_repair_progress():
     progress.running, progress.pending_keys = False, 0
     again = parse_metrics(metrics.exposition().decode())
     assert render([NodeStatus("a:1", "m:1", "up", again)]).splitlines()[1].split()[-2:] == ["idle", "64"]
+    progress.incomplete = True  # the last pass could not reach a peer: another follows
+    behind = parse_metrics(metrics.exposition().decode())
+    assert render([NodeStatus("a:1", "m:1", "up", behind)]).splitlines()[1].split()[-2:] == ["retry", "64"]
 
 
 def test_repair_pacing_bounds_a_burst_to_100_ms_of_its_rate():
