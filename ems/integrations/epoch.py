@@ -8,7 +8,8 @@ Contract (no engine imports):
   fresh random epoch and reads it back, so engines that race converge on the last one written (a loser only
   misses what it saved before it learnt the winner). A random epoch, never a counter: a record lost to eviction
   never brings back an old epoch's blocks. A pool that cannot be read gives a private random epoch (only misses)
-  and `ok=False`, to be read again later.
+  and `ok=False`, to be read again later. A client that was shut down raises its refusal (`EMS_INVALID_ARGUMENT`)
+  instead: no later read could succeed.
 * `EpochRecord.reset()` writes a fresh random epoch: from then on every block saved before is a miss for every
   engine that reads the record. Returns the new epoch, or None when the pool did not take the write (the caller
   reports the reset as failed).
@@ -23,7 +24,9 @@ Contract (no engine imports):
   within `refresh_s`. A read that fails keeps the epoch it had. It reads again within `RETRY_S` while it has only a
   private epoch (the pool could not be read at start), and `RETRY_S` after it wrote the record (it created it, or
   reset): engines that start, or reset, at the same moment converge on the last one written within `RETRY_S`, not
-  `refresh_s` (two engines started together used to save and look up in different epochs for 5 s).
+  `refresh_s` (two engines started together used to save and look up in different epochs for 5 s). Its thread ends
+  at `close()` or once the client is shut down (an engine that never closed its watch left a thread retrying, and
+  logging, every `RETRY_S` for the rest of the process).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ems import CcKvOption, ContextCaching, EmsException, KvBufferWrapper, PrimaryKey
+from ems import CcKvOption, ContextCaching, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
 
 logger = logging.getLogger("ems.integrations")
 
@@ -108,6 +111,8 @@ class EpochRecord:
                 wrote = self.write(new_epoch())
                 epoch = self.read()
         except EmsException as exc:
+            if exc.status_code() is EmsErrorCode.EMS_INVALID_ARGUMENT:
+                raise  # refused, not failed: the client was shut down (no later read can succeed)
             logger.warning("could not read the namespace epoch (pool down?): using a private one: %s", exc.message())
             return EpochRead(new_epoch(), False)
         return EpochRead(epoch, True, wrote) if epoch is not None else EpochRead(new_epoch(), False)
@@ -143,7 +148,10 @@ class EpochWatch:
             if self._wake.wait(wait_s):  # a reset (wait RETRY_S from now) or close
                 self._wake.clear()
                 continue
-            read = self._record.current()
+            try:
+                read = self._record.current()
+            except EmsException:  # the client was shut down under the watch: nothing left to read
+                return
             with self._lock:
                 self._soon = not read.ok or read.wrote
                 if read.ok:

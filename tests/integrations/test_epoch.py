@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
+from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException, KvBufferWrapper, PrimaryKey
 from ems.integrations.block_transfer import block_keys, lookup_keys
 from ems.integrations.epoch import EPOCH_BYTES, EpochRecord, EpochWatch, new_epoch
 from ems.integrations.local_pool import LocalPool, ensure_local_pool, stop_local_pool
@@ -91,6 +91,22 @@ def test_engines_that_write_the_record_at_once_converge_soon(node):
         assert watch.epoch == again
     finally:
         watch.close()
+
+
+def test_a_watch_ends_when_its_client_is_shut_down(node, caplog):
+    """An engine that never closed its watch: once its client is shut down the watch's thread ends, instead of reading
+    (and logging a failed read) every RETRY_S for the rest of the process; a direct read is refused, not a private
+    epoch."""
+    reader = record(node, "m1")
+    watch = EpochWatch(reader, refresh_s=0.05)
+    first = watch.epoch
+    Ems.shutdown()
+    watch._thread.join(timeout=5)
+    assert not watch._thread.is_alive()
+    assert watch.epoch == first
+    assert "could not read the namespace epoch" not in caplog.text
+    with pytest.raises(EmsException):
+        reader.current()
 
 
 def test_an_unreachable_pool_gives_a_private_epoch(node, tmp_path):
