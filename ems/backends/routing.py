@@ -42,13 +42,18 @@ from ems.cluster.routing import ranked_owners
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.store.value_format import HEADER_SIZE, ExpectedValues, matches
-from ems.transport.base import AsPlaced, NodeClient, TransportError
+from ems.transport.base import AsPlaced, NodeClient, NodeLocation, TransportError
 from ems.transport.holds import Hold
-from ems.transport.inprocess import InProcessNode
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
 
 if TYPE_CHECKING:
     from ems.transport.shm_client import ShmBuffer
+
+
+def pool_location(nodes: Sequence[NodeClient]) -> NodeLocation:
+    """Where a pool of `nodes` lives: in this process when every node does (and there is one), else remote."""
+    local = bool(nodes) and all(n.location is NodeLocation.IN_PROCESS for n in nodes)
+    return NodeLocation.IN_PROCESS if local else NodeLocation.REMOTE
 
 
 class NodeRouter:
@@ -70,9 +75,10 @@ class NodeRouter:
         self.limits = limits
         self.hedge = hedge  # reads hedged around slow nodes (with replicas)
         self.members = Members(nodes, connect)
-        self.is_local = bool(nodes) and all(isinstance(n, InProcessNode) for n in nodes)
+        #: where the pool's nodes live: in this process only when every node says so (`NodeClient.location`)
+        self.location = pool_location(nodes)
         self.latency = NodeLatency()
-        self.fanout = FanOut(limits, self.latency, self.is_local, lambda: 4 * len(self.members.view.nodes))
+        self.fanout = FanOut(limits, self.latency, self.location, lambda: 4 * len(self.members.view.nodes))
         self.members.on_change(self._forget)
 
     def _forget(self, added: list[str], removed: list[str]) -> None:
@@ -236,9 +242,9 @@ class NodeRouter:
         check = expected if self.replicas > 1 else None
         progressive = as_placed if check is None else None
 
-        def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:
+        def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:  # (`as_placed`: progressive nodes only)
             wanted_keys, wanted_outs = [keys[i] for i in idx], [outs[i] for i in idx]
-            if progressive is not None and idx.size == len(keys) and getattr(node, "places_progressively", False):
+            if progressive is not None and idx.size == len(keys) and node.places_progressively:
                 return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d, as_placed=progressive))
             return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d))
 
@@ -309,7 +315,7 @@ class NodeRouter:
 
     def healthy(self, timeout_s: float) -> bool:
         """True when at least one node answers a ping within `timeout_s`."""
-        if self.is_local:
+        if self.location is NodeLocation.IN_PROCESS:  # (nothing to reach)
             return True
         nodes = self.nodes
         if not nodes:
