@@ -57,6 +57,7 @@ class PoolClient:
         self.router = NodeRouter(nodes, replicas, connect, limits, hedge)
         self.limits = limits
         self.replicas = replicas
+        self.read_check = self.router.read_check
         #: where the nodes live (`NodeRouter.location`): nodes in this process get no read cache and always serve
         self.location = self.router.location
         remote = self.location is NodeLocation.REMOTE

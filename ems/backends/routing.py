@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome
+from ems.backends.base import PoolOutcome, ReadCheck
 from ems.backends.fanout import FanOut
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
@@ -74,6 +74,8 @@ class NodeRouter:
         self.replicas = replicas
         self.limits = limits
         self.hedge = hedge  # reads hedged around slow nodes (with replicas)
+        #: with replicas, a damaged copy sends a read on to the next owner: each value read is checked here
+        self.read_check = ReadCheck.EXPECTED if replicas > 1 else ReadCheck.NONE
         self.members = Members(nodes, connect)
         #: where the pool's nodes live: in this process only when every node says so (`NodeClient.location`)
         self.location = pool_location(nodes)
@@ -188,10 +190,10 @@ class NodeRouter:
         """Each wanted key's stored value (`results[i]` None: wanted), or None.
 
         With replicas, a damaged copy (not the `expected` value) sends the key on to the next owner, so each value
-        is checked here (once: `verified` tells the caller). With one owner there is nowhere to go: the caller
+        is checked here (`read_check` is `ReadCheck.EXPECTED`). With one owner there is nowhere to go: the caller
         checks."""
         results = [None] * len(keys) if results is None else results
-        check = expected if self.replicas > 1 else None
+        check = expected if self.read_check is ReadCheck.EXPECTED else None
 
         def accept(i: int, value: object) -> bool:
             if value is None:
@@ -209,7 +211,7 @@ class NodeRouter:
         def prepare(idx: np.ndarray) -> tuple[Any, Any, Any]:  # a hedge's values are new buffers: kept as they are
             return get, accept, results.__setitem__
 
-        outcome = self._read(
+        return self._read(
             route_keys,
             np.fromiter((r is None for r in results), dtype=bool, count=len(keys)),
             get,
@@ -219,8 +221,6 @@ class NodeRouter:
             accept,
             Hedge(prepare, needs_quiet=False),
         )
-        outcome.verified = check is not None
-        return outcome
 
     def get_into(
         self,
@@ -239,7 +239,7 @@ class NodeRouter:
         `as_placed`: handed to a node that places values progressively (`UcxNode.get_into`) when the whole request
         goes to it as one call, with no replicas (it may then run while the node places them); else unused."""
         results = [False] * len(keys) if results is None else results
-        check = expected if self.replicas > 1 else None
+        check = expected if self.read_check is ReadCheck.EXPECTED else None
         progressive = as_placed if check is None else None
 
         def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:  # (`as_placed`: progressive nodes only)
@@ -271,7 +271,7 @@ class NodeRouter:
 
             return fetch_own, accept_own, adopt
 
-        outcome = self._read(
+        return self._read(
             route_keys,
             ~np.asarray(results, dtype=bool),
             fetch,
@@ -281,8 +281,6 @@ class NodeRouter:
             accept,
             Hedge(prepare, needs_quiet=True),
         )
-        outcome.verified = check is not None
-        return outcome
 
     def exists(
         self,
