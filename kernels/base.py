@@ -239,6 +239,17 @@ class PlacedStop(enum.IntEnum):
     INTERRUPTED = 2  # the value at the count had not arrived (a reply came, or the deadline): go on from the reply
 
 
+class Fusion(enum.Enum):
+    """Whether a backend's copies also hash the values (`CopyBackend.fusion`); the data path picks its copier from it
+    once per job (`ems.datapath.copier.copier_for`)."""
+
+    #: copies only: a save gathers, then encodes; a load verifies, then scatters (passes of their own)
+    SEPARATE = "separate"
+    #: also the one-pass copies over bytes still in cache: `gather_pieces_encoded` (a save's gather and encode),
+    #: `scatter_pieces_verified` and `scatter_pieces_as_placed` (a load's verify and scatter)
+    FUSED = "fused"
+
+
 class CopyBackend(abc.ABC):
     """Moves token rows between a `PlaneSet` and value-major staging (and raw segments) on the same device."""
 
@@ -247,12 +258,9 @@ class CopyBackend(abc.ABC):
     #: device operations (kernel launches, copies, plan-table uploads) this backend has queued so far; perf
     #: scripts read differences of it. Counting only: never used for control flow.
     ops_issued: int = 0
-    #: whether `scatter_pieces_verified` runs here (a load's verify and scatter in one pass over the bytes); where
-    #: it does not, the caller verifies, then scatters
-    verifies_while_scattering: bool = False
-    #: whether `gather_pieces_encoded` runs here (a save's gather and encode in one pass over the bytes); where it
-    #: does not, the caller gathers, then encodes
-    encodes_while_gathering: bool = False
+    #: whether the one-pass copies (`gather_pieces_encoded`, `scatter_pieces_verified`, `scatter_pieces_as_placed`)
+    #: run here; where they do not, the caller gathers then encodes, verifies then scatters
+    fusion: Fusion = Fusion.SEPARATE
 
     @abc.abstractmethod
     def gather_segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> None:
@@ -300,7 +308,7 @@ class CopyBackend(abc.ABC):
         piece_end: np.ndarray,
         hash_function: int,
     ) -> None:
-        """A save's gather and encode in one pass (only where `encodes_while_gathering`): value v is `out` bytes
+        """A save's gather and encode in one pass (only where `fusion` is `Fusion.FUSED`): value v is `out` bytes
         `values[0, v] .. + 40 + values[1, v]` (int64 `[2, V]`: offset, payload length; its 40-byte header first);
         from v = 0 on, its pieces, columns `piece_end[v - 1] .. piece_end[v] - 1` of `pieces` (int64 `[V]`,
         non-decreasing, the last one the number of pieces), are gathered as `gather_pieces` does, then its header
@@ -317,7 +325,7 @@ class CopyBackend(abc.ABC):
         piece_end: np.ndarray,
         hash_function: int,
     ) -> int:
-        """A load's verify and scatter in one pass (only where `verifies_while_scattering`): value v's payload is
+        """A load's verify and scatter in one pass (only where `fusion` is `Fusion.FUSED`): value v's payload is
         `src` bytes `payloads[0, v] .. + payloads[1, v]` (int64 `[2, V]`: offset, length); from v = 0 on, it is
         hashed with `hash_function` (a C function `uint64_t (const void *, size_t)`), and if the digest is
         `expected[v]` (uint64 `[V]`) its pieces, columns `piece_end[v - 1] .. piece_end[v] - 1` of `pieces`
@@ -337,7 +345,7 @@ class CopyBackend(abc.ABC):
         placement: Placement,
     ) -> tuple[int, PlacedStop]:
         """`scatter_pieces_verified` of values that a same-host node is still copying into `src` (only where
-        `verifies_while_scattering`): value v is `src` bytes `values[0, v] .. + values[1, v]` (int64 `[2, V]`:
+        `fusion` is `Fusion.FUSED`): value v is `src` bytes `values[0, v] .. + values[1, v]` (int64 `[2, V]`:
         offset, payload length; its 40-byte header first), taken once `placement`'s progress word exceeds v; its
         header must begin with `heads[v]` (uint8 `[V, 32]`) and its payload hash to the checksum the header states.
         (How many values were verified and written, from the first; why it stopped.)"""

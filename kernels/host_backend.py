@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PieceTable, PlacedStop, Placement, PlaneSet, Staging, check_pieces
+from ems.kernels.base import CopyBackend, Fusion, PieceTable, PlacedStop, Placement, PlaneSet, Staging, check_pieces
 from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses
 from ems.kernels.raw_memory import address_of, host_array
 from ems.kernels.torch_backend import move_pieces
@@ -82,8 +82,7 @@ class HostBackend(CopyBackend):
 
     _host_pieces = _pieces  # numpy staging as it is: the C loop takes an address
 
-    verifies_while_scattering = True
-    encodes_while_gathering = True
+    fusion = Fusion.FUSED
 
     def _value_ranges(
         self,

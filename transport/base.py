@@ -15,6 +15,7 @@ Layering: the transport imports nothing of `ems` but the leaf modules `ems.error
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -60,6 +61,16 @@ def place_values(values: Sequence[Buffer | None], outs: Sequence[Buffer]) -> lis
     return placed
 
 
+class NodeLocation(enum.Enum):
+    """Where a node's store lives, as its client states it (`NodeClient.location`)."""
+
+    #: in this process's memory (`inprocess.InProcessNode`): a call cannot hang nor fail to reach it, so the pool
+    #: client calls it on the calling thread, keeps no read cache in front of it and always reads it
+    IN_PROCESS = "in-process"
+    #: in another process, on this host or another, reached over the wire
+    REMOTE = "remote"
+
+
 class TransportError(EmsException):
     """A node failed as a whole (connection, protocol or timeout)."""
 
@@ -72,6 +83,8 @@ class NodeClient(abc.ABC):
 
     #: "host:port" of a remote node, or "embedded"
     address: str = "?"
+    #: where the node's store lives (a node client says so itself; the default: elsewhere)
+    location: NodeLocation = NodeLocation.REMOTE
     #: True when every call returns or raises by its deadline by itself (no caller-side thread needed)
     self_timed: bool = False
     #: True when `get_into` takes `as_placed` (an `AsPlaced`), which it may run while the node places the values

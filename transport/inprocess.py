@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ems.buffers import Buffer
 from ems.deadline import Deadline
-from ems.transport.base import LocalStore, NodeClient
+from ems.transport.base import LocalStore, NodeClient, NodeLocation
 from ems.transport.holds import Hold
 
 
@@ -17,6 +17,7 @@ class InProcessNode(NodeClient):
     """A `NodeClient` over a store in this process: no copies beyond the store's own, no threads."""
 
     address = "embedded"  # (a store in this process)
+    location = NodeLocation.IN_PROCESS
 
     def __init__(self, store: LocalStore) -> None:
         self.store = store

@@ -17,6 +17,8 @@ Contract, for every implementation:
   per backend, so the number of chunk calls at once is capped per client; the backend closes it.
 * `limits` (`ems.transport.protocol.RequestLimits`) is the most one request may carry: the jobs cut their chunks
   with it, the backend its requests.
+* `read_check` (`ReadCheck`): what the pool's reads check of the values they return, given the `expected` values,
+  stated once per backend: the load jobs choose from it, once, what they check themselves.
 * `in_place`: where the pool's values lie in this process's memory, what it lends the one-pass jobs
   (`InPlaceValues`: buffers to write values into, the stored bytes where they lie); None for a pool elsewhere, whose
   values move through `put` and `get_into`.
@@ -29,6 +31,7 @@ Contract, for every implementation:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -51,6 +54,17 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+class ReadCheck(enum.Enum):
+    """What a pool's reads (`get`, `get_into`) check of the values they return, given the `expected` values
+    (`PoolBackend.read_check`)."""
+
+    #: the bytes as stored: the load checks them (`ems.datapath.copier.Copier.check`)
+    NONE = "none"
+    #: every value a read returns is exactly the expected one, header and checksum (with replicas a damaged copy
+    #: sends the read on to the next owner, so the pool checks each value anyway)
+    EXPECTED = "expected"
+
+
 @dataclass
 class PoolOutcome(Generic[T]):
     """Per-key results in request order, and the errors of the nodes that failed."""
@@ -58,8 +72,6 @@ class PoolOutcome(Generic[T]):
     results: list[T]
     errors: list[TransportError] = field(default_factory=list)
     nodes_contacted: int = 0
-    #: a get's present values were all checked against `expected` already (the caller need not check them again)
-    verified: bool = False
 
     @property
     def unreachable(self) -> bool:
@@ -116,6 +128,8 @@ class PoolBackend(Protocol):
 
     #: the pool's values in this process's memory, lent to the one-pass jobs; None: the pool is elsewhere
     in_place: InPlaceValues | None
+    #: what the pool's reads check of the values they return (given `expected`)
+    read_check: ReadCheck
 
     def describe(self) -> str:
         """The pool in a few words, for logs ("embedded", node addresses, the Mooncake master)."""

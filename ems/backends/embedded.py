@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ems.backends.base import InPlaceValues, PoolOutcome
+from ems.backends.base import InPlaceValues, PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
@@ -47,6 +47,7 @@ class EmbeddedPool:
         self.store = store
         self.limits = limits
         self.in_place: InPlaceValues | None = store
+        self.read_check = ReadCheck.NONE  # (the store's bytes as they are: the jobs check them)
         self.executor = ChunkExecutor()
 
     def describe(self) -> str:

@@ -33,7 +33,7 @@ from ems.backends.base import PoolOutcome
 from ems.backends.latency import NodeLatency
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
-from ems.transport.base import NodeClient, TransportError
+from ems.transport.base import NodeClient, NodeLocation, TransportError
 from ems.transport.protocol import Costs, RequestLimits
 
 NodeRequest = Callable[[NodeClient, np.ndarray, Deadline], list]  # one request to one node: its keys' indices
@@ -95,10 +95,10 @@ class NodeCall:
 class FanOut:
     """Runs a call's per-node requests in parallel under one deadline; see the module docstring."""
 
-    def __init__(self, limits: RequestLimits, latency: NodeLatency, inline: bool, workers: Callable[[], int]) -> None:
+    def __init__(self, limits: RequestLimits, latency: NodeLatency, location: NodeLocation, workers: Callable[[], int]) -> None:
         self.limits = limits
         self.latency = latency
-        self.inline = inline  # nodes in this process: nothing can hang, no threads
+        self.inline = location is NodeLocation.IN_PROCESS  # nodes in this process: nothing can hang, no threads
         self._workers = workers
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()

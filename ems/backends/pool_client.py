@@ -7,7 +7,8 @@ embedded pool is a backend of its own (`ems.backends.embedded`).
 * The read cache (`ems.backends.read_cache.ReadCache`, remote pools only): in front of the router. A put with
   `write_rcache` keeps what it stored there; a read takes what it holds first (an entry that is not the `expected`
   value is dropped) and asks the nodes for the rest; with `read_local_only` a read never leaves the process. Nodes
-  in this process are local: no read cache in front of them, and they always serve.
+  in this process (every node's `location` is `NodeLocation.IN_PROCESS`) have no read cache in front of them, and
+  they always serve.
 * The jobs' executor (`ems.datapath.executor.ChunkExecutor`): the threads a job's chunk calls run on.
 
 Contract: every call returns by the option's timeout, or by `deadline` where given (the chunks of one request
@@ -32,7 +33,7 @@ from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
 from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues
-from ems.transport.base import AsPlaced, NodeClient
+from ems.transport.base import AsPlaced, NodeClient, NodeLocation
 from ems.transport.holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
@@ -56,8 +57,11 @@ class PoolClient:
         self.router = NodeRouter(nodes, replicas, connect, limits, hedge)
         self.limits = limits
         self.replicas = replicas
-        self.is_local = self.router.is_local
-        self.cache: ReadCache | None = ReadCache(read_cache_capacity) if read_cache_capacity > 0 and not self.is_local else None
+        self.read_check = self.router.read_check
+        #: where the nodes live (`NodeRouter.location`): nodes in this process get no read cache and always serve
+        self.location = self.router.location
+        remote = self.location is NodeLocation.REMOTE
+        self.cache: ReadCache | None = ReadCache(read_cache_capacity) if read_cache_capacity > 0 and remote else None
         self.executor = ChunkExecutor()
         #: values move through put and get_into (the nodes' memory is not this process's to lend)
         self.in_place: InPlaceValues | None = None
@@ -85,7 +89,7 @@ class PoolClient:
 
     def describe(self) -> str:
         """ "embedded", or the live nodes' addresses (for logs)."""
-        return "embedded" if self.is_local else ", ".join(n.address for n in self.nodes)
+        return "embedded" if self.location is NodeLocation.IN_PROCESS else ", ".join(n.address for n in self.nodes)
 
     def prepare_staging(self, buffer: Any) -> None:
         """Nothing to do: UCX registers what it sends (see `ems.backends.base`)."""
@@ -106,7 +110,7 @@ class PoolClient:
 
     def _remote_reads(self, option: CcKvOption) -> bool:
         """Whether a read may ask the nodes (not with `read_local_only` on a remote pool)."""
-        return self.is_local or not option.read_local_only
+        return self.location is NodeLocation.IN_PROCESS or not option.read_local_only
 
     def put(
         self,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome
+from ems.backends.base import PoolOutcome, ReadCheck
 from ems.backends.fanout import FanOut
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
@@ -42,13 +42,18 @@ from ems.cluster.routing import ranked_owners
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.store.value_format import HEADER_SIZE, ExpectedValues, matches
-from ems.transport.base import AsPlaced, NodeClient, TransportError
+from ems.transport.base import AsPlaced, NodeClient, NodeLocation, TransportError
 from ems.transport.holds import Hold
-from ems.transport.inprocess import InProcessNode
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
 
 if TYPE_CHECKING:
     from ems.transport.shm_client import ShmBuffer
+
+
+def pool_location(nodes: Sequence[NodeClient]) -> NodeLocation:
+    """Where a pool of `nodes` lives: in this process when every node does (and there is one), else remote."""
+    local = bool(nodes) and all(n.location is NodeLocation.IN_PROCESS for n in nodes)
+    return NodeLocation.IN_PROCESS if local else NodeLocation.REMOTE
 
 
 class NodeRouter:
@@ -69,10 +74,13 @@ class NodeRouter:
         self.replicas = replicas
         self.limits = limits
         self.hedge = hedge  # reads hedged around slow nodes (with replicas)
+        #: with replicas, a damaged copy sends a read on to the next owner: each value read is checked here
+        self.read_check = ReadCheck.EXPECTED if replicas > 1 else ReadCheck.NONE
         self.members = Members(nodes, connect)
-        self.is_local = bool(nodes) and all(isinstance(n, InProcessNode) for n in nodes)
+        #: where the pool's nodes live: in this process only when every node says so (`NodeClient.location`)
+        self.location = pool_location(nodes)
         self.latency = NodeLatency()
-        self.fanout = FanOut(limits, self.latency, self.is_local, lambda: 4 * len(self.members.view.nodes))
+        self.fanout = FanOut(limits, self.latency, self.location, lambda: 4 * len(self.members.view.nodes))
         self.members.on_change(self._forget)
 
     def _forget(self, added: list[str], removed: list[str]) -> None:
@@ -182,10 +190,10 @@ class NodeRouter:
         """Each wanted key's stored value (`results[i]` None: wanted), or None.
 
         With replicas, a damaged copy (not the `expected` value) sends the key on to the next owner, so each value
-        is checked here (once: `verified` tells the caller). With one owner there is nowhere to go: the caller
+        is checked here (`read_check` is `ReadCheck.EXPECTED`). With one owner there is nowhere to go: the caller
         checks."""
         results = [None] * len(keys) if results is None else results
-        check = expected if self.replicas > 1 else None
+        check = expected if self.read_check is ReadCheck.EXPECTED else None
 
         def accept(i: int, value: object) -> bool:
             if value is None:
@@ -203,7 +211,7 @@ class NodeRouter:
         def prepare(idx: np.ndarray) -> tuple[Any, Any, Any]:  # a hedge's values are new buffers: kept as they are
             return get, accept, results.__setitem__
 
-        outcome = self._read(
+        return self._read(
             route_keys,
             np.fromiter((r is None for r in results), dtype=bool, count=len(keys)),
             get,
@@ -213,8 +221,6 @@ class NodeRouter:
             accept,
             Hedge(prepare, needs_quiet=False),
         )
-        outcome.verified = check is not None
-        return outcome
 
     def get_into(
         self,
@@ -233,12 +239,12 @@ class NodeRouter:
         `as_placed`: handed to a node that places values progressively (`UcxNode.get_into`) when the whole request
         goes to it as one call, with no replicas (it may then run while the node places them); else unused."""
         results = [False] * len(keys) if results is None else results
-        check = expected if self.replicas > 1 else None
+        check = expected if self.read_check is ReadCheck.EXPECTED else None
         progressive = as_placed if check is None else None
 
-        def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:
+        def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:  # (`as_placed`: progressive nodes only)
             wanted_keys, wanted_outs = [keys[i] for i in idx], [outs[i] for i in idx]
-            if progressive is not None and idx.size == len(keys) and getattr(node, "places_progressively", False):
+            if progressive is not None and idx.size == len(keys) and node.places_progressively:
                 return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d, as_placed=progressive))
             return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d))
 
@@ -265,7 +271,7 @@ class NodeRouter:
 
             return fetch_own, accept_own, adopt
 
-        outcome = self._read(
+        return self._read(
             route_keys,
             ~np.asarray(results, dtype=bool),
             fetch,
@@ -275,8 +281,6 @@ class NodeRouter:
             accept,
             Hedge(prepare, needs_quiet=True),
         )
-        outcome.verified = check is not None
-        return outcome
 
     def exists(
         self,
@@ -309,7 +313,7 @@ class NodeRouter:
 
     def healthy(self, timeout_s: float) -> bool:
         """True when at least one node answers a ping within `timeout_s`."""
-        if self.is_local:
+        if self.location is NodeLocation.IN_PROCESS:  # (nothing to reach)
             return True
         nodes = self.nodes
         if not nodes:

@@ -36,7 +36,7 @@ import torch
 from ems.buffers import Buffer
 from ems.datapath.planning import BlockPlan, GroupRegion, Plan, RawPlan
 from ems.datapath.records import JobRecord, Stage
-from ems.kernels.base import CopyBackend, PlacedStop, Placement, Staging, tensor_over
+from ems.kernels.base import CopyBackend, Fusion, PlacedStop, Placement, Staging, tensor_over
 from ems.kernels.raw_memory import address_of
 from ems.store.value_format import (
     HEADER_SIZE,
@@ -366,9 +366,8 @@ class FusedCopier(Copier):
 
 def copier_for(backend: CopyBackend, device: torch.device) -> Copier:
     """The job's copier, chosen once: fused where the values lie in the cache's own memory (a CPU cache: its
-    staging and the store's buffers are host memory), the backend runs both one-pass copies and the payload hash
-    has its C entry; separate otherwise."""
-    fuses = backend.encodes_while_gathering and backend.verifies_while_scattering
-    if device.type == "cpu" and fuses and PAYLOAD_HASH_ADDRESS is not None:
+    staging and the store's buffers are host memory), the backend runs the one-pass copies (`Fusion.FUSED`) and the
+    payload hash has its C entry; separate otherwise."""
+    if device.type == "cpu" and backend.fusion is Fusion.FUSED and PAYLOAD_HASH_ADDRESS is not None:
         return FusedCopier(backend, PAYLOAD_HASH_ADDRESS)
     return SeparateCopier(backend)

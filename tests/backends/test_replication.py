@@ -18,6 +18,7 @@ from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors
 from fault_injection import FaultyNode
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
+from ems.backends.base import ReadCheck
 from ems.backends.pool_client import PoolClient
 from ems.cluster import placement
 from ems.cluster.routing import node_seeds, ranked_owners
@@ -302,3 +303,26 @@ def test_ranked_owners_first_column_is_owners_and_rows_are_distinct():
     assert ranked_owners(keys, seeds, 10).shape == (2000, 6)
     with pytest.raises(ValueError):
         ranked_owners(keys, seeds, 0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_replicated_pool_states_that_it_checks_each_value_it_reads(replicas):
+    """With replicas a read checks every value against the expected one (a damaged copy sends it to the next owner),
+    so the pool says so once (`ReadCheck.EXPECTED`) and the load jobs skip their own check; with one owner the load
+    checks. Either way a block whose every copy comes back damaged is a miss, never a wrong block."""
+    nodes, pool, cc = _cluster(3, replicas)
+    try:
+        assert pool.read_check is (ReadCheck.EXPECTED if replicas > 1 else ReadCheck.NONE)
+        cache = make_cache(layers=2, blocks=4, block_size=BS, heads=2, head_size=8)
+        cc.register_kvcache(cache)
+        original = snapshot(cache)
+        assert cc.save(slots_of_blocks([1], BS), [8101], [BS]).success == 1
+        for node in nodes.values():  # every copy damaged on its way back
+            node.corrupt_gets = "flip"
+        assert not _load_one(cc, cache, original, 1, 8101)
+        for node in nodes.values():
+            node.corrupt_gets = None
+        assert _load_one(cc, cache, original, 1, 8101)
+    finally:
+        cc.close()
+        pool.close()

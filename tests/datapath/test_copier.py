@@ -19,6 +19,7 @@ from ems.datapath.planning import plan_blocks
 from ems.datapath.records import JobKind, JobRecord
 from ems.datapath.requests import Operation, bind_request
 from ems.kernels import get_backend
+from ems.kernels.base import Fusion
 from ems.kernels.torch_backend import TorchBackend
 from ems.store.value_format import HEADER_SIZE, PAYLOAD_HASH_ADDRESS, matches
 
@@ -36,7 +37,7 @@ def test_the_copier_is_chosen_once_from_the_backend_and_the_device():
     assert isinstance(copier_for(TorchBackend(), CPU), SeparateCopier)  # no one-pass copies
     host = get_backend(CPU)
     assert isinstance(copier_for(host, torch.device("cuda")), SeparateCopier)  # values apart from the cache's memory
-    fused = host.encodes_while_gathering and host.verifies_while_scattering and PAYLOAD_HASH_ADDRESS is not None
+    fused = host.fusion is Fusion.FUSED and PAYLOAD_HASH_ADDRESS is not None
     assert isinstance(copier_for(host, CPU), FusedCopier if fused else SeparateCopier)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_cases import make_layout, pieces_case
 
+from ems.kernels.base import Fusion
 from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
 from ems.kernels.memcpy_backend import MemcpyBackend
@@ -53,6 +54,6 @@ def test_refuses_ranges_outside_the_staging_and_writes_nothing() -> None:
 
 def test_other_backends_do_not_claim_it() -> None:
     for backend in (TorchBackend(), MemcpyBackend()):
-        assert not backend.encodes_while_gathering
+        assert backend.fusion is Fusion.SEPARATE
         with pytest.raises(NotImplementedError):
             backend.gather_pieces_encoded(None, None, None, None, None, None, 0)  # type: ignore[arg-type]

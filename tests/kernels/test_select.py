@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_cases import make_layout, pieces_case, reference_pieces
 
-from ems.kernels.base import KernelBackend, PlaneSet
+from ems.kernels.base import Fusion, KernelBackend, PlaneSet
 from ems.kernels.memcpy_backend import MemcpyBackend
 from ems.kernels.select import get_backend, triton_importable
 
@@ -21,7 +21,7 @@ needs_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not
 
 def test_auto_on_cpu_is_the_host_loop() -> None:
     assert get_backend(CPU).name == "host"
-    assert get_backend(CPU).encodes_while_gathering and get_backend(CPU).verifies_while_scattering
+    assert get_backend(CPU).fusion is Fusion.FUSED
     assert get_backend(CPU, KernelBackend.HOST).name == "host"
     assert get_backend(CPU, KernelBackend.TORCH).name == "torch"
     assert get_backend(CPU, KernelBackend.MEMCPY).name == "memcpy"

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import as_bytes, make_layout, pieces_case, random_tensor, reference_pieces
 
-from ems.kernels.base import CopyBackend
+from ems.kernels.base import CopyBackend, Fusion
 from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
 from ems.kernels.plan import value_pieces
@@ -104,6 +104,6 @@ def test_refuses_ranges_outside_the_staging() -> None:
 
 
 def test_other_backends_do_not_claim_it() -> None:
-    assert not TorchBackend().verifies_while_scattering
+    assert TorchBackend().fusion is Fusion.SEPARATE
     with pytest.raises(NotImplementedError):
         TorchBackend().scatter_pieces_verified(None, None, None, None, None, None, 0)  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ems.backends.base import InPlaceValues, PoolOutcome
+from ems.backends.base import InPlaceValues, PoolOutcome, ReadCheck
 from ems.backends.mooncake.connection import MooncakeConnection
 from ems.backends.mooncake.keys import mooncake_key
 from ems.backends.mooncake.memory import RegisteredMemory
@@ -98,6 +98,7 @@ class MooncakePool:
         self.executor = ChunkExecutor()
         #: values move through put and get_into (Mooncake's memory is not this process's to lend)
         self.in_place: InPlaceValues | None = None
+        self.read_check = ReadCheck.NONE  # (Mooncake's bytes as stored: the jobs check them)
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """True when the store is set up and its master answers within `timeout_s`; never raises."""

@@ -74,7 +74,6 @@ def merge_outcomes(outcomes: list[PoolOutcome], total: int) -> PoolOutcome:
     for o in outcomes:
         merged.errors.extend(o.errors)
         merged.nodes_contacted += o.nodes_contacted
-    merged.verified = bool(outcomes) and all(o.verified for o in outcomes)
     return merged
 
 

@@ -5,17 +5,18 @@ scattered. Nothing after the first miss is written; the lease goes back on every
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome
+from ems.backends.base import PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs.transfer import PoolRoute, Transfer
 from ems.datapath.planning import RawPlan
 from ems.datapath.records import Stage
-from ems.store.value_format import HEADER_SIZE, valid_prefix
+from ems.store.value_format import HEADER_SIZE, ExpectedValues, valid_prefix
 
 
 class StagedLoad:
@@ -28,6 +29,9 @@ class StagedLoad:
         self.device, self.copier = transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
         self.pool, self.staging = route.pool, route.staging
+        # what this load checks of the values it receives, chosen once: nothing more where the pool checked each
+        # against the expected values (replicas: to fall back on damage), else every present value
+        self.valid_prefix = present_prefix if route.pool.read_check is ReadCheck.EXPECTED else valid_prefix
         self.record.path = "staged"
 
     def run(self) -> tuple[int, PoolOutcome]:
@@ -39,10 +43,7 @@ class StagedLoad:
         with record.stage(Stage.RECEIVE):
             outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
         with record.stage(Stage.VERIFY, plan.expected.payload_bytes()):
-            if outcome.verified:  # the pool checked every value it returned (replicas: to fall back on damage)
-                hits = next((i for i, v in enumerate(outcome.results) if v is None), len(outcome.results))
-            else:
-                hits = valid_prefix(outcome.results, plan.expected)
+            hits = self.valid_prefix(outcome.results, plan.expected)
         if hits:
             nbytes = int(plan.value_start[hits])
             lease = self.staging.acquire(nbytes, self.device)
@@ -58,6 +59,11 @@ class StagedLoad:
             finally:
                 self.staging.release(lease)
         return hits, outcome
+
+
+def present_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> int:
+    """How many of the leading values are present (values a pool checked against `expected` already)."""
+    return next((i for i, v in enumerate(values) if v is None), len(values))
 
 
 def _fill_from_values(plan: RawPlan, host: np.ndarray, values: list[Buffer]) -> None:
