@@ -23,7 +23,10 @@ Contract:
   hammering a dead node. A cancellation this client chose says nothing about the node and starts no back-off: an
   `abort()` (a caller stopped waiting: another node answered, a write has its copies elsewhere), `close()`, a
   request past its caller's deadline, a wait for another call's connect past it; nor do the failures of the calls
-  in flight on a connection it aborted. The next call after one reconnects at once. A failure, or a timeout of a
+  in flight on a connection it aborted. A call still connecting (or waiting for another call's connect) when `abort()`
+  comes fails as soon as the connection is made, without sending its request; the connect itself is never cut short
+  (under continual hedging a connection must still get made) and serves the next calls. The next call after a
+  cancellation reconnects at once. A failure, or a timeout of a
   request whose reply may have several frames, aborts the endpoint (the other requests in flight on it fail too,
   each by its own deadline at the latest, never with another request's answer).
 * Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
@@ -87,6 +90,10 @@ class _ConnectTimeout(Exception):
     """The connection was not made in time."""
 
 
+class _CancelledWhileConnecting(Exception):
+    """`abort()` came while the call was connecting: it sends nothing (the connection is kept for the next calls)."""
+
+
 class _ConnectWaitTimeout(Exception):
     """The caller's deadline passed while another call was connecting (that call reports how its connect went)."""
 
@@ -141,6 +148,7 @@ class UcxNode(NodeClient):
         self._connect_lock = threading.Lock()  # one connect at a time; the others wait for it
         self._id_lock = threading.Lock()  # the request ids and the current connection
         self._next_id = 0
+        self._cancels = 0  # how many times `abort` / `close` ran: a call that saw it change while connecting is cancelled
         self._retry_at = 0.0
         self._last_error: TransportError | None = None
         self.last_failure = Failure.NONE
@@ -203,10 +211,10 @@ class UcxNode(NodeClient):
         """`NodeClient.abort`: drop the connection (its requests in flight fail; each call returns once UCX has
         completed its requests, or by its deadline); a cancellation, not a failure: the next call reconnects at
         once (no back-off)."""
-        self._drop(None, Ending.CANCELLED)
+        self._cancel()
 
     def close(self) -> None:
-        self._drop(None, Ending.CANCELLED)
+        self._cancel()
         if self.shm is not None:
             self.shm.close()
 
@@ -235,9 +243,12 @@ class UcxNode(NodeClient):
         timeout_s = max(0.0, deadline - time.monotonic())
         exchange: Exchange | None = None
         conn: Connection | None = None
+        cancels = self._cancels
         try:
             with futures_context():
                 conn = self._connection(deadline)
+                if self._cancels != cancels:  # aborted while connecting: see the module docstring
+                    raise _CancelledWhileConnecting()
                 with self._id_lock:
                     self._next_id = self._next_id % protocol.MAX_REQUEST_ID + 1
                     rid = self._next_id
@@ -253,6 +264,9 @@ class UcxNode(NodeClient):
             raise self._fail(conn, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED) from None
         except _BackingOff:
             raise  # (not a new failure: the back-off stays as it is)
+        except _CancelledWhileConnecting:
+            message = "aborted by this client while the call was connecting"
+            raise self._fail(None, EmsErrorCode.EMS_IO_ERROR, message, Failure.CANCELLED, Ending.CANCELLED) from None
         except _ConnectWaitTimeout:
             message = f"not connected within {timeout_s:.3f} s (another call is connecting)"
             raise self._fail(None, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED) from None
@@ -360,6 +374,12 @@ class UcxNode(NodeClient):
             failure = Failure.TIMEOUT if code == EmsErrorCode.EMS_IO_TIMEOUT else Failure.UNREACHABLE
         self.last_failure = failure
         return error
+
+    def _cancel(self) -> None:
+        """`abort` / `close`: the calls in flight fail, a cancellation (the module docstring)."""
+        with self._id_lock:
+            self._cancels += 1
+        self._drop(None, Ending.CANCELLED)
 
     def _drop(self, conn: Connection | None, ending: Ending) -> None:
         """Drop the current connection when it is `conn` (None: whatever it is); a newer one is left alone. A `conn`

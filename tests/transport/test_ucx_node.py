@@ -247,3 +247,35 @@ def test_a_cancelled_call_starts_no_backoff(pool_nodes, node_clients, cancel):
     assert [bytes(g) for g in got] == [joined(v) for v in values]
     assert node.exists([b"a", b"b"], 5.0) == [True, True]
     assert time.monotonic() - start < 3.0
+
+
+def test_an_abort_while_connecting_cancels_the_call_and_keeps_the_connection(pool_nodes, node_clients):
+    """`abort()` while a call is still connecting (its node stopped: the connect waits): the connect is not cut short
+    (under continual hedging a connection must still get made), but the call, once connected, sends nothing and
+    fails; the connection it made serves the next call."""
+    proc = pool_nodes()
+    node = node_clients(proc.address, shm=ShmMode.OFF, connect_timeout_ms=10_000)
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append(node.exists([b"k"], 10.0))
+        except TransportError as error:
+            outcome.append(error)
+
+    proc.pause()
+    thread = threading.Thread(target=call)
+    try:
+        thread.start()
+        time.sleep(0.5)  # connecting
+        node.abort()
+    finally:
+        proc.resume()
+    thread.join(10.0)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransportError), outcome
+    assert "while the call was connecting" in outcome[0].message()
+    connection = node._conn
+    assert connection is not None  # made, and kept
+    assert node.exists([b"k"], 5.0) == [False]
+    assert node._conn is connection
