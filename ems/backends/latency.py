@@ -33,8 +33,8 @@ DEFAULT_BASE_S = 0.001
 DEFAULT_BYTES_PER_S = 1e9
 HEDGE_FACTOR = 3.0
 HEDGE_FLOOR_S = 0.005
-# stopping a node's request aborts its connection (the node's other requests in flight fail too, and it is backed off
-# for a moment): done only past a much larger wait, so that a busy host's scheduling noise never does it
+# stopping a node's request aborts its connection (the node's other requests in flight fail too, and the next call
+# reconnects): done only past a much larger wait, so that a busy host's scheduling noise never does it
 ABORT_FACTOR = 10.0
 ABORT_FLOOR_S = 0.05
 SLOW_FACTOR = 8.0
