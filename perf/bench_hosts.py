@@ -611,8 +611,16 @@ def section_repair(rate: str) -> str:
     return "\n".join(out)
 
 
+SAVED_AFTER = 16  # blocks of the save right after the timed loads (`section_slow`)
+
+
 def section_slow(rate: str, rounds: int) -> str:
     out = ["| slow node | hedging | loads | hits | wrong | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|---|---|---|"]
+    saves = [
+        f"| slow node | hedging | save of {SAVED_AFTER} blocks right after the loads, ms | n1's share (requests), ms "
+        "| blocks with a copy on n1 / n1 owns | blocks with two copies |",
+        "|---|---|---|---|---|---|",
+    ]
     for slow, hedge in ((False, "on"), (True, "off"), (True, "on")):
         b = Bench(3, rate)
         os.environ["EMS_POOL_HEDGE"] = hedge
@@ -630,10 +638,26 @@ def section_slow(rate: str, rounds: int) -> str:
                 f"| {'n1 at 8 Mbit/s' if slow else 'none'} | {hedge} | {len(s)} | {t['hits']} | {t['wrong']} "
                 f"| {pct(s, 0.5) * 1e3:.2f} | {pct(s, 0.99) * 1e3:.2f} | {max(s) * 1e3:.1f} |"
             )
+            # a save of new blocks (hashes 5000 + b) right after the loads (whose hedges may have aborted n1's
+            # connection): which blocks got their copy on n1, and how long n1's share took
+            after = list(range(SAVED_AFTER))
+            saved = e.call(op="bulk", what="save", blocks=after, rounds=1, base=5000)
+            held = e.call(op="holders", blocks=[5000 + x for x in after])["holders"]
+            n1 = nodes[0].address
+            n1_share = [d for a, _, d in saved["shares"] if a == n1]
+            blocks_on_n1 = sum(n1 in h for h in held)
+            # n1's owned blocks, from where the save put them: with every copy made, each block is on its two owners;
+            # a block on one node only lost its copy on n1 when n1 is one of its owners (the other two nodes are fast)
+            n1_owns = blocks_on_n1 + sum(len(h) == 1 for h in held)
+            saves.append(
+                f"| {'n1 at 8 Mbit/s' if slow else 'none'} | {hedge} | {saved['seconds'][0] * 1e3:.1f} "
+                f"| {', '.join(f'{d * 1e3:.1f}' for d in n1_share) or '-'} | {blocks_on_n1} / {n1_owns} "
+                f"| {sum(len(h) == 2 for h in held)} / {SAVED_AFTER} |"
+            )
         finally:
             os.environ.pop("EMS_POOL_HEDGE", None)
             b.close()
-    return "\n".join(out)
+    return "\n".join([*out, "", *saves])
 
 
 def main() -> None:

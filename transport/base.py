@@ -123,8 +123,9 @@ class NodeClient(abc.ABC):
 
     def abort(self) -> None:
         """Make the calls in flight on this node fail now (a caller that stopped waiting for a slow node); each
-        returns once nothing of it can touch its buffers, or by its own deadline. Further calls may reconnect.
-        Nodes whose calls cannot be stopped (in this process) ignore it."""
+        returns once nothing of it can touch its buffers, or by its own deadline. A cancellation, not a failure of
+        the node: further calls reconnect at once (no reconnect back-off). Nodes whose calls cannot be stopped (in
+        this process) ignore it."""
 
     def close(self) -> None:
         """Release connections; further calls may reconnect."""

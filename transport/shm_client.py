@@ -258,7 +258,7 @@ class ShmClient:
     ) -> Any:
         """One request over the region's channel; its reply meta, or _STALE when the region's connection is no longer
         the current one. Any failure drops the connection, as a failed UCX request does (`UcxNode._fail`)."""
-        from ems.transport.ucx import Failure  # (ucx imports this module)
+        from ems.transport.ucx import Ending, Failure  # (ucx imports this module)
 
         node = self.node
         if node._conn is not region.ep:
@@ -266,7 +266,8 @@ class ShmClient:
         try:
             return channel.request(op, count, meta, deadline.at, after_send)
         except ChannelTimeout:
-            error = node._fail(region.ep, EmsErrorCode.EMS_IO_TIMEOUT, "no answer within the call's deadline")
+            message = "no answer within the call's deadline"
+            error = node._fail(region.ep, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED)
         except ChannelRefused as refused:
             error = node._fail(region.ep, EmsErrorCode.EMS_IO_ERROR, str(refused), Failure.REFUSED)
         except (ChannelClosed, OSError) as lost:

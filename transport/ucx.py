@@ -18,9 +18,17 @@ Contract:
 * `get_into` receives values straight into caller-provided buffers (a value alone in its segment is received in
   place, length-verified; small packed values are copied out of their segment), so a load allocates nothing.
 * Lazy reconnect: a call on a dropped connection reconnects first (concurrent calls wait for one connect). After a
-  failure, calls within `RECONNECT_BACKOFF_S` fail at once with the last error instead of hammering a dead node.
-  A failure, or a timeout of a request whose reply may have several frames, aborts the endpoint (the other requests
-  in flight on it fail too).
+  failure the wire reported (connect refused or timed out, connection reset or lost, a malformed reply, a refused
+  handshake), calls that would reconnect within `RECONNECT_BACKOFF_S` fail at once with the last error instead of
+  hammering a dead node. A cancellation this client chose says nothing about the node and starts no back-off: an
+  `abort()` (a caller stopped waiting: another node answered, a write has its copies elsewhere), `close()`, a
+  request past its caller's deadline, a wait for another call's connect past it; nor do the failures of the calls
+  in flight on a connection it aborted. A call still connecting (or waiting for another call's connect) when `abort()`
+  comes fails as soon as the connection is made, without sending its request; the connect itself is never cut short
+  (under continual hedging a connection must still get made) and serves the next calls. The next call after a
+  cancellation reconnects at once. A failure, or a timeout of a
+  request whose reply may have several frames, aborts the endpoint (the other requests in flight on it fail too,
+  each by its own deadline at the latest, never with another request's answer).
 * Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
   connection (`transport.shm_client`); any call it cannot serve goes over UCX as above.
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels.
@@ -49,7 +57,7 @@ from ems.transport.holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
-from ems.transport.ucx_direct import Connection, DirectRuntime, Exchange, WaitTimeout, connect, futures_context
+from ems.transport.ucx_direct import Connection, DirectRuntime, Ending, Exchange, WaitTimeout, connect, futures_context
 from ems.transport.ucx_frames import (
     check_frame,
     check_header_frame,
@@ -82,12 +90,21 @@ class _ConnectTimeout(Exception):
     """The connection was not made in time."""
 
 
+class _CancelledWhileConnecting(Exception):
+    """`abort()` came while the call was connecting: it sends nothing (the connection is kept for the next calls)."""
+
+
+class _ConnectWaitTimeout(Exception):
+    """The caller's deadline passed while another call was connecting (that call reports how its connect went)."""
+
+
 class Failure(enum.Enum):
     """What the last failed call of a `UcxNode` ran into."""
 
     NONE = "none"
     UNREACHABLE = "unreachable"  # connection refused, reset or lost; malformed replies
     TIMEOUT = "timeout"
+    CANCELLED = "cancelled"  # the call's connection was aborted by this client (`abort`, `close`, another's deadline)
     REFUSED = "refused"  # the node answered with an error (authentication failed)
 
 
@@ -96,6 +113,10 @@ class Reply(enum.Enum):
 
     ONE_MESSAGE = "one message"  # an inline head only, its receive posted up front: a timeout keeps the connection
     FRAMES = "frames"  # may bring frames received after the head: a timeout aborts the connection
+
+
+class _BackingOff(TransportError):
+    """A call that would reconnect within the back-off: the last failure's error, raised as it is."""
 
 
 class _Refused(Exception):
@@ -127,6 +148,7 @@ class UcxNode(NodeClient):
         self._connect_lock = threading.Lock()  # one connect at a time; the others wait for it
         self._id_lock = threading.Lock()  # the request ids and the current connection
         self._next_id = 0
+        self._cancels = 0  # how many times `abort` / `close` ran: a call that saw it change while connecting is cancelled
         self._retry_at = 0.0
         self._last_error: TransportError | None = None
         self.last_failure = Failure.NONE
@@ -187,11 +209,12 @@ class UcxNode(NodeClient):
 
     def abort(self) -> None:
         """`NodeClient.abort`: drop the connection (its requests in flight fail; each call returns once UCX has
-        completed its requests, or by its deadline); the next call reconnects after the usual back-off."""
-        self._drop(None)
+        completed its requests, or by its deadline); a cancellation, not a failure: the next call reconnects at
+        once (no back-off)."""
+        self._cancel()
 
     def close(self) -> None:
-        self._drop(None)
+        self._cancel()
         if self.shm is not None:
             self.shm.close()
 
@@ -218,12 +241,14 @@ class UcxNode(NodeClient):
     def _call(self, request: Callable[[Exchange, int], T], limit: Deadline | float, reply: Reply = Reply.FRAMES) -> T:
         deadline = Deadline.within(limit).at
         timeout_s = max(0.0, deadline - time.monotonic())
-        self._check_backoff()
         exchange: Exchange | None = None
         conn: Connection | None = None
+        cancels = self._cancels
         try:
             with futures_context():
                 conn = self._connection(deadline)
+                if self._cancels != cancels:  # aborted while connecting: see the module docstring
+                    raise _CancelledWhileConnecting()
                 with self._id_lock:
                     self._next_id = self._next_id % protocol.MAX_REQUEST_ID + 1
                     rid = self._next_id
@@ -236,7 +261,15 @@ class UcxNode(NodeClient):
             if reply is Reply.ONE_MESSAGE and exchange is not None:  # sent, its reply's receive kept: see the contract
                 self.last_failure = Failure.TIMEOUT
                 raise TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{self.address}: {message}") from None
-            raise self._fail(conn, EmsErrorCode.EMS_IO_TIMEOUT, message) from None
+            raise self._fail(conn, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED) from None
+        except _BackingOff:
+            raise  # (not a new failure: the back-off stays as it is)
+        except _CancelledWhileConnecting:
+            message = "aborted by this client while the call was connecting"
+            raise self._fail(None, EmsErrorCode.EMS_IO_ERROR, message, Failure.CANCELLED, Ending.CANCELLED) from None
+        except _ConnectWaitTimeout:
+            message = f"not connected within {timeout_s:.3f} s (another call is connecting)"
+            raise self._fail(None, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED) from None
         except _ConnectTimeout:
             raise self._fail(conn, EmsErrorCode.EMS_IO_TIMEOUT, "connect timed out") from None
         except _Refused as error:
@@ -254,18 +287,20 @@ class UcxNode(NodeClient):
     def _check_backoff(self) -> None:
         now = time.monotonic()
         if now < self._retry_at and self._last_error is not None:
-            raise TransportError(
+            raise _BackingOff(
                 self._last_error.status_code(),
                 f"{self._last_error.message()} (next reconnect attempt in {self._retry_at - now:.2f} s)",
             )
 
     def _connection(self, deadline: float) -> Connection:
-        """The live connection, made now (once, by whichever caller gets there first) when there is none."""
+        """The live connection, made now (once, by whichever caller gets there first) when there is none; within
+        the back-off after a failure, the last error instead of a connect."""
         conn = self._conn
         if conn is not None:
             return conn
+        self._check_backoff()
         if not self._connect_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise _ConnectTimeout()
+            raise _ConnectWaitTimeout()
         try:
             conn = self._conn
             if conn is not None:
@@ -301,39 +336,60 @@ class UcxNode(NodeClient):
             _recv_header(ex, protocol.Op.AUTH | protocol.REPLY)
             return conn
         except _Refused as error:
-            conn.abort()
+            conn.abort(Ending.FAILED)
             message = str(error)
             raise _Refused(message if message.startswith(self.address) else f"{self.address}: {message}") from None
         except WaitTimeout:
-            conn.abort()
+            conn.abort(Ending.FAILED)
             raise _ConnectTimeout() from None
         except BaseException:
-            conn.abort()
+            conn.abort(Ending.FAILED)
             raise
         finally:
             ex.release()
 
-    def _fail(self, conn: Connection | None, code: EmsErrorCode, message: str, failure: Failure | None = None) -> TransportError:
-        """Record a failure: drop the call's connection (a late reply must never answer a later request), back off."""
+    def _fail(
+        self,
+        conn: Connection | None,
+        code: EmsErrorCode,
+        message: str,
+        failure: Failure | None = None,
+        ending: Ending = Ending.FAILED,
+    ) -> TransportError:
+        """Record a call's failure: drop its connection (a late reply must never answer a later request) and, for a
+        failure the wire reported (`Ending.FAILED`), back off. A call that failed on a connection this client had
+        already cancelled (`abort`, `close`, another call's deadline) failed because of that cancellation: no
+        back-off either (the module docstring)."""
+        if conn is not None and conn.ending is Ending.CANCELLED and ending is Ending.FAILED:
+            ending = Ending.CANCELLED
+            message = f"{message} (its connection was aborted by this client)"
+            failure = failure or Failure.CANCELLED
         error = TransportError(code, message if message.startswith(self.address) else f"{self.address}: {message}")
         if conn is not None:
-            self._drop(conn)
-        self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
-        self._last_error = error
+            self._drop(conn, ending)
+        if ending is Ending.FAILED:
+            self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
+            self._last_error = error
         if failure is None:
             failure = Failure.TIMEOUT if code == EmsErrorCode.EMS_IO_TIMEOUT else Failure.UNREACHABLE
         self.last_failure = failure
         return error
 
-    def _drop(self, conn: Connection | None) -> None:
+    def _cancel(self) -> None:
+        """`abort` / `close`: the calls in flight fail, a cancellation (the module docstring)."""
+        with self._id_lock:
+            self._cancels += 1
+        self._drop(None, Ending.CANCELLED)
+
+    def _drop(self, conn: Connection | None, ending: Ending) -> None:
         """Drop the current connection when it is `conn` (None: whatever it is); a newer one is left alone. A `conn`
-        that failed before it became current is aborted all the same."""
+        that failed before it became current is aborted all the same. `ending`: why (`Connection.ending`)."""
         with self._id_lock:
             if conn is None or conn is self._conn:
                 conn, self._conn = self._conn, None
         if conn is not None:
             self._runtime.live.discard(conn)
-            conn.abort()
+            conn.abort(ending)
 
 
 # ---- requests (run on the calling thread; see ucx_direct) ----

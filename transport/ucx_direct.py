@@ -14,7 +14,9 @@ Contract:
   raises the first one's UCX error, or raises `WaitTimeout` at `deadline`. A request given up on (its caller timed
   out or failed) must be handed to `bury`: it and its buffer are kept until UCX completes it (the endpoint is
   aborted, which completes it soon), so UCX never writes into freed memory.
-* `Connection.abort()` closes the endpoint without waiting for the peer (its requests in flight fail).
+* `Connection.abort(ending)` closes the endpoint without waiting for the peer (its requests in flight fail) and keeps
+  why (`Ending`: the first reason given), so a call that fails on it can tell a cancellation its owner chose from a
+  failure the wire reported.
 * `Exchange(conn, deadline)`: one call's posts and waits on a connection under the call's deadline; `release()`
   buries whatever of them UCX has not completed (a call that failed or timed out).
 
@@ -83,6 +85,13 @@ SMALL_RECV_BYTES = 8192
 
 class WaitTimeout(TimeoutError):
     """A wait reached its deadline before UCX completed its requests."""
+
+
+class Ending(enum.Enum):
+    """Why a connection was aborted (`Connection.ending`)."""
+
+    CANCELLED = "cancelled"  # its owner's choice: a caller stopped waiting (another node answered, a deadline), close
+    FAILED = "failed"  # the wire reported a failure: lost, reset, refused, a malformed or missing reply
 
 
 class Posted:
@@ -212,7 +221,7 @@ class DirectRuntime:
             live = list(self.live)
             self.live.clear()
         for conn in live:
-            conn.abort()
+            conn.abort(Ending.CANCELLED)
         try:
             self.worker.stop_progress_thread()
             self.worker.clear_python_futures_pool()  # here, with the GIL, not at the worker's destruction
@@ -331,6 +340,7 @@ class Connection:
         self.endpoint: Any = endpoint
         self.send_tag = send_tag
         self.recv_tag = recv_tag
+        self.ending: Ending | None = None  # set (once) when it is aborted
         names = _ucxx()
         self._array, self._tag, self._mask = names["Array"], names["Tag"], names["mask"]
 
@@ -359,8 +369,11 @@ class Connection:
             self.runtime.signal()
         return Posted(request, array, buffer)
 
-    def abort(self) -> None:
-        """Close the endpoint now, without waiting for the peer; its requests in flight fail."""
+    def abort(self, ending: Ending) -> None:
+        """Close the endpoint now, without waiting for the peer; its requests in flight fail. `ending` (why) is kept
+        unless it was aborted before: it is set before the endpoint closes, so a request it fails sees it."""
+        if self.ending is None:
+            self.ending = ending
         endpoint, self.endpoint = self.endpoint, None
         if endpoint is None:
             return

@@ -235,7 +235,8 @@ class FanOut:
             answer.error = TransportError(
                 EmsErrorCode.EMS_IO_TIMEOUT, f"{pending.node.address}: {why} (gave up after {elapsed * 1000:.1f} ms)"
             )
-        self.latency.observe(pending.node.address, pending.nbytes, max(elapsed, time.monotonic() - pending.started))
+        # at least that slow: seen slow at once (reads ask it last), not after several such stops
+        self.latency.stopped(pending.node.address, pending.nbytes, max(elapsed, time.monotonic() - pending.started))
         return answer
 
     def close(self) -> None:

@@ -7,6 +7,9 @@ Contract (`NodeLatency`, thread-safe):
   throughput (`bytes_per_s`, an average of its larger requests, their base taken off); both are exponentially
   weighted averages (`ALPHA`), so a node that slows down or recovers shows it within a few requests. A node with no
   observation yet gets `DEFAULT_BASE_S` and `DEFAULT_BYTES_PER_S`.
+* `stopped(address, nbytes, seconds)`: a request of the node was stopped after `seconds` without its answer (its
+  keys served elsewhere, `FanOut.abandon`): the node is at least that slow, and its model takes that figure as it is
+  (the slower of it and the model, not averaged in), so it is seen slow at once instead of after several requests.
 * `expected(nbytes)`: how long a request of `nbytes` takes on a typical node: the median of the nodes' models
   (so one slow node, which is what hedging is for, does not move it), recomputed at most every `TYPICAL_EVERY_S`.
 * `hedge_delay(nbytes)`: how long a read waits for its node before asking the next owner too: `HEDGE_FACTOR`
@@ -33,8 +36,8 @@ DEFAULT_BASE_S = 0.001
 DEFAULT_BYTES_PER_S = 1e9
 HEDGE_FACTOR = 3.0
 HEDGE_FLOOR_S = 0.005
-# stopping a node's request aborts its connection (the node's other requests in flight fail too, and it is backed off
-# for a moment): done only past a much larger wait, so that a busy host's scheduling noise never does it
+# stopping a node's request aborts its connection (the node's other requests in flight fail too, and the next call
+# reconnects): done only past a much larger wait, so that a busy host's scheduling noise never does it
 ABORT_FACTOR = 10.0
 ABORT_FLOOR_S = 0.05
 SLOW_FACTOR = 8.0
@@ -73,17 +76,32 @@ class NodeLatency:
                 rate = nbytes / max(seconds - model.base_s, seconds / 2, 1e-6)
                 model.bytes_per_s = rate if first else (1 - ALPHA) * model.bytes_per_s + ALPHA * rate
             model.samples += 1
-            now = time.monotonic()
-            if first or now - self._typical_at > TYPICAL_EVERY_S:
-                self._typical = self._median()
-                self._typical_at = now
-            if model.predict(SMALL_BYTES) > SLOW_FACTOR * self._typical.predict(SMALL_BYTES) and len(self._models) > 1:
-                if model.slow_since is None:
-                    model.slow_since = now
-                    self.any_slow = True
-            elif model.slow_since is not None:
-                model.slow_since = None
-                self.any_slow = any(m.slow_since is not None for m in self._models.values())
+            self._update(model, first)
+
+    def stopped(self, address: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            model = self._models.setdefault(address, _Model())
+            first = model.samples == 0
+            if nbytes < SMALL_BYTES:
+                model.base_s = max(model.base_s, seconds)
+            else:
+                model.bytes_per_s = min(model.bytes_per_s, nbytes / max(seconds - model.base_s, seconds / 2, 1e-6))
+            model.samples += 1
+            self._update(model, first)
+
+    def _update(self, model: _Model, first: bool) -> None:
+        """The typical model (now and then) and whether `model`'s node is slow, after it changed (lock held)."""
+        now = time.monotonic()
+        if first or now - self._typical_at > TYPICAL_EVERY_S:
+            self._typical = self._median()
+            self._typical_at = now
+        if model.predict(SMALL_BYTES) > SLOW_FACTOR * self._typical.predict(SMALL_BYTES) and len(self._models) > 1:
+            if model.slow_since is None:
+                model.slow_since = now
+                self.any_slow = True
+        elif model.slow_since is not None:
+            model.slow_since = None
+            self.any_slow = any(m.slow_since is not None for m in self._models.values())
 
     def _median(self) -> _Model:
         """The median model of the nodes observed (a default one before any)."""

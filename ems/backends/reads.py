@@ -148,6 +148,7 @@ def read(
         answered = np.zeros(len(results), dtype=bool)  # its primary answered it
         hedge_missed = np.zeros(len(results), dtype=np.int64)  # its hedges that answered it without an accepted value
         hedge_open = np.zeros(len(results), dtype=bool)  # a hedge asking for it has not answered yet
+        hedge_empty = np.zeros(len(results), dtype=bool)  # a hedge asking for it ended without a value (missed, failed)
         accepted = np.zeros(len(results), dtype=bool)
         by_hedge: dict[int, tuple[_Share, object]] = {}  # key -> (hedge share, answer), accepted, not adopted yet
         failed_now = np.zeros(n, dtype=bool)
@@ -178,6 +179,7 @@ def read(
                         by_hedge.pop(i, None)
                 elif share.accept is not None:
                     hedge_open[share.call.idx] = False  # (a key it did not answer may be hedged on to the next node)
+                    hedge_empty[share.call.idx] = True  # (its keys that get a value below are skipped by that value)
                     if answer.error is not None:  # a hedge's failure fails that node for the call, as any
                         failed_now[view.nodes.index(share.call.node)] = True
                     for i, value in zip(got.tolist(), answer.answers):
@@ -210,7 +212,7 @@ def read(
                 # its keys without a value and without a hedge still asking for them (first the hedge, then, after a
                 # hedge's miss or failure, the node after it)
                 keys = [i for i in share.call.idx.tolist() if not accepted[i] and i not in by_hedge and not hedge_open[i]]
-                if not keys or (share.hedged and not hedge_missed[keys].any() and not failed_now.any()):
+                if not keys or (share.hedged and not hedge_empty[keys].any()):  # only a hedge that ended empty
                     continue
                 share.hedged = True
                 assert hedge is not None

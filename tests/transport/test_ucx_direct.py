@@ -16,7 +16,7 @@ from pool_testlib import joined, make_values
 
 from ems.transport import protocol
 from ems.transport.ucx import UcxNode, _ping
-from ems.transport.ucx_direct import DirectRuntime, Exchange, WaitTimeout, futures_context
+from ems.transport.ucx_direct import DirectRuntime, Ending, Exchange, WaitTimeout, futures_context
 
 SLACK_S = 1.5  # how late past its deadline a wait may end on this shared machine (bounded, not a speed claim)
 SILENT_TAG = 0xFFFF_FFF0  # a request id no node ever answers on
@@ -107,7 +107,7 @@ def test_an_aborted_connection_ends_its_waits_and_frees_what_was_given_up(shared
         thread = threading.Thread(target=blocked)
         thread.start()
         time.sleep(0.2)
-        node._drop(conn)  # aborts the endpoint: every request on it fails
+        node._drop(conn, Ending.FAILED)  # aborts the endpoint: every request on it fails
         assert done.wait(10.0), "a wait on an aborted endpoint did not end"
         thread.join()
         assert outcome and outcome[0] != "timeout" and time.monotonic() - started < 10.0

@@ -15,6 +15,7 @@ from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
 from ems.transport.remote import connect
+from ems.transport.shm_client import ShmMode
 from ems.transport.ucx import UcxNode
 from ems.transport.ucx_loop import UcxRuntime
 
@@ -198,3 +199,83 @@ def test_unreachable_node_fails_fast_and_backs_off():
         assert info.value.status_code() in (EmsErrorCode.EMS_IO_ERROR, EmsErrorCode.EMS_IO_TIMEOUT)
     finally:
         node.close()
+
+
+@pytest.mark.parametrize("cancel", ["abort", "deadline"])
+def test_a_cancelled_call_starts_no_backoff(pool_nodes, node_clients, cancel):
+    """A cancellation the client chose (`abort()`: another node answered first; a call's own deadline) fails the
+    calls in flight on the connection, each at once and cleanly, and says nothing about the node: the very next call
+    reconnects and reaches it. (Both used to start the reconnect back-off: for 0.5 s every call failed at once "with
+    the last error", although the node was live.) A failure the wire reports still backs off
+    (test_pool_node.py::test_backoff_does_not_hammer)."""
+    proc = pool_nodes()
+    node = node_clients(proc.address, shm=ShmMode.OFF)
+    values = make_values(2, 1 << 20)
+    assert node.put([b"a", b"b"], values, 5.0) == [True, True]
+    proc.pause()  # its connection is up; its answers wait
+    errors: list = []
+    wrong: list = []
+
+    def read(timeout_s: float) -> None:
+        start = time.monotonic()
+        try:
+            got = node.get([b"a", b"b"], timeout_s)
+            if [bytes(g) for g in got] != [joined(v) for v in values]:
+                wrong.append(got)
+        except TransportError as error:
+            errors.append((error, time.monotonic() - start))
+
+    # three calls in flight on the one connection; with "deadline" the first one's timeout drops it
+    first_timeout = 0.3 if cancel == "deadline" else 20.0
+    threads = [threading.Thread(target=read, args=(t,)) for t in (first_timeout, 20.0, 20.0)]
+    try:
+        for th in threads:
+            th.start()
+            time.sleep(0.05)
+        time.sleep(0.4)
+        if cancel == "abort":
+            node.abort()
+        for th in threads:
+            th.join(5.0)
+        assert not any(th.is_alive() for th in threads)  # none waited out its 20 s deadline
+    finally:
+        proc.resume()
+    assert not wrong
+    assert len(errors) == 3 and all(seconds < 5.0 for _, seconds in errors), errors
+    start = time.monotonic()
+    got = node.get([b"a", b"b"], 5.0)  # at once: a reconnect, not "next reconnect attempt in ..."
+    assert [bytes(g) for g in got] == [joined(v) for v in values]
+    assert node.exists([b"a", b"b"], 5.0) == [True, True]
+    assert time.monotonic() - start < 3.0
+
+
+def test_an_abort_while_connecting_cancels_the_call_and_keeps_the_connection(pool_nodes, node_clients):
+    """`abort()` while a call is still connecting (its node stopped: the connect waits): the connect is not cut short
+    (under continual hedging a connection must still get made), but the call, once connected, sends nothing and
+    fails; the connection it made serves the next call."""
+    proc = pool_nodes()
+    node = node_clients(proc.address, shm=ShmMode.OFF, connect_timeout_ms=10_000)
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append(node.exists([b"k"], 10.0))
+        except TransportError as error:
+            outcome.append(error)
+
+    proc.pause()
+    thread = threading.Thread(target=call)
+    try:
+        thread.start()
+        time.sleep(0.5)  # connecting
+        node.abort()
+    finally:
+        proc.resume()
+    thread.join(10.0)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransportError), outcome
+    assert "while the call was connecting" in outcome[0].message()
+    connection = node._conn
+    assert connection is not None  # made, and kept
+    assert node.exists([b"k"], 5.0) == [False]
+    assert node._conn is connection
