@@ -9,9 +9,10 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   again each step until `save_wait_ms` after the request's first ask; then the request takes what the pool holds
   (a save that failed costs that wait, bounded, and then recomputation). While it waits, a request asks again at
   most once per `IDLE_WAIT_S` (an answer short of them holds its next ask back that long; a step with nothing else
-  to run sleeps until the first is due, instead of spinning on the CPU the save itself needs), and its lookups never
-  open the circuit breaker (`LookupBreaker.lookup`'s `trips`): a node busy receiving the very blocks it waits for
-  may answer late, and a late answer is a short one, asked again. Never asks the pool on the caller's
+  to run sleeps until the first is due, instead of spinning on the CPU the save itself needs), and once the pool has
+  answered it short its later lookups never open the circuit breaker (`LookupBreaker.lookup`'s `trips`): a node
+  busy receiving the very blocks it waits for may answer late, and a late answer is a short one, asked again (its
+  first lookup still opens the breaker on a hung node). Never asks the pool on the caller's
   thread: a new lookup is recorded for the step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken
   at the next `match`. With the circuit breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at
   once, without the network. `skip(req_id, start)` records a request that asks nothing (a producer's).
@@ -159,7 +160,9 @@ class PoolLookups:
                 hits = in_step_hits
             elif not breaker_open:
                 self._ctx.register_shadow()
-                self._batcher.ask(req_id, wanted_hashes, epoch, trips=not waiting)
+                # a request whose wait already had a short answer from the pool (the node is up, maybe busy receiving
+                # those very blocks) asks without opening the breaker; its first ask may open it (a hung node)
+                self._batcher.ask(req_id, wanted_hashes, epoch, trips=not (waiting and req_id in self._next_ask))
                 self._asking[req_id] = wanted
                 return None
             else:  # the pool counts as down: 0 at once, no network
