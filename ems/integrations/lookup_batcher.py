@@ -12,7 +12,8 @@ Contract (no engine imports):
   request's leading blocks already known present are skipped, so a block is asked for once per batch; with leases
   (`LookupBreaker.leases`) every request that may hit asks for its blocks up to the first one known missing: each
   load ends one lease holder, so two requests that will both load a block must each hold one. With the breaker open
-  every answer is 0 at once (no network).
+  every answer is 0 at once (no network). An ask with `trips=False` (a request waiting for blocks still on their
+  way to the pool) never opens the breaker: its timeout is a short answer (`LookupBreaker.lookup`).
 * `wait(timeout_s)` waits for the batch in flight (an engine step with nothing else to run, instead of spinning).
 * `take_answered()`: the batches answered since the last call and their seconds on the thread (the per-step record).
 * `close()` stops the thread.
@@ -38,6 +39,7 @@ class _Ask:
     req_id: str
     hashes: tuple[EngineHash, ...]
     epoch: bytes
+    trips: bool = True  # a timeout opens the breaker (False: a short answer)
 
 
 def answer_batch(asks: Sequence[_Ask], breaker: LookupBreaker) -> dict[str, int]:
@@ -57,9 +59,9 @@ def answer_batch(asks: Sequence[_Ask], breaker: LookupBreaker) -> dict[str, int]
             continue
         if leases:  # its own lease on every block it may load (up to the first known missing one)
             end = next((i for i in range(known, len(hashes)) if (epoch, hashes[i]) in missing), len(hashes))
-            hits = breaker.lookup(hashes[:end], epoch)
+            hits = breaker.lookup(hashes[:end], epoch, ask.trips)
         else:
-            hits = known + breaker.lookup(hashes[known:], epoch)
+            hits = known + breaker.lookup(hashes[known:], epoch, ask.trips)
         present.update((epoch, h) for h in hashes[known:hits])
         if hits < len(hashes):
             missing.add((epoch, hashes[hits]))
@@ -81,10 +83,10 @@ class LookupBatcher:
         self._thread = threading.Thread(target=self._run, name="ems-lookup", daemon=True)
         self._thread.start()
 
-    def ask(self, req_id: str, hashes: Sequence[EngineHash], epoch: bytes = b"") -> None:
+    def ask(self, req_id: str, hashes: Sequence[EngineHash], epoch: bytes = b"", trips: bool = True) -> None:
         with self._cond:
             self._answers.pop(req_id, None)
-            self._asked[req_id] = _Ask(req_id, tuple(hashes), epoch)
+            self._asked[req_id] = _Ask(req_id, tuple(hashes), epoch, trips)
 
     def asked(self, req_id: str) -> bool:
         """A lookup of the request is recorded or in flight (not answered yet)."""

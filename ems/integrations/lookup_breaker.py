@@ -9,7 +9,9 @@ Contract (no engine imports):
   the network. A daemon thread re-asks the pool for the keys of that last lookup every `cooldown_s`; the first
   answer that comes back in time closes the breaker. So a node that hangs costs the engine at most one lookup
   timeout per opening, never one per request or per step. A lookup that was merely slow (a loaded host) and trips
-  it costs only misses until the next probe. Saves are not held back: the workers' movers drop what their
+  it costs only misses until the next probe. `lookup(..., trips=False)` is the same lookup that never opens the
+  breaker: a timeout is a short answer (a lookup of blocks still on their way to the pool, whose node may be busy
+  receiving them: the caller asks again within its own bound). Saves are not held back: the workers' movers drop what their
   in-flight budget cannot take, so a hung node never blocks a step through them either.
 * `lookup_within(hashes, epoch, timeout_s)`: the same lookup under the caller's own timeout (the step policy's
   in-step lookups, `step_policy`), answering a `TimedLookup` (hits, seconds, whether it used its whole timeout): it
@@ -76,7 +78,7 @@ class LookupBreaker:
         with self._lock:
             return self._open
 
-    def lookup(self, hashes: Sequence[EngineHash], epoch: bytes = b"") -> int:
+    def lookup(self, hashes: Sequence[EngineHash], epoch: bytes = b"", trips: bool = True) -> int:
         if not hashes:
             return 0
         if self.is_open():
@@ -87,6 +89,8 @@ class LookupBreaker:
         hits = lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch, lease_ms=self._lease_ms)
         seconds = time.monotonic() - started
         if hits < len(hashes) and seconds >= self._slow_s:
+            if not trips:
+                return hits
             self._trip(list(hashes), epoch)
             return 0
         if self.on_lookup is not None:

@@ -17,7 +17,10 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
   has been measured the save rate stands in for it (the same link, the other way). `AUTO` runs a lookup in the step
   once one has been measured and twice its latency fits what is left of the budget, and a load in the step once a
   rate is known and twice the load's predicted seconds (`blocks * block_bytes / rate`) fit (it reserves that
-  much). An in-step lookup that used its whole timeout marks the pool slow: `AUTO` asks asynchronously until a
+  much). An in-step load that ran out of its bound (`record_late_load`) drops the rate at once to what it shows
+  (its bytes over the seconds it took: at most the true rate), so the next loads go asynchronously until measured
+  loads raise it again (an average would keep placing loads in the step that time out and are recomputed). An
+  in-step lookup that used its whole timeout marks the pool slow: `AUTO` asks asynchronously until a
   lookup on the lookup thread is fast again.
 * `begin_step()` starts a new step's budget (the scheduler calls it at the end of each step); `decide_load(blocks)`
   and `lookup_timeout_s()` spend it. `StepDecision` is what `decide_load` answers: the placement and the predicted
@@ -105,6 +108,15 @@ class StepPolicy:
                 self.load_Bps = _ewma(self.load_Bps, load_bytes / load_s)
             if save_bytes > 0 and save_s > 0:
                 self.save_Bps = _ewma(self.save_Bps, save_bytes / save_s)
+
+    def record_late_load(self, nbytes: int, seconds: float) -> None:
+        """In-step loads of `nbytes` that ran out of their bound after `seconds`: the rate was at most their ratio."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            current = self.load_Bps if self.load_Bps is not None else self.save_Bps
+            late = nbytes / seconds
+            self.load_Bps = late if current is None else min(current, late)
 
     @property
     def rate_Bps(self) -> float | None:

@@ -64,6 +64,10 @@ def check_breaker(node, cc, planes, mover, breaker, stats):
     assert breaker.lookup(hashes) == 4 and not breaker.is_open()
     os.kill(node.pid, signal.SIGSTOP)
     try:
+        # a lookup of blocks still on their way to the pool (`trips=False`): its timeout is a short answer, the
+        # breaker stays closed
+        hits, waited = timed(lambda: breaker.lookup(hashes, trips=False))
+        assert hits == 0 and not breaker.is_open() and LOOKUP_MS / 1000 * 0.9 <= waited < 5.0
         hits, first = timed(lambda: breaker.lookup(hashes))
         assert hits == 0 and breaker.is_open() and LOOKUP_MS / 1000 * 0.9 <= first < 5.0
         for _ in range(20):  # every later lookup: no network, no wait

@@ -7,7 +7,12 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   None: "not known yet, ask again next step". `expect` blocks (from `start`) are on their way to the pool (a
   producer announced them, or this engine sent them to be saved): an answer short of them is not taken but asked
   again each step until `save_wait_ms` after the request's first ask; then the request takes what the pool holds
-  (a save that failed costs that wait, bounded, and then recomputation). Never asks the pool on the caller's
+  (a save that failed costs that wait, bounded, and then recomputation). While it waits, a request asks again at
+  most once per `IDLE_WAIT_S` (an answer short of them holds its next ask back that long; a step with nothing else
+  to run sleeps until the first is due, instead of spinning on the CPU the save itself needs), and once the pool has
+  answered it short its later lookups never open the circuit breaker (`LookupBreaker.lookup`'s `trips`): a node
+  busy receiving the very blocks it waits for may answer late, and a late answer is a short one, asked again (its
+  first lookup still opens the breaker on a hung node). Never asks the pool on the caller's
   thread: a new lookup is recorded for the step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken
   at the next `match`. With the circuit breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at
   once, without the network. `skip(req_id, start)` records a request that asks nothing (a producer's).
@@ -21,7 +26,8 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
 * The pool leases what a lookup reports (`lease_ms`, `ems.transport.holds`) to the load that follows, so a reported
   hit is not evicted before it is loaded.
 * `end_step(idle, record)` dispatches the step's lookups (one batch, one background thread); a step with nothing
-  else to run (`idle`) waits up to `IDLE_WAIT_S` for the batch instead of spinning. It fills the step's record
+  else to run (`idle`) waits up to `IDLE_WAIT_S` for the batch (or, with none in flight, until a request waiting for
+  blocks on their way may ask again) instead of spinning. It fills the step's record
   (`steps.SchedulerStep`: lookups sent, the step's wait, batches answered and their seconds). `close()` stops the threads.
 
 * The step policy (`policy`, `ems.integrations.step_policy`): where it says so (a fast pool, measured), a new lookup
@@ -79,6 +85,7 @@ class PoolLookups:
         self._answers: dict[str, LookupAnswer] = {}
         self._asking: dict[str, tuple[int, int, bytes]] = {}  # request -> (start, blocks, epoch) asked, unanswered
         self._wait_until: dict[str, float] = {}  # request -> when it stops waiting for blocks still being saved
+        self._next_ask: dict[str, float] = {}  # request waiting for blocks on their way -> when it may ask again
         self._per_block = len(ctx.groups)  # keys asked per block (a hybrid model: one per KV cache group)
 
     def match(
@@ -97,6 +104,8 @@ class PoolLookups:
         # blocks on their way to the pool (a producer's, or this engine's saves): an answer short of them is asked
         # again each step until `save_wait_ms` after the first ask, instead of recomputing them at once
         waiting = expect > 0 and self._may_wait(req_id, now)
+        if waiting and now < self._next_ask.get(req_id, 0.0):
+            return None  # its last answer, short of blocks on their way, came back moments ago
         wanted_hits = min(expect, full - start) if waiting else 0
         cached = self._answers.get(req_id)
         # a request vLLM could not admit yet is asked again every step: the answer is reused for a while (from a
@@ -125,7 +134,10 @@ class PoolLookups:
                 return known
             asked = hits = None
         if hits is not None and hits < wanted_hits:
-            self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked again
+            self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked again shortly
+            self._asking.pop(req_id, None)
+            self._ask_later(req_id)
+            return None
         if asked != wanted or hits is None or hits < wanted_hits:  # not asked yet, for other blocks, or short
             wanted_hashes = hashes()
             breaker_open = self.breaker.is_open()
@@ -141,20 +153,28 @@ class PoolLookups:
                 if not in_step.timed_out:
                     in_step_hits = self._blocks(in_step.hits)
                     if in_step_hits < wanted_hits:
-                        self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked next step
+                        self._ctx.stats.add(lookup_save_waits=1)  # short of blocks still being saved: asked shortly
+                        self._ask_later(req_id)
                         return None
             if in_step_hits is not None:
                 hits = in_step_hits
             elif not breaker_open:
                 self._ctx.register_shadow()
-                self._batcher.ask(req_id, wanted_hashes, epoch)
+                # a request whose wait already had a short answer from the pool (the node is up, maybe busy receiving
+                # those very blocks) asks without opening the breaker; its first ask may open it (a hung node)
+                self._batcher.ask(req_id, wanted_hashes, epoch, trips=not (waiting and req_id in self._next_ask))
                 self._asking[req_id] = wanted
                 return None
             else:  # the pool counts as down: 0 at once, no network
                 hits = self._blocks(self.breaker.lookup(wanted_hashes, epoch))
         self._asking.pop(req_id, None)  # (its wait's end is kept until `take`: one wait per request)
+        self._next_ask.pop(req_id, None)
         self._answers[req_id] = LookupAnswer(start, hits, full - start, epoch, now)
         return hits
+
+    def _ask_later(self, req_id: str) -> None:
+        """A request whose answer came back short of blocks on their way asks again `IDLE_WAIT_S` from now."""
+        self._next_ask[req_id] = time.monotonic() + IDLE_WAIT_S
 
     def _blocks(self, keys_held: int) -> int:
         """The blocks held, from the first, given the keys held from the first (a hybrid model asks one key per KV
@@ -175,17 +195,20 @@ class PoolLookups:
 
     def take(self, req_id: str) -> LookupAnswer | None:
         self._wait_until.pop(req_id, None)
+        self._next_ask.pop(req_id, None)
         return self._answers.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self._answers.pop(req_id, None)
         self._wait_until.pop(req_id, None)
+        self._next_ask.pop(req_id, None)
         if self._asking.pop(req_id, None) is not None:
             self._batcher.forget(req_id)
 
     def clear(self) -> None:
         self._answers.clear()
         self._wait_until.clear()
+        self._next_ask.clear()
 
     def end_step(self, idle: bool, record: SchedulerStep) -> None:
         record.lookups_sent = self._batcher.dispatch()
@@ -193,6 +216,12 @@ class PoolLookups:
             started = time.perf_counter()
             self._batcher.wait(IDLE_WAIT_S)
             record.wait_s = time.perf_counter() - started
+        elif idle and self._next_ask:  # requests wait for blocks on their way: sleep until the first may ask again
+            due = min(self._next_ask.values()) - time.monotonic()
+            if due > 0:
+                started = time.perf_counter()
+                time.sleep(min(due, IDLE_WAIT_S))
+                record.wait_s = time.perf_counter() - started
         record.lookup_batches, record.lookup_s = self._batcher.take_answered()
         policy = self.policy
         record.in_step_lookups, record.in_step_lookup_s = policy.step_lookups, policy.step_lookup_s

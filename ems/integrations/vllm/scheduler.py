@@ -9,7 +9,8 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   (vLLM's synchronous path, `load_kv_async` False: the workers load it before the forward and the request is
   computed in this step) where the policy says it fits the step's bound, else asynchronously (the request waits
   while others run); the blocks it reports are leased for that load. `update_connector_output` hands the workers'
-  load and save statistics to the policy (its measured load rate).
+  load and save statistics to the policy (its measured load rate; an in-step load that ran out of its bound drops
+  it at once: `StepPolicy.record_late_load`).
 * `update_state_after_alloc` records the request (`RequestState`) and its load, keyed in the epoch its lookup found
   the blocks in; `build_connector_meta` sends the step's loads and the full prompt blocks the step computed
   (each block once per request, again when vLLM recomputes blocks after a failed load) to the workers, and names
@@ -243,6 +244,7 @@ class EmsScheduler:
             return
         stats = TransferStats.from_dict(worker_stats)
         self.lookups.policy.record_transfer(stats.load_bytes, stats.load_seconds, stats.save_bytes, stats.save_seconds)
+        self.lookups.policy.record_late_load(stats.load_late_bytes, stats.load_late_seconds)
 
     def _expected(self, request: Request, start: int, full: int) -> int:
         """How many of the request's blocks from `start` are on their way to the pool: what a producer announced in

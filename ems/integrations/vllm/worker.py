@@ -15,7 +15,8 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
   Loads the step policy placed in the step (`BlockTransfer.in_step`: vLLM's synchronous path, the request is
   computed in this step) run in `start_load_kv` itself, before the forward, as one call that waits under the policy's
   bound (`in_step_ms` as its timeout): blocks it did not load go to `get_block_ids_with_load_errors` in this step
-  (vLLM recomputes them); they are never named in `get_finished`.
+  (vLLM recomputes them); they are never named in `get_finished`. One that ran out of its bound is counted
+  (`load_late_bytes`, `load_late_seconds`) for the scheduler's policy, which then loads asynchronously.
   `get_finished` names each request whose load has finished (never blocks, but for a step with nothing scheduled:
   `IDLE_WAIT_S`); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM
   recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's
@@ -46,6 +47,7 @@ import torch
 from ems import CcKvOption
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, PendingLoad
+from ems.integrations.lookup_breaker import SLOW_FRACTION
 from ems.integrations.save_copier import SaveCopier
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import IDLE_WAIT_S, BlockTransfer, EmsConnectorMetadata
@@ -218,7 +220,12 @@ class EmsWorker:
                 by_epoch.setdefault(load.epoch, []).append(load)
         for epoch, group in by_epoch.items():
             call = _LoadCall.plan(group)
+            started = time.perf_counter()
             outcome = self._mover.load(call.block_ids, call.hashes, epoch, self._in_step_option)
+            took = time.perf_counter() - started
+            if outcome.loaded < len(call.block_ids) and took >= SLOW_FRACTION * self._in_step_option.timeout / 1000:
+                # ran out of its bound (a busy host, a slow pool): the scheduler's policy learns the rate it showed
+                self._ctx.stats.add(load_late_bytes=len(call.block_ids) * self._ctx.block_bytes, load_late_seconds=took)
             self._step.in_step_loads += len(group)
             self._step.in_step_load_blocks += len(call.block_ids)
             self._settle(call, outcome.loaded, retry=False)

@@ -14,8 +14,9 @@ from fake_vllm import BLOCK, Blocks, Events, Request, Schedule, kv_caches, make_
 
 from ems.integrations.connector_config import ConnectorConfig, KvRole
 from ems.integrations.epoch import EpochRecord
+from ems.integrations.step_policy import StepMode
 from ems.integrations.vllm.lookups import LookupAnswer
-from ems.integrations.vllm.metadata import EmsConnectorMetadata
+from ems.integrations.vllm.metadata import IDLE_WAIT_S, EmsConnectorMetadata
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
 
@@ -214,6 +215,38 @@ def test_a_consumer_waits_for_the_blocks_a_producer_is_still_saving(halves):
         assert ctx.stats.totals().lookup_save_waits > 0
     finally:
         producer.shutdown()
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["async", "in_step"])
+def test_a_request_waiting_for_blocks_on_their_way_sleeps_between_its_asks(halves, policy):
+    """While a consumer's request waits for announced blocks that have not landed, it asks the pool at most once per
+    IDLE_WAIT_S and the idle steps in between sleep (vLLM's loop calls again at once: without it, the engine spins
+    on the cores the producer's save needs); once the blocks land it takes them within a few steps."""
+    ctx, sched, worker, _, events = halves
+    config = dataclasses.replace(ctx.config, step_policy=StepMode(policy))
+    consumer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.CONSUMER, config=config), events)
+    try:
+        if policy == "in_step":  # the policy places a lookup in the step once it has measured one
+            consumer.lookups.policy.record_lookup(0.0001)
+        a = Request("a", PROMPT)
+        assert answer(sched, a) == 0
+        sched.update_state_after_alloc(a, Blocks([0, 1, 2, 3]), 0)
+        meta = sched.build_connector_meta(Schedule.prefill(a, [0, 1, 2, 3]))  # the forward ran; no copy-out yet
+        b = Request("b", PROMPT, kv_transfer_params={"ems_blocks": 3, "ems_model_id": ctx.model_id})
+        started = time.monotonic()
+        assert waits_for(consumer, b, 0.3)
+        waited = time.monotonic() - started
+        asks = ctx.stats.totals().lookup_save_waits
+        assert 2 <= asks <= waited / IDLE_WAIT_S + 2
+        assert sum(r["wait_s"] for r in consumer.steps.records()) > waited / 2  # asleep, not spinning
+        worker.wait_for_save(meta)
+        assert worker.wait_saves(10)
+        landed = time.monotonic()
+        while (tokens := consumer.get_num_new_matched_tokens(b, 0)[0]) is None and time.monotonic() - landed < 5:
+            consumer.build_connector_meta(Schedule())
+        assert tokens == 3 * BLOCK and time.monotonic() - landed < 0.5  # (in_step: loaded in the step it is admitted)
+    finally:
         consumer.shutdown()
 
 

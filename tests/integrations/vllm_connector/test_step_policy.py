@@ -217,6 +217,11 @@ def test_a_hung_node_never_holds_a_step_past_the_bound(node):
         load_s = time.monotonic() - started
         assert [x.in_step for x in meta.loads] == [True]
         assert worker.get_block_ids_with_load_errors() == {8, 9, 10}  # vLLM recomputes them
+        # the load that ran out of its bound drops the measured rate at once: the next hit loads asynchronously
+        late = ctx.stats.totals()
+        assert late.load_late_bytes == 3 * ctx.block_bytes and late.load_late_seconds >= 0.9 * bound_ms / 1000
+        sched.update_connector_output(ctx.stats.drain().to_dict())
+        assert sched.lookups.policy.decide_load(3).placement is Placement.ASYNC
         # five new requests in one step: their in-step lookups share the step's bound; each is asked asynchronously
         # (its in-step lookup timed out) or misses at once (the client already counts the node as failing)
         started = time.monotonic()
