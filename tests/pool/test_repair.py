@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from pool_testlib import make_values
+from pool_testlib import make_values, wait_until
 
 from ems.cluster.routing import node_seeds, ranked_owners
 from ems.datapath.keys import FORM_TOKENS, route_key_of, v0_keys, v1_keys
@@ -96,6 +96,12 @@ def run_passes(net: Net, live: Sequence[str], k: int, holders: Sequence[str] | N
 
 def held_by(net: Net, tenant: str, key: bytes) -> set[str]:
     return {a for a, s in net.stores.items() if a not in net.down and s.contains_many([tenant_prefix(tenant) + key])[0]}
+
+
+def hold(net: Net, node: str, tenant: str, keys: Sequence[bytes], values: Sequence) -> None:
+    """`node` holds the tenant's values directly (as if saved there alone)."""
+    for key, value in zip(keys, values):
+        net.stores[node].put(tenant_prefix(tenant) + key, value)
 
 
 def block_keys(n: int, base: int = 0) -> list[bytes]:
@@ -220,8 +226,7 @@ def test_tenants_stay_apart_and_a_tenant_without_a_key_is_not_copied():
     keys = block_keys(20)
     values = make_values(len(keys), 128, seed=3)
     for tenant in ("alice", "bob"):
-        for key, value in zip(keys, values):
-            net.stores["a:1"].put(tenant_prefix(tenant) + key, value)
+        hold(net, "a:1", tenant, keys, values)
     run_passes(net, nodes, 2, holders=["a:1"], keys={"alice": "A" * 40})  # the node's keys know alice only
     for key in keys:
         assert held_by(net, "alice", key) == {"a:1", "b:1"}
@@ -262,8 +267,7 @@ def test_a_pass_stops_when_membership_changes_under_it():
     net = Net(nodes)
     keys = block_keys(3000)
     values = make_values(len(keys), 64, seed=5)
-    for key, value in zip(keys, values):
-        net.stores["a:1"].put(tenant_prefix("t") + key, value)
+    hold(net, "a:1", "t", keys, values)
     repairer = net.repairer("a:1", 2)
     changed = threading.Event()
     original = TenantClient.put
@@ -324,8 +328,7 @@ def test_a_peer_that_fails_fails_only_its_copies():
     net = Net(nodes)
     keys = block_keys(60)
     values = make_values(len(keys), 128, seed=6)
-    for key, value in zip(keys, values):
-        net.stores["a:1"].put(tenant_prefix("t") + key, value)
+    hold(net, "a:1", "t", keys, values)
     net.down.add("b:1")
     repairer = net.repairer("a:1", 3)
     repairer._pass({a: 1 for a in nodes}, repairer._generation)
@@ -341,31 +344,21 @@ def test_an_incomplete_pass_is_retried_within_seconds_not_at_the_interval():
     net = Net(nodes)
     keys = block_keys(40)
     values = make_values(len(keys), 256, seed=8)
-    for key, value in zip(keys, values):
-        net.stores["a:1"].put(tenant_prefix("t") + key, value)
+    hold(net, "a:1", "t", keys, values)
     net.down.add("b:1")
     repairer = Repairer(net.stores["a:1"], "a:1", RepairSettings(2, rate=1 << 30, interval_s=3600, settle_s=0.01), net.connect)
     try:
         repairer.start()
         repairer.on_members({a: 1 for a in nodes})
-        assert _until(lambda: repairer.progress().passes >= 2, 5 * RETRY_S)  # retried, the interval is an hour
+        assert wait_until(lambda: repairer.progress().passes >= 2, 5 * RETRY_S, step_s=0.02)  # retried, the interval is an hour
         p = repairer.progress()
         assert p.incomplete and not p.running and p.copied_values == 0
         net.down.discard("b:1")  # b answers again; membership never changed
-        assert _until(lambda: all(held_by(net, "t", k) == {"a:1", "b:1"} for k in keys), 10 * RETRY_S)
-        assert _until(lambda: not repairer.progress().incomplete, 5)
+        assert wait_until(lambda: all(held_by(net, "t", k) == {"a:1", "b:1"} for k in keys), 10 * RETRY_S, step_s=0.02)
+        assert wait_until(lambda: not repairer.progress().incomplete, 5, step_s=0.02)
         assert repairer.progress().copied_values == len(keys)
     finally:
         repairer.close()
-
-
-def _until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_metrics_and_status_show_repair_progress():
