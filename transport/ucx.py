@@ -26,9 +26,9 @@ Contract:
   in flight on a connection it aborted. A call still connecting (or waiting for another call's connect) when `abort()`
   comes fails as soon as the connection is made, without sending its request; the connect itself is never cut short
   (under continual hedging a connection must still get made) and serves the next calls. The next call after a
-  cancellation reconnects at once. A failure, or a timeout of a
-  request whose reply may have several frames, aborts the endpoint (the other requests in flight on it fail too,
-  each by its own deadline at the latest, never with another request's answer).
+  cancellation reconnects at once. A failure, or a timeout of a request whose reply may have several frames, aborts
+  the endpoint (the other requests in flight on it fail too, each by its own deadline at the latest, never with
+  another request's answer).
 * Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
   connection (`transport.shm_client`); any call it cannot serve goes over UCX as above.
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels.
