@@ -234,9 +234,11 @@ def test_a_hung_node_never_holds_a_step_past_the_bound(node):
         sched.build_connector_meta(Schedule())
         record = sched.steps.records()[-1]
         assert record["lookups_sent"] == answers.count((None, False))
-        assert record["in_step_lookup_s"] <= 1.5 * bound_ms / 1000
-        # bounded by in_step_ms (150 ms), not by the lookup thread's 3 s timeout nor the loads' 5 s one
-        assert load_s < 2 * bound_ms / 1000 + 0.5 and lookups_s < 2 * bound_ms / 1000 + 0.5, (load_s, lookups_s)
+        # bounded by in_step_ms (150 ms), not by the lookup thread's 3 s timeout nor the loads' 5 s one; the margin
+        # is for a busy host, whose threads wake late (2 spinning processes on 2 cores: 0.28 s for the lookups)
+        within = 2 * bound_ms / 1000 + 0.5
+        assert record["in_step_lookup_s"] < within, record
+        assert load_s < within and lookups_s < within, (load_s, lookups_s)
     finally:
         os.kill(node.pid, signal.SIGCONT)
         sched.shutdown()
