@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import mmap
+import platform
+import sys
 import threading
 import time
 
@@ -35,6 +37,14 @@ from ems.buffers import POPULATE_STEP, SpareCpuPacer, populate_pages, release_pa
 from ems.store.value_format import VALUE_LEAD
 
 ARENA_ALIGN = 64  # cache line
+
+# Python's `mmap` module names MAP_NORESERVE only from 3.13 on; Linux takes the flag all the same (0x4000 on x86-64
+# and arm64, the hosts this package runs on; elsewhere the mapping is simply charged). Without it the whole mapping
+# is charged to the commit limit: on Linux's default overcommit heuristic a mapping past the host's memory is
+# refused, and a process whose mappings add up past it can no longer fork (`subprocess` fails with ENOMEM), so a
+# store of a large capacity would stop an engine from starting its pool node.
+_LINUX_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64") else 0
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", _LINUX_MAP_NORESERVE)
 
 
 def new_buffer(nbytes: int) -> tuple[np.ndarray, int]:
@@ -54,7 +64,7 @@ class Arena:
 
     def __init__(self, nbytes: int, prefault_bytes: int = 0, ahead: int = 0) -> None:
         start = time.perf_counter()
-        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
             try:
