@@ -30,6 +30,9 @@ def record(pool: LocalPool, model_id: str) -> EpochRecord:
             access_id=pool.access_id,
             access_key=pool.access_key,
             pool_nodes=[pool.address],
+            # a fresh client's first connect took over the default 3 s with both cores busy; these tests are about
+            # the epoch record, not start-up time
+            connect_timeout_ms=30_000,
             cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id=model_id),
         )
     )

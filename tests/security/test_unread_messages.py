@@ -40,8 +40,10 @@ def _rounds(node, attack, rounds: int = 5) -> list[int]:
 
 def _assert_bounded(sizes: list[int]) -> None:
     # without the sweep every round added ~31-47 MiB (+120 MiB or more over these rounds); with it, UCX's buffer
-    # pools grow once to their peak (a step of ~14 MiB in whichever round first fills them) and are reused after
-    assert sizes[-1] - sizes[0] < 24 * MiB, [s / MiB for s in sizes]
+    # pools grow to their peak in one or two rounds (~14 MiB on a quiet host; 7 then 25 MiB with both cores busy,
+    # where more messages wait at once) and are reused after: most rounds add (almost) nothing
+    steps = np.diff(sizes)
+    assert float(np.median(steps)) < 8 * MiB and sizes[-1] - sizes[0] < 48 * MiB, [s / MiB for s in sizes]
 
 
 def test_messages_on_tags_of_no_connection_are_discarded(pool_nodes, node_clients):
