@@ -24,6 +24,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from ems.backends.base import PoolOutcome, ReadCheck
 from ems.buffers import Buffer
@@ -31,7 +32,7 @@ from ems.datapath.copier import Checked, PlacedScatter, Verified
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import Received, chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
-from ems.datapath.jobs.transfer import PoolRoute, Transfer
+from ems.datapath.jobs.transfer import PoolRoute, Transfer, pool_request
 from ems.datapath.planning import BlockPlan
 from ems.datapath.records import JobRecord, Stage
 from ems.datapath.staging import StagingKind
@@ -146,18 +147,11 @@ class PipelinedLoad:
         record = self.record
         if stop.is_set():  # the load already stopped before this chunk
             return Received(PoolOutcome([False] * (b - a)), 0, Verified(0))
-        expected = plan.expected.range(a, b)
+        request = pool_request(plan, self.option, a, b, deadline)
+        expected = cast(ExpectedValues, request.expected)  # (a plan's requests carry its expected values)
         start = time.perf_counter()
         outs = plan.value_views(host, a, b)
-        outcome = self.pool.get_into(
-            plan.route_keys[a:b],
-            plan.keys[a:b],
-            outs,
-            self.option,
-            expected,
-            deadline,
-            as_placed=placed.run if placed is not None else None,
-        )
+        outcome = self.pool.get_into(request, outs, as_placed=placed.run if placed is not None else None)
         received = time.perf_counter()
         present = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
         written, why = placed.result() if placed is not None else (0, PlacedStop.INTERRUPTED)

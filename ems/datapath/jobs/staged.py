@@ -13,7 +13,7 @@ import numpy as np
 from ems.backends.base import PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.devices import side_stream
-from ems.datapath.jobs.transfer import PoolRoute, Transfer
+from ems.datapath.jobs.transfer import PoolRoute, Transfer, pool_request
 from ems.datapath.planning import RawPlan
 from ems.datapath.records import Stage
 from ems.store.value_format import HEADER_SIZE, ExpectedValues, valid_prefix
@@ -41,7 +41,7 @@ class StagedLoad:
         """V0 (its staging has no room for the headers): receive, verify the prefix, copy it into staging, scatter."""
         record = self.record
         with record.stage(Stage.RECEIVE):
-            outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
+            outcome = self.pool.get(pool_request(plan, self.option))
         with record.stage(Stage.VERIFY, plan.expected.payload_bytes()):
             hits = self.valid_prefix(outcome.results, plan.expected)
         if hits:
