@@ -310,10 +310,10 @@ class ContextCaching:
     def _load(self, request: Request | TokenRequest, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
         copier = copier_for(self._backend_for(device), device)
         job = load_job(Transfer(plan, device, copier, request.option, record), self._route())
-        hits, outcome = job.run()
-        self._raise_if_unreachable(outcome, hits)
-        self._job_done(record.finish(hits, plan.total, plan.expected.payload_bytes(0, hits)))
-        return call_result(request, hits, plan.total)
+        loaded = job.run()
+        self._raise_if_unreachable(loaded.outcome, loaded.hits)
+        self._job_done(record.finish(loaded.hits, plan.total, plan.expected.payload_bytes(0, loaded.hits)))
+        return call_result(request, loaded.hits, plan.total)
 
     def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device, JobRecord]:
         record = JobRecord(JobKind.LOAD, profile=self._settings.profiling)

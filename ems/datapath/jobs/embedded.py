@@ -25,7 +25,7 @@ import torch
 from ems.backends.base import InPlaceValues, PoolOutcome
 from ems.buffers import Buffer
 from ems.datapath.copier import Gathered
-from ems.datapath.jobs.transfer import SaveJob, Transfer
+from ems.datapath.jobs.transfer import Loaded, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
 from ems.datapath.records import Stage
 from ems.kernels.raw_memory import buffer_addresses, raw_tensor
@@ -151,7 +151,7 @@ class EmbeddedLoad:
         self.plan, self.copier, self.record, self.store = transfer.plan, transfer.copier, transfer.record, store
         self.record.path = "one-pass"
 
-    def run(self) -> tuple[int, PoolOutcome]:
+    def run(self) -> Loaded:
         plan, record = self.plan, self.record
         with record.stage(Stage.RECEIVE):
             # the stored buffers themselves (read-only views), and their addresses where the store knows them
@@ -164,7 +164,7 @@ class EmbeddedLoad:
             span = _stored_span(plan, values, addresses, checked.count) if checked.count > 1 else None
             if span is not None:
                 with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, checked.count)):
-                    return checked.scatter(self.copier, plan, span[0], span[1], 0), outcome
+                    return Loaded(checked.scatter(self.copier, plan, span[0], span[1], 0), outcome)
             hits = checked.confirm(values, plan.expected)
         else:
             with record.stage(Stage.VERIFY, plan.expected.payload_bytes(0, present)):
@@ -173,7 +173,7 @@ class EmbeddedLoad:
             with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
                 for i in range(hits):
                     self.copier.scatter_value(plan, i, stored_array(cast(Buffer, values[i])))  # i < hits: present
-        return hits, outcome
+        return Loaded(hits, outcome)
 
 
 def _stored_span(

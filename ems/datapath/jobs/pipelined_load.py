@@ -32,7 +32,7 @@ from ems.datapath.copier import Checked, PlacedScatter, Verified
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import Received, chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
-from ems.datapath.jobs.transfer import PoolRoute, Transfer, pool_request
+from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
 from ems.datapath.planning import BlockPlan
 from ems.datapath.records import JobRecord, Stage
 from ems.datapath.staging import StagingKind
@@ -65,10 +65,10 @@ class PipelinedLoad:
         self.check: Check = checked_by_pool if route.pool.read_check is ReadCheck.EXPECTED else self.copier.check
         self.record.path = "pipelined"
 
-    def run(self) -> tuple[int, PoolOutcome]:
+    def run(self) -> Loaded:
         return self._run_pipelined(self.plan)
 
-    def _run_pipelined(self, plan: BlockPlan) -> tuple[int, PoolOutcome]:
+    def _run_pipelined(self, plan: BlockPlan) -> Loaded:
         """Chunks' receive + verify run on the pipeline threads, `PIPELINE_DEPTH` at once; scatter chunk k's
         verified prefix while later chunks arrive; stop at the first miss (nothing after it is written)."""
         record = self.record
@@ -127,7 +127,7 @@ class PipelinedLoad:
             stop.set()
             clean = fence(receives, deadline)
             (self.staging.release if clean else self.staging.retire)(lease)
-        return hits, merge_outcomes(outcomes, plan.total)
+        return Loaded(hits, merge_outcomes(outcomes, plan.total))
 
     def _receive_chunk(
         self,

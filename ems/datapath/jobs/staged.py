@@ -10,10 +10,10 @@ from typing import cast
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome, ReadCheck
+from ems.backends.base import ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.devices import side_stream
-from ems.datapath.jobs.transfer import PoolRoute, Transfer, pool_request
+from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
 from ems.datapath.planning import RawPlan
 from ems.datapath.records import Stage
 from ems.store.value_format import HEADER_SIZE, ExpectedValues, valid_prefix
@@ -34,10 +34,10 @@ class StagedLoad:
         self.valid_prefix = present_prefix if route.pool.read_check is ReadCheck.EXPECTED else valid_prefix
         self.record.path = "staged"
 
-    def run(self) -> tuple[int, PoolOutcome]:
+    def run(self) -> Loaded:
         return self._receive_copy_scatter(self.plan)
 
-    def _receive_copy_scatter(self, plan: RawPlan) -> tuple[int, PoolOutcome]:
+    def _receive_copy_scatter(self, plan: RawPlan) -> Loaded:
         """V0 (its staging has no room for the headers): receive, verify the prefix, copy it into staging, scatter."""
         record = self.record
         with record.stage(Stage.RECEIVE):
@@ -58,7 +58,7 @@ class StagedLoad:
                         self.copier.scatter(plan, lease.device, 0, hits)
             finally:
                 self.staging.release(lease)
-        return hits, outcome
+        return Loaded(hits, outcome)
 
 
 def present_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> int:

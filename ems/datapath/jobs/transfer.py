@@ -85,12 +85,21 @@ class SaveJob(abc.ABC):
     def abandon(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What a load did: `hits`, the values from the first that were verified and written into the cache (nothing
+    after them was touched), and the pool's `outcome` (its errors say whether the pool was reachable)."""
+
+    hits: int
+    outcome: PoolOutcome
+
+
 class LoadJob(Protocol):
-    """One load: `run()` writes only the verified prefix and returns (blocks written, the pool's outcome)."""
+    """One load: `run()` writes only the verified prefix and says what it did (`Loaded`)."""
 
     record: JobRecord
 
-    def run(self) -> tuple[int, PoolOutcome]: ...
+    def run(self) -> Loaded: ...
 
 
 class NothingToMove(SaveJob):
@@ -110,5 +119,5 @@ class NothingToMove(SaveJob):
     def abandon(self) -> None:
         return None
 
-    def run(self) -> tuple[int, PoolOutcome]:
-        return 0, PoolOutcome([])
+    def run(self) -> Loaded:
+        return Loaded(0, PoolOutcome([]))
