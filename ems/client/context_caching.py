@@ -19,6 +19,7 @@ time per stage) once (no per-block work); they are registered with prometheus_cl
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -27,7 +28,7 @@ import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
 from ems.client.binding import bind_and_plan
-from ems.client.calls import AsyncCalls, EmsErrors, OpenCalls, Pending
+from ems.client.calls import AsyncCalls, Pending
 from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
 from ems.client.warmup import warm_small_calls
@@ -57,6 +58,68 @@ HashList = Sequence[int] | np.ndarray | torch.Tensor  # block hashes: int64 or u
 ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
 
 
+def _as_ems_exception(exc: Exception) -> EmsException:
+    if isinstance(exc, EmsException):
+        return exc
+    return EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+
+
+class _EmsErrors:
+    """Turn any `Exception` into an `EmsException` (EMS_INTERNAL_ERROR unless it already is one). `KeyboardInterrupt`,
+    `SystemExit` and other `BaseException`s pass through unchanged: the caller's process must be able to stop.
+    `on_error` (the error counter) runs first for every `Exception`. (A plain class: a generator-based context
+    manager costs several µs, and every call runs one or two.)"""
+
+    __slots__ = ("_on_error",)
+
+    def __init__(self, on_error: Callable[[], None] | None = None) -> None:
+        self._on_error = on_error
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or not isinstance(exc, Exception):
+            return
+        if self._on_error is not None:
+            self._on_error()
+        converted = _as_ems_exception(exc)
+        if converted is not exc:
+            raise converted from exc
+
+
+class _OpenCalls:
+    """The calls running inside one `ContextCaching`: `close()` refuses new ones and returns once none runs, so a call
+    racing `Ems.shutdown` from another thread either runs whole (an async call: is submitted, and shutdown waits for
+    it) or is refused with an `EmsException`, never half-way into a closed executor or pool. A plain class, as
+    `_EmsErrors`: every public call enters it once."""
+
+    __slots__ = ("_count", "_idle", "closed")
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition(threading.Lock())
+        self._count = 0
+        self.closed = False
+
+    def __enter__(self) -> None:
+        with self._idle:
+            if self.closed:
+                raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "this ContextCaching was shut down")
+            self._count += 1
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        with self._idle:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        """Refuse new calls; wait for the running ones to return."""
+        with self._idle:
+            self.closed = True
+            self._idle.wait_for(lambda: self._count == 0)
+
+
 class ContextCaching:
     """The EMS Context Caching client of one process (get it from `Ems.get_cc()`)."""
 
@@ -72,10 +135,10 @@ class ContextCaching:
         self._staging = StagingPool(
             settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
         )
-        self._calls = OpenCalls()  # the public calls running now (`close` waits for them)
+        self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
-        self._async = AsyncCalls(settings.max_inflight, self._metrics.record_error)
+        self._async = AsyncCalls(settings.max_inflight, _EmsErrors(self._metrics.record_error))
         self._metrics.register()
 
     # ---------------------------------------------------------------- registration
@@ -167,7 +230,7 @@ class ContextCaching:
             request, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
         job = save_job(Transfer(plan, device, copier_for(backend, device), request.option, record), self._route())
-        with EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
+        with _EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
         def finish() -> CcResult:
@@ -199,7 +262,7 @@ class ContextCaching:
         `save(slot_mapping, option=None, token_ids=..., mask=...)`: `ems.datapath.tokens`). Blocks until stored."""
         with self._calls:
             finish, _ = self._begin_save(args, kwargs)
-            with EmsErrors(self._metrics.record_error):
+            with _EmsErrors(self._metrics.record_error):
                 return finish()
 
     @overload
@@ -271,7 +334,7 @@ class ContextCaching:
         exactly those are written; nothing after the first miss is touched."""
         with self._calls:
             request, plan, device, record = self._bind_load(args, kwargs)
-            with EmsErrors(self._metrics.record_error):
+            with _EmsErrors(self._metrics.record_error):
                 return self._load(request, plan, device, record)
 
     @overload
