@@ -68,13 +68,16 @@ class ReadCheck(enum.Enum):
     EXPECTED = "expected"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PoolRequest:
     """One pool call's keys and terms (every data call of `PoolBackend` takes one): `keys[i]` is stored under and
     placed by `route_keys[i]`; `option` is the caller's (its timeout, `write_rcache`, `read_local_only`); `deadline`,
     where given, replaces the option's timeout (a job's, handed down to its chunks); `expected` (`put` and `exists`
     ignore it) is what each value must be, for the pools that check their reads (`ReadCheck`). Raises
-    `EmsException(EMS_INVALID_ARGUMENT)` when `route_keys` or `expected` does not have one entry per key."""
+    `EmsException(EMS_INVALID_ARGUMENT)` when `route_keys` or `expected` does not have one entry per key.
+
+    A value: nothing changes a request once it is built (a plain slotted dataclass, not a frozen one: building a
+    frozen one costs about 0.5 µs more, a tenth of an embedded `exists`, which builds one per call)."""
 
     route_keys: Sequence[bytes]
     keys: Sequence[bytes]

@@ -85,10 +85,11 @@ class SaveJob(abc.ABC):
     def abandon(self) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Loaded:
     """What a load did: `hits`, the values from the first that were verified and written into the cache (nothing
-    after them was touched), and the pool's `outcome` (its errors say whether the pool was reachable)."""
+    after them was touched), and the pool's `outcome` (its errors say whether the pool was reachable). Never changed
+    once built (slotted, not frozen: see `PoolRequest`)."""
 
     hits: int
     outcome: PoolOutcome
