@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from ems import CcConfig, ContextCaching, EmsConfig
+from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
+from ems.backends.base import PoolRequest
 from ems.backends.embedded import EmbeddedPool
 from ems.backends.pool_client import PoolClient
 from ems.config import parse_size, resolve_settings
 from ems.datapath.planning import BlockPlan
+from ems.deadline import Deadline
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 from ems.transport.ucx import UcxNode
 
@@ -134,6 +136,17 @@ def embedded_cc(store, *, model_id: str = "test-model", **settings) -> ContextCa
 def set_chunk_bytes(cc: ContextCaching, size: str) -> None:
     """The chunk size of `cc`'s next jobs (`Settings.chunk_bytes`: EMS_CHUNK_BYTES is read once, at `Ems.init`)."""
     cc._settings = dataclasses.replace(cc._settings, chunk_bytes=parse_size("EMS_CHUNK_BYTES", size))
+
+
+def keyed(
+    keys: Sequence[bytes],
+    option: CcKvOption | None = None,
+    deadline: Deadline | None = None,
+    expected: ExpectedValues | None = None,
+) -> PoolRequest:
+    """A pool request whose keys are their own route keys (a test that calls a backend directly), with `option` (the
+    default option when None)."""
+    return PoolRequest(keys, keys, CcKvOption() if option is None else option, deadline, expected)
 
 
 def store_of_ems():

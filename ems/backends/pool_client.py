@@ -24,15 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ems.backends.base import InPlaceValues, PoolOutcome
+from ems.backends.base import InPlaceValues, PoolOutcome, PoolRequest
 from ems.backends.read_cache import ReadCache
 from ems.backends.routing import NodeRouter
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.datapath.executor import ChunkExecutor
-from ems.deadline import Deadline
 from ems.store.kv_store import KvStore
-from ems.store.value_format import ExpectedValues
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation
 from ems.transport.holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
@@ -113,69 +111,49 @@ class PoolClient:
         return self.location is NodeLocation.IN_PROCESS or not option.read_local_only
 
     def put(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        values: Sequence[Sequence[Buffer]],
-        option: CcKvOption,
-        value_lens: np.ndarray | None = None,
-        deadline: Deadline | None = None,
+        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """Store each value at its owning nodes (`NodeRouter.put`: when a value counts as stored), and keep the
         stored ones in the read cache when `option.write_rcache`. `value_lens` (int64 bytes of each value) saves
-        measuring every part; `deadline` replaces the option's timeout when given."""
-        outcome = self.router.put(route_keys, keys, values, deadline or Deadline.of(option), value_lens)
-        if self.cache is not None and option.write_rcache:
-            self.cache.remember(keys, values, outcome.results)
+        measuring every part."""
+        outcome = self.router.put(request, values, value_lens)
+        if self.cache is not None and request.option.write_rcache:
+            self.cache.remember(request.keys, values, outcome.results)
         return outcome
 
-    def get(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        option: CcKvOption,
-        expected: ExpectedValues | None = None,
-    ) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolRequest) -> PoolOutcome[Buffer | None]:
         """Each key's stored value, or None: the read cache first, then (unless local-only) the owning nodes."""
+        keys, expected = request.keys, request.expected
         results: list = [None] * len(keys) if self.cache is None else self.cache.lookup(keys, expected)
-        if not self._remote_reads(option):
+        if not self._remote_reads(request.option):
             return PoolOutcome(results)
-        return self.router.get(route_keys, keys, Deadline.of(option), expected, results)
+        return self.router.get(request, results)
 
-    def get_into(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        outs: Sequence[Buffer],
-        option: CcKvOption,
-        expected: ExpectedValues | None = None,
-        deadline: Deadline | None = None,
-        as_placed: AsPlaced | None = None,
-    ) -> PoolOutcome[bool]:
+    def get_into(self, request: PoolRequest, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
         """Place each key's value in the caller's writable buffer `outs[i]` (the read cache first, then, unless
         local-only, the owning node, which receives it there without an intermediate copy when it travels alone);
         `results[i]` is True where a value of exactly `len(outs[i])` bytes is now in `outs[i]`. A buffer whose
-        result is False holds unspecified bytes. `expected` is `get`'s; `deadline` replaces the option's timeout.
+        result is False holds unspecified bytes. `expected` is `get`'s.
         `as_placed`: run while a same-host node places the values, when nothing came from the read cache and the
         whole request goes to that node in one call (`NodeRouter.get_into`); else never."""
+        keys, expected = request.keys, request.expected
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         results: list = [False] * len(keys) if self.cache is None else self.cache.place(keys, outs, expected)
-        if not self._remote_reads(option):
+        if not self._remote_reads(request.option):
             return PoolOutcome(results)
         progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
-        return self.router.get_into(route_keys, keys, outs, deadline or Deadline.of(option), expected, results, progressive)
+        return self.router.get_into(request, outs, results, progressive)
 
-    def exists(
-        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption, hold: Hold | None = None
-    ) -> PoolOutcome[bool]:
+    def exists(self, request: PoolRequest, hold: Hold | None = None) -> PoolOutcome[bool]:
         """Whether each key is held (the read cache first, then the owning nodes unless local-only). With a lease, a
         key in the read cache needs none (the load reads it there); a pin is a node's, never the cache's."""
+        keys = request.keys
         cached = self.cache is not None and (hold is None or hold.kind is HoldKind.LEASE)
         results: list = self.cache.contains(keys) if cached and self.cache is not None else [False] * len(keys)
-        if not self._remote_reads(option):
+        if not self._remote_reads(request.option):
             return PoolOutcome(results)
-        return self.router.exists(route_keys, keys, Deadline.of(option), results, hold)
+        return self.router.exists(request, results, hold)
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """True when at least one node answers a ping within `timeout_s` (the pool is usable)."""

@@ -5,9 +5,9 @@ deadline; reads in `ems.backends.reads`, the fan-out in `ems.backends.fanout`, w
 Contract:
 * Each key has `replicas` owning nodes among the live ones (`ems.cluster.routing.ranked_owners`, rendezvous hashing of
   its route key; `ems.cluster.placement.Members` holds the live set, which membership may change between calls). A call
-  sends batched requests per node it needs, nodes in parallel, and returns by its `Deadline`. A node that fails or
-  does not answer in time fails only its own keys (those of its requests that had not been answered); its error is
-  reported in `PoolOutcome.errors`.
+  (a `PoolRequest`, as the pool's) sends batched requests per node it needs, nodes in parallel, and returns by the
+  request's deadline (`PoolRequest.until`). A node that fails or does not answer in time fails only its own keys
+  (those of its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
 * A node's keys are cut, in request order, into requests within `limits` (`protocol.RequestLimits`: its
   `batches` and the wire's per-key costs) and sent one after the other, so a call of any size works; the caller
   never sees the cut.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome, ReadCheck
+from ems.backends.base import PoolOutcome, PoolRequest, ReadCheck
 from ems.backends.fanout import FanOut
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
@@ -41,7 +41,7 @@ from ems.cluster.placement import Members
 from ems.cluster.routing import ranked_owners
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
-from ems.store.value_format import HEADER_SIZE, ExpectedValues, matches
+from ems.store.value_format import HEADER_SIZE, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, TransportError
 from ems.transport.holds import Hold
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
@@ -121,12 +121,7 @@ class NodeRouter:
     # ---- batched operations ----
 
     def put(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        values: Sequence[Sequence[Buffer]],
-        deadline: Deadline,
-        value_lens: np.ndarray | None = None,
+        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """Store each value at its `replicas` owning nodes in parallel; `results[i]` is True when the value is
         stored: at least one owner acknowledged it and no owner that answered refused it. An owner that failed as a
@@ -135,6 +130,7 @@ class NodeRouter:
 
         `value_lens` (int64, bytes of each value, its parts together) saves measuring every part when the caller
         knows them; it is only used to cut requests at the limits."""
+        keys, deadline = request.keys, request.until()
         results: list = [False] * len(keys)
         outcome: PoolOutcome[bool] = PoolOutcome(results)
         view = self.members.view
@@ -144,7 +140,7 @@ class NodeRouter:
             outcome.nodes_contacted = 1
             outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
             return outcome
-        ranks = ranked_owners(route_keys, view.seeds, self.replicas)
+        ranks = ranked_owners(request.route_keys, view.seeds, self.replicas)
         node_ids = np.unique(ranks)
         node_keys = [(view.nodes[n], np.nonzero((ranks == n).any(axis=1))[0]) for n in node_ids.tolist()]
         outcome.nodes_contacted = len(node_keys)
@@ -179,19 +175,13 @@ class NodeRouter:
         outcome.results = (acked & ~refused).tolist()
         return outcome
 
-    def get(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        deadline: Deadline,
-        expected: ExpectedValues | None = None,
-        results: list | None = None,
-    ) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolRequest, results: list | None = None) -> PoolOutcome[Buffer | None]:
         """Each wanted key's stored value (`results[i]` None: wanted), or None.
 
         With replicas, a damaged copy (not the `expected` value) sends the key on to the next owner, so each value
         is checked here (`read_check` is `ReadCheck.EXPECTED`). With one owner there is nowhere to go: the caller
         checks."""
+        keys, expected = request.keys, request.expected
         results = [None] * len(keys) if results is None else results
         check = expected if self.read_check is ReadCheck.EXPECTED else None
 
@@ -212,25 +202,18 @@ class NodeRouter:
             return get, accept, results.__setitem__
 
         return self._read(
-            route_keys,
+            request.route_keys,
             np.fromiter((r is None for r in results), dtype=bool, count=len(keys)),
             get,
             costs,
             results,
-            deadline,
+            request.until(),
             accept,
             Hedge(prepare, needs_quiet=False),
         )
 
     def get_into(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        outs: Sequence[Buffer],
-        deadline: Deadline,
-        expected: ExpectedValues | None = None,
-        results: list | None = None,
-        as_placed: AsPlaced | None = None,
+        self, request: PoolRequest, outs: Sequence[Buffer], results: list | None = None, as_placed: AsPlaced | None = None
     ) -> PoolOutcome[bool]:
         """Place each wanted key's value (`results[i]` False: wanted) in the caller's writable buffer `outs[i]`,
         which the node receives it into without an intermediate copy when it travels alone; `results[i]` is True
@@ -238,6 +221,7 @@ class NodeRouter:
         unspecified bytes). With replicas each placed value is checked against `expected` (as `get`).
         `as_placed`: handed to a node that places values progressively (`UcxNode.get_into`) when the whole request
         goes to it as one call, with no replicas (it may then run while the node places them); else unused."""
+        keys, expected = request.keys, request.expected
         results = [False] * len(keys) if results is None else results
         check = expected if self.read_check is ReadCheck.EXPECTED else None
         progressive = as_placed if check is None else None
@@ -272,26 +256,20 @@ class NodeRouter:
             return fetch_own, accept_own, adopt
 
         return self._read(
-            route_keys,
+            request.route_keys,
             ~np.asarray(results, dtype=bool),
             fetch,
             costs,
             results,
-            deadline,
+            request.until(),
             accept,
             Hedge(prepare, needs_quiet=True),
         )
 
-    def exists(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        deadline: Deadline,
-        results: list | None = None,
-        hold: Hold | None = None,
-    ) -> PoolOutcome[bool]:
+    def exists(self, request: PoolRequest, results: list | None = None, hold: Hold | None = None) -> PoolOutcome[bool]:
         """Whether each wanted key (`results[i]` False: wanted) is held (with `hold`: held and kept as asked, by the
         node that answered for it)."""
+        keys = request.keys
         results = [False] * len(keys) if results is None else results
 
         def exists(node: NodeClient, idx: np.ndarray, d: Deadline) -> list:
@@ -301,12 +279,12 @@ class NodeRouter:
             return bool(flag)
 
         return self._read(
-            route_keys,
+            request.route_keys,
             ~np.asarray(results, dtype=bool),
             exists,
             lambda idx: RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()])),
             results,
-            deadline,
+            request.until(),
             held,
             Hedge(lambda idx: (exists, held, results.__setitem__), needs_quiet=False),
         )

@@ -18,7 +18,6 @@ time per stage) once (no per-block work); they are registered with prometheus_cl
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
 from ems.client.binding import bind_and_plan
+from ems.client.calls import AsyncCalls, Pending
 from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
 from ems.client.warmup import warm_small_calls
@@ -135,11 +135,10 @@ class ContextCaching:
         self._staging = StagingPool(
             settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
         )
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="ems-cc")
-        self._inflight = threading.BoundedSemaphore(settings.max_inflight)
         self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
+        self._async = AsyncCalls(settings.max_inflight, _EmsErrors(self._metrics.record_error))
         self._metrics.register()
 
     # ---------------------------------------------------------------- registration
@@ -291,29 +290,22 @@ class ContextCaching:
         Bad arguments raise here, before anything moves. The future's `job` is the call's job record.
         """
         with self._calls:
-            self._inflight.acquire()
-            try:
-                record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
-                finish, abandon = self._begin_save(args, kwargs, record)
-            except BaseException:
-                self._inflight.release()
-                raise
-            try:
-                return self._submit(finish, record)
-            except BaseException:  # never submitted: give back what the job held
-                abandon()
-                self._inflight.release()
-                raise
+            return self._async.start(lambda: self._pending_save(args, kwargs))
+
+    def _pending_save(self, args: tuple, kwargs: dict) -> Pending:
+        record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
+        finish, abandon = self._begin_save(args, kwargs, record)
+        return Pending(finish, record, abandon)
 
     # ---------------------------------------------------------------- load
 
     def _load(self, request: Request | TokenRequest, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
         copier = copier_for(self._backend_for(device), device)
         job = load_job(Transfer(plan, device, copier, request.option, record), self._route())
-        hits, outcome = job.run()
-        self._raise_if_unreachable(outcome, hits)
-        self._job_done(record.finish(hits, plan.total, plan.expected.payload_bytes(0, hits)))
-        return call_result(request, hits, plan.total)
+        loaded = job.run()
+        self._raise_if_unreachable(loaded.outcome, loaded.hits)
+        self._job_done(record.finish(loaded.hits, plan.total, plan.expected.payload_bytes(0, loaded.hits)))
+        return call_result(request, loaded.hits, plan.total)
 
     def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device, JobRecord]:
         record = JobRecord(JobKind.LOAD, profile=self._settings.profiling)
@@ -365,37 +357,21 @@ class ContextCaching:
         """Like `load`, but returns a `CcFuture` at once. The engine must not use the named slots or buffers until
         the future is done. Bad arguments raise here. The future's `job` is the call's job record."""
         with self._calls:
-            self._inflight.acquire()
-            try:
-                request, plan, device, record = self._bind_load(args, kwargs)
-                return self._submit(lambda: self._load(request, plan, device, record), record)
-            except BaseException:
-                self._inflight.release()
-                raise
+            return self._async.start(lambda: self._pending_load(args, kwargs))
 
-    # ---------------------------------------------------------------- futures
+    def _pending_load(self, args: tuple, kwargs: dict) -> Pending:
+        request, plan, device, record = self._bind_load(args, kwargs)
+        return Pending(lambda: self._load(request, plan, device, record), record)
 
-    def _submit(self, job: Callable[[], CcResult], record: JobRecord) -> CcFuture:
-        def run() -> CcResult:
-            try:
-                with _EmsErrors(self._metrics.record_error):
-                    return job()
-            finally:
-                self._inflight.release()
-
-        return CcFuture(self._executor.submit(run), record)
+    # ---------------------------------------------------------------- futures (`ems.client.calls.AsyncCalls`)
 
     def is_ready(self, future: CcFuture) -> bool:
         """Whether an async call has finished; never blocks."""
-        if not isinstance(future, CcFuture):
-            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, f"future must be a CcFuture, got {type(future).__name__}")
-        return future.done()
+        return self._async.ready(future)
 
     def get_result(self, future: CcFuture) -> CcResult:
         """The result of an async call, waiting for it; raises what the call raised."""
-        if not isinstance(future, CcFuture):
-            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, f"future must be a CcFuture, got {type(future).__name__}")
-        return future.result()
+        return self._async.result(future)
 
     # ---------------------------------------------------------------- exists
 
@@ -418,7 +394,7 @@ class ContextCaching:
         """Refuse new calls, wait for the running ones and for pending async calls, then release threads and staging
         buffers."""
         self._calls.close()
-        self._executor.shutdown(wait=True)
+        self._async.close()
         self._staging.clear()
         self._metrics.unregister()
 

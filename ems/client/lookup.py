@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ems.backends.base import PoolBackend
+from ems.backends.base import PoolBackend, PoolRequest
 from ems.client.metrics import CcMetrics
 from ems.datapath.keys import v0_keys, v1_keys
 from ems.datapath.requests import bind_exists
@@ -53,7 +53,7 @@ def count_held(
             raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
         keys, route_keys = v1_keys(v1_namespace, items)
     try:
-        outcome = pool.exists(route_keys, keys, checked_option, hold)
+        outcome = pool.exists(PoolRequest(route_keys, keys, checked_option), hold)
     except Exception as exc:  # the contract: a failing pool is a miss, not an exception
         logger.warning("exists: pool failure reported as 0 hits: %s", exc)
         return CcResult(0, len(keys))

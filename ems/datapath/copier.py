@@ -12,8 +12,10 @@ Two implementations of one interface (`Copier`), chosen once per job (`copier_fo
   writing it; a load staged in a same-host node's region verifies and scatters each value as the node places it
   (`FusedCopier.as_placed`).
 
-What a load's receive checked before the scatter is a value (`Checked`): `Verified` (the leading values are exactly
-the expected ones) or `HeadersChecked` (their headers are; the checksums they state are the scatter's to check).
+A load's received values are one value object (`ems.datapath.values.ReceivedValues`: bytes, expected values,
+addresses, what the pool checked of them). What a load's receive checked before the scatter is a value (`Checked`):
+`Verified` (the leading values are exactly the expected ones) or `HeadersChecked` (their headers are; the checksums
+they state are the scatter's to check).
 Either way a scatter writes nothing of the first value that fails, nor after it.
 
 A copier writes exactly the bytes a plan names (the copy backends' rules: `ems.kernels.base`); it holds no buffer
@@ -33,22 +35,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ems.backends.base import ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.planning import BlockPlan, GroupRegion, Plan, RawPlan
 from ems.datapath.records import JobRecord, Stage
+from ems.datapath.values import ReceivedValues
 from ems.kernels.base import CopyBackend, Fusion, PlacedStop, Placement, Staging, tensor_over
 from ems.kernels.raw_memory import address_of
 from ems.store.value_format import (
     HEADER_SIZE,
     PAYLOAD_HASH_ADDRESS,
-    ExpectedValues,
     build_headers,
     encode_in_place,
     expected_heads,
     part_checksum,
     payload_checksums,
     stated_checksums,
-    valid_prefix,
 )
 from ems.transport.base import AsPlaced
 
@@ -68,7 +70,7 @@ class Verified:
 
     count: int
 
-    def confirm(self, values: Sequence[Buffer | None], expected: ExpectedValues) -> int:
+    def confirm(self, values: ReceivedValues) -> int:
         """How many of the leading values are exactly the expected ones: `count`, checked already."""
         return self.count
 
@@ -90,10 +92,10 @@ class HeadersChecked:
     def count(self) -> int:
         return len(self.stated)
 
-    def confirm(self, values: Sequence[Buffer | None], expected: ExpectedValues) -> int:
+    def confirm(self, values: ReceivedValues) -> int:
         """How many of the leading values are exactly the expected ones: their payloads checked here, in one batch
         (for a scatter that cannot verify as it writes: values scattered one by one)."""
-        return valid_prefix(values[: self.count], expected)
+        return values.range(0, self.count).verified_prefix()
 
     def scatter(self, copier: Copier, plan: BlockPlan, span: Staging, offsets: np.ndarray, a: int) -> int:
         """How many of the values, from the first, have a payload of the stated checksum: those are written."""
@@ -213,9 +215,17 @@ class Copier(abc.ABC):
         """The payloads of values a..b-1 into values placed anywhere in `span` (uint8): value i's header at byte
         `offsets[i]` (int64, indexed by value), its payload after it; what it left there."""
 
+    def check(self, values: ReceivedValues, record: JobRecord) -> Checked:
+        """What a load checks of the values it received before they are scattered (recorded as `Stage.VERIFY`):
+        nothing more where the pool checked each against the expected values (`ReadCheck.EXPECTED`: every value
+        received is verified), else this copier's check (`_check`)."""
+        if values.checked is ReadCheck.EXPECTED:
+            return Verified(values.present())
+        return self._check(values, record)
+
     @abc.abstractmethod
-    def check(self, values: Sequence[Buffer | None], expected: ExpectedValues, record: JobRecord) -> Checked:
-        """What a load checks of the values it received before they are scattered (recorded as `Stage.VERIFY`)."""
+    def _check(self, values: ReceivedValues, record: JobRecord) -> Checked:
+        """`check` of values as stored: every value, or the headers only where the scatter verifies the payloads."""
 
     @abc.abstractmethod
     def verify_scatter(self, plan: BlockPlan, span: Staging, offsets: np.ndarray, a: int, stated: Sequence[int]) -> int:
@@ -249,10 +259,10 @@ class SeparateCopier(Copier):
         self._move(plan, span, offsets, a, b, gather=True)
         return Gathered.PAYLOADS
 
-    def check(self, values: Sequence[Buffer | None], expected: ExpectedValues, record: JobRecord) -> Checked:
+    def _check(self, values: ReceivedValues, record: JobRecord) -> Checked:
         start = time.perf_counter()
-        valid = valid_prefix(values, expected)
-        record.add(Stage.VERIFY, expected.payload_bytes(0, len(values)), time.perf_counter() - start)
+        valid = values.verified_prefix()
+        record.add(Stage.VERIFY, values.expected.payload_bytes(0, len(values.buffers)), time.perf_counter() - start)
         return Verified(valid)
 
     def verify_scatter(self, plan: BlockPlan, span: Staging, offsets: np.ndarray, a: int, stated: Sequence[int]) -> int:
@@ -283,9 +293,9 @@ class FusedCopier(Copier):
         )
         return Gathered.VALUES
 
-    def check(self, values: Sequence[Buffer | None], expected: ExpectedValues, record: JobRecord) -> Checked:
+    def _check(self, values: ReceivedValues, record: JobRecord) -> Checked:
         start = time.perf_counter()
-        stated = stated_checksums(values, expected)
+        stated = stated_checksums(values.buffers, values.expected)
         record.add(Stage.VERIFY, 0, time.perf_counter() - start)
         return HeadersChecked(stated)
 

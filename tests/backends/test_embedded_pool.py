@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
-from ems_testlib import make_cache
+from ems_testlib import keyed, make_cache
 
-from ems import CcConfig, CcKvOption, CcResult, Ems, EmsConfig
-from ems.backends.base import ReadCheck
+from ems import CcConfig, CcKvOption, CcResult, Ems, EmsConfig, EmsException
+from ems.backends.base import PoolRequest, ReadCheck
 from ems.backends.embedded import EmbeddedPool
 from ems.datapath.records import JobKind
 from ems.deadline import Deadline
@@ -61,48 +61,58 @@ def test_init_without_nodes_runs_the_one_pass_jobs_and_exists_on_the_embedded_po
 def test_put_get_get_into_and_exists_answer_per_key_in_request_order(pool):
     values = _values(3, 100)
     keys = [b"a", b"b", b"c"]
-    stored = pool.put(keys, keys[:2], [[v] for v in values[:2]], OPTION)
+    stored = pool.put(keyed(keys[:2], OPTION), [[v] for v in values[:2]])
     assert stored.results == [True, True] and stored.errors == [] and stored.nodes_contacted == 1
-    got = pool.get(keys, keys, OPTION)
+    got = pool.get(keyed(keys, OPTION))
     assert [None if v is None else bytes(v) for v in got.results] == [values[0], values[1], None]
     assert pool.read_check is ReadCheck.NONE  # the caller checks the values
     outs = [np.zeros(len(values[0]), np.uint8), np.zeros(len(values[1]) - 1, np.uint8), np.zeros(8, np.uint8)]
-    placed = pool.get_into(keys, keys, outs, OPTION)
+    placed = pool.get_into(keyed(keys, OPTION), outs)
     assert placed.results == [True, False, False]  # b: another length than its buffer; c: a miss
     assert outs[0].tobytes() == values[0]
-    assert pool.exists(keys, keys, OPTION).results == [True, True, False]
-    assert pool.exists(keys, keys, OPTION, Hold.lease(60_000)).results == [True, True, False]
+    assert pool.exists(keyed(keys, OPTION)).results == [True, True, False]
+    assert pool.exists(keyed(keys, OPTION), Hold.lease(60_000)).results == [True, True, False]
     assert pool.store.stats().leased_bytes > 0
+
+
+def test_a_request_needs_one_route_key_and_one_expected_value_per_key():
+    expected = ExpectedValues(ValueKind.BLOCKS_V1, 7, np.arange(2, dtype=np.uint64), np.full(2, 8, dtype=np.int64))
+    for route_keys, keys, values in (([b"a"], [b"a", b"b"], None), ([b"a", b"b"], [b"a"], None), ([b"a"], [b"a"], expected)):
+        with pytest.raises(EmsException) as raised:
+            PoolRequest(route_keys, keys, OPTION, expected=values)
+        assert raised.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
+    request = keyed([b"a", b"b"], OPTION, expected=expected)
+    assert request.deadline is None and request.until().left() > 0  # the option's timeout, from the call
 
 
 def test_a_malformed_value_is_refused(pool):
     (value,) = _values(1, 64)
     damaged = bytearray(value)
     damaged[-1] ^= 0xFF
-    assert pool.put([b"k"], [b"k"], [[bytes(damaged)]], OPTION).results == [False]
-    assert pool.exists([b"k"], [b"k"], OPTION).results == [False]
+    assert pool.put(keyed([b"k"], OPTION), [[bytes(damaged)]]).results == [False]
+    assert pool.exists(keyed([b"k"], OPTION)).results == [False]
 
 
 def test_a_call_past_its_deadline_fails_its_keys_as_a_timeout(pool):
     values = _values(2, 32)
     past = Deadline(time.monotonic() - 1.0)
-    outcome = pool.put([b"a", b"b"], [b"a", b"b"], [[v] for v in values], OPTION, deadline=past)
+    outcome = pool.put(keyed([b"a", b"b"], OPTION, past), [[v] for v in values])
     assert outcome.results == [False, False] and outcome.unreachable
     error = outcome.first_error()
     assert error is not None and error.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
-    assert pool.exists([b"a"], [b"a"], OPTION).results == [False]  # nothing was stored
+    assert pool.exists(keyed([b"a"], OPTION)).results == [False]  # nothing was stored
     outs = [np.zeros(len(values[0]), np.uint8)]
-    assert pool.put([b"a"], [b"a"], [[values[0]]], OPTION).results == [True]
-    late = pool.get_into([b"a"], [b"a"], outs, OPTION, deadline=past)
+    assert pool.put(keyed([b"a"], OPTION), [[values[0]]]).results == [True]
+    late = pool.get_into(keyed([b"a"], OPTION, past), outs)
     assert late.results == [False] and late.unreachable
 
 
 def test_no_keys_contact_nothing(pool):
     for outcome in (
-        pool.put([], [], [], OPTION),
-        pool.get([], [], OPTION),
-        pool.get_into([], [], [], OPTION),
-        pool.exists([], [], OPTION),
+        pool.put(keyed([], OPTION), []),
+        pool.get(keyed([], OPTION)),
+        pool.get_into(keyed([], OPTION), []),
+        pool.exists(keyed([], OPTION)),
     ):
         assert outcome.results == [] and outcome.nodes_contacted == 0 and not outcome.unreachable
 
@@ -112,4 +122,4 @@ def test_it_lends_its_values_to_the_jobs_and_needs_no_staging_of_its_own(pool):
     assert pool.shm_staging(1 << 10) is None
     assert pool.healthy(0.0) and pool.describe() == "embedded"
     with pytest.raises(ValueError):
-        pool.get_into([b"a"], [b"a"], [], OPTION)
+        pool.get_into(keyed([b"a"], OPTION), [])

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+from ems_testlib import keyed
 from fault_injection import FaultyNode
 
 from ems.backends.pool_client import PoolClient
@@ -58,9 +59,9 @@ def test_nodes_in_this_process_serve_local_only_reads_without_a_read_cache():
     try:
         assert pool.location is NodeLocation.IN_PROCESS and pool.read_cache is None
         assert pool.describe() == "embedded" and pool.healthy()
-        assert pool.put([b"k"], [b"k"], [[_value()]], CcKvOption()).results == [True]
+        assert pool.put(keyed([b"k"], CcKvOption()), [[_value()]]).results == [True]
         # a local-only read still reaches the node: it is in this process
-        got = pool.get([b"k"], [b"k"], CcKvOption(read_local_only=True)).results
+        got = pool.get(keyed([b"k"], CcKvOption(read_local_only=True))).results
         assert [None if v is None else bytes(v) for v in got] == [_value()]
     finally:
         pool.close()
@@ -72,10 +73,10 @@ def test_one_node_elsewhere_makes_the_pool_remote():
     pool = PoolClient([InProcessNode(KvStore(1 << 20)), remote], read_cache_capacity=1 << 20)
     try:
         assert pool.location is NodeLocation.REMOTE and pool.read_cache is not None
-        assert pool.put([b"k"], [b"k"], [[_value()]], CcKvOption(write_rcache=False)).results == [True]
+        assert pool.put(keyed([b"k"], CcKvOption(write_rcache=False)), [[_value()]]).results == [True]
         # a local-only read does not leave the process: the read cache holds nothing, so it misses
-        assert pool.get([b"k"], [b"k"], CcKvOption(read_local_only=True)).results == [None]
-        got = pool.get([b"k"], [b"k"], CcKvOption()).results
+        assert pool.get(keyed([b"k"], CcKvOption(read_local_only=True))).results == [None]
+        got = pool.get(keyed([b"k"], CcKvOption())).results
         assert [None if v is None else bytes(v) for v in got] == [_value()]
     finally:
         pool.close()
@@ -87,7 +88,7 @@ def test_remote_nodes_are_called_on_the_fan_out_threads_in_process_ones_inline()
         nodes = [recorder("n1:1"), recorder("n2:1")]
         pool = PoolClient(nodes)
         try:
-            pool.router.get(keys, keys, Deadline.after(5.0))
+            pool.router.get(keyed(keys, CcKvOption(), Deadline.after(5.0)))
             threads = [t for node in nodes for t in node.threads]
             assert len(threads) == 2 and all((t == threading.get_ident()) is inline for t in threads)
         finally:

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from ems_testlib import keyed
 from fault_injection import FaultyNode
 
 from ems.backends.pool_client import PoolClient
@@ -58,9 +59,9 @@ def test_a_read_is_hedged_to_the_next_owner_and_the_slow_bytes_never_land(cluste
     nodes, pool = cluster
     keys = _keys(24, "hedge")
     values, expected = _values(len(keys), 4096, 1)
-    assert all(pool.put(keys, keys, [[v] for v in values], OPTION).results)
+    assert all(pool.put(keyed(keys, OPTION), [[v] for v in values]).results)
     for _ in range(3):  # the latency model learns what a normal read costs
-        assert all(pool.get_into(keys, keys, [np.empty(len(v), np.uint8) for v in values], OPTION, expected).results)
+        assert all(pool.get_into(keyed(keys, OPTION, expected=expected), [np.empty(len(v), np.uint8) for v in values]).results)
     slow = route_order(pool, keys[0])[0]  # first owner of key 0: slow, and holding damaged copies
     for k in keys:
         if k in nodes[slow].store._entries:
@@ -68,7 +69,7 @@ def test_a_read_is_hedged_to_the_next_owner_and_the_slow_bytes_never_land(cluste
     nodes[slow].delay_s = SLOW_S
     outs = [np.zeros(len(v), np.uint8) for v in values]
     start = time.monotonic()
-    outcome = pool.get_into(keys, keys, outs, OPTION, expected)
+    outcome = pool.get_into(keyed(keys, OPTION, expected=expected), outs)
     elapsed = time.monotonic() - start
     assert all(outcome.results) and elapsed < SLOW_S / 2, (elapsed, outcome.errors)
     assert any("slow" in e.message() for e in outcome.errors)  # reported: the caller retires its buffers
@@ -83,15 +84,15 @@ def test_get_and_exists_are_hedged(cluster, op):
     nodes, pool = cluster
     keys = _keys(16, op)
     values, expected = _values(len(keys), 1024, 2)
-    assert all(pool.put(keys, keys, [[v] for v in values], OPTION).results)
+    assert all(pool.put(keyed(keys, OPTION), [[v] for v in values]).results)
     slow = route_order(pool, keys[0])[0]
     nodes[slow].delay_s = SLOW_S
     start = time.monotonic()
     if op == "get":
-        got = pool.get(keys, keys, OPTION, expected).results
+        got = pool.get(keyed(keys, OPTION, expected=expected)).results
         assert [bytes(g) for g in got] == values
     else:
-        assert all(pool.exists(keys, keys, OPTION).results)
+        assert all(pool.exists(keyed(keys, OPTION)).results)
     assert time.monotonic() - start < SLOW_S / 2
 
 
@@ -102,7 +103,7 @@ def test_a_write_does_not_wait_for_a_slow_owner(cluster):
     slow = route_order(pool, keys[0])[0]
     nodes[slow].delay_s = SLOW_S
     start = time.monotonic()
-    outcome = pool.put(keys, keys, [[v] for v in values], OPTION)
+    outcome = pool.put(keyed(keys, OPTION), [[v] for v in values])
     assert all(outcome.results) and time.monotonic() - start < SLOW_S / 2, outcome.errors
     assert any(slow in e.message() and "slow" in e.message() for e in outcome.errors)
     nodes[slow].delay_s = 0.0
@@ -117,11 +118,11 @@ def test_with_one_replica_there_is_no_hedge_and_the_slow_node_sets_the_time(clus
     try:
         keys = _keys(4, "single")
         values, expected = _values(len(keys), 512, 4)
-        assert all(pool.put(keys, keys, [[v] for v in values], OPTION).results)
+        assert all(pool.put(keyed(keys, OPTION), [[v] for v in values]).results)
         slow = route_order(pool, keys[0])[0]
         nodes[slow].delay_s = 0.5
         start = time.monotonic()
-        assert pool.get_into(keys, keys, [np.empty(len(v), np.uint8) for v in values], OPTION, expected).results[0]
+        assert pool.get_into(keyed(keys, OPTION, expected=expected), [np.empty(len(v), np.uint8) for v in values]).results[0]
         assert time.monotonic() - start >= 0.5  # nothing else holds it: the read waits for its one owner
         assert nodes[slow].aborted == 0
     finally:
@@ -132,18 +133,18 @@ def test_a_slow_node_is_asked_last(cluster):
     nodes, pool = cluster
     keys = _keys(32, "last")
     values, expected = _values(len(keys), 256, 5)
-    assert all(pool.put(keys, keys, [[v] for v in values], OPTION).results)
+    assert all(pool.put(keyed(keys, OPTION), [[v] for v in values]).results)
     for _ in range(3):
-        pool.get(keys, keys, OPTION, expected)
+        pool.get(keyed(keys, OPTION, expected=expected))
     slow = route_order(pool, keys[0])[0]
     nodes[slow].delay_s = 0.3
-    pool.get(keys, keys, OPTION, expected)  # hedged: the slow node's answers mark it slow
+    pool.get(keyed(keys, OPTION, expected=expected))  # hedged: the slow node's answers mark it slow
     deadline = time.monotonic() + 10
     while not pool.router.latency.slow(slow) and time.monotonic() < deadline:
-        pool.get(keys, keys, OPTION, expected)
+        pool.get(keyed(keys, OPTION, expected=expected))
     assert pool.router.latency.slow(slow)
     before = nodes[slow].calls["get"]
-    got = pool.get(keys, keys, OPTION, expected).results
+    got = pool.get(keyed(keys, OPTION, expected=expected)).results
     assert [bytes(g) for g in got] == values
     assert nodes[slow].calls["get"] == before  # every key had another owner: the slow one was not asked
 
@@ -158,7 +159,7 @@ def test_a_partitioned_first_owner_does_not_take_the_call_from_the_live_copy(clu
         node.self_timed = True  # as UcxNode: the read runs small calls on the calling thread
     keys = _keys(12, f"cut-{op}")
     values, expected = _values(len(keys), 1024, 6)
-    assert all(pool.put(keys, keys, [[v] for v in values], OPTION).results)
+    assert all(pool.put(keyed(keys, OPTION), [[v] for v in values]).results)
     cut = route_order(pool, keys[0])[0]
     nodes[cut].partitioned = True
     option = CcKvOption(timeout=2_000, write_rcache=False)
@@ -166,26 +167,26 @@ def test_a_partitioned_first_owner_does_not_take_the_call_from_the_live_copy(clu
     assert theirs
     for i in theirs:  # the first call after the cut, and the ones after it
         if op == "get":
-            got = pool.get([keys[i]], [keys[i]], option, expected.range(i, i + 1)).results[0]
+            got = pool.get(keyed([keys[i]], option, expected=expected.range(i, i + 1))).results[0]
             assert got is not None and bytes(got) == values[i]
         elif op == "get_into":
             out = np.empty(len(values[i]), np.uint8)
-            assert pool.get_into([keys[i]], [keys[i]], [out], option, expected.range(i, i + 1)).results[0]
+            assert pool.get_into(keyed([keys[i]], option, expected=expected.range(i, i + 1)), [out]).results[0]
             assert out.tobytes() == values[i]
         else:
-            assert pool.exists([keys[i]], [keys[i]], option).results[0]
+            assert pool.exists(keyed([keys[i]], option)).results[0]
     nodes[cut].partitioned = False
 
 
 def _read_one(pool: PoolClient, op: str, key: bytes, value: bytes, expected: ExpectedValues, option: CcKvOption) -> bool:
     """One key by `op`: True when it came back (byte-exact for get and get_into)."""
     if op == "get":
-        got = pool.get([key], [key], option, expected).results[0]
+        got = pool.get(keyed([key], option, expected=expected)).results[0]
         return got is not None and bytes(got) == value
     if op == "get_into":
         out = np.empty(len(value), np.uint8)
-        return bool(pool.get_into([key], [key], [out], option, expected).results[0]) and out.tobytes() == value
-    return bool(pool.exists([key], [key], option).results[0])
+        return bool(pool.get_into(keyed([key], option, expected=expected), [out]).results[0]) and out.tobytes() == value
+    return bool(pool.exists(keyed([key], option)).results[0])
 
 
 @pytest.mark.parametrize("op", ["get", "get_into", "exists"])

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from ems_testlib import direct_cc, fill_random, make_cache, slots_of_blocks, snapshot, tensors
+from ems_testlib import direct_cc, fill_random, keyed, make_cache, slots_of_blocks, snapshot, tensors
 from fault_injection import FaultyNode, is_block
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -226,12 +226,7 @@ def test_huge_timeouts_wait_at_most_the_documented_maximum(timeout, recording):
 def _idle(cc) -> None:
     """Every staging byte given back and every async slot free."""
     assert cc._staging._leased_bytes == 0
-    taken = 0
-    while cc._inflight.acquire(blocking=False):
-        taken += 1
-    for _ in range(taken):
-        cc._inflight.release()
-    assert taken == cc._settings.max_inflight
+    assert cc._async.free_slots() == cc._settings.max_inflight
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
@@ -332,10 +327,10 @@ def test_pool_client_measures_values_itself_when_not_told_their_sizes():
     payloads = [bytes([i]) * 960 for i in range(10)]
     expected = ExpectedValues(ValueKind.RAW_V0, 0, np.zeros(10, np.uint64), np.full(10, 960, np.int64))
     values = [[h, p] for h, p in zip(build_headers(expected, [checksum([p]) for p in payloads]), payloads)]
-    outcome = pool.put(keys, keys, values, CcKvOption())
+    outcome = pool.put(keyed(keys, CcKvOption()), values)
     assert outcome.results == [True] * 10 and not outcome.errors
     puts = [r for r in node.requests if r[0] == "put"]
     assert len(puts) == 5 and all(data <= 2500 for _, _, data in puts)
-    got = pool.get(keys, keys, CcKvOption())
+    got = pool.get(keyed(keys, CcKvOption()))
     assert [bytes(v) for v in got.results] == [b"".join(bytes(p) for p in v) for v in values]
     pool.close()

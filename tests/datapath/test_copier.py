@@ -18,6 +18,7 @@ from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
 from ems.datapath.records import JobKind, JobRecord
 from ems.datapath.requests import Operation, bind_request
+from ems.datapath.values import ReceivedValues
 from ems.kernels import get_backend
 from ems.kernels.base import Fusion
 from ems.kernels.torch_backend import TorchBackend
@@ -78,7 +79,7 @@ def test_both_copiers_write_the_same_verified_prefix(data):
     for copier in (separate, fused):
         poisoned = poison(cache)
         values = plan.value_views(memoryview(flat), 0, n)
-        checked = copier.check(values, plan.expected, JobRecord(JobKind.LOAD))
+        checked = copier.check(ReceivedValues(values, plan.expected), JobRecord(JobKind.LOAD))
         assert checked.scatter(copier, plan, staging, plan.value_start, 0) == valid
         written = slots[: sum(offsets[:valid])]
         assert_cache_equals(cache, expected_after_load(original, poisoned, written))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ems_testlib import keyed
 from pool_testlib import make_values, wait_until
 
 from ems.backends.pool_client import PoolClient
@@ -42,15 +43,15 @@ def test_a_hedge_abort_leaves_the_slow_node_taking_copies_and_answering(pool_nod
         values = make_values(len(keys), SIZE, seed=1)
         blobs = [b"".join(v) for v in values]
         expected = ExpectedValues(ValueKind.RAW_V0, 0, np.zeros(len(keys), np.uint64), np.full(len(keys), SIZE))
-        assert all(pool.put(keys, keys, values, OPTION).results)
+        assert all(pool.put(keyed(keys, OPTION), values).results)
         for _ in range(3):  # the latency model learns what a normal read costs
             outs = [np.empty(len(b), np.uint8) for b in blobs]
-            assert all(pool.get_into(keys, keys, outs, OPTION, expected).results)
+            assert all(pool.get_into(keyed(keys, OPTION, expected=expected), outs).results)
         slow = _owners(pool, keys[0])[0]
         procs[slow].pause()
         try:
             outs = [np.zeros(len(b), np.uint8) for b in blobs]
-            outcome = pool.get_into(keys, keys, outs, OPTION, expected)
+            outcome = pool.get_into(keyed(keys, OPTION, expected=expected), outs)
         finally:
             procs[slow].resume()
         assert all(outcome.results) and [o.tobytes() for o in outs] == blobs
@@ -61,7 +62,7 @@ def test_a_hedge_abort_leaves_the_slow_node_taking_copies_and_answering(pool_nod
         new_keys = [f"after-{i}".encode() for i in range(12)]
         # small values: the save's share on the slow node is over well within its give-up delay (`NodeLatency`)
         new_values = make_values(len(new_keys), 4096, seed=2)
-        saved = pool.put(new_keys, new_keys, new_values, OPTION)
+        saved = pool.put(keyed(new_keys, OPTION), new_values)
         assert all(saved.results) and not saved.errors, saved.errors
         theirs = [k for k in new_keys if slow in _owners(pool, k)]
         assert theirs

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from ems_testlib import keyed
 from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_line, tcp_sockets, wait_until
 
 from ems.backends.pool_client import PoolClient
@@ -135,14 +136,14 @@ def test_sigstopped_node_costs_only_the_timeout(pool_nodes):
     try:
         keys = [f"s{i}".encode() for i in range(30)]
         values = make_values(30, 10_000)
-        assert all(pool.put(keys, keys, values, CcKvOption(timeout=3000)).results)
+        assert all(pool.put(keyed(keys, CcKvOption(timeout=3000)), values).results)
         nodes[2].pause()
         for timeout_ms in (300, 800):
             option = CcKvOption(timeout=timeout_ms)
             for call in (
-                lambda: pool.get(keys, keys, option),
-                lambda: pool.exists(keys, keys, option),
-                lambda: pool.put(keys, keys, values, option),
+                lambda: pool.get(keyed(keys, option)),
+                lambda: pool.exists(keyed(keys, option)),
+                lambda: pool.put(keyed(keys, option), values),
             ):
                 t0 = time.monotonic()
                 out = call()

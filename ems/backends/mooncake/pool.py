@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ems.backends.base import InPlaceValues, PoolOutcome, ReadCheck
+from ems.backends.base import InPlaceValues, PoolOutcome, PoolRequest, ReadCheck
 from ems.backends.mooncake.connection import MooncakeConnection
 from ems.backends.mooncake.keys import mooncake_key
 from ems.backends.mooncake.memory import RegisteredMemory
@@ -49,11 +49,10 @@ from ems.config import MooncakeSettings
 from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
-from ems.store.value_format import HEADER_SIZE, ExpectedValues
+from ems.store.value_format import HEADER_SIZE
 from ems.transport.base import AsPlaced, TransportError
 from ems.transport.holds import Hold, HoldKind
 from ems.transport.protocol import RequestLimits
-from ems.types import CcKvOption
 
 log = logging.getLogger("ems")
 R = TypeVar("R")
@@ -123,10 +122,9 @@ class MooncakePool:
 
     # ---- calls
 
-    def _begin(self, option: CcKvOption, deadline: Deadline | None) -> tuple[Any, Deadline]:
+    def _begin(self, request: PoolRequest) -> tuple[Any, Deadline]:
         """(the store, or None when not set up or closed; the call's deadline)."""
-        if deadline is None:
-            deadline = Deadline.of(option)
+        deadline = request.until()
         if self._connection.closed:
             return None, deadline
         return self._connection.ready(deadline.left()), deadline
@@ -147,19 +145,14 @@ class MooncakePool:
         return None
 
     def put(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        values: Sequence[Sequence[Buffer]],
-        option: CcKvOption,
-        value_lens: np.ndarray | None = None,
-        deadline: Deadline | None = None,
+        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """`batch_upsert_from` of every value (replaced where it exists); True where Mooncake stored it."""
+        keys = request.keys
         n = len(keys)
         if n == 0:
             return PoolOutcome([])
-        store, deadline = self._begin(option, deadline)
+        store, deadline = self._begin(request)
         if store is None:
             return self._not_set_up(n)
         names = [mooncake_key(k) for k in keys]
@@ -189,25 +182,17 @@ class MooncakePool:
         self._memory.give_back(placement, codes is not None)
         return outcome
 
-    def get_into(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        outs: Sequence[Buffer],
-        option: CcKvOption,
-        expected: ExpectedValues | None = None,
-        deadline: Deadline | None = None,
-        as_placed: AsPlaced | None = None,
-    ) -> PoolOutcome[bool]:
+    def get_into(self, request: PoolRequest, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
         """`batch_get_into` straight into `outs` (through the bounce buffer where they are not registered); True
         where a value of exactly `len(outs[i])` bytes was placed. `as_placed` is never run (Mooncake places a batch
         whole)."""
+        keys = request.keys
         n = len(keys)
         if len(outs) != n:
             raise ValueError(f"{n} keys but {len(outs)} buffers")
-        if n == 0 or (option.read_local_only):
+        if n == 0 or request.option.read_local_only:
             return PoolOutcome([False] * n)
-        store, deadline = self._begin(option, deadline)
+        store, deadline = self._begin(request)
         if store is None:
             return self._not_set_up(n)
         names = [mooncake_key(k) for k in keys]
@@ -234,19 +219,14 @@ class MooncakePool:
         self._memory.give_back(placement, got is not None)
         return outcome
 
-    def get(
-        self,
-        route_keys: Sequence[bytes],
-        keys: Sequence[bytes],
-        option: CcKvOption,
-        expected: ExpectedValues | None = None,
-    ) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolRequest) -> PoolOutcome[Buffer | None]:
         """`get_batch` (Mooncake's own buffer, in parts within half of it by the expected sizes): each value, or
         None."""
+        keys, expected = request.keys, request.expected
         n = len(keys)
-        if n == 0 or option.read_local_only:
+        if n == 0 or request.option.read_local_only:
             return PoolOutcome([None] * n)
-        store, deadline = self._begin(option, None)
+        store, deadline = self._begin(request)
         if store is None:
             missing: PoolOutcome[Buffer | None] = self._not_set_up(n)
             missing.results = [None] * n
@@ -272,17 +252,16 @@ class MooncakePool:
             outcome.results = [v if len(v) else None for v in values]
         return outcome
 
-    def exists(
-        self, route_keys: Sequence[bytes], keys: Sequence[bytes], option: CcKvOption, hold: Hold | None = None
-    ) -> PoolOutcome[bool]:
+    def exists(self, request: PoolRequest, hold: Hold | None = None) -> PoolOutcome[bool]:
         """`batch_is_exist`: True where Mooncake holds the key. Mooncake's master leases every object an exists finds
         (its own `default_kv_lease_ttl`, 5 s by default: eviction passes it by meanwhile), so a lease asked for is
         Mooncake's, of Mooncake's length, ended by its time only. A pin cannot be added to an object Mooncake already
         holds (its pins are set when an object is put): False for every key."""
+        keys = request.keys
         n = len(keys)
-        if n == 0 or option.read_local_only or (hold is not None and hold.kind is HoldKind.PIN):
+        if n == 0 or request.option.read_local_only or (hold is not None and hold.kind is HoldKind.PIN):
             return PoolOutcome([False] * n)
-        store, deadline = self._begin(option, None)
+        store, deadline = self._begin(request)
         if store is None:
             return self._not_set_up(n)
         names = [mooncake_key(k) for k in keys]

@@ -25,7 +25,7 @@ from ems.datapath.jobs.embedded import EmbeddedLoad, EmbeddedSave
 from ems.datapath.jobs.pipelined_load import PipelinedLoad
 from ems.datapath.jobs.pipelined_save import PipelinedSave
 from ems.datapath.jobs.staged import StagedLoad
-from ems.datapath.jobs.transfer import LoadJob, NothingToMove, PoolRoute, SaveJob, Transfer
+from ems.datapath.jobs.transfer import Loaded, LoadJob, NothingToMove, PoolRoute, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "EmbeddedLoad",
     "EmbeddedSave",
     "LoadJob",
+    "Loaded",
     "PoolRoute",
     "SaveJob",
     "Transfer",

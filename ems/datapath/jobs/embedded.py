@@ -22,15 +22,16 @@ from typing import cast
 import numpy as np
 import torch
 
-from ems.backends.base import InPlaceValues, PoolOutcome
+from ems.backends.base import InPlaceValues, PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.copier import Gathered
-from ems.datapath.jobs.transfer import SaveJob, Transfer
+from ems.datapath.jobs.transfer import Loaded, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
 from ems.datapath.records import Stage
+from ems.datapath.values import ReceivedValues
 from ems.kernels.raw_memory import buffer_addresses, raw_tensor
 from ems.store.kv_store import ENTRY_OVERHEAD
-from ems.store.value_format import HEADER_SIZE, encode_in_place, valid_prefix
+from ems.store.value_format import HEADER_SIZE, encode_in_place
 
 # the embedded path views the address span of a request's buffers as one tensor: never one wider than this
 # (buffers from unrelated mappings; then it moves value by value)
@@ -151,36 +152,35 @@ class EmbeddedLoad:
         self.plan, self.copier, self.record, self.store = transfer.plan, transfer.copier, transfer.record, store
         self.record.path = "one-pass"
 
-    def run(self) -> tuple[int, PoolOutcome]:
+    def run(self) -> Loaded:
         plan, record = self.plan, self.record
         with record.stage(Stage.RECEIVE):
             # the stored buffers themselves (read-only views), and their addresses where the store knows them
             values, addresses = self.store.get_many_with_addresses(plan.keys)
+        received = ReceivedValues(values, plan.expected, ReadCheck.NONE, addresses)  # (the bytes as stored)
         outcome = PoolOutcome(values, nodes_contacted=1)
-        present = next((i for i, value in enumerate(values) if value is None), len(values))
+        present = received.present()
         if isinstance(plan, BlockPlan) and present > 1:
             # the copier's check: the headers only where its scatter verifies the payloads (the fused copier)
-            checked = self.copier.check(values[:present], plan.expected, record)
-            span = _stored_span(plan, values, addresses, checked.count) if checked.count > 1 else None
+            checked = self.copier.check(received.range(0, present), record)
+            span = _stored_span(received, checked.count) if checked.count > 1 else None
             if span is not None:
                 with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, checked.count)):
-                    return checked.scatter(self.copier, plan, span[0], span[1], 0), outcome
-            hits = checked.confirm(values, plan.expected)
+                    return Loaded(checked.scatter(self.copier, plan, span[0], span[1], 0), outcome)
+            hits = checked.confirm(received)
         else:
             with record.stage(Stage.VERIFY, plan.expected.payload_bytes(0, present)):
-                hits = valid_prefix(values[:present], plan.expected)
+                hits = received.range(0, present).verified_prefix()
         if hits:  # one value, V0 raw ranges, or stored values too far apart to view as one
             with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
                 for i in range(hits):
                     self.copier.scatter_value(plan, i, stored_array(cast(Buffer, values[i])))  # i < hits: present
-        return hits, outcome
+        return Loaded(hits, outcome)
 
 
-def _stored_span(
-    plan: BlockPlan, values: list[Buffer | None], addresses: list[int | None], count: int
-) -> tuple[torch.Tensor, np.ndarray] | None:
+def _stored_span(values: ReceivedValues, count: int) -> tuple[torch.Tensor, np.ndarray] | None:
     """The first `count` stored values (present) as one span and their offsets in it (`span_of`), from the
     addresses the store knows, else from the buffers themselves."""
-    known = addresses[:count]
-    starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values[:count])
-    return span_of(starts, plan.expected.payload_len[:count] + HEADER_SIZE)
+    known = values.addresses[:count] if values.addresses is not None else [None]
+    starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values.buffers[:count])
+    return span_of(starts, values.expected.payload_len[:count] + HEADER_SIZE)

@@ -23,30 +23,21 @@ import concurrent.futures
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from typing import cast
 
-from ems.backends.base import PoolOutcome, ReadCheck
-from ems.buffers import Buffer
-from ems.datapath.copier import Checked, PlacedScatter, Verified
+from ems.backends.base import PoolOutcome
+from ems.datapath.copier import PlacedScatter, Verified
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import Received, chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
-from ems.datapath.jobs.transfer import PoolRoute, Transfer
+from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
 from ems.datapath.planning import BlockPlan
-from ems.datapath.records import JobRecord, Stage
+from ems.datapath.records import Stage
 from ems.datapath.staging import StagingKind
+from ems.datapath.values import ReceivedValues
 from ems.deadline import Deadline
 from ems.kernels.base import PlacedStop
 from ems.store.value_format import HEADER_SIZE, ExpectedValues
-
-#: what a load checks of the values it received before they are scattered (`Copier.check`'s signature)
-Check = Callable[[Sequence[Buffer | None], ExpectedValues, JobRecord], Checked]
-
-
-def checked_by_pool(values: Sequence[Buffer | None], expected: ExpectedValues, record: JobRecord) -> Checked:
-    """The check of a load from a pool that checked each value it placed against `expected` (`ReadCheck.EXPECTED`):
-    nothing more, every value received is verified."""
-    return Verified(len(values))
 
 
 class PipelinedLoad:
@@ -59,15 +50,15 @@ class PipelinedLoad:
         self.device, self.copier = transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
         self.pool, self.staging, self.chunk_bytes = route.pool, route.staging, route.chunk_bytes
-        # what this load checks of the values it receives before the scatter, chosen once: nothing more where the
-        # pool checked each against the expected values (replicas: to fall back on damage), else the copier's check
-        self.check: Check = checked_by_pool if route.pool.read_check is ReadCheck.EXPECTED else self.copier.check
+        # what the pool checks of the values it places (replicas: each against the expected values, to fall back on
+        # damage): they travel with that (`ReceivedValues.checked`), and the copier's check checks nothing more then
+        self.read_check = route.pool.read_check
         self.record.path = "pipelined"
 
-    def run(self) -> tuple[int, PoolOutcome]:
+    def run(self) -> Loaded:
         return self._run_pipelined(self.plan)
 
-    def _run_pipelined(self, plan: BlockPlan) -> tuple[int, PoolOutcome]:
+    def _run_pipelined(self, plan: BlockPlan) -> Loaded:
         """Chunks' receive + verify run on the pipeline threads, `PIPELINE_DEPTH` at once; scatter chunk k's
         verified prefix while later chunks arrive; stop at the first miss (nothing after it is written)."""
         record = self.record
@@ -126,7 +117,7 @@ class PipelinedLoad:
             stop.set()
             clean = fence(receives, deadline)
             (self.staging.release if clean else self.staging.retire)(lease)
-        return hits, merge_outcomes(outcomes, plan.total)
+        return Loaded(hits, merge_outcomes(outcomes, plan.total))
 
     def _receive_chunk(
         self,
@@ -139,30 +130,24 @@ class PipelinedLoad:
         placed: PlacedScatter | None = None,
     ) -> Received:
         """On a pipeline thread: values a..b-1 straight into their places in staging, then what this load checks of
-        them before the scatter (`self.check`: every value, or the headers where the scatter verifies the payloads;
+        them before the scatter (`Copier.check`: every value, or the headers where the scatter verifies the payloads;
         nothing more where the pool checked them). `placed` (passed to the pool) may already have verified and
         written leading values into the cache: those the reply confirms are hits; the rest are checked as without
         it."""
         record = self.record
         if stop.is_set():  # the load already stopped before this chunk
             return Received(PoolOutcome([False] * (b - a)), 0, Verified(0))
-        expected = plan.expected.range(a, b)
+        request = pool_request(plan, self.option, a, b, deadline)
+        expected = cast(ExpectedValues, request.expected)  # (a plan's requests carry its expected values)
         start = time.perf_counter()
         outs = plan.value_views(host, a, b)
-        outcome = self.pool.get_into(
-            plan.route_keys[a:b],
-            plan.keys[a:b],
-            outs,
-            self.option,
-            expected,
-            deadline,
-            as_placed=placed.run if placed is not None else None,
-        )
-        received = time.perf_counter()
+        outcome = self.pool.get_into(request, outs, as_placed=placed.run if placed is not None else None)
+        arrived = time.perf_counter()
         present = next((i for i, ok in enumerate(outcome.results) if not ok), b - a)
         written, why = placed.result() if placed is not None else (0, PlacedStop.INTERRUPTED)
         written = min(written, present)  # (a value the reply does not confirm is not a hit, whatever was written)
-        record.add(Stage.RECEIVE, expected.payload_bytes(0, present) + HEADER_SIZE * present, received - start)
+        record.add(Stage.RECEIVE, expected.payload_bytes(0, present) + HEADER_SIZE * present, arrived - start)
         if why == PlacedStop.DAMAGED and written < present:  # value `written` failed its check: the load ends there
             return Received(outcome, written, Verified(0))
-        return Received(outcome, written, self.check(outs[written:present], expected.range(written, present), record))
+        values = ReceivedValues(outs, expected, self.read_check).range(written, present)
+        return Received(outcome, written, self.copier.check(values, record))

@@ -23,7 +23,7 @@ from ems.datapath.copier import Gathered, encode_values
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
-from ems.datapath.jobs.transfer import PoolRoute, SaveJob, Transfer
+from ems.datapath.jobs.transfer import PoolRoute, SaveJob, Transfer, pool_request
 from ems.datapath.records import Stage
 from ems.datapath.staging import StagingLease
 from ems.deadline import Deadline
@@ -86,9 +86,7 @@ class PipelinedSave(SaveJob):
                 return PoolOutcome([False] * (b - a))
             sent = time.perf_counter()
             value_lens = plan.expected.payload_len[a:b] + HEADER_SIZE
-            outcome = self.pool.put(
-                plan.route_keys[a:b], plan.keys[a:b], values, self.option, value_lens, deadline=self._deadline
-            )
+            outcome = self.pool.put(pool_request(plan, self.option, a, b, self._deadline), values, value_lens)
             record.add(Stage.SEND, int(value_lens.sum()), time.perf_counter() - sent)
         except BaseException:
             self._stop.set()

@@ -5,18 +5,17 @@ scattered. Nothing after the first miss is written; the lease goes back on every
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.devices import side_stream
-from ems.datapath.jobs.transfer import PoolRoute, Transfer
+from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
 from ems.datapath.planning import RawPlan
 from ems.datapath.records import Stage
-from ems.store.value_format import HEADER_SIZE, ExpectedValues, valid_prefix
+from ems.datapath.values import ReceivedValues
+from ems.store.value_format import HEADER_SIZE
 
 
 class StagedLoad:
@@ -29,21 +28,20 @@ class StagedLoad:
         self.device, self.copier = transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
         self.pool, self.staging = route.pool, route.staging
-        # what this load checks of the values it receives, chosen once: nothing more where the pool checked each
-        # against the expected values (replicas: to fall back on damage), else every present value
-        self.valid_prefix = present_prefix if route.pool.read_check is ReadCheck.EXPECTED else valid_prefix
         self.record.path = "staged"
 
-    def run(self) -> tuple[int, PoolOutcome]:
+    def run(self) -> Loaded:
         return self._receive_copy_scatter(self.plan)
 
-    def _receive_copy_scatter(self, plan: RawPlan) -> tuple[int, PoolOutcome]:
+    def _receive_copy_scatter(self, plan: RawPlan) -> Loaded:
         """V0 (its staging has no room for the headers): receive, verify the prefix, copy it into staging, scatter."""
         record = self.record
         with record.stage(Stage.RECEIVE):
-            outcome = self.pool.get(plan.route_keys, plan.keys, self.option, plan.expected)
+            outcome = self.pool.get(pool_request(plan, self.option))
         with record.stage(Stage.VERIFY, plan.expected.payload_bytes()):
-            hits = self.valid_prefix(outcome.results, plan.expected)
+            # nothing more where the pool checked each value against the expected ones (replicas: to fall back on
+            # damage), else every present value (`ReceivedValues.verified_prefix`)
+            hits = ReceivedValues(outcome.results, plan.expected, self.pool.read_check).verified_prefix()
         if hits:
             nbytes = int(plan.value_start[hits])
             lease = self.staging.acquire(nbytes, self.device)
@@ -58,12 +56,7 @@ class StagedLoad:
                         self.copier.scatter(plan, lease.device, 0, hits)
             finally:
                 self.staging.release(lease)
-        return hits, outcome
-
-
-def present_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> int:
-    """How many of the leading values are present (values a pool checked against `expected` already)."""
-    return next((i for i, v in enumerate(values) if v is None), len(values))
+        return Loaded(hits, outcome)
 
 
 def _fill_from_values(plan: RawPlan, host: np.ndarray, values: list[Buffer]) -> None:

@@ -2,7 +2,8 @@
 
 `Transfer` is one save or load call's descriptor: what moves (`plan`: data, `ems.datapath.planning`), on which device,
 by which copier (`ems.datapath.copier`, chosen once for the job), with the call's option and its job record.
-`PoolRoute` is where a client's transfers go: its pool, its staging pool and the chunk size. A job is built from
+`PoolRoute` is where a client's transfers go: its pool, its staging pool and the chunk size. Each pool call a job
+makes for values a..b-1 of its plan is one `PoolRequest` (`pool_request`). A job is built from
 the two (`ems.datapath.jobs.save_job` / `load_job`) and runs as a `SaveJob` (the base class of every save job) or a
 `LoadJob`; no job holds anything a descriptor does not name, and every job gives back every buffer and lease on
 every path.
@@ -16,11 +17,12 @@ from typing import Protocol
 
 import torch
 
-from ems.backends.base import PoolBackend, PoolOutcome
+from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
 from ems.datapath.copier import Copier
 from ems.datapath.planning import Plan
 from ems.datapath.records import JobRecord
 from ems.datapath.staging import StagingPool
+from ems.deadline import Deadline
 from ems.types import CcKvOption
 
 
@@ -44,6 +46,17 @@ class PoolRoute:
     pool: PoolBackend
     staging: StagingPool
     chunk_bytes: int
+
+
+def pool_request(
+    plan: Plan, option: CcKvOption, a: int = 0, b: int | None = None, deadline: Deadline | None = None
+) -> PoolRequest:
+    """Values a..b-1 of `plan` (b None: to the end) as one pool call: their keys, route keys and expected values,
+    the call's option and, where given, the job's deadline."""
+    if a == 0 and b is None:
+        return PoolRequest(plan.route_keys, plan.keys, option, deadline, plan.expected)
+    b = plan.total if b is None else b
+    return PoolRequest(plan.route_keys[a:b], plan.keys[a:b], option, deadline, plan.expected.range(a, b))
 
 
 class SaveJob(abc.ABC):
@@ -72,12 +85,22 @@ class SaveJob(abc.ABC):
     def abandon(self) -> None: ...
 
 
+@dataclass(slots=True)
+class Loaded:
+    """What a load did: `hits`, the values from the first that were verified and written into the cache (nothing
+    after them was touched), and the pool's `outcome` (its errors say whether the pool was reachable). Never changed
+    once built (slotted, not frozen: see `PoolRequest`)."""
+
+    hits: int
+    outcome: PoolOutcome
+
+
 class LoadJob(Protocol):
-    """One load: `run()` writes only the verified prefix and returns (blocks written, the pool's outcome)."""
+    """One load: `run()` writes only the verified prefix and says what it did (`Loaded`)."""
 
     record: JobRecord
 
-    def run(self) -> tuple[int, PoolOutcome]: ...
+    def run(self) -> Loaded: ...
 
 
 class NothingToMove(SaveJob):
@@ -97,5 +120,5 @@ class NothingToMove(SaveJob):
     def abandon(self) -> None:
         return None
 
-    def run(self) -> tuple[int, PoolOutcome]:
-        return 0, PoolOutcome([])
+    def run(self) -> Loaded:
+        return Loaded(0, PoolOutcome([]))

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from ems_testlib import assert_cache_equals, expected_after_load, make_cache, poison, slots_of_blocks, snapshot
+from ems_testlib import assert_cache_equals, expected_after_load, keyed, make_cache, poison, slots_of_blocks, snapshot
 
 from ems import CcConfig, CcKvOption, CcResult, ContextCaching, Ems, EmsConfig, EmsErrorCode, EmsException
 from ems.backends.mooncake import MooncakePool, mooncake_key
@@ -302,7 +302,7 @@ def test_init_before_the_master_answers_is_recoverable():
     pool = MooncakePool(MooncakeSettings(master=master), connect_timeout_s=0.2)
     try:
         started = time.monotonic()
-        outcome = pool.exists([b"k"], [b"k"], CcKvOption(timeout=200))
+        outcome = pool.exists(keyed([b"k"], CcKvOption(timeout=200)))
         assert outcome.results == [False] and outcome.unreachable
         assert time.monotonic() - started < 2.0
     finally:
