@@ -14,6 +14,7 @@ from ems.integrations.connector_config import (
     ConnectorConfig,
     KvRole,
     LocalPoolMode,
+    ProducerResponse,
     derive_model_id,
 )
 from ems.integrations.step_policy import StepMode
@@ -35,6 +36,8 @@ def test_defaults_and_every_key(monkeypatch):
             "load_failure_policy": "fail",
             "lease_ms": 0,
             "save_wait_ms": 500,
+            "producer_response": "immediate",
+            "producer_wait_ms": 200,
             "step_policy": "in_step",
             "in_step_ms": 20,
             "access_id": "team-a",
@@ -58,7 +61,9 @@ def test_defaults_and_every_key(monkeypatch):
     assert config.save_wait_ms == 2000
     assert config.step_policy == StepMode.AUTO and config.in_step_ms == 50
     assert full.step_policy == StepMode.IN_STEP and full.in_step_ms == 20
-    assert len(KEYS) == 18 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert config.producer_response is ProducerResponse.AFTER_SAVE and config.producer_wait_ms == 500
+    assert full.producer_response is ProducerResponse.IMMEDIATE and full.producer_wait_ms == 200
+    assert len(KEYS) == 20 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
@@ -166,6 +171,11 @@ def test_equal_configs_for_every_process():
         {"in_step_ms": -1},
         {"in_step_ms": 60_001},
         {"in_step_ms": 2.5},
+        {"producer_response": "later"},
+        {"producer_response": True},
+        {"producer_wait_ms": 0},
+        {"producer_wait_ms": 60_001},
+        {"producer_wait_ms": 0.5},
     ],
 )
 def test_bad_values_name_the_key(extra):
