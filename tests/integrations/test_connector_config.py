@@ -3,6 +3,7 @@ EmsConfigs; model ids are deterministic and valid."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -216,3 +217,14 @@ def test_import_ems_never_imports_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def test_the_docs_key_table_names_every_key_and_only_keys():
+    """docs/vllm.md's `kv_connector_extra_config` table against `KEYS`, both ways (its first column's names)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "vllm.md")) as f:
+        section = f.read().split("## `kv_connector_extra_config` keys", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| ") and not line.startswith("| key")]
+    named = {name for first in rows for name in re.findall(r"`([a-z_]+)`", first)}
+    assert set(KEYS) - named == set(), "keys missing from docs/vllm.md's table"
+    assert named - set(KEYS) == set(), "docs/vllm.md's table names keys the connector does not read"
