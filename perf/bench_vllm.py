@@ -52,7 +52,12 @@ Prints a table, saves a bar plot, appends both to RESULTS.md with this command.
    `kv_transfer_params` at once (the proxy's path: it may wait for blocks still being saved) and, for another
    prompt, once the saves have landed (1 s later); then the prefill server gets the same prompt again (a hit in
    its own prefix cache). TTFT = the wall time of a `max_tokens` 1 request over HTTP, the same on every side; the
-   ratio decode / prefix-cache hit is the goal's (<= 1.3).
+   ratio decode / prefix-cache hit is the goal's (<= 1.3), and prefill + decode is what a client of the proxy
+   waits. The producer's `producer_response` is the connector's default unless `--pd-producer-response` names one.
+   Both servers run with `OMP_WAIT_POLICY=PASSIVE` (unless the environment sets it): two engines share these
+   cores, and an engine's OpenMP threads spinning after its forward slow the other engine's next step (measured:
+   the prefix-cache hit right after the decode server's request took 285 ms with the spin, 66 ms without;
+   perf/RESULTS.md, "P/D decode TTFT on a quiet host, with and without OpenMP's spin-wait").
 """
 
 from __future__ import annotations
@@ -455,7 +460,15 @@ def pd_bench(args: argparse.Namespace) -> None:
             "kv_role": role,
             "kv_connector_extra_config": {"local_pool_dir": pool_dir, "read_cache_capacity": 0},
         }
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
+        if args.pd_producer_response and role == "kv_producer":
+            transfer["kv_connector_extra_config"]["producer_response"] = args.pd_producer_response
+        # two engines on the same cores: OpenMP's spin-wait after one engine's forward slows the other's next step
+        env = {
+            "OMP_WAIT_POLICY": "PASSIVE",
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--host", "127.0.0.1", "--skip-tokenizer-init", "--block-size", "32", "--max-model-len", str(max_len),
@@ -479,6 +492,12 @@ def pd_bench(args: argparse.Namespace) -> None:
                 pass
             time.sleep(1)
         raise RuntimeError(f"{url} not healthy after 600 s")
+
+    def counter(url: str, name: str) -> float:
+        """A server's Prometheus counter `vllm:ems_<name>_total` (summed over its label sets)."""
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"vllm:ems_{name}_total"))
 
     def post(url: str, body: dict) -> tuple[dict, float]:
         request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -520,18 +539,26 @@ def pd_bench(args: argparse.Namespace) -> None:
                 {
                     "prefill_s": prefill_s,
                     "decode_proxy_s": decode_proxy_s,
+                    "total_proxy_s": prefill_s + decode_proxy_s,
                     "decode_quiet_s": decode_quiet_s,
                     "prefix_hit_s": hit_s,
                     "cached": cached,
                 }
             )
             print(json.dumps(rows[-1]))
+        time.sleep(1.0)  # the servers record a step's statistics as they hand out its outputs
+        save_waits = counter(urls["kv_consumer"], "lookup_save_waits")
+        hits = counter(urls["kv_consumer"], "lookup_hit_blocks")
+        print(json.dumps({"decode_save_waits": save_waits, "decode_hit_blocks": hits}))
     finally:
         stop_servers(procs.values(), pool_dir)
 
     def med(key: str) -> float:
         values = sorted(r[key] for r in rows)
         return values[len(values) // 2]
+
+    def per_prompt(key: str) -> str:
+        return ", ".join(f"{1000 * r[key]:.0f}" for r in rows)
 
     ratio_proxy, ratio_quiet = med("decode_proxy_s") / med("prefix_hit_s"), med("decode_quiet_s") / med("prefix_hit_s")
     print(json.dumps({"decode_proxy_over_hit": ratio_proxy, "decode_quiet_over_hit": ratio_quiet}))
@@ -544,7 +571,9 @@ def pd_bench(args: argparse.Namespace) -> None:
             f"commit {ems_commit()}; {os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at "
             f"start). Bench Llama (hidden 1024, 8 layers, bf16, block 32), {args.tokens}-token prompts, two OpenAI "
             "servers (prefill `kv_producer`, decode `kv_consumer`, vLLM's multi-process mode) on one local pool node; "
-            f"medians of {len(rows)} prompts; TTFT = a `max_tokens` 1 request's wall time over HTTP."
+            f"producer_response {args.pd_producer_response or 'the default'}; OMP_WAIT_POLICY "
+            f"{os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}; medians of {len(rows)} prompts; TTFT = a `max_tokens` 1 "
+            "request's wall time over HTTP."
         ),
         "",
         "| TTFT | median ms |",
@@ -553,6 +582,11 @@ def pd_bench(args: argparse.Namespace) -> None:
         f"| decode server, right after the prefill response (the proxy's path) | {1000 * med('decode_proxy_s'):.0f} |",
         f"| decode server, once the saves have landed | {1000 * med('decode_quiet_s'):.0f} |",
         f"| the same prompt again on one engine (prefix-cache hit) | {1000 * med('prefix_hit_s'):.0f} |",
+        f"| prefill + decode on the proxy's path (what its client waits) | {1000 * med('total_proxy_s'):.0f} |",
+        "",
+        f"Per prompt (ms), the proxy's path: {per_prompt('decode_proxy_s')}; prefill: {per_prompt('prefill_s')}. The "
+        f"decode server's lookups asked again for blocks on their way (`save_waits`, the whole run with its warm-up): "
+        f"{save_waits:.0f}; blocks its lookups hit: {hits:.0f}.",
         "",
         f"Decode / prefix-cache hit: **{ratio_proxy:.2f}x** on the proxy's path, **{ratio_quiet:.2f}x** once the saves "
         "have landed (goal <= 1.3).",
@@ -582,6 +616,9 @@ def main() -> None:
     parser.add_argument("--step-policies", default="async,auto", help="--round: one engine with the connector per step_policy")
     parser.add_argument("--pd", action="store_true", help="only mode 6: P/D decode TTFT vs a prefix-cache hit")
     parser.add_argument("--pd-prompts", type=int, default=3, help="--pd: prompts measured")
+    parser.add_argument(
+        "--pd-producer-response", choices=("after_save", "immediate"), help="--pd: the producer's producer_response"
+    )
     args = parser.parse_args()
     if args.pd:
         pd_bench(args)

@@ -16,7 +16,8 @@ Contract (no engine imports):
   wholly, is reported, never raised: the engine recomputes those blocks). `start_load` / `poll_load` are the same
   load asynchronously (`ContextCaching.async_load`): `poll_load` never blocks and gives the `LoadOutcome` once it
   has finished. `save_async` returns once the blocks are copied out of the engine's cache
-  (`ContextCaching.async_save`); failures only cost future misses.
+  (`ContextCaching.async_save`); failures only cost future misses; its `on_end` says when the save has ended (the
+  pool acknowledged it, or it failed or was never sent).
 * KV cache groups (a hybrid model: full and sliding-window attention): `group_hashes(hashes, group)` tags each
   engine hash with its group (a 16-byte BLAKE2b of the hash's 128 bits, personalised by the group index), so the
   blocks of one position in two groups are two keys and never collide; a model with one group uses its hashes
@@ -37,7 +38,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -46,6 +47,12 @@ from ems import CcFuture, CcKvOption, CcResult, ContextCaching, EmsException
 logger = logging.getLogger("ems.integrations")
 
 EngineHash = bytes | int
+
+
+def _nothing() -> None:
+    """A save's `on_end` when the caller gives none."""
+
+
 SHARED_TAG = 0xFFFF
 MAX_TP = 255
 
@@ -317,15 +324,26 @@ class BlockMover:
         self._count_load(n, loaded, future)
         return LoadOutcome(loaded, list(pending.block_ids[loaded:]))
 
-    def save_async(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> bool:
-        """Start saving (True), or drop the save when the in-flight budget is used up (False: a later miss)."""
+    def save_async(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[EngineHash],
+        epoch: bytes = b"",
+        on_end: Callable[[], None] | None = None,
+    ) -> bool:
+        """Start saving (True), or drop the save when the in-flight budget is used up (False: a later miss).
+        `on_end` is called once the save has ended: the pool acknowledged it or it failed (on the transfer's
+        thread), or at once when nothing was sent (dropped, refused, nothing to save)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
+        ended = on_end or _nothing
         n = len(block_ids)
         if n == 0 or not self.saves:
+            ended()
             return True
         if not self._reserve():
             self.stats.add(save_failed_blocks=n)
+            ended()
             return False
         try:
             future = self._cc.async_save(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
@@ -333,6 +351,7 @@ class BlockMover:
             logger.warning("save of %d blocks failed (later lookups miss them): %s", n, exc.message())
             self.stats.add(save_failed_blocks=n)
             self._release()
+            ended()
             return False
         with self._lock:
             self._pending.add(future)
@@ -354,6 +373,7 @@ class BlockMover:
             with self._lock:
                 self._pending.discard(f)
                 self._reserved -= 1
+            ended()
 
         future.add_done_callback(done)
         return True

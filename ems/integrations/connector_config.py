@@ -22,6 +22,8 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | breaker_cooldown_s  | 2.0                        | how often a pool counted as down is asked again              |
 | lookup_cache_s      | 1.0                        | how long a waiting request's lookup answer is reused          |
 | save_wait_ms        | 2000                       | wait for blocks on their way (saved, or loaded by another request) |
+| producer_response   | "after_save"               | a producer's step ends once its saves are in the pool, or at once |
+| producer_wait_ms    | 500                        | the bound of that wait: the most a slow or hung pool holds a step |
 | step_policy         | "auto"                     | lookups and loads in the step or asynchronously (`step_policy`) |
 | in_step_ms          | 50                         | the bound: in-step lookups of a step, and its in-step load, each at most |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
@@ -32,7 +34,10 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 With `pool_backend="mooncake"` (here or `EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool is started.
 
 `KvRole.of(kv_role)` reads vLLM's top-level `kv_role` (not an extra-config key): `kv_producer` saves and never
-loads, `kv_consumer` loads and never saves, `kv_both` (or none) does both.
+loads, `kv_consumer` loads and never saves, `kv_both` (or none) does both. `producer_response` (`ProducerResponse`)
+says when a producer's step (and so its response) ends: `after_save`, once the pool has acknowledged the saves the
+step sent (at most `producer_wait_ms`), or `immediate`, with the saves still on their way (the consumer's wait covers
+them); `kv_both` engines never wait for their saves.
 """
 
 from __future__ import annotations
@@ -72,6 +77,10 @@ DEFAULT_IN_STEP_MS = 50
 # Per request from measured costs, within `in_step_ms` (measured against "async" in real engines: docs/vllm.md).
 DEFAULT_STEP_MODE = StepMode.AUTO
 MAX_IN_STEP_MS = 60_000
+# A producer's step waits at most this long for the pool to acknowledge the saves it sent (`producer_wait_ms`): a
+# slow or hung pool costs a step no more (then the consumer's wait covers the rest). A 24 MiB prompt's save takes
+# 12-24 ms to a node on the same quiet host, 140-680 ms on a 2-core host under heavy load (perf/RESULTS.md).
+DEFAULT_PRODUCER_WAIT_MS = 500
 
 
 def invalid_argument(message: str) -> EmsException:
@@ -94,6 +103,8 @@ KEYS = (
     "lookup_cache_s",
     "lease_ms",
     "save_wait_ms",
+    "producer_response",
+    "producer_wait_ms",
     "step_policy",
     "in_step_ms",
     "access_id",
@@ -128,6 +139,16 @@ class KvRole(str, enum.Enum):
             raise invalid_argument(f"kv_role must be one of {[r.value for r in cls]}, got {value!r}") from None
 
 
+class ProducerResponse(str, enum.Enum):
+    """When a producer's step ends, and so when its response is sent (`producer_response`)."""
+
+    AFTER_SAVE = "after_save"  # once the pool has acknowledged the saves the step sent (at most producer_wait_ms)
+    IMMEDIATE = "immediate"  # at once: the saves are still on their way, the consumer's lookup waits for them
+
+
+DEFAULT_PRODUCER_RESPONSE = ProducerResponse.AFTER_SAVE
+
+
 class LocalPoolMode(str, enum.Enum):
     AUTO = "auto"
     OFF = "off"
@@ -148,6 +169,8 @@ class ConnectorConfig:
     lookup_cache_s: float = 1.0
     lease_ms: int = DEFAULT_LEASE_MS
     save_wait_ms: int = DEFAULT_SAVE_WAIT_MS
+    producer_response: ProducerResponse = DEFAULT_PRODUCER_RESPONSE
+    producer_wait_ms: int = DEFAULT_PRODUCER_WAIT_MS
     step_policy: StepMode = DEFAULT_STEP_MODE
     in_step_ms: int = DEFAULT_IN_STEP_MS
     access_id: str | None = None
@@ -200,6 +223,18 @@ class ConnectorConfig:
                 f"kv_connector_extra_config.save_wait_ms must be an int in 0..{MAX_SAVE_WAIT_MS}, got {save_wait!r}"
             )
         try:
+            producer_response = ProducerResponse(extra.get("producer_response", DEFAULT_PRODUCER_RESPONSE.value))
+        except ValueError:
+            raise invalid_argument(
+                f"kv_connector_extra_config.producer_response must be one of {[r.value for r in ProducerResponse]}, "
+                f"got {extra.get('producer_response')!r}"
+            ) from None
+        producer_wait = extra.get("producer_wait_ms", DEFAULT_PRODUCER_WAIT_MS)
+        if isinstance(producer_wait, bool) or not isinstance(producer_wait, int) or not 1 <= producer_wait <= MAX_SAVE_WAIT_MS:
+            raise invalid_argument(
+                f"kv_connector_extra_config.producer_wait_ms must be an int in 1..{MAX_SAVE_WAIT_MS}, got {producer_wait!r}"
+            )
+        try:
             step_policy = StepMode(extra.get("step_policy", DEFAULT_STEP_MODE.value))
         except ValueError:
             raise invalid_argument(
@@ -232,6 +267,8 @@ class ConnectorConfig:
             lookup_cache_s=float(seconds["lookup_cache_s"]),
             lease_ms=lease_ms,
             save_wait_ms=save_wait,
+            producer_response=producer_response,
+            producer_wait_ms=producer_wait,
             step_policy=step_policy,
             in_step_ms=in_step_ms,
             access_id=extra.get("access_id"),

@@ -1,7 +1,8 @@
 """Saves whose copy-out runs off the engine's step, and the hold on their blocks until it has finished.
 
 Contract (no engine imports):
-* `SaveCopier(mover).submit(req_id, block_ids, hashes, epoch, ready=None)` queues one save and returns at once.
+* `SaveCopier(mover).submit(req_id, block_ids, hashes, epoch, ready=None)` queues one save and returns at once,
+  with the save's ticket.
   One daemon thread runs the queued saves in order: it waits for `ready()` (on an accelerator, the event recorded
   after the step's kernels: the blocks are written), then calls `BlockMover.save_async`, which returns once the
   blocks are copied out of the engine's cache (the transfer to the pool goes on in the background, and a save
@@ -11,6 +12,10 @@ Contract (no engine imports):
   whose blocks the engine keeps for us (vLLM's delayed free) is named with `release_when_copied`; `take_released()`
   returns each such request once, when its copy-outs are all done (vLLM's `finished_sending`); `wait_released`
   waits a little for one (an engine step with nothing else to do).
+* A save is unsettled from `submit` until it has ended in the pool (`BlockMover.save_async`'s `on_end`: the pool
+  acknowledged it, or it failed, or it was never sent: dropped by the in-flight budget, or its copy-out raised).
+  `wait_settled(tickets, timeout_s)` waits for those saves (False when some are still unsettled after `timeout_s`);
+  `settled(tickets)` never blocks. (A producer's step waits so, `vllm.worker_saves`.)
 * `wait_copied(req_ids, timeout_s)` waits until those requests' copy-outs are done: their blocks are about to be
   reused (a preemption). It returns False only when the copier is stuck past `timeout_s` (it never is on a pool that
   hangs: a copy-out does not wait for the network).
@@ -26,6 +31,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from ems.integrations.block_transfer import BlockMover, EngineHash
 
@@ -34,6 +40,7 @@ logger = logging.getLogger("ems.integrations")
 
 @dataclass(frozen=True)
 class _Save:
+    ticket: int
     req_id: str
     block_ids: list[int]
     hashes: list[EngineHash]
@@ -48,6 +55,8 @@ class SaveCopier:
         self._queue: collections.deque[_Save] = collections.deque()
         self._copying: collections.Counter[str] = collections.Counter()  # saves queued or copying, per request
         self._held: set[str] = set()  # finished requests whose blocks the engine holds until their copy-outs end
+        self._tickets = 0  # the last ticket given
+        self._unsettled: set[int] = set()  # saves submitted whose end in the pool has not been reported yet
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="ems-save-copy", daemon=True)
         self._thread.start()
@@ -59,14 +68,34 @@ class SaveCopier:
         hashes: Sequence[EngineHash],
         epoch: bytes = b"",
         ready: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> int:
+        """Queue one save; its ticket (`wait_settled`)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         with self._cond:
             if self._closing:
                 raise RuntimeError("SaveCopier is closed")
-            self._queue.append(_Save(req_id, list(block_ids), list(hashes), epoch, ready))
+            self._tickets += 1
+            self._queue.append(_Save(self._tickets, req_id, list(block_ids), list(hashes), epoch, ready))
             self._copying[req_id] += 1
+            self._unsettled.add(self._tickets)
+            self._cond.notify_all()
+            return self._tickets
+
+    def settled(self, tickets: Iterable[int]) -> bool:
+        """Whether every one of these saves has ended in the pool (never blocks)."""
+        with self._cond:
+            return self._unsettled.isdisjoint(tickets)
+
+    def wait_settled(self, tickets: Iterable[int], timeout_s: float) -> bool:
+        """Wait until every one of these saves has ended in the pool (True), or `timeout_s` passed (False)."""
+        wanted = set(tickets)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._unsettled.isdisjoint(wanted), timeout_s)
+
+    def _settle(self, ticket: int) -> None:
+        with self._cond:
+            self._unsettled.discard(ticket)
             self._cond.notify_all()
 
     def copying(self, req_id: str) -> bool:
@@ -108,10 +137,11 @@ class SaveCopier:
             try:
                 if save.ready is not None:
                     save.ready()
-                self._mover.save_async(save.block_ids, save.hashes, save.epoch)
+                self._mover.save_async(save.block_ids, save.hashes, save.epoch, on_end=partial(self._settle, save.ticket))
             except Exception:  # never leave a hold behind: the engine would wait for these blocks forever
                 logger.exception("copy-out of %d blocks failed (later lookups miss them)", len(save.block_ids))
                 self._mover.stats.add(save_failed_blocks=len(save.block_ids))
+                self._settle(save.ticket)
             finally:
                 with self._cond:
                     self._copying[save.req_id] -= 1

@@ -3,6 +3,7 @@ EmsConfigs; model ids are deterministic and valid."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -14,6 +15,7 @@ from ems.integrations.connector_config import (
     ConnectorConfig,
     KvRole,
     LocalPoolMode,
+    ProducerResponse,
     derive_model_id,
 )
 from ems.integrations.step_policy import StepMode
@@ -35,6 +37,8 @@ def test_defaults_and_every_key(monkeypatch):
             "load_failure_policy": "fail",
             "lease_ms": 0,
             "save_wait_ms": 500,
+            "producer_response": "immediate",
+            "producer_wait_ms": 200,
             "step_policy": "in_step",
             "in_step_ms": 20,
             "access_id": "team-a",
@@ -58,7 +62,9 @@ def test_defaults_and_every_key(monkeypatch):
     assert config.save_wait_ms == 2000
     assert config.step_policy == StepMode.AUTO and config.in_step_ms == 50
     assert full.step_policy == StepMode.IN_STEP and full.in_step_ms == 20
-    assert len(KEYS) == 18 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert config.producer_response is ProducerResponse.AFTER_SAVE and config.producer_wait_ms == 500
+    assert full.producer_response is ProducerResponse.IMMEDIATE and full.producer_wait_ms == 200
+    assert len(KEYS) == 20 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
@@ -166,6 +172,11 @@ def test_equal_configs_for_every_process():
         {"in_step_ms": -1},
         {"in_step_ms": 60_001},
         {"in_step_ms": 2.5},
+        {"producer_response": "later"},
+        {"producer_response": True},
+        {"producer_wait_ms": 0},
+        {"producer_wait_ms": 60_001},
+        {"producer_wait_ms": 0.5},
     ],
 )
 def test_bad_values_name_the_key(extra):
@@ -206,3 +217,14 @@ def test_import_ems_never_imports_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+def test_the_docs_key_table_names_every_key_and_only_keys():
+    """docs/vllm.md's `kv_connector_extra_config` table against `KEYS`, both ways (its first column's names)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "vllm.md")) as f:
+        section = f.read().split("## `kv_connector_extra_config` keys", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| ") and not line.startswith("| key")]
+    named = {name for first in rows for name in re.findall(r"`([a-z_]+)`", first)}
+    assert set(KEYS) - named == set(), "keys missing from docs/vllm.md's table"
+    assert named - set(KEYS) == set(), "docs/vllm.md's table names keys the connector does not read"

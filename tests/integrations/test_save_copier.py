@@ -159,3 +159,27 @@ def test_random_saves_finishes_and_preemptions_never_serve_a_block_written_after
                 assert all(torch.equal(w, x) for w, x in zip(expected[h], have)), h.hex()[:8]
     finally:
         assert copier.close()
+
+
+def test_a_save_is_settled_once_it_has_ended_in_the_pool_stored_or_dropped(engine_cache):
+    """`wait_settled` returns once the pool has the saves (stored: a load serves them at once), and a save the
+    in-flight budget drops is settled too (nothing to wait for): a waiting caller is never held by it."""
+    layers, mover = engine_cache
+    copier = SaveCopier(mover)
+    released = threading.Event()
+    hashes = [block_hash(100 + i) for i in range(3)]
+    try:
+        ticket = copier.submit("a", [0, 1, 2], hashes, ready=lambda: released.wait(10))
+        assert not copier.settled([ticket]) and not copier.wait_settled([ticket], 0.1)  # its copy-out is held
+        released.set()
+        assert copier.wait_settled([ticket], 10) and copier.settled([ticket])
+        served(layers, mover, hashes, [20, 21, 22])  # in the pool when it settled
+        full = BlockMover(Ems.get_cc(), mover._block_bytes, inflight_budget=0)  # every save dropped
+        dropping = SaveCopier(full)
+        try:
+            dropped = dropping.submit("b", [3], [block_hash(200)])
+            assert dropping.wait_settled([dropped], 10) and full.stats.totals().save_failed_blocks == 1
+        finally:
+            dropping.close()
+    finally:
+        copier.close()

@@ -9,8 +9,10 @@ Contract (standard library only; no vLLM imports):
 * `POST /v1/completions` and `POST /v1/chat/completions`: the request goes to the prefill server with
   `max_tokens` 1 (and `stream` off); its response's `kv_transfer_params` (`EmsConnector`'s
   `{"ems_blocks": N, "ems_model_id": ...}`: the prompt blocks in the pool or on their way there) go with the
-  unchanged request to the decode server, whose response (streamed or not) is the client's. The decode server's
-  connector waits for blocks still being saved (`save_wait_ms`), so the proxy never waits for the pool itself.
+  unchanged request to the decode server, whose response (streamed or not) is the client's. The proxy never waits
+  for the pool itself: the prefill server answers once its saves are in the pool (`producer_response`
+  "after_save"), and past that wait's bound the decode server's connector waits for blocks still being saved
+  (`save_wait_ms`).
 * A prefill server that fails or answers without `kv_transfer_params` is not fatal: the request goes to the decode
   server without them (it then takes what the pool holds, and computes the rest). An error of the decode server is
   the client's (its status and body, passed through).

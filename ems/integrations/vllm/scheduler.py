@@ -19,8 +19,8 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
 * Roles (`ctx.role`, vLLM's `kv_role`): a producer never asks the pool (every lookup is 0 at once) and a consumer
   never sends a block to it. A lookup short of blocks still on their way to the pool waits for them, up to
   `save_wait_ms` from its first ask (`lookups.PoolLookups.match`'s `expect`): blocks a producer announced in the
-  request's `kv_transfer_params` (`PARAM_BLOCKS`, in the namespace `PARAM_MODEL`), or blocks this engine sent to be
-  saved within the last `save_wait_ms`.
+  request's `kv_transfer_params`, or blocks this engine sent to be saved within the last `save_wait_ms`
+  (`on_their_way.OnTheirWay`).
 * A request whose next block (the first past its local hit) another request of this engine is loading
   asynchronously right now waits for that load ("ask again next step", asking the pool nothing) instead of
   loading its own copy: vLLM caches an asynchronously loaded request's blocks only once its load is reported
@@ -56,10 +56,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ems.integrations.block_transfer import TransferStats, group_hashes
@@ -69,6 +67,7 @@ from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.engine_checks import GroupKind
 from ems.integrations.vllm.lookups import PoolLookups
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
+from ems.integrations.vllm.on_their_way import OnTheirWay
 from ems.integrations.vllm.steps import SchedulerStep, StepLog
 
 if TYPE_CHECKING:
@@ -78,11 +77,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ems.integrations.vllm")
 
-# What a producer tells the consumer through vLLM's `kv_transfer_params` (the response of the prefill engine, handed
-# to the decode engine's request by the proxy): the request's full prompt blocks that are in the pool or on their
-# way there, and the namespace they are keyed in.
-PARAM_BLOCKS = "ems_blocks"
-PARAM_MODEL = "ems_model_id"
 NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a position a sliding-window group does not hold
 
 
@@ -116,12 +110,11 @@ class EmsScheduler:
         # requests with saves sent to the workers since they were last admitted: when one finishes, vLLM keeps its
         # blocks until every worker has copied them out (`request_finished` True, the workers' finished_sending)
         self._saving: set[str] = set()
-        # block hashes this engine sent to be saved in the last `save_wait_ms` -> when (insertion order = time order):
-        # a lookup that stops short of one waits for it (`PoolLookups.match`'s `expect`)
-        self._pending: dict[bytes, float] = {}
+        # blocks a producer announced, and blocks this engine sent to be saved in the last `save_wait_ms`: a lookup
+        # that stops short of one waits for it (`PoolLookups.match`'s `expect`)
+        self.on_their_way = OnTheirWay(ctx)
         self.steps: StepLog[SchedulerStep] = StepLog()  # the per-step record
         self._waiting_lookups = 0  # requests told "ask again next step" during this step
-        self._save_wait_s = ctx.config.save_wait_ms / 1000
         self._in_step: set[str] = set()  # requests whose hit the policy loads in the step, if vLLM admits them
         self._windowed = any(kind is GroupKind.SLIDING for kind in ctx.groups)
         self._window_saves: set[str] = set()  # requests that sent sliding-window blocks to be saved this step
@@ -247,31 +240,9 @@ class EmsScheduler:
         self.lookups.policy.record_late_load(stats.load_late_bytes, stats.load_late_seconds)
 
     def _expected(self, request: Request, start: int, full: int) -> int:
-        """How many of the request's blocks from `start` are on their way to the pool: what a producer announced in
-        the request's `kv_transfer_params`, or up to the last one this engine sent to be saved in the last
-        `save_wait_ms` (another request of this engine is saving the prefix)."""
-        if self._save_wait_s <= 0 or full <= start:
-            return 0
-        expect = 0
+        """How many of the request's blocks from `start` are on their way to the pool (`on_their_way`)."""
         params = getattr(request, "kv_transfer_params", None)
-        if isinstance(params, dict) and params.get(PARAM_MODEL) == self._ctx.model_id:
-            announced = params.get(PARAM_BLOCKS)
-            if isinstance(announced, int) and not isinstance(announced, bool):
-                expect = min(announced, full) - start
-        self._expire_pending(time.monotonic())
-        if self._pending:
-            pending = self._pending
-            hashes = self._hashes(request)[start:full]
-            expect = max(expect, next((len(hashes) - i for i, h in enumerate(reversed(hashes)) if h in pending), 0))
-        return max(0, expect)
-
-    def _expire_pending(self, now: float) -> None:
-        pending, oldest = self._pending, now - self._save_wait_s
-        while pending:
-            first = next(iter(pending))
-            if pending[first] > oldest:
-                return
-            del pending[first]
+        return self.on_their_way.expected(params, start, full, lambda: self._hashes(request)[start:full])
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -316,10 +287,7 @@ class EmsScheduler:
         if self._windowed:
             self._window_saves.add(request.request_id)
         self._saving.add(request.request_id)
-        if self._save_wait_s > 0:  # on their way to the pool: a lookup that stops short of them waits for them
-            for h in hashes:
-                self._pending.pop(h, None)  # keep the insertion order the time order
-            self._pending.update(zip(hashes, repeat(time.monotonic())))
+        self.on_their_way.sent(hashes)  # a lookup that stops short of them waits for them
         self._events.stored(
             hashes,
             all_hashes[state.next_save - 1] if state.next_save > 0 else None,
@@ -393,7 +361,7 @@ class EmsScheduler:
         # (kv_transfer_params: a P/D proxy hands them from this engine's response to the consumer's request)
         params = None
         if self._ctx.role.saves and state is not None and state.next_save > 0 and state.epoch == self.epoch.epoch:
-            params = {PARAM_BLOCKS: state.next_save, PARAM_MODEL: self._ctx.model_id}
+            params = self.on_their_way.announce(state.next_save)
         return held, params
 
     def reset_cache(self) -> bool:

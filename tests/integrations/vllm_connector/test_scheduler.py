@@ -218,6 +218,29 @@ def test_a_consumer_waits_for_the_blocks_a_producer_is_still_saving(halves):
         consumer.shutdown()
 
 
+def test_a_producer_that_responds_after_its_saves_leaves_its_consumer_nothing_to_wait_for(halves):
+    """`producer_response` "after_save" (the default): the producer's step ends (vLLM sends its response) once the
+    pool holds its blocks, so the consumer's lookup finds them all at its first answer, never asking again."""
+    ctx, _, _, caches, events = halves
+    producer_ctx = dataclasses.replace(ctx, role=KvRole.PRODUCER)
+    producer, worker = EmsScheduler(producer_ctx, events), EmsWorker(producer_ctx)
+    consumer = EmsScheduler(dataclasses.replace(ctx, role=KvRole.CONSUMER), events)
+    try:
+        worker.register_kv_caches(caches, 0, {"CPU_ATTN"})
+        a = Request("a", PROMPT)
+        assert answer(producer, a) == 0
+        producer.update_state_after_alloc(a, Blocks([0, 1, 2, 3]), 0)
+        worker.wait_for_save(producer.build_connector_meta(Schedule.prefill(a, [0, 1, 2, 3])))  # the step ends
+        _, params = producer.request_finished(a, [0, 1, 2, 3])
+        b = Request("b", PROMPT, kv_transfer_params=params)
+        assert answer(consumer, b) == 3 * BLOCK
+        assert ctx.stats.totals().lookup_save_waits == 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("policy", ["async", "in_step"])
 def test_a_request_waiting_for_blocks_on_their_way_sleeps_between_its_asks(halves, policy):
     """While a consumer's request waits for announced blocks that have not landed, it asks the pool at most once per

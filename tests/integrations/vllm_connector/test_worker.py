@@ -66,14 +66,14 @@ def test_a_preempted_requests_copy_outs_end_before_the_forward(ctx):
     def ready():  # the copy-out of this step's saves waits until released (an accelerator's kernels still running)
         return lambda: released.wait(10)
 
-    worker._ready_event = ready
+    worker.saves._ready_event = ready
     save = BlockTransfer("a", [0, 1], block_hashes(list(range(8))))
     worker.wait_for_save(EmsConnectorMetadata(saves=[save]))
     threading.Timer(0.3, released.set).start()
     started = time.monotonic()
     worker.handle_preemptions(EmsConnectorMetadata(preempted={"a"}))  # "a" gives its blocks back now
     assert released.is_set() and time.monotonic() - started > 0.2
-    assert worker._copier is not None and not worker._copier.copying("a")
+    assert not worker.saves.copying("a")
     worker.shutdown()
 
 

@@ -240,13 +240,12 @@ def delay_copy_outs(control: dict, held_preemptions: list[int]) -> None:
 
         return wait
 
-    half = worker.connector_worker  # the connector's worker half (ems.integrations.vllm.worker)
-    half._ready_event = ready
+    saves = worker.connector_worker.saves  # the worker half's saves (ems.integrations.vllm.worker_saves)
+    saves._ready_event = ready
     original = worker.handle_preemptions
 
     def handle_preemptions(meta):
-        copier = half._copier
-        if any(copier.copying(rid) for rid in getattr(meta, "preempted", ())):
+        if any(saves.copying(rid) for rid in getattr(meta, "preempted", ())):
             held_preemptions[0] += 1
         if getattr(meta, "preempted", None):
             control["released"].set()  # the held copy-outs run now; the real hook waits for them
