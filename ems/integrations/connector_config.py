@@ -47,7 +47,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ems import CcConfig_v1, EmsConfig, EmsErrorCode, EmsException
 from ems.config import (
@@ -214,38 +214,12 @@ class ConnectorConfig:
         lookup_timeout = extra.get("lookup_timeout_ms", 500)
         if isinstance(lookup_timeout, bool) or not isinstance(lookup_timeout, int) or lookup_timeout < 1:
             raise invalid_argument(f"kv_connector_extra_config.lookup_timeout_ms must be an int >= 1, got {lookup_timeout!r}")
-        lease_ms = extra.get("lease_ms", DEFAULT_LEASE_MS)
-        if isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or not 0 <= lease_ms <= MAX_LEASE_MS:
-            raise invalid_argument(f"kv_connector_extra_config.lease_ms must be an int in 0..{MAX_LEASE_MS}, got {lease_ms!r}")
-        save_wait = extra.get("save_wait_ms", DEFAULT_SAVE_WAIT_MS)
-        if isinstance(save_wait, bool) or not isinstance(save_wait, int) or not 0 <= save_wait <= MAX_SAVE_WAIT_MS:
-            raise invalid_argument(
-                f"kv_connector_extra_config.save_wait_ms must be an int in 0..{MAX_SAVE_WAIT_MS}, got {save_wait!r}"
-            )
-        try:
-            producer_response = ProducerResponse(extra.get("producer_response", DEFAULT_PRODUCER_RESPONSE.value))
-        except ValueError:
-            raise invalid_argument(
-                f"kv_connector_extra_config.producer_response must be one of {[r.value for r in ProducerResponse]}, "
-                f"got {extra.get('producer_response')!r}"
-            ) from None
-        producer_wait = extra.get("producer_wait_ms", DEFAULT_PRODUCER_WAIT_MS)
-        if isinstance(producer_wait, bool) or not isinstance(producer_wait, int) or not 1 <= producer_wait <= MAX_SAVE_WAIT_MS:
-            raise invalid_argument(
-                f"kv_connector_extra_config.producer_wait_ms must be an int in 1..{MAX_SAVE_WAIT_MS}, got {producer_wait!r}"
-            )
-        try:
-            step_policy = StepMode(extra.get("step_policy", DEFAULT_STEP_MODE.value))
-        except ValueError:
-            raise invalid_argument(
-                f"kv_connector_extra_config.step_policy must be one of {[m.value for m in StepMode]}, "
-                f"got {extra.get('step_policy')!r}"
-            ) from None
-        in_step_ms = extra.get("in_step_ms", DEFAULT_IN_STEP_MS)
-        if isinstance(in_step_ms, bool) or not isinstance(in_step_ms, int) or not 0 <= in_step_ms <= MAX_IN_STEP_MS:
-            raise invalid_argument(
-                f"kv_connector_extra_config.in_step_ms must be an int in 0..{MAX_IN_STEP_MS}, got {in_step_ms!r}"
-            )
+        lease_ms = _int_in(extra, "lease_ms", DEFAULT_LEASE_MS, 0, MAX_LEASE_MS)
+        save_wait = _int_in(extra, "save_wait_ms", DEFAULT_SAVE_WAIT_MS, 0, MAX_SAVE_WAIT_MS)
+        producer_response = _choice(extra, "producer_response", DEFAULT_PRODUCER_RESPONSE)
+        producer_wait = _int_in(extra, "producer_wait_ms", DEFAULT_PRODUCER_WAIT_MS, 1, MAX_SAVE_WAIT_MS)
+        step_policy = _choice(extra, "step_policy", DEFAULT_STEP_MODE)
+        in_step_ms = _int_in(extra, "in_step_ms", DEFAULT_IN_STEP_MS, 0, MAX_IN_STEP_MS)
         inflight = pool.max_inflight
         cross_layer = extra.get("cross_layer_blocks", False)
         if not isinstance(cross_layer, bool):
@@ -328,3 +302,25 @@ def derive_model_id(model: str, parts: Mapping[str, str]) -> str:
     text = "\n".join(f"{key}={parts[key]}" for key in sorted(parts))
     digest = hashlib.blake2b(f"model={model}\n{text}".encode(), digest_size=16).hexdigest()
     return f"{name[:64]}-{digest}"
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _int_in(extra: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
+    """`kv_connector_extra_config[name]`: an int in low..high (a bool is not one), else `default` when absent."""
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise invalid_argument(f"kv_connector_extra_config.{name} must be an int in {low}..{high}, got {value!r}")
+    return value
+
+
+def _choice(extra: Mapping[str, Any], name: str, default: _E) -> _E:
+    """`kv_connector_extra_config[name]`: one of the values of `default`'s enum, else `default` when absent."""
+    kind = type(default)
+    try:
+        return kind(extra.get(name, default.value))
+    except ValueError:
+        raise invalid_argument(
+            f"kv_connector_extra_config.{name} must be one of {[m.value for m in kind]}, got {extra.get(name)!r}"
+        ) from None
