@@ -663,7 +663,7 @@ async def setup():
     init_ucx("loop")
     ep = await create_endpoint("127.0.0.1", node.port, 5)
     await send_all(ep, [protocol.pack_header(protocol.Op.HELLO), b""])
-    await recv_header_frame(ep); await recv_meta(ep, protocol.NONCE_BYTES)
+    await recv_meta(ep, protocol.unpack_header(await recv_header_frame(ep)))
     await send_all(ep, [protocol.pack_header(protocol.Op.AUTH)])
     await recv_header_frame(ep)
     return ep
@@ -691,7 +691,8 @@ def wait_all(reqs, deadline):
 
 def request(op, meta, count):
     rid = next(rids)
-    header = protocol.pack_header(op, count=count, meta_len=len(meta), flags=protocol.Flags.INLINE, request_id=rid)
+    header = protocol.pack_header(op, count=count, meta_len=len(meta), meta_end=protocol.end_byte(meta),
+                                  flags=protocol.Flags.INLINE, request_id=rid)
     head = protocol.pack_head(header, meta); reply = np.zeros(protocol.HEAD_BYTES, np.uint8)
     keep = [Array(head), Array(reply)]
     r_recv = inner.tag_recv(keep[1], u.UCXXTag(ucx_progress.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
@@ -705,10 +706,10 @@ def exists():
 
 def put(keys, values):
     lens = np.array([sum(len(p) for p in v) for v in values]); chunks = [b"".join(v) for v in values]
-    meta = protocol.encode_put_meta(keys, lens, lens)
+    meta = protocol.encode_put_meta(keys, lens, lens, protocol.end_bytes(chunks))
     rid = next(rids)
-    header = protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum()),
-                           flags=protocol.Flags.INLINE, request_id=rid)
+    header = protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta),
+                                  data_len=int(lens.sum()), flags=protocol.Flags.INLINE, request_id=rid)
     head = protocol.pack_head(header, meta)
     reply = np.zeros(protocol.HEAD_BYTES, np.uint8)
     arrs = [Array(head), Array(reply)] + [Array(np.frombuffer(c, np.uint8)) for c in chunks]
@@ -720,8 +721,8 @@ def put(keys, values):
 def get_into(keys, outs):
     rid, h, reply, keep, r_send = request(protocol.Op.GET, protocol.encode_keys_meta(keys), len(keys))
     meta = reply[protocol.HEADER_SIZE : protocol.HEADER_SIZE + h.meta_len].tobytes()
-    lens = protocol.decode_get_lens(len(keys), h.data_len, meta)
-    plan = protocol.segment_plan(lens); offsets, sizes = protocol.segment_bounds(lens, plan)
+    lens, _, plan, _ = protocol.decode_get_reply(len(keys), h.data_len, meta)
+    offsets, sizes = protocol.segment_bounds(lens, plan)
     segs = [np.empty(int(s), np.uint8) for s in sizes]; arrs = [Array(s) for s in segs]
     tag = u.UCXXTag(ucx_progress.request_tag(recv_base, rid))
     reqs = [inner.tag_recv(a, tag, u.UCXXTagMaskFull) for a in arrs]

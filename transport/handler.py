@@ -56,9 +56,10 @@ class RequestChannel(Protocol):
         """The request's data when it came inline in its head, else None."""
         ...
 
-    async def receive_frames(self, views: Sequence[memoryview]) -> None:
-        """Receive the request's data frames, one into each view in order (lengths verified); returns once every
-        receive has ended, raising the first failure."""
+    async def receive_frames(self, views: Sequence[memoryview], ends: bytes) -> None:
+        """Receive the request's data frames, one into each view in order, each ending with the byte of `ends` beside
+        it (lengths verified exactly: protocol docstring, "end bytes"); returns once every receive has ended, raising
+        the first failure."""
         ...
 
     async def reply(
@@ -166,6 +167,19 @@ class SessionMetrics(Protocol):
 
     @property
     def auth_failures(self) -> Count: ...
+
+    @property
+    def unread_discarded(self) -> Count:
+        """Messages discarded unread: sent on tags nobody would receive (`transport.ucx_connections`)."""
+        ...
+
+    @property
+    def unread_discarded_bytes(self) -> Count: ...
+
+    @property
+    def stray_closes(self) -> Count:
+        """Connections closed for sending messages on tags they had no request for."""
+        ...
 
 
 class SessionLimits(Protocol):

@@ -1,13 +1,22 @@
-"""The pool-node wire protocol, version 6 (`VERSION`): frames, limits and the data-segment plan (pure functions, no I/O).
+"""The pool-node wire protocol, version 7 (`VERSION`): frames, limits and the data-segment plan (pure functions, no I/O).
 
 Contract:
 * Every exchange starts with one fixed 32-byte little-endian **header**:
 
-      magic u32 'EMSP' | version u16 | op u16 | status u16 | flags u16 | count u32 | meta_len u32 |
+      magic u32 'EMSP' | version u16 | op u16 | status u16 | flags u8 | meta_end u8 | count u32 | meta_len u32 |
       request_id u32 | data_len u64
 
   followed by the **meta** (`meta_len` bytes, absent when 0), then the **data** (`data_len` bytes in all). Frames
   are UCX tagged messages on one endpoint; on one tag their order is the send order.
+* **Every frame's last byte is known to its receiver before the frame arrives** ("end bytes"), which is how a
+  receiver knows a frame's length exactly although UCX does not report it (`ucx_frames`): the receiver sets that
+  byte to another value before the receive and refuses the frame when it still holds it afterwards (a frame short
+  by any number of bytes never writes its last byte); a frame longer than its buffer fails in UCX itself. Where
+  each frame's end byte is stated: a header's last byte is data_len's top byte, always 0; an inline head's is its
+  end byte, always 0 (`head_layout`: at least one zero pad byte); a meta frame's is the header's `meta_end` (the
+  meta's last byte, 0 when there is no meta); a PUT's data frames' are in its meta (`frame_ends`), a GET reply's
+  segments' in its meta (`segment_ends`).
+* **Flags** are defined per op (`ALLOWED_FLAGS`): a header with a flag its op does not define is malformed.
 * Two framings. **Classic** (flags without INLINE; the handshake is always classic): the header, the meta and each
   data frame are separate messages on the connection's base tag, and the reply comes back the same way; a node
   serves classic requests of one connection one after the other.
@@ -21,12 +30,13 @@ Contract:
   own tag is that base tag with its low 32 bits XORed with `request_id` (`ucx_progress.request_tag`), so every tag
   of one connection shares the base tag's high 32 bits. A node gives each live connection distinct high bits and
   discards every message it has not received on a connection's tags when that connection ends, as well as messages
-  on tags of no connection at all, so unread messages never pile up past their connection. The memory UCX took for
-  them is not returned to the system, though: it goes back into UCX's buffer pools, which keep their largest size
-  for later messages, so a node's resident memory rises to about the most unread messages that arrived between two
-  sweeps and stays there (measured: 12,000 frames of 4 KiB on tags of no connection, +58 to +97 MiB over six rounds
-  of them, the first round most of it). Before the handshake completes, only the base tag may carry messages: a
-  message on another tag of the connection closes it.
+  on tags of no connection at all, so unread messages never pile up past their connection. It does so while they
+  arrive (`ucx_connections.ConnectionTable.sweep_front`), so the memory UCX takes for them (it goes back into UCX's
+  buffer pools, which keep their largest size) stays bounded by what arrives between two sweeps (measured: 12,000
+  frames of 4 KiB on request tags before and after the handshake and on tags of no connection, +8 to +9 MiB, flat
+  over five rounds; +62 to +64 MiB when they were swept only by the watchdog). Before the handshake completes, only
+  the base tag may carry messages: a message on another tag of the connection closes it; after it, a message on the
+  tag of a request id not in flight, with no head waiting, closes it too (a client sends a request's head first).
 * Request ids: an inline request's id is 1..MAX_REQUEST_ID (0 is the base tag) and unique among the connection's
   requests in flight. An id is in flight from its head until the node starts its reply; a client may reuse it as
   soon as it has received that reply in full (the node never refuses such a reuse). A head naming an id still in
@@ -36,20 +46,21 @@ Contract:
 * Handshake (once per connection): client HELLO (meta: access_id, may be empty) → node CHALLENGE (meta: 32-byte
   nonce; flags: AUTH_REQUIRED) → client AUTH (meta: HMAC-SHA256(key, nonce ‖ access_id) or empty) → node AUTH reply
   (status OK, or AUTH_FAILED with a UTF-8 message in meta, then the node closes). The key never crosses the wire.
-* PUT meta: value_lens u64[count] | key_lens u32[count] | frame_lens u64[data frames] | keys. `flags` of the header
-  carries nothing; the data frame count is `(meta_len - 12*count - sum(key_lens)) / 8`. GET/EXISTS meta: key_lens
+* PUT meta: value_lens u64[count] | key_lens u32[count] | frame_lens u64[data frames] | frame_ends u8[data frames] |
+  keys; the data frame count is `(meta_len - 12*count - sum(key_lens)) / 9`. GET/EXISTS meta: key_lens
   u32[count] | keys; an EXISTS with `flags` LEASE asks the node to lease the keys it finds and carries the lease's
   milliseconds (u32) before that, one with PIN asks it to pin them (`transport/holds.py`). PING: nothing.
   SHM_OPEN, SHM_PUT, SHM_GET: see `transport/shm.py` (values in a region of shared memory, never in data frames).
 * Replies: PUT/EXISTS meta u8[count] (1 = stored / held, and kept as asked); GET meta i64[count] (value length,
-  -1 = miss) and then one data frame per segment of the present values.
+  -1 = miss) | segment_ends u8[segments of the present values], then one data frame per segment (unless the data
+  came inline in the head).
 * Values travel in **segments** (`segment_plan`): a value of at least SEGMENT_BYTES is a segment of its own (sent
   without copying); runs of smaller values are packed into segments of about SEGMENT_BYTES, so a batch of small
   values costs few messages. A PUT splits segments further into data frames (e.g. a value's header and payload parts),
   which must never cross a segment boundary.
 * Every length is checked against the limits below before anything is allocated; a frame that breaks a rule raises
   `ProtocolError`, and the receiver closes that connection (never the server). Every frame must arrive with exactly
-  its announced length; receivers verify it (`ucx_frames`), since UCX does not report a short message.
+  its announced length; receivers verify it by its end byte (above), since UCX does not report a short message.
 * A node may refuse a request it will not receive (too large for its in-flight budget, or busy): it answers the
   request's reply op with status BAD_REQUEST and a UTF-8 message as meta, then closes the connection, whose
   remaining frames it never read.
@@ -69,17 +80,20 @@ import numpy as np
 from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
+# 7: every frame's last byte is stated before it arrives (flags u8 + meta_end u8 in the header, a zero end byte
+# closing every inline head, frame_ends in a PUT's meta, segment_ends in a GET reply's meta), flags defined per op;
 # 6: an EXISTS may ask for a lease or a pin on the keys it finds (transport/holds.py); 5: a same-host GET may name a
 # progress word (transport/shm.py); 4: request tags are the base tag XOR the request
 # id (3 hashed them); 3: version 2 plus the shared-memory ops
-VERSION = 6
+VERSION = 7
 HEADER_DTYPE = np.dtype(
     [
         ("magic", "<u4"),
         ("version", "<u2"),
         ("op", "<u2"),
         ("status", "<u2"),
-        ("flags", "<u2"),
+        ("flags", "u1"),
+        ("meta_end", "u1"),
         ("count", "<u4"),
         ("meta_len", "<u4"),
         ("request_id", "<u4"),
@@ -87,7 +101,7 @@ HEADER_DTYPE = np.dtype(
     ]
 )
 HEADER_SIZE = HEADER_DTYPE.itemsize  # 32
-_HEADER = struct.Struct("<IHHHHIIIQ")  # the same layout as HEADER_DTYPE (struct: a few times faster per header)
+_HEADER = struct.Struct("<IHHHBBIIIQ")  # the same layout as HEADER_DTYPE (struct: a few times faster per header)
 if _HEADER.size != HEADER_SIZE:
     raise ImportError("protocol header layouts disagree")
 Buffer_ = Any  # anything exposing the buffer protocol (bytes, memoryview, a numpy array)
@@ -104,11 +118,12 @@ MAX_ID_BYTES = 512  # access_id
 # What each key of a request costs of its meta frame (the layouts below): a PUT's value length u64 and key length
 # u32 (and a u64 per data frame), a GET's or EXISTS's key length u32; plus the key's bytes.
 PUT_META_PER_KEY = 12
-PUT_META_PER_FRAME = 8
+PUT_META_PER_FRAME = 9  # its length u64 and its end byte u8
 KEY_META_PER_KEY = 4
 
 SEGMENT_BYTES = 1 << 20  # values this large travel alone; smaller ones are packed up to about this size
 HEAD_BYTES = 8 << 10  # the largest head message of the inline framing (header + meta + small data + padding)
+HEAD_END = 0  # the last byte of every inline head (its last pad byte)
 MAX_REQUEST_ID = (1 << 32) - 1
 
 
@@ -145,7 +160,20 @@ class Flags(enum.IntFlag):
 
 ALL_FLAGS = Flags.AUTH_REQUIRED | Flags.INLINE | Flags.LEASE | Flags.PIN
 _INLINE = int(Flags.INLINE)  # plain ints on the per-request path (IntFlag arithmetic is slow)
-_UNKNOWN_FLAGS = ~int(ALL_FLAGS)
+
+
+def _allowed_flags() -> dict[int, int]:
+    """op (a reply: op | REPLY) -> the flags it may carry; any other flag is malformed."""
+    allowed = {int(op): 0 for op in Op} | {int(op) | REPLY: 0 for op in Op}
+    for op in (Op.PUT, Op.GET, Op.PING, Op.SHM_OPEN, Op.SHM_PUT, Op.SHM_GET):  # the requests that travel inline
+        allowed[int(op)] = allowed[int(op) | REPLY] = _INLINE
+    allowed[int(Op.EXISTS)] = int(Flags.INLINE | Flags.LEASE | Flags.PIN)
+    allowed[int(Op.EXISTS) | REPLY] = _INLINE
+    allowed[int(Op.CHALLENGE)] = int(Flags.AUTH_REQUIRED)
+    return allowed
+
+
+ALLOWED_FLAGS: dict[int, int] = _allowed_flags()  # HELLO, AUTH and their replies: none
 
 
 class ProtocolError(Exception):
@@ -169,11 +197,28 @@ def pack_header(
     status: Status = Status.OK,
     flags: int = 0,
     request_id: int = 0,
+    meta_end: int = 0,
 ) -> np.ndarray:
-    """A header frame as a 32-byte uint8 array (ready to send; writable)."""
+    """A header frame as a 32-byte uint8 array (ready to send; writable). `meta_end`: the meta's last byte
+    (`end_byte(meta)`), which the receiver of a meta frame checks its length by."""
     raw = bytearray(HEADER_SIZE)
-    _HEADER.pack_into(raw, 0, MAGIC, VERSION, op, int(status), flags, count, meta_len, request_id, data_len)
+    _HEADER.pack_into(raw, 0, MAGIC, VERSION, op, int(status), flags, meta_end, count, meta_len, request_id, data_len)
     return np.frombuffer(raw, dtype=np.uint8)
+
+
+def end_byte(frame: Buffer_) -> int:
+    """The last byte of a frame (0 for an empty one): what its sender states for it (module docstring)."""
+    view = memoryview(frame)
+    if view.nbytes == 0:
+        return 0
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return int(view[-1])
+
+
+def end_bytes(frames: Sequence[Buffer_]) -> bytes:
+    """`end_byte` of each frame, as the u8 array a meta carries."""
+    return bytes(end_byte(f) for f in frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,13 +232,11 @@ class Header:
     meta_len: int
     data_len: int
     request_id: int = 0
+    meta_end: int = 0
 
     @property
     def inline(self) -> bool:
         return bool(self.flags & _INLINE)
-
-
-_OPS = frozenset(int(op) for op in Op)
 
 
 def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
@@ -201,22 +244,25 @@ def unpack_header(frame: np.ndarray | bytes | memoryview) -> Header:
     view = memoryview(cast(Any, frame))
     if view.nbytes != HEADER_SIZE:
         raise ProtocolError(f"header frame of {view.nbytes} bytes, expected {HEADER_SIZE}")
-    magic, version, op, status, flags, count, meta_len, request_id, data_len = _HEADER.unpack_from(view.cast("B"))
+    magic, version, op, status, flags, meta_end, count, meta_len, request_id, data_len = _HEADER.unpack_from(view.cast("B"))
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic:#x}")
     if version != VERSION:
         raise VersionMismatch(version)
-    if flags & _UNKNOWN_FLAGS:
-        raise ProtocolError(f"unknown flags {flags:#x}")
-    if op & ~REPLY not in _OPS:
+    allowed = ALLOWED_FLAGS.get(op)
+    if allowed is None:
         raise ProtocolError(f"unknown op {op}")
+    if flags & ~allowed:
+        raise ProtocolError(f"flags {flags:#x} on op {op:#x}, which defines {allowed:#x}")
     if count > MAX_KEYS:
         raise ProtocolError(f"{count} keys in one request, limit {MAX_KEYS}")
     if meta_len > MAX_META_BYTES:
         raise ProtocolError(f"meta frame of {meta_len} bytes, limit {MAX_META_BYTES}")
+    if meta_len == 0 and meta_end:
+        raise ProtocolError("an end byte for an empty meta")
     if data_len > MAX_DATA_BYTES:
         raise ProtocolError(f"{data_len} data bytes in one request, limit {MAX_DATA_BYTES}")
-    return Header(op=op, status=status, flags=flags, count=count, meta_len=meta_len, data_len=data_len, request_id=request_id)
+    return Header(op, status, flags, count, meta_len, data_len, request_id, meta_end)
 
 
 # ---- request limits ----
@@ -304,13 +350,14 @@ class HeadLayout(NamedTuple):
 
 def head_layout(meta_len: int, data_len: int) -> HeadLayout:
     """The head of an inline message (both sides compute the same): the meta goes inline when it fits in
-    HEAD_BYTES, the data too when meta and data together fit; the head is padded to a multiple of 8 bytes, so its
-    last 8 bytes are always inline bytes (the receiver's canary check, `ucx_frames.recv_head`)."""
-    room = HEAD_BYTES - HEADER_SIZE
+    HEAD_BYTES, the data too when meta and data together fit; the head is then zero-padded to a multiple of 8 bytes
+    with at least one pad byte, so its last byte is always HEAD_END (the receiver's length check,
+    `ucx_frames.parse_head`)."""
+    room = HEAD_BYTES - HEADER_SIZE - 1
     meta_inline = meta_len <= room
     data_inline = meta_inline and meta_len + data_len <= room
     body = (meta_len if meta_inline else 0) + (data_len if data_inline else 0)
-    return HeadLayout(meta_inline, data_inline, HEADER_SIZE + ((body + 7) & ~7))
+    return HeadLayout(meta_inline, data_inline, HEADER_SIZE + ((body + 8) & ~7))
 
 
 def pack_head(header: np.ndarray, meta: bytes | memoryview, data: Sequence[Buffer_] = ()) -> np.ndarray:
@@ -318,7 +365,7 @@ def pack_head(header: np.ndarray, meta: bytes | memoryview, data: Sequence[Buffe
     `head_layout` puts them inline (the caller sends the rest as frames of their own), zero-padded."""
     raw = memoryview(cast(Any, header)).cast("B")
     fields = _HEADER.unpack_from(raw)
-    layout = head_layout(fields[6], fields[8])
+    layout = head_layout(fields[7], fields[9])
     head = bytearray(layout.length)
     head[:HEADER_SIZE] = raw
     at = HEADER_SIZE
@@ -340,7 +387,8 @@ def pack_meta_reply(op: int, request_id: int, meta: bytes = b"", count: int = 0)
     if not layout.meta_inline:
         raise ValueError(f"a reply meta of {len(meta)} bytes does not fit in a head")
     head = bytearray(layout.length)
-    _HEADER.pack_into(head, 0, MAGIC, VERSION, op | REPLY, 0, _INLINE, count, len(meta), request_id, 0)
+    meta_end = meta[-1] if meta else 0
+    _HEADER.pack_into(head, 0, MAGIC, VERSION, op | REPLY, 0, _INLINE, meta_end, count, len(meta), request_id, 0)
     head[HEADER_SIZE : HEADER_SIZE + len(meta)] = meta
     return head
 
@@ -437,9 +485,18 @@ def decode_keys_meta(count: int, meta: memoryview | bytes) -> list[bytes]:
     return split_keys(key_lens, memoryview(meta)[4 * count :])
 
 
-def encode_put_meta(keys: Sequence[bytes], value_lens: np.ndarray, frame_lens: np.ndarray) -> bytes:
+def encode_put_meta(keys: Sequence[bytes], value_lens: np.ndarray, frame_lens: np.ndarray, frame_ends: bytes) -> bytes:
+    """PUT request meta; `frame_ends`: each data frame's last byte (`end_bytes`)."""
     lens, blob = encode_keys(keys)
-    return np.asarray(value_lens, dtype="<u8").tobytes() + lens.tobytes() + np.asarray(frame_lens, dtype="<u8").tobytes() + blob
+    if len(frame_ends) != len(frame_lens):
+        raise ValueError(f"{len(frame_ends)} end bytes for {len(frame_lens)} data frames")
+    return (
+        np.asarray(value_lens, dtype="<u8").tobytes()
+        + lens.tobytes()
+        + np.asarray(frame_lens, dtype="<u8").tobytes()
+        + bytes(frame_ends)
+        + blob
+    )
 
 
 @dataclass(frozen=True)
@@ -447,6 +504,7 @@ class PutRequest:
     keys: list[bytes]
     value_lens: np.ndarray  # int64 [count]
     frame_lens: np.ndarray  # int64 [data frames]
+    frame_ends: bytes  # [data frames]: the last byte of each (module docstring, "end bytes")
     plan: np.ndarray  # segment of each value
     value_offsets: np.ndarray  # offset of each value in its segment
     segment_sizes: np.ndarray
@@ -470,9 +528,9 @@ def _decode_one_put(data_len: int, meta: memoryview) -> PutRequest:
         raise ProtocolError("PUT meta frame shorter than its lengths")
     value_len, key_len = _ONE_PUT.unpack_from(meta)
     rest = len(meta) - _ONE_PUT.size - key_len
-    if rest < 0 or rest % 8:
+    if rest < 0 or rest % PUT_META_PER_FRAME:
         raise ProtocolError("PUT meta frame does not add up")
-    nframes = rest // 8
+    nframes = rest // PUT_META_PER_FRAME
     if nframes > MAX_DATA_FRAMES:
         raise ProtocolError(f"{nframes} data frames in one PUT, limit {MAX_DATA_FRAMES}")
     if key_len > MAX_KEY_BYTES:
@@ -486,11 +544,13 @@ def _decode_one_put(data_len: int, meta: memoryview) -> PutRequest:
         raise ProtocolError("an empty data frame")
     if nframes == 0:  # the value's one segment must end at a data frame's end
         raise ProtocolError("a data frame crosses a segment boundary")
-    key = bytes(meta[_ONE_PUT.size + 8 * nframes :])
+    ends_at = _ONE_PUT.size + 8 * nframes
+    key = bytes(meta[ends_at + nframes :])
     return PutRequest(
         [key],
         np.array([value_len], dtype=np.int64),
         np.array(frame_lens, dtype=np.int64),
+        bytes(meta[ends_at : ends_at + nframes]),
         np.zeros(1, dtype=np.int64),
         np.zeros(1, dtype=np.int64),
         np.array([value_len], dtype=np.int64),
@@ -507,13 +567,15 @@ def _decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> Put
     key_lens = np.frombuffer(meta, dtype="<u4", count=count, offset=8 * count)
     key_bytes = int(key_lens.sum(dtype=np.int64))
     rest = len(meta) - 12 * count - key_bytes
-    if rest < 0 or rest % 8:
+    if rest < 0 or rest % PUT_META_PER_FRAME:
         raise ProtocolError("PUT meta frame does not add up")
-    nframes = rest // 8
+    nframes = rest // PUT_META_PER_FRAME
     if nframes > MAX_DATA_FRAMES:
         raise ProtocolError(f"{nframes} data frames in one PUT, limit {MAX_DATA_FRAMES}")
     frame_lens = np.frombuffer(meta, dtype="<u8", count=nframes, offset=12 * count).astype(np.int64)
-    keys = split_keys(key_lens, meta[12 * count + 8 * nframes :])
+    ends_at = 12 * count + 8 * nframes
+    frame_ends = bytes(meta[ends_at : ends_at + nframes])
+    keys = split_keys(key_lens, meta[ends_at + nframes :])
     if value_lens.size and (int(value_lens.max()) > MAX_VALUE_BYTES or int(value_lens.min()) < 0):
         raise ProtocolError(f"a value of {int(value_lens.max())} bytes, limit {MAX_VALUE_BYTES}")
     # each frame bounded before any sum (u64 lengths of 2**63 and above read as negative here): frame lengths near
@@ -527,16 +589,16 @@ def _decode_put_meta(count: int, data_len: int, meta: memoryview | bytes) -> Put
     plan = segment_plan(value_lens)
     value_offsets, segment_sizes = segment_bounds(value_lens, plan)
     seg_ends = np.cumsum(segment_sizes)
-    frame_ends = np.cumsum(frame_lens)
+    frame_stops = np.cumsum(frame_lens)
     # every segment end must be a data frame end: no data frame crosses a segment boundary
-    at = np.searchsorted(frame_ends, seg_ends)  # frame_ends is increasing (no empty data frame)
-    if (at >= frame_ends.size).any() or (frame_ends[np.minimum(at, frame_ends.size - 1)] != seg_ends).any():
+    at = np.searchsorted(frame_stops, seg_ends)  # frame_stops is increasing (no empty data frame)
+    if (at >= frame_stops.size).any() or (frame_stops[np.minimum(at, frame_stops.size - 1)] != seg_ends).any():
         raise ProtocolError("a data frame crosses a segment boundary")
-    frame_starts = frame_ends - frame_lens
+    frame_starts = frame_stops - frame_lens
     frame_segments = np.searchsorted(seg_ends, frame_starts, side="right")
     seg_starts = seg_ends - segment_sizes
     frame_offsets = frame_starts - seg_starts[frame_segments] if frame_lens.size else frame_starts
-    return PutRequest(keys, value_lens, frame_lens, plan, value_offsets, segment_sizes, frame_segments, frame_offsets)
+    return PutRequest(keys, value_lens, frame_lens, frame_ends, plan, value_offsets, segment_sizes, frame_segments, frame_offsets)
 
 
 def decode_flags(count: int, meta: memoryview | bytes) -> list[bool]:
@@ -550,12 +612,31 @@ def encode_flags(flags: Sequence[bool]) -> bytes:
     return bytes(1 if f else 0 for f in flags)
 
 
-def decode_get_lens(count: int, data_len: int, meta: memoryview | bytes) -> np.ndarray:
-    if len(meta) != 8 * count:
+class GetReply(NamedTuple):
+    """A GET reply's meta, checked: each value's length (-1: a miss), and the segments of the present values."""
+
+    lens: np.ndarray  # int64 [count]
+    present: np.ndarray  # int64: the indices of the present values
+    plan: np.ndarray  # int64 [present values]: the segment of each (`segment_plan`)
+    segment_ends: bytes  # [segments]: the last byte of each (module docstring, "end bytes")
+
+
+def encode_get_reply(lens: np.ndarray, segments: Sequence[Buffer_]) -> bytes:
+    """GET reply meta: the value lengths (-1: a miss) and the end byte of each segment of the present values."""
+    return np.asarray(lens, dtype="<i8").tobytes() + end_bytes(segments)
+
+
+def decode_get_reply(count: int, data_len: int, meta: memoryview | bytes) -> GetReply:
+    if len(meta) < 8 * count:
         raise ProtocolError(f"GET reply meta of {len(meta)} bytes for {count} keys")
     lens = np.frombuffer(meta, dtype="<i8", count=count).astype(np.int64)
     if lens.size and (int(lens.max()) > MAX_VALUE_BYTES or int(lens.min()) < -1):
         raise ProtocolError("GET reply value length out of range")
     if int(lens[lens > 0].sum()) != data_len:
         raise ProtocolError("GET reply lengths do not match data_len")
-    return lens
+    present = np.nonzero(lens >= 0)[0]
+    plan = segment_plan(lens[present])
+    segments = int(plan[-1]) + 1 if plan.size else 0
+    if len(meta) != 8 * count + segments:
+        raise ProtocolError(f"GET reply meta of {len(meta)} bytes for {count} keys and {segments} segments")
+    return GetReply(lens, present, plan, bytes(memoryview(meta)[8 * count :]))

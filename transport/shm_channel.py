@@ -105,7 +105,7 @@ class ClientChannel:
             rid = self._next_id
             self._waiting[rid] = woken
         try:
-            header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid)
+            header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid, meta_end=protocol.end_byte(meta))
             with self._send_lock:
                 self._send_all(header.tobytes() + meta, deadline_at)
             if after_send is not None:
@@ -150,6 +150,8 @@ class ClientChannel:
                 head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
                 reply = protocol.unpack_header(head)
                 body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
+                if protocol.end_byte(body) != reply.meta_end:
+                    raise protocol.ProtocolError("the meta does not end with the byte its header states")
                 if reply.request_id == rid:
                     return reply, body
                 with self._lock:
@@ -238,7 +240,7 @@ class NodeChannel:
     def inline_data(self) -> memoryview | None:
         return None
 
-    async def receive_frames(self, views: object) -> None:
+    async def receive_frames(self, views: object, ends: bytes) -> None:
         raise protocol.ProtocolError("shared-memory requests carry no data frames")
 
     async def reply(
@@ -254,7 +256,12 @@ class NodeChannel:
         if data or data_len:
             raise protocol.ProtocolError("a shared-memory reply carries no data frames")
         header = protocol.pack_header(
-            op | protocol.REPLY, count=count, meta_len=len(meta), status=status, request_id=self.header.request_id
+            op | protocol.REPLY,
+            count=count,
+            meta_len=len(meta),
+            status=status,
+            request_id=self.header.request_id,
+            meta_end=protocol.end_byte(meta),
         )
         async with self._sending:
             await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
@@ -270,6 +277,8 @@ async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | N
     if header.op not in _SHM_DATA_OPS or header.data_len or header.status or header.flags:
         raise protocol.ProtocolError(f"op {header.op} (data {header.data_len}) on a shared-memory channel")
     meta = await _recv_exactly(sock, header.meta_len) if header.meta_len else b""
+    if protocol.end_byte(meta or b"") != header.meta_end:
+        raise protocol.ProtocolError("the meta does not end with the byte its header states")
     return header, meta or b""
 
 

@@ -62,7 +62,6 @@ from ems.transport.ucx_frames import (
     check_frame,
     check_header_frame,
     frame_error,
-    new_canary,
     new_head_buffer,
     new_header_frame,
     parse_head,
@@ -322,16 +321,18 @@ class UcxNode(NodeClient):
         ex = Exchange(conn, deadline)
         try:
             access_id = self._access_id.encode("ascii")
-            hello = [protocol.pack_header(protocol.Op.HELLO, meta_len=len(access_id))] + ([access_id] if access_id else [])
+            hello_header = protocol.pack_header(protocol.Op.HELLO, meta_len=len(access_id), meta_end=protocol.end_byte(access_id))
+            hello = [hello_header] + ([access_id] if access_id else [])
             ex.wait([ex.send(f) for f in hello])
             challenge = _recv_header(ex, protocol.Op.CHALLENGE)
-            nonce = _recv_meta(ex, challenge.meta_len)
+            nonce = _recv_meta(ex, challenge)
             if len(nonce) != protocol.NONCE_BYTES:
                 raise protocol.ProtocolError("bad challenge")
             if challenge.flags & protocol.Flags.AUTH_REQUIRED and self._access_key is None:
                 raise _Refused(f"{self.address}: authentication failed: the node requires access_id and access_key")
             mac = protocol.auth_mac(self._access_key, nonce, self._access_id) if self._access_key is not None else b""
-            auth = [protocol.pack_header(protocol.Op.AUTH, meta_len=len(mac))] + ([mac] if mac else [])
+            auth_header = protocol.pack_header(protocol.Op.AUTH, meta_len=len(mac), meta_end=protocol.end_byte(mac))
+            auth: list[Any] = [auth_header] + ([mac] if mac else [])
             ex.wait([ex.send(f) for f in auth])
             _recv_header(ex, protocol.Op.AUTH | protocol.REPLY)
             return conn
@@ -410,7 +411,13 @@ def _request(
     `rid`): the reply header (status OK, the expected op) and its inline bytes; the reply's meta frame, when it did
     not fit inline, is received too and returned in place of the inline bytes."""
     header = protocol.pack_header(
-        op, count=count, meta_len=len(meta), data_len=data_len, flags=protocol.Flags.INLINE | flags, request_id=rid
+        op,
+        count=count,
+        meta_len=len(meta),
+        data_len=data_len,
+        flags=protocol.Flags.INLINE | flags,
+        request_id=rid,
+        meta_end=protocol.end_byte(meta),
     )
     layout = protocol.head_layout(len(meta), data_len)
     head = protocol.pack_head(header, meta, data)
@@ -437,7 +444,7 @@ def _request(
             f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})"
         )
     if not protocol.head_layout(reply.meta_len, reply.data_len).meta_inline:
-        body = memoryview(_recv_meta(ex, reply.meta_len, rid))
+        body = memoryview(_recv_meta(ex, reply, rid))
     ex.wait(sends)
     return reply, body
 
@@ -456,13 +463,15 @@ def _exists(ex: Exchange, rid: int, meta: bytes, count: int, flags: int = 0) -> 
     return protocol.decode_flags(count, body[: reply.meta_len])
 
 
-def _recv_frames(ex: Exchange, views: Sequence[memoryview], rid: int | None) -> None:
-    """Receive one frame into each of `views` (all posted at once, one wait), each length-verified (ucx_frames)."""
-    canary = new_canary()
+def _recv_frames(ex: Exchange, views: Sequence[memoryview], ends: bytes, rid: int | None) -> None:
+    """Receive one frame into each of `views` (all posted at once, one wait), each ending with the byte of `ends`
+    beside it, each length-verified (ucx_frames)."""
+    if len(ends) != len(views):
+        raise protocol.ProtocolError(f"{len(ends)} end bytes for {len(views)} frames")
     posted = []
-    for view in views:
+    for view, end in zip(views, ends):
         if view.nbytes:
-            prepare_frame(view, canary)
+            prepare_frame(view, end)
             posted.append(ex.recv(view, rid))
     try:
         ex.wait(posted)
@@ -470,23 +479,22 @@ def _recv_frames(ex: Exchange, views: Sequence[memoryview], rid: int | None) -> 
         raise
     except Exception as error:
         raise frame_error(error, "the bytes announced") from None
-    for view in views:
-        check_frame(view, canary)
+    for view, end in zip(views, ends):
+        if view.nbytes:
+            check_frame(view, end)
 
 
 def _get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview] | None) -> list:
     """GET: the values (`outs` None: read-only views of fresh segments), or, with `outs`, whether each value was
     placed in its caller buffer (a value of another length than its buffer counts as a miss)."""
     reply, body = _request(ex, rid, protocol.Op.GET, count=count, meta=meta)
-    lens = protocol.decode_get_lens(count, reply.data_len, body[: reply.meta_len])
+    lens, present, plan, ends = protocol.decode_get_reply(count, reply.data_len, body[: reply.meta_len])
     inline = protocol.head_layout(reply.meta_len, reply.data_len).data_inline
     if outs is not None and count == 1 and not inline and 0 < int(lens[0]) == outs[0].nbytes:
         # the common 1-block load: one value, alone in its segment, received straight into its buffer
-        _recv_frames(ex, outs, rid)
+        _recv_frames(ex, outs, ends, rid)
         return [True]
-    present = np.nonzero(lens >= 0)[0]
     present_lens = lens[present]
-    plan = protocol.segment_plan(present_lens)
     offsets, sizes = protocol.segment_bounds(present_lens, plan)
     fits = (  # per present value: its caller buffer has its size (none without caller buffers)
         np.zeros(0, dtype=bool)
@@ -495,6 +503,7 @@ def _get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview]
     )
     segments: list = []
     receiving: list[memoryview] = []
+    receiving_ends = bytearray()
     scratch: list[np.ndarray] = []  # reusable receive buffers, given back once their values are copied out
     seg_start = 0
     counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
@@ -506,18 +515,20 @@ def _get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview]
             target = outs[int(present[first[seg]])]
             segments.append(target)  # received in place
             receiving.append(target)
+            receiving_ends.append(ends[seg])
         else:
             # a packed segment (values copied out below) in a reused buffer: a fresh one faults in page by page
             array = RECEIVE_SCRATCH.take(size) if outs is not None else np.empty(size, dtype=np.uint8)
             buf = memoryview(array)
             segments.append(buf)
             receiving.append(buf)
+            receiving_ends.append(ends[seg])
             if outs is not None:
                 scratch.append(array)
         seg_start += size
     if receiving:
         # every segment's receive posted at once: the transfer wakes this thread once, when it ends
-        _recv_frames(ex, receiving, rid)
+        _recv_frames(ex, receiving, bytes(receiving_ends), rid)
     if outs is None:
         views = [s if isinstance(s, memoryview) and s.readonly else memoryview(s).toreadonly() for s in segments]
         out: list = [None] * count
@@ -577,7 +588,7 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
         for p in parts[i]:
             copy_bytes(packed[at : at + p.nbytes], p)
             at += p.nbytes
-    meta = protocol.encode_put_meta(keys, lens, np.asarray(frame_lens, dtype=np.int64))
+    meta = protocol.encode_put_meta(keys, lens, np.asarray(frame_lens, dtype=np.int64), protocol.end_bytes(frames))
     return meta, frames, int(lens.sum())
 
 
@@ -595,19 +606,20 @@ def _recv_header(ex: Exchange, expected_op: int) -> protocol.Header:
     check_header_frame(frame)
     header = protocol.unpack_header(frame)
     if header.status != protocol.Status.OK:
-        message = _recv_meta(ex, header.meta_len).decode("utf-8", "replace") if header.meta_len else ""
+        message = _recv_meta(ex, header).decode("utf-8", "replace") if header.meta_len else ""
         raise _Refused(message or f"node answered status {header.status}")
     if header.op != expected_op:
         raise protocol.ProtocolError(f"expected op {expected_op:#x}, got {header.op:#x}")
     return header
 
 
-def _recv_meta(ex: Exchange, meta_len: int, rid: int | None = None) -> bytes:
-    """A meta frame of exactly `meta_len` bytes (checked against the protocol limit first)."""
+def _recv_meta(ex: Exchange, header: protocol.Header, rid: int | None = None) -> bytes:
+    """The meta frame of `header`: exactly `meta_len` bytes ending with `meta_end` (the limit checked first)."""
+    meta_len = header.meta_len
     if meta_len > protocol.MAX_META_BYTES:
         raise protocol.ProtocolError(f"meta frame of {meta_len} bytes, limit {protocol.MAX_META_BYTES}")
     if meta_len == 0:
         return b""
     frame = bytearray(meta_len)
-    _recv_frames(ex, [memoryview(frame)], rid)
+    _recv_frames(ex, [memoryview(frame)], bytes([header.meta_end]), rid)
     return bytes(frame)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from ems.transport import protocol
 from ems.transport.ucx_connections import Connection, abort
-from ems.transport.ucx_frames import new_canary, recv_all_into, recv_meta, send_all
+from ems.transport.ucx_frames import recv_all_into, recv_meta, send_all
 
 T = TypeVar("T")  # what an awaited frame step gives
 
@@ -55,12 +55,12 @@ class Channel:
         self.conn.requests[self.key] = time.monotonic() + self.stall_s
         return result
 
-    async def receive_frames(self, views: Sequence[memoryview]) -> None:
-        """Receive the request's data frames into `views`, lengths verified; once every receive has ended (each
-        frame that arrives gives the next `stall_timeout_s` again). On a failure the connection is aborted and the
-        first error raised."""
+    async def receive_frames(self, views: Sequence[memoryview], ends: bytes) -> None:
+        """Receive the request's data frames into `views` (each ending with the byte of `ends` beside it), lengths
+        verified; once every receive has ended (each frame that arrives gives the next `stall_timeout_s` again). On a
+        failure the connection is aborted and the first error raised."""
         try:
-            await recv_all_into(self.conn.ep, views, new_canary(), self.tag, self._frame_done)
+            await recv_all_into(self.conn.ep, views, ends, self.tag, self._frame_done)
         except BaseException:
             if not self.conn.aborted:
                 self.conn.aborted = True
@@ -74,7 +74,7 @@ class Channel:
         h = self.header
         if h.inline and protocol.head_layout(h.meta_len, h.data_len).meta_inline:
             return bytes(self.body[: h.meta_len])
-        return await self.timed(recv_meta(self.conn.ep, h.meta_len, self.tag))
+        return await self.timed(recv_meta(self.conn.ep, h, self.tag))
 
     def inline_data(self) -> memoryview | None:
         """The request's data when it came inline in the head, else None (it comes as frames)."""
@@ -106,6 +106,7 @@ class Channel:
             status=status,
             flags=protocol.Flags.INLINE if inline else 0,
             request_id=self.header.request_id,
+            meta_end=protocol.end_byte(meta),
         )
         windows = send_windows(list(data), SEND_WINDOW_BYTES)
         if inline:

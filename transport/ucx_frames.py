@@ -1,10 +1,11 @@
-"""Receiving and sending protocol frames on a ucxx endpoint, with every received length verified.
+"""Receiving and sending protocol frames on a ucxx endpoint, with every received length verified exactly.
 
 Contract:
-* `recv_header(ep)` returns the parsed header of a frame of exactly `HEADER_SIZE` bytes; `recv_meta(ep, n)` the
-  `n` bytes of a meta frame; `recv_into(ep, view, canary)` fills `view` with one frame of exactly `len(view)`
-  bytes (`recv_all_into` a frame into each of several views, posted at once). A frame of another length raises
-  `ProtocolError` (the caller closes that connection), and a buffer that received a short frame is never handed on.
+* `recv_header(ep)` returns the parsed header of a frame of exactly `HEADER_SIZE` bytes; `recv_meta(ep, header)` the
+  header's meta frame; `recv_into(ep, view, end)` fills `view` with one frame of exactly `len(view)` bytes whose
+  last byte is `end` (`recv_all_into` a frame into each of several views, posted at once). A frame of another
+  length raises `ProtocolError` (the caller closes that connection), and a buffer that received a short frame is
+  never handed on.
 * `send_all(ep, frames)` posts every frame at once (UCX keeps their order on the endpoint) and waits for all.
 * Every send and receive goes through `ucx_progress` (UCX progressed on the event loop thread).
 * `recv_head(ep)` receives the head message of a request or reply (classic: a 32-byte header; inline:
@@ -12,27 +13,23 @@ Contract:
 * Every function takes `tag`: None for the connection's base tag, else a request id (the request's own tag).
 
 Why this design. ucxx 0.52 completes a tagged receive of a message *shorter* than the buffer without an error and
-does not report how many bytes arrived (its Python `Request` exposes no receive info; a longer message does fail,
-"Message truncated"). A short frame therefore leaves the buffer's tail as it was, and a pool node receives values
-into buffers recycled from other tenants' evicted values. Asking UCX for the length first (`tag_probe`) needs the
-message to be there already, i.e. polling, and active messages would give up receiving into recycled buffers; so
-the length is verified from the buffer itself, at the cost of writing 8 bytes before and comparing 8 bytes after
-each receive (no extra pass over the data, which zero-filling every recycled buffer would cost):
-* Header frames: the buffer is filled with 0xFF first. A valid header's last byte is the top byte of `data_len`,
-  always 0 (`data_len` <= MAX_DATA_BYTES < 2**56), so a frame of fewer than 32 bytes leaves 0xFF there and is
-  refused, whatever it contains: the check is exact.
-* Meta and data frames of n >= 8 bytes: the last 8 bytes are set to a secret random canary (fresh per request,
-  `new_canary()`); when they still hold it after the receive, fewer than n - 7 bytes arrived and the frame is
-  refused. A genuine frame ends with the canary with probability 2**-64, and a sender cannot aim for it without
-  knowing it. A frame short by 1-7 bytes is not detected, but then the bytes it did not write are the canary's,
-  never what the buffer held before, so no byte of another tenant is exposed (and a value so damaged fails its
-  checksum, since the sender cannot know those bytes).
-* Frames under 8 bytes are zero-filled before the receive: nothing stale can remain in them.
-* Head messages (up to HEAD_BYTES, of a length known only once the header is read) are received into a fresh
-  buffer whose header part is 0xFF and whose rest is the canary repeated every 8 bytes. The header check above is
-  exact; an inline head's length is a multiple of 8 (`head_layout`), so its last 8 bytes are the aligned canary
-  when fewer than length - 7 bytes arrived (refused), and the 8 bytes after it are still the canary unless the
-  message was longer than announced (refused too). The buffer is fresh, so nothing stale can be in it either way.
+does not report how many bytes arrived (its Python `Request` exposes no receive info, and its C++ request drops
+UCX's); a longer message does fail ("Message truncated"). A short frame therefore leaves the buffer's tail as it
+was, and a pool node receives values into buffers recycled from other tenants' evicted values. So the protocol
+states every frame's last byte before the frame arrives (protocol docstring, "end bytes"), and the receiver sets
+that byte of its buffer to another value first: a frame short by any number of bytes never writes its last byte,
+so it is refused every time, whatever it contains. One byte written before and one compared after each receive: no
+pass over the data (which zero-filling every recycled buffer would cost), zero-copy receives included.
+* Header frames: the buffer is filled with 0xFF; a valid header's last byte is data_len's top byte, always 0.
+* Meta and data frames: the byte stated (`meta_end` in the header; `frame_ends` / `segment_ends` in the meta),
+  XOR 0xFF, is written to the buffer's last byte first.
+* Heads (up to HEAD_BYTES, of a length known only once the header is read) are received into a fresh buffer whose
+  header part is 0xFF and whose rest is a secret random canary repeated every 8 bytes, its every eighth byte 0xFF.
+  An inline head's length is a multiple of 8 ending with HEAD_END (0), so a short head leaves 0xFF there and is
+  refused (exact). A head *longer* than its header announces, within HEAD_BYTES, is refused when the 8 bytes after
+  the announced length no longer hold the canary: its extra bytes are never read, and a sender that does not know
+  the canary passes that check only by writing exactly its bytes (2**-8 per extra byte, up to 8). Longer than
+  HEAD_BYTES, UCX refuses it.
 """
 
 from __future__ import annotations
@@ -50,30 +47,20 @@ CANARY_BYTES = 8
 _HEADER_FILL = 0xFF
 
 
-def new_canary() -> bytes:
-    """A fresh secret canary for the receives of one request."""
-    return os.urandom(CANARY_BYTES)
-
-
 def _wrong_size(error: BaseException) -> bool:
     text = repr(error).lower()
     return "truncat" in text or "mismatch" in text
 
 
-def prepare_frame(view: memoryview, canary: bytes) -> None:
-    """Make `view` ready to receive one frame of exactly `view.nbytes` bytes (its length is verified after)."""
-    n = view.nbytes
-    if n >= CANARY_BYTES:
-        view[n - CANARY_BYTES :] = canary
-    else:
-        view[:] = bytes(n)
+def prepare_frame(view: memoryview, end: int) -> None:
+    """Make `view` ready to receive one frame of exactly `view.nbytes` bytes whose last byte is `end`."""
+    view[view.nbytes - 1] = end ^ 0xFF
 
 
-def check_frame(view: memoryview, canary: bytes) -> None:
+def check_frame(view: memoryview, end: int) -> None:
     """ProtocolError when the frame received into `view` (after `prepare_frame`) was short."""
-    n = view.nbytes
-    if n >= CANARY_BYTES and view[n - CANARY_BYTES :] == canary:
-        raise protocol.ProtocolError(f"a frame shorter than the {n} bytes announced")
+    if view[view.nbytes - 1] != end:
+        raise protocol.ProtocolError(f"a frame shorter than the {view.nbytes} bytes announced (or not ending as stated)")
 
 
 def frame_error(error: BaseException, what: str) -> BaseException:
@@ -83,39 +70,41 @@ def frame_error(error: BaseException, what: str) -> BaseException:
     return error
 
 
-async def recv_into(ep: Any, view: memoryview, canary: bytes, tag: Any = None) -> None:
-    """Receive one frame of exactly `view.nbytes` bytes into `view` (writable, format "B"); see the docstring."""
+async def recv_into(ep: Any, view: memoryview, end: int, tag: Any = None) -> None:
+    """Receive one frame of exactly `view.nbytes` bytes, ending with byte `end`, into `view` (writable, format "B")."""
     n = view.nbytes
     if n == 0:
         return
-    prepare_frame(view, canary)
+    prepare_frame(view, end)
     try:
         await ucx_progress.recv(ep, view, tag)
     except Exception as error:
         raise frame_error(error, f"the {n} bytes announced") from None
-    check_frame(view, canary)
+    check_frame(view, end)
 
 
 async def recv_all_into(
-    ep: Any, views: Sequence[memoryview], canary: bytes, tag: Any = None, on_frame: Callable[[], None] | None = None
+    ep: Any, views: Sequence[memoryview], ends: bytes, tag: Any = None, on_frame: Callable[[], None] | None = None
 ) -> None:
-    """`recv_into` of one frame into each of `views`, all posted at once (no task per frame); `on_frame()` runs as
-    each completes. Returns once every receive has ended; raises the first failure (ProtocolError for a frame of
-    another length than its view)."""
-    posted: list[tuple[memoryview, asyncio.Future]] = []
-    for view in views:
+    """`recv_into` of one frame into each of `views` (ending with the byte of `ends` beside it), all posted at once
+    (no task per frame); `on_frame()` runs as each completes. Returns once every receive has ended; raises the first
+    failure (ProtocolError for a frame of another length than its view)."""
+    if len(ends) != len(views):
+        raise protocol.ProtocolError(f"{len(ends)} end bytes for {len(views)} frames")
+    posted: list[tuple[memoryview, int, asyncio.Future]] = []
+    for view, end in zip(views, ends):
         if view.nbytes == 0:
             continue
-        prepare_frame(view, canary)
+        prepare_frame(view, end)
         future = ucx_progress.recv(ep, view, tag)
         if on_frame is not None:
             future.add_done_callback(lambda _: on_frame())
-        posted.append((view, future))
-    outcomes = await asyncio.gather(*(f for _, f in posted), return_exceptions=True)
-    for (view, _), outcome in zip(posted, outcomes):
+        posted.append((view, end, future))
+    outcomes = await asyncio.gather(*(f for _, _, f in posted), return_exceptions=True)
+    for (view, end, _), outcome in zip(posted, outcomes):
         if isinstance(outcome, BaseException):
             raise frame_error(outcome, f"the {view.nbytes} bytes announced") from None
-        check_frame(view, canary)
+        check_frame(view, end)
 
 
 def new_header_frame() -> np.ndarray:
@@ -142,12 +131,14 @@ async def recv_header_frame(ep: Any, tag: Any = None) -> np.ndarray:
 
 _HEAD_REPEAT = protocol.HEAD_BYTES // CANARY_BYTES
 _HEADER_FILLED = bytes([_HEADER_FILL]) * protocol.HEADER_SIZE
+if protocol.HEAD_END == _HEADER_FILL:
+    raise ImportError("a head's end byte must differ from the fill of its receive buffer")
 
 
 def new_head_buffer() -> tuple[bytearray, bytes]:
     """A buffer for one head message and its canary (see the module docstring); a bytearray: its checks cost less
     than a numpy array's."""
-    canary = new_canary()
+    canary = os.urandom(CANARY_BYTES - 1) + bytes([_HEADER_FILL])  # every 8th byte 0xFF: never a head's end byte
     buf = bytearray(canary * _HEAD_REPEAT)
     buf[: protocol.HEADER_SIZE] = _HEADER_FILLED
     return buf, canary
@@ -157,21 +148,31 @@ def parse_head(buf: bytearray, canary: bytes) -> tuple[protocol.Header, memoryvi
     """The header and inline bytes of the head received into `buf` (from `new_head_buffer`); ProtocolError when it
     had another length than its header announces."""
     if buf[protocol.HEADER_SIZE - 1] == _HEADER_FILL:
-        raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a header was expected")
+        raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a head was expected")
     view = memoryview(buf)
     header = protocol.unpack_header(view[: protocol.HEADER_SIZE])
-    length = protocol.head_layout(header.meta_len, header.data_len).length if header.inline else protocol.HEADER_SIZE
-    if length > protocol.HEADER_SIZE and buf[length - CANARY_BYTES : length] == canary:
-        raise protocol.ProtocolError(f"a head shorter than the {length} bytes announced")
+    if not header.inline:
+        length = protocol.HEADER_SIZE
+    else:
+        length = protocol.head_layout(header.meta_len, header.data_len).length
+        if buf[length - 1] != protocol.HEAD_END:
+            raise protocol.ProtocolError(f"a head shorter than the {length} bytes announced (or not ending as stated)")
     if length + CANARY_BYTES <= protocol.HEAD_BYTES and buf[length : length + CANARY_BYTES] != canary:
         raise protocol.ProtocolError(f"a head longer than the {length} bytes announced")
-    return header, view[protocol.HEADER_SIZE : length]
+    body = view[protocol.HEADER_SIZE : length]
+    meta_inline = header.inline and header.meta_len and protocol.head_layout(header.meta_len, header.data_len).meta_inline
+    if meta_inline and body[header.meta_len - 1] != header.meta_end:
+        raise protocol.ProtocolError("the meta does not end with the byte its header states")
+    return header, body
 
 
-async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryview]:
+async def recv_head(
+    ep: Any, tag: Any = None, buffer: tuple[bytearray, bytes] | None = None
+) -> tuple[protocol.Header, memoryview]:
     """A head message: its parsed header and its inline bytes (empty for a classic header); see the docstring.
-    ProtocolError when it had another length than its header announces."""
-    buf, canary = new_head_buffer()
+    ProtocolError when it had another length than its header announces. `buffer`: the one to receive it into (from
+    `new_head_buffer`), when the caller looks at it meanwhile."""
+    buf, canary = new_head_buffer() if buffer is None else buffer
     try:
         await ucx_progress.recv(ep, buf, tag)
     except Exception as error:
@@ -181,14 +182,15 @@ async def recv_head(ep: Any, tag: Any = None) -> tuple[protocol.Header, memoryvi
     return parse_head(buf, canary)
 
 
-async def recv_meta(ep: Any, meta_len: int, tag: Any = None) -> bytes:
-    """A meta frame of exactly `meta_len` bytes (checked against the protocol limit first)."""
+async def recv_meta(ep: Any, header: protocol.Header, tag: Any = None) -> bytes:
+    """The meta frame of `header`: exactly `meta_len` bytes ending with `meta_end` (the limit checked first)."""
+    meta_len = header.meta_len
     if meta_len > protocol.MAX_META_BYTES:
         raise protocol.ProtocolError(f"meta frame of {meta_len} bytes, limit {protocol.MAX_META_BYTES}")
     if meta_len == 0:
         return b""
     frame = bytearray(meta_len)
-    await recv_into(ep, memoryview(frame), new_canary(), tag)
+    await recv_into(ep, memoryview(frame), header.meta_end, tag)
     return bytes(frame)
 
 

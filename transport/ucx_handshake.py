@@ -33,21 +33,25 @@ async def handshake(ep: Any, access_keys: dict[str, str], metrics: SessionMetric
         log.warning("refused a client: %s", mismatch)
         message = f"protocol version {mismatch.version} is not supported: this node speaks {protocol.VERSION}".encode()
         reply = protocol.pack_header(
-            protocol.Op.HELLO | protocol.REPLY, status=protocol.Status.BAD_REQUEST, meta_len=len(message)
+            protocol.Op.HELLO | protocol.REPLY,
+            status=protocol.Status.BAD_REQUEST,
+            meta_len=len(message),
+            meta_end=protocol.end_byte(message),
         )
         await send_all(ep, [reply, message])
         await asyncio.sleep(0.05)  # let the refusal reach the client before the endpoint closes
         return None
     if hello.op != protocol.Op.HELLO or hello.data_len or hello.meta_len > protocol.MAX_ID_BYTES:
         raise protocol.ProtocolError(f"expected HELLO, got op {hello.op}")
-    access_id = protocol.check_access_id(await recv_meta(ep, hello.meta_len))
+    access_id = protocol.check_access_id(await recv_meta(ep, hello))
     nonce = os.urandom(protocol.NONCE_BYTES)
     flags = protocol.Flags.AUTH_REQUIRED if access_keys else protocol.Flags.NONE
-    await send_all(ep, [protocol.pack_header(protocol.Op.CHALLENGE, meta_len=len(nonce), flags=flags), nonce])
+    challenge = protocol.pack_header(protocol.Op.CHALLENGE, meta_len=len(nonce), flags=flags, meta_end=protocol.end_byte(nonce))
+    await send_all(ep, [challenge, nonce])
     auth = await _recv_header(ep)
     if auth.op != protocol.Op.AUTH or auth.data_len or auth.meta_len not in (0, protocol.MAC_BYTES):
         raise protocol.ProtocolError(f"expected AUTH, got op {auth.op}")
-    mac = await recv_meta(ep, auth.meta_len)
+    mac = await recv_meta(ep, auth)
     if access_keys:
         key = access_keys.get(access_id)
         if not access_id or key is None or not protocol.check_mac(key, nonce, access_id, mac):
@@ -62,7 +66,10 @@ async def handshake(ep: Any, access_keys: dict[str, str], metrics: SessionMetric
                 ep,
                 [
                     protocol.pack_header(
-                        protocol.Op.AUTH | protocol.REPLY, status=protocol.Status.AUTH_FAILED, meta_len=len(message)
+                        protocol.Op.AUTH | protocol.REPLY,
+                        status=protocol.Status.AUTH_FAILED,
+                        meta_len=len(message),
+                        meta_end=protocol.end_byte(message),
                     ),
                     message,
                 ],

@@ -382,14 +382,14 @@ class NodeHandlers:
             present_lens = lens[present]
             plan = protocol.segment_plan(present_lens)
             offsets, sizes = protocol.segment_bounds(present_lens, plan)
-            frames: list = []
+            segments: list = []
             packed: list[np.ndarray] = []
             counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
             # one frame per segment: a value alone in its segment, whatever its size, is sent from the store itself
             # (a key named many times costs no memory), packed small values are copied once
             for seg, n in enumerate(counts.tolist()):
                 if n == 1:
-                    frames.append(values[int(present[np.searchsorted(plan, seg)])])
+                    segments.append(values[int(present[np.searchsorted(plan, seg)])])
                     continue
                 buf = self.send_scratch.take(int(sizes[seg]))  # reused: a fresh buffer faults in page by page
                 packed.append(buf)
@@ -398,10 +398,11 @@ class NodeHandlers:
                     value = cast(Buffer, values[int(present[j])])  # present: the store found it
                     size = int(present_lens[j])
                     buf[int(offsets[j]) : int(offsets[j]) + size] = np.frombuffer(value, dtype=np.uint8)
-                if buf.size:
-                    frames.append(buf)
+                segments.append(buf)
             del values
-            meta = lens.astype("<i8").tobytes()
+            meta = protocol.encode_get_reply(lens, segments)
+            frames = [s for s in segments if memoryview(s).nbytes]
+            del segments
             await channel.reply(_GET, count=len(keys), meta=meta, data=frames, data_len=total)
             self.send_scratch.give(packed)  # sent: only now (a reply that failed may still be read by UCX)
         finally:
@@ -424,8 +425,9 @@ class NodeHandlers:
             n, total = -1, 0
         try:
             frames = [value] if n > 0 else []
+            meta = struct.pack("<q", n) + (bytes([protocol.end_byte(value)]) if n >= 0 else b"")
             del value
-            await channel.reply(_GET, count=1, meta=struct.pack("<q", n), data=frames, data_len=total)
+            await channel.reply(_GET, count=1, meta=meta, data=frames, data_len=total)
         finally:
             self.budget.release(total)
         return total
@@ -447,7 +449,8 @@ async def _receive_put(channel: RequestChannel, request: protocol.PutRequest, se
     views = [memoryview(s) for s in segments]
     ends = (request.frame_offsets + request.frame_lens).tolist()
     await channel.receive_frames(
-        [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)]
+        [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)],
+        request.frame_ends,
     )
 
 

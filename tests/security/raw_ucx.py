@@ -128,14 +128,14 @@ class RawSession:
 
     def hello(self, access_id: str = "") -> Any:
         ident = access_id.encode()
-        self.send(protocol.pack_header(protocol.Op.HELLO, meta_len=len(ident)), ident)
+        self.send(header(protocol.Op.HELLO, ident), ident)
         challenge = self.reply()
         if isinstance(challenge, Reply):
             self.nonce = challenge.meta
         return challenge
 
     def auth(self, mac: bytes) -> Any:
-        self.send(protocol.pack_header(protocol.Op.AUTH, meta_len=len(mac)), mac)
+        self.send(header(protocol.Op.AUTH, mac), mac)
         return self.reply()
 
     def login(self, access_id: str = "", access_key: str | None = None) -> None:
@@ -146,24 +146,24 @@ class RawSession:
         answer = self.auth(mac)
         assert isinstance(answer, Reply) and answer.header.status == protocol.Status.OK, answer
 
-    def put_frames(self, key: bytes, announced: int, data: Sequence[bytes]) -> list:
-        """A PUT of one value announced as `announced` bytes in one data frame, with `data` as the frames sent."""
-        meta = protocol.encode_put_meta([key], np.array([announced]), np.array([announced]))
-        return [protocol.pack_header(protocol.Op.PUT, count=1, meta_len=len(meta), data_len=announced), meta, *data]
+    def put_frames(self, key: bytes, announced: int, data: Sequence[bytes], end: int = 0) -> list:
+        """A PUT of one value announced as `announced` bytes in one data frame ending with byte `end`, with `data` as
+        the frames sent."""
+        meta = protocol.encode_put_meta([key], np.array([announced]), np.array([announced]), bytes([end]))
+        return [header(protocol.Op.PUT, meta, count=1, data_len=announced), meta, *data]
 
     def get(self, keys: Sequence[bytes], timeout_s: float = 5.0) -> Any:
         """The node's values for `keys` (None where missing), or CLOSED / SILENT."""
         meta = protocol.encode_keys_meta(keys)
-        if self.send(protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(meta)), meta) == CLOSED:
+        if self.send(header(protocol.Op.GET, meta, count=len(keys)), meta) == CLOSED:
             return CLOSED
         reply = self.reply(timeout_s)
         if not isinstance(reply, Reply):
             return reply
         if reply.header.status != protocol.Status.OK:
             return reply
-        lens = protocol.decode_get_lens(len(keys), reply.header.data_len, reply.meta)
+        lens, _, plan, _ = protocol.decode_get_reply(len(keys), reply.header.data_len, reply.meta)
         present = lens[lens >= 0]
-        plan = protocol.segment_plan(present)
         offsets, sizes = protocol.segment_bounds(present, plan)
         segments = []
         for size in sizes.tolist():
@@ -195,6 +195,11 @@ class RawSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def header(op: int, meta: bytes = b"", **fields: Any) -> np.ndarray:
+    """`protocol.pack_header` of a frame carrying `meta`: its length and end byte filled in."""
+    return protocol.pack_header(op, meta_len=len(meta), meta_end=protocol.end_byte(meta), **fields)
 
 
 class Reply:

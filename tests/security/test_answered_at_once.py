@@ -12,7 +12,9 @@ from ems.transport import protocol
 
 
 def _inline_head(op: int, request_id: int, meta: bytes = b"", count: int = 0) -> np.ndarray:
-    header = protocol.pack_header(op, count=count, meta_len=len(meta), flags=protocol.Flags.INLINE, request_id=request_id)
+    header = protocol.pack_header(
+        op, count=count, meta_len=len(meta), meta_end=protocol.end_byte(meta), flags=protocol.Flags.INLINE, request_id=request_id
+    )
     return protocol.pack_head(header, meta)
 
 

@@ -34,9 +34,14 @@ def test_a_put_that_cannot_fit_is_refused_before_its_data(pool_nodes, node_clien
     announced = 768 * MiB
     with RawSession(node.port) as raw:
         raw.login()
-        meta = protocol.encode_put_meta([b"huge"], np.array([announced]), np.array([announced]))
+        meta = protocol.encode_put_meta([b"huge"], np.array([announced]), np.array([announced]), bytes(1))
         t0 = time.monotonic()
-        raw.send(protocol.pack_header(protocol.Op.PUT, count=1, meta_len=len(meta), data_len=announced), meta)  # and no data
+        raw.send(
+            protocol.pack_header(
+                protocol.Op.PUT, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta), data_len=announced
+            ),
+            meta,
+        )  # and no data
         reply = raw.reply(timeout_s=5.0)
         waited = time.monotonic() - t0
     assert isinstance(reply, Reply), reply
@@ -150,7 +155,7 @@ def test_a_client_that_never_reads_its_reply_is_dropped_and_its_budget_freed(poo
     with RawSession(node.port) as raw:
         raw.login()
         meta = protocol.encode_keys_meta([b"big"])
-        raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta)), meta)
+        raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta)), meta)
         header = raw.reply(timeout_s=5.0)  # the header and lengths arrive; the 12 MiB segment is never received
         assert isinstance(header, Reply) and header.header.data_len == len(joined(values[0])), header
         t0 = time.monotonic()
@@ -167,8 +172,13 @@ def test_a_stalled_put_is_dropped(pool_nodes, node_clients):
     try:
         for raw in sessions:
             raw.login()
-            meta = protocol.encode_put_meta([b"stall"], np.array([4 * MiB]), np.array([4 * MiB]))
-            raw.send(protocol.pack_header(protocol.Op.PUT, count=1, meta_len=len(meta), data_len=4 * MiB), meta)  # then nothing
+            meta = protocol.encode_put_meta([b"stall"], np.array([4 * MiB]), np.array([4 * MiB]), bytes(1))
+            raw.send(
+                protocol.pack_header(
+                    protocol.Op.PUT, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta), data_len=4 * MiB
+                ),
+                meta,
+            )  # then nothing
         t0 = time.monotonic()
         outcomes = [raw.reply(timeout_s=6.0) for raw in sessions]
         assert time.monotonic() - t0 < 8.0

@@ -63,16 +63,25 @@ def _request_frames(case: Case) -> list:
     what = int(case.rng.integers(3))
     if what == 0:
         meta = protocol.encode_keys_meta(keys)
-        return [protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(meta)), meta]
+        return [
+            protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta)),
+            meta,
+        ]
     if what == 1:
         meta = protocol.encode_keys_meta(keys)
-        return [protocol.pack_header(protocol.Op.EXISTS, count=len(keys), meta_len=len(meta)), meta]
+        return [
+            protocol.pack_header(protocol.Op.EXISTS, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta)),
+            meta,
+        ]
     lens = case.rng.integers(1, 200_000, len(keys))
-    meta = protocol.encode_put_meta(keys, lens, lens)
+    data = [case.bytes(int(n)) for n in lens]
+    meta = protocol.encode_put_meta(keys, lens, lens, protocol.end_bytes(data))
     return [
-        protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), data_len=int(lens.sum())),
+        protocol.pack_header(
+            protocol.Op.PUT, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta), data_len=int(lens.sum())
+        ),
         meta,
-        *[case.bytes(int(n)) for n in lens],
+        *data,
     ]
 
 
@@ -122,7 +131,7 @@ def disagreeing_lengths(case: Case, raw: RawSession) -> object:
         data = [case.bytes(half), case.bytes(announced - half)]
     else:  # no data at all, then another request
         meta = protocol.encode_keys_meta([b"k"])
-        data = [protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta)), meta]
+        data = [protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta)), meta]
     raw.send(*raw.put_frames(case.bytes(8), announced, data))
     return raw.reply(WAIT_S)
 
@@ -132,7 +141,7 @@ def handshake_abuse(case: Case, raw: RawSession) -> object:
     if how == 0:  # skipped AUTH
         raw.hello("alpha")
         meta = protocol.encode_keys_meta([b"a-0"])
-        raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta)), meta)
+        raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta)), meta)
     elif how == 1:  # PUT before anything
         raw.send(*raw.put_frames(b"x", 40, [case.bytes(40)]))
     elif how == 2:  # replayed MAC (over another nonce)

@@ -73,7 +73,10 @@ def test_an_access_id_crafted_to_overlap_a_namespace_is_separate(keyed_node, alp
 def test_handshake_abuse_is_refused(keyed_node, alpha_data, abuse):
     _alpha, keys, _values = alpha_data
     key_meta = protocol.encode_keys_meta(keys)
-    get = [protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(key_meta)), key_meta]
+    get = [
+        protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(key_meta), meta_end=protocol.end_byte(key_meta)),
+        key_meta,
+    ]
     with RawSession(keyed_node.port) as raw:
         if abuse == "skip-auth":
             raw.hello("alpha")

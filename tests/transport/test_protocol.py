@@ -1,4 +1,4 @@
-"""Wire protocol v2 (pure functions): header round trip and limits, segment plans, meta frames, the HMAC proof."""
+"""Wire protocol (pure functions): header round trip and limits, segment plans, meta frames, the HMAC proof."""
 
 from __future__ import annotations
 
@@ -11,10 +11,53 @@ from ems.transport import protocol
 
 
 def test_header_round_trip():
-    frame = protocol.pack_header(protocol.Op.PUT, count=3, meta_len=100, data_len=1 << 31, status=protocol.Status.OK, flags=1)
+    frame = protocol.pack_header(
+        protocol.Op.PUT, count=3, meta_len=100, data_len=1 << 31, status=protocol.Status.OK, flags=2, meta_end=0xAB
+    )
     assert frame.nbytes == protocol.HEADER_SIZE == 32
+    assert frame[-1] == 0  # data_len's top byte: the receiver's exact length check of a header frame
     h = protocol.unpack_header(frame)
-    assert (h.op, h.count, h.meta_len, h.data_len, h.flags) == (protocol.Op.PUT, 3, 100, 1 << 31, 1)
+    assert (h.op, h.count, h.meta_len, h.data_len, h.flags, h.meta_end) == (protocol.Op.PUT, 3, 100, 1 << 31, 2, 0xAB)
+
+
+_EVERY_OP = sorted({int(op) for op in protocol.Op} | {int(op) | protocol.REPLY for op in protocol.Op})
+
+
+@pytest.mark.parametrize("op", _EVERY_OP)
+def test_flags_are_defined_per_op(op):
+    """Every op (requests and replies) against every flag bit: a flag the op does not define is malformed."""
+    defined = {
+        int(protocol.Op.CHALLENGE): protocol.Flags.AUTH_REQUIRED,
+        int(protocol.Op.EXISTS): protocol.Flags.INLINE | protocol.Flags.LEASE | protocol.Flags.PIN,
+        int(protocol.Op.HELLO): 0,
+        int(protocol.Op.AUTH): 0,
+        int(protocol.Op.AUTH) | protocol.REPLY: 0,
+        int(protocol.Op.HELLO) | protocol.REPLY: 0,
+        int(protocol.Op.CHALLENGE) | protocol.REPLY: 0,
+    }.get(op, protocol.Flags.INLINE)
+    assert protocol.ALLOWED_FLAGS[op] == int(defined)
+    for bit in range(8):
+        frame = protocol.pack_header(op, flags=1 << bit)
+        if (1 << bit) & int(defined):
+            assert protocol.unpack_header(frame).flags == 1 << bit
+        else:
+            with pytest.raises(protocol.ProtocolError, match="flags"):
+                protocol.unpack_header(frame)
+
+
+def test_an_end_byte_for_no_meta_is_malformed():
+    with pytest.raises(protocol.ProtocolError, match="empty meta"):
+        protocol.unpack_header(protocol.pack_header(protocol.Op.GET, meta_end=7))
+
+
+@pytest.mark.parametrize("meta_len, data_len", [(0, 0), (1, 0), (7, 0), (8, 0), (100, 900), (8159, 0), (8160, 0), (9000, 5)])
+def test_every_head_ends_with_its_end_byte(meta_len, data_len):
+    """An inline head's last byte is HEAD_END whatever it carries, and it is never longer than HEAD_BYTES."""
+    layout = protocol.head_layout(meta_len, data_len)
+    header = protocol.pack_header(protocol.Op.PUT, meta_len=meta_len, data_len=data_len, flags=protocol.Flags.INLINE)
+    head = protocol.pack_head(header, b"\xff" * meta_len, [b"\xee" * data_len])
+    assert head.size == layout.length <= protocol.HEAD_BYTES and head.size % 8 == 0
+    assert head[-1] == protocol.HEAD_END
 
 
 @pytest.mark.parametrize(
@@ -70,14 +113,14 @@ def test_put_meta_round_trip_and_data_frame_checks():
     lens = np.array([100, protocol.SEGMENT_BYTES + 8, 50])
     # value 1 (big) is sent in two parts; values 0 and 2 each sit in their own packed segment
     frames = np.array([100, 40, protocol.SEGMENT_BYTES - 32, 50])
-    meta = protocol.encode_put_meta(keys, lens, frames)
+    meta = protocol.encode_put_meta(keys, lens, frames, bytes(len(frames)))
     req = protocol.decode_put_meta(3, int(lens.sum()), meta)
     assert req.keys == keys
     assert req.value_lens.tolist() == lens.tolist()
     assert req.frame_segments.tolist() == [0, 1, 1, 2]
     assert req.frame_offsets.tolist() == [0, 0, 40, 0]
     # a data frame crossing a segment boundary is malformed
-    bad = protocol.encode_put_meta(keys, lens, np.array([140, protocol.SEGMENT_BYTES - 32, 50]))
+    bad = protocol.encode_put_meta(keys, lens, np.array([140, protocol.SEGMENT_BYTES - 32, 50]), bytes(3))
     with pytest.raises(protocol.ProtocolError, match="crosses"):
         protocol.decode_put_meta(3, int(lens.sum()), bad)
     with pytest.raises(protocol.ProtocolError, match="data_len"):
@@ -97,7 +140,7 @@ def test_put_meta_round_trip_and_data_frame_checks():
 def test_put_meta_frame_lengths_cannot_wrap_around_to_data_len(frames):
     """Data frame lengths are u64 on the wire: lengths whose sum wraps around to data_len in int64 arithmetic are
     malformed, never decoded into frames that address outside their segments."""
-    meta = protocol.encode_put_meta([b"a", b"b"], np.array([50, 50]), np.array(frames, dtype=np.uint64))
+    meta = protocol.encode_put_meta([b"a", b"b"], np.array([50, 50]), np.array(frames, dtype=np.uint64), bytes(len(frames)))
     assert sum(frames) % (1 << 64) == 100
     with pytest.raises(protocol.ProtocolError):
         protocol.decode_put_meta(2, 100, meta)
@@ -142,14 +185,20 @@ def test_head_layout_properties(meta_len, data_len):
     assert layout.length % 8 == 0 and protocol.HEADER_SIZE <= layout.length <= protocol.HEAD_BYTES
     assert layout.data_inline <= layout.meta_inline
     body = meta_len * layout.meta_inline + data_len * layout.data_inline
-    assert body <= layout.length - protocol.HEADER_SIZE < body + 8
-    assert layout.meta_inline == (meta_len <= protocol.HEAD_BYTES - protocol.HEADER_SIZE)
+    assert body < layout.length - protocol.HEADER_SIZE <= body + 8  # at least one pad byte: the head's end byte
+    assert layout.meta_inline == (meta_len <= protocol.HEAD_BYTES - protocol.HEADER_SIZE - 1)
 
 
 def test_pack_head_puts_meta_and_data_inline():
     meta, data = b"m" * 13, [b"ab", np.frombuffer(b"cde", np.uint8)]
     header = protocol.pack_header(
-        protocol.Op.PUT, count=1, meta_len=len(meta), data_len=5, flags=protocol.Flags.INLINE, request_id=3
+        protocol.Op.PUT,
+        count=1,
+        meta_len=len(meta),
+        meta_end=protocol.end_byte(meta),
+        data_len=5,
+        flags=protocol.Flags.INLINE,
+        request_id=3,
     )
     head = protocol.pack_head(header, meta, data)
     assert len(head) == protocol.HEADER_SIZE + 24

@@ -18,7 +18,7 @@ def test_put_costs_are_the_encoded_put_meta(keys, data):
     parts = np.asarray(data.draw(st.lists(st.integers(1, 3), min_size=len(keys), max_size=len(keys))), dtype=np.int64)
     value_lens = np.asarray(data.draw(st.lists(st.integers(0, 5000), min_size=len(keys), max_size=len(keys))))
     frame_lens = np.ones(int(parts.sum()), dtype=np.int64)  # one u64 per data frame, whatever its length
-    meta = protocol.encode_put_meta(keys, value_lens, frame_lens)
+    meta = protocol.encode_put_meta(keys, value_lens, frame_lens, bytes(len(frame_lens)))
     data_cost, meta_cost, frames = RequestLimits.put_costs(key_lens(keys), value_lens, parts)
     assert int(meta_cost.sum()) == len(meta)
     assert (data_cost == value_lens).all() and (frames == parts).all()
@@ -59,7 +59,7 @@ def test_meta_reply_is_the_packed_head():
     """The at-once reply head (`pack_meta_reply`) has the very bytes of `pack_head` of the same reply."""
     meta = bytes([1, 0, 1])
     header = protocol.pack_header(
-        protocol.Op.EXISTS | protocol.REPLY, count=3, meta_len=3, flags=protocol.Flags.INLINE, request_id=77
+        protocol.Op.EXISTS | protocol.REPLY, count=3, meta_len=3, flags=protocol.Flags.INLINE, request_id=77, meta_end=1
     )
     assert bytes(protocol.pack_meta_reply(protocol.Op.EXISTS, 77, meta, 3)) == protocol.pack_head(header, meta).tobytes()
     assert (
@@ -77,6 +77,7 @@ def _outcome(decode, count, data_len, meta):
         return "refused"
     return (
         request.keys,
+        request.frame_ends,
         *(getattr(request, f).tolist() for f in ("value_lens", "frame_lens", "plan", "value_offsets")),
         *(getattr(request, f).tolist() for f in ("segment_sizes", "frame_segments", "frame_offsets")),
     )
@@ -102,6 +103,7 @@ def test_one_value_put_meta_is_decoded_as_the_general_path_does(key, value_len, 
         np.array([value_len], dtype="<u8").tobytes()
         + np.array([len(key)], dtype="<u4").tobytes()
         + np.array(frames, dtype="<u8").tobytes()
+        + bytes(i * 37 % 256 for i in range(len(frames)))  # the frames' end bytes
         + key
     )
     meta = meta[: len(meta) + cut] if cut < 0 else meta + bytes(cut)
@@ -110,7 +112,7 @@ def test_one_value_put_meta_is_decoded_as_the_general_path_does(key, value_len, 
 
 
 def test_one_value_put_meta_well_formed():
-    meta = protocol.encode_put_meta([b"key"], np.array([100]), np.array([40, 60]))
+    meta = protocol.encode_put_meta([b"key"], np.array([100]), np.array([40, 60]), bytes(2))
     request = protocol.decode_put_meta(1, 100, meta)
     assert _outcome(protocol.decode_put_meta, 1, 100, meta) == _outcome(protocol._decode_put_meta, 1, 100, meta)
     assert request.keys == [b"key"] and request.frame_offsets.tolist() == [0, 40] and request.segment_sizes.tolist() == [100]

@@ -443,7 +443,12 @@ def _raw_get(request_id: int, key: bytes, capacity: int = 1 << 16) -> bytes:
     from ems.transport import protocol, shm
 
     meta = shm.encode_ranged([key], [0], [capacity])
-    return protocol.pack_header(protocol.Op.SHM_GET, count=1, meta_len=len(meta), request_id=request_id).tobytes() + meta
+    return (
+        protocol.pack_header(
+            protocol.Op.SHM_GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta), request_id=request_id
+        ).tobytes()
+        + meta
+    )
 
 
 def _raw_reply(sock) -> tuple:
