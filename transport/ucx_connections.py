@@ -13,6 +13,14 @@ Contract:
   nobody will receive (`transport.ucx_unexpected`; `transport.ucx_server`'s docstring, "Messages nobody will
   receive"), closing a connection that parks messages on tags it has no request for. It logs the node's memory
   figures now and then (debug).
+* `sweep_front()` (the loop's progress sweeper, `ucx_progress`; at most every SWEEP_FRONT_S) does the same for the
+  oldest unread messages while they arrive: while the oldest is one nobody will receive it is discarded (and its
+  connection closed when it has no request for it), so a flood of them never holds more of the node's memory than
+  arrives between two sweeps. A message is one nobody will receive (`_stray`) when it is on the tags of no live
+  connection, on a request tag before its connection's handshake, or on the tag of a request id that is not in
+  flight while no head of that connection is waiting to be read (a client sends a request's head before its other
+  frames, so these can never belong to a head still to come). Counted in `metrics` (`unread_discarded`,
+  `unread_discarded_bytes`, `stray_closes`).
 * No lock: everything here runs on the node's one event loop. `Connection.requests` (the deadline of each request's
   next frame) is written by the request's channel (`transport.ucx_channel`) and read by the watchdog.
 """
@@ -27,14 +35,15 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from ems.transport import ucx_progress
-from ems.transport.handler import SessionLimits
+from ems.transport import protocol, ucx_progress
+from ems.transport.handler import SessionLimits, SessionMetrics
 from ems.transport.ucx_endpoint import connecting_tags, peer_host
-from ems.transport.ucx_unexpected import discard, oldest
+from ems.transport.ucx_unexpected import Discarded, discard, oldest
 
 log = logging.getLogger("ems.pool")
 
 WATCHDOG_PERIOD_S = 0.5
+SWEEP_FRONT_S = 0.001  # the progress sweeper's period at most: a check of the oldest unread message when it runs
 # inline requests of one connection served at once; the connection's next head waits for a free slot
 MAX_REQUESTS_PER_CONNECTION = 32
 # how long the tags of a connection that ended are still swept for messages that were on the wire when it closed
@@ -63,13 +72,13 @@ class Connection:
         "base_tag",
         "deadline",
         "ep",
+        "head",
         "next_key",
         "peer",
         "receiving",
         "requests",
         "slots",
         "stage",
-        "suspect",
         "tasks",
     )
 
@@ -85,11 +94,18 @@ class Connection:
         self.base_tag = base_tag  # the tag this node receives the connection's heads on (protocol docstring, "Tags")
         self.receiving: set[int] = set()  # inline request ids in flight: from the head until the reply starts
         self.next_key = 0
-        self.suspect: int | None = None  # a tag the last sweep found parked with no request for it
+        self.head: bytearray | None = None  # the buffer of the head receive posted now (read when it has arrived)
 
     def new_key(self) -> int:
         self.next_key += 1
         return self.next_key
+
+    def head_arrived(self) -> int | None:
+        """The request id of the inline head received and not read yet (its buffer filled: `ucx_frames`), if any."""
+        head = self.head
+        if head is None or head[protocol.HEADER_SIZE - 1] == 0xFF:  # nothing arrived (a head's last header byte is 0)
+            return None
+        return int.from_bytes(head[20:24], "little")  # the header's request_id (protocol.HEADER_DTYPE)
 
     def overdue(self, now: float) -> str | None:
         if self.stage == Stage.HANDSHAKE:
@@ -100,8 +116,12 @@ class Connection:
 class ConnectionTable:
     """The node's connections: admission, the tag registry, the watchdog; see the module docstring."""
 
-    def __init__(self, limits: SessionLimits, memory_report: Callable[[], str]) -> None:
+    def __init__(self, limits: SessionLimits, memory_report: Callable[[], str], metrics: SessionMetrics | None = None) -> None:
         self.limits = limits
+        self.metrics = metrics
+        self._next_front_sweep = 0.0
+        self._unlogged_drops = 0  # messages of no connection discarded since the watchdog last logged them
+        self._refuse_at_admit: set[int] = set()  # high bits of connections being set up that sent stray messages
         self._memory_report = memory_report  # the handlers' memory figures, for the debug log
         self._connections: dict[Any, Connection] = {}
         self._by_tag: dict[int, Connection] = {}  # high bits of a live connection's base tag -> that connection
@@ -118,6 +138,11 @@ class ConnectionTable:
         base_tag = int(ep._tags["msg_recv"])
         high = base_tag & CONNECTION_TAG_MASK
         connecting_tags.pop(high, None)
+        if high in self._refuse_at_admit:  # (`sweep_front`: its messages are discarded already)
+            self._refuse_at_admit.discard(high)
+            self._ended_tags.setdefault(high, time.monotonic() + UNREAD_LINGER_S)
+            log.warning("refused a connection from %s: a message on a request tag before the handshake", peer)
+            return None
         if high in self._by_tag or high in self._ended_tags:  # one in 2**32 per pair: the client reconnects
             log.info("refused a connection from %s: its tags collide with another connection's", peer)
             return None
@@ -170,52 +195,102 @@ class ConnectionTable:
                 except Exception:  # never lose the watchdog over one sweep
                     log.exception("sweeping unread messages failed")
 
+    def _discarded(self, done: Discarded) -> int:
+        if done.messages and self.metrics is not None:
+            self.metrics.unread_discarded.inc(done.messages)
+            self.metrics.unread_discarded_bytes.inc(done.nbytes)
+        return done.messages
+
+    def _stray(self, conn: Connection, tag: int) -> str | None:
+        """Why the unread message on `tag` of `conn` is one nobody will receive, or None (it may be received)."""
+        if tag == conn.base_tag:
+            return None  # a head (or a classic frame) waiting for its turn
+        if conn.stage == Stage.HANDSHAKE:
+            return "a message on a request tag before the handshake"
+        request_id = tag ^ conn.base_tag
+        if request_id in conn.receiving or request_id == conn.head_arrived():
+            return None
+        if oldest(self.worker, conn.base_tag, _FULL_TAG_MASK) is not None:
+            return None  # a head waits (the connection's request slots are taken): these may be its frames
+        return f"messages for request {request_id}, which is not in flight"
+
+    def _close_stray(self, conn: Connection, reason: str) -> None:
+        """Close `conn` for messages nobody will receive, and discard every unread message of its tags now."""
+        log.warning("closing a connection from %s: %s", conn.peer, reason)
+        conn.aborted = True
+        abort(conn.ep)
+        if self.metrics is not None:
+            self.metrics.stray_closes.inc()
+        high = conn.base_tag & CONNECTION_TAG_MASK
+        self._ended_tags.setdefault(high, time.monotonic() + UNREAD_LINGER_S)
+        self._discarded(discard(self.worker, high, CONNECTION_TAG_MASK))
+
+    def sweep_front(self) -> None:
+        """Discard the oldest unread messages while nobody will receive them (module docstring); at most every
+        SWEEP_FRONT_S, and one probe when nothing waits unread."""
+        now = time.monotonic()
+        if now < self._next_front_sweep:
+            return
+        self._next_front_sweep = now + SWEEP_FRONT_S
+        worker = self.worker
+        dropped = 0
+        try:
+            while True:
+                front = oldest(worker, 0, 0)
+                if front is None:
+                    break
+                high = front[0] & CONNECTION_TAG_MASK
+                owner = self._by_tag.get(high)
+                connecting = connecting_tags.get(high) if owner is None else None
+                if connecting is not None and front[0] == connecting.base_tag and high not in self._refuse_at_admit:
+                    break  # a connection being set up: its head waits for it
+                if connecting is not None:  # a request tag before the handshake: refused when it is admitted
+                    if high not in self._refuse_at_admit:
+                        self._refuse_at_admit.add(high)
+                        if self.metrics is not None:
+                            self.metrics.stray_closes.inc()
+                    if self._discarded(discard(worker, high, CONNECTION_TAG_MASK)) == 0:
+                        break  # (UCX took it meanwhile)
+                    continue
+                if owner is None or owner.aborted:
+                    gone = self._discarded(discard(worker, high, CONNECTION_TAG_MASK))
+                    if gone == 0:
+                        break  # (UCX took it meanwhile)
+                    dropped += gone
+                    continue
+                reason = self._stray(owner, front[0])
+                if reason is None:
+                    break
+                self._close_stray(owner, reason)
+        except Exception:  # never lose the loop's progress over one sweep
+            log.exception("sweeping unread messages failed")
+        self._unlogged_drops += dropped
+
     def _sweep_unread(self, now: float) -> None:
         """Discard the messages nobody will receive; close connections that park them (module docstring)."""
         worker = self.worker
         for high, until in list(self._ended_tags.items()):
-            discard(worker, high, CONNECTION_TAG_MASK)
+            self._discarded(discard(worker, high, CONNECTION_TAG_MASK))
             if now > until:
                 del self._ended_tags[high]
         loop_now = asyncio.get_running_loop().time()
-        for high, until in list(connecting_tags.items()):  # set up long ago and never admitted: ended
-            if loop_now > until:
+        for high, connecting in list(connecting_tags.items()):  # set up long ago and never admitted: ended
+            if loop_now > connecting.until:
                 del connecting_tags[high]
+                self._refuse_at_admit.discard(high)
                 self._ended_tags.setdefault(high, now + UNREAD_LINGER_S)
-        dropped = 0
-        while True:  # oldest first: stop at the first message a live connection (or one being set up) may receive
-            front = oldest(worker, 0, 0)
-            if (
-                front is None
-                or (front[0] & CONNECTION_TAG_MASK) in self._by_tag
-                or (front[0] & CONNECTION_TAG_MASK) in connecting_tags
-            ):
-                break
-            dropped += discard(worker, front[0], _FULL_TAG_MASK)
-        if dropped:
-            log.info("discarded %d messages sent on the tags of no connection", dropped)
+        self._next_front_sweep = 0.0
+        self.sweep_front()  # the oldest messages, then each connection's own below
+        if self._unlogged_drops:  # once per watchdog period: a flood discarded as it arrives is one line
+            log.info("discarded %d messages sent on the tags of no connection", self._unlogged_drops)
+            self._unlogged_drops = 0
         for conn in list(self._connections.values()):
             if conn.aborted:
                 continue
             first = oldest(worker, conn.base_tag, CONNECTION_TAG_MASK)
-            parked = None if first is None or first[0] == conn.base_tag else first[0]
-            if parked is not None and conn.stage == Stage.HANDSHAKE:
-                reason = "a message on a request tag before the handshake"
-            elif (
-                parked is not None
-                and (parked ^ conn.base_tag) not in conn.receiving
-                and oldest(worker, conn.base_tag, _FULL_TAG_MASK) is None
-            ):
-                if conn.suspect != parked:
-                    conn.suspect = parked  # a head read this instant may not have registered its id yet
-                    continue
-                reason = f"messages for request {parked ^ conn.base_tag}, which is not in flight"
-            else:
-                conn.suspect = None
-                continue
-            log.warning("closing a connection from %s: %s", conn.peer, reason)
-            conn.aborted = True
-            abort(conn.ep)
+            reason = None if first is None else self._stray(conn, first[0])
+            if reason is not None:
+                self._close_stray(conn, reason)
 
     def forget_tags(self, conn: Connection) -> None:
         """The connection ended: discard what it left unread, now and for UNREAD_LINGER_S."""
@@ -224,7 +299,7 @@ class ConnectionTable:
             del self._by_tag[high]
             self._ended_tags[high] = time.monotonic() + UNREAD_LINGER_S
             if self.worker is not None:
-                discard(self.worker, high, CONNECTION_TAG_MASK)
+                self._discarded(discard(self.worker, high, CONNECTION_TAG_MASK))
 
 
 def abort(ep: Any) -> None:

@@ -20,14 +20,24 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 _FMT = "QQ"
 _GRAVEYARD: list[tuple[Any, ...]] = []  # (ucx endpoint, request, buffers...) of abandoned connects
 _GRAVEYARD_LIMIT = 4096
 CONNECTING_TAG_S = 30.0  # how long a connection's tag counts as being set up (its exchange is bounded far below)
 TAG_HIGH_MASK = 0xFFFF_FFFF_0000_0000  # = ucx_progress.CONNECTION_TAG_MASK
-connecting_tags: dict[int, float] = {}  # high bits of the tag of a connection being set up -> until when
+
+
+class Connecting(NamedTuple):
+    """A connection being set up on the listening side: the tag it will receive its heads on, and until when it
+    counts as being set up."""
+
+    base_tag: int
+    until: float
+
+
+connecting_tags: dict[int, Connecting] = {}  # high bits of the tag of a connection being set up -> that connection
 
 
 def _bury(*objects: Any) -> None:
@@ -62,7 +72,7 @@ async def exchange_peer_info(endpoint: Any, msg_tag: int, listener: bool, connec
     from ucxx._lib_async.utils import hash64bits
 
     if listener:
-        connecting_tags[msg_tag & TAG_HIGH_MASK] = asyncio.get_running_loop().time() + CONNECTING_TAG_S
+        connecting_tags[msg_tag & TAG_HIGH_MASK] = Connecting(msg_tag, asyncio.get_running_loop().time() + CONNECTING_TAG_S)
     my_info = struct.pack(_FMT, msg_tag, hash64bits(msg_tag))
     peer_info = bytearray(len(my_info))
     my_arr, peer_arr = Array(my_info), Array(peer_info)

@@ -5,7 +5,9 @@ Contract:
   `worker`: the worker's epoll descriptor is watched by the loop (`add_reader`); on each event, and right after
   anything posts a request, the loop thread progresses the worker until it is idle, re-arms it, and completes the
   asyncio future of every request that finished. A periodic progress (`TICK_S`) keeps UCX's keepalive and error
-  detection going while idle. Nothing spins: an idle process sleeps in the loop's `select`.
+  detection going while idle. Nothing spins: an idle process sleeps in the loop's `select`. A `sweeper` (a node's
+  `ConnectionTable.sweep_front`) runs every SWEEP_EVERY progress passes of one progress call and once after it: a
+  flood of messages nobody will receive is discarded while it arrives, not after (UCX buffers them meanwhile).
 * `send(ep, buffer, tag)` / `recv(ep, buffer, tag)` post one tagged message on a ucxx `Endpoint` now (before the
   caller awaits anything) and return a future that ends when UCX completes it (raising UCX's error when it fails:
   a peer that died, an aborted endpoint, a message longer than the buffer). `tag` None is the endpoint's base tag,
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 log = logging.getLogger("ems.transport")
 
 TICK_S = 0.1  # idle progress period (keepalive, peer-failure detection, a missed wake-up never stalls longer)
+SWEEP_EVERY = 8  # progress passes between two calls of the sweeper inside one progress call
 
 _drivers: dict[asyncio.AbstractEventLoop, LoopProgress] = {}
 
@@ -47,6 +51,7 @@ class LoopProgress:
         self._waiting: dict[Any, tuple[asyncio.Future, Any]] = {}  # request -> (its future, the buffer UCX uses)
         self._scheduled = False
         self._closed = False
+        self.sweeper: Callable[[], None] | None = None
         worker.init_blocking_progress_mode()
         self._fd = worker.epoll_file_descriptor
         loop.add_reader(self._fd, self.progress)
@@ -87,9 +92,15 @@ class LoopProgress:
         if self._closed:
             return
         worker = self.worker
+        sweeper = self.sweeper
         while True:
+            passes = 0
             while worker.progress_once():
-                pass
+                passes += 1
+                if sweeper is not None and passes % SWEEP_EVERY == 0:
+                    sweeper()
+            if sweeper is not None:
+                sweeper()
             if self._waiting:
                 self._complete()
             if worker.arm():

@@ -31,11 +31,12 @@ Contract:
   new connection is aborted at once.
 * Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are released (`transport.ucx_sockets`),
   also when the node has no descriptor left.
-* Messages nobody will receive (protocol docstring, "Tags") are discarded by the watchdog (`transport.ucx_unexpected`,
-  in progress mode "loop"): every tag of a connection that ended (at once, and for UNREAD_LINGER_S more for what was
-  still on the wire), messages on the tags of no live connection, and a connection that parks messages on tags it
-  has no request for (before its handshake, any tag but its base tag; after it, a request id not in flight with no
-  head waiting, seen so on two sweeps in a row) is closed, after which its messages are discarded too.
+* Messages nobody will receive (protocol docstring, "Tags") are discarded as they arrive (the loop's progress
+  sweeper, `ConnectionTable.sweep_front`) and by the watchdog (`transport.ucx_unexpected`, in progress mode
+  "loop"): every tag of a connection that ended (at once, and for UNREAD_LINGER_S more for what was still on the
+  wire), messages on the tags of no live connection, and a connection that parks messages on tags it has no request
+  for (before its handshake, any tag but its base tag; after it, a request id not in flight with no head waiting or
+  arrived) is closed, after which its messages are discarded too.
 * A malformed or oversized frame, or any transport error, closes that connection only.
 * `stop()` closes the listener and every connection; the caller then lets the loop finish.
 * Same-host clients may move value bytes through a shared-memory region of their connection (`shm`:
@@ -58,7 +59,7 @@ from ems.transport.ucx_channel import Channel
 from ems.transport.ucx_config import init_ucx
 from ems.transport.ucx_connections import Closed, Connection, ConnectionTable, Stage, abort
 from ems.transport.ucx_endpoint import install_safe_listener_exchange
-from ems.transport.ucx_frames import recv_head
+from ems.transport.ucx_frames import new_head_buffer, recv_head
 from ems.transport.ucx_handshake import handshake
 from ems.transport.ucx_listener import BoundListener
 from ems.transport.ucx_sockets import SocketReaper
@@ -84,7 +85,7 @@ class PoolServer:
         self.access_keys = dict(access_keys or {})
         self.limits = limits
         self._listener: Any = None
-        self.connections = ConnectionTable(limits, handlers.memory_report)  # admission, tags, the watchdog
+        self.connections = ConnectionTable(limits, handlers.memory_report, metrics)  # admission, tags, the watchdog
         self._tasks: list[asyncio.Task] = []
         self.port = 0
 
@@ -102,10 +103,12 @@ class PoolServer:
         else:
             self._listener = BoundListener(host, port, self._serve)
         self.port = int(self._listener.port)
-        if ucx_progress.driver() is not None:
+        driver = ucx_progress.driver()
+        if driver is not None:
             from ucxx.core import _get_ctx
 
             self.connections.worker = _get_ctx().worker
+            driver.sweeper = self.connections.sweep_front
         self._tasks = [asyncio.ensure_future(self.connections.watch()), asyncio.ensure_future(self._reaper())]
         self.handlers.start()
         return self.port
@@ -116,6 +119,9 @@ class PoolServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        driver = ucx_progress.driver()
+        if driver is not None and driver.sweeper == self.connections.sweep_front:
+            driver.sweeper = None
         self.connections.abort_all()
         self.handlers.close()
 
@@ -146,8 +152,10 @@ class PoolServer:
             classic = -1  # the watchdog's key for the classic request being served (inline ones: positive serials)
             while not conn.aborted:
                 await conn.slots.acquire()
+                head = new_head_buffer()
+                conn.head = head[0]  # the sweeps read which request's head arrived (`Connection.head_arrived`)
                 try:
-                    header, body = await recv_head(ep)
+                    header, body = await recv_head(ep, buffer=head)
                 except protocol.ProtocolError:
                     conn.slots.release()
                     raise
@@ -157,6 +165,8 @@ class PoolServer:
                 except BaseException:
                     conn.slots.release()
                     raise
+                finally:
+                    conn.head = None
                 if header.inline:
                     # served concurrently: its other frames and its reply travel on its own tag
                     request_id = header.request_id

@@ -6,7 +6,9 @@ Contract:
   store's own statistics when scraped. Exposition is `prometheus_client`'s.
 * Metric names (all prefixed `ems_pool_`): `requests_total{op,status}`, `request_bytes_total{op}` (PUT: received,
   GET: sent), `request_seconds{op}` (histogram), `auth_failures_total`, `checksum_failures_total` (PUT values
-  refused as damaged), `connections` (open now), `connections_opened_total`, and from the store: `held_bytes`,
+  refused as damaged), `connections` (open now), `connections_opened_total`, `unread_discarded_total` and
+  `unread_discarded_bytes_total` (messages on tags nobody would receive, discarded unread), `stray_closes_total`
+  (connections closed for such messages), and from the store: `held_bytes`,
   `values`, `capacity_bytes`, `evictions_total`, `get_hits_total`, `get_misses_total`, `puts_total`,
   `rejected_puts_total` (hits and misses over all tiers).
 * Per tier (label `tier`: `dram`, and `disk` on a node with `--disk`): `tier_up`, `tier_bytes`,
@@ -180,6 +182,15 @@ class NodeMetrics:
         self.checksum_failures = Counter("ems_pool_checksum_failures", "PUT values refused as damaged", registry=r)
         self.connections = Gauge("ems_pool_connections", "Client connections open now", registry=r)
         self.connections_opened = Counter("ems_pool_connections_opened", "Client connections accepted", registry=r)
+        self.unread_discarded = Counter(
+            "ems_pool_unread_discarded", "Messages discarded unread (sent on tags nobody would receive)", registry=r
+        )
+        self.unread_discarded_bytes = Counter(
+            "ems_pool_unread_discarded_bytes", "Bytes of the messages discarded unread", registry=r
+        )
+        self.stray_closes = Counter(
+            "ems_pool_stray_closes", "Connections closed for messages on tags they had no request for", registry=r
+        )
         self.registry.register(_StoreCollector(store))
 
     def watch_repair(self, progress: Callable[[], Any]) -> None:
