@@ -243,7 +243,7 @@ class PoolBackendKind(str, enum.Enum):
 class EmsConfig:
     """`EmsConfig(access_id=None, access_key=None, cc_config=None, cc_config_v1=None, **pool_settings)`.
 
-    The pool settings are keyword-only; see the README's Configuration table for each one. An unknown keyword raises
+    The pool settings are keyword-only; docs/configuration.md's table lists each one. An unknown keyword raises
     `EmsException(EMS_INVALID_ARGUMENT)`.
     """
 
