@@ -6,7 +6,8 @@
 * Every `EMS_*` environment variable the package reads is a row of that table, and every `EMS_*` name the docs mention
   is read somewhere (package, tests or benchmarks) or is an error code.
 * The defaults the table quotes are the code's.
-* The value format and wire protocol versions the docs quote are the code's.
+* The value format and wire protocol versions the docs quote are the code's, and docs/pool-nodes.md's request metric
+  names every `op` label a node counts.
 * Links to files in the repository resolve.
 * Every module and folder docs/architecture.md names exists (paths, `ems.` dotted names, the diagram's paths), and
   every package folder of the source tree and every benchmark script is named there.
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"  # the one table of settings
 ARCHITECTURE = ROOT / "docs" / "architecture.md"  # the module map
+POOL_NODES = ROOT / "docs" / "pool-nodes.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGE = [ROOT / "ems", ROOT / "kernels", ROOT / "transport"]
 ENV_NAME = re.compile(r"(?:EMS_[A-Z0-9_]*[A-Z0-9]|ENABLE_CC_PROFILING)")
@@ -209,6 +211,17 @@ def test_every_variable_the_docs_name_exists():
         if match.group(1) not in codes | read_anywhere and not match.group(2)  # "EMS_UCX_*": a family
     }
     assert not unknown, f"environment variables the docs name but nothing reads: {sorted(unknown)}"
+
+
+def test_the_request_metric_row_names_every_op_label():
+    """docs/pool-nodes.md's `ems_pool_requests_total{op,status}` row quotes every `op` a node counts requests under."""
+    from ems.transport.shm import metric_name
+
+    row = next(line for line in POOL_NODES.read_text().splitlines() if line.startswith("| `ems_pool_requests_total{op"))
+    handshake = {protocol.Op.HELLO, protocol.Op.CHALLENGE, protocol.Op.AUTH}  # answered before requests are counted
+    labels = {metric_name(op) for op in protocol.Op if op not in handshake}
+    missing = sorted(label for label in labels if f"`{label}`" not in row)
+    assert len(labels) >= 5 and not missing, f"docs/pool-nodes.md's requests_total row lacks op labels {missing}"
 
 
 def test_quoted_versions_are_the_codes():
