@@ -221,7 +221,7 @@ def test_second_init():
     assert Ems.check_health() is True
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="8MiB"))  # equal: no-op
     assert Ems.get_cc() is cc
-    _raises(lambda: Ems.init(EmsConfig(cc_config=CcConfig(rank_id=1, device_id=0, model_id="m"))), "once per process")
+    _raises(lambda: Ems.init(EmsConfig(cc_config=CcConfig(rank_id=1, device_id=0, model_id="m"))), "Ems.shutdown() first")
     assert Ems.get_cc() is cc
     _raises(lambda: Ems.init("config"), "config")
     Ems.shutdown()
