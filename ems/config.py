@@ -2,7 +2,8 @@
 
 The SDK's fields keep their names, order and defaults. `Settings` is every setting this package reads, resolved
 once at `Ems.init` (`resolve_settings`): a pool setting given to `EmsConfig` wins, else its environment variable,
-else its default; the process settings (`chunk_bytes`, `profiling`, `sdk_log_dir`, `pool_shm`, `host_copy`,
+else its default (an error names the environment variable when the value came from there, else the setting);
+the process settings (`chunk_bytes`, `profiling`, `sdk_log_dir`, `pool_shm`, `host_copy`,
 `cache_dir`, `ucx`) come from the environment only, and the `mooncake_*` settings become `Settings.mooncake` with
 `pool_backend="mooncake"`. Each setting, its variable and its default are in docs/configuration.md's table, the one
 list of them (tests/test_docs.py checks it against the code both ways). Nothing re-reads them later: to change one,
@@ -242,7 +243,7 @@ class PoolBackendKind(str, enum.Enum):
 class EmsConfig:
     """`EmsConfig(access_id=None, access_key=None, cc_config=None, cc_config_v1=None, **pool_settings)`.
 
-    The pool settings are keyword-only; see the README's Configuration table for each one. An unknown keyword raises
+    The pool settings are keyword-only; docs/configuration.md's table lists each one. An unknown keyword raises
     `EmsException(EMS_INVALID_ARGUMENT)`.
     """
 
@@ -343,80 +344,101 @@ class MooncakeSettings:
     segment_bytes: int = 0
 
 
-def _setting(value: object, env: str, default: object) -> object:
+def _setting(name: str, value: object, env: str, default: object) -> tuple[object, str]:
+    """A pool setting's value (the `EmsConfig` keyword, else its environment variable, else the default) and the name
+    its error messages give it: the variable the user set when the value came from the environment (`EMS_X (name)`),
+    else the setting's name."""
     if value is not None:
-        return value
+        return value, name
     from_env = os.environ.get(env)
-    return from_env if from_env not in (None, "") else default
+    return (from_env, f"{env} ({name})") if from_env not in (None, "") else (default, name)
 
 
-def _parse_node(index: int, node: object) -> str:
+def _parse_node(label: str, node: object) -> str:
+    """One entry of pool_nodes, `label` naming it in errors (`pool_nodes[0]`, `EMS_POOL_NODES (pool_nodes[0])`)."""
     if not isinstance(node, str):
-        raise invalid_argument(f"pool_nodes[{index}] must be a 'host:port' string, got {node!r}")
+        raise invalid_argument(f"{label} must be a 'host:port' string, got {node!r}")
     host, sep, port = node.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise invalid_argument(f"pool_nodes[{index}] must be 'host:port' with a port in 1..65535, got {node!r}")
+        raise invalid_argument(f"{label} must be 'host:port' with a port in 1..65535, got {node!r}")
     return f"{host.strip('[]')}:{int(port)}"
 
 
-def _int_setting(name: str, value: object, minimum: int) -> int:
+def _int_setting(setting: tuple[object, str], minimum: int) -> int:
+    """An int setting (`_setting`'s value and name) of at least `minimum`; a string of digits is read as one."""
+    value, name = setting
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
     _check_int(name, value, minimum)
     return cast(int, value)  # _check_int let only ints through
 
 
+def _size_setting(setting: tuple[object, str], positive: bool = False) -> int:
+    """A size setting (`_setting`'s value and name): `parse_size`, and more than 0 where `positive`."""
+    value, name = setting
+    size = parse_size(name, value)
+    if positive and size <= 0:
+        raise invalid_argument(f"{name} must be > 0")
+    return size
+
+
 def resolve_settings(config: EmsConfig) -> Settings:
-    """Apply environment variables and defaults to `config`'s pool settings, checking each one."""
-    nodes_value = _setting(config.pool_nodes, "EMS_POOL_NODES", [])
+    """Apply environment variables and defaults to `config`'s pool settings, checking each one. An error names the
+    environment variable when the value came from there, else the setting (`_setting`)."""
+    nodes_value, nodes_name = _setting("pool_nodes", config.pool_nodes, "EMS_POOL_NODES", [])
     if isinstance(nodes_value, str):
         nodes_value = [n for n in nodes_value.split(",") if n.strip()]
     if not isinstance(nodes_value, (list, tuple)):
-        raise invalid_argument(f"pool_nodes must be a list of 'host:port' strings, got {nodes_value!r}")
-    nodes = tuple(_parse_node(i, n) for i, n in enumerate(nodes_value))
+        raise invalid_argument(f"{nodes_name} must be a list of 'host:port' strings, got {nodes_value!r}")
+    from_env = nodes_name != "pool_nodes"
+    nodes = tuple(
+        _parse_node(f"EMS_POOL_NODES (pool_nodes[{i}])" if from_env else f"pool_nodes[{i}]", n) for i, n in enumerate(nodes_value)
+    )
     if len(set(nodes)) != len(nodes):
-        raise invalid_argument(f"pool_nodes lists a node twice: {list(nodes)}")
+        raise invalid_argument(f"{nodes_name} lists a node twice: {list(nodes)}")
     from ems.kernels.base import KernelBackend  # here, not at import: the pool node never needs torch
 
-    backend_value = _setting(config.kernel_backend, "EMS_KERNEL_BACKEND", "auto")
+    backend_value, backend_name = _setting("kernel_backend", config.kernel_backend, "EMS_KERNEL_BACKEND", "auto")
     try:
         backend = KernelBackend(str(backend_value).lower())
     except ValueError:
         choices = ", ".join(k.value for k in KernelBackend)
-        raise invalid_argument(f"kernel_backend must be one of {choices}, got {backend_value!r}") from None
-    device = _setting(config.device, "EMS_DEVICE", None)
+        raise invalid_argument(f"{backend_name} must be one of {choices}, got {backend_value!r}") from None
+    device, device_name = _setting("device", config.device, "EMS_DEVICE", None)
     if device is not None and not isinstance(device, str):
-        raise invalid_argument(f"device must be a device string such as 'cpu' or 'npu:0', got {device!r}")
+        raise invalid_argument(f"{device_name} must be a device string such as 'cpu' or 'npu:0', got {device!r}")
     settings = Settings(
         pool_nodes=nodes,
-        pool_capacity=parse_size("pool_capacity", _setting(config.pool_capacity, "EMS_POOL_CAPACITY", "1GiB")),
-        read_cache_capacity=parse_size(
-            "read_cache_capacity", _setting(config.read_cache_capacity, "EMS_READ_CACHE_CAPACITY", "256MiB")
+        pool_capacity=_size_setting(_setting("pool_capacity", config.pool_capacity, "EMS_POOL_CAPACITY", "1GiB"), positive=True),
+        read_cache_capacity=_size_setting(
+            _setting("read_cache_capacity", config.read_cache_capacity, "EMS_READ_CACHE_CAPACITY", "256MiB")
         ),
-        staging_capacity=parse_size("staging_capacity", _setting(config.staging_capacity, "EMS_STAGING_CAPACITY", "512MiB")),
-        max_inflight=_int_setting("max_inflight", _setting(config.max_inflight, "EMS_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT), 1),
+        staging_capacity=_size_setting(
+            _setting("staging_capacity", config.staging_capacity, "EMS_STAGING_CAPACITY", "512MiB"), positive=True
+        ),
+        max_inflight=_int_setting(_setting("max_inflight", config.max_inflight, "EMS_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT), 1),
         kernel_backend=backend,
         connect_timeout_ms=_int_setting(
-            "connect_timeout_ms", _setting(config.connect_timeout_ms, "EMS_CONNECT_TIMEOUT_MS", 3000), 1
+            _setting("connect_timeout_ms", config.connect_timeout_ms, "EMS_CONNECT_TIMEOUT_MS", 3000), 1
         ),
         device=device,
         **_cluster_settings(config),
-        pool_prefault=parse_size("pool_prefault", _setting(config.pool_prefault, "EMS_POOL_PREFAULT", 0)),
-        pool_prefault_ahead=parse_size(
-            "pool_prefault_ahead", _setting(config.pool_prefault_ahead, "EMS_POOL_PREFAULT_AHEAD", "256MiB")
+        pool_prefault=_size_setting(_setting("pool_prefault", config.pool_prefault, "EMS_POOL_PREFAULT", 0)),
+        pool_prefault_ahead=_size_setting(
+            _setting("pool_prefault_ahead", config.pool_prefault_ahead, "EMS_POOL_PREFAULT_AHEAD", "256MiB")
         ),
         **_backend_settings(config),
         **_process_settings(),
     )
     if settings.pool_backend == PoolBackendKind.MOONCAKE and (settings.pool_nodes or settings.pool_etcd):
+        backend_name = _setting("pool_backend", config.pool_backend, "EMS_POOL_BACKEND", "ems")[1]
+        etcd_name = _setting("pool_etcd", config.pool_etcd, "EMS_POOL_ETCD", None)[1]
+        given = [f"{nodes_name}={list(nodes)}"] if nodes else []
+        given += [f"{etcd_name}={settings.pool_etcd!r}"] if settings.pool_etcd else []
         raise invalid_argument(
-            "pool_backend='mooncake' places blocks itself: give no pool_nodes or pool_etcd with it "
-            f"(got pool_nodes={list(settings.pool_nodes)}, pool_etcd={settings.pool_etcd!r})"
+            f"{backend_name} is 'mooncake', which places blocks itself: give no pool_nodes or pool_etcd with it "
+            f"(got {', '.join(given)})"
         )
-    if settings.pool_capacity <= 0:
-        raise invalid_argument("pool_capacity must be > 0")
-    if settings.staging_capacity <= 0:
-        raise invalid_argument("staging_capacity must be > 0")
     return settings
 
 
@@ -493,23 +515,23 @@ _CLUSTER_RE = re.compile(r"[0-9a-z._-]{1,512}")
 
 def _cluster_settings(config: EmsConfig) -> dict:
     """pool_etcd, pool_cluster, pool_replicas, pool_hedge, checked."""
-    etcd = _setting(config.pool_etcd, "EMS_POOL_ETCD", None)
+    etcd, etcd_name = _setting("pool_etcd", config.pool_etcd, "EMS_POOL_ETCD", None)
     if etcd is not None:
         from ems.cluster.etcd import parse_url
 
         try:
             parse_url(etcd if isinstance(etcd, str) else "")
         except ValueError:
-            raise invalid_argument(f"pool_etcd must be an etcd endpoint like 'http://127.0.0.1:2379', got {etcd!r}") from None
-    cluster = _setting(config.pool_cluster, "EMS_POOL_CLUSTER", "default")
+            raise invalid_argument(f"{etcd_name} must be an etcd endpoint like 'http://127.0.0.1:2379', got {etcd!r}") from None
+    cluster, cluster_name = _setting("pool_cluster", config.pool_cluster, "EMS_POOL_CLUSTER", "default")
     if not isinstance(cluster, str) or _CLUSTER_RE.fullmatch(cluster) is None:
-        raise invalid_argument(f"pool_cluster must be 1-512 characters of [0-9a-z._-] (an etcd key part), got {cluster!r}")
-    replicas = _int_setting("pool_replicas", _setting(config.pool_replicas, "EMS_POOL_REPLICAS", 1), 1)
-    hedge = _setting(config.pool_hedge, "EMS_POOL_HEDGE", "on")
+        raise invalid_argument(f"{cluster_name} must be 1-512 characters of [0-9a-z._-] (an etcd key part), got {cluster!r}")
+    replicas = _int_setting(_setting("pool_replicas", config.pool_replicas, "EMS_POOL_REPLICAS", 1), 1)
+    hedge, hedge_name = _setting("pool_hedge", config.pool_hedge, "EMS_POOL_HEDGE", "on")
     if isinstance(hedge, str) and hedge.strip().lower() in ("on", "off"):
         hedge = hedge.strip().lower() == "on"
     if not isinstance(hedge, bool):
-        raise invalid_argument(f"pool_hedge must be 'on' or 'off' (or a bool), got {hedge!r}")
+        raise invalid_argument(f"{hedge_name} must be 'on' or 'off' (or a bool), got {hedge!r}")
     return {"pool_etcd": etcd, "pool_cluster": cluster, "pool_replicas": replicas, "pool_hedge": hedge}
 
 
@@ -518,45 +540,46 @@ _PROTOCOL_RE = re.compile(r"[0-9a-z_]{1,64}")
 
 def _backend_settings(config: EmsConfig) -> dict:
     """pool_backend and, for Mooncake, the mooncake_* settings, checked."""
-    value = _setting(config.pool_backend, "EMS_POOL_BACKEND", "ems")
+    value, backend_name = _setting("pool_backend", config.pool_backend, "EMS_POOL_BACKEND", "ems")
     try:
         backend = PoolBackendKind(str(value).strip().lower())
     except ValueError:
-        raise invalid_argument(f"pool_backend must be 'ems' or 'mooncake', got {value!r}") from None
+        raise invalid_argument(f"{backend_name} must be 'ems' or 'mooncake', got {value!r}") from None
     if backend != PoolBackendKind.MOONCAKE:
         return {"pool_backend": backend}
-    master = _setting(config.mooncake_master, "EMS_MOONCAKE_MASTER", None)
+    master, master_name = _setting("mooncake_master", config.mooncake_master, "EMS_MOONCAKE_MASTER", None)
     if master is None:
         raise invalid_argument("pool_backend='mooncake' needs mooncake_master (EMS_MOONCAKE_MASTER), 'host:port'")
     host, sep, port = master.strip().rpartition(":") if isinstance(master, str) else ("", "", "")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise invalid_argument(f"mooncake_master must be 'host:port' with a port in 1..65535, got {master!r}")
+        raise invalid_argument(f"{master_name} must be 'host:port' with a port in 1..65535, got {master!r}")
     master = f"{host}:{int(port)}"
     texts = {}
+    names = {}
     for name, env, default in (
         ("mooncake_metadata", "EMS_MOONCAKE_METADATA", "P2PHANDSHAKE"),
         ("mooncake_protocol", "EMS_MOONCAKE_PROTOCOL", "tcp"),
         ("mooncake_devices", "EMS_MOONCAKE_DEVICES", ""),
         ("mooncake_hostname", "EMS_MOONCAKE_HOSTNAME", "127.0.0.1"),
     ):
-        text = _setting(getattr(config, name), env, default)
+        text, names[name] = _setting(name, getattr(config, name), env, default)
         if not isinstance(text, str) or not text.isprintable() or (not text and name != "mooncake_devices"):
-            raise invalid_argument(f"{name} must be a non-empty printable string, got {text!r}")
+            raise invalid_argument(f"{names[name]} must be a non-empty printable string, got {text!r}")
         texts[name] = text.strip()
     protocol = texts["mooncake_protocol"].lower()
     if _PROTOCOL_RE.fullmatch(protocol) is None:
-        raise invalid_argument(f"mooncake_protocol must be a protocol name such as 'tcp' or 'rdma', got {protocol!r}")
+        raise invalid_argument(f"{names['mooncake_protocol']} must be a protocol name such as 'tcp' or 'rdma', got {protocol!r}")
     mooncake = MooncakeSettings(
         master=master,
         metadata=texts["mooncake_metadata"],
         protocol=protocol,
         devices=texts["mooncake_devices"],
         hostname=texts["mooncake_hostname"],
-        buffer_bytes=parse_size("mooncake_buffer", _setting(config.mooncake_buffer, "EMS_MOONCAKE_BUFFER", "64MiB")),
-        segment_bytes=parse_size("mooncake_segment", _setting(config.mooncake_segment, "EMS_MOONCAKE_SEGMENT", 0)),
+        buffer_bytes=_size_setting(
+            _setting("mooncake_buffer", config.mooncake_buffer, "EMS_MOONCAKE_BUFFER", "64MiB"), positive=True
+        ),
+        segment_bytes=_size_setting(_setting("mooncake_segment", config.mooncake_segment, "EMS_MOONCAKE_SEGMENT", 0)),
     )
-    if mooncake.buffer_bytes <= 0:
-        raise invalid_argument("mooncake_buffer must be > 0")
     return {"pool_backend": backend, "mooncake": mooncake}
 
 

@@ -124,13 +124,45 @@ def test_environment_reaches_ems_init(monkeypatch):
         ("EMS_POOL_NODES", "nohost", "pool_nodes[0]"),
         ("EMS_POOL_NODES", "a:1,a:1", "twice"),
         ("EMS_POOL_NODES", "a:99999", "pool_nodes[0]"),
+        ("EMS_POOL_NODES", "a:1,nohost", "pool_nodes[1]"),
+        ("EMS_POOL_REPLICAS", "two", "pool_replicas"),
+        ("EMS_POOL_HEDGE", "maybe", "pool_hedge"),
+        ("EMS_POOL_CLUSTER", "Prod Cluster", "pool_cluster"),
+        ("EMS_POOL_ETCD", "etcd-host", "pool_etcd"),
+        ("EMS_POOL_BACKEND", "redis", "pool_backend"),
+        ("EMS_POOL_PREFAULT", "some", "pool_prefault"),
+        ("EMS_READ_CACHE_CAPACITY", "-1", "read_cache_capacity"),
     ],
 )
 def test_bad_environment_values(monkeypatch, env, value, needle):
+    """The error names the variable the user set, and the setting it feeds."""
     monkeypatch.setenv(env, value)
-    _invalid(lambda: resolve_settings(EmsConfig()), needle)
-    _invalid(lambda: Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"))), needle)
+    _invalid(lambda: resolve_settings(EmsConfig()), env, needle)
+    _invalid(lambda: Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"))), env, needle)
     assert Ems.get_cc() is None
+
+
+def test_a_bad_keyword_is_named_as_the_keyword_even_with_the_variable_set(monkeypatch):
+    monkeypatch.setenv("EMS_POOL_REPLICAS", "2")  # valid, and not what was used: the keyword wins
+    with pytest.raises(EmsException) as info:
+        resolve_settings(EmsConfig(pool_replicas="two"))
+    assert info.value.message() == "pool_replicas must be an int >= 1, got 'two'"
+
+
+def test_bad_mooncake_environment_values_name_the_variable(monkeypatch):
+    monkeypatch.setenv("EMS_POOL_BACKEND", "mooncake")
+    monkeypatch.setenv("EMS_MOONCAKE_MASTER", "no-port")
+    _invalid(lambda: resolve_settings(EmsConfig()), "EMS_MOONCAKE_MASTER (mooncake_master)")
+    monkeypatch.setenv("EMS_MOONCAKE_MASTER", "h:1")
+    monkeypatch.setenv("EMS_MOONCAKE_PROTOCOL", "tcp; rm")
+    _invalid(lambda: resolve_settings(EmsConfig()), "EMS_MOONCAKE_PROTOCOL (mooncake_protocol)")
+    monkeypatch.delenv("EMS_MOONCAKE_PROTOCOL")
+    monkeypatch.setenv("EMS_MOONCAKE_BUFFER", "0")
+    _invalid(lambda: resolve_settings(EmsConfig()), "EMS_MOONCAKE_BUFFER (mooncake_buffer)")
+    monkeypatch.delenv("EMS_MOONCAKE_BUFFER")
+    monkeypatch.setenv("EMS_POOL_NODES", "a:1")
+    _invalid(lambda: resolve_settings(EmsConfig()), "EMS_POOL_BACKEND (pool_backend)", "EMS_POOL_NODES (pool_nodes)")
+    _invalid(lambda: resolve_settings(EmsConfig(pool_backend="mooncake")), "pool_backend is", "EMS_POOL_NODES")
 
 
 def test_bad_setting_arguments():

@@ -1,11 +1,13 @@
 """The docs against the code, wherever they quote names: settings, environment variables, formats, links.
 
-* Every field of `ems.config.Settings` is a row of docs/configuration.md's Settings table, and every row is a field.
-* Each row's environment variable is the one the code reads for it (set it, resolve, see the value).
-* Every `EMS_*` environment variable the package reads is in that table's page, and every `EMS_*` name the docs mention
+* Every field of `ems.config.Settings` is a row of docs/configuration.md's Settings table, and every row is a field
+  or one of the variables read outside `Settings` (`OTHER_VARIABLES`: a pool node's, the vLLM connector's).
+* Each row's environment variable is the one the code reads for it (set it, resolve or read, see the value).
+* Every `EMS_*` environment variable the package reads is a row of that table, and every `EMS_*` name the docs mention
   is read somewhere (package, tests or benchmarks) or is an error code.
 * The defaults the table quotes are the code's.
-* The value format and wire protocol versions the docs quote are the code's.
+* The value format and wire protocol versions the docs quote are the code's, and docs/pool-nodes.md's request metric
+  names every `op` label a node counts.
 * Links to files in the repository resolve.
 * Every module and folder docs/architecture.md names exists (paths, `ems.` dotted names, the diagram's paths), and
   every package folder of the source tree and every benchmark script is named there.
@@ -16,11 +18,21 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from ems.config import POOL_SETTINGS, EmsConfig, Settings, parse_size, resolve_settings
+from ems.config import (
+    POOL_SETTINGS,
+    EmsConfig,
+    Settings,
+    access_key_from_environment,
+    local_pool_dir_from_environment,
+    parse_size,
+    pool_keys_from_environment,
+    resolve_settings,
+)
 from ems.errors import EmsErrorCode
 from ems.kernels.base import KernelBackend
 from ems.store.value_format import VERSION
@@ -31,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"  # the one table of settings
 ARCHITECTURE = ROOT / "docs" / "architecture.md"  # the module map
+POOL_NODES = ROOT / "docs" / "pool-nodes.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGE = [ROOT / "ems", ROOT / "kernels", ROOT / "transport"]
 ENV_NAME = re.compile(r"(?:EMS_[A-Z0-9_]*[A-Z0-9]|ENABLE_CC_PROFILING)")
@@ -71,6 +84,13 @@ ENV_VALUES: dict[str, tuple[str, object]] = {
     "mooncake_buffer": ("32MiB", 32 << 20),
     "mooncake_segment": ("1GiB", 1 << 30),
 }
+# The variables read outside `Settings` (not by `Ems.init`), rows of the table too: each one's reader in ems.config,
+# and a value it is read as.
+OTHER_VARIABLES: dict[str, tuple[Callable[[], object], str]] = {
+    "EMS_POOL_KEYS": (pool_keys_from_environment, "team-a:" + "k" * 32),
+    "EMS_ACCESS_KEY": (access_key_from_environment, "K" * 32),
+    "EMS_LOCAL_POOL_DIR": (local_pool_dir_from_environment, "/tmp/ems-docs-test-local-pool"),
+}
 # The mooncake_* keywords resolve into Settings.mooncake, with pool_backend="mooncake" (which needs a master).
 MOONCAKE_ENV = {"EMS_POOL_BACKEND": "mooncake", "EMS_MOONCAKE_MASTER": "127.0.0.1:50051"}
 MOONCAKE_FIELDS = {
@@ -94,10 +114,20 @@ def _table(text: str, heading: str) -> list[list[str]]:
     return body
 
 
+def _variable(row: list[str]) -> str:
+    """A row's environment variable."""
+    return ENV_NAME.search(row[1]).group(0)  # type: ignore[union-attr]
+
+
+def _setting_table_rows() -> list[list[str]]:
+    """The rows of docs/configuration.md's Settings table that are settings (not `OTHER_VARIABLES`)."""
+    rows = _table(CONFIGURATION.read_text(), "## Settings")
+    return [row for row in rows if _variable(row) not in OTHER_VARIABLES]
+
+
 def _settings_rows() -> dict[str, str]:
     """docs/configuration.md's Settings table: setting -> its environment variable."""
-    rows = _table(CONFIGURATION.read_text(), "## Settings")
-    return {row[0]: ENV_NAME.search(row[1]).group(0) for row in rows}  # type: ignore[union-attr]
+    return {row[0]: _variable(row) for row in _setting_table_rows()}
 
 
 def _setting_names() -> set[str]:
@@ -154,10 +184,18 @@ def test_each_row_names_the_variable_the_code_reads(setting, monkeypatch):
     assert resolved == getattr(expected, "value", expected), f"{variable}={text} gave {setting}={resolved!r}"
 
 
-def test_every_variable_the_package_reads_is_in_the_configuration_page():
-    page = CONFIGURATION.read_text()
-    missing = sorted(name for name in _package_env_names() if name not in page)
-    assert not missing, f"environment variables read by the package but not in docs/configuration.md: {missing}"
+def test_every_variable_the_package_reads_is_a_row_of_the_table():
+    rows = {_variable(row) for row in _table(CONFIGURATION.read_text(), "## Settings")}
+    missing = sorted(_package_env_names() - rows)
+    assert not missing, f"environment variables read by the package but no row of docs/configuration.md's table: {missing}"
+
+
+def test_the_rows_beyond_the_settings_are_the_variables_read_elsewhere(monkeypatch):
+    rows = {_variable(row) for row in _table(CONFIGURATION.read_text(), "## Settings")}
+    assert set(OTHER_VARIABLES) <= rows, f"rows missing from docs/configuration.md: {sorted(set(OTHER_VARIABLES) - rows)}"
+    for variable, (read, value) in OTHER_VARIABLES.items():
+        monkeypatch.setenv(variable, value)
+        assert read() == value, f"{variable}={value} was read as {read()!r}"
 
 
 def test_every_variable_the_docs_name_exists():
@@ -173,6 +211,17 @@ def test_every_variable_the_docs_name_exists():
         if match.group(1) not in codes | read_anywhere and not match.group(2)  # "EMS_UCX_*": a family
     }
     assert not unknown, f"environment variables the docs name but nothing reads: {sorted(unknown)}"
+
+
+def test_the_request_metric_row_names_every_op_label():
+    """docs/pool-nodes.md's `ems_pool_requests_total{op,status}` row quotes every `op` a node counts requests under."""
+    from ems.transport.shm import metric_name
+
+    row = next(line for line in POOL_NODES.read_text().splitlines() if line.startswith("| `ems_pool_requests_total{op"))
+    handshake = {protocol.Op.HELLO, protocol.Op.CHALLENGE, protocol.Op.AUTH}  # answered before requests are counted
+    labels = {metric_name(op) for op in protocol.Op if op not in handshake}
+    missing = sorted(label for label in labels if f"`{label}`" not in row)
+    assert len(labels) >= 5 and not missing, f"docs/pool-nodes.md's requests_total row lacks op labels {missing}"
 
 
 def test_quoted_versions_are_the_codes():
@@ -200,7 +249,7 @@ def test_links_to_repository_files_resolve():
 
 
 def test_the_table_quotes_the_defaults(monkeypatch):
-    rows = _table(CONFIGURATION.read_text(), "## Settings")
+    rows = _setting_table_rows()
     for row in rows:
         monkeypatch.delenv(_settings_rows()[row[0]], raising=False)
     resolved = resolve_settings(EmsConfig())

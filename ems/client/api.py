@@ -1,7 +1,8 @@
 """`Ems`: process-wide start-up of the SDK.
 
-`Ems.init(config)` runs once per process: a second call with an equal config is a no-op, with another config it
-raises `EmsException(EMS_INVALID_ARGUMENT)`. With no pool nodes configured the pool is embedded in the process
+`Ems.init(config)` initialises the process's one SDK instance: a second call with an equal config is a no-op, with
+another config it raises `EmsException(EMS_INVALID_ARGUMENT)` until `Ems.shutdown()`, after which `init` may run
+again, with any config. With no pool nodes configured the pool is embedded in the process
 (the same store code a pool node runs); with nodes, at least one must answer within `connect_timeout_ms`, else
 `EmsException(EMS_RECOVERD_ERROR)`: a recoverable failure (the SDK's code): nothing is initialised, `Ems.check_health()`
 keeps probing the configured nodes and turns True once one answers, and `Ems.init` may then be called again (any
@@ -125,7 +126,9 @@ class Ems:
             if cls._config is not None:
                 if config == cls._config:
                     return
-                raise invalid_argument("Ems.init was already called with a different config (once per process)")
+                raise invalid_argument(
+                    "Ems.init was already called with a different config; call Ems.shutdown() first to init with another"
+                )
             settings = resolve_settings(config)
             _configure_logging(settings.sdk_log_dir)
             pool = cls._take_pending(config)

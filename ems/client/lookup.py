@@ -5,7 +5,8 @@ raises `EmsException(EMS_INVALID_ARGUMENT)`); V1 hashes need a registered layout
 refused the same way). This package's addition: `lease_ms=N` or `pin=True` in `kwargs` asks the pool to keep what it
 reports (`ems.store.holds`); only keys it keeps count as held. The answer is `CcResult(consecutive hits from the
 first, len(hashes))`. A failing or unreachable pool never raises: its keys count as misses (a pool that raised reports
-0 hits), logged once per call. Every pool answers through `PoolBackend.exists` (the embedded pool's is its store's
+0 hits), logged once per call (a warning; an info line when other replicas answered for every key of the nodes that
+failed, so nothing was missed). Every pool answers through `PoolBackend.exists` (the embedded pool's is its store's
 index). Each answered call is added to the metrics' exists counters once (a pool that raised is not counted, as before
 this module existed).
 """
@@ -16,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ems.backends.base import PoolBackend, PoolRequest
+from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
 from ems.client.metrics import CcMetrics
 from ems.datapath.keys import v0_keys, v1_keys
 from ems.datapath.requests import bind_exists
@@ -58,14 +59,35 @@ def count_held(
         logger.warning("exists: pool failure reported as 0 hits: %s", exc)
         return CcResult(0, len(keys))
     if outcome.errors:  # said once per call, so that misses caused by a failing node are not silent
-        error = outcome.first_error()
-        logger.warning(
-            "exists: %d of %d pool node(s) failed, their keys count as misses: %s",
-            len(outcome.errors),
-            outcome.nodes_contacted,
-            error.message() if error is not None else "",
-        )
+        _log_failed_nodes(outcome)
     unreachable = bool(outcome.errors) and outcome.unreachable  # (errors first: no property call on the usual path)
     result = CcResult(0 if unreachable else consecutive_prefix(outcome.results), len(keys))
     metrics.record_exists(result.success, result.total)
     return result
+
+
+def _log_failed_nodes(outcome: PoolOutcome[bool]) -> None:
+    """Say that nodes failed during an exists. Every key found: other nodes (replicas) answered for the failed
+    ones' keys and nothing was lost, which is worth an info line, not a warning. Otherwise the keys not found include
+    any that no other node answered for, which count as misses (with one replica: all of the failed nodes' keys)."""
+    error = outcome.first_error()
+    reason = error.message() if error is not None else ""
+    found, total = sum(map(bool, outcome.results)), len(outcome.results)
+    if found == total:
+        logger.info(
+            "exists: %d of %d pool node(s) failed; other nodes (replicas) answered for their keys, all %d found: %s",
+            len(outcome.errors),
+            outcome.nodes_contacted,
+            total,
+            reason,
+        )
+        return
+    logger.warning(
+        "exists: %d of %d pool node(s) failed; those of their keys no other node (replica) answered for count as misses "
+        "(%d of %d keys found): %s",
+        len(outcome.errors),
+        outcome.nodes_contacted,
+        found,
+        total,
+        reason,
+    )

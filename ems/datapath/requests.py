@@ -6,6 +6,9 @@
 * V1, slot_mapping form:   `(slot_mapping, hashes, offsets, option=None)`
 * V1, chunk_descs form:    `(hashes=..., chunk_descs=..., option=None)`
 
+A CcKvOption first means the V0 form; when the rest looks like the V1 form (ints where V0 has its keys, more
+arguments than V0 takes, a V1 keyword), the error gives the V1 form's order instead of the V0 form's arity.
+
 (The SDK's fourth form, token semantics `(slot_mapping, option=None, token_ids=..., mask=...)`, is bound by
 `ems.datapath.tokens`, with these checks.)
 
@@ -408,6 +411,12 @@ def bind_request(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLay
     """The request the arguments describe, fully checked against `layout` (None before registration)."""
     v0 = (args and isinstance(args[0], CcKvOption)) or "key_list" in kwargs or "value_list" in kwargs
     if v0:
+        if args and isinstance(args[0], CcKvOption) and _v1_after_option(args, kwargs):
+            raise invalid_argument(
+                f"{op.value}(): option comes last in the V1 form, {op.value}(slot_mapping, hashes, offsets, option) "
+                f"(or option=...); a CcKvOption first is the V0 form, {op.value}(option, key_list, value_list), whose "
+                "key_list holds PrimaryKey or str keys"
+            )
         return _bind_raw(op, _bind_names(op.value, _V0_NAMES, args, kwargs))
     b = _bind_names(op.value, _V1_NAMES, args, kwargs, extra=("chunk_descs",))
     if layout is None:
@@ -419,6 +428,25 @@ def bind_request(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLay
     if b.get("slot_mapping") is None and b.get("offsets") is None and b.get("hashes") is not None:
         raise invalid_argument(f"{op.value}(): give slot_mapping + offsets, or chunk_descs, with hashes")
     return _bind_slots(op, b, layout)
+
+
+_V1_ONLY_NAMES = frozenset(("slot_mapping", "hashes", "offsets", "chunk_descs"))
+
+
+def _v1_after_option(args: tuple, kwargs: dict) -> bool:
+    """Whether a call that starts with a CcKvOption goes on like the V1 form (a V1 call given its option first):
+    more arguments than the V0 form takes, a V1 keyword, or ints where V0 has its keys (PrimaryKey or str)."""
+    if "key_list" in kwargs or "value_list" in kwargs:
+        return False
+    if len(args) > len(_V0_NAMES) or not _V1_ONLY_NAMES.isdisjoint(kwargs):
+        return True
+    second = args[1] if len(args) > 1 else None
+    if isinstance(second, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(second, (list, tuple)) and second:
+        first = second[0]
+        return isinstance(first, (int, np.integer)) and not isinstance(first, (bool, np.bool_))
+    return False
 
 
 def bind_exists(

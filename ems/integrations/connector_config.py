@@ -29,7 +29,7 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | cross_layer_blocks  | false                      | ask vLLM for its block-outermost layout BLHNC: one copy a block |
 | max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
-| every other `EmsConfig` pool setting (pool_capacity, pool_replicas, pool_backend, ...) | as `EmsConfig` | see README |
+| every other `EmsConfig` pool setting (pool_capacity, pool_replicas, ...) | as `EmsConfig` | docs/configuration.md |
 
 With `pool_backend="mooncake"` (here or `EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool is started.
 

@@ -272,6 +272,12 @@ def _disk_options(args: argparse.Namespace, capacity: int) -> None:
 DISK_QUEUE_MIN = 32 << 20
 DISK_QUEUE_MAX = 1 << 30
 
+STATUS_EPILOG = """\
+the operator's view of running nodes (needs the metrics extra):
+  ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)
+      one line per node: state, fill, values, hit rate, requests per second,
+      repair; read from the nodes' --metrics endpoints (ems-pool status --help)"""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -286,7 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ems.pool.status import main as status_main
 
         return status_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="ems-pool", description="An EMS memory-pool node (UCX).")
+    parser = argparse.ArgumentParser(
+        prog="ems-pool",
+        description="An EMS memory-pool node (UCX).",
+        epilog=STATUS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--listen", type=_parse_listen, default=("0.0.0.0", 0), help="HOST:PORT (port 0: pick one)")
     parser.add_argument("--capacity", default="1GiB", help="bytes this node holds, e.g. 512MiB, 4GiB")
     parser.add_argument("--keys-file", default=None, help="file of access_id:access_key lines")

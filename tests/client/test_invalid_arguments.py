@@ -43,6 +43,7 @@ def registered(cc):
     return cc, cache
 
 
+V1_ORDER = "(slot_mapping, hashes, offsets, option)"
 V1_CASES = [
     ("sum_offsets", ([0, 1, 2], [1], [2]), {}, ["sum(offsets)", "len(slot_mapping)"]),
     ("len_hashes", ([0, 1], [1, 2], [2]), {}, ["len(hashes)", "len(offsets)"]),
@@ -88,6 +89,11 @@ V1_CASES = [
     ("chunk_not_list", (), {"hashes": [1], "chunk_descs": "x"}, ["chunk_descs"]),
     ("chunk_without_hashes", (), {"chunk_descs": [[(0, 2)]]}, ["hashes"]),
     ("only_hashes", (), {"hashes": [1]}, ["slot_mapping"]),
+    # a V1 call given its option first is told the V1 form's order, not the V0 form's arity
+    ("option_first", (CcKvOption(), [0, 1, 2, 3], [1], [4]), {}, ["option", V1_ORDER]),
+    ("option_first_no_offsets", (CcKvOption(), [0, 1, 2, 3], [1]), {}, ["option", V1_ORDER]),
+    ("option_first_tensor", (CcKvOption(), torch.arange(4), [1], [4]), {}, ["option", V1_ORDER]),
+    ("option_first_keywords", (CcKvOption(),), {"hashes": [1], "chunk_descs": [[(0, 4)]]}, ["option", V1_ORDER]),
 ]
 
 METHODS = ["save", "load", "async_save", "async_load"]
@@ -221,7 +227,7 @@ def test_second_init():
     assert Ems.check_health() is True
     Ems.init(EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="m"), pool_capacity="8MiB"))  # equal: no-op
     assert Ems.get_cc() is cc
-    _raises(lambda: Ems.init(EmsConfig(cc_config=CcConfig(rank_id=1, device_id=0, model_id="m"))), "once per process")
+    _raises(lambda: Ems.init(EmsConfig(cc_config=CcConfig(rank_id=1, device_id=0, model_id="m"))), "Ems.shutdown() first")
     assert Ems.get_cc() is cc
     _raises(lambda: Ems.init("config"), "config")
     Ems.shutdown()

@@ -1,4 +1,4 @@
-"""End to end through the public API (`import ems`) with real pool nodes. `Ems.init` is once per process, so each
+"""End to end through the public API (`import ems`) with real pool nodes. A process holds one `Ems.init` at a time, so each
 client runs in its own process (`e2e_client.py`): one process saves, another loads the same blocks byte-exact."""
 
 from __future__ import annotations

@@ -69,6 +69,16 @@ def test_bad_options_exit_2(args):
     assert proc.returncode == 2 and READY_PREFIX not in proc.stdout, (proc.stdout, proc.stderr)
 
 
+def test_help_names_the_status_command(capsys):
+    from ems.pool.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)" in out, out
+
+
 def test_keys_file_and_env(tmp_path, monkeypatch):
     path = tmp_path / "keys"
     path.write_text(f"# tenants\nalpha:{KEY_A}\n\nbeta:{KEY_B}\n")
