@@ -99,7 +99,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pinned(nbytes: int, device: torch.device) -> torch.Tensor:
-    from ems.datapath.devices import host_buffer
+    from ems.staging import host_buffer
 
     out = host_buffer(nbytes, device)
     if device.type != "cpu" and not out.is_pinned():

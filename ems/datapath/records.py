@@ -68,6 +68,11 @@ class JobRecord:
         """Time the body of a `with` as (one run of) `stage`, moving `nbytes`."""
         return StageTimer(self, stage, nbytes)
 
+    def copying(self, nbytes: int) -> StageTimer:
+        """Time the body of a `with` as one copy of `nbytes` between device and host staging (`Stage.COPY`): how a
+        staging lease records its copies (`ems.staging.CopyRecord`)."""
+        return StageTimer(self, Stage.COPY, nbytes)
+
     def add(self, stage: Stage, nbytes: int, seconds: float) -> None:
         """One run of `stage`. Thread-safe without a lock (a pipelined job's chunks run stages on several threads):
         one `list.append`, summed when `stages` is read; a small call runs about five stages."""
