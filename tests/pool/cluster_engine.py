@@ -51,7 +51,7 @@ from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException
 def main() -> None:
     config = json.loads(sys.argv[1])
     # white-box: the engine's membership watcher, for "members" to report whether its etcd watch is live
-    import ems.cluster.remote_pool as remote_pool
+    import ems.backends.remote_pool as remote_pool
 
     watchers: list = []
 
