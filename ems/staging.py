@@ -22,7 +22,7 @@ sees each new host buffer of this pool once, before it is leased, and `on_drop_b
 when the pool lets go of it (dropped from the free list, released without being kept, retired, cleared).
 
 A lease's copies between device and host are recorded where the caller says (`CopyRecord`: a job's
-`ems.datapath.records.JobRecord`, as its `Stage.COPY`).
+`ems.records.JobRecord`, as its `Stage.COPY`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MIN_BUFFER = 1 << 16
 
 
 class CopyRecord(Protocol):
-    """Where a lease's copies between device and host are timed (`ems.datapath.records.JobRecord` is one)."""
+    """Where a lease's copies between device and host are timed (`ems.records.JobRecord` is one)."""
 
     def copying(self, nbytes: int) -> AbstractContextManager[object]:
         """Time the body of a `with` as one copy of `nbytes` between a device buffer and its host twin."""

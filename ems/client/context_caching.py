@@ -40,11 +40,11 @@ from ems.datapath.jobs import PoolRoute, Transfer, load_job, save_job
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan
-from ems.datapath.records import JobKind, JobLedger, JobRecord, Stage
 from ems.datapath.requests import Operation, Request
 from ems.datapath.tokens import TokenForm, TokenRequest, call_result
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
+from ems.records import JobKind, JobLedger, JobRecord, Stage
 from ems.staging import StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
 

@@ -23,7 +23,7 @@ from ems_testlib import fill_random, make_cache, on_both_pools, slots_of_blocks,
 
 from ems import CcKvOption, CcResult, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.config import CcConfig
-from ems.datapath.records import JobKind, Stage
+from ems.records import JobKind, Stage
 
 BLOCK_SIZE = 4
 BLOCKS = 320

@@ -24,7 +24,7 @@ from ems_testlib import (
 )
 
 from ems import CcKvOption, CcResult, EmsException
-from ems.datapath.records import JobKind, Stage
+from ems.records import JobKind, Stage
 from ems.staging import StagingPool
 from ems.transport.ucx import UcxNode
 

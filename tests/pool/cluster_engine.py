@@ -173,7 +173,7 @@ def main() -> None:
 
     def bulk(what: str, blocks: list[int], rounds: int, first: int) -> dict:
         from ems.backends.fanout import FanOut
-        from ems.datapath.records import JobKind
+        from ems.records import JobKind
 
         restore()
         slots, hashes, offsets = slots_of_blocks(blocks, BS), [first + b for b in blocks], [BS] * len(blocks)

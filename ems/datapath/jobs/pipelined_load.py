@@ -32,10 +32,10 @@ from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import Received, chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
 from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
 from ems.datapath.planning import BlockPlan
-from ems.datapath.records import Stage
 from ems.datapath.values import ReceivedValues
 from ems.deadline import Deadline
 from ems.kernels.base import PlacedStop
+from ems.records import Stage
 from ems.staging import StagingKind
 from ems.store.value_format import HEADER_SIZE, ExpectedValues
 

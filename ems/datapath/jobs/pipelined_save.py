@@ -24,8 +24,8 @@ from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
 from ems.datapath.jobs.transfer import PoolRoute, SaveJob, Transfer, pool_request
-from ems.datapath.records import Stage
 from ems.deadline import Deadline
+from ems.records import Stage
 from ems.staging import StagingLease
 from ems.store.value_format import HEADER_SIZE
 

@@ -22,8 +22,8 @@ from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
 from ems.datapath.copier import Copier
 from ems.datapath.executor import ChunkExecutor
 from ems.datapath.planning import Plan
-from ems.datapath.records import JobRecord
 from ems.deadline import Deadline
+from ems.records import JobRecord
 from ems.staging import StagingPool
 from ems.types import CcKvOption
 

@@ -5,7 +5,8 @@ ran (once per chunk, or once per request). Pipelined stages overlap, so their se
 job's wall time (`JobRecord.seconds`); `stage_table` prints both. That record is the one account of where a
 request's time went: the benchmarks print it, `ENABLE_CC_PROFILING=1` logs it (logger `ems.profile`), and a
 `JobLedger` sums records for metrics (per operation: calls, blocks, bytes and seconds per stage). This module
-imports nothing of the data path, so metrics code can use it alone.
+imports nothing of ems: it lies below the data path, so metrics code can use it alone and the public types name it
+(`ems.types.CcFuture.job`).
 """
 
 from __future__ import annotations
