@@ -45,13 +45,10 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from ems.errors import invalid_argument
 from ems.transport.ucx_config import UcxSettings
-
-if TYPE_CHECKING:
-    from ems.kernels.base import KernelBackend
 
 MAX_IDENTIFIER_CHARS = 512
 MAX_SIZE = 1 << 60  # bytes: the largest size setting (far past any host; sums and products of sizes stay in int64)
@@ -232,6 +229,17 @@ POOL_SETTINGS = (
 )
 
 
+class KernelBackend(str, enum.Enum):
+    """Which implementation moves the bytes (`EMS_KERNEL_BACKEND`): a setting's values, here with the settings
+    (`ems.kernels.base` re-exports it for the copy backends), so this module imports nothing of the kernels."""
+
+    AUTO = "auto"  # Triton on cuda/npu; on CPU the compiled host loop where it builds, else torch
+    TRITON = "triton"  # Triton kernels; on CPU tensors this is the (slow) Triton interpreter
+    HOST = "host"  # one compiled C loop per request (CPU only; host_backend.py)
+    TORCH = "torch"  # vectorised torch indexing
+    MEMCPY = "memcpy"  # one copy per (block or run, plane), as engines without kernels do it
+
+
 class PoolBackendKind(str, enum.Enum):
     """Which pool `Ems.init` opens (`pool_backend`)."""
 
@@ -396,8 +404,6 @@ def resolve_settings(config: EmsConfig) -> Settings:
     )
     if len(set(nodes)) != len(nodes):
         raise invalid_argument(f"{nodes_name} lists a node twice: {list(nodes)}")
-    from ems.kernels.base import KernelBackend  # here, not at import: the pool node never needs torch
-
     backend_value, backend_name = _setting("kernel_backend", config.kernel_backend, "EMS_KERNEL_BACKEND", "auto")
     try:
         backend = KernelBackend(str(backend_value).lower())

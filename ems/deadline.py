@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ems.types import CcKvOption
-
-# A leaf module (the transport imports it): nothing of ems is imported at run time.
+# A leaf module (the transport imports it): nothing of ems is imported, not even for type checking.
 MAX_TIMEOUT_MS = 365 * 24 * 3600 * 1000  # the longest wait a request honours: larger timeouts (and 0) mean this
+
+
+class TimedOption(Protocol):
+    """What a deadline reads of a request's option (`ems.types.CcKvOption` is one)."""
+
+    @property
+    def timeout(self) -> int:
+        """Milliseconds for the whole request; 0: no limit (`MAX_TIMEOUT_MS`)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class Deadline:
         return cls(time.monotonic() + max(0.0, seconds))
 
     @classmethod
-    def of(cls, option: CcKvOption) -> Deadline:
+    def of(cls, option: TimedOption) -> Deadline:
         """The deadline of a request with `option` that starts now."""
         return cls.after(timeout_seconds(option))
 
@@ -59,7 +65,7 @@ class Deadline:
         return Deadline(self.at + seconds)
 
 
-def timeout_seconds(option: CcKvOption) -> float:
+def timeout_seconds(option: TimedOption) -> float:
     """The option's timeout in seconds, clamped to `MAX_TIMEOUT_MS`; 0 (no limit) is that maximum too."""
     timeout_ms = option.timeout if 0 < option.timeout < MAX_TIMEOUT_MS else MAX_TIMEOUT_MS
     return timeout_ms / 1000.0

@@ -15,7 +15,7 @@ from ems.deadline import MAX_TIMEOUT_MS  # noqa: F401 - re-exported: the longest
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 
 if TYPE_CHECKING:
-    from ems.datapath.records import JobRecord
+    from ems.records import JobRecord
 
 MAX_KEY_CHARS = 127  # a V0 PrimaryKey field is "under 128 characters"
 # a V0 plain-str key (the SDK's older form, e.g. "vllm@tenant@pp1@tp1@0@<hash>"), in UTF-8 bytes: well within the
@@ -141,7 +141,7 @@ class CcFuture:
 
     def __init__(self, inner: concurrent.futures.Future[CcResult], job: JobRecord | None = None) -> None:
         self._inner = inner
-        # this package's addition: the call's job record (`ems.datapath.records`: blocks, bytes, seconds, stages), final
+        # this package's addition: the call's job record (`ems.records`: blocks, bytes, seconds, stages), final
         # once the future is done (a call that raised leaves it unfinished: no blocks, no bytes)
         self.job = job
 

@@ -37,17 +37,8 @@ from typing import overload
 import numpy as np
 import torch
 
+from ems.config import KernelBackend as KernelBackend  # the setting's values, kept with the settings
 from ems.kernels.raw_memory import host_array, raw_tensor
-
-
-class KernelBackend(str, enum.Enum):
-    """Which implementation moves the bytes (`EMS_KERNEL_BACKEND`)."""
-
-    AUTO = "auto"  # Triton on cuda/npu; on CPU the compiled host loop where it builds, else torch
-    TRITON = "triton"  # Triton kernels; on CPU tensors this is the (slow) Triton interpreter
-    HOST = "host"  # one compiled C loop per request (CPU only; host_backend.py)
-    TORCH = "torch"  # vectorised torch indexing
-    MEMCPY = "memcpy"  # one copy per (block or run, plane), as engines without kernels do it
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 take to see a node join or leave. Everything runs on this machine (loopback), side by side in one run.
 
 * Three `python -m ems.pool --etcd ...` nodes registered in a local etcd; two `PoolClient`s opened through
-  `ems.cluster.remote_pool.open_remote_pool` (the engine's path) with `pool_replicas` 1 and 2, measured alternately per value
+  `ems.backends.remote_pool.open_remote_pool` (the engine's path) with `pool_replicas` 1 and 2, measured alternately per value
   size (best of the rounds). GB/s counts the caller's bytes once: with 2 replicas the nodes receive twice as much.
 * Join: a fourth node (started without --etcd) is registered with `Registration` (what `--etcd` does), and the
   time until the engine's placement includes it — connecting to it included — is measured; leave: deregistration
@@ -31,8 +31,8 @@ from pool_testlib import PoolProcess, make_values  # noqa: E402
 import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
 from ems.backends.base import PoolRequest  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
+from ems.backends.remote_pool import open_remote_pool  # noqa: E402
 from ems.cluster.membership import NodeInfo, Registration, wait_for  # noqa: E402
-from ems.cluster.remote_pool import open_remote_pool  # noqa: E402
 from ems.config import EmsConfig, resolve_settings  # noqa: E402
 from ems.transport.remote import connect  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402

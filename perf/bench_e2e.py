@@ -29,7 +29,7 @@ import torch
 from benchlib import machine
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
-from ems.datapath.records import JobKind, JobRecord, stage_table
+from ems.records import JobKind, JobRecord, stage_table
 from ems.tools.demo import Engine
 
 HERE = Path(__file__).resolve().parent

@@ -39,7 +39,7 @@ from ems.backends.base import PoolRequest
 from ems.backends.mooncake import MooncakePool
 from ems.backends.pool_client import PoolClient
 from ems.config import resolve_settings
-from ems.datapath.records import JobKind, stage_table
+from ems.records import JobKind, stage_table
 from ems.tools.demo import Engine
 from ems.transport.ucx import UcxNode
 from ems.types import CcKvOption

@@ -514,7 +514,7 @@ def api_load_beside_busy_thread(node: PoolProcess, blocks: int, rounds: int) -> 
     hold the GIL (what the CPU alone costs on this host), in turn; and the stage table of the best load of the first
     two (where the busy thread's cost lands)."""
     from ems import CcConfig, Ems, EmsConfig
-    from ems.datapath.records import JobKind, JobRecord, stage_table
+    from ems.records import JobKind, JobRecord, stage_table
     from ems.tools.demo import Engine
 
     Ems.init(EmsConfig(cc_config=CcConfig(0, 0, "bench-engine"), pool_nodes=[node.address], read_cache_capacity=0))
@@ -816,7 +816,7 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] =
     """The API-over-UCX rows (see the module docstring): (the table, the stage table, the figures in GB/s)."""
     from ems import CcConfig, Ems, EmsConfig
     from ems.config import parse_size
-    from ems.datapath.records import JobKind, stage_table
+    from ems.records import JobKind, stage_table
     from ems.tools.demo import Engine
 
     value_bytes = (1 << 20) + 40  # a 1 MiB block and its header: what crosses the wire, for both peers

@@ -56,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from ems import CcConfig, Ems, EmsConfig
-    from ems.datapath.records import JobKind, stage_table
+    from ems.records import JobKind, stage_table
     from ems.tools.demo import Engine
 
     blocks = args.blocks

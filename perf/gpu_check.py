@@ -99,7 +99,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pinned(nbytes: int, device: torch.device) -> torch.Tensor:
-    from ems.datapath.devices import host_buffer
+    from ems.staging import host_buffer
 
     out = host_buffer(nbytes, device)
     if device.type != "cpu" and not out.is_pinned():
@@ -507,7 +507,7 @@ def kernel_vs_dma(ctx: Context) -> list[dict[str, Any]]:
 
 def api_roundtrip(ctx: Context) -> list[dict[str, Any]]:
     from ems import CcConfig, CcKvOption, Ems, EmsConfig
-    from ems.datapath.records import JobKind, Stage
+    from ems.records import JobKind, Stage
 
     layers, blocks, bs, heads, head_size = (2, 8, 4, 2, 8) if ctx.tiny else (32, 256, 16, 8, 128)
     n = 4 if ctx.tiny else 64

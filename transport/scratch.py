@@ -10,7 +10,7 @@ Contract: `ScratchBuffers(limit).take(size)` returns a writable uint8 array of e
 buffer when one of that rounded size is free, else a new one); `give(arrays)` keeps the arrays `take` returned, up
 to `limit` bytes in all (the rest are dropped). Give an array back only once nothing can still write into it or read
 from it: not after a call that failed or timed out (UCX may still complete into it). Thread-safe. Not
-`ems.datapath.staging.StagingPool`: the transport imports nothing of the client's modules (tests/transport/test_layering.py),
+`ems.staging.StagingPool`: the transport imports nothing of the client's modules (tests/transport/test_layering.py),
 and these buffers have no device twin, no lease and no back-pressure.
 """
 

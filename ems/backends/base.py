@@ -16,8 +16,6 @@ Contract, for every implementation:
   even when the pool hangs (`PoolRequest.until`). A buffer handed to a call that did not return in time, or returned
   with `errors`, may still be touched by the transfer for a while: the caller retires it (`StagingPool.retire`),
   never reuses it.
-* `executor` (`ems.datapath.executor.ChunkExecutor`) runs the jobs' chunk calls (a job's chunks in flight at once), one
-  per backend, so the number of chunk calls at once is capped per client; the backend closes it.
 * `limits` (`ems.transport.protocol.RequestLimits`) is the most one request may carry: the jobs cut their chunks
   with it, the backend its requests.
 * `read_check` (`ReadCheck`): what the pool's reads check of the values they return, given the request's `expected`,
@@ -42,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
 from ems.store.value_format import ExpectedValues
@@ -157,9 +154,6 @@ class PoolBackend(Protocol):
 
     #: the most one request may carry (the jobs cut chunks within it)
     limits: RequestLimits
-    #: the jobs' chunk calls run here
-    executor: ChunkExecutor
-
     #: the pool's values in this process's memory, lent to the one-pass jobs; None: the pool is elsewhere
     in_place: InPlaceValues | None
     #: what the pool's reads check of the values they return (given `expected`)

@@ -4,7 +4,7 @@ configured.
 
 Contract, beyond `ems.backends.base`'s:
 * One owner for every key, in this process: no routing, no replicas, no read cache (reads never leave the process,
-  so `read_local_only` changes nothing), no threads of its own but the jobs' executor; calls answer on the caller's
+  so `read_local_only` changes nothing), no threads of its own; calls answer on the caller's
   thread and cannot hang.
 * `in_place` is the store (`InPlaceValues`): the jobs on CPU tensors write values straight into the store's own
   buffers and read them where they lie (`ems.datapath.jobs.embedded`), and `exists` is the store's index. The
@@ -27,7 +27,6 @@ import numpy as np
 
 from ems.backends.base import InPlaceValues, PoolOutcome, PoolRequest, ReadCheck
 from ems.buffers import Buffer
-from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.store.kv_store import KvStore
@@ -46,7 +45,6 @@ class EmbeddedPool:
         self.limits = limits
         self.in_place: InPlaceValues | None = store
         self.read_check = ReadCheck.NONE  # (the store's bytes as they are: the jobs check them)
-        self.executor = ChunkExecutor()
 
     def describe(self) -> str:
         return "embedded"
@@ -106,4 +104,3 @@ class EmbeddedPool:
 
     def close(self) -> None:
         self.store.close()  # its background threads stop; the values stay readable
-        self.executor.close()

@@ -1,5 +1,5 @@
 """The pool as one client sees it (a `PoolBackend`): `ems.pool` nodes over UCX (or nodes in this process,
-`transport.inprocess`, as tests build clusters), assembled from three parts with contracts of their own. The
+`transport.inprocess`, as tests build clusters), assembled from two parts with contracts of their own. The
 embedded pool is a backend of its own (`ems.backends.embedded`).
 
 * Routing (`ems.backends.routing.NodeRouter`): owners and replicas, per-node requests within the protocol's
@@ -9,7 +9,6 @@ embedded pool is a backend of its own (`ems.backends.embedded`).
   value is dropped) and asks the nodes for the rest; with `read_local_only` a read never leaves the process. Nodes
   in this process (every node's `location` is `NodeLocation.IN_PROCESS`) have no read cache in front of them, and
   they always serve.
-* The jobs' executor (`ems.datapath.executor.ChunkExecutor`): the threads a job's chunk calls run on.
 
 Contract: every call returns by the option's timeout, or by `deadline` where given (the chunks of one request
 share its deadline); results come back in request order, a failed node's keys as misses with its error in
@@ -29,7 +28,6 @@ from ems.backends.read_cache import ReadCache
 from ems.backends.routing import NodeRouter
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
-from ems.datapath.executor import ChunkExecutor
 from ems.store.kv_store import KvStore
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation
 from ems.transport.holds import Hold, HoldKind
@@ -60,7 +58,6 @@ class PoolClient:
         self.location = self.router.location
         remote = self.location is NodeLocation.REMOTE
         self.cache: ReadCache | None = ReadCache(read_cache_capacity) if read_cache_capacity > 0 and remote else None
-        self.executor = ChunkExecutor()
         #: values move through put and get_into (the nodes' memory is not this process's to lend)
         self.in_place: InPlaceValues | None = None
         self._on_close: list[Callable[[], None]] = []
@@ -166,4 +163,3 @@ class PoolClient:
             except Exception:  # closing must release everything even if one step fails
                 pass
         self.router.close()
-        self.executor.close()

@@ -78,7 +78,7 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
     except ValueError as exc:
         raise invalid_argument(str(exc)) from None
 
-    from ems.cluster.remote_pool import open_remote_pool  # a fixed node list, or the members etcd reports
+    from ems.backends.remote_pool import open_remote_pool  # a fixed node list, or the members etcd reports
 
     return open_remote_pool(
         settings,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from ems.datapath.records import JobRecord
 from ems.errors import EmsErrorCode, EmsException
+from ems.records import JobRecord
 from ems.types import CcFuture, CcResult
 
 

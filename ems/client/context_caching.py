@@ -35,16 +35,17 @@ from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
 from ems.datapath.copier import copier_for
 from ems.datapath.devices import default_raw_device, parse_device
+from ems.datapath.executor import ChunkExecutor
 from ems.datapath.jobs import PoolRoute, Transfer, load_job, save_job
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan
-from ems.datapath.records import JobKind, JobLedger, JobRecord, Stage
 from ems.datapath.requests import Operation, Request
-from ems.datapath.staging import StagingPool
 from ems.datapath.tokens import TokenForm, TokenRequest, call_result
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
+from ems.records import JobKind, JobLedger, JobRecord, Stage
+from ems.staging import StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ class ContextCaching:
         self._staging = StagingPool(
             settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
         )
+        self._executor = ChunkExecutor()  # the threads its jobs' chunk calls run on (`PoolRoute.executor`)
         self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
@@ -207,8 +209,9 @@ class ContextCaching:
                 raise EmsException(error.status_code(), f"no pool node could be reached: {error.message()}")
 
     def _route(self) -> PoolRoute:
-        """Where this client's transfers go: its pool, its staging and the chunk size of its settings now."""
-        return PoolRoute(self._pool, self._staging, self._settings.chunk_bytes)
+        """Where this client's transfers go: its pool, its staging, the chunk size of its settings now and its
+        executor."""
+        return PoolRoute(self._pool, self._staging, self._settings.chunk_bytes, self._executor)
 
     def _job_done(self, record: JobRecord) -> None:
         """A finished job's record goes to the ledger, the one account of each call (`metrics()` reads it)."""
@@ -395,6 +398,7 @@ class ContextCaching:
         buffers."""
         self._calls.close()
         self._async.close()
+        self._executor.close()
         self._staging.clear()
         self._metrics.unregister()
 

@@ -1,7 +1,7 @@
 """Engine-side counters of one `ContextCaching`: calls, blocks, hits, misses, bytes, seconds and stage times.
 
 Contract:
-* Saves and loads are counted from ONE account: the `ems.datapath.records.JobLedger` that every finished job's record
+* Saves and loads are counted from ONE account: the `ems.records.JobLedger` that every finished job's record
   goes to (`ContextCaching.jobs`); these counters read its sums, they keep no second copy. `record_exists(hits,
   total)` once per `exists` and `record_error()` once per call that raised are counted here (they run no job).
 * `snapshot()` returns a flat dict (`ContextCaching.metrics()`): for op in save/load: `{op}_calls`, `{op}_blocks`
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ems.datapath.records import JobKind, JobLedger
+from ems.records import JobKind, JobLedger
 
 
 class CcMetrics:

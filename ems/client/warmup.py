@@ -26,9 +26,9 @@ from ems.datapath.copier import copier_for
 from ems.datapath.jobs import EmbeddedLoad, EmbeddedSave, Transfer
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import BlockPlan, plan_blocks
-from ems.datapath.records import JobKind, JobRecord
 from ems.datapath.requests import Operation, RawRequest, bind_request
 from ems.kernels import CopyBackend
+from ems.records import JobKind, JobRecord
 from ems.store.kv_store import KvStore
 from ems.types import CcKvOption
 

@@ -5,7 +5,7 @@
   (`MembershipWatcher`).
 * `routing`: key → node(s) by rendezvous hashing (`owners`, `ranked_owners`), the same on every client.
 * `placement`: `Members`, the live set a `PoolClient` places keys on, changed by membership while calls run.
-* `remote_pool`: `open_remote_pool`, the engine's remote pool: a fixed node list, or the members etcd reports.
 
-This package imports nothing at import time (a pool node uses `membership` and `etcd` without the client side).
+This package imports nothing at import time (a pool node uses `membership` and `etcd` without the client side), and
+nothing of the pool backends: they build on it (`ems.backends.remote_pool` opens a pool client over these members).
 """

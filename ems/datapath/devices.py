@@ -72,13 +72,3 @@ def side_stream(device: torch.device) -> Iterator[None]:
         with module.stream(stream):
             yield
         stream.synchronize()
-
-
-def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 host buffer for staging to/from `device`: page-locked when the device can use that."""
-    if device.type != "cpu":
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:
-            pass  # no pinning available: plain memory still works, only slower
-    return torch.empty(nbytes, dtype=torch.uint8)

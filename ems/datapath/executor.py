@@ -1,12 +1,13 @@
-"""The jobs' executor: the threads a pipelined job's chunk calls run on (`ems.datapath.jobs`), one executor per pool client.
+"""The jobs' executor: the threads a pipelined job's chunk calls run on (`ems.datapath.jobs`), one executor per client.
 
 Contract:
 * `ChunkExecutor.start(call)` runs `call` on the executor's threads, at most `PIPELINE_THREADS` at once (the rest wait
   in the order started), and returns its `Future`: how one request keeps several chunk calls in flight. The threads
   start on first use.
-* Each pool backend holds one (`PoolBackend.executor`), so the cap is per client, whichever jobs share it; the
-  threads are apart from any thread the backend's calls use themselves (the pool client's fan-out threads), so a
-  chunk call that fans out to several nodes never waits for a thread it holds.
+* Each client (`ContextCaching`) holds one and hands it to its jobs in their `PoolRoute` (`PoolRoute.executor`),
+  so the cap is per client, whichever jobs share it; the threads are apart from any thread the pool backend's calls
+  use themselves (the pool client's fan-out threads), so a chunk call that fans out to several nodes never waits for
+  a thread it holds. The client closes it; the pool backend knows nothing of it.
 * `close()` cancels the calls not started and lets the running ones finish on their own (it does not wait); a
   `start` after it starts a fresh pool of threads.
 """

@@ -27,7 +27,7 @@ Contract (no engine imports):
   beyond it is dropped (counted as failed: a later miss) and `start_load` returns None (the caller retries).
 * `TransferStats` counts lookups (hit/miss blocks), loads and saves (blocks, failed blocks, bytes, seconds);
   `drain()` hands over and resets what was counted since the last call. Thread-safe. A load's or save's blocks,
-  bytes and seconds are its call's job record (`CcFuture.job`, the `ems.datapath.records` record that also feeds
+  bytes and seconds are its call's job record (`CcFuture.job`, the `ems.records` record that also feeds
   `ContextCaching.jobs` and its metrics): one account of each transfer. The mover itself counts only what never
   became a job (dropped by the in-flight budget, refused before it started) and what a job did not do.
 """

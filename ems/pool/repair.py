@@ -132,7 +132,8 @@ def copy_plan(ranks: np.ndarray, me: int, replicas: int, held: np.ndarray) -> tu
     col = np.arange(nodes)[None, :]
     pos = np.where((ranks == me).any(axis=1), np.argmax(ranks == me, axis=1), nodes)  # this node's rank position
     above = held & (col < pos[:, None])
-    mine = ~above.any(axis=1)
+    # an array, whatever `any`'s stubs say (numpy 2.2 and 2.3 type it as `np.bool | ndarray`): indexed below
+    mine = ~np.asarray(above.any(axis=1), dtype=np.bool_)
     targets = mine[:, None] & (col < replicas) & ~held & (ranks != me)
     return mine, targets
 

@@ -23,7 +23,7 @@ from ems_testlib import fill_random, make_cache, on_both_pools, slots_of_blocks,
 
 from ems import CcKvOption, CcResult, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.config import CcConfig
-from ems.datapath.records import JobKind, Stage
+from ems.records import JobKind, Stage
 
 BLOCK_SIZE = 4
 BLOCKS = 320
@@ -361,7 +361,7 @@ def test_sizes_one_then_eight_then_two_blocks(cc):
 
 def test_staging_pool_reuses_and_drops_leases_of_every_size():
     """White-box: leases of different sizes are taken from and dropped out of the free list by identity."""
-    from ems.datapath.staging import StagingPool
+    from ems.staging import StagingPool
 
     pool = StagingPool(4 << 20)
     cpu = torch.device("cpu")

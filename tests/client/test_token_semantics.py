@@ -435,7 +435,7 @@ def test_every_copy_backend_and_path_writes_only_the_mask_ones(clean_ems, fault_
     block (strided views)."""
     from ems_testlib import set_chunk_bytes
 
-    from ems.datapath.records import JobKind
+    from ems.records import JobKind
 
     if path == "embedded":
         Ems.init(

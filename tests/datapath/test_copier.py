@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from ems.datapath.copier import FusedCopier, Gathered, SeparateCopier, copier_for, encode_values
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
-from ems.datapath.records import JobKind, JobRecord
 from ems.datapath.requests import Operation, bind_request
 from ems.datapath.values import ReceivedValues
 from ems.kernels import get_backend
 from ems.kernels.base import Fusion
 from ems.kernels.torch_backend import TorchBackend
+from ems.records import JobKind, JobRecord
 from ems.store.value_format import HEADER_SIZE, PAYLOAD_HASH_ADDRESS, matches
 
 CPU = torch.device("cpu")

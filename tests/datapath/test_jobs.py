@@ -20,9 +20,9 @@ from ems import CcConfig, Ems, EmsConfig
 from ems.datapath.copier import Gathered, copier_for, encode_values
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
-from ems.datapath.records import JobKind, Stage, stage_table
 from ems.datapath.requests import Operation, bind_request
 from ems.kernels import get_backend
+from ems.records import JobKind, Stage, stage_table
 from ems.store.kv_store import KvStore
 from ems.store.value_format import HEADER_SIZE, build_headers, checksum, matches
 

@@ -38,8 +38,8 @@ from ems.config import parse_size
 from ems.datapath.copier import Copier, FusedCopier
 from ems.datapath.jobs import FENCE_GRACE_S, plan_chunks
 from ems.datapath.planning import BlockPlan, plan_blocks
-from ems.datapath.records import JobKind, Stage
 from ems.datapath.requests import Operation, bind_request
+from ems.records import JobKind, Stage
 from ems.transport.shm_client import ShmMode
 from ems.transport.ucx import UcxNode
 

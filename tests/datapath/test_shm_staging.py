@@ -24,8 +24,8 @@ from ems_testlib import (
 )
 
 from ems import CcKvOption, CcResult, EmsException
-from ems.datapath.records import JobKind, Stage
-from ems.datapath.staging import StagingPool
+from ems.records import JobKind, Stage
+from ems.staging import StagingPool
 from ems.transport.ucx import UcxNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))

@@ -170,7 +170,7 @@ def test_transfer_stats_are_the_calls_job_records(cc):
     """One account of each transfer: the mover's blocks, bytes and seconds are its calls' job records
     (`CcFuture.job`), the same records `ContextCaching.jobs` sums; what never became a job (dropped by the
     in-flight budget) is counted as failed by the mover alone."""
-    from ems.datapath.records import JobKind
+    from ems.records import JobKind
 
     gen = torch.Generator().manual_seed(5)
     _, planes, shapes = make_cache(gen)

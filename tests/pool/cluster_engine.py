@@ -51,7 +51,7 @@ from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException
 def main() -> None:
     config = json.loads(sys.argv[1])
     # white-box: the engine's membership watcher, for "members" to report whether its etcd watch is live
-    import ems.cluster.remote_pool as remote_pool
+    import ems.backends.remote_pool as remote_pool
 
     watchers: list = []
 
@@ -173,7 +173,7 @@ def main() -> None:
 
     def bulk(what: str, blocks: list[int], rounds: int, first: int) -> dict:
         from ems.backends.fanout import FanOut
-        from ems.datapath.records import JobKind
+        from ems.records import JobKind
 
         restore()
         slots, hashes, offsets = slots_of_blocks(blocks, BS), [first + b for b in blocks], [BS] * len(blocks)

@@ -18,7 +18,7 @@ from ems.buffers import POPULATE_STEP, SpareCpuPacer
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
 from ems.datapath.requests import Operation, bind_request
-from ems.datapath.staging import MIN_BUFFER, StagingPool
+from ems.staging import MIN_BUFFER, StagingPool
 from ems.store import arena
 from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
 from ems.store.value_format import (

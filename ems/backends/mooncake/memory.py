@@ -29,8 +29,8 @@ import torch
 
 from ems.backends.mooncake.workers import Workers
 from ems.buffers import Buffer
-from ems.datapath.staging import StagingLease, StagingPool
 from ems.kernels.raw_memory import buffer_addresses
+from ems.staging import StagingLease, StagingPool
 
 log = logging.getLogger("ems")
 

@@ -46,7 +46,6 @@ from ems.backends.mooncake.memory import RegisteredMemory
 from ems.backends.mooncake.workers import Workers
 from ems.buffers import Buffer
 from ems.config import MooncakeSettings
-from ems.datapath.executor import ChunkExecutor
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
 from ems.store.value_format import HEADER_SIZE
@@ -94,7 +93,6 @@ class MooncakePool:
         self._workers = Workers(WORKER_THREADS, "ems-mooncake")
         self._connection = MooncakeConnection(settings, MooncakeDistributedStore, self._workers, connect_timeout_s)
         self._memory = RegisteredMemory(lambda: self._connection.store, self._workers)
-        self.executor = ChunkExecutor()
         #: values move through put and get_into (Mooncake's memory is not this process's to lend)
         self.in_place: InPlaceValues | None = None
         self.read_check = ReadCheck.NONE  # (Mooncake's bytes as stored: the jobs check them)
@@ -289,7 +287,6 @@ class MooncakePool:
         first, store = self._connection.close()
         if not first:
             return
-        self.executor.close()
         self._memory.clear()
         closed = threading.Event()
 

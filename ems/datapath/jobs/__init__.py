@@ -1,4 +1,4 @@
-"""Save and load jobs: one call's data path as explicit stages, each recorded (`ems.datapath.records`).
+"""Save and load jobs: one call's data path as explicit stages, each recorded (`ems.records`).
 
 A save runs gather → encode → send, a load receive → verify → scatter (plus `copy` between device and host staging
 on accelerators). A call is one `Transfer` (its plan, device, copier, option and record: `transfer.py`) along its

@@ -32,11 +32,11 @@ from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import Received, chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
 from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
 from ems.datapath.planning import BlockPlan
-from ems.datapath.records import Stage
-from ems.datapath.staging import StagingKind
 from ems.datapath.values import ReceivedValues
 from ems.deadline import Deadline
 from ems.kernels.base import PlacedStop
+from ems.records import Stage
+from ems.staging import StagingKind
 from ems.store.value_format import HEADER_SIZE, ExpectedValues
 
 
@@ -50,6 +50,7 @@ class PipelinedLoad:
         self.device, self.copier = transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
         self.pool, self.staging, self.chunk_bytes = route.pool, route.staging, route.chunk_bytes
+        self.executor = route.executor
         # what the pool checks of the values it places (replicas: each against the expected values, to fall back on
         # damage): they travel with that (`ReceivedValues.checked`), and the copier's check checks nothing more then
         self.read_check = route.pool.read_check
@@ -86,7 +87,7 @@ class PipelinedLoad:
                 a, b = chunks[k]
                 call = functools.partial(self._receive_chunk, plan, host, a, b, deadline, stop, placed)
                 # one chunk: nothing to overlap, so it runs here (no thread hop); else on the pipeline threads
-                receives.append(run_now(call) if len(chunks) == 1 else self.pool.executor.start(call))
+                receives.append(run_now(call) if len(chunks) == 1 else self.executor.start(call))
 
         outcomes: list[PoolOutcome] = []
         hits = 0

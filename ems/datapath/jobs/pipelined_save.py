@@ -24,9 +24,9 @@ from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
 from ems.datapath.jobs.transfer import PoolRoute, SaveJob, Transfer, pool_request
-from ems.datapath.records import Stage
-from ems.datapath.staging import StagingLease
 from ems.deadline import Deadline
+from ems.records import Stage
+from ems.staging import StagingLease
 from ems.store.value_format import HEADER_SIZE
 
 
@@ -37,6 +37,7 @@ class PipelinedSave(SaveJob):
         self.plan, self.device, self.copier = transfer.plan, transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
         self.pool, self.staging, self.chunk_bytes = route.pool, route.staging, route.chunk_bytes
+        self.executor = route.executor
         self.record.path = "pipelined"
         self._lease: StagingLease | None = None
         self._chunks: list[tuple[int, int]] = []
@@ -64,7 +65,7 @@ class PipelinedSave(SaveJob):
                 self._lone = functools.partial(send, None)
                 return
             ahead = self._sends[-chunking.PIPELINE_DEPTH] if len(self._sends) >= chunking.PIPELINE_DEPTH else None
-            self._sends.append(self.pool.executor.start(functools.partial(send, ahead)))
+            self._sends.append(self.executor.start(functools.partial(send, ahead)))
 
     def _send_chunk(
         self, host: memoryview, a: int, b: int, gathered: Gathered, ahead: concurrent.futures.Future | None

@@ -13,8 +13,8 @@ from ems.buffers import Buffer
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
 from ems.datapath.planning import RawPlan
-from ems.datapath.records import Stage
 from ems.datapath.values import ReceivedValues
+from ems.records import Stage
 from ems.store.value_format import HEADER_SIZE
 
 

@@ -2,7 +2,8 @@
 
 `Transfer` is one save or load call's descriptor: what moves (`plan`: data, `ems.datapath.planning`), on which device,
 by which copier (`ems.datapath.copier`, chosen once for the job), with the call's option and its job record.
-`PoolRoute` is where a client's transfers go: its pool, its staging pool and the chunk size. Each pool call a job
+`PoolRoute` is where a client's transfers go and what they run on: its pool, its staging pool, the chunk size and
+the executor its chunk calls share (`ems.datapath.executor`: the client's, not the pool's). Each pool call a job
 makes for values a..b-1 of its plan is one `PoolRequest` (`pool_request`). A job is built from
 the two (`ems.datapath.jobs.save_job` / `load_job`) and runs as a `SaveJob` (the base class of every save job) or a
 `LoadJob`; no job holds anything a descriptor does not name, and every job gives back every buffer and lease on
@@ -19,10 +20,11 @@ import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
 from ems.datapath.copier import Copier
+from ems.datapath.executor import ChunkExecutor
 from ems.datapath.planning import Plan
-from ems.datapath.records import JobRecord
-from ems.datapath.staging import StagingPool
 from ems.deadline import Deadline
+from ems.records import JobRecord
+from ems.staging import StagingPool
 from ems.types import CcKvOption
 
 
@@ -40,12 +42,13 @@ class Transfer:
 
 @dataclass(frozen=True)
 class PoolRoute:
-    """Where a client's transfers go: the pool, the staging pool (`ems.datapath.staging`) and the chunk size of a
-    pipelined job (`Settings.chunk_bytes`)."""
+    """Where a client's transfers go: the pool, the staging pool (`ems.staging`), the chunk size of a pipelined job
+    (`Settings.chunk_bytes`) and the executor its chunk calls run on (one per client, which closes it)."""
 
     pool: PoolBackend
     staging: StagingPool
     chunk_bytes: int
+    executor: ChunkExecutor
 
 
 def pool_request(

@@ -268,7 +268,7 @@ def job_totals() -> dict:
     """This process's job records (`ContextCaching.jobs`): per kind, jobs, blocks, bytes and seconds (each job from
     its call to its end), and the seconds of each stage summed over the jobs."""
     from ems import Ems
-    from ems.datapath.records import JobKind
+    from ems.records import JobKind
 
     cc = Ems.get_cc()
     if cc is None:

@@ -1,4 +1,5 @@
-"""Reusable staging buffers, bounded in bytes.
+"""Reusable staging buffers, bounded in bytes: below both the data path (`ems.datapath`: the jobs stage through it)
+and the pool backends (`ems.backends.mooncake.memory`: its bounce buffers), so it imports nothing of either.
 
 A request leases one staging buffer (on the device, plus its host twin when the device is not the CPU), fills
 it, and releases it on every path, error paths included. Buffers are kept for reuse, rounded up to powers of two.
@@ -19,6 +20,9 @@ holds no bytes of this pool's capacity (its region bounds it); release and retir
 `on_new_buffer` (the pool backend's `prepare_staging`: e.g. register the memory with the pool's transfer engine)
 sees each new host buffer of this pool once, before it is leased, and `on_drop_buffer` (`release_staging`) once
 when the pool lets go of it (dropped from the free list, released without being kept, retired, cleared).
+
+A lease's copies between device and host are recorded where the caller says (`CopyRecord`: a job's
+`ems.records.JobRecord`, as its `Stage.COPY`).
 """
 
 from __future__ import annotations
@@ -27,16 +31,32 @@ import contextlib
 import enum
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ems.datapath.devices import host_buffer
-from ems.datapath.records import JobRecord, Stage
-
 MIN_BUFFER = 1 << 16
+
+
+class CopyRecord(Protocol):
+    """Where a lease's copies between device and host are timed (`ems.records.JobRecord` is one)."""
+
+    def copying(self, nbytes: int) -> AbstractContextManager[object]:
+        """Time the body of a `with` as one copy of `nbytes` between a device buffer and its host twin."""
+        ...
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 host buffer for staging to/from `device`: page-locked when the device can use that."""
+    if device.type != "cpu":
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            pass  # no pinning available: plain memory still works, only slower
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class StagingKind(enum.Enum):
@@ -61,17 +81,17 @@ class StagingLease:
     kind: StagingKind
     shared: Any = None  # SHARED: the region buffer behind `host` (release() / retire()); else None
 
-    def copy_to_host(self, lo: int, hi: int, record: JobRecord | None = None) -> None:
-        """Bytes lo..hi-1 from the device buffer to its host twin (queued on the current stream; recorded as
-        `Stage.COPY` in `record`); nothing where they are one buffer."""
+    def copy_to_host(self, lo: int, hi: int, record: CopyRecord | None = None) -> None:
+        """Bytes lo..hi-1 from the device buffer to its host twin (queued on the current stream; timed by `record`:
+        a job's `Stage.COPY`); nothing where they are one buffer."""
         if self.kind is StagingKind.TWIN:
-            with record.stage(Stage.COPY, hi - lo) if record is not None else contextlib.nullcontext():
+            with record.copying(hi - lo) if record is not None else contextlib.nullcontext():
                 self.host[lo:hi].copy_(self.device[lo:hi], non_blocking=True)
 
-    def copy_to_device(self, lo: int, hi: int, record: JobRecord | None = None) -> None:
+    def copy_to_device(self, lo: int, hi: int, record: CopyRecord | None = None) -> None:
         """Bytes lo..hi-1 from the host twin to the device buffer (as `copy_to_host`, the other way)."""
         if self.kind is StagingKind.TWIN:
-            with record.stage(Stage.COPY, hi - lo) if record is not None else contextlib.nullcontext():
+            with record.copying(hi - lo) if record is not None else contextlib.nullcontext():
                 self.device[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
 
     def host_array(self) -> np.ndarray:

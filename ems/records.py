@@ -5,7 +5,8 @@ ran (once per chunk, or once per request). Pipelined stages overlap, so their se
 job's wall time (`JobRecord.seconds`); `stage_table` prints both. That record is the one account of where a
 request's time went: the benchmarks print it, `ENABLE_CC_PROFILING=1` logs it (logger `ems.profile`), and a
 `JobLedger` sums records for metrics (per operation: calls, blocks, bytes and seconds per stage). This module
-imports nothing of the data path, so metrics code can use it alone.
+imports nothing of ems: it lies below the data path, so metrics code can use it alone and the public types name it
+(`ems.types.CcFuture.job`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class JobRecord:
     def stage(self, stage: Stage, nbytes: int = 0) -> StageTimer:
         """Time the body of a `with` as (one run of) `stage`, moving `nbytes`."""
         return StageTimer(self, stage, nbytes)
+
+    def copying(self, nbytes: int) -> StageTimer:
+        """Time the body of a `with` as one copy of `nbytes` between device and host staging (`Stage.COPY`): how a
+        staging lease records its copies (`ems.staging.CopyRecord`)."""
+        return StageTimer(self, Stage.COPY, nbytes)
 
     def add(self, stage: Stage, nbytes: int, seconds: float) -> None:
         """One run of `stage`. Thread-safe without a lock (a pipelined job's chunks run stages on several threads):

@@ -1,4 +1,5 @@
-"""Opening a remote pool: a fixed node list, or the live set that etcd membership reports (`pool_etcd`).
+"""Opening a remote pool: a fixed node list, or the live set that etcd membership reports (`pool_etcd`); the opener
+of `PoolClient`, beside the other backends, over `ems.cluster`'s membership.
 
 Contract (`open_remote_pool`):
 * Without `pool_etcd`: a `PoolClient` over `pool_nodes`, fixed for the process's life.
