@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 import urllib.request
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -31,19 +32,20 @@ SHM_ARGS = ("--shm-bytes", "64MiB", "--shm-total", "128MiB")
 NOBODY = 65534
 
 
-def memfd_pages(*pids: int) -> int:
-    """Bytes of the pages held by the distinct `ems-shm` memfds that processes `pids` hold open (the host's shared
-    memory those regions take, whoever faulted it in)."""
+def memfd_pages(pid: int, fds: Sequence[int] = ()) -> int:
+    """Bytes of the pages held by the distinct `ems-shm` memfds that process `pid` (the node) holds open or that are
+    among this process's descriptors `fds` (the regions the attacker took): the host's shared memory those regions
+    take, whoever faulted it in. (Not every memfd of this process: regions of other tests' nodes that it has not
+    released yet are no part of this node's.)"""
     pages: dict[int, int] = {}
-    for pid in pids:
-        for name in os.listdir(f"/proc/{pid}/fd"):
-            path = f"/proc/{pid}/fd/{name}"
-            try:
-                if os.readlink(path).startswith("/memfd:ems-shm"):
-                    info = os.stat(path)
-                    pages[info.st_ino] = info.st_blocks * 512
-            except OSError:  # closed meanwhile
-                continue
+    paths = [f"/proc/{pid}/fd/{name}" for name in os.listdir(f"/proc/{pid}/fd")] + [f"/proc/self/fd/{fd}" for fd in fds]
+    for path in paths:
+        try:
+            if os.readlink(path).startswith("/memfd:ems-shm"):
+                info = os.stat(path)
+                pages[info.st_ino] = info.st_blocks * 512
+        except OSError:  # closed meanwhile
+            continue
     return sum(pages.values())
 
 
@@ -122,15 +124,15 @@ def test_regions_piled_up_and_kept_never_hold_more_than_the_total(attacked, node
         fd = _take(offer)
         node.held.append(fd)
         _touch(fd, offer.region_bytes)
-        peak = max(peak, memfd_pages(node.proc.pid, os.getpid()))
+        peak = max(peak, memfd_pages(node.proc.pid, node.held))
     assert REGION <= peak <= TOTAL, peak
     # the node's own figures say the same as the host: what it counts, and the pages its live regions hold
-    held = memfd_pages(node.proc.pid, os.getpid())
+    held = memfd_pages(node.proc.pid, node.held)
     metrics = _scrape(node.metrics)
     assert metrics[("ems_pool_shm_bytes", ())] <= TOTAL
     assert metrics[("ems_pool_shm_resident_bytes", ())] <= held <= TOTAL
     client.close()  # once the connection has ended, nothing of its regions is left, descriptors kept or not
-    assert wait_until(lambda: memfd_pages(node.proc.pid, os.getpid()) == 0, 10), memfd_pages(node.proc.pid, os.getpid())
+    assert wait_until(lambda: memfd_pages(node.proc.pid, node.held) == 0, 10), memfd_pages(node.proc.pid, node.held)
     assert wait_until(lambda: _scrape(node.metrics)[("ems_pool_shm_bytes", ())] == 0, 10)
     # and a region the attacker still maps reads as zeros: its pages are gone from every mapping
     with mmap.mmap(node.held[-1], REGION) as m:
@@ -177,12 +179,12 @@ def test_random_sequences_of_opens_hand_overs_and_hang_ups_stay_within_the_limit
             live.pop(who, None)
         elif step == "wait":
             time.sleep(float(rng.uniform(0.05, 0.5)))
-        held = memfd_pages(node.proc.pid, os.getpid())
+        held = memfd_pages(node.proc.pid, node.held)
         assert held <= TOTAL, (step, held)
     assert _scrape(node.metrics)[("ems_pool_shm_bytes", ())] <= TOTAL
     for client in clients.values():
         client.close()
-    assert wait_until(lambda: memfd_pages(node.proc.pid, os.getpid()) == 0, 10), memfd_pages(node.proc.pid, os.getpid())
+    assert wait_until(lambda: memfd_pages(node.proc.pid, node.held) == 0, 10), memfd_pages(node.proc.pid, node.held)
 
 
 def test_one_tenant_cannot_take_every_region(attacked, node_clients):
