@@ -234,7 +234,9 @@ class RawDirect:
             self.runtime.wait(posted, time.monotonic() + 10)
 
     def close(self) -> None:
-        self.conn.abort()
+        from ems.transport.ucx_direct import Ending
+
+        self.conn.abort(Ending.CANCELLED)
         self.proc.kill()
         self.proc.wait()
 
