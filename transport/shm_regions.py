@@ -38,7 +38,7 @@ import numpy as np
 
 from ems.buffers import remove_pages
 from ems.transport import protocol, shm
-from ems.transport.handler import ShmHost
+from ems.transport.shm_host import ShmHost
 
 log = logging.getLogger("ems.pool")
 

@@ -4,7 +4,7 @@ parts: this service (the requests: SHM_OPEN, SHM_PUT, SHM_GET, over UCX or a reg
 (`transport.shm_handover`: the Unix socket, its slots and peer credentials).
 
 Contract:
-* `ShmService(settings, handlers)` belongs to one node's handlers (`transport.handler.ShmHost`: its store, budget and
+* `ShmService(settings, handlers)` belongs to one node's handlers (`transport.shm_host.ShmHost`: its store, budget and
   worker threads; `ems.pool.handlers.NodeHandlers` in a node). `start()` listens on a fresh abstract Unix socket (a
   random name, so no other process can predict it or take it first); `stop()` closes it and reclaims every region.
 * `serve(channel, prefix)` answers SHM_OPEN, SHM_PUT and SHM_GET of one authenticated connection (keys in the
@@ -53,8 +53,9 @@ from typing import Any
 import numpy as np
 
 from ems.transport import protocol, shm, shm_channel
-from ems.transport.handler import Refusal, RequestChannel, ShmHost
+from ems.transport.handler import Refusal, RequestChannel
 from ems.transport.shm_handover import Handover
+from ems.transport.shm_host import ShmHost
 from ems.transport.shm_regions import Region, RegionLedger, RegionState, ShmStats
 
 log = logging.getLogger("ems.pool")

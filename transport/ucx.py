@@ -30,10 +30,11 @@ Contract:
   the endpoint (the other requests in flight on it fail too, each by its own deadline at the latest, never with
   another request's answer).
 * Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
-  connection (`transport.shm_client`); any call it cannot serve goes over UCX as above.
+  connection (`transport.shm_client`, handed this node's connection, requests and failures as a `NodeLink`); any
+  call it cannot serve goes over UCX as above.
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels.
 * `_call(request, deadline)` runs `request(exchange, request_id)` (a `ucx_direct.Exchange` on the connection) under
-  those rules: the one way a request reaches the node (`shm_client` sends its SHM ops through it too).
+  those rules: the one way a request reaches the node (`shm_client` sends its SHM ops through it too, by its link).
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ from ems.buffers import Buffer, copy_bytes
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
-from ems.transport.base import AsPlaced, NodeClient, TransportError
+from ems.transport.base import AsPlaced, Ending, Failure, NodeClient, TransportError
 from ems.transport.holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
 from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
-from ems.transport.ucx_direct import Connection, DirectRuntime, Ending, Exchange, WaitTimeout, connect, futures_context
+from ems.transport.ucx_direct import Connection, DirectRuntime, Exchange, WaitTimeout, connect, futures_context
 from ems.transport.ucx_frames import (
     check_frame,
     check_header_frame,
@@ -95,16 +96,6 @@ class _CancelledWhileConnecting(Exception):
 
 class _ConnectWaitTimeout(Exception):
     """The caller's deadline passed while another call was connecting (that call reports how its connect went)."""
-
-
-class Failure(enum.Enum):
-    """What the last failed call of a `UcxNode` ran into."""
-
-    NONE = "none"
-    UNREACHABLE = "unreachable"  # connection refused, reset or lost; malformed replies
-    TIMEOUT = "timeout"
-    CANCELLED = "cancelled"  # the call's connection was aborted by this client (`abort`, `close`, another's deadline)
-    REFUSED = "refused"  # the node answered with an error (authentication failed)
 
 
 class Reply(enum.Enum):
@@ -152,7 +143,7 @@ class UcxNode(NodeClient):
         self._last_error: TransportError | None = None
         self.last_failure = Failure.NONE
         wants_shm = (shm or ShmMode.AUTO) != ShmMode.OFF and is_local_address(self._ip)
-        self.shm: ShmClient | None = ShmClient(self) if wants_shm else None
+        self.shm: ShmClient | None = ShmClient(_ShmLink(self)) if wants_shm else None
 
     # ---- NodeClient ----
 
@@ -391,6 +382,38 @@ class UcxNode(NodeClient):
         if conn is not None:
             self._runtime.live.discard(conn)
             conn.abort(ending)
+
+
+class _ShmLink:
+    """What the node's `ShmClient` needs of it (`shm_client.NodeLink`): its connection, inline requests on it through
+    `_call`, and the record of a failed region channel's request (`_fail`)."""
+
+    def __init__(self, node: UcxNode) -> None:
+        self._node = node
+
+    @property
+    def address(self) -> str:
+        return self._node.address
+
+    def connection(self) -> Connection | None:
+        return self._node._conn
+
+    def request(self, op: int, count: int, meta: bytes, deadline: Deadline, on: Any = None) -> tuple[Any, bytes] | None:
+        def run(ex: Exchange, rid: int) -> tuple[Any, bytes] | None:
+            if on is not None and ex.conn is not on:
+                return None
+            reply, body = _request(ex, rid, op, count=count, meta=meta)
+            return ex.conn, bytes(body[: reply.meta_len])
+
+        return self._node._call(run, deadline)
+
+    def fail(
+        self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
+    ) -> TransportError:
+        return self._node._fail(conn, code, message, failure, ending)
+
+    def close(self) -> None:
+        self._node.close()
 
 
 # ---- requests (run on the calling thread; see ucx_direct) ----

@@ -69,6 +69,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ems.transport import ucx_config
+from ems.transport.base import Ending
 from ems.transport.ucx_progress import request_tag
 
 PROGRESS_EPOLL_MS = 100  # the C++ progress thread's idle wake-up period (UCX keepalive, peer-failure detection)
@@ -85,13 +86,6 @@ SMALL_RECV_BYTES = 8192
 
 class WaitTimeout(TimeoutError):
     """A wait reached its deadline before UCX completed its requests."""
-
-
-class Ending(enum.Enum):
-    """Why a connection was aborted (`Connection.ending`)."""
-
-    CANCELLED = "cancelled"  # its owner's choice: a caller stopped waiting (another node answered, a deadline), close
-    FAILED = "failed"  # the wire reported a failure: lost, reset, refused, a malformed or missing reply
 
 
 class Posted:

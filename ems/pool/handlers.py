@@ -280,7 +280,7 @@ class NodeHandlers:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         return fn(*args)
 
-    # ---- copies between a shared-memory region and the store (`transport.handler.ShmHost`) ----
+    # ---- copies between a shared-memory region and the store (`transport.shm_host.ShmHost`) ----
 
     def store_copies(self, array: np.ndarray, keys: list[bytes], request: RangedRequest) -> list[bool]:
         """Copy each value out of the region `array` into a buffer of the store's and store it, copy and check in one
