@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 #: A load's use of values while a same-host node is still placing them (`NodeClient.places_progressively`):
-#: called with the address of the request's progress word (a u32: how many leading values are placed, `shm.py`),
+#: called with the address of the request's progress word (a u32: how many leading values are placed, `transport.shm`),
 #: the descriptor to watch for the node's reply, and the call's deadline in CLOCK_MONOTONIC nanoseconds.
 AsPlaced = Callable[[int, int, int], None]
 
@@ -89,7 +89,7 @@ class Failure(enum.Enum):
 
 
 class Ending(enum.Enum):
-    """Why a connection to a remote node was aborted (`ucx_direct.Connection.ending`), whichever medium the failed
+    """Why a connection to a remote node was aborted (`ucx.direct.Connection.ending`), whichever medium the failed
     request travelled on: only a failure the wire reported makes its client back off before reconnecting."""
 
     CANCELLED = "cancelled"  # its owner's choice: a caller stopped waiting (another node answered, a deadline), close

@@ -2,10 +2,10 @@
 shared-memory regions) and `ems.pool` (the node: tenant namespaces, the store, the in-flight budget, the handlers).
 
 Contract:
-* `transport/` depends on these protocols (and shared memory's `shm_host.ShmHost`) only, never on `ems.pool`
+* `transport/` depends on these protocols (and shared memory's `shm.host.ShmHost`) only, never on `ems.pool`
   (tests/transport/test_layering.py): the node assembly (`ems.pool.node`) builds an `ems.pool.handlers.NodeHandlers`,
-  which is a `RequestHandler` and a `ShmHost`, and hands it to `transport.ucx_server.PoolServer`; the handlers own
-  the node's `transport.shm_server.ShmService`, built over themselves.
+  which is a `RequestHandler` and a `ShmHost`, and hands it to `transport.ucx.server.PoolServer`; the handlers own
+  the node's `transport.shm.server.ShmService`, built over themselves.
 * `RequestHandler` (what `PoolServer` calls, on the event loop): `namespace(access_id)` gives the prefix every key of
   an authenticated connection is stored under; `serve(channel, prefix)` answers one request start to reply and
   returns the value bytes it moved; `answer_now` answers an EXISTS or PING whose meta is in hand, without waiting;
@@ -14,7 +14,7 @@ Contract:
 * A handler raises `Refusal` for a request the node will not take (no room in the in-flight budget): the session
   answers BAD_REQUEST with its message, then closes the connection (or the region's channel). A malformed request
   raises `protocol.ProtocolError` (that connection only is closed).
-* `RequestChannel` is where one request's frames and reply travel (`ucx_server.Channel`, `shm_channel.NodeChannel`).
+* `RequestChannel` is where one request's frames and reply travel (`ucx.server.Channel`, `shm.channel.NodeChannel`).
 * `SessionLimits` and `SessionMetrics` are the parts of the node's limits and metrics the sessions apply and count
   (`ems.pool.budget.NodeLimits`, `ems.pool.metrics.NodeMetrics` have them).
 """
@@ -32,7 +32,7 @@ class Refusal(Exception):
 
 
 class RequestChannel(Protocol):
-    """Where one request's frames and reply travel (`transport.ucx_server.Channel`)."""
+    """Where one request's frames and reply travel (`transport.ucx.server.Channel`)."""
 
     header: protocol.Header
     conn: Any  # the connection (its `peer` and `aborted`; the key of its shared-memory region)
@@ -66,7 +66,7 @@ class RequestChannel(Protocol):
 
 
 class RequestHandler(Protocol):
-    """What `transport.ucx_server.PoolServer` calls; see the module docstring."""
+    """What `transport.ucx.server.PoolServer` calls; see the module docstring."""
 
     def namespace(self, access_id: str) -> bytes:
         """The prefix of every key of a connection authenticated as `access_id`."""
@@ -119,7 +119,7 @@ class SessionMetrics(Protocol):
 
     @property
     def unread_discarded(self) -> Count:
-        """Messages discarded unread: sent on tags nobody would receive (`transport.ucx_connections`)."""
+        """Messages discarded unread: sent on tags nobody would receive (`transport.ucx.connections`)."""
         ...
 
     @property

@@ -1,4 +1,4 @@
-"""The client's side of same-host shared memory for one node client (`transport/shm.py`: protocol and security).
+"""The client's side of same-host shared memory for one node client (`transport.shm`: protocol and security).
 
 Contract:
 * `ShmClient(link)` serves the node client that hands it `link` (a `NodeLink`: `UcxNode` hands it one): the node's
@@ -22,7 +22,7 @@ Contract:
   value out of one.
 * A value is placed in a load's buffer only from a reply with status OK that gives it exactly that buffer's length.
   A load whose buffers lie in the region and whose request travels on the region's channel may pass `as_placed`:
-  it then also gets the request's progress word (`shm.py`), to use values as the node places them, before the
+  it then also gets the request's progress word (`transport.shm`), to use values as the node places them, before the
   reply; what it does with them is its own (the load verifies each value before writing it anywhere).
 * `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
 """
@@ -47,7 +47,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, shm
 from ems.transport.base import AsPlaced, Ending, Failure, TransportError
-from ems.transport.shm_channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
+from ems.transport.shm.channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
 
 log = logging.getLogger("ems.transport")
 
@@ -78,8 +78,8 @@ class NodeLink(Protocol):
     def fail(
         self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
     ) -> TransportError:
-        """Record the failure of a request that ran on `conn`'s region channel as a failed call of the node client's
-        own (`conn` dropped; a back-off after `Ending.FAILED`); the error to raise."""
+        """Record a failure the node client did not see (a request on `conn`'s region channel, a malformed reply) as a
+        failed call of its own: `conn` dropped, a back-off after `Ending.FAILED`; the error to raise."""
         ...
 
     def close(self) -> None:
@@ -101,7 +101,7 @@ class ClientRegion:
     ep: Any
     array: np.ndarray
     allocator: shm.RangeAllocator
-    channel: ClientChannel | None = None  # the hand-over socket, kept for this region's requests (shm_channel.py)
+    channel: ClientChannel | None = None  # the hand-over socket, kept for this region's requests (`shm.channel`)
 
     def __post_init__(self) -> None:
         self.base = int(self.array.ctypes.data)
@@ -177,7 +177,7 @@ class ShmClient:
     ) -> list[bool] | None:
         """See the module docstring. `as_placed(progress, fd, deadline_ns)`: where the buffers lie in the region and
         the request travels on the region's channel, run once the request is sent, with the address of its progress
-        word (`shm.py`: how many leading values the node has placed so far), the channel's descriptor and the
+        word (`transport.shm`: how many leading values the node has placed so far), the channel's descriptor and the
         deadline (CLOCK_MONOTONIC ns): the caller may use each value as it is placed, before the reply."""
         region = self.region(deadline)
         if region is None:

@@ -1,5 +1,5 @@
 """What same-host shared memory asks of the node it serves: the protocol between the node's side of shared memory
-(`transport.shm_server.ShmService`, `transport.shm_regions.RegionLedger`) and `ems.pool` (the store, the in-flight
+(`transport.shm.server.ShmService`, `transport.shm.regions.RegionLedger`) and `ems.pool` (the store, the in-flight
 budget, the handlers).
 
 Contract:
@@ -26,7 +26,7 @@ from ems.transport.shm import RangedRequest
 
 
 class ShmHost(Protocol):
-    """What `transport.shm_server.ShmService` calls; see the module docstring."""
+    """What `transport.shm.server.ShmService` calls; see the module docstring."""
 
     @property
     def executor(self) -> Executor: ...

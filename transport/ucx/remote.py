@@ -13,8 +13,8 @@ A malformed address raises `TransportError(EMS_IO_ERROR)`.
 from __future__ import annotations
 
 from ems.transport.base import Failure, NodeClient, TransportError
-from ems.transport.shm_client import ShmMode
-from ems.transport.ucx import UcxNode
+from ems.transport.shm.client import ShmMode
+from ems.transport.ucx.client import UcxNode
 
 
 def connect(
