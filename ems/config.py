@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from ems.errors import invalid_argument
-from ems.transport.ucx_config import UcxSettings
+from ems.transport.ucx.config import UcxSettings
 
 MAX_IDENTIFIER_CHARS = 512
 MAX_SIZE = 1 << 60  # bytes: the largest size setting (far past any host; sums and products of sizes stay in int64)

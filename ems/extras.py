@@ -3,7 +3,7 @@
 Contract: `require(module, extra, feature)` returns when `module` is installed and raises `MissingExtra` (an
 ImportError) otherwise, whose message names the feature and the command that installs it, e.g.
 "ems-pool --metrics needs prometheus_client: install 'ems-kvcache[metrics]'". It looks the module up without
-importing it (importing ucxx loads UCX, which must not happen before `ucx_config.init_ucx` set its environment).
+importing it (importing ucxx loads UCX, which must not happen before `ucx.config.init_ucx` set its environment).
 Command-line tools turn the error into a message and a non-zero exit, never a traceback.
 """
 

@@ -28,13 +28,13 @@ from benchlib import machine  # noqa: E402
 from cluster_testlib import ClusterNode, EtcdProcess  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
+import ems.transport.ucx.config  # noqa: E402,F401 - UCX environment before ucxx loads
 from ems.backends.base import PoolRequest  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.backends.remote_pool import open_remote_pool  # noqa: E402
 from ems.cluster.membership import NodeInfo, Registration, wait_for  # noqa: E402
 from ems.config import EmsConfig, resolve_settings  # noqa: E402
-from ems.transport.remote import connect  # noqa: E402
+from ems.transport.ucx.remote import connect  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 
 SIZES = [256 << 10, 1 << 20, 4 << 20]

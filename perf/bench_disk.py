@@ -35,12 +35,12 @@ from benchlib import machine  # noqa: E402
 from disk_testlib import DiskNode  # noqa: E402
 from pool_testlib import PoolProcess, joined, make_values  # noqa: E402
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
+import ems.transport.ucx.config  # noqa: E402,F401 - UCX environment before ucxx loads
 from ems.config import parse_size  # noqa: E402
 from ems.pool.disk import DiskTier  # noqa: E402
 from ems.pool.disk.records import ALIGN, aligned_buffer  # noqa: E402
 from ems.pool.tiered_store import TieredStore  # noqa: E402
-from ems.transport.remote import connect  # noqa: E402
+from ems.transport.ucx.remote import connect  # noqa: E402
 
 MiB = 1 << 20
 BATCH = 8  # values per PUT / GET, as an engine's request of a few blocks

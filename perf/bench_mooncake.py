@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import ems.transport.ucx_config  # noqa: F401 - UCX environment before ucxx loads
+import ems.transport.ucx.config  # noqa: F401 - UCX environment before ucxx loads
 from ems import CcConfig, ContextCaching, EmsConfig
 from ems.backends.base import PoolRequest
 from ems.backends.mooncake import MooncakePool
@@ -41,7 +41,7 @@ from ems.backends.pool_client import PoolClient
 from ems.config import resolve_settings
 from ems.records import JobKind, stage_table
 from ems.tools.demo import Engine
-from ems.transport.ucx import UcxNode
+from ems.transport.ucx.client import UcxNode
 from ems.types import CcKvOption
 
 ROOT = Path(__file__).resolve().parent.parent

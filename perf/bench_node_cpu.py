@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT / "perf"))
 from benchlib import machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
-import ems.transport.ucx_config  # noqa: E402, F401 - UCX environment before ucxx loads
+import ems.transport.ucx.config  # noqa: E402, F401 - UCX environment before ucxx loads
 from ems.deadline import Deadline  # noqa: E402
-from ems.transport.shm_client import ShmMode  # noqa: E402
-from ems.transport.ucx import UcxNode  # noqa: E402
+from ems.transport.shm.client import ShmMode  # noqa: E402
+from ems.transport.ucx.client import UcxNode  # noqa: E402
 
 MiB = 1 << 20
 BULK = 32  # values of 1 MiB per bulk call

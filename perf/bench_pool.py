@@ -34,7 +34,7 @@ worker until they complete (`progress_once`, then either sleeping in the worker'
 client's figures come from the same run, next to it.
 Issue 16's client goals (`--client-goals`), one run, shared memory off (every byte over UCX on loopback, standing
 in for a node on another host): a 1-key exists next to raw UCXX 8-byte ping-pongs with the same peer process (posted
-and waited for by the calling thread through `transport.ucx_direct`; from the calling thread through the event loop;
+and waited for by the calling thread through `transport.ucx.direct`; from the calling thread through the event loop;
 and back to back inside the event loop, the fastest; this process's event loop drives UCX itself, "loop" mode);
 1-value saves per second, 1 vs 8 in flight (8 caller threads, one connection), for 1 MiB and 64 KiB values, with
 the CPU one save costs in this process and in the node together (the most saves in flight can gain here); the 62
@@ -66,21 +66,22 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
+sys.path.insert(0, str(ROOT / "tests"))  # ucx_loop: the tests' event-loop thread for raw sessions
 
 import torch  # noqa: E402
 from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
+from ucx_loop import UcxRuntime  # noqa: E402
 
-import ems.transport.ucx_config  # noqa: E402 - UCX environment before ucxx loads
+import ems.transport.ucx.config  # noqa: E402 - UCX environment before ucxx loads
 from ems.backends.base import PoolRequest  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.config import DEFAULT_CHUNK_BYTES  # noqa: E402
-from ems.transport.shm_client import ShmMode  # noqa: E402
-from ems.transport.ucx import UcxNode  # noqa: E402
-from ems.transport.ucx_loop import UcxRuntime  # noqa: E402
+from ems.transport.shm.client import ShmMode  # noqa: E402
+from ems.transport.ucx.client import UcxNode  # noqa: E402
 
 try:
-    from ems.transport.ucx_progress import recv, send
+    from ems.transport.ucx.progress import recv, send
 except ImportError:  # an older tree (thread progress only): ucxx's own calls, so one script measures before/after
 
     def send(ep, buf):  # type: ignore[no-redef]
@@ -100,9 +101,9 @@ SHM = ShmMode.AUTO  # the bench's own clients (engine_like, api_over_ucx); --cli
 
 RAW_PEER = r"""
 import asyncio, sys, numpy as np
-import ems.transport.ucx_config as cfg
+import ems.transport.ucx.config as cfg
 try:
-    from ems.transport.ucx_progress import recv, send
+    from ems.transport.ucx.progress import recv, send
 except ImportError:
     send, recv = (lambda ep, b: ep.send(b)), (lambda ep, b: ep.recv(b))
 async def main():
@@ -146,7 +147,7 @@ class RawUcx:
         self.proc = subprocess.Popen([sys.executable, "-c", RAW_PEER], stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())
         self.rt = UcxRuntime.get()
-        from ems.transport.ucx_endpoint import create_endpoint
+        from ems.transport.ucx.endpoint import create_endpoint
 
         self.ep = asyncio.run_coroutine_threadsafe(create_endpoint("127.0.0.1", port, 5.0), self.rt.loop).result(10)
         self._bufs: dict = {}
@@ -214,10 +215,10 @@ class RawUcx:
 
 class RawDirect:
     """Raw UCXX tagged messages to the same kind of peer, posted and waited for by the calling thread through
-    `transport.ucx_direct` (the client's progress model without the protocol or a node): a ping-pong."""
+    `transport.ucx.direct` (the client's progress model without the protocol or a node): a ping-pong."""
 
     def __init__(self) -> None:
-        from ems.transport.ucx_direct import DirectRuntime, connect
+        from ems.transport.ucx.direct import DirectRuntime, connect
 
         self.proc = subprocess.Popen([sys.executable, "-c", RAW_PEER], stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())
@@ -227,7 +228,7 @@ class RawDirect:
         self.answer = np.empty(8, np.uint8)
 
     def round_trip(self) -> None:
-        from ems.transport.ucx_direct import futures_context
+        from ems.transport.ucx.direct import futures_context
 
         with futures_context():
             posted = [self.conn.recv(self.answer), self.conn.send(self.head)]
@@ -653,10 +654,10 @@ sys.path.insert(0, sys.argv[2] + "/tests/pool"); sys.path.insert(0, sys.argv[2] 
 import numpy as np
 from pool_testlib import PoolProcess, make_values
 from ems.transport import protocol
-from ems.transport import ucx_progress
-from ems.transport.ucx_config import init_ucx
-from ems.transport.ucx_endpoint import create_endpoint
-from ems.transport.ucx_frames import send_all, recv_header_frame, recv_meta
+from ems.transport.ucx import progress as ucx_progress
+from ems.transport.ucx.config import init_ucx
+from ems.transport.ucx.endpoint import create_endpoint
+from ems.transport.ucx.frames import send_all, recv_header_frame, recv_meta
 from bench_pool import BusyPythonThread
 node = PoolProcess("256MiB")
 ROUNDS = int(sys.argv[3])
@@ -1079,9 +1080,9 @@ def main() -> None:
         os.environ.setdefault("EMS_UCX_PROGRESS_MODE", "loop")
     UcxRuntime.get()  # starts UCX in this process: its progress mode is known from here on
     print(
-        f"# transport {Path(ems.transport.ucx_config.__file__).parent}, UCX progress mode: this process "
-        f"{ems.transport.ucx_config.PROGRESS_MODE}, pool nodes and the raw peer "
-        f"{os.environ.get('EMS_UCX_PROGRESS_MODE') or getattr(ems.transport.ucx_config, 'NODE_PROGRESS_MODE', 'thread')}"
+        f"# transport {Path(ems.transport.ucx.config.__file__).parent}, UCX progress mode: this process "
+        f"{ems.transport.ucx.config.PROGRESS_MODE}, pool nodes and the raw peer "
+        f"{os.environ.get('EMS_UCX_PROGRESS_MODE') or getattr(ems.transport.ucx.config, 'NODE_PROGRESS_MODE', 'thread')}"
     )
     if args.progress_probe:
         print(caller_progress_probe(repeats))

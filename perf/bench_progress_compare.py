@@ -32,8 +32,10 @@ import hashlib, json, statistics, sys, threading, time
 sys.path.insert(0, sys.argv[1] + "/tests/pool")
 import numpy as np
 from pool_testlib import PoolProcess, make_values
-import ems.transport.ucx as ucx
-from ems.transport.ucx import UcxNode
+try:
+    from ems.transport.ucx.client import UcxNode
+except ImportError:  # a tree from before the transport's split by medium (transport/ucx.py)
+    from ems.transport.ucx import UcxNode
 
 class Busy:
     def __init__(self, gil):
@@ -57,10 +59,14 @@ node = PoolProcess("512MiB")
 try:
     kwargs = {"connect_timeout_ms": 5000}
     try:
-        from ems.transport.shm_client import ShmMode
+        from ems.transport.shm.client import ShmMode
         kwargs["shm"] = ShmMode(sys.argv[3])
     except ImportError:
-        pass
+        try:  # (before the split by medium)
+            from ems.transport.shm_client import ShmMode
+            kwargs["shm"] = ShmMode(sys.argv[3])
+        except ImportError:
+            pass
     client = UcxNode(node.address, **kwargs)
     n, size = 124, 512 << 10
     values = make_values(n, size - 40, seed=62)
@@ -114,8 +120,9 @@ def main() -> None:
     parser.add_argument("--shm", choices=("off", "auto"), default="off", help="auto: same-host shared memory on")
     args = parser.parse_args()
     site = args.before.resolve()
-    if not (site / "ems" / "transport" / "ucx.py").exists():
-        raise SystemExit(f"{site}: no ems/transport/ucx.py (see the docstring for the layout)")
+    transport = site / "ems" / "transport"
+    if not (transport / "ucx" / "client.py").exists() and not (transport / "ucx.py").exists():
+        raise SystemExit(f"{site}: no ems/transport/ucx/client.py (nor ucx.py, before the split; see the docstring)")
     # the other tree's children must not import this checkout through the editable install
     (site / "sitecustomize.py").write_text(
         "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"

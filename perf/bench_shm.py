@@ -30,10 +30,10 @@ import torch  # noqa: E402
 from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
-import ems.transport.ucx_config  # noqa: E402,F401 - UCX environment before ucxx loads
+import ems.transport.ucx.config  # noqa: E402,F401 - UCX environment before ucxx loads
 from ems.backends.base import PoolRequest  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
-from ems.transport.ucx import UcxNode  # noqa: E402
+from ems.transport.ucx.client import UcxNode  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 
 MODES = ("shm", "ucx")

@@ -18,7 +18,7 @@ from ems.config import parse_size, resolve_settings
 from ems.datapath.planning import BlockPlan
 from ems.deadline import Deadline
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
-from ems.transport.ucx import UcxNode
+from ems.transport.ucx.client import UcxNode
 
 #: run a test that takes the `cc` fixture once per pool backend: the embedded pool, then a real Mooncake Store
 on_both_pools = pytest.mark.parametrize("cc", ["embedded", "mooncake"], indirect=True)

@@ -37,7 +37,7 @@ from ems.errors import EmsErrorCode
 from ems.kernels.base import KernelBackend
 from ems.store.value_format import VERSION
 from ems.transport import protocol
-from ems.transport.ucx_config import Submission, UcxSettings
+from ems.transport.ucx.config import Submission, UcxSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

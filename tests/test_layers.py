@@ -11,8 +11,12 @@ graph must be:
   `ems.cluster` nothing of `ems.backends`);
 * staging below both the data path and the backends, which both use it: its module is in neither and imports
   neither;
-* free of cycles, type-only imports included (a part's own modules may import each other: the transport's internal
-  cycles are its own).
+* free of cycles, type-only imports included (a part's own modules may import each other).
+
+Inside the transport, by medium: its contract (the modules of `transport/` itself: `base`, `protocol`, `handler`, ...)
+imports neither medium (`ems.transport.ucx`, `ems.transport.shm`), shared memory does not import UCX (its client is
+handed what it needs of its node client), and no module of the transport imports, through any chain of the
+transport's modules, one that imports it (type-only imports included).
 
 A failure names each offending import with its file and line.
 """
@@ -34,6 +38,14 @@ STAGING = "ems.staging"  # the staging pool's module (`StagingPool`)
 NEVER = {  # importer -> imported: the one-way layers
     ("ems.backends", "ems.datapath"): "the data path builds on the backends' contract, not the reverse",
     ("ems.cluster", "ems.backends"): "the backends build on the cluster's membership and placement, not the reverse",
+}
+TRANSPORT = "ems.transport"  # the transport's contract: the modules of transport/ itself
+MEDIA = ("ems.transport.ucx", "ems.transport.shm")  # its subpackages, one per medium
+TRANSPORT_NEVER = {  # importer -> imported, inside the transport
+    (TRANSPORT, "ems.transport.ucx"): "the contract is what every medium shares: it names none of them",
+    (TRANSPORT, "ems.transport.shm"): "the contract is what every medium shares: it names none of them",
+    ("ems.transport.shm", "ems.transport.ucx"): "shared memory is handed what it needs of its node client "
+    "(`shm.client.NodeLink`), it does not reach into UCX",
 }
 
 
@@ -105,6 +117,26 @@ def _between_parts() -> dict[tuple[str, str], list[Import]]:
 
 
 EDGES = _between_parts()
+
+
+def transport_part(module: str) -> str:
+    """The transport's part a module of it belongs to: its medium's subpackage, or the contract."""
+    return next((medium for medium in MEDIA if module == medium or module.startswith(medium + ".")), TRANSPORT)
+
+
+def _inside_transport() -> tuple[dict[tuple[str, str], list[Import]], dict[tuple[str, str], list[Import]]]:
+    """The transport's imports of its own modules: (between its parts, between its modules)."""
+    parts: dict[tuple[str, str], list[Import]] = defaultdict(list)
+    modules: dict[tuple[str, str], list[Import]] = defaultdict(list)
+    for imp in IMPORTS:
+        if part(imp.source) == TRANSPORT and part(imp.target) == TRANSPORT and imp.source != imp.target:
+            modules[imp.source, imp.target].append(imp)
+            if transport_part(imp.source) != transport_part(imp.target):
+                parts[transport_part(imp.source), transport_part(imp.target)].append(imp)
+    return parts, modules
+
+
+TRANSPORT_EDGES, TRANSPORT_MODULE_EDGES = _inside_transport()
 
 
 def _cycles(edges: dict[tuple[str, str], list[Import]]) -> list[list[str]]:
@@ -212,6 +244,36 @@ def test_no_cycle_between_parts() -> None:
             lines.append(" -> ".join(cycle))
             lines.extend(_show(EDGES[a, b]) for a, b in itertools.pairwise(cycle))
         pytest.fail("the parts of ems import each other in a circle:\n" + "\n".join(lines))
+
+
+def test_the_transport_media_are_found() -> None:
+    """Both media's subpackages are read, with the imports the layering rests on (a guard, as above)."""
+    assert {transport_part(m) for m in MODULES if part(m) == TRANSPORT} == {TRANSPORT, *MEDIA}
+    assert {
+        ("ems.transport.ucx", TRANSPORT),
+        ("ems.transport.shm", TRANSPORT),
+        ("ems.transport.ucx", "ems.transport.shm"),
+    } <= set(TRANSPORT_EDGES)
+
+
+@pytest.mark.parametrize(("importer", "imported"), sorted(TRANSPORT_NEVER))
+def test_the_transport_media_are_one_way(importer: str, imported: str) -> None:
+    offending = TRANSPORT_EDGES.get((importer, imported), [])
+    reason = TRANSPORT_NEVER[importer, imported]
+    assert not offending, f"{importer} must not import {imported} ({reason}):\n{_show(offending, 20)}"
+
+
+def test_no_cycle_inside_the_transport() -> None:
+    """No module of the transport imports, through any chain of its modules, one that imports it (type-only imports
+    and imports inside functions included)."""
+    for edges, what in ((TRANSPORT_EDGES, "parts"), (TRANSPORT_MODULE_EDGES, "modules")):
+        cycles = _cycles(edges)
+        if cycles:
+            lines = []
+            for cycle in cycles:
+                lines.append(" -> ".join(cycle))
+                lines.extend(_show(edges[a, b]) for a, b in itertools.pairwise(cycle))
+            pytest.fail(f"the transport's {what} import each other in a circle:\n" + "\n".join(lines))
 
 
 def test_the_cycle_finder_finds_cycles() -> None:

@@ -19,7 +19,7 @@ ALLOWED = {
     # UCX reads its own UCX_* options from the environment when its library loads, so their defaults are written
     # there just before `import ucxx`; its EMS_UCX_* knobs are parsed by `UcxSettings.from_env`, which
     # `ems.config` calls (the transport may not import `ems.config`: tests/transport/test_layering.py).
-    "transport/ucx_config.py": "UCX's own variables, and the transport's settings parser ems.config calls",
+    "transport/ucx/config.py": "UCX's own variables, and the transport's settings parser ems.config calls",
     # A node listening on one address restricts UCX's data connections to that interface: UCX_NET_DEVICES, UCX's
     # own variable, set before UCX starts (an operator's value wins).
     "ems/pool/__main__.py": "UCX_NET_DEVICES, UCX's own variable",

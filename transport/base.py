@@ -25,10 +25,10 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.transport.holds import Hold
 
 if TYPE_CHECKING:
-    from ems.transport.shm_client import ShmBuffer
+    import numpy as np
 
 #: A load's use of values while a same-host node is still placing them (`NodeClient.places_progressively`):
-#: called with the address of the request's progress word (a u32: how many leading values are placed, `shm.py`),
+#: called with the address of the request's progress word (a u32: how many leading values are placed, `transport.shm`),
 #: the descriptor to watch for the node's reply, and the call's deadline in CLOCK_MONOTONIC nanoseconds.
 AsPlaced = Callable[[int, int, int], None]
 
@@ -78,6 +78,36 @@ class TransportError(EmsException):
         super().__init__(status_code, message)
 
 
+class Failure(enum.Enum):
+    """What the last failed call of a remote node's client ran into (`UcxNode.last_failure`)."""
+
+    NONE = "none"
+    UNREACHABLE = "unreachable"  # connection refused, reset or lost; malformed replies
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"  # the call's connection was aborted by this client (`abort`, `close`, another's deadline)
+    REFUSED = "refused"  # the node answered with an error (authentication failed)
+
+
+class Ending(enum.Enum):
+    """Why a connection to a remote node was aborted (`ucx.direct.Connection.ending`), whichever medium the failed
+    request travelled on: only a failure the wire reported makes its client back off before reconnecting."""
+
+    CANCELLED = "cancelled"  # its owner's choice: a caller stopped waiting (another node answered, a deadline), close
+    FAILED = "failed"  # the wire reported a failure: lost, reset, refused, a malformed or missing reply
+
+
+class SharedBuffer(Protocol):
+    """Memory a same-host node shares with this process, lent to a caller (`NodeClient.shm_buffer`): `array` is
+    writable uint8 memory that the node's calls move without a copy. `release()` gives it back; `retire()` instead
+    when a failed call may still touch it."""
+
+    array: np.ndarray
+
+    def release(self) -> None: ...
+
+    def retire(self) -> None: ...
+
+
 class NodeClient(abc.ABC):
     """Batched requests to one pool node."""
 
@@ -115,7 +145,7 @@ class NodeClient(abc.ABC):
     def ping(self, deadline: Deadline | float) -> bool:
         """True when the node answers by `deadline`; never raises."""
 
-    def shm_buffer(self, nbytes: int) -> ShmBuffer | None:
+    def shm_buffer(self, nbytes: int) -> SharedBuffer | None:
         """`nbytes` of memory this node shares with this process (a same-host node's shared-memory region, whose
         values its calls move without a copy: `UcxNode.shm_buffer`), or None: none, or no room in it. A staging
         buffer the pool client hands out (`PoolBackend.shm_staging`)."""

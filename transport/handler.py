@@ -2,10 +2,10 @@
 shared-memory regions) and `ems.pool` (the node: tenant namespaces, the store, the in-flight budget, the handlers).
 
 Contract:
-* `transport/` depends on these protocols only, never on `ems.pool` (tests/transport/test_layering.py): the node
-  assembly (`ems.pool.node`) builds an `ems.pool.handlers.NodeHandlers`, which is a `RequestHandler` and a
-  `ShmHost`, and hands it to `transport.ucx_server.PoolServer`; the handlers own the node's `transport.shm_server.
-  ShmService`, built over themselves.
+* `transport/` depends on these protocols (and shared memory's `shm.host.ShmHost`) only, never on `ems.pool`
+  (tests/transport/test_layering.py): the node assembly (`ems.pool.node`) builds an `ems.pool.handlers.NodeHandlers`,
+  which is a `RequestHandler` and a `ShmHost`, and hands it to `transport.ucx.server.PoolServer`; the handlers own
+  the node's `transport.shm.server.ShmService`, built over themselves.
 * `RequestHandler` (what `PoolServer` calls, on the event loop): `namespace(access_id)` gives the prefix every key of
   an authenticated connection is stored under; `serve(channel, prefix)` answers one request start to reply and
   returns the value bytes it moved; `answer_now` answers an EXISTS or PING whose meta is in hand, without waiting;
@@ -14,11 +14,7 @@ Contract:
 * A handler raises `Refusal` for a request the node will not take (no room in the in-flight budget): the session
   answers BAD_REQUEST with its message, then closes the connection (or the region's channel). A malformed request
   raises `protocol.ProtocolError` (that connection only is closed).
-* `ShmHost` (what `ShmService` calls): the in-flight budget (`take` refuses, `room` answers False for misses,
-  `release` gives back), value lookups (`lookup_values`, off the loop when the store may wait for a disk), the
-  copies between a region and the store (`store_copies`, `read_into`), the worker threads (`executor`) for copies
-  of more than `offload_bytes`, and `serve` for the requests read off a region's channel.
-* `RequestChannel` is where one request's frames and reply travel (`ucx_server.Channel`, `shm_channel.NodeChannel`).
+* `RequestChannel` is where one request's frames and reply travel (`ucx.server.Channel`, `shm.channel.NodeChannel`).
 * `SessionLimits` and `SessionMetrics` are the parts of the node's limits and metrics the sessions apply and count
   (`ems.pool.budget.NodeLimits`, `ems.pool.metrics.NodeMetrics` have them).
 """
@@ -26,16 +22,9 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-import numpy as np
-
-from ems.buffers import Buffer
 from ems.transport import protocol
-
-if TYPE_CHECKING:
-    from ems.transport.shm import RangedRequest
 
 
 class Refusal(Exception):
@@ -43,7 +32,7 @@ class Refusal(Exception):
 
 
 class RequestChannel(Protocol):
-    """Where one request's frames and reply travel (`transport.ucx_server.Channel`)."""
+    """Where one request's frames and reply travel (`transport.ucx.server.Channel`)."""
 
     header: protocol.Header
     conn: Any  # the connection (its `peer` and `aborted`; the key of its shared-memory region)
@@ -77,7 +66,7 @@ class RequestChannel(Protocol):
 
 
 class RequestHandler(Protocol):
-    """What `transport.ucx_server.PoolServer` calls; see the module docstring."""
+    """What `transport.ucx.server.PoolServer` calls; see the module docstring."""
 
     def namespace(self, access_id: str) -> bytes:
         """The prefix of every key of a connection authenticated as `access_id`."""
@@ -108,46 +97,6 @@ class RequestHandler(Protocol):
         ...
 
 
-class ShmHost(Protocol):
-    """What `transport.shm_server.ShmService` calls; see the module docstring."""
-
-    @property
-    def executor(self) -> Executor: ...
-
-    @property
-    def offload_bytes(self) -> int:
-        """Copies of more than this run on `executor`, smaller ones on the loop."""
-        ...
-
-    async def take(self, nbytes: int) -> None:
-        """Reserve `nbytes` of the in-flight budget for a request, or refuse it (`Refusal`)."""
-        ...
-
-    async def room(self, nbytes: int) -> bool:
-        """Reserve `nbytes` of the budget for a reply; False: no room (answer misses)."""
-        ...
-
-    def release(self, nbytes: int) -> None:
-        """Give back `nbytes` taken by `take` or `room`."""
-        ...
-
-    async def lookup_values(self, keys: list[bytes]) -> list[Buffer | None]:
-        """The store's values of `keys` (None: a miss)."""
-        ...
-
-    def store_copies(self, array: np.ndarray, keys: list[bytes], request: RangedRequest) -> list[bool]:
-        """(Any thread.) Copy each value of `request` out of `array` (a region) into the store; which were stored."""
-        ...
-
-    def read_into(self, values: Sequence[Buffer], outs: Sequence[Buffer], progress: int, signalled: int) -> None:
-        """(Any thread.) Copy each value into the buffer of `outs` beside it (`NodeStore.read_into`)."""
-        ...
-
-    async def serve(self, channel: RequestChannel, prefix: bytes) -> int:
-        """Serve one request read off a region's channel (as `RequestHandler.serve`)."""
-        ...
-
-
 class Count(Protocol):
     def inc(self, amount: float = 1) -> None: ...
 
@@ -170,7 +119,7 @@ class SessionMetrics(Protocol):
 
     @property
     def unread_discarded(self) -> Count:
-        """Messages discarded unread: sent on tags nobody would receive (`transport.ucx_connections`)."""
+        """Messages discarded unread: sent on tags nobody would receive (`transport.ucx.connections`)."""
         ...
 
     @property

@@ -9,7 +9,7 @@ Contract:
   followed by the **meta** (`meta_len` bytes, absent when 0), then the **data** (`data_len` bytes in all). Frames
   are UCX tagged messages on one endpoint; on one tag their order is the send order.
 * **Every frame's last byte is known to its receiver before the frame arrives** ("end bytes"), which is how a
-  receiver knows a frame's length exactly although UCX does not report it (`ucx_frames`): the receiver sets that
+  receiver knows a frame's length exactly although UCX does not report it (`ucx.frames`): the receiver sets that
   byte to another value before the receive and refuses the frame when it still holds it afterwards (a frame short
   by any number of bytes never writes its last byte); a frame longer than its buffer fails in UCX itself. Where
   each frame's end byte is stated: a header's last byte is data_len's top byte, always 0; an inline head's is its
@@ -27,11 +27,11 @@ Contract:
   them concurrently (within its in-flight budget) and each reply finds its caller by its tag, so replies may come
   back in any order.
 * Tags: each side of a connection receives on a 64-bit base tag it chose (exchanged when UCX connects); a request's
-  own tag is that base tag with its low 32 bits XORed with `request_id` (`ucx_progress.request_tag`), so every tag
+  own tag is that base tag with its low 32 bits XORed with `request_id` (`ucx.progress.request_tag`), so every tag
   of one connection shares the base tag's high 32 bits. A node gives each live connection distinct high bits and
   discards every message it has not received on a connection's tags when that connection ends, as well as messages
   on tags of no connection at all, so unread messages never pile up past their connection. It does so while they
-  arrive (`ucx_connections.ConnectionTable.sweep_front`), so the memory UCX takes for them (it goes back into UCX's
+  arrive (`ucx.connections.ConnectionTable.sweep_front`), so the memory UCX takes for them (it goes back into UCX's
   buffer pools, which keep their largest size) stays bounded by what arrives between two sweeps (measured: 12,000
   frames of 4 KiB on request tags before and after the handshake and on tags of no connection, +8 to +9 MiB, flat
   over five rounds; +62 to +64 MiB when they were swept only by the watchdog). Before the handshake completes, only
@@ -50,7 +50,7 @@ Contract:
   keys; the data frame count is `(meta_len - 12*count - sum(key_lens)) / 9`. GET/EXISTS meta: key_lens
   u32[count] | keys; an EXISTS with `flags` LEASE asks the node to lease the keys it finds and carries the lease's
   milliseconds (u32) before that, one with PIN asks it to pin them (`transport/holds.py`). PING: nothing.
-  SHM_OPEN, SHM_PUT, SHM_GET: see `transport/shm.py` (values in a region of shared memory, never in data frames).
+  SHM_OPEN, SHM_PUT, SHM_GET: see `transport.shm` (values in a region of shared memory, never in data frames).
 * Replies: PUT/EXISTS meta u8[count] (1 = stored / held, and kept as asked); GET meta i64[count] (value length,
   -1 = miss) | segment_ends u8[segments of the present values], then one data frame per segment (unless the data
   came inline in the head).
@@ -83,7 +83,7 @@ MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
 # 7: every frame's last byte is stated before it arrives (flags u8 + meta_end u8 in the header, a zero end byte
 # closing every inline head, frame_ends in a PUT's meta, segment_ends in a GET reply's meta), flags defined per op;
 # 6: an EXISTS may ask for a lease or a pin on the keys it finds (transport/holds.py); 5: a same-host GET may name a
-# progress word (transport/shm.py); 4: request tags are the base tag XOR the request
+# progress word (`transport.shm`); 4: request tags are the base tag XOR the request
 # id (3 hashed them); 3: version 2 plus the shared-memory ops
 VERSION = 7
 HEADER_DTYPE = np.dtype(
@@ -135,7 +135,7 @@ class Op(enum.IntEnum):
     GET = 5
     EXISTS = 6
     PING = 7
-    SHM_OPEN = 8  # same-host shared memory (transport/shm.py): open this connection's region
+    SHM_OPEN = 8  # same-host shared memory (`transport.shm`): open this connection's region
     SHM_PUT = 9  # a PUT whose values are in the region
     SHM_GET = 10  # a GET whose values are placed in the region
 
@@ -352,7 +352,7 @@ def head_layout(meta_len: int, data_len: int) -> HeadLayout:
     """The head of an inline message (both sides compute the same): the meta goes inline when it fits in
     HEAD_BYTES, the data too when meta and data together fit; the head is then zero-padded to a multiple of 8 bytes
     with at least one pad byte, so its last byte is always HEAD_END (the receiver's length check,
-    `ucx_frames.parse_head`)."""
+    `ucx.frames.parse_head`)."""
     room = HEAD_BYTES - HEADER_SIZE - 1
     meta_inline = meta_len <= room
     data_inline = meta_inline and meta_len + data_len <= room

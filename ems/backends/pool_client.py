@@ -19,7 +19,7 @@ job.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -29,13 +29,10 @@ from ems.backends.routing import NodeRouter
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.store.kv_store import KvStore
-from ems.transport.base import AsPlaced, NodeClient, NodeLocation
+from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer
 from ems.transport.holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
-
-if TYPE_CHECKING:
-    from ems.transport.shm_client import ShmBuffer
 
 
 class PoolClient:
@@ -92,7 +89,7 @@ class PoolClient:
     def release_staging(self, buffer: Any) -> None:
         """Nothing to do (see `prepare_staging`)."""
 
-    def shm_staging(self, nbytes: int) -> ShmBuffer | None:
+    def shm_staging(self, nbytes: int) -> SharedBuffer | None:
         """A buffer of `nbytes` in the shared-memory region of this pool's one node (`NodeClient.shm_buffer`: its
         calls move values lying there without a copy), or None: several nodes, a node elsewhere, or no room."""
         return self.router.shm_staging(nbytes)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -42,12 +42,9 @@ from ems.cluster.routing import ranked_owners
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.store.value_format import HEADER_SIZE, matches
-from ems.transport.base import AsPlaced, NodeClient, NodeLocation, TransportError
+from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer, TransportError
 from ems.transport.holds import Hold
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
-
-if TYPE_CHECKING:
-    from ems.transport.shm_client import ShmBuffer
 
 
 def pool_location(nodes: Sequence[NodeClient]) -> NodeLocation:
@@ -301,7 +298,7 @@ class NodeRouter:
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
         return any(f.result() for f in done if f.exception() is None)
 
-    def shm_staging(self, nbytes: int) -> ShmBuffer | None:
+    def shm_staging(self, nbytes: int) -> SharedBuffer | None:
         """A buffer of `nbytes` in the memory the one node shares with this process (`NodeClient.shm_buffer`), or
         None: several nodes, or the node shares none."""
         nodes = self.nodes

@@ -69,9 +69,9 @@ def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
         require("ucxx", "ucx", "pool_nodes")  # UCX is needed only with remote nodes
     except MissingExtra as exc:
         raise EmsException(EmsErrorCode.EMS_INTERNAL_ERROR, str(exc)) from exc
-    from ems.transport import ucx_config
-    from ems.transport.remote import connect
-    from ems.transport.shm_client import ShmMode
+    from ems.transport.shm.client import ShmMode
+    from ems.transport.ucx import config as ucx_config
+    from ems.transport.ucx.remote import connect
 
     try:
         ucx_config.configure(settings.ucx)  # before the first connection starts UCX in this process

@@ -18,7 +18,7 @@ Contract:
   With no keys the node accepts anonymous clients.
 * SIGTERM and SIGINT stop it cleanly (exit status 0). A bad option exits with status 2 and a message.
 * `--listen HOST:PORT` binds there: a wildcard HOST (0.0.0.0, ::) listens on every interface; a specific address
-  binds the UCX listener to it (`transport.ucx_listener`) and limits UCX's data connections to its interface
+  binds the UCX listener to it (`transport.ucx.listener`) and limits UCX's data connections to its interface
   (UCX_NET_DEVICES, unless set); when UCX cannot listen there, the node exits with status 1 and UCX's reason.
 * Limits (`ems.pool.budget.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
@@ -27,7 +27,7 @@ Contract:
 * Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
   0 turns it off), `--shm-total` for all connections together (default 4GiB), `--shm-tenant` for one tenant's
   connections together (default: half of the total on a node with two or more keys, else the whole total). A region
-  counts until the node has freed its pages, whatever its client does (`transport.shm_server`).
+  counts until the node has freed its pages, whatever its client does (`transport.shm.server`).
 * `--prefault-ahead SIZE` (default 256MiB): the store's values live in one arena of the capacity, whose pages a
   background thread keeps faulted in that far ahead of the values (`ems.store.kv_store`), on spare CPU only (an engine on the
   same host keeps its cores: `ems.buffers.SpareCpuPacer`): a save into fresh memory otherwise faults page by page
@@ -221,7 +221,7 @@ def _device_of(host: str) -> str | None:
 def _restrict_ucx_devices(host: str) -> None:
     """For a specific listen address, UCX's data connections use only that address's interface (UCX_NET_DEVICES,
     unless the environment sets it): otherwise UCX opens a listening socket on every interface for them."""
-    from ems.transport.ucx_server import WILDCARD_HOSTS
+    from ems.transport.ucx.server import WILDCARD_HOSTS
 
     if host in WILDCARD_HOSTS or "UCX_NET_DEVICES" in os.environ:
         return
@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("prometheus_client", "metrics", "ems-pool --metrics")
     except MissingExtra as error:
         parser.error(str(error))
-    from ems.transport.ucx_config import UcxSettings, configure
+    from ems.transport.ucx.config import UcxSettings, configure
 
     try:
         configure(UcxSettings.from_env())  # the node's EMS_UCX_* settings: read once, here

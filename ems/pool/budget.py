@@ -3,7 +3,7 @@
 Contract:
 * `NodeLimits` holds the node's limits (`python -m ems.pool` options of the same names): the bytes of requests in
   flight, all connections together; how long a handshake and each frame of a request may take; how many
-  connections in all and per peer. The session part (`transport.ucx_server`) applies the timeouts and connection
+  connections in all and per peer. The session part (`transport.ucx.server`) applies the timeouts and connection
   counts, the request handlers (`ems.pool.handlers`) the budget.
 * `ByteBudget` counts the bytes of requests in flight on the event loop (it is not thread-safe): `acquire` takes
   bytes, waiting for others to release them until a `Deadline`, and says whether it got them; every acquired byte

@@ -158,8 +158,8 @@ class NodeExtras:
 
     def _connect_peer(self, address: str, tenant: str) -> NodeClient:
         """A connection to another node as `tenant` (its key from this node's keys; anonymous without keys)."""
-        from ems.transport.shm_client import ShmMode
-        from ems.transport.ucx import UcxNode
+        from ems.transport.shm.client import ShmMode
+        from ems.transport.ucx.client import UcxNode
 
         return UcxNode(address, access_id=tenant, access_key=self.keys.get(tenant), connect_timeout_ms=3000, shm=ShmMode.OFF)
 

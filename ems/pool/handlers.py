@@ -1,5 +1,5 @@
-"""The pool node's request handlers: PING, PUT, GET, EXISTS (and the shared-memory ops, `transport.shm_server`) over
-the store it serves and the in-flight byte budget. The session part (`transport.ucx_server`: admission, handshake,
+"""The pool node's request handlers: PING, PUT, GET, EXISTS (and the shared-memory ops, `transport.shm.server`) over
+the store it serves and the in-flight byte budget. The session part (`transport.ucx.server`: admission, handshake,
 watchdog, one connection's requests) hands each authenticated request here as a `RequestChannel`; `NodeHandlers`
 is the `transport.handler.RequestHandler` it serves through, and the `ShmHost` of the node's `ShmService`.
 
@@ -46,7 +46,7 @@ from ems.transport.handler import Refusal, RequestChannel
 from ems.transport.holds import Hold, decode_exists_meta
 from ems.transport.scratch import ScratchBuffers
 from ems.transport.shm import RangedRequest, ShmSettings, metric_name
-from ems.transport.shm_server import ShmService
+from ems.transport.shm.server import ShmService
 
 if TYPE_CHECKING:
     from ems.pool.metrics import NodeMetrics
@@ -193,7 +193,7 @@ class NodeHandlers:
 
     def answer_now(self, header: protocol.Header, meta: memoryview, prefix: bytes) -> bytes:
         """The reply meta of an EXISTS or PING whose meta is in hand (`meta`), answered without waiting for
-        anything (the session sends it; `ucx_server` serves such requests from the connection's loop): the flags of
+        anything (the session sends it; `ucx.server` serves such requests from the connection's loop): the flags of
         the keys held, or nothing. ProtocolError when malformed. The meta came in the request's head, whose buffer
         exists anyway, so no budget is taken for it."""
         started, ok = time.perf_counter(), False
@@ -280,7 +280,7 @@ class NodeHandlers:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         return fn(*args)
 
-    # ---- copies between a shared-memory region and the store (`transport.handler.ShmHost`) ----
+    # ---- copies between a shared-memory region and the store (`transport.shm.host.ShmHost`) ----
 
     def store_copies(self, array: np.ndarray, keys: list[bytes], request: RangedRequest) -> list[bool]:
         """Copy each value out of the region `array` into a buffer of the store's and store it, copy and check in one

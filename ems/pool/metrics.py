@@ -24,8 +24,8 @@ Contract:
   `repair_copied_values_total`, `repair_copied_bytes_total`, `repair_failed_copies_total`,
   `repair_last_pass_seconds`, `repair_incomplete` (1 when the last finished pass could not reach a peer: another
   follows within seconds), read from the repairer when scraped.
-* Same-host shared memory (`transport.shm_server`, registered by the node assembly `ems.pool.node` with `watch_shm`):
-  `shm_regions` (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed),
+* Same-host shared memory (`transport.shm.server`, registered by the node assembly `ems.pool.node` with `watch_shm`):
+  `shm.regions` (regions counted against `--shm-total`: offered, handed over, or ended and not yet freed),
   `shm_handed_regions`,
   `shm_bytes` (their bytes: what `--shm-total` bounds), `shm_resident_bytes` (the pages their memfds hold, whoever
   faulted them in: the host's shared memory on the node's account), `shm_total_bytes`, and
@@ -60,7 +60,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 if TYPE_CHECKING:
     from ems.pool.handlers import NodeStore
-    from ems.transport.shm_regions import ShmStats
+    from ems.transport.shm.regions import ShmStats
 
 
 class _StoreCollector(Collector):

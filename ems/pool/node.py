@@ -1,9 +1,9 @@
 """The pool node assembled: the node's handlers (`ems.pool.handlers`) over its store and limits, served by the wire
-layer's session part (`transport.ucx_server.PoolServer`) through the handler protocol (`transport.handler`).
+layer's session part (`transport.ucx.server.PoolServer`) through the handler protocol (`transport.handler`).
 
 Contract:
 * `assemble(store, access_keys, limits, metrics, shm)` builds the handlers (with their shared-memory service,
-  `transport.shm_server`, off unless `shm` enables it), registers the shared-memory figures with `metrics`, and
+  `transport.shm.server`, off unless `shm` enables it), registers the shared-memory figures with `metrics`, and
   returns the `PoolServer` serving them; limits default to `NodeLimits.for_capacity` of the store. Nothing is
   started: `PoolServer.start` listens and starts the handlers, `PoolServer.stop` stops both.
 """
@@ -18,7 +18,7 @@ from ems.pool.handlers import NodeHandlers, NodeStore
 if TYPE_CHECKING:
     from ems.pool.metrics import NodeMetrics
     from ems.transport.shm import ShmSettings
-    from ems.transport.ucx_server import PoolServer
+    from ems.transport.ucx.server import PoolServer
 
 
 def assemble(
@@ -29,7 +29,7 @@ def assemble(
     shm: ShmSettings | None = None,
 ) -> PoolServer:
     """The node's server over `store`; see the module docstring."""
-    from ems.transport.ucx_server import PoolServer
+    from ems.transport.ucx.server import PoolServer
 
     limits = limits or NodeLimits.for_capacity(store.capacity_bytes)
     handlers = NodeHandlers(store, limits, metrics, shm)

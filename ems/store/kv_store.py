@@ -17,7 +17,7 @@ Contract:
   much as it stores, so reuse keeps the steady state at memcpy speed. An evicted buffer is reused only when no
   reader still holds it. `allocate` hands such a buffer out with the evicted value's bytes (possibly another
   tenant's) still in it: its caller must overwrite every byte before `put_owned`, and a pool node does so only
-  through receives whose length is verified (`transport.ucx_frames`), so old bytes are never stored again; the
+  through receives whose length is verified (`transport.ucx.frames`), so old bytes are never stored again; the
   embedded pool's one-pass save does so by gathering every payload byte (its pieces cover every row of every plane
   of the value) and writing the header (`ems.datapath.jobs.SaveJob`). The arena's bytes are not charged to the
   capacity until values use them.

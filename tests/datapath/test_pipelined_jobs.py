@@ -40,8 +40,8 @@ from ems.datapath.jobs import FENCE_GRACE_S, plan_chunks
 from ems.datapath.planning import BlockPlan, plan_blocks
 from ems.datapath.requests import Operation, bind_request
 from ems.records import JobKind, Stage
-from ems.transport.shm_client import ShmMode
-from ems.transport.ucx import UcxNode
+from ems.transport.shm.client import ShmMode
+from ems.transport.ucx.client import UcxNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 from pool_testlib import PoolProcess

@@ -26,7 +26,7 @@ from ems_testlib import (
 from ems import CcKvOption, CcResult, EmsException
 from ems.records import JobKind, Stage
 from ems.staging import StagingPool
-from ems.transport.ucx import UcxNode
+from ems.transport.ucx.client import UcxNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "pool"))
 from pool_testlib import PoolProcess

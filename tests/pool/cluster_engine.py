@@ -239,7 +239,7 @@ def main() -> None:
         """White-box: the layers under one block's exists, each timed alone (see the module docstring)."""
         from ems.backends.base import PoolRequest
         from ems.datapath.keys import v1_keys
-        from ems.transport.ucx_direct import DirectRuntime
+        from ems.transport.ucx.direct import DirectRuntime
 
         pool = Ems._pool
         node = pool.nodes[0]  # type: ignore[union-attr]

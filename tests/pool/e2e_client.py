@@ -86,7 +86,7 @@ def main() -> None:
         elif step == "health":
             out["health"] = Ems.check_health()
         elif step == "shm":  # whether each node's calls went through a live shared-memory region
-            from ems.transport.ucx import UcxNode
+            from ems.transport.ucx.client import UcxNode
 
             nodes = [n for n in cc._pool.nodes if isinstance(n, UcxNode)]
             out["shm"] = [n.shm is not None and n.shm._region is not None and not n.shm._region.allocator.poisoned for n in nodes]

@@ -179,8 +179,9 @@ def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
 def client_of_scripted_node(serve: Callable[[Any], Awaitable[None]]) -> Iterator[Any]:
     """A `UcxNode` connected to a listener whose every connection runs `serve(ep)`: a scripted node that sends what
     a real node never would. The listener is closed on exit."""
-    from ems.transport.ucx import UcxNode
-    from ems.transport.ucx_loop import UcxRuntime
+    from ucx_loop import UcxRuntime
+
+    from ems.transport.ucx.client import UcxNode
 
     runtime = UcxRuntime.get()  # starts UCX (its environment first), then ucxx may load
     import ucxx
@@ -243,7 +244,7 @@ def pool_nodes():
 @pytest.fixture
 def node_clients():
     """`make(address, **kw)` → a `UcxNode`; all are closed when the test ends."""
-    from ems.transport.ucx import UcxNode
+    from ems.transport.ucx.client import UcxNode
 
     made: list = []
 

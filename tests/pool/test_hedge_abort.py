@@ -17,8 +17,8 @@ from pool_testlib import make_values, wait_until
 from ems.backends.pool_client import PoolClient
 from ems.cluster.routing import node_seeds, ranked_owners
 from ems.store.value_format import ExpectedValues, ValueKind
-from ems.transport.remote import connect
-from ems.transport.shm_client import ShmMode
+from ems.transport.shm.client import ShmMode
+from ems.transport.ucx.remote import connect
 from ems.types import CcKvOption
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 from ems.deadline import Deadline
 from ems.pool.budget import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits
 from ems.transport import protocol
-from ems.transport.ucx_channel import send_windows as _windows
+from ems.transport.ucx.channel import send_windows as _windows
 
 GiB = 1 << 30
 

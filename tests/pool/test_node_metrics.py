@@ -11,7 +11,7 @@ from cluster_testlib import free_port
 from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values
 
 from ems.transport.base import TransportError
-from ems.transport.remote import connect
+from ems.transport.ucx.remote import connect
 
 parser = pytest.importorskip("prometheus_client.parser")
 

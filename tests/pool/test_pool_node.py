@@ -18,7 +18,7 @@ from ems.backends.pool_client import PoolClient
 from ems.errors import EmsErrorCode
 from ems.pool.__main__ import parse_keys
 from ems.transport.base import TransportError
-from ems.transport.remote import connect
+from ems.transport.ucx.remote import connect
 from ems.types import CcKvOption
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_a_node_never_loads_torch(pool_nodes, node_clients, tmp_path):
     """A pool node serves without torch (nor triton): it used to load it through the store's copy helpers, 250+ MiB
     of resident memory at rest for a node of 8 MiB. Checked in the running node's own mappings, after a save and a
     load through both paths (UCX and same-host shared memory), on a node with a disk tier."""
-    from ems.transport.shm_client import ShmMode
+    from ems.transport.shm.client import ShmMode
 
     node = pool_nodes("8MiB", args=("--disk", str(tmp_path), "--disk-capacity", "64MiB"))
     values = make_values(3, 300_000)

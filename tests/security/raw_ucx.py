@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from ucx_loop import UcxRuntime
 
-from ems.transport import protocol, ucx_progress
-from ems.transport.ucx_endpoint import create_endpoint
-from ems.transport.ucx_loop import UcxRuntime
+from ems.transport import protocol
+from ems.transport.ucx import progress as ucx_progress
+from ems.transport.ucx.endpoint import create_endpoint
 
 CLOSED = "closed"
 SILENT = "silent"

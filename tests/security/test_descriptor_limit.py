@@ -1,5 +1,5 @@
 """Issue 16, item 5: junk TCP connections on a node's listening port neither lock it out at its descriptor limit
-nor break the real clients that connect right after them (`transport.ucx_sockets`, `ucx_config`: UCX_LOG_FILE)."""
+nor break the real clients that connect right after them (`transport.ucx.sockets`, `ucx.config`: UCX_LOG_FILE)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from pool_testlib import joined, make_values, wait_until
 
-from ems.transport.ucx import UcxNode
+from ems.transport.ucx.client import UcxNode
 
 pytestmark = pytest.mark.slow
 JUNK = np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes()

@@ -23,7 +23,7 @@ from raw_ucx import CLOSED, RawSession, Reply, header
 from ems.transport import protocol, shm
 from ems.transport.base import TransportError
 from ems.transport.holds import Hold, encode_exists_meta
-from ems.transport.ucx_frames import recv_head, recv_header_frame, recv_meta, send_all
+from ems.transport.ucx.frames import recv_head, recv_header_frame, recv_meta, send_all
 
 pytestmark = pytest.mark.slow
 INLINE = protocol.Flags.INLINE
@@ -202,7 +202,7 @@ def _client_call(node, kind: str) -> object:
 
 
 def test_the_client_refuses_every_short_frame_of_every_kind():
-    from ems.transport.ucx import UcxNode
+    from ems.transport.ucx.client import UcxNode
 
     script = _Script()
     cases = [(kind, cut) for kind, n in CLIENT_KINDS.items() for cut in cuts(n)]

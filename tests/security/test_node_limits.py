@@ -22,7 +22,7 @@ from raw_ucx import CLOSED, SILENT, RawSession, Reply
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
-from ems.transport.shm_client import ShmMode
+from ems.transport.shm.client import ShmMode
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -245,7 +245,7 @@ def test_resident_memory_stays_within_capacity_plus_in_flight(pool_nodes):
     """Mixed puts and gets from four clients with eviction churn: the node's resident memory stays within its base,
     its capacity, its in-flight budget, its shared-memory total and a fixed allowance for UCX and Python
     (docs/pool-nodes.md, "Memory")."""
-    from ems.transport.ucx import UcxNode
+    from ems.transport.ucx.client import UcxNode
 
     # the clients share memory with the node: their regions (at most --shm-total) count in its resident memory
     node = pool_nodes("64MiB", args=("--max-inflight", "24MiB", "--shm-bytes", "8MiB", "--shm-total", "32MiB"))

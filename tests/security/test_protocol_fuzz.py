@@ -188,7 +188,7 @@ def test_fuzz_the_node(pool_nodes, node_clients):
     keys = [b"a-0", b"a-1", b"a-2"]
     values = [make_values(1, s, seed=i)[0] for i, s in enumerate([3000, 200_000, protocol.SEGMENT_BYTES + 7])]
     assert alpha.put(keys, values, 5.0) == [True] * 3
-    # the good client's same-host region is populated in the background (transport/shm.py): part of the baseline
+    # the good client's same-host region is populated in the background (`transport.shm`): part of the baseline
     samples = [node.rss_bytes()]
 
     def settled() -> bool:

@@ -17,14 +17,14 @@ from pool_testlib import KEY_A, KEY_B, PoolProcess, joined, make_values
 
 from ems.transport import protocol, shm
 from ems.transport.base import TransportError
-from ems.transport.shm_client import ShmMode
+from ems.transport.shm.client import ShmMode
 
 pytestmark = pytest.mark.slow
 
 
 def _offer(node, uid: int | None = None, pid: int | None = None) -> shm.OpenReply:
     """SHM_OPEN on `node`'s connection stating `uid` / `pid` (default: this process's)."""
-    from ems.transport.ucx import _request
+    from ems.transport.ucx.client import _request
 
     meta = shm.encode_open(os.getuid() if uid is None else uid, os.getpid() if pid is None else pid)
 
@@ -150,7 +150,7 @@ def test_a_region_cannot_be_resized_by_its_client(shared_node, node_clients):
 @pytest.mark.parametrize("op", [protocol.Op.SHM_PUT, protocol.Op.SHM_GET])
 @pytest.mark.parametrize("where", ["past-the-end", "no-region"])
 def test_ranges_outside_the_region_close_the_connection(shared_node, node_clients, op, where):
-    from ems.transport.ucx import _request
+    from ems.transport.ucx.client import _request
 
     client = _raw(node_clients, shared_node.address)
     size = 4096
@@ -173,7 +173,7 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
 def test_a_bad_progress_word_closes_the_connection(shared_node, node_clients, progress):
     """A GET's progress word must be a u32 of the region outside every value's range (the node writes it while it
     places the values); a PUT has none. Anything else is malformed: the connection closes, the node serves on."""
-    from ems.transport.ucx import _request
+    from ems.transport.ucx.client import _request
 
     client = _raw(node_clients, shared_node.address)
     offer = _offer(client)

@@ -22,8 +22,8 @@ from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, wait_until
 
 from ems.transport import protocol, shm
 from ems.transport.base import TransportError
-from ems.transport.shm_client import ShmMode
-from ems.transport.shm_regions import TOKEN_TTL_S
+from ems.transport.shm.client import ShmMode
+from ems.transport.shm.regions import TOKEN_TTL_S
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def memfd_pages(pid: int, fds: Sequence[int] = ()) -> int:
 
 def _offer(client, populate_mib: int = 0) -> shm.OpenReply:
     """SHM_OPEN on `client`'s connection (this process's uid and pid), asking the node to populate `populate_mib`."""
-    from ems.transport.ucx import _request
+    from ems.transport.ucx.client import _request
 
     meta = shm.encode_open(os.getuid(), os.getpid())
 

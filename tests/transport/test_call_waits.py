@@ -141,7 +141,7 @@ def _cpu_seconds(pid: int) -> float:
 
 _IDLE_CLIENT = """
 import sys, time
-from ems.transport.ucx import UcxNode
+from ems.transport.ucx.client import UcxNode
 node = UcxNode(sys.argv[1], connect_timeout_ms=2000)
 assert node.ping(5.0)
 print("connected", flush=True)

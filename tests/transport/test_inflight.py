@@ -10,11 +10,11 @@ import threading
 import numpy as np
 import pytest
 from pool_testlib import client_of_scripted_node, joined, make_values
+from ucx_loop import UcxRuntime
 
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
-from ems.transport.ucx_loop import UcxRuntime
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +97,8 @@ def test_small_values_travel_inline(shared_node, node_clients):
 
 def _v1_hello(port: int) -> protocol.Header:
     """Send a version-1 HELLO; the node's answer header."""
-    from ems.transport.ucx_endpoint import create_endpoint
-    from ems.transport.ucx_frames import recv_header_frame, recv_meta
+    from ems.transport.ucx.endpoint import create_endpoint
+    from ems.transport.ucx.frames import recv_header_frame, recv_meta
 
     async def session() -> tuple[protocol.Header, bytes]:
         ep = await create_endpoint("127.0.0.1", port, 5.0)

@@ -20,7 +20,8 @@ import ems.store.value_format
 import ems.transport
 from ems.transport import base
 
-TRANSPORT_MODULES = sorted(f"ems.transport.{m.name}" for m in pkgutil.iter_modules(ems.transport.__path__))
+# every module, the media's subpackages (`ucx`, `shm`) and their modules included
+TRANSPORT_MODULES = sorted(m.name for m in pkgutil.walk_packages(ems.transport.__path__, "ems.transport."))
 # the ems modules a transport module may import: leaf modules that import nothing of ems themselves
 ALLOWED_EMS = {"ems", "ems.buffers", "ems.deadline", "ems.errors", "ems.transport"}
 
@@ -49,17 +50,19 @@ def _imported_names(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(["ems.transport", *filter(None, [base])][: None if node.level == 1 else -(node.level - 1)])
+            if node.level:  # relative to the file's package (`ems.transport`, or one of its subpackages)
+                package = ["ems", "transport", *path.parent.relative_to(TRANSPORT_ROOT).parts]
+                base = ".".join([*package[: len(package) - (node.level - 1)], *filter(None, [base])])
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
 
 
-TRANSPORT_FILES = sorted(Path(ems.transport.__path__[0]).glob("*.py"))
+TRANSPORT_ROOT = Path(ems.transport.__path__[0])
+TRANSPORT_FILES = sorted(TRANSPORT_ROOT.rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", TRANSPORT_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TRANSPORT_FILES, ids=lambda p: p.relative_to(TRANSPORT_ROOT).as_posix())
 def test_transport_never_names_the_node_or_the_store(path: Path) -> None:
     """The node (`ems.pool`) serves through `transport.handler`'s protocols: no transport file imports it (nor the
     store), even only for type checking or inside a function."""
@@ -72,7 +75,8 @@ def test_transport_never_names_the_node_or_the_store(path: Path) -> None:
 
 
 def test_transport_files_are_found() -> None:
-    assert {"handler.py", "ucx_server.py", "shm_server.py"} <= {p.name for p in TRANSPORT_FILES}
+    found = {p.relative_to(TRANSPORT_ROOT).as_posix() for p in TRANSPORT_FILES}
+    assert {"handler.py", "ucx/server.py", "shm/server.py", "shm/__init__.py"} <= found
 
 
 def test_buffer_has_one_definition() -> None:
@@ -81,4 +85,6 @@ def test_buffer_has_one_definition() -> None:
 
 
 def test_transport_list_is_not_empty() -> None:
-    assert {"ems.transport.base", "ems.transport.inprocess", "ems.transport.ucx"} <= set(TRANSPORT_MODULES)
+    assert {"ems.transport.base", "ems.transport.inprocess", "ems.transport.ucx.client", "ems.transport.shm.client"} <= set(
+        TRANSPORT_MODULES
+    )

@@ -20,7 +20,7 @@ from pool_testlib import joined, make_values
 
 from ems.errors import EmsErrorCode
 from ems.transport.base import TransportError
-from ems.transport.shm_client import ShmMode
+from ems.transport.shm.client import ShmMode
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_round_trip_is_byte_exact_over_shm(shared_node, node_clients, size):
 @pytest.fixture(scope="module")
 def module_client(shared_node):
     """One client for every example of a property test (a client per example would take a region each)."""
-    from ems.transport.ucx import UcxNode
+    from ems.transport.ucx.client import UcxNode
 
     node = UcxNode(shared_node.address, connect_timeout_ms=2000)
     yield node
@@ -213,9 +213,9 @@ def test_a_timed_out_call_poisons_the_region_and_the_next_connection_gets_a_fres
 _DYING_CLIENT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {pool_dir!r})
-    import ems.transport.ucx_config
+    import ems.transport.ucx.config
     from pool_testlib import make_values
-    from ems.transport.ucx import UcxNode
+    from ems.transport.ucx.client import UcxNode
     node = UcxNode({address!r})
     values = make_values(24, (1 << 20) - 40, seed=7)
     keys = [b"dying-%d" % i for i in range(24)]
@@ -305,7 +305,7 @@ def test_connect_opens_the_region_and_populates_it_before_the_first_call(shared_
     faulted in in the background: a first load then neither opens it nor faults it page by page. A reconnect
     populates only what the region before it used."""
     from ems.transport import shm
-    from ems.transport.remote import connect
+    from ems.transport.ucx.remote import connect
 
     node = connect(shared_node.address, connect_timeout_ms=5000)
     try:
@@ -335,7 +335,7 @@ class _ChannelSpy:
     """Counts the requests a client sends over its region's channel and over UCX (the real paths run)."""
 
     def __init__(self, node, monkeypatch) -> None:
-        from ems.transport import shm_channel
+        from ems.transport.shm import channel as shm_channel
 
         self.channel = 0
         self.ucx = 0
@@ -371,8 +371,8 @@ def test_requests_travel_on_the_region_channel_not_on_ucx(shared_node, node_clie
 def test_calls_in_flight_at_once_all_travel_on_the_channel(shared_node, node_clients, monkeypatch):
     """Up to CHANNEL_IN_FLIGHT calls at once share the region's channel (replies told apart by request id, in any
     order): none of them posts on UCX, and every value comes back byte-exact to the call that asked for it."""
-    from ems.transport import shm_channel
-    from ems.transport.shm_channel import CHANNEL_IN_FLIGHT
+    from ems.transport.shm import channel as shm_channel
+    from ems.transport.shm.channel import CHANNEL_IN_FLIGHT
 
     node = node_clients(shared_node.address)
     assert node.put([b"warm3"], [_value(100, 5)], 5.0) == [True]
@@ -418,7 +418,7 @@ def test_calls_in_flight_at_once_all_travel_on_the_channel(shared_node, node_cli
 def test_a_busy_channel_sends_the_next_call_over_ucx(shared_node, node_clients, monkeypatch):
     """Calls in flight at once share the region: one that finds every slot of the channel taken posts its request on
     UCX."""
-    from ems.transport.shm_channel import CHANNEL_IN_FLIGHT
+    from ems.transport.shm.channel import CHANNEL_IN_FLIGHT
 
     node = node_clients(shared_node.address)
     assert node.put([b"warm2"], [_value(100, 2)], 5.0) == [True]

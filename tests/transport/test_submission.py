@@ -1,4 +1,4 @@
-"""transport/ucx_direct.py under each client submission mode (`ucx_config.Submission`, EMS_UCX_CLIENT_SUBMIT), against
+"""transport/ucx/direct.py under each client submission mode (`ucx.config.Submission`, EMS_UCX_CLIENT_SUBMIT), against
 a real pool node over UCX (shared memory off): one client process per mode, since a process has one client worker.
 
 In every mode the process runs the mode it was given, values of every size (64 B inline to 1 MiB) come back
@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from ems.transport.ucx_config import Submission
+from ems.transport.ucx.config import Submission
 
 CHILD = r"""
 import json, sys, threading
 sys.path.insert(0, sys.argv[2])
 from pool_testlib import joined, make_values
-from ems.transport.shm_client import ShmMode
-from ems.transport.ucx import UcxNode
-from ems.transport.ucx_direct import DirectRuntime
+from ems.transport.shm.client import ShmMode
+from ems.transport.ucx.client import UcxNode
+from ems.transport.ucx.direct import DirectRuntime
 
 node = UcxNode(sys.argv[1], connect_timeout_ms=5000, shm=ShmMode.OFF)
 errors = []

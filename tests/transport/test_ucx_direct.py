@@ -1,4 +1,4 @@
-"""transport/ucx_direct.py: waits that the calling threads take turns on (one leads, the others sleep), against a
+"""transport/ucx/direct.py: waits that the calling threads take turns on (one leads, the others sleep), against a
 real pool node.
 
 Every wait ends by its own deadline or when its own requests are complete, whichever thread leads, whatever the
@@ -15,8 +15,9 @@ import pytest
 from pool_testlib import joined, make_values
 
 from ems.transport import protocol
-from ems.transport.ucx import UcxNode, _ping
-from ems.transport.ucx_direct import DirectRuntime, Ending, Exchange, WaitTimeout, futures_context
+from ems.transport.base import Ending
+from ems.transport.ucx.client import UcxNode, _ping
+from ems.transport.ucx.direct import DirectRuntime, Exchange, WaitTimeout, futures_context
 
 SLACK_S = 1.5  # how late past its deadline a wait may end on this shared machine (bounded, not a speed claim)
 SILENT_TAG = 0xFFFF_FFF0  # a request id no node ever answers on

@@ -10,14 +10,14 @@ import time
 import numpy as np
 import pytest
 from pool_testlib import joined, make_values
+from ucx_loop import UcxRuntime
 
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import TransportError
-from ems.transport.remote import connect
-from ems.transport.shm_client import ShmMode
-from ems.transport.ucx import UcxNode
-from ems.transport.ucx_loop import UcxRuntime
+from ems.transport.shm.client import ShmMode
+from ems.transport.ucx.client import UcxNode
+from ems.transport.ucx.remote import connect
 
 pytestmark = pytest.mark.slow
 

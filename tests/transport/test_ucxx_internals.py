@@ -1,4 +1,4 @@
-"""The ucxx and UCX internals ems.transport reaches into are all there, and all listed (transport/ucxx_internals.py).
+"""The ucxx and UCX internals ems.transport reaches into are all there, and all listed (transport/ucx/ucxx_internals.py).
 
 When ucxx moves one, `test_every_internal_is_present` names it; when a transport module starts importing a private
 ucxx name, `test_every_private_import_is_listed` asks for its entry in the table (and with it, a second look at the
@@ -16,9 +16,11 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from ems.transport import ucx_config, ucxx_internals
+import ems.transport
+from ems.transport.ucx import config as ucx_config
+from ems.transport.ucx import ucxx_internals
 
-TRANSPORT = Path(ucxx_internals.__file__).resolve().parent
+TRANSPORT = Path(ems.transport.__file__).resolve().parent  # transport/, the media's subpackages included
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,9 +64,9 @@ def _is_module(name: str) -> bool:
 
 def _private_imports() -> set[tuple[str, str]]:
     """(module, name) for every `from ucxx.<private> import name` and `import ucxx.<private> as alias` + `alias.name`
-    in transport/."""
+    in transport/ (every folder)."""
     found: set[tuple[str, str]] = set()
-    for path in TRANSPORT.glob("*.py"):
+    for path in TRANSPORT.rglob("*.py"):
         tree = ast.parse(path.read_text())
         aliases: dict[str, str] = {}
         for node in ast.walk(tree):
@@ -85,4 +87,4 @@ def _private_imports() -> set[tuple[str, str]]:
 def test_every_private_import_is_listed():
     listed = {(i.where, i.name.split(".")[0]) for i in ucxx_internals.INTERNALS}
     unlisted = sorted(_private_imports() - listed)
-    assert not unlisted, f"add these to transport/ucxx_internals.py INTERNALS: {unlisted}"
+    assert not unlisted, f"add these to transport/ucx/ucxx_internals.py INTERNALS: {unlisted}"

@@ -15,7 +15,7 @@ import pytest
 from disk_testlib import record_files, small_filesystem
 from pool_testlib import KEY_A, KEY_B, joined, make_values, wait_until
 
-from ems.transport.remote import connect
+from ems.transport.ucx.remote import connect
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20

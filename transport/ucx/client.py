@@ -1,7 +1,7 @@
 """The UCX client transport: a `NodeClient` for one remote pool node, on `ucxx`.
 
 Contract:
-* Every call runs on the calling thread (`transport.ucx_direct`): it posts its frames on the process's client UCX
+* Every call runs on the calling thread (`transport.ucx.direct`): it posts its frames on the process's client UCX
   worker, whose C++ progress thread moves the bytes without the GIL, and waits for their completion itself. The
   calling thread waits until the call's `Deadline` at most; on timeout the call's requests are kept until UCX ends them and
   `TransportError(EMS_IO_TIMEOUT)` is raised. A request whose whole reply is one message, whose receive was posted
@@ -30,10 +30,11 @@ Contract:
   the endpoint (the other requests in flight on it fail too, each by its own deadline at the latest, never with
   another request's answer).
 * Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
-  connection (`transport.shm_client`); any call it cannot serve goes over UCX as above.
+  connection (`transport.shm.client`, handed this node's connection, requests and failures as a `NodeLink`); any
+  call it cannot serve goes over UCX as above.
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels.
-* `_call(request, deadline)` runs `request(exchange, request_id)` (a `ucx_direct.Exchange` on the connection) under
-  those rules: the one way a request reaches the node (`shm_client` sends its SHM ops through it too).
+* `_call(request, deadline)` runs `request(exchange, request_id)` (a `ucx.direct.Exchange` on the connection) under
+  those rules: the one way a request reaches the node (`shm.client` sends its SHM ops through it too, by its link).
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ from ems.buffers import Buffer, copy_bytes
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
-from ems.transport.base import AsPlaced, NodeClient, TransportError
+from ems.transport.base import AsPlaced, Ending, Failure, NodeClient, TransportError
 from ems.transport.holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
-from ems.transport.shm_client import ShmBuffer, ShmClient, ShmMode
-from ems.transport.ucx_direct import Connection, DirectRuntime, Ending, Exchange, WaitTimeout, connect, futures_context
-from ems.transport.ucx_frames import (
+from ems.transport.shm.client import ShmBuffer, ShmClient, ShmMode
+from ems.transport.ucx.direct import Connection, DirectRuntime, Exchange, WaitTimeout, connect, futures_context
+from ems.transport.ucx.frames import (
     check_frame,
     check_header_frame,
     frame_error,
@@ -95,16 +96,6 @@ class _CancelledWhileConnecting(Exception):
 
 class _ConnectWaitTimeout(Exception):
     """The caller's deadline passed while another call was connecting (that call reports how its connect went)."""
-
-
-class Failure(enum.Enum):
-    """What the last failed call of a `UcxNode` ran into."""
-
-    NONE = "none"
-    UNREACHABLE = "unreachable"  # connection refused, reset or lost; malformed replies
-    TIMEOUT = "timeout"
-    CANCELLED = "cancelled"  # the call's connection was aborted by this client (`abort`, `close`, another's deadline)
-    REFUSED = "refused"  # the node answered with an error (authentication failed)
 
 
 class Reply(enum.Enum):
@@ -152,7 +143,7 @@ class UcxNode(NodeClient):
         self._last_error: TransportError | None = None
         self.last_failure = Failure.NONE
         wants_shm = (shm or ShmMode.AUTO) != ShmMode.OFF and is_local_address(self._ip)
-        self.shm: ShmClient | None = ShmClient(self) if wants_shm else None
+        self.shm: ShmClient | None = ShmClient(_ShmLink(self)) if wants_shm else None
 
     # ---- NodeClient ----
 
@@ -393,7 +384,39 @@ class UcxNode(NodeClient):
             conn.abort(ending)
 
 
-# ---- requests (run on the calling thread; see ucx_direct) ----
+class _ShmLink:
+    """What the node's `ShmClient` needs of it (`shm.client.NodeLink`): its connection, inline requests on it through
+    `_call`, and the record of a failed region channel's request (`_fail`)."""
+
+    def __init__(self, node: UcxNode) -> None:
+        self._node = node
+
+    @property
+    def address(self) -> str:
+        return self._node.address
+
+    def connection(self) -> Connection | None:
+        return self._node._conn
+
+    def request(self, op: int, count: int, meta: bytes, deadline: Deadline, on: Any = None) -> tuple[Any, bytes] | None:
+        def run(ex: Exchange, rid: int) -> tuple[Any, bytes] | None:
+            if on is not None and ex.conn is not on:
+                return None
+            reply, body = _request(ex, rid, op, count=count, meta=meta)
+            return ex.conn, bytes(body[: reply.meta_len])
+
+        return self._node._call(run, deadline)
+
+    def fail(
+        self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
+    ) -> TransportError:
+        return self._node._fail(conn, code, message, failure, ending)
+
+    def close(self) -> None:
+        self._node.close()
+
+
+# ---- requests (run on the calling thread; see ucx.direct) ----
 
 
 def _request(
@@ -465,7 +488,7 @@ def _exists(ex: Exchange, rid: int, meta: bytes, count: int, flags: int = 0) -> 
 
 def _recv_frames(ex: Exchange, views: Sequence[memoryview], ends: bytes, rid: int | None) -> None:
     """Receive one frame into each of `views` (all posted at once, one wait), each ending with the byte of `ends`
-    beside it, each length-verified (ucx_frames)."""
+    beside it, each length-verified (ucx.frames)."""
     if len(ends) != len(views):
         raise protocol.ProtocolError(f"{len(ends)} end bytes for {len(views)} frames")
     posted = []

@@ -1,11 +1,16 @@
 """Same-host value bytes through shared memory: the region, its allocator and the SHM_* requests (no I/O here).
 
+The rest of `transport.shm`: the client's side (`shm.client`), the node's (`shm.server`, with `shm.regions`,
+`shm.handover` and `shm.host`, what it asks of the node) and a region's request channel (`shm.channel`). Shared
+memory travels beside a connection of another medium (UCX) but imports none: a client is handed what it needs of
+its node client (`shm.client.NodeLink`).
+
 Contract:
 * A **region** is one sealed memfd per authenticated connection, created by the node and mapped by that client
   only: never shared between connections, never reused (a fresh memfd's pages are zero, so it can hold no stale
   bytes of another connection). When it ends (its connection ends, a later SHM_OPEN replaces it, its token
   expires) the node punches its pages out of the memfd, freeing them in the client's mapping too, and counts it
-  against its limits until then (`shm_server`). Its size is fixed by the node and sealed (F_SEAL_SHRINK |
+  against its limits until then (`shm.server`). Its size is fixed by the node and sealed (F_SEAL_SHRINK |
   F_SEAL_GROW | F_SEAL_SEAL): a client cannot truncate it under the node (no SIGBUS there), nor seal it against
   the node's punching.
 * Opening (`SHM_OPEN`, an ordinary inline request on the authenticated connection): the client states its uid and
@@ -37,7 +42,7 @@ Contract:
   start first, so a region's first calls do not fault page by page (fresh memfd pages cost about 2 ms per MiB on
   a VM, and each side's first touch of a page faults: a 62 MiB first load took 7x a warm one). Memory: that much
   of the region in use from the start, which the calls would fault in anyway.
-* SHM_PUT and SHM_GET travel on the region's channel (the hand-over socket, kept open: `shm_channel.py`) or, when
+* SHM_PUT and SHM_GET travel on the region's channel (the hand-over socket, kept open: `shm/channel.py`) or, when
   a client's channel is busy with another request, on the connection like any request.
 * Every range must lie inside the region (`ProtocolError` otherwise: the node closes the connection).
 * Concurrency (client side): `RangeAllocator` hands out disjoint page-aligned ranges, one per request in flight,

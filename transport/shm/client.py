@@ -1,6 +1,10 @@
-"""The client's side of same-host shared memory for one `UcxNode` (`transport/shm.py`: protocol and security).
+"""The client's side of same-host shared memory for one node client (`transport.shm`: protocol and security).
 
 Contract:
+* `ShmClient(link)` serves the node client that hands it `link` (a `NodeLink`: `UcxNode` hands it one): the node's
+  current connection, one request on it under the node client's rules (reconnect, back-off, deadline), and the
+  failures of requests it ran on a region's channel, which the node client records as its own. It imports nothing
+  of the node client's medium.
 * `ShmClient.put` / `.get_into` move the values through the connection's region and return the same results as
   the UCX calls, or None when the region cannot serve this call (no region: another host, shared memory off on
   either side, a region too small for the call or busy with other calls, a connection newer than the region);
@@ -18,7 +22,7 @@ Contract:
   value out of one.
 * A value is placed in a load's buffer only from a reply with status OK that gives it exactly that buffer's length.
   A load whose buffers lie in the region and whose request travels on the region's channel may pass `as_placed`:
-  it then also gets the request's progress word (`shm.py`), to use values as the node places them, before the
+  it then also gets the request's progress word (`transport.shm`), to use values as the node places them, before the
   reply; what it does with them is its own (the load verifies each value before writing it anywhere).
 * `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
 """
@@ -34,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -42,11 +46,8 @@ from ems.buffers import Buffer, copy_bytes, populate_in_background
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol, shm
-from ems.transport.base import AsPlaced
-from ems.transport.shm_channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
-
-if TYPE_CHECKING:
-    from ems.transport.ucx import UcxNode
+from ems.transport.base import AsPlaced, Ending, Failure, TransportError
+from ems.transport.shm.channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
 
 log = logging.getLogger("ems.transport")
 
@@ -54,6 +55,36 @@ HANDOVER_TIMEOUT_S = 2.0
 RETRY_FIRST_S = 1.0  # a connection without a region asks again after this long ...
 RETRY_MAX_S = 30.0  # ... doubling up to this
 _STALE = object()  # a request found the connection newer than the region: the caller falls back to UCX
+
+
+class NodeLink(Protocol):
+    """What a `ShmClient` needs of the node client it serves (`UcxNode` hands it one)."""
+
+    @property
+    def address(self) -> str:
+        """The node's "host:port" (for messages)."""
+        ...
+
+    def connection(self) -> Any:
+        """The node client's current connection (compared by identity only: a region belongs to one), or None."""
+        ...
+
+    def request(self, op: int, count: int, meta: bytes, deadline: Deadline, on: Any = None) -> tuple[Any, bytes] | None:
+        """One inline request on the current connection (made first when there is none), under the node client's
+        rules: (that connection, the reply's meta); a failure raises its `TransportError`. With `on`, only on that
+        connection: None, and nothing sent, when the current one is another."""
+        ...
+
+    def fail(
+        self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
+    ) -> TransportError:
+        """Record a failure the node client did not see (a request on `conn`'s region channel, a malformed reply) as a
+        failed call of its own: `conn` dropped, a back-off after `Ending.FAILED`; the error to raise."""
+        ...
+
+    def close(self) -> None:
+        """Close the node client (its connection is dropped; a later call reconnects)."""
+        ...
 
 
 class ShmMode(str, enum.Enum):
@@ -70,7 +101,7 @@ class ClientRegion:
     ep: Any
     array: np.ndarray
     allocator: shm.RangeAllocator
-    channel: ClientChannel | None = None  # the hand-over socket, kept for this region's requests (shm_channel.py)
+    channel: ClientChannel | None = None  # the hand-over socket, kept for this region's requests (`shm.channel`)
 
     def __post_init__(self) -> None:
         self.base = int(self.array.ctypes.data)
@@ -98,10 +129,10 @@ class ShmBuffer:
 
 
 class ShmClient:
-    """Shared memory for one `UcxNode`; see the module docstring."""
+    """Shared memory for one node client; see the module docstring."""
 
-    def __init__(self, node: UcxNode) -> None:
-        self.node = node
+    def __init__(self, link: NodeLink) -> None:
+        self.link = link
         self._region: ClientRegion | None = None
         self._no_region_on: Any = None  # the endpoint that got no region: not asked again before `_retry_at`
         self._retry_at = 0.0  # (monotonic)
@@ -146,7 +177,7 @@ class ShmClient:
     ) -> list[bool] | None:
         """See the module docstring. `as_placed(progress, fd, deadline_ns)`: where the buffers lie in the region and
         the request travels on the region's channel, run once the request is sent, with the address of its progress
-        word (`shm.py`: how many leading values the node has placed so far), the channel's descriptor and the
+        word (`transport.shm`: how many leading values the node has placed so far), the channel's descriptor and the
         deadline (CLOCK_MONOTONIC ns): the caller may use each value as it is placed, before the reply."""
         region = self.region(deadline)
         if region is None:
@@ -194,7 +225,7 @@ class ShmClient:
         opens a region (that costs a round trip, which the calls do under their own deadlines): until a call
         has opened one, callers stage elsewhere."""
         region = self._region
-        if region is None or region.ep is not self.node._conn or region.allocator.poisoned:
+        if region is None or region.ep is not self.link.connection() or region.allocator.poisoned:
             return None
         taken = region.allocator.alloc(nbytes)
         return None if taken is None else ShmBuffer(region, taken, nbytes)
@@ -220,14 +251,6 @@ class ShmClient:
     ) -> Any:
         """Run one SHM request on the region's connection; its reply meta (or _STALE). `taken` is freed after a
         success unless `keep` (the caller still reads it), and the region is poisoned after a failure."""
-        from ems.transport.ucx import _request
-
-        def run(ex: Any, rid: int) -> Any:
-            if ex.conn is not region.ep:
-                return _STALE
-            reply, body = _request(ex, rid, op, count=count, meta=meta)
-            return bytes(body[: reply.meta_len])
-
         channel = region.channel
         try:
             if channel is not None and channel.slots.acquire(blocking=False):
@@ -235,8 +258,9 @@ class ShmClient:
                     result = self._over_channel(region, channel, op, meta, count, deadline, after_send)
                 finally:
                     channel.slots.release()
-            else:  # no channel, or every slot of it taken: this one goes over UCX
-                result = self.node._call(run, deadline)
+            else:  # no channel, or every slot of it taken: this one goes over the node's connection
+                sent = self.link.request(op, count, meta, deadline, on=region.ep)
+                result = _STALE if sent is None else sent[1]
         except BaseException:
             _retire(region)
             if self._region is region:
@@ -257,37 +281,33 @@ class ShmClient:
         after_send: Callable[[int], None] | None = None,
     ) -> Any:
         """One request over the region's channel; its reply meta, or _STALE when the region's connection is no longer
-        the current one. Any failure drops the connection, as a failed UCX request does (`UcxNode._fail`)."""
-        from ems.transport.ucx import Ending, Failure  # (ucx imports this module)
-
-        node = self.node
-        if node._conn is not region.ep:
+        the current one. Any failure drops the connection, as a failed request on it does (`NodeLink.fail`)."""
+        link = self.link
+        if link.connection() is not region.ep:
             return _STALE
         try:
             return channel.request(op, count, meta, deadline.at, after_send)
         except ChannelTimeout:
             message = "no answer within the call's deadline"
-            error = node._fail(region.ep, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED)
+            error = link.fail(region.ep, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED)
         except ChannelRefused as refused:
-            error = node._fail(region.ep, EmsErrorCode.EMS_IO_ERROR, str(refused), Failure.REFUSED)
+            error = link.fail(region.ep, EmsErrorCode.EMS_IO_ERROR, str(refused), Failure.REFUSED)
         except (ChannelClosed, OSError) as lost:
-            error = node._fail(region.ep, EmsErrorCode.EMS_IO_ERROR, f"shared-memory channel lost: {lost}")
+            error = link.fail(region.ep, EmsErrorCode.EMS_IO_ERROR, f"shared-memory channel lost: {lost}")
         except protocol.ProtocolError as malformed:
-            error = node._fail(region.ep, EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {malformed}")
+            error = link.fail(region.ep, EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {malformed}")
         raise error
 
     def _malformed(self, message: str) -> Exception:
-        from ems.transport.base import TransportError
-
         if self._region is not None:
             _retire(self._region)
             self._region = None
-        self.node.close()
-        return TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.node.address}: malformed reply: {message}")
+        self.link.close()
+        return TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.link.address}: malformed reply: {message}")
 
     def region(self, deadline: Deadline) -> ClientRegion | None:
         """The current connection's region, opened now if it has none; None when there is none to use."""
-        ep = self.node._conn  # a reference read: another call may replace it, requests check it again
+        ep = self.link.connection()  # a reference read: another call may replace it, requests check it again
         region = self._region
         if region is not None and region.ep is ep and ep is not None and not region.allocator.poisoned:
             return region
@@ -301,24 +321,24 @@ class ShmClient:
             self._opening.release()
 
     def _open(self, deadline: Deadline) -> ClientRegion | None:
-        from ems.transport.ucx import _request
-
         meta = shm.encode_open(os.getuid(), os.getpid())
         previous = self._last_allocator
         populate_mib = -(-(shm.PREFAULT_BYTES if previous is None else previous.high_water) // (1 << 20))
-
-        def run(ex: Any, rid: int) -> tuple[Any, shm.OpenReply]:
-            reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, count=populate_mib, meta=meta)
-            return ex.conn, shm.decode_open_reply(bytes(body[: reply.meta_len]))
-
-        ep, offer = self.node._call(run, deadline)
+        sent = self.link.request(protocol.Op.SHM_OPEN, populate_mib, meta, deadline)
+        if sent is None:  # (not bound to a connection: always sent)
+            return None
+        ep, reply = sent
+        try:
+            offer = shm.decode_open_reply(reply)
+        except protocol.ProtocolError as error:  # as the node client answers a malformed reply of its own
+            raise self.link.fail(ep, EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {error}") from None
         if offer.region_bytes == 0:
             self._no_region(ep)
             return None
         try:
             array, sock = _receive_region(offer, min(HANDOVER_TIMEOUT_S, deadline.left()))
         except (OSError, ValueError) as error:
-            log.info("%s: no shared memory for now (using UCX): %s", self.node.address, error)
+            log.info("%s: no shared memory for now (using UCX): %s", self.link.address, error)
             self._no_region(ep)
             return None
         self._no_region_on, self._retry_s = None, RETRY_FIRST_S

@@ -7,7 +7,7 @@ Contract:
   length raises `ProtocolError` (the caller closes that connection), and a buffer that received a short frame is
   never handed on.
 * `send_all(ep, frames)` posts every frame at once (UCX keeps their order on the endpoint) and waits for all.
-* Every send and receive goes through `ucx_progress` (UCX progressed on the event loop thread).
+* Every send and receive goes through `ucx.progress` (UCX progressed on the event loop thread).
 * `recv_head(ep)` receives the head message of a request or reply (classic: a 32-byte header; inline:
   `protocol.head_layout`) and returns `(header, body)`, the body being the head's inline bytes, verified too.
 * Every function takes `tag`: None for the connection's base tag, else a request id (the request's own tag).
@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from ems.transport import protocol, ucx_progress
+from ems.transport import protocol
+from ems.transport.ucx import progress as ucx_progress
 
 CANARY_BYTES = 8
 _HEADER_FILL = 0xFF

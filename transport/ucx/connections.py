@@ -1,4 +1,4 @@
-"""The pool-node server's connections over UCX (`transport.ucx_server`): each connection's state, admission, the
+"""The pool-node server's connections over UCX (`transport.ucx.server`): each connection's state, admission, the
 tags of live and ended connections, and the watchdog.
 
 Contract:
@@ -10,10 +10,10 @@ Contract:
 * `watch()` (a task for the node's life) is the watchdog: every WATCHDOG_PERIOD_S it aborts connections past their
   handshake deadline or whose request in flight waited more than `stall_timeout_s` for its next frame (never
   cancelling a UCX request: the abort fails it), and, in progress mode "loop" (`worker` set), discards the messages
-  nobody will receive (`transport.ucx_unexpected`; `transport.ucx_server`'s docstring, "Messages nobody will
+  nobody will receive (`transport.ucx.unexpected`; `transport.ucx.server`'s docstring, "Messages nobody will
   receive"), closing a connection that parks messages on tags it has no request for. It logs the node's memory
   figures now and then (debug).
-* `sweep_front()` (the loop's progress sweeper, `ucx_progress`; at most every SWEEP_FRONT_S) does the same for the
+* `sweep_front()` (the loop's progress sweeper, `ucx.progress`; at most every SWEEP_FRONT_S) does the same for the
   oldest unread messages while they arrive: while the oldest is one nobody will receive it is discarded (and its
   connection closed when it has no request for it), so a flood of them never holds more of the node's memory than
   arrives between two sweeps. A message is one nobody will receive (`_stray`) when it is on the tags of no live
@@ -22,7 +22,7 @@ Contract:
   frames, so these can never belong to a head still to come). Counted in `metrics` (`unread_discarded`,
   `unread_discarded_bytes`, `stray_closes`).
 * No lock: everything here runs on the node's one event loop. `Connection.requests` (the deadline of each request's
-  next frame) is written by the request's channel (`transport.ucx_channel`) and read by the watchdog.
+  next frame) is written by the request's channel (`transport.ucx.channel`) and read by the watchdog.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from ems.transport import protocol, ucx_progress
+from ems.transport import protocol
 from ems.transport.handler import SessionLimits, SessionMetrics
-from ems.transport.ucx_endpoint import connecting_tags, peer_host
-from ems.transport.ucx_unexpected import Discarded, discard, oldest
+from ems.transport.ucx import progress as ucx_progress
+from ems.transport.ucx.endpoint import connecting_tags, peer_host
+from ems.transport.ucx.unexpected import Discarded, discard, oldest
 
 log = logging.getLogger("ems.pool")
 
@@ -101,7 +102,7 @@ class Connection:
         return self.next_key
 
     def head_arrived(self) -> int | None:
-        """The request id of the inline head received and not read yet (its buffer filled: `ucx_frames`), if any."""
+        """The request id of the inline head received and not read yet (its buffer filled: `ucx.frames`), if any."""
         head = self.head
         if head is None or head[protocol.HEADER_SIZE - 1] == 0xFF:  # nothing arrived (a head's last header byte is 0)
             return None

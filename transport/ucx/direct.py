@@ -1,7 +1,7 @@
 """A client's UCX requests, completed by the thread that waits for them: no event loop, no hop per completion.
 
 Contract:
-* `DirectRuntime.get()` is the process's client UCX worker (created on first use, after `ucx_config`'s UCX
+* `DirectRuntime.get()` is the process's client UCX worker (created on first use, after `ucx.config`'s UCX
   environment): ucxx's C++ progress thread moves every byte without the GIL, and requests carry ucxx's completion
   notifications (its "Python futures"), which nothing awaits: they only wake a waiting thread.
 * `connect(ip, port, deadline)` returns a `Connection` (error handling on) once ucxx's peer-info exchange is done, or
@@ -9,7 +9,7 @@ Contract:
   exchange's buffers until UCX has finished with them.
 * `Connection.send(buffer, tag)` / `recv(buffer, tag)` post (submit, see below) one tagged message now and return a `Posted` (the
   request and the buffer UCX uses, kept alive together). `tag` None is the connection's base tag, else a request id
-  (the protocol's tag layout, `ucx_progress.request_tag`). Any thread may post, concurrently with others.
+  (the protocol's tag layout, `ucx.progress.request_tag`). Any thread may post, concurrently with others.
 * `DirectRuntime.wait(posted, deadline)` blocks the calling thread until every request in `posted` is complete and
   raises the first one's UCX error, or raises `WaitTimeout` at `deadline`. A request given up on (its caller timed
   out or failed) must be handed to `bury`: it and its buffer are kept until UCX completes it (the endpoint is
@@ -43,7 +43,7 @@ How a wait works (why this design, the figures in perf/RESULTS.md "Issue 16: the
   failures of requests (reported to their callers by `wait`) out of the log.
 * Requests are kept referenced by Python until UCX completes them, so ucxx's progress thread never drops the last
   reference of a notification object (which would make it take the GIL).
-* Submission (`ucx_config.Submission`, EMS_UCX_CLIENT_SUBMIT): with DIRECT (opt-in) the posting thread submits its
+* Submission (`ucx.config.Submission`, EMS_UCX_CLIENT_SUBMIT): with DIRECT (opt-in) the posting thread submits its
   request to UCX itself, so a small request is on the wire when `send` returns; a post UCX could not finish at once
   (a send with bytes left, a large receive that may have matched a rendezvous) signals the progress thread
   (`ucp_worker_signal`), which carries it on. With ucxx's delayed submission (DELAYED, the default) a post
@@ -68,8 +68,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ems.transport import ucx_config
-from ems.transport.ucx_progress import request_tag
+from ems.transport.base import Ending
+from ems.transport.ucx import config as ucx_config
+from ems.transport.ucx.progress import request_tag
 
 PROGRESS_EPOLL_MS = 100  # the C++ progress thread's idle wake-up period (UCX keepalive, peer-failure detection)
 LEAD_PERIOD_S = 0.05  # a leader re-checks its deadline and the waits at least this often
@@ -85,13 +86,6 @@ SMALL_RECV_BYTES = 8192
 
 class WaitTimeout(TimeoutError):
     """A wait reached its deadline before UCX completed its requests."""
-
-
-class Ending(enum.Enum):
-    """Why a connection was aborted (`Connection.ending`)."""
-
-    CANCELLED = "cancelled"  # its owner's choice: a caller stopped waiting (another node answered, a deadline), close
-    FAILED = "failed"  # the wire reported a failure: lost, reset, refused, a malformed or missing reply
 
 
 class Posted:
@@ -116,7 +110,7 @@ def _ucxx() -> dict[str, Any]:
         from ucxx._lib.arr import Array
         from ucxx._lib_async.utils import hash64bits
 
-        from ems.transport import ucxx_internals
+        from ems.transport.ucx import ucxx_internals
 
         ucxx_internals.check()
         _names.update(api=ucx_api, Array=Array, hash=hash64bits, Tag=ucx_api.UCXXTag, mask=ucx_api.UCXXTagMaskFull)
@@ -187,7 +181,7 @@ class DirectRuntime:
         # DIRECT: every posting thread enters the worker beside its progress thread, so UCX's worker lock is a mutex
         # (a spinlock's waiter spun through the holder's preemption on a busy host: p99 of a small call 2-3x)
         self.context = api.UCXContext({} if delayed else {"USE_MT_MUTEX": "y"})
-        # ucx_config.Submission (see the module docstring): DIRECT, the posting thread submits its request itself
+        # ucx.config.Submission (see the module docstring): DIRECT, the posting thread submits its request itself
         # (the worker is thread-safe) and signals the progress thread only for a post UCX did not finish at once
         # (`Connection.send` / `recv`); DELAYED, a posting thread only queues it and the progress thread submits it
         self.worker = api.UCXWorker(self.context, enable_delayed_submission=delayed, enable_python_future=True)
@@ -323,7 +317,7 @@ def _worker_signal(worker: Any) -> Any:
     ucxx does not expose to Python)."""
     import ctypes
 
-    from ems.transport.ucxx_internals import loaded_library
+    from ems.transport.ucx.ucxx_internals import loaded_library
 
     signal = loaded_library("libucp").ucp_worker_signal
     signal.argtypes = [ctypes.c_void_p]

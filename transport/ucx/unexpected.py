@@ -7,13 +7,13 @@ Contract:
   oldest first, and returns how many and their bytes (`Discarded`). Each is received into a small scratch buffer
   that is never read, so UCX releases the descriptor that held it (a longer message completes as truncated, which
   is what ends it).
-* Every call must come from the thread that progresses `worker` (a node's event loop thread, `ucx_progress`).
+* Every call must come from the thread that progresses `worker` (a node's event loop thread, `ucx.progress`).
 
 Why: UCX buffers every eager message that arrives before a matching receive is posted, without bound, and keeps it
 until some receive takes it; a message on a tag nobody will ever receive on (sent by a client that then left, or on
 a tag of no connection) stayed in a node's memory forever (+31 MiB per client that sent 4,000 messages of 4 KiB
-before leaving). The node discards them (`ucx_connections`), as they arrive where it can tell at once that nobody
-will receive them, so the memory UCX takes for them stays bounded (`ucx_progress`'s sweeper).
+before leaving). The node discards them (`ucx.connections`), as they arrive where it can tell at once that nobody
+will receive them, so the memory UCX takes for them stays bounded (`ucx.progress`'s sweeper).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The hand-over of a same-host shared-memory region's descriptor to its client over an abstract Unix socket
-(`transport.shm_server`; `transport/shm.py` has the protocol and the security model).
+(`transport.shm.server`; `transport.shm` has the protocol and the security model).
 
 Contract:
 * `Handover.start(name)` listens on the abstract socket `name` (a random one: no other process can predict it or
@@ -12,7 +12,7 @@ Contract:
   wrong pid or uid, an ended or expired region is refused (`ShmRefusal`, counted in the ledger) and the region ends;
   a right one gets the descriptor (SCM_RIGHTS), the region is handed over, its populate starts (as far as the
   client asked), and the socket stays open as the region's request channel, served by `serve_channel`.
-* Runs on the node's event loop only (no lock); the ledger (`transport.shm_regions`) holds the regions.
+* Runs on the node's event loop only (no lock); the ledger (`transport.shm.regions`) holds the regions.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from ems.buffers import populate_in_background
 from ems.transport import shm
-from ems.transport.shm_regions import Region, RegionLedger, RegionState, ShmRefusal
+from ems.transport.shm.regions import Region, RegionLedger, RegionState, ShmRefusal
 
 log = logging.getLogger("ems.pool")
 
@@ -157,13 +157,13 @@ class Handover:
             if region.expiry is not None:
                 region.expiry.cancel()
                 region.expiry = None
-            # as much of the node's mapping as the client populates of its own (shm.py): only now that a client
+            # as much of the node's mapping as the client populates of its own (`transport.shm`): only now that a client
             # holds the region, so that a connection which only asks for one commits no memory
             if region.array is not None:
                 region.populate = populate_in_background(
                     region.array, region.populate_bytes, "ems-shm-prefault", region.populate_stop
                 )
-            # the socket stays open as the region's request channel (shm_channel.py)
+            # the socket stays open as the region's request channel (`shm.channel`)
             region.channel, kept = sock, True
             task = region.channel_task = asyncio.ensure_future(self._serve_channel(sock, region))
             self._channels.add(task)

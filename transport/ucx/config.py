@@ -10,12 +10,12 @@ EMS_UCX_CLIENT_SUBMIT) are read once: `configure()` at `Ems.init` or at a pool n
 at `init_ucx` or a pool client's first connection (`settings()`).
 
 Why these values (measured on loopback, see perf/RESULTS.md "Pool nodes" and "Per-call cost over UCX"):
-* progress mode of the asyncio side (a pool node; the test suites' raw sessions and scripted nodes,
-  `ucx_loop.UcxRuntime`), by role unless EMS_UCX_PROGRESS_MODE sets it for every such process: "loop" for a process
+* progress mode of the asyncio side (a pool node; the test suites' raw sessions and scripted nodes, `UcxRuntime`
+  of tests/ucx_loop.py), by role unless EMS_UCX_PROGRESS_MODE sets it for every such process: "loop" for a process
   that serves UCX (a pool node: `init_ucx()`), "thread" for `UcxRuntime` (`init_ucx(CLIENT_PROGRESS_MODE)`). Pool
-  clients (`UcxNode`) use neither: they complete their own requests (`ucx_direct`, its own UCX worker; the
+  clients (`UcxNode`) use neither: they complete their own requests (`ucx.direct`, its own UCX worker; the
   environment defaults below apply to it too).
-  "loop": UCX is progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode, minus its polling
+  "loop": UCX is progressed on the event loop thread by `ucx.progress` (ucxx's "blocking" mode, minus its polling
   waits), so a message costs one loop wake-up per side; ucxx's "thread" mode runs a UCX progress thread and a
   notifier thread that completes asyncio futures: three threads per completion (a bare round trip about twice
   as long as with "loop" on both sides). But in "loop" mode every byte moves only when the loop thread holds the
@@ -73,7 +73,7 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
     # that write while holding the worker's lock, which wedged the whole node for good
     "UCX_LOG_FILE": "stderr",
 }
-# "loop" (default): UCX progressed on the event loop thread by `ucx_progress` (ucxx's "blocking" mode without its
+# "loop" (default): UCX progressed on the event loop thread by `ucx.progress` (ucxx's "blocking" mode without its
 # polling waits); "thread", "thread-polling", "polling", "blocking": ucxx's own modes
 # The default depends on the process's role (`init_ucx(role)`): see the module docstring.
 NODE_PROGRESS_MODE = "loop"
@@ -83,7 +83,7 @@ NOTIFIERS = ("ems", "ucxx")
 
 
 class Submission(enum.Enum):
-    """How a pool client's UCX worker (`ucx_direct.DirectRuntime`) submits what a thread posts."""
+    """How a pool client's UCX worker (`ucx.direct.DirectRuntime`) submits what a thread posts."""
 
     # ucxx's delayed submission: the posting thread queues the request and wakes the worker's progress thread,
     # which submits it (every post costs a wake-up of that thread before anything reaches the wire)
@@ -217,7 +217,7 @@ def init_ucx(default_mode: str = NODE_PROGRESS_MODE) -> None:
         import ucxx
         import ucxx._lib_async.application_context as app_context
 
-        from ems.transport import ucxx_internals
+        from ems.transport.ucx import ucxx_internals
 
         ucxx_internals.check()  # a moved internal fails here, loudly, not later or silently slower
 
@@ -227,7 +227,7 @@ def init_ucx(default_mode: str = NODE_PROGRESS_MODE) -> None:
         if PROGRESS_MODE == "loop":
             from ucxx.core import _get_ctx
 
-            from ems.transport.ucx_progress import install
+            from ems.transport.ucx.progress import install
 
             ucxx.init(progress_mode="blocking", enable_python_future=False)
             install(_get_ctx().worker, asyncio.get_running_loop())

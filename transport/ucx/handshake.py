@@ -1,4 +1,4 @@
-"""The handshake of a client connecting to a pool node over UCX (`transport.ucx_server`; protocol docstring).
+"""The handshake of a client connecting to a pool node over UCX (`transport.ucx.server`; protocol docstring).
 
 Contract:
 * `handshake(ep, access_keys, metrics)` runs HELLO, CHALLENGE (a fresh nonce), AUTH and its reply, and returns the
@@ -19,8 +19,8 @@ from typing import Any
 
 from ems.transport import protocol
 from ems.transport.handler import SessionMetrics
-from ems.transport.ucx_connections import Closed
-from ems.transport.ucx_frames import recv_header_frame, recv_meta, send_all
+from ems.transport.ucx.connections import Closed
+from ems.transport.ucx.frames import recv_header_frame, recv_meta, send_all
 
 log = logging.getLogger("ems.pool")
 

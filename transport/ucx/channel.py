@@ -1,4 +1,4 @@
-"""One request's channel on a pool node's UCX connection (`transport.ucx_server`): where its frames are received and
+"""One request's channel on a pool node's UCX connection (`transport.ucx.server`): where its frames are received and
 its reply sent; the `transport.handler.RequestChannel` the handlers see.
 
 Contract:
@@ -7,7 +7,7 @@ Contract:
   until its reply starts or its receives have ended (`done_receiving`).
 * Every frame of a request, in either direction, must complete within `stall_timeout_s` of the previous one: each
   completed frame sets the request's deadline (`Connection.requests`, which the watchdog reads) again.
-* Every received frame has its length verified (`transport.ucx_frames`); a failed receive aborts the connection and
+* Every received frame has its length verified (`transport.ucx.frames`); a failed receive aborts the connection and
   returns only once every receive of the request has ended (so its buffers can be recycled).
 * Replies go out inline on the request's tag (the data in the head when it fits, else frames) or classic on the
   base tag, the data in windows of SEND_WINDOW_BYTES (UCX holds per-send state for each posted frame).
@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from ems.transport import protocol
-from ems.transport.ucx_connections import Connection, abort
-from ems.transport.ucx_frames import recv_all_into, recv_meta, send_all
+from ems.transport.ucx.connections import Connection, abort
+from ems.transport.ucx.frames import recv_all_into, recv_meta, send_all
 
 T = TypeVar("T")  # what an awaited frame step gives
 

@@ -12,7 +12,7 @@ handler uses the same exchange: a client paused mid-connect would otherwise make
 replaces `ucxx._lib_async.listener.exchange_peer_info` (the name that module calls) with `exchange_peer_info` below.
 On the listening side, the tag a connection being set up will receive on is recorded in `connecting_tags` from the
 start of the exchange (for CONNECTING_TAG_S), so a node does not discard the first messages of a connection it has
-not admitted yet as messages of no connection (`ucx_server`, protocol docstring "Tags").
+not admitted yet as messages of no connection (`ucx.server`, protocol docstring "Tags").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _FMT = "QQ"
 _GRAVEYARD: list[tuple[Any, ...]] = []  # (ucx endpoint, request, buffers...) of abandoned connects
 _GRAVEYARD_LIMIT = 4096
 CONNECTING_TAG_S = 30.0  # how long a connection's tag counts as being set up (its exchange is bounded far below)
-TAG_HIGH_MASK = 0xFFFF_FFFF_0000_0000  # = ucx_progress.CONNECTION_TAG_MASK
+TAG_HIGH_MASK = 0xFFFF_FFFF_0000_0000  # = ucx.progress.CONNECTION_TAG_MASK
 
 
 class Connecting(NamedTuple):
@@ -51,7 +51,7 @@ def _bury(*objects: Any) -> None:
 
 def _waiter(request: Any) -> asyncio.Future[Any]:
     """A task waiting on `request` whose late failure (after we gave up on it) is consumed, not logged."""
-    from ems.transport import ucx_progress
+    from ems.transport.ucx import progress as ucx_progress
 
     task: asyncio.Future[Any] = asyncio.ensure_future(ucx_progress.wait(request))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -135,7 +135,7 @@ def _load_ep_query() -> Any:
     if _ucp_ep_query is None:
         import ctypes
 
-        from ems.transport.ucxx_internals import loaded_library
+        from ems.transport.ucx.ucxx_internals import loaded_library
 
         query = loaded_library("libucp").ucp_ep_query
         query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]

@@ -1,7 +1,7 @@
 """A region's request channel: SHM_GET / SHM_PUT and their replies over the Unix socket the region was handed over on.
 
 Contract:
-* After the hand-over (`shm_server`, `shm_client`) the socket stays open, one per region, and carries that region's
+* After the hand-over (`shm.server`, `shm.client`) the socket stays open, one per region, and carries that region's
   data requests: the same 32-byte header and meta as on UCX (`protocol.pack_header`; no data frames, count and
   request id as there), the reply a header (op | REPLY, status, count, meta length) and its meta. The socket's
   peer was proven at the hand-over (token, SO_PEERCRED both ways), so a request on it belongs to the region's

@@ -1,15 +1,15 @@
 """The pool-node server's session part: the listener, admission, the handshake, the watchdog and each connection's
-requests, over UCX (`ems.transport.protocol`), beside its client `ems.transport.ucx`. What a request does to the store
+requests, over UCX (`ems.transport.protocol`), beside its client `ems.transport.ucx.client`. What a request does to the store
 and the in-flight budget is the handlers' (`transport.handler.RequestHandler`; `ems.pool.handlers.NodeHandlers` in a
 node); this module only moves requests to and from them. The transport imports neither the store nor `ems.pool`:
 the node assembly (`ems.pool.node`) hands the handlers in. `PoolServer` here is the listener, the life cycle and each
 connection's loop (reading heads, dispatching requests to the handlers, answering refusals); its parts:
-`transport.ucx_connections` (each connection's state, admission, the tags of live and ended connections, the
-watchdog), `transport.ucx_handshake` (HELLO, CHALLENGE, AUTH) and `transport.ucx_channel` (one request's frames and
+`transport.ucx.connections` (each connection's state, admission, the tags of live and ended connections, the
+watchdog), `transport.ucx.handshake` (HELLO, CHALLENGE, AUTH) and `transport.ucx.channel` (one request's frames and
 its reply). Everything runs on the node's one event loop: no lock.
 
 Contract:
-* One asyncio event loop serves every connection (UCX progress settings: `transport.ucx_config`). Each
+* One asyncio event loop serves every connection (UCX progress settings: `transport.ucx.config`). Each
   connection's heads are read by one coroutine; classic requests are served in order, inline requests (protocol
   docstring) concurrently, each in a task, up to MAX_REQUESTS_PER_CONNECTION at once, so concurrent calls of one
   client overlap. An inline EXISTS or PING whose meta came in its head is answered by the connection's coroutine
@@ -18,7 +18,7 @@ Contract:
 * Handshake first (`protocol` docstring). With access keys configured, a client must prove one (HMAC over a
   fresh nonce) or is refused with AUTH_FAILED; without keys every client is accepted under the tenant it names,
   whose namespace (the handlers' `namespace`) every key of the connection is stored under.
-* Every received frame has its length verified (`transport.ucx_frames`): a short frame can never leave a recycled
+* Every received frame has its length verified (`transport.ucx.frames`): a short frame can never leave a recycled
   buffer's old bytes (another tenant's value) in a stored value.
 * A request the handlers refuse (`transport.handler.Refusal`: no room in the in-flight budget) is answered with
   BAD_REQUEST and its message, then the connection is closed (its data frames are left unread). Replies are sent in
@@ -29,10 +29,10 @@ Contract:
   breaks either is aborted. An authenticated connection may stay idle between requests (clients keep one).
 * Connections: at most `max_connections` in all and `max_connections_per_peer` per peer IP address; beyond that a
   new connection is aborted at once.
-* Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are released (`transport.ucx_sockets`),
+* Sockets UCX abandons on the listening port (junk instead of a UCX handshake) are released (`transport.ucx.sockets`),
   also when the node has no descriptor left.
 * Messages nobody will receive (protocol docstring, "Tags") are discarded as they arrive (the loop's progress
-  sweeper, `ConnectionTable.sweep_front`) and by the watchdog (`transport.ucx_unexpected`, in progress mode
+  sweeper, `ConnectionTable.sweep_front`) and by the watchdog (`transport.ucx.unexpected`, in progress mode
   "loop"): every tag of a connection that ended (at once, and for UNREAD_LINGER_S more for what was still on the
   wire), messages on the tags of no live connection, and a connection that parks messages on tags it has no request
   for (before its handshake, any tag but its base tag; after it, a request id not in flight with no head waiting or
@@ -40,7 +40,7 @@ Contract:
 * A malformed or oversized frame, or any transport error, closes that connection only.
 * `stop()` closes the listener and every connection; the caller then lets the loop finish.
 * Same-host clients may move value bytes through a shared-memory region of their connection (`shm`:
-  `transport.shm_server`, owned by the handlers); off unless the node's settings enable it (`python -m ems.pool`
+  `transport.shm.server`, owned by the handlers); off unless the node's settings enable it (`python -m ems.pool`
   does by default).
 * With `metrics` (`SessionMetrics`; `ems.pool.metrics.NodeMetrics` in a node), each connection and refused
   handshake is counted once (and each request, by the handlers).
@@ -53,16 +53,17 @@ import logging
 import time
 from typing import Any
 
-from ems.transport import protocol, ucx_progress
+from ems.transport import protocol
 from ems.transport.handler import Refusal, RequestHandler, SessionLimits, SessionMetrics
-from ems.transport.ucx_channel import Channel
-from ems.transport.ucx_config import init_ucx
-from ems.transport.ucx_connections import Closed, Connection, ConnectionTable, Stage, abort
-from ems.transport.ucx_endpoint import install_safe_listener_exchange
-from ems.transport.ucx_frames import new_head_buffer, recv_head
-from ems.transport.ucx_handshake import handshake
-from ems.transport.ucx_listener import BoundListener
-from ems.transport.ucx_sockets import SocketReaper
+from ems.transport.ucx import progress as ucx_progress
+from ems.transport.ucx.channel import Channel
+from ems.transport.ucx.config import init_ucx
+from ems.transport.ucx.connections import Closed, Connection, ConnectionTable, Stage, abort
+from ems.transport.ucx.endpoint import install_safe_listener_exchange
+from ems.transport.ucx.frames import new_head_buffer, recv_head
+from ems.transport.ucx.handshake import handshake
+from ems.transport.ucx.listener import BoundListener
+from ems.transport.ucx.sockets import SocketReaper
 
 log = logging.getLogger("ems.pool")
 

@@ -12,9 +12,9 @@ A malformed address raises `TransportError(EMS_IO_ERROR)`.
 
 from __future__ import annotations
 
-from ems.transport.base import NodeClient, TransportError
-from ems.transport.shm_client import ShmMode
-from ems.transport.ucx import Failure, UcxNode
+from ems.transport.base import Failure, NodeClient, TransportError
+from ems.transport.shm.client import ShmMode
+from ems.transport.ucx.client import UcxNode
 
 
 def connect(

@@ -1,4 +1,4 @@
-"""The node's ledger of same-host shared-memory regions (`transport.shm_server`; `transport/shm.py` has the protocol and
+"""The node's ledger of same-host shared-memory regions (`transport.shm.server`; `transport.shm` has the protocol and
 the security model): what each region is, what it counts against, and when it is reclaimed.
 
 Contract:
@@ -38,7 +38,7 @@ import numpy as np
 
 from ems.buffers import remove_pages
 from ems.transport import protocol, shm
-from ems.transport.handler import ShmHost
+from ems.transport.shm.host import ShmHost
 
 log = logging.getLogger("ems.pool")
 
@@ -186,7 +186,7 @@ class RegionLedger:
             raise
         token = secrets.token_bytes(shm.TOKEN_BYTES)
         region = Region(conn, fd, array, array.nbytes, creds[0], creds[1], prefix, token, time.monotonic() + TOKEN_TTL_S)
-        # the client's stated populate (shm.py), never past the region; done once the client has mapped it
+        # the client's stated populate (`transport.shm`), never past the region; done once the client has mapped it
         region.populate_bytes = min(populate_bytes, array.nbytes)
         self.regions[conn] = region
         self.tokens[token] = region

@@ -1,10 +1,10 @@
-"""The node's side of same-host shared memory (`transport/shm.py` has the protocol and the security model), in three
+"""The node's side of same-host shared memory (`transport.shm` has the protocol and the security model), in three
 parts: this service (the requests: SHM_OPEN, SHM_PUT, SHM_GET, over UCX or a region's channel), the ledger of regions
-(`transport.shm_regions`: limits, counting, reclaiming, copies) and the hand-over of descriptors
-(`transport.shm_handover`: the Unix socket, its slots and peer credentials).
+(`transport.shm.regions`: limits, counting, reclaiming, copies) and the hand-over of descriptors
+(`transport.shm.handover`: the Unix socket, its slots and peer credentials).
 
 Contract:
-* `ShmService(settings, handlers)` belongs to one node's handlers (`transport.handler.ShmHost`: its store, budget and
+* `ShmService(settings, handlers)` belongs to one node's handlers (`transport.shm.host.ShmHost`: its store, budget and
   worker threads; `ems.pool.handlers.NodeHandlers` in a node). `start()` listens on a fresh abstract Unix socket (a
   random name, so no other process can predict it or take it first); `stop()` closes it and reclaims every region.
 * `serve(channel, prefix)` answers SHM_OPEN, SHM_PUT and SHM_GET of one authenticated connection (keys in the
@@ -12,7 +12,7 @@ Contract:
   ending any earlier region of that connection, or answers size 0 (no region: the client uses UCX) when shared memory
   is off, or the node's total (`ShmSettings.total_bytes`) or the tenant's share (`tenant_bytes`) is taken. A data
   request on a connection whose region has not been handed over is malformed.
-* Memory, whatever a client does (`shm_regions`): a region counts against the total and against its tenant's share
+* Memory, whatever a client does (`shm.regions`): a region counts against the total and against its tenant's share
   from its SHM_OPEN until the node has **reclaimed** it. A region ends when its connection ends (`forget`, which the
   server calls on every path), when a later SHM_OPEN of the connection replaces it, when its token expires
   unpresented (TOKEN_TTL_S: at once, not when the connection ends) and when its token is spent by a refused attempt.
@@ -23,7 +23,7 @@ Contract:
   itself, none of the node's. So the pages of all regions the node has made stay within `total_bytes` (and a tenant's
   within its share); the node populates a region only as far as its client asked, never past its size. Should the
   kernel refuse to punch (it never has), the region stays counted for good.
-* Hand-over slots (`shm_handover`): a peer of the Unix socket is admitted only when an offered region waits for
+* Hand-over slots (`shm.handover`): a peer of the Unix socket is admitted only when an offered region waits for
   exactly its uid and pid (SO_PEERCRED, read at accept), at most MAX_HANDOVERS at once, and per uid no more at once
   than that uid has regions waiting (nor MAX_HANDOVERS_PER_UID); any other peer is closed at once, taking no slot. A
   process without a key can therefore hold no slot, and a tenant at most as many as it has regions (its share bounds
@@ -52,10 +52,12 @@ from typing import Any
 
 import numpy as np
 
-from ems.transport import protocol, shm, shm_channel
-from ems.transport.handler import Refusal, RequestChannel, ShmHost
-from ems.transport.shm_handover import Handover
-from ems.transport.shm_regions import Region, RegionLedger, RegionState, ShmStats
+from ems.transport import protocol, shm
+from ems.transport.handler import Refusal, RequestChannel
+from ems.transport.shm import channel as shm_channel
+from ems.transport.shm.handover import Handover
+from ems.transport.shm.host import ShmHost
+from ems.transport.shm.regions import Region, RegionLedger, RegionState, ShmStats
 
 log = logging.getLogger("ems.pool")
 
@@ -157,7 +159,7 @@ class ShmService:
 
     def _place(self, array: np.ndarray, chosen: list[tuple[Any, int]], progress: int | None, leading: int) -> None:
         """Copy each chosen value into the region at its offset, in one call (`NodeStore.read_into`), publishing
-        each of the first `leading` to the request's progress word as it lands, if it named one (`shm.py`)."""
+        each of the first `leading` to the request's progress word as it lands, if it named one (`transport.shm`)."""
         values = [value for value, _ in chosen]
         outs = [array[offset : offset + memoryview(value).nbytes] for value, offset in chosen]
         address = 0 if progress is None else array.ctypes.data + progress

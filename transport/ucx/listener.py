@@ -11,7 +11,7 @@ node asked to listen on 127.0.0.1 was reachable on every interface. Here the UCP
 request into a ucxx endpoint still needs a ucxx listener object (`create_endpoint_from_conn_request` takes one), so
 one is created on a free port as that factory and its listening socket is released at once (see
 `_retire_listening_socket`): it never accepts a connection. The rest follows ucxx's own listener handler
-(peer-info exchange, here the timeout-safe one of `ucx_endpoint`, then the `Endpoint`).
+(peer-info exchange, here the timeout-safe one of `ucx.endpoint`, then the `Endpoint`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ems.transport.ucxx_internals import loaded_library
+from ems.transport.ucx.ucxx_internals import loaded_library
 
 log = logging.getLogger("ems.transport")
 
@@ -177,7 +177,7 @@ class BoundListener:
         from ucxx._lib_async.endpoint import Endpoint
         from ucxx._lib_async.utils import hash64bits
 
-        from ems.transport.ucx_endpoint import exchange_peer_info
+        from ems.transport.ucx.endpoint import exchange_peer_info
 
         msg_tag = hash64bits("msg_tag", os.urandom(16), endpoint.handle)
         try:

@@ -1,9 +1,10 @@
 """`UcxRuntime`: a process-wide thread running an asyncio event loop on ucxx's asyncio API, for protocol-level
 sessions written as coroutines: scripted nodes and raw clients in the tests (`tests/security/raw_ucx.py`,
-`tests/pool/pool_testlib.client_of_scripted_node`). `UcxNode` does not use it (`transport.ucx_direct`).
+`tests/pool/pool_testlib.client_of_scripted_node`) and perf/bench_pool.py. `UcxNode` does not use it
+(`transport.ucx.direct`), so it lives here, beside the tests, not in the package (its users put tests/ on sys.path).
 
 Contract: `UcxRuntime.get()` starts the thread once (UCX initialised inside its loop with the client's progress mode,
-`ucx_config`); run coroutines on `.loop` (`asyncio.run_coroutine_threadsafe`) or functions with `call_soon`. Endpoints
+`ucx.config`); run coroutines on `.loop` (`asyncio.run_coroutine_threadsafe`) or functions with `call_soon`. Endpoints
 added to `.live` are aborted at exit, and ucxx's notifier thread is stopped before the interpreter joins threads.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from ems.errors import EmsErrorCode
 from ems.transport.base import TransportError
-from ems.transport.ucx_config import CLIENT_PROGRESS_MODE, init_ucx
+from ems.transport.ucx.config import CLIENT_PROGRESS_MODE, init_ucx
 
 ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)
 
@@ -93,7 +94,7 @@ class UcxRuntime:
 
 def abort(ep: Any) -> None:
     """Abort a ucxx asyncio Endpoint now (on the loop thread); nothing when it is closed already."""
-    from ems.transport import ucx_progress
+    from ems.transport.ucx import progress as ucx_progress
 
     try:
         ep.abort(period=ABORT_PERIOD_NS)

@@ -1,7 +1,7 @@
 """UCX progress on the event loop thread, and the tagged send/receive every frame of the transport goes through.
 
 Contract:
-* `install(worker, loop)` (called by `ucx_config.init_ucx` in progress mode "loop", a node's default) makes `loop` drive
+* `install(worker, loop)` (called by `ucx.config.init_ucx` in progress mode "loop", a node's default) makes `loop` drive
   `worker`: the worker's epoll descriptor is watched by the loop (`add_reader`); on each event, and right after
   anything posts a request, the loop thread progresses the worker until it is idle, re-arms it, and completes the
   asyncio future of every request that finished. A periodic progress (`TICK_S`) keeps UCX's keepalive and error
@@ -24,7 +24,7 @@ Task; a bare 8-byte UCXX round trip took ~550-600 us. ucxx's own "blocking"/"pol
 await each request by polling with `asyncio.sleep(0)`: any process with a posted receive (a pool node always has one)
 burns a core. Here the completions are found by the progress call that produced them, so a round trip is one
 loop wake-up per side (~140 us in-loop on the same host). The price: bytes move only while the loop thread holds
-the GIL, so a process with a busy Python thread starves it (`ucx_config` keeps clients on "thread" for that).
+the GIL, so a process with a busy Python thread starves it (`ucx.config` keeps clients on "thread" for that).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def driver() -> LoopProgress | None:
     return _drivers.get(loop)
 
 
-_ucxx: dict[str, Any] = {}  # ucxx names, imported on first use (ucx_config must set UCX's environment first)
+_ucxx: dict[str, Any] = {}  # ucxx names, imported on first use (ucx.config must set UCX's environment first)
 
 
 def _names() -> dict[str, Any]:
