@@ -235,7 +235,7 @@ class RawDirect:
             self.runtime.wait(posted, time.monotonic() + 10)
 
     def close(self) -> None:
-        from ems.transport.ucx_direct import Ending
+        from ems.transport.base import Ending
 
         self.conn.abort(Ending.CANCELLED)
         self.proc.kill()
