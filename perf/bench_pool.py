@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # ucx_loop: the tests' event-loop threa
 import torch  # noqa: E402
 from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
+from results import Figure, Goal, Run, command_line, record  # noqa: E402
 from ucx_loop import UcxRuntime  # noqa: E402
 
 import ems.transport.ucx.config  # noqa: E402 - UCX environment before ucxx loads
@@ -1245,6 +1246,8 @@ def main() -> None:
     for error in moon_errors:
         print(f"Mooncake failed: {error}")
     plot(rows, ROOT / "perf" / "pool.png", moon is not None)
+    if not args.quick:  # (a smoke run's figures are not recorded)
+        print(f"results: {record(results_run(per_call, conc, api_figures, engine_figures))}")
     if args.json is not None:
         args.json.write_text(
             json.dumps(
@@ -1263,6 +1266,35 @@ def main() -> None:
                 indent=1,
             )
         )
+
+
+def results_run(per_call: dict, conc: dict, api: dict, engine: dict) -> Run:
+    """This run's headline figures in the results format (perf/results.py), each next to the peer it was measured
+    beside in this run."""
+    raw, chunks = api["raw"], api[DEFAULT_MODE]
+    exists, save1, load1 = per_call["exists"], per_call["save 1 MiB"], per_call["load 1 MiB"]
+    plot = "perf/pool.png"
+    return Run(
+        "pool",
+        command_line(),
+        [
+            Figure("exists of 1 block over UCX, median", exists["ems"], "µs", "Redis EXISTS", exists["redis"], Goal("<=", 2)),
+            Figure("save of 1 block (1 MiB), median", save1["ems"], "µs", "raw UCXX", save1["raw"]),
+            Figure("load of 1 block (1 MiB), median", load1["ems"], "µs", "raw UCXX", load1["raw"]),
+            Figure(f"API save, {api['blocks']} x 1 MiB", chunks["save"], "GB/s", "raw UCXX", raw["save"], Goal(">=", 0.8), plot),
+            Figure(f"API load, {api['blocks']} x 1 MiB", chunks["load"], "GB/s", "raw UCXX", raw["load"], Goal(">=", 0.8), plot),
+            Figure("1-block saves, 8 in flight", conc["8"], "saves/s", "1 at a time", conc["1"], Goal(">=", 3)),
+            Figure(
+                "62 MiB load beside a busy Python thread",
+                engine["load busy GB/s"],
+                "GB/s",
+                "the same load alone",
+                engine["load alone GB/s"],
+                Goal(">=", 0.8),
+            ),
+        ],
+        machine=machine(),
+    )
 
 
 def _columns(with_moon: bool) -> list:
