@@ -1283,7 +1283,7 @@ def results_run(per_call: dict, conc: dict, api: dict, engine: dict) -> Run:
             Figure("load of 1 block (1 MiB), median", load1["ems"], "µs", "raw UCXX", load1["raw"]),
             Figure(f"API save, {api['blocks']} x 1 MiB", chunks["save"], "GB/s", "raw UCXX", raw["save"], Goal(">=", 0.8), plot),
             Figure(f"API load, {api['blocks']} x 1 MiB", chunks["load"], "GB/s", "raw UCXX", raw["load"], Goal(">=", 0.8), plot),
-            Figure("1-block saves, 8 in flight", conc["8"], "saves/s", "1 at a time", conc["1"], Goal(">=", 3)),
+            Figure("1-block saves, 8 in flight", conc[8], "saves/s", "1 at a time", conc[1], Goal(">=", 3)),
             Figure(
                 "62 MiB load beside a busy Python thread",
                 engine["load busy GB/s"],
