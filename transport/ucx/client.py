@@ -65,6 +65,7 @@ from ems.transport.ucx.frames import (
     frame_error,
     new_head_buffer,
     new_header_frame,
+    new_meta_frame,
     parse_head,
     prepare_frame,
 )
@@ -638,11 +639,8 @@ def _recv_header(ex: Exchange, expected_op: int) -> protocol.Header:
 
 def _recv_meta(ex: Exchange, header: protocol.Header, rid: int | None = None) -> bytes:
     """The meta frame of `header`: exactly `meta_len` bytes ending with `meta_end` (the limit checked first)."""
-    meta_len = header.meta_len
-    if meta_len > protocol.MAX_META_BYTES:
-        raise protocol.ProtocolError(f"meta frame of {meta_len} bytes, limit {protocol.MAX_META_BYTES}")
-    if meta_len == 0:
+    frame = new_meta_frame(header)
+    if frame is None:
         return b""
-    frame = bytearray(meta_len)
     _recv_frames(ex, [memoryview(frame)], bytes([header.meta_end]), rid)
     return bytes(frame)

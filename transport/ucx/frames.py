@@ -183,14 +183,18 @@ async def recv_head(
     return parse_head(buf, canary)
 
 
+def new_meta_frame(header: protocol.Header) -> bytearray | None:
+    """A buffer for the meta frame of `header` (None: it has none); ProtocolError past the protocol's limit."""
+    if header.meta_len > protocol.MAX_META_BYTES:
+        raise protocol.ProtocolError(f"meta frame of {header.meta_len} bytes, limit {protocol.MAX_META_BYTES}")
+    return bytearray(header.meta_len) if header.meta_len else None
+
+
 async def recv_meta(ep: Any, header: protocol.Header, tag: Any = None) -> bytes:
     """The meta frame of `header`: exactly `meta_len` bytes ending with `meta_end` (the limit checked first)."""
-    meta_len = header.meta_len
-    if meta_len > protocol.MAX_META_BYTES:
-        raise protocol.ProtocolError(f"meta frame of {meta_len} bytes, limit {protocol.MAX_META_BYTES}")
-    if meta_len == 0:
+    frame = new_meta_frame(header)
+    if frame is None:
         return b""
-    frame = bytearray(meta_len)
     await recv_into(ep, memoryview(frame), header.meta_end, tag)
     return bytes(frame)
 
