@@ -150,8 +150,7 @@ class ClientChannel:
                 head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
                 reply = protocol.unpack_header(head)
                 body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
-                if protocol.end_byte(body) != reply.meta_end:
-                    raise protocol.ProtocolError("the meta does not end with the byte its header states")
+                protocol.check_meta_end(reply, body)
                 if reply.request_id == rid:
                     return reply, body
                 with self._lock:
@@ -277,8 +276,7 @@ async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | N
     if header.op not in _SHM_DATA_OPS or header.data_len or header.status or header.flags:
         raise protocol.ProtocolError(f"op {header.op} (data {header.data_len}) on a shared-memory channel")
     meta = await _recv_exactly(sock, header.meta_len) if header.meta_len else b""
-    if protocol.end_byte(meta or b"") != header.meta_end:
-        raise protocol.ProtocolError("the meta does not end with the byte its header states")
+    protocol.check_meta_end(header, meta or b"")
     return header, meta or b""
 
 

@@ -35,10 +35,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from ems.transport import protocol
 from ems.transport.handler import SessionLimits, SessionMetrics
 from ems.transport.ucx import progress as ucx_progress
 from ems.transport.ucx.endpoint import connecting_tags, peer_host
+from ems.transport.ucx.frames import head_request_id
 from ems.transport.ucx.unexpected import Discarded, discard, oldest
 
 log = logging.getLogger("ems.pool")
@@ -103,10 +103,7 @@ class Connection:
 
     def head_arrived(self) -> int | None:
         """The request id of the inline head received and not read yet (its buffer filled: `ucx.frames`), if any."""
-        head = self.head
-        if head is None or head[protocol.HEADER_SIZE - 1] == 0xFF:  # nothing arrived (a head's last header byte is 0)
-            return None
-        return int.from_bytes(head[20:24], "little")  # the header's request_id (protocol.HEADER_DTYPE)
+        return None if self.head is None else head_request_id(self.head)
 
     def overdue(self, now: float) -> str | None:
         if self.stage == Stage.HANDSHAKE:

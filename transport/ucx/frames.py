@@ -152,19 +152,27 @@ def parse_head(buf: bytearray, canary: bytes) -> tuple[protocol.Header, memoryvi
         raise protocol.ProtocolError(f"a frame shorter than {protocol.HEADER_SIZE} bytes where a head was expected")
     view = memoryview(buf)
     header = protocol.unpack_header(view[: protocol.HEADER_SIZE])
-    if not header.inline:
-        length = protocol.HEADER_SIZE
-    else:
-        length = protocol.head_layout(header.meta_len, header.data_len).length
-        if buf[length - 1] != protocol.HEAD_END:
-            raise protocol.ProtocolError(f"a head shorter than the {length} bytes announced (or not ending as stated)")
+    layout = protocol.head_layout(header.meta_len, header.data_len) if header.inline else None
+    length = protocol.HEADER_SIZE if layout is None else layout.length
+    if layout is not None and buf[length - 1] != protocol.HEAD_END:
+        raise protocol.ProtocolError(f"a head shorter than the {length} bytes announced (or not ending as stated)")
     if length + CANARY_BYTES <= protocol.HEAD_BYTES and buf[length : length + CANARY_BYTES] != canary:
         raise protocol.ProtocolError(f"a head longer than the {length} bytes announced")
     body = view[protocol.HEADER_SIZE : length]
-    meta_inline = header.inline and header.meta_len and protocol.head_layout(header.meta_len, header.data_len).meta_inline
-    if meta_inline and body[header.meta_len - 1] != header.meta_end:
-        raise protocol.ProtocolError("the meta does not end with the byte its header states")
+    if layout is not None and layout.meta_inline:
+        protocol.check_meta_end(header, body[: header.meta_len])
     return header, body
+
+
+_REQUEST_ID_AT = protocol.HEADER_DTYPE.fields["request_id"][1]  # type: ignore[index]  # (a structured dtype has fields)
+
+
+def head_request_id(buf: bytearray) -> int | None:
+    """The request id in the header of a head received into `buf` (from `new_head_buffer`), or None while nothing
+    has arrived there (the fill is still in the header's last byte, a received header's is 0)."""
+    if buf[protocol.HEADER_SIZE - 1] == _HEADER_FILL:
+        return None
+    return int.from_bytes(buf[_REQUEST_ID_AT : _REQUEST_ID_AT + 4], "little")
 
 
 async def recv_head(
