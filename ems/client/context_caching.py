@@ -129,6 +129,7 @@ class ContextCaching:
         self._tenant = tenant
         self._pool = pool
         self._settings = settings
+        self._backends: dict[torch.device, CopyBackend] = {}
         self._layout: RegisteredLayout | None = None
         self._v1_namespace = b""
         self._v0_namespace = namespace(tenant, cc_config, None)
@@ -189,8 +190,13 @@ class ContextCaching:
         return default_raw_device(self._cc_config.device_id, self._layout.device if self._layout else None)
 
     def _backend_for(self, device: torch.device) -> CopyBackend:
+        # chosen once per device (a call's walk stays out of the backends' registry)
+        backend = self._backends.get(device)
+        if backend is not None:
+            return backend
         try:
-            return get_backend(device, self._settings.kernel_backend)
+            backend = self._backends[device] = get_backend(device, self._settings.kernel_backend)
+            return backend
         except RuntimeError as exc:  # e.g. triton forced where it cannot run: the setting is at fault
             raise EmsException(
                 EmsErrorCode.EMS_INVALID_ARGUMENT,

@@ -58,7 +58,7 @@ from ems.config import (
     access_key_from_environment,
     resolve_settings,
 )
-from ems.integrations.step_policy import StepMode
+from ems.integrations.vllm.lookups.step_policy import StepMode
 from ems.transport.holds import MAX_LEASE_MS
 
 # A lookup's blocks are leased for the load that follows (`ems.transport.holds`): long enough for a request that vLLM

@@ -18,7 +18,7 @@ from ems.integrations.connector_config import (
     ProducerResponse,
     derive_model_id,
 )
-from ems.integrations.step_policy import StepMode
+from ems.integrations.vllm.lookups.step_policy import StepMode
 
 
 def test_defaults_and_every_key(monkeypatch):

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, lookup
-from ems.integrations.lookup_batcher import LookupBatcher, _Ask, answer_batch
-from ems.integrations.lookup_breaker import LookupBreaker
+from ems.integrations.vllm.lookups.batcher import LookupBatcher, _Ask, answer_batch
+from ems.integrations.vllm.lookups.breaker import LookupBreaker
 
 BLOCKS = 8
 

@@ -15,7 +15,7 @@ from test_block_transfer import make_cache, register, vllm_hash
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.integrations.block_transfer import BlockMover, StatsSink
 from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
-from ems.integrations.lookup_breaker import LookupBreaker
+from ems.integrations.vllm.lookups.breaker import LookupBreaker
 
 LOOKUP_MS = 300
 COOLDOWN_S = 0.5

@@ -4,7 +4,7 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
 * `get_num_new_matched_tokens(request, num_computed_tokens)`: the request's full prompt blocks past vLLM's local
   prefix-cache hit, by vLLM's own `request.block_hashes` (never the block holding the last prompt token: vLLM must
   compute at least one token), are looked up in the pool off this thread (`lookups.PoolLookups`); vLLM is told None
-  ("ask again next step") until the answer is in, unless the step policy (`ems.integrations.step_policy`, on
+  ("ask again next step") until the answer is in, unless the step policy (`ems.integrations.vllm.lookups.step_policy`, on
   `lookups.policy`) asks it in the step (a fast pool, measured: answered at once). A hit's load runs in the step
   (vLLM's synchronous path, `load_kv_async` False: the workers load it before the forward and the request is
   computed in this step) where the policy says it fits the step's bound, else asynchronously (the request waits
@@ -62,12 +62,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ems.integrations.block_transfer import TransferStats, group_hashes
 from ems.integrations.epoch import EpochRecord, EpochWatch
-from ems.integrations.step_policy import Placement
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.engine_checks import GroupKind
-from ems.integrations.vllm.lookups import PoolLookups
+from ems.integrations.vllm.lookups import OnTheirWay, Placement, PoolLookups
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
-from ems.integrations.vllm.on_their_way import OnTheirWay
 from ems.integrations.vllm.steps import SchedulerStep, StepLog
 
 if TYPE_CHECKING:

@@ -46,8 +46,8 @@ import torch
 from ems import CcKvOption
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, PendingLoad
-from ems.integrations.lookup_breaker import SLOW_FRACTION
 from ems.integrations.vllm.context import ConnectorContext
+from ems.integrations.vllm.lookups.breaker import SLOW_FRACTION
 from ems.integrations.vllm.metadata import IDLE_WAIT_S, BlockTransfer, EmsConnectorMetadata
 from ems.integrations.vllm.steps import StepLog, WorkerStep
 from ems.integrations.vllm.worker_saves import WorkerSaves

@@ -14,8 +14,8 @@ from fake_vllm import BLOCK, Blocks, Events, Request, Schedule, kv_caches, make_
 
 from ems.integrations.connector_config import ConnectorConfig, KvRole
 from ems.integrations.epoch import EpochRecord
-from ems.integrations.step_policy import StepMode
 from ems.integrations.vllm.lookups import LookupAnswer
+from ems.integrations.vllm.lookups.step_policy import StepMode
 from ems.integrations.vllm.metadata import IDLE_WAIT_S, EmsConnectorMetadata
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker

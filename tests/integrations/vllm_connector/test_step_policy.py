@@ -1,4 +1,4 @@
-"""The step policy (`ems.integrations.step_policy`): its decisions alone (random sequences of measurements and
+"""The step policy (`ems.integrations.vllm.lookups.step_policy`): its decisions alone (random sequences of measurements and
 requests: never in the step when forced asynchronous or with the breaker open, never past the step's bound), and
 driven through the connector's halves with stand-ins for vLLM: on a fast pool a hit is looked up and loaded inside
 the step (vLLM's synchronous path), on a hung pool node (SIGSTOPped) no step is held past the bound and the requests
@@ -19,7 +19,7 @@ from test_scheduler import step
 
 from ems import Ems
 from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
-from ems.integrations.step_policy import Placement, StepMode, StepPolicy
+from ems.integrations.vllm.lookups.step_policy import Placement, StepMode, StepPolicy
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ems.integrations.block_transfer import EngineHash
-from ems.integrations.lookup_breaker import LookupBreaker
+from ems.integrations.vllm.lookups.breaker import LookupBreaker
 
 logger = logging.getLogger("ems.integrations")
 

@@ -30,7 +30,7 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   blocks on their way may ask again) instead of spinning. It fills the step's record
   (`steps.SchedulerStep`: lookups sent, the step's wait, batches answered and their seconds). `close()` stops the threads.
 
-* The step policy (`policy`, `ems.integrations.step_policy`): where it says so (a fast pool, measured), a new lookup
+* The step policy (`policy`, `ems.integrations.vllm.lookups.step_policy`): where it says so (a fast pool, measured), a new lookup
   is asked in `match` itself, on the caller's thread, under what is left of the step's bound
   (`LookupBreaker.lookup_within`), and answered at once; one that times out marks the pool slow and is asked in the
   step's batch instead. Every lookup's latency (in the step or on the lookup thread) feeds the policy.
@@ -43,10 +43,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ems.integrations.block_transfer import EngineHash
-from ems.integrations.lookup_batcher import LookupBatcher
-from ems.integrations.lookup_breaker import LookupBreaker
-from ems.integrations.step_policy import StepPolicy
 from ems.integrations.vllm.context import ConnectorContext
+from ems.integrations.vllm.lookups.batcher import LookupBatcher
+from ems.integrations.vllm.lookups.breaker import LookupBreaker
+from ems.integrations.vllm.lookups.step_policy import StepPolicy
 from ems.integrations.vllm.metadata import IDLE_WAIT_S
 from ems.integrations.vllm.steps import SchedulerStep
 
