@@ -6,7 +6,7 @@ An op that releases the GIL (numpy above its 500-element threshold, numpy's sort
 strided source, every torch op) lets a thread spinning in pure Python take it, and the caller then waits up to the
 interpreter's switch interval (5 ms) to get it back. Each op below is timed alone and beside such a thread (the
 median of `--reps`, each after the busy thread has had its turn); an op that keeps the GIL costs the same both ways.
-The load path's choices follow from these rows (kernels/torch_backend.py, ems/datapath/requests.py). Prints a table and
+The load path's choices follow from these rows (kernels/torch_backend.py, ems/datapath/arguments.py). Prints a table and
 appends it with this command to perf/RESULTS.md.
 """
 

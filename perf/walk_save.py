@@ -43,9 +43,7 @@ def main() -> None:
         from pool_testlib import PoolProcess
 
         nodes = [PoolProcess("64MiB") for _ in range(2)]
-        config = EmsConfig(
-            cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_nodes=[n.address for n in nodes]
-        )
+        config = EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_nodes=[n.address for n in nodes])
     else:
         config = EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_capacity="64MiB")
     Ems.init(config)

@@ -1,6 +1,6 @@
 """`ContextCaching`: the save/load/exists pipeline behind the SDK's calls.
 
-One save: check the arguments (`requests`) → plan keys, values and copies (`planning`) → a `SaveJob` (`jobs`):
+One save: check the arguments (`calls`) → plan keys, values and copies (`planning`) → a `SaveJob` (`jobs`):
 gather → encode → send, each stage recorded → `CcResult(consecutive acknowledged blocks, total)`. A load is a
 `LoadJob`: receive → verify → scatter, writing only the prefix of values that are present and exactly what the
 request expects (header and checksum). On the embedded pool (CPU) both run in one pass over the store's own
@@ -27,21 +27,21 @@ import numpy as np
 import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
-from ems.client.binding import bind_and_plan
 from ems.client.calls import AsyncCalls, Pending
-from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
 from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
+from ems.datapath.arguments import Operation
+from ems.datapath.calls import Call, bind_and_plan, bind_exists, call_result, consecutive_prefix
 from ems.datapath.copier import copier_for
 from ems.datapath.devices import default_raw_device, parse_device
 from ems.datapath.executor import ChunkExecutor
 from ems.datapath.jobs import PoolRoute, Transfer, load_job, save_job
+from ems.datapath.jobs.lookup import run_lookup
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan
-from ems.datapath.requests import Operation, Request
-from ems.datapath.tokens import TokenForm, TokenRequest, call_result
+from ems.datapath.tokens import TokenForm
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
 from ems.records import JobKind, JobLedger, JobRecord, Stage
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ems")
 
-# The argument types of the public call forms (what `requests.bind_request` accepts).
+# The argument types of the public call forms (what `calls.bind_call` accepts).
 IntList = Sequence[int] | np.ndarray | torch.Tensor  # slot_mapping, offsets
 HashList = Sequence[int] | np.ndarray | torch.Tensor  # block hashes: int64 or u64 values
 ChunkDescs = Sequence[Sequence[Sequence[int]]]  # chunk_descs[group][block] = (start_slot, length)
@@ -203,7 +203,7 @@ class ContextCaching:
                 f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
             ) from exc
 
-    def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device]:
+    def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Call, Plan, torch.device]:
         layout = self._layout
         return bind_and_plan(op, args, kwargs, layout, self._v0_namespace, self._v1_namespace, self._raw_device_now)
 
@@ -236,9 +236,9 @@ class ContextCaching:
         if record is None:
             record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
-            request, plan, device = self._bind(Operation.SAVE, args, kwargs)
+            call, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
-        job = save_job(Transfer(plan, device, copier_for(backend, device), request.option, record), self._route())
+        job = save_job(Transfer(plan, device, copier_for(backend, device), call.option, record), self._route())
         with _EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
@@ -247,7 +247,7 @@ class ContextCaching:
             successes = consecutive_prefix(outcome.results)
             self._raise_if_unreachable(outcome, successes)
             self._job_done(record.finish(successes, plan.total, plan.expected.payload_bytes()))
-            return call_result(request, successes, plan.total)
+            return call_result(call, successes, plan.total)
 
         return finish, job.abandon
 
@@ -308,19 +308,19 @@ class ContextCaching:
 
     # ---------------------------------------------------------------- load
 
-    def _load(self, request: Request | TokenRequest, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
+    def _load(self, call: Call, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
         copier = copier_for(self._backend_for(device), device)
-        job = load_job(Transfer(plan, device, copier, request.option, record), self._route())
+        job = load_job(Transfer(plan, device, copier, call.option, record), self._route())
         loaded = job.run()
         self._raise_if_unreachable(loaded.outcome, loaded.hits)
         self._job_done(record.finish(loaded.hits, plan.total, plan.expected.payload_bytes(0, loaded.hits)))
-        return call_result(request, loaded.hits, plan.total)
+        return call_result(call, loaded.hits, plan.total)
 
-    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Request | TokenRequest, Plan, torch.device, JobRecord]:
+    def _bind_load(self, args: tuple, kwargs: dict) -> tuple[Call, Plan, torch.device, JobRecord]:
         record = JobRecord(JobKind.LOAD, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
-            request, plan, device = self._bind(Operation.LOAD, args, kwargs)
-        return request, plan, device, record
+            call, plan, device = self._bind(Operation.LOAD, args, kwargs)
+        return call, plan, device, record
 
     @overload
     def load(
@@ -342,9 +342,9 @@ class ContextCaching:
         `success` is the number of blocks (the token form: tokens), from the first, that were found and verified:
         exactly those are written; nothing after the first miss is touched."""
         with self._calls:
-            request, plan, device, record = self._bind_load(args, kwargs)
+            call, plan, device, record = self._bind_load(args, kwargs)
             with _EmsErrors(self._metrics.record_error):
-                return self._load(request, plan, device, record)
+                return self._load(call, plan, device, record)
 
     @overload
     def async_load(
@@ -369,8 +369,8 @@ class ContextCaching:
             return self._async.start(lambda: self._pending_load(args, kwargs))
 
     def _pending_load(self, args: tuple, kwargs: dict) -> Pending:
-        request, plan, device, record = self._bind_load(args, kwargs)
-        return Pending(lambda: self._load(request, plan, device, record), record)
+        call, plan, device, record = self._bind_load(args, kwargs)
+        return Pending(lambda: self._load(call, plan, device, record), record)
 
     # ---------------------------------------------------------------- futures (`ems.client.calls.AsyncCalls`)
 
@@ -388,10 +388,14 @@ class ContextCaching:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
         A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising. This package's
-        additions, `lease_ms=N` and `pin=True` (keep what is reported from eviction): `ems.client.lookup`."""
+        additions, `lease_ms=N` and `pin=True` (keep what is reported from eviction): `ems.datapath.jobs.lookup`."""
         with self._calls:
+            call = bind_exists(hashes, option, kwargs)
             v1_namespace = self._v1_namespace if self._layout is not None else None
-            return count_held(self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace)
+            outcome = run_lookup(self._pool, call, self._v0_namespace, v1_namespace)
+            if not outcome.pool_raised:  # (a pool that raised answered nothing: not counted)
+                self._metrics.record_exists(outcome.result.success, outcome.result.total)
+            return outcome.result
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -22,11 +22,12 @@ import logging
 
 import torch
 
+from ems.datapath.arguments import Operation, SlotCall
+from ems.datapath.calls import bind_call
 from ems.datapath.copier import copier_for
 from ems.datapath.jobs import EmbeddedLoad, EmbeddedSave, Transfer
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import BlockPlan, plan_blocks
-from ems.datapath.requests import Operation, RawRequest, bind_request
 from ems.kernels import CopyBackend
 from ems.records import JobKind, JobRecord
 from ems.store.kv_store import KvStore
@@ -50,10 +51,10 @@ def warm_small_calls(layout: RegisteredLayout, backend: CopyBackend) -> None:
 
 
 def _one_block_plan(layout: RegisteredLayout, op: Operation, slots: torch.Tensor | list[int], block_hash: int) -> BlockPlan:
-    request = bind_request(op, (slots, [block_hash], [len(slots)]), {}, layout)
-    if isinstance(request, RawRequest):  # not for these arguments; kept for type narrowing
-        raise TypeError("a V1 request was expected")
-    return plan_blocks(request, layout, _SCRATCH_NAMESPACE)
+    call = bind_call(op, (slots, [block_hash], [len(slots)]), {}, layout)
+    if not isinstance(call, SlotCall):  # not for these arguments; kept for type narrowing
+        raise TypeError("a V1 slot_mapping call was expected")
+    return plan_blocks(call, layout, _SCRATCH_NAMESPACE)
 
 
 def _first_block_tokens(layout: RegisteredLayout) -> int:

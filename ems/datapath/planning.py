@@ -1,4 +1,4 @@
-"""Request planning: a checked request → storage keys, expected values and the copy plan (host, numpy).
+"""Call planning: a checked call → storage keys, expected values and the copy plan (host, numpy).
 
 A plan is data (keys, expected values, value places, piece tables or device ranges): nothing in it executes; the
 job's copier (`ems.datapath.copier`) runs it.
@@ -9,7 +9,7 @@ is `header | part of group 0 | part of group 1 | ...`, and block i's part of gro
 plane-major, `[planes][n][row]` (planes may differ in row size and dtype: MLA split K/V). Where a plane's rows are
 contiguous in the engine's cache, the rows of one (block, plane) are thus ONE span on both sides, and the copy
 backends move whole spans (`CopyBackend.gather_pieces`); where the engine's cache keeps each block's planes together
-in that same order (cross-layer blocks, `PlaneSet.block_runs`), a request of whole-block values moves one run per
+in that same order (cross-layer blocks, `PlaneSet.block_runs`), a call of whole-block values moves one run per
 block (`GroupRegion.planes` are then the block runs). The header's 40 bytes are left for the save job to fill,
 so a value goes to the pool as one buffer without any repacking. The same per-value piece tables let a job gather
 one value straight into the store's buffer, or scatter straight from a stored value (`Copier.gather_value` /
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
+from ems.datapath.arguments import ChunkCall, RawCall, SlotCall
 from ems.datapath.keys import FORM_V1, v0_keys, v1_keys
 from ems.datapath.layout import LayerGroup, RegisteredLayout
-from ems.datapath.requests import ChunkRequest, RawRequest, SlotRequest
 from ems.kernels.base import PlaneSet
 from ems.kernels.plan import block_run_pieces, value_pieces
 from ems.store.value_format import (
@@ -66,7 +66,7 @@ def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class GroupRegion:
-    """One layer group's pieces in every value of a request: pieces of the group's planes, or, where the group
+    """One layer group's pieces in every value of a call: pieces of the group's planes, or, where the group
     keeps each block's planes together (cross-layer blocks) and every value is one whole block, pieces of its
     `block_runs` (one run per block: one copy each)."""
 
@@ -94,7 +94,7 @@ class GroupRegion:
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """A V1 request: one value per block hash."""
+    """A V1 call: one value per block hash."""
 
     keys: list[bytes]
     route_keys: list[bytes]
@@ -131,12 +131,12 @@ class BlockPlan:
 
 @dataclass(frozen=True)
 class RawPlan:
-    """A V0 request: value i is the concatenation of its device ranges."""
+    """A V0 call: value i is the concatenation of its device ranges."""
 
     keys: list[bytes]
     route_keys: list[bytes]
     expected: ExpectedValues
-    request: RawRequest
+    call: RawCall
     value_start: np.ndarray  # int64 [n + 1]: byte offsets of each value in staging
     staging_bytes: int
 
@@ -162,7 +162,7 @@ class RawPlan:
 
     def segments_of(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Values a..b-1's device ranges, in order: pointers and lengths (int64 tensors)."""
-        r = self.request
+        r = self.call
         s, e = int(r.seg_start[a]), int(r.seg_start[b])
         return torch.from_numpy(r.ptrs[s:e]), torch.from_numpy(r.lengths[s:e])
 
@@ -171,9 +171,9 @@ Plan = BlockPlan | RawPlan
 
 
 @dataclass(frozen=True)
-class _RequestShape:
+class _CallShape:
     """What a V1 plan derives from its tokens per block and group alone (not from slots or keys): the part that
-    repeats from step to step (an engine saves and loads requests of the same few shapes), so it is computed once
+    repeats from step to step (an engine saves and loads calls of the same few shapes), so it is computed once
     per shape (`_shape_of`) and the arrays are shared, read-only, by every plan of that shape."""
 
     payload_len: np.ndarray  # int64 [n]
@@ -184,11 +184,11 @@ class _RequestShape:
     staging_bytes: int
 
 
-_SHAPES: dict[tuple[int, bytes], _RequestShape] = {}
+_SHAPES: dict[tuple[int, bytes], _CallShape] = {}
 _MAX_SHAPES = 256  # a bounded cache: an engine uses a few shapes; anything else is recomputed
 
 
-def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
+def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _CallShape:
     """The shape part of a plan for per-block token counts `counts` (int64 `[n, G]`), from the cache if seen."""
     key = (layout.signature, counts.tobytes())
     shape = _SHAPES.get(key)
@@ -200,7 +200,7 @@ def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
     value_start = VALUE_LEAD + exclusive_cumsum((HEADER_SIZE + payload_len + ALIGN - 1) // ALIGN * ALIGN)
     part_offset = HEADER_SIZE + np.cumsum(part_bytes, axis=1) - part_bytes
     token_start = np.stack([exclusive_cumsum(counts[:, g]) for g in range(counts.shape[1])])
-    shape = _RequestShape(
+    shape = _CallShape(
         payload_len, value_start, part_offset, token_start, tokens_digest(counts), max(int(value_start[-1]), ALIGN)
     )
     for array in (shape.payload_len, shape.value_start, shape.part_offset, shape.token_start, shape.tokens_digest):
@@ -211,30 +211,28 @@ def _shape_of(counts: np.ndarray, layout: RegisteredLayout) -> _RequestShape:
     return shape
 
 
-_ONE_PIECE_START = np.arange(2, dtype=np.int64)  # a one-value request of one piece (shared: read-only)
+_ONE_PIECE_START = np.arange(2, dtype=np.int64)  # a one-value call of one piece (shared: read-only)
 _ONE_PIECE_START.flags.writeable = False
 
 
 _MAX_ONE_RUN_PLANS = 4096  # per layout: a bounded cache (an engine's blocks times a few token counts)
 
 
-def plan_blocks(
-    request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes, form: bytes = FORM_V1
-) -> BlockPlan:
-    """A V1 request's plan: block i is stored under `request.hashes[i]` in `namespace` and the key form `form`
+def plan_blocks(call: SlotCall | ChunkCall, layout: RegisteredLayout, namespace: bytes, form: bytes = FORM_V1) -> BlockPlan:
+    """A V1 call's plan: block i is stored under `call.hashes[i]` in `namespace` and the key form `form`
     (`keys.v1_keys`)."""
-    keys, route_keys = v1_keys(namespace, request.hashes, form)
-    one_run = request.one_run if isinstance(request, SlotRequest) else None
+    keys, route_keys = v1_keys(namespace, call.hashes, form)
+    one_run = call.one_run if isinstance(call, SlotCall) else None
     if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
         cached = layout.one_run_plans.get(one_run)
         if cached is None:
-            cached = _shape_and_regions(request, layout)
+            cached = _shape_and_regions(call, layout)
             if len(layout.one_run_plans) >= _MAX_ONE_RUN_PLANS:
                 layout.one_run_plans.clear()
             layout.one_run_plans[one_run] = cached
         shape, regions = cached
     else:
-        shape, regions = _shape_and_regions(request, layout)
+        shape, regions = _shape_and_regions(call, layout)
     expected = ExpectedValues(
         kind=ValueKind.BLOCKS_V1,
         layout_sig=layout.signature,
@@ -244,19 +242,19 @@ def plan_blocks(
     return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
 
 
-def _shape_and_regions(request: SlotRequest | ChunkRequest, layout: RegisteredLayout) -> tuple[_RequestShape, list[GroupRegion]]:
-    """What a plan derives from the request's slots and token counts (not its keys): its shape and, per layer
+def _shape_and_regions(call: SlotCall | ChunkCall, layout: RegisteredLayout) -> tuple[_CallShape, list[GroupRegion]]:
+    """What a plan derives from the call's slots and token counts (not its keys): its shape and, per layer
     group, its pieces (read-only: shared by the plans of a cached run)."""
-    n = request.total
+    n = call.total
     groups = layout.groups
-    if isinstance(request, SlotRequest):
-        counts = np.repeat(request.offsets[:, None], len(groups), axis=1) if len(groups) > 1 else request.offsets[:, None]
+    if isinstance(call, SlotCall):
+        counts = np.repeat(call.offsets[:, None], len(groups), axis=1) if len(groups) > 1 else call.offsets[:, None]
     else:
-        counts = np.ascontiguousarray(request.lengths.T)
+        counts = np.ascontiguousarray(call.lengths.T)
     shape = _shape_of(counts, layout)
     regions: list[GroupRegion] = []
     for g, group in enumerate(groups):
-        slots = request.slots if isinstance(request, SlotRequest) else _expand_runs(request.starts[g], request.lengths[g])
+        slots = call.slots if isinstance(call, SlotCall) else _expand_runs(call.starts[g], call.lengths[g])
         planes = group.planes
         table, value = value_pieces(slots, planes.block_size, shape.token_start[g], shape.part_offset[:, g])
         runs = planes.block_runs
@@ -274,15 +272,15 @@ def _shape_and_regions(request: SlotRequest | ChunkRequest, layout: RegisteredLa
     return shape, regions
 
 
-def plan_raw(request: RawRequest, namespace: bytes) -> RawPlan:
-    keys, route_keys = v0_keys(namespace, request.keys)
-    seg_bytes = exclusive_cumsum(request.lengths)
-    value_start = seg_bytes[request.seg_start]
+def plan_raw(call: RawCall, namespace: bytes) -> RawPlan:
+    keys, route_keys = v0_keys(namespace, call.keys)
+    seg_bytes = exclusive_cumsum(call.lengths)
+    value_start = seg_bytes[call.seg_start]
     payload_len = np.diff(value_start)
     expected = ExpectedValues(
         kind=ValueKind.RAW_V0,
         layout_sig=0,
-        tokens_digest=np.zeros(request.total, dtype=np.uint64),
+        tokens_digest=np.zeros(call.total, dtype=np.uint64),
         payload_len=payload_len,
     )
-    return RawPlan(keys, route_keys, expected, request, value_start, max(_align(int(value_start[-1])), ALIGN))
+    return RawPlan(keys, route_keys, expected, call, value_start, max(_align(int(value_start[-1])), ALIGN))

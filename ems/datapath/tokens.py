@@ -5,7 +5,7 @@ The call: `save(slot_mapping, option=None, token_ids=..., mask=...)`, the same f
 `token_ids` and `mask` have one length n >= 1: token t is `token_ids[t]`, lives at slot `slot_mapping[t]`, and
 `mask[t]` is 0 for the prefix the engine already holds and 1 for the suffix to copy (0…0 1…1: ints 0 and 1, or
 bools). `token_ids` is a list of ints or an integer tensor on any device. `bind_tokens` checks all of it with the
-checks of `ems.datapath.requests` (every slot inside the registered cache; a load writes no slot twice) before
+checks of `ems.datapath.arguments` (every slot inside the registered cache; a load writes no slot twice) before
 anything moves; a refusal is `EMS_INVALID_ARGUMENT` naming the argument and the index.
 
 Blocks and keys. Token t belongs to block t // B, B = the registered store block size (the smallest over layer
@@ -42,21 +42,20 @@ import numpy as np
 import torch
 import xxhash
 
+from ems.datapath.arguments import (
+    V1_NAMES,
+    Operation,
+    SlotCall,
+    bind_names,
+    check_no_repeats,
+    checked_option,
+    first_index,
+    int_array,
+    min_max_sum,
+)
 from ems.datapath.keys import FORM_TOKENS
 from ems.datapath.layout import RegisteredLayout
 from ems.datapath.planning import BlockPlan, GroupRegion, plan_blocks
-from ems.datapath.requests import (
-    _V1_NAMES,
-    Operation,
-    Request,
-    SlotRequest,
-    _bind_names,
-    _check_no_repeats,
-    _first,
-    _min_max_sum,
-    _option,
-    int_array,
-)
 from ems.errors import invalid_argument
 from ems.kernels.host_copy import host_copy
 from ems.kernels.plan import plane_pieces_of_runs
@@ -77,7 +76,7 @@ class TokenForm(TypedDict):
 
 
 @dataclass(frozen=True)
-class TokenRequest:
+class TokenCall:
     """A checked token-form call: n tokens, the first `masked` of them held by the engine already."""
 
     option: CcKvOption
@@ -104,11 +103,11 @@ def is_token_form(kwargs: dict) -> bool:
     return "token_ids" in kwargs or "mask" in kwargs
 
 
-def bind_tokens(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayout | None) -> TokenRequest:
-    """The token-form request the arguments describe, fully checked against `layout` (None before registration)."""
+def bind_tokens(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayout | None) -> TokenCall:
+    """The token-form call the arguments describe, fully checked against `layout` (None before registration)."""
     if (args and isinstance(args[0], CcKvOption)) or "key_list" in kwargs or "value_list" in kwargs:
         raise invalid_argument(f"{op.value}(): token_ids and mask are the V1 token form; not with V0 arguments")
-    b = _bind_names(op.value, _V1_NAMES, args, kwargs, extra=("chunk_descs", *TOKEN_ARGUMENTS))
+    b = bind_names(op.value, V1_NAMES, args, kwargs, extra=("chunk_descs", *TOKEN_ARGUMENTS))
     if layout is None:
         raise invalid_argument(f"{op.value}(): V1 calls need register_kvcache() first")
     for name in _HASH_FORM_ARGUMENTS:
@@ -120,7 +119,7 @@ def bind_tokens(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayo
     for name in ("slot_mapping", *TOKEN_ARGUMENTS):
         if b.get(name) is None:
             raise invalid_argument(f"{op.value}(): {name} is required for the token form (slot_mapping + token_ids + mask)")
-    option = _option(b.get("option"), required=False)
+    option = checked_option(b.get("option"), required=False)
     slots = int_array("slot_mapping", b["slot_mapping"])
     n = slots.size
     if n == 0:
@@ -130,13 +129,13 @@ def bind_tokens(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayo
         raise invalid_argument(f"len(token_ids) ({tokens.size}) != len(slot_mapping) ({n})")
     masked = mask_prefix(b["mask"], n)
     num_slots = layout.min_num_slots
-    low, high, _ = _min_max_sum(slots)
+    low, high, _ = min_max_sum(slots)
     if low < 0 or high >= num_slots:
-        i = _first((slots < 0) | (slots >= num_slots))
+        i = first_index((slots < 0) | (slots >= num_slots))
         raise invalid_argument(f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})")
     if op is Operation.LOAD:  # the slots a load writes: the mask-1 tokens'
-        _check_no_repeats("slot_mapping", slots[masked:], masked)
-    return TokenRequest(option, slots, np.ascontiguousarray(tokens), masked, layout.min_store_block_size, op)
+        check_no_repeats("slot_mapping", slots[masked:], masked)
+    return TokenCall(option, slots, np.ascontiguousarray(tokens), masked, layout.min_store_block_size, op)
 
 
 def mask_prefix(value: object, n: int) -> int:
@@ -169,12 +168,12 @@ def mask_prefix(value: object, n: int) -> int:
                 raise invalid_argument(f"mask[{i}] must be 0 or 1, got {type(item).__name__} {item!r}")
         raise invalid_argument(f"mask must hold 0 and 1, got {array.dtype} values")
     if array.dtype.kind != "b" and (int(array.min()) < 0 or int(array.max()) > 1):
-        i = _first((array < 0) | (array > 1))
+        i = first_index((array < 0) | (array > 1))
         raise invalid_argument(f"mask[{i}] = {array[i].item()!r} must be 0 or 1")
     masked = n - int(np.count_nonzero(array))
     if array[:masked].any():
         ones = array.astype(bool)
-        i = _first(ones[:-1] & ~ones[1:]) + 1
+        i = first_index(ones[:-1] & ~ones[1:]) + 1
         raise invalid_argument(
             f"mask[{i}] = 0 follows a 1: the mask is 0 for the prefix the engine holds, then 1 to the end (0…0 1…1)"
         )
@@ -202,25 +201,25 @@ def chain_digests_in_python(tokens: np.ndarray, block_size: int) -> np.ndarray:
     return np.frombuffer(bytes(out), dtype=np.uint8).reshape(-1, 16)
 
 
-def plan_tokens(request: TokenRequest, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
+def plan_tokens(call: TokenCall, layout: RegisteredLayout, namespace: bytes) -> BlockPlan:
     """The plan of a token-form call: a V1 plan of the blocks it moves, keyed by their digests (`FORM_TOKENS`);
     a load's first block writes only its mask-1 tokens."""
-    n, size, first = request.slots.size, request.block_size, request.first_block
-    if request.masked == n:  # nothing asked for: a plan of no values
+    n, size, first = call.slots.size, call.block_size, call.first_block
+    if call.masked == n:  # nothing asked for: a plan of no values
         slots = np.zeros(0, dtype=np.int64)
-        return plan_blocks(SlotRequest(request.option, [], slots, slots), layout, namespace, FORM_TOKENS)
-    digests = chain_digests(request.tokens, size)[first:]
+        return plan_blocks(SlotCall(call.option, [], slots, slots), layout, namespace, FORM_TOKENS)
+    digests = chain_digests(call.tokens, size)[first:]
     blob = digests.tobytes()
     hashes = [int.from_bytes(blob[i : i + 16], "big") for i in range(0, len(blob), 16)]
     offsets = np.full(len(hashes), size, dtype=np.int64)
     offsets[-1] = n - (first + len(hashes) - 1) * size
-    slots = request.slots[first * size :]
+    slots = call.slots[first * size :]
     one_run = None
     if len(hashes) == 1 and slots.tolist() == list(range(int(slots[0]), int(slots[0]) + slots.size)):
         one_run = (int(slots[0]), slots.size)
-    plan = plan_blocks(SlotRequest(request.option, hashes, slots, offsets, one_run), layout, namespace, FORM_TOKENS)
-    skip = request.masked - first * size
-    if request.op is Operation.LOAD and skip:
+    plan = plan_blocks(SlotCall(call.option, hashes, slots, offsets, one_run), layout, namespace, FORM_TOKENS)
+    skip = call.masked - first * size
+    if call.op is Operation.LOAD and skip:
         plan = dataclasses.replace(plan, regions=[_without_leading_tokens(region, skip) for region in plan.regions])
     return plan
 
@@ -246,11 +245,3 @@ def _without_leading_tokens(region: GroupRegion, skip: int) -> GroupRegion:
     piece_start[1:] -= end - kept.shape[1]
     piece_value = np.concatenate([region.piece_value[:end][keep], region.piece_value[end:]])
     return GroupRegion(region.group, planes, pieces, piece_start, piece_value)
-
-
-def call_result(request: Request | TokenRequest, blocks_done: int, blocks: int) -> CcResult:
-    """A call's `CcResult` when `blocks_done` of its `blocks` values succeeded consecutively from the first: blocks
-    (keys) for the hash forms and V0, tokens for the token form."""
-    if isinstance(request, TokenRequest):
-        return request.result(blocks_done)
-    return CcResult(blocks_done, blocks)

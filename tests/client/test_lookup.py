@@ -1,4 +1,4 @@
-"""`exists` when pool nodes fail (`ems.client.lookup`): what it reports, and what it logs about the failed nodes.
+"""`exists` when pool nodes fail (`ems.datapath.jobs.lookup`): what it reports, and what it logs about the failed nodes.
 
 Over real in-process stores behind `FaultyNode`s (no read cache in front of in-process nodes: every key is asked of
 a node), one of them failing every call."""

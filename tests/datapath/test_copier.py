@@ -13,10 +13,11 @@ from ems_testlib import assert_cache_equals, expected_after_load, make_cache, po
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ems.datapath.arguments import Operation
+from ems.datapath.calls import bind_call
 from ems.datapath.copier import FusedCopier, Gathered, SeparateCopier, copier_for, encode_values
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
-from ems.datapath.requests import Operation, bind_request
 from ems.datapath.values import ReceivedValues
 from ems.kernels import get_backend
 from ems.kernels.base import Fusion
@@ -56,7 +57,7 @@ def test_both_copiers_write_the_same_verified_prefix(data):
     if len(slots) < sum(offsets):
         return
     layout = register_layout(cache, None)
-    plan = plan_blocks(bind_request(Operation.SAVE, (slots, list(range(n)), offsets), {}, layout), layout, b"ns")
+    plan = plan_blocks(bind_call(Operation.SAVE, (slots, list(range(n)), offsets), {}, layout), layout, b"ns")
     staged = []
     for copier in (separate, fused):  # the same stored values from either gather
         staging = torch.zeros(plan.staging_bytes, dtype=torch.uint8)

@@ -17,10 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems import CcConfig, Ems, EmsConfig
+from ems.datapath.arguments import Operation
+from ems.datapath.calls import bind_call
 from ems.datapath.copier import Gathered, copier_for, encode_values
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
-from ems.datapath.requests import Operation, bind_request
 from ems.kernels import get_backend
 from ems.records import JobKind, Stage, stage_table
 from ems.store.kv_store import KvStore
@@ -86,7 +87,7 @@ def test_a_damaged_value_stops_the_one_pass_load_there(cc, where):
 
 def _planned(cache, slots, hashes, offsets):
     layout = register_layout(cache, None)
-    request = bind_request(Operation.SAVE, (slots, hashes, offsets), {}, layout)
+    request = bind_call(Operation.SAVE, (slots, hashes, offsets), {}, layout)
     return plan_blocks(request, layout, b"ns")
 
 

@@ -35,10 +35,11 @@ from ems_testlib import (
 
 from ems import CcKvOption, CcResult, EmsException, KvBufferWrapper, PrimaryKey
 from ems.config import parse_size
+from ems.datapath.arguments import Operation
+from ems.datapath.calls import bind_call
 from ems.datapath.copier import Copier, FusedCopier
 from ems.datapath.jobs import FENCE_GRACE_S, plan_chunks
 from ems.datapath.planning import BlockPlan, plan_blocks
-from ems.datapath.requests import Operation, bind_request
 from ems.records import JobKind, Stage
 from ems.transport.shm.client import ShmMode
 from ems.transport.ucx.client import UcxNode
@@ -106,7 +107,7 @@ def connect(request):
 
 def _plan(cc, slots, hashes, offsets) -> BlockPlan:
     """White-box: the plan a call makes (its keys and chunks)."""
-    request = bind_request(Operation.LOAD, (slots, hashes, offsets), {}, cc._layout)
+    request = bind_call(Operation.LOAD, (slots, hashes, offsets), {}, cc._layout)
     return plan_blocks(request, cc._layout, cc._v1_namespace)
 
 

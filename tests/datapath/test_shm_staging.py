@@ -162,8 +162,9 @@ def test_a_value_the_load_refuses_stops_it_there_while_values_are_placed(client,
     blocks before it are exact and nothing at or after it is written."""
     from ems_testlib import store_refused_value
 
+    from ems.datapath.arguments import Operation
+    from ems.datapath.calls import bind_call
     from ems.datapath.planning import plan_blocks
-    from ems.datapath.requests import Operation, bind_request
     from ems.kernels.base import PlacedStop
 
     cc, _ = client
@@ -173,7 +174,7 @@ def test_a_value_the_load_refuses_stops_it_there_while_values_are_placed(client,
     kept = hashes if how != "missing" else hashes[:bad]
     kept_slots = slots_of_blocks(list(range(len(kept))), BS, offsets[: len(kept)])
     assert cc.save(kept_slots, kept, offsets[: len(kept)]) == CcResult(len(kept), len(kept))
-    plan = plan_blocks(bind_request(Operation.LOAD, (slots, hashes, offsets), {}, cc._layout), cc._layout, cc._v1_namespace)
+    plan = plan_blocks(bind_call(Operation.LOAD, (slots, hashes, offsets), {}, cc._layout), cc._layout, cc._v1_namespace)
     if how != "missing":
         store_refused_value(node.address, plan.keys[bad], plan.route_keys[bad], plan, bad, how)
     _round_trip_prefix = slots_of_blocks(list(range(bad)), BS, offsets[:bad])

@@ -11,14 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems import EmsException
+from ems.datapath.arguments import Operation, int_array
+from ems.datapath.calls import bind_call
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import _MAX_ONE_RUN_PLANS, BlockPlan, _shape_and_regions, plan_blocks
-from ems.datapath.requests import Operation, bind_request, int_array
 from ems.store.value_format import ExpectedValues, ValueKind
 
 
 def _plan(layout, slots, hashes, offsets) -> BlockPlan:
-    request = bind_request(Operation.SAVE, (slots, hashes, offsets), {}, layout)
+    request = bind_call(Operation.SAVE, (slots, hashes, offsets), {}, layout)
     return plan_blocks(request, layout, b"ns")
 
 
@@ -48,7 +49,7 @@ def test_one_run_plans_from_the_cache_equal_fresh_ones(data: st.DataObject) -> N
     shorter = slots[:-1] or slots  # a run from the same slot, one token shorter: a different plan
     for run, hashes in ((slots, [1]), (slots, [2]), (shorter, [3])):  # the second call hits the cache
         plan = _plan(layout, run, hashes, [len(run)])
-        request = bind_request(Operation.SAVE, (run, hashes, [len(run)]), {}, layout)
+        request = bind_call(Operation.SAVE, (run, hashes, [len(run)]), {}, layout)
         shape, regions = _shape_and_regions(request, layout)
         fresh = BlockPlan(plan.keys, plan.route_keys, plan.expected, regions, shape.value_start, shape.staging_bytes)
         _same_plan(plan, fresh)

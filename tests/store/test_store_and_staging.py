@@ -15,9 +15,10 @@ from ems_testlib import direct_cc, make_cache, slots_of_blocks
 from fault_injection import damage
 
 from ems.buffers import POPULATE_STEP, SpareCpuPacer
+from ems.datapath.arguments import Operation
+from ems.datapath.calls import bind_call
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
-from ems.datapath.requests import Operation, bind_request
 from ems.staging import MIN_BUFFER, StagingPool
 from ems.store import arena
 from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
@@ -207,7 +208,7 @@ def test_store_buffers_put_each_payload_on_a_cache_line(prefault):
         assert np.shares_memory(again, buffer) and store.stats().reused_buffers >= 1
         store.recycle(again, reserve)
     layout = register_layout(make_cache(layers=2, blocks=8, block_size=4, heads=1, head_size=8), None)
-    request = bind_request(Operation.SAVE, (slots_of_blocks([1, 3, 4], 4, [4, 3, 4]), [1, 2, 3], [4, 3, 4]), {}, layout)
+    request = bind_call(Operation.SAVE, (slots_of_blocks([1, 3, 4], 4, [4, 3, 4]), [1, 2, 3], [4, 3, 4]), {}, layout)
     plan = plan_blocks(request, layout, b"ns")
     assert ((plan.value_start[:-1] + HEADER_SIZE) % 64 == 0).all()
 
