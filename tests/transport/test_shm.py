@@ -368,6 +368,26 @@ def test_requests_travel_on_the_region_channel_not_on_ucx(shared_node, node_clie
     assert (spy.channel, spy.ucx) == (2, 0)
 
 
+def test_a_lookup_travels_on_the_region_channel_with_its_hold(shared_node, node_clients, monkeypatch):
+    """Once the region is open, a same-host EXISTS is one request on the region's socket (no UCX post), answers as
+    over UCX, and keeps what it asks to keep: a lease holds the key found, a pin too; a key not found is not held.
+    Before a region exists a lookup goes over UCX and does not open one."""
+    from ems.transport.holds import Hold
+
+    fresh = node_clients(shared_node.address)
+    assert fresh.exists([b"nothing-yet"], 5.0) == [False]
+    assert fresh.shm is not None and fresh.shm._region is None  # a lookup opens no region
+    node = node_clients(shared_node.address)
+    assert node.put([b"look-1", b"look-2"], [_value(100, 1), _value(200, 2)], 5.0) == [True, True]
+    spy = _ChannelSpy(node, monkeypatch)
+    assert node.exists([b"look-1", b"look-missing", b"look-2"], 5.0) == [True, False, True]
+    assert node.exists([b"look-2"], 5.0, Hold.lease(1000)) == [True]
+    assert node.exists([b"look-1", b"look-missing"], 5.0, Hold.pin()) == [True, False]
+    assert (spy.channel, spy.ucx) == (3, 0)
+    out = np.empty(len(joined(_value(200, 2))), np.uint8)
+    assert node.get_into([b"look-2"], [out], 5.0) == [True] and out.tobytes() == joined(_value(200, 2))
+
+
 def test_calls_in_flight_at_once_all_travel_on_the_channel(shared_node, node_clients, monkeypatch):
     """Up to CHANNEL_IN_FLIGHT calls at once share the region's channel (replies told apart by request id, in any
     order): none of them posts on UCX, and every value comes back byte-exact to the call that asked for it."""
@@ -512,12 +532,15 @@ def test_the_node_answers_requests_in_flight_by_their_ids_and_ends_the_channel_o
     [
         b"\x00" * 32,  # not a header
         "open",  # a well-formed header of an op the channel does not carry
+        "ping",  # another op the channel does not carry
+        "inline-exists",  # an op it carries, in UCX's inline framing
+        "pin-get",  # a flag the op does not define
         "huge",  # a header announcing a meta past the protocol's limit
     ],
-    ids=["zeros", "open", "huge"],
+    ids=["zeros", "open", "ping", "inline-exists", "pin-get", "huge"],
 )
 def test_junk_on_the_channel_closes_it_and_the_client_recovers(shared_node, node_clients, junk):
-    """A client that writes anything but an SHM_GET / SHM_PUT on its channel loses the channel (and its connection,
+    """A client that writes anything but an SHM_GET, SHM_PUT or EXISTS on its channel loses the channel (and its connection,
     at its next call); the node keeps serving, and the client's next connection has a working region."""
     from ems.transport import protocol
 
@@ -526,6 +549,21 @@ def test_junk_on_the_channel_closes_it_and_the_client_recovers(shared_node, node
     old = _region(node)
     if junk == "open":
         junk = protocol.pack_header(protocol.Op.SHM_OPEN, request_id=1).tobytes()
+    elif junk == "ping":
+        junk = protocol.pack_header(protocol.Op.PING, request_id=1).tobytes()
+    elif junk == "inline-exists":
+        meta = protocol.encode_keys_meta([b"j"])
+        head = protocol.pack_header(
+            protocol.Op.EXISTS,
+            count=1,
+            meta_len=len(meta),
+            request_id=1,
+            flags=protocol.Flags.INLINE,
+            meta_end=protocol.end_byte(meta),
+        )
+        junk = head.tobytes() + meta
+    elif junk == "pin-get":
+        junk = protocol.pack_header(protocol.Op.SHM_GET, request_id=1, flags=protocol.Flags.PIN).tobytes()
     elif junk == "huge":
         junk = protocol.pack_header(protocol.Op.SHM_GET, count=1, meta_len=protocol.MAX_META_BYTES + 1, request_id=1).tobytes()
     old.channel._sock.setblocking(True)

@@ -2,10 +2,11 @@
 
 Contract:
 * After the hand-over (`shm.server`, `shm.client`) the socket stays open, one per region, and carries that region's
-  data requests: the same 32-byte header and meta as on UCX (`protocol.pack_header`; no data frames, count and
+  data requests and the connection's lookups (EXISTS, with its LEASE or PIN flag; the node answers it as on UCX):
+  the same 32-byte header and meta as on UCX (`protocol.pack_header`; no data frames, count and
   request id as there), the reply a header (op | REPLY, status, count, meta length) and its meta. The socket's
   peer was proven at the hand-over (token, SO_PEERCRED both ways), so a request on it belongs to the region's
-  connection and tenant; only SHM_GET and SHM_PUT travel on it, and the node serves them as it serves the same
+  connection and tenant; only SHM_GET, SHM_PUT and EXISTS travel on it, and the node serves them as it serves the same
   ops on UCX. Up to `CHANNEL_IN_FLIGHT` requests are in flight on it at once, told apart by their request ids (an
   id is not reused while its request is in flight: the node ends the channel if it is); a client call takes one of
   the channel's slots for its whole request, and one that finds none free goes over UCX. The node serves the
@@ -41,7 +42,10 @@ from ems.transport import protocol
 _MSG_DONTWAIT = 0x40
 _MSG_NOSIGNAL = 0x4000
 _MAX_POLL_MS = 60_000
-_SHM_DATA_OPS = frozenset({int(protocol.Op.SHM_GET), int(protocol.Op.SHM_PUT)})
+# what travels on a channel: the region's data requests, and lookups (a same-host EXISTS costs a socket round trip
+# here, against UCX's posts and progress thread: perf/RESULTS.md, "exists over the region's channel")
+CHANNEL_OPS = frozenset({int(protocol.Op.SHM_GET), int(protocol.Op.SHM_PUT), int(protocol.Op.EXISTS)})
+_NOT_ON_A_CHANNEL = int(protocol.Flags.INLINE)  # a UCX framing: never on a channel
 CHANNEL_IN_FLIGHT = 8  # requests in flight on one region's channel (the node serves them at once, in this bound)
 
 _libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: these calls keep the GIL (never block: MSG_DONTWAIT)
@@ -52,7 +56,12 @@ _libc.recv.restype = ctypes.c_ssize_t
 
 
 class ChannelTimeout(Exception):
-    """No reply within the call's deadline."""
+    """No reply within the call's deadline. `mid_frame`: it struck with part of a frame sent or read, so the socket's
+    stream is out of step (the channel cannot go on)."""
+
+    def __init__(self, mid_frame: bool = False) -> None:
+        super().__init__("mid-frame" if mid_frame else "between frames")
+        self.mid_frame = mid_frame
 
 
 class ChannelClosed(Exception):
@@ -81,8 +90,16 @@ class ClientChannel:
         self._waiting: dict[int, threading.Event] = {}
         self._replies: dict[int, tuple[protocol.Header, bytes]] = {}  # read by the reader for another waiter
         self._reading = False  # a waiter is reading replies off the socket for everyone
+        # requests given up at their deadline with the stream in step (`request(..., keep_on_timeout=True)`): their
+        # late replies are read and dropped; each holds a place of the node's in-flight bound until then
+        self._abandoned: set[int] = set()
         self._failure: str | None = None  # the channel is spent: why (every request on it raises ChannelClosed)
         self.closed = False
+
+    @property
+    def spent(self) -> bool:
+        """Whether the channel fails every request from now on."""
+        return self._failure is not None
 
     def close(self) -> None:
         self._spend_with("the channel is closed")
@@ -90,11 +107,20 @@ class ClientChannel:
         self._sock.close()
 
     def request(
-        self, op: int, count: int, meta: bytes, deadline_at: float, after_send: Callable[[int], None] | None = None
+        self,
+        op: int,
+        count: int,
+        meta: bytes,
+        deadline_at: float,
+        after_send: Callable[[int], None] | None = None,
+        flags: int = 0,
+        keep_on_timeout: bool = False,
     ) -> bytes:
-        """Send one SHM request and return its reply meta; the caller holds one of `slots`. ChannelTimeout past
+        """Send one request and return its reply meta; the caller holds one of `slots`. ChannelTimeout past
         `deadline_at` (monotonic), ChannelRefused on an error status, ChannelClosed or ProtocolError otherwise.
-        Any failure spends the channel for every request in flight on it (their callers drop the connection).
+        Any failure spends the channel for every request in flight on it (their callers drop the connection), except,
+        with `keep_on_timeout` (a lookup, which writes nothing), a timeout that struck with the stream in step: the
+        request is abandoned (its late reply dropped) and the requests beside it go on.
         `after_send(fd)` runs once the request is sent, before its reply is read: work that overlaps the node's
         (it may watch the socket's descriptor, never read it)."""
         woken = threading.Event()
@@ -105,12 +131,22 @@ class ClientChannel:
             rid = self._next_id
             self._waiting[rid] = woken
         try:
-            header = protocol.pack_header(op, count=count, meta_len=len(meta), request_id=rid, meta_end=protocol.end_byte(meta))
+            header = protocol.pack_header(
+                op, count=count, meta_len=len(meta), request_id=rid, meta_end=protocol.end_byte(meta), flags=flags
+            )
             with self._send_lock:
                 self._send_all(header.tobytes() + meta, deadline_at)
             if after_send is not None:
                 after_send(self._fd)
             reply, body = self._reply_of(rid, woken, deadline_at)
+        except ChannelTimeout as timeout:
+            if keep_on_timeout and not timeout.mid_frame:
+                with self._lock:
+                    if self._replies.pop(rid, None) is None:  # (not read for it meanwhile: its reply is to come)
+                        self._abandoned.add(rid)
+            else:
+                self._spend_with(f"the channel failed: {timeout!r}")
+            raise
         except Exception as error:
             self._spend_with(f"the channel failed: {error!r}")
             raise
@@ -149,12 +185,18 @@ class ClientChannel:
             while True:
                 head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
                 reply = protocol.unpack_header(head)
-                body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
+                try:
+                    body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
+                except ChannelTimeout:
+                    raise ChannelTimeout(mid_frame=True) from None
                 protocol.check_meta_end(reply, body)
                 if reply.request_id == rid:
                     return reply, body
                 with self._lock:
                     owner = self._waiting.get(reply.request_id)
+                    if owner is None and reply.request_id in self._abandoned:
+                        self._abandoned.discard(reply.request_id)  # a late reply to a request given up: dropped
+                        continue
                     if owner is None:
                         raise protocol.ProtocolError(f"a reply to request {reply.request_id}, which is not in flight")
                     self._replies[reply.request_id] = (reply, body)
@@ -188,7 +230,10 @@ class ClientChannel:
                 continue
             if code != errno.EAGAIN:
                 raise ChannelClosed(os.strerror(code))
-            self._wait(select.POLLOUT, deadline_at)
+            try:
+                self._wait(select.POLLOUT, deadline_at)
+            except ChannelTimeout:
+                raise ChannelTimeout(mid_frame=sent > 0) from None
 
     def _recv_exactly(self, n: int, deadline_at: float, into: ctypes.Array | None = None) -> bytes:
         buffer = into if into is not None and len(into) >= n else ctypes.create_string_buffer(n)
@@ -205,7 +250,10 @@ class ClientChannel:
                 continue
             if code != errno.EAGAIN:
                 raise ChannelClosed(os.strerror(code))
-            self._wait(select.POLLIN, deadline_at)  # the one place the GIL is given away
+            try:
+                self._wait(select.POLLIN, deadline_at)  # the one place the GIL is given away
+            except ChannelTimeout:
+                raise ChannelTimeout(mid_frame=got > 0) from None
         return buffer.raw[:n]
 
     def _wait(self, events: int, deadline_at: float) -> None:
@@ -268,13 +316,16 @@ class NodeChannel:
 
 async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | None:
     """The next request's header and meta off a region's channel; None when the client closed it between requests.
-    ProtocolError for anything but an SHM_GET or SHM_PUT within the protocol's limits."""
+    ProtocolError for anything but an SHM_GET, SHM_PUT or EXISTS within the protocol's limits (flags as the op
+    defines them, `protocol.unpack_header`; never INLINE)."""
     head = await _recv_exactly(sock, protocol.HEADER_SIZE, allow_eof=True)
     if head is None:
         return None
     header = protocol.unpack_header(head)  # checks magic, version and every limit (meta length included)
-    if header.op not in _SHM_DATA_OPS or header.data_len or header.status or header.flags:
-        raise protocol.ProtocolError(f"op {header.op} (data {header.data_len}) on a shared-memory channel")
+    if header.op not in CHANNEL_OPS or header.data_len or header.status or header.flags & _NOT_ON_A_CHANNEL:
+        raise protocol.ProtocolError(
+            f"op {header.op} (data {header.data_len}, flags {header.flags:#x}) on a shared-memory channel"
+        )
     meta = await _recv_exactly(sock, header.meta_len) if header.meta_len else b""
     protocol.check_meta_end(header, meta or b"")
     return header, meta or b""

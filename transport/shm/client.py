@@ -82,6 +82,12 @@ class NodeLink(Protocol):
         failed call of its own: `conn` dropped, a back-off after `Ending.FAILED`; the error to raise."""
         ...
 
+    def timed_out(self, message: str) -> TransportError:
+        """Record a lookup that timed out on a region's channel with the connection left as it was (the channel goes
+        on: `ClientChannel.request(..., keep_on_timeout=True)`), as the node client records its own; the error to
+        raise."""
+        ...
+
     def close(self) -> None:
         """Close the node client (its connection is dropped; a later call reconnects)."""
         ...
@@ -220,6 +226,38 @@ class ShmClient:
             if taken is not None:
                 region.allocator.free(taken)
 
+    def exists(self, meta: bytes, count: int, flags: int, deadline: Deadline) -> list[bool] | None:
+        """An EXISTS over the current region's channel: the flags of the keys held (`meta`: the request's meta, as
+        on UCX). None when there is no channel to take now (no region yet, no channel, every slot taken, or the
+        region's connection replaced): the caller asks over its node's connection. A lookup never opens a region."""
+        region = self._region
+        channel = None if region is None else region.channel
+        if region is None or channel is None or region.allocator.poisoned:
+            return None
+        if not channel.slots.acquire(blocking=False):
+            return None
+        try:
+            reply = self._over_channel(region, channel, protocol.Op.EXISTS, meta, count, deadline, flags=flags)
+        except TransportError:
+            if channel.spent:  # (a lookup's timeout keeps the channel, and so the region)
+                _retire(region)
+                if self._region is region:
+                    self._region = None
+            raise
+        except BaseException:
+            _retire(region)
+            if self._region is region:
+                self._region = None
+            raise
+        finally:
+            channel.slots.release()
+        if reply is _STALE:
+            return None
+        try:
+            return protocol.decode_flags(count, reply)
+        except protocol.ProtocolError as malformed:
+            raise self._malformed(str(malformed)) from None
+
     def buffer(self, nbytes: int) -> ShmBuffer | None:
         """`nbytes` of the current connection's region for the caller to fill or read in place, or None. Never
         opens a region (that costs a round trip, which the calls do under their own deadlines): until a call
@@ -279,16 +317,20 @@ class ShmClient:
         count: int,
         deadline: Deadline,
         after_send: Callable[[int], None] | None = None,
+        flags: int = 0,
     ) -> Any:
         """One request over the region's channel; its reply meta, or _STALE when the region's connection is no longer
         the current one. Any failure drops the connection, as a failed request on it does (`NodeLink.fail`)."""
         link = self.link
         if link.connection() is not region.ep:
             return _STALE
+        keep = op == protocol.Op.EXISTS  # a lookup writes nothing: its timeout leaves the calls beside it be
         try:
-            return channel.request(op, count, meta, deadline.at, after_send)
-        except ChannelTimeout:
+            return channel.request(op, count, meta, deadline.at, after_send, flags, keep_on_timeout=keep)
+        except ChannelTimeout as timeout:
             message = "no answer within the call's deadline"
+            if keep and not timeout.mid_frame:
+                raise link.timed_out(message) from None
             error = link.fail(region.ep, EmsErrorCode.EMS_IO_TIMEOUT, message, ending=Ending.CANCELLED)
         except ChannelRefused as refused:
             error = link.fail(region.ep, EmsErrorCode.EMS_IO_ERROR, str(refused), Failure.REFUSED)

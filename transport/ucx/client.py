@@ -188,6 +188,11 @@ class UcxNode(NodeClient):
             return []
         meta = encode_exists_meta(protocol.encode_keys_meta(keys), hold)
         flags = 0 if hold is None else hold.flags
+        if self.shm is not None:  # a same-host node: over the region's channel, where there is one
+            deadline = Deadline.within(deadline)
+            held = self.shm.exists(meta, len(keys), flags, deadline)
+            if held is not None:
+                return held
         reply = Reply.ONE_MESSAGE if protocol.head_layout(len(keys), 0).meta_inline else Reply.FRAMES
         return self._call(lambda ex, rid: _exists(ex, rid, meta, len(keys), flags), deadline, reply)
 
@@ -412,6 +417,10 @@ class _ShmLink:
         self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
     ) -> TransportError:
         return self._node._fail(conn, code, message, failure, ending)
+
+    def timed_out(self, message: str) -> TransportError:
+        self._node.last_failure = Failure.TIMEOUT
+        return TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{self._node.address}: {message}")
 
     def close(self) -> None:
         self._node.close()
