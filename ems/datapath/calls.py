@@ -48,7 +48,7 @@ from ems.datapath.arguments import (
 )
 from ems.datapath.layout import RegisteredLayout
 from ems.datapath.planning import Plan, plan_blocks, plan_raw
-from ems.datapath.tokens import TokenCall, bind_tokens, is_token_form, plan_tokens
+from ems.datapath.tokens import TokenCall, bind_tokens, plan_tokens
 from ems.errors import invalid_argument
 from ems.kernels.plan import runs_to_slots
 from ems.transport.holds import Hold
@@ -235,7 +235,7 @@ Call = RawCall | SlotCall | ChunkCall | TokenCall
 def bind_call(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayout | None) -> Call:
     """The call the arguments describe, of whichever form they name, fully checked against `layout` (None before
     registration)."""
-    if is_token_form(kwargs):
+    if "token_ids" in kwargs or "mask" in kwargs:  # the token form (tokens.TOKEN_ARGUMENTS), whatever else it gives
         return bind_tokens(op, args, kwargs, layout)
     return _bind_hash_or_v0(op, args, kwargs, layout)
 

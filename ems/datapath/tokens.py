@@ -62,7 +62,7 @@ from ems.kernels.plan import plane_pieces_of_runs
 from ems.store.value_format import _xxh3_addresses
 from ems.types import CcKvOption, CcResult
 
-TOKEN_ARGUMENTS = ("token_ids", "mask")
+TOKEN_ARGUMENTS = ("token_ids", "mask")  # the token form's own arguments (naming either makes a call of it)
 CHAIN_SEED = b"ems/token-chain1"  # d_{-1}: 16 bytes; changing it changes every token-form key
 _XXH3_128 = _xxh3_addresses(["XXH3_128bits"])
 _HASH_FORM_ARGUMENTS = ("hashes", "offsets", "chunk_descs")
@@ -96,11 +96,6 @@ class TokenCall:
         n = self.slots.size
         end = min(n, (self.first_block + blocks_done) * self.block_size)
         return CcResult(end - self.masked if blocks_done else 0, n - self.masked)
-
-
-def is_token_form(kwargs: dict) -> bool:
-    """Whether a call names the token form's arguments (then `bind_tokens` binds it, whatever else it gives)."""
-    return "token_ids" in kwargs or "mask" in kwargs
 
 
 def bind_tokens(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayout | None) -> TokenCall:
