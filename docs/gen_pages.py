@@ -394,7 +394,7 @@ def connector_rows() -> list[tuple[str, str, str, str]]:
             ", ".join(others),
             "as `EmsConfig`",
             "as `EmsConfig`",
-            "the `EmsConfig` pool settings (the table above); their `EMS_*` variables work too. With `pool_etcd` (or "
+            "the `EmsConfig` pool settings ([Configuration](configuration.md)); their `EMS_*` variables work too. With `pool_etcd` (or "
             '`EMS_POOL_ETCD`) the nodes come from etcd membership, and with `pool_backend: "mooncake"` (or '
             "`EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool node is started in either case",
         )
