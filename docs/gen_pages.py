@@ -124,7 +124,9 @@ SETTINGS: dict[str, Entry] = {
     "ucx.python_future": Entry(
         "`EMS_UCX_PYTHON_FUTURE` (environment only)", "`0`: ucxx completes no Python futures (awaits by polling)"
     ),
-    "ucx.notifier": Entry("`EMS_UCX_NOTIFIER` (environment only)", "`ucxx`: ucxx's own notifier thread instead of the lighter one"),
+    "ucx.notifier": Entry(
+        "`EMS_UCX_NOTIFIER` (environment only)", "`ucxx`: ucxx's own notifier thread instead of the lighter one"
+    ),
     "ucx.client_submit": Entry(
         "`EMS_UCX_CLIENT_SUBMIT` (environment only)",
         "how a pool client's UCX worker submits a request: `delayed`, ucxx's delayed submission (the worker's progress "
@@ -194,7 +196,10 @@ CONNECTOR_KEYS: dict[str, tuple[str, str | None]] = {
     "lookup_timeout_ms": ("a lookup's timeout (on the lookup thread, never on a step): past it the circuit breaker opens", None),
     "breaker_cooldown_s": ("how often a pool that the breaker counts as down is asked again (on a background thread)", None),
     "lookup_cache_s": ("how long the lookup answer of a request vLLM could not admit yet is reused", None),
-    "epoch_refresh_s": ("how often the scheduler re-reads the namespace epoch, so a reset by another engine reaches this one", None),
+    "epoch_refresh_s": (
+        "how often the scheduler re-reads the namespace epoch, so a reset by another engine reaches this one",
+        None,
+    ),
     "step_policy": (
         'lookups and loads in the step (a fast pool, measured) or asynchronously: `"auto"`, `"in_step"`, `"async"` '
         "([the step policy](../concepts/vllm-step-policy.md))",
@@ -217,7 +222,7 @@ CONNECTOR_KEYS: dict[str, tuple[str, str | None]] = {
         None,
     ),
     "producer_response": (
-        "when a producer's (`kv_role` `kv_producer`) step, and so its response, ends: `\"after_save\"`, once the pool "
+        'when a producer\'s (`kv_role` `kv_producer`) step, and so its response, ends: `"after_save"`, once the pool '
         'has acknowledged the saves the step sent (at most `producer_wait_ms`); `"immediate"`, with its saves still on '
         "their way (the consumer's wait covers them). `kv_both` engines never wait for their saves "
         "([P/D](../guides/pd.md))",
@@ -314,7 +319,7 @@ def _default_text(setting: str, value: object, entry: Entry) -> str:
         return f"`{format_size(value)}`"
     if isinstance(value, tuple):
         return ", ".join(value) or entry.none
-    return f'`""`' if value == "" else f"`{value}`"
+    return '`""`' if value == "" else f"`{value}`"
 
 
 def settings_rows() -> list[tuple[str, str, str, str, str]]:
@@ -394,8 +399,8 @@ def connector_rows() -> list[tuple[str, str, str, str]]:
             ", ".join(others),
             "as `EmsConfig`",
             "as `EmsConfig`",
-            "the `EmsConfig` pool settings ([Configuration](configuration.md)); their `EMS_*` variables work too. With `pool_etcd` (or "
-            '`EMS_POOL_ETCD`) the nodes come from etcd membership, and with `pool_backend: "mooncake"` (or '
+            "the `EmsConfig` pool settings ([Configuration](configuration.md)); their `EMS_*` variables work too. "
+            'With `pool_etcd` (or `EMS_POOL_ETCD`) the nodes come from etcd membership, and with `pool_backend: "mooncake"` (or '
             "`EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool node is started in either case",
         )
     )

