@@ -7,11 +7,14 @@
   entry.
 * The benchmarks page shows every figure of every results file, with its anchor and ratio, and each plot it names
   exists; the archive holds every section of perf/RESULTS.md exactly once.
+* Every warning the package logs is on the warnings or troubleshooting page (its message up to 40 characters, with
+  `…` for what is filled in), so a new warning comes with what it means and what to do.
 * `mkdocs build --strict` passes (skipped, saying why, where MkDocs is not installed: `pip install -e '.[docs]'`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import subprocess
@@ -136,3 +139,36 @@ def test_the_site_builds_with_no_warnings(tmp_path):
     assert "ContextCaching" in (site / "reference" / "api" / "index.html").read_text()
     assert (site / "benchmarks" / "archive" / "01" / "index.html").exists()
     assert "gen:results" not in (site / "benchmarks" / "index.html").read_text()
+
+
+def _message_start(node: ast.expr) -> str | None:
+    """The literal text a logged message starts with (a format string, a concatenation's left side, an f-string's
+    leading parts), placeholders written as the docs write them: `…`."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.BinOp):
+        return _message_start(node.left)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "%s" for v in node.values)
+    return None
+
+
+def _logged_warnings() -> list[tuple[str, str]]:
+    found = []
+    for top in ("ems", "kernels", "transport"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warning":
+                    start = _message_start(node.args[0]) if node.args else None
+                    if start is None:
+                        raise AssertionError(f"{path}: a warning whose message is not a literal: add a case here")
+                    text = re.sub(r"%[-#0-9.]*[sdrfx]", "…", start)[:40].rstrip(" :;,(…")
+                    found.append((path.relative_to(ROOT).as_posix(), text))
+    return found
+
+
+def test_every_warning_the_package_logs_is_explained():
+    pages = (ROOT / "docs" / "warnings.md").read_text() + (ROOT / "docs" / "troubleshooting.md").read_text()
+    logged = _logged_warnings()
+    missing = sorted({f"{path}: {text!r}" for path, text in logged if text not in pages})
+    assert len(logged) > 40 and not missing, f"warnings the docs do not explain (docs/warnings.md): {missing}"
