@@ -1,15 +1,16 @@
 """The docs against the code, wherever they quote names: settings, environment variables, formats, links.
 
-* Every field of `ems.config.Settings` is a row of docs/configuration.md's Settings table, and every row is a field
-  or one of the variables read outside `Settings` (`OTHER_VARIABLES`: a pool node's, the vLLM connector's).
+* Every field of `ems.config.Settings` is a row of the configuration reference's Settings table (generated at build
+  time by docs/gen_pages.py, which these tests call), and every row is a field or one of the variables read outside
+  `Settings` (`OTHER_VARIABLES`: a pool node's, the vLLM connector's).
 * Each row's environment variable is the one the code reads for it (set it, resolve or read, see the value).
 * Every `EMS_*` environment variable the package reads is a row of that table, and every `EMS_*` name the docs mention
   is read somewhere (package, tests or benchmarks) or is an error code.
 * The defaults the table quotes are the code's.
 * The value format and wire protocol versions the docs quote are the code's, and docs/pool-nodes.md's request metric
-  names every `op` label a node counts.
+  names every `op` label a node counts (docs/reference/metrics.md).
 * Links to files in the repository resolve.
-* Every module and folder docs/architecture.md names exists (paths, `ems.` dotted names, the diagram's paths), and
+* Every module and folder the architecture pages name exists (paths, `ems.` dotted names, the diagram's paths), and
   every package folder of the source tree and every benchmark script is named there.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,11 +42,21 @@ from ems.transport import protocol
 from ems.transport.ucx.config import Submission, UcxSettings
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "docs"))
+import gen_pages  # noqa: E402  (docs/gen_pages.py: the generated parts of the docs site)
+
 README = ROOT / "README.md"
-CONFIGURATION = ROOT / "docs" / "configuration.md"  # the one table of settings
-ARCHITECTURE = ROOT / "docs" / "architecture.md"  # the module map
-POOL_NODES = ROOT / "docs" / "pool-nodes.md"
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+CONFIGURATION = ROOT / "docs" / "reference" / "configuration.md"  # its tables: gen_pages.settings_table() and co
+CONCEPTS = ROOT / "docs" / "concepts"
+# the module map: the data path, the modules, the copy backends, and the benchmarks' list
+ARCHITECTURE_PAGES = [
+    CONCEPTS / "architecture.md",
+    CONCEPTS / "modules.md",
+    CONCEPTS / "copy-backends.md",
+    ROOT / "docs" / "benchmarks" / "reading.md",
+]
+METRICS = ROOT / "docs" / "reference" / "metrics.md"
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 PACKAGE = [ROOT / "ems", ROOT / "kernels", ROOT / "transport"]
 ENV_NAME = re.compile(r"(?:EMS_[A-Z0-9_]*[A-Z0-9]|ENABLE_CC_PROFILING)")
 
@@ -110,18 +122,24 @@ def _table(text: str, heading: str) -> list[list[str]]:
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     rows = lines[start:end]
-    body = [[cell.strip().replace("`", "") for cell in row.strip("|").split("|")] for row in rows[2:]]
+    cells = (re.split(r"(?<!\\)\|", row.strip().strip("|")) for row in rows[2:])  # `\|` is a pipe inside a cell
+    body = [[cell.strip().replace("`", "") for cell in row] for row in cells]
     return body
 
 
 def _variable(row: list[str]) -> str:
-    """A row's environment variable."""
-    return ENV_NAME.search(row[1]).group(0)  # type: ignore[union-attr]
+    """A row's environment variable (columns: setting, type, environment variable, default, meaning)."""
+    return ENV_NAME.search(row[2]).group(0)  # type: ignore[union-attr]
+
+
+def _settings_table() -> str:
+    """The configuration reference's Settings table, as the build generates it."""
+    return "## Settings\n\n" + gen_pages.settings_table() + "\n"
 
 
 def _setting_table_rows() -> list[list[str]]:
-    """The rows of docs/configuration.md's Settings table that are settings (not `OTHER_VARIABLES`)."""
-    rows = _table(CONFIGURATION.read_text(), "## Settings")
+    """The rows of the Settings table that are settings (not `OTHER_VARIABLES`)."""
+    rows = _table(_settings_table(), "## Settings")
     return [row for row in rows if _variable(row) not in OTHER_VARIABLES]
 
 
@@ -184,14 +202,19 @@ def test_each_row_names_the_variable_the_code_reads(setting, monkeypatch):
     assert resolved == getattr(expected, "value", expected), f"{variable}={text} gave {setting}={resolved!r}"
 
 
+def test_the_reference_page_holds_the_generated_tables():
+    assert "<!-- gen:settings -->" in CONFIGURATION.read_text()
+    assert "<!-- gen:connector -->" in (CONFIGURATION.parent / "vllm-connector.md").read_text()
+
+
 def test_every_variable_the_package_reads_is_a_row_of_the_table():
-    rows = {_variable(row) for row in _table(CONFIGURATION.read_text(), "## Settings")}
+    rows = {_variable(row) for row in _table(_settings_table(), "## Settings")}
     missing = sorted(_package_env_names() - rows)
     assert not missing, f"environment variables read by the package but no row of docs/configuration.md's table: {missing}"
 
 
 def test_the_rows_beyond_the_settings_are_the_variables_read_elsewhere(monkeypatch):
-    rows = {_variable(row) for row in _table(CONFIGURATION.read_text(), "## Settings")}
+    rows = {_variable(row) for row in _table(_settings_table(), "## Settings")}
     assert set(OTHER_VARIABLES) <= rows, f"rows missing from docs/configuration.md: {sorted(set(OTHER_VARIABLES) - rows)}"
     for variable, (read, value) in OTHER_VARIABLES.items():
         monkeypatch.setenv(variable, value)
@@ -206,22 +229,23 @@ def test_every_variable_the_docs_name_exists():
             read_anywhere.update(re.findall(r"[\"'](" + ENV_NAME.pattern + r")[\"']", path.read_text()))
     unknown = {
         (doc.name, match.group(1))
-        for doc in DOCS
-        for match in re.finditer(r"(EMS_[A-Z0-9_]+|ENABLE_CC_PROFILING)(\*?)", doc.read_text())
+        for doc, text in [*((d, d.read_text()) for d in DOCS), (CONFIGURATION, _settings_table() + gen_pages.connector_table())]
+        for match in re.finditer(r"(EMS_[A-Z0-9_]+|ENABLE_CC_PROFILING)(\*?)", text)
         if match.group(1) not in codes | read_anywhere and not match.group(2)  # "EMS_UCX_*": a family
     }
     assert not unknown, f"environment variables the docs name but nothing reads: {sorted(unknown)}"
 
 
 def test_the_request_metric_row_names_every_op_label():
-    """docs/pool-nodes.md's `ems_pool_requests_total{op,status}` row quotes every `op` a node counts requests under."""
+    """docs/reference/metrics.md's `ems_pool_requests_total{op,status}` row quotes every `op` a node counts requests
+    under."""
     from ems.transport.shm import metric_name
 
-    row = next(line for line in POOL_NODES.read_text().splitlines() if line.startswith("| `ems_pool_requests_total{op"))
+    row = next(line for line in METRICS.read_text().splitlines() if line.startswith("| `ems_pool_requests_total{op"))
     handshake = {protocol.Op.HELLO, protocol.Op.CHALLENGE, protocol.Op.AUTH}  # answered before requests are counted
     labels = {metric_name(op) for op in protocol.Op if op not in handshake}
     missing = sorted(label for label in labels if f"`{label}`" not in row)
-    assert len(labels) >= 5 and not missing, f"docs/pool-nodes.md's requests_total row lacks op labels {missing}"
+    assert len(labels) >= 5 and not missing, f"docs/reference/metrics.md's requests_total row lacks op labels {missing}"
 
 
 def test_quoted_versions_are_the_codes():
@@ -237,13 +261,17 @@ def test_quoted_versions_are_the_codes():
 
 
 def test_links_to_repository_files_resolve():
+    """Every relative link of the README and the docs resolves to a file, or to a page the site's build generates."""
+    generated = {ROOT / "docs" / "benchmarks" / "archive" / "index.md"} | {
+        ROOT / "docs" / p.name for p in gen_pages.archive_pages()
+    }
     broken = []
     for doc in DOCS:
         for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
             if re.match(r"[a-z]+://|mailto:|#", target):
                 continue
             path = (doc.parent / target.split("#")[0]).resolve()
-            if not path.exists():
+            if not path.exists() and path not in generated:
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert not broken, f"broken links: {broken}"
 
@@ -261,10 +289,10 @@ def test_the_table_quotes_the_defaults(monkeypatch):
         if row[0] == "mooncake_master":
             continue  # no default: required with the backend
         default = _resolved(with_mooncake if row[0] in MOONCAKE_FIELDS else resolved, row[0])
-        quoted = row[2]
+        quoted = row[3]
         if re.fullmatch(r"\d+(?:[KMGT]iB)?", quoted):
             assert parse_size(row[0], quoted) == default, (
-                f"docs/configuration.md: {row[0]} default {quoted}, the code: {default!r}"
+                f"the configuration reference: {row[0]} default {quoted}, the code: {default!r}"
             )
             checked += 1
         elif isinstance(default, str) and quoted.split()[0] in {"auto", "default", "ems", "tcp", "P2PHANDSHAKE", "127.0.0.1"}:
@@ -300,8 +328,12 @@ def _dotted_name_exists(name: str) -> bool:
     return False
 
 
+def _architecture_text() -> str:
+    return "\n".join(page.read_text() for page in ARCHITECTURE_PAGES)
+
+
 def test_every_module_the_architecture_page_names_exists():
-    text = ARCHITECTURE.read_text()
+    text = _architecture_text()
     diagram = "\n".join(re.findall(r"```\n(.*?)```", text, flags=re.S))
     paths = set(re.findall(r"`((?:ems|kernels|transport)/[\w./-]*)`", text))
     paths |= set(re.findall(r"\b((?:ems|kernels|transport)/[\w/]*\w/?)", diagram))
@@ -309,18 +341,18 @@ def test_every_module_the_architecture_page_names_exists():
     missing = [p for p in sorted(paths) if _repository_path(p) is None] + [
         d for d in sorted(dotted) if not _dotted_name_exists(d)
     ]
-    assert len(paths) > 20 and not missing, f"docs/architecture.md names what the code does not have: {missing}"
+    assert len(paths) > 20 and not missing, f"the architecture pages name what the code does not have: {missing}"
 
 
 def test_every_package_folder_is_named_on_the_architecture_page():
-    text = ARCHITECTURE.read_text()
+    text = _architecture_text()
     folders = sorted(init.parent.relative_to(ROOT).as_posix() + "/" for top in PACKAGE for init in top.rglob("__init__.py"))
     unnamed = [folder for folder in folders if f"`{folder}`" not in text]
-    assert len(folders) > 10 and not unnamed, f"package folders docs/architecture.md does not name: {unnamed}"
+    assert len(folders) > 10 and not unnamed, f"package folders the architecture pages do not name: {unnamed}"
 
 
 def test_every_benchmark_is_named_on_the_architecture_page():
-    text = ARCHITECTURE.read_text()
+    text = _architecture_text()
     scripts = sorted(p.name for p in (ROOT / "perf").glob("*.py") if p.name != "benchlib.py")
     unnamed = [name for name in scripts if f"`{name}`" not in text]
-    assert len(scripts) > 10 and not unnamed, f"benchmarks docs/architecture.md does not name: {unnamed}"
+    assert len(scripts) > 10 and not unnamed, f"benchmarks the architecture pages do not name: {unnamed}"
