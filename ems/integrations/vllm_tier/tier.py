@@ -128,7 +128,7 @@ class EmsTier(SecondaryTierManager):
                 self.events = []
             else:
                 logger.warning("%s.enable_kv_events is set but KV cache events are off: the tier emits none", where)
-        self.option = CcKvOption(timeout=self.config.timeout_ms)
+        self.option = CcKvOption(write_rcache=False, timeout=self.config.timeout_ms)  # the primary tier is the CPU copy
         self.lookup_option = CcKvOption(timeout=self.config.lookup_timeout_ms)
         memory = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8)
         model_id = self.config.model_id or derive_model_id(offloading_spec.config.model.name, _namespace_parts(offloading_spec))
