@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ems import CcKvOption, CcResult, ContextCaching, EmsConfig, EmsException, StoreLayerGroupDesc
+from ems import CcKvOption, CcResult, ContextCaching, EmsException, StoreLayerGroupDesc
 from ems.client.api import _connect_pool
 from ems.config import check_config, resolve_settings
 from ems.integrations import kv_layouts

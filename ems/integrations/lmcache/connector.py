@@ -162,7 +162,9 @@ class EmsRemoteConnector(RemoteConnector):
             starts = [self._slot(o) for o in objs]
             usable = next((i for i, s in enumerate(starts) if s is None), len(objs))
             hashes = [chunk_hash(k.to_string()) for k in keys[:usable]]
-            hit = self.region.load(hashes, [int(s) for s in starts[:usable] if s is not None], self.slots_per_chunk, self.option).success
+            hit = self.region.load(
+                hashes, [int(s) for s in starts[:usable] if s is not None], self.slots_per_chunk, self.option
+            ).success
         except BaseException:
             for obj in objs:
                 obj.ref_count_down()

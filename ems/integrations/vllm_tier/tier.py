@@ -58,7 +58,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from ems import CcKvOption
 from ems.integrations.connector_config import derive_model_id
-from ems.integrations.host_region import POOL_KEYS, HostRegion, chunk_hash, close_client, open_client, plugin_config
+from ems.integrations.host_region import HostRegion, chunk_hash, close_client, open_client, plugin_config
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
