@@ -11,11 +11,13 @@ own plugin loading from `remote_storage_plugins: [NAME]` and `extra_config`
   key or a bad value raises LMCache's `IrrecoverableException` naming `extra_config.remote_storage_plugin.NAME.<key>`
   (LMCache then creates no backend for the plugin and logs the message).
 * Memory: LMCache's memory objects live in its local CPU backend's allocator buffer. That buffer is registered once
-  as a host region (`host_region.HostRegion`) of `unit`-byte slots (the allocator's alignment and a full chunk's size
-  share it), so a put gathers an object's bytes from where LMCache holds them, and a get allocates an object from
-  the local CPU backend and fills it in place, one SDK call per call (batched forms: per batch), by the package's copy
-  path. Objects that are not a full chunk (`save_unfull_chunk`), or lie outside the registered buffer, are not
-  stored (a later get of their key misses).
+  as a host region (`host_region.HostRegion`) of `unit`-byte slots (the largest size that divides both the
+  allocator's alignment, 4 KiB unless `local_cpu.pinned_align_bytes` says otherwise, and a full chunk), so a put
+  gathers an object's bytes from where LMCache holds them, and a get allocates an object from the local CPU backend
+  and fills it in place, one SDK call per call (batched forms: per batch), by the package's copy path. The slot size
+  is part of the registered layout, so of the namespace: instances share values when their alignments agree. Objects
+  that are not a full chunk (`save_unfull_chunk`), or lie outside the registered buffer, are not stored (a later get
+  of their key misses).
 * Keys: a `CacheEngineKey` is a V1 hash by `host_region.chunk_hash` of its text (`model@world_size@worker_id@hash@
   dtype`, so TP ranks never meet), in a namespace of the model name and the chunk's shape, dtype and format. Chunk
   keys carry no chain position: values are placed per key.
@@ -52,7 +54,9 @@ logger = logging.getLogger("ems.integrations.lmcache")
 PLUGIN_KEYS = ("module_path", "class_name")  # LMCache's own, read by its loader
 OWN_KEYS = ("io_threads",)
 DEFAULT_IO_THREADS = 2
-ALLOCATOR_ALIGN = 4096  # LMCache's AddressManager.ALIGN_BYTES: every object starts at a multiple of it
+# LMCache's AddressManager.ALIGN_BYTES: every object starts at a multiple of it (`local_cpu.pinned_align_bytes` in
+# extra_config sets another power of two: the chunk's size makes every chunk one slot, one copy a value)
+ALLOCATOR_ALIGN = 4096
 _T = TypeVar("_T")
 
 
@@ -96,7 +100,8 @@ class EmsRemoteConnector(RemoteConnector):
         self.option = CcKvOption(write_rcache=False, timeout=self.settings.timeout_ms)  # LMCache keeps its own CPU copy
         self.lookup_option = CcKvOption(timeout=self.settings.lookup_timeout_ms)
         self.chunk_bytes = int(self.full_chunk_size_bytes)
-        self.unit = math.gcd(self.chunk_bytes, ALLOCATOR_ALIGN)
+        align = ((config or local_cpu_backend.config).extra_config or {}).get("local_cpu.pinned_align_bytes") or ALLOCATOR_ALIGN
+        self.unit = math.gcd(self.chunk_bytes, int(align))  # a whole chunk, where LMCache aligns objects to its size
         self.slots_per_chunk = self.chunk_bytes // self.unit
         parts = {
             "engine": "lmcache",

@@ -234,6 +234,9 @@ class EmsTier(SecondaryTierManager):
         self._lookups.shutdown()
         self._io.shutdown(wait=True)
         close_client(self._cc)
+        # the client's registered layout and the region view the primary tier's memory: let them go, so the
+        # primary tier can close its shared-memory mapping
+        del self.region, self._cc
 
 
 def _namespace_parts(spec: OffloadingSpec) -> dict[str, str]:

@@ -179,6 +179,25 @@ def test_two_instances_share_chunks_filled_in_place(node, instances, loop):
     assert remote_b.batched_contains([key(0, worker_id=1)]) == 0
 
 
+def test_an_allocator_aligned_to_the_chunk_moves_a_chunk_as_one_slot(node, instances):
+    directory, _ = node
+    default = connector(instances(plugin_extra(directory))["RemoteBackend-ems"])
+    assert (default.unit, default.slots_per_chunk) == (4096, 2)  # LMCache's default alignment: 4 KiB runs
+    extra = {**plugin_extra(directory), "local_cpu.pinned_align_bytes": 8192}
+    a = instances(extra)
+    conn = connector(a["RemoteBackend-ems"])
+    assert (conn.unit, conn.slots_per_chunk) == (8192, 1)
+    obj = filled(a["LocalCPUBackend"], 11)
+    a["RemoteBackend-ems"].submit_put_task(key(400), obj).result(20)
+    got = instances(extra)["RemoteBackend-ems"].get_blocking(key(400))  # an instance of the same alignment
+    assert got is not None and raw(got) == raw(obj)
+    got.ref_count_down()
+    obj.ref_count_down()
+    # values are laid out by slots: an instance of another alignment has another namespace (a miss, never
+    # bytes in another order)
+    assert default.exists_sync(key(400)) is False
+
+
 def test_misses_give_none_and_a_batched_get_returns_the_hit_prefix(node, instances):
     directory, _ = node
     a = instances(plugin_extra(directory))
