@@ -13,8 +13,8 @@ Contract (no engine imports; used by `ems.integrations.vllm_tier` and `ems.integ
 * `HostRegion(cc, memory, unit, slots_per_value)` registers `memory` (a 1-D `uint8` CPU tensor: vLLM's primary tier,
   LMCache's allocator buffer) as a cache of `memory.numel() // unit` slots of `unit` bytes, in one layer group whose
   values hold up to `slots_per_value` slots, and moves values between the region and the pool with the V1
-  chunk_descs form (`save`, `load`, `exists`): a value is a run of whole slots `(start, length)`, copied by the
-  package's copy path in one call per request (no Python loop per chunk's bytes). Each call is bounded by the
+  slot_mapping form (`save`, `load`, `exists`): a value is a run of whole slots `(start, length)`, its slots built
+  with numpy and copied by the package's copy path in one call per request (no Python loop per chunk's bytes). Each call is bounded by the
   client's timeout and reports the consecutive successes from the first (`CcResult`), never raises for a failing
   pool (`EmsException`s of the pool become 0 successes; bad arguments raise).
 * `chunk_hash(key)` maps an engine's key to a V1 hash deterministically in every process: an `int` in the V1 range
@@ -30,6 +30,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ems import CcKvOption, CcResult, ContextCaching, EmsException, StoreLayerGroupDesc
@@ -123,10 +124,17 @@ class HostRegion:
         planes = kv_layouts.block_planes(memory[: self.slots * unit].view(self.slots, unit), self.slots)
         cc.register_kvcache([list(planes)], [StoreLayerGroupDesc(store_block_size=slots_per_value, layer_ids=[0])])
 
-    def _descs(self, starts: Sequence[int], lengths: Sequence[int] | int) -> list[list[tuple[int, int]]]:
-        if isinstance(lengths, int):
-            return [[(int(s), lengths) for s in starts]]
-        return [[(int(s), int(n)) for s, n in zip(starts, lengths)]]
+    @staticmethod
+    def _slots(starts: Sequence[int], lengths: Sequence[int] | int) -> tuple[np.ndarray, np.ndarray]:
+        """(slot_mapping, offsets) of values that are runs `starts[i] .. + lengths[i]`: the slot_mapping form, whose
+        plan is the fast one (measured: the chunk_descs form of the same runs costs ~5x more per call)."""
+        first = np.asarray(starts, dtype=np.int64)
+        runs = np.full(len(first), lengths, dtype=np.int64) if isinstance(lengths, int) else np.asarray(lengths, np.int64)
+        if isinstance(lengths, int) and lengths == 1:
+            return first, runs
+        ends = np.cumsum(runs)
+        within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - runs, runs)
+        return np.repeat(first, runs) + within, runs
 
     def _chain(self, chain_prefix: Sequence[int] | None) -> dict[str, Any]:
         return {"chain_prefix": list(chain_prefix)} if chain_prefix is not None and _CHAIN_PREFIX else {}
@@ -143,9 +151,8 @@ class HostRegion:
         if not hashes:
             return CcResult(0, 0)
         try:
-            return self.cc.save(
-                hashes=list(hashes), chunk_descs=self._descs(starts, lengths), option=option, **self._chain(chain_prefix)
-            )
+            slots, runs = self._slots(starts, lengths)
+            return self.cc.save(slots.tolist(), list(hashes), runs.tolist(), option, **self._chain(chain_prefix))
         except EmsException as exc:
             if exc.status_code().name == "EMS_INVALID_ARGUMENT":
                 raise
@@ -164,9 +171,8 @@ class HostRegion:
         if not hashes:
             return CcResult(0, 0)
         try:
-            return self.cc.load(
-                hashes=list(hashes), chunk_descs=self._descs(starts, lengths), option=option, **self._chain(chain_prefix)
-            )
+            slots, runs = self._slots(starts, lengths)
+            return self.cc.load(slots.tolist(), list(hashes), runs.tolist(), option, **self._chain(chain_prefix))
         except EmsException as exc:
             if exc.status_code().name == "EMS_INVALID_ARGUMENT":
                 raise
