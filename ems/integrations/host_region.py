@@ -14,9 +14,9 @@ Contract (no engine imports; used by `ems.integrations.vllm_tier` and `ems.integ
   LMCache's allocator buffer) as a cache of `memory.numel() // unit` slots of `unit` bytes, in one layer group whose
   values hold up to `slots_per_value` slots, and moves values between the region and the pool with the V1
   slot_mapping form (`save`, `load`, `exists`): a value is a run of whole slots `(start, length)`, its slots built
-  with numpy and copied by the package's copy path in one call per request (no Python loop per chunk's bytes). Each call is bounded by the
-  client's timeout and reports the consecutive successes from the first (`CcResult`), never raises for a failing
-  pool (`EmsException`s of the pool become 0 successes; bad arguments raise).
+  with numpy and copied by the package's copy path in one call per request (no Python loop per chunk's bytes).
+  Each call is bounded by the client's timeout and reports the consecutive successes from the first (`CcResult`),
+  never raises for a failing pool (`EmsException`s of the pool become 0 successes; bad arguments raise).
 * `chunk_hash(key)` maps an engine's key to a V1 hash deterministically in every process: an `int` in the V1 range
   stays itself, bytes (or text) are a 256-bit blake2b digest. Keys without a chain position are placed per key;
   `chain_prefix=` reaches the client only where its calls take that keyword (`_CHAIN_PREFIX`).
