@@ -159,8 +159,14 @@ class EmsRemoteConnector(RemoteConnector):
         """Objects filled from the pool for `keys`, from the first to the first miss (the rest freed)."""
         objs: list[MemoryObj] = []
         try:
-            for _ in keys:
-                obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            # one allocation for the batch; where the local CPU backend is full, as many as it has (never its busy
+            # wait for space: a get that cannot be placed is a miss)
+            batch = self.local_cpu_backend.batched_allocate(
+                self.meta_shapes, self.meta_dtypes, len(keys), self.meta_fmt, busy_loop=False
+            )
+            objs = list(batch or [])
+            while not batch and len(objs) < len(keys):
+                obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt, busy_loop=False)
                 if obj is None:
                     break
                 objs.append(obj)
