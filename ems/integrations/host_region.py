@@ -18,14 +18,14 @@ Contract (no engine imports; used by `ems.integrations.vllm_tier` and `ems.integ
   Each call is bounded by the client's timeout and reports the consecutive successes from the first (`CcResult`),
   never raises for a failing pool (`EmsException`s of the pool become 0 successes; bad arguments raise).
 * `chunk_hash(key)` maps an engine's key to a V1 hash deterministically in every process: an `int` in the V1 range
-  stays itself, bytes (or text) are a 256-bit blake2b digest. Keys without a chain position are placed per key;
-  `chain_prefix=` reaches the client only where its calls take that keyword (`_CHAIN_PREFIX`).
+  stays itself, bytes (or text) are a 256-bit blake2b digest. The engines these plug-ins serve give no chain
+  position with their keys (vLLM's offloading keys, LMCache's chunk keys), so values are placed per key (no
+  `chain_prefix`: the V1 form's per-block placement).
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -56,8 +56,6 @@ POOL_KEYS = (
 ) + EMS_SETTINGS
 _V1_MAX = 2**256 - 1
 _CONNECTOR_PREFIX = "kv_connector_extra_config"
-# Whether this package's V1 calls take `chain_prefix=` (the placement units of issue 46): read once, here only.
-_CHAIN_PREFIX = "chain_prefix" in inspect.signature(ContextCaching.exists).parameters
 
 
 def plugin_config(where: str, extra: Mapping[str, Any], allowed: Sequence[str] = POOL_KEYS) -> ConnectorConfig:
@@ -136,23 +134,19 @@ class HostRegion:
         within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - runs, runs)
         return np.repeat(first, runs) + within, runs
 
-    def _chain(self, chain_prefix: Sequence[int] | None) -> dict[str, Any]:
-        return {"chain_prefix": list(chain_prefix)} if chain_prefix is not None and _CHAIN_PREFIX else {}
-
     def save(
         self,
         hashes: Sequence[int],
         starts: Sequence[int],
         lengths: Sequence[int] | int,
         option: CcKvOption,
-        chain_prefix: Sequence[int] | None = None,
     ) -> CcResult:
         """Store value `i` = slots `starts[i] .. + lengths[i]` under `hashes[i]`; the consecutive successes."""
         if not hashes:
             return CcResult(0, 0)
         try:
             slots, runs = self._slots(starts, lengths)
-            return self.cc.save(slots.tolist(), list(hashes), runs.tolist(), option, **self._chain(chain_prefix))
+            return self.cc.save(slots.tolist(), list(hashes), runs.tolist(), option)
         except EmsException as exc:
             if exc.status_code().name == "EMS_INVALID_ARGUMENT":
                 raise
@@ -165,27 +159,22 @@ class HostRegion:
         starts: Sequence[int],
         lengths: Sequence[int] | int,
         option: CcKvOption,
-        chain_prefix: Sequence[int] | None = None,
     ) -> CcResult:
         """Fill slots `starts[i] .. + lengths[i]` with the value of `hashes[i]`, from the first to the first miss."""
         if not hashes:
             return CcResult(0, 0)
         try:
             slots, runs = self._slots(starts, lengths)
-            return self.cc.load(slots.tolist(), list(hashes), runs.tolist(), option, **self._chain(chain_prefix))
+            return self.cc.load(slots.tolist(), list(hashes), runs.tolist(), option)
         except EmsException as exc:
             if exc.status_code().name == "EMS_INVALID_ARGUMENT":
                 raise
             logger.warning("load of %d values failed: %s", len(hashes), exc.message())
             return CcResult(0, len(hashes))
 
-    def exists(
-        self, hashes: Sequence[int], option: CcKvOption, lease_ms: int = 0, chain_prefix: Sequence[int] | None = None
-    ) -> int:
+    def exists(self, hashes: Sequence[int], option: CcKvOption, lease_ms: int = 0) -> int:
         """How many of `hashes`, from the first, the pool holds (leased for `lease_ms` for the load that follows)."""
         if not hashes:
             return 0
-        kwargs: dict[str, Any] = self._chain(chain_prefix)
-        if lease_ms:
-            kwargs["lease_ms"] = lease_ms
+        kwargs: dict[str, Any] = {"lease_ms": lease_ms} if lease_ms else {}
         return int(self.cc.exists(list(hashes), option, **kwargs).success)
