@@ -53,7 +53,11 @@ def test_chunk_hash_is_deterministic_and_keeps_v1_ints():
 
 @pytest.mark.parametrize(
     ("extra", "named"),
-    [({"timeout_ms": "x"}, "my.slot.timeout_ms"), ({"pool_nodes": ["bad"]}, "pool_nodes"), ({"step_policy": "auto"}, "step_policy")],
+    [
+        ({"timeout_ms": "x"}, "my.slot.timeout_ms"),
+        ({"pool_nodes": ["bad"]}, "pool_nodes"),
+        ({"step_policy": "auto"}, "step_policy"),
+    ],
 )
 def test_plugin_config_names_the_key(extra, named):
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
