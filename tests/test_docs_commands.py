@@ -133,6 +133,7 @@ CHECKS: list[tuple[str, str]] = [
     (r"curl ", "test_requests_name_the_servers_model"),
     (r"python serve\.py$", "test_environment_lines_resolve"),
     (r"(export |mooncake_master |python -c)", "test_the_local_mooncake_store_is_the_tests_one"),
+    (r"lmcache server ", "tests/integrations/lmcache: test_the_guides_l2_adapter_command_is_what_lmcache_parses"),
 ]
 
 
@@ -216,10 +217,30 @@ def test_vllm_server_configs_are_accepted(monkeypatch):
     init = (ROOT / "ems" / "integrations" / "vllm" / "__init__.py").read_text()
     for command in found:
         config = _connector_json(command)
+        if config["kv_connector"] == "OffloadingConnector":  # vLLM's own offloading with this package's tier
+            _check_secondary_tiers(config, command.text)
+            continue
         assert config["kv_connector"] == "EmsConnector" and "EmsConnector" in init, command.text
         assert config["kv_connector_module_path"] == "ems.integrations.vllm", command.text
         KvRole.of(config.get("kv_role"))
         ConnectorConfig.from_extra(config.get("kv_connector_extra_config"))
+
+
+def _check_secondary_tiers(config: dict, text: str) -> None:
+    """An OffloadingConnector config naming this package's tier: the spec vLLM loads tiers with, and each of our
+    tiers' keys as the tier itself checks them (vLLM's own loader builds it in tests/integrations/vllm_tier)."""
+    from ems.integrations.host_region import plugin_config
+
+    tier_keys = ("io_threads", "enable_kv_events", "locality")  # the tier's own (vllm_tier.tier.TIER_KEYS: imports vLLM)
+
+    extra = config["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec", text
+    ours = [t for t in extra["secondary_tiers"] if t.get("module_path") == "ems.integrations.vllm_tier"]
+    assert ours, text
+    for tier in ours:
+        assert tier["type"] == "EmsTier", text
+        settings = {k: v for k, v in tier.items() if k not in ("type", "module_path", *tier_keys)}
+        plugin_config(f"secondary_tiers[{tier['type']}]", settings)
 
 
 def test_requests_name_the_servers_model():
