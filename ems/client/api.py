@@ -46,7 +46,9 @@ def _configure_logging(directory: str | None) -> None:
     logger.setLevel(logging.INFO)
 
 
-def _connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
+def connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
+    """The pool `settings` name (Mooncake, the embedded store, or pool nodes), connected: what `Ems.init` gives its
+    `ContextCaching`, and what an engine plug-in with a client of its own opens (`ems.integrations.host_region`)."""
     if settings.pool_backend == PoolBackendKind.MOONCAKE and settings.mooncake is not None:
         from ems.backends.mooncake import MooncakePool  # Mooncake's client is needed only with this backend
 
@@ -133,7 +135,7 @@ class Ems:
             _configure_logging(settings.sdk_log_dir)
             pool = cls._take_pending(config)
             if pool is None:
-                pool = _connect_pool(config, settings)
+                pool = connect_pool(config, settings)
             if not settings.embedded and not pool.healthy(settings.connect_timeout_ms / 1000.0):
                 cls._pending = (config, pool)
                 raise _unreachable(settings)

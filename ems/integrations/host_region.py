@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ems import CcKvOption, CcResult, ContextCaching, EmsException, StoreLayerGroupDesc
-from ems.client.api import _connect_pool
+from ems.client.api import connect_pool
 from ems.config import check_config, resolve_settings
 from ems.integrations import kv_layouts
 from ems.integrations.connector_config import EMS_SETTINGS, ConnectorConfig
@@ -74,7 +74,7 @@ def open_client(config: ConnectorConfig, model_id: str, kvcache_type: str = "MHA
     pool_where = config.resolve_pool()
     ems_config = check_config(config.ems_config(model_id, kvcache_type, pool_where))
     settings = resolve_settings(ems_config)
-    pool = _connect_pool(ems_config, settings)
+    pool = connect_pool(ems_config, settings)
     cc_config = ems_config.context_caching_config
     if cc_config is None:  # (ems_config always carries one)
         pool.close()
