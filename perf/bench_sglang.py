@@ -40,6 +40,7 @@ from results import Figure, Goal, Run, command_line, record  # noqa: E402
 from ems import CcKvOption, Ems  # noqa: E402
 from ems.integrations.sglang.host_layout import host_planes  # noqa: E402
 
+BUDGET = 4 << 30  # bytes of host memory the test pools are booked against
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 4, 128, 64  # bf16: 512 KiB a page
 PAGES = 32  # pages per call (SGLang batches up to 128)
 LAYOUTS = ("layer_first", "page_first")
@@ -48,24 +49,28 @@ DEVICE_PAGES = 128
 
 def host_pool(layout: str):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     tokens = DEVICE_PAGES * PAGE
     device = MHATokenToKVPool(
         tokens, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1
     )
-    host = MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=LAYERS - 1,
-        write_back_staging=None,
-    )
+    # SGLang checks the pool against the host's free memory less a fixed reserve; on this shared machine that
+    # depends on whatever else runs, so the pool is booked against an explicit budget (SGLang's own scope)
+    with host_memory_budget_scope(BUDGET):
+        host = MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            PAGE,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=tokens,
+            start_layer=0,
+            end_layer=LAYERS - 1,
+            write_back_staging=None,
+        )
     host.kv_buffer.view(torch.uint8).random_(0, 256)
     return host
 

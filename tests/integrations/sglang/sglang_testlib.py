@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+BUDGET = 4 << 30  # bytes of host memory the test pools are booked against
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
 TOKENS = 64  # device tokens; the host pool holds twice as many
 
@@ -14,21 +15,25 @@ TOKENS = 64  # device tokens; the host pool holds twice as many
 def host_pool(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE, layers: int = LAYERS) -> Any:
     """SGLang's `MHATokenToKVPoolHost` over a CPU `MHATokenToKVPool` (as SGLang builds them; pinned memory off)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     device = MHATokenToKVPool(TOKENS, page, dtype, HEADS, HEAD_DIM, layers, "cpu", False, start_layer=0, end_layer=layers - 1)
-    return MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        page,
-        layout,
-        pin_memory=False,
-        device_capacity_tokens=TOKENS,
-        start_layer=0,
-        end_layer=layers - 1,
-        write_back_staging=None,
-    )
+    # SGLang checks the pool against the host's free memory less a fixed reserve; on this shared machine that
+    # depends on whatever else runs, so the pool is booked against an explicit budget (SGLang's own scope)
+    with host_memory_budget_scope(BUDGET):
+        return MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=TOKENS,
+            start_layer=0,
+            end_layer=layers - 1,
+            write_back_staging=None,
+        )
 
 
 def fill(host: Any, seed: int) -> None:
