@@ -11,6 +11,7 @@ every `RETRY_INIT_S`, while every call misses). `register_mem_pool_host(host)` r
   (`slot_mapping=host_indices`, `hashes` = the keys as ints, `offsets=[page_size] * n`): the package's copy path
   gathers every page's layers into the pool's values and scatters them back; `[True] * k + [False] * (n - k)` where
   `k` is the pool's consecutive successes.
+* `get_stats()`: SGLang's `StorageMetrics` (pages and GB/s of each v1 call) with `enable_storage_metrics`, else None.
 * `batch_exists(keys, extra_info)`: one `exists` per call, with `lease_ms` (the config's), so the pool keeps what it
   reported for the get that follows; the count of consecutive hits from the first key.
 * the legacy calls (`get`, `batch_get`, `set`, `batch_set`, `exists`), used by SGLang when `interface_v1` is off:
@@ -87,6 +88,16 @@ class EmsHiCacheStorage(HiCacheStorage):
         self._next_init = 0.0
         self._last_log = 0.0
         self._v0_prefix = "sglang"
+        self._page_bytes = 0
+        # SGLang's storage metrics (`--enable-storage-metrics`): pages and GB/s of each v1 get (prefetch) and set
+        self._metrics_on = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list[float]] = {
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
         self._client()  # at start: a bad config raises here; an unreachable pool is asked again later
 
     # ---------------------------------------------------------------- set-up
@@ -116,6 +127,7 @@ class EmsHiCacheStorage(HiCacheStorage):
         self._v0_prefix = f"sglang-{mem_pool_host.layout}"
         planes = host_planes(mem_pool_host)  # an unsupported layout raises here: the attach fails, naming it
         self._planes = planes
+        self._page_bytes = sum(t[0].numel() * t.element_size() for pair in planes for t in pair)
         cc = self._client()
         if cc is not None:
             self._register(cc)
@@ -164,8 +176,11 @@ class EmsHiCacheStorage(HiCacheStorage):
                 raise ValueError(f"{slots.numel()} host indices for {n} pages of {self.page_size} tokens")
             hashes = [page_hash(k) for k in keys]
             call = cc.save if save else cc.load
+            start = time.perf_counter()
             result = call(slots, hashes, [self.page_size] * n, self.option, **self._chain_kwargs(extra_info))
             done = int(result.success)
+            if self._metrics_on:
+                self._record("backup" if save else "prefetch", n, time.perf_counter() - start)
         except Exception as exc:  # a failure is a miss, never an exception in SGLang's threads
             self._log("%s of %d pages failed (counted as misses): %s", "set" if save else "get", n, exc)
             done = 0
@@ -264,6 +279,21 @@ class EmsHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         """SGLang's "clear the storage": the pool is shared with other servers, so nothing is deleted here."""
 
-    def get_stats(self) -> dict[str, float] | None:
-        cc = self._cc
-        return cc.metrics() if cc is not None else None
+    def _record(self, kind: str, pages: int, seconds: float) -> None:
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(pages * self._page_bytes / max(seconds, 1e-9) / 1e9)
+
+    def get_stats(self) -> Any:
+        """SGLang's `StorageMetrics` of the v1 calls since the last call (None without `enable_storage_metrics`);
+        the SDK's own counters are `ContextCaching.metrics()`."""
+        if not self._metrics_on:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._metrics_lock:
+            for name, values in self._metrics.items():
+                getattr(metrics, name).extend(values)
+                values.clear()
+        return metrics

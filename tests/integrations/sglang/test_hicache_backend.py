@@ -280,3 +280,19 @@ def test_page_hash_is_deterministic():
     assert page_hash("ff") == 255 and page_hash("a" * 64) == int("a" * 64, 16)
     assert page_hash("x" * 70) == page_hash("x" * 70) != page_hash("x" * 71)
     assert page_hash("f" * 65) < 1 << 256
+
+
+def test_storage_metrics_as_sglang_reads_them(pool_nodes):
+    """With SGLang's --enable-storage-metrics, get_stats gives its `StorageMetrics` (its collector asserts the type)."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    node = pool_nodes()
+    host = host_pool("layer_first")
+    backend = build(extra([node.address]), host, enable_storage_metrics=True)
+    keys = keys_of(3, salt=9)
+    assert backend.batch_set_v1(keys, page_indices(host, [0, 1, 2])) == [True] * 3
+    assert backend.batch_get_v1(keys, page_indices(host, [3, 4, 5])) == [True] * 3
+    stats = backend.get_stats()
+    assert isinstance(stats, StorageMetrics) and stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+    assert stats.backup_bandwidth[0] > 0 and stats.prefetch_bandwidth[0] > 0
+    assert backend.get_stats().backup_pgs == []  # each figure is reported once
