@@ -36,6 +36,28 @@ def host_pool(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE
         )
 
 
+def mla_host_pool(layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """SGLang's `MLATokenToKVPoolHost` (latent 16 + rope 8 per token) over a CPU `MLATokenToKVPool`."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device = MLATokenToKVPool(TOKENS, PAGE, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1)
+    with host_memory_budget_scope(BUDGET):  # (as in host_pool)
+        return MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            PAGE,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=TOKENS,
+            start_layer=0,
+            end_layer=LAYERS - 1,
+            target_layer_num=LAYERS,
+        )
+
+
 def fill(host: Any, seed: int) -> None:
     """Random bytes in the whole host pool."""
     raw = host.kv_buffer.view(torch.uint8)
@@ -95,9 +117,16 @@ def page_indices(host: Any, pages: list[int]) -> torch.Tensor:
 
 
 def page_bytes(host: Any, index: int) -> torch.Tensor:
-    """Page `index` of an MHA host pool as `[2, layers, page_size, heads, head_dim]` raw bytes, whatever its layout
+    """Page `index` of an MHA host pool as `[2, layers, page_size, heads, head_dim]` raw bytes (MLA: `[layers,
+    page_size, 1, width]`), whatever its layout
     (the test's own reading of SGLang's `kv_buffer` shapes, independent of `ems.integrations.sglang.host_layout`)."""
     kv, page = host.kv_buffer, host.page_size
+    if hasattr(host, "kv_lora_rank"):  # MLA: [layers, page_size, 1, latent + rope]
+        if host.layout == "layer_first":
+            return kv[:, index * page : (index + 1) * page].contiguous().view(torch.uint8).clone()
+        if host.layout == "page_first":
+            return kv[index * page : (index + 1) * page].permute(1, 0, 2, 3).contiguous().view(torch.uint8).clone()
+        return kv[index].contiguous().view(torch.uint8).clone()
     if host.layout == "layer_first":
         canonical = kv[:, :, index * page : (index + 1) * page]
     elif host.layout == "page_first":

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.storage", reason="SGLang is not installed (CI: its own venv, .ci/run)")
 
-from sglang_testlib import build, extra, fill, host_pool, page_bytes, page_indices, storage_config
+from sglang_testlib import build, extra, fill, host_pool, mla_host_pool, page_bytes, page_indices, storage_config
 
 from ems import Ems, EmsException
 from ems.datapath.keys import namespace
@@ -296,3 +296,25 @@ def test_storage_metrics_as_sglang_reads_them(pool_nodes):
     assert isinstance(stats, StorageMetrics) and stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
     assert stats.backup_bandwidth[0] > 0 and stats.prefetch_bandwidth[0] > 0
     assert backend.get_stats().backup_pgs == []  # each figure is reported once
+
+
+@pytest.mark.parametrize(("writer", "reader"), [("layer_first", "page_first"), ("page_first_direct", "layer_first")])
+def test_mla_pages_shared_by_tp_ranks_byte_exact(pool_nodes, writer, reader):
+    """SGLang's MLA host pool (latent and rope parts registered as K and V, no copy): TP rank 0 writes (SGLang's
+    storage writer), rank 1 of another server with another layout reads the same bytes."""
+    node = pool_nodes()
+    config = extra([node.address])
+    a = mla_host_pool(writer)
+    fill(a, 40)
+    keys = keys_of(5, salt=10)
+    rank0 = build(config, a, tp_rank=0, tp_size=2, mla=True)
+    for pair in rank0._planes:
+        assert all(t.untyped_storage().data_ptr() == a.kv_buffer.untyped_storage().data_ptr() for t in pair)
+    assert rank0.batch_set_v1(keys, page_indices(a, [1, 2, 3, 4, 5])) == [True] * 5
+    switch_server()
+    b = mla_host_pool(reader)
+    fill(b, 41)
+    rank1 = build(config, b, tp_rank=1, tp_size=2, mla=True)
+    assert rank1.batch_exists(keys) == 5
+    assert rank1.batch_get_v1(keys, page_indices(b, [10, 9, 8, 7, 6])) == [True] * 5
+    assert same_pages(a, [1, 2, 3, 4, 5], b, [10, 9, 8, 7, 6])
