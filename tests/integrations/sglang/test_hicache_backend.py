@@ -318,3 +318,26 @@ def test_mla_pages_shared_by_tp_ranks_byte_exact(pool_nodes, writer, reader):
     assert rank1.batch_exists(keys) == 5
     assert rank1.batch_get_v1(keys, page_indices(b, [10, 9, 8, 7, 6])) == [True] * 5
     assert same_pages(a, [1, 2, 3, 4, 5], b, [10, 9, 8, 7, 6])
+
+
+def test_a_hung_node_costs_at_most_the_timeout(pool_nodes):
+    """A node that stops answering (SIGSTOP): every call returns misses within its timeout, none hangs SGLang's
+    prefetch or backup thread."""
+    node = pool_nodes()
+    host = host_pool("layer_first")
+    fill(host, 11)
+    backend = build(extra([node.address], timeout_ms=1000, read_cache_capacity=0), host)
+    keys = keys_of(4, salt=11)
+    assert backend.batch_set_v1(keys, page_indices(host, [0, 1, 2, 3])) == [True] * 4
+    node.pause()
+    try:
+        for call in (
+            lambda: backend.batch_exists(keys) == 0,
+            lambda: backend.batch_get_v1(keys, page_indices(host, [4, 5, 6, 7])) == [False] * 4,
+            lambda: backend.batch_set_v1(keys_of(2, salt=12), page_indices(host, [8, 9])) == [False] * 2,
+        ):
+            started = time.monotonic()
+            assert call()
+            assert time.monotonic() - started < 6  # the 1 s timeout, with room for a loaded machine
+    finally:
+        node.resume()
