@@ -22,6 +22,9 @@ Keys: SGLang's page keys are strings (hex digests); `page_hash` maps each to an 
 most 64 digits: its value; anything else: a 256-bit BLAKE2b digest). `chain_prefix` (the locality placement) is
 passed from `extra_info.prefix_keys` in one place, `_chain_kwargs`, once the SDK takes it (`PASS_CHAIN_PREFIX`).
 
+Hybrid models (SGLang's v2: `register_mem_host_pool_v2`, `batch_*_v2` over `PoolTransfer`) are not served: a v2
+pool is logged once at registration and its calls answer misses (0 hits, `False` per page), never raise.
+
 Failure semantics: no call raises into SGLang's threads and none returns None: a pool failure, a timeout (each
 request's `timeout_ms`), an unregistered host pool or an SDK that is not up yet is a miss (`False`, `0`), logged at
 most once per `LOG_EVERY_S`. One backend per process registers at a time: a backend whose registration another one
@@ -275,6 +278,28 @@ class EmsHiCacheStorage(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
+
+    # ---------------------------------------------------------------- v2 (hybrid models' side pools): not served
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid pools (Mamba, SWA, DSA indexer, ...) are not served: said once, and their calls miss."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        logger.warning(
+            "EmsHiCacheStorage serves SGLang's KV pool through the v1 calls only; host pool %r (v2) is not stored: "
+            "its pages always miss, so a hybrid model gets no L3 hits from this backend",
+            str(host_pool_name),
+        )
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        return PoolTransferResult(0, {str(t.name): 0 for t in pool_transfers or []})
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 
     def clear(self) -> None:
         """SGLang's "clear the storage": the pool is shared with other servers, so nothing is deleted here."""
