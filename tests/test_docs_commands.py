@@ -134,6 +134,7 @@ CHECKS: list[tuple[str, str]] = [
     (r"python serve\.py$", "test_environment_lines_resolve"),
     (r"(export |mooncake_master |python -c)", "test_the_local_mooncake_store_is_the_tests_one"),
     (r"lmcache server ", "tests/integrations/lmcache: test_the_guides_l2_adapter_command_is_what_lmcache_parses"),
+    (r"python -m sglang\.launch_server ", "tests/integrations/sglang: test_the_guides_server_command_is_what_sglang_parses"),
 ]
 
 

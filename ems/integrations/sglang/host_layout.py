@@ -1,0 +1,78 @@
+"""SGLang's host KV pools as the package's registered layout: `[layers][K, V]` views, no copy.
+
+Contract (no SGLang imports; the host pool is read by attribute): `host_planes(host)` returns the list that
+`ContextCaching.register_kvcache` takes, `[[K, V] per layer]`, each `[pages, page_size, heads, head_size]`, viewing the
+pool's `kv_buffer` (no byte is copied, so a load writes the host pool itself and a save reads it). Host token index
+`t` is slot `t` of every plane (page `t // page_size`, row `t % page_size`), so SGLang's `host_indices` are the
+package's `slot_mapping`. Every row of a plane (heads * head_size elements) is contiguous; pages and rows may be
+strided, which the package's copy path gathers and scatters in one pass.
+
+| pool, layout | `kv_buffer` | plane of layer l |
+|---|---|---|
+| MHA `layer_first` | `[2, L, tokens, H, D]` | `kv[k, l]` |
+| MHA `page_first` | `[2, tokens, L, H, D]` | `kv[k, :, l]` (rows `L*H*D` apart) |
+| MHA `page_first_direct` | `[2, pages, L, page, H, D]` | `kv[k, :, l]` |
+| MHA `page_head` | `[2, pages, H, page, L, D]` | per (layer, head): `kv[k, :, h, :, l]`, heads = 1 (see below) |
+| MLA `layer_first` | `[L, tokens, 1, W]` | K = the latent part `[..., :W-rope]`, V = the rope part |
+| MLA `page_first` | `[tokens, L, 1, W]` | as above |
+| MLA `page_first_direct` | `[pages, L, page, 1, W]` | as above |
+
+The first three MHA layouts register the same planes, so their stored values are byte-identical: servers with
+different layouts share pages. `page_head` registers one plane pair per layer and head, since a row of H heads is
+not contiguous there (another layout signature, so its pages meet only `page_head` servers'). Other layouts
+(`page_unified`, Ascend's `page_first_kv_split`, ...) are refused with `UnsupportedLayout` naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+class UnsupportedLayout(ValueError):
+    """A host pool this module cannot view without a copy."""
+
+
+def is_mla(host: Any) -> bool:
+    return hasattr(host, "kv_lora_rank")
+
+
+def host_planes(host: Any) -> list[list[torch.Tensor]]:
+    """The `register_kvcache` list of `host`'s `kv_buffer` (see the module contract)."""
+    layout = str(host.layout)
+    kv = host.kv_buffer
+    page = int(host.page_size)
+    if not isinstance(kv, torch.Tensor):
+        raise UnsupportedLayout(f"{type(host).__name__}.kv_buffer is {type(kv).__name__}, not one tensor")
+    pages = int(host.size) // page
+    if is_mla(host):
+        if layout not in MLA_LAYOUTS:
+            raise UnsupportedLayout(f"SGLang MLA host layout {layout!r}: supported are {list(MLA_LAYOUTS)}")
+        if layout == "layer_first":
+            rows = [kv[layer, : pages * page].unflatten(0, (pages, page)) for layer in range(kv.shape[0])]
+        elif layout == "page_first":
+            rows = [kv[: pages * page, layer].unflatten(0, (pages, page)) for layer in range(kv.shape[1])]
+        else:
+            rows = [kv[:, layer] for layer in range(kv.shape[1])]
+        width = int(kv.shape[-1])
+        rope = int(getattr(host, "qk_rope_head_dim", 0) or 0)
+        split = width - rope if 0 < rope < width else width // 2
+        if split < 1:
+            raise UnsupportedLayout(f"SGLang MLA host rows of {width} elements cannot be split into K and V")
+        return [[r[..., :split], r[..., split:]] for r in rows]
+    if layout not in MHA_LAYOUTS:
+        raise UnsupportedLayout(f"SGLang host layout {layout!r}: supported are {list(MHA_LAYOUTS)}")
+    if layout == "layer_first":
+        return [[kv[k, layer, : pages * page].unflatten(0, (pages, page)) for k in (0, 1)] for layer in range(kv.shape[1])]
+    if layout == "page_first":
+        return [[kv[k, : pages * page, layer].unflatten(0, (pages, page)) for k in (0, 1)] for layer in range(kv.shape[2])]
+    if layout == "page_first_direct":
+        return [[kv[k, :, layer] for k in (0, 1)] for layer in range(kv.shape[2])]
+    # page_head: [2, pages, H, page, L, D]
+    return [
+        [kv[k, :, head, :, layer].unsqueeze(2) for k in (0, 1)] for layer in range(kv.shape[4]) for head in range(kv.shape[2])
+    ]

@@ -1,0 +1,140 @@
+"""Helpers of the SGLang HiCache tests: SGLang's own host KV pools on CPU, and the storage config SGLang builds."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+BUDGET = 4 << 30  # bytes of host memory the test pools are booked against
+LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
+TOKENS = 64  # device tokens; the host pool holds twice as many
+
+
+def host_pool(layout: str, dtype: torch.dtype = torch.bfloat16, page: int = PAGE, layers: int = LAYERS) -> Any:
+    """SGLang's `MHATokenToKVPoolHost` over a CPU `MHATokenToKVPool` (as SGLang builds them; pinned memory off)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool(TOKENS, page, dtype, HEADS, HEAD_DIM, layers, "cpu", False, start_layer=0, end_layer=layers - 1)
+    # SGLang checks the pool against the host's free memory less a fixed reserve; on this shared machine that
+    # depends on whatever else runs, so the pool is booked against an explicit budget (SGLang's own scope)
+    with host_memory_budget_scope(BUDGET):
+        return MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=TOKENS,
+            start_layer=0,
+            end_layer=layers - 1,
+            write_back_staging=None,
+        )
+
+
+def mla_host_pool(layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """SGLang's `MLATokenToKVPoolHost` (latent 16 + rope 8 per token) over a CPU `MLATokenToKVPool`."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device = MLATokenToKVPool(TOKENS, PAGE, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1)
+    with host_memory_budget_scope(BUDGET):  # (as in host_pool)
+        return MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            PAGE,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=TOKENS,
+            start_layer=0,
+            end_layer=LAYERS - 1,
+            target_layer_num=LAYERS,
+        )
+
+
+def fill(host: Any, seed: int) -> None:
+    """Random bytes in the whole host pool."""
+    raw = host.kv_buffer.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8))
+
+
+def extra(nodes: list[str], **more: Any) -> dict[str, Any]:
+    """The extra config a user writes (`--hicache-storage-backend-extra-config`), as SGLang parses it (JSON)."""
+    config = {
+        "backend_name": "ems",
+        "module_path": "ems.integrations.sglang",
+        "class_name": "EmsHiCacheStorage",
+        "interface_v1": 1,
+        "pool_nodes": ",".join(nodes),
+        "local_pool": "off",
+        "timeout_ms": 2000,
+        **more,
+    }
+    return json.loads(json.dumps(config))
+
+
+def storage_config(
+    extra_config: dict[str, Any] | None, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **more: Any
+) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    fields = {
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_cp_size": 1,
+        "is_mla_model": mla,
+        "enable_storage_metrics": False,
+        "is_page_first_layout": False,
+        "model_name": "org/tiny-model",
+        "extra_config": extra_config,
+        **more,
+    }
+    return HiCacheStorageConfig(**fields)
+
+
+def build(extra_config: dict[str, Any], host: Any, **config: Any) -> Any:
+    """The backend as SGLang's cache controller builds and attaches it."""
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra_config, **config), host)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+def page_indices(host: Any, pages: list[int]) -> torch.Tensor:
+    """Host token indices of `pages` (page_size per page, in order), as SGLang passes `host_indices`."""
+    page = host.page_size
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * page + torch.arange(page)[None, :]).reshape(-1)
+
+
+def page_bytes(host: Any, index: int) -> torch.Tensor:
+    """Page `index` of an MHA host pool as `[2, layers, page_size, heads, head_dim]` raw bytes (MLA: `[layers,
+    page_size, 1, width]`), whatever its layout
+    (the test's own reading of SGLang's `kv_buffer` shapes, independent of `ems.integrations.sglang.host_layout`)."""
+    kv, page = host.kv_buffer, host.page_size
+    if hasattr(host, "kv_lora_rank"):  # MLA: [layers, page_size, 1, latent + rope]
+        if host.layout == "layer_first":
+            return kv[:, index * page : (index + 1) * page].contiguous().view(torch.uint8).clone()
+        if host.layout == "page_first":
+            return kv[index * page : (index + 1) * page].permute(1, 0, 2, 3).contiguous().view(torch.uint8).clone()
+        return kv[index].contiguous().view(torch.uint8).clone()
+    if host.layout == "layer_first":
+        canonical = kv[:, :, index * page : (index + 1) * page]
+    elif host.layout == "page_first":
+        canonical = kv[:, index * page : (index + 1) * page].permute(0, 2, 1, 3, 4)
+    elif host.layout == "page_first_direct":
+        canonical = kv[:, index]
+    elif host.layout == "page_head":
+        canonical = kv[:, index].permute(0, 3, 2, 1, 4)
+    else:
+        raise ValueError(host.layout)
+    return canonical.contiguous().view(torch.uint8).clone()
