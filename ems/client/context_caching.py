@@ -12,6 +12,11 @@ whose keys partly fail returns the consecutive prefix; one that reached no node 
 `EMS_IO_TIMEOUT`); `exists` never raises for pool failures, it reports 0 hits. A load never writes a block it did not
 verify, nor any block after the first miss.
 
+Namespaces (`ems.client.namespaces.NamespaceWatch`): `register_kvcache` publishes the record of the V1 namespace in
+the pool, every V1 `exists` and load is observed (an engine whose first lookups all miss while its tenant's pool holds
+the same model under another namespace logs once which parts differ), and `describe_namespace` (this package's
+addition) adds an integration's own parts to the record.
+
 Counters (`metrics()`, `ems.client.metrics`): every finished call adds its job record (blocks, bytes, and bytes and
 time per stage) once (no per-block work); they are registered with prometheus_client's default registry when it is installed.
 """
@@ -31,6 +36,7 @@ from ems.client.binding import bind_and_plan
 from ems.client.calls import AsyncCalls, Pending
 from ems.client.lookup import consecutive_prefix, count_held
 from ems.client.metrics import CcMetrics
+from ems.client.namespaces import NamespaceWatch
 from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
 from ems.datapath.copier import copier_for
@@ -40,7 +46,7 @@ from ems.datapath.jobs import PoolRoute, Transfer, load_job, save_job
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan
-from ems.datapath.requests import Operation, Request
+from ems.datapath.requests import Operation, RawRequest, Request
 from ems.datapath.tokens import TokenForm, TokenRequest, call_result
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
@@ -140,6 +146,7 @@ class ContextCaching:
         self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
+        self._namespaces = NamespaceWatch(pool, cc_config)
         self._async = AsyncCalls(settings.max_inflight, _EmsErrors(self._metrics.record_error))
         self._metrics.register()
 
@@ -171,6 +178,18 @@ class ContextCaching:
             backend.describe(),
             f", cross-layer blocks in group(s) {cross} (a whole block is one copy)" if cross else "",
         )
+        self._namespaces.registered(self._v1_namespace, layout)
+
+    def describe_namespace(self, model: str | None = None, parts: dict[str, str] | None = None) -> None:
+        """What an integration adds to this engine's namespace record (this package's addition; `model`: what
+        engines of "the same model" share, e.g. vLLM's model path; `parts`: name -> text of each input that decides a
+        block's bytes or its keys): `ems.client.namespaces`."""
+        self._namespaces.describe(model, parts)
+
+    @property
+    def namespace_watch(self) -> NamespaceWatch:
+        """This engine's namespace record and zero-hit diagnosis (`ems.client.namespaces`)."""
+        return self._namespaces
 
     @property
     def layout(self) -> RegisteredLayout | None:
@@ -307,6 +326,8 @@ class ContextCaching:
         job = load_job(Transfer(plan, device, copier, request.option, record), self._route())
         loaded = job.run()
         self._raise_if_unreachable(loaded.outcome, loaded.hits)
+        if not isinstance(request, RawRequest):
+            self._namespaces.observe(loaded.hits)
         self._job_done(record.finish(loaded.hits, plan.total, plan.expected.payload_bytes(0, loaded.hits)))
         return call_result(request, loaded.hits, plan.total)
 
@@ -385,7 +406,9 @@ class ContextCaching:
         additions, `lease_ms=N` and `pin=True` (keep what is reported from eviction): `ems.client.lookup`."""
         with self._calls:
             v1_namespace = self._v1_namespace if self._layout is not None else None
-            return count_held(self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace)
+            return count_held(
+                self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace, self._namespaces.observe
+            )
 
     # ---------------------------------------------------------------- lifecycle
 
