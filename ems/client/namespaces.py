@@ -23,7 +23,6 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -69,12 +68,6 @@ def sdk_parts(cc_config: CcConfig, layout: RegisteredLayout | None) -> dict[str,
         parts["dtype"] = ",".join(dtypes)
         parts["layout_groups"] = " | ".join(g.describe() for g in layout.groups)
     return parts
-
-
-def digest_part(value: bytes | str) -> str:
-    """A short stable text for a part whose value should not be shown (an epoch, a hash seed)."""
-    raw = value.encode() if isinstance(value, str) else value
-    return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 
 class NamespaceWatch:

@@ -35,7 +35,10 @@ LAYERS, BLOCKS = 3, 12
 
 
 def _stored_entries() -> int:
-    return Ems._pool.store.stats().entries  # white-box: the embedded store
+    from ems.store.ns_records import is_record_key
+
+    # white-box: the embedded store's values, not counting the engines' namespace records (`ems.store.ns_records`)
+    return sum(not is_record_key(k) for k in Ems._pool.store.keys())
 
 
 class _Rank:

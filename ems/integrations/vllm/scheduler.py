@@ -55,6 +55,7 @@ for a request is `lookups.LookupAnswer`, and a step's work for the workers is `m
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -78,6 +79,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ems.integrations.vllm")
 
 NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a position a sliding-window group does not hold
+
+
+def _epoch_part(epoch: bytes) -> str:
+    """The epoch as the namespace record shows it (`ContextCaching.describe_namespace`): a digest, never the key."""
+    return hashlib.blake2b(epoch, digest_size=8).hexdigest()
 
 
 class EventSink(Protocol):
@@ -104,6 +110,7 @@ class EmsScheduler:
         self._block_size = ctx.block_size
         self._events = events
         self.epoch = EpochWatch(EpochRecord(ctx.cc, ctx.config.timeout_ms), ctx.config.epoch_refresh_s)
+        ctx.cc.describe_namespace(parts={"epoch": _epoch_part(self.epoch.epoch)})  # the namespace record's epoch
         self.lookups = PoolLookups(ctx)
         self.requests: dict[str, RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}  # admitted with a hit, not sent to the workers yet
@@ -373,6 +380,7 @@ class EmsScheduler:
         self._loading.clear()  # its loads fail or load the old epoch's blocks: nobody waits for them
         self._events.cleared()
         self.lookups.clear()
+        self._ctx.cc.describe_namespace(parts={"epoch": _epoch_part(self.epoch.epoch)})
         logger.info("EmsConnector reset_cache: new namespace epoch; every earlier block now misses")
         return True
 
