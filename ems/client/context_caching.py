@@ -146,7 +146,7 @@ class ContextCaching:
         self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
-        self._namespaces = NamespaceWatch(pool, cc_config)
+        self._namespaces = NamespaceWatch(pool, tenant, cc_config)
         self._async = AsyncCalls(settings.max_inflight, _EmsErrors(self._metrics.record_error))
         self._metrics.register()
 

@@ -1,7 +1,7 @@
 """An engine's namespace record, and the one-time diagnosis of an engine that never hits.
 
 Contract:
-* `NamespaceWatch(pool, cc_config)` belongs to one `ContextCaching`. `registered(namespace, layout)` (each
+* `NamespaceWatch(pool, tenant, cc_config)` belongs to one `ContextCaching`. `registered(namespace, layout)` (each
   `register_kvcache`) publishes the record of the V1 namespace (`ems.store.ns_records`): the SDK's parts (`model_id`,
   `tp_size`, `tp_rank`, `pp`, `layout` and, read from the layout's signature, `dtype` and `layout_groups`) merged
   with what the engine described (`describe(model, parts)`: an integration's own, e.g. the vLLM connector's model
@@ -76,12 +76,14 @@ class NamespaceWatch:
     def __init__(
         self,
         pool: PoolBackend,
+        tenant: str | None,
         cc_config: CcConfig,
         after_lookups: int = DIAGNOSE_AFTER_LOOKUPS,
         after_s: float = DIAGNOSE_AFTER_S,
         timeout_ms: int = RECORD_TIMEOUT_MS,
     ) -> None:
         self._pool = pool
+        self._tenant = tenant
         self._cc_config = cc_config
         self.after_lookups = after_lookups
         self.after_s = after_s
@@ -123,7 +125,7 @@ class NamespaceWatch:
     # ---- the pool ----
 
     def _read(self, model: str) -> tuple[list[bytes], list[NamespaceRecord | None]]:
-        keys = record_keys(model)
+        keys = record_keys(self._tenant, model)
         outcome = self._pool.get(PoolRequest(keys, keys, self._option))
         return keys, [decode_record(v) for v in outcome.results]
 

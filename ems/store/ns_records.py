@@ -12,10 +12,11 @@ Contract:
   `MAX_PART_CHARS` is kept as its digest (`digest:` + 16 hex digits): two records still tell equal from different.
 * Stored as an ordinary value (header, checksum: `ems.store.value_format`, kind `NS_RECORD`) under a reserved key
   form of the tenant's keys, `RECORD_MARK` (a reserved 16-byte namespace no digest takes, and the form byte
-  `FORM_RECORD`) + the model's 8-byte digest + a slot in `0..SLOTS-1` (`record_key`). No new protocol op: a record
-  is read, written, authenticated and kept per tenant exactly like any value (a pool node prefixes every key with the
-  connection's tenant, a Mooncake key holds the tenant's namespace), so an engine is never told of another tenant's
-  namespaces. Records route by their whole key (as `keys.route_key_of` reads a key of a form it does not parse, so a
+  `FORM_RECORD`) + an 8-byte digest of the tenant and the model + a slot in `0..SLOTS-1` (`record_key`). No new
+  protocol op: a record is read, written, authenticated and kept per tenant exactly like any value (a pool node
+  prefixes every key with the authenticated connection's tenant; on Mooncake, which has no per-tenant
+  authentication, the tenant in the digest keeps tenants' records apart as the tenant in every namespace digest
+  keeps their blocks apart), so an engine is never told of another tenant's namespaces. Records route by their whole key (as `keys.route_key_of` reads a key of a form it does not parse, so a
   node's repair places them where clients look).
 * Bounds: a record's value is at most `MAX_RECORD_BYTES` (`encode_record` refuses more, with `ValueError`; a pool node
   refuses a larger value under a record key, `ems.pool.namespaces`), a model has at most `SLOTS` records, and a pool
@@ -62,20 +63,21 @@ if len(RECORD_NAMESPACE) != 16:  # (the namespace width every key form shares)
     raise RuntimeError("RECORD_NAMESPACE must be 16 bytes")
 
 
-def model_digest(model: str) -> bytes:
-    return hashlib.blake2b(model.encode("utf-8"), digest_size=MODEL_DIGEST_BYTES, person=b"ems-ns-model").digest()
+def model_digest(tenant: str | None, model: str) -> bytes:
+    text = f"{len(tenant or '')}:{tenant or ''}:{model}"  # (length-prefixed: no two (tenant, model) pairs meet)
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=MODEL_DIGEST_BYTES, person=b"ems-ns-model").digest()
 
 
-def record_key(model: str, slot: int) -> bytes:
-    """The storage key of slot `slot` (0..SLOTS-1) of `model`'s records (also its routing key)."""
+def record_key(tenant: str | None, model: str, slot: int) -> bytes:
+    """The storage key of slot `slot` (0..SLOTS-1) of the tenant's records of `model` (also its routing key)."""
     if not 0 <= slot < SLOTS:
         raise ValueError(f"slot must be in 0..{SLOTS - 1}, got {slot}")
-    return RECORD_MARK + model_digest(model) + bytes([slot])
+    return RECORD_MARK + model_digest(tenant, model) + bytes([slot])
 
 
-def record_keys(model: str) -> list[bytes]:
-    """Every slot's key of `model`'s records, slot order."""
-    prefix = RECORD_MARK + model_digest(model)
+def record_keys(tenant: str | None, model: str) -> list[bytes]:
+    """Every slot's key of the tenant's records of `model`, slot order."""
+    prefix = RECORD_MARK + model_digest(tenant, model)
     return [prefix + bytes([slot]) for slot in range(SLOTS)]
 
 

@@ -38,7 +38,8 @@ def _stored_entries() -> int:
     from ems.store.ns_records import is_record_key
 
     # white-box: the embedded store's values, not counting the engines' namespace records (`ems.store.ns_records`)
-    return sum(not is_record_key(k) for k in Ems._pool.store.keys())
+    held = Ems._pool.store.keys()  # (a list)
+    return sum(not is_record_key(k) for k in held)
 
 
 class _Rank:
