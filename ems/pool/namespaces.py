@@ -97,6 +97,7 @@ class NamespaceBook:
         if not keys or RECORD_MARK not in b"".join(keys):
             return set()
         out: set[int] = set()
+        admitted: set[bytes] = set()  # by this request: not in the store yet, so never pruned
         with self._lock:
             for i, (key, n) in enumerate(zip(keys, lens)):
                 end = _tenant_end(key)
@@ -110,12 +111,13 @@ class NamespaceBook:
                 if key in held:
                     continue
                 if len(held) >= self.max_records:
-                    listed = list(held)
+                    listed = [k for k in held if k not in admitted]
                     held.difference_update(k for k, there in zip(listed, self.store.contains_many(listed)) if not there)
                 if len(held) >= self.max_records:
                     out.add(i)
                     continue
                 held.add(key)
+                admitted.add(key)
         return out
 
     # ---- lookups ----
