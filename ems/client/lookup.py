@@ -49,7 +49,7 @@ def count_held(
     layout's key namespace, None before `register_kvcache`."""
     items, checked_option, hold = bind_exists(hashes, option, kwargs)
     v0 = isinstance(items[0], (PrimaryKey, str))
-    if v0:
+    if isinstance(items[0], (PrimaryKey, str)):
         keys, route_keys = v0_keys(v0_namespace, items)
     else:
         if v1_namespace is None:

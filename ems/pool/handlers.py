@@ -297,7 +297,7 @@ class NodeHandlers:
         pass (`NodeStore.put_copied_each`: the copies are checked, never the region, which the client can still
         write). Every buffer is recycled on every error path."""
         store = self.store
-        refused = self.namespaces.refused(keys, request.lens)  # namespace records past their bounds
+        over_bounds = self.namespaces.refused(keys, request.lens)  # namespace records past their bounds
         fits: list[int] = []  # the values the store can hold at all
         buffers: list[np.ndarray] = []
         sources: list[np.ndarray] = []
@@ -305,7 +305,7 @@ class NodeHandlers:
         try:
             for i, (key, offset, n) in enumerate(zip(keys, request.offsets.tolist(), request.lens.tolist())):
                 charge = store.charge_of(len(key), n)
-                if charge > store.capacity_bytes or i in refused:
+                if charge > store.capacity_bytes or i in over_bounds:
                     continue
                 buffers.append(store.allocate(n, reserve=charge))
                 charges.append(charge)

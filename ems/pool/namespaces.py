@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from ems.buffers import Buffer
 from ems.store.ns_records import MAX_RECORD_BYTES, MAX_RECORDS_PER_TENANT, RECORD_MARK, decode_record
 
@@ -92,7 +94,7 @@ class NamespaceBook:
 
     # ---- record bounds ----
 
-    def refused(self, keys: Sequence[bytes], lens: Sequence[int]) -> set[int]:
+    def refused(self, keys: Sequence[bytes], lens: Sequence[int] | np.ndarray) -> set[int]:
         """The indices of `keys` (tenant-prefixed) a PUT must refuse: oversize records, records past the count."""
         if not keys or RECORD_MARK not in b"".join(keys):
             return set()

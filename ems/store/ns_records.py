@@ -11,13 +11,16 @@ Contract:
   and of the keys within it, e.g. tp size, block size, dtype, layout, overrides, epoch). A part's text longer than
   `MAX_PART_CHARS` is kept as its digest (`digest:` + 16 hex digits): two records still tell equal from different.
 * Stored as an ordinary value (header, checksum: `ems.store.value_format`, kind `NS_RECORD`) under a reserved key
-  form of the tenant's keys, `RECORD_MARK` (a reserved 16-byte namespace no digest takes, and the form byte
-  `FORM_RECORD`) + an 8-byte digest of the tenant and the model + a slot in `0..SLOTS-1` (`record_key`). No new
-  protocol op: a record is read, written, authenticated and kept per tenant exactly like any value (a pool node
-  prefixes every key with the authenticated connection's tenant; on Mooncake, which has no per-tenant
-  authentication, the tenant in the digest keeps tenants' records apart as the tenant in every namespace digest
-  keeps their blocks apart), so an engine is never told of another tenant's namespaces. Records route by their whole key (as `keys.route_key_of` reads a key of a form it does not parse, so a
-  node's repair places them where clients look).
+  form, `RECORD_MARK` (a reserved 16-byte namespace no digest takes, and the form byte `FORM_RECORD`) + an 8-byte
+  digest of the tenant and the model + a slot in `0..SLOTS-1` (`record_key`). Why no new protocol op: a record is then
+  read, written, checksummed, authenticated and kept per tenant exactly like any value, by every backend, with no
+  new surface for a raw client to probe: a pool node prefixes every key with the authenticated connection's tenant
+  (`ems.pool.handlers.tenant_prefix`), and on Mooncake (`ems.backends.mooncake`: the record is the Mooncake key
+  `ems/` + the record key in hex, stored by `MooncakePool.put` as any value; Mooncake has no per-tenant
+  authentication) the tenant in the digest keeps tenants' records apart as the tenant in every namespace digest
+  keeps their blocks apart. So an engine is never told of another tenant's namespaces. Records route by their
+  whole key (as `keys.route_key_of` reads a key of a form it does not parse), so a node's repair places them where
+  clients look. What a node alone can do (bounds, listing) it does on the reserved form (`ems.pool.namespaces`).
 * Bounds: a record's value is at most `MAX_RECORD_BYTES` (`encode_record` refuses more, with `ValueError`; a pool node
   refuses a larger value under a record key, `ems.pool.namespaces`), a model has at most `SLOTS` records, and a pool
   node keeps at most `MAX_RECORDS_PER_TENANT` per tenant (a new one beyond is refused).
