@@ -10,7 +10,7 @@ from pool_testlib import make_values
 from ems.pool.handlers import tenant_prefix
 from ems.pool.namespaces import NamespaceBook
 from ems.store.kv_store import KvStore
-from ems.store.ns_records import encode_record, make_record, record_key
+from ems.store.ns_records import RECORD_NAMESPACE, encode_record, make_record, record_key
 
 prometheus = pytest.importorskip("prometheus_client")
 
@@ -86,4 +86,4 @@ def test_records_that_left_the_store_stop_counting_and_the_report_lists_what_is_
     entry = report[(b"\x05" * 16).hex()]
     assert entry["values"] == 3 and entry["lookups"] == 1 and entry["bytes"] == 128
     assert entry["record"]["parts"] == {"tp_size": "2"} and entry["record"]["model"] == "m"
-    assert all(ns != ("ems\x00".encode() + b"ns-records\x00\x00").hex() for ns in report)  # records are not a namespace
+    assert RECORD_NAMESPACE.hex() not in report and len(report) == 1  # records are not a namespace of their own
