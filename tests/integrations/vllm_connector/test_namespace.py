@@ -238,3 +238,45 @@ def test_a_hybrid_models_groups_are_registered_by_the_pages_they_alias():
     )
     with pytest.raises(ValueError, match="different pages"):
         _aliased_layers(apart)
+
+
+def test_prefix_hashing_that_can_never_share_is_a_warning_naming_the_fix(model_dir, monkeypatch):
+    """vLLM seeds xxhash prefix hashes with random bytes per process unless PYTHONHASHSEED is set (checked against
+    vLLM's own seed resolution): the connector's start-up check says so and names the fix; sha256, or a seed, is fine."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    from ems.integrations.vllm.engine_checks import prefix_hash_part, sharing_warning
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    xx = vllm_config(model_dir, cache={"prefix_caching_hash_algo": "xxhash"})
+    fn = get_hash_fn_by_name("xxhash")
+    assert resolve_none_hash_seed(fn) != resolve_none_hash_seed(fn)  # vLLM: another seed in every process
+    message = sharing_warning(xx, environ={})
+    assert message is not None and "PYTHONHASHSEED" in message and "--prefix-caching-hash-algo sha256" in message
+    assert sharing_warning(vllm_config(model_dir, cache={"prefix_caching_hash_algo": "xxhash_cbor"}), environ={})
+    assert sharing_warning(xx, environ={"PYTHONHASHSEED": "0"}) is None
+    sha = vllm_config(model_dir)
+    assert sharing_warning(sha, environ={}) is None
+    sha_fn = get_hash_fn_by_name("sha256")
+    assert resolve_none_hash_seed(sha_fn) == resolve_none_hash_seed(sha_fn)  # vLLM: shareable by default
+    assert prefix_hash_part(xx, {}) == "xxhash;seed=random-per-process"
+    assert prefix_hash_part(sha, {}) == "sha256;seed=default"
+    assert prefix_hash_part(xx, {"PYTHONHASHSEED": "0"}) != prefix_hash_part(xx, {"PYTHONHASHSEED": "1"})
+
+
+def test_two_vllm_engines_differing_in_block_size_are_told_that_part(model_dir):
+    """The connector's record parts (`namespace_parts` and its own) of two engines that differ in block size only:
+    the diagnosis names block_size and vLLM's flag for it, and nothing that does not differ."""
+    from ems.integrations.vllm.namespace import namespace_parts
+    from ems.store.ns_records import diagnosis, make_record
+
+    def record(ns: bytes, block_size: int):
+        parts = namespace_parts(vllm_config(model_dir, cache={"block_size": block_size}), kv_cache_config(block_size=block_size))
+        return make_record(model_dir, ns, {**parts, "tp_size": "1"})
+
+    mine, other = record(b"\x01" * 16, 16), record(b"\x02" * 16, 32)
+    message = diagnosis(mine, [mine, other])
+    assert message is not None and "block_size: this engine 16, the other 32" in message and "--block-size" in message
+    said = {line.split(":")[0].strip() for line in message.splitlines()[1:]}
+    assert "block_size" in said and not said & {"dtype", "model", "tp_size", "hf_config", "vllm", "platform"}
