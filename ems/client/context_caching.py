@@ -52,7 +52,7 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
 from ems.records import JobKind, JobLedger, JobRecord, Stage
 from ems.staging import StagingPool
-from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
+from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc, V0Key
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # (typing's from Python 3.11 on)
@@ -406,9 +406,10 @@ class ContextCaching:
         additions, `lease_ms=N` and `pin=True` (keep what is reported from eviction): `ems.client.lookup`."""
         with self._calls:
             v1_namespace = self._v1_namespace if self._layout is not None else None
-            return count_held(
-                self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace, self._namespaces.observe
-            )
+            result = count_held(self._pool, self._metrics, hashes, option, kwargs, self._v0_namespace, v1_namespace)
+            if not (isinstance(hashes, (list, tuple)) and hashes and isinstance(hashes[0], (PrimaryKey, str))):
+                self._namespaces.observe(result.success)  # a V1 lookup (V0 keys are the engine's own: not observed)
+            return result
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -8,13 +8,13 @@ first, len(hashes))`. A failing or unreachable pool never raises: its keys count
 0 hits), logged once per call (a warning; an info line when other replicas answered for every key of the nodes that
 failed, so nothing was missed). Every pool answers through `PoolBackend.exists` (the embedded pool's is its store's
 index). Each answered call is added to the metrics' exists counters once (a pool that raised is not counted, as before
-this module existed). `observe(hits)`, where given, is told each answered V1 lookup (`ems.client.namespaces`).
+this module existed).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
@@ -43,12 +43,10 @@ def count_held(
     kwargs: dict[str, Any],
     v0_namespace: bytes,
     v1_namespace: bytes | None,
-    observe: Callable[[int], None] | None = None,
 ) -> CcResult:
     """How many of `hashes`, from the first, `pool` holds (the module's contract). `v1_namespace` is the registered
     layout's key namespace, None before `register_kvcache`."""
     items, checked_option, hold = bind_exists(hashes, option, kwargs)
-    v0 = isinstance(items[0], (PrimaryKey, str))
     if isinstance(items[0], (PrimaryKey, str)):
         keys, route_keys = v0_keys(v0_namespace, items)
     else:
@@ -65,8 +63,6 @@ def count_held(
     unreachable = bool(outcome.errors) and outcome.unreachable  # (errors first: no property call on the usual path)
     result = CcResult(0 if unreachable else consecutive_prefix(outcome.results), len(keys))
     metrics.record_exists(result.success, result.total)
-    if observe is not None and not v0:
-        observe(result.success)
     return result
 
 
