@@ -13,8 +13,10 @@ Contract:
   `DIAGNOSE_AFTER_LOOKUPS` lookups, or every lookup within `DIAGNOSE_AFTER_S` of registering, finding nothing sets off
   the diagnosis once, on a daemon thread (never on the caller's): the engine's record is published again, the
   model's records are read, and `ns_records.diagnosis` is logged as ONE warning (which parts differ from the
-  closest other namespace of the same model, and what to change); nothing is logged when no record explains it. A
-  lookup that hits settles the watch for good: an engine that hits once is sharing. Cost on the lookup path: one
+  closest other namespace of the same model, and what to change). When no record explains it (this engine came
+  first: nothing else was there yet), the watch starts again over twice as many lookups and twice the time, up to
+  `MAX_ROUNDS` times, so an engine that starts before the one it should share with is still told. A lookup that
+  hits settles the watch for good: an engine that hits once is sharing. Cost on the lookup path: one
   attribute test once settled.
 * V0 lookups are not observed: V0 values are named by the engine's own keys (and the vLLM connector's epoch record is
   one), so their hits say nothing about sharing blocks.
@@ -50,6 +52,7 @@ logger = logging.getLogger("ems")
 DIAGNOSE_AFTER_LOOKUPS = 100
 DIAGNOSE_AFTER_S = 60.0
 RECORD_TIMEOUT_MS = 2000
+MAX_ROUNDS = 8  # diagnoses that found nothing to say, each over twice the lookups and time of the one before
 
 
 def sdk_parts(cc_config: CcConfig, layout: RegisteredLayout | None) -> dict[str, str]:
@@ -96,6 +99,7 @@ class NamespaceWatch:
         self.settled = True  # nothing to watch before a namespace is registered
         self._lookups = 0
         self._since = time.monotonic()
+        self._round = 0  # diagnoses run for this namespace
         self.thread: threading.Thread | None = None
         self.diagnosis: str | None = None  # what the diagnosis logged (None: nothing, or not run)
 
@@ -172,6 +176,7 @@ class NamespaceWatch:
             self._layout = layout
             self._lookups = 0
             self._since = time.monotonic()
+            self._round = 0
             self.settled = False
         self.publish()
 
@@ -186,7 +191,8 @@ class NamespaceWatch:
             if hits > 0:
                 self.settled = True
                 return
-            if self._lookups < self.after_lookups and time.monotonic() - self._since < self.after_s:
+            scale = 1 << self._round
+            if self._lookups < self.after_lookups * scale and time.monotonic() - self._since < self.after_s * scale:
                 return
             self.settled = True
             self.thread = threading.Thread(target=self.diagnose, name="ems-namespace-diagnosis", daemon=True)
@@ -206,4 +212,11 @@ class NamespaceWatch:
         if message is not None:
             self.diagnosis = message
             logger.warning("%s", message)
-        return message
+            return message
+        with self._lock:  # nothing explains it yet: watch again, over twice as long (see the module contract)
+            self._round += 1
+            if self._round < MAX_ROUNDS and self._namespace == mine.namespace:
+                self._lookups = 0
+                self._since = time.monotonic()
+                self.settled = False
+        return None

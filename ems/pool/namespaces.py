@@ -8,9 +8,10 @@ Contract:
   Records that left the store (evicted) stop counting: the tenant's set is pruned before a refusal.
 * Lookups per namespace (`count(keys, sizes)`: a GET's keys and each found value's bytes, None for a miss;
   `count_flags(keys, flags)`: an EXISTS's): a namespace is the tenant prefix and the 16-byte digest that every key of
-  this package starts with (`ems.datapath.keys`). A request's keys come from one call, so one namespace: it is
-  attributed as a whole when its first and last keys share it (one comparison), else key by key. At most
-  `max_tracked` (tenant, namespace) pairs are kept; the rest are added up under tenant `other`.
+  this package starts with (`ems.datapath.keys`; a key too short to hold one is not counted). A request's keys come
+  from one call, so one namespace: it is attributed as a whole when its first and last keys share it (one
+  comparison; a request whose first and last keys share a namespace is counted there whole), else key by key. At
+  most `max_tracked` (tenant, namespace) pairs are kept; the rest are added up under tenant `other`.
 * Metrics (`collector()`, registered by `ems.pool.metrics.NodeMetrics.watch_namespaces`):
   `ems_pool_namespace_lookups_total`, `_hits_total`, `_bytes_total` (value bytes sent), labels `tenant` and
   `namespace` (its first 16 hex digits). At most `label_cap` pairs get labels of their own, the first ones seen (so a
@@ -55,9 +56,11 @@ def _tenant_end(key: bytes) -> int:
     return 2 + int.from_bytes(key[:2], "little")
 
 
-def namespace_of(key: bytes) -> bytes:
-    """A stored key's tenant prefix and namespace digest (its first bytes: shorter keys give what they have)."""
-    return key[: _tenant_end(key) + NAMESPACE_BYTES]
+def namespace_of(key: bytes) -> bytes | None:
+    """A stored key's tenant prefix and namespace digest, or None for a key too short to be this package's (a
+    namespace and at least a form byte after the tenant prefix: `ems.datapath.keys`)."""
+    end = _tenant_end(key) + NAMESPACE_BYTES
+    return key[:end] if len(key) > end else None
 
 
 def _split(ns_key: bytes) -> tuple[str, str]:
@@ -129,7 +132,7 @@ class NamespaceBook:
         if not keys:
             return
         first = namespace_of(keys[0])
-        if keys[-1].startswith(first) and len(keys[-1]) > len(first):
+        if first is not None and keys[-1].startswith(first) and len(keys[-1]) > len(first):
             found = [s for s in sizes if s is not None]
             self._add(first, len(keys), len(found), sum(found))
             return
@@ -141,15 +144,15 @@ class NamespaceBook:
         if not keys:
             return
         first = namespace_of(keys[0])
-        if keys[-1].startswith(first) and len(keys[-1]) > len(first):
+        if first is not None and keys[-1].startswith(first) and len(keys[-1]) > len(first):
             self._add(first, len(keys), sum(flags), 0)
             return
         for key, flag in zip(keys, flags):
             self._add(namespace_of(key), 1, int(flag), 0)
 
-    def _add(self, ns_key: bytes, lookups: int, hits: int, nbytes: int) -> None:
-        if ns_key.endswith(RECORD_MARK[:NAMESPACE_BYTES]):
-            return  # the records themselves are not a namespace's lookups
+    def _add(self, ns_key: bytes | None, lookups: int, hits: int, nbytes: int) -> None:
+        if ns_key is None or ns_key.endswith(RECORD_MARK[:NAMESPACE_BYTES]):
+            return  # not this package's key, or a record: not a namespace's lookups
         with self._lock:
             counts = self._counts.get(ns_key)
             if counts is None:
@@ -192,7 +195,7 @@ class NamespaceBook:
     def report(self) -> dict[str, Any]:
         """Per tenant, per namespace: values held, lookups, hits, bytes, the record (see the module contract)."""
         stored = self.store.keys()
-        held: Counter[bytes] = Counter(namespace_of(k) for k in stored)
+        held: Counter[bytes | None] = Counter(namespace_of(k) for k in stored)
         record_keys = [k for k in stored if k[_tenant_end(k) : _tenant_end(k) + len(RECORD_MARK)] == RECORD_MARK]
         tenants: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -202,7 +205,7 @@ class NamespaceBook:
             )
 
         for ns_key, n in held.items():
-            if ns_key.endswith(RECORD_MARK[:NAMESPACE_BYTES]):
+            if ns_key is None or ns_key.endswith(RECORD_MARK[:NAMESPACE_BYTES]):
                 continue
             entry(*_split(ns_key))["values"] = n
         for (tenant, ns_hex), c in self.counts().items():

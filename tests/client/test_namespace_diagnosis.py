@@ -104,6 +104,24 @@ def test_an_engine_that_hits_or_has_no_other_namespace_is_told_nothing(engines, 
     assert _warnings(caplog) == []
 
 
+def test_an_engine_that_started_first_is_told_once_the_other_namespace_appears(engines, caplog):
+    caplog.set_level(logging.WARNING, logger="ems")
+    early = engines(tp=2)
+    _miss(early, 100)  # alone: nothing to say yet
+    early.namespace_watch.thread.join(10)
+    assert early.namespace_watch.diagnosis is None
+    later = engines()
+    assert later.save(list(range(BLOCK)), [1], [BLOCK]).success == 1
+    _miss(early, 199)  # the next round is twice as long
+    early.namespace_watch.thread.join(10)
+    assert early.namespace_watch.diagnosis is None
+    _miss(early, 1)
+    early.namespace_watch.thread.join(10)
+    _miss(early, 1000)
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "tp_size: this engine 2, the other 1" in warned[0]
+
+
 def test_v0_lookups_are_not_observed(engines):
     cc = engines()
     buf = torch.zeros(64, dtype=torch.uint8)

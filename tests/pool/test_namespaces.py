@@ -100,3 +100,16 @@ def test_the_node_counts_lookups_per_namespace(node, engines):
     }
     assert samples[("ems_pool_namespace_lookups_total", "alpha", ns[:16])] >= 6
     assert samples[("ems_pool_namespace_hits_total", "alpha", ns[:16])] >= 3
+
+
+def test_ems_pool_help_names_status_and_its_namespace_listing(capsys):
+    from ems.pool.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "ems-pool status" in text and "--namespaces" in text
+    with pytest.raises(SystemExit):
+        status.main(["--help"])
+    assert "--namespaces" in capsys.readouterr().out
