@@ -18,6 +18,8 @@ Contract:
   `MAX_ROUNDS` times, so an engine that starts before the one it should share with is still told. A lookup that
   hits settles the watch for good: an engine that hits once is sharing. Cost on the lookup path: one
   attribute test once settled.
+* A pool in this process's memory (`PoolBackend.in_place`: the embedded pool) is never shared with another engine:
+  there the watch publishes nothing and diagnoses nothing.
 * V0 lookups are not observed: V0 values are named by the engine's own keys (and the vLLM connector's epoch record is
   one), so their hits say nothing about sharing blocks.
 * Records live under the tenant's keys like any value: an engine reads only its own tenant's records.
@@ -97,6 +99,7 @@ class NamespaceWatch:
         self._namespace: bytes | None = None
         self._layout: RegisteredLayout | None = None
         self.settled = True  # nothing to watch before a namespace is registered
+        self.shared = pool.in_place is None  # a pool another engine can use (not the embedded one)
         self._lookups = 0
         self._since = time.monotonic()
         self._round = 0  # diagnoses run for this namespace
@@ -112,7 +115,7 @@ class NamespaceWatch:
                 self._model = model
             self._extra.update({k: str(v) for k, v in (parts or {}).items()})
             registered = self._namespace is not None
-        if registered:
+        if registered and self.shared:
             self.publish()
 
     def record(self) -> NamespaceRecord | None:
@@ -170,7 +173,9 @@ class NamespaceWatch:
     # ---- the engine's lookups ----
 
     def registered(self, namespace: bytes, layout: RegisteredLayout | None) -> None:
-        """A (new) V1 namespace: publish its record and watch its lookups afresh."""
+        """A (new) V1 namespace: publish its record and watch its lookups afresh (on a shared pool)."""
+        if not self.shared:
+            return
         with self._lock:
             self._namespace = namespace
             self._layout = layout

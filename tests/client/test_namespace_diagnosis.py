@@ -1,6 +1,8 @@
 """No silent zero hits (`ems.client.namespaces`): engines of one model on one pool that differ in one namespace part
 are told which part, once; an engine that hits, or whose tenant holds nothing else of its model, is told nothing; a
-tenant never reads another's records. Several `ContextCaching` on one embedded pool stand for several engines."""
+tenant never reads another's records. Several `ContextCaching` over one pool of two in-process nodes (`PoolClient`,
+the pool engines of separate processes share) stand for several engines; the embedded pool, which no other engine
+can share, gets no record."""
 
 from __future__ import annotations
 
@@ -11,27 +13,29 @@ import torch
 
 from ems import CcConfig, CcKvOption, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.backends.embedded import EmbeddedPool
+from ems.backends.pool_client import PoolClient
 from ems.client.context_caching import ContextCaching
 from ems.config import resolve_settings
 from ems.store.kv_store import KvStore
 from ems.store.ns_records import is_record_key
+from ems.transport.inprocess import InProcessNode
 
 BLOCK = 16
 
 
 @pytest.fixture
-def pool():
-    return EmbeddedPool(KvStore(64 << 20))
+def stores():
+    return [KvStore(64 << 20), KvStore(64 << 20)]
 
 
 @pytest.fixture
-def engines(pool):
+def engines(stores):
     made: list[ContextCaching] = []
+    nodes = [InProcessNode(store) for store in stores]
 
     def make(tenant: str = "alpha", tp: int = 1, dtype: torch.dtype = torch.float32, model: str = "m") -> ContextCaching:
-        cc = ContextCaching(
-            CcConfig(rank_id=0, device_id=0, model_id=model, tp_world_size=tp), tenant, pool, resolve_settings(EmsConfig())
-        )
+        config = CcConfig(rank_id=0, device_id=0, model_id=model, tp_world_size=tp)
+        cc = ContextCaching(config, tenant, PoolClient(nodes), resolve_settings(EmsConfig(read_cache_capacity=0)))
         cc.register_kvcache([[torch.randn(8, BLOCK, 2, 16).to(dtype) for _ in range(2)] for _ in range(2)])
         made.append(cc)
         return cc
@@ -45,9 +49,9 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "ems" and r.levelno == logging.WARNING]
 
 
-def _records(pool: EmbeddedPool) -> list[bytes]:
-    held = pool.store.keys()  # (a list, most recent last)
-    return [k for k in held if is_record_key(k)]
+def _records(stores: list[KvStore]) -> list[bytes]:
+    lists = [store.keys() for store in stores]  # (lists, most recent last)
+    return [k for held in lists for k in held if is_record_key(k)]
 
 
 def _miss(cc: ContextCaching, n: int) -> None:
@@ -132,7 +136,7 @@ def test_v0_lookups_are_not_observed(engines):
     assert cc.namespace_watch.thread is None and not cc.namespace_watch.settled
 
 
-def test_a_tenant_never_reads_another_tenants_records(engines, pool, caplog):
+def test_a_tenant_never_reads_another_tenants_records(engines, stores, caplog):
     alpha = engines("alpha")
     assert alpha.save(list(range(BLOCK)), [1], [BLOCK]).success == 1
     beta = engines("beta", tp=2)  # differs from alpha's engine in one part, but is another tenant
@@ -141,15 +145,26 @@ def test_a_tenant_never_reads_another_tenants_records(engines, pool, caplog):
     _miss(beta, 100)
     beta.namespace_watch.thread.join(10)
     assert beta.namespace_watch.diagnosis is None and _warnings(caplog) == []
-    records = _records(pool)
+    records = _records(stores)
     assert len(records) == 2  # one per tenant, under keys of their own
 
 
-def test_a_record_is_written_once_per_namespace_and_again_when_it_changes(engines, pool):
+def test_a_record_is_written_once_per_namespace_and_again_when_it_changes(engines, stores):
     first = engines()
-    before = _records(pool)
+    before = _records(stores)
     engines()  # the same namespace and parts: nothing new
-    assert _records(pool) == before
+    assert _records(stores) == before
     first.describe_namespace(parts={"epoch": "e1"})
     (record,) = first.namespace_watch.others()
     assert record.parts["epoch"] == "e1" and record.parts["tp_size"] == "1"
+
+
+def test_the_embedded_pool_gets_no_record_and_no_diagnosis():
+    store = KvStore(16 << 20)
+    cc = ContextCaching(CcConfig(rank_id=0, device_id=0, model_id="m"), None, EmbeddedPool(store), resolve_settings(EmsConfig()))
+    try:
+        cc.register_kvcache([[torch.randn(8, BLOCK, 2, 16) for _ in range(2)] for _ in range(2)])
+        _miss(cc, 150)
+        assert store.keys() == [] and cc.namespace_watch.thread is None
+    finally:
+        cc.close()
