@@ -281,7 +281,8 @@ class NodeHandlers:
             values = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.get_many, keys)
         else:
             values = self.store.get_many(keys)
-        self.namespaces.count(keys, [None if v is None else memoryview(v).nbytes for v in values])
+        # (a stored value is one-dimensional bytes: its len is its byte count, ~8x cheaper than memoryview's nbytes)
+        self.namespaces.count(keys, [None if v is None else len(v) for v in values])
         return values
 
     async def offload(self, nbytes: int, fn: Any, *args: Any) -> Any:
