@@ -115,7 +115,7 @@ class NamespaceWatch:
                 self._model = model
             self._extra.update({k: str(v) for k, v in (parts or {}).items()})
             registered = self._namespace is not None
-        if registered and self.shared:
+        if registered:
             self.publish()
 
     def record(self) -> NamespaceRecord | None:
@@ -138,6 +138,8 @@ class NamespaceWatch:
 
     def publish(self) -> NamespaceRecord | None:
         """Write this engine's record (see the module contract); the record, or None when none was published."""
+        if not self.shared:
+            return None
         try:
             mine = self.record()
             if mine is None:
@@ -174,16 +176,15 @@ class NamespaceWatch:
 
     def registered(self, namespace: bytes, layout: RegisteredLayout | None) -> None:
         """A (new) V1 namespace: publish its record and watch its lookups afresh (on a shared pool)."""
-        if not self.shared:
-            return
         with self._lock:
             self._namespace = namespace
             self._layout = layout
             self._lookups = 0
             self._since = time.monotonic()
             self._round = 0
-            self.settled = False
-        self.publish()
+            self.settled = not self.shared  # (the embedded pool: the record is known, never published)
+        if self.shared:
+            self.publish()
 
     def observe(self, hits: int) -> None:
         """One V1 lookup of the registered namespace, and how many blocks it found."""

@@ -280,3 +280,42 @@ def test_two_vllm_engines_differing_in_block_size_are_told_that_part(model_dir):
     assert message is not None and "block_size: this engine 16, the other 32" in message and "--block-size" in message
     said = {line.split(":")[0].strip() for line in message.splitlines()[1:]}
     assert "block_size" in said and not said & {"dtype", "model", "tp_size", "hf_config", "vllm", "platform"}
+
+
+def test_the_connector_warns_at_start_and_describes_its_namespace_to_the_record(model_dir, caplog, monkeypatch):
+    """`ConnectorContext.from_vllm` (the start of both halves): the warning for prefix hashing that never shares, and
+    the record of the namespace the engine's client registers: the model path, vLLM's namespace parts, the TP size
+    and the prefix hashing."""
+    import logging
+
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from ems import Ems
+    from ems.integrations.vllm.context import ConnectorContext
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    config = vllm_config(model_dir, cache={"prefix_caching_hash_algo": "xxhash"})
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="EmsConnector", kv_role="kv_both", kv_connector_extra_config={"local_pool": "off"}
+    )
+    spec = attention()
+    page = spec.page_size_bytes
+    kv = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[KVCacheTensor(size=8 * page, layers=[LAYER], layer_stride=8 * page, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)],
+    )
+    caplog.set_level(logging.WARNING, logger="ems.integrations.vllm")
+    try:
+        ctx = ConnectorContext.from_vllm(config, kv)
+        warned = [r.getMessage() for r in caplog.records if r.name == "ems.integrations.vllm"]
+        assert len(warned) == 1 and "PYTHONHASHSEED" in warned[0] and "xxhash" in warned[0]
+        ctx.register_shadow()
+        record = ctx.cc.namespace_watch.record()
+        assert record is not None and record.model == model_dir
+        assert record.parts["block_size"] == "32" and record.parts["tp_size"] == "1"
+        assert record.parts["prefix_hash"] == "xxhash;seed=random-per-process"
+        assert record.parts["dtype"] == "torch.bfloat16" and "model_id" not in record.parts  # (derived from the parts)
+    finally:
+        Ems.shutdown()
