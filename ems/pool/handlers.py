@@ -275,7 +275,8 @@ class NodeHandlers:
 
     async def lookup_values(self, keys: list[bytes]) -> list[Buffer | None]:
         """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
-        disk (a store with a disk tier has `may_block`)."""
+        disk (a store with a disk tier has `may_block`); counted per namespace (`NamespaceBook.count`: every GET, UCX
+        or shared memory, comes here)."""
         may_block = self._may_block
         if may_block is not None and may_block(keys):
             values = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.get_many, keys)

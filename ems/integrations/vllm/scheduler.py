@@ -33,6 +33,8 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
 * `request_finished`: True (vLLM's delayed free) while the request has saves sent to the workers, whose copy-outs
   run after the step: the workers release it in `get_finished` once they have ended. An engine that saves returns
   `kv_transfer_params` naming the request's prompt blocks in the pool or on their way there (for a P/D proxy).
+* The namespace record (`ContextCaching.describe_namespace`, `ems.client.namespaces`) names the epoch (a digest of
+  it), at start and after each `reset_cache`.
 * `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
   promised before it are reported failed, never loaded; False when the pool did not take it.
 * Hybrid models (several KV cache groups, `ctx.hybrid`): every position's block is one value per group, keyed by
