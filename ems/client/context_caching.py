@@ -12,6 +12,11 @@ whose keys partly fail returns the consecutive prefix; one that reached no node 
 `EMS_IO_TIMEOUT`); `exists` never raises for pool failures, it reports 0 hits. A load never writes a block it did not
 verify, nor any block after the first miss.
 
+Namespaces (`ems.client.namespaces.NamespaceWatch`): `register_kvcache` publishes the record of the V1 namespace in
+the pool, every V1 `exists` and load is observed (an engine whose first lookups all miss while its tenant's pool holds
+the same model under another namespace logs once which parts differ), and `describe_namespace` (this package's
+addition) adds an integration's own parts to the record.
+
 Counters (`metrics()`, `ems.client.metrics`): every finished call adds its job record (blocks, bytes, and bytes and
 time per stage) once (no per-block work); they are registered with prometheus_client's default registry when it is installed.
 """
@@ -29,9 +34,10 @@ import torch
 from ems.backends.base import PoolBackend, PoolOutcome
 from ems.client.calls import AsyncCalls, Pending
 from ems.client.metrics import CcMetrics
+from ems.client.namespaces import NamespaceWatch
 from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
-from ems.datapath.arguments import Operation
+from ems.datapath.arguments import Operation, RawCall
 from ems.datapath.calls import Call, bind_and_plan, bind_exists, call_result, consecutive_prefix
 from ems.datapath.copier import copier_for
 from ems.datapath.devices import default_raw_device, parse_device
@@ -141,6 +147,7 @@ class ContextCaching:
         self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
+        self._namespaces = NamespaceWatch(pool, tenant, cc_config)
         self._async = AsyncCalls(settings.max_inflight, _EmsErrors(self._metrics.record_error))
         self._metrics.register()
 
@@ -172,6 +179,18 @@ class ContextCaching:
             backend.describe(),
             f", cross-layer blocks in group(s) {cross} (a whole block is one copy)" if cross else "",
         )
+        self._namespaces.registered(self._v1_namespace, layout)
+
+    def describe_namespace(self, model: str | None = None, parts: dict[str, str] | None = None) -> None:
+        """What an integration adds to this engine's namespace record (this package's addition; `model`: what
+        engines of "the same model" share, e.g. vLLM's model path; `parts`: name -> text of each input that decides a
+        block's bytes or its keys): `ems.client.namespaces`."""
+        self._namespaces.describe(model, parts)
+
+    @property
+    def namespace_watch(self) -> NamespaceWatch:
+        """This engine's namespace record and zero-hit diagnosis (`ems.client.namespaces`)."""
+        return self._namespaces
 
     @property
     def layout(self) -> RegisteredLayout | None:
@@ -313,6 +332,8 @@ class ContextCaching:
         job = load_job(Transfer(plan, device, copier, call.option, record), self._route())
         loaded = job.run()
         self._raise_if_unreachable(loaded.outcome, loaded.hits)
+        if not isinstance(call, RawCall):
+            self._namespaces.observe(loaded.hits)
         self._job_done(record.finish(loaded.hits, plan.total, plan.expected.payload_bytes(0, loaded.hits)))
         return call_result(call, loaded.hits, plan.total)
 
@@ -395,6 +416,8 @@ class ContextCaching:
             outcome = run_lookup(self._pool, call, self._v0_namespace, v1_namespace)
             if not outcome.pool_raised:  # (a pool that raised answered nothing: not counted)
                 self._metrics.record_exists(outcome.result.success, outcome.result.total)
+            if not call.is_v0:
+                self._namespaces.observe(outcome.result.success)  # a V1 lookup (V0 keys are the engine's own: not observed)
             return outcome.result
 
     # ---------------------------------------------------------------- lifecycle

@@ -7,7 +7,7 @@
              [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]
                                       [--replicas K] [--repair-rate SIZE] [--repair-interval S]]
              [--metrics HOST:PORT] [--prefault-ahead SIZE] [--disk DIR --disk-capacity SIZE [--disk-queue SIZE]]
-    ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)   (see ems.pool.status)
+    ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...) [--namespaces]   (see ems.pool.status)
 
 Contract:
 * Prints exactly one line to stdout when it serves, `ems-pool ready on HOST:PORT` (the real port when 0 was asked),
@@ -276,7 +276,11 @@ STATUS_EPILOG = """\
 the operator's view of running nodes (needs the metrics extra):
   ems-pool status (--etcd URL [--cluster NAME] | --nodes METRICS_HOST:PORT,...)
       one line per node: state, fill, values, hit rate, requests per second,
-      repair; read from the nodes' --metrics endpoints (ems-pool status --help)"""
+      repair; read from the nodes' --metrics endpoints (ems-pool status --help)
+  ems-pool status ... --namespaces
+      per tenant, the key namespaces the pool holds: what each is made of
+      (model, dtype, parallelism, layout, ...), values, hit rates, and which
+      parts differ between namespaces of one model"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

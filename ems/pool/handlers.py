@@ -25,6 +25,9 @@ Contract:
 * A malformed request raises `protocol.ProtocolError` (the session closes that connection only); a refused one
   `transport.handler.Refusal`.
 * With `metrics` (`ems.pool.metrics.NodeMetrics`), each request is counted once, with its outcome and bytes.
+* Namespaces (`namespaces`, an `ems.pool.namespaces.NamespaceBook`): a PUT (UCX or shared memory) stores no value
+  the book refuses under a namespace-record key (too large, or past its tenant's count: answered False, the other
+  keys stored); every GET and EXISTS is counted per namespace (keys asked, found, bytes).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.pool.budget import ByteBudget, NodeLimits
+from ems.pool.namespaces import BookStore, NamespaceBook
 from ems.transport import protocol
 from ems.transport.handler import Refusal, RequestChannel
 from ems.transport.holds import Hold, decode_exists_meta
@@ -147,6 +151,7 @@ class NodeHandlers:
         self.store = store
         self.limits = limits
         self.metrics = metrics
+        self.namespaces = NamespaceBook(cast(BookStore, store))
         self.budget = ByteBudget(limits.inflight_bytes)
         self.send_scratch = ScratchBuffers(SEND_SCRATCH_BYTES)  # a GET's packed segments (transport/scratch.py)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ems-pool-store")
@@ -245,7 +250,9 @@ class NodeHandlers:
         """An EXISTS's reply meta: the keys held (and, where it asks, leased or pinned: `transport.holds`)."""
         hold, keys_meta = decode_exists_meta(header.flags, meta)
         keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, keys_meta))
-        return protocol.encode_flags(self.store.contains_many(keys) if hold is None else self.store.hold_many(keys, hold))
+        flags = self.store.contains_many(keys) if hold is None else self.store.hold_many(keys, hold)
+        self.namespaces.count_flags(keys, flags)
+        return protocol.encode_flags(flags)
 
     async def take(self, nbytes: int) -> None:
         """Reserve `nbytes` of the in-flight budget for a request, or refuse it (`Refusal`)."""
@@ -268,11 +275,16 @@ class NodeHandlers:
 
     async def lookup_values(self, keys: list[bytes]) -> list[Buffer | None]:
         """The store's values of `keys`, looked up off the event loop when the store says the lookup may wait for a
-        disk (a store with a disk tier has `may_block`)."""
+        disk (a store with a disk tier has `may_block`); counted per namespace (`NamespaceBook.count`: every GET, UCX
+        or shared memory, comes here)."""
         may_block = self._may_block
         if may_block is not None and may_block(keys):
-            return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.get_many, keys)
-        return self.store.get_many(keys)
+            values = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.get_many, keys)
+        else:
+            values = self.store.get_many(keys)
+        # (a stored value is one-dimensional bytes: its len is its byte count, ~8x cheaper than memoryview's nbytes)
+        self.namespaces.count(keys, [None if v is None else len(v) for v in values])
+        return values
 
     async def offload(self, nbytes: int, fn: Any, *args: Any) -> Any:
         """`fn(*args)`: on a worker thread when it handles more than OFFLOAD_BYTES, else here on the loop."""
@@ -287,6 +299,7 @@ class NodeHandlers:
         pass (`NodeStore.put_copied_each`: the copies are checked, never the region, which the client can still
         write). Every buffer is recycled on every error path."""
         store = self.store
+        over_bounds = self.namespaces.refused(keys, request.lens)  # namespace records past their bounds
         fits: list[int] = []  # the values the store can hold at all
         buffers: list[np.ndarray] = []
         sources: list[np.ndarray] = []
@@ -294,7 +307,7 @@ class NodeHandlers:
         try:
             for i, (key, offset, n) in enumerate(zip(keys, request.offsets.tolist(), request.lens.tolist())):
                 charge = store.charge_of(len(key), n)
-                if charge > store.capacity_bytes:
+                if charge > store.capacity_bytes or i in over_bounds:
                     continue
                 buffers.append(store.allocate(n, reserve=charge))
                 charges.append(charge)
@@ -326,6 +339,7 @@ class NodeHandlers:
         try:
             request = protocol.decode_put_meta(header.count, header.data_len, await channel.meta())
             keys = _namespaced(prefix, request.keys)
+            refused = self.namespaces.refused(keys, request.value_lens)  # namespace records past their bounds
             # Receive into buffers recycled from evicted values where the store has them (no first-touch page
             # faults); every receive verifies its length, so a recycled buffer's old bytes can never be stored.
             # A value alone in its segment is stored as that buffer: room for it is reserved first, so a full
@@ -353,13 +367,29 @@ class NodeHandlers:
                 if reserve == 0:  # a packed segment: its values were copied out
                     self.store.recycle(seg)
             del segments
-            stored = await self.offload(header.data_len, self.store.put_owned_each, keys, values, reserved)
+            if refused:
+                stored = self._put_but(refused, keys, values, reserved)
+            else:
+                stored = await self.offload(header.data_len, self.store.put_owned_each, keys, values, reserved)
             if self.metrics is not None and not all(stored):
                 self.metrics.count_damaged(values, stored)
             del values
         finally:
             self.budget.release(charge)
         await channel.reply(_PUT, count=len(keys), meta=protocol.encode_flags(stored))
+
+    def _put_but(self, refused: set[int], keys: list[bytes], values: list, reserved: list[int]) -> list[bool]:
+        """`put_owned_each` of the values not `refused` (by index: namespace records past their bounds, small); the
+        refused ones' buffers and reservations given back (a value alone in its segment is the store's buffer)."""
+        kept = [i for i in range(len(keys)) if i not in refused]
+        for i in refused:
+            if isinstance(values[i], np.ndarray):
+                self.store.recycle(values[i], reserved=int(reserved[i]))
+        verdicts = self.store.put_owned_each([keys[i] for i in kept], [values[i] for i in kept], [reserved[i] for i in kept])
+        stored = [False] * len(keys)
+        for i, ok in zip(kept, verdicts):
+            stored[i] = ok
+        return stored
 
     # ---- GET ----
 

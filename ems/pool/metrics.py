@@ -30,13 +30,18 @@ Contract:
   `shm_bytes` (their bytes: what `--shm-total` bounds), `shm_resident_bytes` (the pages their memfds hold, whoever
   faulted them in: the host's shared memory on the node's account), `shm_total_bytes`, and
   `shm_refusals_total{reason}` (regions and hand-overs refused, by `ShmRefusal`).
-* `MetricsServer` serves `GET /metrics` (text exposition) and `GET /healthz` (200 `ok` while serving, 503
-  `draining` once the node is leaving) from a daemon thread; anything else is 404.
+* Per namespace (`watch_namespaces`, `ems.pool.namespaces.NamespaceBook`): `namespace_lookups_total`,
+  `namespace_hits_total`, `namespace_bytes_total`, labels `tenant` and `namespace`, at most the book's `label_cap`
+  pairs with labels of their own (later ones under `other`).
+* `MetricsServer` serves `GET /metrics` (text exposition), `GET /healthz` (200 `ok` while serving, 503
+  `draining` once the node is leaving) and `GET /namespaces` (JSON: `NamespaceBook.report`, what `ems-pool status
+  --namespaces` reads; 404 on a node that watches none) from a daemon thread; anything else is 404.
 """
 
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -60,6 +65,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 if TYPE_CHECKING:
     from ems.pool.handlers import NodeStore
+    from ems.pool.namespaces import NamespaceBook
     from ems.transport.shm.regions import ShmStats
 
 
@@ -192,6 +198,12 @@ class NodeMetrics:
             "ems_pool_stray_closes", "Connections closed for messages on tags they had no request for", registry=r
         )
         self.registry.register(_StoreCollector(store))
+        self.namespaces: NamespaceBook | None = None
+
+    def watch_namespaces(self, book: NamespaceBook) -> None:
+        """Serve the per-namespace counters (capped labels) and `/namespaces` from `book`."""
+        self.namespaces = book
+        self.registry.register(book.collector())
 
     def watch_repair(self, progress: Callable[[], Any]) -> None:
         """Report the node's repair (`progress()` gives an `ems.pool.repair.RepairProgress`) when scraped."""
@@ -229,6 +241,9 @@ class MetricsServer:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     self._reply(200, owner.metrics.exposition(), CONTENT_TYPE_LATEST)
+                elif path == "/namespaces" and owner.metrics.namespaces is not None:
+                    body = json.dumps(owner.metrics.namespaces.report(), sort_keys=True).encode()
+                    self._reply(200, body, "application/json")
                 elif path == "/healthz":
                     ok = owner.healthy()
                     self._reply(200 if ok else 503, b"ok\n" if ok else b"draining\n", "text/plain")

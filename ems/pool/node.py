@@ -3,8 +3,9 @@ layer's session part (`transport.ucx.server.PoolServer`) through the handler pro
 
 Contract:
 * `assemble(store, access_keys, limits, metrics, shm)` builds the handlers (with their shared-memory service,
-  `transport.shm.server`, off unless `shm` enables it), registers the shared-memory figures with `metrics`, and
-  returns the `PoolServer` serving them; limits default to `NodeLimits.for_capacity` of the store. Nothing is
+  `transport.shm.server`, off unless `shm` enables it), registers the shared-memory figures and the handlers'
+  namespace book (`ems.pool.namespaces`) with `metrics`, and returns the `PoolServer` serving them; limits default
+  to `NodeLimits.for_capacity` of the store. Nothing is
   started: `PoolServer.start` listens and starts the handlers, `PoolServer.stop` stops both.
 """
 
@@ -35,4 +36,5 @@ def assemble(
     handlers = NodeHandlers(store, limits, metrics, shm)
     if metrics is not None:
         metrics.watch_shm(handlers.shm.stats)
+        metrics.watch_namespaces(handlers.namespaces)
     return PoolServer(handlers, limits, access_keys, metrics)

@@ -2,6 +2,7 @@
 
     ems-pool status --etcd http://HOST:2379 [--cluster NAME] [--interval 1.0] [--timeout 2.0]
     ems-pool status --nodes METRICS_HOST:PORT[,METRICS_HOST:PORT...]
+    ems-pool status (--etcd ... | --nodes ...) --namespaces
 
 Contract:
 * The node list comes from etcd membership (each node registers its `--metrics` address there) or from `--nodes`
@@ -17,6 +18,12 @@ Contract:
   started. A node with a disk tier (`--disk`) gets one more line per tier under its own (NODE `  dram`,
   `  disk`): the tier's state (`up`, or `failed` for a disk that turned the node DRAM-only), held/capacity, values,
   and the share of the node's GET lookups that tier answered. Then a total line.
+* `--namespaces` prints instead, per tenant, every key namespace the nodes hold values for, count lookups for, or
+  keep a namespace record of (`ems.store.ns_records`), from each node's `/namespaces` (`ems.pool.namespaces`), summed
+  over the nodes: `NAMESPACE MODEL VALUES LOOKUPS HIT-RATE READ`, then the record's parts on an indented line and,
+  for a namespace whose model has another namespace in the tenant, which parts differ from the closest one
+  (`differs from NS: part (this vs that), ...`). A namespace with no record says `parts: unknown` (an engine that
+  never published one, or its record was evicted).
 * Exit status: 0 when every node is up, 1 when any is down or none is registered, 2 on bad options.
 """
 
@@ -25,12 +32,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import json
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from ems.store.ns_records import NamespaceRecord, differences
 
 
 @dataclasses.dataclass
@@ -224,6 +234,111 @@ def render(statuses: Sequence[NodeStatus]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+# ---- --namespaces ----
+
+
+@dataclasses.dataclass
+class NamespaceRow:
+    """One namespace of one tenant, summed over the nodes."""
+
+    tenant: str
+    namespace: str  # hex
+    values: int = 0
+    lookups: int = 0
+    hits: int = 0
+    nbytes: int = 0
+    record: NamespaceRecord | None = None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+
+def scrape_namespaces(metrics_address: str, timeout_s: float) -> dict | None:
+    """One node's `/namespaces` report, or None when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_address}/namespaces", timeout=timeout_s) as response:
+            report = json.loads(response.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def merge_namespaces(reports: Sequence[dict]) -> list[NamespaceRow]:
+    """Every node's report summed per (tenant, namespace), sorted."""
+    rows: dict[tuple[str, str], NamespaceRow] = {}
+    for report in reports:
+        for tenant, spaces in (report.get("tenants") or {}).items():
+            for ns, entry in spaces.items():
+                row = rows.setdefault((tenant, ns), NamespaceRow(tenant, ns))
+                row.values += int(entry.get("values", 0))
+                row.lookups += int(entry.get("lookups", 0))
+                row.hits += int(entry.get("hits", 0))
+                row.nbytes += int(entry.get("bytes", 0))
+                record = entry.get("record")
+                if row.record is None and isinstance(record, dict):
+                    row.record = NamespaceRecord(
+                        str(record.get("model", "?")), bytes.fromhex(ns), dict(record.get("parts") or {})
+                    )
+    return [rows[k] for k in sorted(rows)]
+
+
+def _closest(row: NamespaceRow, rows: Sequence[NamespaceRow]) -> tuple[NamespaceRow, list] | None:
+    """The other namespace of the same model and tenant that differs from `row` in the fewest parts (ranks of one
+    engine, which differ in `tp_rank` only, are siblings, not differences)."""
+    if row.record is None:
+        return None
+    best: tuple[int, str, NamespaceRow, list] | None = None
+    for other in rows:
+        if other is row or other.tenant != row.tenant or other.record is None or other.record.model != row.record.model:
+            continue
+        diff = differences(row.record, other.record)
+        if not diff or {d[0] for d in diff} == {"tp_rank"}:
+            continue
+        if best is None or (len(diff), other.namespace) < (best[0], best[1]):
+            best = (len(diff), other.namespace, other, diff)
+    return None if best is None else (best[2], best[3])
+
+
+def _short(text: str | None) -> str:
+    if text is None:
+        return "absent"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def render_namespaces(rows: Sequence[NamespaceRow]) -> str:
+    """The `--namespaces` listing (see the module contract)."""
+    if not rows:
+        return "no namespaces: the nodes hold no values and counted no lookups"
+    out: list[str] = []
+    for tenant in sorted({r.tenant for r in rows}):
+        mine = [r for r in rows if r.tenant == tenant]
+        out.append(f"tenant {tenant or '(anonymous)'}: {len(mine)} namespace(s)")
+        table = [("NAMESPACE", "MODEL", "VALUES", "LOOKUPS", "HIT-RATE", "READ")]
+        details: list[list[str]] = []
+        for r in mine:
+            hit = "-" if r.hit_rate is None else f"{100 * r.hit_rate:.1f}%"
+            model = r.record.model if r.record is not None else "?"
+            table.append((r.namespace[:16], _short(model), str(r.values), str(r.lookups), hit, _size(r.nbytes)))
+            lines = []
+            if r.record is None:
+                lines.append("parts: unknown (no record: not published, or evicted)")
+            else:
+                lines.append("parts: " + "  ".join(f"{k}={_short(v)}" for k, v in sorted(r.record.parts.items())))
+                closest = _closest(r, mine)
+                if closest is not None:
+                    other, diff = closest
+                    said = ", ".join(f"{name} ({_short(a)} vs {_short(b)})" for name, a, b in diff)
+                    lines.append(f"differs from {other.namespace[:16]}: {said}")
+            details.append(lines)
+        widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(table[0], widths)).rstrip())
+        for t, lines in zip(table[1:], details):
+            out.append("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
+            out.extend(f"      {line}" for line in lines)
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ems-pool status", description="One line per pool node, from its metrics.")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -232,6 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cluster", default="default", help="the cluster's name in etcd")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between the two scrapes (req/s)")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for etcd and for each node")
+    parser.add_argument(
+        "--namespaces",
+        action="store_true",
+        help="list, per tenant, the key namespaces the nodes hold: parts, values, hit rates, what differs",
+    )
     args = parser.parse_args(argv)
     if args.interval < 0 or args.timeout <= 0:
         parser.error("--interval must be >= 0 and --timeout > 0")
@@ -250,6 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not nodes:
         print(f"ems-pool status: no nodes registered in cluster {args.cluster!r}", file=sys.stderr)
         return 1
+    if args.namespaces:
+        targets = sorted(m for m in nodes.values() if m)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as pool:
+            reports = list(pool.map(lambda m: scrape_namespaces(m, args.timeout), targets))
+        print(render_namespaces(merge_namespaces([r for r in reports if r is not None])), flush=True)
+        missing = len(nodes) - sum(r is not None for r in reports)
+        if missing:
+            print(f"ems-pool status: {missing} of {len(nodes)} node(s) did not answer /namespaces", file=sys.stderr)
+        return 0 if not missing else 1
     statuses = collect(nodes, args.interval, args.timeout)
     print(render(statuses), flush=True)
     return 0 if all(st.state == "up" for st in statuses) else 1

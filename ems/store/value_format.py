@@ -66,6 +66,7 @@ _SUM_IN_PYTHON_UP_TO = 64  # values: ExpectedValues.payload_bytes
 class ValueKind(enum.IntEnum):
     RAW_V0 = 1  # concatenated KvBufferWrapper ranges
     BLOCKS_V1 = 2  # one block: per layer group `[planes, tokens, row]` (version 3)
+    NS_RECORD = 3  # a namespace record: JSON (`ems.store.ns_records`)
 
 
 def _xxh3_holding_the_gil() -> Callable[[int, int], int] | None:

@@ -106,6 +106,7 @@ def test_saves_loads_and_exists_are_split_at_the_limits(recording):
     node, cc = recording(limits)
     cache = make_cache(layers=2, blocks=64, block_size=4, heads=2, head_size=32)  # 2 KiB per block
     cc.register_kvcache(cache)
+    node.requests.clear()  # (registration read and wrote the namespace record: ems.client.namespaces)
     original = snapshot(cache)
     block_ids = list(range(60))
     hashes = [7000 + b for b in block_ids]

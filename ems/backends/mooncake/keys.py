@@ -2,6 +2,8 @@
 
 The storage key already holds the namespace (tenant, model, ranks, layout signature), so tenants and models stay
 apart exactly as on `ems` nodes, and no key of another Mooncake user that lacks the prefix can collide with ours.
+Namespace records (`ems.store.ns_records`) are such keys too: `ems/` + the hex of a record key, whose digest holds
+the tenant and the model, stored and read by `MooncakePool` like any value.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ Contract:
   (`connector_config.ConnectorConfig`, refused where bad), refuses what the connector does not support
   (`engine_checks.check_supported`), derives the key namespace (`namespace`), resolves the pool (the host's local
   node, configured nodes, etcd or Mooncake) and initialises the process's SDK client (`Ems.init`; every process of
-  one engine passes an equal config, so a process that hosts both halves initialises once). The scheduler half
+  one engine passes an equal config, so a process that hosts both halves initialises once), logs the start-up
+  warning of a configuration that can never share blocks (`engine_checks.sharing_warning`) and describes the
+  namespace to the client's record (`ContextCaching.describe_namespace`: the model path, `namespace_parts`, the
+  TP size and the prefix hashing; `ems.client.namespaces`). The scheduler half
   (`scheduler.EmsScheduler`) and the worker half (`worker.EmsWorker`) each take one.
 * `role` is vLLM's `kv_role` (`connector_config.KvRole`): the scheduler half never asks the pool for a producer's
   requests and never sends a consumer's blocks to it.
@@ -24,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -33,7 +37,7 @@ from ems import CcKvOption, ContextCaching, Ems
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import StatsSink
 from ems.integrations.connector_config import ConnectorConfig, KvRole, ResolvedPool, derive_model_id
-from ems.integrations.vllm.engine_checks import GroupKind, check_supported, group_kind
+from ems.integrations.vllm.engine_checks import GroupKind, check_supported, group_kind, prefix_hash_part, sharing_warning
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 
 if TYPE_CHECKING:
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+logger = logging.getLogger("ems.integrations.vllm")
 _registered_lock = threading.Lock()
 _registered: tuple[weakref.ref[ContextCaching], str] | None = None  # the client, and "shadow" or "worker"
 
@@ -99,19 +104,30 @@ class ConnectorContext:
             layer_names = tuple(sorted({n for t in kv_cache_config.kv_cache_tensors for n in t.layers}, key=_layer_order))
             shared = tuple(() for _ in layer_names)
         shapes = tuple(_tensor_shape(kv_cache_config, (name, *others)) for name, others in zip(layer_names, shared))
-        model_id = config.model_id or derive_model_id(
-            str(vllm_config.model_config.model), namespace_parts(vllm_config, kv_cache_config)
-        )
+        parts = namespace_parts(vllm_config, kv_cache_config)
+        model_id = config.model_id or derive_model_id(str(vllm_config.model_config.model), parts)
+        warning = sharing_warning(vllm_config)
+        if warning is not None:
+            logger.warning("%s", warning)
         pool = config.resolve_pool()
         Ems.init(config.ems_config(model_id, "MLA" if mla else "MHA", pool))
         cc = Ems.get_cc()
         if cc is None:
             raise RuntimeError("Ems.init gave no ContextCaching")
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        record_parts = {
+            **parts,
+            "tp_size": "shared (MLA)" if mla else str(tp_size),
+            "prefix_hash": prefix_hash_part(vllm_config),
+        }
+        if config.model_id:
+            record_parts["model_id"] = model_id  # set by hand: it alone decides the namespace
+        cc.describe_namespace(model=str(vllm_config.model_config.model), parts=record_parts)
         return cls(
             config=config,
             block_size=block_size,
             hash_stride=block_size // hash_block_size,
-            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            tp_size=tp_size,
             mla=mla,
             num_blocks=int(kv_cache_config.num_blocks),
             layer_names=layer_names,

@@ -14,11 +14,20 @@ Contract:
   cannot be told apart from an explicit "fail"), the policy becomes the extra-config key `load_failure_policy`, or
   "recompute" without one; a top-level "recompute" stands, and an extra key that contradicts it is refused rather
   than silently dropped. So requests fail on a short load only where the extra config says "fail".
+* `sharing_warning(vllm_config, environ)`: the message (None when none applies) for a configuration whose blocks can
+  never be shared with another process: vLLM's non-cryptographic prefix hashing (`prefix_caching_hash_algo` xxhash,
+  xxhash_cbor; builtin in older vLLM) without `PYTHONHASHSEED` seeds every block hash chain with random bytes per
+  process (vLLM's `kv_cache_utils.resolve_none_hash_seed`), so no other engine, nor this one after a restart, ever
+  finds its blocks. The connector logs it as a warning at start, naming the fix. `prefix_hash_part` is the same fact
+  as a namespace-record part (`ems.store.ns_records`): the algorithm and where its seed comes from.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,6 +36,37 @@ if TYPE_CHECKING:
 
 VLLM_DEFAULT_POLICY = "fail"
 CACHE_DEFAULT_POLICY = "recompute"  # the connector's own default: a short load costs recomputation, not the request
+# prefix hashes vLLM seeds with per-process random bytes unless PYTHONHASHSEED is set (`resolve_none_hash_seed`)
+RANDOM_SEEDED_HASH_ALGOS = frozenset({"xxhash", "xxhash_cbor", "builtin"})
+
+
+def _hash_algo(vllm_config: VllmConfig) -> str:
+    return str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+
+
+def sharing_warning(vllm_config: VllmConfig, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The start-up warning of a configuration that can never share blocks across processes (module contract)."""
+    algo = _hash_algo(vllm_config)
+    if algo not in RANDOM_SEEDED_HASH_ALGOS or environ.get("PYTHONHASHSEED") is not None:
+        return None
+    return (
+        f"EmsConnector: prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED: vLLM seeds its block hashes with "
+        "random bytes in every process, so no other engine (nor this one after a restart) will ever hit the blocks "
+        "this engine saves to the pool. Fix: set PYTHONHASHSEED to the same value for every engine (e.g. "
+        "PYTHONHASHSEED=0 in the environment of `vllm serve`), or use --prefix-caching-hash-algo sha256"
+    )
+
+
+def prefix_hash_part(vllm_config: VllmConfig, environ: Mapping[str, str] = os.environ) -> str:
+    """The prefix hashing as a namespace-record part: `ALGO;seed=SOURCE` (`random-per-process`, `default`, or a
+    digest of PYTHONHASHSEED: engines with other seeds never share)."""
+    algo = _hash_algo(vllm_config)
+    seed = environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        source = "PYTHONHASHSEED:" + hashlib.blake2b(seed.encode(), digest_size=4).hexdigest()
+    else:
+        source = "random-per-process" if algo in RANDOM_SEEDED_HASH_ALGOS else "default"
+    return f"{algo};seed={source}"
 
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:

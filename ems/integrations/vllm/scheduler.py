@@ -33,6 +33,8 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
 * `request_finished`: True (vLLM's delayed free) while the request has saves sent to the workers, whose copy-outs
   run after the step: the workers release it in `get_finished` once they have ended. An engine that saves returns
   `kv_transfer_params` naming the request's prompt blocks in the pool or on their way there (for a P/D proxy).
+* The namespace record (`ContextCaching.describe_namespace`, `ems.client.namespaces`) names the epoch (a digest of
+  it), at start and after each `reset_cache`.
 * `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
   promised before it are reported failed, never loaded; False when the pool did not take it.
 * Hybrid models (several KV cache groups, `ctx.hybrid`): every position's block is one value per group, keyed by
@@ -55,6 +57,7 @@ for a request is `lookups.LookupAnswer`, and a step's work for the workers is `m
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -76,6 +79,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ems.integrations.vllm")
 
 NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a position a sliding-window group does not hold
+
+
+def _epoch_part(epoch: bytes) -> str:
+    """The epoch as the namespace record shows it (`ContextCaching.describe_namespace`): a digest, never the key."""
+    return hashlib.blake2b(epoch, digest_size=8).hexdigest()
 
 
 class EventSink(Protocol):
@@ -102,6 +110,7 @@ class EmsScheduler:
         self._block_size = ctx.block_size
         self._events = events
         self.epoch = EpochWatch(EpochRecord(ctx.cc, ctx.config.timeout_ms), ctx.config.epoch_refresh_s)
+        ctx.cc.describe_namespace(parts={"epoch": _epoch_part(self.epoch.epoch)})  # the namespace record's epoch
         self.lookups = PoolLookups(ctx)
         self.requests: dict[str, RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}  # admitted with a hit, not sent to the workers yet
@@ -371,6 +380,7 @@ class EmsScheduler:
         self._loading.clear()  # its loads fail or load the old epoch's blocks: nobody waits for them
         self._events.cleared()
         self.lookups.clear()
+        self._ctx.cc.describe_namespace(parts={"epoch": _epoch_part(self.epoch.epoch)})
         logger.info("EmsConnector reset_cache: new namespace epoch; every earlier block now misses")
         return True
 

@@ -238,3 +238,84 @@ def test_a_hybrid_models_groups_are_registered_by_the_pages_they_alias():
     )
     with pytest.raises(ValueError, match="different pages"):
         _aliased_layers(apart)
+
+
+def test_prefix_hashing_that_can_never_share_is_a_warning_naming_the_fix(model_dir, monkeypatch):
+    """vLLM seeds xxhash prefix hashes with random bytes per process unless PYTHONHASHSEED is set (checked against
+    vLLM's own seed resolution): the connector's start-up check says so and names the fix; sha256, or a seed, is fine."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    from ems.integrations.vllm.engine_checks import prefix_hash_part, sharing_warning
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    xx = vllm_config(model_dir, cache={"prefix_caching_hash_algo": "xxhash"})
+    fn = get_hash_fn_by_name("xxhash")
+    assert resolve_none_hash_seed(fn) != resolve_none_hash_seed(fn)  # vLLM: another seed in every process
+    message = sharing_warning(xx, environ={})
+    assert message is not None and "PYTHONHASHSEED" in message and "--prefix-caching-hash-algo sha256" in message
+    assert sharing_warning(vllm_config(model_dir, cache={"prefix_caching_hash_algo": "xxhash_cbor"}), environ={})
+    assert sharing_warning(xx, environ={"PYTHONHASHSEED": "0"}) is None
+    sha = vllm_config(model_dir)
+    assert sharing_warning(sha, environ={}) is None
+    sha_fn = get_hash_fn_by_name("sha256")
+    assert resolve_none_hash_seed(sha_fn) == resolve_none_hash_seed(sha_fn)  # vLLM: shareable by default
+    assert prefix_hash_part(xx, {}) == "xxhash;seed=random-per-process"
+    assert prefix_hash_part(sha, {}) == "sha256;seed=default"
+    assert prefix_hash_part(xx, {"PYTHONHASHSEED": "0"}) != prefix_hash_part(xx, {"PYTHONHASHSEED": "1"})
+
+
+def test_two_vllm_engines_differing_in_block_size_are_told_that_part(model_dir):
+    """The connector's record parts (`namespace_parts` and its own) of two engines that differ in block size only:
+    the diagnosis names block_size and vLLM's flag for it, and nothing that does not differ."""
+    from ems.integrations.vllm.namespace import namespace_parts
+    from ems.store.ns_records import diagnosis, make_record
+
+    def record(ns: bytes, block_size: int):
+        parts = namespace_parts(vllm_config(model_dir, cache={"block_size": block_size}), kv_cache_config(block_size=block_size))
+        return make_record(model_dir, ns, {**parts, "tp_size": "1"})
+
+    mine, other = record(b"\x01" * 16, 16), record(b"\x02" * 16, 32)
+    message = diagnosis(mine, [mine, other])
+    assert message is not None and "block_size: this engine 16, the other 32" in message and "--block-size" in message
+    said = {line.split(":")[0].strip() for line in message.splitlines()[1:]}
+    assert "block_size" in said and not said & {"dtype", "model", "tp_size", "hf_config", "vllm", "platform"}
+
+
+def test_the_connector_warns_at_start_and_describes_its_namespace_to_the_record(model_dir, caplog, monkeypatch):
+    """`ConnectorContext.from_vllm` (the start of both halves): the warning for prefix hashing that never shares, and
+    the record of the namespace the engine's client registers: the model path, vLLM's namespace parts, the TP size
+    and the prefix hashing."""
+    import logging
+
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from ems import Ems
+    from ems.integrations.vllm.context import ConnectorContext
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    config = vllm_config(model_dir, cache={"prefix_caching_hash_algo": "xxhash"})
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="EmsConnector", kv_role="kv_both", kv_connector_extra_config={"local_pool": "off"}
+    )
+    spec = attention()
+    page = spec.page_size_bytes
+    kv = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[KVCacheTensor(size=8 * page, layers=[LAYER], layer_stride=8 * page, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)],
+    )
+    caplog.set_level(logging.WARNING, logger="ems.integrations.vllm")
+    try:
+        ctx = ConnectorContext.from_vllm(config, kv)
+        warned = [r.getMessage() for r in caplog.records if r.name == "ems.integrations.vllm"]
+        assert len(warned) == 1 and "PYTHONHASHSEED" in warned[0] and "xxhash" in warned[0]
+        ctx.register_shadow()
+        record = ctx.cc.namespace_watch.record()
+        assert record is not None and record.model == model_dir
+        assert record.parts["block_size"] == "32" and record.parts["tp_size"] == "1"
+        assert record.parts["prefix_hash"] == "xxhash;seed=random-per-process"
+        assert record.parts["dtype"] == "torch.bfloat16" and "model_id" not in record.parts  # (derived from the parts)
+    finally:
+        Ems.shutdown()
