@@ -13,7 +13,7 @@ from cluster_testlib import free_port
 from pool_testlib import KEY_A, KEY_B, PoolProcess
 
 from ems import CcConfig, EmsConfig
-from ems.client.api import _connect_pool
+from ems.client.api import connect_pool
 from ems.client.context_caching import ContextCaching
 from ems.config import resolve_settings
 from ems.pool import status
@@ -40,7 +40,7 @@ def engines(node):
     def make(tenant: str, tp: int = 1) -> ContextCaching:
         config = EmsConfig(access_id=tenant, access_key=KEYS[tenant], pool_nodes=[node.address], read_cache_capacity=0)
         settings = resolve_settings(config)
-        pool = _connect_pool(config, settings)
+        pool = connect_pool(config, settings)
         cc = ContextCaching(CcConfig(rank_id=0, device_id=0, model_id="ns-model", tp_world_size=tp), tenant, pool, settings)
         cc.register_kvcache([[torch.randn(8, BLOCK, 2, 16) for _ in range(2)] for _ in range(2)])
         made.append((cc, pool))

@@ -11,7 +11,7 @@ import torch
 
 from ems import CcConfig, EmsConfig
 from ems.backends.mooncake import mooncake_key
-from ems.client.api import _connect_pool
+from ems.client.api import connect_pool
 from ems.client.context_caching import ContextCaching
 from ems.config import resolve_settings
 from ems.store.ns_records import decode_record, record_keys
@@ -22,7 +22,7 @@ BLOCK = 16
 def _engine(mooncake, tenant: str, tp: int, made: list) -> ContextCaching:
     config = EmsConfig(access_id=tenant, **mooncake.settings())
     settings = resolve_settings(config)
-    pool = _connect_pool(config, settings)
+    pool = connect_pool(config, settings)
     cc = ContextCaching(CcConfig(rank_id=0, device_id=0, model_id="moon-ns", tp_world_size=tp), tenant, pool, settings)
     made.append((cc, pool))
     cc.register_kvcache([[torch.randn(8, BLOCK, 2, 16) for _ in range(2)] for _ in range(2)])
