@@ -110,7 +110,7 @@ _UNSIGNED_TENSOR = frozenset((torch.uint8, torch.uint16, torch.uint32, torch.uin
 _HOST_VIEWABLE = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))  # what host_array views
 _SHORT_LIST = 64  # items: up to here a list or tensor is read item by item, without numpy's inference
 _PLAIN_INT = {int}  # the item types of a list taken without numpy's type inference (bool is not int here)
-_BOOLS = frozenset((bool, np.bool_))  # refused as ints (numpy would take them as 0 and 1)
+BOOLS = frozenset((bool, np.bool_))  # refused as ints (numpy would take them as 0 and 1)
 
 
 def int_array(name: str, value: object) -> np.ndarray:
@@ -146,7 +146,7 @@ def int_array(name: str, value: object) -> np.ndarray:
         raise invalid_argument(f"{name} must be a flat list of ints, got shape {array.shape}")
     # numpy turns [0, True] into ints and [0, 1.0] into floats: look at the caller's own items for the culprit
     items = value if isinstance(value, (list, tuple)) else None
-    if items is not None and array.dtype.kind in "iu" and not _BOOLS.isdisjoint(map(type, items)):
+    if items is not None and array.dtype.kind in "iu" and not BOOLS.isdisjoint(map(type, items)):
         array = np.asarray(items, dtype=object)
     if array.size and array.dtype.kind not in "iu":
         # object arrays and lists numpy could not type: every item must be an int within int64 (rare path, per item)
@@ -173,7 +173,7 @@ def _packed_ints(items: list | tuple) -> np.ndarray | None:
     except (TypeError, OverflowError):
         return None
     for i in np.flatnonzero((array >> 1) == 0).tolist():
-        if type(items[i]) in _BOOLS:
+        if type(items[i]) in BOOLS:
             return None
     return array
 

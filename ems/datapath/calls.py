@@ -22,6 +22,7 @@ here reads client state but what it is given.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from ems.datapath.arguments import (
+    BOOLS,
     INT64_MAX,
     V0_NAMES,
     V1_NAMES,
@@ -117,8 +119,9 @@ def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkCall:
             pairs = np.asarray(runs)
         except ValueError:
             pairs = np.asarray(runs, dtype=object)
-        has_bool = any(isinstance(x, (bool, np.bool_)) for run in runs if isinstance(run, (list, tuple)) for x in run)
-        if pairs.shape != (n, 2) or pairs.dtype.kind not in "iu" or has_bool:
+        well_formed = pairs.shape == (n, 2) and pairs.dtype.kind in "iu"
+        # (numpy takes bools as 0 and 1: the runs' own items are looked at, at C speed, once the shape is right)
+        if not well_formed or not BOOLS.isdisjoint(map(type, itertools.chain.from_iterable(runs))):
             for i, run in enumerate(runs):
                 if (
                     not isinstance(run, (list, tuple))
