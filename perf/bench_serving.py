@@ -56,6 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "integrations", "vllm_connector"))
+sys.path.insert(0, ROOT)  # the `ems` of this tree, as the servers (started from it with -m) import it
 
 METRICS = ("ttft", "tpot", "throughput")  # per round: mean TTFT, mean TPOT, output throughput
 GOALS = {"ttft": ("<=", 1.2), "tpot": ("<=", 1.2), "throughput": (">=", 0.9)}
@@ -80,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="rounds (a fresh prompt set each) per concurrency")
     parser.add_argument("--rounds-64", type=int, default=2, help="rounds at concurrency 64 (at most --rounds)")
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated --max-concurrency values")
-    parser.add_argument("--prompts", default="1:6,4:12,16:32,64:64", help="concurrency:prompts per run")
+    parser.add_argument("--prompts", default="1:8,4:12,16:32,64:64", help="concurrency:prompts per run")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=128)
     parser.add_argument("--num-prefixes", type=int, default=4)
@@ -105,8 +106,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--concurrency: {c} is not a positive number")
         if c not in args.prompts_by_concurrency:
             parser.error(f"--prompts names no prompt count for concurrency {c}")
-        if args.prompts_by_concurrency[c] < args.num_prefixes:
-            parser.error(f"--prompts: {args.prompts_by_concurrency[c]} prompts for concurrency {c} < --num-prefixes")
+        if args.prompts_by_concurrency[c] % args.num_prefixes:  # the dataset makes prompts // prefixes per prefix
+            parser.error(
+                f"--prompts: {args.prompts_by_concurrency[c]} prompts for concurrency {c}: not a multiple of --num-prefixes"
+            )
     if args.rounds < 1 or not 0 <= args.rounds_64 <= args.rounds:
         parser.error("--rounds must be >= 1 and --rounds-64 within 0..--rounds")
     if args.competitor_threads < 1:
@@ -402,7 +405,7 @@ class Bench:
         while time.monotonic() < deadline:
             post(self.urls["A"], {"model": self.model, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0})
             time.sleep(0.5)
-            saved = counter(self.urls["A"], "vllm:ems_save_blocks_total")
+            saved: float = counter(self.urls["A"], "vllm:ems_save_blocks_total")
             if saved == last:
                 return saved
             last = saved
@@ -689,8 +692,8 @@ def plot(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, Any]
     fig.savefig(args.out, dpi=110)
 
 
-def record_figures(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, Any]], machine: str) -> str:
-    from results import Figure, Goal, Run, command_line, record
+def record_figures(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, Any]], machine: str, command: str) -> str:
+    from results import Figure, Goal, Run, record
 
     figures = []
     plot_path = os.path.relpath(args.out, ROOT)
@@ -713,7 +716,7 @@ def record_figures(args: argparse.Namespace, summary: dict[tuple[str, int], dict
                     ),
                 )
             )
-    run = Run("serving", command_line(), figures, machine=machine)
+    run = Run("serving", command, figures, machine=machine)
     return str(record(run))
 
 
@@ -755,8 +758,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"plot: {args.out}")
     if not args.results:
         return
-    print(f"results: {record_figures(args, summary, meta['machine'])}")
-    command = "flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_serving.py " + " ".join(meta["argv"])
+    shown = [a for a, before in zip(meta["argv"], ["", *meta["argv"][:-1]], strict=True) if "--results" not in (a, before)]
+    command = "flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_serving.py " + " ".join(shown)
+    print(f"results: {record_figures(args, summary, meta['machine'], command)}")
     header = [
         "",
         f"## vLLM's serving benchmark: pooled vs the prefix cache, both servers up at once ({time.strftime('%Y-%m-%d')}, cpu)",

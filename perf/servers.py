@@ -80,7 +80,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited {proc.returncode}: see its log ({proc.args[-1] if proc.args else ''})")
+            raise RuntimeError(f"{url} exited {proc.returncode}: see its log")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
                 if response.status == 200:

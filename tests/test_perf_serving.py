@@ -31,7 +31,7 @@ def test_the_full_run_and_the_quick_one_parse():
         (["--concurrency", "1,8"], "no prompt count for concurrency 8"),
         (["--concurrency", "0"], "not a positive number"),
         (["--rounds", "2", "--rounds-64", "3"], "--rounds-64"),
-        (["--prompts", "1:2,4:16,16:32,64:64"], "--num-prefixes"),
+        (["--prompts", "1:6,4:16,16:32,64:64"], "not a multiple of --num-prefixes"),
         (["--competitor-threads", "0"], "--competitor-threads"),
     ],
 )
