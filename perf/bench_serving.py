@@ -29,10 +29,17 @@ Where the time goes: from the benchmark's per-token times (its `start_times`, `t
 split into gaps in which another request was admitted (its first token came) and gaps without; compared between B
 (a pooled admission) and C warm (a local hit's). B's per-step record over its runs (scheduler: lookups and their
 seconds, the step's own waits; worker: loads started and finished, call and wait seconds, in-step loads, steps by
-whether a load started) and the CPU seconds of each server, the pool node and the competitor over each run.
+whether a load started, or while calls were in flight) and the CPU seconds of each server, the pool node and the
+competitor over each run, and of B's and C's threads by name.
 
 Prints a table, saves a plot (`--out`, default perf/serving.png), records the figures (perf/results.py, bench
-`serving`) and appends a section to perf/RESULTS.md (`--results ''`: neither).
+`serving`) and appends a section to perf/RESULTS.md (`--results ''`: neither). Every run's raw rows (summaries,
+per-request times, B's per-step record) go to `rows.json` in the run's folder; `--from-rows PATH` summarizes them
+again without servers, plots and records: the vLLM venv may have no matplotlib, so a run there prints the rows'
+path and another Python (with matplotlib and this package's dependencies) finishes:
+
+    .venv-vllm/bin/python perf/bench_serving.py --results ''   # measures; prints rows: /tmp/ems-bench-serving-.../rows.json
+    .venv/bin/python perf/bench_serving.py --from-rows /tmp/ems-bench-serving-.../rows.json
 """
 
 from __future__ import annotations
@@ -555,9 +562,19 @@ def summarize(args: argparse.Namespace, rows: list[dict]) -> dict[tuple[str, int
                 "threads": threads,
                 "steps": steps,
                 "loaded_blocks": statistics.median(r["pooled"].loaded_blocks for r in mine),
+                "loaded_short": sum(r["pooled"].loaded_blocks < pool_blocks(args, c) for r in mine),
+                "pool_blocks": pool_blocks(args, c),
                 "p99_itl_ms": {side: statistics.median(r[side].p99_itl_ms for r in mine) for side in ("pooled", "warm")},
             }
     return out
+
+
+def pool_blocks(args: argparse.Namespace, concurrency: int) -> int:
+    """The blocks a run of B can load from the pool: each prefix's full blocks once, then each prompt's full blocks
+    past its prefix but the one holding its last token (the connector never claims that one)."""
+    prefix = args.prefix_len // BLOCK
+    per_prompt = (args.prefix_len + args.suffix_len - 1) // BLOCK - prefix
+    return args.num_prefixes * prefix + args.prompts_by_concurrency[concurrency] * per_prompt
 
 
 def ms(values: Sequence[float], q: float) -> float:
@@ -572,7 +589,7 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
     lines = [
         "| competitor | concurrency | rounds | TTFT pooled / warm | TPOT pooled / warm | throughput pooled / warm | "
         "TTFT pooled / cold | throughput pooled / cold | mean TTFT ms (pooled, warm, cold) | mean TPOT ms (pooled, "
-        "warm, cold) | tok/s (pooled, warm, cold) | blocks B loaded |",
+        "warm, cold) | tok/s (pooled, warm, cold) | blocks B loaded (median) of those in the pool (rounds short) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -596,7 +613,7 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
             + ", ".join(f"{ab[side]['tpot']:.1f}" for side in ("pooled", "warm", "cold"))
             + " | "
             + ", ".join(f"{ab[side]['throughput']:.0f}" for side in ("pooled", "warm", "cold"))
-            + f" | {s['loaded_blocks']:.0f} |"
+            + f" | {s['loaded_blocks']:.0f} of {s['pool_blocks']} ({s['loaded_short']} short) |"
         )
     lines += [
         "",

@@ -13,7 +13,7 @@ import pytest
 PERF = Path(__file__).resolve().parent.parent / "perf"
 sys.path.insert(0, str(PERF))
 
-from bench_serving import Run, gaps_by_admission, parse_args, round_ratios, spread, step_table  # noqa: E402
+from bench_serving import Run, gaps_by_admission, parse_args, pool_blocks, round_ratios, spread, step_table  # noqa: E402
 
 
 def test_the_full_run_and_the_quick_one_parse():
@@ -76,3 +76,10 @@ def test_step_table_splits_steps_by_load_starts():
     assert table["step_ms_calls_in_flight"] == pytest.approx(100.0) and table["steps_with_calls_in_flight"] == 1
     assert table["step_ms_no_calls_in_flight"] == pytest.approx(50.0)
     assert table["loads_started"] == 1
+
+
+def test_the_blocks_a_pooled_run_can_load():
+    # 4 prefixes of 1024 tokens (32 blocks each, loaded once) and 8 prompts whose 128-token suffixes end in 4 blocks,
+    # the last (it holds the prompt's last token) never claimed
+    assert pool_blocks(parse_args([]), 1) == 4 * 32 + 8 * 3
+    assert pool_blocks(parse_args(["--quick"]), 4) == 2 * 32 + 8 * 3
