@@ -660,8 +660,9 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
         )
     lines += [
         "",
-        "CPU seconds by thread (median over rounds, the 8 largest) of B's and C's processes over B's run (from the "
-        "pool) and over C's warm run.",
+        "CPU seconds by thread name (median over rounds, the 8 largest) of B's and C's processes over B's run (from "
+        "the pool) and over C's warm run. vLLM names its processes (VLLM::EngineCore, VLLM::Worker) and threads "
+        "inherit the name, so an entry is in effect a process: the connector's threads count in B's.",
         "",
         "| competitor | concurrency | over B's run | over C's warm run |",
         "|---|---|---|---|",
