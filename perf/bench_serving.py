@@ -574,7 +574,7 @@ def pool_blocks(args: argparse.Namespace, concurrency: int) -> int:
     past its prefix but the one holding its last token (the connector never claims that one)."""
     prefix = args.prefix_len // BLOCK
     per_prompt = (args.prefix_len + args.suffix_len - 1) // BLOCK - prefix
-    return args.num_prefixes * prefix + args.prompts_by_concurrency[concurrency] * per_prompt
+    return int(args.num_prefixes * prefix + args.prompts_by_concurrency[concurrency] * per_prompt)
 
 
 def ms(values: Sequence[float], q: float) -> float:
