@@ -710,7 +710,9 @@ def plot(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, Any]
     fig.savefig(args.out, dpi=110)
 
 
-def record_figures(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, Any]], machine: str, command: str) -> str:
+def record_figures(
+    args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, Any]], machine: str, command: str, commit: str
+) -> str:
     from results import Figure, Goal, Run, record
 
     figures = []
@@ -734,7 +736,7 @@ def record_figures(args: argparse.Namespace, summary: dict[tuple[str, int], dict
                     ),
                 )
             )
-    run = Run("serving", command, figures, machine=machine)
+    run = Run("serving", command, figures, commit=commit.split(" ")[0], machine=machine)  # the measured commit
     return str(record(run))
 
 
@@ -777,8 +779,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.results:
         return
     shown = [a for a, before in zip(meta["argv"], ["", *meta["argv"][:-1]], strict=True) if "--results" not in (a, before)]
-    command = "flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_serving.py " + " ".join(shown)
-    print(f"results: {record_figures(args, summary, meta['machine'], command)}")
+    command = " ".join(["flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_serving.py", *shown])
+    print(f"results: {record_figures(args, summary, meta['machine'], command, meta['commit'])}")
     header = [
         "",
         f"## vLLM's serving benchmark: pooled vs the prefix cache, both servers up at once ({time.strftime('%Y-%m-%d')}, cpu)",
