@@ -437,21 +437,13 @@ def round_only(args: argparse.Namespace) -> None:
 
 def pd_bench(args: argparse.Namespace) -> None:
     """Mode 6 (`--pd`): decode-server TTFT from the pool against a prefix-cache hit of the same prompt."""
-    import urllib.request
-
+    from servers import api_server_argv, counter, free_port, post, server_env, start_server, wait_healthy
     from vllm_engine import stop_servers
 
     root = tempfile.mkdtemp(prefix="ems-bench-pd-")
     max_len = args.tokens + 256
     model = make_bench_llama(os.path.join(root, "model"), max_len)
     pool_dir = os.path.join(root, "pool")
-
-    def free_port() -> int:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
 
     def serve(role: str, port: int) -> subprocess.Popen:
         transfer = {
@@ -463,48 +455,9 @@ def pd_bench(args: argparse.Namespace) -> None:
         if args.pd_producer_response and role == "kv_producer":
             transfer["kv_connector_extra_config"]["producer_response"] = args.pd_producer_response
         # two engines on the same cores: OpenMP's spin-wait after one engine's forward slows the other's next step
-        env = {
-            "OMP_WAIT_POLICY": "PASSIVE",
-            **os.environ,
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-            "--host", "127.0.0.1", "--skip-tokenizer-init", "--block-size", "32", "--max-model-len", str(max_len),
-            "--num-gpu-blocks-override", str(4 * (max_len // 32 + 2)), "--gpu-memory-utilization", "0.15",
-            "--enforce-eager", "--seed", "0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-transfer-config", json.dumps(transfer),
-        ]  # fmt: skip
-        with open(os.path.join(root, f"{role}.log"), "w") as log:
-            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_healthy(url: str, proc: subprocess.Popen) -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{url} exited {proc.returncode}: see {root}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{url} not healthy after 600 s")
-
-    def counter(url: str, name: str) -> float:
-        """A server's Prometheus counter `vllm:ems_<name>_total` (summed over its label sets)."""
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-            text = response.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"vllm:ems_{name}_total"))
-
-    def post(url: str, body: dict) -> tuple[dict, float]:
-        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-        start = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=600) as response:
-            out = json.loads(response.read())
-        return out, time.perf_counter() - start
+        # (server_env sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it)
+        argv = api_server_argv(model, port, max_len, 4 * (max_len // 32 + 2), transfer)
+        return start_server(argv, os.path.join(root, f"{role}.log"), server_env())
 
     rng = random.Random(7)
     prompts = [[rng.randrange(4096) for _ in range(args.tokens)] for _ in range(2 * args.pd_prompts + 1)]
@@ -547,8 +500,8 @@ def pd_bench(args: argparse.Namespace) -> None:
             )
             print(json.dumps(rows[-1]))
         time.sleep(1.0)  # the servers record a step's statistics as they hand out its outputs
-        save_waits = counter(urls["kv_consumer"], "lookup_save_waits")
-        hits = counter(urls["kv_consumer"], "lookup_hit_blocks")
+        save_waits = counter(urls["kv_consumer"], "vllm:ems_lookup_save_waits_total")
+        hits = counter(urls["kv_consumer"], "vllm:ems_lookup_hit_blocks_total")
         print(json.dumps({"decode_save_waits": save_waits, "decode_hit_blocks": hits}))
     finally:
         stop_servers(procs.values(), pool_dir)

@@ -23,12 +23,21 @@ def _package_imports(path: Path) -> list[tuple[str, str, int]]:
 
 @pytest.mark.parametrize("script", sorted(PERF.glob("*.py")), ids=lambda p: p.name)
 def test_the_names_a_benchmark_imports_exist(script: Path) -> None:
-    missing = []
+    missing, unchecked = [], []
     for module, name, line in _package_imports(script):
-        imported = importlib.import_module(module)
-        if not hasattr(imported, name):
+        try:
+            imported = importlib.import_module(module)
+            found = hasattr(imported, name)
+        except ModuleNotFoundError as error:  # a module of the package that needs an engine this venv lacks (vllm)
+            if (error.name or "ems").split(".")[0] == "ems":
+                raise
+            unchecked.append(f"{script.name}:{line}: {module}.{name} needs {error.name}")
+            continue
+        if not found:
             try:
                 importlib.import_module(f"{module}.{name}")  # a submodule
             except ImportError:
                 missing.append(f"{script.name}:{line}: {module}.{name}")
     assert not missing, missing
+    if unchecked:
+        pytest.skip(f"not installed here: {unchecked}")
