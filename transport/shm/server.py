@@ -183,9 +183,14 @@ class ShmService:
         def finished(rid: int, task: asyncio.Task) -> None:
             serving.pop(rid, None)
             slots.release()
-            if not task.cancelled() and task.exception() is not None and not ended.done():
-                ended.set_exception(task.exception())  # type: ignore[arg-type]
-            elif not task.cancelled() and task.result() is False and not ended.done():
+            if task.cancelled():
+                return
+            error = task.exception()  # (retrieved whether or not the channel has ended already: never re-raised here)
+            if ended.done():
+                return
+            if error is not None:
+                ended.set_exception(error)
+            elif task.result() is False:
                 ended.set_result(None)  # refused: the channel ends after its answer
 
         try:
