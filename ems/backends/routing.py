@@ -4,7 +4,8 @@ deadline; reads in `ems.backends.reads`, the fan-out in `ems.backends.fanout`, w
 
 Contract:
 * Each key has `replicas` owning nodes among the live ones (`ems.cluster.routing.ranked_owners`, rendezvous hashing of
-  its route key; `ems.cluster.placement.Members` holds the live set, which membership may change between calls). A call
+  its route key, or of its placement unit and then its route key within the unit's group where the request gives
+  `units`; `ems.cluster.placement.Members` holds the live set, which membership may change between calls). A call
   (a `PoolRequest`, as the pool's) sends batched requests per node it needs, nodes in parallel, and returns by the
   request's deadline (`PoolRequest.until`). A node that fails or does not answer in time fails only its own keys
   (those of its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
@@ -91,7 +92,7 @@ class NodeRouter:
 
     def _read(
         self,
-        route_keys: Sequence[bytes],
+        request: PoolRequest,
         wanted: np.ndarray,
         call: Any,
         costs: Any,
@@ -103,7 +104,7 @@ class NodeRouter:
         return read(
             self.fanout,
             self.members.view,
-            route_keys,
+            request.route_keys,
             wanted,
             call,
             costs,
@@ -113,6 +114,7 @@ class NodeRouter:
             self.replicas,
             self.members.fallback,
             hedge if self.replicas > 1 and self.hedge else None,
+            request.units,
         )
 
     # ---- batched operations ----
@@ -137,7 +139,7 @@ class NodeRouter:
             outcome.nodes_contacted = 1
             outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
             return outcome
-        ranks = ranked_owners(request.route_keys, view.seeds, self.replicas)
+        ranks = ranked_owners(request.route_keys, view.seeds, self.replicas, request.units)
         node_ids = np.unique(ranks)
         node_keys = [(view.nodes[n], np.nonzero((ranks == n).any(axis=1))[0]) for n in node_ids.tolist()]
         outcome.nodes_contacted = len(node_keys)
@@ -199,7 +201,7 @@ class NodeRouter:
             return get, accept, results.__setitem__
 
         return self._read(
-            request.route_keys,
+            request,
             np.fromiter((r is None for r in results), dtype=bool, count=len(keys)),
             get,
             costs,
@@ -253,7 +255,7 @@ class NodeRouter:
             return fetch_own, accept_own, adopt
 
         return self._read(
-            request.route_keys,
+            request,
             ~np.asarray(results, dtype=bool),
             fetch,
             costs,
@@ -276,7 +278,7 @@ class NodeRouter:
             return bool(flag)
 
         return self._read(
-            request.route_keys,
+            request,
             ~np.asarray(results, dtype=bool),
             exists,
             lambda idx: RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()])),

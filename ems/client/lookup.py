@@ -2,8 +2,9 @@
 
 Contract: `hashes` (V1 block hashes, or V0 keys: `PrimaryKey` or str) is checked by `requests.bind_exists` (bad input
 raises `EmsException(EMS_INVALID_ARGUMENT)`); V1 hashes need a registered layout (`v1_namespace` is None until then:
-refused the same way). This package's addition: `lease_ms=N` or `pin=True` in `kwargs` asks the pool to keep what it
-reports (`ems.store.holds`); only keys it keeps count as held. The answer is `CcResult(consecutive hits from the
+refused the same way). This package's additions: `lease_ms=N` or `pin=True` in `kwargs` asks the pool to keep what it
+reports (`ems.store.holds`); only keys it keeps count as held; `chain_prefix=...` (V1) looks the blocks up under
+their placement unit, as a save given the same prefix stored them. The answer is `CcResult(consecutive hits from the
 first, len(hashes))`. A failing or unreachable pool never raises: its keys count as misses (a pool that raised reports
 0 hits), logged once per call (a warning; an info line when other replicas answered for every key of the nodes that
 failed, so nothing was missed). Every pool answers through `PoolBackend.exists` (the embedded pool's is its store's
@@ -19,7 +20,7 @@ from typing import Any
 
 from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
 from ems.client.metrics import CcMetrics
-from ems.datapath.keys import v0_keys, v1_keys
+from ems.datapath.keys import chain_keys, v0_keys, v1_keys
 from ems.datapath.requests import bind_exists
 from ems.errors import EmsErrorCode, EmsException
 from ems.types import CcKvOption, CcResult, PrimaryKey
@@ -46,15 +47,19 @@ def count_held(
 ) -> CcResult:
     """How many of `hashes`, from the first, `pool` holds (the module's contract). `v1_namespace` is the registered
     layout's key namespace, None before `register_kvcache`."""
-    items, checked_option, hold = bind_exists(hashes, option, kwargs)
+    bound = bind_exists(hashes, option, kwargs)
+    items, units = bound.items, None
     if isinstance(items[0], (PrimaryKey, str)):
         keys, route_keys = v0_keys(v0_namespace, items)
     else:
         if v1_namespace is None:
             raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, "exists(): V1 hashes need register_kvcache() first")
-        keys, route_keys = v1_keys(v1_namespace, items)
+        if bound.chain_prefix is None:
+            keys, route_keys = v1_keys(v1_namespace, items)
+        else:
+            keys, route_keys, units = chain_keys(v1_namespace, items, bound.chain_prefix)
     try:
-        outcome = pool.exists(PoolRequest(route_keys, keys, checked_option), hold)
+        outcome = pool.exists(PoolRequest(route_keys, keys, bound.option, units=units), bound.hold)
     except Exception as exc:  # the contract: a failing pool is a miss, not an exception
         logger.warning("exists: pool failure reported as 0 hits: %s", exc)
         return CcResult(0, len(keys))

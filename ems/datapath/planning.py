@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ems.buffers import Buffer
-from ems.datapath.keys import FORM_V1, v0_keys, v1_keys
+from ems.datapath.keys import FORM_CHAIN, FORM_V1, chain_keys, v0_keys, v1_keys
 from ems.datapath.layout import LayerGroup, RegisteredLayout
 from ems.datapath.requests import ChunkRequest, RawRequest, SlotRequest
 from ems.kernels.base import PlaneSet
@@ -102,6 +102,7 @@ class BlockPlan:
     regions: list[GroupRegion]
     value_start: np.ndarray  # int64 [n + 1]: value i at staging bytes value_start[i] .. + value_len(i)
     staging_bytes: int
+    units: np.ndarray | None = None  # u64 [n]: each key's placement unit (`keys.chain_keys`); None: placed per key
 
     @property
     def total(self) -> int:
@@ -139,6 +140,7 @@ class RawPlan:
     request: RawRequest
     value_start: np.ndarray  # int64 [n + 1]: byte offsets of each value in staging
     staging_bytes: int
+    units: None = None  # V0 keys are placed by their routing key (`distribute_key`) alone
 
     @property
     def total(self) -> int:
@@ -222,8 +224,14 @@ def plan_blocks(
     request: SlotRequest | ChunkRequest, layout: RegisteredLayout, namespace: bytes, form: bytes = FORM_V1
 ) -> BlockPlan:
     """A V1 request's plan: block i is stored under `request.hashes[i]` in `namespace` and the key form `form`
-    (`keys.v1_keys`)."""
-    keys, route_keys = v1_keys(namespace, request.hashes, form)
+    (`keys.v1_keys`), or with a `chain_prefix` under its placement unit (`keys.chain_keys`: `FORM_CHAIN` for
+    `FORM_V1`, else `form`, a unit form)."""
+    units = None
+    if request.chain_prefix is None:
+        keys, route_keys = v1_keys(namespace, request.hashes, form)
+    else:
+        chain_form = FORM_CHAIN if form == FORM_V1 else form
+        keys, route_keys, units = chain_keys(namespace, request.hashes, request.chain_prefix, chain_form)
     one_run = request.one_run if isinstance(request, SlotRequest) else None
     if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
         cached = layout.one_run_plans.get(one_run)
@@ -241,7 +249,7 @@ def plan_blocks(
         tokens_digest=shape.tokens_digest,
         payload_len=shape.payload_len,
     )
-    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
+    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes, units)
 
 
 def _shape_and_regions(request: SlotRequest | ChunkRequest, layout: RegisteredLayout) -> tuple[_RequestShape, list[GroupRegion]]:

@@ -6,6 +6,11 @@
 * V1, slot_mapping form:   `(slot_mapping, hashes, offsets, option=None)`
 * V1, chunk_descs form:    `(hashes=..., chunk_descs=..., option=None)`
 
+This package's addition to both V1 hash forms (and `exists`): `chain_prefix=<the hashes of the blocks before
+hashes[0], from the chain's first block>` (any length, empty: hashes[0] is the chain's first block) says where the
+blocks sit in their prefix chain, so they are stored under their placement unit (`ems.datapath.keys.chain_keys`:
+locality); without it a block is placed by its hash alone. V0 and the token form refuse it.
+
 A CcKvOption first means the V0 form; when the rest looks like the V1 form (ints where V0 has its keys, more
 arguments than V0 takes, a V1 keyword), the error gives the V1 form's order instead of the V0 form's arity.
 
@@ -79,6 +84,8 @@ class SlotRequest:
     offsets: np.ndarray  # int64 [n] tokens per block
     # (first slot, tokens) when the request is one block whose slots are consecutive (the engine's small call)
     one_run: tuple[int, int] | None = None
+    # the hashes of the chain's blocks before hashes[0] (`chain_prefix`), None: the position is unknown
+    chain_prefix: Sequence[int] | None = None
 
     @property
     def total(self) -> int:
@@ -93,6 +100,7 @@ class ChunkRequest:
     hashes: list[int]
     starts: np.ndarray  # int64 [G, n]
     lengths: np.ndarray  # int64 [G, n]
+    chain_prefix: Sequence[int] | None = None  # as SlotRequest's
 
     @property
     def total(self) -> int:
@@ -205,26 +213,29 @@ def _describe_int(value: int) -> str:
     return str(value) if value.bit_length() <= 128 else f"a {value.bit_length()}-bit int"
 
 
-def _hashes(value: object) -> list[int]:
+def _hashes(value: object, name: str = "hashes", chain: bool = False) -> list[int]:
+    """Block hashes, checked (`chain`: a `chain_prefix`, which may be empty and repeat a hash)."""
     if isinstance(value, np.ndarray) and value.dtype.kind in "uO" and value.ndim == 1:
         value = value.tolist()  # u64 hashes are keys, not offsets: no int64 limit; object arrays are checked as lists
     elif isinstance(value, torch.Tensor) and value.dtype in _UNSIGNED_TENSOR and value.dim() == 1:
         value = value.tolist()  # the same for torch's unsigned dtypes (uint64 values up to 2**64 - 1)
     elif isinstance(value, (np.ndarray, torch.Tensor)):
-        value = int_array("hashes", value).tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise invalid_argument("hashes must be a non-empty list of ints")
+        value = int_array(name, value).tolist()
+    if not isinstance(value, (list, tuple)) or not (value or chain):
+        raise invalid_argument(f"{name} must be a {'' if chain else 'non-empty '}list of ints")
     hashes = list(value)
     for i, h in enumerate(hashes):
         if type(h) is not int:
             if isinstance(h, np.integer):
                 hashes[i] = int(h)
             else:
-                raise invalid_argument(f"hashes[{i}] must be an int, got {type(h).__name__} {h!r}")
+                raise invalid_argument(f"{name}[{i}] must be an int, got {type(h).__name__} {h!r}")
         if not MIN_HASH <= hashes[i] <= MAX_HASH:
             raise invalid_argument(
-                f"hashes[{i}] = {_describe_int(hashes[i])} is outside the accepted range -2**255 .. 2**256 - 1"
+                f"{name}[{i}] = {_describe_int(hashes[i])} is outside the accepted range -2**255 .. 2**256 - 1"
             )
+    if chain:
+        return hashes
     if len(set(hashes)) != len(hashes):
         seen: dict[int, int] = {}
         for i, h in enumerate(hashes):
@@ -232,6 +243,14 @@ def _hashes(value: object) -> list[int]:
                 raise invalid_argument(f"hashes[{i}] repeats hashes[{seen[h]}] ({h:#x}): keys must be unique in a call")
             seen[h] = i
     return hashes
+
+
+def chain_prefix_of(b: dict, op: str) -> list[int] | None:
+    """The call's `chain_prefix` (None when not given), checked as block hashes are."""
+    value = b.get("chain_prefix")
+    if value is None:
+        return None
+    return _hashes(value, "chain_prefix", chain=True)
 
 
 def _min_max_sum(array: np.ndarray) -> tuple[int, int, int]:
@@ -304,7 +323,7 @@ def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotRequest
         raise invalid_argument(f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})")
     if op is Operation.LOAD and one_run is None:  # (a run repeats no slot)
         _check_no_repeats("slot_mapping", slots)
-    return SlotRequest(option, hashes, slots, offsets, one_run)
+    return SlotRequest(option, hashes, slots, offsets, one_run, chain_prefix_of(b, op.value))
 
 
 def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkRequest:
@@ -351,7 +370,7 @@ def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkReque
         if op is Operation.LOAD:
             slots = runs_to_slots(torch.from_numpy(starts[g]), torch.from_numpy(lengths[g])).numpy()
             _check_no_repeats(f"chunk_descs[{g}]", slots)
-    return ChunkRequest(option, hashes, starts, lengths)
+    return ChunkRequest(option, hashes, starts, lengths, chain_prefix_of(b, op.value))
 
 
 def _refuse_run(g: int, starts: np.ndarray, lengths: np.ndarray, mask: np.ndarray, why: str) -> None:
@@ -417,8 +436,10 @@ def bind_request(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLay
                 f"(or option=...); a CcKvOption first is the V0 form, {op.value}(option, key_list, value_list), whose "
                 "key_list holds PrimaryKey or str keys"
             )
+        if "chain_prefix" in kwargs:
+            raise invalid_argument(f"{op.value}(): chain_prefix is for the V1 hash forms; V0 keys route by distribute_key")
         return _bind_raw(op, _bind_names(op.value, _V0_NAMES, args, kwargs))
-    b = _bind_names(op.value, _V1_NAMES, args, kwargs, extra=("chunk_descs",))
+    b = _bind_names(op.value, _V1_NAMES, args, kwargs, extra=("chunk_descs", "chain_prefix"))
     if layout is None:
         raise invalid_argument(f"{op.value}(): V1 calls need register_kvcache() first")
     if b.get("chunk_descs") is not None:
@@ -449,13 +470,22 @@ def _v1_after_option(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def bind_exists(
-    hashes: object, option: object, kwargs: dict[str, Any]
-) -> tuple[list[int] | list[V0Key], CcKvOption, Hold | None]:
-    """exists(hashes, option=None, lease_ms=..., pin=...): V1 block hashes, or V0 keys (PrimaryKey or str), and what
-    the pool is to keep of the keys it finds (this package's addition, `ems.transport.holds`): `lease_ms` (an int in
-    1..MAX_LEASE_MS) leases them until they are read or that time has passed, `pin=True` pins them."""
-    unknown = sorted(set(kwargs) - {"lease_ms", "pin"})
+@dataclass(frozen=True)
+class ExistsRequest:
+    """An exists call's arguments, checked: its keys (V1 hashes or V0 keys), option, hold and chain prefix."""
+
+    items: list[int] | list[V0Key]
+    option: CcKvOption
+    hold: Hold | None
+    chain_prefix: list[int] | None  # V1 hashes only
+
+
+def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> ExistsRequest:
+    """exists(hashes, option=None, lease_ms=..., pin=..., chain_prefix=...): V1 block hashes, or V0 keys (PrimaryKey
+    or str), and what the pool is to keep of the keys it finds (this package's addition, `ems.transport.holds`):
+    `lease_ms` (an int in 1..MAX_LEASE_MS) leases them until they are read or that time has passed, `pin=True` pins
+    them; `chain_prefix` as for save and load (V1 hashes only)."""
+    unknown = sorted(set(kwargs) - {"lease_ms", "pin", "chain_prefix"})
     if unknown:
         raise invalid_argument(f"exists() got unexpected arguments {unknown}")
     hold: Hold | None = None
@@ -472,7 +502,10 @@ def bind_exists(
     elif pin:
         hold = Hold.pin()
     checked_option = _option(option, required=False)
+    prefix = chain_prefix_of(kwargs, "exists")
     if isinstance(hashes, (list, tuple)) and hashes and isinstance(hashes[0], (PrimaryKey, str)):
+        if prefix is not None:
+            raise invalid_argument("exists(): chain_prefix is for V1 hashes; V0 keys route by distribute_key")
         _check_v0_keys("hashes", hashes)
-        return list(hashes), checked_option, hold
-    return _hashes(hashes), checked_option, hold
+        return ExistsRequest(list(hashes), checked_option, hold, None)
+    return ExistsRequest(_hashes(hashes), checked_option, hold, prefix)
