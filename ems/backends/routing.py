@@ -28,6 +28,7 @@ Contract:
 from __future__ import annotations
 
 import concurrent.futures
+import random
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -37,6 +38,7 @@ from ems.backends.base import PoolOutcome, PoolRequest, ReadCheck
 from ems.backends.fanout import FanOut
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
+from ems.backends.warm import WarmNodes
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.cluster.routing import ranked_owners
@@ -46,6 +48,8 @@ from ems.store.value_format import HEADER_SIZE, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer, TransportError
 from ems.transport.holds import Hold
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
+
+HEALTH_PINGS = 8  # nodes `healthy` pings at most
 
 
 def pool_location(nodes: Sequence[NodeClient]) -> NodeLocation:
@@ -78,7 +82,9 @@ class NodeRouter:
         #: where the pool's nodes live: in this process only when every node says so (`NodeClient.location`)
         self.location = pool_location(nodes)
         self.latency = NodeLatency()
-        self.fanout = FanOut(limits, self.latency, self.location, lambda: 4 * len(self.members.view.nodes))
+        #: the connections kept warm: a bounded set, least recently used closed once idle (a large pool)
+        self.warm = WarmNodes()
+        self.fanout = FanOut(limits, self.latency, self.location, lambda: 4 * len(self.members.view.nodes), self.warm)
         self.members.on_change(self._forget)
 
     def _forget(self, added: list[str], removed: list[str]) -> None:
@@ -289,12 +295,14 @@ class NodeRouter:
         )
 
     def healthy(self, timeout_s: float) -> bool:
-        """True when at least one node answers a ping within `timeout_s`."""
+        """True when at least one node answers a ping within `timeout_s` (of at most HEALTH_PINGS of them)."""
         if self.location is NodeLocation.IN_PROCESS:  # (nothing to reach)
             return True
         nodes = self.nodes
         if not nodes:
             return False
+        if len(nodes) > HEALTH_PINGS:  # a large pool: a few nodes answer for it (pinging all would connect to all)
+            nodes = random.sample(nodes, HEALTH_PINGS)
         deadline = Deadline.after(timeout_s)
         futures = [self.fanout.submit(node.ping, deadline) for node in nodes]
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)

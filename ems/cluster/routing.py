@@ -86,23 +86,47 @@ def ranked_owners(
 ) -> np.ndarray:
     """int64 `[keys, min(k, nodes)]`: each key's k first nodes in its ranking (column 0 is `owners`); with `units`
     (u64 per key), placed by units over groups of `width` nodes (see the module docstring)."""
+    return ranked_by_hash(route_hashes(route_keys), seeds, k, units, width)
+
+
+def ranked_by_hash(
+    hashes: np.ndarray,
+    seeds: np.ndarray,
+    k: int,
+    units: np.ndarray | None = None,
+    width: int = UNIT_WIDTH,
+    copy: np.ndarray | None = None,
+) -> np.ndarray:
+    """`ranked_owners` of keys given by their routing keys' hashes (`route_hashes`). `copy` (with `units`; int per
+    key, 0: the unit's own group): rank key i inside its unit's copy group `copy[i]` instead, the `width` nodes after
+    the first `copy[i] * width` of the unit's order (a hot unit's extra read copies, `ems.cluster.hot`; k <= width)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     n = len(seeds)
     k = min(k, n)
     if n == 1:
-        return np.zeros((len(route_keys), 1), dtype=np.int64)
+        return np.zeros((len(hashes), 1), dtype=np.int64)
     if units is None:
-        return _top(_scores(route_keys, seeds), k)
+        return _top(_mix64(hashes[:, None] ^ seeds[None, :]), k)
     units = np.asarray(units, dtype=np.uint64)
-    if units.shape != (len(route_keys),):
-        raise ValueError(f"units: {units.shape} for {len(route_keys)} keys")
+    if units.shape != (len(hashes),):
+        raise ValueError(f"units: {units.shape} for {len(hashes)} keys")
     w = min(width, n)
     uniq, inverse = np.unique(units, return_inverse=True)
+    if copy is not None and copy.any():
+        if k > w:
+            raise ValueError(f"a copy group ranks at most its {w} nodes, asked for {k}")
+        groups = n // w
+        copy = np.asarray(copy, dtype=np.int64) % max(1, groups)  # (never more copy groups than the pool holds)
+        top = _top(_mix64(uniq[:, None] ^ seeds[None, :]), int(copy.max() + 1) * w)[inverse.reshape(-1)]
+        group = np.take_along_axis(top, copy[:, None] * w + np.arange(w)[None, :], axis=1)
+        own = _mix64(hashes[:, None] ^ seeds[group])
+        ranked = np.take_along_axis(group, np.argsort(own, axis=1, kind="stable")[:, ::-1], axis=1)
+        return np.ascontiguousarray(ranked[:, :k])
     depth = max(k, w)
     unit_top = _top(_mix64(uniq[:, None] ^ seeds[None, :]), depth)[inverse.reshape(-1)]
     group = unit_top[:, :w]
-    own = _mix64(route_hashes(route_keys)[:, None] ^ seeds[group])
+    own = _mix64(hashes[:, None] ^ seeds[group])
     head = np.take_along_axis(group, np.argsort(own, axis=1, kind="stable")[:, ::-1], axis=1)
     if depth == w:
         return np.ascontiguousarray(head[:, :k])
