@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     # started in parallel; the starting threads live as long as the nodes (a node dies with the thread that forked it)
     starter = ThreadPoolExecutor(8)
-    procs = list(starter.map(lambda _: PoolProcess("48MiB"), range(most)))
+    procs = list(starter.map(lambda _: PoolProcess("64MiB", args=("--shm-bytes", "32MiB")), range(most)))
     print(f"{most} nodes up in {time.perf_counter() - started:.1f} s", flush=True)
     cache = make_cache(layers=4, blocks=BLOCKS, block_size=BS, heads=2, head_size=64)
     slots = slots_of_blocks(range(BLOCKS), BS)

@@ -54,6 +54,7 @@ VALUE = 32 << 10
 REPLICAS = 2
 SLOW_SHARE, SLOW_FACTOR = 0.01, 10.0
 NS = bytes(16)
+PROMPTS = 256  # recurring prompts of the latency runs
 
 
 # ---- the one-node latency distribution (measured) ----
@@ -140,7 +141,8 @@ class SimNode(NodeClient):
 def call_latencies(n: int, draws: np.ndarray, calls: int, seed: int) -> np.ndarray:
     """Seconds of `calls` reads (`NodeRouter.get`) of one BLOCKS-block prompt each, through the real router over n
     simulated nodes, 1 % of them slow (none of one node); the first quarter of the calls warm the router's latency
-    model up."""
+    model up. A call reads one of PROMPTS recurring prompts (Zipf 1.1: shared system prompts), so the client sees
+    the nodes it uses again, as an engine does."""
     rng = np.random.default_rng(seed)
     slow = set(rng.choice(n, size=int(n * SLOW_SHARE), replace=False).tolist())
     nodes = [SimNode(f"10.{i // 250}.{i % 250}.1:7700", draws, SLOW_FACTOR if i in slow else 1.0, i) for i in range(n)]
@@ -149,9 +151,10 @@ def call_latencies(n: int, draws: np.ndarray, calls: int, seed: int) -> np.ndarr
     out = []
     try:
         warm = calls // 4
-        for c in range(calls + warm):
-            chain = [int(x) for x in rng.integers(0, 2**63, BLOCKS)]
-            keys, routes, units = chain_keys(NS, chain, [])
+        prompts = [chain_keys(NS, [int(x) for x in rng.integers(0, 2**63, BLOCKS)], []) for _ in range(PROMPTS)]
+        zipf = 1.0 / np.arange(1, PROMPTS + 1) ** 1.1
+        for c, p in enumerate(rng.choice(PROMPTS, size=calls + warm, p=zipf / zipf.sum()).tolist()):
+            keys, routes, units = prompts[p]
             start = time.perf_counter()
             outcome = router.get(PoolRequest(routes, keys, option, units=units))
             elapsed = time.perf_counter() - start
@@ -231,26 +234,33 @@ def zipf_load(n: int, fill: int, requests: int, seed: int) -> dict:
     for a in range(0, lengths.size, step):
         units, hashes = blocks_of(np.arange(a, min(a + step, lengths.size)))
         values += np.bincount(ranked_by_hash(hashes, seeds, REPLICAS, units).ravel(), minlength=n)
-    # requests: a Zipf system prompt + a uniform conversation, read from the first owner (or a hot copy)
+    # requests: a Zipf system prompt + a uniform conversation, read from the first owner (or a hot copy); in
+    # batches of requests that share the hot units' state of the batch's start
     zipf = 1.0 / np.arange(1, systems + 1) ** 1.1
     sys_pick = rng.choice(systems, size=requests, p=zipf / zipf.sum())
     conv_pick = systems + rng.integers(0, lengths.size - systems, requests)
     hot = HotUnits(half_life_s=1e9)
     reads = np.zeros(n, dtype=np.int64)
     reads_hot = np.zeros(n, dtype=np.int64)
-    extra_values = {}  # (unit, copy) -> values placed there (REPLICAS copies of each block of the unit)
-    for r, chains in enumerate(zip(sys_pick.tolist(), conv_pick.tolist())):
-        units, hashes = blocks_of(np.asarray(chains))
+    unit_len: dict[int, int] = {}  # unit -> its blocks (what a copy of it holds)
+    batch = 500
+    for a in range(0, requests, batch):
+        chains = np.stack([sys_pick[a : a + batch], conv_pick[a : a + batch]], axis=1).ravel()
+        units, hashes = blocks_of(chains)
+        request = np.repeat(np.arange(chains.size) // 2, lengths[chains]) + a
         first = ranked_by_hash(hashes, seeds, 1, units)[:, 0]
         reads += np.bincount(first, minlength=n)
-        hot.read(units)
-        copy = spread(hot.copies(units, n), r)
+        copy = spread(hot.copies(units, n), request)
         asked = ranked_by_hash(hashes, seeds, 1, units, copy=copy)[:, 0]
         reads_hot += np.bincount(asked, minlength=n)
-        uniq, counts = np.unique(units, return_counts=True)
-        for u, k, length in zip(uniq.tolist(), hot.copies(uniq, n).tolist(), counts.tolist()):
-            for j in range(1, k):
-                extra_values[(u, j)] = length
+        hot.read(units)
+        one_read_units, _ = blocks_of(np.unique(chains))
+        uniq, counts = np.unique(one_read_units, return_counts=True)
+        unit_len.update(zip(uniq.tolist(), counts.tolist()))
+    final = np.fromiter(unit_len, dtype=np.uint64, count=len(unit_len))
+    extra_values = {  # (unit, copy) -> values placed there (REPLICAS copies of each block of the unit)
+        (u, j): unit_len[u] for u, k in zip(final.tolist(), hot.copies(final, n).tolist()) for j in range(1, k)
+    }
     with_copies = values.copy()
     for (u, j), length in extra_values.items():  # the hot copies' values, placed by the real code
         hashes = rng.integers(0, 2**63, length, dtype=np.uint64)
@@ -261,6 +271,7 @@ def zipf_load(n: int, fill: int, requests: int, seed: int) -> dict:
         "values_max_hot": float(with_copies.max() / with_copies.mean()),
         "reads_max": float(reads.max() / reads.mean()),
         "reads_max_hot": float(reads_hot.max() / reads_hot.mean()),
+        "reads_per_node": float(reads.mean()),
         "values_per_node": float(values.mean()),
         "hot_units": len({u for u, _ in extra_values}),
         "hot_copies": len(extra_values),
@@ -280,11 +291,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--fill", type=int, default=16384, help="values a node holds (blocks, replicas counted)")
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--requests", type=int, default=3000, help="requests of the Zipf workload")
+    ap.add_argument("--requests", type=int, default=60000, help="requests of the Zipf workload")
     ap.add_argument("--quick", action="store_true", help="small counts (a smoke run, not figures to record)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.calls, args.requests, args.fill = 40, 200, 1024
+        args.calls, args.requests, args.fill = 40, 1000, 1024
     draws = measure_one_node(400 if not args.quick else 50)
     print(f"one node's requests: p50 {np.percentile(draws, 50) * 1e3:.2f} ms, p99 {np.percentile(draws, 99) * 1e3:.2f} ms")
     one = call_latencies(1, draws, args.calls, 1)
