@@ -25,7 +25,7 @@ import numpy as np
 from ems.cluster.routing import UNIT_WIDTH
 
 HALF_LIFE_S = 30.0
-TARGET = 0.5  # a copy group takes at most this many fair group shares of a hot unit's reads
+TARGET = 0.1  # a copy group takes at most this many fair group shares of a hot unit's reads
 MAX_COPIES = 64
 MAX_UNITS = 4096
 FLOOR = 1e-5
@@ -48,14 +48,15 @@ class HotUnits:
         self.max_units, self.floor = max_units, floor
         self._rates: dict[int, float] = {}
         self._total = 0.0
-        self._at = time.monotonic()
+        self._at: float | None = None  # when the rates were last decayed
         self._lock = threading.Lock()
 
     def _decay(self, now: float) -> None:
+        if self._at is None or now <= self._at:
+            self._at = now if self._at is None else self._at
+            return
         factor = 0.5 ** ((now - self._at) / self.half_life_s)
         self._at = now
-        if factor >= 1.0:
-            return
         self._total *= factor
         self._rates = {u: r * factor for u, r in self._rates.items() if r * factor >= self.floor * self._total}
 
