@@ -2,12 +2,13 @@
 grow with the pool?
 
 Setup: `--nodes` (default 2 32 64) `python -m ems.pool` processes on this machine (64 MiB each, shared-memory
-regions of 32 MiB a connection, so 64 fit in memory); for each pool size a `ContextCaching` over a `PoolClient` of that many of them (2 replicas), a registered
-cache of 16-token blocks of 32 KiB (4 layers x K/V x 16 tokens x 2 heads x 64 x fp16). Per round and pool size,
-side by side: a save of 512 blocks, their load, and `exists` of their 512 hashes, each with `chain_prefix=[]`
-(placement by units: the prompt's 2 units on 2 x 4 nodes) and without (per-block placement, as before units);
-medians of the rounds. First call: a fresh client (nodes connected lazily, as `Ems.init` does for more than
-`EAGER_CONNECT_NODES` nodes; eagerly for fewer) through its first save, against a steady save.
+regions of 32 MiB a connection, so 64 fit in memory); for each pool size a `ContextCaching` over a `PoolClient` of
+that many of them (2 replicas), a registered cache of 16-token blocks of 32 KiB (4 layers x K/V x 16 tokens x 2
+heads x 64 x fp16). Per round and pool size, side by side: a save of 512 blocks, their load, and `exists` of their
+512 hashes, each with `chain_prefix=[]` (placement by units: the prompt's 2 units on 2 x 4 nodes) and without (per-
+block placement, as before units); medians of the rounds. First call: a fresh client (nodes connected lazily, as
+`Ems.init` does for more than `EAGER_CONNECT_NODES` nodes; eagerly for fewer) through its first save, against a
+steady save.
 
 Prints a table, writes perf/scale.png, records perf/results/scale.json.
 Usage: python perf/bench_scale.py [--nodes 2 32 64] [--rounds 7] [--quick]
