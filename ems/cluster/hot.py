@@ -26,7 +26,7 @@ from ems.cluster.routing import UNIT_WIDTH
 
 HALF_LIFE_S = 30.0
 TARGET = 0.1  # a copy group takes at most this many fair group shares of a hot unit's reads
-MAX_COPIES = 64
+MAX_COPIES = 256
 MAX_UNITS = 4096
 FLOOR = 1e-5
 
