@@ -9,7 +9,8 @@ Contract:
 * `connector_table()` is the same for every key of the vLLM connector's `kv_connector_extra_config`
   (`ems.integrations.connector_config.KEYS`): type and default from `ConnectorConfig`'s fields, meaning from
   `CONNECTOR_KEYS`.
-* `results_markdown()` is the benchmarks page's body: each benchmark's latest run in `perf/results/*.json`
+* `results_markdown()` is the benchmarks page's body: a row per benchmark's latest run in `perf/results/*.json`,
+  linking its page (`result_pages()`, generated)
   (`perf/results.py`'s format: `load_all`, `markdown`), every figure a ratio next to its anchor, and the plot the
   benchmark saves. `archive_pages()` cuts perf/RESULTS.md (every run appended, with its command) into pages of at
   most `ARCHIVE_PAGE_CHARS` characters at its `## ` sections, plus an index.
@@ -442,21 +443,47 @@ def _run_plots(run: Any) -> list[Path]:
 
 
 def results_markdown() -> str:
-    """Each benchmark's latest recorded run: its figures (ratio and anchor) and its plot."""
+    """The benchmarks page's body: one row per benchmark's latest recorded run (when, which commit, its goals met),
+    linking the page of its figures (`result_page`)."""
     results = _perf_results()
     runs = results.load_all()
     if not runs:
         raise ValueError("perf/results/ holds no results: run a benchmark that records them (perf/bench_goals.py)")
-    out = []
+    out = ["| benchmark | measured | commit | figures | goals met |", "|---|---|---|---|---|"]
     for run in runs:
-        out += [f"## `{run.bench}`", "", results.markdown(run), ""]
-        for f in run.figures:
-            if f.note:
-                out.append(f"- {f.name}: {f.note}")
-        out.append("")
-        for path in _run_plots(run):
-            out += [f"![{run.bench}: {path.name}](plots/{path.name})", ""]
+        goals = [f for f in run.figures if f.met is not None]
+        met = sum(1 for f in goals if f.met)
+        out.append(
+            f"| [`{run.bench}`](results/{run.bench}.md) | {run.date} | `{run.commit}` | {len(run.figures)} | "
+            f"{f'{met} of {len(goals)}' if goals else '-'} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def result_page(run: Any) -> str:
+    """One benchmark's latest run: its command, its figures (ratio and anchor, goal) and its plots."""
+    results = _perf_results()
+    out = [
+        f"# `{run.bench}`",
+        "",
+        "The latest recorded run (`perf/results/" + run.bench + ".json`); the benchmarks page:",
+        "[Benchmarks](../index.md).",
+        "",
+        results.markdown(run),
+        "",
+    ]
+    for f in run.figures:
+        if f.note:
+            out.append(f"- {f.name}: {f.note}")
+    out.append("")
+    for path in _run_plots(run):
+        out += [f"![{run.bench}: {path.name}](../plots/{path.name})", ""]
     return "\n".join(out)
+
+
+def result_pages() -> dict[str, str]:
+    """site path -> page text, one per benchmark with recorded results."""
+    return {f"benchmarks/results/{run.bench}.md": result_page(run) for run in _perf_results().load_all()}
 
 
 class ArchivePage(NamedTuple):
@@ -514,6 +541,8 @@ def on_files(files: Any, config: Any) -> Any:
     files.append(File.generated(config, "benchmarks/archive/index.md", content=archive_index(pages)))
     for page in pages:
         files.append(File.generated(config, page.name, content=page.text))
+    for site_path, text in result_pages().items():
+        files.append(File.generated(config, site_path, content=text))
     for site_path, path in plots().items():
         files.append(File.generated(config, site_path, abs_src_path=str(path)))
     return files

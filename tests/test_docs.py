@@ -52,6 +52,7 @@ CONCEPTS = ROOT / "docs" / "concepts"
 ARCHITECTURE_PAGES = [
     CONCEPTS / "architecture.md",
     CONCEPTS / "modules.md",
+    CONCEPTS / "integrations.md",
     CONCEPTS / "copy-backends.md",
     ROOT / "docs" / "benchmarks" / "reading.md",
 ]

@@ -95,17 +95,20 @@ def test_the_connector_table_lists_every_key_with_its_default(monkeypatch):
 
 def test_the_benchmarks_page_shows_every_recorded_figure():
     results = gen_pages._perf_results()
-    page = gen_pages.results_markdown()
+    index = gen_pages.results_markdown()
+    pages = gen_pages.result_pages()
+    page = "\n".join(pages.values())
     runs = results.load_all()
     assert runs
     for run in runs:
+        assert f"(results/{run.bench}.md)" in index and f"benchmarks/results/{run.bench}.md" in pages
         assert f"`{run.command}`" in page
         for figure in run.figures:
             assert f"| {figure.name} |" in page, figure.name
             if figure.anchor is not None:
                 assert f"{figure.anchor}: " in page and f"{figure.ratio:.2f}x" in page, figure.name
     for site_path, path in gen_pages.plots().items():
-        assert path.exists() and f"(plots/{path.name})" in page, site_path
+        assert path.exists() and f"(../plots/{path.name})" in page, site_path
 
 
 def test_the_archive_holds_every_section_of_the_results_log():

@@ -6,7 +6,7 @@ Three implementations: `ems.backends.embedded.EmbeddedPool` (the store in this p
 nodes: embedded; `pool_backend`); nothing above it knows which, beyond what the contract says a backend can do.
 
 Contract, for every implementation:
-* Every data call takes one `PoolRequest`: its `keys`, the `route_keys` placement goes by (one per key), its `option`,
+* Every data call takes one `PoolRequest`: its `keys`, the `route_keys` (and `units`) placement goes by, its `option`,
   and where the call uses them its `deadline` and its `expected` values; the request checks its lengths once.
 * Keys are opaque bytes (this package's storage keys, namespaced per tenant, model and layout); values are this
   package's format (`ems.store.value_format`), written and checked above the backend: a backend stores bytes.
@@ -81,11 +81,16 @@ class PoolRequest:
     option: CcKvOption
     deadline: Deadline | None = None
     expected: ExpectedValues | None = None
+    #: u64 `[keys]`: each key's placement unit (`ems.datapath.keys.chain_keys`, `ems.cluster.routing`); None: each
+    #: key is placed by its route key alone
+    units: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.keys)
         if len(self.route_keys) != n:
             raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, f"route_keys: {len(self.route_keys)} for {n} keys")
+        if self.units is not None and len(self.units) != n:
+            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT, f"units: {len(self.units)} for {n} keys")
         if self.expected is not None and len(self.expected.payload_len) != n:
             raise EmsException(
                 EmsErrorCode.EMS_INVALID_ARGUMENT, f"expected: {len(self.expected.payload_len)} values for {n} keys"

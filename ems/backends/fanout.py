@@ -6,6 +6,7 @@ Contract (`FanOut`):
   requests within the protocol's limits (`RequestLimits.batches` over their costs), one after the other, until the
   deadline, and returns `NodeAnswer`: the answers of a prefix of its keys (all of them unless the node failed) and
   the node's error, if any. Each node's answered requests are timed into `latency` (`NodeLatency.observe`).
+* `warm` (`ems.backends.warm.WarmNodes`), where given, is told of every node a request starts on.
 * `start(...)` runs `run` on the fan-out's threads (or inline, for nodes in this process, which cannot hang) and
   returns a `NodeCall` whose `wait(timeout)` gives its answer.
 * `all(node_keys, ...)` runs every node's keys at once and waits for all, up to the deadline: a node that did not
@@ -31,6 +32,7 @@ import numpy as np
 
 from ems.backends.base import PoolOutcome
 from ems.backends.latency import NodeLatency
+from ems.backends.warm import WarmNodes
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport.base import NodeClient, NodeLocation, TransportError
@@ -95,8 +97,16 @@ class NodeCall:
 class FanOut:
     """Runs a call's per-node requests in parallel under one deadline; see the module docstring."""
 
-    def __init__(self, limits: RequestLimits, latency: NodeLatency, location: NodeLocation, workers: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        limits: RequestLimits,
+        latency: NodeLatency,
+        location: NodeLocation,
+        workers: Callable[[], int],
+        warm: WarmNodes | None = None,
+    ) -> None:
         self.limits = limits
+        self.warm = warm  # told of each node a request goes to (the connections a client keeps)
         self.latency = latency
         self.inline = location is NodeLocation.IN_PROCESS  # nodes in this process: nothing can hang, no threads
         self._workers = workers
@@ -147,6 +157,8 @@ class FanOut:
         """`run` on the fan-out's threads; inline when the nodes are in this process or `here` (the caller's own
         thread: a transport that bounds its calls by the deadline itself, and no hedge to send meanwhile)."""
         per_key = costs(idx)
+        if self.warm is not None:
+            self.warm.used(node)
         if self.inline or here:
             pending = NodeCall(node, idx, 0, None)
             pending.answer = self.run(node, idx, call, per_key, deadline, observe and not self.inline)

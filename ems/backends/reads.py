@@ -8,7 +8,10 @@ Contract (`read`):
   call, so a key whose owner died is read from the nodes after it (also before membership drops the dead node).
 * Tries: `replicas`, plus `fallback()` (`Members.fallback`: nodes that joined or came back recently): while the pool
   rebalances after a join, a key's new owner may not hold it yet and its previous owner, now one rank further,
-  does; so a key missing at its owners is also asked of that many nodes after them. Never more than the nodes.
+  does; so a key missing at its owners is also asked of that many nodes after them (keys placed by units: the
+  order of `ems.cluster.routing.read_order`, which also asks the unit's displaced group members). Never more than
+  the nodes. A key's ranking goes `FAILOVER_SPARE` nodes past its tries (failed nodes are skipped), not over the
+  whole pool.
 * Slow nodes (`NodeLatency.slow`) are asked last among the nodes a key may try.
 * Hedging (`hedge` given, and a key has another node it may try): when a node has not answered its share within
   `NodeLatency.hedge_delay` of its expected bytes, the keys of that share still without a value are also asked of
@@ -42,7 +45,7 @@ from ems.backends.base import PoolOutcome
 from ems.backends.fanout import CostsOf, FanOut, NodeCall, NodeRequest
 from ems.backends.latency import SMALL_BYTES
 from ems.cluster.placement import View
-from ems.cluster.routing import ranked_owners
+from ems.cluster.routing import read_order
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport.base import NodeClient, TransportError
@@ -86,6 +89,7 @@ def read(
     replicas: int,
     fallback: Callable[[], int] = lambda: 0,
     hedge: Hedge | None = None,
+    units: np.ndarray | None = None,
 ) -> PoolOutcome:
     """See the module docstring. Fills `results` (the accepted answers) and returns the outcome."""
     outcome = PoolOutcome(results)
@@ -104,8 +108,9 @@ def read(
                 results[i] = value
         outcome.nodes_contacted = 1
         return outcome
-    allowed = min(n, replicas + fallback())  # tries a key may use
-    ranks = ranked_owners([route_keys[i] for i in pending.tolist()], view.seeds, n)  # every node: failover
+    pending_units = None if units is None else np.asarray(units, dtype=np.uint64)[pending]
+    # the nodes each key may try (`allowed`), and a few more ranked after them for failover
+    ranks, allowed = read_order([route_keys[i] for i in pending.tolist()], view.seeds, replicas, fallback(), pending_units)
     latency = fanout.latency
     slow = np.zeros(n, dtype=bool)
     if latency.any_slow and allowed > 1:

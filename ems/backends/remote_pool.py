@@ -10,6 +10,9 @@ Contract (`open_remote_pool`):
   `pool_nodes` the engine starts on them and picks up etcd's members once it answers. When etcd goes away later,
   the engine keeps the last set it saw and goes on serving.
 * `pool_replicas` (k owners per block) and `pool_hedge` are handed to the `PoolClient`.
+* Connections: `Ems.init` connects to each of `pool_nodes` at start when there are at most `EAGER_CONNECT_NODES`
+  (a refused handshake fails the init at once); a larger list is connected lazily, each node on its first call, and
+  the client keeps a bounded set of connections warm (`ems.backends.warm`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from ems.errors import EmsErrorCode, EmsException
 from ems.transport.base import NodeClient
 
 log = logging.getLogger("ems")
+
+#: a fixed node list larger than this is connected lazily: an engine connects to the nodes its calls use (and keeps
+#: a bounded set warm, `ems.backends.warm`), not to every node at start
+EAGER_CONNECT_NODES = 8
 
 
 def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -> PoolClient:

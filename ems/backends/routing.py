@@ -4,7 +4,8 @@ deadline; reads in `ems.backends.reads`, the fan-out in `ems.backends.fanout`, w
 
 Contract:
 * Each key has `replicas` owning nodes among the live ones (`ems.cluster.routing.ranked_owners`, rendezvous hashing of
-  its route key; `ems.cluster.placement.Members` holds the live set, which membership may change between calls). A call
+  its route key, or of its placement unit and then its route key within the unit's group where the request gives
+  `units`; `ems.cluster.placement.Members` holds the live set, which membership may change between calls). A call
   (a `PoolRequest`, as the pool's) sends batched requests per node it needs, nodes in parallel, and returns by the
   request's deadline (`PoolRequest.until`). A node that fails or does not answer in time fails only its own keys
   (those of its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
@@ -27,6 +28,7 @@ Contract:
 from __future__ import annotations
 
 import concurrent.futures
+import random
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -36,6 +38,7 @@ from ems.backends.base import PoolOutcome, PoolRequest, ReadCheck
 from ems.backends.fanout import FanOut
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
+from ems.backends.warm import WarmNodes
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.cluster.routing import ranked_owners
@@ -45,6 +48,8 @@ from ems.store.value_format import HEADER_SIZE, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer, TransportError
 from ems.transport.holds import Hold
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
+
+HEALTH_PINGS = 8  # nodes `healthy` pings at most
 
 
 def pool_location(nodes: Sequence[NodeClient]) -> NodeLocation:
@@ -77,7 +82,9 @@ class NodeRouter:
         #: where the pool's nodes live: in this process only when every node says so (`NodeClient.location`)
         self.location = pool_location(nodes)
         self.latency = NodeLatency()
-        self.fanout = FanOut(limits, self.latency, self.location, lambda: 4 * len(self.members.view.nodes))
+        #: the connections kept warm: a bounded set, least recently used closed once idle (a large pool)
+        self.warm = WarmNodes()
+        self.fanout = FanOut(limits, self.latency, self.location, lambda: 4 * len(self.members.view.nodes), self.warm)
         self.members.on_change(self._forget)
 
     def _forget(self, added: list[str], removed: list[str]) -> None:
@@ -91,7 +98,7 @@ class NodeRouter:
 
     def _read(
         self,
-        route_keys: Sequence[bytes],
+        request: PoolRequest,
         wanted: np.ndarray,
         call: Any,
         costs: Any,
@@ -103,7 +110,7 @@ class NodeRouter:
         return read(
             self.fanout,
             self.members.view,
-            route_keys,
+            request.route_keys,
             wanted,
             call,
             costs,
@@ -113,6 +120,7 @@ class NodeRouter:
             self.replicas,
             self.members.fallback,
             hedge if self.replicas > 1 and self.hedge else None,
+            request.units,
         )
 
     # ---- batched operations ----
@@ -137,7 +145,7 @@ class NodeRouter:
             outcome.nodes_contacted = 1
             outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_ERROR, "no pool node is live"))
             return outcome
-        ranks = ranked_owners(request.route_keys, view.seeds, self.replicas)
+        ranks = ranked_owners(request.route_keys, view.seeds, self.replicas, request.units)
         node_ids = np.unique(ranks)
         node_keys = [(view.nodes[n], np.nonzero((ranks == n).any(axis=1))[0]) for n in node_ids.tolist()]
         outcome.nodes_contacted = len(node_keys)
@@ -199,7 +207,7 @@ class NodeRouter:
             return get, accept, results.__setitem__
 
         return self._read(
-            request.route_keys,
+            request,
             np.fromiter((r is None for r in results), dtype=bool, count=len(keys)),
             get,
             costs,
@@ -253,7 +261,7 @@ class NodeRouter:
             return fetch_own, accept_own, adopt
 
         return self._read(
-            request.route_keys,
+            request,
             ~np.asarray(results, dtype=bool),
             fetch,
             costs,
@@ -276,7 +284,7 @@ class NodeRouter:
             return bool(flag)
 
         return self._read(
-            request.route_keys,
+            request,
             ~np.asarray(results, dtype=bool),
             exists,
             lambda idx: RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()])),
@@ -287,12 +295,14 @@ class NodeRouter:
         )
 
     def healthy(self, timeout_s: float) -> bool:
-        """True when at least one node answers a ping within `timeout_s`."""
+        """True when at least one node answers a ping within `timeout_s` (of at most HEALTH_PINGS of them)."""
         if self.location is NodeLocation.IN_PROCESS:  # (nothing to reach)
             return True
         nodes = self.nodes
         if not nodes:
             return False
+        if len(nodes) > HEALTH_PINGS:  # a large pool: a few nodes answer for it (pinging all would connect to all)
+            nodes = random.sample(nodes, HEALTH_PINGS)
         deadline = Deadline.after(timeout_s)
         futures = [self.fanout.submit(node.ping, deadline) for node in nodes]
         done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)

@@ -80,11 +80,15 @@ def connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
     except ValueError as exc:
         raise invalid_argument(str(exc)) from None
 
-    from ems.backends.remote_pool import open_remote_pool  # a fixed node list, or the members etcd reports
+    # a fixed node list, or the members etcd reports; a large list connected lazily
+    from ems.backends.remote_pool import EAGER_CONNECT_NODES, open_remote_pool
+    from ems.transport.ucx.client import UcxNode
 
+    # (a node not connected yet connects on its first call, by itself)
+    opener = connect if len(settings.pool_nodes) <= EAGER_CONNECT_NODES else UcxNode
     return open_remote_pool(
         settings,
-        lambda address: connect(
+        lambda address: opener(
             address,
             access_id=config.access_id,
             access_key=config.access_key,

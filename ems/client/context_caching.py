@@ -276,10 +276,20 @@ class ContextCaching:
     ) -> CcResult: ...
 
     @overload
-    def save(self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None) -> CcResult: ...
+    def save(
+        self,
+        slot_mapping: IntList,
+        hashes: HashList,
+        offsets: IntList,
+        option: CcKvOption | None = None,
+        *,
+        chain_prefix: HashList | None = None,
+    ) -> CcResult: ...
 
     @overload
-    def save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
+    def save(
+        self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None, chain_prefix: HashList | None = None
+    ) -> CcResult: ...
 
     @overload
     def save(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcResult: ...
@@ -287,7 +297,9 @@ class ContextCaching:
     def save(self, *args: Any, **kwargs: Any) -> CcResult:
         """Save blocks to the pool (V0 `save(option, key_list, value_list)`; V1 `save(slot_mapping, hashes,
         offsets, option=None)`, `save(hashes=..., chunk_descs=..., option=None)` or, the token form,
-        `save(slot_mapping, option=None, token_ids=..., mask=...)`: `ems.datapath.tokens`). Blocks until stored."""
+        `save(slot_mapping, option=None, token_ids=..., mask=...)`: `ems.datapath.tokens`). Blocks until stored.
+        The V1 hash forms take this package's `chain_prefix=` (where the blocks sit in their prefix chain:
+        placement by units, `ems.datapath.calls`)."""
         with self._calls:
             finish, _ = self._begin_save(args, kwargs)
             with _EmsErrors(self._metrics.record_error):
@@ -300,11 +312,19 @@ class ContextCaching:
 
     @overload
     def async_save(
-        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None
+        self,
+        slot_mapping: IntList,
+        hashes: HashList,
+        offsets: IntList,
+        option: CcKvOption | None = None,
+        *,
+        chain_prefix: HashList | None = None,
     ) -> CcFuture: ...
 
     @overload
-    def async_save(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+    def async_save(
+        self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None, chain_prefix: HashList | None = None
+    ) -> CcFuture: ...
 
     @overload
     def async_save(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcFuture: ...
@@ -349,10 +369,20 @@ class ContextCaching:
     ) -> CcResult: ...
 
     @overload
-    def load(self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None) -> CcResult: ...
+    def load(
+        self,
+        slot_mapping: IntList,
+        hashes: HashList,
+        offsets: IntList,
+        option: CcKvOption | None = None,
+        *,
+        chain_prefix: HashList | None = None,
+    ) -> CcResult: ...
 
     @overload
-    def load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcResult: ...
+    def load(
+        self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None, chain_prefix: HashList | None = None
+    ) -> CcResult: ...
 
     @overload
     def load(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcResult: ...
@@ -374,11 +404,19 @@ class ContextCaching:
 
     @overload
     def async_load(
-        self, slot_mapping: IntList, hashes: HashList, offsets: IntList, option: CcKvOption | None = None
+        self,
+        slot_mapping: IntList,
+        hashes: HashList,
+        offsets: IntList,
+        option: CcKvOption | None = None,
+        *,
+        chain_prefix: HashList | None = None,
     ) -> CcFuture: ...
 
     @overload
-    def async_load(self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None) -> CcFuture: ...
+    def async_load(
+        self, *, hashes: HashList, chunk_descs: ChunkDescs, option: CcKvOption | None = None, chain_prefix: HashList | None = None
+    ) -> CcFuture: ...
 
     @overload
     def async_load(self, slot_mapping: IntList, *, option: CcKvOption | None = None, **form: Unpack[TokenForm]) -> CcFuture: ...
@@ -409,7 +447,8 @@ class ContextCaching:
         """How many of `hashes` (V1 block hashes, or V0 keys: PrimaryKey or str), from the first, the pool holds.
 
         A pool failure or timeout reports 0 hits (the engine then recomputes) instead of raising. This package's
-        additions, `lease_ms=N` and `pin=True` (keep what is reported from eviction): `ems.datapath.jobs.lookup`."""
+        additions, `lease_ms=N` and `pin=True` (keep what is reported from eviction), and `chain_prefix=...` (V1: the
+        blocks' chain position, as for save and load: `ems.datapath.calls`): `ems.datapath.jobs.lookup`."""
         with self._calls:
             call = bind_exists(hashes, option, kwargs)
             v1_namespace = self._v1_namespace if self._layout is not None else None

@@ -63,6 +63,8 @@ class SlotCall:
     offsets: np.ndarray  # int64 [n] tokens per block
     # (first slot, tokens) when the call is one block whose slots are consecutive (the engine's small call)
     one_run: tuple[int, int] | None = None
+    # the hashes of the chain's blocks before hashes[0] (`chain_prefix`), None: the position is unknown
+    chain_prefix: Sequence[int] | None = None
 
     @property
     def total(self) -> int:
@@ -77,6 +79,7 @@ class ChunkCall:
     hashes: list[int]
     starts: np.ndarray  # int64 [G, n]
     lengths: np.ndarray  # int64 [G, n]
+    chain_prefix: Sequence[int] | None = None  # as SlotCall's
 
     @property
     def total(self) -> int:
@@ -183,24 +186,27 @@ def describe_int(value: int) -> str:
     return str(value) if value.bit_length() <= 128 else f"a {value.bit_length()}-bit int"
 
 
-def hash_list(value: object) -> list[int]:
+def hash_list(value: object, name: str = "hashes", chain: bool = False) -> list[int]:
+    """Block hashes, checked (`chain`: a `chain_prefix`, which may be empty and repeat a hash)."""
     if isinstance(value, np.ndarray) and value.dtype.kind in "uO" and value.ndim == 1:
         value = value.tolist()  # u64 hashes are keys, not offsets: no int64 limit; object arrays are checked as lists
     elif isinstance(value, torch.Tensor) and value.dtype in _UNSIGNED_TENSOR and value.dim() == 1:
         value = value.tolist()  # the same for torch's unsigned dtypes (uint64 values up to 2**64 - 1)
     elif isinstance(value, (np.ndarray, torch.Tensor)):
-        value = int_array("hashes", value).tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise invalid_argument("hashes must be a non-empty list of ints")
+        value = int_array(name, value).tolist()
+    if not isinstance(value, (list, tuple)) or not (value or chain):
+        raise invalid_argument(f"{name} must be a {'' if chain else 'non-empty '}list of ints")
     hashes = list(value)
     for i, h in enumerate(hashes):
         if type(h) is not int:
             if isinstance(h, np.integer):
                 hashes[i] = int(h)
             else:
-                raise invalid_argument(f"hashes[{i}] must be an int, got {type(h).__name__} {h!r}")
+                raise invalid_argument(f"{name}[{i}] must be an int, got {type(h).__name__} {h!r}")
         if not MIN_HASH <= hashes[i] <= MAX_HASH:
-            raise invalid_argument(f"hashes[{i}] = {describe_int(hashes[i])} is outside the accepted range -2**255 .. 2**256 - 1")
+            raise invalid_argument(f"{name}[{i}] = {describe_int(hashes[i])} is outside the accepted range -2**255 .. 2**256 - 1")
+    if chain:
+        return hashes
     if len(set(hashes)) != len(hashes):
         seen: dict[int, int] = {}
         for i, h in enumerate(hashes):
@@ -208,6 +214,14 @@ def hash_list(value: object) -> list[int]:
                 raise invalid_argument(f"hashes[{i}] repeats hashes[{seen[h]}] ({h:#x}): keys must be unique in a call")
             seen[h] = i
     return hashes
+
+
+def chain_prefix_of(b: dict) -> list[int] | None:
+    """A call's `chain_prefix` (None when not given), checked as block hashes are (`hash_list`)."""
+    value = b.get("chain_prefix")
+    if value is None:
+        return None
+    return hash_list(value, "chain_prefix", chain=True)
 
 
 def min_max_sum(array: np.ndarray) -> tuple[int, int, int]:

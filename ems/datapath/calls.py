@@ -9,6 +9,11 @@ The forms (a call's form is decided by its arguments):
 * V1, token form:          `(slot_mapping, option=None, token_ids=..., mask=...)` -> `TokenCall` (`ems.datapath.tokens`)
 * exists:                  `(hashes, option=None, lease_ms=..., pin=...)` -> `ExistsCall`
 
+This package's addition to both V1 hash forms (and `exists`): `chain_prefix=<the hashes of the blocks before
+hashes[0], from the chain's first block>` (any length, empty: hashes[0] is the chain's first block) says where the
+blocks sit in their prefix chain, so they are stored under their placement unit (`ems.datapath.keys.chain_keys`:
+locality); without it a block is placed by its hash alone. V0 and the token form refuse it.
+
 A CcKvOption first means the V0 form; when the rest looks like the V1 form (ints where V0 has its keys, more
 arguments than V0 takes, a V1 keyword), the error gives the V1 form's order instead of the V0 form's arity.
 
@@ -40,6 +45,7 @@ from ems.datapath.arguments import (
     RawCall,
     SlotCall,
     bind_names,
+    chain_prefix_of,
     check_no_repeats,
     check_v0_keys,
     checked_option,
@@ -95,7 +101,7 @@ def _bind_slots(op: Operation, b: dict, layout: RegisteredLayout) -> SlotCall:
         raise invalid_argument(f"slot_mapping[{i}] = {int(slots[i])} is outside the registered cache (slots 0..{num_slots - 1})")
     if op is Operation.LOAD and one_run is None:  # (a run repeats no slot)
         check_no_repeats("slot_mapping", slots)
-    return SlotCall(option, hashes, slots, offsets, one_run)
+    return SlotCall(option, hashes, slots, offsets, one_run, chain_prefix_of(b))
 
 
 def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkCall:
@@ -143,7 +149,7 @@ def _bind_chunks(op: Operation, b: dict, layout: RegisteredLayout) -> ChunkCall:
         if op is Operation.LOAD:
             slots = runs_to_slots(torch.from_numpy(starts[g]), torch.from_numpy(lengths[g])).numpy()
             check_no_repeats(f"chunk_descs[{g}]", slots)
-    return ChunkCall(option, hashes, starts, lengths)
+    return ChunkCall(option, hashes, starts, lengths, chain_prefix_of(b))
 
 
 def _refuse_run(g: int, starts: np.ndarray, lengths: np.ndarray, mask: np.ndarray, why: str) -> None:
@@ -200,8 +206,10 @@ def _bind_hash_or_v0(op: Operation, args: tuple, kwargs: dict, layout: Registere
                 f"(or option=...); a CcKvOption first is the V0 form, {op.value}(option, key_list, value_list), whose "
                 "key_list holds PrimaryKey or str keys"
             )
+        if "chain_prefix" in kwargs:
+            raise invalid_argument(f"{op.value}(): chain_prefix is for the V1 hash forms; V0 keys route by distribute_key")
         return _bind_raw(op, bind_names(op.value, V0_NAMES, args, kwargs))
-    b = bind_names(op.value, V1_NAMES, args, kwargs, extra=("chunk_descs",))
+    b = bind_names(op.value, V1_NAMES, args, kwargs, extra=("chunk_descs", "chain_prefix"))
     if layout is None:
         raise invalid_argument(f"{op.value}(): V1 calls need register_kvcache() first")
     if b.get("chunk_descs") is not None:
@@ -270,6 +278,7 @@ class ExistsCall:
     items: list[int] | list[V0Key]
     option: CcKvOption
     hold: Hold | None
+    chain_prefix: list[int] | None = None  # V1 hashes only: where they sit in their prefix chain
 
     @property
     def is_v0(self) -> bool:
@@ -277,10 +286,11 @@ class ExistsCall:
 
 
 def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> ExistsCall:
-    """exists(hashes, option=None, lease_ms=..., pin=...): V1 block hashes, or V0 keys (PrimaryKey or str), and what
-    the pool is to keep of the keys it finds (this package's addition, `ems.transport.holds`): `lease_ms` (an int in
-    1..MAX_LEASE_MS) leases them until they are read or that time has passed, `pin=True` pins them."""
-    unknown = sorted(set(kwargs) - {"lease_ms", "pin"})
+    """exists(hashes, option=None, lease_ms=..., pin=..., chain_prefix=...): V1 block hashes, or V0 keys (PrimaryKey
+    or str), and what the pool is to keep of the keys it finds (this package's addition, `ems.transport.holds`):
+    `lease_ms` (an int in 1..MAX_LEASE_MS) leases them until they are read or that time has passed, `pin=True` pins
+    them; `chain_prefix` as for save and load (V1 hashes only)."""
+    unknown = sorted(set(kwargs) - {"lease_ms", "pin", "chain_prefix"})
     if unknown:
         raise invalid_argument(f"exists() got unexpected arguments {unknown}")
     hold: Hold | None = None
@@ -297,10 +307,13 @@ def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> Exist
     elif pin:
         hold = Hold.pin()
     checked = checked_option(option, required=False)
+    prefix = chain_prefix_of(kwargs)
     if isinstance(hashes, (list, tuple)) and hashes and isinstance(hashes[0], (PrimaryKey, str)):
+        if prefix is not None:
+            raise invalid_argument("exists(): chain_prefix is for V1 hashes; V0 keys route by distribute_key")
         check_v0_keys("hashes", hashes)
         return ExistsCall(list(hashes), checked, hold)
-    return ExistsCall(hash_list(hashes), checked, hold)
+    return ExistsCall(hash_list(hashes), checked, hold, prefix)
 
 
 def consecutive_prefix(flags: Sequence[bool]) -> int:

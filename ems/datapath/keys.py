@@ -8,6 +8,16 @@ or the whole key (V0 plain `str`, the SDK's older form: such a key routes by its
 byte, so a `str` key never collides with a `PrimaryKey` or a block hash, and a block of the token form (keyed by the
 chained digest of its tokens, `ems.datapath.tokens`) never with a block hash an engine gives. `route_key_of` reads
 the routing key back out of a storage key (a pool node placing the keys it holds, `ems.pool.repair`).
+
+Placement units (locality, `ems.cluster.routing`). A prefix chain is cut into units of `UNIT_BLOCKS` consecutive
+blocks at absolute chain positions: block p belongs to unit p // UNIT_BLOCKS, identified by the hash of its first
+block (the anchor) as `unit_id` (8 bytes, a BLAKE2b digest of the anchor's `encode_hash`). A block whose chain
+position is known is stored as `namespace | FORM_CHAIN | unit id | encode_hash(block hash)` (`chain_keys`; the token
+form's blocks under `FORM_TOKENS_CHAIN`, so the two forms still never meet) and placed by its unit: its routing key
+is everything after the form byte, and `units` gives each key's unit as a u64 (`unit_of` reads it back from a stored
+key). V1 hash-form calls without `chain_prefix` keep `FORM_V1` and are placed per key, V0 by `distribute_key`.
+The placement (unit size and the routing's group width) is a namespace part (`PLACEMENT`): values stored under
+another placement are misses, never placed on the wrong nodes.
 """
 
 from __future__ import annotations
@@ -15,13 +25,24 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
+
+from ems.cluster.routing import UNIT_WIDTH
 from ems.config import CcConfig
 from ems.types import V0Key
 
 FORM_V0 = b"\x00"
 FORM_V1 = b"\x01"
 FORM_V0_STR = b"\x02"
-FORM_TOKENS = b"\x03"  # V1 blocks of the token form: their hash is derived from their tokens, not given
+FORM_TOKENS = b"\x03"  # V1 blocks of the token form placed per key (before placement units; read back only)
+FORM_CHAIN = b"\x04"  # V1 blocks an engine gives with their chain position: placed by their unit
+FORM_TOKENS_CHAIN = b"\x05"  # V1 blocks of the token form (hash derived from their tokens), placed by their unit
+_UNIT_FORMS = (FORM_CHAIN, FORM_TOKENS_CHAIN)
+
+UNIT_BLOCKS = 256  # consecutive chain blocks per placement unit
+UNIT_ID_BYTES = 8
+#: the placement a namespace is for: unit size and group width (a change of either makes old values misses)
+PLACEMENT = f"units-{UNIT_BLOCKS}x{UNIT_WIDTH}"
 
 
 def namespace(tenant: str | None, cc_config: CcConfig, layout_signature: int | None) -> bytes:
@@ -31,6 +52,7 @@ def namespace(tenant: str | None, cc_config: CcConfig, layout_signature: int | N
         f"tp={'shared' if cc_config.shares_kv_across_tp else f'{cc_config.tp_rank}/{cc_config.tp_world_size}'}",
         f"pp={cc_config.pp_rank}/{cc_config.pp_world_size}",
         f"layout={layout_signature if layout_signature is not None else 'raw'}",
+        f"placement={PLACEMENT}",
     ]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).digest()
 
@@ -47,6 +69,37 @@ def v1_keys(ns: bytes, hashes: Sequence[int], form: bytes = FORM_V1) -> tuple[li
     routes = [encode_hash(h) for h in hashes]
     prefix = ns + form
     return [prefix + r for r in routes], routes
+
+
+def unit_id(anchor: int) -> bytes:
+    """The id of the placement unit whose first block has hash `anchor` (8 bytes)."""
+    return hashlib.blake2b(encode_hash(anchor), digest_size=UNIT_ID_BYTES).digest()
+
+
+def chain_keys(
+    ns: bytes, hashes: Sequence[int], chain_prefix: Sequence[int], form: bytes = FORM_CHAIN
+) -> tuple[list[bytes], list[bytes], np.ndarray]:
+    """(storage keys, routing keys, units) of V1 block hashes whose chain position is known: `hashes[i]` is block
+    `len(chain_prefix) + i` of a chain whose earlier blocks are `chain_prefix` (from its first block). `units` (u64
+    `[keys]`) is each key's unit id as an int (`ems.cluster.routing` places by it). One digest per unit, not per block."""
+    if form not in _UNIT_FORMS:
+        raise ValueError(f"not a unit key form: {form!r}")
+    start = len(chain_prefix)
+    n = len(hashes)
+    first_unit, last_unit = start // UNIT_BLOCKS, (start + n - 1) // UNIT_BLOCKS
+    ids = []
+    for u in range(first_unit, last_unit + 1):
+        p = u * UNIT_BLOCKS
+        ids.append(unit_id(chain_prefix[p] if p < start else hashes[p - start]))
+    prefix = ns + form
+    storage, routes = [], []
+    unit_of_block = (np.arange(start, start + n) // UNIT_BLOCKS - first_unit).tolist()
+    for h, u in zip(hashes, unit_of_block):
+        route = ids[u] + encode_hash(h)
+        routes.append(route)
+        storage.append(prefix + route)
+    ints = np.array([int.from_bytes(i, "little") for i in ids], dtype=np.uint64)
+    return storage, routes, ints[np.asarray(unit_of_block, dtype=np.int64)]
 
 
 def v0_keys(ns: bytes, key_list: Sequence[V0Key]) -> tuple[list[bytes], list[bytes]]:
@@ -76,10 +129,19 @@ def route_key_of(key: bytes) -> bytes:
     if len(key) <= ns:
         return key
     form = key[ns : ns + 1]
-    if form in (FORM_V1, FORM_TOKENS, FORM_V0_STR):
+    if form in (FORM_V1, FORM_TOKENS, FORM_V0_STR) or (form in _UNIT_FORMS and len(key) > ns + 1 + UNIT_ID_BYTES):
         return key[ns + 1 :]
     if form == FORM_V0 and len(key) >= ns + 3:
         n = int.from_bytes(key[ns + 1 : ns + 3], "little")
         if ns + 3 + n <= len(key):
             return key[ns + 3 : ns + 3 + n]
     return key
+
+
+def unit_of(key: bytes) -> int | None:
+    """The placement unit (as `chain_keys`' `units` gives it) of storage key `key`, None for a key placed by its
+    routing key alone (every form but the unit forms, and any key of no known form)."""
+    ns = 16
+    if len(key) > ns + 1 + UNIT_ID_BYTES and key[ns : ns + 1] in _UNIT_FORMS:
+        return int.from_bytes(key[ns + 1 : ns + 1 + UNIT_ID_BYTES], "little")
+    return None

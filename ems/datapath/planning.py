@@ -30,7 +30,7 @@ import torch
 
 from ems.buffers import Buffer
 from ems.datapath.arguments import ChunkCall, RawCall, SlotCall
-from ems.datapath.keys import FORM_V1, v0_keys, v1_keys
+from ems.datapath.keys import FORM_CHAIN, FORM_V1, chain_keys, v0_keys, v1_keys
 from ems.datapath.layout import LayerGroup, RegisteredLayout
 from ems.kernels.base import PlaneSet
 from ems.kernels.plan import block_run_pieces, value_pieces
@@ -102,6 +102,7 @@ class BlockPlan:
     regions: list[GroupRegion]
     value_start: np.ndarray  # int64 [n + 1]: value i at staging bytes value_start[i] .. + value_len(i)
     staging_bytes: int
+    units: np.ndarray | None = None  # u64 [n]: each key's placement unit (`keys.chain_keys`); None: placed per key
 
     @property
     def total(self) -> int:
@@ -139,6 +140,7 @@ class RawPlan:
     call: RawCall
     value_start: np.ndarray  # int64 [n + 1]: byte offsets of each value in staging
     staging_bytes: int
+    units: None = None  # V0 keys are placed by their routing key (`distribute_key`) alone
 
     @property
     def total(self) -> int:
@@ -220,8 +222,14 @@ _MAX_ONE_RUN_PLANS = 4096  # per layout: a bounded cache (an engine's blocks tim
 
 def plan_blocks(call: SlotCall | ChunkCall, layout: RegisteredLayout, namespace: bytes, form: bytes = FORM_V1) -> BlockPlan:
     """A V1 call's plan: block i is stored under `call.hashes[i]` in `namespace` and the key form `form`
-    (`keys.v1_keys`)."""
-    keys, route_keys = v1_keys(namespace, call.hashes, form)
+    (`keys.v1_keys`), or with a `chain_prefix` under its placement unit (`keys.chain_keys`: `FORM_CHAIN` for
+    `FORM_V1`, else `form`, a unit form)."""
+    units = None
+    if call.chain_prefix is None:
+        keys, route_keys = v1_keys(namespace, call.hashes, form)
+    else:
+        chain_form = FORM_CHAIN if form == FORM_V1 else form
+        keys, route_keys, units = chain_keys(namespace, call.hashes, call.chain_prefix, chain_form)
     one_run = call.one_run if isinstance(call, SlotCall) else None
     if one_run is not None:  # one value whose slots are one run: its shape and pieces depend on the run alone
         cached = layout.one_run_plans.get(one_run)
@@ -239,7 +247,7 @@ def plan_blocks(call: SlotCall | ChunkCall, layout: RegisteredLayout, namespace:
         tokens_digest=shape.tokens_digest,
         payload_len=shape.payload_len,
     )
-    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes)
+    return BlockPlan(keys, route_keys, expected, regions, shape.value_start, shape.staging_bytes, units)
 
 
 def _shape_and_regions(call: SlotCall | ChunkCall, layout: RegisteredLayout) -> tuple[_CallShape, list[GroupRegion]]:

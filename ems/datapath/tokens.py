@@ -16,8 +16,10 @@ little-endian bytes), d_{-1} = `CHAIN_SEED` (`chain_digests`: one C loop over th
 copy builds, else one xxhash call per block). It depends on the token values alone (a list and a tensor of any
 integer dtype give the same digests), never on Python's `hash()`, so the same tokens meet again in any process on
 any machine. The digest is the block's hash in the caller's namespace (tenant, model, ranks, layout:
-`keys.namespace`) under its own key form (`keys.FORM_TOKENS`): a hash-form call never reads a block the token form
-wrote, nor the reverse, whatever hashes the engine gives (the two forms do not meet even for the same tokens).
+`keys.namespace`) under its own key form (`keys.FORM_TOKENS_CHAIN`): a hash-form call never reads a block the token
+form wrote, nor the reverse, whatever hashes the engine gives (the two forms do not meet even for the same tokens).
+Block j is at chain position j (the mask covers the whole sequence), so the token form always stores its blocks under
+their placement unit (`keys.chain_keys`: the digests of blocks 0..j-1 are its chain prefix).
 
 What moves. The blocks that hold at least one mask-1 token, from block P // B on (P = the mask's zeros). A save
 stores each of them whole: the first one's masked tokens are read from their slots too, since its key and value
@@ -36,7 +38,7 @@ import array as pyarray
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TypedDict, overload
 
 import numpy as np
 import torch
@@ -53,7 +55,7 @@ from ems.datapath.arguments import (
     int_array,
     min_max_sum,
 )
-from ems.datapath.keys import FORM_TOKENS
+from ems.datapath.keys import FORM_TOKENS_CHAIN
 from ems.datapath.layout import RegisteredLayout
 from ems.datapath.planning import BlockPlan, GroupRegion, plan_blocks
 from ems.errors import invalid_argument
@@ -102,6 +104,10 @@ def bind_tokens(op: Operation, args: tuple, kwargs: dict, layout: RegisteredLayo
     """The token-form call the arguments describe, fully checked against `layout` (None before registration)."""
     if (args and isinstance(args[0], CcKvOption)) or "key_list" in kwargs or "value_list" in kwargs:
         raise invalid_argument(f"{op.value}(): token_ids and mask are the V1 token form; not with V0 arguments")
+    if "chain_prefix" in kwargs:
+        raise invalid_argument(
+            f"{op.value}(): chain_prefix is for the hash forms; the token form knows its blocks' chain positions"
+        )
     b = bind_names(op.value, V1_NAMES, args, kwargs, extra=("chunk_descs", *TOKEN_ARGUMENTS))
     if layout is None:
         raise invalid_argument(f"{op.value}(): V1 calls need register_kvcache() first")
@@ -202,8 +208,9 @@ def plan_tokens(call: TokenCall, layout: RegisteredLayout, namespace: bytes) -> 
     n, size, first = call.slots.size, call.block_size, call.first_block
     if call.masked == n:  # nothing asked for: a plan of no values
         slots = np.zeros(0, dtype=np.int64)
-        return plan_blocks(SlotCall(call.option, [], slots, slots), layout, namespace, FORM_TOKENS)
-    digests = chain_digests(call.tokens, size)[first:]
+        return plan_blocks(SlotCall(call.option, [], slots, slots), layout, namespace, FORM_TOKENS_CHAIN)
+    all_digests = chain_digests(call.tokens, size)
+    digests = all_digests[first:]
     blob = digests.tobytes()
     hashes = [int.from_bytes(blob[i : i + 16], "big") for i in range(0, len(blob), 16)]
     offsets = np.full(len(hashes), size, dtype=np.int64)
@@ -212,11 +219,34 @@ def plan_tokens(call: TokenCall, layout: RegisteredLayout, namespace: bytes) -> 
     one_run = None
     if len(hashes) == 1 and slots.tolist() == list(range(int(slots[0]), int(slots[0]) + slots.size)):
         one_run = (int(slots[0]), slots.size)
-    plan = plan_blocks(SlotCall(call.option, hashes, slots, offsets, one_run), layout, namespace, FORM_TOKENS)
+    chain = _Digests(all_digests[:first])
+    plan = plan_blocks(SlotCall(call.option, hashes, slots, offsets, one_run, chain), layout, namespace, FORM_TOKENS_CHAIN)
     skip = call.masked - first * size
     if call.op is Operation.LOAD and skip:
         plan = dataclasses.replace(plan, regions=[_without_leading_tokens(region, skip) for region in plan.regions])
     return plan
+
+
+class _Digests(Sequence[int]):
+    """Block digests (uint8 `[n, 16]`) as the ints they are hashes as, each converted when asked (a chain prefix's
+    few anchors, not every block)."""
+
+    def __init__(self, digests: np.ndarray) -> None:
+        self._digests = digests
+
+    def __len__(self) -> int:
+        return int(self._digests.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return [int.from_bytes(d.tobytes(), "big") for d in self._digests[i]]
+        return int.from_bytes(self._digests[i].tobytes(), "big")
 
 
 def _without_leading_tokens(region: GroupRegion, skip: int) -> GroupRegion:

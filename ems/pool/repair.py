@@ -7,8 +7,9 @@ Contract (`Repairer`, started by `ems.pool.cluster_node` on a node registered in
   changes stops and the next one starts on the new set.
 * A pass walks the keys this node holds in DRAM (`store.keys()`, most recently used first; the disk tier's records
   are known by key hash only and are not walked), in batches, by tenant. Each key is placed as clients place it:
-  its ranking over the live nodes by rendezvous hashing of its routing key (`ems.datapath.keys.route_key_of`,
-  `ems.cluster.routing.ranked_owners`), its owners the first `replicas`. This node asks `exists` (batched, one
+  its ranking over the live nodes by rendezvous hashing of its routing key and, for a key stored under a placement
+  unit, of its unit (`ems.datapath.keys.route_key_of`, `unit_of`, `ems.cluster.routing.ranked_owners`), its owners
+  the first `replicas`. This node asks `exists` (batched, one
   request per node) of every node ranked above it and of every owner; a key is this node's to copy when no node
   ranked above it holds it (of several holders, the highest ranked copies it; the others see its copy and leave
   it), and it is then copied to each owner that lacks it. A node that does not answer counts as not holding.
@@ -44,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from ems.cluster.routing import node_seeds, ranked_owners
-from ems.datapath.keys import route_key_of
+from ems.cluster.routing import node_seeds, ranked_owners, route_hashes
+from ems.datapath.keys import route_key_of, unit_of
 from ems.deadline import Deadline
 from ems.pool.handlers import split_tenant
 from ems.transport.base import NodeClient, TransportError
@@ -321,7 +322,12 @@ class Repairer:
     ) -> None:
         """Check one batch of keys of one tenant and copy the ones that are this node's to copy."""
         client_keys = [k for _, k in batch]
-        ranks = ranked_owners([route_key_of(k) for k in client_keys], seeds, len(addresses))
+        units = np.array([unit_of(k) or 0 for k in client_keys], dtype=np.uint64)
+        chained = np.fromiter((unit_of(k) is not None for k in client_keys), dtype=bool, count=len(client_keys))
+        route_keys = [route_key_of(k) for k in client_keys]
+        # a key with no unit is its own (the per-key ranking): its routing key's hash
+        units = np.where(chained, units, route_hashes(route_keys))
+        ranks = ranked_owners(route_keys, seeds, len(addresses), units)
         ask = asked(ranks, me, self.settings.replicas)
         held = ranks == me
         down = np.zeros(len(addresses), dtype=bool)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
 from ems.datapath.calls import ExistsCall, consecutive_prefix
-from ems.datapath.keys import v0_keys, v1_keys
+from ems.datapath.keys import chain_keys, v0_keys, v1_keys
 from ems.errors import invalid_argument
 from ems.types import CcResult
 
@@ -33,14 +33,18 @@ class LookupOutcome:
 
 def run_lookup(pool: PoolBackend, call: ExistsCall, v0_namespace: bytes, v1_namespace: bytes | None) -> LookupOutcome:
     """How many of `call`'s keys, from the first, `pool` holds (the module's contract)."""
+    units = None
     if call.is_v0:
         keys, route_keys = v0_keys(v0_namespace, call.items)  # type: ignore[arg-type]
     else:
         if v1_namespace is None:
             raise invalid_argument("exists(): V1 hashes need register_kvcache() first")
-        keys, route_keys = v1_keys(v1_namespace, call.items)  # type: ignore[arg-type]
+        if call.chain_prefix is None:
+            keys, route_keys = v1_keys(v1_namespace, call.items)  # type: ignore[arg-type]
+        else:  # looked up under their placement unit, as a save given the same prefix stored them
+            keys, route_keys, units = chain_keys(v1_namespace, call.items, call.chain_prefix)  # type: ignore[arg-type]
     try:
-        outcome = pool.exists(PoolRequest(route_keys, keys, call.option), call.hold)
+        outcome = pool.exists(PoolRequest(route_keys, keys, call.option, units=units), call.hold)
     except Exception as exc:  # the contract: a failing pool is a miss, not an exception
         logger.warning("exists: pool failure reported as 0 hits: %s", exc)
         return LookupOutcome(CcResult(0, len(keys)), pool_raised=True)

@@ -57,9 +57,10 @@ def pool_request(
     """Values a..b-1 of `plan` (b None: to the end) as one pool call: their keys, route keys and expected values,
     the call's option and, where given, the job's deadline."""
     if a == 0 and b is None:
-        return PoolRequest(plan.route_keys, plan.keys, option, deadline, plan.expected)
+        return PoolRequest(plan.route_keys, plan.keys, option, deadline, plan.expected, plan.units)
     b = plan.total if b is None else b
-    return PoolRequest(plan.route_keys[a:b], plan.keys[a:b], option, deadline, plan.expected.range(a, b))
+    units = None if plan.units is None else plan.units[a:b]
+    return PoolRequest(plan.route_keys[a:b], plan.keys[a:b], option, deadline, plan.expected.range(a, b), units)
 
 
 class SaveJob(abc.ABC):

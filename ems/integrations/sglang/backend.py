@@ -20,7 +20,8 @@ every `RETRY_INIT_S`, while every call misses). `register_mem_pool_host(host)` r
 
 Keys: SGLang's page keys are strings (hex digests); `page_hash` maps each to an int deterministically (hex of at
 most 64 digits: its value; anything else: a 256-bit BLAKE2b digest). `chain_prefix` (the locality placement) is
-passed from `extra_info.prefix_keys` in one place, `_chain_kwargs`, once the SDK takes it (`PASS_CHAIN_PREFIX`).
+passed from `extra_info.prefix_keys` in one place, `_chain_kwargs` (SGLang sends them with
+`hicache_storage_pass_prefix_keys`; a server without them places each page by its key: the two never meet).
 
 Hybrid models (SGLang's v2: `register_mem_host_pool_v2`, `batch_*_v2` over `PoolTransfer`) are not served: a v2
 pool is logged once at registration and its calls answer misses (0 hits, `False` per page), never raise.
@@ -54,7 +55,6 @@ logger = logging.getLogger("ems.sglang")
 
 RETRY_INIT_S = 2.0  # how often a backend whose pool did not answer at start asks again (every call misses meanwhile)
 LOG_EVERY_S = 10.0  # a failing pool is logged at most this often per backend
-PASS_CHAIN_PREFIX = False  # True once the SDK's V1 hash forms take `chain_prefix=` (issue 46): see `_chain_kwargs`
 MAX_V0_KEY = 127  # V0 keys are under 128 characters
 _HEX = re.compile(r"[0-9a-fA-F]{1,64}")
 
@@ -158,7 +158,7 @@ class EmsHiCacheStorage(HiCacheStorage):
         """The one place where SGLang's prefix keys become the SDK's `chain_prefix` (the hashes of the pages before
         the call's first key, from the chain's first page)."""
         prefix = getattr(extra_info, "prefix_keys", None)
-        if not PASS_CHAIN_PREFIX or prefix is None:
+        if prefix is None:  # (SGLang passes them with `hicache_storage_pass_prefix_keys`)
             return {}
         return {"chain_prefix": [page_hash(k) for k in prefix]}
 

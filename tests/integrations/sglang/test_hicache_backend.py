@@ -357,3 +357,31 @@ def test_hybrid_v2_calls_miss_not_raise(pool_nodes):
     assert result.kv_hit_pages == 0 and result.extra_pool_hit_pages == {"swa": 0}
     assert backend.batch_get_v2(transfers) == {"swa": [False, False]}
     assert backend.batch_set_v2(transfers) == {"swa": [False, False]}
+
+
+def test_pages_with_their_prefix_keys_are_stored_by_unit_and_shared(pool_nodes):
+    """With `hicache_storage_pass_prefix_keys`, SGLang hands each batch the keys of the pages before it: the pages
+    are stored under their placement unit (`chain_prefix`: the scale issue's key form) and a second server that passes the same
+    prefix finds them, batch by batch, as SGLang's prefetch asks (prefix_keys grown by each batch's keys); one that
+    passes none places pages by their own key and does not meet them."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    node = pool_nodes()
+    config = extra([node.address], hicache_storage_pass_prefix_keys=True)
+    a = host_pool("layer_first")
+    fill(a, 40)
+    keys = keys_of(8, salt=7)
+    server_a = build(config, a)
+    first, second = keys[:4], keys[4:]
+    assert server_a.batch_set_v1(first, page_indices(a, [0, 1, 2, 3]), HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 4
+    assert server_a.batch_set_v1(second, page_indices(a, [4, 5, 6, 7]), HiCacheStorageExtraInfo(prefix_keys=first)) == [True] * 4
+    switch_server()
+    b = host_pool("page_first")
+    fill(b, 50)
+    server_b = build(config, b)
+    assert server_b.batch_exists(second, HiCacheStorageExtraInfo(prefix_keys=first)) == 4
+    assert (
+        server_b.batch_get_v1(second, page_indices(b, [10, 11, 12, 13]), HiCacheStorageExtraInfo(prefix_keys=first)) == [True] * 4
+    )
+    assert same_pages(a, [4, 5, 6, 7], b, [10, 11, 12, 13])
+    assert server_b.batch_exists(second, HiCacheStorageExtraInfo(prefix_keys=None)) == 0  # placed by key: not met

@@ -1,0 +1,48 @@
+"""Hot units (`ems.cluster.hot.HotUnits`) and their copy groups (`ranked_by_hash(..., copy=)`): a unit read far more
+than its share gets bounded extra copies on other nodes, a cold unit none, and a unit that cools loses them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ems.cluster.hot import HotUnits, spread
+from ems.cluster.routing import UNIT_WIDTH, node_seeds, ranked_by_hash
+
+NODES = 256
+
+
+def _reads(hot: HotUnits, now: float, hot_unit: int, cold: range, rounds: int = 50) -> None:
+    for r in range(rounds):
+        units = np.concatenate([np.full(256, hot_unit), np.repeat(np.array(list(cold)), 4)[r::rounds]])
+        hot.read(units.astype(np.uint64), now=now)
+
+
+def test_a_hot_unit_gets_bounded_copies_a_cold_one_none_and_they_go_when_it_cools():
+    hot = HotUnits(half_life_s=10.0, max_copies=16)
+    _reads(hot, 0.0, 7, range(1000, 3000))
+    copies = hot.copies(np.array([7, 1500], dtype=np.uint64), NODES)
+    assert copies[0] == 16 and copies[1] == 1  # bounded by max_copies; a cold unit has only its own group
+    # much later, only the cold units are read: the hot one's rate decays and its copies go
+    _reads(hot, 1000.0, 1500, range(3000, 5000))
+    assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] == 1
+
+
+def test_tracking_is_bounded():
+    hot = HotUnits(max_units=100)
+    hot.read(np.arange(1000, dtype=np.uint64), now=0.0)
+    assert len(hot._rates) <= 100
+
+
+def test_copy_groups_are_other_nodes_and_the_copy_spread_stays_in_range():
+    seeds = node_seeds([f"h{i}:1" for i in range(NODES)])
+    hashes = np.arange(1, 257, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    units = np.full(hashes.size, 12345, dtype=np.uint64)
+    groups = [set(np.unique(ranked_by_hash(hashes, seeds, 2, units, copy=np.full(hashes.size, c))).tolist()) for c in range(5)]
+    assert all(len(g) <= UNIT_WIDTH for g in groups)
+    assert all(groups[a].isdisjoint(groups[b]) for a in range(5) for b in range(a + 1, 5))
+    assert groups[0] == set(np.unique(ranked_by_hash(hashes, seeds, 2, units)).tolist())  # copy 0: the unit's own
+    picked = spread(np.array([1, 3, 5]), 7)
+    assert picked.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        ranked_by_hash(hashes, seeds, UNIT_WIDTH + 1, units, copy=np.ones(hashes.size, dtype=np.int64))
