@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from ems.backends.base import PoolBackend, PoolRequest
 from ems.config import CcConfig
+from ems.datapath.keys import PLACEMENT
 from ems.store.ns_records import (
     NamespaceRecord,
     decode_record,
@@ -67,6 +68,7 @@ def sdk_parts(cc_config: CcConfig, layout: RegisteredLayout | None) -> dict[str,
         "tp_rank": "shared" if shared else str(cc_config.tp_rank),
         "pp": f"{cc_config.pp_rank}/{cc_config.pp_world_size}",
         "layout": "raw" if layout is None else f"{layout.signature:016x}",
+        "placement": PLACEMENT,
     }
     if layout is not None:
         dtypes = sorted({str(t.dtype).replace("torch.", "") for g in layout.groups for t in g.planes.planes})
