@@ -29,7 +29,7 @@ from cluster_testlib import ClusterNode, EtcdProcess  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx.config  # noqa: E402,F401 - UCX environment before ucxx loads
-from ems.backends.base import PoolRequest  # noqa: E402
+from ems.backends.base import PoolCall  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.backends.remote_pool import open_remote_pool  # noqa: E402
 from ems.cluster.membership import NodeInfo, Registration, wait_for  # noqa: E402
@@ -115,12 +115,12 @@ def main() -> None:
                 for k, pool in pools.items():
                     keys = [f"r{k}-{size}-{r}-{i}".encode() for i in range(n)]
                     t0 = time.perf_counter()
-                    put = pool.put(PoolRequest(keys, keys, option), values)
+                    put = pool.put(PoolCall(keys, keys, option), values)
                     best[(k, "save")] = min(best[(k, "save")], time.perf_counter() - t0)
                     if not all(put.results):
                         raise RuntimeError(f"replicas={k}: a save failed: {put.errors}")
                     t0 = time.perf_counter()
-                    got = pool.get(PoolRequest(keys, keys, option))
+                    got = pool.get(PoolCall(keys, keys, option))
                     best[(k, "load")] = min(best[(k, "load")], time.perf_counter() - t0)
                     if any(v is None for v in got.results):
                         raise RuntimeError(f"replicas={k}: a value did not come back: {got.errors}")

@@ -35,7 +35,7 @@ import torch
 
 import ems.transport.ucx.config  # noqa: F401 - UCX environment before ucxx loads
 from ems import CcConfig, ContextCaching, EmsConfig
-from ems.backends.base import PoolRequest
+from ems.backends.base import PoolCall
 from ems.backends.mooncake import MooncakePool
 from ems.backends.pool_client import PoolClient
 from ems.config import resolve_settings
@@ -165,11 +165,11 @@ def main() -> None:
                             records[(key, op)] = cc.jobs.last(JobKind.SAVE if op == "save" else JobKind.LOAD)
             keys = [b"alone-%d-%d" % (round_, i) for i in range(blocks)]
             start = time.perf_counter()
-            if not all(moon_pool.put(PoolRequest(keys, keys, option), alone_values).results):
+            if not all(moon_pool.put(PoolCall(keys, keys, option), alone_values).results):
                 raise RuntimeError("backend put incomplete")
             t_save = time.perf_counter() - start
             start = time.perf_counter()
-            if not all(moon_pool.get_into(PoolRequest(keys, keys, option), alone_outs).results):
+            if not all(moon_pool.get_into(PoolCall(keys, keys, option), alone_outs).results):
                 raise RuntimeError("backend get_into incomplete")
             t_load = time.perf_counter() - start
             if round_:

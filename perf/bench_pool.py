@@ -75,7 +75,7 @@ from results import Figure, Goal, Run, command_line, record  # noqa: E402
 from ucx_loop import UcxRuntime  # noqa: E402
 
 import ems.transport.ucx.config  # noqa: E402 - UCX environment before ucxx loads
-from ems.backends.base import PoolRequest  # noqa: E402
+from ems.backends.base import PoolCall  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.config import DEFAULT_CHUNK_BYTES  # noqa: E402
 from ems.transport.shm.client import ShmMode  # noqa: E402
@@ -436,7 +436,7 @@ def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, 
     def worker(t: int) -> None:
         for i in range(per):
             key = f"conc-{in_flight}-{t}-{i}".encode()
-            if not pool.put(PoolRequest([key], [key], option), [value]).results[0]:
+            if not pool.put(PoolCall([key], [key], option), [value]).results[0]:
                 errors.append(key)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(in_flight)]
@@ -468,7 +468,7 @@ def cpu_per_save(pool: PoolClient, node: PoolProcess, value: list, saves: int, o
     def run(count: int) -> None:
         for i in range(count):
             key = keys[i % len(keys)]
-            if not pool.put(PoolRequest([key], [key], option), [value]).results[0]:
+            if not pool.put(PoolCall([key], [key], option), [value]).results[0]:
                 raise RuntimeError("a save failed")
 
     run(len(keys))
@@ -568,9 +568,9 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
         values = make_values(n, size - 40, seed=62)
         keys = [f"engine-{i}".encode() for i in range(n)]
         outs = [np.empty(size, np.uint8) for _ in range(n)]
-        if not all(pool.put(PoolRequest(keys, keys, option), values).results):
+        if not all(pool.put(PoolCall(keys, keys, option), values).results):
             raise RuntimeError("the 62 MiB batch was not stored")
-        load = lambda: pool.get_into(PoolRequest(keys, keys, option), outs)
+        load = lambda: pool.get_into(PoolCall(keys, keys, option), outs)
         load()
         if bytes(outs[-1]) != b"".join(values[-1]):
             raise RuntimeError("a value did not come back")
@@ -582,14 +582,14 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
         total = n * size
         api_first, api_alone, api_busy, api_gil_free, api_stages = api_load_beside_busy_thread(node, n, rounds)
         one = make_values(1, (1 << 20) - 40, seed=63)
-        assert pool.put(PoolRequest([b"cpu-one"], [b"cpu-one"], option), one).results == [True]
+        assert pool.put(PoolCall([b"cpu-one"], [b"cpu-one"], option), one).results == [True]
         one_out = [np.empty(1 << 20, np.uint8)]
         cpu: dict = {}
         cpu_calls = 4 * calls
         for name, fn in (
-            ("exists", lambda: pool.exists(PoolRequest([b"cpu-one"], [b"cpu-one"], option))),
-            ("save 1 MiB", lambda: pool.put(PoolRequest([b"cpu-one"], [b"cpu-one"], option), one)),
-            ("load 1 MiB", lambda: pool.get_into(PoolRequest([b"cpu-one"], [b"cpu-one"], option), one_out)),
+            ("exists", lambda: pool.exists(PoolCall([b"cpu-one"], [b"cpu-one"], option))),
+            ("save 1 MiB", lambda: pool.put(PoolCall([b"cpu-one"], [b"cpu-one"], option), one)),
+            ("load 1 MiB", lambda: pool.get_into(PoolCall([b"cpu-one"], [b"cpu-one"], option), one_out)),
         ):
             fn()
             start = node_cpu_s(node)
@@ -770,8 +770,8 @@ def caller_progress_probe(rounds: int) -> str:
         option = CcKvOption(timeout=60_000, write_rcache=False)
         pool = PoolClient([UcxNode(engine_node.address, connect_timeout_ms=5000)])
         try:
-            pool.exists(PoolRequest([b"k0"], [b"k0"], option))
-            current_exists = median_us(lambda: pool.exists(PoolRequest([b"k0"], [b"k0"], option)), 300)
+            pool.exists(PoolCall([b"k0"], [b"k0"], option))
+            current_exists = median_us(lambda: pool.exists(PoolCall([b"k0"], [b"k0"], option)), 300)
         finally:
             pool.close()
     finally:
@@ -870,8 +870,8 @@ def api_over_ucx(raw: RawUcx, blocks: int, rounds: int, modes: tuple[str, ...] =
             t_save = best_of(lambda: raw.put(arrays), 1)
             t_load = best_of(lambda: raw.get(blocks, value_bytes), 1)
             keys = [b"client-%d-%d" % (next(counter), i) for i in range(blocks)]
-            c_save = best_of(lambda: client.put(PoolRequest(keys, keys, option), values), 1)  # type: ignore[union-attr]
-            c_load = best_of(lambda: client.get_into(PoolRequest(keys, keys, option), outs), 1)  # type: ignore[union-attr]
+            c_save = best_of(lambda: client.put(PoolCall(keys, keys, option), values), 1)  # type: ignore[union-attr]
+            c_load = best_of(lambda: client.get_into(PoolCall(keys, keys, option), outs), 1)  # type: ignore[union-attr]
             if not warm:
                 raw_save, raw_load = min(raw_save, t_save), min(raw_load, t_load)
                 client_save, client_load = min(client_save, c_save), min(client_load, c_load)
@@ -942,15 +942,15 @@ def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
         pool = PoolClient([UcxNode(node.address, connect_timeout_ms=5000, shm=ShmMode.OFF)])
         try:
             one = make_values(1, (1 << 20) - 40, seed=99)
-            assert pool.put(PoolRequest([b"one"], [b"one"], option), one).results == [True]
+            assert pool.put(PoolCall([b"one"], [b"one"], option), one).results == [True]
             for _ in range(20):
-                pool.exists(PoolRequest([b"one"], [b"one"], option))
+                pool.exists(PoolCall([b"one"], [b"one"], option))
                 direct.round_trip()
                 raw.round_trip(8)
             node_client = pool.nodes[0]
             per = medians_us(
                 {
-                    "ems exists (PoolClient)": lambda: pool.exists(PoolRequest([b"one"], [b"one"], option)),
+                    "ems exists (PoolClient)": lambda: pool.exists(PoolCall([b"one"], [b"one"], option)),
                     "ems exists (UcxNode alone)": lambda: node_client.exists([b"one"], 5.0),
                     "raw ping-pong, caller waits (ucx_direct)": direct.round_trip,
                     "raw ping-pong, caller -> event loop": lambda: raw.round_trip(8),
@@ -996,11 +996,11 @@ def client_goals(rounds: int, calls: int, api_blocks: int) -> str:
             values = make_values(n, size - 40, seed=62)
             keys = [f"engine-{i}".encode() for i in range(n)]
             outs = [np.empty(size, np.uint8) for _ in range(n)]
-            if not all(pool.put(PoolRequest(keys, keys, option), values).results):
+            if not all(pool.put(PoolCall(keys, keys, option), values).results):
                 raise RuntimeError("the 62 MiB batch was not stored")
 
             def load() -> None:
-                if not all(pool.get_into(PoolRequest(keys, keys, option), outs).results):
+                if not all(pool.get_into(PoolCall(keys, keys, option), outs).results):
                     raise RuntimeError("load incomplete")
 
             load()
@@ -1138,11 +1138,11 @@ def main() -> None:
             row: dict = {"size": size}
             for name, pool in pools.items():
                 ks = [name.encode() + k for k in keys]
-                row[f"{name} save"] = total / best_of(lambda: pool.put(PoolRequest(ks, ks, option), values), repeats) / 1e9
-                out = pool.get_into(PoolRequest(ks, ks, option), outs)
+                row[f"{name} save"] = total / best_of(lambda: pool.put(PoolCall(ks, ks, option), values), repeats) / 1e9
+                out = pool.get_into(PoolCall(ks, ks, option), outs)
                 if not all(out.results) or bytes(outs[-1]) != flat[-1]:
                     raise RuntimeError(f"{name}: a value did not come back ({out.errors})")
-                row[f"{name} load"] = total / best_of(lambda: pool.get_into(PoolRequest(ks, ks, option), outs), repeats) / 1e9
+                row[f"{name} load"] = total / best_of(lambda: pool.get_into(PoolCall(ks, ks, option), outs), repeats) / 1e9
             arrays = [np.frombuffer(f, np.uint8) for f in flat]
             row["raw save"] = total / best_of(lambda: raw.put(arrays), repeats) / 1e9
             row["raw load"] = total / best_of(lambda: raw.get(n, size), repeats) / 1e9
@@ -1172,15 +1172,15 @@ def main() -> None:
         one = make_values(1, (1 << 20) - 40, seed=99)
         one_flat = b"".join(one[0])
         one_out = np.empty(len(one_flat), np.uint8)
-        assert pool.put(PoolRequest([b"one"], [b"one"], option), one).results == [True]
+        assert pool.put(PoolCall([b"one"], [b"one"], option), one).results == [True]
         for _ in range(10):  # warm both connections and the node's buffers
-            pool.exists(PoolRequest([b"one"], [b"one"], option))
-            pool.get_into(PoolRequest([b"one"], [b"one"], option), [one_out])
+            pool.exists(PoolCall([b"one"], [b"one"], option))
+            pool.get_into(PoolCall([b"one"], [b"one"], option), [one_out])
             raw.round_trip(8)
             raw.get_one(one_out)
         per_call["exists"] = medians_us(
             {
-                "ems": lambda: pool.exists(PoolRequest([b"one"], [b"one"], option)),
+                "ems": lambda: pool.exists(PoolCall([b"one"], [b"one"], option)),
                 "raw": lambda: raw.round_trip(8),
                 "redis": lambda: red.client.exists(b"one"),
             },
@@ -1188,7 +1188,7 @@ def main() -> None:
         )
         per_call["save 1 MiB"] = medians_us(
             {
-                "ems": lambda: pool.put(PoolRequest([b"one"], [b"one"], option), one),
+                "ems": lambda: pool.put(PoolCall([b"one"], [b"one"], option), one),
                 "raw": lambda: raw.put_one(np.frombuffer(one_flat, np.uint8)),
                 "redis": lambda: red.client.set(b"one", one_flat),
             },
@@ -1196,7 +1196,7 @@ def main() -> None:
         )
         per_call["load 1 MiB"] = medians_us(
             {
-                "ems": lambda: pool.get_into(PoolRequest([b"one"], [b"one"], option), [one_out]),
+                "ems": lambda: pool.get_into(PoolCall([b"one"], [b"one"], option), [one_out]),
                 "raw": lambda: raw.get_one(one_out),
                 "redis": lambda: red.client.get(b"one"),
             },

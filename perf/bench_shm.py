@@ -31,7 +31,7 @@ from benchlib import best_of, machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx.config  # noqa: E402,F401 - UCX environment before ucxx loads
-from ems.backends.base import PoolRequest  # noqa: E402
+from ems.backends.base import PoolCall  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.transport.ucx.client import UcxNode  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
@@ -111,11 +111,11 @@ def main() -> None:
                         raise RuntimeError("load incomplete")
                     times[f"load@{chunk}"] = (time.perf_counter() - start, cc.jobs.last(JobKind.LOAD))
                 keys = [b"client-%d-%d" % (next(counter), i) for i in range(blocks)]
-                t_put = best_of(lambda: client.put(PoolRequest(keys, keys, option), values), 1)  # type: ignore[union-attr]
-                got = client.get_into(PoolRequest(keys, keys, option), outs)  # type: ignore[union-attr]
+                t_put = best_of(lambda: client.put(PoolCall(keys, keys, option), values), 1)  # type: ignore[union-attr]
+                got = client.get_into(PoolCall(keys, keys, option), outs)  # type: ignore[union-attr]
                 if not all(got.results) or bytes(outs[-1]) != b"".join(values[-1]):
                     raise RuntimeError(f"get_into: a value did not come back ({got.errors})")
-                t_get = best_of(lambda: client.get_into(PoolRequest(keys, keys, option), outs), 1)  # type: ignore[union-attr]
+                t_get = best_of(lambda: client.get_into(PoolCall(keys, keys, option), outs), 1)  # type: ignore[union-attr]
                 if round_ <= 0:
                     continue
                 times.update({"put": (t_put, None), "get_into": (t_get, None)})

@@ -1,7 +1,7 @@
 """A pool of 1,024-4,096 nodes, simulated with the real placement, routing and fan-out code (issue 46).
 
-What is real: keys (`ems.datapath.keys.chain_keys`), placement (`ems.cluster.routing`), the router's reads with
-failover and hedging (`ems.backends.routing.NodeRouter`, `ems.backends.reads`, `ems.backends.fanout`), the hot-unit
+What is real: keys (`ems.datapath.keys.chain_keys`), placement (`ems.cluster.rendezvous`), the router's reads with
+failover and hedging (`ems.backends.node_router.NodeRouter`, `ems.backends.reads`, `ems.backends.fanout`), the hot-unit
 policy (`ems.cluster.hot`). What is simulated: the nodes (`SimNode`), each answering a request after a latency drawn
 from this machine's measured one-node distribution (one real `python -m ems.pool` node on loopback, timed on
 `get_into` of the share of a call one node serves), 1 % of them 10x slower.
@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, before an installed on
 from benchlib import machine  # noqa: E402
 from results import Figure, Goal, Run, command_line, record  # noqa: E402
 
-from ems.backends.base import PoolRequest  # noqa: E402
-from ems.backends.routing import NodeRouter  # noqa: E402
+from ems.backends.base import PoolCall  # noqa: E402
+from ems.backends.node_router import NodeRouter  # noqa: E402
 from ems.cluster.hot import HotUnits, spread  # noqa: E402
-from ems.cluster.routing import UNIT_WIDTH, node_seeds, ranked_by_hash, ranked_owners  # noqa: E402
+from ems.cluster.rendezvous import UNIT_WIDTH, node_seeds, ranked_by_hash, ranked_owners  # noqa: E402
 from ems.datapath.keys import UNIT_BLOCKS, chain_keys, v1_keys  # noqa: E402
 from ems.deadline import Deadline  # noqa: E402
 from ems.errors import EmsErrorCode  # noqa: E402
@@ -156,7 +156,7 @@ def call_latencies(n: int, draws: np.ndarray, calls: int, seed: int) -> np.ndarr
         for c, p in enumerate(rng.choice(PROMPTS, size=calls + warm, p=zipf / zipf.sum()).tolist()):
             keys, routes, units = prompts[p]
             start = time.perf_counter()
-            outcome = router.get(PoolRequest(routes, keys, option, units=units))
+            outcome = router.get(PoolCall(routes, keys, option, units=units))
             elapsed = time.perf_counter() - start
             if not all(v is not None for v in outcome.results):
                 raise RuntimeError("a simulated read missed")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
-from ems.backends.base import PoolRequest
+from ems.backends.base import PoolCall
 from ems.backends.embedded import EmbeddedPool
 from ems.backends.pool_client import PoolClient
 from ems.config import parse_size, resolve_settings
@@ -143,10 +143,10 @@ def keyed(
     option: CcKvOption | None = None,
     deadline: Deadline | None = None,
     expected: ExpectedValues | None = None,
-) -> PoolRequest:
+) -> PoolCall:
     """A pool request whose keys are their own route keys (a test that calls a backend directly), with `option` (the
     default option when None)."""
-    return PoolRequest(keys, keys, CcKvOption() if option is None else option, deadline, expected)
+    return PoolCall(keys, keys, CcKvOption() if option is None else option, deadline, expected)
 
 
 def store_of_ems():

@@ -27,7 +27,7 @@ from ems.datapath.keys import encode_hash
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport.base import NodeClient, TransportError
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 
 NAMESPACE_PREFIX = 17  # 16-byte namespace + 1 form byte
 

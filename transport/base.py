@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from ems.buffers import Buffer
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 
 if TYPE_CHECKING:
     import numpy as np
@@ -139,7 +139,7 @@ class NodeClient(abc.ABC):
     @abc.abstractmethod
     def exists(self, keys: Sequence[bytes], deadline: Deadline | float, hold: Hold | None = None) -> list[bool]:
         """Whether the node holds each key; with `hold`, whether it holds it and keeps it as asked (a lease or a
-        pin: `transport.holds`)."""
+        pin: `transport.exists_holds`)."""
 
     @abc.abstractmethod
     def ping(self, deadline: Deadline | float) -> bool:

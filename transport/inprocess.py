@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from ems.buffers import Buffer
 from ems.deadline import Deadline
 from ems.transport.base import LocalStore, NodeClient, NodeLocation
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 
 
 class InProcessNode(NodeClient):

@@ -49,7 +49,7 @@ Contract:
 * PUT meta: value_lens u64[count] | key_lens u32[count] | frame_lens u64[data frames] | frame_ends u8[data frames] |
   keys; the data frame count is `(meta_len - 12*count - sum(key_lens)) / 9`. GET/EXISTS meta: key_lens
   u32[count] | keys; an EXISTS with `flags` LEASE asks the node to lease the keys it finds and carries the lease's
-  milliseconds (u32) before that, one with PIN asks it to pin them (`transport/holds.py`). PING: nothing.
+  milliseconds (u32) before that, one with PIN asks it to pin them (`transport/exists_holds.py`). PING: nothing.
   SHM_OPEN, SHM_PUT, SHM_GET: see `transport.shm` (values in a region of shared memory, never in data frames).
 * Replies: PUT/EXISTS meta u8[count] (1 = stored / held, and kept as asked); GET meta i64[count] (value length,
   -1 = miss) | segment_ends u8[segments of the present values], then one data frame per segment (unless the data
@@ -82,7 +82,7 @@ from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # no
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
 # 7: every frame's last byte is stated before it arrives (flags u8 + meta_end u8 in the header, a zero end byte
 # closing every inline head, frame_ends in a PUT's meta, segment_ends in a GET reply's meta), flags defined per op;
-# 6: an EXISTS may ask for a lease or a pin on the keys it finds (transport/holds.py); 5: a same-host GET may name a
+# 6: an EXISTS may ask for a lease or a pin on the keys it finds (transport/exists_holds.py); 5: a same-host GET may name a
 # progress word (`transport.shm`); 4: request tags are the base tag XOR the request
 # id (3 hashed them); 3: version 2 plus the shared-memory ops
 VERSION = 7
@@ -154,7 +154,7 @@ class Flags(enum.IntFlag):
     NONE = 0
     AUTH_REQUIRED = 1  # CHALLENGE: the node only serves clients that prove a configured key
     INLINE = 2  # a request (and its reply) in the inline framing, on the request's own tag
-    LEASE = 4  # EXISTS: lease the keys found (transport/holds.py)
+    LEASE = 4  # EXISTS: lease the keys found (transport/exists_holds.py)
     PIN = 8  # EXISTS: pin the keys found
 
 

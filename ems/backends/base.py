@@ -6,14 +6,14 @@ Three implementations: `ems.backends.embedded.EmbeddedPool` (the store in this p
 nodes: embedded; `pool_backend`); nothing above it knows which, beyond what the contract says a backend can do.
 
 Contract, for every implementation:
-* Every data call takes one `PoolRequest`: its `keys`, the `route_keys` (and `units`) placement goes by, its `option`,
+* Every data call takes one `PoolCall`: its `keys`, the `route_keys` (and `units`) placement goes by, its `option`,
   and where the call uses them its `deadline` and its `expected` values; the request checks its lengths once.
 * Keys are opaque bytes (this package's storage keys, namespaced per tenant, model and layout); values are this
   package's format (`ems.store.value_format`), written and checked above the backend: a backend stores bytes.
 * Results come back per key in request order in a `PoolOutcome`; a key that failed is a miss (False / None), never
   a wrong value; a backend that failed as a whole reports it in `errors` (`unreachable` when it is all there was).
 * Every call returns by the option's timeout, or by the request's `deadline` (`ems.deadline.Deadline`) where given,
-  even when the pool hangs (`PoolRequest.until`). A buffer handed to a call that did not return in time, or returned
+  even when the pool hangs (`PoolCall.until`). A buffer handed to a call that did not return in time, or returned
   with `errors`, may still be touched by the transfer for a while: the caller retires it (`StagingPool.retire`),
   never reuses it.
 * `limits` (`ems.transport.protocol.RequestLimits`) is the most one request may carry: the jobs cut their chunks
@@ -44,7 +44,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
 from ems.store.value_format import ExpectedValues
 from ems.transport.base import AsPlaced, TransportError
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 from ems.transport.protocol import RequestLimits
 from ems.types import CcKvOption
 
@@ -66,7 +66,7 @@ class ReadCheck(enum.Enum):
 
 
 @dataclass(slots=True)
-class PoolRequest:
+class PoolCall:
     """One pool call's keys and terms (every data call of `PoolBackend` takes one): `keys[i]` is stored under and
     placed by `route_keys[i]`; `option` is the caller's (its timeout, `write_rcache`, `read_local_only`); `deadline`,
     where given, replaces the option's timeout (a job's, handed down to its chunks); `expected` (`put` and `exists`
@@ -81,7 +81,7 @@ class PoolRequest:
     option: CcKvOption
     deadline: Deadline | None = None
     expected: ExpectedValues | None = None
-    #: u64 `[keys]`: each key's placement unit (`ems.datapath.keys.chain_keys`, `ems.cluster.routing`); None: each
+    #: u64 `[keys]`: each key's placement unit (`ems.datapath.keys.chain_keys`, `ems.cluster.rendezvous`); None: each
     #: key is placed by its route key alone
     units: np.ndarray | None = None
 
@@ -182,24 +182,24 @@ class PoolBackend(Protocol):
         ...
 
     def put(
-        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
+        self, request: PoolCall, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """Store each value (its parts concatenated) under its key; True where stored. `value_lens` (int64 bytes of
         each value, its parts together) saves measuring every part where the caller knows them."""
         ...
 
-    def get(self, request: PoolRequest) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolCall) -> PoolOutcome[Buffer | None]:
         """Each key's stored value, or None."""
         ...
 
-    def get_into(self, request: PoolRequest, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
+    def get_into(self, request: PoolCall, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
         """Each key's value placed in `outs[i]` (one buffer per key); True where a value of exactly `len(outs[i])`
         bytes is there. `as_placed`: a pool may run it while the values are still being placed (a same-host node, the
         buffers in its shared region: `transport.base.AsPlaced`), or never."""
         ...
 
-    def exists(self, request: PoolRequest, hold: Hold | None = None) -> PoolOutcome[bool]:
-        """Whether the pool holds each key; with `hold` (`ems.transport.holds`), whether it holds it and keeps it as
+    def exists(self, request: PoolCall, hold: Hold | None = None) -> PoolOutcome[bool]:
+        """Whether the pool holds each key; with `hold` (`ems.transport.exists_holds`), whether it holds it and keeps it as
         asked: leased until it is read or the lease's time has passed, or pinned. A pool that cannot keep keys so
         says False for them (a lookup then promises nothing it could lose)."""
         ...

@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ems.backends.base import InPlaceValues, PoolOutcome, PoolRequest, ReadCheck
+from ems.backends.base import InPlaceValues, PoolCall, PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.store.kv_store import KvStore
 from ems.transport.base import AsPlaced, TransportError, place_values
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 
 T = TypeVar("T")
@@ -70,19 +70,19 @@ class EmbeddedPool:
         return PoolOutcome(ask(), nodes_contacted=1)
 
     def put(
-        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
+        self, request: PoolCall, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """Store each value (its parts concatenated, copied into the store); True where the store admitted it."""
         keys = request.keys
         return self._answer(keys, False, request.until(), lambda: self.store.put_many(keys, values))
 
-    def get(self, request: PoolRequest) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolCall) -> PoolOutcome[Buffer | None]:
         """Each key's stored value (a read-only view of the store's bytes), or None; not checked here (the caller
         checks against `expected`)."""
         keys = request.keys
         return PoolOutcome(self.store.get_many(keys), nodes_contacted=1) if keys else PoolOutcome([])
 
-    def get_into(self, request: PoolRequest, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
+    def get_into(self, request: PoolCall, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
         """Each key's value copied into `outs[i]`; True where a value of exactly `len(outs[i])` bytes is there.
         `as_placed` is never run (the values are placed before the call returns)."""
         keys = request.keys
@@ -90,7 +90,7 @@ class EmbeddedPool:
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         return self._answer(keys, False, request.until(), lambda: place_values(self.store.get_many(keys), outs))
 
-    def exists(self, request: PoolRequest, hold: Hold | None = None) -> PoolOutcome[bool]:
+    def exists(self, request: PoolCall, hold: Hold | None = None) -> PoolOutcome[bool]:
         """Whether the store's index holds each key (with `hold`: holds it and keeps it as asked)."""
         keys = request.keys
         if not keys:

@@ -1,5 +1,5 @@
 """One pool call's requests to its nodes, nodes in parallel, under one deadline: the mechanism the router's reads and
-writes share (`ems.backends.routing`, `ems.backends.reads`).
+writes share (`ems.backends.node_router`, `ems.backends.reads`).
 
 Contract (`FanOut`):
 * `run(node, idx, call, per_key, deadline)` sends one node its keys (`idx`, indices into the caller's key list) in
@@ -8,7 +8,7 @@ Contract (`FanOut`):
   the node's error, if any. Each node's answered requests are timed into `latency` (`NodeLatency.observe`).
 * `warm` (`ems.backends.warm.WarmNodes`), where given, is told of every node a request starts on.
 * `start(...)` runs `run` on the fan-out's threads (or inline, for nodes in this process, which cannot hang) and
-  returns a `NodeCall` whose `wait(timeout)` gives its answer.
+  returns a `NodeShare` whose `wait(timeout)` gives its answer.
 * `all(node_keys, ...)` runs every node's keys at once and waits for all, up to the deadline: a node that did not
   answer in time gets an `EMS_IO_TIMEOUT` error. Calls to nodes whose transport bounds every call by its deadline
   need no watching thread when there is only one of them: it runs on the calling thread.
@@ -65,7 +65,7 @@ class NodeAnswer:
         return self.error is not None and self.error.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
 
 
-class NodeCall:
+class NodeShare:
     """One node's share of a call, running (see `FanOut.start`)."""
 
     def __init__(self, node: NodeClient, idx: np.ndarray, nbytes: int, future: concurrent.futures.Future | None) -> None:
@@ -153,17 +153,17 @@ class FanOut:
         deadline: Deadline,
         here: bool = False,
         observe: bool = True,
-    ) -> NodeCall:
+    ) -> NodeShare:
         """`run` on the fan-out's threads; inline when the nodes are in this process or `here` (the caller's own
         thread: a transport that bounds its calls by the deadline itself, and no hedge to send meanwhile)."""
         per_key = costs(idx)
         if self.warm is not None:
             self.warm.used(node)
         if self.inline or here:
-            pending = NodeCall(node, idx, 0, None)
+            pending = NodeShare(node, idx, 0, None)
             pending.answer = self.run(node, idx, call, per_key, deadline, observe and not self.inline)
             return pending
-        return NodeCall(node, idx, int(per_key[0].sum()), self.submit(self.run, node, idx, call, per_key, deadline))
+        return NodeShare(node, idx, int(per_key[0].sum()), self.submit(self.run, node, idx, call, per_key, deadline))
 
     def all(
         self,
@@ -180,7 +180,7 @@ class FanOut:
         calls = [self.start(node, idx, call, costs, deadline, here, observe) for node, idx in node_keys]
         return self.collect(calls, deadline, outcome)
 
-    def collect(self, calls: Sequence[NodeCall], deadline: Deadline, outcome: PoolOutcome) -> list[NodeAnswer]:
+    def collect(self, calls: Sequence[NodeShare], deadline: Deadline, outcome: PoolOutcome) -> list[NodeAnswer]:
         """Wait for `calls` up to the deadline; a call that did not answer in time is an `EMS_IO_TIMEOUT`."""
         out = []
         for pending in calls:
@@ -237,7 +237,7 @@ class FanOut:
             self.abandon(pending, deadline, "slow: every value it was sent has a copy elsewhere")
         return self.collect(calls, deadline, outcome)
 
-    def abandon(self, pending: NodeCall, deadline: Deadline, why: str) -> NodeAnswer | None:
+    def abandon(self, pending: NodeShare, deadline: Deadline, why: str) -> NodeAnswer | None:
         """Abort `pending`'s requests (the node's connection) and wait for it to return, up to the deadline; its
         answer then (an error unless it finished first), or None when it did not return in time."""
         elapsed = time.monotonic() - pending.started

@@ -2,7 +2,7 @@
 `transport.inprocess`, as tests build clusters), assembled from two parts with contracts of their own. The
 embedded pool is a backend of its own (`ems.backends.embedded`).
 
-* Routing (`ems.backends.routing.NodeRouter`): owners and replicas, per-node requests within the protocol's
+* Routing (`ems.backends.node_router.NodeRouter`): owners and replicas, per-node requests within the protocol's
   `RequestLimits`, fan-out in parallel with one `Deadline`, failover to the next owner on reads.
 * The read cache (`ems.backends.read_cache.ReadCache`, remote pools only): in front of the router. A put with
   `write_rcache` keeps what it stored there; a read takes what it holds first (an entry that is not the `expected`
@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from ems.backends.base import InPlaceValues, PoolOutcome, PoolRequest
+from ems.backends.base import InPlaceValues, PoolCall, PoolOutcome
+from ems.backends.node_router import NodeRouter
 from ems.backends.read_cache import ReadCache
-from ems.backends.routing import NodeRouter
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.store.kv_store import KvStore
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer
-from ems.transport.holds import Hold, HoldKind
+from ems.transport.exists_holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
 
@@ -105,7 +105,7 @@ class PoolClient:
         return self.location is NodeLocation.IN_PROCESS or not option.read_local_only
 
     def put(
-        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
+        self, request: PoolCall, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """Store each value at its owning nodes (`NodeRouter.put`: when a value counts as stored), and keep the
         stored ones in the read cache when `option.write_rcache`. `value_lens` (int64 bytes of each value) saves
@@ -115,7 +115,7 @@ class PoolClient:
             self.cache.remember(request.keys, values, outcome.results)
         return outcome
 
-    def get(self, request: PoolRequest) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolCall) -> PoolOutcome[Buffer | None]:
         """Each key's stored value, or None: the read cache first, then (unless local-only) the owning nodes."""
         keys, expected = request.keys, request.expected
         results: list = [None] * len(keys) if self.cache is None else self.cache.lookup(keys, expected)
@@ -123,7 +123,7 @@ class PoolClient:
             return PoolOutcome(results)
         return self.router.get(request, results)
 
-    def get_into(self, request: PoolRequest, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
+    def get_into(self, request: PoolCall, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
         """Place each key's value in the caller's writable buffer `outs[i]` (the read cache first, then, unless
         local-only, the owning node, which receives it there without an intermediate copy when it travels alone);
         `results[i]` is True where a value of exactly `len(outs[i])` bytes is now in `outs[i]`. A buffer whose
@@ -139,7 +139,7 @@ class PoolClient:
         progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
         return self.router.get_into(request, outs, results, progressive)
 
-    def exists(self, request: PoolRequest, hold: Hold | None = None) -> PoolOutcome[bool]:
+    def exists(self, request: PoolCall, hold: Hold | None = None) -> PoolOutcome[bool]:
         """Whether each key is held (the read cache first, then the owning nodes unless local-only). With a lease, a
         key in the read cache needs none (the load reads it there); a pin is a node's, never the cache's."""
         keys = request.keys

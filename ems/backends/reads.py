@@ -1,5 +1,5 @@
 """A read's keys to the nodes that hold them: owners in rank order, failover, the fallback while the pool rebalances,
-and hedging around slow nodes (used by `ems.backends.routing.NodeRouter` for get, get_into and exists).
+and hedging around slow nodes (used by `ems.backends.node_router.NodeRouter` for get, get_into and exists).
 
 Contract (`read`):
 * Each wanted key is asked of its first owner (rendezvous rank over the live nodes); a key not answered with an
@@ -9,7 +9,7 @@ Contract (`read`):
 * Tries: `replicas`, plus `fallback()` (`Members.fallback`: nodes that joined or came back recently): while the pool
   rebalances after a join, a key's new owner may not hold it yet and its previous owner, now one rank further,
   does; so a key missing at its owners is also asked of that many nodes after them (keys placed by units: the
-  order of `ems.cluster.routing.read_order`, which also asks the unit's displaced group members). Never more than
+  order of `ems.cluster.rendezvous.read_order`, which also asks the unit's displaced group members). Never more than
   the nodes. A key's ranking goes `FAILOVER_SPARE` nodes past its tries (failed nodes are skipped), not over the
   whole pool.
 * Slow nodes (`NodeLatency.slow`) are asked last among the nodes a key may try.
@@ -42,10 +42,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ems.backends.base import PoolOutcome
-from ems.backends.fanout import CostsOf, FanOut, NodeCall, NodeRequest
+from ems.backends.fanout import CostsOf, FanOut, NodeRequest, NodeShare
 from ems.backends.latency import SMALL_BYTES
 from ems.cluster.placement import View
-from ems.cluster.routing import read_order
+from ems.cluster.rendezvous import read_order
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport.base import NodeClient, TransportError
@@ -67,7 +67,7 @@ class Hedge:
 class _Share:
     """One node's share of a round: its call, and the hedge calls made for it."""
 
-    call: NodeCall
+    call: NodeShare
     primary: bool
     hedge_of: _Share | None = None  # for a hedge: the share it backs up
     accept: Accept | None = None  # a hedge's own (or a primary's receiving into buffers of its own)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
-from ems.client.calls import AsyncCalls, Pending
+from ems.client.async_calls import AsyncCalls, Pending
 from ems.client.metrics import CcMetrics
 from ems.client.namespaces import NamespaceWatch
 from ems.client.warmup import warm_small_calls
@@ -42,7 +42,7 @@ from ems.datapath.calls import Call, bind_and_plan, bind_exists, call_result, co
 from ems.datapath.copier import copier_for
 from ems.datapath.devices import default_raw_device, parse_device
 from ems.datapath.executor import ChunkExecutor
-from ems.datapath.jobs import PoolRoute, Transfer, load_job, save_job
+from ems.datapath.jobs import JobContext, Transfer, load_job, save_job
 from ems.datapath.jobs.lookup import run_lookup
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
@@ -143,7 +143,7 @@ class ContextCaching:
         self._staging = StagingPool(
             settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
         )
-        self._executor = ChunkExecutor()  # the threads its jobs' chunk calls run on (`PoolRoute.executor`)
+        self._executor = ChunkExecutor()  # the threads its jobs' chunk calls run on (`JobContext.executor`)
         self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
         self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
@@ -233,10 +233,10 @@ class ContextCaching:
             if error is not None:
                 raise EmsException(error.status_code(), f"no pool node could be reached: {error.message()}")
 
-    def _route(self) -> PoolRoute:
+    def _job_context(self) -> JobContext:
         """Where this client's transfers go: its pool, its staging, the chunk size of its settings now and its
         executor."""
-        return PoolRoute(self._pool, self._staging, self._settings.chunk_bytes, self._executor)
+        return JobContext(self._pool, self._staging, self._settings.chunk_bytes, self._executor)
 
     def _job_done(self, record: JobRecord) -> None:
         """A finished job's record goes to the ledger, the one account of each call (`metrics()` reads it)."""
@@ -257,7 +257,7 @@ class ContextCaching:
         with record.stage(Stage.PLAN):
             call, plan, device = self._bind(Operation.SAVE, args, kwargs)
             backend = self._backend_for(device)
-        job = save_job(Transfer(plan, device, copier_for(backend, device), call.option, record), self._route())
+        job = save_job(Transfer(plan, device, copier_for(backend, device), call.option, record), self._job_context())
         with _EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
@@ -349,7 +349,7 @@ class ContextCaching:
 
     def _load(self, call: Call, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
         copier = copier_for(self._backend_for(device), device)
-        job = load_job(Transfer(plan, device, copier, call.option, record), self._route())
+        job = load_job(Transfer(plan, device, copier, call.option, record), self._job_context())
         loaded = job.run()
         self._raise_if_unreachable(loaded.outcome, loaded.hits)
         if not isinstance(call, RawCall):
@@ -431,7 +431,7 @@ class ContextCaching:
         call, plan, device, record = self._bind_load(args, kwargs)
         return Pending(lambda: self._load(call, plan, device, record), record)
 
-    # ---------------------------------------------------------------- futures (`ems.client.calls.AsyncCalls`)
+    # ---------------------------------------------------------------- futures (`ems.client.async_calls.AsyncCalls`)
 
     def is_ready(self, future: CcFuture) -> bool:
         """Whether an async call has finished; never blocks."""

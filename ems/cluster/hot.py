@@ -7,7 +7,7 @@ Contract (`HotUnits`, one per client):
 * `copies(units, nodes)`: int per value, 1 for a cold unit. A unit whose share of the reads exceeds `target` times
   a group's fair share (1 / (nodes // UNIT_WIDTH)) gets ceil(share / (target * fair)) copies, at most `max_copies`:
   copy c is the unit's group of the `UNIT_WIDTH` nodes after its first c * UNIT_WIDTH in the unit's rendezvous
-  order (`ems.cluster.routing.ranked_by_hash`, `copy`), so copies move with membership as groups do. A reader spreads
+  order (`ems.cluster.rendezvous.ranked_by_hash`, `copy`), so copies move with membership as groups do. A reader spreads
   a hot unit's reads over its copies (`spread`), falling back to the unit's own group on a miss.
 * Bounded and dropped when cold: at most `max_units` units are tracked (the coldest forgotten first), a unit whose
   rate decayed below `floor` of the total is forgotten, and a unit whose rate falls back gets fewer copies at once:
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from ems.cluster.routing import UNIT_WIDTH
+from ems.cluster.rendezvous import UNIT_WIDTH
 
 HALF_LIFE_S = 30.0
 TARGET = 0.1  # a copy group takes at most this many fair group shares of a hot unit's reads

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ems.cluster.routing import node_seeds
+from ems.cluster.rendezvous import node_seeds
 from ems.transport.base import NodeClient
 
 log = logging.getLogger("ems")

@@ -59,7 +59,7 @@ from ems.datapath.planning import Plan, plan_blocks, plan_raw
 from ems.datapath.tokens import TokenCall, bind_tokens, plan_tokens
 from ems.errors import invalid_argument
 from ems.kernels.plan import runs_to_slots
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 from ems.types import CcKvOption, CcResult, KvBufferWrapper, PrimaryKey, V0Key
 
 
@@ -287,7 +287,7 @@ class ExistsCall:
 
 def bind_exists(hashes: object, option: object, kwargs: dict[str, Any]) -> ExistsCall:
     """exists(hashes, option=None, lease_ms=..., pin=..., chain_prefix=...): V1 block hashes, or V0 keys (PrimaryKey
-    or str), and what the pool is to keep of the keys it finds (this package's addition, `ems.transport.holds`):
+    or str), and what the pool is to keep of the keys it finds (this package's addition, `ems.transport.exists_holds`):
     `lease_ms` (an int in 1..MAX_LEASE_MS) leases them until they are read or that time has passed, `pin=True` pins
     them; `chain_prefix` as for save and load (V1 hashes only)."""
     unknown = sorted(set(kwargs) - {"lease_ms", "pin", "chain_prefix"})

@@ -4,7 +4,7 @@ Contract:
 * `ChunkExecutor.start(call)` runs `call` on the executor's threads, at most `PIPELINE_THREADS` at once (the rest wait
   in the order started), and returns its `Future`: how one request keeps several chunk calls in flight. The threads
   start on first use.
-* Each client (`ContextCaching`) holds one and hands it to its jobs in their `PoolRoute` (`PoolRoute.executor`),
+* Each client (`ContextCaching`) holds one and hands it to its jobs in their `JobContext` (`JobContext.executor`),
   so the cap is per client, whichever jobs share it; the threads are apart from any thread the pool backend's calls
   use themselves (the pool client's fan-out threads), so a chunk call that fans out to several nodes never waits for
   a thread it holds. The client closes it; the pool backend knows nothing of it.

@@ -9,7 +9,7 @@ byte, so a `str` key never collides with a `PrimaryKey` or a block hash, and a b
 chained digest of its tokens, `ems.datapath.tokens`) never with a block hash an engine gives. `route_key_of` reads
 the routing key back out of a storage key (a pool node placing the keys it holds, `ems.pool.repair`).
 
-Placement units (locality, `ems.cluster.routing`). A prefix chain is cut into units of `UNIT_BLOCKS` consecutive
+Placement units (locality, `ems.cluster.rendezvous`). A prefix chain is cut into units of `UNIT_BLOCKS` consecutive
 blocks at absolute chain positions: block p belongs to unit p // UNIT_BLOCKS, identified by the hash of its first
 block (the anchor) as `unit_id` (8 bytes, a BLAKE2b digest of the anchor's `encode_hash`). A block whose chain
 position is known is stored as `namespace | FORM_CHAIN | unit id | encode_hash(block hash)` (`chain_keys`; the token
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ems.cluster.routing import UNIT_WIDTH
+from ems.cluster.rendezvous import UNIT_WIDTH
 from ems.config import CcConfig
 from ems.types import V0Key
 
@@ -81,7 +81,7 @@ def chain_keys(
 ) -> tuple[list[bytes], list[bytes], np.ndarray]:
     """(storage keys, routing keys, units) of V1 block hashes whose chain position is known: `hashes[i]` is block
     `len(chain_prefix) + i` of a chain whose earlier blocks are `chain_prefix` (from its first block). `units` (u64
-    `[keys]`) is each key's unit id as an int (`ems.cluster.routing` places by it). One digest per unit, not per block."""
+    `[keys]`) is each key's unit id as an int (`ems.cluster.rendezvous` places by it). One digest per unit, not per block."""
     if form not in _UNIT_FORMS:
         raise ValueError(f"not a unit key form: {form!r}")
     start = len(chain_prefix)

@@ -24,7 +24,7 @@ from ems.store.value_format import ExpectedValues, valid_prefix
 @dataclass(slots=True)
 class ReceivedValues:
     """A load's received values (see the module docstring). A value: never changed once built (not a frozen
-    dataclass only for the cost of building one, on every load: see `PoolRequest`)."""
+    dataclass only for the cost of building one, on every load: see `PoolCall`)."""
 
     buffers: Sequence[Buffer | None]
     expected: ExpectedValues

@@ -59,9 +59,9 @@ from ems.config import (
     resolve_settings,
 )
 from ems.integrations.vllm.lookups.step_policy import StepMode
-from ems.transport.holds import MAX_LEASE_MS
+from ems.transport.exists_holds import MAX_LEASE_MS
 
-# A lookup's blocks are leased for the load that follows (`ems.transport.holds`): long enough for a request that vLLM
+# A lookup's blocks are leased for the load that follows (`ems.transport.exists_holds`): long enough for a request that vLLM
 # admits a few steps later (its answer is reused for `lookup_cache_s`) and for loads that wait for the in-flight
 # budget; the load's read ends the lease at once.
 DEFAULT_LEASE_MS = 10_000

@@ -21,7 +21,7 @@ Contract:
   the worker threads (`executor`); smaller ones on the loop (cheaper than the hop). A GET the store says may wait
   for a disk (`may_block(keys)`) is looked up on a worker thread. Every buffer and budget byte is released on every
   path.
-* An EXISTS with a lease or a pin (`transport.holds`) is answered by the store's `hold_many`: held *and* kept.
+* An EXISTS with a lease or a pin (`transport.exists_holds`) is answered by the store's `hold_many`: held *and* kept.
 * A malformed request raises `protocol.ProtocolError` (the session closes that connection only); a refused one
   `transport.handler.Refusal`.
 * With `metrics` (`ems.pool.metrics.NodeMetrics`), each request is counted once, with its outcome and bytes.
@@ -46,8 +46,8 @@ from ems.buffers import Buffer
 from ems.pool.budget import ByteBudget, NodeLimits
 from ems.pool.namespaces import BookStore, NamespaceBook
 from ems.transport import protocol
+from ems.transport.exists_holds import Hold, decode_exists_meta
 from ems.transport.handler import Refusal, RequestChannel
-from ems.transport.holds import Hold, decode_exists_meta
 from ems.transport.scratch import ScratchBuffers
 from ems.transport.shm import RangedRequest, ShmSettings, metric_name
 from ems.transport.shm.server import ShmService
@@ -247,7 +247,7 @@ class NodeHandlers:
         raise protocol.ProtocolError(f"unexpected op {op} after the handshake")
 
     def _exists(self, header: protocol.Header, meta: memoryview | bytes, prefix: bytes) -> bytes:
-        """An EXISTS's reply meta: the keys held (and, where it asks, leased or pinned: `transport.holds`)."""
+        """An EXISTS's reply meta: the keys held (and, where it asks, leased or pinned: `transport.exists_holds`)."""
         hold, keys_meta = decode_exists_meta(header.flags, meta)
         keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, keys_meta))
         flags = self.store.contains_many(keys) if hold is None else self.store.hold_many(keys, hold)

@@ -8,7 +8,7 @@ Contract (`Repairer`, started by `ems.pool.cluster_node` on a node registered in
 * A pass walks the keys this node holds in DRAM (`store.keys()`, most recently used first; the disk tier's records
   are known by key hash only and are not walked), in batches, by tenant. Each key is placed as clients place it:
   its ranking over the live nodes by rendezvous hashing of its routing key and, for a key stored under a placement
-  unit, of its unit (`ems.datapath.keys.route_key_of`, `unit_of`, `ems.cluster.routing.ranked_owners`), its owners
+  unit, of its unit (`ems.datapath.keys.route_key_of`, `unit_of`, `ems.cluster.rendezvous.ranked_owners`), its owners
   the first `replicas`. This node asks `exists` (batched, one
   request per node) of every node ranked above it and of every owner; a key is this node's to copy when no node
   ranked above it holds it (of several holders, the highest ranked copies it; the others see its copy and leave
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ems.cluster.routing import node_seeds, ranked_owners, route_hashes
+from ems.cluster.rendezvous import node_seeds, ranked_owners, route_hashes
 from ems.datapath.keys import route_key_of, unit_of
 from ems.deadline import Deadline
 from ems.pool.handlers import split_tenant

@@ -38,7 +38,7 @@ from ems.buffers import Buffer
 from ems.pool.disk import DiskTier, DiskTierStats
 from ems.store.kv_store import KvStore, StoreStats
 from ems.store.value_format import copy_well_formed_many, is_well_formed, well_formed_many
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 
 MIN_READ_BYTES = 64 << 20
 

@@ -2,7 +2,7 @@
 (records the pool must not lose, such as a model's namespace epoch).
 
 Contract (used by `ems.store.kv_store.KvStore` under its lock; not thread-safe by itself):
-* A **lease** on a key is granted by a lookup that asks for one (`ems.transport.holds.Hold`, `HoldKind.LEASE`: an
+* A **lease** on a key is granted by a lookup that asks for one (`ems.transport.exists_holds.Hold`, `HoldKind.LEASE`: an
   EXISTS with a lease, `ContextCaching.exists(..., lease_ms=...)`) and lasts until the key is read once (`release`: the load the
   lookup promised; any read of the key counts, so a read by another client in between ends it early, having made the
   key the most recently used one) or until `lease_ms` has passed, whichever comes first. Each grant adds a holder:
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ems.transport.holds import MAX_LEASE_MS, Hold, HoldKind
+from ems.transport.exists_holds import MAX_LEASE_MS, Hold, HoldKind
 
 LEASE_SHARE = 2  # leased bytes: at most capacity // LEASE_SHARE
 PIN_SHARE = 64  # pinned bytes: at most capacity // PIN_SHARE

@@ -51,7 +51,7 @@ from ems.store.holds import Holds
 from ems.store.index import ENTRY_OVERHEAD, LruIndex, charge
 from ems.store.recycling import BufferSupply
 from ems.store.value_format import copy_well_formed_many, is_well_formed, well_formed_many
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 
 __all__ = ["ENTRY_OVERHEAD", "KvStore", "StoreStats"]
 

@@ -27,7 +27,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass
-class Request:
+class Prompt:
     tokens: np.ndarray  # int64 [n_tokens]
     hashes: list[int]  # chained prefix hash of each full block
 
@@ -42,14 +42,14 @@ def block_hashes(tokens: np.ndarray, block_size: int) -> list[int]:
     return hashes
 
 
-def make_requests(count: int, prompt_blocks: int, shared_blocks: int, block_size: int, seed: int) -> list[Request]:
+def make_prompts(count: int, prompt_blocks: int, shared_blocks: int, block_size: int, seed: int) -> list[Prompt]:
     rng = np.random.default_rng(seed)
     system_prompt = rng.integers(0, 128_000, shared_blocks * block_size)
     requests = []
     for _ in range(count):
         own = rng.integers(0, 128_000, (prompt_blocks - shared_blocks) * block_size)
         tokens = np.concatenate([system_prompt, own])
-        requests.append(Request(tokens, block_hashes(tokens, block_size)))
+        requests.append(Prompt(tokens, block_hashes(tokens, block_size)))
     return requests
 
 
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(args.layers, args.cache_blocks, args.block_size, args.kv_heads, args.head_size, DTYPES[args.dtype], device)
     engine.wipe()
     cc.register_kvcache(engine.kvcache)
-    requests = make_requests(args.requests, args.prompt_blocks, args.shared_blocks, args.block_size, args.seed)
+    requests = make_prompts(args.requests, args.prompt_blocks, args.shared_blocks, args.block_size, args.seed)
     if args.prompt_blocks > args.cache_blocks:
         raise SystemExit("--prompt-blocks must fit in --cache-blocks")
     option = CcKvOption(timeout=10_000)

@@ -10,14 +10,14 @@ import pytest
 from ems_testlib import keyed, make_cache
 
 from ems import CcConfig, CcKvOption, CcResult, Ems, EmsConfig, EmsException
-from ems.backends.base import PoolRequest, ReadCheck
+from ems.backends.base import PoolCall, ReadCheck
 from ems.backends.embedded import EmbeddedPool
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.records import JobKind
 from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 
 OPTION = CcKvOption()
 
@@ -79,7 +79,7 @@ def test_a_request_needs_one_route_key_and_one_expected_value_per_key():
     expected = ExpectedValues(ValueKind.BLOCKS_V1, 7, np.arange(2, dtype=np.uint64), np.full(2, 8, dtype=np.int64))
     for route_keys, keys, values in (([b"a"], [b"a", b"b"], None), ([b"a", b"b"], [b"a"], None), ([b"a"], [b"a"], expected)):
         with pytest.raises(EmsException) as raised:
-            PoolRequest(route_keys, keys, OPTION, expected=values)
+            PoolCall(route_keys, keys, OPTION, expected=values)
         assert raised.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
     request = keyed([b"a", b"b"], OPTION, expected=expected)
     assert request.deadline is None and request.until().left() > 0  # the option's timeout, from the call

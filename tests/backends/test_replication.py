@@ -21,7 +21,7 @@ from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.base import ReadCheck
 from ems.backends.pool_client import PoolClient
 from ems.cluster import placement
-from ems.cluster.routing import node_seeds, ranked_owners
+from ems.cluster.rendezvous import node_seeds, ranked_owners
 from ems.config import resolve_settings
 from ems.datapath.keys import v1_keys
 from ems.store.kv_store import KvStore
@@ -286,7 +286,7 @@ def test_metrics_count_calls_blocks_and_bytes():
 
 
 def test_ranked_owners_first_column_is_owners_and_rows_are_distinct():
-    from ems.cluster.routing import owners
+    from ems.cluster.rendezvous import owners
 
     keys = [f"k{i}".encode() for i in range(2000)]
     seeds = node_seeds([f"h{i}:1" for i in range(6)])

@@ -16,7 +16,7 @@ from ems_testlib import keyed
 from fault_injection import FaultyNode
 
 from ems.backends.pool_client import PoolClient
-from ems.cluster.routing import node_seeds, ranked_owners
+from ems.cluster.rendezvous import node_seeds, ranked_owners
 from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 from ems.transport.inprocess import InProcessNode

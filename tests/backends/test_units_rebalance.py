@@ -1,5 +1,5 @@
 """Placement units while the pool rebalances: right after nodes join, before repair has moved anything, a read of
-blocks saved under their units still finds every one (`ems.cluster.routing.read_order`: the group's first members,
+blocks saved under their units still finds every one (`ems.cluster.rendezvous.read_order`: the group's first members,
 then the members the joined nodes displaced), with one replica, the hardest case."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from fault_injection import FaultyNode
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.pool_client import PoolClient
-from ems.cluster.routing import ranked_owners
+from ems.cluster.rendezvous import ranked_owners
 from ems.config import resolve_settings
 from ems.datapath.keys import UNIT_BLOCKS, chain_keys
 from ems.store.kv_store import KvStore

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ems.cluster.hot import HotUnits, spread
-from ems.cluster.routing import UNIT_WIDTH, node_seeds, ranked_by_hash
+from ems.cluster.rendezvous import UNIT_WIDTH, node_seeds, ranked_by_hash
 
 NODES = 256
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ems.cluster.routing import node_seeds, owners
+from ems.cluster.rendezvous import node_seeds, owners
 
 KEYS = [f"block-{i}".encode() for i in range(30000)]
 

@@ -1,4 +1,4 @@
-"""Placement by units (`ems.cluster.routing` with `units`, keys of `ems.datapath.keys.chain_keys`): locality, even
+"""Placement by units (`ems.cluster.rendezvous` with `units`, keys of `ems.datapath.keys.chain_keys`): locality, even
 spread, ~1/N movement on a join or a loss, replicas on distinct nodes, the unit read back from the stored key, and a
 read after joins still reaching a copy saved before them (`read_order`)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ems.cluster.routing import UNIT_WIDTH, node_seeds, owners, ranked_owners, read_order, route_hashes
+from ems.cluster.rendezvous import UNIT_WIDTH, node_seeds, owners, ranked_owners, read_order, route_hashes
 from ems.datapath.keys import UNIT_BLOCKS, chain_keys, route_key_of, unit_of
 
 NS = bytes(16)
@@ -59,7 +59,7 @@ def test_per_key_placement_is_the_rendezvous_ranking():
 
 
 def _scores(keys: list[bytes], seeds: np.ndarray) -> np.ndarray:
-    from ems.cluster.routing import _scores as scores
+    from ems.cluster.rendezvous import _scores as scores
 
     return scores(keys, seeds)
 

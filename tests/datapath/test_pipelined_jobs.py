@@ -204,7 +204,7 @@ def test_a_damaged_value_in_chunk_k_stops_the_load_there(shared, connect, monkey
 
 
 def test_with_replicas_a_damaged_copy_falls_back_to_the_good_one(nodes, connect, monkeypatch):
-    from ems.cluster.routing import ranked_owners
+    from ems.cluster.rendezvous import ranked_owners
 
     a, b = nodes(), nodes()
     cc = connect(a.address, b.address, replicas=2)

@@ -237,7 +237,7 @@ def main() -> None:
 
     def stages(rounds: int) -> dict:
         """White-box: the layers under one block's exists, each timed alone (see the module docstring)."""
-        from ems.backends.base import PoolRequest
+        from ems.backends.base import PoolCall
         from ems.datapath.keys import v1_keys
         from ems.transport.ucx.direct import DirectRuntime
 
@@ -260,7 +260,7 @@ def main() -> None:
             cc.exists([base], OPTION)
             out["api"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            pool.exists(PoolRequest(route, key, OPTION))  # type: ignore[union-attr]
+            pool.exists(PoolCall(route, key, OPTION))  # type: ignore[union-attr]
             out["pool"].append(time.perf_counter() - start)
             DirectRuntime.wait = timed_wait  # type: ignore[method-assign]
             waits.clear()

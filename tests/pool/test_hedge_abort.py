@@ -15,7 +15,7 @@ from ems_testlib import keyed
 from pool_testlib import make_values, wait_until
 
 from ems.backends.pool_client import PoolClient
-from ems.cluster.routing import node_seeds, ranked_owners
+from ems.cluster.rendezvous import node_seeds, ranked_owners
 from ems.store.value_format import ExpectedValues, ValueKind
 from ems.transport.shm.client import ShmMode
 from ems.transport.ucx.remote import connect

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from pool_testlib import make_values, wait_until
 
-from ems.cluster.routing import node_seeds, ranked_owners
+from ems.cluster.rendezvous import node_seeds, ranked_owners
 from ems.datapath.keys import FORM_TOKENS, route_key_of, v0_keys, v1_keys
 from ems.errors import EmsErrorCode
 from ems.pool.handlers import split_tenant, tenant_prefix

@@ -22,7 +22,7 @@ from raw_ucx import CLOSED, RawSession, Reply, header
 
 from ems.transport import protocol, shm
 from ems.transport.base import TransportError
-from ems.transport.holds import Hold, encode_exists_meta
+from ems.transport.exists_holds import Hold, encode_exists_meta
 from ems.transport.ucx.frames import recv_head, recv_header_frame, recv_meta, send_all
 
 pytestmark = pytest.mark.slow

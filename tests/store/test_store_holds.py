@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ems import CcKvOption, Ems, EmsErrorCode, EmsException
 from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 
 CAPACITY = 64 << 10
 KEYS = [f"k{i}".encode() for i in range(24)]

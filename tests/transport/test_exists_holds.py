@@ -10,7 +10,7 @@ import pytest
 from pool_testlib import joined, make_values
 
 from ems.transport import protocol
-from ems.transport.holds import Hold, decode_exists_meta, encode_exists_meta
+from ems.transport.exists_holds import Hold, decode_exists_meta, encode_exists_meta
 
 pytestmark = pytest.mark.slow
 

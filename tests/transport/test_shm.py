@@ -372,7 +372,7 @@ def test_a_lookup_travels_on_the_region_channel_with_its_hold(shared_node, node_
     """Once the region is open, a same-host EXISTS is one request on the region's socket (no UCX post), answers as
     over UCX, and keeps what it asks to keep: a lease holds the key found, a pin too; a key not found is not held.
     Before a region exists a lookup goes over UCX and does not open one."""
-    from ems.transport.holds import Hold
+    from ems.transport.exists_holds import Hold
 
     fresh = node_clients(shared_node.address)
     assert fresh.exists([b"nothing-yet"], 5.0) == [False]

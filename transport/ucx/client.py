@@ -54,7 +54,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.transport import protocol
 from ems.transport.base import AsPlaced, Ending, Failure, NodeClient, TransportError
-from ems.transport.holds import Hold, encode_exists_meta
+from ems.transport.exists_holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.shm import is_local_address
 from ems.transport.shm.client import ShmBuffer, ShmClient, ShmMode

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ems.backends.base import InPlaceValues, PoolOutcome, PoolRequest, ReadCheck
+from ems.backends.base import InPlaceValues, PoolCall, PoolOutcome, ReadCheck
 from ems.backends.mooncake.connection import MooncakeConnection
 from ems.backends.mooncake.keys import mooncake_key
 from ems.backends.mooncake.memory import RegisteredMemory
@@ -50,7 +50,7 @@ from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
 from ems.store.value_format import HEADER_SIZE
 from ems.transport.base import AsPlaced, TransportError
-from ems.transport.holds import Hold, HoldKind
+from ems.transport.exists_holds import Hold, HoldKind
 from ems.transport.protocol import RequestLimits
 
 log = logging.getLogger("ems")
@@ -120,7 +120,7 @@ class MooncakePool:
 
     # ---- calls
 
-    def _begin(self, request: PoolRequest) -> tuple[Any, Deadline]:
+    def _begin(self, request: PoolCall) -> tuple[Any, Deadline]:
         """(the store, or None when not set up or closed; the call's deadline)."""
         deadline = request.until()
         if self._connection.closed:
@@ -143,7 +143,7 @@ class MooncakePool:
         return None
 
     def put(
-        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
+        self, request: PoolCall, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """`batch_upsert_from` of every value (replaced where it exists); True where Mooncake stored it."""
         keys = request.keys
@@ -180,7 +180,7 @@ class MooncakePool:
         self._memory.give_back(placement, codes is not None)
         return outcome
 
-    def get_into(self, request: PoolRequest, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
+    def get_into(self, request: PoolCall, outs: Sequence[Buffer], as_placed: AsPlaced | None = None) -> PoolOutcome[bool]:
         """`batch_get_into` straight into `outs` (through the bounce buffer where they are not registered); True
         where a value of exactly `len(outs[i])` bytes was placed. `as_placed` is never run (Mooncake places a batch
         whole)."""
@@ -217,7 +217,7 @@ class MooncakePool:
         self._memory.give_back(placement, got is not None)
         return outcome
 
-    def get(self, request: PoolRequest) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolCall) -> PoolOutcome[Buffer | None]:
         """`get_batch` (Mooncake's own buffer, in parts within half of it by the expected sizes): each value, or
         None."""
         keys, expected = request.keys, request.expected
@@ -250,7 +250,7 @@ class MooncakePool:
             outcome.results = [v if len(v) else None for v in values]
         return outcome
 
-    def exists(self, request: PoolRequest, hold: Hold | None = None) -> PoolOutcome[bool]:
+    def exists(self, request: PoolCall, hold: Hold | None = None) -> PoolOutcome[bool]:
         """`batch_is_exist`: True where Mooncake holds the key. Mooncake's master leases every object an exists finds
         (its own `default_kv_lease_ttl`, 5 s by default: eviction passes it by meanwhile), so a lease asked for is
         Mooncake's, of Mooncake's length, ended by its time only. A pin cannot be added to an object Mooncake already

@@ -2,7 +2,7 @@
 
 A save runs gather → encode → send, a load receive → verify → scatter (plus `copy` between device and host staging
 on accelerators). A call is one `Transfer` (its plan, device, copier, option and record: `transfer.py`) along its
-client's `PoolRoute` (pool, staging, chunk size); the copies are its copier's (`ems.datapath.copier`: fused or
+client's `JobContext` (pool, staging, chunk size); the copies are its copier's (`ems.datapath.copier`: fused or
 separate, chosen once per job by `copier_for`). `save_job` / `load_job` pick the job for the call's path (never the
 caller), one module per path:
 
@@ -25,7 +25,7 @@ from ems.datapath.jobs.embedded import EmbeddedLoad, EmbeddedSave
 from ems.datapath.jobs.pipelined_load import PipelinedLoad
 from ems.datapath.jobs.pipelined_save import PipelinedSave
 from ems.datapath.jobs.staged import StagedLoad
-from ems.datapath.jobs.transfer import Loaded, LoadJob, NothingToMove, PoolRoute, SaveJob, Transfer
+from ems.datapath.jobs.transfer import JobContext, Loaded, LoadJob, NothingToMove, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
 
 __all__ = [
@@ -33,9 +33,9 @@ __all__ = [
     "PIPELINE_DEPTH",
     "EmbeddedLoad",
     "EmbeddedSave",
+    "JobContext",
     "LoadJob",
     "Loaded",
-    "PoolRoute",
     "SaveJob",
     "Transfer",
     "load_job",
@@ -50,25 +50,25 @@ def _in_place(pool: PoolBackend, transfer: Transfer) -> InPlaceValues | None:
     return pool.in_place if transfer.device.type == "cpu" else None
 
 
-def save_job(transfer: Transfer, route: PoolRoute) -> SaveJob:
+def save_job(transfer: Transfer, context: JobContext) -> SaveJob:
     """The save job for this call's path: embedded (CPU tensors, the embedded pool) or pipelined (or, for no values,
     nothing)."""
     if transfer.plan.total == 0:
         return NothingToMove(transfer.record)
-    values = _in_place(route.pool, transfer)
+    values = _in_place(context.pool, transfer)
     if values is not None:
         return EmbeddedSave(transfer, values)
-    return PipelinedSave(transfer, route)
+    return PipelinedSave(transfer, context)
 
 
-def load_job(transfer: Transfer, route: PoolRoute) -> LoadJob:
+def load_job(transfer: Transfer, context: JobContext) -> LoadJob:
     """The load job for this call's path: embedded, pipelined (V1) or staged (V0 from pool nodes) (or, for no values,
     nothing)."""
     if transfer.plan.total == 0:
         return NothingToMove(transfer.record)
-    values = _in_place(route.pool, transfer)
+    values = _in_place(context.pool, transfer)
     if values is not None:
         return EmbeddedLoad(transfer, values)
     if isinstance(transfer.plan, BlockPlan):
-        return PipelinedLoad(transfer, route)
-    return StagedLoad(transfer, route)
+        return PipelinedLoad(transfer, context)
+    return StagedLoad(transfer, context)

@@ -2,7 +2,7 @@
 
 The request's staging is one lease, cut into chunks of consecutive values (`plan_chunks`: about `EMS_CHUNK_BYTES`,
 default 16 MiB, and within the pool's request limits); `EMS_CHUNK_BYTES=0` makes the request one chunk. Chunk calls
-run on the jobs' executor (`PoolRoute.executor`, `ems.datapath.executor`); a request of one chunk has nothing to
+run on the jobs' executor (`JobContext.executor`, `ems.datapath.executor`); a request of one chunk has nothing to
 overlap, so its call runs on the calling thread (`run_now`).
 
 In flight: a job keeps at most `PIPELINE_DEPTH` chunk requests on the wire (a save's chunk k is sent once chunk

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
+from ems.backends.base import PoolBackend, PoolCall, PoolOutcome
 from ems.datapath.calls import ExistsCall, consecutive_prefix
 from ems.datapath.keys import chain_keys, v0_keys, v1_keys
 from ems.errors import invalid_argument
@@ -44,7 +44,7 @@ def run_lookup(pool: PoolBackend, call: ExistsCall, v0_namespace: bytes, v1_name
         else:  # looked up under their placement unit, as a save given the same prefix stored them
             keys, route_keys, units = chain_keys(v1_namespace, call.items, call.chain_prefix)  # type: ignore[arg-type]
     try:
-        outcome = pool.exists(PoolRequest(route_keys, keys, call.option, units=units), call.hold)
+        outcome = pool.exists(PoolCall(route_keys, keys, call.option, units=units), call.hold)
     except Exception as exc:  # the contract: a failing pool is a miss, not an exception
         logger.warning("exists: pool failure reported as 0 hits: %s", exc)
         return LookupOutcome(CcResult(0, len(keys)), pool_raised=True)

@@ -30,7 +30,7 @@ from ems.datapath.copier import PlacedScatter, Verified
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import Received, chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
-from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
+from ems.datapath.jobs.transfer import JobContext, Loaded, Transfer, pool_call
 from ems.datapath.planning import BlockPlan
 from ems.datapath.values import ReceivedValues
 from ems.deadline import Deadline
@@ -43,17 +43,17 @@ from ems.store.value_format import HEADER_SIZE, ExpectedValues
 class PipelinedLoad:
     """A load from pool nodes (or into an accelerator) through staging, chunk by chunk: see the module docstring."""
 
-    def __init__(self, transfer: Transfer, route: PoolRoute) -> None:
+    def __init__(self, transfer: Transfer, context: JobContext) -> None:
         if not isinstance(transfer.plan, BlockPlan):
             raise TypeError("PipelinedLoad moves V1 values (a BlockPlan): V0 loads from pool nodes are StagedLoad's")
         self.plan: BlockPlan = transfer.plan
         self.device, self.copier = transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
-        self.pool, self.staging, self.chunk_bytes = route.pool, route.staging, route.chunk_bytes
-        self.executor = route.executor
+        self.pool, self.staging, self.chunk_bytes = context.pool, context.staging, context.chunk_bytes
+        self.executor = context.executor
         # what the pool checks of the values it places (replicas: each against the expected values, to fall back on
         # damage): they travel with that (`ReceivedValues.checked`), and the copier's check checks nothing more then
-        self.read_check = route.pool.read_check
+        self.read_check = context.pool.read_check
         self.record.path = "pipelined"
 
     def run(self) -> Loaded:
@@ -138,7 +138,7 @@ class PipelinedLoad:
         record = self.record
         if stop.is_set():  # the load already stopped before this chunk
             return Received(PoolOutcome([False] * (b - a)), 0, Verified(0))
-        request = pool_request(plan, self.option, a, b, deadline)
+        request = pool_call(plan, self.option, a, b, deadline)
         expected = cast(ExpectedValues, request.expected)  # (a plan's requests carry its expected values)
         start = time.perf_counter()
         outs = plan.value_views(host, a, b)

@@ -1,6 +1,6 @@
 """A save through staging to pool nodes (or from an accelerator), chunk by chunk (`PipelinedSave`).
 
-The request's staging is one lease (`PoolRoute.staging`; with a pool node on this host it lies in that node's
+The request's staging is one lease (`JobContext.staging`; with a pool node on this host it lies in that node's
 shared-memory region where it has room: `PoolClient.shm_staging`, so the node copies straight out of it), cut into
 chunks (`ems.datapath.jobs.chunks`). `begin` gathers chunk k into its range of staging (one backend call per layer
 group; then device → host on accelerators) and starts its encode (checksum, headers in place, unless the fused
@@ -23,7 +23,7 @@ from ems.datapath.copier import Gathered, encode_values
 from ems.datapath.devices import side_stream
 from ems.datapath.jobs import chunks as chunking
 from ems.datapath.jobs.chunks import chunk_outcome, fence, merge_outcomes, plan_chunks, run_now
-from ems.datapath.jobs.transfer import PoolRoute, SaveJob, Transfer, pool_request
+from ems.datapath.jobs.transfer import JobContext, SaveJob, Transfer, pool_call
 from ems.deadline import Deadline
 from ems.records import Stage
 from ems.staging import StagingLease
@@ -33,11 +33,11 @@ from ems.store.value_format import HEADER_SIZE
 class PipelinedSave(SaveJob):
     """A save through staging to pool nodes (or from an accelerator): see the module docstring."""
 
-    def __init__(self, transfer: Transfer, route: PoolRoute) -> None:
+    def __init__(self, transfer: Transfer, context: JobContext) -> None:
         self.plan, self.device, self.copier = transfer.plan, transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
-        self.pool, self.staging, self.chunk_bytes = route.pool, route.staging, route.chunk_bytes
-        self.executor = route.executor
+        self.pool, self.staging, self.chunk_bytes = context.pool, context.staging, context.chunk_bytes
+        self.executor = context.executor
         self.record.path = "pipelined"
         self._lease: StagingLease | None = None
         self._chunks: list[tuple[int, int]] = []
@@ -87,7 +87,7 @@ class PipelinedSave(SaveJob):
                 return PoolOutcome([False] * (b - a))
             sent = time.perf_counter()
             value_lens = plan.expected.payload_len[a:b] + HEADER_SIZE
-            outcome = self.pool.put(pool_request(plan, self.option, a, b, self._deadline), values, value_lens)
+            outcome = self.pool.put(pool_call(plan, self.option, a, b, self._deadline), values, value_lens)
             record.add(Stage.SEND, int(value_lens.sum()), time.perf_counter() - sent)
         except BaseException:
             self._stop.set()

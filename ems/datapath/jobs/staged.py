@@ -11,7 +11,7 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.datapath.devices import side_stream
-from ems.datapath.jobs.transfer import Loaded, PoolRoute, Transfer, pool_request
+from ems.datapath.jobs.transfer import JobContext, Loaded, Transfer, pool_call
 from ems.datapath.planning import RawPlan
 from ems.datapath.values import ReceivedValues
 from ems.records import Stage
@@ -21,13 +21,13 @@ from ems.store.value_format import HEADER_SIZE
 class StagedLoad:
     """A V0 load from pool nodes (its staging has no room for the headers): see the module docstring."""
 
-    def __init__(self, transfer: Transfer, route: PoolRoute) -> None:
+    def __init__(self, transfer: Transfer, context: JobContext) -> None:
         if not isinstance(transfer.plan, RawPlan):
             raise TypeError("StagedLoad moves V0 values (a RawPlan): V1 loads from pool nodes are PipelinedLoad's")
         self.plan: RawPlan = transfer.plan
         self.device, self.copier = transfer.device, transfer.copier
         self.option, self.record = transfer.option, transfer.record
-        self.pool, self.staging = route.pool, route.staging
+        self.pool, self.staging = context.pool, context.staging
         self.record.path = "staged"
 
     def run(self) -> Loaded:
@@ -37,7 +37,7 @@ class StagedLoad:
         """V0 (its staging has no room for the headers): receive, verify the prefix, copy it into staging, scatter."""
         record = self.record
         with record.stage(Stage.RECEIVE):
-            outcome = self.pool.get(pool_request(plan, self.option))
+            outcome = self.pool.get(pool_call(plan, self.option))
         with record.stage(Stage.VERIFY, plan.expected.payload_bytes()):
             # nothing more where the pool checked each value against the expected ones (replicas: to fall back on
             # damage), else every present value (`ReceivedValues.verified_prefix`)

@@ -2,9 +2,9 @@
 
 `Transfer` is one save or load call's descriptor: what moves (`plan`: data, `ems.datapath.planning`), on which device,
 by which copier (`ems.datapath.copier`, chosen once for the job), with the call's option and its job record.
-`PoolRoute` is where a client's transfers go and what they run on: its pool, its staging pool, the chunk size and
+`JobContext` is where a client's transfers go and what they run on: its pool, its staging pool, the chunk size and
 the executor its chunk calls share (`ems.datapath.executor`: the client's, not the pool's). Each pool call a job
-makes for values a..b-1 of its plan is one `PoolRequest` (`pool_request`). A job is built from
+makes for values a..b-1 of its plan is one `PoolCall` (`pool_call`). A job is built from
 the two (`ems.datapath.jobs.save_job` / `load_job`) and runs as a `SaveJob` (the base class of every save job) or a
 `LoadJob`; no job holds anything a descriptor does not name, and every job gives back every buffer and lease on
 every path.
@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from ems.backends.base import PoolBackend, PoolOutcome, PoolRequest
+from ems.backends.base import PoolBackend, PoolCall, PoolOutcome
 from ems.datapath.copier import Copier
 from ems.datapath.executor import ChunkExecutor
 from ems.datapath.planning import Plan
@@ -41,7 +41,7 @@ class Transfer:
 
 
 @dataclass(frozen=True)
-class PoolRoute:
+class JobContext:
     """Where a client's transfers go: the pool, the staging pool (`ems.staging`), the chunk size of a pipelined job
     (`Settings.chunk_bytes`) and the executor its chunk calls run on (one per client, which closes it)."""
 
@@ -51,16 +51,14 @@ class PoolRoute:
     executor: ChunkExecutor
 
 
-def pool_request(
-    plan: Plan, option: CcKvOption, a: int = 0, b: int | None = None, deadline: Deadline | None = None
-) -> PoolRequest:
+def pool_call(plan: Plan, option: CcKvOption, a: int = 0, b: int | None = None, deadline: Deadline | None = None) -> PoolCall:
     """Values a..b-1 of `plan` (b None: to the end) as one pool call: their keys, route keys and expected values,
     the call's option and, where given, the job's deadline."""
     if a == 0 and b is None:
-        return PoolRequest(plan.route_keys, plan.keys, option, deadline, plan.expected, plan.units)
+        return PoolCall(plan.route_keys, plan.keys, option, deadline, plan.expected, plan.units)
     b = plan.total if b is None else b
     units = None if plan.units is None else plan.units[a:b]
-    return PoolRequest(plan.route_keys[a:b], plan.keys[a:b], option, deadline, plan.expected.range(a, b), units)
+    return PoolCall(plan.route_keys[a:b], plan.keys[a:b], option, deadline, plan.expected.range(a, b), units)
 
 
 class SaveJob(abc.ABC):
@@ -93,7 +91,7 @@ class SaveJob(abc.ABC):
 class Loaded:
     """What a load did: `hits`, the values from the first that were verified and written into the cache (nothing
     after them was touched), and the pool's `outcome` (its errors say whether the pool was reachable). Never changed
-    once built (slotted, not frozen: see `PoolRequest`)."""
+    once built (slotted, not frozen: see `PoolCall`)."""
 
     hits: int
     outcome: PoolOutcome

@@ -5,7 +5,7 @@ Contract (no vLLM imports; `worker.EmsWorker` owns one and forwards vLLM's save-
 record `steps.WorkerStep`):
 * `attach(mover, device)`: the `BlockMover` the saves go through, once the worker has registered its KV cache (again:
   the earlier copier's copy-outs end first). Until then a save is only remembered (its request's hold).
-* `wait_for_save(meta, step)` queues the step's saves on the copier's thread (`save_copier.SaveCopier`): the
+* `wait_for_save(meta, step)` queues the step's saves on the copier's thread (`off_step_saves.OffStepSaves`): the
   copy-out runs off the step. A producer (`kv_role` `kv_producer`) with `producer_response` "after_save" then
   waits until the pool has acknowledged the saves this step sent (each ended: stored, failed, or dropped by the
   in-flight budget), at most `producer_wait_ms`: vLLM calls `wait_for_save` after the forward and before the step's
@@ -33,7 +33,7 @@ import torch
 
 from ems.integrations.block_transfer import BlockMover
 from ems.integrations.connector_config import KvRole, ProducerResponse
-from ems.integrations.save_copier import SaveCopier
+from ems.integrations.off_step_saves import OffStepSaves
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.metadata import EmsConnectorMetadata
 from ems.integrations.vllm.steps import WorkerStep
@@ -68,7 +68,7 @@ class WorkerSaves:
         self._after_save = ctx.role is KvRole.PRODUCER and config.producer_response is ProducerResponse.AFTER_SAVE
         self._wait_s = config.producer_wait_ms / 1000
         self._mover: BlockMover | None = None
-        self._copier: SaveCopier | None = None
+        self._copier: OffStepSaves | None = None
         self._ready_event: Callable[[], Callable[[], None]] | None = None
         self._requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
         self._late: list[int] = []  # the saves a producer's step stopped waiting for at its bound, until they end
@@ -77,7 +77,7 @@ class WorkerSaves:
         if self._copier is not None:  # registered again: the earlier mover's copy-outs end first
             self._copier.close()
         self._mover = mover
-        self._copier = SaveCopier(mover)
+        self._copier = OffStepSaves(mover)
         self._ready_event = _step_end_event(device)
 
     def wait_for_save(self, meta: EmsConnectorMetadata | None, step: WorkerStep) -> None:
@@ -99,7 +99,7 @@ class WorkerSaves:
             self._wait_settled(copier, tickets, step)
         step.call_s += time.perf_counter() - started
 
-    def _wait_settled(self, copier: SaveCopier, tickets: list[int], step: WorkerStep) -> None:
+    def _wait_settled(self, copier: OffStepSaves, tickets: list[int], step: WorkerStep) -> None:
         if self._late and not copier.settled(self._late):  # the pool has not answered the saves of a late wait yet
             return
         self._late = []

@@ -38,7 +38,7 @@ BATCH_RECORDS = 64  # and at most this many records (one pipe message to the wri
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-class _Job:
+class _DiskWrite:
     """One record of a writer batch."""
 
     __slots__ = ("digest", "error", "key", "path", "reuse", "slot", "tmp")
@@ -94,10 +94,10 @@ class DiskWriter:
             except _DiskFailed:
                 return
 
-    def _take_batch(self) -> tuple[list[_Job], list[str]]:
+    def _take_batch(self) -> tuple[list[_DiskWrite], list[str]]:
         """The next batch, room reserved for each (lock held); and the paths to unlink once it is released."""
         state = self._state
-        jobs: list[_Job] = []
+        jobs: list[_DiskWrite] = []
         doomed: list[str] = []
         taken = 0
         for key, slot in state.queue.items():
@@ -107,13 +107,13 @@ class DiskWriter:
             doomed += dropped
             if not fits:
                 break
-            jobs.append(_Job(key, digest, slot, reuse, record_path(state.root, digest, slot.seq, slot.nbytes)))
+            jobs.append(_DiskWrite(key, digest, slot, reuse, record_path(state.root, digest, slot.seq, slot.nbytes)))
             taken += slot.nbytes
             if taken >= BATCH_BYTES or len(jobs) >= BATCH_RECORDS:
                 break
         return jobs, doomed
 
-    def _write(self, jobs: list[_Job]) -> None:
+    def _write(self, jobs: list[_DiskWrite]) -> None:
         """Write a batch through the helper (one round trip) and name what was written; what found the filesystem
         full is then retried one record at a time (see the module docstring)."""
         state = self._state
@@ -138,7 +138,7 @@ class DiskWriter:
                 code = self._helper_write([job])[0]
             self._finish_all([(job, code)], time.perf_counter() - started)
 
-    def _helper_write(self, jobs: list[_Job]) -> list[int]:
+    def _helper_write(self, jobs: list[_DiskWrite]) -> list[int]:
         if self._helper is None:
             raise _DiskFailed()
         try:
@@ -150,7 +150,7 @@ class DiskWriter:
             self._state.fail(error)
             raise _DiskFailed() from error
 
-    def _finish_all(self, done: list[tuple[_Job, int]], seconds: float) -> None:
+    def _finish_all(self, done: list[tuple[_DiskWrite, int]], seconds: float) -> None:
         """`_finish` each written job; a disk error turns the tier off (`_DiskFailed`)."""
         state = self._state
         failure = next((code for _, code in done if code and code not in FULL_ERRNOS), 0)
@@ -169,7 +169,7 @@ class DiskWriter:
             state.fail(renamed_error or OSError(failure, os.strerror(failure)))
             raise _DiskFailed()
 
-    def _finish(self, job: _Job, code: int, seconds: float) -> tuple[str, int] | None:
+    def _finish(self, job: _DiskWrite, code: int, seconds: float) -> tuple[str, int] | None:
         """After the helper wrote `job` (errno `code`), with the lock held: name the record when it is still the
         key's newest value, else keep its file as a spare. Returns the record whose file becomes a spare, if any."""
         state = self._state

@@ -23,7 +23,7 @@ Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's schedul
   within what it found, in the same epoch, younger than `lookup_cache_s`): vLLM asks again every step for a
   request it could not admit yet. `take(req_id)` hands the answer vLLM admitted the request with to
   `update_state_after_alloc`; `forget(req_id)` drops a request; `clear()` drops every answer (after a reset).
-* The pool leases what a lookup reports (`lease_ms`, `ems.transport.holds`) to the load that follows, so a reported
+* The pool leases what a lookup reports (`lease_ms`, `ems.transport.exists_holds`) to the load that follows, so a reported
   hit is not evicted before it is loaded.
 * `end_step(idle, record)` dispatches the step's lookups (one batch, one background thread); a step with nothing
   else to run (`idle`) waits up to `IDLE_WAIT_S` for the batch (or, with none in flight, until a request waiting for

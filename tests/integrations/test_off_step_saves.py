@@ -1,4 +1,4 @@
-"""save_copier: saves copied out off the caller's thread, their blocks held until the copy-out has ended, through
+"""off_step_saves: saves copied out off the caller's thread, their blocks held until the copy-out has ended, through
 the real embedded pool. An engine overwrites a block only once the hold is released (a finished request's blocks
 once `take_released` names it, a preempted one's once `wait_copied` returns): what the pool then serves is always
 the block as it was when the save was submitted, never the bytes written after."""
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from ems import CcConfig, Ems, EmsConfig
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover
-from ems.integrations.save_copier import SaveCopier
+from ems.integrations.off_step_saves import OffStepSaves
 
 BLOCKS = 24
 
@@ -57,7 +57,7 @@ def served(layers: list[torch.Tensor], mover: BlockMover, hashes: list[bytes], s
 def test_a_finished_requests_blocks_are_held_until_copied_then_an_overwrite_cannot_reach_the_pool(engine_cache):
     layers, mover = engine_cache
     gen = torch.Generator().manual_seed(4)
-    copier = SaveCopier(mover)
+    copier = OffStepSaves(mover)
     try:
         gate = threading.Event()  # the accelerator's "the step's kernels are done" event, held shut
         blocks, hashes = [0, 1, 2, 3], [block_hash(i) for i in range(4)]
@@ -81,7 +81,7 @@ def test_a_finished_requests_blocks_are_held_until_copied_then_an_overwrite_cann
 
 def test_a_copy_out_that_fails_releases_its_hold_and_counts_failed_blocks(engine_cache):
     _, mover = engine_cache
-    copier = SaveCopier(mover)
+    copier = OffStepSaves(mover)
     try:
 
         def broken() -> None:
@@ -109,7 +109,7 @@ def test_random_saves_finishes_and_preemptions_never_serve_a_block_written_after
     layers, mover = engine_cache
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     gen = torch.Generator().manual_seed(rng.randrange(2**16))
-    copier = SaveCopier(mover)
+    copier = OffStepSaves(mover)
     free = list(range(BLOCKS - 4))  # the last 4 blocks are scratch for the final loads
     owned: dict[str, list[int]] = {}
     finished: set[str] = set()
@@ -165,7 +165,7 @@ def test_a_save_is_settled_once_it_has_ended_in_the_pool_stored_or_dropped(engin
     """`wait_settled` returns once the pool has the saves (stored: a load serves them at once), and a save the
     in-flight budget drops is settled too (nothing to wait for): a waiting caller is never held by it."""
     layers, mover = engine_cache
-    copier = SaveCopier(mover)
+    copier = OffStepSaves(mover)
     released = threading.Event()
     hashes = [block_hash(100 + i) for i in range(3)]
     try:
@@ -175,7 +175,7 @@ def test_a_save_is_settled_once_it_has_ended_in_the_pool_stored_or_dropped(engin
         assert copier.wait_settled([ticket], 10) and copier.settled([ticket])
         served(layers, mover, hashes, [20, 21, 22])  # in the pool when it settled
         full = BlockMover(Ems.get_cc(), mover._block_bytes, inflight_budget=0)  # every save dropped
-        dropping = SaveCopier(full)
+        dropping = OffStepSaves(full)
         try:
             dropped = dropping.submit("b", [3], [block_hash(200)])
             assert dropping.wait_settled([dropped], 10) and full.stats.totals().save_failed_blocks == 1

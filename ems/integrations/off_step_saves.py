@@ -1,7 +1,7 @@
 """Saves whose copy-out runs off the engine's step, and the hold on their blocks until it has finished.
 
 Contract (no engine imports):
-* `SaveCopier(mover).submit(req_id, block_ids, hashes, epoch, ready=None)` queues one save and returns at once,
+* `OffStepSaves(mover).submit(req_id, block_ids, hashes, epoch, ready=None)` queues one save and returns at once,
   with the save's ticket.
   One daemon thread runs the queued saves in order: it waits for `ready()` (on an accelerator, the event recorded
   after the step's kernels: the blocks are written), then calls `BlockMover.save_async`, which returns once the
@@ -48,7 +48,7 @@ class _Save:
     ready: Callable[[], None] | None
 
 
-class SaveCopier:
+class OffStepSaves:
     def __init__(self, mover: BlockMover) -> None:
         self._mover = mover
         self._cond = threading.Condition()
@@ -74,7 +74,7 @@ class SaveCopier:
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         with self._cond:
             if self._closing:
-                raise RuntimeError("SaveCopier is closed")
+                raise RuntimeError("OffStepSaves is closed")
             self._tickets += 1
             self._queue.append(_Save(self._tickets, req_id, list(block_ids), list(hashes), epoch, ready))
             self._copying[req_id] += 1

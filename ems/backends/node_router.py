@@ -3,11 +3,11 @@ deadline; reads in `ems.backends.reads`, the fan-out in `ems.backends.fanout`, w
 `ems.backends.latency`.
 
 Contract:
-* Each key has `replicas` owning nodes among the live ones (`ems.cluster.routing.ranked_owners`, rendezvous hashing of
+* Each key has `replicas` owning nodes among the live ones (`ems.cluster.rendezvous.ranked_owners`, rendezvous hashing of
   its route key, or of its placement unit and then its route key within the unit's group where the request gives
   `units`; `ems.cluster.placement.Members` holds the live set, which membership may change between calls). A call
-  (a `PoolRequest`, as the pool's) sends batched requests per node it needs, nodes in parallel, and returns by the
-  request's deadline (`PoolRequest.until`). A node that fails or does not answer in time fails only its own keys
+  (a `PoolCall`, as the pool's) sends batched requests per node it needs, nodes in parallel, and returns by the
+  request's deadline (`PoolCall.until`). A node that fails or does not answer in time fails only its own keys
   (those of its requests that had not been answered); its error is reported in `PoolOutcome.errors`.
 * A node's keys are cut, in request order, into requests within `limits` (`protocol.RequestLimits`: its
   `batches` and the wire's per-key costs) and sent one after the other, so a call of any size works; the caller
@@ -34,19 +34,19 @@ from typing import Any, cast
 
 import numpy as np
 
-from ems.backends.base import PoolOutcome, PoolRequest, ReadCheck
+from ems.backends.base import PoolCall, PoolOutcome, ReadCheck
 from ems.backends.fanout import FanOut
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
 from ems.backends.warm import WarmNodes
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
-from ems.cluster.routing import ranked_owners
+from ems.cluster.rendezvous import ranked_owners
 from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.store.value_format import HEADER_SIZE, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer, TransportError
-from ems.transport.holds import Hold
+from ems.transport.exists_holds import Hold
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
 
 HEALTH_PINGS = 8  # nodes `healthy` pings at most
@@ -98,7 +98,7 @@ class NodeRouter:
 
     def _read(
         self,
-        request: PoolRequest,
+        request: PoolCall,
         wanted: np.ndarray,
         call: Any,
         costs: Any,
@@ -126,7 +126,7 @@ class NodeRouter:
     # ---- batched operations ----
 
     def put(
-        self, request: PoolRequest, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
+        self, request: PoolCall, values: Sequence[Sequence[Buffer]], value_lens: np.ndarray | None = None
     ) -> PoolOutcome[bool]:
         """Store each value at its `replicas` owning nodes in parallel; `results[i]` is True when the value is
         stored: at least one owner acknowledged it and no owner that answered refused it. An owner that failed as a
@@ -180,7 +180,7 @@ class NodeRouter:
         outcome.results = (acked & ~refused).tolist()
         return outcome
 
-    def get(self, request: PoolRequest, results: list | None = None) -> PoolOutcome[Buffer | None]:
+    def get(self, request: PoolCall, results: list | None = None) -> PoolOutcome[Buffer | None]:
         """Each wanted key's stored value (`results[i]` None: wanted), or None.
 
         With replicas, a damaged copy (not the `expected` value) sends the key on to the next owner, so each value
@@ -218,7 +218,7 @@ class NodeRouter:
         )
 
     def get_into(
-        self, request: PoolRequest, outs: Sequence[Buffer], results: list | None = None, as_placed: AsPlaced | None = None
+        self, request: PoolCall, outs: Sequence[Buffer], results: list | None = None, as_placed: AsPlaced | None = None
     ) -> PoolOutcome[bool]:
         """Place each wanted key's value (`results[i]` False: wanted) in the caller's writable buffer `outs[i]`,
         which the node receives it into without an intermediate copy when it travels alone; `results[i]` is True
@@ -271,7 +271,7 @@ class NodeRouter:
             Hedge(prepare, needs_quiet=True),
         )
 
-    def exists(self, request: PoolRequest, results: list | None = None, hold: Hold | None = None) -> PoolOutcome[bool]:
+    def exists(self, request: PoolCall, results: list | None = None, hold: Hold | None = None) -> PoolOutcome[bool]:
         """Whether each wanted key (`results[i]` False: wanted) is held (with `hold`: held and kept as asked, by the
         node that answered for it)."""
         keys = request.keys
