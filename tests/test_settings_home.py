@@ -30,6 +30,9 @@ ALLOWED = {
     # The local pool node is started with the engine's environment minus the engine's EMS_POOL_KEYS (the node's
     # keys are its key file's): a copy of the environment for a child process, not a setting read.
     "ems/integrations/local_pool.py": "the child node's environment",
+    # PYTHONHASHSEED is Python's own variable, which vLLM's prefix hashing reads: the connector warns when the engine's
+    # blocks can never be shared (and records its seed's digest as a namespace part); not a setting of this package.
+    "ems/integrations/vllm/engine_checks.py": "PYTHONHASHSEED, Python's own variable vLLM's hashing reads",
 }
 
 

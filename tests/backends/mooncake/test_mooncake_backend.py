@@ -317,12 +317,14 @@ def test_staging_is_registered_once_and_zero_copy(mooncake):
     cc.register_kvcache(cache)
     pool = Ems._pool
     assert isinstance(pool, MooncakePool)
+    memory = pool._memory
+    # (the engine's namespace record, put at registration from its own bytes, may have taken a bounce buffer)
+    bounced_before = len(memory.bounce._free)
     for round_ in range(5):
         hashes = [round_ * 100 + i for i in range(8)]
         assert _save(cc, cache, list(range(8)), hashes) == CcResult(8, 8)
         assert _load(cc, list(range(8, 16)), hashes) == CcResult(8, 8)
-    memory = pool._memory
     assert 1 <= len(memory.registered) <= 3
-    assert memory.bounce.leased_bytes == 0 and not memory.bounce._free  # V1 never bounced
+    assert memory.bounce.leased_bytes == 0 and len(memory.bounce._free) == bounced_before  # V1 never bounced
     bases = np.array(sorted(memory.registered), dtype=np.int64)
     assert memory.registry.covers(bases, np.ones_like(bases)).all()
