@@ -9,7 +9,8 @@ accelerator, a remote host, a Mooncake Store, the network), its configuration is
   every other `ems-pool` command (addresses made local, paths temporary, etcd a local one), the keys file, the P/D
   proxy. What is accepted instead: `pip` lines (the extras and pins exist), `vllm serve` / the OpenAI server (the
   JSON by the connector's own `ConnectorConfig` and `KvRole`; vLLM's argument parser in
-  tests/integrations/test_docs_vllm_commands.py), environment-variable lines (by `resolve_settings`), the test
+  tests/integrations/test_docs_vllm_commands.py; the getting-started servers and requests run as written in
+  tests/integrations/test_getting_started_vllm.py), environment-variable lines (by `resolve_settings`), the test
   command (run by .ci/run itself), Mooncake's local store (the same flags as tests/mooncake_testlib.py's).
 """
 
@@ -128,9 +129,15 @@ CHECKS: list[tuple[str, str]] = [
     (r"(ems-pool|python -m ems\.pool) ", "test_every_pool_node_command_starts_a_node"),
     (r"etcd ", "test_nodes_on_etcd_and_their_status"),
     (r"(printf|chmod) ", "test_the_keys_file_commands_make_a_keys_file_the_node_reads"),
-    (r"(vllm serve|python -m vllm\.entrypoints\.openai\.api_server) ", "test_vllm_server_configs_are_accepted"),
+    (
+        r"(vllm serve|python -m vllm\.entrypoints\.openai\.api_server) ",
+        "test_vllm_server_configs_are_accepted, tests/integrations: test_the_getting_started_vllm_step_runs_as_written",
+    ),
     (r"python -m ems\.integrations\.vllm\.pd_proxy ", "test_the_pd_proxy_command_serves"),
-    (r"curl ", "test_requests_name_the_servers_model"),
+    (
+        r"curl ",
+        "test_requests_name_the_servers_model, tests/integrations: test_the_getting_started_vllm_step_runs_as_written",
+    ),
     (r"python serve\.py$", "test_environment_lines_resolve"),
     (r"(export |mooncake_master |python -c)", "test_the_local_mooncake_store_is_the_tests_one"),
     (r"lmcache server ", "tests/integrations/lmcache: test_the_guides_l2_adapter_command_is_what_lmcache_parses"),
