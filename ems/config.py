@@ -5,7 +5,7 @@ once at `Ems.init` (`resolve_settings`): a pool setting given to `EmsConfig` win
 else its default (an error names the environment variable when the value came from there, else the setting);
 the process settings (`chunk_bytes`, `profiling`, `sdk_log_dir`, `pool_shm`, `host_copy`,
 `cache_dir`, `ucx`) come from the environment only, and the `mooncake_*` settings become `Settings.mooncake` with
-`pool_backend="mooncake"`. Each setting, its variable and its default are in docs/configuration.md's table, the one
+`pool_backend="mooncake"`. Each setting, its variable and its default are in docs/reference/configuration.md's table, the one
 list of them (tests/test_docs.py checks it against the code both ways). Nothing re-reads them later: to change one,
 call `Ems.shutdown()` and `Ems.init` again (UCX's, which are process-wide, hold from the first UCX connection on; the
 compiled host copy's, `host_copy_settings`, from its first use).
@@ -30,12 +30,12 @@ Configs are mutable, as in the EMS SDK (an engine may set `cfg.kvcache_type = KV
 it): fields are checked when a config is built and again, all of them, at `Ems.init` (`check_config`), which
 keeps a checked snapshot; changing a config after `Ems.init` has no effect on the running SDK.
 
-With `pool_backend="mooncake"` the pool is a Mooncake Store deployment (`ems.backends.mooncake`, docs/mooncake.md):
+With `pool_backend="mooncake"` the pool is a Mooncake Store deployment (`ems.backends.mooncake`, docs/guides/mooncake.md):
 `pool_replicas` is then Mooncake's `replica_num`; `pool_nodes`, `pool_etcd` and `read_cache_capacity` do not apply
 (giving nodes or etcd with it is refused).
 
 With `pool_etcd` the pool is the nodes registered in etcd under `pool_cluster`, plus any `pool_nodes` (always in
-the set); see `ems.cluster` and docs/pool-nodes.md.
+the set); see `ems.cluster` and docs/guides/pool-nodes.md.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ class PoolBackendKind(str, enum.Enum):
 class EmsConfig:
     """`EmsConfig(access_id=None, access_key=None, cc_config=None, cc_config_v1=None, **pool_settings)`.
 
-    The pool settings are keyword-only; docs/configuration.md's table lists each one. An unknown keyword raises
+    The pool settings are keyword-only; docs/reference/configuration.md's table lists each one. An unknown keyword raises
     `EmsException(EMS_INVALID_ARGUMENT)`.
     """
 

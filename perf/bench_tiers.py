@@ -11,7 +11,7 @@ One `ems.pool` node on loopback. Per round, in turn (the order rotates each roun
   and a promotion job (`submit_load`) over the CPU primary tier's memory, each until `drain_jobs` returns.
 * `lmcache plugin`: `EmsRemoteConnector` built by LMCache's `CreateStorageBackends`, `batched_submit_put_task` (until
   every put is done) and `batched_get_blocking` (objects allocated and filled from the pool), with LMCache's allocator
-  aligned to the chunk size (`local_cpu.pinned_align_bytes`, as docs/lmcache.md advises: one copy a chunk); and
+  aligned to the chunk size (`local_cpu.pinned_align_bytes`, as docs/guides/lmcache.md advises: one copy a chunk); and
   `lmcache plugin, 4 KiB align` with LMCache's default alignment (a chunk moves as 64 runs of 4 KiB).
 * `lmcache fs`: LMCache's own `fs` plugin on this machine's disk (a temporary folder), the same calls.
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             t_save, t_load, t_close = tier_path(node.address, n)
             paths["vllm tier"], closers = (t_save, t_load), [t_close]
             lmcache = () if args.without_lmcache else ("plugin", "plugin, 4 KiB", "fs")
-            aligned = {**ems_extra, "local_cpu.pinned_align_bytes": CHUNK_BYTES}  # one slot a chunk (docs/lmcache.md)
+            aligned = {**ems_extra, "local_cpu.pinned_align_bytes": CHUNK_BYTES}  # one slot a chunk (docs/guides/lmcache.md)
             for which, extra, plugin, label in (
                 ("plugin", aligned, "ems", "lmcache plugin"),
                 ("plugin, 4 KiB", ems_extra, "ems", "lmcache plugin, 4 KiB align"),

@@ -29,7 +29,7 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | cross_layer_blocks  | false                      | ask vLLM for its block-outermost layout BLHNC: one copy a block |
 | max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
-| every other `EmsConfig` pool setting (pool_capacity, pool_replicas, ...) | as `EmsConfig` | docs/configuration.md |
+| every other `EmsConfig` pool setting (pool_capacity, pool_replicas, ...) | as `EmsConfig` | docs/reference/configuration.md |
 
 With `pool_backend="mooncake"` (here or `EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool is started.
 
@@ -74,7 +74,7 @@ MAX_SAVE_WAIT_MS = 60_000
 # The step policy's bound (`in_step_ms`): a step's in-step lookups together, and its in-step load, each take at most
 # this long (a decode step of a mid-size model on an accelerator is tens of milliseconds).
 DEFAULT_IN_STEP_MS = 50
-# Per request from measured costs, within `in_step_ms` (measured against "async" in real engines: docs/vllm.md).
+# Per request from measured costs, within `in_step_ms` (measured against "async" in real engines: docs/guides/vllm.md).
 DEFAULT_STEP_MODE = StepMode.AUTO
 MAX_IN_STEP_MS = 60_000
 # A producer's step waits at most this long for the pool to acknowledge the saves it sent (`producer_wait_ms`): a

@@ -20,11 +20,11 @@ Contract:
 * `--listen HOST:PORT` binds there: a wildcard HOST (0.0.0.0, ::) listens on every interface; a specific address
   binds the UCX listener to it (`transport.ucx.listener`) and limits UCX's data connections to its interface
   (UCX_NET_DEVICES, unless set); when UCX cannot listen there, the node exits with status 1 and UCX's reason.
-* Limits (`ems.pool.budget.NodeLimits`; docs/pool-nodes.md): `--max-inflight` bytes of requests in flight, all
+* Limits (`ems.pool.budget.NodeLimits`; docs/guides/node-limits.md): `--max-inflight` bytes of requests in flight, all
   connections together (default: the capacity up to 4 GiB, a quarter of it above 16 GiB, at least 64 MiB);
   `--handshake-timeout` (10 s) and `--stall-timeout` (30 s, the longest wait for the next frame of a started
   request); `--max-connections` (1024) and `--max-connections-per-peer` (64).
-* Same-host shared memory (`ems.transport.shm`; docs/pool-nodes.md): `--shm-bytes` per connection (default 256MiB;
+* Same-host shared memory (`ems.transport.shm`; docs/concepts/shared-memory.md): `--shm-bytes` per connection (default 256MiB;
   0 turns it off), `--shm-total` for all connections together (default 4GiB), `--shm-tenant` for one tenant's
   connections together (default: half of the total on a node with two or more keys, else the whole total). A region
   counts until the node has freed its pages, whatever its client does (`transport.shm.server`).
@@ -234,7 +234,7 @@ def _tune_malloc() -> None:
     """glibc: allocations of 128 KiB and more get their own mapping, returned to the system when freed, and two
     arenas at most. By default the mmap threshold rises to the largest block freed so far (up to 32 MiB), so the
     MiB-sized value buffers a node churns through end up in fragmented heaps it never returns: measured on a
-    256 MiB node under mixed load, 66 MiB less resident memory at rest with this (docs/pool-nodes.md)."""
+    256 MiB node under mixed load, 66 MiB less resident memory at rest with this (docs/guides/node-limits.md)."""
     import ctypes
 
     try:
@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="256MiB",
         help="bytes of DRAM kept faulted in ahead of the values, in the background (0: fault on first write)",
     )
-    parser.add_argument("--disk", default=None, help="directory of a disk tier behind DRAM (see docs/pool-nodes.md)")
+    parser.add_argument("--disk", default=None, help="directory of a disk tier behind DRAM (see docs/guides/disk-tier.md)")
     parser.add_argument("--disk-capacity", default=None, help="bytes the disk tier may use, e.g. 100GiB (with --disk)")
     parser.add_argument(
         "--disk-queue",

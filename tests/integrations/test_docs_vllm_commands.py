@@ -26,6 +26,24 @@ def _parser():
     return make_arg_parser(FlexibleArgumentParser())
 
 
+def _check_offloading_tiers(extra: dict, text: str) -> None:
+    """The tiers of an OffloadingConnector config: vLLM's own tier factory resolves ours to `EmsTier`, and its keys
+    are what the tier takes (vLLM builds it over a real primary tier in tests/integrations/vllm_tier)."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from ems.integrations.host_region import plugin_config
+    from ems.integrations.vllm_tier import EmsTier
+    from ems.integrations.vllm_tier.tier import TIER_KEYS
+
+    assert extra["spec_name"] == "TieringOffloadingSpec", text
+    ours = [t for t in extra["secondary_tiers"] if t.get("module_path") == "ems.integrations.vllm_tier"]
+    assert ours, text
+    for tier in ours:
+        assert SecondaryTierFactory.get_tier_class(dict(tier)) is EmsTier, text
+        settings = {k: v for k, v in tier.items() if k not in ("type", "module_path", *TIER_KEYS)}
+        plugin_config(f"secondary_tiers[{tier['type']}]", settings)
+
+
 def test_vllms_parser_accepts_every_server_command_of_the_docs(monkeypatch):
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
@@ -42,6 +60,9 @@ def test_vllms_parser_accepts_every_server_command_of_the_docs(monkeypatch):
         validate_parsed_serve_args(args)
         config = args.kv_transfer_config
         assert isinstance(config, KVTransferConfig), command.text
+        if config.kv_connector == "OffloadingConnector":  # vLLM's own offloading, with this package's tier
+            _check_offloading_tiers(config.kv_connector_extra_config, command.text)
+            continue
         assert config.kv_connector == "EmsConnector" and config.kv_connector_module_path == "ems.integrations.vllm"
         KvRole.of(config.kv_role)
         ConnectorConfig.from_extra(config.kv_connector_extra_config)

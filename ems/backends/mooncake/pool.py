@@ -1,9 +1,9 @@
 """Mooncake Store as the pool: `MooncakePool`, a `PoolBackend` (`ems.backends.base`) over Mooncake's Python client
-(`mooncake.store.MooncakeDistributedStore`), chosen with `pool_backend="mooncake"` (docs/mooncake.md).
+(`mooncake.store.MooncakeDistributedStore`), chosen with `pool_backend="mooncake"` (docs/guides/mooncake.md).
 
 Contract, beyond `ems.backends.base`'s:
 * Keys: `keys.mooncake_key` (the storage key in hex, prefixed). Mooncake authenticates nobody: any client of the
-  same master can read, overwrite or remove these keys (docs/mooncake.md says what an operator must add).
+  same master can read, overwrite or remove these keys (docs/guides/mooncake.md says what an operator must add).
 * Values: this package's format, unchanged (header, layout signature, checksum); the jobs check every value they
   load, so a damaged value, one of another layout or version, or a foreign value under our key is a miss.
 * Zero copy: a put is `batch_upsert_from` straight from the values' bytes (Mooncake's plain put does not replace a

@@ -1,4 +1,4 @@
-"""The pool as an LMCache remote storage plugin: `EmsRemoteConnector` (`connector.py`; docs/lmcache.md).
+"""The pool as an LMCache remote storage plugin: `EmsRemoteConnector` (`connector.py`; docs/guides/lmcache.md).
 
 LMCache's plugin loading imports this module and takes the class its configuration names:
 `remote_storage_plugins: ["ems"]`, `extra_config: {"remote_storage_plugin.ems.module_path": "ems.integrations.lmcache",

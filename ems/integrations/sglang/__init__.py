@@ -1,4 +1,4 @@
-"""SGLang HiCache storage backend over this package's pool (docs/sglang.md).
+"""SGLang HiCache storage backend over this package's pool (docs/guides/sglang.md).
 
 `EmsHiCacheStorage` (`ems.integrations.sglang.backend`, which imports SGLang) is what SGLang's
 `StorageBackendFactory` loads from `--hicache-storage-backend dynamic` with `"module_path": "ems.integrations.sglang",

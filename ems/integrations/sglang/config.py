@@ -14,7 +14,7 @@ anything else, or a bad value, raises `EmsException(EMS_INVALID_ARGUMENT)` whose
 | model_id | derived (`namespace.storage_identity`) | the key namespace: servers that share pages must agree |
 | timeout_ms | 5000 | `CcKvOption.timeout` of every exists, get and set |
 | lease_ms | 10000 | how long the pool keeps the pages an exists reported, for the get that follows (0: no lease) |
-| every other `EmsConfig` pool setting (pool_capacity, pool_replicas, ...) | as `EmsConfig` | docs/configuration.md |
+| every other `EmsConfig` pool setting (pool_capacity, pool_replicas, ...) | as `EmsConfig` | docs/reference/configuration.md |
 """
 
 from __future__ import annotations

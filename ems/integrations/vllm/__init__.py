@@ -2,7 +2,7 @@
 
 Importing `EmsConnector`, `EmsConnectorMetadata` or `EmsConnectorStats` from here imports vllm (install
 `ems-kvcache[vllm]`); `import ems` never does, and neither do the connector's halves (`scheduler`, `worker`,
-`lookups`, `metadata`), which their tests run without vllm. See docs/vllm.md.
+`lookups`, `metadata`), which their tests run without vllm. See docs/guides/vllm.md.
 """
 
 from __future__ import annotations

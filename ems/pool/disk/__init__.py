@@ -1,4 +1,4 @@
-"""A pool node's disk tier: values evicted from DRAM kept on a local disk, one file per value (docs/pool-nodes.md).
+"""A pool node's disk tier: values evicted from DRAM kept on a local disk, one file per value (docs/guides/disk-tier.md).
 
 `DiskTier` (`tier`) is the tier the node's `TieredStore` uses; the rest are its parts, each with its own contract:
 `records` (the record file's bytes and name), `files` (the directory: restore from names, reads, the I/O mode),

@@ -4,7 +4,7 @@ files, removing files. No state of the tier and no lock: the tier calls these wi
 Contract:
 * `prepare(root)` creates the root and its 256 folders (`records.folder_name`).
 * `probe_direct(root)`: `os.O_DIRECT` when the filesystem takes it (tmpfs before Linux 6.6 and some others refuse
-  it), else 0 (buffered I/O); docs/pool-nodes.md says why O_DIRECT.
+  it), else 0 (buffered I/O); docs/guides/disk-tier.md says why O_DIRECT.
 * `scan(root)`: what a restart finds, from the names alone (a listing of each folder, its names parsed in one
   vectorised pass, no file opened): every record, oldest sequence first (the LRU order); where a key has two records
   (killed between naming the new one and dropping the old one) the newer wins, in its own place in that order, and

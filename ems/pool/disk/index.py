@@ -8,7 +8,7 @@ Contract:
   when it was full) — except that one record may overshoot while nothing is left to drop (`reserve`). Room is made
   by dropping spares of other sizes, then the least recently used records (counted in `evictions`).
 * Spares: the file of a dropped record is kept under a temporary name and overwritten by a later record of its size
-  (cheaper than creating a file; docs/pool-nodes.md). Its bytes move from `used` to `spare_bytes` when the record
+  (cheaper than creating a file; docs/guides/disk-tier.md). Its bytes move from `used` to `spare_bytes` when the record
   is dropped (`retire`, `insert`); the file joins the spares once renamed (`spare_kept`), or its bytes leave the
   count when the rename failed (`spare_lost`).
 * No I/O: a method that drops records or spares returns the paths for the caller to unlink (or rename) once the
@@ -40,7 +40,7 @@ class DiskIndex:
         self._records: OrderedDict[bytes, IndexedRecord] = OrderedDict()  # key hash -> record, LRU first
         self.used = 0  # file bytes of the records indexed, plus those reserved for records being written
         # files of dropped records kept (under temporary names) to be overwritten by later records of their size:
-        # overwriting an allocated file costs a third of creating one (measured: docs/pool-nodes.md)
+        # overwriting an allocated file costs a third of creating one (measured: docs/guides/disk-tier.md)
         self._spares: dict[int, list[str]] = {}
         self.spare_bytes = 0
         self.evictions = 0

@@ -24,7 +24,7 @@ Contract (`DiskTier`; the node's `TieredStore` is its only user):
   off (`state.DiskState.fail`): one warning is logged, the index and the queue are emptied, and from then on
   `submit` drops and `lookup` misses (the node serves from DRAM only). A read error of one record while the
   directory is still there is that record's miss (dropped), not a failure of the tier.
-* I/O: O_DIRECT with buffers aligned to `ALIGN` where the filesystem takes it (docs/pool-nodes.md says why), else
+* I/O: O_DIRECT with buffers aligned to `ALIGN` where the filesystem takes it (docs/guides/disk-tier.md says why), else
   buffered I/O. Reads land in a per-thread aligned bounce buffer (`files.RecordReader`); the caller copies the
   verified value out.
 * Thread-safe: one lock (`state.DiskState.lock`) guards the index, the queue, the spares and the counters; it is
