@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -142,16 +142,7 @@ class HostRegion:
         option: CcKvOption,
     ) -> CcResult:
         """Store value `i` = slots `starts[i] .. + lengths[i]` under `hashes[i]`; the consecutive successes."""
-        if not hashes:
-            return CcResult(0, 0)
-        try:
-            slots, runs = self._slots(starts, lengths)
-            return self.cc.save(slots.tolist(), list(hashes), runs.tolist(), option)
-        except EmsException as exc:
-            if exc.status_code().name == "EMS_INVALID_ARGUMENT":
-                raise
-            logger.warning("save of %d values failed: %s", len(hashes), exc.message())
-            return CcResult(0, len(hashes))
+        return self._move(self.cc.save, "save", hashes, starts, lengths, option)
 
     def load(
         self,
@@ -161,15 +152,28 @@ class HostRegion:
         option: CcKvOption,
     ) -> CcResult:
         """Fill slots `starts[i] .. + lengths[i]` with the value of `hashes[i]`, from the first to the first miss."""
+        return self._move(self.cc.load, "load", hashes, starts, lengths, option)
+
+    def _move(
+        self,
+        call: Callable[..., CcResult],
+        what: str,
+        hashes: Sequence[int],
+        starts: Sequence[int],
+        lengths: Sequence[int] | int,
+        option: CcKvOption,
+    ) -> CcResult:
+        """One save or load (`call`, the public API's) of whole runs; a pool failure is no success (logged), bad
+        input raises."""
         if not hashes:
             return CcResult(0, 0)
         try:
             slots, runs = self._slots(starts, lengths)
-            return self.cc.load(slots.tolist(), list(hashes), runs.tolist(), option)
+            return call(slots.tolist(), list(hashes), runs.tolist(), option)
         except EmsException as exc:
             if exc.status_code().name == "EMS_INVALID_ARGUMENT":
                 raise
-            logger.warning("load of %d values failed: %s", len(hashes), exc.message())
+            logger.warning("%s of %d values failed: %s", what, len(hashes), exc.message())
             return CcResult(0, len(hashes))
 
     def exists(self, hashes: Sequence[int], option: CcKvOption, lease_ms: int = 0) -> int:
