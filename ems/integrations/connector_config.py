@@ -89,6 +89,21 @@ def invalid_argument(message: str) -> EmsException:
 
 # Every `EmsConfig` pool setting except `pool_nodes` (resolved here, with the local pool): one list, config's own.
 EMS_SETTINGS = tuple(name for name in POOL_SETTINGS if name != "pool_nodes")
+# The connector keys an engine plug-in takes besides its own (SGLang's HiCache, vLLM's offloading tier, LMCache): the
+# pool, the tenant, the namespace and the timeouts; a plug-in has no scheduler steps, roles or epochs of its own.
+PLUGIN_KEYS = (
+    "pool_nodes",
+    "local_pool",
+    "local_pool_dir",
+    "local_pool_capacity",
+    "model_id",
+    "timeout_ms",
+    "lookup_timeout_ms",
+    "lease_ms",
+    "access_id",
+    "access_key",
+    *EMS_SETTINGS,
+)
 KEYS = (
     "pool_nodes",
     "local_pool",

@@ -3,7 +3,7 @@
 Contract (no engine imports; used by `ems.integrations.vllm_tier` and `ems.integrations.lmcache`):
 
 * `plugin_config(where, extra, allowed)` reads a plug-in's keys with the connector's own parser
-  (`connector_config.ConnectorConfig.from_extra`): a key outside `allowed` (the pool keys `POOL_KEYS` plus the
+  (`connector_config.ConnectorConfig.from_extra`): a key outside `allowed` (the pool keys `PLUGIN_KEYS` plus the
   plug-in's own, which the caller removed first) or a bad value raises `ValueError` naming `where.<key>`, as engines
   report their own configuration errors.
 * `open_client(config, model_id)` builds one `ContextCaching` (the SDK's client class) over its own pool connection,
@@ -37,28 +37,15 @@ from ems import CcKvOption, CcResult, ContextCaching, EmsException, StoreLayerGr
 from ems.client.api import connect_pool
 from ems.config import check_config, resolve_settings
 from ems.integrations import kv_layouts
-from ems.integrations.connector_config import EMS_SETTINGS, ConnectorConfig
+from ems.integrations.connector_config import PLUGIN_KEYS, ConnectorConfig
 
 logger = logging.getLogger("ems.integrations")
 
-# The connector keys a plug-in takes (a plug-in has no scheduler steps, roles or epochs of its own).
-POOL_KEYS = (
-    "pool_nodes",
-    "local_pool",
-    "local_pool_dir",
-    "local_pool_capacity",
-    "model_id",
-    "timeout_ms",
-    "lookup_timeout_ms",
-    "lease_ms",
-    "access_id",
-    "access_key",
-) + EMS_SETTINGS
 _V1_MAX = 2**256 - 1
 _CONNECTOR_PREFIX = "kv_connector_extra_config"
 
 
-def plugin_config(where: str, extra: Mapping[str, Any], allowed: Sequence[str] = POOL_KEYS) -> ConnectorConfig:
+def plugin_config(where: str, extra: Mapping[str, Any], allowed: Sequence[str] = PLUGIN_KEYS) -> ConnectorConfig:
     """The pool settings of a plug-in's configuration `extra` (see the module contract); errors name `where.<key>`."""
     unknown = sorted(set(extra) - set(allowed))
     if unknown:

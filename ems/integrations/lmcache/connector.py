@@ -7,7 +7,7 @@ own plugin loading from `remote_storage_plugins: [NAME]` and `extra_config`
 * Construction: LMCache builds the class as `cls(loop=, local_cpu_backend=, config=)`, without metadata or its
   plugin name: the metadata is `local_cpu_backend.metadata` (as LMCache's fs connector takes it), the name is the one
   entry of `remote_storage_plugins` whose `module_path`/`class_name` name this class. Its settings are the other
-  `remote_storage_plugin.NAME.<key>` entries: the pool keys of `host_region.POOL_KEYS` and `io_threads`; an unknown
+  `remote_storage_plugin.NAME.<key>` entries: the pool keys of `connector_config.PLUGIN_KEYS` and `io_threads`; an unknown
   key or a bad value raises LMCache's `IrrecoverableException` naming `extra_config.remote_storage_plugin.NAME.<key>`
   (LMCache then creates no backend for the plugin and logs the message).
 * Memory: LMCache's memory objects live in its local CPU backend's allocator buffer. That buffer is registered once
@@ -46,12 +46,12 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from ems import CcKvOption
-from ems.integrations.connector_config import derive_model_id
-from ems.integrations.host_region import POOL_KEYS, HostRegion, chunk_hash, close_client, open_client, plugin_config
+from ems.integrations.connector_config import PLUGIN_KEYS, derive_model_id
+from ems.integrations.host_region import HostRegion, chunk_hash, close_client, open_client, plugin_config
 
 logger = logging.getLogger("ems.integrations.lmcache")
 
-PLUGIN_KEYS = ("module_path", "class_name")  # LMCache's own, read by its loader
+LOADER_KEYS = ("module_path", "class_name")  # LMCache's own, read by its loader
 OWN_KEYS = ("io_threads",)
 DEFAULT_IO_THREADS = 2
 # LMCache's AddressManager.ALIGN_BYTES: every object starts at a multiple of it (`local_cpu.pinned_align_bytes` in
@@ -89,12 +89,12 @@ class EmsRemoteConnector(RemoteConnector):
         where = f"extra_config.remote_storage_plugin.{self.name}"
         extra = (config or local_cpu_backend.config).extra_config or {}
         prefix = f"remote_storage_plugin.{self.name}."
-        settings = {k[len(prefix) :]: v for k, v in extra.items() if k.startswith(prefix) and k[len(prefix) :] not in PLUGIN_KEYS}
+        settings = {k[len(prefix) :]: v for k, v in extra.items() if k.startswith(prefix) and k[len(prefix) :] not in LOADER_KEYS}
         threads = settings.pop("io_threads", DEFAULT_IO_THREADS)
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
             raise IrrecoverableException(f"{where}.io_threads must be an int in 1..64, got {threads!r}")
         try:
-            self.settings = plugin_config(where, settings, POOL_KEYS)
+            self.settings = plugin_config(where, settings, PLUGIN_KEYS)
         except ValueError as exc:
             raise IrrecoverableException(str(exc)) from None
         self.option = CcKvOption(write_rcache=False, timeout=self.settings.timeout_ms)  # LMCache keeps its own CPU copy

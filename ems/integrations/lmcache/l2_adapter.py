@@ -17,7 +17,7 @@ plugin adapter loading from `--l2-adapter '{"type": "plugin", "module_path": "em
   the bitmap has the consecutive hits from the first key; `submit_unlock` ends nothing early (the lease expires, a
   load's read ends it). A load's bitmap has the loaded keys from the first to the first miss. A failing pool gives
   failed stores and zero bits within `timeout_ms`, never an exception into LMCache's controllers.
-* `adapter_params`: the pool keys of `host_region.POOL_KEYS`, `io_threads`, `max_object_bytes` (the largest object,
+* `adapter_params`: the pool keys of `connector_config.PLUGIN_KEYS`, `io_threads`, `max_object_bytes` (the largest object,
   default 64 MiB) and `namespace`; anything else or a bad value raises `ValueError` naming
   `adapter_params.<key>`.
 """
@@ -38,8 +38,8 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
 from ems import CcKvOption
-from ems.integrations.connector_config import derive_model_id
-from ems.integrations.host_region import POOL_KEYS, HostRegion, chunk_hash, close_client, open_client, plugin_config
+from ems.integrations.connector_config import PLUGIN_KEYS, derive_model_id
+from ems.integrations.host_region import HostRegion, chunk_hash, close_client, open_client, plugin_config
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -75,7 +75,7 @@ class EmsL2Adapter(L2AdapterInterface):
         namespace = own.get("namespace", "lmcache-mp")
         if not isinstance(namespace, str) or not namespace:
             raise ValueError(f"{where}.namespace must be a non-empty string, got {namespace!r}")
-        self.settings = plugin_config(where, params, POOL_KEYS)
+        self.settings = plugin_config(where, params, PLUGIN_KEYS)
         if l1_memory_desc is None:
             raise ValueError("EmsL2Adapter needs LMCache's L1 memory descriptor (l1_memory_desc) to move objects in place")
         self.unit = int(l1_memory_desc.align_bytes)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ems.errors import EmsException, invalid_argument
-from ems.integrations.connector_config import EMS_SETTINGS, ConnectorConfig
+from ems.integrations.connector_config import PLUGIN_KEYS, ConnectorConfig
 
 WHERE = "hicache_storage_backend_extra_config"
 # SGLang's own keys: the dynamic loader's, and those its cache controller and storage manager read from the same dict
@@ -37,19 +37,6 @@ SGLANG_KEYS = (
     "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token",
     "hicache_storage_pass_prefix_keys",
-)
-# The vLLM connector's keys that mean the same for a HiCache backend (the others are vLLM scheduler knobs)
-POOL_KEYS = (
-    "pool_nodes",
-    "local_pool",
-    "local_pool_dir",
-    "local_pool_capacity",
-    "model_id",
-    "timeout_ms",
-    "lease_ms",
-    "access_id",
-    "access_key",
-    *EMS_SETTINGS,
 )
 
 
@@ -73,14 +60,14 @@ class HiCacheConfig:
         if extra is not None and not isinstance(extra, Mapping):
             raise invalid_argument(f"{WHERE} must be a JSON object, got {type(extra).__name__}")
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(SGLANG_KEYS) - set(POOL_KEYS))
+        unknown = sorted(set(extra) - set(SGLANG_KEYS) - set(PLUGIN_KEYS))
         if unknown:
-            raise invalid_argument(f"{WHERE}: unknown keys {unknown}; known: {sorted(POOL_KEYS + SGLANG_KEYS)}")
+            raise invalid_argument(f"{WHERE}: unknown keys {unknown}; known: {sorted(PLUGIN_KEYS + SGLANG_KEYS)}")
         interface_v1 = extra.get("interface_v1", False)
         if not isinstance(interface_v1, (bool, int)) or interface_v1 not in (0, 1):
             raise invalid_argument(f"{WHERE}.interface_v1 must be 0/1 or false/true, got {interface_v1!r}")
         try:
-            pool = ConnectorConfig.from_extra({k: v for k, v in extra.items() if k in POOL_KEYS})
+            pool = ConnectorConfig.from_extra({k: v for k, v in extra.items() if k in PLUGIN_KEYS})
         except EmsException as exc:  # the parser names vLLM's dict; the key it names is the same here
             raise invalid_argument(exc.message().replace("kv_connector_extra_config", WHERE)) from None
         return cls(pool=pool, interface_v1=bool(interface_v1))

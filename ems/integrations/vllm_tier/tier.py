@@ -23,7 +23,7 @@ Contract (vLLM's `vllm/v1/kv_offload/tiering/base.SecondaryTierManager`; loaded 
   `success=False` with `successful_keys` = that prefix (the framework keeps them) and marks the rest a miss for
   later lookups (so the scheduler stops asking for them). `transfer_time` and `transfer_bytes` feed vLLM's tier
   metrics; with `enable_kv_events` (and KV events on) a successful store emits an `OffloadingEvent` for its keys.
-* Configuration: the pool keys of `host_region.POOL_KEYS` (connector names: `pool_nodes`, `model_id`, `timeout_ms`,
+* Configuration: the pool keys of `connector_config.PLUGIN_KEYS` (connector names: `pool_nodes`, `model_id`, `timeout_ms`,
   ...) and the tier's own `io_threads`, `enable_kv_events`, `locality`; anything else, or a bad value, raises
   `ValueError` naming `secondary_tiers[EmsTier].<key>` before the engine starts.
 * `drain_jobs` waits for every queued job; `shutdown` drains, stops the lookup thread and closes the client.
