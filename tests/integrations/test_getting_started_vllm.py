@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,7 @@ def test_the_getting_started_vllm_step_runs_as_written(tmp_path: Path) -> None:
             with open(tmp_path / f"server{i}.log", "w") as log:
                 procs.procs.append(
                     subprocess.Popen(
-                        local(server), cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                        local(server), cwd=ROOT, env={**_own_metrics(os.environ), **env}, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
                 )  # fmt: skip
@@ -149,3 +150,9 @@ def test_the_getting_started_vllm_step_runs_as_written(tmp_path: Path) -> None:
         assert sum(int(line[3]) for line in lines) >= full, shown.stdout  # the values the first server saved
     finally:
         procs.stop()
+
+
+def _own_metrics(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a server of its own metrics: without a PROMETHEUS_MULTIPROC_DIR that vLLM, imported by an
+    earlier test, set in this process (two servers started with it add their counters to the same files)."""
+    return {k: v for k, v in environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}

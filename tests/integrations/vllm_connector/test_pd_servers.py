@@ -51,7 +51,10 @@ def serve(model: str, role: str, port: int, pool_dir: str, log_path: str) -> sub
     }
     if role == "kv_producer":  # its response leaves once the pool holds its blocks (the default; bound: a busy host)
         transfer["kv_connector_extra_config"].update(producer_response="after_save", producer_wait_ms=30_000)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
+    # (each server its own metrics: a PROMETHEUS_MULTIPROC_DIR that vLLM, imported by an earlier test, set in this
+    # process would make every server started from here add its counters to the same files)
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
         "--host", "127.0.0.1", "--skip-tokenizer-init", "--block-size", str(BLOCK), "--max-model-len", "1024",
