@@ -99,11 +99,17 @@ class SpareCpuPacer:
     took a core for about 2 ms per MiB right then: in a vLLM engine a 0.1 s prefill step took 0.3-0.5 s
     (perf/RESULTS.md, "A node's background populate and an engine's step"). The kernel's own view of the thread
     does not tell: a thread that sleeps often is scheduled first when it wakes, so it never waits for a CPU itself;
-    the others wait for it."""
+    the others wait for it.
+
+    A wait backs off: each busy window doubles the next (up to `MAX_WINDOW_S`), and a step that runs starts over at
+    `WINDOW_S`. Polling every 30 ms while every core stays busy cost ~10 ms of CPU a second per waiting thread (a
+    /proc/stat read and a wake-up each window): 32 pool nodes on one host took a third of a core doing nothing
+    (perf/RESULTS.md, "Issue 46: what 32 nodes on one host cost while they wait")."""
 
     WINDOW_S = 0.03
+    MAX_WINDOW_S = 0.48  # a busy host is looked at twice a second, at most
     SPARE_CORES = 0.75
-    STALE_S = 4 * WINDOW_S  # a window this old (the thread waited for work) says nothing of now: a fresh one is taken
+    STALE_S = 4 * WINDOW_S  # a window this much longer than it was meant to be (the thread waited for work): stale
 
     def __init__(
         self,
@@ -121,16 +127,20 @@ class SpareCpuPacer:
 
     def run(self, step: Callable[[], T]) -> T:
         """`step()` once the host has a spare core (see the class docstring); its result."""
+        window = self.WINDOW_S
         while self._clock() - self._window[2] >= self.WINDOW_S:
             (idle, own, start), now = self._window, self._sample()
             self._window = now
             if idle is None or now[0] is None:
                 break  # the kernel does not say: never wait
             elapsed = now[2] - start
-            if elapsed <= self.STALE_S and (now[0] - idle) + (now[1] - own) >= self.SPARE_CORES * elapsed:
+            fresh = elapsed <= self.STALE_S * window / self.WINDOW_S
+            if fresh and (now[0] - idle) + (now[1] - own) >= self.SPARE_CORES * elapsed:
                 break
-            self._sleep(self.WINDOW_S)  # busy (or not known lately): this window is spent waiting, then looked at
-            self.waited_s += self.WINDOW_S
+            self._sleep(window)  # busy (or not known lately): this window is spent waiting, then looked at
+            self.waited_s += window
+            if fresh:  # (busy: the next look comes later; after a stale window the first fresh one is short)
+                window = min(2 * window, self.MAX_WINDOW_S)
         return step()
 
 

@@ -66,10 +66,40 @@ def test_a_step_waits_while_every_core_is_busy_and_goes_on_once_one_is_spare():
     pacer = host.pacer()
     host.step(SpareCpuPacer.WINDOW_S, idle_cores=0.0, own_share=0.5)
     pacer.run(lambda: None)
-    assert host.sleeps == [SpareCpuPacer.WINDOW_S] * 5  # four busy windows, then the one that shows a spare core
-    assert pacer.waited_s == pytest.approx(5 * SpareCpuPacer.WINDOW_S)
+    w = SpareCpuPacer.WINDOW_S  # four busy windows, each twice the one before, then the one that shows a spare core
+    assert host.sleeps == pytest.approx([w, 2 * w, 4 * w, 8 * w, 16 * w])
+    assert pacer.waited_s == pytest.approx(31 * w)
     run_steps(host, pacer, 20, 0.004, idle_cores=0.5)  # spare again: no more waiting
     assert len(host.sleeps) == 5
+
+
+def test_a_long_wait_looks_at_the_host_a_few_times_a_second():
+    """While every core stays busy, the windows grow to `MAX_WINDOW_S`: a thread that waits a minute wakes up about
+    twice a second, not 33 times (each look reads /proc/stat); the first step once a core is spare starts over."""
+    host = FakeHost(busy_sleeps=10**9)
+    pacer = host.pacer()
+    host.step(SpareCpuPacer.WINDOW_S, idle_cores=0.0, own_share=0.5)
+    host.busy_sleeps = 0
+    sleeps_before_spare = 0
+
+    def sleep(seconds: float) -> None:
+        nonlocal sleeps_before_spare
+        host.sleeps.append(seconds)
+        host.now += seconds
+        if host.now > 160.0:  # a minute later the host has a spare core
+            host.idle += seconds
+        else:
+            sleeps_before_spare += 1
+
+    pacer._sleep = sleep
+    pacer.run(lambda: None)
+    assert max(host.sleeps) == SpareCpuPacer.MAX_WINDOW_S
+    assert sleeps_before_spare < 60 * 2.5
+    pacer.run(lambda: None)  # spare: goes on at once, and a later busy spell starts at the short window again
+    host.step(SpareCpuPacer.WINDOW_S, idle_cores=0.0, own_share=0.0)
+    before = len(host.sleeps)
+    pacer.run(lambda: None)
+    assert host.sleeps[before:] == [SpareCpuPacer.WINDOW_S]
 
 
 def test_a_window_after_a_long_rest_says_nothing_of_now():
@@ -79,7 +109,8 @@ def test_a_window_after_a_long_rest_says_nothing_of_now():
     pacer = host.pacer()
     host.step(5.0, idle_cores=2.0, own_share=0.0)  # five idle seconds: long ago, as far as now is concerned
     pacer.run(lambda: None)
-    assert host.sleeps == [SpareCpuPacer.WINDOW_S] * 3
+    w = SpareCpuPacer.WINDOW_S  # the stale window, then two busy ones (the second twice as long), then spare
+    assert host.sleeps == pytest.approx([w, w, 2 * w])
 
 
 def test_without_the_hosts_idle_time_it_never_waits():
