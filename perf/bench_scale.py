@@ -10,8 +10,11 @@ block placement, as before units); medians of the rounds. First call: a fresh cl
 `Ems.init` does for more than `EAGER_CONNECT_NODES` nodes; at open for fewer) plus its first save (registration not
 counted), against a steady save.
 
+Before the rounds the pool is filled (`fill`: every node's store written about once over, as a pool in service is;
+`--no-fill` measures empty nodes, whose first touches of fresh pages then count, more on the larger pools).
+
 Prints a table, writes perf/scale.png, records perf/results/scale.json.
-Usage: python perf/bench_scale.py [--nodes 2 32 64] [--rounds 7] [--quick]
+Usage: python perf/bench_scale.py [--nodes 2 32 64] [--rounds 7] [--quick] [--no-fill]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ems.transport.ucx.remote import connect  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BLOCKS, BS = 512, 16
+NODE_CAPACITY = 64 << 20  # each node's store
 OPTION = CcKvOption(timeout=10000)
 
 
@@ -62,6 +66,21 @@ def open_cc(addresses: Sequence[str], cache: list) -> tuple[ContextCaching, Pool
     return cc, pool, opened
 
 
+def fill(cc: ContextCaching, nodes: int, slots: list[int], offsets: list[int]) -> tuple[float, int]:
+    """Save distinct prompts with per-block placement (which spreads over every node) until each node's store has
+    been written about once over: a pool in service is full, its pages faulted in and its values recycled. On
+    empty nodes a round's calls would pay the first touch of fresh arena pages (about 2 ms per MiB on this VM)
+    and race the nodes' background populate for the cores, and on 32 nodes every round touches nodes it has not
+    touched before, where on 2 nodes the first rounds fill them: the rounds would compare a cold pool with a warm
+    one. Returns the seconds it took and the MiB saved (the replicas' copies not counted)."""
+    started = time.perf_counter()
+    value_bytes = 4 * 2 * BS * 2 * 64 * 2  # a block's K and V of every layer (the cache of `main`)
+    prompts = -(-NODE_CAPACITY * nodes // (2 * BLOCKS * value_bytes))  # 2 replicas: each value written twice
+    for p in range(prompts):
+        _ok(cc.save(slots, [(0xF111 << 44) | (p << 12) | b for b in range(BLOCKS)], offsets, OPTION))
+    return time.perf_counter() - started, prompts * BLOCKS * value_bytes >> 20
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -73,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 32, 64])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-fill", action="store_true", help="measure on empty nodes (their arenas' first touches included)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 2
@@ -80,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     # started in parallel; the starting threads live as long as the nodes (a node dies with the thread that forked it)
     starter = ThreadPoolExecutor(8)
-    procs = list(starter.map(lambda _: PoolProcess("64MiB", args=("--shm-bytes", "32MiB")), range(most)))
+    procs = list(starter.map(lambda _: PoolProcess(f"{NODE_CAPACITY >> 20}MiB", args=("--shm-bytes", "32MiB")), range(most)))
     print(f"{most} nodes up in {time.perf_counter() - started:.1f} s", flush=True)
     cache = make_cache(layers=4, blocks=BLOCKS, block_size=BS, heads=2, head_size=64)
     slots = slots_of_blocks(range(BLOCKS), BS)
@@ -91,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for n in args.nodes:
             clients[n] = open_cc([p.address for p in procs[:n]], cache)[:2]
+        if not args.no_fill:
+            fill_s, fill_mib = fill(clients[most][0], most, slots, offsets)
+            print(f"filled: {fill_mib} MiB saved over the {most} nodes in {fill_s:.1f} s", flush=True)
         for r in range(args.rounds):
             for n in args.nodes:
                 cc, _ = clients[n]
