@@ -10,9 +10,11 @@ Contract (`open_remote_pool`):
   `pool_nodes` the engine starts on them and picks up etcd's members once it answers. When etcd goes away later,
   the engine keeps the last set it saw and goes on serving.
 * `pool_replicas` (k owners per block) and `pool_hedge` are handed to the `PoolClient`.
-* Connections: `Ems.init` connects to each of `pool_nodes` at start when there are at most `EAGER_CONNECT_NODES`
-  (a refused handshake fails the init at once); a larger list is connected lazily, each node on its first call, and
-  the client keeps a bounded set of connections warm (`ems.backends.warm`).
+* Connections: `connect` opens a client for each of `pool_nodes`; `Ems.init` hands one that connects at start when
+  there are at most `EAGER_CONNECT_NODES` of them (a refused handshake fails the init at once), else one that
+  connects lazily, each node on its first call. `join` opens the nodes etcd reports, always lazily in `Ems.init`: a
+  pool of a thousand members is not a thousand connections at start, nor one made under the membership's lock as
+  each node joins. The client keeps a bounded set of connections warm (`ems.backends.warm`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ log = logging.getLogger("ems")
 EAGER_CONNECT_NODES = 8
 
 
-def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -> PoolClient:
+def open_remote_pool(
+    settings: Settings, connect: Callable[[str], NodeClient], join: Callable[[str], NodeClient] | None = None
+) -> PoolClient:
+    """See the module docstring (`join`: how etcd's members are opened; `connect` when not given)."""
     static = list(settings.pool_nodes)
     nodes = [connect(address) for address in static]
     if settings.pool_etcd is None:
@@ -45,7 +50,7 @@ def open_remote_pool(settings: Settings, connect: Callable[[str], NodeClient]) -
         nodes,
         read_cache_capacity=settings.read_cache_capacity,
         replicas=settings.pool_replicas,
-        connect=connect,
+        connect=join or connect,
         hedge=settings.pool_hedge,
     )
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ems.backends.base import PoolBackend
 from ems.backends.embedded import EmbeddedPool
@@ -27,6 +29,9 @@ from ems.config import EmsConfig, PoolBackendKind, Settings, check_config, resol
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 from ems.extras import MissingExtra, require
 from ems.store.kv_store import KvStore
+
+if TYPE_CHECKING:
+    from ems.transport.base import NodeClient
 
 logger = logging.getLogger("ems")
 
@@ -84,18 +89,18 @@ def connect_pool(config: EmsConfig, settings: Settings) -> PoolBackend:
     from ems.backends.remote_pool import EAGER_CONNECT_NODES, open_remote_pool
     from ems.transport.ucx.client import UcxNode
 
-    # (a node not connected yet connects on its first call, by itself)
-    opener = connect if len(settings.pool_nodes) <= EAGER_CONNECT_NODES else UcxNode
-    return open_remote_pool(
-        settings,
-        lambda address: opener(
+    # (a node not connected yet connects on its first call, by itself); etcd's members always so
+    def opener(open_node: Callable[..., NodeClient]) -> Callable[[str], NodeClient]:
+        return lambda address: open_node(
             address,
             access_id=config.access_id,
             access_key=config.access_key,
             connect_timeout_ms=settings.connect_timeout_ms,
             shm=ShmMode(settings.pool_shm),
-        ),
-    )
+        )
+
+    static = connect if len(settings.pool_nodes) <= EAGER_CONNECT_NODES else UcxNode
+    return open_remote_pool(settings, opener(static), join=opener(UcxNode))
 
 
 def _unreachable(settings: Settings) -> EmsException:

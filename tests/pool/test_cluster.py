@@ -46,3 +46,47 @@ def test_engine_init_fails_clearly_without_etcd(clean_ems):
             )
         )
     assert info.value.status_code() == EmsErrorCode.EMS_RECOVERD_ERROR and "pool_etcd" in info.value.message()
+
+
+def test_an_engine_on_etcd_connects_to_the_members_its_calls_use(etcd, clean_ems):
+    """Members etcd reports are opened lazily (`ems.backends.remote_pool`): an engine that sees 4 nodes is connected
+    to none but the ones its start-up health check pinged (`NodeRouter.healthy`: HEALTH_FIRST, when they answer),
+    and its namespace record (published at registration) lives on one node, whatever the pool's size
+    (`ems.datapath.keys.route_key_of`), so registering connects to that one at most (and, while the members count
+    as having joined lately, the node a read falls back to)."""
+    import re
+    import time
+
+    from cluster_testlib import ClusterNode
+    from ems_testlib import make_cache
+
+    from ems import CcConfig, Ems, EmsConfig
+    from ems.backends.node_router import HEALTH_FIRST
+
+    nodes = [ClusterNode(etcd.url, "lazy", capacity="32MiB") for _ in range(4)]
+
+    def connections() -> list[int]:
+        return [int(float(re.search(r"^ems_pool_connections (\S+)$", n.scrape(), re.M).group(1))) for n in nodes]
+
+    try:
+        Ems.init(
+            EmsConfig(
+                cc_config=CcConfig(rank_id=0, device_id=0, model_id="lazy"),
+                pool_etcd=etcd.url,
+                pool_cluster="lazy",
+                pool_replicas=1,
+            )
+        )
+        deadline = time.monotonic() + 15
+        while len(Ems._pool.nodes) < 4:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the engine did not see the 4 members"
+            time.sleep(0.05)
+        time.sleep(0.3)  # (a connection made at join would be open by now)
+        at_start = connections()
+        assert sum(at_start) <= HEALTH_FIRST, at_start
+        Ems.get_cc().register_kvcache(make_cache(layers=1, blocks=4, block_size=4))
+        assert sum(connections()) <= sum(at_start) + 2
+    finally:
+        Ems.shutdown()
+        for n in nodes:
+            n.cleanup()
