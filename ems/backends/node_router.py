@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -50,6 +51,7 @@ from ems.transport.exists_holds import Hold
 from ems.transport.protocol import WIRE_LIMITS, Costs, RequestLimits, key_lens
 
 HEALTH_PINGS = 8  # nodes `healthy` pings at most
+HEALTH_FIRST = 2  # ... of which it pings these first
 
 
 def pool_location(nodes: Sequence[NodeClient]) -> NodeLocation:
@@ -295,18 +297,21 @@ class NodeRouter:
         )
 
     def healthy(self, timeout_s: float) -> bool:
-        """True when at least one node answers a ping within `timeout_s` (of at most HEALTH_PINGS of them)."""
+        """True when at least one node answers a ping within `timeout_s`, of at most HEALTH_PINGS random ones: first
+        HEALTH_FIRST of them, and the others only when none of those has answered in half the time (a ping connects:
+        a healthy pool of any size costs an engine's start one or two connections, not one per node)."""
         if self.location is NodeLocation.IN_PROCESS:  # (nothing to reach)
             return True
         nodes = self.nodes
         if not nodes:
             return False
-        if len(nodes) > HEALTH_PINGS:  # a large pool: a few nodes answer for it (pinging all would connect to all)
-            nodes = random.sample(nodes, HEALTH_PINGS)
+        nodes = random.sample(nodes, min(len(nodes), HEALTH_PINGS))
         deadline = Deadline.after(timeout_s)
-        futures = [self.fanout.submit(node.ping, deadline) for node in nodes]
-        done, _ = concurrent.futures.wait(futures, timeout=timeout_s + 0.5)
-        return any(f.result() for f in done if f.exception() is None)
+        futures = [self.fanout.submit(node.ping, deadline) for node in nodes[:HEALTH_FIRST]]
+        if _any_true(futures, timeout_s / 2):
+            return True
+        futures += [self.fanout.submit(node.ping, deadline) for node in nodes[HEALTH_FIRST:]]
+        return _any_true(futures, deadline.left() + 0.5)
 
     def shm_staging(self, nbytes: int) -> SharedBuffer | None:
         """A buffer of `nbytes` in the memory the one node shares with this process (`NodeClient.shm_buffer`), or
@@ -317,3 +322,17 @@ class NodeRouter:
     def close(self) -> None:
         self.members.close()
         self.fanout.close()
+
+
+def _any_true(futures: list[concurrent.futures.Future], timeout_s: float) -> bool:
+    """Whether one of `futures` gives True within `timeout_s` (an exception counts as False); returns at the first."""
+    pending = set(futures)
+    end = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        for f in [f for f in pending if f.done()]:
+            pending.discard(f)
+            if f.exception() is None and f.result():
+                return True
+        if not pending or time.monotonic() >= end:
+            return False
+        concurrent.futures.wait(pending, timeout=max(0.0, end - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED)
