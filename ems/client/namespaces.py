@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from ems.backends.base import PoolBackend, PoolCall
 from ems.config import CcConfig
-from ems.datapath.keys import PLACEMENT
+from ems.datapath.keys import PLACEMENT, route_key_of
 from ems.store.ns_records import (
     NamespaceRecord,
     decode_record,
@@ -135,7 +135,7 @@ class NamespaceWatch:
 
     def _read(self, model: str) -> tuple[list[bytes], list[NamespaceRecord | None]]:
         keys = record_keys(self._tenant, model)
-        outcome = self._pool.get(PoolCall(keys, keys, self._option))
+        outcome = self._pool.get(PoolCall([route_key_of(k) for k in keys], keys, self._option))
         return keys, [decode_record(v) for v in outcome.results]
 
     def publish(self) -> NamespaceRecord | None:
@@ -158,7 +158,7 @@ class NamespaceWatch:
                 free = [i for i, r in enumerate(records) if r is None]
                 slot = free[0] if free else home_slot(mine.namespace)
             value = encode_record(mine)
-            outcome = self._pool.put(PoolCall([keys[slot]], [keys[slot]], self._option), [[value]])
+            outcome = self._pool.put(PoolCall([route_key_of(keys[slot])], [keys[slot]], self._option), [[value]])
             if not all(outcome.results):
                 logger.debug("the pool did not keep this engine's namespace record")
                 return None

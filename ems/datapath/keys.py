@@ -7,7 +7,10 @@ signature. Routing keys are what the DESIGN routes by: the block hash (V1), `dis
 or the whole key (V0 plain `str`, the SDK's older form: such a key routes by itself). Each form has its own form
 byte, so a `str` key never collides with a `PrimaryKey` or a block hash, and a block of the token form (keyed by the
 chained digest of its tokens, `ems.datapath.tokens`) never with a block hash an engine gives. `route_key_of` reads
-the routing key back out of a storage key (a pool node placing the keys it holds, `ems.pool.repair`).
+the routing key back out of a storage key (a pool node placing the keys it holds, `ems.pool.repair`). A namespace
+record's key (`ems.store.ns_records`: the reserved namespace, `FORM_RECORD`, the model's digest, a slot) routes by
+the model's digest, so every slot of a model's records sits on the same owners: an engine's registration reads and
+writes them on `pool_replicas` nodes, whatever the pool's size.
 
 Placement units (locality, `ems.cluster.rendezvous`). A prefix chain is cut into units of `UNIT_BLOCKS` consecutive
 blocks at absolute chain positions: block p belongs to unit p // UNIT_BLOCKS, identified by the hash of its first
@@ -29,6 +32,7 @@ import numpy as np
 
 from ems.cluster.rendezvous import UNIT_WIDTH
 from ems.config import CcConfig
+from ems.store.ns_records import FORM_RECORD, RECORD_KEY_BYTES
 from ems.types import V0Key
 
 FORM_V0 = b"\x00"
@@ -131,6 +135,8 @@ def route_key_of(key: bytes) -> bytes:
     form = key[ns : ns + 1]
     if form in (FORM_V1, FORM_TOKENS, FORM_V0_STR) or (form in _UNIT_FORMS and len(key) > ns + 1 + UNIT_ID_BYTES):
         return key[ns + 1 :]
+    if form == FORM_RECORD and len(key) == RECORD_KEY_BYTES:
+        return key[ns + 1 : -1]  # the model's digest, without the slot
     if form == FORM_V0 and len(key) >= ns + 3:
         n = int.from_bytes(key[ns + 1 : ns + 3], "little")
         if ns + 3 + n <= len(key):

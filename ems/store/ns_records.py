@@ -18,9 +18,10 @@ Contract:
   (`ems.pool.handlers.tenant_prefix`), and on Mooncake (`ems.backends.mooncake`: the record is the Mooncake key
   `ems/` + the record key in hex, stored by `MooncakePool.put` as any value; Mooncake has no per-tenant
   authentication) the tenant in the digest keeps tenants' records apart as the tenant in every namespace digest
-  keeps their blocks apart. So an engine is never told of another tenant's namespaces. Records route by their
-  whole key (as `keys.route_key_of` reads a key of a form it does not parse), so a node's repair places them where
-  clients look. What a node alone can do (bounds, listing) it does on the reserved form (`ems.pool.namespaces`).
+  keeps their blocks apart. So an engine is never told of another tenant's namespaces. Records route by the model's
+  digest (`ems.datapath.keys.route_key_of`: every slot of a model on the same owners, so publishing touches
+  `pool_replicas` nodes however large the pool), so a node's repair places them where clients look. What a node
+  alone can do (bounds, listing) it does on the reserved form (`ems.pool.namespaces`).
 * Bounds: a record's value is at most `MAX_RECORD_BYTES` (`encode_record` refuses more, with `ValueError`; a pool node
   refuses a larger value under a record key, `ems.pool.namespaces`), a model has at most `SLOTS` records, and a pool
   node keeps at most `MAX_RECORDS_PER_TENANT` per tenant (a new one beyond is refused).

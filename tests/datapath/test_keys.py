@@ -12,7 +12,7 @@ import torch
 from ems_testlib import assert_cache_equals, direct_cc, expected_after_load, fill_random, make_cache, poison, snapshot
 
 from ems import CcConfig, CcConfig_v1, CcKvOption, KvBufferWrapper, PrimaryKey, StoreLayerGroupDesc
-from ems.datapath.keys import encode_hash, namespace, v0_keys, v1_keys
+from ems.datapath.keys import encode_hash, namespace, route_key_of, v0_keys, v1_keys
 from ems.datapath.layout import register_layout
 from ems.store.ns_records import is_record_key
 
@@ -220,3 +220,17 @@ def test_v0_routing_by_distribute_key_and_v1_spread(fault_node_factory):
         assert cc.exists(list(range(64))).success == 64
     finally:
         cc.close()
+
+
+def test_a_models_namespace_records_route_together():
+    """Every slot of a model's records routes by the model's digest (one set of owners: registering touches
+    `pool_replicas` nodes on any pool), another model's elsewhere; a key that only looks like a record (wrong length)
+    routes by itself."""
+    from ems.store.ns_records import record_keys
+
+    keys = record_keys("tenant", "model-a")
+    routes = {route_key_of(k) for k in keys}
+    assert len(routes) == 1 and len(next(iter(routes))) == 8
+    assert route_key_of(record_keys("tenant", "model-b")[0]) not in routes
+    assert route_key_of(record_keys("other", "model-a")[0]) not in routes
+    assert route_key_of(keys[0] + b"x") == keys[0] + b"x"
