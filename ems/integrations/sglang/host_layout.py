@@ -21,6 +21,15 @@ The first three MHA layouts register the same planes, so their stored values are
 different layouts share pages. `page_head` registers one plane pair per layer and head, since a row of H heads is
 not contiguous there (another layout signature, so its pages meet only `page_head` servers'). Other layouts
 (`page_unified`, Ascend's `page_first_kv_split`, ...) are refused with `UnsupportedLayout` naming them.
+
+Hybrid models' side pools (SGLang's v2, `register_mem_host_pool_v2`): `pool_planes(host)` is the same list for any
+pool SGLang registers there. An MHA or MLA pool (SWA, the draft pools) is `host_planes(host)`. SGLang's
+`MambaPoolHost` (`page_first` / `page_first_direct`: `temporal_buffer` `[slots, L, 1, ...]`, each `conv_buffer[j]`
+`[slots, L, 1, ...]`, each `slot_state_buffers[j]` `[slots, ...]`; page size 1, a page is one state slot) is one
+plane pair per layer of each component (temporal, then conv_0..conv_n) and one per side state, each `[slots, 1, 1,
+bytes / 2]` of `uint8` (the slot's bytes of that component cut in two halves: `kv_layouts.block_planes`), so one
+value holds a slot's whole state, and both layouts give the same value (the buffers are the same). Any other pool
+(DSA / QSA indexer pools, DeepSeek V4's compressed pools, ...) raises `UnsupportedLayout` naming its class.
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ems import EmsException
+from ems.integrations.kv_layouts import block_planes
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -76,3 +88,39 @@ def host_planes(host: Any) -> list[list[torch.Tensor]]:
     return [
         [kv[k, :, head, :, layer].unsqueeze(2) for k in (0, 1)] for layer in range(kv.shape[4]) for head in range(kv.shape[2])
     ]
+
+
+def _slot_bytes(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    """`[slots, bytes]` uint8 view of a tensor whose dim 0 is the slot (each slot's bytes one dense run), no copy."""
+    rows = tensor.reshape(slots, -1)
+    if rows.data_ptr() != tensor.data_ptr() or rows.stride(-1) != 1:
+        raise UnsupportedLayout(f"a state buffer {tuple(tensor.shape)} is not one run per slot")
+    return rows.view(torch.uint8)
+
+
+def is_mamba(host: Any) -> bool:
+    return hasattr(host, "temporal_buffer") and hasattr(host, "conv_buffer")
+
+
+def mamba_planes(host: Any) -> list[list[torch.Tensor]]:
+    """The plane pairs of SGLang's `MambaPoolHost` (see the module contract)."""
+    layout = str(host.layout)
+    if layout not in ("page_first", "page_first_direct"):
+        raise UnsupportedLayout(f"SGLang Mamba host layout {layout!r}: supported are ['page_first', 'page_first_direct']")
+    slots = int(host.size)
+    components = [host.temporal_buffer, *host.conv_buffer]
+    runs = [_slot_bytes(c[:, layer], slots) for c in components if c.numel() > 0 for layer in range(int(c.shape[1]))]
+    runs += [_slot_bytes(s, slots) for s in getattr(host, "slot_state_buffers", ()) if s.numel() > 0]
+    try:
+        return [list(block_planes(run, slots, name="mamba state")) for run in runs]
+    except EmsException as exc:
+        raise UnsupportedLayout(f"SGLang Mamba host pool: {exc.message()}") from None
+
+
+def pool_planes(host: Any) -> list[list[torch.Tensor]]:
+    """The `register_kvcache` list of a v2 (side) host pool (see the module contract)."""
+    if is_mamba(host):
+        return mamba_planes(host)
+    if isinstance(getattr(host, "kv_buffer", None), torch.Tensor) and hasattr(host, "layout"):
+        return host_planes(host)
+    raise UnsupportedLayout(f"SGLang host pool {type(host).__name__}: not a KV (MHA, MLA) or Mamba state pool")

@@ -1,0 +1,261 @@
+"""EmsHiCacheStorage's v2 calls (hybrid models) through SGLang's own code: `StorageBackendFactory` builds the backend,
+SGLang's `HostPoolGroup` holds its real host pools (the KV anchor `MHATokenToKVPoolHost`, an SWA
+`MHATokenToKVPoolHost`, a `MambaPoolHost`), registered as `HybridCacheController.attach_storage_backend` does, and
+its `PoolTransfer`s drive `batch_set_v2` / `batch_get_v2` / `batch_exists_v2` against real `ems.pool` nodes. Pages
+move byte-exact between two servers of other layouts; pools never share a key; the hit is the prefix every pool can
+restore; a killed node gives misses; a pool the backend cannot view misses instead of raising."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.storage", reason="SGLang is not installed (CI: its own venv, .ci/run)")
+
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
+from sglang_testlib import (
+    build_hybrid,
+    extra,
+    fill,
+    fill_mamba,
+    host_pool,
+    hybrid_group,
+    mamba_host_pool,
+    page_bytes,
+    page_indices,
+    storage_config,
+)
+
+from ems import Ems, EmsException
+from ems.integrations.sglang.namespace import pool_model_id
+
+TRAILING, ALL = PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES
+
+
+def keys_of(n: int, salt: int) -> list[str]:
+    return [hashlib.sha256(f"v2:{salt}:{i}".encode()).hexdigest() for i in range(n)]
+
+
+def slots(*indices: int) -> torch.Tensor:
+    return torch.tensor(indices, dtype=torch.int64)
+
+
+def state(host, slot: int) -> torch.Tensor:
+    """A Mamba slot's bytes as SGLang itself flattens them (`MambaPoolHost.get_data_page`)."""
+    return host.get_data_page(slot).view(torch.uint8).clone()
+
+
+def hybrid_server(config, kv_layout: str, mamba_layout: str, swa_layout: str, seed: int, **more):
+    kv, mamba, swa = host_pool(kv_layout), mamba_host_pool(mamba_layout, side_state=True), host_pool(swa_layout, layers=2)
+    fill(kv, seed)
+    fill_mamba(mamba, seed + 1)
+    fill(swa, seed + 2)
+    backend = build_hybrid(config, hybrid_group(kv, mamba=mamba, swa=swa), **more)
+    return backend, kv, mamba, swa
+
+
+def test_hybrid_pages_move_byte_exact_between_two_servers(pool_nodes):
+    """Server A backs up 6 KV pages, the Mamba state at the last page and the SWA window of the last 2 pages; server
+    B (every pool in another layout) finds all 6 restorable and gets every pool's bytes exactly."""
+    nodes = [pool_nodes(), pool_nodes()]
+    config = extra([n.address for n in nodes])
+    a, kv_a, mamba_a, swa_a = hybrid_server(config, "page_first", "page_first", "layer_first", 10)
+    keys = keys_of(6, 1)
+    assert a.batch_set_v1(keys, page_indices(kv_a, [5, 4, 3, 2, 1, 0])) == [True] * 6
+    written = a.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots(7), keys=keys[5:], hit_policy=TRAILING),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa_a, [3, 8]), keys=keys[4:], hit_policy=TRAILING),
+        ]
+    )
+    assert written == {PoolName.MAMBA: [True], PoolName.SWA: [True, True]}
+    Ems.shutdown()  # a second server (SGLang runs one backend per process)
+    b, kv_b, mamba_b, swa_b = hybrid_server(config, "layer_first", "page_first_direct", "page_first", 20)
+    query = [
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[5:], hit_policy=TRAILING),
+        PoolTransfer(name=PoolName.SWA, keys=keys[4:], hit_policy=TRAILING),
+    ]
+    hits = b.batch_exists_v2(keys, query)
+    assert isinstance(hits, PoolTransferResult)
+    assert hits.kv_hit_pages == 6 and hits.restorable_prefix_pages == [6]
+    assert hits.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.MAMBA: 6, PoolName.SWA: 6}
+    assert b.batch_get_v1(keys, page_indices(kv_b, [10, 11, 12, 13, 14, 15])) == [True] * 6
+    got = b.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots(12), keys=keys[5:], hit_policy=TRAILING),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa_b, [20, 21]), keys=keys[4:], hit_policy=TRAILING),
+        ]
+    )
+    assert got == {PoolName.MAMBA: [True], PoolName.SWA: [True, True]}
+    assert all(torch.equal(page_bytes(kv_a, p), page_bytes(kv_b, q)) for p, q in zip([5, 4, 3, 2, 1, 0], range(10, 16)))
+    assert torch.equal(state(mamba_a, 7), state(mamba_b, 12))
+    assert torch.equal(page_bytes(swa_a, 3), page_bytes(swa_b, 20)) and torch.equal(page_bytes(swa_a, 8), page_bytes(swa_b, 21))
+    assert not torch.equal(state(mamba_a, 7), state(mamba_b, 11))  # (the neighbours were not written)
+
+
+def _storages(host) -> set[int]:
+    buffers = [host.kv_buffer] if isinstance(host.kv_buffer, torch.Tensor) else list(host.kv_buffer)
+    return {b.untyped_storage().data_ptr() for b in buffers}
+
+
+def test_side_pools_are_registered_without_a_copy(pool_nodes):
+    node = pool_nodes()
+    backend, _kv, mamba, swa = hybrid_server(extra([node.address]), "layer_first", "page_first", "page_first", 30)
+    for name, host in (("mamba", mamba), ("swa", swa)):
+        side = backend._side_pools[name]
+        assert side.host is host and side.cc.layout is not None
+        assert all(t.untyped_storage().data_ptr() in _storages(host) for pair in side.planes for t in pair)
+    # a get writes the host pool itself: fill a slot from the pool and read it through SGLang's own flat page
+    keys = keys_of(2, 2)
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slots(1, 2), keys=keys)]) == {
+        PoolName.MAMBA: [True, True]
+    }
+    before = [state(mamba, 1), state(mamba, 2)]
+    fill_mamba(mamba, 31)
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slots(9, 3), keys=keys)]) == {
+        PoolName.MAMBA: [True, True]
+    }
+    assert torch.equal(state(mamba, 9), before[0]) and torch.equal(state(mamba, 3), before[1])
+
+
+def test_pools_never_share_a_key(pool_nodes):
+    """The same page key in two pools of the same geometry (SWA, draft SWA) and in the KV pool: three values."""
+    node = pool_nodes()
+    kv, swa, draft = host_pool("layer_first"), host_pool("layer_first"), host_pool("layer_first")
+    for i, h in enumerate((kv, swa, draft)):
+        fill(h, 40 + i)
+    backend = build_hybrid(extra([node.address]), hybrid_group(kv, swa=swa, draft_swa=draft))
+    keys = keys_of(3, 3)
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa, [0, 1, 2]), keys=keys)]) == {
+        PoolName.SWA: [True] * 3
+    }
+    assert backend.batch_exists(keys) == 0  # not a KV page
+    as_draft = [PoolTransfer(name=PoolName.DRAFT_SWA, host_indices=page_indices(draft, [0, 1, 2]), keys=keys)]
+    before = draft.kv_buffer.view(torch.uint8).clone()
+    assert backend.batch_get_v2(as_draft) == {PoolName.DRAFT_SWA: [False] * 3}
+    assert torch.equal(draft.kv_buffer.view(torch.uint8), before)
+    assert backend.batch_set_v1(keys, page_indices(kv, [0, 1, 2])) == [True] * 3
+    hits = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT_SWA, hit_policy=ALL), PoolTransfer(name=PoolName.SWA)])
+    assert hits.kv_hit_pages == 0 and hits.extra_pool_hit_pages == {PoolName.KV: 3}
+    assert backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, hit_policy=ALL)]).kv_hit_pages == 3
+    # the names, the TP rank (the Mamba state is sharded even for an MLA model) are in the model id
+    sc = storage_config(None, tp_rank=1, tp_size=2, mla=True)
+    sc0 = storage_config(None, tp_rank=0, tp_size=2, mla=True)
+    assert len({pool_model_id(sc, None, n) for n in ("swa", "draft_swa", "mamba", "indexer")}) == 4
+    assert pool_model_id(sc, None, "swa") == pool_model_id(sc0, None, "swa")
+    assert pool_model_id(sc, None, "mamba") != pool_model_id(sc0, None, "mamba")
+
+
+def test_exists_v2_is_the_prefix_every_pool_restores(pool_nodes):
+    node = pool_nodes()
+    backend, kv, _mamba, swa = hybrid_server(extra([node.address]), "page_first", "page_first", "layer_first", 50)
+    keys = keys_of(8, 4)
+    assert backend.batch_set_v1(keys[:6], page_indices(kv, list(range(6)))) == [True] * 6  # KV: 6 of the 8 pages
+    # Mamba states at pages 2 and 5; SWA pages 0..3
+    assert backend.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots(2, 5), keys=[keys[2], keys[5]]),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa, [0, 1, 2, 3]), keys=keys[:4]),
+        ]
+    ) == {PoolName.MAMBA: [True, True], PoolName.SWA: [True] * 4}
+
+    def ask(*transfers):
+        return backend.batch_exists_v2(keys, list(transfers))
+
+    mamba_at_end = PoolTransfer(name=PoolName.MAMBA, keys=keys[7:], hit_policy=TRAILING)
+    hits = ask(mamba_at_end)
+    assert (hits.kv_hit_pages, hits.restorable_prefix_pages) == (6, [6])  # the state after page 5
+    assert hits.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.MAMBA: 6}
+    swa_all = PoolTransfer(name=PoolName.SWA, hit_policy=ALL)
+    hits = ask(swa_all)
+    assert (hits.kv_hit_pages, hits.restorable_prefix_pages) == (4, [1, 2, 3, 4])
+    assert ask(swa_all, mamba_at_end).kv_hit_pages == 0  # no prefix both can restore
+    # an SWA window of 2 pages ending the KV prefix: pages 4 and 5 are not there
+    assert ask(PoolTransfer(name=PoolName.SWA, keys=keys[:2], hit_policy=TRAILING)).kv_hit_pages == 0
+    # a state stored before the run that ends the KV prefix is not seen (a shorter hit, never a wrong one)
+    assert backend.batch_exists_v2(keys[:5], [mamba_at_end]).kv_hit_pages == 0
+    assert backend.batch_exists_v2(keys[:3], [mamba_at_end]).restorable_prefix_pages == [3]
+    # a pool this backend does not serve restores nothing; a transfer naming the KV pool gates nothing
+    assert ask(PoolTransfer(name=PoolName.INDEXER, hit_policy=ALL)).kv_hit_pages == 0
+    assert ask(PoolTransfer(name=PoolName.KV, hit_policy=ALL)).kv_hit_pages == 6
+    assert ask().kv_hit_pages == 6 and backend.batch_exists_v2([], [mamba_at_end]).kv_hit_pages == 0
+
+
+def test_kv_transfers_and_bad_transfers(pool_nodes):
+    """A v2 transfer of the KV pool goes through the v1 path; indices that do not cover the keys, an unknown pool
+    and a missing key are misses, never exceptions."""
+    node = pool_nodes()
+    backend, kv, _mamba, swa = hybrid_server(extra([node.address]), "page_first", "page_first", "page_first", 60)
+    keys = keys_of(3, 5)
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=page_indices(kv, [0, 1, 2]), keys=keys)]) == {
+        PoolName.KV: [True] * 3
+    }
+    assert backend.batch_exists(keys) == 3
+    bad = backend.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots(1, 2), keys=keys),  # 2 slots for 3 pages
+            PoolTransfer(name=PoolName.SWA, host_indices=None, keys=keys),
+            PoolTransfer(name=PoolName.INDEXER, host_indices=page_indices(swa, [0, 1, 2]), keys=keys),
+            PoolTransfer(name=PoolName.DRAFT, keys=[]),
+        ]
+    )
+    assert bad == {PoolName.MAMBA: [False] * 3, PoolName.SWA: [False] * 3, PoolName.INDEXER: [False] * 3, PoolName.DRAFT: []}
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slots(1, 2), keys=keys[:2])]) == {
+        PoolName.MAMBA: [True, True]
+    }
+    got = backend.batch_get_v2(
+        [PoolTransfer(name=PoolName.MAMBA, host_indices=slots(4, 5, 6), keys=[keys[0], keys_of(1, 6)[0], keys[1]])]
+    )
+    assert got == {PoolName.MAMBA: [True, False, False]}  # up to the first miss
+
+
+def test_a_killed_node_gives_misses_not_errors(pool_nodes):
+    node = pool_nodes()
+    backend, kv, mamba, swa = hybrid_server(
+        extra([node.address], timeout_ms=1000, read_cache_capacity=0), "page_first", "page_first", "page_first", 70
+    )
+    keys = keys_of(2, 7)
+    assert backend.batch_set_v1(keys, page_indices(kv, [0, 1])) == [True, True]
+    transfers = [
+        PoolTransfer(name=PoolName.MAMBA, host_indices=slots(1), keys=keys[1:], hit_policy=TRAILING),
+        PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa, [0, 1]), keys=keys, hit_policy=TRAILING),
+    ]
+    assert backend.batch_set_v2(transfers) == {PoolName.MAMBA: [True], PoolName.SWA: [True, True]}
+    assert backend.batch_exists_v2(keys, transfers).kv_hit_pages == 2
+    memory = [mamba.temporal_buffer.view(torch.uint8).clone(), swa.kv_buffer.view(torch.uint8).clone()]
+    node.kill()
+    started = time.monotonic()
+    hits = backend.batch_exists_v2(keys, transfers)
+    assert hits.kv_hit_pages == 0 and not hits.restorable_prefix_pages
+    assert backend.batch_get_v2(transfers) == {PoolName.MAMBA: [False], PoolName.SWA: [False, False]}
+    assert backend.batch_set_v2(transfers) == {PoolName.MAMBA: [False], PoolName.SWA: [False, False]}
+    assert time.monotonic() - started < 20  # each call within its timeout, no hang
+    assert torch.equal(mamba.temporal_buffer.view(torch.uint8), memory[0]) and torch.equal(
+        swa.kv_buffer.view(torch.uint8), memory[1]
+    )
+    backend.close()
+
+
+def test_a_pool_that_cannot_be_viewed_misses(pool_nodes, caplog):
+    """A side pool whose layout this backend cannot view (here SGLang's unified layout, by name) is logged at
+    registration and misses; the attach goes on."""
+    node = pool_nodes()
+    kv, odd = host_pool("layer_first"), host_pool("layer_first")
+    odd.layout = "page_unified"
+    with caplog.at_level("WARNING", logger="ems.sglang"):
+        backend = build_hybrid(extra([node.address]), hybrid_group(kv, indexer=odd))
+    assert "side pool 'indexer' is not stored" in caplog.text and "page_unified" in caplog.text
+    keys = keys_of(2, 8)
+    transfer = PoolTransfer(name=PoolName.INDEXER, host_indices=page_indices(odd, [0, 1]), keys=keys)
+    assert backend.batch_set_v2([transfer]) == {PoolName.INDEXER: [False, False]}
+    assert backend.batch_set_v1(keys, page_indices(kv, [0, 1])) == [True, True]
+    assert backend.batch_exists_v2(keys, [transfer]).kv_hit_pages == 0
+
+
+def test_bad_config_refused_naming_the_key():
+    with pytest.raises(EmsException) as info:
+        build_hybrid(extra(["127.0.0.1:1"], lease_ms=-1), hybrid_group(host_pool("page_first"), mamba=mamba_host_pool()))
+    assert "hicache_storage_backend_extra_config.lease_ms" in info.value.message()
