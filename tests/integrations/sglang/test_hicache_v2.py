@@ -259,3 +259,123 @@ def test_bad_config_refused_naming_the_key():
     with pytest.raises(EmsException) as info:
         build_hybrid(extra(["127.0.0.1:1"], lease_ms=-1), hybrid_group(host_pool("page_first"), mamba=mamba_host_pool()))
     assert "hicache_storage_backend_extra_config.lease_ms" in info.value.message()
+
+
+def sglang_controller(backend, group):
+    """SGLang's own `HybridCacheController` methods for the storage side (backup, hit query, prefetch), bound to an
+    instance that holds only what those methods read: the real controller's constructor needs CUDA events and
+    process groups, which a CPU machine does not have."""
+    from queue import Queue
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    controller = object.__new__(HybridCacheController)
+    controller.page_size = group.page_size
+    controller.storage_backend, controller.storage_backend_type = backend, "dynamic"
+    controller.mem_pool_host, controller.storage_host_pool = group, group.anchor_entry.host_pool
+    controller.storage_config = backend.storage_config  # (its is_storage_writer decides `backup_skip`)
+    controller.page_set_func, controller.page_get_func = controller._page_set_zero_copy, controller._page_get_zero_copy
+    controller.prefetch_sync_queue, controller.host_mem_release_queue = Queue(), Queue()
+    controller.extra_host_mem_release_queues = {}
+    return controller
+
+
+def test_sglangs_hybrid_controller_backs_up_and_prefetches(pool_nodes):
+    """SGLang's hybrid controller code drives the backend: its backup of a span (KV pages by batch_set_v1, the
+    Mamba state and the SWA window by batch_set_v2), then on a second server its hit query (batch_exists_v2) and
+    its prefetch (batch_get_v1, then batch_get_v2 of the side pools), over SGLang's own page hashes of the tokens."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation, StorageOperation
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    node = pool_nodes()
+    config = extra([node.address])
+    kv_a, mamba_a, swa_a = host_pool("page_first"), mamba_host_pool("page_first"), host_pool("layer_first", layers=2)
+    fill(kv_a, 80), fill_mamba(mamba_a, 81), fill(swa_a, 82)
+    group_a = hybrid_group(kv_a, mamba=mamba_a, swa=swa_a)
+    a = sglang_controller(build_hybrid(config, group_a), group_a)
+    page = kv_a.page_size
+    tokens = list(range(100, 100 + 6 * page))
+    hashes = get_storage_hash_str(tokens, None, page_size=page)
+    backup = StorageOperation(
+        page_indices(kv_a, [9, 8, 7, 6, 5, 4]),
+        tokens,
+        hash_value=hashes,
+        pool_transfers=[
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots(3), keys=hashes[-1:], hit_policy=TRAILING),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa_a, [1, 2]), keys=hashes[-2:], hit_policy=TRAILING),
+        ],
+    )
+    a._page_backup_with_stable_layout(backup)
+    assert backup.completed_tokens == 6 * page
+    assert backup.pool_storage_result.extra_pool_hit_pages == {PoolName.MAMBA: 1, PoolName.SWA: 2}
+
+    Ems.shutdown()  # a second server
+    kv_b, mamba_b, swa_b = host_pool("layer_first"), mamba_host_pool("page_first_direct"), host_pool("page_first", layers=2)
+    fill(kv_b, 90), fill_mamba(mamba_b, 91), fill(swa_b, 92)
+    group_b = hybrid_group(kv_b, mamba=mamba_b, swa=swa_b)
+    b = sglang_controller(build_hybrid(config, group_b), group_b)
+    prefetch = PrefetchOperation(
+        CacheRequestHandle(rid="req", attempt_id=0),
+        tokens,
+        pool_transfers=[
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots(11), keys=[""], hit_policy=TRAILING),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa_b, [5, 6]), keys=["", ""], hit_policy=TRAILING),
+        ],
+    )
+    hit_hashes, hit_tokens = b._storage_hit_query(prefetch)
+    assert hit_hashes == hashes and hit_tokens == 6 * page
+    assert prefetch.query_pool_hit_pages == {PoolName.KV: 6, PoolName.MAMBA: 6, PoolName.SWA: 6}
+    prefetch.hash_value, prefetch.host_indices = hit_hashes, page_indices(kv_b, [0, 1, 2, 3, 4, 5])
+    b._page_transfer_with_stable_layout(prefetch)
+    acks = []
+    while not b.prefetch_sync_queue.empty():
+        acks.append(b.prefetch_sync_queue.get())
+    assert acks[0].completed_tokens == 6 * page and acks[-1].pool_hits == {PoolName.MAMBA: 1, PoolName.SWA: 2}
+    assert all(torch.equal(page_bytes(kv_a, p), page_bytes(kv_b, q)) for p, q in zip([9, 8, 7, 6, 5, 4], range(6)))
+    assert torch.equal(state(mamba_a, 3), state(mamba_b, 11))
+    assert torch.equal(page_bytes(swa_a, 1), page_bytes(swa_b, 5)) and torch.equal(page_bytes(swa_a, 2), page_bytes(swa_b, 6))
+
+
+def test_a_hybrid_server_in_its_own_process(pool_nodes):
+    """Two processes, each with SGLang's host pools of a hybrid model and its own backend: the second gets the KV
+    pages, the Mamba state and the SWA window the first stored, byte-exact."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    root = here.parent.parent.parent
+    node = pool_nodes()
+    config = extra([node.address])
+    a, kv, mamba, swa = hybrid_server(config, "page_first", "page_first", "layer_first", 100)
+    keys = keys_of(4, 9)
+    assert a.batch_set_v1(keys, page_indices(kv, [8, 9, 10, 11])) == [True] * 4
+    assert a.batch_set_v2(
+        [
+            PoolTransfer(name=PoolName.MAMBA, host_indices=slots(5), keys=keys[-1:]),
+            PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa, [0, 1]), keys=keys[-2:]),
+        ]
+    ) == {PoolName.MAMBA: [True], PoolName.SWA: [True, True]}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(here), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, str(here / "second_server.py"), json.dumps(config), "layer_first", ",".join(keys), "hybrid"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+
+    def digest(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    assert answer["exists"] == 4 and answer["got"] == [True] * 4
+    assert answer["exists_v2"] == [4, [4]] and answer["got_v2"] == [[True], [True, True]]
+    assert answer["digests"] == [digest(page_bytes(kv, p)) for p in (8, 9, 10, 11)]
+    assert answer["mamba"] == digest(mamba.get_data_page(5))
+    assert answer["swa"] == [digest(page_bytes(swa, p)) for p in (0, 1)]
