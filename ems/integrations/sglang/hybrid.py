@@ -10,7 +10,9 @@ Contract (no SGLang imports; used by `backend.EmsHiCacheStorage`):
 * `SidePool.move(save, hashes, host_indices, option)`: one V1 `save` or `load` for the whole transfer
   (`slot_mapping` = SGLang's host indices, `offsets = [page_size] * n`): the package's copy path gathers every page's
   components (all layers, every state buffer) into the values and scatters them back, no Python loop per page or per
-  layer. Returns the consecutive successes from the first; bad input (the indices do not cover `n` pages) raises
+  layer. Side pools' pages are placed by their own key (no `chain_prefix`: a trailing window's keys are not the
+  chain's next pages, and `count` probes them in reverse), so every server finds them whatever SGLang passes as
+  `prefix_keys`. Returns the consecutive successes from the first; bad input (the indices do not cover `n` pages) raises
   `ValueError`; a pool failure raises the SDK's `EmsException` (the caller counts both as misses).
 * `SidePool.count(hashes, option, lease_ms)`: one `exists`, the count of consecutive hits from the first.
 * `fold_hits(kv_pages, transfers, probe)`: SGLang's `batch_exists_v2` answer from the KV prefix (`kv_pages`, the

@@ -379,3 +379,36 @@ def test_a_hybrid_server_in_its_own_process(pool_nodes):
     assert answer["digests"] == [digest(page_bytes(kv, p)) for p in (8, 9, 10, 11)]
     assert answer["mamba"] == digest(mamba.get_data_page(5))
     assert answer["swa"] == [digest(page_bytes(swa, p)) for p in (0, 1)]
+
+
+def test_pool_down_at_attach_misses_then_serves_side_pools():
+    """A pool that does not answer when SGLang attaches a hybrid model's backend: the attach goes on, every v2 call
+    misses, and once the node answers the side pools' pages move."""
+    import socket
+
+    from pool_testlib import PoolProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend, kv, _mamba, swa = hybrid_server(
+        extra([f"127.0.0.1:{port}"], connect_timeout_ms=1500), "page_first", "page_first", "page_first", 110
+    )
+    keys = keys_of(2, 10)
+    transfers = [
+        PoolTransfer(name=PoolName.MAMBA, host_indices=slots(1), keys=keys[1:], hit_policy=TRAILING),
+        PoolTransfer(name=PoolName.SWA, host_indices=page_indices(swa, [0, 1]), keys=keys, hit_policy=TRAILING),
+    ]
+    assert backend.batch_set_v2(transfers) == {PoolName.MAMBA: [False], PoolName.SWA: [False, False]}
+    assert backend.batch_exists_v2(keys, transfers).kv_hit_pages == 0
+    node = PoolProcess("64MiB", port=port)
+    try:
+        deadline = time.monotonic() + 30
+        while backend.batch_set_v2(transfers) != {PoolName.MAMBA: [True], PoolName.SWA: [True, True]}:
+            assert time.monotonic() < deadline, "the side pools never reached the node that came up"
+            time.sleep(0.5)
+        assert backend.batch_set_v1(keys, page_indices(kv, [0, 1])) == [True, True]
+        assert backend.batch_exists_v2(keys, transfers).restorable_prefix_pages == [2]
+    finally:
+        backend.close()
+        node.cleanup()
