@@ -25,12 +25,12 @@ passed from `extra_info.prefix_keys` in one place, `_chain_kwargs` (SGLang sends
 
 Hybrid models (SGLang's v2, `ems.integrations.sglang.hybrid`): `register_mem_host_pool_v2(pool, name)` gives each
 side pool (Mamba state, SWA, draft pools) a client of its own with the pool's name in its namespace
-(`namespace.pool_model_id`), its memory registered without a copy (`host_layout.pool_planes`); the KV pool, which
+(`namespace.pool_model_id`), its memory registered without a copy (`host_layout.pool_view`); the KV pool, which
 SGLang registers there too, stays the v1 calls'. `batch_set_v2` / `batch_get_v2(transfers)`: one V1 save / load per
 transfer (a transfer naming the KV pool goes through the v1 path), `{name: [True] * k + [False] * (n - k)}`;
 `batch_exists_v2(keys, transfers)`: the KV prefix (`batch_exists`), then one leased `exists` per side pool, folded by
 each transfer's hit policy (`hybrid.fold_hits`): a prefix counts only where every pool can restore it. A pool this
-backend cannot view (DSA/QSA indexers, DeepSeek V4's compressed pools) is logged at registration and misses, so a
+backend cannot view (QSA indexers, DeepSeek V4's compressed pools) is logged at registration and misses, so a
 prefix that needs it is not a hit. `close()` (SGLang's detach) closes the side pools' clients.
 
 Failure semantics: no call raises into SGLang's threads and none returns None: a pool failure, a timeout (each

@@ -2,14 +2,15 @@
 
 Contract (no SGLang imports; used by `backend.EmsHiCacheStorage`):
 
-* `SidePool.open(name, host, config, model_id)`: the pool's memory (`host_layout.pool_planes`: views, no copy)
+* `SidePool.open(name, host, config, model_id)`: the pool's memory (`host_layout.pool_view`: views, no copy)
   registered with a `ContextCaching` of its own (`host_region.open_client`, over the same pool settings as the KV
   pool's client) under `model_id` (`namespace.pool_model_id`: the pool's name is in it), so a side pool's page never
-  meets another pool's, nor the KV pool's, under one key. `UnsupportedLayout` (from `pool_planes`) when the pool
+  meets another pool's, nor the KV pool's, under one key. `UnsupportedLayout` (from `pool_view`) when the pool
   cannot be viewed. `close()` closes the client.
 * `SidePool.move(save, hashes, host_indices, option)`: one V1 `save` or `load` for the whole transfer
-  (`slot_mapping` = SGLang's host indices, `offsets = [page_size] * n`): the package's copy path gathers every page's
-  components (all layers, every state buffer) into the values and scatters them back, no Python loop per page or per
+  (`slot_mapping` = SGLang's host indices, or their pages where a slot is a page: `PoolView.slot_mapping`;
+  `offsets = [page_slots] * n`): the package's copy path gathers every page's components (all layers, every state
+  buffer) into the values and scatters them back, no Python loop per page or per
   layer. Side pools' pages are placed by their own key (no `chain_prefix`: a trailing window's keys are not the
   chain's next pages, and `count` probes them in reverse), so every server finds them whatever SGLang passes as
   `prefix_keys`. Returns the consecutive successes from the first; bad input (the indices do not cover `n` pages) raises
@@ -46,7 +47,7 @@ import torch
 from ems import CcKvOption, ContextCaching
 from ems.integrations.connector_config import ConnectorConfig
 from ems.integrations.host_region import close_client, open_client
-from ems.integrations.sglang.host_layout import pool_planes
+from ems.integrations.sglang.host_layout import PoolView, pool_view
 
 logger = logging.getLogger("ems.sglang")
 
@@ -60,29 +61,33 @@ class SidePool:
     name: str
     host: Any
     cc: ContextCaching
-    page_size: int
-    planes: list[list[torch.Tensor]]  # what is registered: views of the host pool's buffers
+    view: PoolView  # what is registered: views of the host pool's buffers
+
+    @property
+    def planes(self) -> list[list[torch.Tensor]]:
+        return self.view.planes
 
     @classmethod
     def open(cls, name: str, host: Any, config: ConnectorConfig, model_id: str, kvcache_type: str = "MHA") -> SidePool:
-        planes = pool_planes(host)  # UnsupportedLayout: not viewable, nothing opened
+        view = pool_view(host)  # UnsupportedLayout: not viewable, nothing opened
         cc = open_client(config, model_id, kvcache_type)
         try:
-            cc.register_kvcache(planes)
+            cc.register_kvcache(view.planes)
         except BaseException:
             close_client(cc)
             raise
-        return cls(name, host, cc, int(host.page_size), planes)
+        return cls(name, host, cc, view)
 
     def move(self, save: bool, hashes: Sequence[int], host_indices: torch.Tensor, option: CcKvOption) -> int:
         n = len(hashes)
         slots = host_indices if host_indices.dtype == torch.int64 else host_indices.to(torch.int64)
         if slots.device.type != "cpu":
             slots = slots.cpu()
-        if slots.numel() != n * self.page_size:
-            raise ValueError(f"{self.name}: {slots.numel()} host indices for {n} pages of {self.page_size} slots")
+        page = self.view.page_tokens
+        if slots.numel() != n * page:
+            raise ValueError(f"{self.name}: {slots.numel()} host indices for {n} pages of {page} tokens")
         call = self.cc.save if save else self.cc.load
-        return int(call(slots, list(hashes), [self.page_size] * n, option).success)
+        return int(call(self.view.slot_mapping(slots), list(hashes), [self.view.page_slots] * n, option).success)
 
     def count(self, hashes: Sequence[int], option: CcKvOption, lease_ms: int = 0) -> int:
         if not hashes:

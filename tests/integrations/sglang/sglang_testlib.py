@@ -192,3 +192,37 @@ def build_hybrid(extra_config: dict[str, Any], group: Any, **config: Any) -> Any
         backend.register_mem_host_pool_v2(entry.host_pool, entry.name)
     backend.on_host_pools_registered()
     return backend
+
+
+def dsa_pools(layout: str, page: int = 64) -> tuple[Any, Any]:
+    """SGLang's DSA (DeepSeek sparse attention) pools on CPU: the MLA host pool of a CPU `DSATokenToKVPool` (the
+    anchor: latent 16 + rope 8) and its `DSAIndexerPoolHost` (index keys of head size 128, one buffer row per page),
+    as SGLang's hybrid assembler declares it (`make_dsa_indexer_pool_decl`). The device pool reads the attention DCP
+    width from SGLang's runtime context, which a process that built no process groups does not have: set to 1 with
+    SGLang's own override."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.runtime_context import get_parallel
+
+    tokens = 4 * page
+    with get_parallel().override(attn_dcp_size=1):
+        device = DSATokenToKVPool(
+            tokens, page, 16, torch.bfloat16, 8, LAYERS, "cpu", 128, False, 24, start_layer=0, end_layer=LAYERS - 1
+        )
+    with host_memory_budget_scope(BUDGET):
+        anchor = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=tokens,
+            start_layer=0,
+            end_layer=LAYERS - 1,
+            target_layer_num=LAYERS,
+        )
+        indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor, pin_memory=False)
+    return anchor, indexer

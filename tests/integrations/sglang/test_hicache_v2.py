@@ -18,6 +18,7 @@ pytest.importorskip("sglang.srt.mem_cache.storage", reason="SGLang is not instal
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 from sglang_testlib import (
     build_hybrid,
+    dsa_pools,
     extra,
     fill,
     fill_mamba,
@@ -412,3 +413,34 @@ def test_pool_down_at_attach_misses_then_serves_side_pools():
     finally:
         backend.close()
         node.cleanup()
+
+
+@pytest.mark.parametrize(("writer", "reader"), [("page_first", "layer_first"), ("layer_first", "page_first_direct")])
+def test_dsa_indexer_pages_move_byte_exact(pool_nodes, writer, reader):
+    """SGLang's DSA indexer pool (one buffer row per page, KV-derived: its transfers carry the KV pages' host indices
+    and keys, its hit policy all pages) beside its MLA KV pool: TP rank 0 of one server backs up, TP rank 1 of
+    another server of another layout finds and gets the same bytes (MLA and its indexer: one copy for the TP ranks)."""
+    node = pool_nodes()
+    config = extra([node.address])
+    kv_a, index_a = dsa_pools(writer)
+    fill(kv_a, 120)
+    index_a.index_k_with_scale_buffer.random_(0, 256, generator=torch.Generator().manual_seed(121))
+    a = build_hybrid(config, hybrid_group(kv_a, indexer=index_a), tp_rank=0, tp_size=2, mla=True)
+    assert a._side_pools["indexer"].view.page_slots == 1
+    keys, page = keys_of(3, 11), kv_a.page_size
+    source = page_indices(kv_a, [2, 0, 5])
+    assert a.batch_set_v1(keys, source) == [True] * 3
+    assert a.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=source, keys=keys)]) == {PoolName.INDEXER: [True] * 3}
+    Ems.shutdown()  # a second server
+    kv_b, index_b = dsa_pools(reader)
+    fill(kv_b, 130)
+    b = build_hybrid(config, hybrid_group(kv_b, indexer=index_b), tp_rank=1, tp_size=2, mla=True)
+    hits = b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.INDEXER, hit_policy=ALL, indices_from_pool=PoolName.KV)])
+    assert hits.kv_hit_pages == 3 and hits.extra_pool_hit_pages == {PoolName.KV: 3, PoolName.INDEXER: 3}
+    target = page_indices(kv_b, [7, 6, 1])
+    assert b.batch_get_v1(keys, target) == [True] * 3
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=target, keys=keys)]) == {PoolName.INDEXER: [True] * 3}
+    for p, q in zip([2, 0, 5], [7, 6, 1]):
+        assert torch.equal(page_bytes(kv_a, p), page_bytes(kv_b, q))
+        assert torch.equal(index_a.get_data_page(p * page).contiguous(), index_b.get_data_page(q * page).contiguous())
+    assert not torch.equal(index_a.get_data_page(3 * page).contiguous(), index_b.get_data_page(3 * page).contiguous())
