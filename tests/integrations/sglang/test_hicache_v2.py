@@ -31,6 +31,7 @@ from sglang_testlib import (
 )
 
 from ems import Ems, EmsException
+from ems.integrations.sglang.backend import page_hash
 from ems.integrations.sglang.namespace import pool_model_id
 
 TRAILING, ALL = PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES
@@ -444,3 +445,33 @@ def test_dsa_indexer_pages_move_byte_exact(pool_nodes, writer, reader):
         assert torch.equal(page_bytes(kv_a, p), page_bytes(kv_b, q))
         assert torch.equal(index_a.get_data_page(p * page).contiguous(), index_b.get_data_page(q * page).contiguous())
     assert not torch.equal(index_a.get_data_page(3 * page).contiguous(), index_b.get_data_page(3 * page).contiguous())
+
+
+def test_mla_rank_that_does_not_write_kv_still_backs_up_its_mamba_state(pool_nodes):
+    """An MLA model's TP rank 1 is not SGLang's storage writer (`backup_skip`): SGLang's hybrid backup writes only
+    its Mamba state (TP-sharded), under rank 1's own keys; rank 0 of another server does not meet it."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import StorageOperation
+    from sglang_testlib import mla_host_pool
+
+    node = pool_nodes()
+    config = extra([node.address])
+    kv, mamba = mla_host_pool("page_first"), mamba_host_pool("page_first")
+    fill(kv, 140), fill_mamba(mamba, 141)
+    group = hybrid_group(kv, mamba=mamba)
+    rank1 = sglang_controller(build_hybrid(config, group, tp_rank=1, tp_size=2, mla=True), group)
+    assert rank1.backup_skip
+    keys = keys_of(3, 12)
+    mamba_at_end = PoolTransfer(name=PoolName.MAMBA, host_indices=slots(4), keys=keys[-1:], hit_policy=TRAILING)
+    backup = StorageOperation(
+        page_indices(kv, [0, 1, 2]), list(range(3 * kv.page_size)), hash_value=keys, pool_transfers=[mamba_at_end]
+    )
+    rank1._page_backup_with_stable_layout(backup)
+    assert backup.completed_tokens == 3 * kv.page_size  # the state was stored: the span counts as backed up
+    backend = rank1.storage_backend
+    assert backend.batch_exists(keys) == 0  # no KV page written by this rank
+    assert backend._side_pools["mamba"].count([page_hash(keys[-1])], backend.option) == 1
+    Ems.shutdown()
+    rank0 = build_hybrid(
+        config, hybrid_group(mla_host_pool("layer_first"), mamba=mamba_host_pool()), tp_rank=0, tp_size=2, mla=True
+    )
+    assert rank0._side_pools["mamba"].count([page_hash(keys[-1])], rank0.option) == 0
