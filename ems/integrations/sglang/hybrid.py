@@ -68,9 +68,9 @@ class SidePool:
         return self.view.planes
 
     @classmethod
-    def open(cls, name: str, host: Any, config: ConnectorConfig, model_id: str, kvcache_type: str = "MHA") -> SidePool:
+    def open(cls, name: str, host: Any, config: ConnectorConfig, model_id: str) -> SidePool:
         view = pool_view(host)  # UnsupportedLayout: not viewable, nothing opened
-        cc = open_client(config, model_id, kvcache_type)
+        cc = open_client(config, model_id)  # (TP sharing is in model_id: `namespace.pool_model_id`)
         try:
             cc.register_kvcache(view.planes)
         except BaseException:
