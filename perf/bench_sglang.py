@@ -7,6 +7,10 @@ What runs (one process, one `python -m ems.pool` node on 127.0.0.1, SGLang's own
 * `sdk`: the same pages of the same host pool through `ContextCaching.save` / `load` (V1 hash form, the same
   registration, slot mapping, hashes and offsets), alternating with the backend round by round: the anchor of the
   goal (the backend adds at most 10 %: backend rate / sdk rate >= 0.9);
+* `v2-mamba` (hybrid models): SGLang's `MambaPoolHost` (page_first, MAMBA_LAYERS layers of a float32 temporal
+  state and a bf16 conv state: 536 KiB a slot) registered as SGLang's hybrid controller registers it
+  (`register_mem_host_pool_v2`), PAGES slots a call through `batch_set_v2` / `batch_get_v2` against the same slots
+  through that pool's own client (`ContextCaching.save` / `load`, the same registration, hashes and slots);
 * `file`: SGLang's `HiCacheFile` in a temporary directory on this disk, driven as SGLang's controller drives a
   backend without `interface_v1` (`get_data_page` per page then `batch_set`; `batch_get` into flat pages then
   `set_from_flat_data_page`).
@@ -43,6 +47,8 @@ BUDGET = 4 << 30  # bytes of host memory the test pools are booked against
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 4, 128, 64  # bf16: 512 KiB a page
 PAGES = 32  # pages per call (SGLang batches up to 128)
 LAYOUTS = ("layer_first", "page_first")
+ROWS = (*LAYOUTS, "v2-mamba")  # what the table compares each backend row with (its sdk row)
+MAMBA_LAYERS, MAMBA_TEMPORAL, MAMBA_CONV = 4, (8, 64, 64), (3, 1024)  # float32 temporal, bf16 conv: 536 KiB a slot
 DEVICE_PAGES = 128
 
 
@@ -112,6 +118,60 @@ def make_backend(address: str, layout: str):
     backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), host)
     backend.register_mem_pool_host(host)
     return backend, host
+
+
+def make_hybrid_backend(address: str):
+    """The backend with a Mamba state pool beside the KV pool, attached as SGLang's hybrid controller attaches it."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    backend, host = make_backend(address, "layer_first")
+    slots = 2 * PAGES
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(MAMBA_LAYERS, slots, *MAMBA_TEMPORAL, dtype=torch.float32),
+        conv=(torch.zeros(MAMBA_LAYERS, slots, *MAMBA_CONV, dtype=torch.bfloat16),),
+    )
+    with host_memory_budget_scope(BUDGET):
+        mamba = MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, layout="page_first")
+    for buf in (mamba.temporal_buffer, *mamba.conv_buffer):
+        buf.view(torch.uint8).random_(0, 256)
+    backend.register_mem_host_pool_v2(host, PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    backend.on_host_pools_registered()
+    return backend, mamba
+
+
+def round_v2(backend, keys: list[str]) -> tuple[float, float]:
+    """One batch_set_v2 and one batch_get_v2 of PAGES Mamba slots."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    src = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(PAGES), keys=keys)
+    dst = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(PAGES, 2 * PAGES), keys=keys)
+    start = time.perf_counter()
+    ok = backend.batch_set_v2([src])[PoolName.MAMBA]
+    middle = time.perf_counter()
+    got = backend.batch_get_v2([dst])[PoolName.MAMBA]
+    end = time.perf_counter()
+    if not all(ok) or not all(got):
+        raise RuntimeError(f"v2: set {ok.count(True)}, get {got.count(True)} of {PAGES}")
+    return middle - start, end - middle
+
+
+def round_v2_sdk(backend, keys: list[str]) -> tuple[float, float]:
+    """The same slots through the Mamba pool's own client (what the backend registered): save / load."""
+    cc = backend._side_pools["mamba"].cc
+    option = CcKvOption(timeout=5000)
+    hashes, offsets = [int(k, 16) for k in keys], [1] * PAGES
+    start = time.perf_counter()
+    saved = cc.save(torch.arange(PAGES), hashes, offsets, option)
+    middle = time.perf_counter()
+    loaded = cc.load(torch.arange(PAGES, 2 * PAGES), hashes, offsets, option)
+    end = time.perf_counter()
+    if saved.success != PAGES or loaded.success != PAGES:
+        raise RuntimeError(f"sdk v2: saved {saved.success}, loaded {loaded.success} of {PAGES}")
+    return middle - start, end - middle
 
 
 def round_backend(backend, keys: list[str]) -> tuple[float, float]:
@@ -187,6 +247,17 @@ def main(argv: list[str] | None = None) -> int:
                     sets, gets = times.setdefault(name, ([], []))
                     sets.append(s_t)
                     gets.append(g_t)
+        hybrid, _mamba = make_hybrid_backend(node.address)
+        for r in range(rounds):
+            for name, run_one in (
+                ("backend v2-mamba", lambda k: round_v2(hybrid, k)),
+                ("sdk v2-mamba", lambda k: round_v2_sdk(hybrid, k)),
+            ):
+                s_t, g_t = run_one(keys_of(r % 2, name))
+                sets, gets = times.setdefault(name, ([], []))
+                sets.append(s_t)
+                gets.append(g_t)
+        hybrid.close()
         with tempfile.TemporaryDirectory(dir=str(ROOT)) as directory:  # this disk (not a tmpfs /tmp)
             times["sglang file"] = bench_file(directory, rounds)
     finally:
@@ -207,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         sdk = rates[f"sdk {layout}"]
         figures.append(Figure(f"HiCache batch_set_v1 ({layout})", s, "pages/s", "sdk save", sdk[0], Goal(">=", 0.9), plot, note))
         figures.append(Figure(f"HiCache batch_get_v1 ({layout})", g, "pages/s", "sdk load", sdk[1], Goal(">=", 0.9), plot, note))
+    s, g = rates["backend v2-mamba"]
+    sdk = rates["sdk v2-mamba"]
+    note_v2 = f"{PAGES} Mamba state slots of 536 KiB a call, best of {rounds} interleaved rounds"
+    figures.append(Figure("HiCache batch_set_v2 (Mamba state)", s, "pages/s", "sdk save", sdk[0], Goal(">=", 0.9), plot, note_v2))
+    figures.append(Figure("HiCache batch_get_v2 (Mamba state)", g, "pages/s", "sdk load", sdk[1], Goal(">=", 0.9), plot, note_v2))
     f_s, f_g = rates["sglang file"]
     b_s, b_g = rates["backend layer_first"]
     figures.append(Figure("HiCache set (layer_first) vs SGLang file backend", b_s, "pages/s", "sglang file set", f_s, None, plot))
@@ -219,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Command: `{run.command}` (SGLang venv) at commit {run.commit}. {PAGES} pages of {page_kib:.0f} KiB per "
             f"call, best of {rounds} rounds; pages/s and the ratio to the package's own save/load of the same bytes "
             "(goal >= 0.9; backend and SDK alternate round by round over the same registered host pool) and to SGLang's "
-            f"`file` backend on this disk (its rounds run after the others). Machine: {run.machine}.\n\n"
+            f"`file` backend on this disk (its rounds run after the others); `v2-mamba`: {PAGES} Mamba state slots of "
+            f"536 KiB a call through batch_set_v2 / batch_get_v2 against that pool's own client. Machine: {run.machine}.\n\n"
             + "\n".join(table_rows(rates))
             + "\n"
         )
@@ -230,7 +307,7 @@ def table_rows(rates: dict[str, tuple[float, float]]) -> list[str]:
     """The table: every path's rates, and each against the SDK on the same layout (file: against layer_first's)."""
     rows = ["| path | set pages/s | get pages/s | set vs sdk | get vs sdk |", "|---|---|---|---|---|"]
     for name, (s, g) in rates.items():
-        layout = name.split()[-1] if name.split()[-1] in LAYOUTS else "layer_first"
+        layout = name.split()[-1] if name.split()[-1] in ROWS else "layer_first"
         sdk = rates[f"sdk {layout}"]
         rows.append(f"| {name} | {s:.0f} | {g:.0f} | {s / sdk[0]:.2f} | {g / sdk[1]:.2f} |")
     return rows

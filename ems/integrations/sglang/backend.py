@@ -23,8 +23,15 @@ most 64 digits: its value; anything else: a 256-bit BLAKE2b digest). `chain_pref
 passed from `extra_info.prefix_keys` in one place, `_chain_kwargs` (SGLang sends them with
 `hicache_storage_pass_prefix_keys`; a server without them places each page by its key: the two never meet).
 
-Hybrid models (SGLang's v2: `register_mem_host_pool_v2`, `batch_*_v2` over `PoolTransfer`) are not served: a v2
-pool is logged once at registration and its calls answer misses (0 hits, `False` per page), never raise.
+Hybrid models (SGLang's v2, `ems.integrations.sglang.hybrid`): `register_mem_host_pool_v2(pool, name)` gives each
+side pool (Mamba state, SWA, draft pools) a client of its own with the pool's name in its namespace
+(`namespace.pool_model_id`), its memory registered without a copy (`host_layout.pool_view`); the KV pool, which
+SGLang registers there too, stays the v1 calls'. `batch_set_v2` / `batch_get_v2(transfers)`: one V1 save / load per
+transfer (a transfer naming the KV pool goes through the v1 path), `{name: [True] * k + [False] * (n - k)}`;
+`batch_exists_v2(keys, transfers)`: the KV prefix (`batch_exists`), then one leased `exists` per side pool, folded by
+each transfer's hit policy (`hybrid.fold_hits`): a prefix counts only where every pool can restore it. A pool this
+backend cannot view (QSA indexers, DeepSeek V4's compressed pools) is logged at registration and misses, so a
+prefix that needs it is not a hit. `close()` (SGLang's detach) closes the side pools' clients.
 
 Failure semantics: no call raises into SGLang's threads and none returns None: a pool failure, a timeout (each
 request's `timeout_ms`), an unregistered host pool or an SDK that is not up yet is a miss (`False`, `0`), logged at
@@ -48,8 +55,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from ems import CcKvOption, ContextCaching, Ems, EmsConfig, EmsErrorCode, EmsException, KvBufferWrapper
 from ems.integrations.sglang.config import HiCacheConfig
-from ems.integrations.sglang.host_layout import host_planes
-from ems.integrations.sglang.namespace import storage_identity
+from ems.integrations.sglang.host_layout import UnsupportedLayout, host_planes
+from ems.integrations.sglang.hybrid import KV_POOL, SidePool, fold_hits
+from ems.integrations.sglang.namespace import pool_model_id, storage_identity
 
 logger = logging.getLogger("ems.sglang")
 
@@ -101,6 +109,7 @@ class EmsHiCacheStorage(HiCacheStorage):
             "prefetch_bandwidth": [],
             "backup_bandwidth": [],
         }
+        self._side_pools: dict[str, SidePool] = {}  # v2: a hybrid model's side pools by name
         self._client()  # at start: a bad config raises here; an unreachable pool is asked again later
 
     # ---------------------------------------------------------------- set-up
@@ -279,27 +288,92 @@ class EmsHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # ---------------------------------------------------------------- v2 (hybrid models' side pools): not served
+    # ---------------------------------------------------------------- v2 (hybrid models' side pools)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """SGLang's hybrid pools (Mamba, SWA, DSA indexer, ...) are not served: said once, and their calls miss."""
+        """A hybrid model's host pool (`hybrid.SidePool`: a client of its own, keys of its own). The KV pool (SGLang
+        registers its anchor here too) is the v1 calls'; a pool that cannot be viewed is logged and misses."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        logger.warning(
-            "EmsHiCacheStorage serves SGLang's KV pool through the v1 calls only; host pool %r (v2) is not stored: "
-            "its pages always miss, so a hybrid model gets no L3 hits from this backend",
-            str(host_pool_name),
-        )
+        name = str(host_pool_name)
+        if name == KV_POOL:
+            return
+        with self._lock:
+            old = self._side_pools.pop(name, None)
+        if old is not None:  # (SGLang registers a dynamic side pool again under its name)
+            old.close()
+        model_id = pool_model_id(self.storage_config, self.config.pool.model_id, name)
+        try:
+            side = SidePool.open(name, host_pool, self.config.pool, model_id)
+        except UnsupportedLayout as exc:
+            logger.warning("EmsHiCacheStorage: side pool %r is not stored (%s): its pages always miss", name, exc)
+            return
+        with self._lock:
+            self._side_pools[name] = side
+
+    def _side(self, name: Any) -> SidePool | None:
+        return self._side_pools.get(str(name))
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+        """SGLang's longest prefix every pool can restore (`hybrid.fold_hits`): the KV prefix by `batch_exists`,
+        then one `exists` per side pool, leased like the KV pages."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
-        return PoolTransferResult(0, {str(t.name): 0 for t in pool_transfers or []})
+        try:
+            kv_pages = self.batch_exists(keys, extra_info) if keys else 0
+            hashes = [page_hash(k) for k in keys[:kv_pages]]
+            lease = self.config.lease_ms
 
-    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+            def probe(transfer: Any, reverse: bool) -> int:
+                side = self._side(transfer.name)
+                if side is None:
+                    return 0
+                return side.count(hashes[::-1] if reverse else hashes, self.option, lease)
 
-    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+            hits = fold_hits(kv_pages, list(pool_transfers or ()), probe)
+            pool_pages = {PoolName.KV: kv_pages} if kv_pages else {}
+            pool_pages.update(hits.pool_pages)
+            return PoolTransferResult(hits.final_pages, pool_pages, hits.restorable)
+        except Exception as exc:  # a failure is a miss, never an exception in SGLang's threads
+            self._log(
+                "exists of %d pages over %d pools failed (counted as misses): %s", len(keys), len(pool_transfers or ()), exc
+            )
+            return PoolTransferResult(0, {}, [])
+
+    def _v2(self, save: bool, transfers: Any, extra_info: Any) -> dict[Any, list[bool]]:
+        results: dict[Any, list[bool]] = {}
+        for transfer in transfers or ():
+            keys = list(transfer.keys or ())
+            n = len(keys)
+            if str(transfer.name) == KV_POOL:  # the KV pool itself: the v1 calls
+                results[transfer.name] = self._v1(save, keys, transfer.host_indices, extra_info) if n else []
+                continue
+            done = 0
+            try:
+                side = self._side(transfer.name)
+                if n and side is not None and self._ready() is not None:
+                    if transfer.host_indices is None:
+                        raise ValueError(f"{transfer.name}: no host indices for {n} pages")
+                    done = side.move(save, [page_hash(k) for k in keys], transfer.host_indices, self.option)
+            except Exception as exc:  # a failure is a miss, never an exception in SGLang's threads
+                self._log("%s of %d %s pages failed (counted as misses): %s", "set" if save else "get", n, transfer.name, exc)
+                done = 0
+            results[transfer.name] = [True] * done + [False] * (n - done)
+        return results
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each side pool's pages from the pool into its host pool: one load per transfer (`hybrid.SidePool.move`)."""
+        return self._v2(False, transfers, extra_info)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each side pool's pages from its host pool into the pool: one save per transfer."""
+        return self._v2(True, transfers, extra_info)
+
+    def close(self) -> None:
+        """SGLang's detach: the side pools' clients are closed (the KV pool's is the process's, `Ems`)."""
+        with self._lock:
+            sides, self._side_pools = list(self._side_pools.values()), {}
+        for side in sides:
+            side.close()
 
     def clear(self) -> None:
         """SGLang's "clear the storage": the pool is shared with other servers, so nothing is deleted here."""

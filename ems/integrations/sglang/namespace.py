@@ -14,6 +14,11 @@ returns the `CcConfig_v1` this rank passes to `Ems.init`. What it puts in the po
   model holds a slice of the page's tokens), and SGLang's head splitting (`should_split_heads`, `tp_lcm_size`). A
   `model_id` in the extra config replaces the derived one (TP, PP stay in the CcConfig).
 
+A hybrid model's side pool (SGLang's v2: Mamba state, SWA, draft pools) gets a model id of its own,
+`pool_model_id(storage_config, model_id, pool)`: this rank's KV model id (above) with the pool's name, the TP rank
+(or "shared", as for the MLA KV, except for the Mamba state, which SGLang shards by TP rank even for an MLA model)
+and the PP rank in its digest, so two pools never share a key, whatever their geometry.
+
 Left out, on purpose: the data-parallel rank (replicas hold the same bytes), the host pool's layout (the stored value
 is the same for `layer_first`, `page_first` and `page_first_direct`: `backend.host_planes`), and the geometry (heads,
 head size, dtype, layers: the registered layout's signature is part of the namespace; a page size that differs gives
@@ -59,3 +64,19 @@ def storage_identity(storage_config: Any, model_id: str | None) -> CcConfig_v1:
         llm_engine=ENGINE,
         kvcache_type="MLA" if storage_config.is_mla_model else "MHA",
     )
+
+
+RANK_SHARDED_POOLS = ("mamba",)  # side pools SGLang shards by TP rank even when the model's MLA KV is replicated
+
+
+def pool_model_id(storage_config: Any, model_id: str | None, pool: str) -> str:
+    """The model id of side pool `pool` (its name, e.g. "mamba", "swa") of this rank (see the module contract)."""
+    base = storage_identity(storage_config, model_id)
+    shared = bool(storage_config.is_mla_model) and pool not in RANK_SHARDED_POOLS
+    parts = {
+        "engine": ENGINE,
+        "pool": pool,
+        "tp": "shared" if shared else f"{base.rank_in_tp_group}/{base.tp_world_size}",
+        "pp": f"{base.rank_in_pp_group}/{base.pp_world_size}",
+    }
+    return derive_model_id(base.model_id, parts)

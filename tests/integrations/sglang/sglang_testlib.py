@@ -138,3 +138,91 @@ def page_bytes(host: Any, index: int) -> torch.Tensor:
     else:
         raise ValueError(host.layout)
     return canonical.contiguous().view(torch.uint8).clone()
+
+
+def mamba_host_pool(layout: str = "page_first", slots: int = 16, side_state: bool = False) -> Any:
+    """SGLang's `MambaPoolHost` over CPU state buffers (2 layers: temporal state float32 `[4, 8]`, conv state bf16
+    `[6, 3]`; with `side_state`, a registered side state int32 `[5]` per slot), as SGLang's hybrid assembler builds it."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    layers = 2
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(layers, slots, 6, 3, dtype=torch.bfloat16),),
+        extra_checkpoint_buffers=(torch.zeros(slots, 5, dtype=torch.int32),) if side_state else (),
+    )
+    with host_memory_budget_scope(BUDGET):  # (as in host_pool)
+        return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, layout=layout)
+
+
+def fill_mamba(host: Any, seed: int) -> None:
+    """Random bytes in every state buffer of a Mamba host pool."""
+    generator = torch.Generator().manual_seed(seed)
+    for buf in (host.temporal_buffer, *host.conv_buffer, *host.slot_state_buffers):
+        raw = buf.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, dtype=torch.uint8))
+
+
+def hybrid_group(kv: Any, **side_pools: Any) -> Any:
+    """SGLang's `HostPoolGroup`: the KV pool as the anchor, then the side pools by `PoolName` value."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+
+    entries = [
+        PoolEntry(name=PoolName.KV, host_pool=kv, device_pool=None, layer_mapper=lambda i: i, is_primary_index_anchor=True)
+    ]
+    entries += [
+        PoolEntry(name=PoolName(name), host_pool=host, device_pool=None, layer_mapper=lambda i: i)
+        for name, host in side_pools.items()
+    ]
+    return HostPoolGroup(entries)
+
+
+def build_hybrid(extra_config: dict[str, Any], group: Any, **config: Any) -> Any:
+    """The backend as SGLang's `HybridCacheController.attach_storage_backend` builds and attaches it: the anchor
+    through `register_mem_pool_host`, then every entry of the group through `register_mem_host_pool_v2`."""
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    anchor = group.anchor_entry.host_pool
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra_config, **config), anchor)
+    backend.register_mem_pool_host(anchor)
+    for entry in group.entries:
+        backend.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def dsa_pools(layout: str, page: int = 64) -> tuple[Any, Any]:
+    """SGLang's DSA (DeepSeek sparse attention) pools on CPU: the MLA host pool of a CPU `DSATokenToKVPool` (the
+    anchor: latent 16 + rope 8) and its `DSAIndexerPoolHost` (index keys of head size 128, one buffer row per page),
+    as SGLang's hybrid assembler declares it (`make_dsa_indexer_pool_decl`). The device pool reads the attention DCP
+    width from SGLang's runtime context, which a process that built no process groups does not have: set to 1 with
+    SGLang's own override."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.runtime_context import get_parallel
+
+    tokens = 4 * page
+    with get_parallel().override(attn_dcp_size=1):
+        device = DSATokenToKVPool(
+            tokens, page, 16, torch.bfloat16, 8, LAYERS, "cpu", 128, False, 24, start_layer=0, end_layer=LAYERS - 1
+        )
+    with host_memory_budget_scope(BUDGET):
+        anchor = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=tokens,
+            start_layer=0,
+            end_layer=LAYERS - 1,
+            target_layer_num=LAYERS,
+        )
+        indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor, pin_memory=False)
+    return anchor, indexer

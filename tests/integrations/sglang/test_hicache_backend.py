@@ -343,22 +343,6 @@ def test_a_hung_node_costs_at_most_the_timeout(pool_nodes):
         node.resume()
 
 
-def test_hybrid_v2_calls_miss_not_raise(pool_nodes):
-    """Hybrid models' side pools (v2) are not served: they miss instead of raising in SGLang's threads."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-
-    node = pool_nodes()
-    host = host_pool("layer_first")
-    backend = build(extra([node.address]), host)
-    backend.register_mem_host_pool_v2(host_pool("layer_first"), PoolName.SWA)
-    keys = keys_of(2, salt=13)
-    transfers = [PoolTransfer(name=PoolName.SWA, host_indices=page_indices(host, [0, 1]), keys=keys)]
-    result = backend.batch_exists_v2(keys, transfers)
-    assert result.kv_hit_pages == 0 and result.extra_pool_hit_pages == {"swa": 0}
-    assert backend.batch_get_v2(transfers) == {"swa": [False, False]}
-    assert backend.batch_set_v2(transfers) == {"swa": [False, False]}
-
-
 def test_pages_with_their_prefix_keys_are_stored_by_unit_and_shared(pool_nodes):
     """With `hicache_storage_pass_prefix_keys`, SGLang hands each batch the keys of the pages before it: the pages
     are stored under their placement unit (`chain_prefix`: the scale issue's key form) and a second server that passes the same
