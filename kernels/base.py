@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ems.config import KernelBackend as KernelBackend  # the setting's values, kept with the settings
-from ems.kernels.raw_memory import host_array, raw_tensor
+from ems.kernels.host_copy import host_array, raw_tensor
 
 
 @dataclass(frozen=True)

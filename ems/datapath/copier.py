@@ -40,7 +40,7 @@ from ems.buffers import Buffer
 from ems.datapath.planning import BlockPlan, GroupRegion, Plan, RawPlan
 from ems.datapath.values import ReceivedValues
 from ems.kernels.base import CopyBackend, Fusion, PlacedStop, Placement, Staging, tensor_over
-from ems.kernels.raw_memory import address_of
+from ems.kernels.host_copy import address_of
 from ems.records import JobRecord, Stage
 from ems.store.value_format import (
     HEADER_SIZE,

@@ -55,7 +55,7 @@ from typing import TypeGuard
 import numpy as np
 
 from ems.buffers import POPULATE_STEP, Buffer, SpareCpuPacer, populate_pages, release_pages
-from ems.kernels.raw_memory import address_of
+from ems.kernels.host_copy import address_of
 from ems.store.value_format import VALUE_LEAD
 
 ARENA_ALIGN = 64  # cache line

@@ -28,7 +28,7 @@ from ems.datapath.copier import Gathered
 from ems.datapath.jobs.transfer import Loaded, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
 from ems.datapath.values import ReceivedValues
-from ems.kernels.raw_memory import buffer_addresses, raw_tensor
+from ems.kernels.host_copy import buffer_addresses, raw_tensor
 from ems.records import Stage
 from ems.store.kv_store import ENTRY_OVERHEAD
 from ems.store.value_format import HEADER_SIZE, encode_in_place
