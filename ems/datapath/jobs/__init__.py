@@ -8,8 +8,8 @@ caller), one module per path:
 
 * `embedded.py` (`EmbeddedSave`, `EmbeddedLoad`): a pool that lends its values (`PoolBackend.in_place`: the embedded
   pool) with CPU tensors, one pass straight between the cache and the store's own buffers;
-* `pipelined_save.py`, `pipelined_load.py` (`PipelinedSave`, `PipelinedLoad`): remote pools, accelerators: through
-  staging, chunk by chunk (`chunks.py`: cutting, in-flight bounds, fencing, merging);
+* `pipelined.py` (`PipelinedSave`, `PipelinedLoad`): remote pools, accelerators: through staging, chunk by chunk
+  (cutting, in-flight bounds, fencing, merging);
 * `staged.py` (`StagedLoad`): V0 loads from pool nodes (staging without room for the headers);
 * `transfer.py`: the descriptors, the jobs' contract (`SaveJob`, `LoadJob`) and the job of no values.
 
@@ -20,10 +20,8 @@ miss, and gives back every buffer and lease on every path.
 from __future__ import annotations
 
 from ems.backends.base import InPlaceValues, PoolBackend
-from ems.datapath.jobs.chunks import FENCE_GRACE_S, PIPELINE_DEPTH, plan_chunks
 from ems.datapath.jobs.embedded import EmbeddedLoad, EmbeddedSave
-from ems.datapath.jobs.pipelined_load import PipelinedLoad
-from ems.datapath.jobs.pipelined_save import PipelinedSave
+from ems.datapath.jobs.pipelined import FENCE_GRACE_S, PIPELINE_DEPTH, PipelinedLoad, PipelinedSave, plan_chunks
 from ems.datapath.jobs.staged import StagedLoad
 from ems.datapath.jobs.transfer import JobContext, Loaded, LoadJob, NothingToMove, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
