@@ -56,8 +56,8 @@ import numpy as np
 
 from ems.backends.base import PoolOutcome
 from ems.datapath.copier import Checked, Gathered, PlacedScatter, Verified, encode_values
-from ems.datapath.devices import side_stream
-from ems.datapath.jobs.transfer import JobContext, Loaded, SaveJob, Transfer, pool_call
+from ems.datapath.jobs.staged import StagedLoad
+from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, LoadJob, SaveJob, Transfer, pool_call
 from ems.datapath.planning import BlockPlan, Plan
 from ems.datapath.values import ReceivedValues
 from ems.deadline import Deadline
@@ -197,7 +197,7 @@ class PipelinedSave(SaveJob):
         self._chunks = plan_chunks(plan, self.pool.limits, self.chunk_bytes)
         for a, b in self._chunks:
             lo, hi = int(plan.value_start[a]), int(plan.value_start[b])
-            with side_stream(self.device):  # waits for the chunk's device work at the end
+            with self.copier.device_work():  # waits for the chunk's device work at the end
                 with record.stage(Stage.GATHER, plan.expected.payload_bytes(a, b)):
                     # host staging may come out of the gather encoded (the fused copier's one pass)
                     gathered = self.copier.gather(plan, lease.device, a, b)
@@ -326,7 +326,7 @@ class PipelinedLoad:
                     start(k + PIPELINE_DEPTH)  # before the scatter: chunk k + depth arrives while chunk k is written
                 if received.checked.count:  # (values a .. a + written were verified and written during the receive)
                     lo, hi = int(plan.value_start[a + written]), int(plan.value_start[a + valid])
-                    with side_stream(self.device):
+                    with self.copier.device_work():
                         lease.copy_to_device(lo, hi, record)
                         with record.stage(Stage.SCATTER, plan.expected.payload_bytes(a + written, a + valid)):
                             valid = written + received.checked.scatter(
@@ -374,3 +374,15 @@ class PipelinedLoad:
             return Received(outcome, written, Verified(0))
         values = ReceivedValues(outs, expected, self.read_check).range(written, present)
         return Received(outcome, written, self.copier.check(values, record))
+
+
+class PipelinedPath(JobPath):
+    """The path through staging: remote pools, accelerators (V1 loads pipelined, V0 loads `StagedLoad`)."""
+
+    def _save(self, transfer: Transfer, context: JobContext) -> SaveJob:
+        return PipelinedSave(transfer, context)
+
+    def _load(self, transfer: Transfer, context: JobContext) -> LoadJob:
+        if isinstance(transfer.plan, BlockPlan):
+            return PipelinedLoad(transfer, context)
+        return StagedLoad(transfer, context)

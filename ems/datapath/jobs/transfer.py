@@ -5,9 +5,10 @@ by which copier (`ems.datapath.copier`, chosen once for the job), with the call'
 `JobContext` is where a client's transfers go and what they run on: its pool, its staging pool, the chunk size and
 the executor its chunk calls share (`ems.datapath.executor`: the client's, not the pool's). Each pool call a job
 makes for values a..b-1 of its plan is one `PoolCall` (`pool_call`). A job is built from
-the two (`ems.datapath.jobs.save_job` / `load_job`) and runs as a `SaveJob` (the base class of every save job) or a
-`LoadJob`; no job holds anything a descriptor does not name, and every job gives back every buffer and lease on
-every path.
+the two by its `JobPath` (the path a client's calls on one device take, chosen once per device:
+`ems.datapath.jobs.job_path`; a call of no values is `NothingToMove` on every path) and runs as a `SaveJob` (the base
+class of every save job) or a `LoadJob`; no job holds anything a descriptor does not name, and every job gives back
+every buffer and lease on every path.
 """
 
 from __future__ import annotations
@@ -124,3 +125,22 @@ class NothingToMove(SaveJob):
 
     def run(self) -> Loaded:
         return Loaded(0, PoolOutcome([]))
+
+
+class JobPath(abc.ABC):
+    """The path a client's calls on one device take (the embedded one-pass jobs, or staging and the pipelined
+    jobs), chosen once per device (`ems.datapath.jobs.job_path`): `save_job` / `load_job` build a call's job on it."""
+
+    def save_job(self, transfer: Transfer, context: JobContext) -> SaveJob:
+        """The call's save job (for no values, `NothingToMove`)."""
+        return self._save(transfer, context) if transfer.plan.total else NothingToMove(transfer.record)
+
+    def load_job(self, transfer: Transfer, context: JobContext) -> LoadJob:
+        """The call's load job (for no values, `NothingToMove`)."""
+        return self._load(transfer, context) if transfer.plan.total else NothingToMove(transfer.record)
+
+    @abc.abstractmethod
+    def _save(self, transfer: Transfer, context: JobContext) -> SaveJob: ...
+
+    @abc.abstractmethod
+    def _load(self, transfer: Transfer, context: JobContext) -> LoadJob: ...
