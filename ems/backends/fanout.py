@@ -33,8 +33,8 @@ import numpy as np
 from ems.backends.base import PoolOutcome
 from ems.backends.latency import NodeLatency
 from ems.backends.warm import WarmNodes
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.transport.base import NodeClient, NodeLocation, TransportError
 from ems.transport.protocol import Costs, RequestLimits
 

@@ -42,8 +42,8 @@ from ems.backends.warm import WarmNodes
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.cluster.rendezvous import ranked_owners
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.store.value_format import HEADER_SIZE, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer, TransportError
 from ems.transport.exists_holds import Hold

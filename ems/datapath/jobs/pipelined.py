@@ -60,10 +60,9 @@ from ems.datapath.jobs.staged import StagedLoad
 from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, LoadJob, SaveJob, Transfer, pool_call
 from ems.datapath.planning import BlockPlan, Plan
 from ems.datapath.values import ReceivedValues
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
 from ems.kernels.base import PlacedStop
-from ems.records import Stage
+from ems.records import Deadline, Stage
 from ems.staging import StagingKind, StagingLease
 from ems.store.value_format import HEADER_SIZE, ExpectedValues
 from ems.transport.base import TransportError

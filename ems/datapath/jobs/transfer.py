@@ -23,8 +23,7 @@ from ems.backends.base import PoolBackend, PoolCall, PoolOutcome
 from ems.datapath.copier import Copier
 from ems.datapath.executor import ChunkExecutor
 from ems.datapath.planning import Plan
-from ems.deadline import Deadline
-from ems.records import JobRecord
+from ems.records import Deadline, JobRecord
 from ems.staging import StagingPool
 from ems.types import CcKvOption
 
