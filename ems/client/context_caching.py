@@ -361,7 +361,7 @@ class ContextCaching:
         job = path.load_job(Transfer(plan, device, copier, call.option, record), self._job_context())
         loaded = job.run()
         self._raise_if_unreachable(loaded.outcome, loaded.hits)
-        if not isinstance(call, RawCall):
+        if not self._namespaces.settled and not isinstance(call, RawCall):  # (settled: one attribute test per call)
             self._namespaces.observe(loaded.hits)
         self._job_done(record.finish(loaded.hits, plan.total, plan.expected.payload_bytes(0, loaded.hits)))
         return call_result(call, loaded.hits, plan.total)
@@ -464,8 +464,8 @@ class ContextCaching:
             outcome = run_lookup(self._pool, call, self._v0_namespace, v1_namespace)
             if not outcome.pool_raised:  # (a pool that raised answered nothing: not counted)
                 self._metrics.record_exists(outcome.result.success, outcome.result.total)
-            if not call.is_v0:
-                self._namespaces.observe(outcome.result.success)  # a V1 lookup (V0 keys are the engine's own: not observed)
+            if not self._namespaces.settled and not call.is_v0:  # a V1 lookup (V0 keys are the engine's own: not observed)
+                self._namespaces.observe(outcome.result.success)
             return outcome.result
 
     # ---------------------------------------------------------------- lifecycle
