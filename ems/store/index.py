@@ -184,7 +184,7 @@ class Holds:
         self.lease_budget = lease_budget
         self.pin_budget = pin_budget
         self._clock = clock
-        self._leases: dict[bytes, _Lease] = {}
+        self.leases: dict[bytes, _Lease] = {}  # the keys leased now (read by the store's reads: `release`)
         self._pins: dict[bytes, int] = {}  # key -> its charge
         self._expiries: list[tuple[float, bytes]] = []  # a heap; entries of leases extended or ended are stale
         self.leased_bytes = 0
@@ -197,7 +197,7 @@ class Holds:
 
     def __len__(self) -> int:
         """Keys held (leases not yet found expired, and pins)."""
-        return len(self._leases) + len(self._pins)
+        return len(self.leases) + len(self._pins)
 
     def expire(self) -> None:
         """End the leases whose time has passed."""
@@ -207,7 +207,7 @@ class Holds:
         now = self._clock()
         while expiries and expiries[0][0] <= now:
             _, key = heapq.heappop(expiries)
-            lease = self._leases.get(key)
+            lease = self.leases.get(key)
             if lease is not None and lease.expires <= now:
                 self._end_lease(key, lease)
 
@@ -215,7 +215,7 @@ class Holds:
         """Whether `key` is leased (not expired) or pinned: eviction passes it by."""
         if key in self._pins:
             return True
-        lease = self._leases.get(key)
+        lease = self.leases.get(key)
         return lease is not None and lease.expires > self._clock()
 
     def grant(self, key: bytes, charge: int, hold: Hold) -> bool:
@@ -230,14 +230,14 @@ class Holds:
             self.pinned_bytes += charge
             return True
         expires = self._clock() + min(hold.lease_ms, MAX_LEASE_MS) / 1000.0
-        lease = self._leases.get(key)
+        lease = self.leases.get(key)
         if lease is None:
             if self.leased_bytes + charge > self.lease_budget:
                 self.expire()  # leases past their time still count until found expired
                 if self.leased_bytes + charge > self.lease_budget:
                     self.refused += 1
                     return False
-            lease = self._leases[key] = _Lease(0, expires, charge)
+            lease = self.leases[key] = _Lease(0, expires, charge)
             self.leased_bytes += charge
         lease.holders += 1
         if expires > lease.expires or lease.holders == 1:
@@ -247,7 +247,7 @@ class Holds:
 
     def release(self, key: bytes) -> None:
         """One read of `key`: one holder of its lease is done."""
-        lease = self._leases.get(key)
+        lease = self.leases.get(key)
         if lease is not None:
             lease.holders -= 1
             if lease.holders <= 0:
@@ -255,7 +255,7 @@ class Holds:
 
     def forget(self, key: bytes) -> None:
         """`key`'s value left the store: its holds go with it."""
-        lease = self._leases.get(key)
+        lease = self.leases.get(key)
         if lease is not None:
             self._end_lease(key, lease)
         charge = self._pins.pop(key, None)
@@ -263,13 +263,13 @@ class Holds:
             self.pinned_bytes -= charge
 
     def clear(self) -> None:
-        self._leases.clear()
+        self.leases.clear()
         self._pins.clear()
         self._expiries.clear()
         self.leased_bytes = self.pinned_bytes = 0
 
     def _end_lease(self, key: bytes, lease: _Lease) -> None:
-        del self._leases[key]
+        del self.leases[key]
         self.leased_bytes -= lease.charge
-        if not self._leases:
+        if not self.leases:
             self._expiries.clear()  # every entry is stale

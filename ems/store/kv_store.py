@@ -302,7 +302,7 @@ class KvStore:
                 else:
                     entries.move_to_end(key)
                     stats.hits += 1
-                    if holds:
+                    if holds.leases:  # (a dict's truth: no call while nothing is leased)
                         holds.release(key)  # the read a lookup's lease was for
                 values.append(value)
                 if addresses is not None:
