@@ -12,7 +12,7 @@ Contract (`open_remote_pool`):
 * `pool_replicas` (k owners per block) and `pool_hedge` are handed to the `PoolClient`.
 * Connections: `Ems.init` connects to each of `pool_nodes` at start when there are at most `EAGER_CONNECT_NODES`
   (a refused handshake fails the init at once); a larger list is connected lazily, each node on its first call, and
-  the client keeps a bounded set of connections warm (`ems.backends.warm`).
+  the client keeps a bounded set of connections warm (`ems.backends.fanout.WarmNodes`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ems.transport.base import NodeClient
 log = logging.getLogger("ems")
 
 #: a fixed node list larger than this is connected lazily: an engine connects to the nodes its calls use (and keeps
-#: a bounded set warm, `ems.backends.warm`), not to every node at start
+#: a bounded set warm, `ems.backends.fanout.WarmNodes`), not to every node at start
 EAGER_CONNECT_NODES = 8
 
 
