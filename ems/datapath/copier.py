@@ -12,7 +12,7 @@ Two implementations of one interface (`Copier`), chosen once per device (`copier
   writing it; a load staged in a same-host node's region verifies and scatters each value as the node places it
   (`FusedCopier.as_placed`).
 
-A load's received values are one value object (`ems.datapath.values.ReceivedValues`: bytes, expected values,
+A load's received values are one value object (`ems.datapath.jobs.transfer.ReceivedValues`: bytes, expected values,
 addresses, what the pool checked of them). What a load's receive checked before the scatter is a value (`Checked`):
 `Verified` (the leading values are exactly the expected ones) or `HeadersChecked` (their headers are; the checksums
 they state are the scatter's to check).
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,7 +41,6 @@ from ems.backends.base import ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.devices import device_work
 from ems.datapath.planning import BlockPlan, GroupRegion, Plan, RawPlan
-from ems.datapath.values import ReceivedValues
 from ems.kernels.base import CopyBackend, Fusion, PlacedStop, Placement, Staging, tensor_over
 from ems.kernels.host_copy import address_of
 from ems.records import JobRecord, Stage
@@ -55,6 +55,9 @@ from ems.store.value_format import (
     stated_checksums,
 )
 from ems.transport.base import AsPlaced
+
+if TYPE_CHECKING:
+    from ems.datapath.jobs.transfer import ReceivedValues  # (the jobs build them; the copier only reads them)
 
 log = logging.getLogger("ems")
 

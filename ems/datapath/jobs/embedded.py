@@ -25,9 +25,8 @@ import torch
 from ems.backends.base import InPlaceValues, PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.copier import Gathered
-from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, SaveJob, Transfer
+from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, ReceivedValues, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
-from ems.datapath.values import ReceivedValues
 from ems.kernels.host_copy import buffer_addresses, raw_tensor
 from ems.records import Stage
 from ems.store.kv_store import ENTRY_OVERHEAD

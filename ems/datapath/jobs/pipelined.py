@@ -57,9 +57,8 @@ import numpy as np
 from ems.backends.base import PoolOutcome
 from ems.datapath.copier import Checked, Gathered, PlacedScatter, Verified, encode_values
 from ems.datapath.jobs.staged import StagedLoad
-from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, LoadJob, SaveJob, Transfer, pool_call
+from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, LoadJob, ReceivedValues, SaveJob, Transfer, pool_call
 from ems.datapath.planning import BlockPlan, Plan
-from ems.datapath.values import ReceivedValues
 from ems.errors import EmsErrorCode
 from ems.kernels.base import PlacedStop
 from ems.records import Deadline, Stage

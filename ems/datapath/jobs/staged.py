@@ -10,9 +10,8 @@ from typing import cast
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.datapath.jobs.transfer import JobContext, Loaded, Transfer, pool_call
+from ems.datapath.jobs.transfer import JobContext, Loaded, ReceivedValues, Transfer, pool_call
 from ems.datapath.planning import RawPlan
-from ems.datapath.values import ReceivedValues
 from ems.records import Stage
 from ems.store.value_format import HEADER_SIZE
 
