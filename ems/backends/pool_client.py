@@ -185,7 +185,7 @@ class PoolClient:
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         results: list = [False] * len(keys) if self.cache is None else self.cache.place(keys, outs, expected)
-        if not self._remote_reads(request.option):
+        if not self._remote_reads(request.option) or all(results):  # (all from the read cache: no node is asked)
             return PoolOutcome(results)
         progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
         return self.router.get_into(request, outs, results, progressive)
