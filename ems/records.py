@@ -1,12 +1,24 @@
-"""Job records: where one save's or load's time went, stage by stage, and the ledger that sums them.
+"""A job's time: the deadline it must meet (`Deadline`), where its time went, stage by stage (`JobRecord`), and the
+ledger that sums the records.
 
 A job (`ems.datapath.jobs`) keeps one `JobRecord`: per `Stage` the bytes it moved, the seconds it took and how many times it
 ran (once per chunk, or once per request). Pipelined stages overlap, so their seconds may add up to more than the
 job's wall time (`JobRecord.seconds`); `stage_table` prints both. That record is the one account of where a
 request's time went: the benchmarks print it, `ENABLE_CC_PROFILING=1` logs it (logger `ems.profile`), and a
 `JobLedger` sums records for metrics (per operation: calls, blocks, bytes and seconds per stage). This module
-imports nothing of ems: it lies below the data path, so metrics code can use it alone and the public types name it
-(`ems.types.CcFuture.job`).
+imports nothing of ems, not even for type checking: it lies below the data path and the transport (which hands
+deadlines down), so metrics code can use it alone and the public types name it (`ems.types.CcFuture.job`).
+
+Deadlines (the one way a call's time limit travels between the layers: API option, jobs, pool client, node
+clients, the node's waits):
+* A `Deadline` is a point on the `time.monotonic()` clock (`at`), fixed when the request starts (`of(option)`,
+  `after(seconds)`) and handed down unchanged: every layer asks it what is `left()` at the moment it waits, so the
+  layers below a request never restart its clock, and the chunks of one request share it.
+* `of(option)`: the option's timeout in milliseconds, clamped to `MAX_TIMEOUT_MS` (0, or anything above it: that
+  maximum; `ems.types` re-exports it with the option). `left()` is never negative; `expired()` says whether it has passed.
+* `within(limit)`: a `Deadline` as it is, or seconds from now: the one place a span becomes a deadline below the
+  API (a node client's entry, for callers that hold seconds).
+* `extended(seconds)`: the same point moved later (a fence that waits a grace past a request's deadline).
 """
 
 from __future__ import annotations
@@ -16,8 +28,61 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 profile_logger = logging.getLogger("ems.profile")
+
+
+MAX_TIMEOUT_MS = 365 * 24 * 3600 * 1000  # the longest wait a request honours: larger timeouts (and 0) mean this
+
+
+class TimedOption(Protocol):
+    """What a deadline reads of a request's option (`ems.types.CcKvOption` is one)."""
+
+    @property
+    def timeout(self) -> int:
+        """Milliseconds for the whole request; 0: no limit (`MAX_TIMEOUT_MS`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A monotonic point in time by which something must be done; see the module docstring."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        """The deadline `seconds` from now (a negative span is now)."""
+        return cls(time.monotonic() + max(0.0, seconds))
+
+    @classmethod
+    def of(cls, option: TimedOption) -> Deadline:
+        """The deadline of a request with `option` that starts now."""
+        return cls.after(timeout_seconds(option))
+
+    @classmethod
+    def within(cls, limit: Deadline | float) -> Deadline:
+        """`limit` itself, or the deadline `limit` seconds from now (a node client's callers outside the pool
+        client, tools and tests, may give seconds; the pool client always hands a `Deadline` down)."""
+        return limit if isinstance(limit, Deadline) else cls.after(limit)
+
+    def left(self) -> float:
+        """Seconds until the deadline, 0 once it has passed."""
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def extended(self, seconds: float) -> Deadline:
+        """The same deadline `seconds` later."""
+        return Deadline(self.at + seconds)
+
+
+def timeout_seconds(option: TimedOption) -> float:
+    """The option's timeout in seconds, clamped to `MAX_TIMEOUT_MS`; 0 (no limit) is that maximum too."""
+    timeout_ms = option.timeout if 0 < option.timeout < MAX_TIMEOUT_MS else MAX_TIMEOUT_MS
+    return timeout_ms / 1000.0
 
 
 class Stage(str, enum.Enum):

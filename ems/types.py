@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from ems.deadline import MAX_TIMEOUT_MS  # noqa: F401 - re-exported: the longest wait a request honours
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
+from ems.records import MAX_TIMEOUT_MS  # noqa: F401 - re-exported: the longest wait a request honours
 
 if TYPE_CHECKING:
     from ems.records import JobRecord

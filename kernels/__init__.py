@@ -6,7 +6,7 @@ copy per block and plane, for comparison), and `ems.kernels.triton_backend.Trito
 cuda/npu, the interpreter on CPU), imported lazily so that `import ems` never imports triton.
 
 The names below are imported on first use (PEP 562), as `ems`'s own: the torch-free modules of this package
-(`host_copy`, `raw_memory`: the copies and addresses a pool node's store uses) can be imported without torch, so a
+(`host_copy`: the copies and addresses a pool node's store uses) can be imported without torch, so a
 pool node never loads it (tests/pool/test_pool_node.py checks).
 """
 

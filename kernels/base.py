@@ -12,11 +12,11 @@ rows of that value's `n` tokens are one contiguous run at `base + n * plane_offs
 size and dtype (MLA with split K/V: K = the 512-wide latent, V = the 64-wide rope part). A *piece* is a run of
 consecutive slots inside one cache block and one value: int64 row `(start_slot, count, base, value_tokens,
 index_in_value)`, its plane-p rows at `base + value_tokens * plane_offsets[p] + (index_in_value + k) * row_bytes[p]`
-(`plan.value_pieces` builds the table). Where a plane's rows are contiguous in the cache (`slot_stride ==
+(`ems.datapath.planning.value_pieces` builds the table). Where a plane's rows are contiguous in the cache (`slot_stride ==
 row_elems`), a piece of that plane is ONE span of `count * row_bytes` bytes on both sides: backends move it as a
 span, not row by row. Where every plane of a block lies in one run in plane order (cross-layer blocks,
 `PlaneSet.block_runs`), a whole-block value is that run: the planner hands the backends the runs as one plane
-(`plan.block_run_pieces`), so each such value is ONE span or copy.
+(`ems.datapath.planning.block_run_pieces`), so each such value is ONE span or copy.
 
 Rules every backend keeps:
 * A gather writes exactly the staging bytes its pieces name (a segment gather: all of `out`); a scatter writes
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ems.config import KernelBackend as KernelBackend  # the setting's values, kept with the settings
-from ems.kernels.raw_memory import host_array, raw_tensor
+from ems.kernels.host_copy import host_array, raw_tensor
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""The CPU copy path's compiled moves (`host_copy.c`), built on first use with the host's C compiler.
+"""Raw host memory and the CPU copy path's compiled moves over it (`host_copy.c`, built on first use with the host's
+C compiler: `ems.kernels.host_build`).
 
 Contract:
 * `host_copy()` is the process's `HostCopy`, or None where it cannot be had (no C compiler, a failed build,
-  `EMS_HOST_COPY=off`): callers then use their numpy / torch path. The library is built once per source and
-  compiler into `EMS_CACHE_DIR` (default `$XDG_CACHE_HOME/ems`, else `~/.cache/ems`), written under a temporary
-  name and renamed into place, so concurrent processes (an engine and its node) never load half a file.
+  `EMS_HOST_COPY=off`): callers then use their numpy / torch path (the build, once per source and compiler:
+  `ems.kernels.host_build`).
 * `HostCopy.move_pieces` / `move_segments` / `hash_many` / `encode_values` / `copy_many` run one C loop over every
   piece, segment, value or buffer (see `host_copy.c` for the layouts; `copy_many`'s large copies use streaming
   stores on x86); `chain_digests` one over the blocks of a token sequence (the token form's keys);
@@ -18,65 +18,46 @@ Contract:
   release costs a wait of up to a switch interval (5 ms) to get it back, which a small move must not pay; a large
   move pays it once and lets the other threads run while it copies, where numpy or torch ops would hold the GIL
   per op and give it away between them (perf/RESULTS.md, "Which ops give the GIL away").
+* Raw memory, what the moves take: `address_of` a numpy array, `buffer_addresses` of buffers, `raw_tensor` (a view
+  of a raw device address range as a uint8 tensor: V0 `KvBufferWrapper` ranges, a stored value's span) and
+  `host_array` (a CPU tensor's memory as a numpy array of its shape and strides, without `Tensor.numpy()`, which
+  gives the GIL away). The caller vouches for a range: `nbytes` bytes of live memory on `device` (CPU: plain host
+  memory; CUDA: through `__cuda_array_interface__`) for as long as the view is used, a tensor kept alive while its
+  array is.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shlex
 import subprocess
-import sysconfig
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ems.kernels.raw_memory import address_of, buffer_addresses
+from ems.kernels.host_build import build_library
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ems.kernels")
 
 GIL_HELD_BELOW = 1 << 20  # bytes: below this a move keeps the GIL (well under a switch interval at memcpy speed)
-_SOURCE = Path(__file__).with_name("host_copy.c")
-_FLAGS = ["-O2", "-fPIC", "-shared"]
-_BUILD_TIMEOUT_S = 120.0
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+_I32 = ctypes.c_int32
 _SIGNATURES: dict[str, list] = {
-    "ems_move_pieces": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int32],
-    "ems_move_segments": [_PTR, _PTR, _I64, _I64, ctypes.c_int32],
+    "ems_move_pieces": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32],
+    "ems_move_segments": [_PTR, _PTR, _I64, _I64, _I32],
     "ems_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64],
     "ems_encode_values": [_PTR, _PTR, _PTR, _PTR, _I64],
     "ems_gather_encode_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "ems_verify_scatter_pieces": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "ems_copy_many": [_PTR, _PTR, _PTR, _I64, _I64, _I64],
-    "ems_verify_scatter_as_placed": [
-        _PTR,
-        _I64,
-        ctypes.c_int32,
-        _I64,
-        _PTR,
-        _PTR,
-        _PTR,
-        _PTR,
-        _I64,
-        _PTR,
-        _PTR,
-        _I64,
-        _PTR,
-        _PTR,
-        _PTR,
-        _PTR,
-        _PTR,
-        _I64,
-        _I64,
-        _I64,
-    ],
+    "ems_verify_scatter_as_placed": [_PTR, _I64, _I32, _I64, *4 * [_PTR], _I64, _PTR, _PTR, _I64, *5 * [_PTR], _I64, _I64, _I64],
     "ems_copy_hash_many": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64],
     "ems_chain_digests": [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR],
 }
@@ -85,6 +66,91 @@ _RETURNS_COUNT = {
     "ems_copy_hash_many",
     "ems_verify_scatter_as_placed",
 }  # these return an int64; the others nothing
+
+
+class _CudaRange:
+    """The minimal object torch.as_tensor accepts for a raw CUDA range."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class _HostRange:
+    """The minimal object numpy accepts for a raw host range (constant cost: a ctypes array type per size is not)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, shape: tuple, typestr: str = "|u1", strides: tuple | None = None) -> None:
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": strides,
+            "version": 3,
+        }
+
+
+@functools.cache
+def _typestr() -> dict[Any, str]:
+    """numpy's type string of each tensor dtype `host_array` views (built on first use: `address_of` and
+    `buffer_addresses` serve a pool node's store, which never imports torch)."""
+    import torch
+
+    return {torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """The CPU tensor's memory as a numpy array of its shape and strides (byte and int dtypes); see the docstring."""
+    typestr = _typestr().get(tensor.dtype)
+    if typestr is None or tensor.device.type != "cpu":
+        raise ValueError(f"host_array takes a CPU tensor of a byte or int dtype, got {tensor.dtype} on {tensor.device}")
+    shape = tuple(tensor.shape)
+    if 0 in shape:  # nothing to alias (its address may be 0, which numpy before 2.4 refuses)
+        return np.empty(shape, dtype=np.dtype(typestr))
+    if tensor.is_contiguous():  # numpy's default strides (the common case: a staging buffer, a stored value)
+        return np.asarray(_HostRange(tensor.data_ptr(), shape, typestr))
+    size = tensor.element_size()
+    strides = tuple(s * size for s in tensor.stride())
+    return np.asarray(_HostRange(tensor.data_ptr(), shape, typestr, strides))
+
+
+def address_of(array: np.ndarray) -> int:
+    """The address of a numpy array's first element. A ctypes view of a writable one is about 3x cheaper than
+    `ndarray.ctypes.data` (a small call reads a few)."""
+    if array.flags.writeable and array.flags.c_contiguous and array.size:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    return int(array.ctypes.data)
+
+
+def buffer_addresses(values: Sequence[Any]) -> np.ndarray:
+    """int64 `[n]`: the address of each contiguous buffer's first byte (numpy arrays, memoryviews of whole ones, or
+    anything numpy can view as bytes)."""
+    addresses = []
+    for value in values:
+        owner = value.obj if isinstance(value, memoryview) else value
+        if isinstance(owner, np.ndarray) and owner.nbytes == len(value):
+            addresses.append(address_of(owner))
+        else:
+            addresses.append(address_of(np.frombuffer(value, dtype=np.uint8)))
+    return np.array(addresses, dtype=np.int64)
+
+
+def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 `[nbytes]` tensor aliasing `nbytes` bytes at address `ptr` on `device` (no copy)."""
+    import torch
+
+    if device.type == "cpu":
+        return torch.from_numpy(np.asarray(_HostRange(ptr, (nbytes,))))
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return torch.as_tensor(_CudaRange(ptr, nbytes), device=device)
+    raise NotImplementedError(f"raw address ranges on {device.type} need the Triton backend")
 
 
 class HostCopy:
@@ -352,39 +418,6 @@ class PlaneAddresses:
         self.arguments = (*(address_of(a) for a in self.arrays), len(addrs), block_size)
 
 
-def _compiler() -> list[str]:
-    configured = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(str(configured))
-
-
-def _build() -> Path:
-    """The library for this source and compiler, compiled now unless the cache already has it."""
-    compiler = _compiler()
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + repr((compiler, _FLAGS)).encode()).hexdigest()[:16]
-    from ems.config import host_copy_settings  # the one home of the package's settings (torch-free)
-
-    directory = Path(host_copy_settings().cache_dir)
-    target = directory / f"host_copy-{digest}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=target.name + ".", dir=directory)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [*compiler, *_FLAGS, "-o", partial, str(_SOURCE)],
-            check=True,
-            capture_output=True,
-            timeout=_BUILD_TIMEOUT_S,
-        )
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
-
-
 @functools.cache
 def host_copy() -> HostCopy | None:
     """The process's compiled moves, or None (the reason is logged once)."""
@@ -393,7 +426,7 @@ def host_copy() -> HostCopy | None:
     if not host_copy_settings().enabled:
         return None
     try:
-        return HostCopy(_build())
+        return HostCopy(build_library())
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         log.warning(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
-from ems.kernels.raw_memory import raw_tensor
+from ems.kernels.host_copy import raw_tensor
 from ems.kernels.torch_backend import plane_rows
 
 

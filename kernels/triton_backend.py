@@ -5,7 +5,7 @@ Contract: `TritonBackend(device)` implements `CopyBackend` (see base.py) with on
 host→device copy of the plan table on a real device), whatever the number of blocks, tokens or planes.
 
 Design (Ascend first):
-* **Pieces.** The host (numpy, vectorised: `plan.value_pieces`) cuts a plan's slots into pieces: runs of
+* **Pieces.** The host (numpy, vectorised: `ems.datapath.planning.value_pieces`) cuts a plan's slots into pieces: runs of
   consecutive slots inside one cache block and one stored value. A piece names its value's part in value-major
   staging (base, the value's token count, its index there); plane p's rows of the piece sit back to back there.
   Where `slot_stride == row_elems` the piece of a plane is ONE span on both sides and the kernel tiles it along

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from benchlib import machine
 
+from ems.datapath.planning import value_pieces
 from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
-from ems.kernels.plan import value_pieces
 from ems.kernels.select import get_backend
 
 HERE = Path(__file__).resolve().parent

@@ -36,7 +36,7 @@ from benchlib import machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 
 import ems.transport.ucx.config  # noqa: E402, F401 - UCX environment before ucxx loads
-from ems.deadline import Deadline  # noqa: E402
+from ems.records import Deadline  # noqa: E402
 from ems.transport.shm.client import ShmMode  # noqa: E402
 from ems.transport.ucx.client import UcxNode  # noqa: E402
 

@@ -31,9 +31,9 @@ HERE = Path(__file__).resolve().parent
 CHILD = r"""
 import json, sys, time
 import numpy as np
-import ems.buffers, ems.store.arena, ems.store.kv_store
+import ems.buffers, ems.store.kv_store, ems.store.recycling
 step, ahead = int(sys.argv[1]), int(sys.argv[2])
-ems.buffers.POPULATE_STEP = ems.store.arena.POPULATE_STEP = step  # both names: the arena imported it by value
+ems.buffers.POPULATE_STEP = ems.store.recycling.POPULATE_STEP = step  # both names: the arena imported it by value
 store = ems.store.kv_store.KvStore(2 * ahead, prefault_ahead=ahead)
 waits = []
 start = time.perf_counter()

@@ -140,7 +140,7 @@ def _layout(kind: str, layers: int, blocks: int, bs: int, heads: int, head_size:
 def _values(planes: PlaneSet, slots: torch.Tensor, counts: list[int], lead: int) -> tuple[torch.Tensor, int]:
     """Pieces of `slots` cut into values of `counts` tokens, each value `lead` bytes after a 64-byte boundary
     (40: a header before each payload, the payload 8-byte aligned; 64: 64-byte aligned)."""
-    from ems.kernels.plan import value_pieces
+    from ems.datapath.planning import value_pieces
 
     tok_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     sizes = (lead + np.asarray(counts) * planes.token_bytes + 63) // 64 * 64
@@ -190,7 +190,7 @@ def _pieces_check(
 
 def _block_runs_check(tri: CopyBackend, ref: CopyBackend, planes: PlaneSet, blocks: torch.Tensor, lead: int) -> list[str]:
     """Cross-layer block runs (one span per block) gather exactly what the planes' pieces gather."""
-    from ems.kernels.plan import block_run_pieces
+    from ems.datapath.planning import block_run_pieces
 
     runs = planes.block_runs
     if runs is None:
@@ -284,8 +284,8 @@ def correctness(ctx: Context) -> dict[str, Any]:
 def kernel_vs_copy(ctx: Context) -> list[dict[str, Any]]:
     import bench_kernels as bk
 
+    from ems.datapath.planning import block_run_pieces, value_pieces
     from ems.kernels.memcpy_backend import MemcpyBackend
-    from ems.kernels.plan import block_run_pieces, value_pieces
     from ems.kernels.torch_backend import TorchBackend
     from ems.kernels.triton_backend import TritonBackend
 
@@ -362,7 +362,7 @@ class CrossLayerSave:
 
     @classmethod
     def build(cls, ctx: Context, layers: int, heads: int, head_size: int, bs: int, n: int, dtype: torch.dtype) -> CrossLayerSave:
-        from ems.kernels.plan import block_run_pieces, value_pieces
+        from ems.datapath.planning import block_run_pieces, value_pieces
         from ems.kernels.triton_backend import TritonBackend
 
         _, planes = _layout("block_major", layers, 2 * n + 1, bs, heads, head_size, dtype, ctx.device)

@@ -43,8 +43,8 @@ from ems.backends.node_router import NodeRouter  # noqa: E402
 from ems.cluster.hot import HotUnits, spread  # noqa: E402
 from ems.cluster.rendezvous import UNIT_WIDTH, node_seeds, ranked_by_hash, ranked_owners  # noqa: E402
 from ems.datapath.keys import UNIT_BLOCKS, chain_keys, v1_keys  # noqa: E402
-from ems.deadline import Deadline  # noqa: E402
 from ems.errors import EmsErrorCode  # noqa: E402
+from ems.records import Deadline  # noqa: E402
 from ems.transport.base import NodeClient, TransportError  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 

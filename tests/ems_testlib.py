@@ -16,7 +16,7 @@ from ems.backends.embedded import EmbeddedPool
 from ems.backends.pool_client import PoolClient
 from ems.config import parse_size, resolve_settings
 from ems.datapath.planning import BlockPlan
-from ems.deadline import Deadline
+from ems.records import Deadline
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 from ems.transport.ucx.client import UcxNode
 

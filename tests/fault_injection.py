@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ems.buffers import Buffer
 from ems.datapath.keys import encode_hash
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.transport.base import NodeClient, TransportError
 from ems.transport.exists_holds import Hold
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ems.deadline import MAX_TIMEOUT_MS, Deadline
+from ems.records import MAX_TIMEOUT_MS, Deadline
 from ems.types import CcKvOption
 
 # no EMS_* settings in the environment and no initialised `Ems`, before and after each test

@@ -11,7 +11,7 @@ that the names that carry those words keep to them:
   inference request (vLLM's `Request`, keyed by `req_id`) is the **engine request**, named only in the engine
   integrations. A class named for a request lives in one of those two places.
 * **copier**: the one worker that runs a plan's moves (`ems.datapath.copier`): no other class is a copier.
-* **hold**: a lease or pin on a stored key: what a store keeps (`ems.store.holds`) and what an EXISTS asks for on
+* **hold**: a lease or pin on a stored key: what a store keeps (`ems.store.index.Holds`) and what an EXISTS asks for on
   the wire (`ems.transport.exists_holds`), nowhere else.
 * **routing**: which nodes a key goes to: the rendezvous math (`ems.cluster.rendezvous`) and the node router that
   applies it to a call (`ems.backends.node_router`); no class is a "route".
@@ -34,7 +34,7 @@ DOCS = ROOT / "docs"
 CLASS_HOMES: dict[str, tuple[str, ...]] = {
     r"Request": ("ems.transport", "ems.integrations"),
     r"Copier$": ("ems.datapath.copier",),
-    r"^Holds?$|^Hold[A-Z]": ("ems.store.holds", "ems.transport.exists_holds"),
+    r"^Holds?$|^Hold[A-Z]": ("ems.store.index", "ems.transport.exists_holds"),
     r"Job(?!Context)": ("ems.datapath.jobs", "ems.records"),
     r"JobContext": ("ems.datapath.jobs",),
     r"Route(?!r)": (),

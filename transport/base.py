@@ -2,12 +2,12 @@
 
 A `NodeClient` carries batched requests to one node: a remote pool node (`ucx.py`), or a store in this process
 served as a node (`inprocess.py`: the nodes of in-process clusters; the embedded pool is a backend of its own,
-`ems.backends.embedded`). Every call takes a `Deadline` (`ems.deadline`; a caller holding seconds may pass those,
+`ems.backends.embedded`). Every call takes a `Deadline` (`ems.records`; a caller holding seconds may pass those,
 `Deadline.within`) and must return or raise by it, even when the node hangs; a node that fails raises
 `TransportError` with `EMS_IO_ERROR` (lost, refused, malformed reply) or `EMS_IO_TIMEOUT` (no answer in time).
 Per-key outcomes (a refused put, a missing key) are results, not errors.
 
-Layering: the transport imports nothing of `ems` but the leaf modules `ems.errors`, `ems.deadline` and `ems.buffers`
+Layering: the transport imports nothing of `ems` but the leaf modules `ems.errors`, `ems.records` (deadlines) and `ems.buffers`
 (the `Buffer` type both sides share), and the in-process node reaches the embedded store only through `LocalStore`, so
 `ems.transport.*` never imports `ems.store.kv_store` (tests/transport/test_layering.py checks it).
 """
@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ems.buffers import Buffer
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
+from ems.records import Deadline
 from ems.transport.exists_holds import Hold
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Contract:
 * `Hold.lease(lease_ms)`: a lease on each key found, until the key is next read (the load the lookup promised) or
   `lease_ms` has passed (at most `MAX_LEASE_MS`); `Hold.pin()`: a pin, until the key's value is replaced or deleted.
-  What a node does with them: `ems.store.holds`.
+  What a node does with them: `ems.store.index.Holds`.
 * On the wire: an EXISTS with `Flags.LEASE` carries the lease's milliseconds as a u32 before its keys meta
   (`encode_exists_meta` / `decode_exists_meta`); one with `Flags.PIN` carries nothing more. The reply flags say, per
   key, that the node holds it *and* keeps it as asked (a key it could not keep, its budget used up, is reported as

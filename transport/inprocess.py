@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ems.buffers import Buffer
-from ems.deadline import Deadline
+from ems.records import Deadline
 from ems.transport.base import LocalStore, NodeClient, NodeLocation
 from ems.transport.exists_holds import Hold
 

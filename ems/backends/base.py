@@ -12,7 +12,7 @@ Contract, for every implementation:
   package's format (`ems.store.value_format`), written and checked above the backend: a backend stores bytes.
 * Results come back per key in request order in a `PoolOutcome`; a key that failed is a miss (False / None), never
   a wrong value; a backend that failed as a whole reports it in `errors` (`unreachable` when it is all there was).
-* Every call returns by the option's timeout, or by the request's `deadline` (`ems.deadline.Deadline`) where given,
+* Every call returns by the option's timeout, or by the request's `deadline` (`ems.records.Deadline`) where given,
   even when the pool hangs (`PoolCall.until`). A buffer handed to a call that did not return in time, or returned
   with `errors`, may still be touched by the transfer for a while: the caller retires it (`StagingPool.retire`),
   never reuses it.
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
+from ems.records import Deadline
 from ems.store.value_format import ExpectedValues
 from ems.transport.base import AsPlaced, TransportError
 from ems.transport.exists_holds import Hold

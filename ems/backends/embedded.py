@@ -27,8 +27,8 @@ import numpy as np
 
 from ems.backends.base import InPlaceValues, PoolCall, PoolOutcome, ReadCheck
 from ems.buffers import Buffer
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.store.kv_store import KvStore
 from ems.transport.base import AsPlaced, TransportError, place_values
 from ems.transport.exists_holds import Hold

@@ -36,15 +36,14 @@ from typing import Any, cast
 import numpy as np
 
 from ems.backends.base import PoolCall, PoolOutcome, ReadCheck
-from ems.backends.fanout import FanOut
+from ems.backends.fanout import FanOut, WarmNodes
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
-from ems.backends.warm import WarmNodes
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.cluster.rendezvous import ranked_owners
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.store.value_format import HEADER_SIZE, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer, TransportError
 from ems.transport.exists_holds import Hold

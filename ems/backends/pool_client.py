@@ -4,7 +4,7 @@ embedded pool is a backend of its own (`ems.backends.embedded`).
 
 * Routing (`ems.backends.node_router.NodeRouter`): owners and replicas, per-node requests within the protocol's
   `RequestLimits`, fan-out in parallel with one `Deadline`, failover to the next owner on reads.
-* The read cache (`ems.backends.read_cache.ReadCache`, remote pools only): in front of the router. A put with
+* The read cache (`ReadCache`, below; remote pools only): in front of the router. A put with
   `write_rcache` keeps what it stored there; a read takes what it holds first (an entry that is not the `expected`
   value is dropped) and asks the nodes for the rest; with `read_local_only` a read never leaves the process. Nodes
   in this process (every node's `location` is `NodeLocation.IN_PROCESS`) have no read cache in front of them, and
@@ -14,6 +14,16 @@ Contract: every call returns by the option's timeout, or by `deadline` where giv
 share its deadline); results come back in request order, a failed node's keys as misses with its error in
 `PoolOutcome.errors`; interpreting them (the consecutive prefix, raising when nothing was reachable) is the caller's
 job.
+
+The read cache (`ReadCache`):
+* A `ReadCache` is a `KvStore` of `capacity` bytes in this process (evicting the least recently used); the pool
+  client puts it in front of its nodes for remote pools only (the embedded pool is local already).
+* `remember(keys, values, stored)` keeps the values a put stored (the caller decides when: `write_rcache`).
+* `lookup`, `place` and `contains` answer what the cache holds, in request order, and leave the rest to the pool
+  (None / False). With `expected` (value i of the call is `expected`'s value i), an entry that is not exactly the
+  expected value (damaged, or written by another layout) is dropped from the cache and reported missing, so it never
+  shadows a good copy in the pool. `place` copies a value into the caller's buffer only when its length is the
+  buffer's.
 """
 
 from __future__ import annotations
@@ -25,14 +35,55 @@ import numpy as np
 
 from ems.backends.base import InPlaceValues, PoolCall, PoolOutcome
 from ems.backends.node_router import NodeRouter
-from ems.backends.read_cache import ReadCache
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
 from ems.store.kv_store import KvStore
+from ems.store.value_format import ExpectedValues, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer
 from ems.transport.exists_holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
+
+
+class ReadCache:
+    """A client-side cache of values; see the module docstring."""
+
+    def __init__(self, capacity: int) -> None:
+        self.store = KvStore(capacity, verify_on_put=False)
+
+    def remember(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], stored: Sequence[bool]) -> None:
+        for key, value, ok in zip(keys, values, stored):
+            if ok:
+                self.store.put(key, value)
+
+    def lookup(self, keys: Sequence[bytes], expected: ExpectedValues | None = None) -> list[Buffer | None]:
+        """Each key's cached value, or None."""
+        results = self.store.get_many(keys)
+        if expected is not None:
+            for i, value in enumerate(results):
+                if value is not None and not matches(value, expected, i):
+                    self.store.delete(keys[i])
+                    results[i] = None
+        return results
+
+    def place(self, keys: Sequence[bytes], outs: Sequence[Buffer], expected: ExpectedValues | None = None) -> list[bool]:
+        """Copy each cached value into `outs[i]`; True where it was there with exactly that buffer's length."""
+        placed = [False] * len(keys)
+        for i, value in enumerate(self.store.get_many(keys)):
+            if value is None:
+                continue
+            if expected is not None and not matches(value, expected, i):
+                self.store.delete(keys[i])
+                continue
+            out = memoryview(outs[i]).cast("B")
+            source = memoryview(value).cast("B")
+            if source.nbytes == out.nbytes:
+                out[:] = source
+                placed[i] = True
+        return placed
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.store.contains_many(keys)
 
 
 class PoolClient:
@@ -134,7 +185,7 @@ class PoolClient:
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         results: list = [False] * len(keys) if self.cache is None else self.cache.place(keys, outs, expected)
-        if not self._remote_reads(request.option):
+        if not self._remote_reads(request.option) or all(results):  # (all from the read cache: no node is asked)
             return PoolOutcome(results)
         progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
         return self.router.get_into(request, outs, results, progressive)

@@ -46,8 +46,8 @@ from ems.backends.fanout import CostsOf, FanOut, NodeRequest, NodeShare
 from ems.backends.latency import SMALL_BYTES
 from ems.cluster.placement import View
 from ems.cluster.rendezvous import read_order
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.transport.base import NodeClient, TransportError
 
 Accept = Callable[[int, object], bool]

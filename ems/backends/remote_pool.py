@@ -14,7 +14,7 @@ Contract (`open_remote_pool`):
   there are at most `EAGER_CONNECT_NODES` of them (a refused handshake fails the init at once), else one that
   connects lazily, each node on its first call. `join` opens the nodes etcd reports, always lazily in `Ems.init`: a
   pool of a thousand members is not a thousand connections at start, nor one made under the membership's lock as
-  each node joins. The client keeps a bounded set of connections warm (`ems.backends.warm`).
+  each node joins. The client keeps a bounded set of connections warm (`ems.backends.fanout.WarmNodes`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ems.transport.base import NodeClient
 log = logging.getLogger("ems")
 
 #: a fixed node list larger than this is connected lazily: an engine connects to the nodes its calls use (and keeps
-#: a bounded set warm, `ems.backends.warm`), not to every node at start
+#: a bounded set warm, `ems.backends.fanout.WarmNodes`), not to every node at start
 EAGER_CONNECT_NODES = 8
 
 

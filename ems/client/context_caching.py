@@ -39,10 +39,10 @@ from ems.client.warmup import warm_small_calls
 from ems.config import CcConfig, Settings
 from ems.datapath.arguments import Operation, RawCall
 from ems.datapath.calls import Call, bind_and_plan, bind_exists, call_result, consecutive_prefix
-from ems.datapath.copier import copier_for
+from ems.datapath.copier import Copier, copier_for
 from ems.datapath.devices import default_raw_device, parse_device
 from ems.datapath.executor import ChunkExecutor
-from ems.datapath.jobs import JobContext, Transfer, load_job, save_job
+from ems.datapath.jobs import JobContext, JobPath, Transfer, job_path
 from ems.datapath.jobs.lookup import run_lookup
 from ems.datapath.keys import namespace
 from ems.datapath.layout import RegisteredLayout, register_layout
@@ -136,6 +136,7 @@ class ContextCaching:
         self._pool = pool
         self._settings = settings
         self._backends: dict[torch.device, CopyBackend] = {}
+        self._paths: dict[torch.device, tuple[Copier, JobPath]] = {}  # per device: its calls' copier and job path
         self._layout: RegisteredLayout | None = None
         self._v1_namespace = b""
         self._v0_namespace = namespace(tenant, cc_config, None)
@@ -222,6 +223,14 @@ class ContextCaching:
                 f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
             ) from exc
 
+    def _path_for(self, device: torch.device) -> tuple[Copier, JobPath]:
+        """The copier and the job path of calls on `device`, chosen once per device (a call uses them, it does not
+        choose them)."""
+        path = self._paths.get(device)
+        if path is None:
+            path = self._paths[device] = (copier_for(self._backend_for(device), device), job_path(self._pool, device))
+        return path
+
     def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Call, Plan, torch.device]:
         layout = self._layout
         return bind_and_plan(op, args, kwargs, layout, self._v0_namespace, self._v1_namespace, self._raw_device_now)
@@ -256,8 +265,8 @@ class ContextCaching:
             record = JobRecord(JobKind.SAVE, profile=self._settings.profiling)
         with record.stage(Stage.PLAN):
             call, plan, device = self._bind(Operation.SAVE, args, kwargs)
-            backend = self._backend_for(device)
-        job = save_job(Transfer(plan, device, copier_for(backend, device), call.option, record), self._job_context())
+            copier, path = self._path_for(device)
+        job = path.save_job(Transfer(plan, device, copier, call.option, record), self._job_context())
         with _EmsErrors(self._metrics.record_error):  # e.g. the allocator refusing a buffer: an EmsException
             job.begin()
 
@@ -348,11 +357,11 @@ class ContextCaching:
     # ---------------------------------------------------------------- load
 
     def _load(self, call: Call, plan: Plan, device: torch.device, record: JobRecord) -> CcResult:
-        copier = copier_for(self._backend_for(device), device)
-        job = load_job(Transfer(plan, device, copier, call.option, record), self._job_context())
+        copier, path = self._path_for(device)
+        job = path.load_job(Transfer(plan, device, copier, call.option, record), self._job_context())
         loaded = job.run()
         self._raise_if_unreachable(loaded.outcome, loaded.hits)
-        if not isinstance(call, RawCall):
+        if not self._namespaces.settled and not isinstance(call, RawCall):  # (settled: one attribute test per call)
             self._namespaces.observe(loaded.hits)
         self._job_done(record.finish(loaded.hits, plan.total, plan.expected.payload_bytes(0, loaded.hits)))
         return call_result(call, loaded.hits, plan.total)
@@ -455,8 +464,8 @@ class ContextCaching:
             outcome = run_lookup(self._pool, call, self._v0_namespace, v1_namespace)
             if not outcome.pool_raised:  # (a pool that raised answered nothing: not counted)
                 self._metrics.record_exists(outcome.result.success, outcome.result.total)
-            if not call.is_v0:
-                self._namespaces.observe(outcome.result.success)  # a V1 lookup (V0 keys are the engine's own: not observed)
+            if not self._namespaces.settled and not call.is_v0:  # a V1 lookup (V0 keys are the engine's own: not observed)
+                self._namespaces.observe(outcome.result.success)
             return outcome.result
 
     # ---------------------------------------------------------------- lifecycle

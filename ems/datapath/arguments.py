@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ems.errors import invalid_argument
-from ems.kernels.raw_memory import host_array
+from ems.kernels.host_copy import host_array
 from ems.types import DEFAULT_OPTION, CcKvOption, PrimaryKey, V0Key, check_str_key
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1

@@ -1,7 +1,7 @@
 """The copy: one worker runs a plan's moves between the engine's cache and values (`ems.datapath.planning`: the
 plan is data, nothing in it executes).
 
-Two implementations of one interface (`Copier`), chosen once per job (`copier_for`), never per call:
+Two implementations of one interface (`Copier`), chosen once per device (`copier_for`), never per call:
 
 * `SeparateCopier`: a save gathers, then encodes (checksums and headers: `encode_values`); a load verifies every
   value it received (headers and checksums), then scatters the verified prefix. Any copy backend, any device.
@@ -12,7 +12,7 @@ Two implementations of one interface (`Copier`), chosen once per job (`copier_fo
   writing it; a load staged in a same-host node's region verifies and scatters each value as the node places it
   (`FusedCopier.as_placed`).
 
-A load's received values are one value object (`ems.datapath.values.ReceivedValues`: bytes, expected values,
+A load's received values are one value object (`ems.datapath.jobs.transfer.ReceivedValues`: bytes, expected values,
 addresses, what the pool checked of them). What a load's receive checked before the scatter is a value (`Checked`):
 `Verified` (the leading values are exactly the expected ones) or `HeadersChecked` (their headers are; the checksums
 they state are the scatter's to check).
@@ -29,18 +29,20 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ems.backends.base import ReadCheck
 from ems.buffers import Buffer
+from ems.datapath.devices import device_work
 from ems.datapath.planning import BlockPlan, GroupRegion, Plan, RawPlan
-from ems.datapath.values import ReceivedValues
 from ems.kernels.base import CopyBackend, Fusion, PlacedStop, Placement, Staging, tensor_over
-from ems.kernels.raw_memory import address_of
+from ems.kernels.host_copy import address_of
 from ems.records import JobRecord, Stage
 from ems.store.value_format import (
     HEADER_SIZE,
@@ -53,6 +55,9 @@ from ems.store.value_format import (
     stated_checksums,
 )
 from ems.transport.base import AsPlaced
+
+if TYPE_CHECKING:
+    from ems.datapath.jobs.transfer import ReceivedValues  # (the jobs build them; the copier only reads them)
 
 log = logging.getLogger("ems")
 
@@ -126,6 +131,9 @@ def _as_tensor(value: Staging) -> torch.Tensor:
     return tensor_over(value) if isinstance(value, np.ndarray) else value
 
 
+DeviceWork = Callable[[], AbstractContextManager[None]]  # `ems.datapath.devices.device_work`'s choice
+
+
 def _regions(plan: BlockPlan, a: int, b: int) -> list[GroupRegion]:
     return [region for region in plan.regions if region.has_pieces(a, b)]
 
@@ -133,8 +141,11 @@ def _regions(plan: BlockPlan, a: int, b: int) -> list[GroupRegion]:
 class Copier(abc.ABC):
     """Runs a plan's moves with one copy backend (see the module docstring)."""
 
-    def __init__(self, backend: CopyBackend) -> None:
+    def __init__(self, backend: CopyBackend, device_work: DeviceWork = torch.inference_mode) -> None:
         self.backend = backend
+        #: what the jobs enter around this copier's device work (`ems.datapath.devices.device_work`: a side stream
+        #: on accelerators, chosen by `copier_for`); the default, inference mode alone, is a CPU copier's
+        self.device_work = device_work
 
     # ------------------------------------------------------------ plain moves (the same in both copiers)
 
@@ -272,8 +283,8 @@ class SeparateCopier(Copier):
 class FusedCopier(Copier):
     """The compiled host copy's one pass (see the module docstring); `hash_address`: the payload hash's C entry."""
 
-    def __init__(self, backend: CopyBackend, hash_address: int) -> None:
-        super().__init__(backend)
+    def __init__(self, backend: CopyBackend, hash_address: int, device_work: DeviceWork = torch.inference_mode) -> None:
+        super().__init__(backend, device_work)
         self.hash_address = hash_address
 
     def gather_at(self, plan: BlockPlan, span: Staging, offsets: np.ndarray, a: int, b: int) -> Gathered:
@@ -375,9 +386,11 @@ class FusedCopier(Copier):
 
 
 def copier_for(backend: CopyBackend, device: torch.device) -> Copier:
-    """The job's copier, chosen once: fused where the values lie in the cache's own memory (a CPU cache: its
-    staging and the store's buffers are host memory), the backend runs the one-pass copies (`Fusion.FUSED`) and the
-    payload hash has its C entry; separate otherwise."""
+    """The copier of `device`'s jobs, chosen once per device (it holds no per-job state): fused where the values lie
+    in the cache's own memory (a CPU cache: its staging and the store's buffers are host memory), the backend runs
+    the one-pass copies (`Fusion.FUSED`) and the payload hash has its C entry; separate otherwise. Its device work
+    runs in `device_work(device)`."""
+    work = device_work(device)
     if device.type == "cpu" and backend.fusion is Fusion.FUSED and PAYLOAD_HASH_ADDRESS is not None:
-        return FusedCopier(backend, PAYLOAD_HASH_ADDRESS)
-    return SeparateCopier(backend)
+        return FusedCopier(backend, PAYLOAD_HASH_ADDRESS, work)
+    return SeparateCopier(backend, work)

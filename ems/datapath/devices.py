@@ -2,15 +2,18 @@
 
 Work on an accelerator runs on a side stream that first waits for the engine's current stream (so a save sees the
 KV the engine just computed) and is synchronised before control returns to the caller (so the engine may reuse or
-read the blocks at once). On CPU everything is synchronous already.
+read the blocks at once). On CPU everything is synchronous already. `device_work(device)` is that choice made once
+per device (a job's copier keeps it: `ems.datapath.copier.Copier.device_work`): what a call enters, not a helper it
+calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -72,3 +75,11 @@ def side_stream(device: torch.device) -> Iterator[None]:
         with module.stream(stream):
             yield
         stream.synchronize()
+
+
+def device_work(device: torch.device) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """What a job's device work runs in on `device`, chosen once: `side_stream(device)` on an accelerator, inference
+    mode alone on CPU (all `side_stream` does there)."""
+    if device.type == "cpu":
+        return torch.inference_mode
+    return functools.partial(side_stream, device)

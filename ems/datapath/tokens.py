@@ -57,10 +57,9 @@ from ems.datapath.arguments import (
 )
 from ems.datapath.keys import FORM_TOKENS_CHAIN
 from ems.datapath.layout import RegisteredLayout
-from ems.datapath.planning import BlockPlan, GroupRegion, plan_blocks
+from ems.datapath.planning import BlockPlan, GroupRegion, plan_blocks, plane_pieces_of_runs
 from ems.errors import invalid_argument
 from ems.kernels.host_copy import host_copy
-from ems.kernels.plan import plane_pieces_of_runs
 from ems.store.value_format import _xxh3_addresses
 from ems.types import CcKvOption, CcResult
 

@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from ems.deadline import Deadline
+from ems.records import Deadline
 from ems.transport import protocol
 
 MIN_INFLIGHT_BYTES = 64 << 20

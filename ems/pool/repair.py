@@ -47,8 +47,8 @@ import numpy as np
 
 from ems.cluster.rendezvous import node_seeds, ranked_owners, route_hashes
 from ems.datapath.keys import route_key_of, unit_of
-from ems.deadline import Deadline
 from ems.pool.handlers import split_tenant
+from ems.records import Deadline
 from ems.transport.base import NodeClient, TransportError
 
 log = logging.getLogger("ems.pool.repair")

@@ -11,7 +11,7 @@ Contract:
   `put_owned` stores a buffer the caller hands over without copying it (a pool node's receive buffer); the caller
   promises never to write to it again, and `get` then returns that buffer.
 * Buffers (`ems.store.recycling`): `put` copies into a buffer recycled from an evicted value of the same size when
-  one is free, else into the arena (`ems.store.arena`: one mapping, pre-faulted `prefault_bytes` when the store is
+  one is free, else into the arena (`ems.store.recycling.Arena`: one mapping, pre-faulted `prefault_bytes` when the store is
   built and, with `prefault_ahead` > 0, kept faulted in that far ahead of use by a background thread; then it spans
   the capacity as reserved address space; 0 and 0 reserve nothing), else into fresh memory; a full pool evicts as
   much as it stores, so reuse keeps the steady state at memcpy speed. An evicted buffer is reused only when no
@@ -28,7 +28,7 @@ Contract:
 * `on_evict(key, value)` (optional): called with each value evicted to make room (not with overwritten or deleted
   ones), with the store's lock held: it must return at once and never call the store (a pool node's disk tier
   queues the value for writing). While it holds the value, its buffer is not reused.
-* Holds (`ems.store.holds`): `hold_many(keys, hold)` leases or pins the keys the store has, within its budgets, and
+* Holds (`ems.store.index.Holds`): `hold_many(keys, hold)` leases or pins the keys the store has, within its budgets, and
   says which it holds and keeps; eviction passes held keys by while anything else can make room; a read (`get`,
   `get_many`, `get_many_with_addresses`) of a leased key releases one holder of its lease; a value that leaves the
   store takes its holds with it.
@@ -46,10 +46,8 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.kernels.host_copy import copy_buffers
-from ems.store.arena import Arena
-from ems.store.holds import Holds
-from ems.store.index import ENTRY_OVERHEAD, LruIndex, charge
-from ems.store.recycling import BufferSupply
+from ems.store.index import ENTRY_OVERHEAD, Holds, LruIndex, charge
+from ems.store.recycling import Arena, BufferSupply
 from ems.store.value_format import copy_well_formed_many, is_well_formed, well_formed_many
 from ems.transport.exists_holds import Hold
 
@@ -304,7 +302,7 @@ class KvStore:
                 else:
                     entries.move_to_end(key)
                     stats.hits += 1
-                    if holds:
+                    if holds.leases:  # (a dict's truth: no call while nothing is leased)
                         holds.release(key)  # the read a lookup's lease was for
                 values.append(value)
                 if addresses is not None:
@@ -323,7 +321,7 @@ class KvStore:
             return [key in self._entries for key in keys]
 
     def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]:
-        """Hold each key the store has as `hold` asks (`ems.store.holds`); True where it holds the key and keeps it
+        """Hold each key the store has as `hold` asks (`ems.store.index.Holds`); True where it holds the key and keeps it
         (False: absent, or the budget of that kind of hold is used up)."""
         with self._lock:
             entries, holds = self._entries, self._holds

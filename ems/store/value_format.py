@@ -36,8 +36,7 @@ import numpy as np
 import xxhash
 
 from ems.buffers import Buffer
-from ems.kernels.host_copy import copy_buffers, copy_lengths, host_copy
-from ems.kernels.raw_memory import buffer_addresses
+from ems.kernels.host_copy import buffer_addresses, copy_buffers, copy_lengths, host_copy
 
 MAGIC = 0x56534D45  # b"EMSV" read as little-endian u32
 VERSION = 3

@@ -12,9 +12,8 @@ from ems_testlib import keyed, make_cache
 from ems import CcConfig, CcKvOption, CcResult, Ems, EmsConfig, EmsException
 from ems.backends.base import PoolCall, ReadCheck
 from ems.backends.embedded import EmbeddedPool
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
-from ems.records import JobKind
+from ems.records import Deadline, JobKind
 from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 from ems.transport.exists_holds import Hold

@@ -12,7 +12,7 @@ from fault_injection import FaultyNode
 
 from ems.backends.pool_client import PoolClient
 from ems.buffers import Buffer
-from ems.deadline import Deadline
+from ems.records import Deadline
 from ems.store.kv_store import KvStore
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 from ems.transport.base import NodeLocation

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ems.backends.read_cache import ReadCache
+from ems.backends.pool_client import ReadCache
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 
 

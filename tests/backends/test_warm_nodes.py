@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ems.backends.warm import WarmNodes
+from ems.backends.fanout import WarmNodes
 from ems.transport.base import NodeLocation
 
 

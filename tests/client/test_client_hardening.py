@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems import CcKvOption, CcResult, EmsErrorCode, EmsException, KvBufferWrapper, PrimaryKey
-from ems.deadline import timeout_seconds
+from ems.records import timeout_seconds
 from ems.store.kv_store import KvStore
 from ems.transport.base import TransportError
 from ems.transport.inprocess import InProcessNode

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from ems.datapath.arguments import Operation
 from ems.datapath.calls import bind_call
 from ems.datapath.copier import FusedCopier, Gathered, SeparateCopier, copier_for, encode_values
+from ems.datapath.jobs.transfer import ReceivedValues
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
-from ems.datapath.values import ReceivedValues
 from ems.kernels import get_backend
 from ems.kernels.base import Fusion
 from ems.kernels.torch_backend import TorchBackend

@@ -224,9 +224,9 @@ def test_with_replicas_a_damaged_copy_falls_back_to_the_good_one(nodes, connect,
 
 
 def test_a_node_killed_mid_load_gives_an_exact_prefix_and_writes_nothing_after(nodes, connect, monkeypatch):
-    import ems.datapath.jobs.chunks
+    import ems.datapath.jobs.pipelined
 
-    monkeypatch.setattr(ems.datapath.jobs.chunks, "PIPELINE_DEPTH", 1)  # one chunk in flight: the kill lands mid-request
+    monkeypatch.setattr(ems.datapath.jobs.pipelined, "PIPELINE_DEPTH", 1)  # one chunk in flight: the kill lands mid-request
     node = nodes()
     cc = connect(node.address)
     cache, slots, hashes, offsets = _setup(cc, seed=5)

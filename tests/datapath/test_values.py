@@ -1,4 +1,4 @@
-"""`ems.datapath.values.ReceivedValues`: a load's received values as one value object; its prefixes stop at the first
+"""`ems.datapath.jobs.transfer.ReceivedValues`: a load's received values as one value object; its prefixes stop at the first
 missing or wrong value, and values a pool checked (`ReadCheck.EXPECTED`) are not checked again."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ems.backends.base import ReadCheck
-from ems.datapath.values import ReceivedValues
+from ems.datapath.jobs.transfer import ReceivedValues
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from ems.datapath.planning import value_pieces
 from ems.kernels.base import CopyBackend, PlaneSet
-from ems.kernels.plan import value_pieces
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]
 POISON = 0xA5

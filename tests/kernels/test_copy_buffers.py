@@ -10,8 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ems.kernels.host_copy import copy_buffers, host_copy
-from ems.kernels.raw_memory import buffer_addresses
+from ems.kernels.host_copy import buffer_addresses, copy_buffers, host_copy
 from ems.store.value_format import STREAM_HASH_TABLE
 
 # around the streaming-store threshold (256 KiB) and the hash step (64 KiB), and the 1 MiB block of a value

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import as_bytes, make_layout, random_tensor
 
+from ems.datapath.planning import value_pieces
 from ems.kernels.base import PlacedStop, Placement
 from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
-from ems.kernels.plan import value_pieces
 from ems.store.value_format import HEADER_SIZE, PAYLOAD_HASH_ADDRESS, ExpectedValues, ValueKind, build_headers, checksum
 
 BS = 16

@@ -150,7 +150,7 @@ def test_host_array_views_a_cpu_tensor_as_numpy_does() -> None:
     memory, shape and strides, for strided int views and empty tensors alike (numpy before 2.4 refuses address 0)."""
     import numpy as np
 
-    from ems.kernels.raw_memory import host_array
+    from ems.kernels.host_copy import host_array
 
     base = torch.arange(96, dtype=torch.int64)
     for tensor in (base, base.as_strided((5, 4), (16, 1)), base.view(torch.uint8)[8:40], torch.empty(0, dtype=torch.uint8)):

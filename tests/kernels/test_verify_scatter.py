@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import as_bytes, make_layout, pieces_case, random_tensor, reference_pieces
 
+from ems.datapath.planning import value_pieces
 from ems.kernels.base import CopyBackend, Fusion
 from ems.kernels.host_backend import HostBackend
 from ems.kernels.host_copy import host_copy
-from ems.kernels.plan import value_pieces
 from ems.kernels.torch_backend import TorchBackend
 from ems.store.value_format import PAYLOAD_HASH_ADDRESS
 

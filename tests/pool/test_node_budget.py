@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from ems.deadline import Deadline
 from ems.pool.budget import MIN_INFLIGHT_BYTES, ByteBudget, NodeLimits
+from ems.records import Deadline
 from ems.transport import protocol
 from ems.transport.ucx.channel import send_windows as _windows
 

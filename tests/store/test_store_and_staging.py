@@ -20,7 +20,7 @@ from ems.datapath.calls import bind_call
 from ems.datapath.layout import register_layout
 from ems.datapath.planning import plan_blocks
 from ems.staging import MIN_BUFFER, StagingPool
-from ems.store import arena
+from ems.store import recycling as arena  # (the arena lives in the buffer supply's module)
 from ems.store.kv_store import ENTRY_OVERHEAD, KvStore
 from ems.store.value_format import (
     HEADER_SIZE,

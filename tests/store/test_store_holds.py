@@ -1,4 +1,4 @@
-"""Holds in the store (`ems.store.holds`, `KvStore.hold_many`) and through the public `exists`: random sequences of
+"""Holds in the store (`ems.store.index.Holds`, `KvStore.hold_many`) and through the public `exists`: random sequences of
 puts, lookups with leases or pins, reads and deletes against a model (a held key is never evicted while the store
 can make room otherwise, a read ends one lease holder, a replaced value drops its holds, budgets hold), and the
 embedded pool's `exists(..., lease_ms=..., pin=True)` with its argument checks."""

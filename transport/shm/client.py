@@ -43,8 +43,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ems.buffers import Buffer, copy_bytes, populate_in_background
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.transport import protocol, shm
 from ems.transport.base import AsPlaced, Ending, Failure, TransportError
 from ems.transport.shm.channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel

@@ -50,8 +50,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ems.buffers import Buffer, copy_bytes
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.transport import protocol
 from ems.transport.base import AsPlaced, Ending, Failure, NodeClient, TransportError
 from ems.transport.exists_holds import Hold, encode_exists_meta

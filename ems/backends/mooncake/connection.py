@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from ems.backends.mooncake.keys import HEALTH_KEY
 from ems.backends.mooncake.workers import Workers
 from ems.config import MooncakeSettings
-from ems.deadline import Deadline
+from ems.records import Deadline
 
 log = logging.getLogger("ems")
 

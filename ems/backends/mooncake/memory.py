@@ -29,7 +29,7 @@ import torch
 
 from ems.backends.mooncake.workers import Workers
 from ems.buffers import Buffer
-from ems.kernels.raw_memory import buffer_addresses
+from ems.kernels.host_copy import buffer_addresses
 from ems.staging import StagingLease, StagingPool
 
 log = logging.getLogger("ems")

@@ -46,8 +46,8 @@ from ems.backends.mooncake.memory import RegisteredMemory
 from ems.backends.mooncake.workers import Workers
 from ems.buffers import Buffer
 from ems.config import MooncakeSettings
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode, EmsException
+from ems.records import Deadline
 from ems.store.value_format import HEADER_SIZE
 from ems.transport.base import AsPlaced, TransportError
 from ems.transport.exists_holds import Hold, HoldKind

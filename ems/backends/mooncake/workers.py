@@ -20,8 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ems.deadline import Deadline
 from ems.errors import EmsErrorCode
+from ems.records import Deadline
 from ems.transport.base import TransportError
 
 R = TypeVar("R")

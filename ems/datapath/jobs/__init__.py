@@ -3,15 +3,15 @@
 A save runs gather → encode → send, a load receive → verify → scatter (plus `copy` between device and host staging
 on accelerators). A call is one `Transfer` (its plan, device, copier, option and record: `transfer.py`) along its
 client's `JobContext` (pool, staging, chunk size); the copies are its copier's (`ems.datapath.copier`: fused or
-separate, chosen once per job by `copier_for`). `save_job` / `load_job` pick the job for the call's path (never the
-caller), one module per path:
+separate, chosen once per device by `copier_for`). `job_path(pool, device)` picks, once per device, the path its
+calls take (never the caller); the path's `save_job` / `load_job` build each call's job, one module per path:
 
 * `embedded.py` (`EmbeddedSave`, `EmbeddedLoad`): a pool that lends its values (`PoolBackend.in_place`: the embedded
   pool) with CPU tensors, one pass straight between the cache and the store's own buffers;
-* `pipelined_save.py`, `pipelined_load.py` (`PipelinedSave`, `PipelinedLoad`): remote pools, accelerators: through
-  staging, chunk by chunk (`chunks.py`: cutting, in-flight bounds, fencing, merging);
+* `pipelined.py` (`PipelinedSave`, `PipelinedLoad`): remote pools, accelerators: through staging, chunk by chunk
+  (cutting, in-flight bounds, fencing, merging);
 * `staged.py` (`StagedLoad`): V0 loads from pool nodes (staging without room for the headers);
-* `transfer.py`: the descriptors, the jobs' contract (`SaveJob`, `LoadJob`) and the job of no values.
+* `transfer.py`: the descriptors, the jobs' contract (`SaveJob`, `LoadJob`, `JobPath`) and the job of no values.
 
 Failure semantics are `ContextCaching`'s: a job never writes a block it did not verify, nor one after the first
 miss, and gives back every buffer and lease on every path.
@@ -19,14 +19,12 @@ miss, and gives back every buffer and lease on every path.
 
 from __future__ import annotations
 
-from ems.backends.base import InPlaceValues, PoolBackend
-from ems.datapath.jobs.chunks import FENCE_GRACE_S, PIPELINE_DEPTH, plan_chunks
-from ems.datapath.jobs.embedded import EmbeddedLoad, EmbeddedSave
-from ems.datapath.jobs.pipelined_load import PipelinedLoad
-from ems.datapath.jobs.pipelined_save import PipelinedSave
-from ems.datapath.jobs.staged import StagedLoad
-from ems.datapath.jobs.transfer import JobContext, Loaded, LoadJob, NothingToMove, SaveJob, Transfer
-from ems.datapath.planning import BlockPlan
+import torch
+
+from ems.backends.base import PoolBackend
+from ems.datapath.jobs.embedded import EmbeddedLoad, EmbeddedPath, EmbeddedSave
+from ems.datapath.jobs.pipelined import FENCE_GRACE_S, PIPELINE_DEPTH, PipelinedPath, plan_chunks
+from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, LoadJob, SaveJob, Transfer
 
 __all__ = [
     "FENCE_GRACE_S",
@@ -34,41 +32,19 @@ __all__ = [
     "EmbeddedLoad",
     "EmbeddedSave",
     "JobContext",
+    "JobPath",
     "LoadJob",
     "Loaded",
     "SaveJob",
     "Transfer",
-    "load_job",
+    "job_path",
     "plan_chunks",
-    "save_job",
 ]
 
 
-def _in_place(pool: PoolBackend, transfer: Transfer) -> InPlaceValues | None:
-    """The values a call's job works on directly (the one-pass path): the pool's own, where it lends them
-    (`PoolBackend.in_place`: the embedded pool), for CPU tensors."""
-    return pool.in_place if transfer.device.type == "cpu" else None
-
-
-def save_job(transfer: Transfer, context: JobContext) -> SaveJob:
-    """The save job for this call's path: embedded (CPU tensors, the embedded pool) or pipelined (or, for no values,
-    nothing)."""
-    if transfer.plan.total == 0:
-        return NothingToMove(transfer.record)
-    values = _in_place(context.pool, transfer)
-    if values is not None:
-        return EmbeddedSave(transfer, values)
-    return PipelinedSave(transfer, context)
-
-
-def load_job(transfer: Transfer, context: JobContext) -> LoadJob:
-    """The load job for this call's path: embedded, pipelined (V1) or staged (V0 from pool nodes) (or, for no values,
-    nothing)."""
-    if transfer.plan.total == 0:
-        return NothingToMove(transfer.record)
-    values = _in_place(context.pool, transfer)
-    if values is not None:
-        return EmbeddedLoad(transfer, values)
-    if isinstance(transfer.plan, BlockPlan):
-        return PipelinedLoad(transfer, context)
-    return StagedLoad(transfer, context)
+def job_path(pool: PoolBackend, device: torch.device) -> JobPath:
+    """The path a client's calls on `device` take, chosen once per device: the one-pass jobs where the pool lends
+    its values (`PoolBackend.in_place`: the embedded pool) and the tensors are CPU tensors; staging otherwise
+    (pipelined, or staged for V0 loads)."""
+    values = pool.in_place if device.type == "cpu" else None
+    return EmbeddedPath(values) if values is not None else PipelinedPath()

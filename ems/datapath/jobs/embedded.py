@@ -25,10 +25,9 @@ import torch
 from ems.backends.base import InPlaceValues, PoolOutcome, ReadCheck
 from ems.buffers import Buffer
 from ems.datapath.copier import Gathered
-from ems.datapath.jobs.transfer import Loaded, SaveJob, Transfer
+from ems.datapath.jobs.transfer import JobContext, JobPath, Loaded, ReceivedValues, SaveJob, Transfer
 from ems.datapath.planning import BlockPlan
-from ems.datapath.values import ReceivedValues
-from ems.kernels.raw_memory import buffer_addresses, raw_tensor
+from ems.kernels.host_copy import buffer_addresses, raw_tensor
 from ems.records import Stage
 from ems.store.kv_store import ENTRY_OVERHEAD
 from ems.store.value_format import HEADER_SIZE, encode_in_place
@@ -184,3 +183,16 @@ def _stored_span(values: ReceivedValues, count: int) -> tuple[torch.Tensor, np.n
     known = values.addresses[:count] if values.addresses is not None else [None]
     starts = np.array(known, dtype=np.int64) if None not in known else buffer_addresses(values.buffers[:count])
     return span_of(starts, values.expected.payload_len[:count] + HEADER_SIZE)
+
+
+class EmbeddedPath(JobPath):
+    """The one-pass jobs' path: CPU tensors and a pool that lends its values (`store`, its `in_place`)."""
+
+    def __init__(self, store: InPlaceValues) -> None:
+        self.store = store
+
+    def _save(self, transfer: Transfer, context: JobContext) -> SaveJob:
+        return EmbeddedSave(transfer, self.store)
+
+    def _load(self, transfer: Transfer, context: JobContext) -> EmbeddedLoad:
+        return EmbeddedLoad(transfer, self.store)

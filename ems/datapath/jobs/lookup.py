@@ -3,7 +3,7 @@
 Contract: `run_lookup(pool, call, v0_namespace, v1_namespace)` takes a checked `ExistsCall` (`ems.datapath.calls`:
 V1 hashes need a registered layout, `v1_namespace` None until then, refused the same way) and answers
 `CcResult(consecutive hits from the first, len(keys))`. What the pool is to keep of what it finds travels with the
-call (`ExistsCall.hold`: `lease_ms=N` or `pin=True`, `ems.store.holds`); only keys it keeps count as held. A failing
+call (`ExistsCall.hold`: `lease_ms=N` or `pin=True`, `ems.store.index.Holds`); only keys it keeps count as held. A failing
 or unreachable pool never raises: its keys count as misses (a pool that raised reports 0 hits, `LookupOutcome.pool_raised`),
 logged once per call (a warning; an info line when other replicas answered for every key of the nodes that failed,
 so nothing was missed). Every pool answers through `PoolBackend.exists` (the embedded pool's is its store's index).

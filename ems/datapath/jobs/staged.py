@@ -10,10 +10,8 @@ from typing import cast
 import numpy as np
 
 from ems.buffers import Buffer
-from ems.datapath.devices import side_stream
-from ems.datapath.jobs.transfer import JobContext, Loaded, Transfer, pool_call
+from ems.datapath.jobs.transfer import JobContext, Loaded, ReceivedValues, Transfer, pool_call
 from ems.datapath.planning import RawPlan
-from ems.datapath.values import ReceivedValues
 from ems.records import Stage
 from ems.store.value_format import HEADER_SIZE
 
@@ -49,10 +47,10 @@ class StagedLoad:
                 with record.stage(Stage.COPY, nbytes):
                     present = cast(list[Buffer], outcome.results[:hits])  # the first `hits` are present
                     _fill_from_values(plan, lease.host_array(), present)
-                    with side_stream(self.device):
+                    with self.copier.device_work():
                         lease.copy_to_device(0, nbytes)
                 with record.stage(Stage.SCATTER, plan.expected.payload_bytes(0, hits)):
-                    with side_stream(self.device):
+                    with self.copier.device_work():
                         self.copier.scatter(plan, lease.device, 0, hits)
             finally:
                 self.staging.release(lease)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ems.backends.mooncake.memory import RegisteredMemory, Registry
 from ems.backends.mooncake.workers import Workers
-from ems.kernels.raw_memory import address_of
+from ems.kernels.host_copy import address_of
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -11,7 +11,7 @@ import pytest
 
 from ems import EmsErrorCode
 from ems.backends.mooncake.workers import Workers
-from ems.deadline import Deadline
+from ems.records import Deadline
 from ems.transport.base import TransportError
 
 
