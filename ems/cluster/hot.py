@@ -7,7 +7,8 @@ Contract (`HotUnits`, one per client):
   them and gives their copies in one pass (what `ems.backends.node_router.NodeRouter` calls per read, with a few
   numpy operations for a call of cold units).
 * `copies(units, nodes)`: int per value, 1 for a cold unit. A unit whose share of the reads exceeds `target` times
-  a group's fair share (1 / (nodes // UNIT_WIDTH)) gets ceil(share / (target * fair)) copies, at most `max_copies`:
+  a group's fair share (1 / (nodes // UNIT_WIDTH)), and that was read at least `min_reads` times (decayed: a client's
+  first few reads make no unit hot), gets ceil(share / (target * fair)) copies, at most `max_copies`:
   copy c is the unit's group of the `UNIT_WIDTH` nodes after its first c * UNIT_WIDTH in the unit's rendezvous
   order (`ems.cluster.rendezvous.ranked_by_hash`, `copy`), so copies move with membership as groups do. A reader spreads
   a hot unit's reads over its copies (`spread`), falling back to the unit's own group on a miss.
@@ -32,6 +33,7 @@ TARGET = 0.1  # a copy group takes at most this many fair group shares of a hot 
 MAX_COPIES = 256
 MAX_UNITS = 4096
 FLOOR = 1e-5
+MIN_READS = 256.0  # a unit needs this many reads (decayed) before its share counts: a client's first reads are not hot
 RESCALE_HALF_LIVES = 64.0  # scores are renormalised once they have grown by 2 ** this
 
 
@@ -50,11 +52,12 @@ class HotUnits:
         max_copies: int = MAX_COPIES,
         max_units: int = MAX_UNITS,
         floor: float = FLOOR,
+        min_reads: float = MIN_READS,
     ) -> None:
-        if half_life_s <= 0 or target <= 0 or max_copies < 1 or max_units < 1:
-            raise ValueError("half_life_s and target must be > 0, max_copies and max_units >= 1")
+        if half_life_s <= 0 or target <= 0 or max_copies < 1 or max_units < 1 or min_reads < 0:
+            raise ValueError("half_life_s and target must be > 0, max_copies and max_units >= 1, min_reads >= 0")
         self.half_life_s, self.target, self.max_copies = half_life_s, target, max_copies
-        self.max_units, self.floor = max_units, floor
+        self.max_units, self.floor, self.min_reads = max_units, floor, min_reads
         self._rates: dict[int, float] = {}  # unit -> score (its decayed rate, scaled as the total is)
         self._total = 0.0
         self._t0: float | None = None  # the time scores are scaled from
@@ -102,8 +105,13 @@ class HotUnits:
         if self._total <= 0 or groups == 1:
             return [1] * len(uniq)
         share = self.target * self._total / groups
+        least = self.min_reads * 2.0 ** ((self._latest - (self._t0 or 0.0)) / self.half_life_s)  # (on the scores' scale)
         limit = min(self.max_copies, groups)
-        return [min(limit, max(1, math.ceil(self._rates.get(u, 0.0) / share))) for u in uniq]
+        wanted = []
+        for u in uniq:
+            rate = self._rates.get(u, 0.0)
+            wanted.append(1 if rate < least else min(limit, max(1, math.ceil(rate / share))))
+        return wanted
 
     def copies(self, units: np.ndarray, nodes: int) -> np.ndarray:
         """int64 per value: how many copies its unit is read from (1: cold)."""

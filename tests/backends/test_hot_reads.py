@@ -19,7 +19,7 @@ from ems.store.kv_store import KvStore
 from ems.transport.inprocess import InProcessNode
 
 BS = 2
-BLOCKS = 16  # one chain: its first unit (UNIT_BLOCKS blocks a unit)
+BLOCKS = 32  # one chain: its first unit (UNIT_BLOCKS blocks a unit); hot after MIN_READS / BLOCKS loads
 NODES = 16  # 4 groups of UNIT_WIDTH: a hot unit gets up to 3 copies besides its own group
 LOADS = 24
 OPTION = CcKvOption(timeout=5000)

@@ -73,3 +73,13 @@ def test_decay_survives_long_idle_gaps_and_tracking_stays_bounded():
     assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] == 1  # cooled long ago
     hot.read(np.full(1000, 9, dtype=np.uint64), now=2000.0)
     assert hot.copies(np.array([9], dtype=np.uint64), NODES)[0] > 1  # a new hot unit after the gaps
+
+
+def test_a_clients_first_reads_make_no_unit_hot():
+    hot = HotUnits(min_reads=256)
+    assert hot.read_copies(np.full(64, 7, dtype=np.uint64), NODES, now=0.0) is None  # all of its reads, but few
+    for _ in range(3):
+        hot.read(np.full(64, 7, dtype=np.uint64), now=0.0)
+    assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] > 1  # 256 reads: hot
+    hot.read(np.full(1, 8, dtype=np.uint64), now=60.0)  # two half-lives later: 64 reads' worth left, cold again
+    assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] == 1
