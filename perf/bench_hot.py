@@ -5,10 +5,10 @@ Setup: `--nodes` (default 16: 4 placement groups) `python -m ems.pool` processes
 metrics on), one client process. Two clients over the same nodes (2 replicas), side by side: copies off (at most 1
 copy: a hot unit is read from its own group only, as before) and on (the default policy). A request loads a shared
 system prompt (`--blocks` blocks of 32 KiB, one placement unit) and then its own prompt (as many blocks, its own
-unit, saved beforehand); each client runs `--requests` of them. Per node, the values it was asked for (its
-`ems_pool_get_hits_total` + `ems_pool_get_misses_total`, scraped before and after each client's requests): the most
-asked node over the mean, and the load's median time. Copy writes are waited for between requests (their cost is
-not in the loads' times; the nodes' PUTs are counted apart).
+unit, saved beforehand); the two clients run `--requests` each, in turn. Per node, the values it was asked for (its
+`ems_pool_get_hits_total` + `ems_pool_get_misses_total`, scraped before and after each request): the most asked
+node over the mean, and the shared prompt's median load time. Copy writes are waited for after each request (their
+cost is not in the loads' times; the nodes' PUT requests are counted apart).
 
 Prints a table, writes perf/hot.png, records perf/results/hot.json.
 Usage: python perf/bench_hot.py [--nodes 16] [--requests 48] [--blocks 64] [--quick]
@@ -103,41 +103,49 @@ def main(argv: Sequence[str] | None = None) -> None:
     system_slots = slots_of_blocks(range(blocks), BS)
     own_slots = slots_of_blocks(range(blocks, 2 * blocks), BS)
     offsets = [BS] * blocks
-    rows: dict[str, dict[str, float]] = {}
+    modes = (("copies off", False), ("copies on", True))
+    rows: dict[str, dict] = {}
+    clients: dict[str, tuple[ContextCaching, PoolClient]] = {}
     try:
-        for mode, copies in (("copies off", False), ("copies on", True)):
-            cc, pool = open_cc([p.address for p in procs], cache, copies)
-            try:
-                _ok(cc.save(system_slots, SYSTEM[:blocks], offsets, OPTION, chain_prefix=[]), blocks)
-                own = [[(0x0A11 << 40) | (copies << 36) | (r << 16) | b for b in range(blocks)] for r in range(args.requests)]
-                for hashes in own:
-                    _ok(cc.save(own_slots, hashes, offsets, OPTION, chain_prefix=[]), blocks)
+        for mode, copies in modes:
+            clients[mode] = open_cc([p.address for p in procs], cache, copies)
+        own: dict[str, list[list[int]]] = {}
+        for k, (mode, _) in enumerate(modes):
+            cc = clients[mode][0]
+            _ok(cc.save(system_slots, SYSTEM[:blocks], offsets, OPTION, chain_prefix=[]), blocks)
+            own[mode] = [[(0x0A11 << 40) | (k << 36) | (r << 16) | b for b in range(blocks)] for r in range(args.requests)]
+            for hashes in own[mode]:
+                _ok(cc.save(own_slots, hashes, offsets, OPTION, chain_prefix=[]), blocks)
+        reads = {mode: np.zeros(args.nodes) for mode, _ in modes}
+        puts = {mode: np.zeros(args.nodes) for mode, _ in modes}
+        times: dict[str, list[float]] = {mode: [] for mode, _ in modes}
+        for r in range(args.requests):  # the two clients' requests in turn, each between two scrapes of the nodes
+            for mode, _ in modes:
+                cc, pool = clients[mode]
                 gets0, puts0 = asked(metrics)
-                times = []
-                for hashes in own:
-                    t0 = time.perf_counter()
-                    _ok(cc.load(system_slots, SYSTEM[:blocks], offsets, OPTION, chain_prefix=[]), blocks)
-                    times.append(time.perf_counter() - t0)
-                    _ok(cc.load(own_slots, hashes, offsets, OPTION, chain_prefix=[]), blocks)
-                    pool.router.hot.idle(10.0)
+                t0 = time.perf_counter()
+                _ok(cc.load(system_slots, SYSTEM[:blocks], offsets, OPTION, chain_prefix=[]), blocks)
+                times[mode].append(time.perf_counter() - t0)
+                _ok(cc.load(own_slots, own[mode][r], offsets, OPTION, chain_prefix=[]), blocks)
+                pool.router.hot.idle(10.0)
                 gets1, puts1 = asked(metrics)
-                reads, puts = gets1 - gets0, puts1 - puts0
-                stats = pool.router.hot.stats
-                rows[mode] = {
-                    "max_mean": float(reads.max() / reads.mean()),
-                    "nodes_read": float((reads > 0).sum()),
-                    "load_ms": statistics.median(times) * 1e3,
-                    "copy_puts": float(puts.sum()),
-                    "copy_hits": float(stats.hits),
-                    "copies_written": float(stats.written),
-                }
-                rows[mode]["per_node"] = reads.tolist()  # type: ignore[assignment]
-                print(mode, stats, flush=True)
-            finally:
-                cc.close()
-                pool.close()
-            print(f"{mode}: done", flush=True)
+                reads[mode] += gets1 - gets0
+                puts[mode] += puts1 - puts0
+        for mode, _ in modes:
+            stats = clients[mode][1].router.hot.stats
+            print(mode, stats, flush=True)
+            rows[mode] = {
+                "max_mean": float(reads[mode].max() / reads[mode].mean()),
+                "nodes_read": float((reads[mode] > 0).sum()),
+                "load_ms": statistics.median(times[mode]) * 1e3,
+                "copy_puts": float(puts[mode].sum()),
+                "copy_hits": float(stats.hits),
+                "per_node": reads[mode].tolist(),
+            }
     finally:
+        for cc, pool in clients.values():
+            cc.close()
+            pool.close()
         for p in procs:
             p.kill()
         starter.shutdown()
