@@ -123,19 +123,29 @@ class HotUnits:
     def read_copies(self, units: np.ndarray, nodes: int, now: float | None = None) -> np.ndarray | None:
         """`read(units)` then `copies(units, nodes)` in one pass (one `np.unique`, one lock): what a reader calls
         per call. None when every unit of the call is cold (1 copy: its own group)."""
-        uniq, inverse, counts = np.unique(np.asarray(units, dtype=np.uint64), return_inverse=True, return_counts=True)
+        uniq, inverse, counts = _unique(np.asarray(units, dtype=np.uint64))
         keys = uniq.tolist()
         with self._lock:
             self._count(keys, counts.tolist(), time.monotonic() if now is None else now)
             wanted = self._wanted(keys, nodes)
         if max(wanted, default=1) <= 1:
             return None
-        return np.asarray(wanted, dtype=np.int64)[inverse.reshape(-1)]
+        per_value: np.ndarray = np.asarray(wanted, dtype=np.int64)[inverse]
+        return per_value
 
     def tracked(self) -> int:
         """How many units are tracked now (at most `max_units`)."""
         with self._lock:
             return len(self._rates)
+
+
+def _unique(units: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`np.unique(units, return_inverse=True, return_counts=True)`, without its sort for a call of one unit (the
+    usual: a call's blocks are consecutive in a chain)."""
+    if units.size and units[0] == units[-1] and bool((units == units[0]).all()):
+        return units[:1], np.zeros(units.size, dtype=np.int64), np.array([units.size], dtype=np.int64)
+    uniq, inverse, counts = np.unique(units, return_inverse=True, return_counts=True)
+    return uniq, inverse.reshape(-1), counts
 
 
 def spread(copies: np.ndarray, salt: int) -> np.ndarray:
