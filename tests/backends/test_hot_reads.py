@@ -165,3 +165,18 @@ def test_copy_writes_that_fail_or_do_not_fit_never_fail_a_call(setup):
     failed = stats.failed
     _warm(s, 8)
     assert stats.dropped > 0 and stats.failed == failed
+
+
+def test_a_partitioned_copy_node_is_hedged_to_the_owners_within_the_deadline(setup):
+    s = setup
+    _warm(s)
+    owners = s.owners(HOT)
+    for node in s.nodes:
+        if node.address not in owners:
+            node.partitioned = True  # a copy node's request waits out the deadline: only a hedge finds the value
+    slots = s.slots(HOT)
+    short = CcKvOption(timeout=2000)
+    for _ in range(6):
+        poisoned = poison(s.cache)
+        assert s.cc.load(slots, HOT, [BS] * BLOCKS, short, chain_prefix=[]).success == BLOCKS
+        assert_cache_equals(s.cache, expected_after_load(s.original, poisoned, slots))
