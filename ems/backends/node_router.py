@@ -51,7 +51,7 @@ from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
 from ems.buffers import Buffer
 from ems.cluster.placement import Members, View
-from ems.cluster.rendezvous import ranked_owners
+from ems.cluster.rendezvous import UNIT_WIDTH, ranked_owners
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
 from ems.store.value_format import HEADER_SIZE, matches
@@ -303,7 +303,8 @@ class NodeRouter:
         view = self.members.view
         wanted = ~np.asarray(results, dtype=bool)
         # where a hot unit's reads go (not a read itself); a hold is kept by the owners, where a load falls back to
-        first = None if hold is not None else self.hot.first(request, wanted, view, count=False)
+        copies = hold is None and request.units is not None and len(view.nodes) >= 2 * UNIT_WIDTH
+        first = self.hot.first(request, wanted, view, count=False) if copies else None
 
         def exists(node: NodeClient, idx: np.ndarray, d: Deadline) -> list:
             return node.exists([keys[i] for i in idx], d, hold)
@@ -327,8 +328,8 @@ class NodeRouter:
     def _first(self, request: PoolCall, wanted: np.ndarray, view: View) -> np.ndarray | None:
         """A get's or get_into's node to ask first per key (`HotReads.first`, its reads counted): None without units,
         or without `expected` (a copy's value must be checked before it is taken or copied on)."""
-        if request.units is None or request.expected is None:
-            return None
+        if request.units is None or request.expected is None or len(view.nodes) < 2 * UNIT_WIDTH:
+            return None  # (no copies: nothing else to run, not even `HotReads`)
         return self.hot.first(request, wanted, view)
 
     def healthy(self, timeout_s: float) -> bool:
