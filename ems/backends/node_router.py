@@ -21,6 +21,15 @@ Contract:
   the `pool_hedge` setting), reads are hedged: a node slower than `NodeLatency.hedge_delay` has its keys asked of
   the next owner too, and slow nodes are asked last. A read's `results` may come filled in for some keys by a layer
   above (the read cache): only the others are wanted (None for `get`, False for `get_into` and `exists`).
+* Hot units (`ems.backends.hot_reads.HotReads`, `hot`): a get or get_into whose keys have units counts its reads by
+  unit; a key of a unit hot enough for copies asks the copy node `HotReads.first` picks before its owners (one try
+  more: a miss, a damaged value or a failure there goes on to the owners as above, hedged when `hedge` is on, even
+  with one replica), and what it then read elsewhere is written to that copy node in the background. With copies in
+  play, every value of such a key is checked against `expected` (whatever `read_check` says), so a damaged or stale
+  copy is a miss that falls back, and only checked values are copied; a get without `expected` reads no copies. An
+  `exists` without a hold asks the same copy nodes first (it is not counted as a read); one with a hold asks the
+  owners only, so that the hold is kept where a load falls back to. A call whose units are all cold is the owners'
+  read, unchanged.
 * Results come back in request order; interpreting them (the consecutive prefix, raising when nothing was
   reachable) is the caller's job.
 """
@@ -37,11 +46,12 @@ import numpy as np
 
 from ems.backends.base import PoolCall, PoolOutcome, ReadCheck
 from ems.backends.fanout import FanOut, WarmNodes
+from ems.backends.hot_reads import HotReads
 from ems.backends.latency import NodeLatency
 from ems.backends.reads import Hedge, read
 from ems.buffers import Buffer
-from ems.cluster.placement import Members
-from ems.cluster.rendezvous import ranked_owners
+from ems.cluster.placement import Members, View
+from ems.cluster.rendezvous import UNIT_WIDTH, ranked_owners
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
 from ems.store.value_format import HEADER_SIZE, matches
@@ -86,6 +96,8 @@ class NodeRouter:
         #: the connections kept warm: a bounded set, least recently used closed once idle (a large pool)
         self.warm = WarmNodes()
         self.fanout = FanOut(limits, self.latency, self.location, lambda: 4 * len(self.members.view.nodes), self.warm)
+        #: hot units' read copies: which node a read asks first, and the copies written back (bounded)
+        self.hot = HotReads(self.fanout, limits)
         self.members.on_change(self._forget)
 
     def _forget(self, added: list[str], removed: list[str]) -> None:
@@ -107,10 +119,14 @@ class NodeRouter:
         deadline: Deadline,
         accept: Any,
         hedge: Hedge | None,
+        view: View | None = None,
+        first: np.ndarray | None = None,
+        served: np.ndarray | None = None,
     ) -> PoolOutcome:
+        hedged = self.hedge and (self.replicas > 1 or first is not None)
         return read(
             self.fanout,
-            self.members.view,
+            self.members.view if view is None else view,
             request.route_keys,
             wanted,
             call,
@@ -120,8 +136,10 @@ class NodeRouter:
             accept,
             self.replicas,
             self.members.fallback,
-            hedge if self.replicas > 1 and self.hedge else None,
+            hedge if hedged else None,
             request.units,
+            first,
+            served,
         )
 
     # ---- batched operations ----
@@ -190,11 +208,15 @@ class NodeRouter:
         keys, expected = request.keys, request.expected
         results = [None] * len(keys) if results is None else results
         check = expected if self.read_check is ReadCheck.EXPECTED else None
+        view = self.members.view
+        wanted = np.fromiter((r is None for r in results), dtype=bool, count=len(keys))
+        first = self._first(request, wanted, view)
 
         def accept(i: int, value: object) -> bool:
             if value is None:
                 return False
-            return check is None or matches(cast(Buffer, value), check, i)  # a reply's value is a Buffer
+            verify = check if first is None or first[i] < 0 else expected  # (a hot key's value: always checked)
+            return verify is None or matches(cast(Buffer, value), verify, i)  # a reply's value is a Buffer
 
         def costs(idx: np.ndarray) -> Costs:
             # the reply carries the values: expected sizes bound it (an unexpected value is refused anyway)
@@ -207,16 +229,13 @@ class NodeRouter:
         def prepare(idx: np.ndarray) -> tuple[Any, Any, Any]:  # a hedge's values are new buffers: kept as they are
             return get, accept, results.__setitem__
 
-        return self._read(
-            request,
-            np.fromiter((r is None for r in results), dtype=bool, count=len(keys)),
-            get,
-            costs,
-            results,
-            request.until(),
-            accept,
-            Hedge(prepare, needs_quiet=False),
+        served = None if first is None else np.full(len(keys), -1, dtype=np.int64)
+        outcome = self._read(
+            request, wanted, get, costs, results, request.until(), accept, Hedge(prepare, needs_quiet=False), view, first, served
         )
+        if first is not None and served is not None:
+            self.hot.write_back(view, first, served, keys, lambda i: cast(Buffer, results[i]))
+        return outcome
 
     def get_into(
         self, request: PoolCall, outs: Sequence[Buffer], results: list | None = None, as_placed: AsPlaced | None = None
@@ -230,7 +249,14 @@ class NodeRouter:
         keys, expected = request.keys, request.expected
         results = [False] * len(keys) if results is None else results
         check = expected if self.read_check is ReadCheck.EXPECTED else None
-        progressive = as_placed if check is None else None
+        view = self.members.view
+        wanted = ~np.asarray(results, dtype=bool)
+        first = self._first(request, wanted, view)
+        progressive = as_placed if check is None and first is None else None
+
+        def verify(i: int, value: Buffer) -> bool:
+            against = check if first is None or first[i] < 0 else expected  # (a hot key's value: always checked)
+            return against is None or matches(value, against, i)
 
         def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:  # (`as_placed`: progressive nodes only)
             wanted_keys, wanted_outs = [keys[i] for i in idx], [outs[i] for i in idx]
@@ -239,7 +265,7 @@ class NodeRouter:
             return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d))
 
         def accept(i: int, placed: object) -> bool:  # a miss (or a value of another length) asks the next owner
-            return bool(placed) and (check is None or matches(outs[i], check, i))
+            return bool(placed) and verify(i, outs[i])
 
         def costs(idx: np.ndarray) -> Costs:
             reply = np.fromiter((memoryview(outs[i]).nbytes for i in idx.tolist()), dtype=np.int64, count=idx.size)
@@ -253,7 +279,7 @@ class NodeRouter:
                 return cast(list[bool], node.get_into([keys[i] for i in sub], [own[i] for i in sub.tolist()], d))
 
             def accept_own(i: int, placed: object) -> bool:
-                return bool(placed) and (check is None or matches(own[i], check, i))
+                return bool(placed) and verify(i, own[i])
 
             def adopt(i: int, placed: object) -> None:
                 memoryview(outs[i]).cast("B")[:] = own[i]
@@ -261,22 +287,24 @@ class NodeRouter:
 
             return fetch_own, accept_own, adopt
 
-        return self._read(
-            request,
-            ~np.asarray(results, dtype=bool),
-            fetch,
-            costs,
-            results,
-            request.until(),
-            accept,
-            Hedge(prepare, needs_quiet=True),
+        served = None if first is None else np.full(len(keys), -1, dtype=np.int64)
+        outcome = self._read(
+            request, wanted, fetch, costs, results, request.until(), accept, Hedge(prepare, needs_quiet=True), view, first, served
         )
+        if first is not None and served is not None:
+            self.hot.write_back(view, first, served, keys, lambda i: outs[i])
+        return outcome
 
     def exists(self, request: PoolCall, results: list | None = None, hold: Hold | None = None) -> PoolOutcome[bool]:
         """Whether each wanted key (`results[i]` False: wanted) is held (with `hold`: held and kept as asked, by the
         node that answered for it)."""
         keys = request.keys
         results = [False] * len(keys) if results is None else results
+        view = self.members.view
+        wanted = ~np.asarray(results, dtype=bool)
+        # where a hot unit's reads go (not a read itself); a hold is kept by the owners, where a load falls back to
+        copies = hold is None and request.units is not None and len(view.nodes) >= 2 * UNIT_WIDTH
+        first = self.hot.first(request, wanted, view, count=False) if copies else None
 
         def exists(node: NodeClient, idx: np.ndarray, d: Deadline) -> list:
             return node.exists([keys[i] for i in idx], d, hold)
@@ -286,14 +314,23 @@ class NodeRouter:
 
         return self._read(
             request,
-            ~np.asarray(results, dtype=bool),
+            wanted,
             exists,
             lambda idx: RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()])),
             results,
             request.until(),
             held,
             Hedge(lambda idx: (exists, held, results.__setitem__), needs_quiet=False),
+            view,
+            first,
         )
+
+    def _first(self, request: PoolCall, wanted: np.ndarray, view: View) -> np.ndarray | None:
+        """A get's or get_into's node to ask first per key (`HotReads.first`, its reads counted): None without units,
+        or without `expected` (a copy's value must be checked before it is taken or copied on)."""
+        if request.units is None or request.expected is None or len(view.nodes) < 2 * UNIT_WIDTH:
+            return None  # (no copies: nothing else to run, not even `HotReads`)
+        return self.hot.first(request, wanted, view)
 
     def healthy(self, timeout_s: float) -> bool:
         """True when at least one node answers a ping within `timeout_s`, of at most HEALTH_PINGS random ones: first
@@ -320,6 +357,7 @@ class NodeRouter:
 
     def close(self) -> None:
         self.members.close()
+        self.hot.close()
         self.fanout.close()
 
 

@@ -30,6 +30,11 @@ Contract (`read`):
 * A request to one node, of no value bytes to speak of (an exists, a few small values: under `SMALL_BYTES`), runs
   on the calling thread (no thread hop) when nothing could hedge it: no hedge, or none of its keys may try another
   node; otherwise it runs hedged as above.
+* A node to ask first (`first`, a node index per key, -1: none; a hot unit's copy, `ems.cluster.hot`): such a key
+  asks that node before its ranking, with one try more, so that a miss, a damaged value or a failure there goes on
+  to the key's owners exactly as above (failover, fallback, hedging: a copy node slower than its hedge delay is
+  hedged to the first owner; one known slow is not asked first, and its entry in `first` is set to -1). `served`
+  (int per key, where given) gets the index of the node whose answer each key took (-1: none).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class _Share:
     adopt: Callable[[int, object], None] | None = None
     hedged: bool = False  # (a primary) a hedge was sent for it
     processed: bool = False
+    node_index: int = -1  # its node's index in the view, once looked up (`_node_index`)
 
 
 def read(
@@ -90,8 +96,10 @@ def read(
     fallback: Callable[[], int] = lambda: 0,
     hedge: Hedge | None = None,
     units: np.ndarray | None = None,
+    first: np.ndarray | None = None,
+    served: np.ndarray | None = None,
 ) -> PoolOutcome:
-    """See the module docstring. Fills `results` (the accepted answers) and returns the outcome."""
+    """See the module docstring. Fills `results` (the accepted answers, and `served`) and returns the outcome."""
     outcome = PoolOutcome(results)
     pending = np.nonzero(wanted)[0]
     if pending.size == 0:
@@ -106,6 +114,8 @@ def read(
         for i, value in zip(pending[: len(answer.answers)].tolist(), answer.answers):  # a failed node answered a prefix
             if accept(i, value):
                 results[i] = value
+                if served is not None:
+                    served[i] = 0
         outcome.nodes_contacted = 1
         return outcome
     pending_units = None if units is None else np.asarray(units, dtype=np.uint64)[pending]
@@ -113,18 +123,22 @@ def read(
     ranks, allowed = read_order([route_keys[i] for i in pending.tolist()], view.seeds, replicas, fallback(), pending_units)
     latency = fanout.latency
     slow = np.zeros(n, dtype=bool)
-    if latency.any_slow and allowed > 1:
+    if latency.any_slow and (allowed > 1 or first is not None):
         slow = np.fromiter((latency.slow(node.address) for node in view.nodes), dtype=bool, count=n)
     if slow.any():  # slow nodes last among the nodes a key may try (stable otherwise)
         head = ranks[:, :allowed]
         ranks[:, :allowed] = np.take_along_axis(head, np.argsort(slow[head], axis=1, kind="stable"), axis=1)
-    state = _Keys(pending, ranks, n)
+    extra = None
+    if first is not None:
+        ranks, extra = _ask_first(ranks, first[pending], slow)
+        first[pending[~extra]] = -1  # (not asked: known slow, or none)
+    state = _Keys(pending, ranks, n, extra)
 
     def small(idx: np.ndarray) -> bool:  # a request of no value bytes to speak of (exists, a few small values)
         return int(costs(idx)[0].sum()) < SMALL_BYTES
 
     contacted = np.zeros(n, dtype=bool)
-    hedging = hedge is not None and allowed > 1
+    hedging = hedge is not None and (allowed > 1 or (extra is not None and bool(extra.any())))
     while state.pending.size:
         candidate = state.next_candidates()
         if state.pending.size == 0:
@@ -182,6 +196,8 @@ def read(
                             share.adopt(i, value)  # (its own buffers: copied into the caller's)
                         accepted[i] = True
                         by_hedge.pop(i, None)
+                        if served is not None:
+                            served[i] = _node_index(view, share)
                 elif share.accept is not None:
                     hedge_open[share.call.idx] = False  # (a key it did not answer may be hedged on to the next node)
                     hedge_empty[share.call.idx] = True  # (its keys that get a value below are skipped by that value)
@@ -199,6 +215,8 @@ def read(
                     assert share.adopt is not None
                     share.adopt(i, value)
                     accepted[i] = True
+                    if served is not None:
+                        served[i] = _node_index(view, share)
                 del_keys = [i for i in by_hedge if accepted[i]]
                 for i in del_keys:
                     by_hedge.pop(i)
@@ -242,7 +260,7 @@ def read(
                 concurrent.futures.wait(
                     futures, timeout=max(0.0, next_at - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED
                 )
-        _settle(fanout, shares, accepted, by_hedge, outcome, deadline, quiet)
+        _settle(fanout, shares, accepted, by_hedge, outcome, deadline, quiet, view, served)
         state.advance(answered, accepted, hedge_missed, alt_pos, failed_now, allowed)
         if deadline.expired():
             break
@@ -266,6 +284,25 @@ def _primary(
         return _Share(fanout.start(node, idx, call, costs, deadline, here), True)
     request, accept, adopt = private.prepare(idx)
     return _Share(fanout.start(node, idx, request, costs, deadline, here), True, accept=accept, adopt=adopt)
+
+
+def _node_index(view: View, share: _Share) -> int:
+    """The index in `view.nodes` of the node `share` asked (looked up once per share)."""
+    if share.node_index < 0:
+        share.node_index = view.nodes.index(share.call.node)
+    return share.node_index
+
+
+def _ask_first(ranks: np.ndarray, first: np.ndarray, slow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, extra): each key with a node to ask first (`first` >= 0, not known slow) gets it in front of its
+    ranking, which keeps its depth (the node's own place in it, if any, dropped; else its last spare), and one try
+    more (`extra`)."""
+    extra = (first >= 0) & ~slow[np.maximum(first, 0)]
+    if not extra.any():
+        return ranks, extra
+    moved = np.take_along_axis(ranks, np.argsort(ranks == first[:, None], axis=1, kind="stable"), axis=1)
+    ahead = np.concatenate([first[:, None], moved[:, :-1]], axis=1)
+    return np.ascontiguousarray(np.where(extra[:, None], ahead, ranks)), extra
 
 
 def _resolved(share: _Share, accepted: np.ndarray, by_hedge: dict) -> bool:
@@ -312,6 +349,8 @@ def _settle(
     outcome: PoolOutcome,
     deadline: Deadline,
     needs_quiet: bool,
+    view: View,
+    served: np.ndarray | None,
 ) -> None:
     """End a round: adopt the hedged values whose slow request is stopped (aborting it first when it still runs);
     a primary request still running without a value for each of its keys did not answer in time."""
@@ -352,17 +391,20 @@ def _settle(
                 assert hedge_share.adopt is not None
                 hedge_share.adopt(i, value)
                 accepted[i] = True
+                if served is not None:
+                    served[i] = _node_index(view, hedge_share)
     by_hedge.clear()
 
 
 class _Keys:
     """The keys still wanted, each with its ranking, the rank position to ask next and the tries it used."""
 
-    def __init__(self, pending: np.ndarray, ranks: np.ndarray, n: int) -> None:
+    def __init__(self, pending: np.ndarray, ranks: np.ndarray, n: int, extra: np.ndarray | None = None) -> None:
         self.pending = pending
         self.ranks = ranks
         self.pos = np.zeros(pending.size, dtype=np.int64)
-        self.tries = np.zeros(pending.size, dtype=np.int64)
+        # a key asking a node first (`_ask_first`) starts one try short: that node's miss does not use up one of its owners'
+        self.tries = np.zeros(pending.size, dtype=np.int64) if extra is None else -extra.astype(np.int64)
         self.failed = np.zeros(n, dtype=bool)
         self.depth = ranks.shape[1]
 

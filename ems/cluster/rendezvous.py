@@ -121,6 +121,8 @@ def ranked_by_hash(
         top = _top(_mix64(uniq[:, None] ^ seeds[None, :]), int(copy.max() + 1) * w)[inverse.reshape(-1)]
         group = np.take_along_axis(top, copy[:, None] * w + np.arange(w)[None, :], axis=1)
         own = _mix64(hashes[:, None] ^ seeds[group])
+        if k == 1:  # (a reader's copy node: the group member its own hash ranks first, no sort)
+            return np.take_along_axis(group, np.argmax(own, axis=1)[:, None], axis=1)
         ranked = np.take_along_axis(group, np.argsort(own, axis=1, kind="stable")[:, ::-1], axis=1)
         return np.ascontiguousarray(ranked[:, :k])
     depth = max(k, w)

@@ -46,3 +46,40 @@ def test_copy_groups_are_other_nodes_and_the_copy_spread_stays_in_range():
     assert picked.tolist() == [0, 1, 2]
     with pytest.raises(ValueError):
         ranked_by_hash(hashes, seeds, UNIT_WIDTH + 1, units, copy=np.ones(hashes.size, dtype=np.int64))
+
+
+def test_read_copies_counts_and_answers_as_read_then_copies():
+    a, b = HotUnits(half_life_s=10.0), HotUnits(half_life_s=10.0)
+    for t in range(20):
+        units = np.concatenate([np.full(64, 7), np.arange(1000 + 8 * t, 1008 + 8 * t)]).astype(np.uint64)
+        got = a.read_copies(units, NODES, now=float(t))
+        b.read(units, now=float(t))
+        want = b.copies(units, NODES)
+        assert (np.ones_like(want) if got is None else got).tolist() == want.tolist()
+    assert got is not None and got[0] > 1 and got[-1] == 1  # the hot unit has copies, a cold one none
+    cold = np.arange(5000, 5004, dtype=np.uint64)
+    assert a.read_copies(cold, NODES, now=20.0) is None  # a call of cold units: no copies, nothing to do
+    assert a.read_copies(np.full(4, 7, dtype=np.uint64), 2 * UNIT_WIDTH - 1, now=20.0) is None  # one group: none
+
+
+def test_decay_survives_long_idle_gaps_and_tracking_stays_bounded():
+    hot = HotUnits(half_life_s=1.0, max_units=64)
+    hot.read(np.full(100, 7, dtype=np.uint64), now=0.0)
+    for step in range(1, 40):  # gaps of many half-lives: the scores are renormalised, never overflow
+        now = step * 50.0
+        hot.read(np.arange(step * 100, step * 100 + 100, dtype=np.uint64), now=now)
+        assert hot.tracked() <= 64
+        assert np.isfinite(hot._total) and all(np.isfinite(r) for r in hot._rates.values())
+    assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] == 1  # cooled long ago
+    hot.read(np.full(1000, 9, dtype=np.uint64), now=2000.0)
+    assert hot.copies(np.array([9], dtype=np.uint64), NODES)[0] > 1  # a new hot unit after the gaps
+
+
+def test_a_clients_first_reads_make_no_unit_hot():
+    hot = HotUnits(min_reads=256)
+    assert hot.read_copies(np.full(64, 7, dtype=np.uint64), NODES, now=0.0) is None  # all of its reads, but few
+    for _ in range(3):
+        hot.read(np.full(64, 7, dtype=np.uint64), now=0.0)
+    assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] > 1  # 256 reads: hot
+    hot.read(np.full(1, 8, dtype=np.uint64), now=60.0)  # two half-lives later: 64 reads' worth left, cold again
+    assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] == 1

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from pool_testlib import make_values, wait_until
 
-from ems.cluster.rendezvous import node_seeds, ranked_owners
-from ems.datapath.keys import FORM_TOKENS, route_key_of, v0_keys, v1_keys
+from ems.cluster.rendezvous import node_seeds, ranked_by_hash, ranked_owners, route_hashes
+from ems.datapath.keys import FORM_TOKENS, chain_keys, route_key_of, v0_keys, v1_keys
 from ems.errors import EmsErrorCode
 from ems.pool.handlers import split_tenant, tenant_prefix
 from ems.pool.repair import Repairer, RepairSettings, asked, copy_plan
@@ -399,3 +399,33 @@ def test_repair_pacing_bounds_a_burst_to_100_ms_of_its_rate():
         assert bucket.spend(64 << 10, lambda: False, time.sleep)
     took = time.monotonic() - start
     assert took >= ((2 << 20) - burst_bytes(rate)) / rate * 0.95, took
+
+
+def test_a_hot_units_read_copies_are_left_alone_and_refill_an_owner_that_lost_them():
+    """A hot unit's read copies (`ems.backends.hot_reads`) sit on nodes of a copy group, not its owners: repair on a
+    copy node keeps them (never deletes), copies nothing while the owners hold the values, and re-places a value to
+    an owner that lost it (a cache value put back where clients place it)."""
+    nodes = [f"10.0.1.{i}:7700" for i in range(16)]
+    net = Net(nodes)
+    hashes = [(7 << 90) + 3 * b for b in range(48)]
+    keys, routes, units = chain_keys(NS, hashes, [])
+    values = make_values(len(keys), 256, seed=6)
+    seeds = node_seeds(sorted(nodes))
+    owner = ranked_owners(routes, seeds, 1, units)[:, 0]
+    copy = ranked_by_hash(route_hashes(routes), seeds, 1, units, copy=np.ones(len(keys), dtype=np.int64))[:, 0]
+    assert not (owner == copy).any()
+    for i, key in enumerate(keys):
+        hold(net, sorted(nodes)[owner[i]], "t", [key], [values[i]])
+        hold(net, sorted(nodes)[copy[i]], "t", [key], [values[i]])
+    run_passes(net, nodes, 1)
+    assert sum(net.puts.values()) == 0  # the owners hold every value: nothing to copy
+    assert all(held_by(net, "t", key) == {sorted(nodes)[owner[i]], sorted(nodes)[copy[i]]} for i, key in enumerate(keys))
+    lost = sorted(nodes)[owner[0]]
+    net.stores[lost].clear()  # an owner restarted empty: its values are left only on the copy nodes
+    run_passes(net, nodes, 1)
+    for i, key in enumerate(keys):
+        assert held_by(net, "t", key) == {sorted(nodes)[owner[i]], sorted(nodes)[copy[i]]}
+    refilled = [i for i in range(len(keys)) if owner[i] == owner[0]]
+    assert net.puts[lost] == len(refilled) == sum(net.puts.values())  # one copy each, from the copy node
+    for i in refilled:
+        assert bytes(net.stores[lost].get(tenant_prefix("t") + keys[i])) == b"".join(values[i])
