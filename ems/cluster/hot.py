@@ -7,11 +7,13 @@ Contract (`HotUnits`, one per client):
   them and gives their copies in one pass (what `ems.backends.node_router.NodeRouter` calls per read, with a few
   numpy operations for a call of cold units).
 * `copies(units, nodes)`: int per value, 1 for a cold unit. A unit whose share of the reads exceeds `target` times
-  a group's fair share (1 / (nodes // UNIT_WIDTH)), and that was read at least `min_reads` times (decayed: a client's
-  first few reads make no unit hot), gets ceil(share / (target * fair)) copies, at most `max_copies`:
-  copy c is the unit's group of the `UNIT_WIDTH` nodes after its first c * UNIT_WIDTH in the unit's rendezvous
-  order (`ems.cluster.rendezvous.ranked_by_hash`, `copy`), so copies move with membership as groups do. A reader spreads
-  a hot unit's reads over its copies (`spread`), falling back to the unit's own group on a miss.
+  a group's fair share (1 / (nodes // UNIT_WIDTH)), that was read at least `min_reads` times (decayed: a client's
+  first few reads make no unit hot) and by at least `min_calls` calls (decayed: one prompt read once, however many
+  blocks long, is not hot; a shared system prompt is read by call after call), gets ceil(share / (target * fair))
+  copies, at most `max_copies`: copy c is the unit's group of the `UNIT_WIDTH` nodes after its first
+  c * UNIT_WIDTH in the unit's rendezvous order (`ems.cluster.rendezvous.ranked_by_hash`, `copy`), so copies move
+  with membership as groups do. A reader spreads a hot unit's reads over its copies (`spread`), falling back to the
+  unit's own group on a miss.
 * Bounded and dropped when cold: at most `max_units` units are tracked (the coldest forgotten first), a unit whose
   rate decayed below `floor` of the total is forgotten (when the table is pruned or renormalised), and a unit whose
   rate falls back gets fewer copies at once: reads stop going to the copy groups past its count, whose values the
@@ -34,6 +36,7 @@ MAX_COPIES = 256
 MAX_UNITS = 4096
 FLOOR = 1e-5
 MIN_READS = 256.0  # a unit needs this many reads (decayed) before its share counts: a client's first reads are not hot
+MIN_CALLS = 4.0  # ... and this many calls that read it (decayed): a long prompt read once is not hot
 RESCALE_HALF_LIVES = 64.0  # scores are renormalised once they have grown by 2 ** this
 
 
@@ -53,12 +56,14 @@ class HotUnits:
         max_units: int = MAX_UNITS,
         floor: float = FLOOR,
         min_reads: float = MIN_READS,
+        min_calls: float = MIN_CALLS,
     ) -> None:
-        if half_life_s <= 0 or target <= 0 or max_copies < 1 or max_units < 1 or min_reads < 0:
-            raise ValueError("half_life_s and target must be > 0, max_copies and max_units >= 1, min_reads >= 0")
+        if half_life_s <= 0 or target <= 0 or max_copies < 1 or max_units < 1 or min_reads < 0 or min_calls < 0:
+            raise ValueError("half_life_s and target must be > 0, max_copies and max_units >= 1, min_reads and min_calls >= 0")
         self.half_life_s, self.target, self.max_copies = half_life_s, target, max_copies
-        self.max_units, self.floor, self.min_reads = max_units, floor, min_reads
+        self.max_units, self.floor, self.min_reads, self.min_calls = max_units, floor, min_reads, min_calls
         self._rates: dict[int, float] = {}  # unit -> score (its decayed rate, scaled as the total is)
+        self._calls: dict[int, float] = {}  # unit -> the calls that read it, on the same scale
         self._total = 0.0
         self._t0: float | None = None  # the time scores are scaled from
         self._latest = 0.0  # the latest time seen (a read never counts as earlier)
@@ -77,6 +82,7 @@ class HotUnits:
             self._rates = {
                 u: r * factor for u, r in self._rates.items() if r * factor > 0 and r * factor >= self.floor * self._total
             }
+            self._calls = {u: self._calls.get(u, 0.0) * factor for u in self._rates}
             self._t0, exponent = now, 0.0
         return float(2.0**exponent)
 
@@ -85,6 +91,7 @@ class HotUnits:
         units under `floor` forgotten."""
         keep = sorted(self._rates.items(), key=lambda item: item[1], reverse=True)[: max(1, self.max_units * 3 // 4)]
         self._rates = {u: r for u, r in keep if r >= self.floor * self._total}
+        self._calls = {u: self._calls.get(u, 0.0) for u in self._rates}
 
     def read(self, units: np.ndarray, now: float | None = None) -> None:
         """Count one call's reads: one per value, by its unit."""
@@ -97,6 +104,7 @@ class HotUnits:
         self._total += weight * sum(counts)
         for u, c in zip(uniq, counts):
             self._rates[u] = self._rates.get(u, 0.0) + weight * c
+            self._calls[u] = self._calls.get(u, 0.0) + weight
         if len(self._rates) > self.max_units:
             self._prune()
 
@@ -105,12 +113,14 @@ class HotUnits:
         if self._total <= 0 or groups == 1:
             return [1] * len(uniq)
         share = self.target * self._total / groups
-        least = self.min_reads * 2.0 ** ((self._latest - (self._t0 or 0.0)) / self.half_life_s)  # (on the scores' scale)
+        scale = 2.0 ** ((self._latest - (self._t0 or 0.0)) / self.half_life_s)  # (the scores' scale now)
+        least, least_calls = self.min_reads * scale, self.min_calls * scale
         limit = min(self.max_copies, groups)
         wanted = []
         for u in uniq:
             rate = self._rates.get(u, 0.0)
-            wanted.append(1 if rate < least else min(limit, max(1, math.ceil(rate / share))))
+            cold = rate < least or self._calls.get(u, 0.0) < least_calls
+            wanted.append(1 if cold else min(limit, max(1, math.ceil(rate / share))))
         return wanted
 
     def copies(self, units: np.ndarray, nodes: int) -> np.ndarray:

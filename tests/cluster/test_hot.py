@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ems.cluster.hot import HotUnits, spread
+from ems.cluster.hot import MIN_CALLS, HotUnits, spread
 from ems.cluster.rendezvous import UNIT_WIDTH, node_seeds, ranked_by_hash
 
 NODES = 256
@@ -71,7 +71,8 @@ def test_decay_survives_long_idle_gaps_and_tracking_stays_bounded():
         assert hot.tracked() <= 64
         assert np.isfinite(hot._total) and all(np.isfinite(r) for r in hot._rates.values())
     assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] == 1  # cooled long ago
-    hot.read(np.full(1000, 9, dtype=np.uint64), now=2000.0)
+    for _ in range(4):
+        hot.read(np.full(250, 9, dtype=np.uint64), now=2000.0)
     assert hot.copies(np.array([9], dtype=np.uint64), NODES)[0] > 1  # a new hot unit after the gaps
 
 
@@ -83,3 +84,15 @@ def test_a_clients_first_reads_make_no_unit_hot():
     assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] > 1  # 256 reads: hot
     hot.read(np.full(1, 8, dtype=np.uint64), now=60.0)  # two half-lives later: 64 reads' worth left, cold again
     assert hot.copies(np.array([7], dtype=np.uint64), NODES)[0] == 1
+
+
+def test_a_long_prompt_read_once_is_not_hot():
+    """A 512-block prompt's load reads its 2 units 256 times each in one call: not hot (one engine's one prompt);
+    the same units read by MIN_CALLS calls are (a prompt every request shares)."""
+    hot = HotUnits()
+    prompt = np.repeat(np.array([11, 12], dtype=np.uint64), 256)
+    assert hot.read_copies(prompt, NODES, now=0.0) is None
+    for _ in range(int(MIN_CALLS) - 2):
+        assert hot.read_copies(prompt, NODES, now=0.0) is None
+    copies = hot.read_copies(prompt, NODES, now=0.0)
+    assert copies is not None and copies.min() > 1
