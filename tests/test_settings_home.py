@@ -24,7 +24,7 @@ ALLOWED = {
     # own variable, set before UCX starts (an operator's value wins).
     "ems/pool/__main__.py": "UCX_NET_DEVICES, UCX's own variable",
     # CC names the C compiler by the build convention every toolchain follows, not a setting of this package.
-    "kernels/host_copy.py": "CC, the C compiler",
+    "kernels/host_build.py": "CC, the C compiler",
     # TRITON_INTERPRET is Triton's own switch; the backend only asks whether Triton will interpret.
     "kernels/triton_backend.py": "TRITON_INTERPRET, Triton's own variable",
     # The local pool node is started with the engine's environment minus the engine's EMS_POOL_KEYS (the node's
