@@ -291,8 +291,11 @@ class BlockMover:
         with self._lock:
             self._reserved -= 1
 
-    def start_load(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> PendingLoad | None:
-        """Start loading; None when the mover's in-flight budget is used up (nothing started: try again later)."""
+    def start_load(
+        self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"", option: CcKvOption | None = None
+    ) -> PendingLoad | None:
+        """Start loading (`option`: this call's, else the mover's); None when the mover's in-flight budget is used up
+        (nothing started: try again later)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         if not self._reserve():
@@ -300,7 +303,7 @@ class BlockMover:
         n = len(block_ids)
         pending = PendingLoad(list(block_ids), None, time.perf_counter())
         try:
-            pending.future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
+            pending.future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, option or self._option)
         except EmsException as exc:
             logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
             self._release()
