@@ -3,7 +3,7 @@
 Contract (no engine imports):
 * `OffStepSaves(mover).submit(req_id, block_ids, hashes, epoch, ready=None, copied=None)` queues one save and returns
   at once, with the save's ticket (`copied()` is called once its copy-out has ended, raised or not: the buffer it
-  copied from may be reused).
+  copied from may be reused; `chain_prefix`: the keys' placement, `block_transfer`).
   One daemon thread runs the queued saves in order: it waits for `ready()` (on an accelerator, the event recorded
   after the step's kernels: the blocks are written), then calls `BlockMover.save_async`, which returns once the
   blocks are copied out of the engine's cache (the transfer to the pool goes on in the background, and a save
@@ -48,6 +48,7 @@ class _Save:
     epoch: bytes
     ready: Callable[[], None] | None
     copied: Callable[[], None] | None = None
+    chain_prefix: list[EngineHash] | None = None
 
 
 class OffStepSaves:
@@ -71,6 +72,7 @@ class OffStepSaves:
         epoch: bytes = b"",
         ready: Callable[[], None] | None = None,
         copied: Callable[[], None] | None = None,
+        chain_prefix: Sequence[EngineHash] | None = None,
     ) -> int:
         """Queue one save; its ticket (`wait_settled`). `copied` is called once its copy-out has ended (or raised)."""
         if len(block_ids) != len(hashes):
@@ -79,7 +81,18 @@ class OffStepSaves:
             if self._closing:
                 raise RuntimeError("OffStepSaves is closed")
             self._tickets += 1
-            self._queue.append(_Save(self._tickets, req_id, list(block_ids), list(hashes), epoch, ready, copied))
+            self._queue.append(
+                _Save(
+                    self._tickets,
+                    req_id,
+                    list(block_ids),
+                    list(hashes),
+                    epoch,
+                    ready,
+                    copied,
+                    None if chain_prefix is None else list(chain_prefix),
+                )
+            )
             self._copying[req_id] += 1
             self._unsettled.add(self._tickets)
             self._cond.notify_all()
@@ -140,7 +153,13 @@ class OffStepSaves:
             try:
                 if save.ready is not None:
                     save.ready()
-                self._mover.save_async(save.block_ids, save.hashes, save.epoch, on_end=partial(self._settle, save.ticket))
+                self._mover.save_async(
+                    save.block_ids,
+                    save.hashes,
+                    save.epoch,
+                    on_end=partial(self._settle, save.ticket),
+                    chain_prefix=save.chain_prefix,
+                )
             except Exception:  # never leave a hold behind: the engine would wait for these blocks forever
                 logger.exception("copy-out of %d blocks failed (later lookups miss them)", len(save.block_ids))
                 self._mover.stats.add(save_failed_blocks=len(save.block_ids))

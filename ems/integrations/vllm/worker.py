@@ -55,7 +55,7 @@ import torch
 
 from ems import CcKvOption, EmsException
 from ems.integrations import kv_layouts
-from ems.integrations.block_transfer import BlockMover, PendingLoad
+from ems.integrations.block_transfer import BlockMover, LoadOutcome, PendingLoad
 from ems.integrations.connector_config import TransferGranularity
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.layer_transfers import CopyDone, HostMirror, LayerCopier, LayerStage
@@ -79,6 +79,20 @@ class _LoadCall:
     positions: list[tuple[int, ...]]  # per load: each of its blocks' index in the call
     pending: PendingLoad | None = None
     mirror_start: int | None = None  # layer-wise: `block_ids` are the mirror's rows from here, not the cache's
+    chain_prefix: list[bytes] | None = None  # a call of one load whose keys are placed by their chain's units
+
+    @classmethod
+    def calls(cls, loads: list[BlockTransfer]) -> list[_LoadCall]:
+        """A step's loads (of one epoch) as calls: a load whose keys are placed by their chain (`chain_prefix`) is a
+        call of its own (one call carries one chain position); the others go together in one call."""
+        calls = []
+        for load in loads:
+            if load.chain_prefix is not None:
+                call = cls.plan([load])
+                call.chain_prefix = load.chain_prefix
+                calls.append(call)
+        rest = [load for load in loads if load.chain_prefix is None]
+        return calls + [cls.plan(rest)] if rest else calls
 
     @classmethod
     def plan(cls, loads: list[BlockTransfer]) -> _LoadCall:
@@ -250,15 +264,29 @@ class EmsWorker:
                 self._load_errors.update(load.block_ids)
             else:
                 by_epoch.setdefault(load.epoch, []).append(load)
-        for epoch, group in by_epoch.items():
-            call = _LoadCall.plan(group)
-            started = time.perf_counter()
-            outcome = self._mover.load(call.block_ids, call.hashes, epoch, self._in_step_option)
+        calls = [(epoch, call) for epoch, group in by_epoch.items() for call in _LoadCall.calls(group)]
+        started = time.perf_counter()
+        if len(calls) > 1:  # loads placed by their chains, a call each: all started at once, then waited for
+            for epoch, call in calls:
+                call.pending = self._mover.start_load(call.block_ids, call.hashes, epoch, self._in_step_option, call.chain_prefix)
+        for epoch, call in calls:
+            pending = call.pending
+            if pending is None:  # one call, or no in-flight slot left for this one: loaded here
+                outcome = self._mover.load(call.block_ids, call.hashes, epoch, self._in_step_option, call.chain_prefix)
+            else:
+                if pending.future is not None:
+                    try:
+                        pending.future.result()
+                    except EmsException:  # logged by poll_load: nothing arrived
+                        pass
+                polled = self._mover.poll_load(pending)
+                outcome = polled if polled is not None else LoadOutcome(0, list(call.block_ids))
+                call.pending = None
             took = time.perf_counter() - started
             if outcome.loaded < len(call.block_ids) and took >= SLOW_FRACTION * self._in_step_option.timeout / 1000:
                 # ran out of its bound (a busy host, a slow pool): the scheduler's policy learns the rate it showed
                 self._ctx.stats.add(load_late_bytes=len(call.block_ids) * self._ctx.block_bytes, load_late_seconds=took)
-            self._step.in_step_loads += len(group)
+            self._step.in_step_loads += len(call.loads)
             self._step.in_step_load_blocks += len(call.block_ids)
             self._settle(call, outcome.loaded, retry=False)
 
@@ -275,23 +303,27 @@ class EmsWorker:
                 self._load_errors.update(load.block_ids)
             else:
                 by_epoch.setdefault(load.epoch, []).append(load)
-        for epoch, group in by_epoch.items():
-            call = _LoadCall.plan(group)
-            self._step.in_step_loads += len(group)
-            self._step.in_step_load_blocks += len(call.block_ids)
-            pending = self._start_mirrored(call, epoch, stage, self._in_step_option)
-            if pending is None:  # no free run of the mirror, or no in-flight slot: recomputed
-                logger.warning(
-                    "EmsConnector (transfer_granularity layer): no room for an in-step load of %d blocks "
-                    "(layer_buffer_mb, max_inflight): recomputed",
-                    len(call.block_ids),
-                )
-                self._settle(call, 0, retry=False)
-                continue
-            state = _LayerLoad(call, [])
-            state.copies = [stage.copier.submit(self._layer_in(state, layer, stage)) for layer in range(len(stage.planes))]
-            self._step.layer_copies += len(state.copies)
-            self._layer_loads.append(state)
+        for epoch, loads_of_epoch in by_epoch.items():
+            for call in _LoadCall.calls(loads_of_epoch):
+                self._load_call_in_layers(call, epoch, stage)
+
+    def _load_call_in_layers(self, call: _LoadCall, epoch: bytes, stage: LayerStage) -> None:
+        group = call.loads
+        self._step.in_step_loads += len(group)
+        self._step.in_step_load_blocks += len(call.block_ids)
+        pending = self._start_mirrored(call, epoch, stage, self._in_step_option)
+        if pending is None:  # no free run of the mirror, or no in-flight slot: recomputed
+            logger.warning(
+                "EmsConnector (transfer_granularity layer): no room for an in-step load of %d blocks "
+                "(layer_buffer_mb, max_inflight): recomputed",
+                len(call.block_ids),
+            )
+            self._settle(call, 0, retry=False)
+            return
+        state = _LayerLoad(call, [])
+        state.copies = [stage.copier.submit(self._layer_in(state, layer, stage)) for layer in range(len(stage.planes))]
+        self._step.layer_copies += len(state.copies)
+        self._layer_loads.append(state)
 
     def _start_mirrored(
         self, call: _LoadCall, epoch: bytes, stage: LayerStage, option: CcKvOption | None = None
@@ -305,7 +337,7 @@ class EmsWorker:
         if start is None:
             return None
         rows = list(range(start, start + n))
-        pending = self._mover.start_load(rows, call.hashes, epoch, option)
+        pending = self._mover.start_load(rows, call.hashes, epoch, option, call.chain_prefix)
         if pending is None:
             stage.mirror.give(start, n)
             return None
@@ -380,17 +412,19 @@ class EmsWorker:
             else:
                 by_epoch.setdefault(load.epoch, []).append(load)
         waiting: list[BlockTransfer] = []
-        for epoch, loads in by_epoch.items():  # every load of the step in one call (one per epoch: almost always one)
-            call = _LoadCall.plan(loads)
+        # every load of the step in one call (one per epoch: almost always one), but for loads placed by their chain:
+        # one call each
+        calls = [(epoch, call) for epoch, loads in by_epoch.items() for call in _LoadCall.calls(loads)]
+        for epoch, call in calls:
             if self._stage is not None:  # layer-wise: into a run of the mirror
                 pending = self._start_mirrored(call, epoch, self._stage)
             else:
-                pending = self._mover.start_load(call.block_ids, call.hashes, epoch)
+                pending = self._mover.start_load(call.block_ids, call.hashes, epoch, chain_prefix=call.chain_prefix)
             if pending is None:  # in-flight budget (or the mirror) used up (a slow pool): started on a later step
-                waiting.extend(loads)
+                waiting.extend(call.loads)
                 continue
             call.pending = pending
-            self._step.loads_started += len(loads)
+            self._step.loads_started += len(call.loads)
             self._step.load_calls += 1
             self._inflight_loads.append(call)
             if pending.future is not None:

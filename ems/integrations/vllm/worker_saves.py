@@ -166,7 +166,9 @@ class WorkerSaves:
             ready = self._ready_event() if self._ready_event is not None else None
             tickets = []
             for save in meta.saves:
-                tickets.append(copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready))
+                tickets.append(
+                    copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready, chain_prefix=save.chain_prefix)
+                )
                 step.save_blocks += len(save.block_ids)
         if self._after_save:
             self._wait_settled(copier, tickets, step)
@@ -204,7 +206,7 @@ class WorkerSaves:
             n = len(save.block_ids)
             rows = list(range(offset, offset + n))
             offset += n
-            tickets.append(copier.submit(save.req_id, rows, save.hashes, save.epoch, run.ready, copied))
+            tickets.append(copier.submit(save.req_id, rows, save.hashes, save.epoch, run.ready, copied, save.chain_prefix))
             step.save_blocks += n
         return tickets
 
