@@ -8,11 +8,13 @@ The random Llama of perf/bench_vllm.py (hidden 1024, 8 layers, bf16: 1 MiB block
 node, `read_cache_capacity` 0 (every load crosses the node) and `step_policy` "in_step" (each pool hit loads inside
 the step that computes the request: the path where a layer's attention can wait for that layer only). One engine per
 granularity and repeat, in turn (step, layer, step, layer, ...), each running four batch rounds of `--prompts`
-prompts of `--tokens` tokens (4 output tokens): 0, a new namespace epoch, computes and saves set P (warm-up); 1
-and 2, vLLM's prefix cache reset, load P from the pool in the step; 3, the prefix cache reset, computes and saves
-set Q (new to the pool). TTFT: the mean of vLLM's per-request first-token times; throughput: prompt tokens
-computed or loaded per second of the round's wall time. Each figure is the median over repeats of layer / step.
-Prints a table, saves a bar plot (`--out`), records the figures (perf/results/bench_layers.json).
+prompts of `--tokens` tokens (4 output tokens): 0, a new namespace epoch, computes and saves set P (warm-up); 1 and
+2, vLLM's prefix cache reset (and P's saves landed), load P from the pool in the step; 3, the prefix cache reset,
+computes and saves set Q (new to the pool). TTFT: the mean of vLLM's per-request first-token times; throughput:
+prompt tokens computed or loaded per second of the round's wall time. The table gives each side's median over
+repeats and the median (min-max) of the per-repeat ratios layer / step; the recorded figures are the medians, the
+step-wise one the anchor. Prints a table, saves a bar plot (`--out`; `--plot-from` draws it from the recorded
+figures where vLLM's environment has no matplotlib), records the figures (perf/results/bench_layers.json).
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ def measure(root: str, model: str, name: str, granularity: str, prompts: list[li
             "step_policy": "in_step",
             "in_step_ms": 10000,
             "timeout_ms": 10000,
+            "lookup_timeout_ms": 5000,
             "transfer_granularity": granularity,
         },
         "before_round": {
             "0": {"reset_connector": True},
-            "1": {"reset_prefix_cache": True},
+            "1": {"reset_prefix_cache": True, "wait_saves": True},
             "2": {"reset_prefix_cache": True},
             "3": {"reset_prefix_cache": True},
         },
@@ -84,7 +87,11 @@ def measure(root: str, model: str, name: str, granularity: str, prompts: list[li
 
 
 def plot(path: str, ratios: dict[str, float]) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (vLLM's environment may not have it: `--plot-from` draws it from the recorded figures)
+        print(f"no plot: matplotlib is not installed here (python perf/bench_layers.py --plot-from {RECORDED})")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -101,6 +108,18 @@ def plot(path: str, ratios: dict[str, float]) -> None:
     fig.savefig(path, dpi=120)
 
 
+RECORDED = "perf/results/bench_layers.json"
+
+
+def plot_from(path: str, out: str) -> None:
+    """The plot of a recorded run (its figures' ratios)."""
+    import json
+
+    with open(path) as f:
+        figures = json.load(f)["figures"]
+    plot(out, {f["name"].removeprefix("layer-wise "): f["value"] / f["anchor_value"] for f in figures})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=4)
@@ -108,11 +127,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(HERE, "layers.png"))
     parser.add_argument("--record", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--workdir", help="keep the engines' specs, outputs and logs here (default: a temporary folder)")
+    parser.add_argument("--plot-from", help="only draw the plot of a recorded run (e.g. " + RECORDED + ")")
     args = parser.parse_args()
+    if args.plot_from:
+        plot_from(args.plot_from, args.out)
+        return
     rng = random.Random(45)
     prompts = [[rng.randrange(4096) for _ in range(args.tokens)] for _ in range(2 * args.prompts)]
     runs: dict[str, list[dict[str, float]]] = {g: [] for g in GRANULARITIES}
-    with tempfile.TemporaryDirectory(prefix="ems-layers-") as root:
+    with tempfile.TemporaryDirectory(prefix="ems-layers-") as tmp:
+        root = args.workdir or tmp
+        os.makedirs(root, exist_ok=True)
         model = make_bench_llama(os.path.join(root, "model"), args.tokens + 128)
         try:
             for repeat in range(args.repeats):
@@ -146,7 +172,7 @@ def main() -> None:
             Figure(
                 f"layer-wise {k}",
                 medians["layer"][k],
-                "s" if k.endswith("_s") else "tok/s",
+                "tok/s" if "tok" in k else "s",
                 f"step-wise {k}",
                 medians["step"][k],
                 plot=plotted,
