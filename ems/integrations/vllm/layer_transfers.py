@@ -17,7 +17,7 @@ Contract (no vLLM imports):
 * `HostMirror.build(shapes, capacity, device)`: `capacity` blocks of every layer's two planes (pinned host memory
   where the cache is on an accelerator); `take(n)` a run of `n` free blocks (its first index, None when no run is
   free: the caller saves nothing or loads later), `give(start, n)` frees it.
-* `LayerCopier(device)`: one daemon thread runs submitted copies in order (on an accelerator: on a side stream,
+* `LayerCopyQueue(device)`: one daemon thread runs submitted copies in order (on an accelerator: on a side stream,
   after the event `after` recorded on the forward's stream). `submit(fn, after)` returns a `CopyDone`: `wait()` (the
   forward thread, before a layer's attention: blocks until the copy is issued, then orders the current stream after
   it), `synchronize()` (the host: the copy's bytes are in place). A copy that raises is logged and its `CopyDone`
@@ -136,7 +136,7 @@ class CopyDone:
         return self._issued.is_set()
 
 
-class LayerCopier:
+class LayerCopyQueue:
     """See the module contract."""
 
     def __init__(self, device: torch.device) -> None:
@@ -160,7 +160,7 @@ class LayerCopier:
         done = CopyDone()
         with self._cond:
             if self._closing:
-                raise RuntimeError("LayerCopier is closed")
+                raise RuntimeError("LayerCopyQueue is closed")
             self._queue.append((fn, after, done))
             self._cond.notify_all()
         return done
@@ -204,7 +204,7 @@ class LayerStage:
     layer, rows: blocks) and each layer's index by vLLM's layer name."""
 
     mirror: HostMirror
-    copier: LayerCopier
+    copier: LayerCopyQueue
     planes: list[tuple[torch.Tensor, torch.Tensor]]
     index: dict[str, int]
 
@@ -227,9 +227,13 @@ class LayerStage:
         return run
 
     def copy_in(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Mirror rows `src` of layer `layer` into its engine rows `dst`."""
+        """Mirror rows `src` of layer `layer` into its engine rows `dst` (a run of rows: read in place, from pinned
+        memory where the mirror is pinned)."""
+        n = int(src.numel())
+        first = int(src[0]) if n else 0
+        run = n > 0 and bool(torch.equal(src, torch.arange(first, first + n, dtype=src.dtype)))
         for plane, rows in zip(self.planes[layer], self.mirror.planes[layer]):
-            scatter(rows.index_select(0, src), plane, dst)
+            scatter(rows[first : first + n] if run else rows.index_select(0, src), plane, dst)
 
     def close(self) -> None:
         if not self.copier.close():

@@ -5,23 +5,24 @@ Contract (no vLLM imports; `connector.EmsConnector` forwards vLLM's worker-side 
 * `register_kv_caches(kv_caches, tp_rank, used_backends)` registers each layer's tensor as two planes whose rows
   are whole vLLM blocks (`kv_layouts`), after checking that they match vLLM's KV cache spec (the scheduler addresses
   the same keys from it) and that the layers really use the attention backend the namespace names.
-* Loads: `start_load_kv(meta)` starts the step's loads (`BlockMover.start_load`, asynchronous) as **one call**
-  (every request's blocks one after the other; one call per epoch), so 16 requests admitted together take one
-  in-flight slot, not 16 (which sent them in waves); a call beyond the in-flight budget starts on a later step; a
-  load cancelled by a reset finishes at once, its blocks failed. A call comes back with the count of blocks loaded
-  from the first (the API's `success`): the request it stopped in keeps its leading blocks (the rest recomputed);
-  the requests after it were not read, and are asked for once more on the next step when the call loaded anything
-  (else they are recomputed: a pool that served nothing is not asked again).
-  Loads the step policy placed in the step (`BlockTransfer.in_step`: vLLM's synchronous path, the request is
-  computed in this step) run in `start_load_kv` itself, before the forward, as one call that waits under the policy's
-  bound (`in_step_ms` as its timeout): blocks it did not load go to `get_block_ids_with_load_errors` in this step
+* Loads: `start_load_kv(meta)` starts the step's loads (`BlockMover.start_load`, asynchronous): a load that names its
+  chain position (`BlockTransfer.chain_prefix`: its keys are placed by placement units) is a call of its own (a call
+  carries one chain position); the others (a hybrid model's) go as **one call** (every request's blocks one after the
+  other; one call per epoch), so requests admitted together take one in-flight slot; a call beyond the in-flight
+  budget starts on a later step; a load cancelled by a reset finishes at once, its blocks failed. A call comes back
+  with the count of blocks loaded from the first (the API's `success`): the request it stopped in keeps its leading
+  blocks (the rest recomputed); the requests after it were not read, and are asked for once more on the next step when
+  the call loaded anything (else they are recomputed: a pool that served nothing is not asked again). Loads the step
+  policy placed in the step (`BlockTransfer.in_step`: vLLM's synchronous path, the request is computed in this step)
+  run in `start_load_kv` itself, before the forward, their calls started together and waited for under the policy's
+  bound (`in_step_ms` as their timeout): blocks they did not load go to `get_block_ids_with_load_errors` in this step
   (vLLM recomputes them); they are never named in `get_finished`. One that ran out of its bound is counted
-  (`load_late_bytes`, `load_late_seconds`) for the scheduler's policy, which then loads asynchronously.
-  `get_finished` names each request whose load has finished (never blocks, but for a step with nothing scheduled:
-  `IDLE_WAIT_S`); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM
-  recomputes them, or fails the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's
-  request with blocks that did not arrive goes to `take_failed_loads` instead (vLLM's failed receives: it
-  recomputes the whole request, or fails it, by the same policy).
+  (`load_late_bytes`, `load_late_seconds`) for the scheduler's policy, which then loads asynchronously. `get_finished`
+  names each request whose load has finished (never blocks, but for a step with nothing scheduled: `IDLE_WAIT_S`);
+  blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM recomputes them, or fails
+  the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's request with blocks that did not
+  arrive goes to `take_failed_loads` instead (vLLM's failed receives: it recomputes the whole request, or fails it, by
+  the same policy).
 * Saves (`worker_saves.WorkerSaves`, `saves`): `wait_for_save(meta)` queues the step's saves for copy-out off the
   step (a producer that responds after its saves then waits for the pool's acknowledgements, within
   `producer_wait_ms`); a finished request with saves sent is named in `get_finished`'s finished_sending once its
@@ -58,7 +59,7 @@ from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import BlockMover, LoadOutcome, PendingLoad
 from ems.integrations.connector_config import TransferGranularity
 from ems.integrations.vllm.context import ConnectorContext
-from ems.integrations.vllm.layer_transfers import CopyDone, HostMirror, LayerCopier, LayerStage
+from ems.integrations.vllm.layer_transfers import CopyDone, HostMirror, LayerCopyQueue, LayerStage
 from ems.integrations.vllm.lookups.breaker import SLOW_FRACTION
 from ems.integrations.vllm.metadata import IDLE_WAIT_S, BlockTransfer, EmsConnectorMetadata
 from ems.integrations.vllm.steps import StepLog, WorkerStep
@@ -205,7 +206,7 @@ class EmsWorker:
                 self._stage.close()
             self._stage = LayerStage(
                 HostMirror.build(list(shapes), capacity, device),
-                LayerCopier(device),
+                LayerCopyQueue(device),
                 planes,
                 {name: i for i, name in enumerate(ctx.layer_names)},
             )
