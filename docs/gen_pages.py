@@ -246,6 +246,17 @@ CONNECTOR_KEYS: dict[str, tuple[str, str | None]] = {
         "saved or loaded ([what the connector does each step](../concepts/vllm-steps.md))",
         None,
     ),
+    "transfer_granularity": (
+        "`step`: a step's blocks move whole, the SDK copying straight from the KV cache; `layer`: through a host "
+        "mirror, each layer copied out as the forward writes it and copied in before its attention runs (the pool's "
+        "values are the same: the two share blocks; [what the connector does each step](../concepts/vllm-steps.md))",
+        None,
+    ),
+    "layer_buffer_mb": (
+        "with `transfer_granularity` `layer`: the host mirror the step's values pass through, in MiB (a step's saves "
+        "beyond it are dropped, its loads beyond it recomputed or started on a later step); 1 to 1048576",
+        None,
+    ),
     "max_inflight": (
         "async calls pending at once: given to the client explicitly, and each worker's budget (a save beyond it is "
         "dropped, a load waits a step)",

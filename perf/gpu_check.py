@@ -21,6 +21,9 @@ test of this script; its figures mean nothing). Parts:
    blocks, ...]` view and of per-layer tensors, `save` then `load` into a poisoned cache, byte-exact, with
    `kernel_backend` triton and memcpy: the package's pinned staging and side streams (the job records must show the
    device-to-host and host-to-device copy stages);
+4b. the vLLM connector's layer-wise transfers vs its step-wise ones (`layer_vs_step`): its worker half around a
+   simulated forward, a producer's and a consumer's step each way, byte-exact; the last row names the winner of
+   each side (the first lent device decides `transfer_granularity`'s default);
 5. decode-step slowdown while saves run: a decode-like step (bf16 GEMMs of a 64-token batch through 1 GiB of
    weights) timed alone, then while saves run back to back on a side stream by the kernel path and by the DMA path:
    the step's slowdown and the saves' GB/s for each;
@@ -592,6 +595,145 @@ def api_roundtrip(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ 4b. layer vs step
+
+
+def layer_vs_step(ctx: Context) -> list[dict[str, Any]]:
+    """The vLLM connector's worker half (`EmsWorker`, fed its metadata as vLLM would; embedded pool) with
+    `transfer_granularity` "step" and "layer", around a simulated forward (per layer a GEMM, then a read of that
+    layer's KV of the step's blocks, so a layer's attention depends on its load): a producer step (the forward with
+    `save_kv_layer` per layer, then `wait_for_save`; and until the pool holds the step's blocks) and a consumer step
+    (an in-step load of the same blocks, `wait_for_layer_load` before each layer), byte-exact against what was
+    saved. The last row names the faster granularity for each side: the connector's default follows it."""
+    from ems import Ems
+    from ems.integrations import kv_layouts
+    from ems.integrations.block_transfer import StatsSink
+    from ems.integrations.connector_config import ConnectorConfig
+    from ems.integrations.vllm.context import ConnectorContext
+    from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
+    from ems.integrations.vllm.worker import EmsWorker
+
+    layers, blocks, bs, heads, hs, n, hidden = (2, 16, 4, 2, 8, 4, 64) if ctx.tiny else (32, 256, 16, 8, 128, 64, 4096)
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
+    weight = _rand((hidden, hidden), torch.bfloat16, ctx.device)
+    act = _rand((256 if not ctx.tiny else 8, hidden), torch.bfloat16, ctx.device)
+    ids = list(range(n))
+    rows: list[dict[str, Any]] = []
+
+    def forward(worker: EmsWorker | None, meta: Any, caches: dict[str, torch.Tensor], saving: bool) -> float:
+        x = act
+        sink = torch.zeros((), device=ctx.device, dtype=torch.float32)
+        for name in names:
+            if worker is not None and not saving:
+                worker.wait_for_layer_load(name)
+                sink += caches[name][:, n : 2 * n].float().sum()  # this layer's attention reads its loaded blocks
+            x = torch.tanh(x @ weight)
+            if worker is not None and saving:
+                caches[name][:, :n].add_(1)  # the layer writes its KV of the step's blocks
+                worker.save_kv_layer(name, meta)
+        if worker is not None:
+            worker.wait_for_save(meta)
+        ctx.sync()
+        return float(sink)
+
+    compute_s = _best(ctx, lambda: forward(None, None, {}, True))
+    for granularity in ("step", "layer"):
+        config = ConnectorConfig.from_extra(
+            {
+                "local_pool": "off",
+                "transfer_granularity": granularity,
+                "step_policy": "in_step",
+                "in_step_ms": 60_000,
+                "timeout_ms": 60_000,
+                "read_cache_capacity": 0,
+                "pool_capacity": 64 * n * layers * 4 * bs * heads * hs + (256 << 20),
+            }
+        )
+        Ems.init(config.ems_config(f"gpu-check-layers-{granularity}", "MHA", config.resolve_pool()))
+        try:
+            cc = Ems.get_cc()
+            if cc is None:
+                raise CheckFailed("Ems.get_cc() gave None")
+            caches = {name: _rand((2, blocks, bs, heads, hs), torch.bfloat16, ctx.device) for name in names}
+            planes = kv_layouts.block_planes(caches[names[0]], blocks)
+            cctx = ConnectorContext(
+                config=config,
+                block_size=bs,
+                hash_stride=1,
+                tp_size=1,
+                mla=False,
+                num_blocks=blocks,
+                layer_names=names,
+                shapes=(kv_layouts.shape_of(planes),) * layers,
+                backend="FLASH_ATTN",
+                model_id="gpu-check-layers",
+                pool=config.resolve_pool(),
+                cc=cc,
+                stats=StatsSink(),
+            )
+            worker = EmsWorker(cctx)
+            worker.register_kv_caches(caches, 0, set())
+            rep = [0]
+
+            def produce() -> None:
+                rep[0] += 1
+                hashes = [(rep[0] << 32 | i).to_bytes(16, "little") for i in ids]
+                forward(worker, EmsConnectorMetadata(saves=[BlockTransfer(f"p{rep[0]}", ids, hashes)]), caches, True)
+
+            step_s = _best(ctx, produce)
+            t0 = time.perf_counter()
+            produce()
+            if not worker.wait_saves(120):
+                raise CheckFailed(f"{granularity}: saves still pending after 120 s")
+            to_pool_s = time.perf_counter() - t0
+            saved = {name: caches[name][:, :n].contiguous() for name in names}
+            hashes = [(rep[0] << 32 | i).to_bytes(16, "little") for i in ids]
+            dst = list(range(n, 2 * n))
+
+            def consume() -> None:
+                for name in names:
+                    caches[name][:, n : 2 * n].fill_(0)
+                ctx.sync()
+                meta = EmsConnectorMetadata(loads=[BlockTransfer("c", dst, hashes, in_step=True)])
+                worker.start_load_kv(meta)
+                forward(worker, meta, caches, False)
+                errors = worker.get_block_ids_with_load_errors()
+                worker.get_finished(set(), meta)
+                if errors:
+                    raise CheckFailed(f"{granularity}: load errors {sorted(errors)[:8]}")
+
+            load_s = _best(ctx, consume)
+            for name in names:
+                if not torch.equal(_bytes(caches[name][:, n : 2 * n].contiguous()), _bytes(saved[name])):
+                    raise CheckFailed(f"{granularity}: layer {name} loaded differs from what was saved")
+            worker.shutdown()
+            rows.append(
+                {
+                    "granularity": granularity,
+                    "blocks": n,
+                    "MiB": n * cctx.block_bytes / 2**20,
+                    "forward_ms": compute_s * 1e3,
+                    "producer_step_ms": step_s * 1e3,
+                    "to_pool_ms": to_pool_s * 1e3,
+                    "consumer_step_ms": load_s * 1e3,
+                }
+            )
+            print(f"  {rows[-1]}", file=sys.stderr)
+        finally:
+            Ems.shutdown()
+    step, layer = rows
+    rows.append(
+        {
+            "granularity": "winner",
+            "producer_step_ms": "layer" if layer["producer_step_ms"] < step["producer_step_ms"] else "step",
+            "to_pool_ms": "layer" if layer["to_pool_ms"] < step["to_pool_ms"] else "step",
+            "consumer_step_ms": "layer" if layer["consumer_step_ms"] < step["consumer_step_ms"] else "step",
+        }
+    )
+    print(f"  layer vs step: {rows[-1]}", file=sys.stderr)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ 5. decode slowdown
 
 
@@ -752,6 +894,7 @@ PARTS: dict[str, Callable[[Context], Any]] = {
     "kernel_vs_copy": kernel_vs_copy,
     "kernel_vs_dma": kernel_vs_dma,
     "api_roundtrip": api_roundtrip,
+    "layer_vs_step": layer_vs_step,
     "decode_slowdown": decode_slowdown,
     "device_kernels": device_kernels,
 }

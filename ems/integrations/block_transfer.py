@@ -18,6 +18,12 @@ Contract (no engine imports):
   has finished. `save_async` returns once the blocks are copied out of the engine's cache
   (`ContextCaching.async_save`); failures only cost future misses; its `on_end` says when the save has ended (the
   pool acknowledged it, or it failed or was never sent).
+* Placement (`chain_prefix`, on lookups, loads and saves): the engine hashes of the chain's blocks before
+  `hashes[0]`, from the chain's first block (`[]`: hashes[0] is the first). With it the keys go to the SDK with
+  their chain position (`chain_prefix=`, this rank's keys of those blocks), so a prompt's blocks are placed by
+  their placement units and a call touches a bounded number of pool nodes whatever the pool's size
+  (docs/concepts/placement.md); without it (None) each key is placed by itself. The two never meet (another key
+  form): every save, lookup and load of one block must agree on giving it.
 * KV cache groups (a hybrid model: full and sliding-window attention): `group_hashes(hashes, group)` tags each
   engine hash with its group (a 16-byte BLAKE2b of the hash's 128 bits, personalised by the group index), so the
   blocks of one position in two groups are two keys and never collide; a model with one group uses its hashes
@@ -193,15 +199,26 @@ def lookup(
     stats: StatsSink | None = None,
     epoch: bytes = b"",
     lease_ms: int = 0,
+    chain_prefix: Sequence[EngineHash] | None = None,
 ) -> int:
     """How many of `hashes`, from the first, every rank holds in the pool (a failing pool: 0); with `lease_ms`, only
-    blocks the pool also leases for that long (kept from eviction until each rank's load reads them)."""
+    blocks the pool also leases for that long (kept from eviction until each rank's load reads them). With
+    `chain_prefix` (the engine hashes of the chain's blocks before hashes[0]) the keys are placed by their chain's
+    placement units: one `exists` per rank (each rank's keys are a chain of their own), the hits every rank has."""
     if not hashes:
         return 0
-    keys = lookup_keys(hashes, tp_size, shared, epoch)
-    result = cc.exists(keys, option, lease_ms=lease_ms) if lease_ms > 0 else cc.exists(keys, option)
-    ranks = 1 if shared else tp_size
-    hits = result.success // ranks
+    kwargs: dict[str, Any] = {"lease_ms": lease_ms} if lease_ms > 0 else {}
+    if chain_prefix is not None:
+        ranks = [0] if shared else list(range(tp_size))
+        hits = len(hashes)
+        for rank in ranks:
+            prefix = block_keys(chain_prefix, rank, tp_size, shared, epoch)
+            result = cc.exists(block_keys(hashes, rank, tp_size, shared, epoch), option, chain_prefix=prefix, **kwargs)
+            hits = min(hits, result.success)
+    else:
+        keys = lookup_keys(hashes, tp_size, shared, epoch)
+        result = cc.exists(keys, option, **kwargs)
+        hits = result.success // (1 if shared else tp_size)
     if stats is not None:
         stats.add(lookup_hit_blocks=hits, lookup_miss_blocks=len(hashes) - hits)
     return hits
@@ -249,10 +266,20 @@ class BlockMover:
     def keys(self, hashes: Sequence[EngineHash], epoch: bytes = b"") -> list[int]:
         return block_keys(hashes, self._tp_rank, self._tp_size, self._shared, epoch)
 
+    def _placement(self, chain_prefix: Sequence[EngineHash] | None, epoch: bytes) -> dict[str, Any]:
+        """The call's `chain_prefix=` (this rank's keys of the chain's earlier blocks), or nothing: placed per key."""
+        return {} if chain_prefix is None else {"chain_prefix": self.keys(chain_prefix, epoch)}
+
     def load(
-        self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"", option: CcKvOption | None = None
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[EngineHash],
+        epoch: bytes = b"",
+        option: CcKvOption | None = None,
+        chain_prefix: Sequence[EngineHash] | None = None,
     ) -> LoadOutcome:
-        """Load and wait for it (`option`: this call's, e.g. a shorter timeout; else the mover's)."""
+        """Load and wait for it (`option`: this call's, e.g. a shorter timeout; else the mover's; `chain_prefix`: see
+        the module contract)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         n = len(block_ids)
@@ -260,7 +287,9 @@ class BlockMover:
             return LoadOutcome(0, [])
         future: CcFuture | None = None
         try:
-            future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, option or self._option)
+            future = self._cc.async_load(
+                list(block_ids), self.keys(hashes, epoch), [1] * n, option or self._option, **self._placement(chain_prefix, epoch)
+            )
             loaded = min(future.result().success, n)
         except EmsException as exc:  # pool unreachable or timed out: nothing was written
             logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
@@ -291,8 +320,16 @@ class BlockMover:
         with self._lock:
             self._reserved -= 1
 
-    def start_load(self, block_ids: Sequence[int], hashes: Sequence[EngineHash], epoch: bytes = b"") -> PendingLoad | None:
-        """Start loading; None when the mover's in-flight budget is used up (nothing started: try again later)."""
+    def start_load(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[EngineHash],
+        epoch: bytes = b"",
+        option: CcKvOption | None = None,
+        chain_prefix: Sequence[EngineHash] | None = None,
+    ) -> PendingLoad | None:
+        """Start loading (`option`: this call's, else the mover's); None when the mover's in-flight budget is used up
+        (nothing started: try again later)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         if not self._reserve():
@@ -300,7 +337,9 @@ class BlockMover:
         n = len(block_ids)
         pending = PendingLoad(list(block_ids), None, time.perf_counter())
         try:
-            pending.future = self._cc.async_load(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
+            pending.future = self._cc.async_load(
+                list(block_ids), self.keys(hashes, epoch), [1] * n, option or self._option, **self._placement(chain_prefix, epoch)
+            )
         except EmsException as exc:
             logger.warning("load of %d blocks failed, the engine recomputes them: %s", n, exc.message())
             self._release()
@@ -330,6 +369,7 @@ class BlockMover:
         hashes: Sequence[EngineHash],
         epoch: bytes = b"",
         on_end: Callable[[], None] | None = None,
+        chain_prefix: Sequence[EngineHash] | None = None,
     ) -> bool:
         """Start saving (True), or drop the save when the in-flight budget is used up (False: a later miss).
         `on_end` is called once the save has ended: the pool acknowledged it or it failed (on the transfer's
@@ -346,7 +386,9 @@ class BlockMover:
             ended()
             return False
         try:
-            future = self._cc.async_save(list(block_ids), self.keys(hashes, epoch), [1] * n, self._option)
+            future = self._cc.async_save(
+                list(block_ids), self.keys(hashes, epoch), [1] * n, self._option, **self._placement(chain_prefix, epoch)
+            )
         except EmsException as exc:
             logger.warning("save of %d blocks failed (later lookups miss them): %s", n, exc.message())
             self.stats.add(save_failed_blocks=n)

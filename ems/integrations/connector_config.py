@@ -29,6 +29,8 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | cross_layer_blocks  | false                      | ask vLLM for its block-outermost layout BLHNC: one copy a block |
 | max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
+| transfer_granularity | "step"                    | "layer": blocks copied out and in layer by layer during the forward |
+| layer_buffer_mb     | 256                        | "layer": the host mirror the pool's values pass through (MiB)  |
 | every other `EmsConfig` pool setting (pool_capacity, pool_replicas, ...) | as `EmsConfig` | docs/reference/configuration.md |
 
 With `pool_backend="mooncake"` (here or `EMS_POOL_BACKEND`) the pool is a Mooncake Store: no local pool is started.
@@ -125,6 +127,8 @@ KEYS = (
     "access_id",
     "access_key",
     "cross_layer_blocks",
+    "transfer_granularity",
+    "layer_buffer_mb",
 ) + EMS_SETTINGS
 
 
@@ -164,6 +168,20 @@ class ProducerResponse(str, enum.Enum):
 DEFAULT_PRODUCER_RESPONSE = ProducerResponse.AFTER_SAVE
 
 
+class TransferGranularity(str, enum.Enum):
+    """How a worker moves a step's blocks between vLLM's KV cache and the pool (`transfer_granularity`): `step`,
+    whole blocks once the forward is done (the SDK copies straight from the cache); `layer`, through a host mirror,
+    each layer copied out as the forward writes it and copied in before its attention runs
+    (`ems.integrations.vllm.layer_transfers`). The pool's values are the same either way."""
+
+    STEP = "step"
+    LAYER = "layer"
+
+
+DEFAULT_LAYER_BUFFER_MB = 256
+MAX_LAYER_BUFFER_MB = 1 << 20
+
+
 class LocalPoolMode(str, enum.Enum):
     AUTO = "auto"
     OFF = "off"
@@ -192,6 +210,8 @@ class ConnectorConfig:
     access_key: str | None = field(default=None, repr=False)
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     cross_layer_blocks: bool = False
+    transfer_granularity: TransferGranularity = TransferGranularity.STEP
+    layer_buffer_mb: int = DEFAULT_LAYER_BUFFER_MB
     ems_settings: tuple[tuple[str, Any], ...] = ()
     pool_settings: Settings | None = None  # the pool settings resolved (`from_extra`)
 
@@ -239,6 +259,13 @@ class ConnectorConfig:
         cross_layer = extra.get("cross_layer_blocks", False)
         if not isinstance(cross_layer, bool):
             raise invalid_argument(f"kv_connector_extra_config.cross_layer_blocks must be true or false, got {cross_layer!r}")
+        granularity = _choice(extra, "transfer_granularity", TransferGranularity.STEP)
+        if granularity is TransferGranularity.LAYER and cross_layer:
+            raise invalid_argument(
+                "kv_connector_extra_config.transfer_granularity 'layer' moves a block one layer at a time: it cannot "
+                "be combined with cross_layer_blocks (one copy a block)"
+            )
+        layer_buffer_mb = _int_in(extra, "layer_buffer_mb", DEFAULT_LAYER_BUFFER_MB, 1, MAX_LAYER_BUFFER_MB)
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not re.fullmatch(r"[0-9a-z._-]{1,512}", model_id)):
             raise invalid_argument(f"kv_connector_extra_config.model_id must be 1-512 of [0-9a-z._-], got {model_id!r}")
@@ -264,6 +291,8 @@ class ConnectorConfig:
             access_key=extra.get("access_key") or (access_key_from_environment() if extra.get("access_id") else None),
             max_inflight=inflight,
             cross_layer_blocks=cross_layer,
+            transfer_granularity=granularity,
+            layer_buffer_mb=layer_buffer_mb,
             # max_inflight goes to the client explicitly: the workers' in-flight budget is exactly its limit
             ems_settings=tuple((k, extra[k]) for k in EMS_SETTINGS if k in extra and k != "max_inflight")
             + (("max_inflight", inflight),),

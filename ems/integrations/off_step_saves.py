@@ -1,8 +1,9 @@
 """Saves whose copy-out runs off the engine's step, and the hold on their blocks until it has finished.
 
 Contract (no engine imports):
-* `OffStepSaves(mover).submit(req_id, block_ids, hashes, epoch, ready=None)` queues one save and returns at once,
-  with the save's ticket.
+* `OffStepSaves(mover).submit(req_id, block_ids, hashes, epoch, ready=None, copied=None)` queues one save and returns
+  at once, with the save's ticket (`copied()` is called once its copy-out has ended, raised or not: the buffer it
+  copied from may be reused; `chain_prefix`: the keys' placement, `block_transfer`).
   One daemon thread runs the queued saves in order: it waits for `ready()` (on an accelerator, the event recorded
   after the step's kernels: the blocks are written), then calls `BlockMover.save_async`, which returns once the
   blocks are copied out of the engine's cache (the transfer to the pool goes on in the background, and a save
@@ -46,6 +47,8 @@ class _Save:
     hashes: list[EngineHash]
     epoch: bytes
     ready: Callable[[], None] | None
+    copied: Callable[[], None] | None = None
+    chain_prefix: list[EngineHash] | None = None
 
 
 class OffStepSaves:
@@ -68,15 +71,28 @@ class OffStepSaves:
         hashes: Sequence[EngineHash],
         epoch: bytes = b"",
         ready: Callable[[], None] | None = None,
+        copied: Callable[[], None] | None = None,
+        chain_prefix: Sequence[EngineHash] | None = None,
     ) -> int:
-        """Queue one save; its ticket (`wait_settled`)."""
+        """Queue one save; its ticket (`wait_settled`). `copied` is called once its copy-out has ended (or raised)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         with self._cond:
             if self._closing:
                 raise RuntimeError("OffStepSaves is closed")
             self._tickets += 1
-            self._queue.append(_Save(self._tickets, req_id, list(block_ids), list(hashes), epoch, ready))
+            self._queue.append(
+                _Save(
+                    self._tickets,
+                    req_id,
+                    list(block_ids),
+                    list(hashes),
+                    epoch,
+                    ready,
+                    copied,
+                    None if chain_prefix is None else list(chain_prefix),
+                )
+            )
             self._copying[req_id] += 1
             self._unsettled.add(self._tickets)
             self._cond.notify_all()
@@ -137,12 +153,20 @@ class OffStepSaves:
             try:
                 if save.ready is not None:
                     save.ready()
-                self._mover.save_async(save.block_ids, save.hashes, save.epoch, on_end=partial(self._settle, save.ticket))
+                self._mover.save_async(
+                    save.block_ids,
+                    save.hashes,
+                    save.epoch,
+                    on_end=partial(self._settle, save.ticket),
+                    chain_prefix=save.chain_prefix,
+                )
             except Exception:  # never leave a hold behind: the engine would wait for these blocks forever
                 logger.exception("copy-out of %d blocks failed (later lookups miss them)", len(save.block_ids))
                 self._mover.stats.add(save_failed_blocks=len(save.block_ids))
                 self._settle(save.ticket)
             finally:
+                if save.copied is not None:
+                    save.copied()
                 with self._cond:
                     self._copying[save.req_id] -= 1
                     if self._copying[save.req_id] <= 0:

@@ -17,6 +17,7 @@ from ems.integrations.connector_config import (
     KvRole,
     LocalPoolMode,
     ProducerResponse,
+    TransferGranularity,
     derive_model_id,
 )
 from ems.integrations.vllm.lookups.step_policy import StepMode
@@ -65,8 +66,11 @@ def test_defaults_and_every_key(monkeypatch):
     assert full.step_policy == StepMode.IN_STEP and full.in_step_ms == 20
     assert config.producer_response is ProducerResponse.AFTER_SAVE and config.producer_wait_ms == 500
     assert full.producer_response is ProducerResponse.IMMEDIATE and full.producer_wait_ms == 200
-    assert len(KEYS) == 20 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
+    assert len(KEYS) == 22 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting
     assert not config.cross_layer_blocks and ConnectorConfig.from_extra({"cross_layer_blocks": True}).cross_layer_blocks
+    assert config.transfer_granularity is TransferGranularity.STEP and config.layer_buffer_mb == 256
+    layered = ConnectorConfig.from_extra({"transfer_granularity": "layer", "layer_buffer_mb": 64})
+    assert layered.transfer_granularity is TransferGranularity.LAYER and layered.layer_buffer_mb == 64
     monkeypatch.setenv("EMS_POOL_NODES", "h:1")
     assert ConnectorConfig.from_extra({}).pool_nodes == ("h:1",)
 
@@ -178,6 +182,11 @@ def test_equal_configs_for_every_process():
         {"producer_wait_ms": 0},
         {"producer_wait_ms": 60_001},
         {"producer_wait_ms": 0.5},
+        {"transfer_granularity": "token"},
+        {"transfer_granularity": True},
+        {"transfer_granularity": "layer", "cross_layer_blocks": True},
+        {"layer_buffer_mb": 0},
+        {"layer_buffer_mb": 1.5},
     ],
 )
 def test_bad_values_name_the_key(extra):

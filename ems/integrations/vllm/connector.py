@@ -27,6 +27,10 @@ raises `RuntimeError`. What each half does is in its module. Shared by both:
   (a warning); the worker logs which it got. Not asked on vLLM's CPU platform, where no attention backend runs it.
 * TP: each rank saves its shard under rank-tagged keys; a lookup hits only where every rank has the block. MLA:
   one shared key per block, saved by rank 0.
+* Layer-wise transfers (`transfer_granularity` "layer"): `save_kv_layer` copies each layer of the step's saved
+  blocks out as the forward writes it and `wait_for_layer_load` waits only for its layer of the step's in-step
+  loads, through a host mirror the pool's values pass through (`layer_transfers`); the values and keys are those
+  of step mode, so the two share blocks. Refused with several KV cache groups (a hybrid model).
 * `get_kv_connector_stats`: `EmsConnectorStats` (lookup hits/misses from the scheduler; blocks, bytes, seconds
   loaded and saved from the workers; `reduce()` adds GB/s).
 """
@@ -243,10 +247,14 @@ class EmsConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker().get_block_ids_with_load_errors()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole-block loads: an in-step load ends in start_load_kv, an asynchronous one before its request runs
+        """`transfer_granularity` "layer": wait for this layer of the step's in-step loads (step mode: nothing to
+        wait for, an in-step load ends in start_load_kv, an asynchronous one before its request runs)."""
+        self._worker().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return  # whole blocks of every layer are saved at once in wait_for_save
+        """`transfer_granularity` "layer": copy this layer of the step's saved blocks out as the forward has written
+        it (step mode: nothing, whole blocks of every layer are copied out after the forward, in wait_for_save)."""
+        self._worker().save_kv_layer(layer_name, self._metadata())
 
     def wait_for_save(self) -> None:
         self._worker().wait_for_save(self._metadata())

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from ems import CcKvOption, ContextCaching, Ems
 from ems.integrations import kv_layouts
 from ems.integrations.block_transfer import StatsSink
-from ems.integrations.connector_config import ConnectorConfig, KvRole, ResolvedPool, derive_model_id
+from ems.integrations.connector_config import ConnectorConfig, KvRole, ResolvedPool, TransferGranularity, derive_model_id
 from ems.integrations.vllm.engine_checks import GroupKind, check_supported, group_kind, prefix_hash_part, sharing_warning
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 
@@ -98,6 +98,11 @@ class ConnectorContext:
         hash_block_size = int(kv_cache_config.hash_block_size or block_size)
         mla = bool(vllm_config.model_config.use_mla)
         groups = tuple(group_kind(g.kv_cache_spec) or GroupKind.FULL for g in kv_cache_config.kv_cache_groups)
+        if len(groups) > 1 and config.transfer_granularity is TransferGranularity.LAYER:
+            raise ValueError(
+                "EmsConnector: kv_connector_extra_config.transfer_granularity 'layer' is not supported with several "
+                "KV cache groups (a hybrid model): use 'step'"
+            )
         if len(groups) > 1:  # one registered layer per aliased page: the bytes of a block id, whichever group owns it
             layer_names, shared = _aliased_layers(kv_cache_config)
         else:

@@ -29,6 +29,9 @@ class BlockTransfer:
     epoch: bytes = b""  # the namespace epoch of its keys (`ems.integrations.epoch`)
     cancelled: bool = False  # a load promised before a reset: reported failed, never loaded
     in_step: bool = False  # loaded before this step's forward (vLLM's synchronous path), never reported finished
+    # the hashes of the request's blocks before hashes[0], from its first block: the keys' placement units
+    # (`block_transfer`'s `chain_prefix`); None: each key placed by itself (a hybrid model's interleaved groups)
+    chain_prefix: list[bytes] | None = None
 
 
 @dataclass

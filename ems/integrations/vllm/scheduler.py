@@ -30,6 +30,10 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   first) or its request ends; a request that waits longer than `save_wait_ms` (the bound of every wait of a
   request, `lookups.PoolLookups.hold`) goes on by itself. In-step loads are never waited for: vLLM caches their
   blocks when it admits the request.
+* Placement: every lookup, load and save of a model with one KV cache group names where its blocks sit in the
+  request's prefix chain (`chain_prefix`: the hashes of its blocks before the first asked), so the pool places a
+  prompt's blocks by placement units: a call touches a bounded number of nodes whatever the pool's size
+  (docs/concepts/placement.md). A hybrid model's keys interleave its groups (not one chain): placed per key.
 * `request_finished`: True (vLLM's delayed free) while the request has saves sent to the workers, whose copy-outs
   run after the step: the workers release it in `get_finished` once they have ended. An engine that saves returns
   `kv_transfer_params` naming the request's prompt blocks in the pool or on their way there (for a P/D proxy).
@@ -59,7 +63,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -138,6 +142,14 @@ class EmsScheduler:
         tagged = [group_hashes(hashes, g) for g in range(len(self._ctx.groups))]
         return [h for position in zip(*tagged) for h in position]
 
+    def _chain(self, request: Request, start: int) -> Callable[[], list[bytes]] | None:
+        """The hashes of the request's blocks before position `start` (its keys' chain prefix: placement by units),
+        or None for a hybrid model (a lookup or transfer interleaves its groups' keys: not one chain; placed per
+        key)."""
+        if self._ctx.hybrid:
+            return None
+        return lambda: self._hashes(request)[:start]
+
     def _transfer(
         self,
         rid: str,
@@ -148,13 +160,14 @@ class EmsScheduler:
         epoch: bytes,
         computed: int | None = None,
         in_step: bool = False,
+        prefix: list[bytes] | None = None,
     ) -> BlockTransfer:
         """Positions `start..end` of a request as one transfer (`hashes` from position `start`): its blocks and keys,
         or (hybrid) each group's, position by position, without the positions a group does not hold: its null block,
         or, for a sliding-window group with `computed` tokens computed before the step, a position before the window
         of the step's first token (vLLM freed those blocks in this schedule)."""
         if not self._ctx.hybrid:
-            return BlockTransfer(rid, block_ids[0][start:end], hashes[: end - start], epoch, in_step=in_step)
+            return BlockTransfer(rid, block_ids[0][start:end], hashes[: end - start], epoch, in_step=in_step, chain_prefix=prefix)
         ids: list[int] = []
         keys: list[bytes] = []
         columns = []
@@ -197,6 +210,7 @@ class EmsScheduler:
                         self.epoch.epoch,
                         lambda: self._lookup_hashes(request, end, full),
                         self._expected(request, end, full),
+                        self._chain(request, end),
                     )
                 self._waiting_lookups += 1
                 self._load_waits += 1
@@ -208,6 +222,7 @@ class EmsScheduler:
             self.epoch.epoch,
             lambda: self._lookup_hashes(request, start, full),
             self._expected(request, start, full),
+            self._chain(request, start),
         )
         if hits is None:
             self._waiting_lookups += 1
@@ -267,7 +282,14 @@ class EmsScheduler:
         if loaded > 0:
             hashes = self._hashes(request)
             self._loads[rid] = self._transfer(
-                rid, block_ids, hashes[start : start + loaded], start, start + loaded, epoch, in_step=in_step
+                rid,
+                block_ids,
+                hashes[start : start + loaded],
+                start,
+                start + loaded,
+                epoch,
+                in_step=in_step,
+                prefix=hashes[:start],
             )
             if not in_step:  # vLLM caches these blocks only once the load is reported finished: others wait for it
                 self._loading[rid] = frozenset(hashes[start : start + loaded])
@@ -289,7 +311,16 @@ class EmsScheduler:
             return
         all_hashes = self._hashes(request)
         hashes = all_hashes[state.next_save : upto]
-        save = self._transfer(request.request_id, state.block_ids, hashes, state.next_save, upto, state.epoch, computed_before)
+        save = self._transfer(
+            request.request_id,
+            state.block_ids,
+            hashes,
+            state.next_save,
+            upto,
+            state.epoch,
+            computed_before,
+            prefix=all_hashes[: state.next_save],
+        )
         meta.saves.append(save)
         if self._windowed:
             self._window_saves.add(request.request_id)

@@ -70,6 +70,9 @@ class WorkerStep:
     in_step_load_s: float = 0.0  # the seconds those loads held the step (part of call_s)
     save_wait_s: float = 0.0  # a producer's wait for the pool to acknowledge the step's saves (part of wait_s)
     save_waits_late: int = 0  # of those waits, the ones that ran out of `producer_wait_ms`
+    layer_copies: int = 0  # layer-wise: copies of one layer between the KV cache and the mirror (saves and loads)
+    late_layer_copies: int = 0  # of those, saved layers no `save_kv_layer` named (copied at `wait_for_save`)
+    layer_load_wait_s: float = 0.0  # layer-wise: the forward's waits for a layer's load (`wait_for_layer_load`)
 
 
 Record = TypeVar("Record", SchedulerStep, WorkerStep)

@@ -21,13 +21,21 @@ record `steps.WorkerStep`):
   copy-outs of the requests the step preempted (their blocks may be written by this step's forward), and of a
   hybrid model's sliding-window saves of the previous step (`meta.flush`).
 * `wait_saves(timeout_s)` waits until every save has been copied out and sent; `close()` lets them finish.
+* Layer-wise (`transfer_granularity` "layer", `attach(..., stage)`): `save_layer(meta, layer, step)` (vLLM's
+  `save_kv_layer`, as the forward has written the layer) copies that layer of the step's saved blocks into a run of
+  the host mirror, on the layer copier's thread (`layer_transfers`); `wait_for_save` copies the layers no
+  `save_kv_layer` named, then queues each save from its mirror rows (its copy-out waits for the layer copies; a
+  failed layer copy drops the save: a later miss, never a wrong block) and frees the run once every save of it has
+  been copied out. A step whose saves do not fit the mirror saves nothing (counted failed: later misses).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +43,7 @@ from ems.integrations.block_transfer import BlockMover
 from ems.integrations.connector_config import KvRole, ProducerResponse
 from ems.integrations.off_step_saves import OffStepSaves
 from ems.integrations.vllm.context import ConnectorContext
+from ems.integrations.vllm.layer_transfers import CopyDone, LayerStage
 from ems.integrations.vllm.metadata import EmsConnectorMetadata
 from ems.integrations.vllm.steps import WorkerStep
 
@@ -60,6 +69,27 @@ def _step_end_event(device: torch.device) -> Callable[[], Callable[[], None]] | 
     return record
 
 
+@dataclass
+class _LayerRun:
+    """A step's saves in the host mirror: rows `start ..` (`start` None: they did not fit, nothing is saved)."""
+
+    meta: EmsConnectorMetadata  # the step's
+    start: int | None
+    n: int
+    ids: torch.Tensor | None
+    copies: list[CopyDone] = field(default_factory=list)
+    layers: set[int] = field(default_factory=set)
+    users: int = 0  # saves of the run not copied out yet
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ready(self) -> None:
+        """The copy-out's wait: every layer copy in place, or raise (the save is dropped)."""
+        for done in self.copies:
+            done.synchronize()
+        if not all(done.ok for done in self.copies):
+            raise RuntimeError("a layer copy of this save failed")
+
+
 class WorkerSaves:
     """See the module contract."""
 
@@ -72,13 +102,53 @@ class WorkerSaves:
         self._ready_event: Callable[[], Callable[[], None]] | None = None
         self._requests: set[str] = set()  # requests this worker was sent saves for (the scheduler's _saving)
         self._late: list[int] = []  # the saves a producer's step stopped waiting for at its bound, until they end
+        self._stage: LayerStage | None = None  # layer-wise: the mirror and the layer copier
+        self._run: _LayerRun | None = None  # layer-wise: this step's saves in the mirror
 
-    def attach(self, mover: BlockMover, device: torch.device) -> None:
+    def attach(self, mover: BlockMover, device: torch.device, stage: LayerStage | None = None) -> None:
         if self._copier is not None:  # registered again: the earlier mover's copy-outs end first
             self._copier.close()
         self._mover = mover
         self._copier = OffStepSaves(mover)
         self._ready_event = _step_end_event(device)
+        self._stage = stage
+        self._run = None
+
+    def _layer_run(self, meta: EmsConnectorMetadata) -> _LayerRun | None:
+        """This step's run in the mirror, taken at its first layer."""
+        stage = self._stage
+        if stage is None or not meta.saves or self._copier is None:
+            return None
+        stale = self._run
+        if stale is not None and stale.meta is not meta:  # an earlier step's, never sent (no wait_for_save came)
+            self._run = None
+            for done in stale.copies:
+                done.synchronize()
+            if stale.start is not None:
+                stage.mirror.give(stale.start, stale.n)
+        if self._run is None:
+            ids = [b for save in meta.saves for b in save.block_ids]
+            start = stage.mirror.take(len(ids)) if ids else None
+            if start is None and ids:
+                logger.warning(
+                    "EmsConnector (transfer_granularity layer): a step's %d blocks to save do not fit the free "
+                    "layer buffer (layer_buffer_mb): not saved (later misses)",
+                    len(ids),
+                )
+            self._run = _LayerRun(meta, start, len(ids), stage.ids(ids) if start is not None else None)
+        return self._run
+
+    def save_layer(self, meta: EmsConnectorMetadata | None, layer: int, step: WorkerStep) -> None:
+        """vLLM's `save_kv_layer`: copy layer `layer` of the step's saves into the mirror, off the forward thread."""
+        stage = self._stage
+        if stage is None or meta is None:
+            return
+        run = self._layer_run(meta)
+        if run is None or run.start is None or run.ids is None or layer in run.layers:
+            return
+        run.layers.add(layer)
+        run.copies.append(stage.copier.submit(stage.copy_out(layer, run.ids, run.start), stage.copier.after_forward()))
+        step.layer_copies += 1
 
     def wait_for_save(self, meta: EmsConnectorMetadata | None, step: WorkerStep) -> None:
         """Queue this step's saves (their copy-out runs on the copier's thread, off the step); a producer that
@@ -90,14 +160,55 @@ class WorkerSaves:
         if copier is None:
             return
         started = time.perf_counter()
-        ready = self._ready_event() if self._ready_event is not None else None
-        tickets = []
-        for save in meta.saves:
-            tickets.append(copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready))
-            step.save_blocks += len(save.block_ids)
+        if self._stage is not None:
+            tickets = self._submit_layer_saves(meta, copier, step)
+        else:
+            ready = self._ready_event() if self._ready_event is not None else None
+            tickets = []
+            for save in meta.saves:
+                tickets.append(
+                    copier.submit(save.req_id, save.block_ids, save.hashes, save.epoch, ready, chain_prefix=save.chain_prefix)
+                )
+                step.save_blocks += len(save.block_ids)
         if self._after_save:
             self._wait_settled(copier, tickets, step)
         step.call_s += time.perf_counter() - started
+
+    def _submit_layer_saves(self, meta: EmsConnectorMetadata, copier: OffStepSaves, step: WorkerStep) -> list[int]:
+        """Layer-wise: the layers not copied yet, then each save from its mirror rows."""
+        stage = self._stage
+        run, self._run = self._layer_run(meta), None
+        if stage is None or run is None:
+            return []
+        start = run.start
+        if start is None or run.ids is None:  # did not fit: nothing saved
+            if self._mover is not None:
+                self._mover.stats.add(save_failed_blocks=run.n)
+            return []
+        after = stage.copier.after_forward()
+        for layer in range(len(stage.planes)):
+            if layer not in run.layers:
+                run.copies.append(stage.copier.submit(stage.copy_out(layer, run.ids, start), after))
+                step.layer_copies += 1
+                step.late_layer_copies += 1
+        mirror = stage.mirror
+        run.users = len(meta.saves)
+
+        def copied() -> None:
+            with run.lock:
+                run.users -= 1
+                last = run.users == 0
+            if last:
+                mirror.give(start, run.n)
+
+        tickets, offset = [], start
+        for save in meta.saves:
+            n = len(save.block_ids)
+            rows = list(range(offset, offset + n))
+            offset += n
+            tickets.append(copier.submit(save.req_id, rows, save.hashes, save.epoch, run.ready, copied, save.chain_prefix))
+            step.save_blocks += n
+        return tickets
 
     def _wait_settled(self, copier: OffStepSaves, tickets: list[int], step: WorkerStep) -> None:
         if self._late and not copier.settled(self._late):  # the pool has not answered the saves of a late wait yet

@@ -182,6 +182,50 @@ def test_the_step_policy_loads_inside_the_step_with_the_same_outputs(setup, refe
     assert out["stats"]["worker"]["load_failed_blocks"] == 0 and out["stats"]["worker"]["load_blocks"] > 0
 
 
+def test_layer_wise_transfers_give_the_same_outputs_and_share_blocks_with_step_mode(setup, reference):
+    """`transfer_granularity` "layer": engine L computes prompts 0-2 (a namespace of its own: a reset first), each
+    layer of their blocks copied out as the forward writes it, then (vLLM's prefix cache reset) loads them inside the
+    step, each layer's attention waiting for that layer only: the reference's tokens, every full prompt block cached.
+    A step-wise engine then loads L's blocks (the same keys and values) and saves prompts 4 and 5, which a
+    layer-wise engine loads in turn (the step policy's choice: asynchronous loads also pass through the mirror)."""
+    prompts = setup["prompts"]
+    in_step = {"step_policy": "in_step", "in_step_ms": 5000, "read_cache_capacity": 0}
+    layer = {**in_step, "transfer_granularity": "layer"}
+    out = engine(
+        setup,
+        "layer-a",
+        [[0, 1, 2], [0, 1, 2]],
+        extra=layer,
+        batch=True,
+        before_round={"0": {"reset_connector": True}, "1": {"reset_prefix_cache": True}},
+    )
+    for r in out["rounds"][0] + out["rounds"][1]:
+        assert r["samples"] == [reference[r["prompt"]]], r["prompt"]
+    for r in out["rounds"][1]:
+        assert r["num_cached_tokens"] == full_blocks(len(prompts[r["prompt"]])), r["prompt"]
+    saved, loaded = out["step_records"]["0"]["worker"], out["step_records"]["1"]["worker"]
+    # every saved block went out layer by layer as vLLM called save_kv_layer (none left for wait_for_save), and came
+    # back layer by layer
+    assert sum(r["save_blocks"] for r in saved) > 0 and sum(r["layer_copies"] for r in saved) > 0, saved
+    assert sum(r["late_layer_copies"] for r in saved) == 0, saved
+    assert sum(r["in_step_loads"] for r in loaded) > 0 and sum(r["layer_copies"] for r in loaded) > 0, loaded
+    assert out["stats"]["worker"]["load_failed_blocks"] == 0 and out["stats"]["worker"]["load_blocks"] > 0
+
+    # (the step policy's default from here: a lookup the busy shared host slows is asked again, not a miss)
+    stepped = engine(setup, "layer-s", [[0, 1, 2, 4, 5]], extra={"read_cache_capacity": 0}, batch=True)
+    cached = {r["prompt"]: r["num_cached_tokens"] for r in stepped["rounds"][0]}
+    for r in stepped["rounds"][0]:
+        assert r["samples"] == [reference[r["prompt"]]], r["prompt"]
+    assert [cached[i] for i in (0, 1, 2, 4, 5)] == [full_blocks(len(prompts[i])) for i in (0, 1, 2)] + [0, 0]
+    assert sum(r["layer_copies"] for r in stepped["step_records"]["0"]["worker"]) == 0
+
+    layered = engine(setup, "layer-b", [[4, 5]], extra={"read_cache_capacity": 0, "transfer_granularity": "layer"}, batch=True)
+    for r in layered["rounds"][0]:
+        assert r["samples"] == [reference[r["prompt"]]], r["prompt"]
+        assert r["num_cached_tokens"] == full_blocks(len(prompts[r["prompt"]])), r["prompt"]
+    assert layered["stats"]["worker"]["load_failed_blocks"] == 0
+
+
 def test_another_config_never_loads_the_blocks_and_a_reset_makes_every_block_miss(setup, reference):
     """Engine D runs the model with another rope_theta (hf_overrides) on the pool engines A and B filled: it loads
     nothing of theirs. After `reset_prefix_cache(reset_connector=True)` it loads nothing of its own either. Engine E

@@ -12,6 +12,7 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
        "before_round": {"<round index>": {"reset_prefix_cache": bool, "reset_connector": bool, "kill_pid": pid,
                                           "kill_pid_at_next_load": pid}}}
   reset_connector: `llm.reset_prefix_cache(reset_connector=True)` (vLLM's and the connector's caches).
+  wait_saves: wait until the earlier rounds' saves are in the pool (single-process mode).
   "batch": true: each round's prompts go to vLLM at once (concurrent requests; `n`, `temperature`, `seed` set the
   sampling, `top_k`), and the round records every engine step's seconds ("step_s", "max_step_s"), the
   round's wall time ("wall_s"), the CPU seconds of this process's threads by name and of the local pool node in
@@ -458,6 +459,11 @@ def run(spec: dict) -> dict:
         before = spec.get("before_round", {}).get(str(r), {})
         if before.get("reset_prefix_cache") or before.get("reset_connector"):
             settle(llm)
+        if before.get("wait_saves") and single_process:  # the earlier rounds' saves are in the pool
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            if not get_kv_transfer_group().wait_saves(120.0):
+                raise RuntimeError("saves still pending after 120 s")
         copy_control["delay_s"] = float(before.get("copy_delay_s", 0.0))
         copy_control["hold"] = bool(before.get("hold_copy_outs", False))
         copy_control["released"] = threading.Event()

@@ -40,6 +40,11 @@ class _Ask:
     hashes: tuple[EngineHash, ...]
     epoch: bytes
     trips: bool = True  # a timeout opens the breaker (False: a short answer)
+    prefix: tuple[EngineHash, ...] | None = None  # the chain's hashes before hashes[0] (None: placed per key)
+
+    def before(self, i: int) -> tuple[EngineHash, ...] | None:
+        """The chain prefix of `hashes[i:]`."""
+        return None if self.prefix is None else self.prefix + self.hashes[:i]
 
 
 def answer_batch(asks: Sequence[_Ask], breaker: LookupBreaker) -> dict[str, int]:
@@ -59,9 +64,9 @@ def answer_batch(asks: Sequence[_Ask], breaker: LookupBreaker) -> dict[str, int]
             continue
         if leases:  # its own lease on every block it may load (up to the first known missing one)
             end = next((i for i in range(known, len(hashes)) if (epoch, hashes[i]) in missing), len(hashes))
-            hits = breaker.lookup(hashes[:end], epoch, ask.trips)
+            hits = breaker.lookup(hashes[:end], epoch, ask.trips, ask.before(0))
         else:
-            hits = known + breaker.lookup(hashes[known:], epoch, ask.trips)
+            hits = known + breaker.lookup(hashes[known:], epoch, ask.trips, ask.before(known))
         present.update((epoch, h) for h in hashes[known:hits])
         if hits < len(hashes):
             missing.add((epoch, hashes[hits]))
@@ -83,10 +88,18 @@ class LookupBatcher:
         self._thread = threading.Thread(target=self._run, name="ems-lookup", daemon=True)
         self._thread.start()
 
-    def ask(self, req_id: str, hashes: Sequence[EngineHash], epoch: bytes = b"", trips: bool = True) -> None:
+    def ask(
+        self,
+        req_id: str,
+        hashes: Sequence[EngineHash],
+        epoch: bytes = b"",
+        trips: bool = True,
+        prefix: Sequence[EngineHash] | None = None,
+    ) -> None:
+        """(`prefix`: the chain's hashes before hashes[0], for placement by units; None: placed per key.)"""
         with self._cond:
             self._answers.pop(req_id, None)
-            self._asked[req_id] = _Ask(req_id, tuple(hashes), epoch, trips)
+            self._asked[req_id] = _Ask(req_id, tuple(hashes), epoch, trips, None if prefix is None else tuple(prefix))
 
     def asked(self, req_id: str) -> bool:
         """A lookup of the request is recorded or in flight (not answered yet)."""

@@ -65,7 +65,7 @@ class LookupBreaker:
         self._stats = stats
         self._lock = threading.Lock()
         self._open = False
-        self._probe: tuple[list[EngineHash], bytes] | None = None
+        self._probe: tuple[list[EngineHash], bytes, list[EngineHash] | None] | None = None
         self._stop = threading.Event()
         self.on_lookup: Callable[[float], None] | None = None
 
@@ -78,7 +78,10 @@ class LookupBreaker:
         with self._lock:
             return self._open
 
-    def lookup(self, hashes: Sequence[EngineHash], epoch: bytes = b"", trips: bool = True) -> int:
+    def lookup(
+        self, hashes: Sequence[EngineHash], epoch: bytes = b"", trips: bool = True, prefix: Sequence[EngineHash] | None = None
+    ) -> int:
+        """`block_transfer.lookup` under the breaker (`prefix`: its `chain_prefix`)."""
         if not hashes:
             return 0
         if self.is_open():
@@ -86,37 +89,43 @@ class LookupBreaker:
                 self._stats.add(lookup_skipped_blocks=len(hashes))
             return 0
         started = time.monotonic()
-        hits = lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch, lease_ms=self._lease_ms)
+        hits = lookup(
+            self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch, lease_ms=self._lease_ms, chain_prefix=prefix
+        )
         seconds = time.monotonic() - started
         if hits < len(hashes) and seconds >= self._slow_s:
             if not trips:
                 return hits
-            self._trip(list(hashes), epoch)
+            self._trip(list(hashes), epoch, prefix)
             return 0
         if self.on_lookup is not None:
             self.on_lookup(seconds)
         return hits
 
-    def lookup_within(self, hashes: Sequence[EngineHash], epoch: bytes, timeout_s: float) -> TimedLookup:
+    def lookup_within(
+        self, hashes: Sequence[EngineHash], epoch: bytes, timeout_s: float, prefix: Sequence[EngineHash] | None = None
+    ) -> TimedLookup:
         """A lookup under `timeout_s` (at least 1 ms); never trips the breaker (see the module contract)."""
         if not hashes or self.is_open():
-            return TimedLookup(self.lookup(hashes, epoch), 0.0, False)  # (open: counted as skipped, 0 at once)
+            return TimedLookup(self.lookup(hashes, epoch, prefix=prefix), 0.0, False)  # (open: skipped, 0 at once)
         timeout_ms = max(1, int(timeout_s * 1000))
         option = CcKvOption(timeout=timeout_ms)
         started = time.monotonic()
-        hits = lookup(self._cc, hashes, self._tp_size, self._shared, option, epoch=epoch, lease_ms=self._lease_ms)
+        hits = lookup(
+            self._cc, hashes, self._tp_size, self._shared, option, epoch=epoch, lease_ms=self._lease_ms, chain_prefix=prefix
+        )
         seconds = time.monotonic() - started
         timed_out = hits < len(hashes) and seconds >= SLOW_FRACTION * timeout_ms / 1000
         if not timed_out and self.on_lookup is not None:
             self.on_lookup(seconds)
         return TimedLookup(hits, seconds, timed_out)
 
-    def _trip(self, hashes: list[EngineHash], epoch: bytes) -> None:
+    def _trip(self, hashes: list[EngineHash], epoch: bytes, prefix: Sequence[EngineHash] | None = None) -> None:
         with self._lock:
             if self._open:
                 return
             self._open = True
-            self._probe = (hashes, epoch)
+            self._probe = (hashes, epoch, None if prefix is None else list(prefix))
         if self._stats is not None:
             self._stats.add(breaker_trips=1)
         logger.warning(
@@ -133,10 +142,10 @@ class LookupBreaker:
                 probe = self._probe
             if probe is None:
                 return
-            hashes, epoch = probe
+            hashes, epoch, prefix = probe
             started = time.monotonic()
             try:
-                lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch)
+                lookup(self._cc, hashes, self._tp_size, self._shared, self._option, epoch=epoch, chain_prefix=prefix)
             except EmsException:  # the client was shut down under the probe: nothing left to watch
                 return
             if time.monotonic() - started < self._slow_s:

@@ -1,21 +1,22 @@
 """The scheduler half's pool lookups: how many blocks past vLLM's local hit the pool holds (and leases) for a request.
 
 Contract (no vLLM imports; `scheduler.EmsScheduler` calls it from vLLM's scheduler thread):
-* `match(req_id, start, full, epoch, hashes, expect)`: the request's blocks `start..full` (`hashes()` gives their
-  engine hashes, asked for only when needed; a hybrid model's: one per KV cache group and position, position by
-  position, so a position counts once every group holds it) in `epoch`. Answers the number of leading blocks the pool holds, or
-  None: "not known yet, ask again next step". `expect` blocks (from `start`) are on their way to the pool (a
-  producer announced them, or this engine sent them to be saved): an answer short of them is not taken but asked
-  again each step until `save_wait_ms` after the request's first ask; then the request takes what the pool holds
-  (a save that failed costs that wait, bounded, and then recomputation). While it waits, a request asks again at
-  most once per `IDLE_WAIT_S` (an answer short of them holds its next ask back that long; a step with nothing else
-  to run sleeps until the first is due, instead of spinning on the CPU the save itself needs), and once the pool has
-  answered it short its later lookups never open the circuit breaker (`LookupBreaker.lookup`'s `trips`): a node
-  busy receiving the very blocks it waits for may answer late, and a late answer is a short one, asked again (its
-  first lookup still opens the breaker on a hung node). Never asks the pool on the caller's
-  thread: a new lookup is recorded for the step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken
-  at the next `match`. With the circuit breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at
-  once, without the network. `skip(req_id, start)` records a request that asks nothing (a producer's).
+* `match(req_id, start, full, epoch, hashes, expect, prefix)`: the request's blocks `start..full` (`hashes()` gives
+  their engine hashes, asked for only when needed; a hybrid model's: one per KV cache group and position, position by
+  position, so a position counts once every group holds it) in `epoch`; `prefix()` the hashes of its blocks before
+  `start` (the keys' placement units, `block_transfer`; None: keys placed per key, a hybrid model). Answers the number
+  of leading blocks the pool holds, or None: "not known yet, ask again next step". `expect` blocks (from `start`) are
+  on their way to the pool (a producer announced them, or this engine sent them to be saved): an answer short of them
+  is not taken but asked again each step until `save_wait_ms` after the request's first ask; then the request takes
+  what the pool holds (a save that failed costs that wait, bounded, and then recomputation). While it waits, a request
+  asks again at most once per `IDLE_WAIT_S` (an answer short of them holds its next ask back that long; a step with
+  nothing else to run sleeps until the first is due, instead of spinning on the CPU the save itself needs), and once
+  the pool has answered it short its later lookups never open the circuit breaker (`LookupBreaker.lookup`'s `trips`):
+  a node busy receiving the very blocks it waits for may answer late, and a late answer is a short one, asked again
+  (its first lookup still opens the breaker on a hung node). Never asks the pool on the caller's thread: a new lookup
+  is recorded for the step's batch (`lookup_batcher`), sent by `end_step`; its answer is taken at the next `match`.
+  With the circuit breaker open (`lookup_breaker`: the pool counts as down) the answer is 0 at once, without the
+  network. `skip(req_id, start)` records a request that asks nothing (a producer's).
 * `hold(req_id)`: whether a request that waits for blocks on their way into vLLM's own prefix cache (another
   request's asynchronous load, `scheduler`) may wait one more step. Every wait of a request, this one and `match`'s
   `expect`, counts from its first and ends `save_wait_ms` after it: one bound per request, whatever it waits for.
@@ -96,6 +97,7 @@ class PoolLookups:
         epoch: bytes,
         hashes: Callable[[], Sequence[EngineHash]],
         expect: int = 0,
+        prefix: Callable[[], Sequence[EngineHash]] | None = None,
     ) -> int | None:
         if full <= start:
             self.skip(req_id, start)  # nothing to ask; saves start after the local hit
@@ -140,6 +142,7 @@ class PoolLookups:
             return None
         if asked != wanted or hits is None or hits < wanted_hits:  # not asked yet, for other blocks, or short
             wanted_hashes = hashes()
+            chain = prefix() if prefix is not None else None
             breaker_open = self.breaker.is_open()
             timeout_s = self.policy.lookup_timeout_s(breaker_open)
             in_step_hits = None  # blocks held, answered in the step
@@ -148,7 +151,7 @@ class PoolLookups:
                 if asked is not None:
                     self._batcher.forget(req_id)
                     self._asking.pop(req_id, None)
-                in_step = self.breaker.lookup_within(wanted_hashes, epoch, timeout_s)
+                in_step = self.breaker.lookup_within(wanted_hashes, epoch, timeout_s, chain)
                 self.policy.spend_lookup(in_step.seconds, in_step.timed_out)
                 if not in_step.timed_out:
                     in_step_hits = self._blocks(in_step.hits)
@@ -162,11 +165,11 @@ class PoolLookups:
                 self._ctx.register_shadow()
                 # a request whose wait already had a short answer from the pool (the node is up, maybe busy receiving
                 # those very blocks) asks without opening the breaker; its first ask may open it (a hung node)
-                self._batcher.ask(req_id, wanted_hashes, epoch, trips=not (waiting and req_id in self._next_ask))
+                self._batcher.ask(req_id, wanted_hashes, epoch, trips=not (waiting and req_id in self._next_ask), prefix=chain)
                 self._asking[req_id] = wanted
                 return None
             else:  # the pool counts as down: 0 at once, no network
-                hits = self._blocks(self.breaker.lookup(wanted_hashes, epoch))
+                hits = self._blocks(self.breaker.lookup(wanted_hashes, epoch, prefix=chain))
         self._asking.pop(req_id, None)  # (its wait's end is kept until `take`: one wait per request)
         self._next_ask.pop(req_id, None)
         self._answers[req_id] = LookupAnswer(start, hits, full - start, epoch, now)
