@@ -66,15 +66,15 @@ def open_cc(addresses: Sequence[str], cache: list) -> tuple[ContextCaching, Pool
     return cc, pool, opened
 
 
-def fill(cc: ContextCaching, nodes: int, slots: list[int], offsets: list[int]) -> tuple[float, int]:
+def fill(cc: ContextCaching, nodes: int, slots: list[int], offsets: list[int], value_bytes: int) -> tuple[float, int]:
     """Save distinct prompts with per-block placement (which spreads over every node) until each node's store has
     been written about once over: a pool in service is full, its pages faulted in and its values recycled. On
     empty nodes a round's calls would pay the first touch of fresh arena pages (about 2 ms per MiB on this VM)
     and race the nodes' background populate for the cores, and on 32 nodes every round touches nodes it has not
     touched before, where on 2 nodes the first rounds fill them: the rounds would compare a cold pool with a warm
-    one. Returns the seconds it took and the MiB saved (the replicas' copies not counted)."""
+    one. `value_bytes`: one block's K and V of every layer. Returns the seconds it took and the MiB saved (the
+    replicas' copies not counted)."""
     started = time.perf_counter()
-    value_bytes = 4 * 2 * BS * 2 * 64 * 2  # a block's K and V of every layer (the cache of `main`)
     prompts = -(-NODE_CAPACITY * nodes // (2 * BLOCKS * value_bytes))  # 2 replicas: each value written twice
     for p in range(prompts):
         _ok(cc.save(slots, [(0xF111 << 44) | (p << 12) | b for b in range(BLOCKS)], offsets, OPTION))
@@ -112,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for n in args.nodes:
             clients[n] = open_cc([p.address for p in procs[:n]], cache)[:2]
         if not args.no_fill:
-            fill_s, fill_mib = fill(clients[most][0], most, slots, offsets)
+            block_bytes = sum(plane[0].nbytes for layer in cache for plane in layer)
+            fill_s, fill_mib = fill(clients[most][0], most, slots, offsets, block_bytes)
             print(f"filled: {fill_mib} MiB saved over the {most} nodes in {fill_s:.1f} s", flush=True)
         for r in range(args.rounds):
             for n in args.nodes:
