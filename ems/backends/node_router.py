@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -363,13 +362,10 @@ class NodeRouter:
 
 def _any_true(futures: list[concurrent.futures.Future], timeout_s: float) -> bool:
     """Whether one of `futures` gives True within `timeout_s` (an exception counts as False); returns at the first."""
-    pending = set(futures)
-    end = time.monotonic() + max(0.0, timeout_s)
-    while True:
-        for f in [f for f in pending if f.done()]:
-            pending.discard(f)
+    try:
+        for f in concurrent.futures.as_completed(futures, timeout=max(0.0, timeout_s)):
             if f.exception() is None and f.result():
                 return True
-        if not pending or time.monotonic() >= end:
-            return False
-        concurrent.futures.wait(pending, timeout=max(0.0, end - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED)
+    except concurrent.futures.TimeoutError:
+        pass
+    return False
