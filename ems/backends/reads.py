@@ -360,7 +360,14 @@ def _settle(
         mine = [i for i in share.call.idx.tolist() if i in by_hedge and not accepted[i]]
         if not mine:
             if not needs_quiet and all(accepted[i] for i in share.call.idx.tolist()):
-                continue  # its keys were read elsewhere; its late answer touches nothing of the caller's
+                # its keys were read elsewhere; its late answer touches nothing of the caller's (a failure that
+                # has come in by now is still reported, so that the node's trouble is not silent)
+                if share.call.done():
+                    answer = share.call.wait(0)
+                    share.processed = True
+                    if answer is not None and answer.error is not None:
+                        outcome.errors.append(answer.error)
+                continue
             outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{share.call.node.address}: no answer in time"))
             continue
         # the hedge has its values: give the slow request until its abort delay to end by itself (a busy host's

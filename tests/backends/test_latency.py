@@ -1,5 +1,5 @@
 """`NodeLatency`: a request stopped past the abort delay (`FanOut.abandon`) marks its node slow at once; one slow
-answer averaged in does not."""
+answer averaged in does not, nor a new node's first answers (too few to judge)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,23 @@ def test_one_slow_answer_is_averaged_in_and_a_recovered_node_is_fast_again():
     for _ in range(10):
         latency.observe("a", BLOCK, 0.002)  # it answers fast again
     assert not latency.slow("a")
+
+
+def test_a_new_nodes_first_slow_answer_is_no_verdict_but_its_next_ones_are():
+    """A node's first request pays for connecting: one slow answer of a new node does not mark it slow (reads would
+    then skip it for `RETRY_SLOW_S`), a few slow ones do."""
+    latency = _learned()
+    latency.observe("d", 0, 0.05)  # 50 ms against a typical 2 ms
+    assert not latency.slow("d")
+    latency.observe("d", 0, 0.05)
+    assert not latency.slow("d")
+    latency.observe("d", 0, 0.05)
+    assert latency.slow("d")
+
+
+def test_a_new_node_stopped_once_is_slow_at_once():
+    latency = _learned()
+    latency.stopped("d", BLOCK, 0.05)
+    assert latency.slow("d")
+    latency.observe("d", BLOCK, 0.05)  # still slow, answering: not cleared for having few answers
+    assert latency.slow("d")

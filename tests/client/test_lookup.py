@@ -21,12 +21,17 @@ BS, BLOCKS = 4, 64
 HASHES = [5000 + b for b in range(BLOCKS)]
 
 
-def _saved(replicas: int) -> tuple[list[FaultyNode], ContextCaching, PoolClient]:
-    """Three nodes holding BLOCKS blocks, each on its `replicas` owners; the client and its pool."""
+def _saved(replicas: int, hedge: bool = False) -> tuple[list[FaultyNode], ContextCaching, PoolClient]:
+    """Three nodes holding BLOCKS blocks, each on its `replicas` owners; the client and its pool. Unhedged by
+    default: a hedge to a replica may answer before the failed node's error is seen, and then the call never
+    learns of the failure (what these tests check is what it logs when it does)."""
     nodes = {f"n{i}:1": FaultyNode(InProcessNode(KvStore(64 << 20)), address=f"n{i}:1") for i in range(3)}
-    pool = PoolClient(list(nodes.values()), replicas=replicas, connect=lambda address: nodes[address])
+    pool = PoolClient(list(nodes.values()), replicas=replicas, connect=lambda address: nodes[address], hedge=hedge)
     cc = ContextCaching(
-        CcConfig(rank_id=0, device_id=0, model_id="lookup"), None, pool, resolve_settings(EmsConfig(pool_replicas=replicas))
+        CcConfig(rank_id=0, device_id=0, model_id="lookup"),
+        None,
+        pool,
+        resolve_settings(EmsConfig(pool_replicas=replicas, pool_hedge=hedge)),
     )
     cc.register_kvcache(make_cache(layers=1, blocks=BLOCKS, block_size=BS))
     assert cc.save(slots_of_blocks(range(BLOCKS), BS), HASHES, [BS] * BLOCKS, CcKvOption(timeout=5000)).success == BLOCKS
@@ -50,6 +55,21 @@ def test_a_failed_node_whose_replicas_answered_is_no_warning(caplog):
     finally:
         cc.close()
         pool.close()
+
+
+def test_a_failed_node_under_hedged_reads_is_never_a_warning(caplog):
+    """Hedged, the replicas may answer before the failed node's error is in: then nothing is said, else an info."""
+    for _ in range(5):
+        nodes, cc, pool = _saved(replicas=2, hedge=True)
+        try:
+            nodes[0].fail = True
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="ems"):
+                assert cc.exists(HASHES).success == BLOCKS
+            assert all(r.levelno == logging.INFO for r in _failure_records(caplog)), caplog.text
+        finally:
+            cc.close()
+            pool.close()
 
 
 def test_a_failed_node_whose_keys_nobody_answered_is_a_warning(caplog):
