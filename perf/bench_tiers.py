@@ -15,6 +15,13 @@ One `ems.pool` node on loopback. Per round, in turn (the order rotates each roun
   `lmcache plugin, 4 KiB align` with LMCache's default alignment (a chunk moves as 64 runs of 4 KiB).
 * `lmcache fs`: LMCache's own `fs` plugin on this machine's disk (a temporary folder), the same calls.
 
+Where the LMCache plugin's time goes (printed under the table, not goals): `lmcache plugin, direct` makes the
+plugin's own calls on the caller's thread (`_put_all` over the same objects; `_get_prefix`, which allocates the
+batch's objects, hashes the keys and makes one SDK load, then the objects freed), without LMCache's `RemoteBackend`
+(its event-loop hop, its instrumentation, the plugin's hop to its I/O thread); `lmcache allocate + free` is the
+load side's LMCache part alone: the batch's objects allocated from LMCache's local CPU backend and freed, as every
+get through LMCache's remote-plugin contract does (the API's load fills memory the engine registered once).
+
 Prints a table of each path's best round (interleaved rounds: on a shared host the others measure the neighbours),
 the ratios to the anchor (goal: a plug-in adds at most 10 %: ratio >= 0.9), writes
 perf/tiers.png and records the figures (perf/results.py).
@@ -171,6 +178,7 @@ def lmcache_path(extra: dict, plugin: str, n: int, loop: asyncio.AbstractEventLo
             torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
         )
     keys = [CacheEngineKey("bench/tiers", 1, 0, 10_000 + i, torch.float16) for i in range(n)]
+    connector = remote.connection._connector  # (LMCache wraps the plugin in its InstrumentedRemoteConnector)
 
     def put() -> None:
         done = threading.Semaphore(0)
@@ -190,13 +198,30 @@ def lmcache_path(extra: dict, plugin: str, n: int, loop: asyncio.AbstractEventLo
         if missing:
             raise RuntimeError(f"{plugin}: {missing} chunks missing")
 
+    def direct_put() -> None:
+        connector._put_all(keys, objs)
+
+    def direct_get() -> None:
+        got = connector._get_prefix(keys)
+        for o in got:
+            o.ref_count_down()
+        if len(got) < n:
+            raise RuntimeError(f"{plugin}: {n - len(got)} chunks missing")
+
+    def allocate_free() -> None:
+        batch = local.batched_allocate(md.get_shapes(), md.get_dtypes(), n, None, busy_loop=False)
+        if not batch or len(batch) < n:
+            raise RuntimeError("LMCache's local CPU backend could not allocate the batch")
+        for o in batch:
+            o.ref_count_down()
+
     def close() -> None:
         for obj in objs:
             obj.ref_count_down()
         for backend in reversed(list(backends.values())):
             backend.close()
 
-    return put, get, close
+    return put, get, close, (direct_put, direct_get), allocate_free
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
                 ("fs", {"remote_storage_plugin.fs.base_path": fs_dir}, "fs", "lmcache fs"),
             ):
                 if which in lmcache:
-                    put, get, close = lmcache_path(extra, plugin, n, loop)
+                    put, get, close, direct, allocate_free = lmcache_path(extra, plugin, n, loop)
                     paths[label] = (put, get)
                     closers.append(close)
+                    if which == "plugin":  # where its time goes (see the module docstring)
+                        paths["lmcache plugin, direct"] = direct
+                        paths["lmcache allocate + free"] = (allocate_free, allocate_free)
             for save, load in paths.values():  # warm-up: connections, first values
                 save()
                 load()
@@ -262,9 +290,26 @@ def main(argv: list[str] | None = None) -> int:
     print(machine())
     print("| path | store chunks/s | load chunks/s | store vs api | load vs api |")
     print("|---|---|---|---|---|")
-    for name in names:
+    parts = [name for name in names if name in ("lmcache plugin, direct", "lmcache allocate + free")]
+    for name in [name for name in names if name not in parts]:
         s, ld = rate[(name, "save")], rate[(name, "load")]
         print(f"| {name} | {s:.0f} | {ld:.0f} | {s / rate[('api', 'save')]:.2f} | {ld / rate[('api', 'load')]:.2f} |")
+    if parts:
+        best = {key: min(values) / n * 1e6 for key, values in times.items()}  # µs a chunk, best round
+        api, whole = best[("api", "load")], best[("lmcache plugin", "load")]
+        direct, alloc = best[("lmcache plugin, direct", "load")], best[("lmcache allocate + free", "load")]
+        print("\nWhere an LMCache plugin load's time goes (µs a chunk, best rounds; the rest is LMCache's RemoteBackend):")
+        columns = ("API load", "plugin through LMCache", "plugin called directly", "of which LMCache's allocate + free")
+        print("| " + " | ".join((*columns, "RemoteBackend + hops")) + " |")
+        print("|---|---|---|---|---|")
+        print(f"| {api:.1f} | {whole:.1f} | {direct:.1f} | {alloc:.1f} | {whole - direct:.1f} |")
+        s_api, s_whole, s_direct = (
+            best[("api", "save")],
+            best[("lmcache plugin", "save")],
+            best[("lmcache plugin, direct", "save")],
+        )
+        print(f"store: API {s_api:.1f}, plugin through LMCache {s_whole:.1f}, plugin called directly {s_direct:.1f} µs a chunk")
+        names = [name for name in names if name not in parts]
     plot(rate, names, HERE / "tiers.png")  # (without matplotlib: `--plot-only` from another venv)
     if args.no_results:
         return 0
