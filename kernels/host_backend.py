@@ -26,8 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, Fusion, PieceTable, PlacedStop, Placement, PlaneSet, Staging, check_pieces
+from ems.kernels.base import CopyBackend, Fusion, PieceTable, PlacedStop, Placement, Staging, check_pieces
 from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses, address_of, host_array
+from ems.kernels.planes import PlaneSet
 from ems.kernels.torch_backend import move_pieces
 
 VALUE_HEADER = 40  # bytes before a value's payload (`ems.store.value_format.HEADER_SIZE`; kernels import nothing of ems)

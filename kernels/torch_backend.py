@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, Staging, check_pieces, tensor_over
+from ems.kernels.base import CopyBackend, PieceTable, Staging, check_pieces, tensor_over
 from ems.kernels.host_copy import address_of, host_array, raw_tensor
+from ems.kernels.planes import PlaneSet
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from kernel_cases import DTYPES, SPLITS, as_bytes, check_pieces_roundtrip, make_layout, pieces_case, split_layout
 
 from ems.datapath.planning import block_run_pieces, value_pieces
-from ems.kernels.base import CopyBackend, PlaneSet
+from ems.kernels.base import CopyBackend
+from ems.kernels.planes import PlaneSet
 
 LAYOUTS = ["plain", "kv_interleaved", "padded_block", "padded_slot", "block_major"]
 
