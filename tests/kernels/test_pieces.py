@@ -208,8 +208,9 @@ def test_pieces_split_planes_one_launch(backend: CopyBackend) -> None:
 def test_torch_per_plane_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch backend's per-plane path (used off CPU, or when planes are too far apart for one span view)."""
     import ems.kernels.torch_backend as tbk
+    import ems.kernels.torch_layout as tlayout
 
-    monkeypatch.setattr(tbk, "_MAX_SPAN", 0)
+    monkeypatch.setattr(tlayout, "_MAX_SPAN", 0)
     gen = torch.Generator().manual_seed(17)
     bases, planes = make_layout(layout, layers=2, blocks=4, block_size=4, heads=3, head_size=5, dtype=torch.bfloat16, gen=gen)
     backend = tbk.TorchBackend()
