@@ -8,9 +8,9 @@ block: bytes move as they are, by address, so every dtype (fp8 included) is copi
 GIL when it moves less than `host_copy.GIL_HELD_BELOW` bytes and releases it otherwise (see `host_copy`).
 The C calls between planes and staging are made here, through the loaded library's `HostCopy.for_bytes`, once the
 arguments are checked (the C loops trust every range); per-plane addresses and strides are computed once per
-`PlaneSet` and kept on it. A load verifies while it
-scatters (`scatter_pieces_verified`, `scatter_pieces_as_placed`) and a save encodes while it gathers
-(`gather_pieces_encoded`): one pass over each value's bytes, hashed while they are in cache.
+`PlaneSet` and kept on it. A load verifies while it scatters (`scatter_pieces_verified`, `scatter_pieces_as_placed`)
+and a save encodes while it gathers (`gather_pieces_encoded`): one pass over each value's bytes, hashed while they
+are in cache.
 
 Why: the torch path issues an op per (piece length, plane) or per few hundred rows, each holding the GIL and
 giving it away between ops, and runs at 5-8 GB/s on this path's many 64 KiB spans; one memcpy loop runs at the
