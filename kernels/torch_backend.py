@@ -74,8 +74,8 @@ def single_row_pieces(table: np.ndarray) -> np.ndarray:
     return np.stack([start[piece] + step, np.ones(piece.size, np.int64), base[piece], tokens[piece], index[piece] + step])
 
 
-def _gcd(values: np.ndarray, also: int = 0) -> int:
-    return int(np.gcd.reduce(np.append(values, also).astype(np.int64)))
+def _gcd(values: np.ndarray) -> int:
+    return int(np.gcd.reduce(np.append(values, 0).astype(np.int64)))
 
 
 def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_units: int, dtype: torch.dtype) -> torch.Tensor:
@@ -86,6 +86,7 @@ def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_
 
 
 def _piece_layout(planes: PlaneSet) -> PieceLayout:
+    """The PlaneSet's layout (`torch_layout`), computed on its first move and kept on it."""
     layout: PieceLayout | None = planes.__dict__.get(LAYOUT_KEY)
     return layout if layout is not None else piece_layout(planes)
 
