@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "CopyBackend": "ems.kernels.base",
     "KernelBackend": "ems.kernels.base",
-    "PlaneSet": "ems.kernels.base",
+    "PlaneSet": "ems.kernels.planes",
     "MemcpyBackend": "ems.kernels.memcpy_backend",
     "get_backend": "ems.kernels.select",
     "TorchBackend": "ems.kernels.torch_backend",
@@ -25,8 +25,9 @@ _EXPORTS = {
 __all__ = ["CopyBackend", "KernelBackend", "MemcpyBackend", "PlaneSet", "TorchBackend", "get_backend"]
 
 if TYPE_CHECKING:
-    from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
+    from ems.kernels.base import CopyBackend, KernelBackend
     from ems.kernels.memcpy_backend import MemcpyBackend
+    from ems.kernels.planes import PlaneSet
     from ems.kernels.select import get_backend
     from ems.kernels.torch_backend import TorchBackend
 

@@ -1,4 +1,4 @@
-"""The compiled host path: every piece of a CPU request in one C call (`host_copy`), the CPU default where it builds.
+"""The compiled host path: every piece of a CPU request in one C call (`host_copy.c`), the CPU default where it builds.
 
 Contract: `HostBackend` implements `CopyBackend` (base.py) for CPU planes and staging. A gather or scatter of pieces
 is ONE call whatever the number of pieces, planes and piece lengths (`ops_issued` counts calls), except a lone
@@ -6,9 +6,11 @@ piece, which takes the torch path's prepared one-piece move (one op, less Python
 one call too. Planes may differ in row size and dtype (MLA with split K/V), and rows may be strided inside a
 block: bytes move as they are, by address, so every dtype (fp8 included) is copied bit for bit. A call keeps the
 GIL when it moves less than `host_copy.GIL_HELD_BELOW` bytes and releases it otherwise (see `host_copy`).
-Per-plane addresses and strides are computed once per `PlaneSet` and kept on it. A load verifies while it
-scatters (`scatter_pieces_verified`, `scatter_pieces_as_placed`) and a save encodes while it gathers
-(`gather_pieces_encoded`): one pass over each value's bytes, hashed while they are in cache.
+The C calls between planes and staging are made here, through the loaded library's `HostCopy.for_bytes`, once the
+arguments are checked (the C loops trust every range); per-plane addresses and strides are computed once per
+`PlaneSet` and kept on it. A load verifies while it scatters (`scatter_pieces_verified`, `scatter_pieces_as_placed`)
+and a save encodes while it gathers (`gather_pieces_encoded`): one pass over each value's bytes, hashed while they
+are in cache.
 
 Why: the torch path issues an op per (piece length, plane) or per few hundred rows, each holding the GIL and
 giving it away between ops, and runs at 5-8 GB/s on this path's many 64 KiB spans; one memcpy loop runs at the
@@ -26,26 +28,36 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, Fusion, PieceTable, PlacedStop, Placement, PlaneSet, Staging, check_pieces
-from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, PlaneAddresses, address_of, host_array
+from ems.kernels.base import CopyBackend, Fusion, PieceTable, PlacedStop, Placement, Staging, check_pieces
+from ems.kernels.host_copy import GIL_HELD_BELOW, HostCopy, address_of, batch_bytes, host_array
+from ems.kernels.planes import PlaneSet
 from ems.kernels.torch_backend import move_pieces
 
 VALUE_HEADER = 40  # bytes before a value's payload (`ems.store.value_format.HEADER_SIZE`; kernels import nothing of ems)
 
 
-def _plane_addresses(planes: PlaneSet) -> PlaneAddresses:
-    cached: PlaneAddresses | None = planes.__dict__.get("_host_plane_addresses")
-    if cached is None:
-        cached = PlaneAddresses(
+class _PlaneAddresses:
+    """A PlaneSet's per-plane numbers as int64 arrays (kept alive here) and `arguments`: what every piece move of
+    `host_copy.c` takes after its table (the addresses of plane_addr, block_stride, slot_stride, plane_offset and
+    row_bytes, then the number of planes and block_size)."""
+
+    def __init__(self, planes: PlaneSet) -> None:
+        numbers = (
             [int(p.data_ptr()) for p in planes.planes],
-            list(planes.block_stride_bytes),
-            list(planes.slot_stride_bytes),
-            list(planes.plane_offsets),
-            list(planes.plane_row_bytes),
-            planes.block_size,
+            planes.block_stride_bytes,
+            planes.slot_stride_bytes,
+            planes.plane_offsets,
+            planes.plane_row_bytes,
         )
-        planes.__dict__["_host_plane_addresses"] = cached  # lives and dies with the PlaneSet
-    return cached
+        self.arrays = [np.array(v, dtype=np.int64) for v in numbers]
+        self.arguments = (*(address_of(a) for a in self.arrays), planes.num_planes, planes.block_size)
+
+
+def _plane_arguments(planes: PlaneSet) -> tuple[int, ...]:
+    cached: _PlaneAddresses | None = planes.__dict__.get("_host_plane_addresses")
+    if cached is None:
+        cached = planes.__dict__["_host_plane_addresses"] = _PlaneAddresses(planes)  # lives and dies with the PlaneSet
+    return cached.arguments
 
 
 def _staging_address(flat: Staging) -> int:
@@ -76,7 +88,10 @@ class HostBackend(CopyBackend):
         # the bytes moved decide the GIL; a sum over a long table would itself give the GIL away (numpy releases
         # it from 500 elements on), and a table that long moves far more than the threshold anyway
         nbytes = GIL_HELD_BELOW if m >= 500 else sum(table[1].tolist()) * planes.token_bytes
-        self.library.move_pieces(table, _plane_addresses(planes), _staging_address(flat), gather, nbytes)
+        layout = _plane_arguments(planes)
+        self.library.for_bytes(nbytes).ems_move_pieces(
+            address_of(table), m, table.strides[0] // 8, *layout, _staging_address(flat), int(gather)
+        )
         self.ops_issued += 1
 
     _host_pieces = _pieces  # numpy staging as it is: the C loop takes an address
@@ -130,8 +145,20 @@ class HostBackend(CopyBackend):
         table, values, heads, piece_end, base = self._value_ranges(planes, pieces, out, values, heads, piece_end, "out")
         if piece_end.size == 0:
             return
-        self.library.gather_encode_pieces(
-            hash_function, heads, values[0] + base, values[1], piece_end, table, _plane_addresses(planes), base
+        # value v's pieces gathered, then its header written at its address with its payload's digest
+        value_addrs, payload_lens = values[0] + base, values[1]  # (kept alive through the C call)
+        layout = _plane_arguments(planes)
+        self.library.for_bytes(batch_bytes(payload_lens)).ems_gather_encode_pieces(
+            hash_function,
+            address_of(heads),
+            address_of(value_addrs),
+            address_of(payload_lens),
+            address_of(piece_end),
+            piece_end.size,
+            address_of(table),
+            table.strides[0] // 8,
+            *layout,
+            base,
         )
         self.ops_issued += 1
 
@@ -167,8 +194,19 @@ class HostBackend(CopyBackend):
         if int(piece_end[0]) < 0 or bool((np.diff(piece_end) < 0).any()) or int(piece_end[-1]) != m:
             raise ValueError(f"piece_end must be non-decreasing and end at the {m} pieces")
         base = _staging_address(flat)
-        verified = self.library.verify_scatter_pieces(
-            hash_function, offsets + base, lengths, expected, piece_end, table, _plane_addresses(planes), base
+        payload_addrs = offsets + base  # (kept alive through the C call)
+        layout = _plane_arguments(planes)
+        verified: int = self.library.for_bytes(batch_bytes(lengths)).ems_verify_scatter_pieces(
+            hash_function,
+            address_of(payload_addrs),
+            address_of(lengths),
+            address_of(expected),
+            address_of(piece_end),
+            n,
+            address_of(table),
+            table.strides[0] // 8,
+            *layout,
+            base,
         )
         self.ops_issued += 1
         return verified
@@ -187,21 +225,31 @@ class HostBackend(CopyBackend):
         table, values, heads, piece_end, base = self._value_ranges(planes, pieces, src, values, heads, piece_end, "src")
         if piece_end.size == 0:
             return 0, PlacedStop.ALL
-        done, why = self.library.verify_scatter_as_placed(
+        if placement.progress % 4:
+            raise ValueError("progress must be a 4-byte aligned address")
+        # each value waited for on the progress word, its header checked against heads[v] and its payload against
+        # the checksum the header states; `why` gets the reason it stopped. Releases the GIL (it may wait).
+        why = np.zeros(1, dtype=np.int64)
+        value_addrs, payload_lens = values[0] + base, values[1]  # (kept alive through the C call)
+        layout = _plane_arguments(planes)
+        done: int = self.library.releasing_gil.ems_verify_scatter_as_placed(
             hash_function,
             placement.progress,
             placement.fd,
             placement.deadline_ns,
-            heads,
-            values[0] + base,
-            values[1],
-            piece_end,
-            table,
-            _plane_addresses(planes),
+            address_of(heads),
+            address_of(value_addrs),
+            address_of(payload_lens),
+            address_of(piece_end),
+            piece_end.size,
+            address_of(why),
+            address_of(table),
+            table.strides[0] // 8,
+            *layout,
             base,
         )
         self.ops_issued += 1
-        return done, PlacedStop(why)
+        return done, PlacedStop(int(why[0]))
 
     def _segments(self, ptrs: torch.Tensor, lengths: torch.Tensor, flat: torch.Tensor, gather: bool) -> None:
         if flat.device.type != "cpu":

@@ -1,18 +1,17 @@
-"""Raw host memory and the CPU copy path's compiled moves over it (`host_copy.c`, built on first use with the host's
-C compiler: `ems.kernels.host_build`).
+"""Raw host memory and the compiled moves over plain buffers (`host_copy.c`, built on first use with the host's C
+compiler: `ems.kernels.host_build`); the moves between a PlaneSet and staging, over the same library, are the host
+backend's (`ems.kernels.host_backend`). Torch-free: a pool node's store uses it without loading torch.
 
 Contract:
 * `host_copy()` is the process's `HostCopy`, or None where it cannot be had (no C compiler, a failed build,
   `EMS_HOST_COPY=off`): callers then use their numpy / torch path (the build, once per source and compiler:
   `ems.kernels.host_build`).
-* `HostCopy.move_pieces` / `move_segments` / `hash_many` / `encode_values` / `copy_many` run one C loop over every
-  piece, segment, value or buffer (see `host_copy.c` for the layouts; `copy_many`'s large copies use streaming
-  stores on x86); `chain_digests` one over the blocks of a token sequence (the token form's keys);
-  `copy_hash_many` hashes each copy step by step right after copying it; `gather_encode_pieces` is a save's
-  gather and encode in one loop, value by value (each value hashed right after it is written, while in cache);
-  `verify_scatter_pieces` is a load's verify and scatter in one loop, value by value (each value's bytes
-  read once, while in cache), stopping at the first value whose digest is wrong. They trust their arguments: the
-  caller has validated every address and length (`copy_buffers` and `copy_lengths` check a batch of copies).
+* `HostCopy` is the loaded library: `for_bytes(nbytes)` gives its C functions for a move of `nbytes` (the GIL rule
+  below; the host backend calls its piece moves there). `move_segments` / `hash_many` / `encode_values` /
+  `copy_many` run one C loop over every segment, value or buffer (see `host_copy.c` for the layouts; `copy_many`'s
+  large copies use streaming stores on x86); `chain_digests` one over the blocks of a token sequence (the token
+  form's keys); `copy_hash_many` hashes each copy step by step right after copying it. They trust their arguments:
+  the caller has validated every address and length (`copy_buffers` and `copy_lengths` check a batch of copies).
 * The GIL: a call that moves less than `GIL_HELD_BELOW` bytes keeps it (`ctypes.PyDLL`), a larger one releases it
   for the call (`ctypes.CDLL`). Why: beside a thread that keeps the GIL (an engine's busy Python loop) every
   release costs a wait of up to a switch interval (5 ms) to get it back, which a small move must not pay; a large
@@ -154,7 +153,7 @@ def raw_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 class HostCopy:
-    """The loaded library: each function twice, keeping the GIL (`_held`) and releasing it (`_free`)."""
+    """The loaded library: each function twice, keeping the GIL (`keeping_gil`) and releasing it (`releasing_gil`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -164,125 +163,27 @@ class HostCopy:
                 function = getattr(library, name)
                 function.argtypes = argtypes
                 function.restype = _I64 if name in _RETURNS_COUNT else None
-        self._held, self._free = held, free
+        self.keeping_gil, self.releasing_gil = held, free
 
-    def _library(self, nbytes: int) -> ctypes.CDLL:
-        return self._held if nbytes < GIL_HELD_BELOW else self._free
-
-    def move_pieces(
-        self,
-        table: np.ndarray,
-        layout: PlaneAddresses,
-        flat: int,
-        gather: bool,
-        nbytes: int,
-    ) -> None:
-        """Every piece of `table` (int64 `[5, M]`, rows contiguous) of every plane of `layout`, between the planes
-        and staging at address `flat`; `nbytes` is what the call moves (it decides the GIL, nothing else)."""
-        if table.strides[1] != 8:
-            raise ValueError("a piece table's rows must be contiguous")
-        self._library(nbytes).ems_move_pieces(
-            address_of(table),
-            table.shape[1],
-            table.strides[0] // 8,
-            *layout.arguments,
-            flat,
-            int(gather),
-        )
-
-    def verify_scatter_pieces(
-        self,
-        hash_function: int,
-        payload_ptrs: np.ndarray,
-        payload_lens: np.ndarray,
-        expected: np.ndarray,
-        piece_end: np.ndarray,
-        table: np.ndarray,
-        layout: PlaneAddresses,
-        flat: int,
-    ) -> int:
-        """How many values, from the first, hash to `expected` (uint64 `[V]`); each of them scattered as soon as
-        it is verified (its pieces: `table` columns `piece_end[v - 1] .. piece_end[v] - 1`), nothing of the first
-        that does not match or after it. payload_ptrs, payload_lens, piece_end: int64 `[V]`; table as in
-        `move_pieces`. Reads and writes the payloads' bytes once each, so it keeps the GIL below `GIL_HELD_BELOW`
-        like a move of as many bytes."""
-        if table.strides[1] != 8:
-            raise ValueError("a piece table's rows must be contiguous")
-        n = payload_ptrs.size
-        if not (payload_lens.size == expected.size == piece_end.size == n):
-            raise ValueError("payload_ptrs, payload_lens, expected and piece_end must be [V] alike")
-        verified: int = self._library(_total(payload_lens)).ems_verify_scatter_pieces(
-            hash_function,
-            address_of(payload_ptrs),
-            address_of(payload_lens),
-            address_of(expected),
-            address_of(piece_end),
-            n,
-            address_of(table),
-            table.strides[0] // 8,
-            *layout.arguments,
-            flat,
-        )
-        return verified
+    def for_bytes(self, nbytes: int) -> ctypes.CDLL:
+        """The functions for a move of `nbytes` bytes: keeping the GIL below `GIL_HELD_BELOW`, else releasing it."""
+        return self.keeping_gil if nbytes < GIL_HELD_BELOW else self.releasing_gil
 
     def move_segments(self, ptrs: np.ndarray, lengths: np.ndarray, flat: int, gather: bool, nbytes: int) -> None:
         """flat[sum(lengths[:i]) : ... + lengths[i]] to (gather: from) the bytes at ptrs[i] (int64 `[S]` each)."""
-        self._library(nbytes).ems_move_segments(address_of(ptrs), address_of(lengths), ptrs.size, flat, int(gather))
+        self.for_bytes(nbytes).ems_move_segments(address_of(ptrs), address_of(lengths), ptrs.size, flat, int(gather))
 
     def copy_many(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, progress: int = 0, signalled: int = 0) -> None:
         """`lengths[i]` bytes from address `src[i]` to address `dst[i]` (int64 `[N]` each, contiguous), in one call.
         `progress`: 0, or the address of a 4-byte aligned u32 outside every destination, where `i + 1` is published
-        after copy i for each i < `signalled` (release order, waiters woken: `verify_scatter_as_placed`)."""
+        after copy i for each i < `signalled` (release order, waiters woken: `HostBackend.scatter_pieces_as_placed`)."""
         if not (dst.size == src.size == lengths.size):
             raise ValueError("dst, src and lengths must be [N] alike")
         if progress % 4 or not 0 <= signalled <= dst.size:
             raise ValueError("progress must be a 4-byte aligned address, and signalled within the batch")
-        self._library(_total(lengths)).ems_copy_many(
+        self.for_bytes(batch_bytes(lengths)).ems_copy_many(
             address_of(dst), address_of(src), address_of(lengths), dst.size, progress, signalled
         )
-
-    def verify_scatter_as_placed(
-        self,
-        hash_function: int,
-        progress: int,
-        fd: int,
-        deadline_ns: int,
-        heads: np.ndarray,
-        value_addrs: np.ndarray,
-        payload_lens: np.ndarray,
-        piece_end: np.ndarray,
-        table: np.ndarray,
-        layout: PlaneAddresses,
-        flat: int,
-    ) -> tuple[int, int]:
-        """`verify_scatter_pieces` of values whose node is still placing them (`host_copy.c`
-        `ems_verify_scatter_as_placed`): each value waited for on the u32 at `progress`, its header checked against
-        `heads` (uint8 `[V, 32]`) and its payload against the checksum its header states. value_addrs,
-        payload_lens, piece_end: int64 `[V]`. (count verified and written, why it stopped: 0 all, 1 a value failed
-        its check, 2 interrupted: `fd` readable or `deadline_ns` of CLOCK_MONOTONIC passed). Releases the GIL."""
-        if table.strides[1] != 8:
-            raise ValueError("a piece table's rows must be contiguous")
-        n = _value_count(heads, value_addrs, payload_lens, piece_end)
-        if progress % 4:
-            raise ValueError("progress must be a 4-byte aligned address")
-        why = np.zeros(1, dtype=np.int64)
-        done: int = self._free.ems_verify_scatter_as_placed(
-            hash_function,
-            progress,
-            fd,
-            deadline_ns,
-            address_of(heads),
-            address_of(value_addrs),
-            address_of(payload_lens),
-            address_of(piece_end),
-            n,
-            address_of(why),
-            address_of(table),
-            table.strides[0] // 8,
-            *layout.arguments,
-            flat,
-        )
-        return done, int(why[0])
 
     def copy_hash_many(self, hasher: np.ndarray, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, skip: int) -> np.ndarray:
         """`copy_many`, and uint64 `[N]`: the XXH3-64 of each copy's bytes from `skip` on, hashed step by step right
@@ -295,7 +196,7 @@ class HostCopy:
         if dst.size and int(lengths.min()) < skip:
             raise ValueError(f"every length must be at least skip ({skip})")
         out = np.empty(dst.size, dtype=np.uint64)
-        failed = self._library(_total(lengths)).ems_copy_hash_many(
+        failed = self.for_bytes(batch_bytes(lengths)).ems_copy_hash_many(
             address_of(hasher), address_of(dst), address_of(src), address_of(lengths), skip, address_of(out), dst.size
         )
         if failed:
@@ -309,39 +210,8 @@ class HostCopy:
         magic .. payload length) and then the `hash_function` digest of its payload (`payload_lens[v]` bytes after
         its 40-byte header). value_addrs, payload_lens: int64 `[V]`; `nbytes` decides the GIL."""
         n = _value_count(heads, value_addrs, payload_lens)
-        self._library(nbytes).ems_encode_values(
+        self.for_bytes(nbytes).ems_encode_values(
             hash_function, address_of(heads), address_of(value_addrs), address_of(payload_lens), n
-        )
-
-    def gather_encode_pieces(
-        self,
-        hash_function: int,
-        heads: np.ndarray,
-        value_addrs: np.ndarray,
-        payload_lens: np.ndarray,
-        piece_end: np.ndarray,
-        table: np.ndarray,
-        layout: PlaneAddresses,
-        flat: int,
-    ) -> None:
-        """A save's gather and `encode_values` in one pass, value by value (`host_copy.c`
-        `ems_gather_encode_pieces`): value v's pieces (`table` columns `piece_end[v - 1] .. piece_end[v] - 1`, as in
-        `move_pieces`) gathered, then its header written at `value_addrs[v]` with its payload's digest. heads: uint8
-        `[V, 32]`; value_addrs, payload_lens, piece_end: int64 `[V]`. Keeps the GIL below `GIL_HELD_BELOW` bytes."""
-        if table.strides[1] != 8:
-            raise ValueError("a piece table's rows must be contiguous")
-        n = _value_count(heads, value_addrs, payload_lens, piece_end)
-        self._library(_total(payload_lens)).ems_gather_encode_pieces(
-            hash_function,
-            address_of(heads),
-            address_of(value_addrs),
-            address_of(payload_lens),
-            address_of(piece_end),
-            n,
-            address_of(table),
-            table.strides[0] // 8,
-            *layout.arguments,
-            flat,
         )
 
     def chain_digests(self, hash_function: int, seed: bytes, tokens: np.ndarray, block: int) -> np.ndarray:
@@ -354,7 +224,7 @@ class HostCopy:
         out = np.empty((-(-tokens.size // block), 16), dtype=np.uint8)
         scratch = np.empty(16 + 8 * block, dtype=np.uint8)
         seed_array = np.frombuffer(seed, dtype=np.uint8)
-        self._library(tokens.nbytes).ems_chain_digests(
+        self.for_bytes(tokens.nbytes).ems_chain_digests(
             hash_function, address_of(seed_array), address_of(tokens), tokens.size, block, address_of(scratch), address_of(out)
         )
         return out
@@ -362,7 +232,7 @@ class HostCopy:
     def hash_many(self, hash_function: int, ptrs: np.ndarray, lengths: np.ndarray, nbytes: int) -> np.ndarray:
         """uint64 `[N]`: `hash_function(ptrs[i], lengths[i])`, a C function `uint64_t (const void *, size_t)`."""
         out = np.empty(ptrs.size, dtype=np.uint64)
-        self._library(nbytes).ems_hash_many(hash_function, address_of(ptrs), address_of(lengths), address_of(out), ptrs.size)
+        self.for_bytes(nbytes).ems_hash_many(hash_function, address_of(ptrs), address_of(lengths), address_of(out), ptrs.size)
         return out
 
 
@@ -375,7 +245,7 @@ def _value_count(heads: np.ndarray, *per_value: np.ndarray) -> int:
     return n
 
 
-def _total(lengths: np.ndarray) -> int:
+def batch_bytes(lengths: np.ndarray) -> int:
     """The bytes of a batch (it decides the GIL): a long batch counts as large without summing it."""
     return GIL_HELD_BELOW if lengths.size >= 500 else int(lengths.sum())
 
@@ -406,16 +276,6 @@ def copy_buffers(dsts: Sequence[Any], srcs: Sequence[Any], progress: int = 0, si
         return
     # (the lists keep the buffers alive)
     library.copy_many(buffer_addresses(dsts), buffer_addresses(srcs), lengths, progress, signalled)
-
-
-class PlaneAddresses:
-    """A PlaneSet's per-plane numbers as int64 arrays, with their addresses (kept alive together)."""
-
-    def __init__(self, addrs: list[int], bstr: list[int], sstr: list[int], poffs: list[int], rbytes: list[int], block_size: int):
-        self.arrays = [np.array(v, dtype=np.int64) for v in (addrs, bstr, sstr, poffs, rbytes)]
-        # what every piece move of host_copy.c takes after its table: plane_addr, block_stride, slot_stride,
-        # plane_offset, row_bytes (addresses of the arrays above), planes, block_size
-        self.arguments = (*(address_of(a) for a in self.arrays), len(addrs), block_size)
 
 
 @functools.cache

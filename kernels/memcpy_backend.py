@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
+from ems.kernels.base import CopyBackend, PieceTable, check_pieces
 from ems.kernels.host_copy import raw_tensor
+from ems.kernels.planes import PlaneSet
 from ems.kernels.torch_backend import plane_rows
 
 

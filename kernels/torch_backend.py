@@ -14,9 +14,8 @@ staging runs sit at a constant step, else in one op per plane (values of one siz
 are back to back), whichever is fewer, and only otherwise through a temporary (two passes: measured 7x slower for
 32 one-block values, whose 40-byte headers break the constant step). Otherwise (other devices, a span too
 far apart to view, planes of different row sizes) each plane is its own run table: one op per (plane, piece
-length). Per-layout numbers (addresses, strides, the span tables) are computed once and kept on the `PlaneSet`; the
-span views only touch the indexed rows and never outlive the planes. Planes whose rows are strided inside a block
-move token by token (`single_row_pieces`).
+length). Per-layout numbers (addresses, strides, the span tables) are computed once and kept on the `PlaneSet`
+(`torch_layout`). Planes whose rows are strided inside a block move token by token (`single_row_pieces`).
 
 Raw V0 segments are the exception: torch has no batched copy between arbitrary addresses, so they cost one copy
 each (the Triton backend does them in one launch).
@@ -24,21 +23,28 @@ each (the Triton backend does them in one launch).
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, Staging, check_pieces, tensor_over
+from ems.kernels.base import CopyBackend, PieceTable, Staging, check_pieces, tensor_over
 from ems.kernels.host_copy import address_of, host_array, raw_tensor
+from ems.kernels.planes import PlaneSet
+from ems.kernels.torch_layout import (
+    INT_OF_WIDTH,
+    LAYOUT_KEY,
+    PieceLayout,
+    one_span_rows,
+    one_span_rows_np,
+    piece_layout,
+    prepare_one_piece,
+    void_of,
+)
 
-_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _MIN_OP_BYTES = 64 << 10  # below this per op, the two-pass path through a temporary is cheaper
 _NUMPY_GATHER_BELOW = 64 << 10  # a CPU gather smaller than this is cheaper by numpy indexing than by a torch op
-_MAX_SPAN = 1 << 47  # never view an address span larger than this (the whole user address space of x86-64)
 # numpy keeps the GIL through an indexed copy of fewer than 500 elements (its NPY_BEGIN_THREADS_THRESHOLDED), and a
 # copy that gives the GIL away waits up to a switch interval (5 ms) for it beside a busy Python thread (an engine's
 # loop): 0.2 -> 5.4 ms per 2 MiB row assignment. So a CPU scatter moves rows as single void elements, in ops of
@@ -68,8 +74,8 @@ def single_row_pieces(table: np.ndarray) -> np.ndarray:
     return np.stack([start[piece] + step, np.ones(piece.size, np.int64), base[piece], tokens[piece], index[piece] + step])
 
 
-def _gcd(values: np.ndarray, also: int = 0) -> int:
-    return int(np.gcd.reduce(np.append(values, also).astype(np.int64)))
+def _gcd(values: np.ndarray) -> int:
+    return int(np.gcd.reduce(np.append(values, 0).astype(np.int64)))
 
 
 def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_units: int, dtype: torch.dtype) -> torch.Tensor:
@@ -79,63 +85,10 @@ def _spans_view(flat: torch.Tensor, first: int, rows: int, row_units: int, step_
     return flat[first:end].view(dtype).as_strided((rows, row_units), (step_units, 1))
 
 
-@dataclass
-class _PieceLayout:
-    """What `move_pieces` needs about one PlaneSet, computed once and kept on it (per-layout tables: the per-call
-    work is then a few vectorised numpy expressions and one op)."""
-
-    contiguous: bool  # every plane's rows are contiguous inside a block
-    one_span: bool  # planes of one row size, CPU, one address span: one table for all planes
-    lo: int  # lowest plane address (one_span) ...
-    span: int  # ... and the bytes from it to the end of the highest plane
-    off: np.ndarray  # int64 [P]: plane address - lo
-    bstr: np.ndarray
-    sstr: np.ndarray
-    poffs: np.ndarray
-    rbytes: np.ndarray
-    g: int  # gcd of every plane offset and stride (one_span): the table's row stride
-    unit: int  # gcd of g, the lowest address and every plane's row bytes and token offset: divides every span
-    tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (length, width) → table
-    np_tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # the same tables as numpy arrays
-    void_tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # ... and as rows of one void each
-    # one_span with one block and slot stride for every plane (what `_move_one_piece` needs, in table rows):
-    # plane p's slot s is row first_rows[p] + (s // block_size) * block_rows + (s % block_size) * slot_rows
-    first_rows: np.ndarray | None = None  # int64 [P]
-    block_rows: int = 0
-    slot_rows: int = 0
-    # one-piece moves prepared once per (piece, direction): an engine repeats the same few blocks' pieces
-    one_piece: dict[tuple[int, ...], _OnePiece] = field(default_factory=dict)
-
-
-def _piece_layout(planes: PlaneSet) -> _PieceLayout:
-    cached: _PieceLayout | None = planes.__dict__.get("_torch_piece_layout")
-    if cached is not None:
-        return cached
-    addrs = np.array([int(p.data_ptr()) for p in planes.planes], dtype=np.int64)
-    bstr, sstr = np.array(planes.block_stride_bytes, np.int64), np.array(planes.slot_stride_bytes, np.int64)
-    rbytes = np.array(planes.plane_row_bytes, np.int64)
-    lo = int(addrs.min())
-    hi = int((addrs + (planes.num_blocks - 1) * bstr + (planes.block_size - 1) * sstr + rbytes).max())
-    one_span = planes.device.type == "cpu" and len(set(planes.plane_row_bytes)) == 1 and hi - lo <= _MAX_SPAN
-    off = addrs - lo
-    layout = _PieceLayout(
-        contiguous=bool(np.all(sstr == rbytes)),
-        one_span=one_span,
-        lo=lo,
-        span=hi - lo,
-        off=off,
-        bstr=bstr,
-        sstr=sstr,
-        poffs=np.array(planes.plane_offsets, np.int64),
-        rbytes=rbytes,
-        g=_gcd(np.concatenate([off, bstr, sstr])) or int(rbytes[0]),
-        unit=_gcd(np.concatenate([off, bstr, sstr, rbytes, np.array(planes.plane_offsets, np.int64)]), lo),
-    )
-    if one_span and len(set(planes.block_stride_bytes)) == 1 and len(set(planes.slot_stride_bytes)) == 1:
-        layout.first_rows = off // layout.g
-        layout.block_rows, layout.slot_rows = int(bstr[0]) // layout.g, int(sstr[0]) // layout.g
-    planes.__dict__["_torch_piece_layout"] = layout  # lives and dies with the PlaneSet (never keeps a cache alive)
-    return layout
+def _piece_layout(planes: PlaneSet) -> PieceLayout:
+    """The PlaneSet's layout (`torch_layout`), computed on its first move and kept on it."""
+    layout: PieceLayout | None = planes.__dict__.get(LAYOUT_KEY)
+    return layout if layout is not None else piece_layout(planes)
 
 
 def _constant_step(offsets: np.ndarray, length: int) -> int | None:
@@ -178,13 +131,7 @@ def _select_or_place(table: torch.Tensor, idx: np.ndarray, staged: torch.Tensor,
 
 def _void_rows(rows: np.ndarray) -> np.ndarray:
     """`rows` `[N, K]` (last axis contiguous) as `[N]` elements of one K-item void each (same memory)."""
-    return rows.view(_void_of(rows.shape[1] * rows.itemsize))[:, 0]
-
-
-@functools.lru_cache(maxsize=64)
-def _void_of(nbytes: int) -> np.dtype:
-    """The void dtype of `nbytes` (a row length: a layout has a few; building one costs about a µs per call)."""
-    return np.dtype((np.void, nbytes))
+    return rows.view(void_of(rows.shape[1] * rows.itemsize))[:, 0]
 
 
 def _place_rows_keeping_gil(table_rows: np.ndarray, idx: np.ndarray, staged_rows: np.ndarray) -> None:
@@ -242,77 +189,29 @@ def _move_spans(
     return 2
 
 
-def _one_span_rows(planes: PlaneSet, lay: _PieceLayout, length: int, width: int) -> torch.Tensor:
-    """The cached table viewing every plane as rows of `length` bytes at a stride of `lay.g` (ints of `width`)."""
-    key = (length, width)
-    rows = lay.tables.get(key)
-    if rows is None:
-        n = (lay.span - length) // lay.g + 1
-        rows = (
-            raw_tensor(lay.lo, lay.span, planes.device)
-            .view(_INT_OF_WIDTH[width])
-            .as_strided((n, length // width), (lay.g // width, 1))
-        )
-        lay.tables[key] = rows
-    return rows
+def _one_span_rows(planes: PlaneSet, lay: PieceLayout, length: int, width: int) -> torch.Tensor:
+    """The table viewing every plane as rows of `length` bytes at a stride of `lay.g` (ints of `width`; kept)."""
+    rows = lay.tables.get((length, width))
+    return rows if rows is not None else one_span_rows(planes, lay, length, width)
 
 
-def _one_span_rows_np(planes: PlaneSet, lay: _PieceLayout, length: int, width: int) -> np.ndarray:
-    """`_one_span_rows` as a numpy array (cached beside it)."""
+def _one_span_rows_np(planes: PlaneSet, lay: PieceLayout, length: int, width: int) -> np.ndarray:
+    """`_one_span_rows` as a numpy array (kept beside it)."""
     rows = lay.np_tables.get((length, width))
-    if rows is None:
-        rows = lay.np_tables[(length, width)] = host_array(_one_span_rows(planes, lay, length, width))
-    return rows
+    return rows if rows is not None else one_span_rows_np(planes, lay, length, width)
 
 
-@dataclass(frozen=True)
-class _OnePiece:
-    """A one-piece move of a whole value (its P plane spans back to back: bytes `begin`..`end` of the value's
-    staging), prepared once: the spans as `[P]` void elements of `dtype` and the table rows they go to or come
-    from (`rows[index_rows]`, void elements of the same size). Independent of the staging buffer's address: void
-    elements are copied bytewise, aligned or not."""
-
-    begin: int
-    end: int
-    dtype: np.dtype
-    rows: np.ndarray  # [R] void rows of the one-span table
-    index_rows: np.ndarray  # int64 [P]
-
-
-_MAX_ONE_PIECE_MOVES = 8192  # per layout and direction (an engine's blocks); beyond it the cache starts over
-
-
-def _prepared_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, gather: bool) -> _OnePiece | None:
-    """The prepared move of `piece` (cached on `lay`), or None when it is not one of whole values whose planes lie
-    back to back, or is a gather large enough for torch's faster copy (which needs the buffer's alignment)."""
-    key = (*piece, gather)
-    move = lay.one_piece.get(key)
-    if move is not None:
-        return move
-    start, count, base, tokens, index = piece
-    row = int(lay.rbytes[0])
-    length = count * row
-    if count != tokens or lay.first_rows is None or (gather and planes.num_planes * length >= _NUMPY_GATHER_BELOW):
-        return None
-    blk, within = divmod(start, planes.block_size)
-    index_rows = lay.first_rows + (blk * lay.block_rows + within * lay.slot_rows)
-    index_rows.flags.writeable = False
-    begin = base + index * row
-    rows = lay.void_tables.get((length, 1))
-    if rows is None:
-        rows = lay.void_tables[(length, 1)] = _void_rows(_one_span_rows_np(planes, lay, length, 1))
-    move = _OnePiece(begin, begin + planes.num_planes * length, _void_of(length), rows, index_rows)
-    if len(lay.one_piece) >= 2 * _MAX_ONE_PIECE_MOVES:
-        lay.one_piece.clear()
-    lay.one_piece[key] = move
-    return move
-
-
-def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: np.ndarray, gather: bool) -> int:
+def _move_one_piece(planes: PlaneSet, lay: PieceLayout, piece: list, flat: np.ndarray, gather: bool) -> int:
     """One piece (a one-block value) of every plane: P spans, the staging ones back to back at a constant step
     (plane-major value): one op. This is the per-call cost of a small save or load: a whole value's move is
-    prepared once (`_prepared_one_piece`), then each call is a slice, a view and the op."""
-    move = _prepared_one_piece(planes, lay, piece, gather)
+    prepared once (`torch_layout.prepare_one_piece`: a whole value's planes back to back, unless a gather is large
+    enough for torch's faster copy, which needs the buffer's alignment), then each call is a slice, a view and the
+    op."""
+    move = lay.one_piece.get((*piece, gather))
+    # not prepared yet: a whole value (count == value tokens) on a layout of one block and slot stride
+    if move is None and piece[1] == piece[3] and lay.first_rows is not None:
+        small = planes.num_planes * piece[1] * int(lay.rbytes[0]) < _NUMPY_GATHER_BELOW
+        move = prepare_one_piece(planes, lay, piece, gather) if small or not gather else None
     if move is not None:
         spans = flat[move.begin : move.end].view(move.dtype)
         if gather:
@@ -357,7 +256,7 @@ def _move_one_piece(planes: PlaneSet, lay: _PieceLayout, piece: list, flat: np.n
 
 def _move_grid_by_lines(
     rows: torch.Tensor,
-    lay: _PieceLayout,
+    lay: PieceLayout,
     b: np.ndarray,
     w: np.ndarray,
     bb: np.ndarray,
@@ -386,7 +285,7 @@ def _move_grid_by_lines(
     return ops
 
 
-def _move_whole_values(planes: PlaneSet, lay: _PieceLayout, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int | None:
+def _move_whole_values(planes: PlaneSet, lay: PieceLayout, table: np.ndarray, flat: torch.Tensor, gather: bool) -> int | None:
     """Pieces that are each a whole value of one token count (the embedded pool's save or load of whole blocks: one
     piece per value), at staging bases a constant step apart (its buffers back to back): plane p's spans are then
     `base + p * length + k * step`, one op per plane, from a few vectorised index expressions. None when the table
@@ -455,7 +354,7 @@ def move_pieces(planes: PlaneSet, table: np.ndarray, flat: Staging, gather: bool
             g = math.gcd(int(lay.bstr[p]), int(lay.sstr[p])) or length
             dst = bb + tt * lay.poffs[p] + ii * lay.rbytes[p]
             width = _widest([g, length, int(planes.planes[p].data_ptr()), flat_addr, _gcd(dst)])
-            plane = plane_rows(planes, p).view(torch.uint8).view(_INT_OF_WIDTH[width])
+            plane = plane_rows(planes, p).view(torch.uint8).view(INT_OF_WIDTH[width])
             span = (planes.num_blocks - 1) * int(lay.bstr[p]) + (bs - 1) * int(lay.sstr[p]) + int(lay.rbytes[p])
             rows = plane.as_strided(((span - length) // g + 1, length // width), (g // width, 1))
             ops += _move_spans(

@@ -75,8 +75,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ems.kernels.base import CopyBackend, PieceTable, PlaneSet, check_pieces
+from ems.kernels.base import CopyBackend, PieceTable, check_pieces
 from ems.kernels.plan import split_segments
+from ems.kernels.planes import PlaneSet
 from ems.kernels.torch_backend import TorchBackend
 
 log = logging.getLogger("ems.kernels")

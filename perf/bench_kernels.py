@@ -35,7 +35,8 @@ import torch
 from benchlib import machine
 
 from ems.datapath.planning import value_pieces
-from ems.kernels.base import CopyBackend, KernelBackend, PlaneSet
+from ems.kernels.base import CopyBackend, KernelBackend
+from ems.kernels.planes import PlaneSet
 from ems.kernels.select import get_backend
 
 HERE = Path(__file__).resolve().parent

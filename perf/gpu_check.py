@@ -52,7 +52,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ems.kernels.base import CopyBackend, PlaneSet
+    from ems.kernels.base import CopyBackend
+    from ems.kernels.planes import PlaneSet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -114,7 +115,7 @@ def _pinned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def _layout(kind: str, layers: int, blocks: int, bs: int, heads: int, head_size: int, dtype: torch.dtype, device: torch.device):
-    from ems.kernels.base import PlaneSet
+    from ems.kernels.planes import PlaneSet
 
     bases: list[torch.Tensor] = []
     planes: list[torch.Tensor] = []
@@ -163,7 +164,7 @@ def _pieces_check(
 ) -> list[str]:
     """Triton vs torch: a gather into poisoned staging; a scatter into the cache vs the torch scatter into a copy
     (every byte of every allocation, padding included). Returns the failed checks."""
-    from ems.kernels.base import PlaneSet
+    from ems.kernels.planes import PlaneSet
 
     device = planes.device
     failures: list[str] = []

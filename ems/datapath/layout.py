@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from ems.errors import invalid_argument
-from ems.kernels.base import PlaneSet
+from ems.kernels.planes import PlaneSet
 from ems.types import StoreLayerGroupDesc
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "npu")

@@ -38,7 +38,7 @@ from ems.buffers import Buffer
 from ems.datapath.arguments import ChunkCall, RawCall, SlotCall
 from ems.datapath.keys import FORM_CHAIN, FORM_V1, chain_keys, v0_keys, v1_keys
 from ems.datapath.layout import LayerGroup, RegisteredLayout
-from ems.kernels.base import PlaneSet
+from ems.kernels.planes import PlaneSet
 from ems.store.value_format import (
     HEADER_SIZE,
     VALUE_LEAD,

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from ems.datapath.planning import value_pieces
-from ems.kernels.base import CopyBackend, PlaneSet
+from ems.kernels.base import CopyBackend
+from ems.kernels.planes import PlaneSet
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn]
 POISON = 0xA5

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from kernel_cases import DTYPES, SPLITS, as_bytes, check_pieces_roundtrip, make_layout, pieces_case, split_layout
 
 from ems.datapath.planning import block_run_pieces, value_pieces
-from ems.kernels.base import CopyBackend, PlaneSet
+from ems.kernels.base import CopyBackend
+from ems.kernels.planes import PlaneSet
 
 LAYOUTS = ["plain", "kv_interleaved", "padded_block", "padded_slot", "block_major"]
 
@@ -207,8 +208,9 @@ def test_pieces_split_planes_one_launch(backend: CopyBackend) -> None:
 def test_torch_per_plane_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch backend's per-plane path (used off CPU, or when planes are too far apart for one span view)."""
     import ems.kernels.torch_backend as tbk
+    import ems.kernels.torch_layout as tlayout
 
-    monkeypatch.setattr(tbk, "_MAX_SPAN", 0)
+    monkeypatch.setattr(tlayout, "_MAX_SPAN", 0)
     gen = torch.Generator().manual_seed(17)
     bases, planes = make_layout(layout, layers=2, blocks=4, block_size=4, heads=3, head_size=5, dtype=torch.bfloat16, gen=gen)
     backend = tbk.TorchBackend()

@@ -11,8 +11,9 @@ import pytest
 import torch
 from kernel_cases import make_layout, pieces_case, reference_pieces
 
-from ems.kernels.base import Fusion, KernelBackend, PlaneSet
+from ems.kernels.base import Fusion, KernelBackend
 from ems.kernels.memcpy_backend import MemcpyBackend
+from ems.kernels.planes import PlaneSet
 from ems.kernels.select import get_backend, triton_importable
 
 CPU = torch.device("cpu")

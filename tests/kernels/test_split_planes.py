@@ -12,7 +12,8 @@ import pytest
 import torch
 from kernel_cases import SPLITS, check_pieces_roundtrip, split_layout
 
-from ems.kernels.base import CopyBackend, PlaneSet
+from ems.kernels.base import CopyBackend
+from ems.kernels.planes import PlaneSet
 
 
 def test_planes_report_their_rows() -> None:
