@@ -4,6 +4,8 @@ caches, poisoning, exact byte comparison."""
 from __future__ import annotations
 
 import dataclasses
+import random
+import socket
 from collections.abc import Sequence
 
 import numpy as np
@@ -171,3 +173,26 @@ def store_refused_value(address: str, key: bytes, route_key: bytes, plan: BlockP
         assert node.put([key], [[header, payload]], 5.0) == [True]
     finally:
         node.close()
+
+
+_PORTS = random.SystemRandom()  # (not the test-seeded `random`: two test processes must not draw the same ports)
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free now, below the kernel's ephemeral range: a port from that range (what binding
+    port 0 gives) can be taken by any outgoing connection, UCX's included, before the process it was picked for
+    binds it, which failed a node's start with "Address already in use"."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for _ in range(200):
+        port = _PORTS.randrange(10_000, max(ephemeral_low, 10_001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")

@@ -1,5 +1,6 @@
 """A Mooncake Store on 127.0.0.1 for tests: `mooncake_master` and one storage process (the memory, across TCP like
-a pool node), both from Mooncake's pip package, on ports the OS picked; `clear()` empties it between tests.
+a pool node), both from Mooncake's pip package, on free loopback ports (`ems_testlib.free_port`); `clear()` empties
+it between tests.
 
 `mooncake_missing()` says why the package cannot run here (None when it can): tests skip with that reason.
 """
@@ -15,6 +16,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ems_testlib import free_port
 
 STORAGE = r"""
 import sys, time
@@ -55,12 +58,6 @@ def mooncake_missing() -> str | None:
     if master_executable() is None:
         return "mooncake_master is not on PATH nor beside the Python executable"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_listening(port: int, timeout_s: float) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ems_testlib import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -306,12 +307,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _needs_ucx() -> None:
     pytest.importorskip("ucxx", reason="pool nodes need the ucx extra")
 
@@ -424,7 +419,7 @@ def _local_node_argv(argv: list[str], tmp: Path, etcd: str | None = None) -> lis
         if flag in ("--listen",):
             word = "127.0.0.1:0"
         elif flag == "--metrics":
-            word = f"127.0.0.1:{_free_port()}"
+            word = f"127.0.0.1:{free_port()}"
         elif flag == "--advertise":
             word = "127.0.0.1:1"  # only registered, never dialled here
         elif flag == "--etcd":
@@ -477,7 +472,7 @@ def test_nodes_on_etcd_and_their_status(processes, tmp_path):
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
     etcd = next(c for c in _matching(r"etcd "))
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     url = f"http://127.0.0.1:{client}"
     argv = []
     for i, word in enumerate(etcd.argv):

@@ -4,13 +4,13 @@ the versioned value format (a value of another version is a miss, never a wrong 
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
 import pytest
 import torch
 from cachelib import as_dict, assert_poisoned, make_cache, poison
+from ems_testlib import free_port
 from sdk_engines import (
     ACCESS_ID,
     LLM_ENGINE,
@@ -128,17 +128,11 @@ def test_every_error_code_is_documented():
         assert code.name in ems.errors.__doc__
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_recoverable_init_then_retry_when_healthy():
     """The V1 adapter's recovery: init fails with EMS_RECOVERD_ERROR while the pool is down, the health thread's
     `Ems.check_health()` turns True when a node comes up, init is retried and works."""
     pytest.importorskip("ucxx")
-    port = _free_port()
+    port = free_port()
     engine = V1Engine(is_mla=True, pool_nodes=[f"127.0.0.1:{port}"], connect_timeout_ms=500)
     assert engine.context_caching is None and engine.need_reinit
     assert engine.init_error.status_code() == EmsErrorCode.EMS_RECOVERD_ERROR

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ems_testlib import free_port
 from pool_testlib import PoolProcess, _die_with_parent, read_line
 
 ENGINE = str(Path(__file__).resolve().parent / "cluster_engine.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdProcess:

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import time
 import urllib.request
 
 import pytest
+from ems_testlib import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,12 +28,6 @@ pytestmark = [
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK = 32
 START_TIMEOUT_S = 420
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def post(url: str, body: dict) -> dict:
