@@ -20,9 +20,11 @@ import pytest
 from pool_testlib import client_of_scripted_node, joined, make_values
 from raw_ucx import CLOSED, RawSession, Reply, header
 
-from ems.transport import protocol, shm
+from ems.transport import protocol
 from ems.transport.base import TransportError
 from ems.transport.exists_holds import Hold, encode_exists_meta
+from ems.transport.shm import wire
+from ems.transport.shm.client import encode_ranged
 from ems.transport.ucx.frames import recv_head, recv_header_frame, recv_meta, send_all
 
 pytestmark = pytest.mark.slow
@@ -85,7 +87,7 @@ KINDS: dict[str, tuple[bool, list[tuple[np.ndarray, int | None]], int]] = {
     "put-data-frame": (True, _put([b"w"], [BIG_VALUE], inline=True), 1),
     "put-meta-frame": (True, _put(BIG_KEYS, [VALUE] * 3, inline=True), 1),
     "get-meta-frame": (True, [(_head(protocol.Op.GET, 8, count=3), None)], 0),  # replaced below
-    "shm-open-head": (True, [(_head(protocol.Op.SHM_OPEN, 9, shm.encode_open(0, 1), count=0), None)], 0),
+    "shm-open-head": (True, [(_head(protocol.Op.SHM_OPEN, 9, wire.encode_open(0, 1), count=0), None)], 0),
 }
 _get_meta = protocol.encode_keys_meta(BIG_KEYS)
 KINDS["get-meta-frame"] = (
@@ -243,9 +245,9 @@ def _request_with_flags(op: int, flag: int) -> list[tuple[np.ndarray, int | None
             protocol.Op.GET: keys,
             protocol.Op.EXISTS: encode_exists_meta(keys, Hold.lease(100)) if flag == protocol.Flags.LEASE else keys,
             protocol.Op.PING: b"",
-            protocol.Op.SHM_OPEN: shm.encode_open(0, 1),
-            protocol.Op.SHM_PUT: shm.encode_ranged([b"k"], [0], [8]),
-            protocol.Op.SHM_GET: shm.encode_ranged([b"k"], [0], [8]),
+            protocol.Op.SHM_OPEN: wire.encode_open(0, 1),
+            protocol.Op.SHM_PUT: encode_ranged([b"k"], [0], [8]),
+            protocol.Op.SHM_GET: encode_ranged([b"k"], [0], [8]),
         }[op]
         count = 1 if op in (protocol.Op.GET, protocol.Op.EXISTS, protocol.Op.SHM_PUT, protocol.Op.SHM_GET) else 0
         if flag == INLINE and op not in _HANDSHAKE_OPS:  # (the handshake is always classic)

@@ -20,8 +20,9 @@ import pytest
 from cluster_testlib import free_port
 from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, wait_until
 
-from ems.transport import protocol, shm
+from ems.transport import protocol
 from ems.transport.base import TransportError
+from ems.transport.shm import wire
 from ems.transport.shm.client import ShmMode
 from ems.transport.shm.regions import TOKEN_TTL_S
 
@@ -49,20 +50,20 @@ def memfd_pages(pid: int, fds: Sequence[int] = ()) -> int:
     return sum(pages.values())
 
 
-def _offer(client, populate_mib: int = 0) -> shm.OpenReply:
+def _offer(client, populate_mib: int = 0) -> wire.OpenReply:
     """SHM_OPEN on `client`'s connection (this process's uid and pid), asking the node to populate `populate_mib`."""
     from ems.transport.ucx.client import _request
 
-    meta = shm.encode_open(os.getuid(), os.getpid())
+    meta = wire.encode_open(os.getuid(), os.getpid())
 
     def run(ex, rid):
         reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, count=populate_mib, meta=meta)
-        return shm.decode_open_reply(bytes(body[: reply.meta_len]))
+        return wire.decode_open_reply(bytes(body[: reply.meta_len]))
 
     return client._call(run, 5.0)
 
 
-def _take(offer: shm.OpenReply) -> int:
+def _take(offer: wire.OpenReply) -> int:
     """Present the offer's token; the descriptor handed over."""
     import socket
 

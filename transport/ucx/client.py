@@ -56,8 +56,8 @@ from ems.transport import protocol
 from ems.transport.base import AsPlaced, Ending, Failure, NodeClient, TransportError
 from ems.transport.exists_holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
-from ems.transport.shm import is_local_address
 from ems.transport.shm.client import ShmBuffer, ShmClient, ShmMode
+from ems.transport.shm.wire import is_local_address
 from ems.transport.ucx.direct import Connection, DirectRuntime, Exchange, WaitTimeout, connect, futures_context
 from ems.transport.ucx.frames import (
     check_frame,
@@ -391,7 +391,7 @@ class UcxNode(NodeClient):
 
 
 class _ShmLink:
-    """What the node's `ShmClient` needs of it (`shm.client.NodeLink`): its connection, inline requests on it through
+    """What the node's `ShmClient` needs of it (`shm.opening.NodeLink`): its connection, inline requests on it through
     `_call`, and the record of a failed region channel's request (`_fail`)."""
 
     def __init__(self, node: UcxNode) -> None:
