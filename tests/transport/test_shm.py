@@ -543,7 +543,7 @@ def test_the_node_answers_requests_in_flight_by_their_ids_and_ends_the_channel_o
 def test_junk_on_the_channel_closes_it_and_the_client_recovers(shared_node, node_clients, junk):
     """A client that writes anything but an SHM_GET, SHM_PUT or EXISTS on its channel loses the channel (and its connection,
     at its next call); the node keeps serving, and the client's next connection has a working region."""
-    from ems.transport import protocol
+    from ems.transport import metas, protocol
 
     node = node_clients(shared_node.address)
     assert node.put([b"j"], [_value(5000, 4)], 5.0) == [True]
@@ -553,7 +553,7 @@ def test_junk_on_the_channel_closes_it_and_the_client_recovers(shared_node, node
     elif junk == "ping":
         junk = protocol.pack_header(protocol.Op.PING, request_id=1).tobytes()
     elif junk == "inline-exists":
-        meta = protocol.encode_keys_meta([b"j"])
+        meta = metas.encode_keys_meta([b"j"])
         head = protocol.pack_header(
             protocol.Op.EXISTS,
             count=1,

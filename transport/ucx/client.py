@@ -52,7 +52,7 @@ import numpy as np
 from ems.buffers import Buffer, copy_bytes
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
-from ems.transport import protocol
+from ems.transport import metas, protocol
 from ems.transport.base import AsPlaced, Ending, Failure, NodeClient, TransportError
 from ems.transport.exists_holds import Hold, encode_exists_meta
 from ems.transport.scratch import RECEIVE_SCRATCH
@@ -60,12 +60,15 @@ from ems.transport.shm.client import ShmBuffer, ShmClient, ShmMode
 from ems.transport.shm.wire import is_local_address
 from ems.transport.ucx.direct import Connection, DirectRuntime, Exchange, WaitTimeout, connect, futures_context
 from ems.transport.ucx.frames import (
+    HEAD_BYTES,
     check_frame,
     check_header_frame,
     frame_error,
+    head_layout,
     new_head_buffer,
     new_header_frame,
     new_meta_frame,
+    pack_head,
     parse_head,
     prepare_frame,
 )
@@ -162,7 +165,7 @@ class UcxNode(NodeClient):
     def get(self, keys: Sequence[bytes], deadline: Deadline | float) -> list[Buffer | None]:
         if not keys:
             return []
-        meta = protocol.encode_keys_meta(keys)
+        meta = metas.encode_keys_meta(keys)
         return self._call(lambda ex, rid: _get(ex, rid, meta, len(keys), None), deadline)
 
     def get_into(
@@ -180,20 +183,20 @@ class UcxNode(NodeClient):
             placed = self.shm.get_into(keys, views, deadline, as_placed)
             if placed is not None:
                 return placed
-        meta = protocol.encode_keys_meta(keys)
+        meta = metas.encode_keys_meta(keys)
         return self._call(lambda ex, rid: _get(ex, rid, meta, len(keys), views), deadline)
 
     def exists(self, keys: Sequence[bytes], deadline: Deadline | float, hold: Hold | None = None) -> list[bool]:
         if not keys:
             return []
-        meta = encode_exists_meta(protocol.encode_keys_meta(keys), hold)
+        meta = encode_exists_meta(metas.encode_keys_meta(keys), hold)
         flags = 0 if hold is None else hold.flags
         if self.shm is not None:  # a same-host node: over the region's channel, where there is one
             deadline = Deadline.within(deadline)
             held = self.shm.exists(meta, len(keys), flags, deadline)
             if held is not None:
                 return held
-        reply = Reply.ONE_MESSAGE if protocol.head_layout(len(keys), 0).meta_inline else Reply.FRAMES
+        reply = Reply.ONE_MESSAGE if head_layout(len(keys), 0).meta_inline else Reply.FRAMES
         return self._call(lambda ex, rid: _exists(ex, rid, meta, len(keys), flags), deadline, reply)
 
     def ping(self, deadline: Deadline | float) -> bool:
@@ -452,8 +455,8 @@ def _request(
         request_id=rid,
         meta_end=protocol.end_byte(meta),
     )
-    layout = protocol.head_layout(len(meta), data_len)
-    head = protocol.pack_head(header, meta, data)
+    layout = head_layout(len(meta), data_len)
+    head = pack_head(header, meta, data)
     frames = ([] if layout.meta_inline else [meta]) + ([] if layout.data_inline else list(data))
     # the reply's receive, the head and the rest of the request are all posted at once (different tags, so their
     # order does not matter); the reply is awaited while the rest goes out: a node that refuses the request before
@@ -467,16 +470,16 @@ def _request(
     except WaitTimeout:
         raise
     except Exception as error:
-        raise frame_error(error, f"{protocol.HEAD_BYTES} bytes where a head was expected") from None
+        raise frame_error(error, f"{HEAD_BYTES} bytes where a head was expected") from None
     reply, body = parse_head(buf, canary)
     if reply.status != protocol.Status.OK:
-        text = bytes(body[: reply.meta_len]) if protocol.head_layout(reply.meta_len, 0).meta_inline else b""
+        text = bytes(body[: reply.meta_len]) if head_layout(reply.meta_len, 0).meta_inline else b""
         raise _Refused(text.decode("utf-8", "replace") or f"node answered status {reply.status}")
     if reply.op != op | protocol.REPLY or not reply.inline or reply.request_id != rid:
         raise protocol.ProtocolError(
             f"expected op {op | protocol.REPLY:#x} for request {rid}, got {reply.op:#x} ({reply.request_id})"
         )
-    if not protocol.head_layout(reply.meta_len, reply.data_len).meta_inline:
+    if not head_layout(reply.meta_len, reply.data_len).meta_inline:
         body = memoryview(_recv_meta(ex, reply, rid))
     ex.wait(sends)
     return reply, body
@@ -521,14 +524,14 @@ def _get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview]
     """GET: the values (`outs` None: read-only views of fresh segments), or, with `outs`, whether each value was
     placed in its caller buffer (a value of another length than its buffer counts as a miss)."""
     reply, body = _request(ex, rid, protocol.Op.GET, count=count, meta=meta)
-    lens, present, plan, ends = protocol.decode_get_reply(count, reply.data_len, body[: reply.meta_len])
-    inline = protocol.head_layout(reply.meta_len, reply.data_len).data_inline
+    lens, present, plan, ends = metas.decode_get_reply(count, reply.data_len, body[: reply.meta_len])
+    inline = head_layout(reply.meta_len, reply.data_len).data_inline
     if outs is not None and count == 1 and not inline and 0 < int(lens[0]) == outs[0].nbytes:
         # the common 1-block load: one value, alone in its segment, received straight into its buffer
         _recv_frames(ex, outs, ends, rid)
         return [True]
     present_lens = lens[present]
-    offsets, sizes = protocol.segment_bounds(present_lens, plan)
+    offsets, sizes = metas.segment_bounds(present_lens, plan)
     fits = (  # per present value: its caller buffer has its size (none without caller buffers)
         np.zeros(0, dtype=bool)
         if outs is None
@@ -598,8 +601,8 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     parts = [[_as_bytes(p) for p in parts] for parts in values]
     lens = np.fromiter((sum(p.nbytes for p in ps) for ps in parts), dtype=np.int64, count=len(parts))
-    plan = protocol.segment_plan(lens)
-    offsets, sizes = protocol.segment_bounds(lens, plan)
+    plan = metas.segment_plan(lens)
+    offsets, sizes = metas.segment_bounds(lens, plan)
     frames: list = []
     frame_lens: list[int] = []
     packed = np.empty(0, dtype=np.uint8)  # replaced at each new segment, before any value is packed into it
@@ -621,7 +624,7 @@ def _build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tup
         for p in parts[i]:
             copy_bytes(packed[at : at + p.nbytes], p)
             at += p.nbytes
-    meta = protocol.encode_put_meta(keys, lens, np.asarray(frame_lens, dtype=np.int64), protocol.end_bytes(frames))
+    meta = metas.encode_put_meta(keys, lens, np.asarray(frame_lens, dtype=np.int64), protocol.end_bytes(frames))
     return meta, frames, int(lens.sum())
 
 
