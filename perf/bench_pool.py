@@ -219,7 +219,8 @@ class RawDirect:
     `transport.ucx.direct` (the client's progress model without the protocol or a node): a ping-pong."""
 
     def __init__(self) -> None:
-        from ems.transport.ucx.direct import DirectRuntime, connect
+        from ems.transport.ucx.connector import connect
+        from ems.transport.ucx.direct import DirectRuntime
 
         self.proc = subprocess.Popen([sys.executable, "-c", RAW_PEER], stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())

@@ -25,12 +25,12 @@ pytestmark = pytest.mark.slow
 
 def _offer(node, uid: int | None = None, pid: int | None = None) -> wire.OpenReply:
     """SHM_OPEN on `node`'s connection stating `uid` / `pid` (default: this process's)."""
-    from ems.transport.ucx.client import _request
+    from ems.transport.ucx.client_requests import request
 
     meta = wire.encode_open(os.getuid() if uid is None else uid, os.getpid() if pid is None else pid)
 
     def run(ex, rid):
-        reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, meta=meta)
+        reply, body = request(ex, rid, protocol.Op.SHM_OPEN, meta=meta)
         return wire.decode_open_reply(bytes(body[: reply.meta_len]))
 
     offer = node._call(run, 5.0)
@@ -151,7 +151,7 @@ def test_a_region_cannot_be_resized_by_its_client(shared_node, node_clients):
 @pytest.mark.parametrize("op", [protocol.Op.SHM_PUT, protocol.Op.SHM_GET])
 @pytest.mark.parametrize("where", ["past-the-end", "no-region"])
 def test_ranges_outside_the_region_close_the_connection(shared_node, node_clients, op, where):
-    from ems.transport.ucx.client import _request
+    from ems.transport.ucx.client_requests import request
 
     client = _raw(node_clients, shared_node.address)
     size = 4096
@@ -162,7 +162,7 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
     meta = encode_ranged([b"k"], [offset], [size])
 
     def run(ex, rid):
-        _request(ex, rid, op, count=1, meta=meta)
+        request(ex, rid, op, count=1, meta=meta)
 
     with pytest.raises(TransportError):
         client._call(run, 5.0)
@@ -174,7 +174,7 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
 def test_a_bad_progress_word_closes_the_connection(shared_node, node_clients, progress):
     """A GET's progress word must be a u32 of the region outside every value's range (the node writes it while it
     places the values); a PUT has none. Anything else is malformed: the connection closes, the node serves on."""
-    from ems.transport.ucx.client import _request
+    from ems.transport.ucx.client_requests import request
 
     client = _raw(node_clients, shared_node.address)
     offer = _offer(client)
@@ -183,7 +183,7 @@ def test_a_bad_progress_word_closes_the_connection(shared_node, node_clients, pr
     meta = encode_ranged([b"k"], [4096], [4096], word[progress])
 
     def run(ex, rid):
-        _request(ex, rid, op, count=1, meta=meta)
+        request(ex, rid, op, count=1, meta=meta)
 
     with pytest.raises(TransportError):
         client._call(run, 5.0)
