@@ -701,7 +701,7 @@ def request(op, meta, count):
                                   flags=protocol.Flags.INLINE, request_id=rid)
     head = ucx_frames.pack_head(header, meta); reply = np.zeros(ucx_frames.HEAD_BYTES, np.uint8)
     keep = [Array(head), Array(reply)]
-    r_recv = inner.tag_recv(keep[1], u.UCXXTag(ucx_progress.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
+    r_recv = inner.tag_recv(keep[1], u.UCXXTag(protocol.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
     r_send = inner.tag_send(keep[0], u.UCXXTag(send_base))
     wait_all([r_recv], time.monotonic() + 5)
     return rid, protocol.unpack_header(reply[:protocol.HEADER_SIZE]), reply, keep, r_send
@@ -719,8 +719,8 @@ def put(keys, values):
     head = ucx_frames.pack_head(header, meta)
     reply = np.zeros(ucx_frames.HEAD_BYTES, np.uint8)
     arrs = [Array(head), Array(reply)] + [Array(np.frombuffer(c, np.uint8)) for c in chunks]
-    r_recv = inner.tag_recv(arrs[1], u.UCXXTag(ucx_progress.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
-    data_tag = u.UCXXTag(ucx_progress.request_tag(send_base, rid))
+    r_recv = inner.tag_recv(arrs[1], u.UCXXTag(protocol.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
+    data_tag = u.UCXXTag(protocol.request_tag(send_base, rid))
     sends = [inner.tag_send(arrs[0], u.UCXXTag(send_base))] + [inner.tag_send(a, data_tag) for a in arrs[2:]]
     wait_all([r_recv] + sends, time.monotonic() + 30)
 
@@ -730,7 +730,7 @@ def get_into(keys, outs):
     lens, _, plan, _ = metas.decode_get_reply(len(keys), h.data_len, meta)
     offsets, sizes = metas.segment_bounds(lens, plan)
     segs = [np.empty(int(s), np.uint8) for s in sizes]; arrs = [Array(s) for s in segs]
-    tag = u.UCXXTag(ucx_progress.request_tag(recv_base, rid))
+    tag = u.UCXXTag(protocol.request_tag(recv_base, rid))
     reqs = [inner.tag_recv(a, tag, u.UCXXTagMaskFull) for a in arrs]
     wait_all(reqs + [r_send], time.monotonic() + 30)
     for i, (seg, off, n) in enumerate(zip(plan.tolist(), offsets.tolist(), lens.tolist())):

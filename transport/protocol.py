@@ -9,8 +9,10 @@ Contract:
       request_id u32 | data_len u64
 
   followed by the **meta** (`meta_len` bytes, absent when 0), then the **data** (`data_len` bytes in all). On UCX,
-  frames are tagged messages in one of two framings (classic, or inline: a head carrying what fits), each request
-  on a tag of its own, its id unique among the connection's requests in flight (`ucx.frames`).
+  frames are tagged messages in one of two framings (classic, or inline: a head carrying what fits: `ucx.frames`).
+  Each side of a connection receives on a 64-bit base tag it chose; a request's frames after its head, and its
+  reply, travel on its own tag: the base tag with its low 32 bits XORed with its id (`request_tag`), unique among
+  the connection's requests in flight, so every tag of one connection shares the base tag's high 32 bits.
 * **Every frame's last byte is known to its receiver before the frame arrives** ("end bytes"), which is how a
   receiver knows a frame's length exactly although UCX does not report it (`ucx.frames`): the receiver sets that
   byte to another value before the receive and refuses the frame when it still holds it afterwards (a frame short
@@ -92,6 +94,8 @@ KEY_META_PER_KEY = 4
 
 SEGMENT_BYTES = 1 << 20  # values this large travel alone; smaller ones are packed up to about this size
 MAX_REQUEST_ID = (1 << 32) - 1
+CONNECTION_TAG_MASK = 0xFFFF_FFFF_0000_0000  # the bits every tag of one connection shares (`request_tag`)
+REQUEST_ID_MASK = 0xFFFF_FFFF
 
 
 class Op(enum.IntEnum):
@@ -193,6 +197,11 @@ def check_meta_end(header: Header, meta: Buffer_) -> None:
     header states."""
     if end_byte(meta) != header.meta_end:
         raise ProtocolError("the meta does not end with the byte its header states")
+
+
+def request_tag(base: int, request_id: int | None) -> int:
+    """The tag of request `request_id`'s frames on a connection whose base tag is `base` (None: the base tag)."""
+    return base if request_id is None else base ^ (request_id & REQUEST_ID_MASK)
 
 
 @dataclass(frozen=True, slots=True)

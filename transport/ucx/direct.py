@@ -6,7 +6,7 @@ Contract:
   futures"), which nothing awaits: they only wake a waiting thread.
 * `Connection.send(buffer, tag)` / `recv(buffer, tag)` post (submit, see below) one tagged message now and return a `Posted` (the
   request and the buffer UCX uses, kept alive together). `tag` None is the connection's base tag, else a request id
-  (the protocol's tag layout, `ucx.progress.request_tag`). Any thread may post, concurrently with others. A
+  (the protocol's tag layout, `protocol.request_tag`). Any thread may post, concurrently with others. A
   connection is made by `ucx.connector.connect` (ucxx's peer-info exchange).
 * `DirectRuntime.wait(posted, deadline)` blocks the calling thread until every request in `posted` is complete and
   raises the first one's UCX error, or raises `WaitTimeout` at `deadline`. A request given up on (its caller timed
@@ -55,10 +55,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ems.transport import protocol
 from ems.transport.base import Ending
 from ems.transport.ucx import config as ucx_config
 from ems.transport.ucx.client_worker import start_worker, ucxx_names
-from ems.transport.ucx.progress import request_tag
 
 PROGRESS_EPOLL_MS = 100  # the C++ progress thread's idle wake-up period (UCX keepalive, peer-failure detection)
 LEAD_PERIOD_S = 0.05  # a leader re-checks its deadline and the waits at least this often
@@ -293,7 +293,7 @@ class Connection:
     def send(self, buffer: Any, tag: int | None = None) -> Posted:
         """Post one tagged send of `buffer` now."""
         array = self._array(buffer)
-        request = self._live().tag_send(array, self._tag(request_tag(self.send_tag, tag)))
+        request = self._live().tag_send(array, self._tag(protocol.request_tag(self.send_tag, tag)))
         if not request.completed:  # DIRECT: the rest of it needs progress (DELAYED: a no-op)
             self.runtime.signal()
         return Posted(request, array, buffer)
@@ -301,7 +301,7 @@ class Connection:
     def recv(self, buffer: Any, tag: int | None = None) -> Posted:
         """Post one tagged receive into `buffer` (writable) now."""
         array = self._array(buffer)
-        request = self._live().tag_recv(array, self._tag(request_tag(self.recv_tag, tag)), self._mask)
+        request = self._live().tag_recv(array, self._tag(protocol.request_tag(self.recv_tag, tag)), self._mask)
         # DIRECT: a small receive only waits for the peer's bytes (their arrival wakes the progress thread); a large
         # one may have matched a rendezvous already announced, whose reply UCX then has to progress
         if array.nbytes > SMALL_RECV_BYTES and not request.completed:

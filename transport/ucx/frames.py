@@ -13,7 +13,7 @@ Contract:
   them concurrently (within its in-flight budget) and each reply finds its caller by its tag, so replies may come
   back in any order.
 * Tags: each side of a connection receives on a 64-bit base tag it chose (exchanged when UCX connects); a request's
-  own tag is that base tag with its low 32 bits XORed with `request_id` (`ucx.progress.request_tag`), so every tag
+  own tag is that base tag with its low 32 bits XORed with `request_id` (`protocol.request_tag`), so every tag
   of one connection shares the base tag's high 32 bits. A node gives each live connection distinct high bits and
   discards every message it has not received on a connection's tags when that connection ends, as well as messages
   on tags of no connection at all, so unread messages never pile up past their connection. It does so while they
