@@ -219,7 +219,8 @@ class RawDirect:
     `transport.ucx.direct` (the client's progress model without the protocol or a node): a ping-pong."""
 
     def __init__(self) -> None:
-        from ems.transport.ucx.direct import DirectRuntime, connect
+        from ems.transport.ucx.connector import connect
+        from ems.transport.ucx.direct import DirectRuntime
 
         self.proc = subprocess.Popen([sys.executable, "-c", RAW_PEER], stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())
@@ -654,7 +655,8 @@ import asyncio, sys, time, statistics
 sys.path.insert(0, sys.argv[2] + "/tests/pool"); sys.path.insert(0, sys.argv[2] + "/perf")
 import numpy as np
 from pool_testlib import PoolProcess, make_values
-from ems.transport import protocol
+from ems.transport import metas, protocol
+from ems.transport.ucx import frames as ucx_frames
 from ems.transport.ucx import progress as ucx_progress
 from ems.transport.ucx.config import init_ucx
 from ems.transport.ucx.endpoint import create_endpoint
@@ -697,38 +699,38 @@ def request(op, meta, count):
     rid = next(rids)
     header = protocol.pack_header(op, count=count, meta_len=len(meta), meta_end=protocol.end_byte(meta),
                                   flags=protocol.Flags.INLINE, request_id=rid)
-    head = protocol.pack_head(header, meta); reply = np.zeros(protocol.HEAD_BYTES, np.uint8)
+    head = ucx_frames.pack_head(header, meta); reply = np.zeros(ucx_frames.HEAD_BYTES, np.uint8)
     keep = [Array(head), Array(reply)]
-    r_recv = inner.tag_recv(keep[1], u.UCXXTag(ucx_progress.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
+    r_recv = inner.tag_recv(keep[1], u.UCXXTag(protocol.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
     r_send = inner.tag_send(keep[0], u.UCXXTag(send_base))
     wait_all([r_recv], time.monotonic() + 5)
     return rid, protocol.unpack_header(reply[:protocol.HEADER_SIZE]), reply, keep, r_send
 
 def exists():
-    rid, h, reply, keep, r_send = request(protocol.Op.EXISTS, protocol.encode_keys_meta([b"k0"]), 1)
+    rid, h, reply, keep, r_send = request(protocol.Op.EXISTS, metas.encode_keys_meta([b"k0"]), 1)
     wait_all([r_send], time.monotonic() + 5)
 
 def put(keys, values):
     lens = np.array([sum(len(p) for p in v) for v in values]); chunks = [b"".join(v) for v in values]
-    meta = protocol.encode_put_meta(keys, lens, lens, protocol.end_bytes(chunks))
+    meta = metas.encode_put_meta(keys, lens, lens, protocol.end_bytes(chunks))
     rid = next(rids)
     header = protocol.pack_header(protocol.Op.PUT, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta),
                                   data_len=int(lens.sum()), flags=protocol.Flags.INLINE, request_id=rid)
-    head = protocol.pack_head(header, meta)
-    reply = np.zeros(protocol.HEAD_BYTES, np.uint8)
+    head = ucx_frames.pack_head(header, meta)
+    reply = np.zeros(ucx_frames.HEAD_BYTES, np.uint8)
     arrs = [Array(head), Array(reply)] + [Array(np.frombuffer(c, np.uint8)) for c in chunks]
-    r_recv = inner.tag_recv(arrs[1], u.UCXXTag(ucx_progress.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
-    data_tag = u.UCXXTag(ucx_progress.request_tag(send_base, rid))
+    r_recv = inner.tag_recv(arrs[1], u.UCXXTag(protocol.request_tag(recv_base, rid)), u.UCXXTagMaskFull)
+    data_tag = u.UCXXTag(protocol.request_tag(send_base, rid))
     sends = [inner.tag_send(arrs[0], u.UCXXTag(send_base))] + [inner.tag_send(a, data_tag) for a in arrs[2:]]
     wait_all([r_recv] + sends, time.monotonic() + 30)
 
 def get_into(keys, outs):
-    rid, h, reply, keep, r_send = request(protocol.Op.GET, protocol.encode_keys_meta(keys), len(keys))
+    rid, h, reply, keep, r_send = request(protocol.Op.GET, metas.encode_keys_meta(keys), len(keys))
     meta = reply[protocol.HEADER_SIZE : protocol.HEADER_SIZE + h.meta_len].tobytes()
-    lens, _, plan, _ = protocol.decode_get_reply(len(keys), h.data_len, meta)
-    offsets, sizes = protocol.segment_bounds(lens, plan)
+    lens, _, plan, _ = metas.decode_get_reply(len(keys), h.data_len, meta)
+    offsets, sizes = metas.segment_bounds(lens, plan)
     segs = [np.empty(int(s), np.uint8) for s in sizes]; arrs = [Array(s) for s in segs]
-    tag = u.UCXXTag(ucx_progress.request_tag(recv_base, rid))
+    tag = u.UCXXTag(protocol.request_tag(recv_base, rid))
     reqs = [inner.tag_recv(a, tag, u.UCXXTagMaskFull) for a in arrs]
     wait_all(reqs + [r_send], time.monotonic() + 30)
     for i, (seg, off, n) in enumerate(zip(plan.tolist(), offsets.tolist(), lens.tolist())):

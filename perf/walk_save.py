@@ -1,12 +1,12 @@
 """The walk of one call: which files' Python code runs during one warm V1 save or load through the public API, in
 the order first visited, how often the call moves from one file to another and how often from one folder to another.
 
-Contract: `python perf/walk_save.py [--pool embedded|nodes] [--op save|load] [--root PATH]`.
-`--pool embedded` (default): the pool in this process (CPU tensors). `--pool nodes`: two real `ems.pool` node
-processes on 127.0.0.1 (the client's process is the one walked). `--op`: the call walked. `--root`: the source tree to
-walk (a checkout of another commit, its `ems`, `transport` and `kernels` on `PYTHONPATH` as that tree maps them;
-default: this tree). It saves and loads two blocks once (warm-up: registration and first-call work are not the walk),
-then profiles a second call of two other blocks (`sys.setprofile`: every Python function called, in `ems/`,
+Contract: `python perf/walk_save.py [--pool embedded|nodes] [--op save|load] [--nodes N] [--root PATH]`. `--pool
+embedded` (default): the pool in this process (CPU tensors). `--pool nodes`: `--nodes` (default 2) real `ems.pool`
+node processes on 127.0.0.1 (the client's process is the one walked). `--op`: the call walked. `--root`: the source
+tree to walk (a checkout of another commit, its `ems`, `transport` and `kernels` on `PYTHONPATH` as that tree maps
+them; default: this tree). It saves and loads two blocks once (warm-up: registration and first-call work are not the
+walk), then profiles a second call of two other blocks (`sys.setprofile`: every Python function called, in `ems/`,
 `transport/` and `kernels/` of the root) and prints the files in the order first visited, their count, the number of
 file-to-file switches and folder-to-folder changes. Functions on other threads (the UCX progress loop) are not the
 call's walk. C code (the compiled host copy, numpy, torch, UCX) is not a file of the walk. Counts, not timings.
@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pool", choices=("embedded", "nodes"), default="embedded")
     ap.add_argument("--op", choices=("save", "load"), default="save")
+    ap.add_argument("--nodes", type=int, default=2, help="node processes with --pool nodes (default: 2)")
     ap.add_argument("--root", type=Path, default=HERE.parent, help="the source tree to walk (default: this one)")
     args = ap.parse_args()
     root = args.root.resolve()
@@ -42,7 +43,7 @@ def main() -> None:
     if args.pool == "nodes":
         from pool_testlib import PoolProcess
 
-        nodes = [PoolProcess("64MiB") for _ in range(2)]
+        nodes = [PoolProcess("64MiB") for _ in range(args.nodes)]
         config = EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_nodes=[n.address for n in nodes])
     else:
         config = EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_capacity="64MiB")

@@ -45,7 +45,7 @@ TRANSPORT_NEVER = {  # importer -> imported, inside the transport
     (TRANSPORT, "ems.transport.ucx"): "the contract is what every medium shares: it names none of them",
     (TRANSPORT, "ems.transport.shm"): "the contract is what every medium shares: it names none of them",
     ("ems.transport.shm", "ems.transport.ucx"): "shared memory is handed what it needs of its node client "
-    "(`shm.client.NodeLink`), it does not reach into UCX",
+    "(`shm.opening.NodeLink`), it does not reach into UCX",
 }
 
 

@@ -8,10 +8,10 @@ Layout:
   a node);
 * `ucx/`: the client and the node's sessions over UCX (`ucx.client.UcxNode`, `ucx.remote.connect`,
   `ucx.server.PoolServer`);
-* `shm/`: same-host shared memory beside a UCX connection (its protocol in `shm` itself; `shm.client`,
+* `shm/`: same-host shared memory beside a UCX connection (its protocol in `shm.wire`; `shm.client`,
   `shm.server` ...).
 
 Layering: the contract imports neither medium, and shared memory does not import UCX: `shm.client.ShmClient` is
-handed what it needs of its node client (`shm.client.NodeLink`) by that client (tests/test_layers.py). Of `ems` the
+handed what it needs of its node client (`shm.opening.NodeLink`) by that client (tests/test_layers.py). Of `ems` the
 transport imports only leaf modules, never the store nor `ems.pool` (tests/transport/test_layering.py).
 """

@@ -50,7 +50,7 @@ class Hold:
 
 
 def encode_exists_meta(keys_meta: bytes, hold: Hold | None) -> bytes:
-    """An EXISTS's meta: `keys_meta` (`protocol.encode_keys_meta`), after the lease's milliseconds for a lease."""
+    """An EXISTS's meta: `keys_meta` (`metas.encode_keys_meta`), after the lease's milliseconds for a lease."""
     if hold is None or hold.kind is HoldKind.PIN:
         return keys_meta
     return _LEASE_MS.pack(hold.lease_ms) + keys_meta

@@ -14,7 +14,7 @@ Contract:
 * A handler raises `Refusal` for a request the node will not take (no room in the in-flight budget): the session
   answers BAD_REQUEST with its message, then closes the connection (or the region's channel). A malformed request
   raises `protocol.ProtocolError` (that connection only is closed).
-* `RequestChannel` is where one request's frames and reply travel (`ucx.server.Channel`, `shm.channel.NodeChannel`).
+* `RequestChannel` is where one request's frames and reply travel (`ucx.server.Channel`, `shm.server.NodeChannel`).
 * `SessionLimits` and `SessionMetrics` are the parts of the node's limits and metrics the sessions apply and count
   (`ems.pool.budget.NodeLimits`, `ems.pool.metrics.NodeMetrics` have them).
 """

@@ -45,7 +45,7 @@ import numpy as np
 from ems.buffers import Buffer
 from ems.pool.budget import ByteBudget, NodeLimits
 from ems.pool.namespaces import BookStore, NamespaceBook
-from ems.transport import protocol
+from ems.transport import metas, protocol
 from ems.transport.exists_holds import Hold, decode_exists_meta
 from ems.transport.handler import Refusal, RequestChannel
 from ems.transport.scratch import ScratchBuffers
@@ -228,7 +228,7 @@ class NodeHandlers:
                 if op == _EXISTS:
                     await channel.reply(op, count=header.count, meta=self._exists(header, await channel.meta(), prefix))
                     return 0
-                keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, await channel.meta()))
+                keys = _namespaced(prefix, metas.decode_keys_meta(header.count, await channel.meta()))
             finally:
                 self.budget.release(header.meta_len)
             if len(keys) == 1:
@@ -249,7 +249,7 @@ class NodeHandlers:
     def _exists(self, header: protocol.Header, meta: memoryview | bytes, prefix: bytes) -> bytes:
         """An EXISTS's reply meta: the keys held (and, where it asks, leased or pinned: `transport.exists_holds`)."""
         hold, keys_meta = decode_exists_meta(header.flags, meta)
-        keys = _namespaced(prefix, protocol.decode_keys_meta(header.count, keys_meta))
+        keys = _namespaced(prefix, metas.decode_keys_meta(header.count, keys_meta))
         flags = self.store.contains_many(keys) if hold is None else self.store.hold_many(keys, hold)
         self.namespaces.count_flags(keys, flags)
         return protocol.encode_flags(flags)
@@ -337,7 +337,7 @@ class NodeHandlers:
         charge = header.meta_len + header.data_len
         await self.take(charge)  # before anything of the request beyond its head is received
         try:
-            request = protocol.decode_put_meta(header.count, header.data_len, await channel.meta())
+            request = metas.decode_put_meta(header.count, header.data_len, await channel.meta())
             keys = _namespaced(prefix, request.keys)
             refused = self.namespaces.refused(keys, request.value_lens)  # namespace records past their bounds
             # Receive into buffers recycled from evicted values where the store has them (no first-touch page
@@ -410,8 +410,8 @@ class NodeHandlers:
         try:
             present = np.nonzero(lens >= 0)[0]
             present_lens = lens[present]
-            plan = protocol.segment_plan(present_lens)
-            offsets, sizes = protocol.segment_bounds(present_lens, plan)
+            plan = metas.segment_plan(present_lens)
+            offsets, sizes = metas.segment_bounds(present_lens, plan)
             segments: list = []
             packed: list[np.ndarray] = []
             counts = np.bincount(plan, minlength=sizes.size) if plan.size else np.zeros(0, np.int64)
@@ -430,7 +430,7 @@ class NodeHandlers:
                     buf[int(offsets[j]) : int(offsets[j]) + size] = np.frombuffer(value, dtype=np.uint8)
                 segments.append(buf)
             del values
-            meta = protocol.encode_get_reply(lens, segments)
+            meta = metas.encode_get_reply(lens, segments)
             frames = [s for s in segments if memoryview(s).nbytes]
             del segments
             await channel.reply(_GET, count=len(keys), meta=meta, data=frames, data_len=total)
@@ -466,7 +466,7 @@ class NodeHandlers:
 # ---- helpers ----
 
 
-async def _receive_put(channel: RequestChannel, request: protocol.PutRequest, segments: list) -> None:
+async def _receive_put(channel: RequestChannel, request: metas.PutRequest, segments: list) -> None:
     """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
     by length-verified receives. Returns only once every receive has ended (so a failed request's buffers can
     be recycled: UCX writes into none of them any more)."""

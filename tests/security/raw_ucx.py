@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from ucx_loop import UcxRuntime
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
 from ems.transport.ucx import progress as ucx_progress
 from ems.transport.ucx.endpoint import create_endpoint
 
@@ -150,12 +150,12 @@ class RawSession:
     def put_frames(self, key: bytes, announced: int, data: Sequence[bytes], end: int = 0) -> list:
         """A PUT of one value announced as `announced` bytes in one data frame ending with byte `end`, with `data` as
         the frames sent."""
-        meta = protocol.encode_put_meta([key], np.array([announced]), np.array([announced]), bytes([end]))
+        meta = metas.encode_put_meta([key], np.array([announced]), np.array([announced]), bytes([end]))
         return [header(protocol.Op.PUT, meta, count=1, data_len=announced), meta, *data]
 
     def get(self, keys: Sequence[bytes], timeout_s: float = 5.0) -> Any:
         """The node's values for `keys` (None where missing), or CLOSED / SILENT."""
-        meta = protocol.encode_keys_meta(keys)
+        meta = metas.encode_keys_meta(keys)
         if self.send(header(protocol.Op.GET, meta, count=len(keys)), meta) == CLOSED:
             return CLOSED
         reply = self.reply(timeout_s)
@@ -163,9 +163,9 @@ class RawSession:
             return reply
         if reply.header.status != protocol.Status.OK:
             return reply
-        lens, _, plan, _ = protocol.decode_get_reply(len(keys), reply.header.data_len, reply.meta)
+        lens, _, plan, _ = metas.decode_get_reply(len(keys), reply.header.data_len, reply.meta)
         present = lens[lens >= 0]
-        offsets, sizes = protocol.segment_bounds(present, plan)
+        offsets, sizes = metas.segment_bounds(present, plan)
         segments = []
         for size in sizes.tolist():
             got = self.recv(int(size), timeout_s)

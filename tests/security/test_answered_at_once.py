@@ -8,18 +8,19 @@ import numpy as np
 from pool_testlib import make_values
 from raw_ucx import CLOSED, RawSession
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
+from ems.transport.ucx import frames as ucx_frames
 
 
 def _inline_head(op: int, request_id: int, meta: bytes = b"", count: int = 0) -> np.ndarray:
     header = protocol.pack_header(
         op, count=count, meta_len=len(meta), meta_end=protocol.end_byte(meta), flags=protocol.Flags.INLINE, request_id=request_id
     )
-    return protocol.pack_head(header, meta)
+    return ucx_frames.pack_head(header, meta)
 
 
 def _reply(raw: RawSession, request_id: int, meta_len: int) -> protocol.Header | str:
-    got = raw.recv_tagged(protocol.head_layout(meta_len, 0).length, request_id)
+    got = raw.recv_tagged(ucx_frames.head_layout(meta_len, 0).length, request_id)
     if isinstance(got, str):
         return got
     header = protocol.unpack_header(got[: protocol.HEADER_SIZE])
@@ -29,8 +30,8 @@ def _reply(raw: RawSession, request_id: int, meta_len: int) -> protocol.Header |
 
 
 def _exists(raw: RawSession, request_id: int, keys: list[bytes]) -> list[bool] | str:
-    raw.post_sends(_inline_head(protocol.Op.EXISTS, request_id, protocol.encode_keys_meta(keys), len(keys)))
-    got = raw.recv_tagged(protocol.head_layout(len(keys), 0).length, request_id)
+    raw.post_sends(_inline_head(protocol.Op.EXISTS, request_id, metas.encode_keys_meta(keys), len(keys)))
+    got = raw.recv_tagged(ucx_frames.head_layout(len(keys), 0).length, request_id)
     if isinstance(got, str):
         return got
     header = protocol.unpack_header(got[: protocol.HEADER_SIZE])
@@ -52,9 +53,9 @@ def test_exists_and_ping_answered_with_ids_reused_at_once(shared_node, node_clie
         assert isinstance(ping, protocol.Header) and ping.op == protocol.Op.PING | protocol.REPLY
         # several in flight at once, answered each on its own tag
         ids = list(range(100, 116))
-        raw.post_sends(*[_inline_head(protocol.Op.EXISTS, i, protocol.encode_keys_meta(keys), 2) for i in ids])
+        raw.post_sends(*[_inline_head(protocol.Op.EXISTS, i, metas.encode_keys_meta(keys), 2) for i in ids])
         for i in ids:
-            got = raw.recv_tagged(protocol.head_layout(2, 0).length, i)
+            got = raw.recv_tagged(ucx_frames.head_layout(2, 0).length, i)
             assert not isinstance(got, str), (i, got)
             assert got[protocol.HEADER_SIZE : protocol.HEADER_SIZE + 2].tolist() == [1, 0]
         assert _exists(raw, 7, keys) == [True, False]

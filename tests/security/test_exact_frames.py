@@ -20,9 +20,12 @@ import pytest
 from pool_testlib import client_of_scripted_node, joined, make_values
 from raw_ucx import CLOSED, RawSession, Reply, header
 
-from ems.transport import protocol, shm
+from ems.transport import metas, protocol
 from ems.transport.base import TransportError
 from ems.transport.exists_holds import Hold, encode_exists_meta
+from ems.transport.shm import wire
+from ems.transport.shm.client import encode_ranged
+from ems.transport.ucx import frames as ucx_frames
 from ems.transport.ucx.frames import recv_head, recv_header_frame, recv_meta, send_all
 
 pytestmark = pytest.mark.slow
@@ -38,20 +41,20 @@ def cuts(n: int) -> list[int]:
 
 
 def _head(op: int, request_id: int, meta: bytes = b"", data: bytes = b"", count: int = 1, flags: int = 0) -> np.ndarray:
-    """An inline head announcing `data` (which it carries where `protocol.head_layout` puts it inline)."""
+    """An inline head announcing `data` (which it carries where `ucx_frames.head_layout` puts it inline)."""
     h = header(op, meta, count=count, data_len=len(data), flags=INLINE | flags, request_id=request_id)
-    return protocol.pack_head(h, meta, [data] if data else [])
+    return ucx_frames.pack_head(h, meta, [data] if data else [])
 
 
 def _put(keys: list[bytes], values: list[bytes], inline: bool, request_id: int = 5) -> list[tuple[np.ndarray, int | None]]:
     """A PUT's frames as (frame, tag): one data frame per value (values under SEGMENT_BYTES each, one segment)."""
     lens = np.array([len(v) for v in values])
     packed = b"".join(values)
-    meta = protocol.encode_put_meta(keys, lens, np.array([len(packed)]), protocol.end_bytes([packed]))
+    meta = metas.encode_put_meta(keys, lens, np.array([len(packed)]), protocol.end_bytes([packed]))
     if not inline:
         h = header(protocol.Op.PUT, meta, count=len(keys), data_len=len(packed))
         return [(h, None), (np.frombuffer(meta, np.uint8), None), (np.frombuffer(packed, np.uint8), None)]
-    layout = protocol.head_layout(len(meta), len(packed))
+    layout = ucx_frames.head_layout(len(meta), len(packed))
     frames: list[tuple[np.ndarray, int | None]] = [(_head(protocol.Op.PUT, request_id, meta, packed, count=len(keys)), None)]
     if not layout.meta_inline:
         frames.append((np.frombuffer(meta, np.uint8), request_id))
@@ -67,27 +70,27 @@ def _classic(op: int, meta: bytes, count: int = 1) -> list[tuple[np.ndarray, int
 VALUE = joined(make_values(1, 60, seed=4)[0])  # 100 bytes, a well-formed value
 BIG_VALUE = joined(make_values(1, 9_000, seed=5)[0])  # its data frame travels after the head
 BIG_KEYS = [bytes([65 + i]) * 4000 for i in range(3)]  # their meta travels after the head
-LEASE = encode_exists_meta(protocol.encode_keys_meta([b"k1", b"k22"]), Hold.lease(500))
+LEASE = encode_exists_meta(metas.encode_keys_meta([b"k1", b"k22"]), Hold.lease(500))
 
 # frame kind -> (log in first, the request's frames as (frame, tag), which frame is cut)
 KINDS: dict[str, tuple[bool, list[tuple[np.ndarray, int | None]], int]] = {
     "hello-header": (False, _classic(protocol.Op.HELLO, b"tenant-abc", count=0), 0),
     "hello-meta": (False, _classic(protocol.Op.HELLO, b"tenant-abc", count=0), 1),
     "classic-ping-header": (True, [(header(protocol.Op.PING), None)], 0),
-    "classic-get-meta": (True, _classic(protocol.Op.GET, protocol.encode_keys_meta([b"key-1", b"key-22"]), 2), 1),
-    "classic-exists-meta": (True, _classic(protocol.Op.EXISTS, protocol.encode_keys_meta([b"key-3"])), 1),
+    "classic-get-meta": (True, _classic(protocol.Op.GET, metas.encode_keys_meta([b"key-1", b"key-22"]), 2), 1),
+    "classic-exists-meta": (True, _classic(protocol.Op.EXISTS, metas.encode_keys_meta([b"key-3"])), 1),
     "classic-put-meta": (True, _put([b"v"], [VALUE], inline=False), 1),
     "classic-put-data": (True, _put([b"v"], [VALUE], inline=False), 2),
     "ping-head": (True, [(_head(protocol.Op.PING, 3, count=0), None)], 0),
     "exists-lease-head": (True, [(_head(protocol.Op.EXISTS, 4, LEASE, count=2, flags=protocol.Flags.LEASE), None)], 0),
-    "get-head": (True, [(_head(protocol.Op.GET, 6, protocol.encode_keys_meta([b"key-1"])), None)], 0),
+    "get-head": (True, [(_head(protocol.Op.GET, 6, metas.encode_keys_meta([b"key-1"])), None)], 0),
     "put-head-with-data": (True, _put([b"v"], [VALUE], inline=True), 0),
     "put-data-frame": (True, _put([b"w"], [BIG_VALUE], inline=True), 1),
     "put-meta-frame": (True, _put(BIG_KEYS, [VALUE] * 3, inline=True), 1),
     "get-meta-frame": (True, [(_head(protocol.Op.GET, 8, count=3), None)], 0),  # replaced below
-    "shm-open-head": (True, [(_head(protocol.Op.SHM_OPEN, 9, shm.encode_open(0, 1), count=0), None)], 0),
+    "shm-open-head": (True, [(_head(protocol.Op.SHM_OPEN, 9, wire.encode_open(0, 1), count=0), None)], 0),
 }
-_get_meta = protocol.encode_keys_meta(BIG_KEYS)
+_get_meta = metas.encode_keys_meta(BIG_KEYS)
 KINDS["get-meta-frame"] = (
     True,
     [(_head(protocol.Op.GET, 8, _get_meta, count=3), None), (np.frombuffer(_get_meta, np.uint8), 8)],
@@ -104,7 +107,7 @@ def _attempt(port: int, kind: str, cut: int) -> str:
             raw.login()
         sent = [(f if i != at else f[: f.size - cut], tag) for i, (f, tag) in enumerate(frames[: at + 1])]
         raw.post_sends(*[f for f, _ in sent], tags=[t for _, t in sent])
-        outcome = raw.recv(protocol.HEAD_BYTES, timeout_s=3.0)
+        outcome = raw.recv(ucx_frames.HEAD_BYTES, timeout_s=3.0)
     return outcome if isinstance(outcome, str) else f"answered {bytes(outcome[:32]).hex()}"
 
 
@@ -117,7 +120,7 @@ def test_every_frame_kind_is_whole_when_not_cut(shared_node):
             raw.login()
             raw.post_sends(*[f for f, _ in frames], tags=[t for _, t in frames])
             request_id = frames[0][0][20:24].view("<u4")[0] if frames[0][0].size > 32 else 0
-            got = raw.recv_tagged(protocol.HEAD_BYTES, int(request_id), timeout_s=5.0) if request_id else raw.reply()
+            got = raw.recv_tagged(ucx_frames.HEAD_BYTES, int(request_id), timeout_s=5.0) if request_id else raw.reply()
             assert not isinstance(got, str), (kind, got)
             answer = got.header if isinstance(got, Reply) else protocol.unpack_header(got[:32])
             assert answer.status == protocol.Status.OK or kind == "shm-open-head", (kind, answer)
@@ -150,7 +153,7 @@ class _Script:
 
 REPLY_VALUE = joined(make_values(1, 9_000, seed=6)[0])  # a GET reply whose value travels as a frame of its own
 CLIENT_KINDS = {"challenge-header": 32, "challenge-meta": protocol.NONCE_BYTES, "auth-header": 32}
-CLIENT_KINDS |= {"ping-reply-head": protocol.head_layout(0, 0).length}
+CLIENT_KINDS |= {"ping-reply-head": ucx_frames.head_layout(0, 0).length}
 CLIENT_KINDS |= {"get-reply-data": len(REPLY_VALUE), "get-reply-meta": 8 * 1100}
 
 
@@ -172,20 +175,20 @@ def _scripted(script: _Script) -> Callable:
             await send_all(ep, [cut_if("auth-header", protocol.pack_header(protocol.Op.AUTH | protocol.REPLY))])
             request, _body = await recv_head(ep)
             rid = request.request_id
-            if not protocol.head_layout(request.meta_len, request.data_len).meta_inline:
+            if not ucx_frames.head_layout(request.meta_len, request.data_len).meta_inline:
                 await recv_meta(ep, request, rid)
             if request.op == protocol.Op.PING:
-                reply = np.frombuffer(protocol.pack_meta_reply(protocol.Op.PING, rid), np.uint8)
+                reply = np.frombuffer(ucx_frames.pack_meta_reply(protocol.Op.PING, rid), np.uint8)
                 await send_all(ep, [cut_if("ping-reply-head", reply)], rid)
             elif request.count == 1:  # GET of one key: its value in a frame after the head
                 value = np.frombuffer(REPLY_VALUE, np.uint8)
-                meta = protocol.encode_get_reply(np.array([value.size]), [value])
+                meta = metas.encode_get_reply(np.array([value.size]), [value])
                 h = header(protocol.Op.GET | protocol.REPLY, meta, count=1, data_len=value.size, flags=INLINE, request_id=rid)
-                await send_all(ep, [protocol.pack_head(h, meta), cut_if("get-reply-data", value)], rid)
+                await send_all(ep, [ucx_frames.pack_head(h, meta), cut_if("get-reply-data", value)], rid)
             else:  # GET of 1,100 keys, all misses: the reply meta travels after the head
-                meta = protocol.encode_get_reply(np.full(request.count, -1), [])
+                meta = metas.encode_get_reply(np.full(request.count, -1), [])
                 h = header(protocol.Op.GET | protocol.REPLY, meta, count=request.count, flags=INLINE, request_id=rid)
-                await send_all(ep, [protocol.pack_head(h, meta), cut_if("get-reply-meta", np.frombuffer(meta, np.uint8))], rid)
+                await send_all(ep, [ucx_frames.pack_head(h, meta), cut_if("get-reply-meta", np.frombuffer(meta, np.uint8))], rid)
             await asyncio.wait_for(ep.recv(np.empty(1, np.uint8)), 3.0)  # until the client leaves
         except Exception:  # the client hung up
             pass
@@ -232,7 +235,7 @@ _HANDSHAKE_OPS = (protocol.Op.HELLO, protocol.Op.AUTH, protocol.Op.CHALLENGE)
 
 def _request_with_flags(op: int, flag: int) -> list[tuple[np.ndarray, int | None]]:
     """A well-formed request of `op` (inline when `flag` is INLINE, else classic) whose header carries `flag`."""
-    keys = protocol.encode_keys_meta([b"flag-key"])
+    keys = metas.encode_keys_meta([b"flag-key"])
     if op == protocol.Op.PUT:
         frames = _put([b"flag-key"], [VALUE], inline=flag == INLINE, request_id=11)
     else:
@@ -243,9 +246,9 @@ def _request_with_flags(op: int, flag: int) -> list[tuple[np.ndarray, int | None
             protocol.Op.GET: keys,
             protocol.Op.EXISTS: encode_exists_meta(keys, Hold.lease(100)) if flag == protocol.Flags.LEASE else keys,
             protocol.Op.PING: b"",
-            protocol.Op.SHM_OPEN: shm.encode_open(0, 1),
-            protocol.Op.SHM_PUT: shm.encode_ranged([b"k"], [0], [8]),
-            protocol.Op.SHM_GET: shm.encode_ranged([b"k"], [0], [8]),
+            protocol.Op.SHM_OPEN: wire.encode_open(0, 1),
+            protocol.Op.SHM_PUT: encode_ranged([b"k"], [0], [8]),
+            protocol.Op.SHM_GET: encode_ranged([b"k"], [0], [8]),
         }[op]
         count = 1 if op in (protocol.Op.GET, protocol.Op.EXISTS, protocol.Op.SHM_PUT, protocol.Op.SHM_GET) else 0
         if flag == INLINE and op not in _HANDSHAKE_OPS:  # (the handshake is always classic)
@@ -281,9 +284,9 @@ def test_every_op_with_every_flag_bit(pool_nodes, node_clients, op):
                 raw.login()
             raw.post_sends(*[f for f, _ in frames], tags=[t for _, t in frames])
             if flag == INLINE and op not in _HANDSHAKE_OPS:
-                got = raw.recv_tagged(protocol.HEAD_BYTES, 11, timeout_s=3.0)
+                got = raw.recv_tagged(ucx_frames.HEAD_BYTES, 11, timeout_s=3.0)
             else:
-                got = raw.recv(protocol.HEAD_BYTES, timeout_s=3.0)
+                got = raw.recv(ucx_frames.HEAD_BYTES, timeout_s=3.0)
         named = f"flags {flag:#x} on op {int(op):#x}" in node.log_text()
         if defined and named:
             wrong.append((bit, "refused as undefined"))

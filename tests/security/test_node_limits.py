@@ -20,7 +20,7 @@ from pool_testlib import joined, make_values, wait_until
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
 
 from ems.errors import EmsErrorCode
-from ems.transport import protocol
+from ems.transport import metas, protocol
 from ems.transport.base import TransportError
 from ems.transport.shm.client import ShmMode
 
@@ -34,7 +34,7 @@ def test_a_put_that_cannot_fit_is_refused_before_its_data(pool_nodes, node_clien
     announced = 768 * MiB
     with RawSession(node.port) as raw:
         raw.login()
-        meta = protocol.encode_put_meta([b"huge"], np.array([announced]), np.array([announced]), bytes(1))
+        meta = metas.encode_put_meta([b"huge"], np.array([announced]), np.array([announced]), bytes(1))
         t0 = time.monotonic()
         raw.send(
             protocol.pack_header(
@@ -154,7 +154,7 @@ def test_a_client_that_never_reads_its_reply_is_dropped_and_its_budget_freed(poo
     assert client.put([b"big"], values, 10.0) == [True]
     with RawSession(node.port) as raw:
         raw.login()
-        meta = protocol.encode_keys_meta([b"big"])
+        meta = metas.encode_keys_meta([b"big"])
         raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta)), meta)
         header = raw.reply(timeout_s=5.0)  # the header and lengths arrive; the 12 MiB segment is never received
         assert isinstance(header, Reply) and header.header.data_len == len(joined(values[0])), header
@@ -172,7 +172,7 @@ def test_a_stalled_put_is_dropped(pool_nodes, node_clients):
     try:
         for raw in sessions:
             raw.login()
-            meta = protocol.encode_put_meta([b"stall"], np.array([4 * MiB]), np.array([4 * MiB]), bytes(1))
+            meta = metas.encode_put_meta([b"stall"], np.array([4 * MiB]), np.array([4 * MiB]), bytes(1))
             raw.send(
                 protocol.pack_header(
                     protocol.Op.PUT, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta), data_len=4 * MiB

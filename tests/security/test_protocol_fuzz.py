@@ -14,7 +14,7 @@ import pytest
 from pool_testlib import KEY_A, KEY_B, joined, make_values, wait_until
 from raw_ucx import CLOSED, RawSession, Reply
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
 
 pytestmark = pytest.mark.slow
 SEED = 20261129
@@ -62,20 +62,20 @@ def _request_frames(case: Case) -> list:
     keys = [case.bytes(int(case.rng.integers(1, 40))) for _ in range(int(case.rng.integers(1, 5)))]
     what = int(case.rng.integers(3))
     if what == 0:
-        meta = protocol.encode_keys_meta(keys)
+        meta = metas.encode_keys_meta(keys)
         return [
             protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta)),
             meta,
         ]
     if what == 1:
-        meta = protocol.encode_keys_meta(keys)
+        meta = metas.encode_keys_meta(keys)
         return [
             protocol.pack_header(protocol.Op.EXISTS, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta)),
             meta,
         ]
     lens = case.rng.integers(1, 200_000, len(keys))
     data = [case.bytes(int(n)) for n in lens]
-    meta = protocol.encode_put_meta(keys, lens, lens, protocol.end_bytes(data))
+    meta = metas.encode_put_meta(keys, lens, lens, protocol.end_bytes(data))
     return [
         protocol.pack_header(
             protocol.Op.PUT, count=len(keys), meta_len=len(meta), meta_end=protocol.end_byte(meta), data_len=int(lens.sum())
@@ -130,7 +130,7 @@ def disagreeing_lengths(case: Case, raw: RawSession) -> object:
         half = announced // 2
         data = [case.bytes(half), case.bytes(announced - half)]
     else:  # no data at all, then another request
-        meta = protocol.encode_keys_meta([b"k"])
+        meta = metas.encode_keys_meta([b"k"])
         data = [protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta)), meta]
     raw.send(*raw.put_frames(case.bytes(8), announced, data))
     return raw.reply(WAIT_S)
@@ -140,7 +140,7 @@ def handshake_abuse(case: Case, raw: RawSession) -> object:
     how = int(case.rng.integers(6))
     if how == 0:  # skipped AUTH
         raw.hello("alpha")
-        meta = protocol.encode_keys_meta([b"a-0"])
+        meta = metas.encode_keys_meta([b"a-0"])
         raw.send(protocol.pack_header(protocol.Op.GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta)), meta)
     elif how == 1:  # PUT before anything
         raw.send(*raw.put_frames(b"x", 40, [case.bytes(40)]))

@@ -15,22 +15,23 @@ import numpy as np
 import pytest
 from pool_testlib import KEY_A, KEY_B, PoolProcess, joined, make_values
 
-from ems.transport import protocol, shm
+from ems.transport import protocol
 from ems.transport.base import TransportError
-from ems.transport.shm.client import ShmMode
+from ems.transport.shm import wire
+from ems.transport.shm.client import ShmMode, encode_ranged
 
 pytestmark = pytest.mark.slow
 
 
-def _offer(node, uid: int | None = None, pid: int | None = None) -> shm.OpenReply:
+def _offer(node, uid: int | None = None, pid: int | None = None) -> wire.OpenReply:
     """SHM_OPEN on `node`'s connection stating `uid` / `pid` (default: this process's)."""
-    from ems.transport.ucx.client import _request
+    from ems.transport.ucx.client_requests import request
 
-    meta = shm.encode_open(os.getuid() if uid is None else uid, os.getpid() if pid is None else pid)
+    meta = wire.encode_open(os.getuid() if uid is None else uid, os.getpid() if pid is None else pid)
 
     def run(ex, rid):
-        reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, meta=meta)
-        return shm.decode_open_reply(bytes(body[: reply.meta_len]))
+        reply, body = request(ex, rid, protocol.Op.SHM_OPEN, meta=meta)
+        return wire.decode_open_reply(bytes(body[: reply.meta_len]))
 
     offer = node._call(run, 5.0)
     assert offer.region_bytes > 0
@@ -66,7 +67,7 @@ def _raw(node_clients, address: str, **kwargs):
 def test_wrong_and_replayed_tokens_are_refused(shared_node, node_clients):
     client = _raw(node_clients, shared_node.address)
     offer = _offer(client)
-    assert _refused(_present(offer.socket_name, os.urandom(shm.TOKEN_BYTES)))
+    assert _refused(_present(offer.socket_name, os.urandom(wire.TOKEN_BYTES)))
     assert _refused(_present(offer.socket_name, offer.token[:-1] + bytes([offer.token[-1] ^ 1])))
     message, fds = _present(offer.socket_name, offer.token)  # the right one still works once
     assert message == b"\1" and len(fds) == 1
@@ -123,7 +124,7 @@ def test_regions_are_per_connection_and_start_zeroed(shared_node, node_clients):
     b_region = beta.shm._region
     assert b_region is not None and b_region.base != a_region.base
     # beta's region holds only what beta wrote: nothing of alpha's, zeros past its own bytes
-    assert not b_region.array[shm.PAGE :].any()
+    assert not b_region.array[wire.PAGE :].any()
     assert bytes(a_region.array[:100]) == joined(values[0])[:100]
     alpha.close()
     gamma = node_clients(shared_node.address)
@@ -150,7 +151,7 @@ def test_a_region_cannot_be_resized_by_its_client(shared_node, node_clients):
 @pytest.mark.parametrize("op", [protocol.Op.SHM_PUT, protocol.Op.SHM_GET])
 @pytest.mark.parametrize("where", ["past-the-end", "no-region"])
 def test_ranges_outside_the_region_close_the_connection(shared_node, node_clients, op, where):
-    from ems.transport.ucx.client import _request
+    from ems.transport.ucx.client_requests import request
 
     client = _raw(node_clients, shared_node.address)
     size = 4096
@@ -158,10 +159,10 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
     if where == "past-the-end":
         offer = _offer(client)
         offset = offer.region_bytes - size + 1
-    meta = shm.encode_ranged([b"k"], [offset], [size])
+    meta = encode_ranged([b"k"], [offset], [size])
 
     def run(ex, rid):
-        _request(ex, rid, op, count=1, meta=meta)
+        request(ex, rid, op, count=1, meta=meta)
 
     with pytest.raises(TransportError):
         client._call(run, 5.0)
@@ -173,16 +174,16 @@ def test_ranges_outside_the_region_close_the_connection(shared_node, node_client
 def test_a_bad_progress_word_closes_the_connection(shared_node, node_clients, progress):
     """A GET's progress word must be a u32 of the region outside every value's range (the node writes it while it
     places the values); a PUT has none. Anything else is malformed: the connection closes, the node serves on."""
-    from ems.transport.ucx.client import _request
+    from ems.transport.ucx.client_requests import request
 
     client = _raw(node_clients, shared_node.address)
     offer = _offer(client)
     op = protocol.Op.SHM_PUT if progress == "on-a-put" else protocol.Op.SHM_GET
     word = {"unaligned": 8194, "past-the-end": offer.region_bytes - 2, "inside-the-value": 4096 + 100, "on-a-put": 0}
-    meta = shm.encode_ranged([b"k"], [4096], [4096], word[progress])
+    meta = encode_ranged([b"k"], [4096], [4096], word[progress])
 
     def run(ex, rid):
-        _request(ex, rid, op, count=1, meta=meta)
+        request(ex, rid, op, count=1, meta=meta)
 
     with pytest.raises(TransportError):
         client._call(run, 5.0)

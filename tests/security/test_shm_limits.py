@@ -20,8 +20,9 @@ import pytest
 from cluster_testlib import free_port
 from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, wait_until
 
-from ems.transport import protocol, shm
+from ems.transport import protocol
 from ems.transport.base import TransportError
+from ems.transport.shm import wire
 from ems.transport.shm.client import ShmMode
 from ems.transport.shm.regions import TOKEN_TTL_S
 
@@ -49,20 +50,20 @@ def memfd_pages(pid: int, fds: Sequence[int] = ()) -> int:
     return sum(pages.values())
 
 
-def _offer(client, populate_mib: int = 0) -> shm.OpenReply:
+def _offer(client, populate_mib: int = 0) -> wire.OpenReply:
     """SHM_OPEN on `client`'s connection (this process's uid and pid), asking the node to populate `populate_mib`."""
-    from ems.transport.ucx.client import _request
+    from ems.transport.ucx.client_requests import request
 
-    meta = shm.encode_open(os.getuid(), os.getpid())
+    meta = wire.encode_open(os.getuid(), os.getpid())
 
     def run(ex, rid):
-        reply, body = _request(ex, rid, protocol.Op.SHM_OPEN, count=populate_mib, meta=meta)
-        return shm.decode_open_reply(bytes(body[: reply.meta_len]))
+        reply, body = request(ex, rid, protocol.Op.SHM_OPEN, count=populate_mib, meta=meta)
+        return wire.decode_open_reply(bytes(body[: reply.meta_len]))
 
     return client._call(run, 5.0)
 
 
-def _take(offer: shm.OpenReply) -> int:
+def _take(offer: wire.OpenReply) -> int:
     """Present the offer's token; the descriptor handed over."""
     import socket
 
@@ -214,9 +215,9 @@ def test_unpresented_tokens_free_their_regions_when_they_expire(pool_nodes, node
     values = make_values(1, 1000)
     assert victim.put([b"k"], values, 5.0) == [True]  # over UCX: no region to be had
     assert victim.shm._region is None
-    ep = victim._conn
+    ep = victim._link.current
     assert wait_until(lambda: victim.put([b"k"], values, 5.0) == [True] and victim.shm._region is not None, 40, 0.25)
-    assert victim._conn is ep  # the same connection, asking again
+    assert victim._link.current is ep  # the same connection, asking again
     # the regions went when their tokens expired, not when their connections ended (still open)
     assert time.monotonic() - started >= TOKEN_TTL_S - 1
     assert all(c.ping(5.0) for c in hog)

@@ -8,7 +8,7 @@ import pytest
 from pool_testlib import KEY_A, KEY_B, joined, make_values
 from raw_ucx import CLOSED, SILENT, RawSession, Reply
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
 
 pytestmark = pytest.mark.slow
 TENANTS = {"alpha": KEY_A, "beta": KEY_B}
@@ -72,7 +72,7 @@ def test_an_access_id_crafted_to_overlap_a_namespace_is_separate(keyed_node, alp
 )
 def test_handshake_abuse_is_refused(keyed_node, alpha_data, abuse):
     _alpha, keys, _values = alpha_data
-    key_meta = protocol.encode_keys_meta(keys)
+    key_meta = metas.encode_keys_meta(keys)
     get = [
         protocol.pack_header(protocol.Op.GET, count=len(keys), meta_len=len(key_meta), meta_end=protocol.end_byte(key_meta)),
         key_meta,

@@ -17,7 +17,8 @@ from pool_testlib import PoolProcess, joined, make_values, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from raw_ucx import CLOSED, RawSession
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
+from ems.transport.ucx import frames as ucx_frames
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -34,7 +35,7 @@ def _inline_head(op: int, request_id: int, meta: bytes = b"", data_len: int = 0,
         flags=protocol.Flags.INLINE,
         request_id=request_id,
     )
-    return protocol.pack_head(header, meta)
+    return ucx_frames.pack_head(header, meta)
 
 
 def _rounds(node, attack, rounds: int = 5) -> list[int]:
@@ -142,10 +143,10 @@ def test_heads_parked_behind_stalled_requests_are_released_when_the_client_leave
         raw.login()
         frames, tags = [], []
         for rid in range(1, 33):  # fill the connection's 32 request slots with PUTs whose data never come
-            meta = protocol.encode_put_meta([b"k%d" % rid], np.array([MiB]), np.array([MiB]), bytes(1))
+            meta = metas.encode_put_meta([b"k%d" % rid], np.array([MiB]), np.array([MiB]), bytes(1))
             frames.append(_inline_head(protocol.Op.PUT, rid, meta, data_len=MiB))
             tags.append(None)
-        get_meta = protocol.encode_keys_meta([b"a" * 4000, b"b" * 4000])
+        get_meta = metas.encode_keys_meta([b"a" * 4000, b"b" * 4000])
         for rid in range(100, 4100):  # then 4,000 GET heads of ~8 KiB the node will not read
             frames.append(_inline_head(protocol.Op.GET, rid, get_meta, count=2))
             tags.append(None)
@@ -174,8 +175,8 @@ def test_a_request_id_may_be_reused_as_soon_as_its_reply_arrived(pool_nodes, nod
     values = make_values(1, 4 * MiB, seed=7)  # sent by rendezvous: its send ends only once the client has it
     value = np.frombuffer(joined(values[0]), dtype=np.uint8)
     assert node_clients(node.address).put([b"v"], values, 5.0) == [True]
-    head = _inline_head(protocol.Op.GET, 7, protocol.encode_keys_meta([b"v"]))
-    reply_head = protocol.head_layout(8, value.size).length
+    head = _inline_head(protocol.Op.GET, 7, metas.encode_keys_meta([b"v"]))
+    reply_head = ucx_frames.head_layout(8, value.size).length
     with RawSession(node.port) as raw:
         raw.login()
         for i in range(100):  # the same id, again the moment its reply is in (the node's send may not have ended)

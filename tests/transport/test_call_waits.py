@@ -16,6 +16,7 @@ from pool_testlib import joined, make_values, wait_until
 
 from ems.transport import protocol
 from ems.transport.base import TransportError
+from ems.transport.ucx import frames as ucx_frames
 
 pytestmark = pytest.mark.slow
 
@@ -173,8 +174,8 @@ def test_idle_connection_does_not_spin(pool_nodes):
     [
         8,
         5000,
-        protocol.HEAD_BYTES - 100,
-        protocol.HEAD_BYTES + 8,
+        ucx_frames.HEAD_BYTES - 100,
+        ucx_frames.HEAD_BYTES + 8,
         protocol.SEGMENT_BYTES - 40,
         protocol.SEGMENT_BYTES,
         protocol.SEGMENT_BYTES + 5,

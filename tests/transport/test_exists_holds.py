@@ -9,7 +9,7 @@ import time
 import pytest
 from pool_testlib import joined, make_values
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
 from ems.transport.exists_holds import Hold, decode_exists_meta, encode_exists_meta
 
 pytestmark = pytest.mark.slow
@@ -83,7 +83,7 @@ def test_a_pinned_record_survives_any_flood(pool_nodes, node_clients):
 
 
 def test_exists_meta_with_a_hold():
-    keys_meta = protocol.encode_keys_meta([b"k1", b"k2"])
+    keys_meta = metas.encode_keys_meta([b"k1", b"k2"])
     lease = Hold.lease(1500)
     assert decode_exists_meta(lease.flags, encode_exists_meta(keys_meta, lease)) == (lease, keys_meta)
     assert decode_exists_meta(Hold.pin().flags, encode_exists_meta(keys_meta, Hold.pin())) == (Hold.pin(), keys_meta)

@@ -13,8 +13,9 @@ from pool_testlib import client_of_scripted_node, joined, make_values
 from ucx_loop import UcxRuntime
 
 from ems.errors import EmsErrorCode
-from ems.transport import protocol
+from ems.transport import metas, protocol
 from ems.transport.base import TransportError
+from ems.transport.ucx import frames as ucx_frames
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +87,7 @@ def test_get_into_places_values_and_refuses_wrong_lengths(shared_node, node_clie
 def test_small_values_travel_inline(shared_node, node_clients):
     """Values small enough for the head message (request and reply) round-trip, next to ones that are not."""
     node = node_clients(shared_node.address)
-    room = protocol.HEAD_BYTES - protocol.HEADER_SIZE
+    room = ucx_frames.HEAD_BYTES - protocol.HEADER_SIZE
     sizes = [1, 100, room - 200, room + 1]
     for s in sizes:
         values = make_values(1, s, seed=s)
@@ -154,7 +155,7 @@ def test_short_inline_heads_are_refused(shared_node, node_clients, cut):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
     from raw_ucx import CLOSED, RawSession
 
-    meta = protocol.encode_keys_meta([b"k" * 120])
+    meta = metas.encode_keys_meta([b"k" * 120])
     header = protocol.pack_header(
         protocol.Op.EXISTS,
         count=1,
@@ -163,9 +164,9 @@ def test_short_inline_heads_are_refused(shared_node, node_clients, cut):
         flags=protocol.Flags.INLINE,
         request_id=9,
     )
-    head = protocol.pack_head(header, meta)
+    head = ucx_frames.pack_head(header, meta)
     with RawSession(shared_node.port) as raw:
         raw.login()
         raw.send(head[: len(head) - cut])
-        assert raw.recv(protocol.HEAD_BYTES, timeout_s=2.0) == CLOSED
+        assert raw.recv(ucx_frames.HEAD_BYTES, timeout_s=2.0) == CLOSED
     assert node_clients(shared_node.address).ping(2.0)

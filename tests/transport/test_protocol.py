@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
+from ems.transport.ucx import frames as ucx_frames
 
 
 def test_header_round_trip():
@@ -53,11 +54,11 @@ def test_an_end_byte_for_no_meta_is_malformed():
 @pytest.mark.parametrize("meta_len, data_len", [(0, 0), (1, 0), (7, 0), (8, 0), (100, 900), (8159, 0), (8160, 0), (9000, 5)])
 def test_every_head_ends_with_its_end_byte(meta_len, data_len):
     """An inline head's last byte is HEAD_END whatever it carries, and it is never longer than HEAD_BYTES."""
-    layout = protocol.head_layout(meta_len, data_len)
+    layout = ucx_frames.head_layout(meta_len, data_len)
     header = protocol.pack_header(protocol.Op.PUT, meta_len=meta_len, data_len=data_len, flags=protocol.Flags.INLINE)
-    head = protocol.pack_head(header, b"\xff" * meta_len, [b"\xee" * data_len])
-    assert head.size == layout.length <= protocol.HEAD_BYTES and head.size % 8 == 0
-    assert head[-1] == protocol.HEAD_END
+    head = ucx_frames.pack_head(header, b"\xff" * meta_len, [b"\xee" * data_len])
+    assert head.size == layout.length <= ucx_frames.HEAD_BYTES and head.size % 8 == 0
+    assert head[-1] == ucx_frames.HEAD_END
 
 
 @pytest.mark.parametrize(
@@ -90,8 +91,8 @@ def test_header_limits():
 @given(st.lists(st.integers(0, 3 * protocol.SEGMENT_BYTES), max_size=40))
 def test_segment_plan_properties(lens):
     lens = np.array(lens, dtype=np.int64)
-    plan = protocol.segment_plan(lens)
-    offsets, sizes = protocol.segment_bounds(lens, plan)
+    plan = metas.segment_plan(lens)
+    offsets, sizes = metas.segment_bounds(lens, plan)
     assert plan.size == lens.size
     if lens.size == 0:
         return
@@ -113,20 +114,20 @@ def test_put_meta_round_trip_and_data_frame_checks():
     lens = np.array([100, protocol.SEGMENT_BYTES + 8, 50])
     # value 1 (big) is sent in two parts; values 0 and 2 each sit in their own packed segment
     frames = np.array([100, 40, protocol.SEGMENT_BYTES - 32, 50])
-    meta = protocol.encode_put_meta(keys, lens, frames, bytes(len(frames)))
-    req = protocol.decode_put_meta(3, int(lens.sum()), meta)
+    meta = metas.encode_put_meta(keys, lens, frames, bytes(len(frames)))
+    req = metas.decode_put_meta(3, int(lens.sum()), meta)
     assert req.keys == keys
     assert req.value_lens.tolist() == lens.tolist()
     assert req.frame_segments.tolist() == [0, 1, 1, 2]
     assert req.frame_offsets.tolist() == [0, 0, 40, 0]
     # a data frame crossing a segment boundary is malformed
-    bad = protocol.encode_put_meta(keys, lens, np.array([140, protocol.SEGMENT_BYTES - 32, 50]), bytes(3))
+    bad = metas.encode_put_meta(keys, lens, np.array([140, protocol.SEGMENT_BYTES - 32, 50]), bytes(3))
     with pytest.raises(protocol.ProtocolError, match="crosses"):
-        protocol.decode_put_meta(3, int(lens.sum()), bad)
+        metas.decode_put_meta(3, int(lens.sum()), bad)
     with pytest.raises(protocol.ProtocolError, match="data_len"):
-        protocol.decode_put_meta(3, int(lens.sum()) + 1, meta)
+        metas.decode_put_meta(3, int(lens.sum()) + 1, meta)
     with pytest.raises(protocol.ProtocolError):
-        protocol.decode_put_meta(3, int(lens.sum()), meta[:-1])
+        metas.decode_put_meta(3, int(lens.sum()), meta[:-1])
 
 
 @pytest.mark.parametrize(
@@ -140,19 +141,19 @@ def test_put_meta_round_trip_and_data_frame_checks():
 def test_put_meta_frame_lengths_cannot_wrap_around_to_data_len(frames):
     """Data frame lengths are u64 on the wire: lengths whose sum wraps around to data_len in int64 arithmetic are
     malformed, never decoded into frames that address outside their segments."""
-    meta = protocol.encode_put_meta([b"a", b"b"], np.array([50, 50]), np.array(frames, dtype=np.uint64), bytes(len(frames)))
+    meta = metas.encode_put_meta([b"a", b"b"], np.array([50, 50]), np.array(frames, dtype=np.uint64), bytes(len(frames)))
     assert sum(frames) % (1 << 64) == 100
     with pytest.raises(protocol.ProtocolError):
-        protocol.decode_put_meta(2, 100, meta)
+        metas.decode_put_meta(2, 100, meta)
 
 
 def test_keys_meta_round_trip_and_limits():
     keys = [b"", b"x" * 100, bytes(range(256))]
-    assert protocol.decode_keys_meta(3, protocol.encode_keys_meta(keys)) == keys
+    assert metas.decode_keys_meta(3, metas.encode_keys_meta(keys)) == keys
     with pytest.raises(protocol.ProtocolError):
-        protocol.decode_keys_meta(4, protocol.encode_keys_meta(keys))
+        metas.decode_keys_meta(4, metas.encode_keys_meta(keys))
     with pytest.raises(ValueError):
-        protocol.encode_keys_meta([b"k" * (protocol.MAX_KEY_BYTES + 1)])
+        metas.encode_keys_meta([b"k" * (protocol.MAX_KEY_BYTES + 1)])
 
 
 def test_auth_mac_binds_key_nonce_and_tenant():
@@ -179,14 +180,14 @@ def test_version_mismatch_and_unknown_flags_are_refused():
     )
 
 
-@given(st.integers(0, 3 * protocol.HEAD_BYTES), st.integers(0, 3 * protocol.HEAD_BYTES))
+@given(st.integers(0, 3 * ucx_frames.HEAD_BYTES), st.integers(0, 3 * ucx_frames.HEAD_BYTES))
 def test_head_layout_properties(meta_len, data_len):
-    layout = protocol.head_layout(meta_len, data_len)
-    assert layout.length % 8 == 0 and protocol.HEADER_SIZE <= layout.length <= protocol.HEAD_BYTES
+    layout = ucx_frames.head_layout(meta_len, data_len)
+    assert layout.length % 8 == 0 and protocol.HEADER_SIZE <= layout.length <= ucx_frames.HEAD_BYTES
     assert layout.data_inline <= layout.meta_inline
     body = meta_len * layout.meta_inline + data_len * layout.data_inline
     assert body < layout.length - protocol.HEADER_SIZE <= body + 8  # at least one pad byte: the head's end byte
-    assert layout.meta_inline == (meta_len <= protocol.HEAD_BYTES - protocol.HEADER_SIZE - 1)
+    assert layout.meta_inline == (meta_len <= ucx_frames.HEAD_BYTES - protocol.HEADER_SIZE - 1)
 
 
 def test_pack_head_puts_meta_and_data_inline():
@@ -200,7 +201,7 @@ def test_pack_head_puts_meta_and_data_inline():
         flags=protocol.Flags.INLINE,
         request_id=3,
     )
-    head = protocol.pack_head(header, meta, data)
+    head = ucx_frames.pack_head(header, meta, data)
     assert len(head) == protocol.HEADER_SIZE + 24
     assert (
         bytes(head[protocol.HEADER_SIZE : protocol.HEADER_SIZE + 18]) == meta + b"abcde"

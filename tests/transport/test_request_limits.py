@@ -6,8 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ems.transport import protocol
+from ems.transport import metas, protocol
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits, key_lens
+from ems.transport.ucx import frames as ucx_frames
 
 keys_st = st.lists(st.binary(min_size=0, max_size=64), min_size=1, max_size=40)
 
@@ -18,7 +19,7 @@ def test_put_costs_are_the_encoded_put_meta(keys, data):
     parts = np.asarray(data.draw(st.lists(st.integers(1, 3), min_size=len(keys), max_size=len(keys))), dtype=np.int64)
     value_lens = np.asarray(data.draw(st.lists(st.integers(0, 5000), min_size=len(keys), max_size=len(keys))))
     frame_lens = np.ones(int(parts.sum()), dtype=np.int64)  # one u64 per data frame, whatever its length
-    meta = protocol.encode_put_meta(keys, value_lens, frame_lens, bytes(len(frame_lens)))
+    meta = metas.encode_put_meta(keys, value_lens, frame_lens, bytes(len(frame_lens)))
     data_cost, meta_cost, frames = RequestLimits.put_costs(key_lens(keys), value_lens, parts)
     assert int(meta_cost.sum()) == len(meta)
     assert (data_cost == value_lens).all() and (frames == parts).all()
@@ -27,7 +28,7 @@ def test_put_costs_are_the_encoded_put_meta(keys, data):
 @settings(max_examples=200, deadline=None)
 @given(keys=keys_st)
 def test_key_costs_are_the_encoded_keys_meta(keys):
-    meta = protocol.encode_keys_meta(keys)
+    meta = metas.encode_keys_meta(keys)
     data, meta_cost, frames = RequestLimits.key_costs(key_lens(keys))
     assert int(meta_cost.sum()) == len(meta)
     assert not data.any() and not frames.any()
@@ -61,10 +62,10 @@ def test_meta_reply_is_the_packed_head():
     header = protocol.pack_header(
         protocol.Op.EXISTS | protocol.REPLY, count=3, meta_len=3, flags=protocol.Flags.INLINE, request_id=77, meta_end=1
     )
-    assert bytes(protocol.pack_meta_reply(protocol.Op.EXISTS, 77, meta, 3)) == protocol.pack_head(header, meta).tobytes()
+    assert bytes(ucx_frames.pack_meta_reply(protocol.Op.EXISTS, 77, meta, 3)) == ucx_frames.pack_head(header, meta).tobytes()
     assert (
-        bytes(protocol.pack_meta_reply(protocol.Op.PING, 5))
-        == protocol.pack_head(
+        bytes(ucx_frames.pack_meta_reply(protocol.Op.PING, 5))
+        == ucx_frames.pack_head(
             protocol.pack_header(protocol.Op.PING | protocol.REPLY, flags=protocol.Flags.INLINE, request_id=5), b""
         ).tobytes()
     )
@@ -108,11 +109,11 @@ def test_one_value_put_meta_is_decoded_as_the_general_path_does(key, value_len, 
     )
     meta = meta[: len(meta) + cut] if cut < 0 else meta + bytes(cut)
     data_len = sum(frames) if data_len is None else data_len
-    assert _outcome(protocol.decode_put_meta, 1, data_len, meta) == _outcome(protocol._decode_put_meta, 1, data_len, meta)
+    assert _outcome(metas.decode_put_meta, 1, data_len, meta) == _outcome(metas._decode_put_meta, 1, data_len, meta)
 
 
 def test_one_value_put_meta_well_formed():
-    meta = protocol.encode_put_meta([b"key"], np.array([100]), np.array([40, 60]), bytes(2))
-    request = protocol.decode_put_meta(1, 100, meta)
-    assert _outcome(protocol.decode_put_meta, 1, 100, meta) == _outcome(protocol._decode_put_meta, 1, 100, meta)
+    meta = metas.encode_put_meta([b"key"], np.array([100]), np.array([40, 60]), bytes(2))
+    request = metas.decode_put_meta(1, 100, meta)
+    assert _outcome(metas.decode_put_meta, 1, 100, meta) == _outcome(metas._decode_put_meta, 1, 100, meta)
     assert request.keys == [b"key"] and request.frame_offsets.tolist() == [0, 40] and request.segment_sizes.tolist() == [100]

@@ -304,13 +304,13 @@ def test_connect_opens_the_region_and_populates_it_before_the_first_call(shared_
     """The package's connect (what `Ems.init` calls) opens the region at once, and its first PREFAULT_BYTES are
     faulted in in the background: a first load then neither opens it nor faults it page by page. A reconnect
     populates only what the region before it used."""
-    from ems.transport import shm
+    from ems.transport.shm import wire
     from ems.transport.ucx.remote import connect
 
     node = connect(shared_node.address, connect_timeout_ms=5000)
     try:
         region = _region(node)  # opened without any call
-        want = min(shm.PREFAULT_BYTES, region.array.nbytes)
+        want = min(wire.PREFAULT_BYTES, region.array.nbytes)
         deadline = time.monotonic() + 30
         while _resident_pages(region.array, want) < want // 4096 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -335,7 +335,7 @@ class _ChannelSpy:
     """Counts the requests a client sends over its region's channel and over UCX (the real paths run)."""
 
     def __init__(self, node, monkeypatch) -> None:
-        from ems.transport.shm import channel as shm_channel
+        from ems.transport.shm import client_region as shm_channel
 
         self.channel = 0
         self.ucx = 0
@@ -391,8 +391,8 @@ def test_a_lookup_travels_on_the_region_channel_with_its_hold(shared_node, node_
 def test_calls_in_flight_at_once_all_travel_on_the_channel(shared_node, node_clients, monkeypatch):
     """Up to CHANNEL_IN_FLIGHT calls at once share the region's channel (replies told apart by request id, in any
     order): none of them posts on UCX, and every value comes back byte-exact to the call that asked for it."""
-    from ems.transport.shm import channel as shm_channel
-    from ems.transport.shm.channel import CHANNEL_IN_FLIGHT
+    from ems.transport.shm import client_region as shm_channel
+    from ems.transport.shm.wire import CHANNEL_IN_FLIGHT
 
     node = node_clients(shared_node.address)
     assert node.put([b"warm3"], [_value(100, 5)], 5.0) == [True]
@@ -438,7 +438,7 @@ def test_calls_in_flight_at_once_all_travel_on_the_channel(shared_node, node_cli
 def test_a_busy_channel_sends_the_next_call_over_ucx(shared_node, node_clients, monkeypatch):
     """Calls in flight at once share the region: one that finds every slot of the channel taken posts its request on
     UCX."""
-    from ems.transport.shm.channel import CHANNEL_IN_FLIGHT
+    from ems.transport.shm.wire import CHANNEL_IN_FLIGHT
 
     node = node_clients(shared_node.address)
     assert node.put([b"warm2"], [_value(100, 2)], 5.0) == [True]
@@ -460,9 +460,10 @@ def test_a_busy_channel_sends_the_next_call_over_ucx(shared_node, node_clients, 
 
 def _raw_get(request_id: int, key: bytes, capacity: int = 1 << 16) -> bytes:
     """An SHM_GET of one key into the region's first `capacity` bytes, as bytes for the channel."""
-    from ems.transport import protocol, shm
+    from ems.transport import protocol
+    from ems.transport.shm.client import encode_ranged
 
-    meta = shm.encode_ranged([key], [0], [capacity])
+    meta = encode_ranged([key], [0], [capacity])
     return (
         protocol.pack_header(
             protocol.Op.SHM_GET, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta), request_id=request_id
@@ -542,7 +543,7 @@ def test_the_node_answers_requests_in_flight_by_their_ids_and_ends_the_channel_o
 def test_junk_on_the_channel_closes_it_and_the_client_recovers(shared_node, node_clients, junk):
     """A client that writes anything but an SHM_GET, SHM_PUT or EXISTS on its channel loses the channel (and its connection,
     at its next call); the node keeps serving, and the client's next connection has a working region."""
-    from ems.transport import protocol
+    from ems.transport import metas, protocol
 
     node = node_clients(shared_node.address)
     assert node.put([b"j"], [_value(5000, 4)], 5.0) == [True]
@@ -552,7 +553,7 @@ def test_junk_on_the_channel_closes_it_and_the_client_recovers(shared_node, node
     elif junk == "ping":
         junk = protocol.pack_header(protocol.Op.PING, request_id=1).tobytes()
     elif junk == "inline-exists":
-        meta = protocol.encode_keys_meta([b"j"])
+        meta = metas.encode_keys_meta([b"j"])
         head = protocol.pack_header(
             protocol.Op.EXISTS,
             count=1,

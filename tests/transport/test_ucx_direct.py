@@ -16,7 +16,8 @@ from pool_testlib import joined, make_values
 
 from ems.transport import protocol
 from ems.transport.base import Ending
-from ems.transport.ucx.client import UcxNode, _ping
+from ems.transport.ucx.client import UcxNode
+from ems.transport.ucx.client_requests import ping
 from ems.transport.ucx.direct import DirectRuntime, Exchange, WaitTimeout, futures_context
 
 SLACK_S = 1.5  # how late past its deadline a wait may end on this shared machine (bounded, not a speed claim)
@@ -25,7 +26,7 @@ SILENT_TAG = 0xFFFF_FFF0  # a request id no node ever answers on
 
 def _connection(node: UcxNode):
     node.connect_now(5.0)
-    conn = node._conn
+    conn = node._link.current
     assert conn is not None
     return conn
 
@@ -108,7 +109,7 @@ def test_an_aborted_connection_ends_its_waits_and_frees_what_was_given_up(shared
         thread = threading.Thread(target=blocked)
         thread.start()
         time.sleep(0.2)
-        node._drop(conn, Ending.FAILED)  # aborts the endpoint: every request on it fails
+        node._link.drop(conn, Ending.FAILED)  # aborts the endpoint: every request on it fails
         assert done.wait(10.0), "a wait on an aborted endpoint did not end"
         thread.join()
         assert outcome and outcome[0] != "timeout" and time.monotonic() - started < 10.0
@@ -131,7 +132,7 @@ def test_a_call_from_a_thread_running_an_event_loop(shared_node):
 
         async def call() -> tuple[bool, asyncio.AbstractEventLoop]:
             node.connect_now(5.0)
-            result = node._call(_ping, 5.0)
+            result = node._call(ping, 5.0)
             return result is None, asyncio.get_running_loop()
 
         loop = asyncio.new_event_loop()

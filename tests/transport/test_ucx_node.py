@@ -275,7 +275,7 @@ def test_an_abort_while_connecting_cancels_the_call_and_keeps_the_connection(poo
     assert not thread.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], TransportError), outcome
     assert "while the call was connecting" in outcome[0].message()
-    connection = node._conn
+    connection = node._link.current
     assert connection is not None  # made, and kept
     assert node.exists([b"k"], 5.0) == [False]
-    assert node._conn is connection
+    assert node._link.current is connection

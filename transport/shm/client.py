@@ -1,4 +1,4 @@
-"""The client's side of same-host shared memory for one node client (`transport.shm`: protocol and security).
+"""The client's side of same-host shared memory for one node client (`transport.shm.wire`: protocol and security).
 
 Contract:
 * `ShmClient(link)` serves the node client that hands it `link` (a `NodeLink`: `UcxNode` hands it one): the node's
@@ -22,8 +22,10 @@ Contract:
   value out of one.
 * A value is placed in a load's buffer only from a reply with status OK that gives it exactly that buffer's length.
   A load whose buffers lie in the region and whose request travels on the region's channel may pass `as_placed`:
-  it then also gets the request's progress word (`transport.shm`), to use values as the node places them, before the
+  it then also gets the request's progress word (`transport.shm.wire`), to use values as the node places them, before the
   reply; what it does with them is its own (the load verifies each value before writing it anywhere).
+* Its requests name ranges of the region (`encode_ranged`: the SHM_PUT / SHM_GET meta, `shm.wire`), taken from the
+  region's allocator and sent on its channel (`shm.client_region`), else on the connection through the link.
 * `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
 """
 
@@ -31,66 +33,35 @@ from __future__ import annotations
 
 import enum
 import functools
-import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from ems.buffers import Buffer, copy_bytes, populate_in_background
+from ems.buffers import Buffer, copy_bytes
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
-from ems.transport import protocol, shm
+from ems.transport import protocol
 from ems.transport.base import AsPlaced, Ending, Failure, TransportError
-from ems.transport.shm.channel import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
+from ems.transport.shm.client_region import (
+    ChannelClosed,
+    ChannelRefused,
+    ChannelTimeout,
+    ClientChannel,
+    ClientRegion,
+    RangeAllocator,
+    ShmBuffer,
+    ShmRange,
+    retire_region,
+)
+from ems.transport.shm.opening import NodeLink, open_region
+from ems.transport.shm.wire import NO_PROGRESS, PREFAULT_BYTES, PROGRESS_BYTES
 
-log = logging.getLogger("ems.transport")
-
-HANDOVER_TIMEOUT_S = 2.0
 RETRY_FIRST_S = 1.0  # a connection without a region asks again after this long ...
 RETRY_MAX_S = 30.0  # ... doubling up to this
 _STALE = object()  # a request found the connection newer than the region: the caller falls back to UCX
-
-
-class NodeLink(Protocol):
-    """What a `ShmClient` needs of the node client it serves (`UcxNode` hands it one)."""
-
-    @property
-    def address(self) -> str:
-        """The node's "host:port" (for messages)."""
-        ...
-
-    def connection(self) -> Any:
-        """The node client's current connection (compared by identity only: a region belongs to one), or None."""
-        ...
-
-    def request(self, op: int, count: int, meta: bytes, deadline: Deadline, on: Any = None) -> tuple[Any, bytes] | None:
-        """One inline request on the current connection (made first when there is none), under the node client's
-        rules: (that connection, the reply's meta); a failure raises its `TransportError`. With `on`, only on that
-        connection: None, and nothing sent, when the current one is another."""
-        ...
-
-    def fail(
-        self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
-    ) -> TransportError:
-        """Record a failure the node client did not see (a request on `conn`'s region channel, a malformed reply) as a
-        failed call of its own: `conn` dropped, a back-off after `Ending.FAILED`; the error to raise."""
-        ...
-
-    def timed_out(self, message: str) -> TransportError:
-        """Record a lookup that timed out on a region's channel with the connection left as it was (the channel goes
-        on: `ClientChannel.request(..., keep_on_timeout=True)`), as the node client records its own; the error to
-        raise."""
-        ...
-
-    def close(self) -> None:
-        """Close the node client (its connection is dropped; a later call reconnects)."""
-        ...
 
 
 class ShmMode(str, enum.Enum):
@@ -98,40 +69,6 @@ class ShmMode(str, enum.Enum):
 
     AUTO = "auto"  # shared memory with a node on this host
     OFF = "off"
-
-
-@dataclass(eq=False)
-class ClientRegion:
-    """A mapped region and the connection (endpoint) it belongs to."""
-
-    ep: Any
-    array: np.ndarray
-    allocator: shm.RangeAllocator
-    channel: ClientChannel | None = None  # the hand-over socket, kept for this region's requests (`shm.channel`)
-
-    def __post_init__(self) -> None:
-        self.base = int(self.array.ctypes.data)
-
-    def offset_of(self, address: int, nbytes: int) -> int:
-        """The region offset of `nbytes` at `address`, or -1 when they are not inside the region."""
-        offset = address - self.base
-        return offset if offset >= 0 and offset + nbytes <= self.array.nbytes else -1
-
-
-class ShmBuffer:
-    """A range of a region lent to a caller (`ShmClient.buffer`): `array` is writable uint8 memory that calls of this
-    client move without a copy. `release()` returns it; `retire()` when a failed call may still touch it."""
-
-    def __init__(self, region: ClientRegion, taken: shm.ShmRange, nbytes: int) -> None:
-        self.region = region
-        self.taken = taken
-        self.array = region.array[taken.offset : taken.offset + nbytes]
-
-    def release(self) -> None:
-        self.region.allocator.free(self.taken)
-
-    def retire(self) -> None:
-        self.region.allocator.poison()
 
 
 class ShmClient:
@@ -144,7 +81,7 @@ class ShmClient:
         self._retry_at = 0.0  # (monotonic)
         self._retry_s = RETRY_FIRST_S
         self._opening = threading.Lock()
-        self._last_allocator: shm.RangeAllocator | None = None  # the latest region's (how much to populate next)
+        self._last_allocator: RangeAllocator | None = None  # the latest region's (how much to populate next)
 
     # ---- calls ----
 
@@ -157,7 +94,7 @@ class ShmClient:
         parts = [[_as_bytes(p) for p in ps] for ps in values]
         lens = [sum(p.nbytes for p in ps) for ps in parts]
         offsets = _offsets_in(region, parts, lens)
-        taken: shm.ShmRange | None = None
+        taken: ShmRange | None = None
         if offsets is None:
             taken = region.allocator.alloc(sum(lens))
             if taken is None:
@@ -172,7 +109,7 @@ class ShmClient:
             except BaseException:
                 region.allocator.free(taken)
                 raise
-        meta = shm.encode_ranged(keys, offsets, lens)
+        meta = encode_ranged(keys, offsets, lens)
         body = self._send(region, protocol.Op.SHM_PUT, meta, len(keys), taken, deadline)
         if body is _STALE:
             return None
@@ -183,28 +120,28 @@ class ShmClient:
     ) -> list[bool] | None:
         """See the module docstring. `as_placed(progress, fd, deadline_ns)`: where the buffers lie in the region and
         the request travels on the region's channel, run once the request is sent, with the address of its progress
-        word (`transport.shm`: how many leading values the node has placed so far), the channel's descriptor and the
+        word (`transport.shm.wire`: how many leading values the node has placed so far), the channel's descriptor and the
         deadline (CLOCK_MONOTONIC ns): the caller may use each value as it is placed, before the reply."""
         region = self.region(deadline)
         if region is None:
             return None
         caps = [o.nbytes for o in outs]
         offsets = _offsets_in(region, [[o] for o in outs], caps)
-        taken: shm.ShmRange | None = None
-        word: shm.ShmRange | None = None
+        taken: ShmRange | None = None
+        word: ShmRange | None = None
         if offsets is None:
             taken = region.allocator.alloc(sum(caps))
             if taken is None:
                 return None
             offsets = (taken.offset + np.cumsum(caps) - np.asarray(caps, dtype=np.int64)).tolist()
         elif as_placed is not None:
-            word = region.allocator.alloc(shm.PROGRESS_BYTES)
+            word = region.allocator.alloc(PROGRESS_BYTES)
         after_send = None
         if word is not None and as_placed is not None:
-            region.array[word.offset : word.offset + shm.PROGRESS_BYTES] = 0  # (aligned: the allocator's ranges are)
+            region.array[word.offset : word.offset + PROGRESS_BYTES] = 0  # (aligned: the allocator's ranges are)
             address = region.array.ctypes.data + word.offset
             after_send = functools.partial(_run_as_placed, as_placed, address, int(deadline.at * 1e9))
-        meta = shm.encode_ranged(keys, offsets, caps, None if word is None else word.offset)
+        meta = encode_ranged(keys, offsets, caps, None if word is None else word.offset)
         try:
             body = self._send(region, protocol.Op.SHM_GET, meta, len(keys), taken, deadline, keep=True, after_send=after_send)
         finally:  # the node writes the word only before its reply (after a failure the region is poisoned)
@@ -240,12 +177,12 @@ class ShmClient:
             reply = self._over_channel(region, channel, protocol.Op.EXISTS, meta, count, deadline, flags=flags)
         except TransportError:
             if channel.spent:  # (a lookup's timeout keeps the channel, and so the region)
-                _retire(region)
+                retire_region(region)
                 if self._region is region:
                     self._region = None
             raise
         except BaseException:
-            _retire(region)
+            retire_region(region)
             if self._region is region:
                 self._region = None
             raise
@@ -272,7 +209,7 @@ class ShmClient:
         """Forget the region (its connection is being dropped): unmapped once no lease of it is held any more."""
         region, self._region = self._region, None
         if region is not None:
-            _retire(region)
+            retire_region(region)
 
     # ---- machinery ----
 
@@ -282,7 +219,7 @@ class ShmClient:
         op: int,
         meta: bytes,
         count: int,
-        taken: shm.ShmRange | None,
+        taken: ShmRange | None,
         deadline: Deadline,
         keep: bool = False,
         after_send: Callable[[int], None] | None = None,
@@ -300,7 +237,7 @@ class ShmClient:
                 sent = self.link.request(op, count, meta, deadline, on=region.ep)
                 result = _STALE if sent is None else sent[1]
         except BaseException:
-            _retire(region)
+            retire_region(region)
             if self._region is region:
                 self._region = None
             raise
@@ -342,7 +279,7 @@ class ShmClient:
 
     def _malformed(self, message: str) -> Exception:
         if self._region is not None:
-            _retire(self._region)
+            retire_region(self._region)
             self._region = None
         self.link.close()
         return TransportError(EmsErrorCode.EMS_IO_ERROR, f"{self.link.address}: malformed reply: {message}")
@@ -363,33 +300,19 @@ class ShmClient:
             self._opening.release()
 
     def _open(self, deadline: Deadline) -> ClientRegion | None:
-        meta = shm.encode_open(os.getuid(), os.getpid())
-        previous = self._last_allocator
-        populate_mib = -(-(shm.PREFAULT_BYTES if previous is None else previous.high_water) // (1 << 20))
-        sent = self.link.request(protocol.Op.SHM_OPEN, populate_mib, meta, deadline)
-        if sent is None:  # (not bound to a connection: always sent)
+        previous = self._last_allocator  # a reconnect populates as much as the region before it had handed out
+        handed = open_region(self.link, PREFAULT_BYTES if previous is None else previous.high_water, deadline)
+        if handed is None:
             return None
-        ep, reply = sent
-        try:
-            offer = shm.decode_open_reply(reply)
-        except protocol.ProtocolError as error:  # as the node client answers a malformed reply of its own
-            raise self.link.fail(ep, EmsErrorCode.EMS_IO_ERROR, f"malformed reply: {error}") from None
-        if offer.region_bytes == 0:
-            self._no_region(ep)
-            return None
-        try:
-            array, sock = _receive_region(offer, min(HANDOVER_TIMEOUT_S, deadline.left()))
-        except (OSError, ValueError) as error:
-            log.info("%s: no shared memory for now (using UCX): %s", self.link.address, error)
-            self._no_region(ep)
+        if handed.array is None or handed.sock is None:
+            self._no_region(handed.ep)
             return None
         self._no_region_on, self._retry_s = None, RETRY_FIRST_S
-        populate_in_background(array, populate_mib << 20, "ems-shm-prefault")  # the node populates as much
-        region = ClientRegion(ep, array, shm.RangeAllocator(array.nbytes), ClientChannel(sock))
+        region = ClientRegion(handed.ep, handed.array, RangeAllocator(handed.array.nbytes), ClientChannel(handed.sock))
         self._last_allocator = region.allocator
         previous_region, self._region = self._region, region
         if previous_region is not None:  # an older connection's: nothing of it is used again
-            _retire(previous_region)
+            retire_region(previous_region)
         return region
 
     def _no_region(self, ep: Any) -> None:
@@ -403,38 +326,17 @@ def _run_as_placed(as_placed: AsPlaced, progress: int, deadline_ns: int, fd: int
     as_placed(progress, fd, deadline_ns)
 
 
-def _retire(region: ClientRegion) -> None:
-    """Nothing of `region` is handed out or asked over its channel again (leases still held keep its mapping)."""
-    region.allocator.poison()
-    if region.channel is not None:
-        region.channel.close()
+def encode_ranged(keys: Sequence[bytes], offsets: Sequence[int], lens: Sequence[int], progress: int | None = None) -> bytes:
+    """An SHM_PUT or SHM_GET meta (`transport.shm.wire`; the node reads it with `wire.decode_ranged`)."""
+    key_lens, blob = protocol.encode_keys(keys)
+    head = np.array([NO_PROGRESS if progress is None else progress], dtype="<u8").tobytes()
+    return head + np.asarray(offsets, dtype="<u8").tobytes() + np.asarray(lens, dtype="<u8").tobytes() + key_lens.tobytes() + blob
 
 
-def _receive_region(offer: shm.OpenReply, timeout_s: float) -> tuple[np.ndarray, socket.socket]:
-    """Present the token on the node's Unix socket and map the descriptor it hands over; the socket stays open as
-    the region's request channel."""
-    if not offer.socket_name.startswith(b"\0"):
-        raise ValueError("the node's socket is not an abstract one")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    fds: list[int] = []
-    try:
-        sock.settimeout(max(0.01, timeout_s))
-        sock.connect(offer.socket_name)
-        pid, _uid = shm.peer_credentials(sock)
-        if pid != offer.node_pid:
-            raise ValueError(f"the socket's peer is pid {pid}, not the node's pid {offer.node_pid}")
-        sock.sendall(offer.token)
-        message, fds, _flags, _addr = socket.recv_fds(sock, 1, 4)
-        if message != b"\1" or len(fds) != 1:
-            raise ValueError("the node refused the mapping")
-        array = shm.map_region(fds[0], offer.region_bytes)
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return array, sock
+def address_of(buffer: Any) -> tuple[int, int]:
+    """(address, byte length) of a contiguous buffer."""
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    return int(array.ctypes.data), int(array.nbytes)
 
 
 def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequence[int]) -> list[int] | None:
@@ -443,13 +345,13 @@ def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequ
     for ps, n in zip(parts, lens):
         if not ps:
             return None
-        address, _ = shm.address_of(ps[0])
+        address, _ = address_of(ps[0])
         offset = region.offset_of(address, n)
         if offset < 0:
             return None
         at = address
         for p in ps:
-            part_address, size = shm.address_of(p)
+            part_address, size = address_of(p)
             if part_address != at:
                 return None
             at += size

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from ems.buffers import populate_in_background
-from ems.transport import shm
+from ems.transport.shm import wire
 from ems.transport.shm.regions import Region, RegionLedger, RegionState, ShmRefusal
 
 log = logging.getLogger("ems.pool")
@@ -91,7 +91,7 @@ class Handover:
                 await asyncio.sleep(0.1)
                 continue
             try:
-                pid, uid = shm.peer_credentials(sock)
+                pid, uid = wire.peer_credentials(sock)
             except OSError:
                 sock.close()
                 continue
@@ -133,9 +133,9 @@ class Handover:
             sock.setblocking(False)
             token = b""
             deadline = time.monotonic() + HANDOVER_TIMEOUT_S
-            while len(token) < shm.TOKEN_BYTES:
+            while len(token) < wire.TOKEN_BYTES:
                 chunk = await asyncio.wait_for(
-                    loop.sock_recv(sock, shm.TOKEN_BYTES - len(token)), max(0.0, deadline - time.monotonic())
+                    loop.sock_recv(sock, wire.TOKEN_BYTES - len(token)), max(0.0, deadline - time.monotonic())
                 )
                 if not chunk:
                     self.ledger.refusals[ShmRefusal.FAILED] += 1
@@ -163,7 +163,7 @@ class Handover:
                 region.populate = populate_in_background(
                     region.array, region.populate_bytes, "ems-shm-prefault", region.populate_stop
                 )
-            # the socket stays open as the region's request channel (`shm.channel`)
+            # the socket stays open as the region's request channel (`serve_channel`)
             region.channel, kept = sock, True
             task = region.channel_task = asyncio.ensure_future(self._serve_channel(sock, region))
             self._channels.add(task)

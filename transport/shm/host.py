@@ -22,7 +22,7 @@ import numpy as np
 
 from ems.buffers import Buffer
 from ems.transport.handler import RequestChannel
-from ems.transport.shm import RangedRequest
+from ems.transport.shm.wire import RangedRequest
 
 
 class ShmHost(Protocol):

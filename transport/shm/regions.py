@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from ems.buffers import remove_pages
-from ems.transport import protocol, shm
+from ems.transport import protocol
+from ems.transport.shm import wire
 from ems.transport.shm.host import ShmHost
 
 log = logging.getLogger("ems.pool")
@@ -106,7 +107,7 @@ class Region:
 class RegionLedger:
     """The regions of one node's connections and what they count; see the module docstring."""
 
-    def __init__(self, settings: shm.ShmSettings, host: ShmHost) -> None:
+    def __init__(self, settings: wire.ShmSettings, host: ShmHost) -> None:
         self.settings = settings
         self.host = host
         self.refusals: Counter[ShmRefusal] = Counter()
@@ -175,16 +176,16 @@ class RegionLedger:
             )
             return None
         try:
-            fd = shm.create_region(size)
+            fd = wire.create_region(size)
         except OSError as error:
             log.warning("no shared-memory region for %s: %s", conn.peer, error)
             return None
         try:
-            array = shm.map_region(fd, os.fstat(fd).st_size)
+            array = wire.map_region(fd, os.fstat(fd).st_size)
         except BaseException:
             os.close(fd)
             raise
-        token = secrets.token_bytes(shm.TOKEN_BYTES)
+        token = secrets.token_bytes(wire.TOKEN_BYTES)
         region = Region(conn, fd, array, array.nbytes, creds[0], creds[1], prefix, token, time.monotonic() + TOKEN_TTL_S)
         # the client's stated populate (`transport.shm`), never past the region; done once the client has mapped it
         region.populate_bytes = min(populate_bytes, array.nbytes)

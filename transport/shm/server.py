@@ -1,7 +1,8 @@
 """The node's side of same-host shared memory (`transport.shm` has the protocol and the security model), in three
 parts: this service (the requests: SHM_OPEN, SHM_PUT, SHM_GET, over UCX or a region's channel), the ledger of regions
 (`transport.shm.regions`: limits, counting, reclaiming, copies) and the hand-over of descriptors
-(`transport.shm.handover`: the Unix socket, its slots and peer credentials).
+(`transport.shm.handover`: the Unix socket, its slots and peer credentials); and the node's end of a region's channel
+(`NodeChannel`, `read_request`: the requests read off it, their replies written back whole).
 
 Contract:
 * `ShmService(settings, handlers)` belongs to one node's handlers (`transport.shm.host.ShmHost`: its store, budget and
@@ -52,9 +53,9 @@ from typing import Any
 
 import numpy as np
 
-from ems.transport import protocol, shm
+from ems.transport import protocol
 from ems.transport.handler import Refusal, RequestChannel
-from ems.transport.shm import channel as shm_channel
+from ems.transport.shm import wire
 from ems.transport.shm.handover import Handover
 from ems.transport.shm.host import ShmHost
 from ems.transport.shm.regions import Region, RegionLedger, RegionState, ShmStats
@@ -65,7 +66,7 @@ log = logging.getLogger("ems.pool")
 class ShmService:
     """Regions of one node's connections; see the module docstring."""
 
-    def __init__(self, settings: shm.ShmSettings, handlers: ShmHost) -> None:
+    def __init__(self, settings: wire.ShmSettings, handlers: ShmHost) -> None:
         self.settings = settings
         self.handlers = handlers
         self.name = b"\0ems-shm-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
@@ -99,12 +100,12 @@ class ShmService:
         if header.data_len:
             raise protocol.ProtocolError("shared-memory requests carry no data frames")
         if header.op == protocol.Op.SHM_OPEN:
-            await self._open(channel, shm.decode_open(await channel.meta()), prefix)
+            await self._open(channel, wire.decode_open(await channel.meta()), prefix)
             return 0
         region = getattr(channel, "region", None) or self.ledger.regions.get(channel.conn)
         if region is None or region.state is not RegionState.HANDED or region.array is None:
             raise protocol.ProtocolError("a shared-memory request on a connection without a region")
-        request = shm.decode_ranged(header.count, await channel.meta(), region.nbytes)
+        request = wire.decode_ranged(header.count, await channel.meta(), region.nbytes)
         keys = [prefix + k for k in request.keys]
         if header.op == protocol.Op.SHM_PUT:
             if request.progress is not None:
@@ -120,12 +121,12 @@ class ShmService:
         else:
             self.ledger.forget(conn)  # a connection has one region at a time: an earlier one ends (and is reclaimed)
         if region is None or region.token is None or region.array is None:
-            reply = shm.OpenReply(b"\0" * shm.TOKEN_BYTES, 0, os.getpid(), self.name)
+            reply = wire.OpenReply(b"\0" * wire.TOKEN_BYTES, 0, os.getpid(), self.name)
         else:
-            reply = shm.OpenReply(region.token, region.array.nbytes, os.getpid(), self.name)
-        await channel.reply(protocol.Op.SHM_OPEN, meta=shm.encode_open_reply(reply))
+            reply = wire.OpenReply(region.token, region.array.nbytes, os.getpid(), self.name)
+        await channel.reply(protocol.Op.SHM_OPEN, meta=wire.encode_open_reply(reply))
 
-    async def _put(self, channel: RequestChannel, region: Region, keys: list[bytes], request: shm.RangedRequest) -> int:
+    async def _put(self, channel: RequestChannel, region: Region, keys: list[bytes], request: wire.RangedRequest) -> int:
         total = int(request.lens.sum())
         await self.handlers.take(total)  # as a UCX PUT: refused (and the connection closed) when it cannot fit
         try:
@@ -135,7 +136,7 @@ class ShmService:
         await channel.reply(protocol.Op.SHM_PUT, count=len(keys), meta=protocol.encode_flags(stored))
         return total
 
-    async def _get(self, channel: RequestChannel, region: Region, keys: list[bytes], request: shm.RangedRequest) -> int:
+    async def _get(self, channel: RequestChannel, region: Region, keys: list[bytes], request: wire.RangedRequest) -> int:
         values = await self.handlers.lookup_values(keys)  # off the event loop when it may read a disk
         lens = np.fromiter((-1 if v is None else memoryview(v).nbytes for v in values), dtype=np.int64, count=len(values))
         placed = (lens == request.lens) & (lens > 0)
@@ -174,7 +175,7 @@ class ShmService:
         task of its own; the next request is read only once a slot is free (back-pressure on the socket), and
         replies go out whole, one at a time."""
         peer = region.conn.peer
-        slots = asyncio.Semaphore(shm_channel.CHANNEL_IN_FLIGHT)
+        slots = asyncio.Semaphore(wire.CHANNEL_IN_FLIGHT)
         sending = asyncio.Lock()
         serving: dict[int, asyncio.Task] = {}  # request id → its task
         ended: asyncio.Future = asyncio.get_running_loop().create_future()  # a request's task ends the channel
@@ -196,7 +197,7 @@ class ShmService:
         try:
             while region.state is RegionState.HANDED and not ended.done():
                 await slots.acquire()
-                reading = asyncio.ensure_future(shm_channel.read_request(sock))
+                reading = asyncio.ensure_future(read_request(sock))
                 await asyncio.wait([reading, ended], return_when=asyncio.FIRST_COMPLETED)
                 if not reading.done():  # a request's task ended the channel meanwhile
                     reading.cancel()
@@ -207,7 +208,7 @@ class ShmService:
                 header, meta = request
                 if header.request_id in serving:
                     raise protocol.ProtocolError(f"request id {header.request_id} is already in flight on the channel")
-                channel = shm_channel.NodeChannel(sock, header, region.conn, meta, sending, region)
+                channel = NodeChannel(sock, header, region.conn, meta, sending, region)
                 task = asyncio.ensure_future(self._serve_one(channel, region))
                 serving[header.request_id] = task
                 task.add_done_callback(functools.partial(finished, header.request_id))
@@ -231,7 +232,7 @@ class ShmService:
             if region.channel is sock:
                 region.channel = None
 
-    async def _serve_one(self, channel: shm_channel.NodeChannel, region: Region) -> bool:
+    async def _serve_one(self, channel: NodeChannel, region: Region) -> bool:
         """One request off a region's channel; False when it was refused (answered BAD_REQUEST: the channel ends)."""
         try:
             await self.handlers.serve(channel, region.prefix)
@@ -240,3 +241,83 @@ class ShmService:
             await channel.reply(channel.header.op, meta=str(refusal).encode(), status=protocol.Status.BAD_REQUEST)
             return False
         return True
+
+
+_NOT_ON_A_CHANNEL = int(protocol.Flags.INLINE)  # a UCX framing: never on a region's channel
+
+
+class NodeChannel:
+    """The node's `RequestChannel` for one request read off a region's channel (`transport.handler.RequestChannel`)."""
+
+    def __init__(
+        self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes, sending: asyncio.Lock, region: object
+    ) -> None:
+        self.sock = sock
+        self.header = header
+        self.conn = conn
+        self.region = region  # the region this channel belongs to (its requests are served over it, whatever comes later)
+        self._meta = meta
+        self._sending = sending  # the channel's: one reply's bytes at a time (requests are served at once)
+
+    async def meta(self) -> bytes:
+        return self._meta
+
+    def inline_data(self) -> memoryview | None:
+        return None
+
+    async def receive_frames(self, views: object, ends: bytes) -> None:
+        raise protocol.ProtocolError("shared-memory requests carry no data frames")
+
+    async def reply(
+        self,
+        op: int,
+        *,
+        count: int = 0,
+        meta: bytes = b"",
+        data: object = (),
+        data_len: int = 0,
+        status: protocol.Status = protocol.Status.OK,
+    ) -> None:
+        if data or data_len:
+            raise protocol.ProtocolError("a shared-memory reply carries no data frames")
+        header = protocol.pack_header(
+            op | protocol.REPLY,
+            count=count,
+            meta_len=len(meta),
+            status=status,
+            request_id=self.header.request_id,
+            meta_end=protocol.end_byte(meta),
+        )
+        async with self._sending:
+            await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
+
+
+async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | None:
+    """The next request's header and meta off a region's channel; None when the client closed it between requests.
+    ProtocolError for anything but an SHM_GET, SHM_PUT or EXISTS (`CHANNEL_OPS`) within the protocol's limits (flags as the op
+    defines them, `protocol.unpack_header`; never INLINE)."""
+    head = await _recv_exactly(sock, protocol.HEADER_SIZE, allow_eof=True)
+    if head is None:
+        return None
+    header = protocol.unpack_header(head)  # checks magic, version and every limit (meta length included)
+    if header.op not in wire.CHANNEL_OPS or header.data_len or header.status or header.flags & _NOT_ON_A_CHANNEL:
+        raise protocol.ProtocolError(
+            f"op {header.op} (data {header.data_len}, flags {header.flags:#x}) on a shared-memory channel"
+        )
+    meta = await _recv_exactly(sock, header.meta_len) if header.meta_len else b""
+    protocol.check_meta_end(header, meta or b"")
+    return header, meta or b""
+
+
+async def _recv_exactly(sock: socket.socket, n: int, allow_eof: bool = False) -> bytes | None:
+    loop = asyncio.get_running_loop()
+    parts, got = [], 0
+    while got < n:
+        chunk = await loop.sock_recv(sock, min(n - got, 1 << 20))
+        if not chunk:
+            if allow_eof and got == 0:
+                return None
+            raise ConnectionError("the client closed the channel mid-request")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)

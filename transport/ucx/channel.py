@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from ems.transport import protocol
 from ems.transport.ucx.connections import Connection, abort
-from ems.transport.ucx.frames import recv_all_into, recv_meta, send_all
+from ems.transport.ucx.frames import head_layout, pack_head, recv_all_into, recv_meta, send_all
 
 T = TypeVar("T")  # what an awaited frame step gives
 
@@ -72,14 +72,14 @@ class Channel:
 
     async def meta(self) -> bytes:
         h = self.header
-        if h.inline and protocol.head_layout(h.meta_len, h.data_len).meta_inline:
+        if h.inline and head_layout(h.meta_len, h.data_len).meta_inline:
             return bytes(self.body[: h.meta_len])
         return await self.timed(recv_meta(self.conn.ep, h, self.tag))
 
     def inline_data(self) -> memoryview | None:
         """The request's data when it came inline in the head, else None (it comes as frames)."""
         h = self.header
-        if h.inline and protocol.head_layout(h.meta_len, h.data_len).data_inline:
+        if h.inline and head_layout(h.meta_len, h.data_len).data_inline:
             return self.body[h.meta_len : h.meta_len + h.data_len]
         return None
 
@@ -110,8 +110,8 @@ class Channel:
         )
         windows = send_windows(list(data), SEND_WINDOW_BYTES)
         if inline:
-            layout = protocol.head_layout(len(meta), data_len)
-            head = protocol.pack_head(header, meta, data)
+            layout = head_layout(len(meta), data_len)
+            head = pack_head(header, meta, data)
             first = [head] if layout.meta_inline else [head, meta]
             if layout.data_inline:
                 windows = []

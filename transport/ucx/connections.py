@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from ems.transport import protocol
 from ems.transport.handler import SessionLimits, SessionMetrics
 from ems.transport.ucx import progress as ucx_progress
 from ems.transport.ucx.endpoint import connecting_tags, peer_host
@@ -49,7 +50,7 @@ SWEEP_FRONT_S = 0.001  # the progress sweeper's period at most: a check of the o
 MAX_REQUESTS_PER_CONNECTION = 32
 # how long the tags of a connection that ended are still swept for messages that were on the wire when it closed
 UNREAD_LINGER_S = 5.0
-CONNECTION_TAG_MASK = ucx_progress.CONNECTION_TAG_MASK
+CONNECTION_TAG_MASK = protocol.CONNECTION_TAG_MASK
 _FULL_TAG_MASK = (1 << 64) - 1
 
 

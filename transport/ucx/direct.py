@@ -1,15 +1,13 @@
 """A client's UCX requests, completed by the thread that waits for them: no event loop, no hop per completion.
 
 Contract:
-* `DirectRuntime.get()` is the process's client UCX worker (created on first use, after `ucx.config`'s UCX
-  environment): ucxx's C++ progress thread moves every byte without the GIL, and requests carry ucxx's completion
-  notifications (its "Python futures"), which nothing awaits: they only wake a waiting thread.
-* `connect(ip, port, deadline)` returns a `Connection` (error handling on) once ucxx's peer-info exchange is done, or
-  raises (`WaitTimeout` past `deadline`); a connect that fails or times out closes its endpoint and keeps the
-  exchange's buffers until UCX has finished with them.
+* `DirectRuntime.get()` is the process's client UCX worker (created on first use: `ucx.client_worker`): ucxx's C++
+  progress thread moves every byte without the GIL, and requests carry ucxx's completion notifications (its "Python
+  futures"), which nothing awaits: they only wake a waiting thread.
 * `Connection.send(buffer, tag)` / `recv(buffer, tag)` post (submit, see below) one tagged message now and return a `Posted` (the
   request and the buffer UCX uses, kept alive together). `tag` None is the connection's base tag, else a request id
-  (the protocol's tag layout, `ucx.progress.request_tag`). Any thread may post, concurrently with others.
+  (the protocol's tag layout, `protocol.request_tag`). Any thread may post, concurrently with others. A
+  connection is made by `ucx.connector.connect` (ucxx's peer-info exchange).
 * `DirectRuntime.wait(posted, deadline)` blocks the calling thread until every request in `posted` is complete and
   raises the first one's UCX error, or raises `WaitTimeout` at `deadline`. A request given up on (its caller timed
   out or failed) must be handed to `bury`: it and its buffer are kept until UCX completes it (the endpoint is
@@ -43,17 +41,8 @@ How a wait works (why this design, the figures in perf/RESULTS.md "Issue 16: the
   failures of requests (reported to their callers by `wait`) out of the log.
 * Requests are kept referenced by Python until UCX completes them, so ucxx's progress thread never drops the last
   reference of a notification object (which would make it take the GIL).
-* Submission (`ucx.config.Submission`, EMS_UCX_CLIENT_SUBMIT): with DIRECT (opt-in) the posting thread submits its
-  request to UCX itself, so a small request is on the wire when `send` returns; a post UCX could not finish at once
-  (a send with bytes left, a large receive that may have matched a rendezvous) signals the progress thread
-  (`ucp_worker_signal`), which carries it on. With ucxx's delayed submission (DELAYED, the default) a post
-  only queues the request and wakes the progress thread, which submits it: every small call paid that thread's
-  wake-up before its request left (perf/RESULTS.md, "Issue 32: client submission": `UcxNode.exists` 340 -> 306 us
-  across hosts, bulk unchanged). Without the signal, a large send posted directly stalled until the progress
-  thread's next wake-up (a 1 MiB put 4.5 ms instead of 1.1 ms, issue 16). Posting threads take the worker's lock
-  beside the progress thread, so the client's UCX context makes it a mutex (`USE_MT_MUTEX`): with UCX's default
-  spinlock a small call's p99 was 2-3x delayed submission's on this 2-core host (waiters spinning through the
-  holder's preemption), with the mutex within 10%.
+* Submission (`ucx.config.Submission`, EMS_UCX_CLIENT_SUBMIT): how a post reaches UCX, DELAYED (the default) or
+  DIRECT, and why: `ucx.client_worker`, which makes the worker.
 """
 
 from __future__ import annotations
@@ -61,22 +50,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ems.transport import protocol
 from ems.transport.base import Ending
 from ems.transport.ucx import config as ucx_config
-from ems.transport.ucx.progress import request_tag
+from ems.transport.ucx.client_worker import start_worker, ucxx_names
 
 PROGRESS_EPOLL_MS = 100  # the C++ progress thread's idle wake-up period (UCX keepalive, peer-failure detection)
 LEAD_PERIOD_S = 0.05  # a leader re-checks its deadline and the waits at least this often
 ABORT_PERIOD_NS = 10**8  # how long aborting an endpoint may wait for UCX (never long: the peer may hang)
 _GRAVEYARD_LIMIT = 1 << 16  # requests given up on and kept; past it the oldest are let go (never grows unbounded)
-_PEER_INFO = struct.Struct("QQ")
 # DIRECT: a receive posted of at most this many bytes signals no one: it completes from the bytes' arrival (which wakes
 # the progress thread). Past it (UCX's RNDV_THRESH is 8K on TCP) it may match a rendezvous already announced, whose
 # answer UCX sends at post time but may leave queued for progress; a reply head (8 KiB) is always posted before its
@@ -97,24 +84,6 @@ class Posted:
         self.request = request
         self.array = array
         self.buffer = buffer
-
-
-_names: dict[str, Any] = {}
-
-
-def _ucxx() -> dict[str, Any]:
-    """ucxx's names, imported on first use (UCX's environment must be in place first)."""
-    if not _names:
-        ucx_config.apply_env_defaults()
-        import ucxx._lib.libucxx as ucx_api
-        from ucxx._lib.arr import Array
-        from ucxx._lib_async.utils import hash64bits
-
-        from ems.transport.ucx import ucxx_internals
-
-        ucxx_internals.check()
-        _names.update(api=ucx_api, Array=Array, hash=hash64bits, Tag=ucx_api.UCXXTag, mask=ucx_api.UCXXTagMaskFull)
-    return _names
 
 
 _futures_loop: asyncio.AbstractEventLoop | None = None
@@ -174,18 +143,8 @@ class DirectRuntime:
     _instance_lock = threading.Lock()
 
     def __init__(self) -> None:
-        names = _ucxx()
-        api = names["api"]
         self.submission = ucx_config.settings().client_submit
-        delayed = self.submission is ucx_config.Submission.DELAYED
-        # DIRECT: every posting thread enters the worker beside its progress thread, so UCX's worker lock is a mutex
-        # (a spinlock's waiter spun through the holder's preemption on a busy host: p99 of a small call 2-3x)
-        self.context = api.UCXContext({} if delayed else {"USE_MT_MUTEX": "y"})
-        # ucx.config.Submission (see the module docstring): DIRECT, the posting thread submits its request itself
-        # (the worker is thread-safe) and signals the progress thread only for a post UCX did not finish at once
-        # (`Connection.send` / `recv`); DELAYED, a posting thread only queues it and the progress thread submits it
-        self.worker = api.UCXWorker(self.context, enable_delayed_submission=delayed, enable_python_future=True)
-        self._signal = _worker_signal(self.worker) if not delayed else None
+        self.context, self.worker, self._signal = start_worker(self.submission)
         with futures_context():
             self.worker.populate_python_futures_pool()
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_EPOLL_MS)
@@ -312,20 +271,6 @@ class DirectRuntime:
                 del self._graveyard[: max(0, len(self._graveyard) - _GRAVEYARD_LIMIT)]
 
 
-def _worker_signal(worker: Any) -> Any:
-    """A callable that wakes `worker`'s progress thread out of its epoll wait (UCX's `ucp_worker_signal`, which
-    ucxx does not expose to Python)."""
-    import ctypes
-
-    from ems.transport.ucx.ucxx_internals import loaded_library
-
-    signal = loaded_library("libucp").ucp_worker_signal
-    signal.argtypes = [ctypes.c_void_p]
-    signal.restype = ctypes.c_int
-    handle = ctypes.c_void_p(worker.handle)
-    return lambda: signal(handle)
-
-
 class Connection:
     """One endpoint to a node, with the tags of ucxx's peer-info exchange; see the module docstring."""
 
@@ -335,7 +280,7 @@ class Connection:
         self.send_tag = send_tag
         self.recv_tag = recv_tag
         self.ending: Ending | None = None  # set (once) when it is aborted
-        names = _ucxx()
+        names = ucxx_names()
         self._array, self._tag, self._mask = names["Array"], names["Tag"], names["mask"]
 
     def _live(self) -> Any:
@@ -348,7 +293,7 @@ class Connection:
     def send(self, buffer: Any, tag: int | None = None) -> Posted:
         """Post one tagged send of `buffer` now."""
         array = self._array(buffer)
-        request = self._live().tag_send(array, self._tag(request_tag(self.send_tag, tag)))
+        request = self._live().tag_send(array, self._tag(protocol.request_tag(self.send_tag, tag)))
         if not request.completed:  # DIRECT: the rest of it needs progress (DELAYED: a no-op)
             self.runtime.signal()
         return Posted(request, array, buffer)
@@ -356,7 +301,7 @@ class Connection:
     def recv(self, buffer: Any, tag: int | None = None) -> Posted:
         """Post one tagged receive into `buffer` (writable) now."""
         array = self._array(buffer)
-        request = self._live().tag_recv(array, self._tag(request_tag(self.recv_tag, tag)), self._mask)
+        request = self._live().tag_recv(array, self._tag(protocol.request_tag(self.recv_tag, tag)), self._mask)
         # DIRECT: a small receive only waits for the peer's bytes (their arrival wakes the progress thread); a large
         # one may have matched a rendezvous already announced, whose reply UCX then has to progress
         if array.nbytes > SMALL_RECV_BYTES and not request.completed:
@@ -375,36 +320,6 @@ class Connection:
             endpoint.close_blocking(period=ABORT_PERIOD_NS, max_attempts=1)
         except Exception:  # already failed or closed
             pass
-
-
-def connect(runtime: DirectRuntime, ip: str, port: int, deadline: float) -> Connection:
-    """An endpoint to `ip:port` after ucxx's peer-info exchange (the client side: receive the listener's tag, then
-    send ours); WaitTimeout at `deadline`, ConnectionError on a bad exchange."""
-    names = _ucxx()
-    endpoint = names["api"].UCXEndpoint.create(runtime.worker, ip, port, True)
-    msg_tag = names["hash"]("msg_tag", os.urandom(16), endpoint.handle)
-    mine = bytearray(_PEER_INFO.pack(msg_tag, names["hash"](msg_tag)))
-    peer = bytearray(_PEER_INFO.size)
-    posted: list[Posted] = []
-    try:
-        peer_array = names["Array"](peer)
-        posted.append(Posted(endpoint.stream_recv(peer_array), peer_array, peer))
-        runtime.wait(posted[-1:], deadline)
-        mine_array = names["Array"](mine)
-        posted.append(Posted(endpoint.stream_send(mine_array), mine_array, mine))
-        runtime.wait(posted[-1:], deadline)
-    except BaseException:
-        try:
-            endpoint.close_blocking(period=ABORT_PERIOD_NS, max_attempts=1)
-        except Exception:  # already failed: nothing more to release
-            pass
-        runtime.bury(posted)
-        raise
-    peer_tag, checksum = _PEER_INFO.unpack(peer)
-    if names["hash"](peer_tag) != checksum:
-        endpoint.close_blocking(period=ABORT_PERIOD_NS, max_attempts=1)
-        raise ConnectionError("UCX peer-info checksum mismatch")
-    return Connection(runtime, endpoint, peer_tag, msg_tag)
 
 
 class Exchange:

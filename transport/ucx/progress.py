@@ -11,7 +11,7 @@ Contract:
 * `send(ep, buffer, tag)` / `recv(ep, buffer, tag)` post one tagged message on a ucxx `Endpoint` now (before the
   caller awaits anything) and return a future that ends when UCX completes it (raising UCX's error when it fails:
   a peer that died, an aborted endpoint, a message longer than the buffer). `tag` None is the endpoint's base tag,
-  else a request id, and the message travels on `request_tag(base, tag)` (the protocol's tag layout: every tag of a
+  else a request id, and the message travels on `protocol.request_tag(base, tag)` (the protocol's tag layout: every tag of a
   connection shares the high 32 bits of its base tag). The buffer is kept alive until UCX has finished with it,
   even when the caller stops waiting. On a loop without a driver (progress mode "thread"), they are ucxx's
   `Endpoint.send/recv` with that tag, started as tasks.
@@ -33,6 +33,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any, cast
+
+from ems.transport import protocol
 
 log = logging.getLogger("ems.transport")
 
@@ -177,17 +179,8 @@ def kick() -> None:
         d.kick()
 
 
-CONNECTION_TAG_MASK = 0xFFFF_FFFF_0000_0000  # the bits every tag of one connection shares (protocol docstring)
-REQUEST_ID_MASK = 0xFFFF_FFFF
-
-
-def request_tag(base: int, request_id: int | None) -> int:
-    """The tag of request `request_id`'s frames on a connection whose base tag is `base` (None: the base tag)."""
-    return base if request_id is None else base ^ (request_id & REQUEST_ID_MASK)
-
-
 def _tag(ep: Any, kind: str, tag: int | None) -> Any:
-    return _names()["Tag"](request_tag(ep._tags[kind], tag))
+    return _names()["Tag"](protocol.request_tag(ep._tags[kind], tag))
 
 
 def _endpoint(ep: Any) -> Any:
@@ -203,7 +196,7 @@ def send(ep: Any, buffer: Any, tag: int | None = None) -> asyncio.Future[Any]:
     """Post one tagged send; see the module docstring."""
     d = driver()
     if d is None:
-        wire_tag = request_tag(ep._tags["msg_send"], tag)
+        wire_tag = protocol.request_tag(ep._tags["msg_send"], tag)
         return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.send(buffer, tag=wire_tag, force_tag=True)))
     arr = _names()["Array"](buffer)
     return d.wait(_endpoint(ep).tag_send(arr, _tag(ep, "msg_send", tag)), arr)
@@ -213,7 +206,7 @@ def recv(ep: Any, buffer: Any, tag: int | None = None) -> asyncio.Future[Any]:
     """Post one tagged receive into `buffer` (writable); see the module docstring."""
     d = driver()
     if d is None:
-        wire_tag = request_tag(ep._tags["msg_recv"], tag)
+        wire_tag = protocol.request_tag(ep._tags["msg_recv"], tag)
         return cast("asyncio.Future[Any]", asyncio.ensure_future(ep.recv(buffer, tag=wire_tag, force_tag=True)))
     names = _names()
     arr = names["Array"](buffer)

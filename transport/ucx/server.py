@@ -60,7 +60,7 @@ from ems.transport.ucx.channel import Channel
 from ems.transport.ucx.config import init_ucx
 from ems.transport.ucx.connections import Closed, Connection, ConnectionTable, Stage, abort
 from ems.transport.ucx.endpoint import install_safe_listener_exchange
-from ems.transport.ucx.frames import new_head_buffer, recv_head
+from ems.transport.ucx.frames import head_layout, new_head_buffer, pack_meta_reply, recv_head
 from ems.transport.ucx.handshake import handshake
 from ems.transport.ucx.listener import BoundListener
 from ems.transport.ucx.sockets import SocketReaper
@@ -224,9 +224,7 @@ class PoolServer:
         is never in flight past this (the reply starts before the next head is read). A reply whose send does not
         complete at once has `stall_timeout_s`, like any frame."""
         meta = self.handlers.answer_now(header, body[: header.meta_len], prefix)
-        sent = ucx_progress.send(
-            conn.ep, protocol.pack_meta_reply(header.op, header.request_id, meta, header.count), header.request_id
-        )
+        sent = ucx_progress.send(conn.ep, pack_meta_reply(header.op, header.request_id, meta, header.count), header.request_id)
         if sent.done():
             sent.result()  # a failed send raises here, as awaiting it would
             return
@@ -281,4 +279,4 @@ def _served_at_once(header: protocol.Header) -> bool:
     frame to wait for; the reply, flags, fits in a head; it waits only while the node's whole in-flight budget is
     taken). Anything else (data frames, a GET's value) gets a task, so one slow request never holds the connection's
     next head."""
-    return header.op in _AT_ONCE_OPS and header.data_len == 0 and protocol.head_layout(header.meta_len, 0).meta_inline
+    return header.op in _AT_ONCE_OPS and header.data_len == 0 and head_layout(header.meta_len, 0).meta_inline

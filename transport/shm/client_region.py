@@ -1,24 +1,19 @@
-"""A region's request channel: SHM_GET / SHM_PUT and their replies over the Unix socket the region was handed over on.
+"""A same-host client's region as its calls use it (`transport.shm.wire` has the protocol): the mapping and the
+connection it belongs to (`ClientRegion`), its ranges (`RangeAllocator`), the buffers it lends (`ShmBuffer`) and the
+client's end of its request channel (`ClientChannel`).
 
 Contract:
-* After the hand-over (`shm.server`, `shm.client`) the socket stays open, one per region, and carries that region's
-  data requests and the connection's lookups (EXISTS, with its LEASE or PIN flag; the node answers it as on UCX):
-  the same 32-byte header and meta as on UCX (`protocol.pack_header`; no data frames, count and
-  request id as there), the reply a header (op | REPLY, status, count, meta length) and its meta. The socket's
-  peer was proven at the hand-over (token, SO_PEERCRED both ways), so a request on it belongs to the region's
-  connection and tenant; only SHM_GET, SHM_PUT and EXISTS travel on it, and the node serves them as it serves the same
-  ops on UCX. Up to `CHANNEL_IN_FLIGHT` requests are in flight on it at once, told apart by their request ids (an
-  id is not reused while its request is in flight: the node ends the channel if it is); a client call takes one of
-  the channel's slots for its whole request, and one that finds none free goes over UCX. The node serves the
-  requests of a channel at once and writes each reply whole; replies may come in any order.
-* The node ends a channel on anything malformed (a ProtocolError) and on a refusal (answered BAD_REQUEST first),
-  and when the region's connection ends. The client drops the connection after any failure on its channel
-  (a timeout included), as after any failed UCX request: the region is poisoned and a fresh connection gets a
-  fresh region.
-* Client side, `ClientChannel.request` keeps the GIL through its socket calls (non-blocking `send` / `recv` through
+* `RangeAllocator` hands out disjoint page-aligned ranges of the region, first fit (so a region's first calls use the
+  start that both sides populated), thread-safe; `poison()` stops it for good (nothing of the region is handed out
+  again: a range a failed request held may still be written by the node). `ShmBuffer` is a range lent to a caller:
+  `release()` gives it back, `retire()` poisons the region (a failed call may still touch it).
+* `ClientChannel.request` sends one request on the region's channel (the hand-over socket, kept open: its protocol
+  in `shm.wire`) and returns its reply's meta; the caller holds one of its `slots` (CHANNEL_IN_FLIGHT) for the whole
+  request. Any failure (ChannelTimeout, ChannelRefused, ChannelClosed, ProtocolError) spends the channel for every
+  request on it, except a lookup's timeout that struck between frames (`keep_on_timeout`): its late reply is dropped.
+* `ClientChannel.request` keeps the GIL through its socket calls (non-blocking `send` / `recv` through
   libc with the GIL held) and releases it once, to wait for the reply (`poll`). With several requests in flight,
-  one waiter at a time reads the socket and hands the others their replies (each waking only its owner); any failure
-  (a timeout included) spends the channel for every request on it.
+  one waiter at a time reads the socket and hands the others their replies (each waking only its owner).
 
 Why: over UCX an SHM request posts its receive and its head (ucxx releases the GIL for each post) and then waits:
 three GIL hand-overs per request, each up to a switch interval (5 ms) beside a busy Python thread (an engine's
@@ -27,7 +22,6 @@ loop). Here a request costs one (perf/RESULTS.md, "Same-host requests over the r
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno
 import os
@@ -36,17 +30,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from ems.transport import protocol
+from ems.transport.shm.wire import CHANNEL_IN_FLIGHT, PAGE
 
 _MSG_DONTWAIT = 0x40
 _MSG_NOSIGNAL = 0x4000
 _MAX_POLL_MS = 60_000
-# what travels on a channel: the region's data requests, and lookups (a same-host EXISTS costs a socket round trip
-# here, against UCX's posts and progress thread: perf/RESULTS.md, "exists over the region's channel")
-CHANNEL_OPS = frozenset({int(protocol.Op.SHM_GET), int(protocol.Op.SHM_PUT), int(protocol.Op.EXISTS)})
-_NOT_ON_A_CHANNEL = int(protocol.Flags.INLINE)  # a UCX framing: never on a channel
-CHANNEL_IN_FLIGHT = 8  # requests in flight on one region's channel (the node serves them at once, in this bound)
 
 _libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: these calls keep the GIL (never block: MSG_DONTWAIT)
 _libc.send.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -268,78 +262,101 @@ class ClientChannel:
                 return
 
 
-class NodeChannel:
-    """The node's `RequestChannel` for one request read off a region's channel (`transport.handler.RequestChannel`)."""
-
-    def __init__(
-        self, sock: socket.socket, header: protocol.Header, conn: object, meta: bytes, sending: asyncio.Lock, region: object
-    ) -> None:
-        self.sock = sock
-        self.header = header
-        self.conn = conn
-        self.region = region  # the region this channel belongs to (its requests are served over it, whatever comes later)
-        self._meta = meta
-        self._sending = sending  # the channel's: one reply's bytes at a time (requests are served at once)
-
-    async def meta(self) -> bytes:
-        return self._meta
-
-    def inline_data(self) -> memoryview | None:
-        return None
-
-    async def receive_frames(self, views: object, ends: bytes) -> None:
-        raise protocol.ProtocolError("shared-memory requests carry no data frames")
-
-    async def reply(
-        self,
-        op: int,
-        *,
-        count: int = 0,
-        meta: bytes = b"",
-        data: object = (),
-        data_len: int = 0,
-        status: protocol.Status = protocol.Status.OK,
-    ) -> None:
-        if data or data_len:
-            raise protocol.ProtocolError("a shared-memory reply carries no data frames")
-        header = protocol.pack_header(
-            op | protocol.REPLY,
-            count=count,
-            meta_len=len(meta),
-            status=status,
-            request_id=self.header.request_id,
-            meta_end=protocol.end_byte(meta),
-        )
-        async with self._sending:
-            await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
+@dataclass(frozen=True)
+class ShmRange:
+    offset: int
+    nbytes: int
 
 
-async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | None:
-    """The next request's header and meta off a region's channel; None when the client closed it between requests.
-    ProtocolError for anything but an SHM_GET, SHM_PUT or EXISTS within the protocol's limits (flags as the op
-    defines them, `protocol.unpack_header`; never INLINE)."""
-    head = await _recv_exactly(sock, protocol.HEADER_SIZE, allow_eof=True)
-    if head is None:
-        return None
-    header = protocol.unpack_header(head)  # checks magic, version and every limit (meta length included)
-    if header.op not in CHANNEL_OPS or header.data_len or header.status or header.flags & _NOT_ON_A_CHANNEL:
-        raise protocol.ProtocolError(
-            f"op {header.op} (data {header.data_len}, flags {header.flags:#x}) on a shared-memory channel"
-        )
-    meta = await _recv_exactly(sock, header.meta_len) if header.meta_len else b""
-    protocol.check_meta_end(header, meta or b"")
-    return header, meta or b""
+class RangeAllocator:
+    """Disjoint page-aligned ranges of a region of `size` bytes (first fit; thread-safe). `poison()` stops it for
+    good: a range a failed request held may still be written by the node, so nothing of the region is reused."""
 
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)]  # sorted, disjoint (start, end)
+        self._lock = threading.Lock()
+        self.poisoned = False
+        self.used = 0
+        self.high_water = 0  # the end of the highest range ever handed out
 
-async def _recv_exactly(sock: socket.socket, n: int, allow_eof: bool = False) -> bytes | None:
-    loop = asyncio.get_running_loop()
-    parts, got = [], 0
-    while got < n:
-        chunk = await loop.sock_recv(sock, min(n - got, 1 << 20))
-        if not chunk:
-            if allow_eof and got == 0:
+    def alloc(self, nbytes: int) -> ShmRange | None:
+        need = max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
+        with self._lock:
+            if self.poisoned:
                 return None
-            raise ConnectionError("the client closed the channel mid-request")
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
+            for i, (start, end) in enumerate(self._free):
+                if end - start >= need:
+                    if end - start == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (start + need, end)
+                    self.used += need
+                    self.high_water = max(self.high_water, start + need)
+                    return ShmRange(start, need)
+        return None
+
+    def free(self, taken: ShmRange) -> None:
+        with self._lock:
+            if self.poisoned:
+                return
+            start, end = taken.offset, taken.offset + taken.nbytes
+            self.used -= taken.nbytes
+            ranges = self._free
+            at = 0
+            while at < len(ranges) and ranges[at][0] < start:
+                at += 1
+            if at > 0 and ranges[at - 1][1] == start:
+                at -= 1
+                start = ranges[at][0]
+                del ranges[at]
+            if at < len(ranges) and ranges[at][0] == end:
+                end = ranges[at][1]
+                del ranges[at]
+            ranges.insert(at, (start, end))
+
+    def poison(self) -> None:
+        with self._lock:
+            self.poisoned = True
+            self._free = []
+
+
+@dataclass(eq=False)
+class ClientRegion:
+    """A mapped region and the connection (endpoint) it belongs to."""
+
+    ep: Any
+    array: np.ndarray
+    allocator: RangeAllocator
+    channel: ClientChannel | None = None  # the hand-over socket, kept for this region's requests
+
+    def __post_init__(self) -> None:
+        self.base = int(self.array.ctypes.data)
+
+    def offset_of(self, address: int, nbytes: int) -> int:
+        """The region offset of `nbytes` at `address`, or -1 when they are not inside the region."""
+        offset = address - self.base
+        return offset if offset >= 0 and offset + nbytes <= self.array.nbytes else -1
+
+
+class ShmBuffer:
+    """A range of a region lent to a caller (`ShmClient.buffer`): `array` is writable uint8 memory that calls of this
+    client move without a copy. `release()` returns it; `retire()` when a failed call may still touch it."""
+
+    def __init__(self, region: ClientRegion, taken: ShmRange, nbytes: int) -> None:
+        self.region = region
+        self.taken = taken
+        self.array = region.array[taken.offset : taken.offset + nbytes]
+
+    def release(self) -> None:
+        self.region.allocator.free(self.taken)
+
+    def retire(self) -> None:
+        self.region.allocator.poison()
+
+
+def retire_region(region: ClientRegion) -> None:
+    """Nothing of `region` is handed out or asked over its channel again (leases still held keep its mapping)."""
+    region.allocator.poison()
+    if region.channel is not None:
+        region.channel.close()
