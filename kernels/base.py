@@ -37,8 +37,8 @@ from typing import overload
 import numpy as np
 import torch
 
-from ems.config import KernelBackend as KernelBackend  # the setting's values, kept with the settings
 from ems.kernels.host_copy import host_array, raw_tensor
+from ems.settings import KernelBackend as KernelBackend  # the setting's values, kept with the settings
 
 
 @dataclass(frozen=True)

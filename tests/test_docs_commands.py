@@ -263,7 +263,8 @@ def test_requests_name_the_servers_model():
 
 
 def test_environment_lines_resolve(monkeypatch):
-    from ems.config import EmsConfig, resolve_settings
+    from ems.config import EmsConfig
+    from ems.settings import resolve_settings
 
     found = _matching(r"python serve\.py$")
     assert found

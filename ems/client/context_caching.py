@@ -36,7 +36,7 @@ from ems.client.async_calls import AsyncCalls, Pending
 from ems.client.metrics import CcMetrics
 from ems.client.namespaces import NamespaceWatch
 from ems.client.warmup import warm_small_calls
-from ems.config import CcConfig, Settings
+from ems.config import CcConfig
 from ems.datapath.arguments import Operation, RawCall
 from ems.datapath.calls import Call, bind_and_plan, bind_exists, call_result, consecutive_prefix
 from ems.datapath.copier import Copier, copier_for
@@ -51,6 +51,7 @@ from ems.datapath.tokens import TokenForm
 from ems.errors import EmsErrorCode, EmsException
 from ems.kernels import CopyBackend, get_backend
 from ems.records import JobKind, JobLedger, JobRecord, Stage
+from ems.settings import Settings
 from ems.staging import StagingPool
 from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
 

@@ -90,7 +90,7 @@ def load_keys(keys_file: str | None) -> dict[str, str]:
     if keys_file:
         with open(keys_file, encoding="utf-8") as f:
             keys.update(parse_keys(f.read().splitlines(), keys_file))
-    from ems.config import pool_keys_from_environment
+    from ems.settings import pool_keys_from_environment
 
     env = pool_keys_from_environment()
     if env.strip():
@@ -353,8 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _restrict_ucx_devices(host)
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ems-pool %(levelname)s %(message)s")
-    from ems.config import host_copy_settings, parse_size
+    from ems.config import parse_size
     from ems.errors import EmsException
+    from ems.settings import host_copy_settings
 
     try:
         host_copy_settings()  # EMS_HOST_COPY / EMS_CACHE_DIR checked at start, not at the first value
