@@ -451,7 +451,7 @@ def test_every_pool_node_command_starts_a_node(processes, tmp_path):
 
 
 def test_the_keys_file_commands_make_a_keys_file_the_node_reads(tmp_path):
-    from ems.pool.__main__ import load_keys
+    from ems.pool.options import load_keys
 
     found = _matching(r"(printf|chmod) ")
     assert found
