@@ -133,7 +133,8 @@ class NodeExtras:
 
     def _start_repair(self, advertise: str) -> None:
         from ems.cluster.membership import MembershipWatcher
-        from ems.pool.repair import Repairer, RepairSettings
+        from ems.pool.repair import Repairer
+        from ems.pool.repair_plan import RepairSettings
 
         settings = RepairSettings(self.args.replicas, self.args.repair_rate, self.args.repair_interval)
         self.repair = Repairer(self.store, advertise, settings, self._connect_peer, self.keys)

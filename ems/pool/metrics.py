@@ -206,7 +206,7 @@ class NodeMetrics:
         self.registry.register(book.collector())
 
     def watch_repair(self, progress: Callable[[], Any]) -> None:
-        """Report the node's repair (`progress()` gives an `ems.pool.repair.RepairProgress`) when scraped."""
+        """Report the node's repair (`progress()` gives an `ems.pool.repair_plan.RepairProgress`) when scraped."""
         self.registry.register(_RepairCollector(progress))
 
     def watch_shm(self, stats: Callable[[], ShmStats]) -> None:
