@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from ems.pool.options import NodeOptions, build_parser, resolve_options
 
 if TYPE_CHECKING:
-    from ems.pool.handlers import NodeStore
+    from ems.pool.node_store import NodeStore
 
 
 async def _run(host: str, port: int, options: NodeOptions, args: argparse.Namespace) -> int:

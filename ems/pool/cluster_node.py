@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ems.cluster.membership import MembershipWatcher, Registration
-    from ems.pool.handlers import NodeStore
     from ems.pool.metrics import MetricsServer, NodeMetrics
+    from ems.pool.node_store import NodeStore
     from ems.pool.repair import Repairer
     from ems.transport.base import NodeClient
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from ems.cluster.rendezvous import node_seeds, ranked_owners, route_hashes
 from ems.datapath.keys import route_key_of, unit_of
-from ems.pool.handlers import split_tenant
+from ems.pool.node_store import split_tenant
 from ems.pool.repair_plan import BATCH_BYTES, RepairProgress, RepairSettings, TokenBucket, asked, burst_bytes, copy_plan
 from ems.records import Deadline
 from ems.transport.base import NodeClient, TransportError

@@ -19,7 +19,7 @@ from pool_testlib import make_values, wait_until
 from ems.cluster.rendezvous import node_seeds, ranked_by_hash, ranked_owners, route_hashes
 from ems.datapath.keys import FORM_TOKENS, chain_keys, route_key_of, v0_keys, v1_keys
 from ems.errors import EmsErrorCode
-from ems.pool.handlers import split_tenant, tenant_prefix
+from ems.pool.node_store import split_tenant, tenant_prefix
 from ems.pool.repair import Repairer
 from ems.pool.repair_plan import RepairSettings, asked, copy_plan
 from ems.store.kv_store import KvStore
