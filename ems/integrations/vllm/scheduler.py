@@ -42,7 +42,7 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
 * `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
   promised before it are reported failed, never loaded; False when the pool did not take it.
 * Hybrid models (several KV cache groups, `ctx.hybrid`): every position's block is one value per group, keyed by
-  the group (`block_transfer.group_hashes`). A lookup counts a position as hit only where every group holds it;
+  the group (`engine_keys.group_hashes`). A lookup counts a position as hit only where every group holds it;
   a load writes, for each group, the blocks vLLM allocated for the hit (a sliding-window group gets only the blocks
   of the window before the hit's end: vLLM pads the rest with its null block 0, which is never written); a save
   sends each group's blocks of the positions the step computed (a sliding-window group: those its window still
@@ -67,8 +67,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ems.integrations.block_transfer import TransferStats, group_hashes
+from ems.integrations.engine_keys import group_hashes
 from ems.integrations.epoch import EpochRecord, EpochWatch
+from ems.integrations.transfer_stats import TransferStats
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.engine_checks import GroupKind
 from ems.integrations.vllm.lookups import OnTheirWay, Placement, PoolLookups
