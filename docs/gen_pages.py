@@ -1,7 +1,7 @@
 """The docs site's generated parts, made from the code and the results at every build (an MkDocs hook: mkdocs.yml).
 
 Contract:
-* `settings_table()` is the configuration reference's table of every setting of `ems.config.Settings` (the UCX
+* `settings_table()` is the configuration reference's table of every setting of `ems.settings.Settings` (the UCX
   ones of `UcxSettings`, the Mooncake ones of `MooncakeSettings`) and of the variables read outside it: its type and
   default come from the code (the dataclasses' annotations, `resolve_settings` in an environment without the
   variables), its environment variable and meaning from `SETTINGS` below, the one place they are written. A field
@@ -134,7 +134,7 @@ SETTINGS: dict[str, Entry] = {
         "thread submits each, one wake-up of it per post); `direct` (opt-in, ~35 µs off a small call across hosts), "
         "the posting thread does (a small request leaves at once)",
     ),
-    # read outside Settings, not by Ems.init (ems.config's readers)
+    # read outside Settings, not by Ems.init (ems.settings' readers)
     "pool_keys_from_environment": Entry(
         "`EMS_POOL_KEYS` (environment only)",
         "`ems-pool`: tenant keys, `access_id:access_key,...`, added to `--keys-file`'s; never on the command line "
@@ -286,7 +286,8 @@ def _environment_without(prefixes: tuple[str, ...]) -> Iterator[None]:
 
 def setting_names() -> list[str]:
     """Every setting of `Settings`, in its order (UCX's as `ucx.x`, Mooncake's as their `mooncake_x` keywords)."""
-    from ems.config import POOL_SETTINGS, Settings
+    from ems.config import POOL_SETTINGS
+    from ems.settings import Settings
     from ems.transport.ucx.config import UcxSettings
 
     names: list[str] = []
@@ -337,8 +338,9 @@ def _default_text(setting: str, value: object, entry: Entry) -> str:
 def settings_rows() -> list[tuple[str, str, str, str, str]]:
     """(setting, type, environment variable, default, meaning) of every setting, then of the variables read outside
     `Settings`. Raises ValueError when the code and `SETTINGS` disagree."""
-    from ems import config
-    from ems.config import EmsConfig, MooncakeSettings, Settings, resolve_settings
+    from ems import settings as config  # (the readers of the variables outside Settings)
+    from ems.config import EmsConfig
+    from ems.settings import MooncakeSettings, Settings, resolve_settings
     from ems.transport.ucx.config import UcxSettings
 
     names = setting_names()
@@ -384,8 +386,8 @@ def settings_table() -> str:
 def connector_rows() -> list[tuple[str, str, str, str]]:
     """(key, type, default, meaning) of every `kv_connector_extra_config` key; the EmsConfig pool settings as one
     row. Raises ValueError when the code and `CONNECTOR_KEYS` disagree."""
-    from ems.config import DEFAULT_MAX_INFLIGHT
     from ems.integrations import connector_config as cc
+    from ems.settings import DEFAULT_MAX_INFLIGHT
 
     own = [k for k in cc.KEYS if k not in cc.EMS_SETTINGS]
     documented = set(CONNECTOR_KEYS)

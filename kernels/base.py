@@ -36,9 +36,9 @@ from typing import overload
 import numpy as np
 import torch
 
-from ems.config import KernelBackend as KernelBackend  # the setting's values, kept with the settings
 from ems.kernels.host_copy import host_array, raw_tensor
 from ems.kernels.planes import PlaneSet
+from ems.settings import KernelBackend as KernelBackend  # the setting's values, kept with the settings
 
 # a piece table: int64 `[5, N]` on the host (see `CopyBackend.gather_pieces`)
 PieceTable = np.ndarray | torch.Tensor

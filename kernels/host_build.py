@@ -32,7 +32,7 @@ def build_library() -> Path:
     compiler = _compiler()
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + repr((compiler, _FLAGS)).encode()).hexdigest()[:16]
-    from ems.config import host_copy_settings  # the one home of the package's settings (torch-free)
+    from ems.settings import host_copy_settings  # the one home of the package's settings (torch-free)
 
     directory = Path(host_copy_settings().cache_dir)
     target = directory / f"host_copy-{digest}.so"

@@ -281,7 +281,7 @@ def copy_buffers(dsts: Sequence[Any], srcs: Sequence[Any], progress: int = 0, si
 @functools.cache
 def host_copy() -> HostCopy | None:
     """The process's compiled moves, or None (the reason is logged once)."""
-    from ems.config import host_copy_settings
+    from ems.settings import host_copy_settings
 
     if not host_copy_settings().enabled:
         return None

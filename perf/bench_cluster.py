@@ -33,7 +33,8 @@ from ems.backends.base import PoolCall  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.backends.remote_pool import open_remote_pool  # noqa: E402
 from ems.cluster.membership import NodeInfo, Registration, wait_for  # noqa: E402
-from ems.config import EmsConfig, resolve_settings  # noqa: E402
+from ems.config import EmsConfig  # noqa: E402
+from ems.settings import resolve_settings  # noqa: E402
 from ems.transport.ucx.remote import connect  # noqa: E402
 from ems.types import CcKvOption  # noqa: E402
 

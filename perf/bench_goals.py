@@ -23,7 +23,7 @@ from pathlib import Path
 
 from results import Figure, Goal, Run, markdown, record
 
-from ems.config import DEFAULT_CHUNK_BYTES
+from ems.settings import DEFAULT_CHUNK_BYTES
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CHUNKS = f"{DEFAULT_CHUNK_BYTES >> 20}MiB"  # the API rows' EMS_CHUNK_BYTES that equals the default

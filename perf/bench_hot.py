@@ -42,7 +42,7 @@ from results import Figure, Goal, Run, command_line, record  # noqa: E402
 from ems import CcConfig, CcKvOption, CcResult, ContextCaching, EmsConfig  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.cluster.hot import HotUnits  # noqa: E402
-from ems.config import resolve_settings  # noqa: E402
+from ems.settings import resolve_settings  # noqa: E402
 from ems.transport.ucx.remote import connect  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -38,8 +38,8 @@ from ems import CcConfig, ContextCaching, EmsConfig
 from ems.backends.base import PoolCall
 from ems.backends.mooncake import MooncakePool
 from ems.backends.pool_client import PoolClient
-from ems.config import resolve_settings
 from ems.records import JobKind, stage_table
+from ems.settings import resolve_settings
 from ems.tools.demo import Engine
 from ems.transport.ucx.client import UcxNode
 from ems.types import CcKvOption

@@ -77,7 +77,7 @@ from ucx_loop import UcxRuntime  # noqa: E402
 import ems.transport.ucx.config  # noqa: E402 - UCX environment before ucxx loads
 from ems.backends.base import PoolCall  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
-from ems.config import DEFAULT_CHUNK_BYTES  # noqa: E402
+from ems.settings import DEFAULT_CHUNK_BYTES  # noqa: E402
 from ems.transport.shm.client import ShmMode  # noqa: E402
 from ems.transport.ucx.client import UcxNode  # noqa: E402
 

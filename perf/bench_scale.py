@@ -41,7 +41,7 @@ from results import Figure, Goal, Run, command_line, record  # noqa: E402
 from ems import CcConfig, CcKvOption, CcResult, ContextCaching, EmsConfig  # noqa: E402
 from ems.backends.pool_client import PoolClient  # noqa: E402
 from ems.backends.remote_pool import EAGER_CONNECT_NODES  # noqa: E402
-from ems.config import resolve_settings  # noqa: E402
+from ems.settings import resolve_settings  # noqa: E402
 from ems.transport.ucx.client import UcxNode  # noqa: E402
 from ems.transport.ucx.remote import connect  # noqa: E402
 

@@ -608,8 +608,8 @@ def layer_vs_step(ctx: Context) -> list[dict[str, Any]]:
     saved. The last row names the faster granularity for each side: the connector's default follows it."""
     from ems import Ems
     from ems.integrations import kv_layouts
-    from ems.integrations.block_transfer import StatsSink
     from ems.integrations.connector_config import ConnectorConfig
+    from ems.integrations.transfer_stats import StatsSink
     from ems.integrations.vllm.context import ConnectorContext
     from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
     from ems.integrations.vllm.worker import EmsWorker

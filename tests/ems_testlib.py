@@ -16,9 +16,10 @@ from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.base import PoolCall
 from ems.backends.embedded import EmbeddedPool
 from ems.backends.pool_client import PoolClient
-from ems.config import parse_size, resolve_settings
+from ems.config import parse_size
 from ems.datapath.planning import BlockPlan
 from ems.records import Deadline
+from ems.settings import resolve_settings
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 from ems.transport.ucx.client import UcxNode
 

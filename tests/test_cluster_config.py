@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ems import CcConfig, Ems, EmsConfig, EmsErrorCode, EmsException
-from ems.config import resolve_settings
+from ems.settings import resolve_settings
 
 # no EMS_* settings in the environment and no initialised `Ems`, before and after each test
 pytestmark = pytest.mark.usefixtures("clean_ems")

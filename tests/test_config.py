@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ems import CcConfig, CcConfig_v1, Ems, EmsConfig, EmsErrorCode, EmsException, KvCacheType
-from ems.config import parse_size, resolve_settings
+from ems.config import parse_size
 from ems.kernels import KernelBackend
+from ems.settings import resolve_settings
 
 # no EMS_* settings in the environment and no initialised `Ems`, before and after each test
 pytestmark = pytest.mark.usefixtures("clean_ems")

@@ -1,6 +1,6 @@
 """The docs against the code, wherever they quote names: settings, environment variables, formats, links.
 
-* Every field of `ems.config.Settings` is a row of the configuration reference's Settings table (generated at build
+* Every field of `ems.settings.Settings` is a row of the configuration reference's Settings table (generated at build
   time by docs/gen_pages.py, which these tests call), and every row is a field or one of the variables read outside
   `Settings` (`OTHER_VARIABLES`: a pool node's, the vLLM connector's).
 * Each row's environment variable is the one the code reads for it (set it, resolve or read, see the value).
@@ -25,18 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from ems.config import (
-    POOL_SETTINGS,
-    EmsConfig,
+from ems.config import POOL_SETTINGS, EmsConfig, parse_size
+from ems.errors import EmsErrorCode
+from ems.kernels.base import KernelBackend
+from ems.settings import (
     Settings,
     access_key_from_environment,
     local_pool_dir_from_environment,
-    parse_size,
     pool_keys_from_environment,
     resolve_settings,
 )
-from ems.errors import EmsErrorCode
-from ems.kernels.base import KernelBackend
 from ems.store.value_format import VERSION
 from ems.transport import protocol
 from ems.transport.ucx.config import Submission, UcxSettings
@@ -97,7 +95,7 @@ ENV_VALUES: dict[str, tuple[str, object]] = {
     "mooncake_buffer": ("32MiB", 32 << 20),
     "mooncake_segment": ("1GiB", 1 << 30),
 }
-# The variables read outside `Settings` (not by `Ems.init`), rows of the table too: each one's reader in ems.config,
+# The variables read outside `Settings` (not by `Ems.init`), rows of the table too: each one's reader in ems.settings,
 # and a value it is read as.
 OTHER_VARIABLES: dict[str, tuple[Callable[[], object], str]] = {
     "EMS_POOL_KEYS": (pool_keys_from_environment, "team-a:" + "k" * 32),

@@ -264,7 +264,8 @@ def test_requests_name_the_servers_model():
 
 
 def test_environment_lines_resolve(monkeypatch):
-    from ems.config import EmsConfig, resolve_settings
+    from ems.config import EmsConfig
+    from ems.settings import resolve_settings
 
     found = _matching(r"python serve\.py$")
     assert found
@@ -445,7 +446,7 @@ def test_every_pool_node_command_starts_a_node(processes, tmp_path):
 
 
 def test_the_keys_file_commands_make_a_keys_file_the_node_reads(tmp_path):
-    from ems.pool.__main__ import load_keys
+    from ems.pool.options import load_keys
 
     found = _matching(r"(printf|chmod) ")
     assert found

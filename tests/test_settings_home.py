@@ -1,8 +1,8 @@
-"""One home for settings: `ems/config.py` is the only module of the package that reads or writes the environment,
-but for the few listed here, each with the reason it cannot go through `ems.config`.
+"""One home for settings: `ems/settings.py` is the only module of the package that reads or writes the environment,
+but for the few listed here, each with the reason it cannot go through `ems.settings`.
 
 Found from the code (every `os.environ` / `os.getenv` / `os.putenv` use, as the AST has it), so a new reading
-anywhere else fails here until it moves into `ems.config` or is listed with its reason.
+anywhere else fails here until it moves into `ems.settings` or is listed with its reason.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = [ROOT / "ems", ROOT / "kernels", ROOT / "transport"]
-HOME = ROOT / "ems" / "config.py"
+HOME = ROOT / "ems" / "settings.py"
 
 # (file relative to the repository root) -> why it reads or writes the environment itself
 ALLOWED = {
     # UCX reads its own UCX_* options from the environment when its library loads, so their defaults are written
     # there just before `import ucxx`; its EMS_UCX_* knobs are parsed by `UcxSettings.from_env`, which
-    # `ems.config` calls (the transport may not import `ems.config`: tests/transport/test_layering.py).
-    "transport/ucx/config.py": "UCX's own variables, and the transport's settings parser ems.config calls",
+    # `ems.settings` calls (the transport may not import `ems.settings`: tests/transport/test_layering.py).
+    "transport/ucx/config.py": "UCX's own variables, and the transport's settings parser ems.settings calls",
     # A node listening on one address restricts UCX's data connections to that interface: UCX_NET_DEVICES, UCX's
     # own variable, set before UCX starts (an operator's value wins).
     "ems/pool/__main__.py": "UCX_NET_DEVICES, UCX's own variable",
@@ -60,7 +60,7 @@ def test_only_the_config_module_reads_the_environment() -> None:
         if path != HOME and (uses := _environment_uses(path))
     }
     unexpected = {path: lines for path, lines in found.items() if path not in ALLOWED}
-    assert not unexpected, f"environment read outside ems/config.py (move it there, or list it with its reason): {unexpected}"
+    assert not unexpected, f"environment read outside ems/settings.py (move it there, or list it with its reason): {unexpected}"
 
 
 def test_every_allowed_reader_still_reads_it() -> None:
@@ -70,4 +70,4 @@ def test_every_allowed_reader_still_reads_it() -> None:
 
 
 def test_the_config_module_reads_it() -> None:
-    assert _environment_uses(HOME), "ems/config.py should be where settings are read"
+    assert _environment_uses(HOME), "ems/settings.py should be where settings are read"

@@ -45,9 +45,10 @@ import numpy as np
 
 from ems.backends.base import PoolCall, PoolOutcome, ReadCheck
 from ems.backends.fanout import FanOut, WarmNodes
+from ems.backends.hedges import Hedge
 from ems.backends.hot_reads import HotReads
 from ems.backends.latency import NodeLatency
-from ems.backends.reads import Hedge, read
+from ems.backends.reads import read
 from ems.buffers import Buffer
 from ems.cluster.placement import Members, View
 from ems.cluster.rendezvous import UNIT_WIDTH, ranked_owners

@@ -13,20 +13,12 @@ Contract (`read`):
   the nodes. A key's ranking goes `FAILOVER_SPARE` nodes past its tries (failed nodes are skipped), not over the
   whole pool.
 * Slow nodes (`NodeLatency.slow`) are asked last among the nodes a key may try.
-* Hedging (`hedge` given, and a key has another node it may try): when a node has not answered its share within
-  `NodeLatency.hedge_delay` of its expected bytes, the keys of that share still without a value are also asked of
-  their next node; whichever answers first with an accepted value wins. A hedge that misses a key (or whose node
-  fails) sends it on to the node after, as long as the key has tries left, while the slow request keeps running:
-  the slow node is never given up on before the deadline unless another node has the value (a busy host's slow
-  answer is still a hit; a partitioned owner costs a hedge delay per node asked, not the call). For a read into
-  the caller's buffers (`Hedge.needs_quiet`) the hedge receives into buffers of its own, and its values are copied
-  into the caller's only once the slow node's request can no longer write there: it ends by itself within
-  `NodeLatency.abort_delay`, or is then aborted (`FanOut.abandon`) and waited for (a key whose slow request could
-  not be stopped by the deadline is a miss, with an error). An abort is reported in the outcome (`errors`), so the
-  caller retires its buffers. A small hedged read (under `SMALL_BYTES`) has its first request receive into buffers
-  of its own too, so a hedge's value is taken at once (a request to a node that cannot be stopped, e.g. one still
-  connecting to a partitioned node, then never holds the key up): the copy of a few small values costs less than
-  the wait.
+* Hedging (`hedge` given, and a key has another node it may try): a node's share that is slow to answer has its keys
+  also asked of their next node, the first accepted value wins, and a hedged value goes into the caller's buffers
+  only once the slow request can no longer write there (`ems.backends.hedges`, the contract in full). A small hedged
+  read (under `SMALL_BYTES`) has its first request receive into buffers of its own too, so a hedge's value is taken
+  at once (a request to a node that cannot be stopped, e.g. one still connecting to a partitioned node, then never
+  holds the key up): the copy of a few small values costs less than the wait.
 * A request to one node, of no value bytes to speak of (an exists, a few small values: under `SMALL_BYTES`), runs
   on the calling thread (no thread hop) when nothing could hedge it: no hedge, or none of its keys may try another
   node; otherwise it runs hedged as above.
@@ -40,46 +32,20 @@ Contract (`read`):
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ems.backends.base import PoolOutcome
-from ems.backends.fanout import CostsOf, FanOut, NodeRequest, NodeShare
+from ems.backends.fanout import CostsOf, FanOut, NodeRequest
+from ems.backends.hedges import Accept, Hedge, Share, send_hedges, settle
 from ems.backends.latency import SMALL_BYTES
 from ems.cluster.placement import View
 from ems.cluster.rendezvous import read_order
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
 from ems.transport.base import NodeClient, TransportError
-
-Accept = Callable[[int, object], bool]
-
-
-@dataclasses.dataclass
-class Hedge:
-    """How a read asks a second node for keys: `prepare(idx)` gives the request (into buffers of its own where the
-    read fills the caller's) and how to check and keep each of its answers: `accept(i, answer)` (is it the value
-    wanted), `adopt(i, answer)` (make it the key's result)."""
-
-    prepare: Callable[[np.ndarray], tuple[NodeRequest, Accept, Callable[[int, object], None]]]
-    needs_quiet: bool  # the primary request writes into the caller's buffers: adopt only once it is stopped
-
-
-@dataclasses.dataclass
-class _Share:
-    """One node's share of a round: its call, and the hedge calls made for it."""
-
-    call: NodeShare
-    primary: bool
-    hedge_of: _Share | None = None  # for a hedge: the share it backs up
-    accept: Accept | None = None  # a hedge's own (or a primary's receiving into buffers of its own)
-    adopt: Callable[[int, object], None] | None = None
-    hedged: bool = False  # (a primary) a hedge was sent for it
-    processed: bool = False
-    node_index: int = -1  # its node's index in the view, once looked up (`_node_index`)
 
 
 def read(
@@ -132,7 +98,7 @@ def read(
     if first is not None:
         ranks, extra = _ask_first(ranks, first[pending], slow)
         first[pending[~extra]] = -1  # (not asked: known slow, or none)
-    state = _Keys(pending, ranks, n, extra)
+    state = PendingKeys(pending, ranks, n, extra)
 
     def small(idx: np.ndarray) -> bool:  # a request of no value bytes to speak of (exists, a few small values)
         return int(costs(idx)[0].sum()) < SMALL_BYTES
@@ -159,7 +125,7 @@ def read(
         quiet = hedge is not None and hedge.needs_quiet and not private  # hedged values wait for the primary to stop
         shares = [
             _primary(
-                fanout, view.nodes[j], state.pending[candidate == j], call, costs, deadline, here, hedge if private else None
+                fanout, view.nodes[j], j, state.pending[candidate == j], call, costs, deadline, here, hedge if private else None
             )
             for j in node_ids
         ]
@@ -169,7 +135,7 @@ def read(
         hedge_open = np.zeros(len(results), dtype=bool)  # a hedge asking for it has not answered yet
         hedge_empty = np.zeros(len(results), dtype=bool)  # a hedge asking for it ended without a value (missed, failed)
         accepted = np.zeros(len(results), dtype=bool)
-        by_hedge: dict[int, tuple[_Share, object]] = {}  # key -> (hedge share, answer), accepted, not adopted yet
+        by_hedge: dict[int, tuple[Share, object]] = {}  # key -> (hedge share, answer), accepted, not adopted yet
         failed_now = np.zeros(n, dtype=bool)
         while True:
             for share in shares:
@@ -184,7 +150,7 @@ def read(
                 if share.primary:
                     if answer.error is not None:
                         outcome.errors.append(answer.error)
-                        failed_now[view.nodes.index(share.call.node)] = True
+                        failed_now[share.node_index] = True
                     answered[got] = True
                     check = share.accept or accept  # (a primary receiving into buffers of its own checks those)
                     for i, value in zip(got.tolist(), answer.answers):
@@ -197,12 +163,12 @@ def read(
                         accepted[i] = True
                         by_hedge.pop(i, None)
                         if served is not None:
-                            served[i] = _node_index(view, share)
+                            served[i] = share.node_index
                 elif share.accept is not None:
                     hedge_open[share.call.idx] = False  # (a key it did not answer may be hedged on to the next node)
                     hedge_empty[share.call.idx] = True  # (its keys that get a value below are skipped by that value)
                     if answer.error is not None:  # a hedge's failure fails that node for the call, as any
-                        failed_now[view.nodes.index(share.call.node)] = True
+                        failed_now[share.node_index] = True
                     for i, value in zip(got.tolist(), answer.answers):
                         if accepted[i] or i in by_hedge:
                             continue
@@ -216,7 +182,7 @@ def read(
                     share.adopt(i, value)
                     accepted[i] = True
                     if served is not None:
-                        served[i] = _node_index(view, share)
+                        served[i] = share.node_index
                 del_keys = [i for i in by_hedge if accepted[i]]
                 for i in del_keys:
                     by_hedge.pop(i)
@@ -239,7 +205,7 @@ def read(
                     continue
                 share.hedged = True
                 assert hedge is not None
-                shares += _send_hedges(
+                shares += send_hedges(
                     fanout,
                     view,
                     share,
@@ -260,7 +226,8 @@ def read(
                 concurrent.futures.wait(
                     futures, timeout=max(0.0, next_at - time.monotonic()), return_when=concurrent.futures.FIRST_COMPLETED
                 )
-        _settle(fanout, shares, accepted, by_hedge, outcome, deadline, quiet, view, served)
+        if by_hedge or any(s.primary and not s.processed for s in shares):  # (else a round has nothing to settle)
+            settle(fanout, shares, accepted, by_hedge, outcome, deadline, quiet, served)
         state.advance(answered, accepted, hedge_missed, alt_pos, failed_now, allowed)
         if deadline.expired():
             break
@@ -271,26 +238,21 @@ def read(
 def _primary(
     fanout: FanOut,
     node: NodeClient,
+    node_index: int,
     idx: np.ndarray,
     call: NodeRequest,
     costs: CostsOf,
     deadline: Deadline,
     here: bool,
     private: Hedge | None,
-) -> _Share:
-    """Start a round's request to `node` for its keys `idx`: into the caller's buffers, or (`private`: the read's
-    hedge) into buffers of its own, checked and adopted as a hedge's are."""
+) -> Share:
+    """Start a round's request to `node` (the view's `node_index`) for its keys `idx`: into the caller's buffers, or
+    (`private`: the read's hedge) into buffers of its own, checked and adopted as a hedge's are."""
     if private is None:
-        return _Share(fanout.start(node, idx, call, costs, deadline, here), True)
+        return Share(fanout.start(node, idx, call, costs, deadline, here), True, node_index=node_index)
     request, accept, adopt = private.prepare(idx)
-    return _Share(fanout.start(node, idx, request, costs, deadline, here), True, accept=accept, adopt=adopt)
-
-
-def _node_index(view: View, share: _Share) -> int:
-    """The index in `view.nodes` of the node `share` asked (looked up once per share)."""
-    if share.node_index < 0:
-        share.node_index = view.nodes.index(share.call.node)
-    return share.node_index
+    started = fanout.start(node, idx, request, costs, deadline, here)
+    return Share(started, True, accept=accept, adopt=adopt, node_index=node_index)
 
 
 def _ask_first(ranks: np.ndarray, first: np.ndarray, slow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -305,105 +267,12 @@ def _ask_first(ranks: np.ndarray, first: np.ndarray, slow: np.ndarray) -> tuple[
     return np.ascontiguousarray(np.where(extra[:, None], ahead, ranks)), extra
 
 
-def _resolved(share: _Share, accepted: np.ndarray, by_hedge: dict) -> bool:
+def _resolved(share: Share, accepted: np.ndarray, by_hedge: dict) -> bool:
     """Every key of a primary share has a value (its own, or a hedge's)."""
     return all(accepted[i] or i in by_hedge for i in share.call.idx.tolist())
 
 
-def _send_hedges(
-    fanout: FanOut,
-    view: View,
-    share: _Share,
-    keys: Sequence[int],
-    state: _Keys,
-    alt_pos: np.ndarray,
-    hedge_missed: np.ndarray,
-    hedge_open: np.ndarray,
-    failed_now: np.ndarray,
-    allowed: int,
-    hedge: Hedge,
-    costs: CostsOf,
-    deadline: Deadline,
-    contacted: np.ndarray,
-) -> list[_Share]:
-    """Ask each of `keys` (of the slow primary `share`) of its next node after the last one asked (see the module
-    docstring); marks the keys asked (`hedge_open`) and the nodes (`contacted`)."""
-    slow_node = view.nodes.index(share.call.node)
-    rows, alts = state.alternates(keys, slow_node, failed_now, allowed, alt_pos, hedge_missed)
-    out = []
-    for j in np.unique(alts).tolist():
-        idx = rows[alts == j]
-        request, accept, adopt = hedge.prepare(idx)
-        alt_pos[idx] = state.position_of(idx, j)
-        hedge_open[idx] = True
-        contacted[j] = True
-        out.append(_Share(fanout.start(view.nodes[j], idx, request, costs, deadline), False, share, accept, adopt))
-    return out
-
-
-def _settle(
-    fanout: FanOut,
-    shares: list[_Share],
-    accepted: np.ndarray,
-    by_hedge: dict,
-    outcome: PoolOutcome,
-    deadline: Deadline,
-    needs_quiet: bool,
-    view: View,
-    served: np.ndarray | None,
-) -> None:
-    """End a round: adopt the hedged values whose slow request is stopped (aborting it first when it still runs);
-    a primary request still running without a value for each of its keys did not answer in time."""
-    for share in shares:
-        if not share.primary or share.processed:
-            continue
-        mine = [i for i in share.call.idx.tolist() if i in by_hedge and not accepted[i]]
-        if not mine:
-            if not needs_quiet and all(accepted[i] for i in share.call.idx.tolist()):
-                # its keys were read elsewhere; its late answer touches nothing of the caller's (a failure that
-                # has come in by now is still reported, so that the node's trouble is not silent)
-                if share.call.done():
-                    answer = share.call.wait(0)
-                    share.processed = True
-                    if answer is not None and answer.error is not None:
-                        outcome.errors.append(answer.error)
-                continue
-            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{share.call.node.address}: no answer in time"))
-            continue
-        # the hedge has its values: give the slow request until its abort delay to end by itself (a busy host's
-        # hiccup), then stop it
-        wait_until = min(deadline.at, share.call.started + fanout.latency.abort_delay(share.call.nbytes))
-        answer = share.call.wait(wait_until - time.monotonic())
-        if answer is not None:
-            share.processed = True
-            if answer.error is not None:
-                outcome.errors.append(answer.error)
-            continue
-        answer = fanout.abandon(share.call, deadline, "slow: its keys were read from the next owner")
-        if answer is None:
-            outcome.errors.append(TransportError(EmsErrorCode.EMS_IO_TIMEOUT, f"{share.call.node.address}: no answer in time"))
-            continue  # it may still write into the caller's buffers: its keys stay misses
-        if answer.error is not None:
-            outcome.errors.append(answer.error)
-        share.processed = True  # (an answer that came in as it was stopped is not used: the hedge's values are)
-    for share in shares:
-        if not share.primary or not share.processed:
-            continue
-        answer = share.call.wait(0)
-        if answer is None or not answer.quiet:
-            continue
-        for i in share.call.idx.tolist():
-            if i in by_hedge and not accepted[i]:
-                hedge_share, value = by_hedge.pop(i)
-                assert hedge_share.adopt is not None
-                hedge_share.adopt(i, value)
-                accepted[i] = True
-                if served is not None:
-                    served[i] = _node_index(view, hedge_share)
-    by_hedge.clear()
-
-
-class _Keys:
+class PendingKeys:
     """The keys still wanted, each with its ranking, the rank position to ask next and the tries it used."""
 
     def __init__(self, pending: np.ndarray, ranks: np.ndarray, n: int, extra: np.ndarray | None = None) -> None:

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from ems.backends.pool_client import PoolClient
 from ems.cluster.etcd import EtcdError
 from ems.cluster.membership import MembershipWatcher, NodeInfo
-from ems.config import Settings
 from ems.errors import EmsErrorCode, EmsException
+from ems.settings import Settings
 from ems.transport.base import NodeClient
 
 log = logging.getLogger("ems")

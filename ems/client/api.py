@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 from ems.backends.base import PoolBackend
 from ems.backends.embedded import EmbeddedPool
 from ems.client.context_caching import ContextCaching
-from ems.config import EmsConfig, PoolBackendKind, Settings, check_config, resolve_settings
+from ems.config import EmsConfig, check_config
 from ems.errors import EmsErrorCode, EmsException, invalid_argument
 from ems.extras import MissingExtra, require
+from ems.settings import PoolBackendKind, Settings, resolve_settings
 from ems.store.kv_store import KvStore
 
 if TYPE_CHECKING:

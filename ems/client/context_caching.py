@@ -12,18 +12,12 @@ whose keys partly fail returns the consecutive prefix; one that reached no node 
 `EMS_IO_TIMEOUT`); `exists` never raises for pool failures, it reports 0 hits. A load never writes a block it did not
 verify, nor any block after the first miss.
 
-Namespaces (`ems.client.namespaces.NamespaceWatch`): `register_kvcache` publishes the record of the V1 namespace in
-the pool, every V1 `exists` and load is observed (an engine whose first lookups all miss while its tenant's pool holds
-the same model under another namespace logs once which parts differ), and `describe_namespace` (this package's
-addition) adds an integration's own parts to the record.
-
-Counters (`metrics()`, `ems.client.metrics`): every finished call adds its job record (blocks, bytes, and bytes and
-time per stage) once (no per-block work); they are registered with prometheus_client's default registry when it is installed.
+Setup (`ems.client.setup.ClientSetup`, its base): the client's state, `register_kvcache` and the namespace record,
+the copy backend and job path chosen on a device's first call, `metrics()`; nothing of it runs during a warm call.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, overload
@@ -33,31 +27,23 @@ import torch
 
 from ems.backends.base import PoolBackend, PoolOutcome
 from ems.client.async_calls import AsyncCalls, Pending
-from ems.client.metrics import CcMetrics
-from ems.client.namespaces import NamespaceWatch
-from ems.client.warmup import warm_small_calls
-from ems.config import CcConfig, Settings
+from ems.client.setup import ClientSetup
+from ems.config import CcConfig
 from ems.datapath.arguments import Operation, RawCall
 from ems.datapath.calls import Call, bind_and_plan, bind_exists, call_result, consecutive_prefix
-from ems.datapath.copier import Copier, copier_for
-from ems.datapath.devices import default_raw_device, parse_device
-from ems.datapath.executor import ChunkExecutor
-from ems.datapath.jobs import JobContext, JobPath, Transfer, job_path
+from ems.datapath.copier import Copier
+from ems.datapath.devices import default_raw_device
+from ems.datapath.jobs import JobContext, JobPath, Transfer
 from ems.datapath.jobs.lookup import run_lookup
-from ems.datapath.keys import namespace
-from ems.datapath.layout import RegisteredLayout, register_layout
 from ems.datapath.planning import Plan
 from ems.datapath.tokens import TokenForm
 from ems.errors import EmsErrorCode, EmsException
-from ems.kernels import CopyBackend, get_backend
-from ems.records import JobKind, JobLedger, JobRecord, Stage
-from ems.staging import StagingPool
-from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, StoreLayerGroupDesc, V0Key
+from ems.records import JobKind, JobRecord, Stage
+from ems.settings import Settings
+from ems.types import CcFuture, CcKvOption, CcResult, KvBufferWrapper, V0Key
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # (typing's from Python 3.11 on)
-
-logger = logging.getLogger("ems")
 
 # The argument types of the public call forms (what `calls.bind_call` accepts).
 IntList = Sequence[int] | np.ndarray | torch.Tensor  # slot_mapping, offsets
@@ -127,75 +113,14 @@ class _OpenCalls:
             self._idle.wait_for(lambda: self._count == 0)
 
 
-class ContextCaching:
+class ContextCaching(ClientSetup):
     """The EMS Context Caching client of one process (get it from `Ems.get_cc()`)."""
 
     def __init__(self, cc_config: CcConfig, tenant: str | None, pool: PoolBackend, settings: Settings) -> None:
-        self._cc_config = cc_config
-        self._tenant = tenant
-        self._pool = pool
-        self._settings = settings
-        self._backends: dict[torch.device, CopyBackend] = {}
-        self._paths: dict[torch.device, tuple[Copier, JobPath]] = {}  # per device: its calls' copier and job path
-        self._layout: RegisteredLayout | None = None
-        self._v1_namespace = b""
-        self._v0_namespace = namespace(tenant, cc_config, None)
-        self._raw_device = parse_device(settings.device) if settings.device else None
-        self._staging = StagingPool(
-            settings.staging_capacity, on_new_buffer=pool.prepare_staging, on_drop_buffer=pool.release_staging
-        )
-        self._executor = ChunkExecutor()  # the threads its jobs' chunk calls run on (`JobContext.executor`)
-        self._calls = _OpenCalls()  # the public calls running now (`close` waits for them)
-        self.jobs = JobLedger()  # every finished job's record: what metrics and benchmarks read
-        self._metrics = CcMetrics(self.jobs, cc_config.rank_id)
-        self._namespaces = NamespaceWatch(pool, tenant, cc_config)
+        super().__init__(cc_config, tenant, pool, settings)
+        self._calls: _OpenCalls = _OpenCalls()  # the public calls running now (`close` waits for them)
         self._async = AsyncCalls(settings.max_inflight, _EmsErrors(self._metrics.record_error))
         self._metrics.register()
-
-    # ---------------------------------------------------------------- registration
-
-    def register_kvcache(
-        self,
-        kvcache: list[list[torch.Tensor]] | torch.Tensor,
-        store_layer_group_desc: list[StoreLayerGroupDesc] | None = None,
-    ) -> None:
-        """Record the engine's paged KV cache: `kvcache[layer][0 or 1]` is that layer's K or V tensor,
-        `[blocks, block_size, heads, head_size]` (a list of `[K, V]` lists, or one `[layers, 2, blocks, block_size,
-        heads, head_size]` tensor). Views of storage that keeps each block's layers together (cross-layer blocks)
-        are detected: a whole-block value then moves as one copy (`ems.datapath.layout`). Moves no data (a CPU
-        layout's small-call path is warmed on a scratch cache: `ems.client.warmup`). Registering again replaces the
-        layout."""
-        with self._calls:
-            layout = register_layout(kvcache, store_layer_group_desc)
-            backend = self._backend_for(layout.device)
-            warm_small_calls(layout, backend)
-            self._layout = layout
-            self._v1_namespace = namespace(self._tenant, self._cc_config, layout.signature)
-        cross = [g.index for g in layout.groups if g.cross_layer]
-        logger.info(
-            "registered KV cache: %d layers in %d group(s) on %s, copy backend %s%s",
-            layout.num_layers,
-            len(layout.groups),
-            layout.device,
-            backend.describe(),
-            f", cross-layer blocks in group(s) {cross} (a whole block is one copy)" if cross else "",
-        )
-        self._namespaces.registered(self._v1_namespace, layout)
-
-    def describe_namespace(self, model: str | None = None, parts: dict[str, str] | None = None) -> None:
-        """What an integration adds to this engine's namespace record (this package's addition; `model`: what
-        engines of "the same model" share, e.g. vLLM's model path; `parts`: name -> text of each input that decides a
-        block's bytes or its keys): `ems.client.namespaces`."""
-        self._namespaces.describe(model, parts)
-
-    @property
-    def namespace_watch(self) -> NamespaceWatch:
-        """This engine's namespace record and zero-hit diagnosis (`ems.client.namespaces`)."""
-        return self._namespaces
-
-    @property
-    def layout(self) -> RegisteredLayout | None:
-        return self._layout
 
     @property
     def kernel_backend(self) -> str:
@@ -209,27 +134,11 @@ class ContextCaching:
             return self._raw_device
         return default_raw_device(self._cc_config.device_id, self._layout.device if self._layout else None)
 
-    def _backend_for(self, device: torch.device) -> CopyBackend:
-        # chosen once per device (a call's walk stays out of the backends' registry)
-        backend = self._backends.get(device)
-        if backend is not None:
-            return backend
-        try:
-            backend = self._backends[device] = get_backend(device, self._settings.kernel_backend)
-            return backend
-        except RuntimeError as exc:  # e.g. triton forced where it cannot run: the setting is at fault
-            raise EmsException(
-                EmsErrorCode.EMS_INVALID_ARGUMENT,
-                f"kernel_backend={self._settings.kernel_backend.value!r} cannot serve {device}: {exc}",
-            ) from exc
-
     def _path_for(self, device: torch.device) -> tuple[Copier, JobPath]:
-        """The copier and the job path of calls on `device`, chosen once per device (a call uses them, it does not
-        choose them)."""
+        """The copier and the job path of calls on `device`, chosen on its first call (`ClientSetup._new_path`): a
+        call uses them, it does not choose them."""
         path = self._paths.get(device)
-        if path is None:
-            path = self._paths[device] = (copier_for(self._backend_for(device), device), job_path(self._pool, device))
-        return path
+        return path if path is not None else self._new_path(device)
 
     def _bind(self, op: Operation, args: tuple, kwargs: dict) -> tuple[Call, Plan, torch.device]:
         layout = self._layout
@@ -469,10 +378,6 @@ class ContextCaching:
             return outcome.result
 
     # ---------------------------------------------------------------- lifecycle
-
-    def metrics(self) -> dict[str, float]:
-        """This process's counters since start (this package's addition); keys in `ems.client.metrics`."""
-        return self._metrics.snapshot()
 
     def close(self) -> None:
         """Refuse new calls, wait for the running ones and for pending async calls, then release threads and staging

@@ -42,7 +42,7 @@ def parse_device(spec: str) -> torch.device:
 
 
 def default_raw_device(device_id: int, registered: torch.device | None) -> torch.device:
-    """Where V0 addresses live when the config does not say: see `ems.config`."""
+    """Where V0 addresses live when the config does not say: see `ems.settings`."""
     if registered is not None:
         return registered
     if "torch_npu" in sys.modules:

@@ -3,15 +3,11 @@
 Contract (no engine imports):
 * A registered slot is one engine block (`kv_layouts`), so a save or load of blocks `ids` under `hashes` is
   `save(slot_mapping=ids, hashes=keys, offsets=[1]*n)`.
-* Keys: `block_keys(hashes, tp_rank, tp_size, shared)` folds the tensor-parallel rank into each block hash
-  (`hash128 << 16 | tp_size << 8 | tp_rank`; MLA's `shared` tag `0xFFFF` is one key for all ranks), so one process
-  (an engine's scheduler) can ask for every rank's blocks in a single `exists` call: `lookup` counts a block as hit
-  only if every rank holds it. Engine hashes may be bytes (vLLM's sha256 block hashes: the first 16 bytes are used)
-  or ints. With an `epoch` (the namespace's epoch, `ems.integrations.epoch`: random bytes) a block's 128 bits are
-  BLAKE2b keyed by the epoch, so the keys of one epoch are never the keys of another, whatever the engine's hashes
-  (a reset moves to a new random epoch). With `lease_ms`, `lookup` counts only blocks the pool leases to the load
-  that follows (`ContextCaching.exists(..., lease_ms=...)`): eviction cannot take them before it. With MLA (one
-  shared key per block) the first rank's read ends the lease.
+* Keys (`ems.integrations.engine_keys`): each block's pool key folds in the tensor-parallel rank (MLA: one key for
+  all ranks) and the namespace's epoch, so one process can ask for every rank's blocks in one `exists` call:
+  `lookup` counts a block as hit only if every rank holds it. With `lease_ms`, `lookup` counts only blocks the pool
+  leases to the load that follows (`ContextCaching.exists(..., lease_ms=...)`): eviction cannot take them before
+  it. With MLA (one shared key per block) the first rank's read ends the lease.
 * `BlockMover.load` is synchronous and returns which engine blocks did *not* arrive (a pool that fails, partly or
   wholly, is reported, never raised: the engine recomputes those blocks). `start_load` / `poll_load` are the same
   load asynchronously (`ContextCaching.async_load`): `poll_load` never blocks and gives the `LoadOutcome` once it
@@ -24,170 +20,32 @@ Contract (no engine imports):
   their placement units and a call touches a bounded number of pool nodes whatever the pool's size
   (docs/concepts/placement.md); without it (None) each key is placed by itself. The two never meet (another key
   form): every save, lookup and load of one block must agree on giving it.
-* KV cache groups (a hybrid model: full and sliding-window attention): `group_hashes(hashes, group)` tags each
-  engine hash with its group (a 16-byte BLAKE2b of the hash's 128 bits, personalised by the group index), so the
-  blocks of one position in two groups are two keys and never collide; a model with one group uses its hashes
-  untagged (its keys as before).
 * Never blocks on back-pressure: the mover keeps at most `inflight_budget` async calls of its own pending (at most
   the client's `max_inflight`, whose semaphore would otherwise make the caller wait for a slow pool). A save
   beyond it is dropped (counted as failed: a later miss) and `start_load` returns None (the caller retries).
-* `TransferStats` counts lookups (hit/miss blocks), loads and saves (blocks, failed blocks, bytes, seconds);
-  `drain()` hands over and resets what was counted since the last call. Thread-safe. A load's or save's blocks,
-  bytes and seconds are its call's job record (`CcFuture.job`, the `ems.records` record that also feeds
-  `ContextCaching.jobs` and its metrics): one account of each transfer. The mover itself counts only what never
-  became a job (dropped by the in-flight budget, refused before it started) and what a job did not do.
+* Counts (`ems.integrations.transfer_stats`): a load's or save's blocks, bytes and seconds are its call's job record
+  (`CcFuture.job`); the mover itself counts only what never became a job (dropped by the in-flight budget, refused
+  before it started) and what a job did not do.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 from ems import CcFuture, CcKvOption, CcResult, ContextCaching, EmsException
+from ems.integrations.engine_keys import EngineHash, block_keys, lookup_keys
+from ems.integrations.transfer_stats import StatsSink
 
 logger = logging.getLogger("ems.integrations")
-
-EngineHash = bytes | int
 
 
 def _nothing() -> None:
     """A save's `on_end` when the caller gives none."""
-
-
-SHARED_TAG = 0xFFFF
-MAX_TP = 255
-
-
-def _hash128(h: EngineHash) -> int:
-    if isinstance(h, (bytes, bytearray)):
-        return int.from_bytes(bytes(h[:16]), "little")
-    if isinstance(h, int):
-        return h & ((1 << 128) - 1)
-    raise TypeError(f"block hash must be bytes or int, got {type(h).__name__}")
-
-
-def _epoch_hash(h: EngineHash, epoch: bytes) -> int:
-    if not epoch:
-        return _hash128(h)
-    digest = hashlib.blake2b(_hash128(h).to_bytes(16, "little"), key=epoch, digest_size=16).digest()
-    return int.from_bytes(digest, "little")
-
-
-def group_hashes(hashes: Sequence[EngineHash], group: int) -> list[bytes]:
-    """`hashes` tagged with KV cache group `group` (see the module contract)."""
-    if not 0 <= group < 1 << 16:
-        raise ValueError(f"KV cache group {group} out of range")
-    salt = group.to_bytes(2, "little")
-    return [
-        hashlib.blake2b(_hash128(h).to_bytes(16, "little"), digest_size=16, person=b"ems-kv-group", salt=salt).digest()
-        for h in hashes
-    ]
-
-
-def rank_tag(tp_rank: int, tp_size: int, shared: bool) -> int:
-    if shared:
-        return SHARED_TAG
-    if not 0 <= tp_rank < tp_size <= MAX_TP:
-        raise ValueError(f"tp_rank {tp_rank} / tp_size {tp_size} out of range (tp_size <= {MAX_TP})")
-    return (tp_size << 8) | tp_rank
-
-
-def block_keys(hashes: Sequence[EngineHash], tp_rank: int, tp_size: int, shared: bool, epoch: bytes = b"") -> list[int]:
-    """The pool keys of one rank's blocks (in `epoch`)."""
-    tag = rank_tag(tp_rank, tp_size, shared)
-    return [(_epoch_hash(h, epoch) << 16) | tag for h in hashes]
-
-
-def lookup_keys(hashes: Sequence[EngineHash], tp_size: int, shared: bool, epoch: bytes = b"") -> list[int]:
-    """Every rank's keys, block by block (block 0 of ranks 0..tp-1, then block 1, ...)."""
-    if shared:
-        return block_keys(hashes, 0, 1, True, epoch)
-    tags = [rank_tag(r, tp_size, False) for r in range(tp_size)]
-    return [(_epoch_hash(h, epoch) << 16) | tag for h in hashes for tag in tags]
-
-
-@dataclass
-class TransferStats:
-    lookup_hit_blocks: int = 0
-    lookup_miss_blocks: int = 0
-    lookup_skipped_blocks: int = 0  # not asked: the pool counted as down (`lookup_breaker`)
-    breaker_trips: int = 0
-    lookup_save_waits: int = 0  # lookups asked again: short of blocks still being saved (`save_wait_ms`)
-    load_blocks: int = 0
-    load_failed_blocks: int = 0
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    # in-step loads that ran out of their bound (`in_step_ms`): the bytes they asked for and the seconds they took
-    # (the step policy's rate learns from them: `StepPolicy.record_late_load`)
-    load_late_bytes: int = 0
-    load_late_seconds: float = 0.0
-    save_blocks: int = 0
-    save_failed_blocks: int = 0
-    save_bytes: int = 0
-    save_seconds: float = 0.0
-
-    def add(self, other: TransferStats) -> TransferStats:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return self
-
-    def is_empty(self) -> bool:
-        return not any(getattr(self, f.name) for f in fields(self))
-
-    def to_dict(self) -> dict[str, int | float]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TransferStats:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    def summary(self) -> dict[str, int | float]:
-        """What an operator reads: hits, misses, bytes and GB/s each way."""
-        return {
-            "hit_blocks": self.lookup_hit_blocks,
-            "miss_blocks": self.lookup_miss_blocks,
-            "hit_rate": round(self.lookup_hit_blocks / max(1, self.lookup_hit_blocks + self.lookup_miss_blocks), 4),
-            "skipped_blocks": self.lookup_skipped_blocks,
-            "breaker_trips": self.breaker_trips,
-            "save_waits": self.lookup_save_waits,
-            "loaded_blocks": self.load_blocks,
-            "load_failed_blocks": self.load_failed_blocks,
-            "loaded_bytes": self.load_bytes,
-            "load_GBps": round(self.load_bytes / self.load_seconds / 1e9, 3) if self.load_seconds > 0 else 0.0,
-            "saved_blocks": self.save_blocks,
-            "save_failed_blocks": self.save_failed_blocks,
-            "saved_bytes": self.save_bytes,
-            "save_GBps": round(self.save_bytes / self.save_seconds / 1e9, 3) if self.save_seconds > 0 else 0.0,
-        }
-
-
-@dataclass
-class StatsSink:
-    """Thread-safe `TransferStats` accumulator (`add(**counts)`, `drain()`)."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    stats: TransferStats = field(default_factory=TransferStats)
-    total: TransferStats = field(default_factory=TransferStats)  # everything ever counted, never reset
-
-    def add(self, **counts: Any) -> None:
-        with self.lock:
-            self.stats.add(TransferStats(**counts))
-            self.total.add(TransferStats(**counts))
-
-    def drain(self) -> TransferStats:
-        with self.lock:
-            out, self.stats = self.stats, TransferStats()
-        return out
-
-    def totals(self) -> TransferStats:
-        with self.lock:
-            return TransferStats.from_dict(self.total.to_dict())
 
 
 def lookup(

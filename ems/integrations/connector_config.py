@@ -52,15 +52,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ems import CcConfig_v1, EmsConfig, EmsErrorCode, EmsException
-from ems.config import (
-    DEFAULT_MAX_INFLIGHT,
-    POOL_SETTINGS,
-    PoolBackendKind,
-    Settings,
-    access_key_from_environment,
-    resolve_settings,
-)
+from ems.config import POOL_SETTINGS
 from ems.integrations.vllm.lookups.step_policy import StepMode
+from ems.settings import DEFAULT_MAX_INFLIGHT, PoolBackendKind, Settings, access_key_from_environment, resolve_settings
 from ems.transport.exists_holds import MAX_LEASE_MS
 
 # A lookup's blocks are leased for the load that follows (`ems.transport.exists_holds`): long enough for a request that vLLM

@@ -35,9 +35,10 @@ import torch
 
 from ems import CcKvOption, CcResult, ContextCaching, EmsException, StoreLayerGroupDesc
 from ems.client.api import connect_pool
-from ems.config import check_config, resolve_settings
+from ems.config import check_config
 from ems.integrations import kv_layouts
 from ems.integrations.connector_config import PLUGIN_KEYS, ConnectorConfig
+from ems.settings import resolve_settings
 
 logger = logging.getLogger("ems.integrations")
 

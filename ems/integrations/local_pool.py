@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ems import EmsErrorCode, EmsException
-from ems.config import local_pool_dir_from_environment
+from ems.settings import local_pool_dir_from_environment
 
 HOST = "127.0.0.1"
 

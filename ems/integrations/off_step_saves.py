@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from ems.integrations.block_transfer import BlockMover, EngineHash
+from ems.integrations.block_transfer import BlockMover
+from ems.integrations.engine_keys import EngineHash
 
 logger = logging.getLogger("ems.integrations")
 

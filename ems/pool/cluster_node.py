@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ems.cluster.membership import MembershipWatcher, Registration
-    from ems.pool.handlers import NodeStore
     from ems.pool.metrics import MetricsServer, NodeMetrics
+    from ems.pool.node_store import NodeStore
     from ems.pool.repair import Repairer
     from ems.transport.base import NodeClient
 
@@ -133,7 +133,8 @@ class NodeExtras:
 
     def _start_repair(self, advertise: str) -> None:
         from ems.cluster.membership import MembershipWatcher
-        from ems.pool.repair import Repairer, RepairSettings
+        from ems.pool.repair import Repairer
+        from ems.pool.repair_plan import RepairSettings
 
         settings = RepairSettings(self.args.replicas, self.args.repair_rate, self.args.repair_interval)
         self.repair = Repairer(self.store, advertise, settings, self._connect_peer, self.keys)

@@ -16,11 +16,12 @@ Contract:
   buffer, so naming a value many times costs no copy; packed small values are copied once each into send buffers
   (`scratch`). A 1-key GET is answered without per-segment work (`_get_one`), from the store's buffer.
 * A PUT's data is received into buffers recycled from evicted values where the store has them, every receive's
-  length verified (`RequestChannel.receive_frames`), so a recycled buffer's old bytes can never be stored; a value
-  alone in its segment is stored as that buffer. Checksumming and storing a PUT of more than OFFLOAD_BYTES runs on
-  the worker threads (`executor`); smaller ones on the loop (cheaper than the hop). A GET the store says may wait
-  for a disk (`may_block(keys)`) is looked up on a worker thread. Every buffer and budget byte is released on every
-  path.
+  length verified, and stored from them (`ems.pool.puts`, the store side of a PUT, UCX or shared memory).
+  Checksumming and storing a PUT of more than OFFLOAD_BYTES runs on the worker threads (`executor`); smaller ones on
+  the loop (cheaper than the hop). A GET the store says may wait for a disk (`may_block(keys)`) is looked up on a
+  worker thread. Every buffer and budget byte is released on every path.
+* The store a node serves, and how tenants' keys are stored in it: `ems.pool.node_store` (`NodeStore`,
+  `tenant_prefix`).
 * An EXISTS with a lease or a pin (`transport.exists_holds`) is answered by the store's `hold_many`: held *and* kept.
 * A malformed request raises `protocol.ProtocolError` (the session closes that connection only); a refused one
   `transport.handler.Refusal`.
@@ -38,15 +39,17 @@ import struct
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ems.buffers import Buffer
 from ems.pool.budget import ByteBudget, NodeLimits
 from ems.pool.namespaces import BookStore, NamespaceBook
+from ems.pool.node_store import NodeStore, tenant_prefix
+from ems.pool.puts import put_but, receive_values, store_copies
 from ems.transport import metas, protocol
-from ems.transport.exists_holds import Hold, decode_exists_meta
+from ems.transport.exists_holds import decode_exists_meta
 from ems.transport.handler import Refusal, RequestChannel
 from ems.transport.scratch import ScratchBuffers
 from ems.transport.shm import RangedRequest, ShmSettings, metric_name
@@ -65,77 +68,6 @@ SEND_SCRATCH_BYTES = 64 << 20  # kept for a GET's packed segments (on top of the
 _PING, _PUT, _GET, _EXISTS = int(protocol.Op.PING), int(protocol.Op.PUT), int(protocol.Op.GET), int(protocol.Op.EXISTS)
 _SHM_OPS = frozenset((int(protocol.Op.SHM_OPEN), int(protocol.Op.SHM_PUT), int(protocol.Op.SHM_GET)))
 _MISS = struct.pack("<q", -1)
-
-
-def tenant_prefix(access_id: str) -> bytes:
-    """The namespace of a tenant's keys: its id, length-prefixed so no two tenants' prefixes overlap."""
-    raw = access_id.encode("ascii")
-    return struct.pack("<H", len(raw)) + raw
-
-
-def split_tenant(stored_key: bytes) -> tuple[str, bytes] | None:
-    """(tenant id, the client's key) of a key as the store holds it (`tenant_prefix` + key), or None when it does
-    not parse (a node's repair, `ems.pool.repair`, connects to other nodes as each key's tenant)."""
-    if len(stored_key) < 2:
-        return None
-    n = struct.unpack_from("<H", stored_key)[0]
-    if len(stored_key) < 2 + n:
-        return None
-    try:
-        return stored_key[2 : 2 + n].decode("ascii"), stored_key[2 + n :]
-    except UnicodeDecodeError:
-        return None
-
-
-class NodeStoreStats(Protocol):
-    """The memory figures a node logs (`ems.store.kv_store.StoreStats` has them)."""
-
-    used_bytes: int
-    spare_bytes: int
-    capacity_bytes: int
-
-
-class NodeStore(Protocol):
-    """What the node needs of the store it serves (`ems.store.kv_store.KvStore` is one); see that class for the contract."""
-
-    @property
-    def capacity_bytes(self) -> int: ...
-
-    @staticmethod
-    def charge_of(key_len: int, nbytes: int) -> int: ...
-
-    def allocate(self, nbytes: int, reserve: int = 0) -> np.ndarray: ...
-
-    def recycle(self, buffer: np.ndarray, reserved: int = 0) -> None: ...
-
-    def put_owned(self, key: bytes, value: Buffer, reserved: int = 0) -> bool: ...
-
-    def put_owned_each(self, keys: Sequence[bytes], values: Sequence[Buffer], reserved: Sequence[int]) -> list[bool]:
-        """`put_owned` of each value, the values checked in one batch first (a large batch gives the GIL away once,
-        on a worker thread, instead of holding it per value: the event loop keeps progressing UCX meanwhile)."""
-        ...
-
-    def put_copied_each(
-        self, keys: Sequence[bytes], buffers: Sequence[np.ndarray], sources: Sequence[Buffer], reserved: Sequence[int]
-    ) -> list[bool]:
-        """`put_owned_each` of `buffers` (from `allocate`), each first filled from the source beside it, copy and
-        check in one pass: a save out of memory the client can still write (the copies are what is checked)."""
-        ...
-
-    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]: ...
-
-    def read_into(self, values: Sequence[Buffer], outs: Sequence[Buffer], progress: int = 0, signalled: int = 0) -> None:
-        """Copy each value (as `get_many` returned it) into the buffer of `outs` beside it, in one call; `progress`:
-        0, or the address of a u32 to publish `i + 1` to after copy i for i < `signalled` (`shm.py`)."""
-        ...
-
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
-
-    def hold_many(self, keys: Sequence[bytes], hold: Hold) -> list[bool]:
-        """Lease or pin each key held (`ems.store.index.Holds`); True where it is held and kept as asked."""
-        ...
-
-    def stats(self) -> NodeStoreStats: ...
 
 
 class NodeHandlers:
@@ -295,36 +227,8 @@ class NodeHandlers:
     # ---- copies between a shared-memory region and the store (`transport.shm.host.ShmHost`) ----
 
     def store_copies(self, array: np.ndarray, keys: list[bytes], request: RangedRequest) -> list[bool]:
-        """Copy each value out of the region `array` into a buffer of the store's and store it, copy and check in one
-        pass (`NodeStore.put_copied_each`: the copies are checked, never the region, which the client can still
-        write). Every buffer is recycled on every error path."""
-        store = self.store
-        over_bounds = self.namespaces.refused(keys, request.lens)  # namespace records past their bounds
-        fits: list[int] = []  # the values the store can hold at all
-        buffers: list[np.ndarray] = []
-        sources: list[np.ndarray] = []
-        charges: list[int] = []
-        try:
-            for i, (key, offset, n) in enumerate(zip(keys, request.offsets.tolist(), request.lens.tolist())):
-                charge = store.charge_of(len(key), n)
-                if charge > store.capacity_bytes or i in over_bounds:
-                    continue
-                buffers.append(store.allocate(n, reserve=charge))
-                charges.append(charge)
-                sources.append(array[offset : offset + n])
-                fits.append(i)
-            verdicts = store.put_copied_each([keys[i] for i in fits], buffers, sources, charges)
-        except BaseException:
-            for buffer, charge in zip(buffers, charges):
-                store.recycle(buffer, reserved=charge)
-            raise
-        stored = [False] * len(keys)
-        for i, ok in zip(fits, verdicts):
-            stored[i] = ok
-        refused = [b for b, ok in zip(buffers, (stored[i] for i in fits)) if not ok]  # for the metrics: maybe damaged
-        if refused and self.metrics is not None:
-            self.metrics.count_damaged(refused, [False] * len(refused))
-        return stored
+        """Store each value of a shared-memory PUT, copied out of the region `array` (`ems.pool.puts.store_copies`)."""
+        return store_copies(self.store, self.namespaces, self.metrics, array, keys, request)
 
     def read_into(self, values: Sequence[Buffer], outs: Sequence[Buffer], progress: int, signalled: int) -> None:
         """Copy each value into the buffer of `outs` beside it (`NodeStore.read_into`)."""
@@ -340,35 +244,9 @@ class NodeHandlers:
             request = metas.decode_put_meta(header.count, header.data_len, await channel.meta())
             keys = _namespaced(prefix, request.keys)
             refused = self.namespaces.refused(keys, request.value_lens)  # namespace records past their bounds
-            # Receive into buffers recycled from evicted values where the store has them (no first-touch page
-            # faults); every receive verifies its length, so a recycled buffer's old bytes can never be stored.
-            # A value alone in its segment is stored as that buffer: room for it is reserved first, so a full
-            # node's evictions hand their buffers straight to the next receive (steady-state recycling).
-            sizes = request.segment_sizes
-            lone = request.value_lens == sizes[request.plan]  # each value: alone in its segment
-            reserves = np.zeros(sizes.size, dtype=np.int64)
-            lens = protocol.key_lens(keys)
-            reserves[request.plan[lone]] = [
-                self.store.charge_of(int(k), int(n)) for k, n in zip(lens[lone], request.value_lens[lone])
-            ]
-            reserves[reserves > self.store.capacity_bytes] = 0  # refused by `put_owned` anyway: nothing to reserve
-            segments: list = []
-            try:
-                for size, reserve in zip(sizes.tolist(), reserves.tolist()):
-                    segments.append(self.store.allocate(int(size), reserve=int(reserve)))
-                await _receive_put(channel, request, segments)
-            except BaseException:
-                for seg, reserve in zip(segments, reserves.tolist()):
-                    self.store.recycle(seg, reserved=int(reserve))  # every receive into it has ended
-                raise
-            values = _split_values(segments, request.plan, request.value_offsets, request.value_lens, sizes)
-            reserved = np.where(lone, reserves[request.plan], 0).tolist()
-            for seg, reserve in zip(segments, reserves.tolist()):
-                if reserve == 0:  # a packed segment: its values were copied out
-                    self.store.recycle(seg)
-            del segments
+            values, reserved = await receive_values(self.store, channel, request, keys)
             if refused:
-                stored = self._put_but(refused, keys, values, reserved)
+                stored = put_but(self.store, refused, keys, values, reserved)
             else:
                 stored = await self.offload(header.data_len, self.store.put_owned_each, keys, values, reserved)
             if self.metrics is not None and not all(stored):
@@ -377,19 +255,6 @@ class NodeHandlers:
         finally:
             self.budget.release(charge)
         await channel.reply(_PUT, count=len(keys), meta=protocol.encode_flags(stored))
-
-    def _put_but(self, refused: set[int], keys: list[bytes], values: list, reserved: list[int]) -> list[bool]:
-        """`put_owned_each` of the values not `refused` (by index: namespace records past their bounds, small); the
-        refused ones' buffers and reservations given back (a value alone in its segment is the store's buffer)."""
-        kept = [i for i in range(len(keys)) if i not in refused]
-        for i in refused:
-            if isinstance(values[i], np.ndarray):
-                self.store.recycle(values[i], reserved=int(reserved[i]))
-        verdicts = self.store.put_owned_each([keys[i] for i in kept], [values[i] for i in kept], [reserved[i] for i in kept])
-        stored = [False] * len(keys)
-        for i, ok in zip(kept, verdicts):
-            stored[i] = ok
-        return stored
 
     # ---- GET ----
 
@@ -466,40 +331,9 @@ class NodeHandlers:
 # ---- helpers ----
 
 
-async def _receive_put(channel: RequestChannel, request: metas.PutRequest, segments: list) -> None:
-    """Fill every byte of `segments` with the PUT's data: from the (verified) head when it came inline, else
-    by length-verified receives. Returns only once every receive has ended (so a failed request's buffers can
-    be recycled: UCX writes into none of them any more)."""
-    inline = channel.inline_data()
-    if inline is not None:
-        starts = np.cumsum(request.segment_sizes) - request.segment_sizes
-        for seg, start, size in zip(segments, starts.tolist(), request.segment_sizes.tolist()):
-            seg[:] = np.frombuffer(inline, dtype=np.uint8, count=size, offset=start)
-        return
-    views = [memoryview(s) for s in segments]
-    ends = (request.frame_offsets + request.frame_lens).tolist()
-    await channel.receive_frames(
-        [views[s][a:b] for s, a, b in zip(request.frame_segments.tolist(), request.frame_offsets.tolist(), ends)],
-        request.frame_ends,
-    )
-
-
 def _no_room(channel: RequestChannel, total: int) -> None:
     log.warning("GET from %s answered with misses: no room for %d reply bytes", channel.conn.peer, total)
 
 
 def _namespaced(prefix: bytes, keys: Sequence[bytes]) -> list[bytes]:
     return [prefix + k for k in keys]
-
-
-def _split_values(segments: list[np.ndarray], plan: np.ndarray, offsets: np.ndarray, lens: np.ndarray, sizes: np.ndarray) -> list:
-    """Each value of a PUT: a value alone in its segment is stored as the receive buffer itself (so the store can
-    recycle it once evicted); packed ones are copied out, so a small value never pins its whole segment in memory
-    (the store charges only the value's bytes)."""
-    out: list = []
-    for seg, off, n in zip(plan.tolist(), offsets.tolist(), lens.tolist()):
-        if n == int(sizes[seg]):
-            out.append(segments[seg])
-        else:
-            out.append(bytes(memoryview(segments[seg])[off : off + n]))
-    return out

@@ -64,8 +64,8 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 
 if TYPE_CHECKING:
-    from ems.pool.handlers import NodeStore
     from ems.pool.namespaces import NamespaceBook
+    from ems.pool.node_store import NodeStore
     from ems.transport.shm.regions import ShmStats
 
 
@@ -206,7 +206,7 @@ class NodeMetrics:
         self.registry.register(book.collector())
 
     def watch_repair(self, progress: Callable[[], Any]) -> None:
-        """Report the node's repair (`progress()` gives an `ems.pool.repair.RepairProgress`) when scraped."""
+        """Report the node's repair (`progress()` gives an `ems.pool.repair_plan.RepairProgress`) when scraped."""
         self.registry.register(_RepairCollector(progress))
 
     def watch_shm(self, stats: Callable[[], ShmStats]) -> None:

@@ -52,7 +52,7 @@ class BookStore(Protocol):
 
 
 def _tenant_end(key: bytes) -> int:
-    """Where the tenant prefix (`ems.pool.handlers.tenant_prefix`: u16 length + id) of a stored key ends."""
+    """Where the tenant prefix (`ems.pool.node_store.tenant_prefix`: u16 length + id) of a stored key ends."""
     return 2 + int.from_bytes(key[:2], "little")
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ems.pool.budget import NodeLimits
-from ems.pool.handlers import NodeHandlers, NodeStore
+from ems.pool.handlers import NodeHandlers
+from ems.pool.node_store import NodeStore
 
 if TYPE_CHECKING:
     from ems.pool.metrics import NodeMetrics

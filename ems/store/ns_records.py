@@ -15,7 +15,7 @@ Contract:
   digest of the tenant and the model + a slot in `0..SLOTS-1` (`record_key`). Why no new protocol op: a record is then
   read, written, checksummed, authenticated and kept per tenant exactly like any value, by every backend, with no
   new surface for a raw client to probe: a pool node prefixes every key with the authenticated connection's tenant
-  (`ems.pool.handlers.tenant_prefix`), and on Mooncake (`ems.backends.mooncake`: the record is the Mooncake key
+  (`ems.pool.node_store.tenant_prefix`), and on Mooncake (`ems.backends.mooncake`: the record is the Mooncake key
   `ems/` + the record key in hex, stored by `MooncakePool.put` as any value; Mooncake has no per-tenant
   authentication) the tenant in the digest keeps tenants' records apart as the tenant in every namespace digest
   keeps their blocks apart. So an engine is never told of another tenant's namespaces. Records route by the model's

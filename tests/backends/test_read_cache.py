@@ -7,7 +7,7 @@ from ems_testlib import assert_cache_equals, expected_after_load, make_cache, po
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.pool_client import PoolClient
-from ems.config import resolve_settings
+from ems.settings import resolve_settings
 
 BS = 4
 

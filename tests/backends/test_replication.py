@@ -22,8 +22,8 @@ from ems.backends.base import ReadCheck
 from ems.backends.pool_client import PoolClient
 from ems.cluster import placement
 from ems.cluster.rendezvous import node_seeds, ranked_owners
-from ems.config import resolve_settings
 from ems.datapath.keys import v1_keys
+from ems.settings import resolve_settings
 from ems.store.kv_store import KvStore
 from ems.transport.inprocess import InProcessNode
 

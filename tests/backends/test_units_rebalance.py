@@ -12,8 +12,8 @@ from fault_injection import FaultyNode
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.pool_client import PoolClient
 from ems.cluster.rendezvous import ranked_owners
-from ems.config import resolve_settings
 from ems.datapath.keys import UNIT_BLOCKS, chain_keys
+from ems.settings import resolve_settings
 from ems.store.kv_store import KvStore
 from ems.transport.inprocess import InProcessNode
 

@@ -13,8 +13,8 @@ from fault_injection import FaultyNode
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig, EmsErrorCode, EmsException, PrimaryKey
 from ems.backends.pool_client import PoolClient
 from ems.cluster.rendezvous import UNIT_WIDTH
-from ems.config import resolve_settings
 from ems.datapath.keys import UNIT_BLOCKS
+from ems.settings import resolve_settings
 from ems.store.kv_store import KvStore
 from ems.transport.inprocess import InProcessNode
 

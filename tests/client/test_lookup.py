@@ -13,7 +13,7 @@ from fault_injection import FaultyNode
 
 from ems import CcConfig, CcKvOption, ContextCaching, EmsConfig
 from ems.backends.pool_client import PoolClient
-from ems.config import resolve_settings
+from ems.settings import resolve_settings
 from ems.store.kv_store import KvStore
 from ems.transport.inprocess import InProcessNode
 

@@ -15,7 +15,7 @@ from ems import CcConfig, CcKvOption, EmsConfig, KvBufferWrapper, PrimaryKey
 from ems.backends.embedded import EmbeddedPool
 from ems.backends.pool_client import PoolClient
 from ems.client.context_caching import ContextCaching
-from ems.config import resolve_settings
+from ems.settings import resolve_settings
 from ems.store.kv_store import KvStore
 from ems.store.ns_records import is_record_key
 from ems.transport.inprocess import InProcessNode

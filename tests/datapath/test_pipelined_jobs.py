@@ -79,7 +79,8 @@ def connect(request):
     wire), closed at the end with its pool client."""
     from ems.backends.pool_client import PoolClient
     from ems.client.context_caching import ContextCaching
-    from ems.config import CcConfig, EmsConfig, resolve_settings
+    from ems.config import CcConfig, EmsConfig
+    from ems.settings import resolve_settings
 
     made: list = []
 

@@ -12,14 +12,9 @@ import torch
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
 from ems.integrations import kv_layouts
-from ems.integrations.block_transfer import (
-    BlockMover,
-    StatsSink,
-    TransferStats,
-    block_keys,
-    lookup,
-    lookup_keys,
-)
+from ems.integrations.block_transfer import BlockMover, lookup
+from ems.integrations.engine_keys import block_keys, lookup_keys
+from ems.integrations.transfer_stats import StatsSink, TransferStats
 
 BLOCKS = 16
 

@@ -78,8 +78,8 @@ def test_defaults_and_every_key(monkeypatch):
 def test_max_inflight_is_the_connectors_and_reaches_the_client_explicitly(monkeypatch):
     """The workers' in-flight budget and the client's limit are one number: the connector's `max_inflight` (extra
     config, else EMS_MAX_INFLIGHT, else 8), handed to `EmsConfig` explicitly."""
-    from ems.config import resolve_settings
     from ems.integrations.connector_config import ResolvedPool
+    from ems.settings import resolve_settings
 
     monkeypatch.delenv("EMS_MAX_INFLIGHT", raising=False)
     pool = ResolvedPool(("h:1",))
@@ -129,7 +129,7 @@ def test_mooncake_settings_reach_ems_config_and_start_no_local_pool(monkeypatch)
         }
     )
     assert config.uses_mooncake and config.resolve_pool().nodes == ()  # no local node: the pool is Mooncake's
-    from ems.config import resolve_settings
+    from ems.settings import resolve_settings
 
     settings = resolve_settings(config.ems_config("m", "MHA", config.resolve_pool()))
     assert settings.pool_backend.value == "mooncake" and settings.pool_replicas == 2 and not settings.embedded

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException, KvBufferWrapper, PrimaryKey
-from ems.integrations.block_transfer import block_keys, lookup_keys
+from ems.integrations.engine_keys import block_keys, lookup_keys
 from ems.integrations.epoch import EPOCH_BYTES, EpochRecord, EpochWatch, new_epoch
 from ems.integrations.local_pool import LocalPool, ensure_local_pool, stop_local_pool
 

@@ -13,8 +13,9 @@ import torch
 from test_block_transfer import make_cache, register, vllm_hash
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig
-from ems.integrations.block_transfer import BlockMover, StatsSink
+from ems.integrations.block_transfer import BlockMover
 from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+from ems.integrations.transfer_stats import StatsSink
 from ems.integrations.vllm.lookups.breaker import LookupBreaker
 
 LOOKUP_MS = 300

@@ -46,7 +46,7 @@ def _embedded(backend: str) -> ContextCaching:
 
 
 def _pipelined(backend: str) -> ContextCaching:
-    from ems.config import resolve_settings
+    from ems.settings import resolve_settings
 
     pool = PoolClient([FaultyNode(InProcessNode(KvStore(16 << 20)))])
     return ContextCaching(CcConfig(0, 0, "launches"), None, pool, resolve_settings(EmsConfig(kernel_backend=backend)))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from pool_testlib import make_values
 
-from ems.pool.handlers import tenant_prefix
 from ems.pool.namespaces import NamespaceBook
+from ems.pool.node_store import tenant_prefix
 from ems.store.kv_store import KvStore
 from ems.store.ns_records import RECORD_NAMESPACE, encode_record, make_record, record_key
 

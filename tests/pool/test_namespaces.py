@@ -15,8 +15,8 @@ from pool_testlib import KEY_A, KEY_B, PoolProcess
 from ems import CcConfig, EmsConfig
 from ems.client.api import connect_pool
 from ems.client.context_caching import ContextCaching
-from ems.config import resolve_settings
 from ems.pool import status
+from ems.settings import resolve_settings
 
 pytest.importorskip("prometheus_client")
 pytest.importorskip("ucxx")

@@ -16,7 +16,7 @@ from pool_testlib import KEY_A, KEY_B, READY_PREFIX, joined, make_values, read_l
 
 from ems.backends.pool_client import PoolClient
 from ems.errors import EmsErrorCode
-from ems.pool.__main__ import parse_keys
+from ems.pool.options import parse_keys
 from ems.transport.base import TransportError
 from ems.transport.ucx.remote import connect
 from ems.types import CcKvOption

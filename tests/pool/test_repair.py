@@ -19,8 +19,9 @@ from pool_testlib import make_values, wait_until
 from ems.cluster.rendezvous import node_seeds, ranked_by_hash, ranked_owners, route_hashes
 from ems.datapath.keys import FORM_TOKENS, chain_keys, route_key_of, v0_keys, v1_keys
 from ems.errors import EmsErrorCode
-from ems.pool.handlers import split_tenant, tenant_prefix
-from ems.pool.repair import Repairer, RepairSettings, asked, copy_plan
+from ems.pool.node_store import split_tenant, tenant_prefix
+from ems.pool.repair import Repairer
+from ems.pool.repair_plan import RepairSettings, asked, copy_plan
 from ems.store.kv_store import KvStore
 from ems.transport.base import NodeClient, TransportError
 from ems.types import PrimaryKey
@@ -364,7 +365,7 @@ def test_an_incomplete_pass_is_retried_within_seconds_not_at_the_interval():
 def test_metrics_and_status_show_repair_progress():
     pytest.importorskip("prometheus_client")
     from ems.pool.metrics import NodeMetrics
-    from ems.pool.repair import RepairProgress
+    from ems.pool.repair_plan import RepairProgress
     from ems.pool.status import NodeStatus, parse_metrics, render
 
     progress = RepairProgress(running=True, pending_keys=120, copied_values=64, copied_bytes=64 << 20, passes=2)
@@ -388,7 +389,7 @@ def test_metrics_and_status_show_repair_progress():
 def test_repair_pacing_bounds_a_burst_to_100_ms_of_its_rate():
     """The bucket lets at most 100 ms of the rate (at least 64 KiB, at most a batch) through at once, so a slow
     --repair-rate is a bound from the first byte: 2 MiB at 8 MiB/s takes at least (2 MiB - burst) / rate."""
-    from ems.pool.repair import BATCH_BYTES, TokenBucket, burst_bytes
+    from ems.pool.repair_plan import BATCH_BYTES, TokenBucket, burst_bytes
 
     assert burst_bytes(256 << 10) == 64 << 10 and burst_bytes(64 << 20) == (64 << 20) // 10
     assert burst_bytes(1 << 40) == BATCH_BYTES

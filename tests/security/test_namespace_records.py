@@ -8,7 +8,7 @@ import pytest
 from pool_testlib import KEY_A, KEY_B, PoolProcess
 from raw_ucx import RawSession
 
-from ems.pool.handlers import tenant_prefix
+from ems.pool.node_store import tenant_prefix
 from ems.store.ns_records import (
     MAX_RECORD_BYTES,
     MAX_RECORDS_PER_TENANT,

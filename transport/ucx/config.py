@@ -95,7 +95,7 @@ class Submission(enum.Enum):
 
 @dataclass(frozen=True)
 class UcxSettings:
-    """This package's UCX knobs (part of `ems.config.Settings`; a pool node reads them at start)."""
+    """This package's UCX knobs (part of `ems.settings.Settings`; a pool node reads them at start)."""
 
     # EMS_UCX_PROGRESS_MODE: one of PROGRESS_MODES for every process; None: by role (see the module docstring)
     progress_mode: str | None = None

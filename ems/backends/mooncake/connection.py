@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 
 from ems.backends.mooncake.keys import HEALTH_KEY
 from ems.backends.mooncake.workers import Workers
-from ems.config import MooncakeSettings
 from ems.records import Deadline
+from ems.settings import MooncakeSettings
 
 log = logging.getLogger("ems")
 

@@ -45,9 +45,9 @@ from ems.backends.mooncake.keys import mooncake_key
 from ems.backends.mooncake.memory import RegisteredMemory
 from ems.backends.mooncake.workers import Workers
 from ems.buffers import Buffer
-from ems.config import MooncakeSettings
 from ems.errors import EmsErrorCode, EmsException
 from ems.records import Deadline
+from ems.settings import MooncakeSettings
 from ems.store.value_format import HEADER_SIZE
 from ems.transport.base import AsPlaced, TransportError
 from ems.transport.exists_holds import Hold, HoldKind

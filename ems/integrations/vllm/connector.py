@@ -57,8 +57,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ems.integrations.block_transfer import TransferStats
 from ems.integrations.connector_config import ConnectorConfig
+from ems.integrations.transfer_stats import TransferStats
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.engine_checks import apply_failure_policy
 from ems.integrations.vllm.metadata import EmsConnectorMetadata

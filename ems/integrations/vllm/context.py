@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 
 from ems import CcKvOption, ContextCaching, Ems
 from ems.integrations import kv_layouts
-from ems.integrations.block_transfer import StatsSink
 from ems.integrations.connector_config import ConnectorConfig, KvRole, ResolvedPool, TransferGranularity, derive_model_id
+from ems.integrations.transfer_stats import StatsSink
 from ems.integrations.vllm.engine_checks import GroupKind, check_supported, group_kind, prefix_hash_part, sharing_warning
 from ems.integrations.vllm.namespace import namespace_parts, predicted_backend
 
@@ -74,7 +74,7 @@ class ConnectorContext:
 
     @property
     def hybrid(self) -> bool:
-        """Several KV cache groups: every key names its group (`block_transfer.group_hashes`)."""
+        """Several KV cache groups: every key names its group (`engine_keys.group_hashes`)."""
         return len(self.groups) > 1
 
     @property

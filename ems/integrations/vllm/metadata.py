@@ -8,7 +8,7 @@ never loaded), the blocks the step computed to save, whether the step scheduled
 nothing (`idle`), and the requests with saves in flight that its schedule preempted (`preempted`: the worker waits
 for their copy-outs before the forward, `EmsWorker.handle_preemptions`) or whose sliding-window blocks it may have
 freed (`flush`, hybrid models: the same wait). A hybrid model's transfers name each KV cache group's blocks with
-group-tagged hashes (`block_transfer.group_hashes`), so the workers move them as any other blocks.
+group-tagged hashes (`engine_keys.group_hashes`), so the workers move them as any other blocks.
 """
 
 from __future__ import annotations

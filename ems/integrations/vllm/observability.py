@@ -21,7 +21,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVCacheEve
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from ems.integrations.block_transfer import TransferStats
+from ems.integrations.transfer_stats import TransferStats
 
 MEDIUM = "EMS"
 

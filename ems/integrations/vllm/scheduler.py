@@ -41,14 +41,11 @@ Contract (no vLLM imports at run time; `connector.EmsConnector` forwards vLLM's 
   it), at start and after each `reset_cache`.
 * `reset_cache` writes a new namespace epoch (`epoch.EpochWatch`): every earlier block misses from then on; loads
   promised before it are reported failed, never loaded; False when the pool did not take it.
-* Hybrid models (several KV cache groups, `ctx.hybrid`): every position's block is one value per group, keyed by
-  the group (`block_transfer.group_hashes`). A lookup counts a position as hit only where every group holds it;
-  a load writes, for each group, the blocks vLLM allocated for the hit (a sliding-window group gets only the blocks
-  of the window before the hit's end: vLLM pads the rest with its null block 0, which is never written); a save
-  sends each group's blocks of the positions the step computed (a sliding-window group: those its window still
-  holds). vLLM frees a sliding-window group's blocks as the window moves, possibly while their copy-out runs: the
-  requests with such saves are named in the next step's `flush` (the workers wait for those copy-outs before the
-  forward, `EmsWorker.handle_preemptions`).
+* Hybrid models (several KV cache groups, `ctx.hybrid`): every position's block is one value per group
+  (`request_blocks.RequestBlocks`: which blocks of each group a lookup, load or save names). vLLM frees a
+  sliding-window group's blocks as the window moves, possibly while their copy-out runs: the requests with such saves
+  are named in the next step's `flush` (the workers wait for those copy-outs before the forward,
+  `EmsWorker.handle_preemptions`).
 * `steps`: the per-step record (`steps.SchedulerStep`: lookups, loads and saves sent, requests waiting for another
   request's load, the lookup batches' and the step's waits).
 * KV events go to `events` (`observability.KvEventLog`): a `BlockStored` for every run of blocks sent to the pool,
@@ -63,16 +60,17 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ems.integrations.block_transfer import TransferStats, group_hashes
 from ems.integrations.epoch import EpochRecord, EpochWatch
+from ems.integrations.transfer_stats import TransferStats
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.engine_checks import GroupKind
 from ems.integrations.vllm.lookups import OnTheirWay, Placement, PoolLookups
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
+from ems.integrations.vllm.request_blocks import RequestBlocks
 from ems.integrations.vllm.steps import SchedulerStep, StepLog
 
 if TYPE_CHECKING:
@@ -81,8 +79,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("ems.integrations.vllm")
-
-NULL_BLOCK = 0  # vLLM's null block (its block pool's first): a position a sliding-window group does not hold
 
 
 def _epoch_part(epoch: bytes) -> str:
@@ -133,62 +129,7 @@ class EmsScheduler:
         # next block is among another's waits for that load instead of loading its own copy
         self._loading: dict[str, frozenset[bytes]] = {}
         self._load_waits = 0  # requests told to wait for another request's load during this step
-
-    def _lookup_hashes(self, request: Request, start: int, full: int) -> list[bytes]:
-        """The keys a lookup asks for: each position's hash, or (hybrid) each position's hash in every group."""
-        hashes = self._hashes(request)[start:full]
-        if not self._ctx.hybrid:
-            return hashes
-        tagged = [group_hashes(hashes, g) for g in range(len(self._ctx.groups))]
-        return [h for position in zip(*tagged) for h in position]
-
-    def _chain(self, request: Request, start: int) -> Callable[[], list[bytes]] | None:
-        """The hashes of the request's blocks before position `start` (its keys' chain prefix: placement by units),
-        or None for a hybrid model (a lookup or transfer interleaves its groups' keys: not one chain; placed per
-        key)."""
-        if self._ctx.hybrid:
-            return None
-        return lambda: self._hashes(request)[:start]
-
-    def _transfer(
-        self,
-        rid: str,
-        block_ids: list[list[int]],
-        hashes: list[bytes],
-        start: int,
-        end: int,
-        epoch: bytes,
-        computed: int | None = None,
-        in_step: bool = False,
-        prefix: list[bytes] | None = None,
-    ) -> BlockTransfer:
-        """Positions `start..end` of a request as one transfer (`hashes` from position `start`): its blocks and keys,
-        or (hybrid) each group's, position by position, without the positions a group does not hold: its null block,
-        or, for a sliding-window group with `computed` tokens computed before the step, a position before the window
-        of the step's first token (vLLM freed those blocks in this schedule)."""
-        if not self._ctx.hybrid:
-            return BlockTransfer(rid, block_ids[0][start:end], hashes[: end - start], epoch, in_step=in_step, chain_prefix=prefix)
-        ids: list[int] = []
-        keys: list[bytes] = []
-        columns = []
-        block_size = self._block_size
-        for g, (kind, window) in enumerate(zip(self._ctx.groups, self._ctx.windows)):
-            first = start
-            if kind is GroupKind.SLIDING and computed is not None and window:
-                first = max(start, max(0, computed - window + 1) // block_size)
-            group_ids = block_ids[g][first:end]
-            columns.append((first, group_ids, group_hashes(hashes[first - start : end - start], g)))
-        for p in range(start, end):  # position by position: a short load keeps a prefix of positions
-            for first, group_ids, group_keys in columns:
-                if p >= first and p - first < len(group_ids) and group_ids[p - first] != NULL_BLOCK:
-                    ids.append(group_ids[p - first])
-                    keys.append(group_keys[p - first])
-        return BlockTransfer(rid, ids, keys, epoch, in_step=in_step)
-
-    def _hashes(self, request: Request) -> list[bytes]:
-        hashes = request.block_hashes
-        stride = self._ctx.hash_stride
-        return list(hashes) if stride == 1 else list(hashes[stride - 1 :: stride])
+        self._blocks = RequestBlocks(ctx)  # which of a request's blocks a lookup, load or save names
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         block_size = self._block_size
@@ -208,9 +149,9 @@ class EmsScheduler:
                         end,
                         full,
                         self.epoch.epoch,
-                        lambda: self._lookup_hashes(request, end, full),
+                        lambda: self._blocks.lookup_hashes(request, end, full),
                         self._expected(request, end, full),
-                        self._chain(request, end),
+                        self._blocks.chain(request, end),
                     )
                 self._waiting_lookups += 1
                 self._load_waits += 1
@@ -220,9 +161,9 @@ class EmsScheduler:
             start,
             full,
             self.epoch.epoch,
-            lambda: self._lookup_hashes(request, start, full),
+            lambda: self._blocks.lookup_hashes(request, start, full),
             self._expected(request, start, full),
-            self._chain(request, start),
+            self._blocks.chain(request, start),
         )
         if hits is None:
             self._waiting_lookups += 1
@@ -241,7 +182,7 @@ class EmsScheduler:
     def _loaded_by_others(self, request: Request, start: int, full: int) -> int | None:
         """Where another request's asynchronous load under way stops loading the request's blocks from `start`
         (chained hashes: the blocks it shares with that load are a run from `start`), or None: it loads none."""
-        hashes = self._hashes(request)
+        hashes = self._blocks.hashes(request)
         rid = request.request_id
         for owner, loading in self._loading.items():
             if owner != rid and hashes[start] in loading:
@@ -264,7 +205,7 @@ class EmsScheduler:
     def _expected(self, request: Request, start: int, full: int) -> int:
         """How many of the request's blocks from `start` are on their way to the pool (`on_their_way`)."""
         params = getattr(request, "kv_transfer_params", None)
-        return self.on_their_way.expected(params, start, full, lambda: self._hashes(request)[start:full])
+        return self.on_their_way.expected(params, start, full, lambda: self._blocks.hashes(request)[start:full])
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -280,8 +221,8 @@ class EmsScheduler:
         in_step = rid in self._in_step
         self._in_step.discard(rid)
         if loaded > 0:
-            hashes = self._hashes(request)
-            self._loads[rid] = self._transfer(
+            hashes = self._blocks.hashes(request)
+            self._loads[rid] = self._blocks.transfer(
                 rid,
                 block_ids,
                 hashes[start : start + loaded],
@@ -309,9 +250,9 @@ class EmsScheduler:
         )
         if upto <= state.next_save:
             return
-        all_hashes = self._hashes(request)
+        all_hashes = self._blocks.hashes(request)
         hashes = all_hashes[state.next_save : upto]
-        save = self._transfer(
+        save = self._blocks.transfer(
             request.request_id,
             state.block_ids,
             hashes,

@@ -297,7 +297,7 @@ def test_init_before_the_master_answers_is_recoverable():
     finally:
         Ems.shutdown()
         cluster.close()
-    from ems.config import MooncakeSettings
+    from ems.settings import MooncakeSettings
 
     pool = MooncakePool(MooncakeSettings(master=master), connect_timeout_s=0.2)
     try:

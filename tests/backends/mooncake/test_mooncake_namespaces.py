@@ -13,7 +13,7 @@ from ems import CcConfig, EmsConfig
 from ems.backends.mooncake import mooncake_key
 from ems.client.api import connect_pool
 from ems.client.context_caching import ContextCaching
-from ems.config import resolve_settings
+from ems.settings import resolve_settings
 from ems.store.ns_records import decode_record, record_keys
 
 BLOCK = 16

@@ -12,8 +12,8 @@ import torch
 
 from ems import Ems
 from ems.integrations import kv_layouts
-from ems.integrations.block_transfer import StatsSink
 from ems.integrations.connector_config import ConnectorConfig
+from ems.integrations.transfer_stats import StatsSink
 from ems.integrations.vllm.context import ConnectorContext
 
 BLOCK = 4

@@ -440,7 +440,7 @@ def test_a_producer_never_loads_and_a_consumer_loads_what_it_saved_and_never_sav
 
 
 def test_stats_object_aggregates_and_reduces():
-    from ems.integrations.block_transfer import TransferStats
+    from ems.integrations.transfer_stats import TransferStats
     from ems.integrations.vllm import EmsConnector, EmsConnectorStats
 
     empty = EmsConnector.build_kv_connector_stats()

@@ -16,7 +16,7 @@ import torch
 from fake_vllm import BLOCK, Events, NewRequest, Request, Schedule, kv_caches, make_context
 from test_scheduler import answer, step
 
-from ems.integrations.block_transfer import group_hashes
+from ems.integrations.engine_keys import group_hashes
 from ems.integrations.vllm.engine_checks import GroupKind
 from ems.integrations.vllm.metadata import EmsConnectorMetadata
 from ems.integrations.vllm.scheduler import EmsScheduler

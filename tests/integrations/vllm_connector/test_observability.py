@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 def test_prometheus_counters_add_up_what_the_stats_carry():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from ems.integrations.block_transfer import TransferStats
+    from ems.integrations.transfer_stats import TransferStats
     from ems.integrations.vllm import EmsConnector
 
     registry = CollectorRegistry()

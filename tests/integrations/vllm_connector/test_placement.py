@@ -17,7 +17,8 @@ from pool_testlib import node_clients, pool_nodes  # noqa: F401
 
 from ems.cluster.rendezvous import UNIT_WIDTH
 from ems.datapath.keys import UNIT_BLOCKS, chain_keys
-from ems.integrations.block_transfer import block_keys, lookup
+from ems.integrations.block_transfer import lookup
+from ems.integrations.engine_keys import block_keys
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
 from ems.integrations.vllm.worker import EmsWorker
 

@@ -46,7 +46,7 @@ def test_loads_beyond_the_in_flight_budget_start_on_later_steps(ctx):
     loads = [BlockTransfer(rid, [10 + 2 * i, 11 + 2 * i], block_hashes(p)) for i, (rid, p) in enumerate(prompts.items())]
     worker.start_load_kv(EmsConnectorMetadata(loads=loads[:1]))  # a's call takes the budget (1) until polled
     worker.start_load_kv(EmsConnectorMetadata(loads=loads[1:]))  # b and c: one call, on a later step
-    assert [(r.req_id) for r in worker._queued_loads] == ["b", "c"]
+    assert [(r.req_id) for r in worker.loads._queued_loads] == ["b", "c"]
     done: set[str] = set()
     deadline = time.monotonic() + 10
     while done != set(prompts) and time.monotonic() < deadline:

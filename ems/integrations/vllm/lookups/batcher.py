@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ems.integrations.block_transfer import EngineHash
+from ems.integrations.engine_keys import EngineHash
 from ems.integrations.vllm.lookups.breaker import LookupBreaker
 
 logger = logging.getLogger("ems.integrations")

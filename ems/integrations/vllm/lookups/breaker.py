@@ -31,7 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ems import CcKvOption, ContextCaching, EmsException
-from ems.integrations.block_transfer import EngineHash, StatsSink, lookup
+from ems.integrations.block_transfer import lookup
+from ems.integrations.engine_keys import EngineHash
+from ems.integrations.transfer_stats import StatsSink
 
 logger = logging.getLogger("ems.integrations")
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ems.integrations.block_transfer import EngineHash
+from ems.integrations.engine_keys import EngineHash
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.lookups.batcher import LookupBatcher
 from ems.integrations.vllm.lookups.breaker import LookupBreaker
