@@ -73,7 +73,7 @@ def _exercise(port: int) -> None:
 
 def test_the_messages_nobody_will_receive_are_discarded_as_they_arrive():
     """The node's resident memory 10 s after five rounds of the exercise stays within 16 MiB of its level before
-    them, and flat from round to round: the messages are discarded while they arrive (the watchdog alone let them
+    them, and flat from round to round after the first: the messages are discarded while they arrive (the watchdog alone let them
     pile up to +62-64 MiB); the discards are counted in the node's metrics."""
     metrics = f"127.0.0.1:{free_port()}"
     node = PoolProcess("8MiB", args=["--metrics", metrics])
@@ -89,7 +89,10 @@ def test_the_messages_nobody_will_receive_are_discarded_as_they_arrive():
         final = node.rss_bytes()
         figures = {"base_mib": base / MiB, "rounds_mib": [(s - base) / MiB for s in sizes], "final_mib": (final - base) / MiB}
         assert final - base < 16 * MiB, figures
-        assert max(sizes) - min(sizes) < 8 * MiB, figures  # flat: no round keeps more than the first
+        # flat: no round keeps more than the one before it. From the second round on: the first can end below the
+        # allocator's high-water mark, which a later round reaches once (a CI run read +3.1, then +11.5 to +11.7 MiB)
+        later = sizes[1:]
+        assert max(later) - min(later) < 8 * MiB, figures
         with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as reply:
             scraped = {
                 sample.name: sample.value
