@@ -24,8 +24,9 @@ pytest.importorskip("ucxx", reason="pool nodes need the ucx extra")
 pytest.importorskip("prometheus_client", reason="the metrics extra")
 
 TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))  # test_docs_commands
-from test_docs_commands import ROOT, Command, Processes, _executable, _free_port, commands  # noqa: E402
+sys.path.insert(0, str(TESTS))  # test_docs_commands, ems_testlib
+from ems_testlib import free_port  # noqa: E402
+from test_docs_commands import ROOT, Command, Processes, _executable, commands  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -100,8 +101,8 @@ def test_the_getting_started_vllm_step_runs_as_written(tmp_path: Path) -> None:
     page_model = servers[0].argv[servers[0].argv.index("--model") + 1]
     words = " ".join(w for c in (*nodes, *servers, *requests) for w in c.argv)
     page_ports = sorted(set(re.findall(r"(?:127\.0\.0\.1|localhost):(\d+)", words)))
-    ports = {p: str(_free_port()) for p in page_ports}
-    ports.update({c.argv[c.argv.index("--port") + 1]: str(_free_port()) for c in servers})
+    ports = {p: str(free_port()) for p in page_ports}
+    ports.update({c.argv[c.argv.index("--port") + 1]: str(free_port()) for c in servers})
     model = str(tmp_path / "model")
     _make_model(Path(model))
 
