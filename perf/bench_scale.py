@@ -11,7 +11,10 @@ block placement, as before units); medians of the rounds. First call: a fresh cl
 counted), against a steady save.
 
 Before the rounds the pool is filled (`fill`: every node's store written about once over, as a pool in service is;
-`--no-fill` measures empty nodes, whose first touches of fresh pages then count, more on the larger pools).
+`--no-fill` measures empty nodes, whose first touches of fresh pages then count, more on the larger pools), and each
+client's connections are warmed (`warm`: prompts saved by units until its calls have met each of its nodes, as a
+client in service has: a connection's shared-memory region populates only a share of `PREFAULT_BYTES` ahead of use,
+and its first calls fault the rest in).
 
 Prints a table, writes perf/scale.png, records perf/results/scale.json.
 Usage: python perf/bench_scale.py [--nodes 2 32 64] [--rounds 7] [--quick] [--no-fill]
@@ -81,6 +84,16 @@ def fill(cc: ContextCaching, nodes: int, slots: list[int], offsets: list[int], v
     return time.perf_counter() - started, prompts * BLOCKS * value_bytes >> 20
 
 
+def warm(cc: ContextCaching, nodes: int, slots: list[int], offsets: list[int]) -> float:
+    """Save `nodes` distinct prompts by units (each on 2 groups of `UNIT_WIDTH` nodes, 2 replicas): about 8 calls
+    meet each node, its connection made and its region's pages in use. Returns the seconds it took."""
+    started = time.perf_counter()
+    for p in range(nodes):
+        hashes = [(0xE111 << 44) | (nodes << 32) | (p << 12) | b for b in range(BLOCKS)]
+        _ok(cc.save(slots, hashes, offsets, OPTION, chain_prefix=[]))
+    return time.perf_counter() - started
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -115,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             block_bytes = sum(plane[0].nbytes for layer in cache for plane in layer)
             fill_s, fill_mib = fill(clients[most][0], most, slots, offsets, block_bytes)
             print(f"filled: {fill_mib} MiB saved over the {most} nodes in {fill_s:.1f} s", flush=True)
+            for n in args.nodes:
+                print(f"{n} nodes' client warmed in {warm(clients[n][0], n, slots, offsets):.1f} s", flush=True)
         for r in range(args.rounds):
             for n in args.nodes:
                 cc, _ = clients[n]

@@ -304,13 +304,13 @@ def test_connect_opens_the_region_and_populates_it_before_the_first_call(shared_
     """The package's connect (what `Ems.init` calls) opens the region at once, and its first PREFAULT_BYTES are
     faulted in in the background: a first load then neither opens it nor faults it page by page. A reconnect
     populates only what the region before it used."""
-    from ems.transport.shm import wire
+    from ems.transport.shm.client import first_populate_bytes
     from ems.transport.ucx.remote import connect
 
     node = connect(shared_node.address, connect_timeout_ms=5000)
     try:
         region = _region(node)  # opened without any call
-        want = min(wire.PREFAULT_BYTES, region.array.nbytes)
+        want = min(first_populate_bytes(), region.array.nbytes)  # (all of PREFAULT_BYTES with no other client open)
         deadline = time.monotonic() + 30
         while _resident_pages(region.array, want) < want // 4096 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -329,6 +329,36 @@ def test_connect_opens_the_region_and_populates_it_before_the_first_call(shared_
         assert _resident_pages(fresh.array, want) <= (1 << 20) // 4096
     finally:
         node.close()
+
+
+def test_the_clients_of_a_process_share_one_populate(shared_node):
+    """A process's open shared-memory clients split PREFAULT_BYTES: with four open, each first region populates
+    about a quarter of it ahead of use (both sides), not a whole region each (a first call to a pool of many
+    same-host nodes would otherwise wait for all their populates)."""
+    from ems.transport.shm import wire
+    from ems.transport.shm.client import first_populate_bytes
+    from ems.transport.ucx.client import UcxNode
+
+    alone = first_populate_bytes()
+    nodes = [UcxNode(shared_node.address, connect_timeout_ms=5000) for _ in range(4)]
+    try:
+        share = first_populate_bytes()
+        assert share <= -(-wire.PREFAULT_BYTES // 4 // (1 << 20)) * (1 << 20) and share < alone
+        for node in nodes:
+            node.connect_now(5.0)
+        regions = [_region(node) for node in nodes]
+        assert all(region.array.nbytes > share for region in regions)  # (else the test would show nothing)
+        deadline = time.monotonic() + 30
+        while any(_resident_pages(r.array, share) < share // 4096 for r in regions) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # a populate past the share would show by now
+        for region in regions:
+            assert _resident_pages(region.array, share) == share // 4096
+            assert _resident_pages(region.array, region.array.nbytes) == share // 4096
+    finally:
+        for node in nodes:
+            node.close()
+    assert first_populate_bytes() == alone  # closed clients no longer count
 
 
 class _ChannelSpy:

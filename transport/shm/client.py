@@ -26,6 +26,12 @@ Contract:
   reply; what it does with them is its own (the load verifies each value before writing it anywhere).
 * Its requests name ranges of the region (`encode_ranged`: the SHM_PUT / SHM_GET meta, `shm.wire`), taken from the
   region's allocator and sent on its channel (`shm.client_region`), else on the connection through the link.
+* Populating ahead of use: a connection's first region has its start populated by both sides in the background
+  (`shm.wire`): this process's `PREFAULT_BYTES` split over its open shared-memory clients (`first_populate_bytes`),
+  so that the memory a process faults in ahead of use stays bounded whatever the number of same-host nodes: with
+  one (a node per host, as deployed) its first region gets all of it; a client of 32 nodes on one host 4 MiB a
+  region, about what one call puts on each of them, not 32 populates of a whole region on its first call. A
+  reconnect's region populates as much as the region before it had handed out (its use).
 * `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
 """
 
@@ -71,11 +77,26 @@ class ShmMode(str, enum.Enum):
     OFF = "off"
 
 
+_MIB = 1 << 20
+_open_lock = threading.Lock()
+_open_clients = 0  # `ShmClient`s of this process not closed (see `first_populate_bytes`)
+
+
+def first_populate_bytes() -> int:
+    """What a connection's first region populates ahead of use: `PREFAULT_BYTES` over the process's open clients,
+    in whole MiB (SHM_OPEN states MiB), at least one."""
+    with _open_lock:
+        clients = max(1, _open_clients)
+    return max(1, -(-PREFAULT_BYTES // clients // _MIB)) * _MIB
+
+
 class ShmClient:
     """Shared memory for one node client; see the module docstring."""
 
     def __init__(self, link: NodeLink) -> None:
         self.link = link
+        self._counted = False  # counted in `_open_clients`: from construction, and again on use after `close`
+        self._count(True)
         self._region: ClientRegion | None = None
         self._no_region_on: Any = None  # the endpoint that got no region: not asked again before `_retry_at`
         self._retry_at = 0.0  # (monotonic)
@@ -208,8 +229,16 @@ class ShmClient:
     def close(self) -> None:
         """Forget the region (its connection is being dropped): unmapped once no lease of it is held any more."""
         region, self._region = self._region, None
+        self._count(False)
         if region is not None:
             retire_region(region)
+
+    def _count(self, open_: bool) -> None:
+        global _open_clients
+        with _open_lock:
+            if self._counted != open_:
+                self._counted = open_
+                _open_clients += 1 if open_ else -1
 
     # ---- machinery ----
 
@@ -300,8 +329,10 @@ class ShmClient:
             self._opening.release()
 
     def _open(self, deadline: Deadline) -> ClientRegion | None:
+        self._count(True)  # (a client used again after `close`)
         previous = self._last_allocator  # a reconnect populates as much as the region before it had handed out
-        handed = open_region(self.link, PREFAULT_BYTES if previous is None else previous.high_water, deadline)
+        populate = first_populate_bytes() if previous is None else previous.high_water
+        handed = open_region(self.link, populate, deadline)
         if handed is None:
             return None
         if handed.array is None or handed.sock is None:

@@ -37,8 +37,9 @@ Contract:
   it, header and checksum, before using it: `ems_verify_scatter_as_placed`). The word never counts a value the
   reply will not give as placed, and is never written after the reply.
 * Both sides populate the start of a region on a background thread when they map it (MADV_POPULATE_WRITE, no
-  GIL): the client chooses how much (PREFAULT_BYTES for a client's first region; for a reconnect's region, as much
-  as the region before it had handed out, `RangeAllocator.high_water`) and states it in SHM_OPEN's `count`, in
+  GIL): the client chooses how much (for a connection's first region its share of PREFAULT_BYTES, which a process
+  splits over its open clients, `shm.client.first_populate_bytes`; for a reconnect's region, as much as the region
+  before it had handed out, `RangeAllocator.high_water`) and states it in SHM_OPEN's `count`, in
   MiB; the node populates as much of its own mapping (0 from a client that states none). First fit hands out the
   start first, so a region's first calls do not fault page by page (fresh memfd pages cost about 2 ms per MiB on
   a VM, and each side's first touch of a page faults: a 62 MiB first load took 7x a warm one). Memory: that much
@@ -83,7 +84,7 @@ PAGE = 4096
 MAX_SOCKET_NAME = 107  # sun_path
 DEFAULT_REGION_BYTES = 256 << 20  # per connection (`python -m ems.pool --shm-bytes`)
 DEFAULT_TOTAL_BYTES = 4 << 30  # all connections of one node together (`--shm-total`)
-PREFAULT_BYTES = 128 << 20  # of a client's first region, populated by both sides when they map it
+PREFAULT_BYTES = 128 << 20  # what a process's first regions populate ahead of use, in all (both sides)
 # what travels on a region's channel: the region's data requests, and lookups (a same-host EXISTS costs a socket round
 # trip there, against UCX's posts and progress thread: perf/RESULTS.md, "exists over the region's channel")
 CHANNEL_OPS = frozenset({int(protocol.Op.SHM_GET), int(protocol.Op.SHM_PUT), int(protocol.Op.EXISTS)})

@@ -165,7 +165,7 @@ class UcxNode(NodeClient):
     def connect_now(self, deadline: Deadline | float) -> None:
         """Connect (and authenticate) now instead of on the first call; TransportError on failure. On the same
         host, also open the connection's shared-memory region now (the calls would open it on first use): its
-        pages are then populated in the background before the first load needs them (`shm.PREFAULT_BYTES`),
+        pages are then populated in the background before the first load needs them (`shm.client.first_populate_bytes`),
         and that load stages in it from the start. A region that cannot be opened only leaves the calls on UCX."""
         limit = Deadline.within(deadline)
         self._call(lambda ex, rid: None, limit)
