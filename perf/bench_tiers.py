@@ -1,11 +1,14 @@
 """Chunks per second through the engine plug-ins vs the same bytes through this package's own public save/load.
 
-Run in a venv with vllm and lmcache (CI's `.venv-vllm`): `python perf/bench_tiers.py [--chunks 64] [--rounds 5]`.
+Run in a venv with vllm and lmcache (CI's `.venv-vllm`): `python perf/bench_tiers.py [--chunks 64] [--rounds 5]
+[--layers 4]`.
 
 One `ems.pool` node on loopback. Per round, in turn (the order rotates each round), each path stores the same
-`--chunks` chunks of 256 KiB and reads them back:
+`--chunks` chunks and reads them back. A chunk is LMCache's: 256 tokens of `--layers` layers, K and V, 64 float16
+a token (8 heads of 8): 64 KiB a layer, 256 KiB with the default 4 layers (a tiny model: each path's fixed cost per
+chunk shows most), 2 MiB with `--layers 32` (a real model's chunk is larger still: 32 MiB for an 8B Llama's).
 
-* `api`: `Ems.init` + `register_kvcache` over a CPU cache of 256 KiB blocks, `save`/`load` (slot_mapping form):
+* `api`: `Ems.init` + `register_kvcache` over a CPU cache of one-chunk blocks, `save`/`load` (slot_mapping form):
   the anchor.
 * `vllm tier`: `EmsTier` built by vLLM's own factories (`TieringOffloadingSpec`), a cascade job (`submit_store`)
   and a promotion job (`submit_load`) over the CPU primary tier's memory, each until `drain_jobs` returns.
@@ -24,7 +27,8 @@ get through LMCache's remote-plugin contract does (the API's load fills memory t
 
 Prints a table of each path's best round (interleaved rounds: on a shared host the others measure the neighbours),
 the ratios to the anchor (goal: a plug-in adds at most 10 %: ratio >= 0.9), writes
-perf/tiers.png and records the figures (perf/results.py).
+perf/tiers.png and records the figures (perf/results.py; another `--layers` than 4: perf/tiers-<N>-layers.png,
+results run `tiers-<N>-layers`).
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ from benchlib import machine  # noqa: E402
 from pool_testlib import PoolProcess  # noqa: E402
 from results import Figure, Goal, Run, command_line, load, record  # noqa: E402
 
-CHUNK_BYTES = 256 << 10
-LAYERS, HEADS, HEAD = 4, 8, 8  # LMCache: [2, 4 layers, 256 tokens, 64] float16 = 256 KiB a chunk
-TOKENS = 256
+HEADS, HEAD, TOKENS = 8, 8, 256  # LMCache's chunk: [2, LAYERS, 256 tokens, 64] float16
+LAYERS = 4  # `--layers`
+CHUNK_BYTES = LAYERS * 2 * TOKENS * HEADS * HEAD * 2  # 256 KiB with 4 layers
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -231,9 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without-lmcache", action="store_true", help="the API and vLLM's tier only")
     ap.add_argument("--no-results", action="store_true", help="print only: do not record nor append to RESULTS.md")
     ap.add_argument("--plot-only", action="store_true", help="draw perf/tiers.png from perf/results/tiers.json")
+    ap.add_argument("--layers", type=int, default=4, help="layers of a chunk: 64 KiB each (default 4: 256 KiB chunks)")
     args = ap.parse_args(argv)
+    global LAYERS, CHUNK_BYTES
+    if args.layers < 1:
+        ap.error("--layers must be >= 1")
+    LAYERS, CHUNK_BYTES = args.layers, args.layers * 2 * TOKENS * HEADS * HEAD * 2
+    run_name = "tiers" if LAYERS == 4 else f"tiers-{LAYERS}-layers"
     if args.plot_only:  # (the vLLM venv has no matplotlib: draw the recorded run from another venv)
-        return plot_recorded(HERE / "results" / "tiers.json", HERE / "tiers.png")
+        return plot_recorded(HERE / "results" / f"{run_name}.json", HERE / f"{run_name}.png")
     n = args.chunks
     node = PoolProcess(f"{max(256, 8 * n * CHUNK_BYTES >> 20)}MiB")
     loop = asyncio.new_event_loop()
@@ -310,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"store: API {s_api:.1f}, plugin through LMCache {s_whole:.1f}, plugin called directly {s_direct:.1f} µs a chunk")
         names = [name for name in names if name not in parts]
-    plot(rate, names, HERE / "tiers.png")  # (without matplotlib: `--plot-only` from another venv)
+    plot(rate, names, HERE / f"{run_name}.png")  # (without matplotlib: `--plot-only` from another venv)
     if args.no_results:
         return 0
     figures = []
@@ -319,17 +329,17 @@ def main(argv: list[str] | None = None) -> int:
         for op in ("save", "load"):
             figures.append(
                 Figure(
-                    f"{name} {'store' if op == 'save' else 'load'} ({n} x 256 KiB chunks)",
+                    f"{name} {'store' if op == 'save' else 'load'} ({n} x {CHUNK_BYTES >> 10} KiB chunks)",
                     rate[(name, op)],
                     "chunks/s",
                     f"API {op} to the same node",
                     rate[("api", op)],
                     goal,
-                    "perf/tiers.png",
+                    f"perf/{run_name}.png",
                     f"best of {args.rounds} interleaved rounds (worst/best {spread[(name, op)]:.1f}x)",
                 )
             )
-    run = Run("tiers", command_line(), figures, machine=machine())
+    run = Run(run_name, command_line(), figures, machine=machine())
     print(f"results: {record(run)}")
     return 0
 
@@ -362,7 +372,7 @@ def plot(rate: dict, names: list[str], path: Path) -> None:
     for i, op in enumerate(("save", "load")):
         ax.bar(x + (i - 0.5) * 0.38, [rate[(name, op)] for name in names], 0.38, label="store" if op == "save" else "load")
     ax.set_xticks(x, [name.replace(" ", "\n", 1) for name in names], fontsize=9)
-    ax.set_ylabel("chunks/s (256 KiB)")
+    ax.set_ylabel(f"chunks/s ({CHUNK_BYTES >> 10} KiB)")
     ax.set_title("Engine plug-ins vs the public API to the same pool node (loopback)")
     ax.legend()
     fig.tight_layout()
