@@ -18,7 +18,8 @@ Contract (`NodeLatency`, thread-safe):
   `ABORT_FACTOR` times `expected(nbytes)`, at least `ABORT_FLOOR_S`; a write whose every key already has a copy
   waits that long for the owners not done yet, a hedged read into the caller's buffers that long for the slow
   request to finish by itself.
-* `slow(address)`: the node's own model predicts more than `SLOW_FACTOR` times the typical one for a small request,
+* `slow(address)`: the node's own model predicts more than `SLOW_FACTOR` times the typical one for the request it
+  last answered (at least `SMALL_BYTES`: a node slow at moving bytes is slow however short its round trip),
   after at least `SLOW_MIN_SAMPLES` answers of its own (one answer is no evidence: a node's first request pays for
   connecting, an in-process one's for a thread's first run) or one stopped request; reads then ask it last among a
   key's owners. A slow node is given another try (asked in its turn again) once
@@ -42,7 +43,10 @@ HEDGE_FLOOR_S = 0.005
 # reconnects): done only past a much larger wait, so that a busy host's scheduling noise never does it
 ABORT_FACTOR = 10.0
 ABORT_FLOOR_S = 0.05
-SLOW_FACTOR = 8.0
+# a node 10x slower reads as about 6x: the client's own part of every answer is the same on every node (measured
+# through perf/sim_scale.py's router over 1,024 simulated nodes); a node judged slow by mistake is only asked last
+# for RETRY_SLOW_S, its blocks read from their other owners
+SLOW_FACTOR = 4.0
 SLOW_MIN_SAMPLES = 3
 RETRY_SLOW_S = 2.0
 TYPICAL_EVERY_S = 0.05
@@ -79,7 +83,7 @@ class NodeLatency:
                 rate = nbytes / max(seconds - model.base_s, seconds / 2, 1e-6)
                 model.bytes_per_s = rate if first else (1 - ALPHA) * model.bytes_per_s + ALPHA * rate
             model.samples += 1
-            self._update(model, first, judged=model.samples >= SLOW_MIN_SAMPLES)
+            self._update(model, nbytes, first, judged=model.samples >= SLOW_MIN_SAMPLES)
 
     def stopped(self, address: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -90,16 +94,18 @@ class NodeLatency:
             else:
                 model.bytes_per_s = min(model.bytes_per_s, nbytes / max(seconds - model.base_s, seconds / 2, 1e-6))
             model.samples += 1
-            self._update(model, first, judged=True)
+            self._update(model, nbytes, first, judged=True)
 
-    def _update(self, model: _Model, first: bool, judged: bool) -> None:
-        """The typical model (now and then) and whether `model`'s node is slow, after it changed (lock held); a
-        node not `judged` yet (too few answers) is not marked slow."""
+    def _update(self, model: _Model, nbytes: int, first: bool, judged: bool) -> None:
+        """The typical model (now and then) and whether `model`'s node is slow at the size it was just asked for
+        (`nbytes`, at least SMALL_BYTES: a node slow at moving bytes is slow whatever its round trip), after it
+        changed (lock held); a node not `judged` yet (too few answers) is not marked slow."""
         now = time.monotonic()
         if first or now - self._typical_at > TYPICAL_EVERY_S:
             self._typical = self._median()
             self._typical_at = now
-        too_slow = model.predict(SMALL_BYTES) > SLOW_FACTOR * self._typical.predict(SMALL_BYTES)
+        size = max(nbytes, SMALL_BYTES)
+        too_slow = model.predict(size) > SLOW_FACTOR * self._typical.predict(size)
         if too_slow and len(self._models) > 1:
             if model.slow_since is None and judged:
                 model.slow_since = now

@@ -53,3 +53,23 @@ def test_a_new_node_stopped_once_is_slow_at_once():
     assert latency.slow("d")
     latency.observe("d", BLOCK, 0.05)  # still slow, answering: not cleared for having few answers
     assert latency.slow("d")
+
+
+def test_a_node_slow_at_moving_bytes_is_slow_whatever_its_round_trip():
+    """Nodes that only serve large requests (a load's share) are judged at that size: a node 5x slower at moving
+    4 MiB is slow, though no small request ever measured its round trip."""
+    latency = NodeLatency()
+    large = 4 << 20
+    for _ in range(5):
+        for address in ("a", "b", "c"):
+            latency.observe(address, large, 0.004)
+    for _ in range(3):
+        latency.observe("d", large, 0.020)
+    assert latency.slow("d") and not latency.slow("a")
+
+
+def test_a_node_a_little_slower_is_not_slow():
+    latency = _learned()
+    for _ in range(5):
+        latency.observe("d", BLOCK, 0.005)  # 2.5x the typical 2 ms: a busy host's noise, not a slow node
+    assert not latency.slow("d")
