@@ -16,8 +16,14 @@ client's connections are warmed (`warm`: prompts saved by units until its calls 
 client in service has: a connection's shared-memory region populates only a share of `PREFAULT_BYTES` ahead of use,
 and its first calls fault the rest in).
 
-Prints a table, writes perf/scale.png, records perf/results/scale.json.
-Usage: python perf/bench_scale.py [--nodes 2 32 64] [--rounds 7] [--quick] [--no-fill]
+Across hosts (`--hosts H`, root: network namespaces, `tests/pool/hosts_testlib.py`): the nodes on H node hosts
+(interleaved, so that any first n of them spread over every host; several nodes a host on ports 7700 up), the
+benchmark's client on a host of its own, every host's link 4 Gbit/s each way: no shared memory, every request on
+the wire. The hosts are namespaces of this machine, so the nodes still share its cores.
+
+Prints a table, writes perf/scale.png, records perf/results/scale.json (across hosts: perf/scale-hosts.png,
+perf/results/scale-hosts.json).
+Usage: python perf/bench_scale.py [--nodes 2 32 64] [--rounds 7] [--quick] [--no-fill] [--hosts H]
 """
 
 from __future__ import annotations
@@ -100,21 +106,65 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def across_hosts(args: argparse.Namespace) -> None:
+    """The run with the nodes on `args.hosts` namespace hosts and this benchmark's client on one more (see the
+    module docstring): the nodes are made here, the client is this script again, run inside the client host."""
+    from hosts_testlib import HostCluster, HostNode
+
+    most = max(args.nodes)
+    names = [f"n{i}" for i in range(args.hosts)]
+    started = time.perf_counter()
+    with HostCluster(["client", *names]) as hosts:
+        starter = ThreadPoolExecutor(8)
+        nodes: list[HostNode] = []
+        try:
+            nodes = list(
+                starter.map(
+                    lambda k: HostNode(
+                        hosts, names[k % len(names)], capacity=f"{NODE_CAPACITY >> 20}MiB", port=HostNode.PORT + k // len(names)
+                    ),
+                    range(most),
+                )
+            )
+            print(f"{most} nodes on {len(names)} hosts up in {time.perf_counter() - started:.1f} s", flush=True)
+            argv = [sys.executable, str(Path(__file__).resolve()), "--addresses", ",".join(n.address for n in nodes)]
+            argv += ["--nodes", *map(str, args.nodes), "--rounds", str(args.rounds)]
+            argv += (["--quick"] if args.quick else []) + (["--no-fill"] if args.no_fill else [])
+            client = hosts.popen("client", argv)
+            if client.wait() != 0:
+                raise RuntimeError(f"the client's run failed ({client.returncode})")
+        finally:
+            for node in nodes:
+                node.cleanup()
+            starter.shutdown()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 32, 64])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-fill", action="store_true", help="measure on empty nodes (their arenas' first touches included)")
+    ap.add_argument("--hosts", type=int, default=0, help="node hosts (network namespaces); 0: every node on loopback")
+    ap.add_argument("--addresses", help=argparse.SUPPRESS)  # (the client's run across hosts: the nodes made for it)
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 2
     most = max(args.nodes)
+    if args.hosts:
+        across_hosts(args)
+        return
     started = time.perf_counter()
     # started in parallel; the starting threads live as long as the nodes (a node dies with the thread that forked it)
     starter = ThreadPoolExecutor(8)
-    procs = list(starter.map(lambda _: PoolProcess(f"{NODE_CAPACITY >> 20}MiB", args=("--shm-bytes", "32MiB")), range(most)))
-    print(f"{most} nodes up in {time.perf_counter() - started:.1f} s", flush=True)
+    procs: list[PoolProcess] = []
+    if args.addresses:
+        addresses = args.addresses.split(",")
+    else:
+        procs = list(starter.map(lambda _: PoolProcess(f"{NODE_CAPACITY >> 20}MiB", args=("--shm-bytes", "32MiB")), range(most)))
+        addresses = [p.address for p in procs]
+        print(f"{most} nodes up in {time.perf_counter() - started:.1f} s", flush=True)
+    name = "scale-hosts" if args.addresses else "scale"
     cache = make_cache(layers=4, blocks=BLOCKS, block_size=BS, heads=2, head_size=64)
     slots = slots_of_blocks(range(BLOCKS), BS)
     offsets = [BS] * BLOCKS
@@ -123,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     clients = {}
     try:
         for n in args.nodes:
-            clients[n] = open_cc([p.address for p in procs[:n]], cache)[:2]
+            clients[n] = open_cc(addresses[:n], cache)[:2]
         if not args.no_fill:
             block_bytes = sum(plane[0].nbytes for layer in cache for plane in layer)
             fill_s, fill_mib = fill(clients[most][0], most, slots, offsets, block_bytes)
@@ -142,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         results.setdefault((n, mode, op), []).append(t)
                 # first call: a fresh client's first save (its connections made on the way)
                 hashes = [(r + 1) << 40 | (n << 20) | (1 << 18) | b for b in range(BLOCKS)]
-                fresh, fresh_pool, opened = open_cc([p.address for p in procs[:n]], cache)
+                fresh, fresh_pool, opened = open_cc(addresses[:n], cache)
                 first[n].append(opened + timed(lambda: _ok(fresh.save(slots, hashes, offsets, OPTION, chain_prefix=[]))))
                 fresh.close()
                 fresh_pool.close()
@@ -158,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     first_med = {n: statistics.median(v) for n, v in first.items()}
     print()
     print(table(args.nodes, med, first_med))
-    plot(args.nodes, med, first_med, HERE / "scale.png")
+    plot(args.nodes, med, first_med, HERE / f"{name}.png")
     if args.quick:
         return
     small, large = min(args.nodes), [n for n in args.nodes if n != min(args.nodes)]
@@ -173,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{small} nodes",
                     med[(small, "units", op)] * 1e3,
                     Goal("<=", 1.3),
-                    "perf/scale.png",
+                    f"perf/{name}.png",
                     f"medians of {args.rounds} rounds, 2 replicas, 32 KiB values, chain_prefix=[]",
                 )
             )
@@ -185,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{small} nodes",
                     med[(small, "per key", op)] * 1e3,
                     None,
-                    "perf/scale.png",
+                    f"perf/{name}.png",
                     f"medians of {args.rounds} rounds, no chain_prefix",
                 )
             )
@@ -197,11 +247,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "steady save",
                 med[(n, "units", "save")] * 1e3,
                 Goal("<=", 3),
-                "perf/scale.png",
+                f"perf/{name}.png",
                 f"a fresh client through its first save (connections {'lazy' if n > EAGER_CONNECT_NODES else 'at open'})",
             )
         )
-    run = Run("scale", command_line(), figures, machine=machine())
+    run = Run(name, command_line(), figures, machine=machine())
     print(f"results: {record(run)}")
 
 

@@ -316,8 +316,8 @@ class HostEtcd:
 
 
 class HostNode:
-    """`python -m ems.pool` on `host`, listening on the host's address, port 7700, registered in etcd (when given)
-    with its metrics on port 9700 of the host."""
+    """`python -m ems.pool` on `host`, listening on the host's address, port 7700 (or `port`: several nodes on one
+    host), registered in etcd (when given) with its metrics on port 9700 of the host (2000 above `port`)."""
 
     PORT, METRICS_PORT = 7700, 9700
 
@@ -329,13 +329,15 @@ class HostNode:
         capacity: str = "256MiB",
         args: Sequence[str] = (),
         cluster_name: str = "hosts",
+        port: int | None = None,
     ) -> None:
         import sys
 
         self.cluster, self.host = cluster, host
         ip = cluster.ip(host)
-        self.address = f"{ip}:{self.PORT}"
-        self.metrics_address = f"{ip}:{self.METRICS_PORT}"
+        port = self.PORT if port is None else port
+        self.address = f"{ip}:{port}"
+        self.metrics_address = f"{ip}:{self.METRICS_PORT + port - self.PORT}"
         self.argv = [sys.executable, "-m", "ems.pool", "--listen", self.address, "--capacity", capacity,
                      "--log-level", "info", "--metrics", self.metrics_address, *args]  # fmt: skip
         if etcd is not None:
