@@ -3,6 +3,7 @@ copy), fallback to UCX whenever the region cannot serve, and failures of either 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -359,6 +360,11 @@ def test_the_clients_of_a_process_share_one_populate(shared_node):
         for node in nodes:
             node.close()
     assert first_populate_bytes() == alone  # closed clients no longer count
+    dropped = [UcxNode(shared_node.address, connect_timeout_ms=5000) for _ in range(2)]
+    assert first_populate_bytes() < alone
+    del dropped
+    gc.collect()
+    assert first_populate_bytes() == alone  # nor do clients collected without a close
 
 
 class _ChannelSpy:

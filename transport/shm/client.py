@@ -26,12 +26,10 @@ Contract:
   reply; what it does with them is its own (the load verifies each value before writing it anywhere).
 * Its requests name ranges of the region (`encode_ranged`: the SHM_PUT / SHM_GET meta, `shm.wire`), taken from the
   region's allocator and sent on its channel (`shm.client_region`), else on the connection through the link.
-* Populating ahead of use: a connection's first region has its start populated by both sides in the background
-  (`shm.wire`): this process's `PREFAULT_BYTES` split over its open shared-memory clients (`first_populate_bytes`),
-  so that the memory a process faults in ahead of use stays bounded whatever the number of same-host nodes: with
-  one (a node per host, as deployed) its first region gets all of it; a client of 32 nodes on one host 4 MiB a
-  region, about what one call puts on each of them, not 32 populates of a whole region on its first call. A
-  reconnect's region populates as much as the region before it had handed out (its use).
+* Populating ahead of use (`shm.wire`): a connection's first region gets this process's `PREFAULT_BYTES` split over
+  its open clients (`first_populate_bytes`: all of it with one same-host node, as deployed; 4 MiB a region with 32,
+  about what a call puts on each), so what a process faults in ahead of use is bounded whatever the number of
+  same-host nodes; a reconnect's region as much as the region before it had handed out.
 * `EMS_POOL_SHM`: "auto" (the default: use it when the node's address is one of this host's) or "off".
 """
 
@@ -41,6 +39,7 @@ import enum
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,7 +78,7 @@ class ShmMode(str, enum.Enum):
 
 _MIB = 1 << 20
 _open_lock = threading.Lock()
-_open_clients = 0  # `ShmClient`s of this process not closed (see `first_populate_bytes`)
+_open_clients = 0  # `ShmClient`s of this process neither closed nor collected (see `first_populate_bytes`)
 
 
 def first_populate_bytes() -> int:
@@ -90,13 +89,25 @@ def first_populate_bytes() -> int:
     return max(1, -(-PREFAULT_BYTES // clients // _MIB)) * _MIB
 
 
+def _count(counted: list[bool], open_: bool) -> None:
+    """Count a client in or out of `_open_clients` (once each way; `counted` is its cell)."""
+    global _open_clients
+    with _open_lock:
+        if counted[0] != open_:
+            counted[0] = open_
+            _open_clients += 1 if open_ else -1
+
+
 class ShmClient:
     """Shared memory for one node client; see the module docstring."""
 
     def __init__(self, link: NodeLink) -> None:
         self.link = link
-        self._counted = False  # counted in `_open_clients`: from construction, and again on use after `close`
-        self._count(True)
+        # counted in `_open_clients` from construction, and again on use after `close` (a cell, which the finalizer
+        # reads when a client is collected without a `close`)
+        self._counted = [False]
+        _count(self._counted, True)
+        weakref.finalize(self, _count, self._counted, False)
         self._region: ClientRegion | None = None
         self._no_region_on: Any = None  # the endpoint that got no region: not asked again before `_retry_at`
         self._retry_at = 0.0  # (monotonic)
@@ -229,16 +240,9 @@ class ShmClient:
     def close(self) -> None:
         """Forget the region (its connection is being dropped): unmapped once no lease of it is held any more."""
         region, self._region = self._region, None
-        self._count(False)
+        _count(self._counted, False)
         if region is not None:
             retire_region(region)
-
-    def _count(self, open_: bool) -> None:
-        global _open_clients
-        with _open_lock:
-            if self._counted != open_:
-                self._counted = open_
-                _open_clients += 1 if open_ else -1
 
     # ---- machinery ----
 
@@ -329,7 +333,7 @@ class ShmClient:
             self._opening.release()
 
     def _open(self, deadline: Deadline) -> ClientRegion | None:
-        self._count(True)  # (a client used again after `close`)
+        _count(self._counted, True)  # (a client used again after `close`)
         previous = self._last_allocator  # a reconnect populates as much as the region before it had handed out
         populate = first_populate_bytes() if previous is None else previous.high_water
         handed = open_region(self.link, populate, deadline)
