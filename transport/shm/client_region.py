@@ -213,31 +213,32 @@ class ClientChannel:
 
     def _send_all(self, data: bytes, deadline_at: float) -> None:
         buffer = (ctypes.c_char * len(data)).from_buffer_copy(data)
-        sent = 0
-        while sent < len(data):
-            n = _libc.send(self._fd, ctypes.addressof(buffer) + sent, len(data) - sent, _MSG_DONTWAIT | _MSG_NOSIGNAL)
-            if n >= 0:
-                sent += n
-                continue
-            code = ctypes.get_errno()
-            if code == errno.EINTR:
-                continue
-            if code != errno.EAGAIN:
-                raise ChannelClosed(os.strerror(code))
-            try:
-                self._wait(select.POLLOUT, deadline_at)
-            except ChannelTimeout:
-                raise ChannelTimeout(mid_frame=sent > 0) from None
+        at = ctypes.addressof(buffer)
+        self._move_all(
+            lambda done: _libc.send(self._fd, at + done, len(data) - done, _MSG_DONTWAIT | _MSG_NOSIGNAL),
+            len(data),
+            select.POLLOUT,
+            deadline_at,
+        )
 
     def _recv_exactly(self, n: int, deadline_at: float, into: ctypes.Array | None = None) -> bytes:
         buffer = into if into is not None and len(into) >= n else ctypes.create_string_buffer(n)
-        got = 0
-        while got < n:
-            r = _libc.recv(self._fd, ctypes.addressof(buffer) + got, n - got, _MSG_DONTWAIT)
-            if r > 0:
-                got += r
+        at = ctypes.addressof(buffer)
+        self._move_all(lambda done: _libc.recv(self._fd, at + done, n - done, _MSG_DONTWAIT), n, select.POLLIN, deadline_at)
+        return buffer.raw[:n]
+
+    def _move_all(self, move: Callable[[int], int], n: int, events: int, deadline_at: float) -> None:
+        """Call `move(done)` (one non-blocking send or recv of the bytes from `done` on: libc's result) until `n`
+        bytes have moved, waiting for `events` while the socket is not ready (the one place the GIL is given away).
+        ChannelClosed when the node closed the channel (a recv of 0 bytes; a send of a non-empty rest never returns
+        0) or on a socket error; ChannelTimeout past `deadline_at`, `mid_frame` once some bytes have moved."""
+        done = 0
+        while done < n:
+            moved = move(done)
+            if moved > 0:
+                done += moved
                 continue
-            if r == 0:
+            if moved == 0:
                 raise ChannelClosed("the node closed the channel")
             code = ctypes.get_errno()
             if code == errno.EINTR:
@@ -245,10 +246,9 @@ class ClientChannel:
             if code != errno.EAGAIN:
                 raise ChannelClosed(os.strerror(code))
             try:
-                self._wait(select.POLLIN, deadline_at)  # the one place the GIL is given away
+                self._wait(events, deadline_at)
             except ChannelTimeout:
-                raise ChannelTimeout(mid_frame=got > 0) from None
-        return buffer.raw[:n]
+                raise ChannelTimeout(mid_frame=done > 0) from None
 
     def _wait(self, events: int, deadline_at: float) -> None:
         poller = select.poll()
