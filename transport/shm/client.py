@@ -86,7 +86,7 @@ def first_populate_bytes() -> int:
     in whole MiB (SHM_OPEN states MiB), at least one."""
     with _open_lock:
         clients = max(1, _open_clients)
-    return max(1, -(-PREFAULT_BYTES // clients // _MIB)) * _MIB
+    return max(1, -(-PREFAULT_BYTES // (clients * _MIB))) * _MIB
 
 
 def _count(counted: list[bool], open_: bool) -> None:
