@@ -564,6 +564,81 @@ def test_the_node_answers_requests_in_flight_by_their_ids_and_ends_the_channel_o
     assert node.get_into([b"ids"], [out], 5.0) == [True] and out.tobytes() == joined(_value(5000, 6))
 
 
+def _raw_exists(request_id: int, keys: list[bytes]) -> bytes:
+    """An EXISTS of `keys` as bytes for the channel (the client's framing there: header, then the keys' meta)."""
+    from ems.transport import metas, protocol
+
+    meta = metas.encode_keys_meta(keys)
+    head = protocol.pack_header(
+        protocol.Op.EXISTS, count=len(keys), meta_len=len(meta), request_id=request_id, meta_end=protocol.end_byte(meta)
+    )
+    return head.tobytes() + meta
+
+
+def test_requests_sent_back_to_back_are_each_answered_under_their_ids(shared_node, node_clients):
+    """From a raw client on the region's socket: 40 lookups and a GET written in one send (the node reads several
+    requests per receive, and answers a lookup between two reads) are each answered once, under their own ids, with
+    the flags of their own keys; the channel then keeps serving."""
+    from ems.transport import protocol
+
+    node = node_clients(shared_node.address)
+    assert node.put([b"b2b-0", b"b2b-2"], [_value(3000, 1), _value(3000, 2)], 5.0) == [True, True]
+    sock = _region(node).channel._sock
+    sock.setblocking(True)
+    sock.settimeout(5.0)
+    asked = {rid: [b"b2b-%d" % (rid % 4), b"b2b-%d" % ((rid + 2) % 4)] for rid in range(100, 140)}
+    try:
+        sock.sendall(b"".join(_raw_exists(rid, keys) for rid, keys in asked.items()) + _raw_get(7, b"b2b-2"))
+        answers = {}
+        for _ in range(len(asked) + 1):
+            header, body = _raw_reply(sock)
+            assert header is not None and header.request_id not in answers
+            answers[header.request_id] = (header.op, body)
+    finally:
+        sock.setblocking(False)
+    op, body = answers.pop(7)
+    assert op == protocol.Op.SHM_GET | protocol.REPLY
+    assert np.frombuffer(body, "<i8").tolist() == [len(joined(_value(3000, 2)))]
+    for rid, keys in asked.items():
+        op, body = answers[rid]
+        assert op == protocol.Op.EXISTS | protocol.REPLY
+        assert protocol.decode_flags(len(keys), body) == [key in (b"b2b-0", b"b2b-2") for key in keys]
+    assert node.exists([b"b2b-0", b"b2b-1"], 5.0) == [True, False]
+
+
+def test_a_refused_request_ends_the_channel_at_once(node_clients):
+    """A request the node refuses on the channel (an SHM_PUT larger than its whole in-flight budget) is answered
+    BAD_REQUEST and the node closes the channel at once, while it was waiting for the next request: a raw client
+    that sends nothing more reads the refusal, then the end, within a second."""
+    from pool_testlib import PoolProcess
+
+    from ems.transport import protocol
+    from ems.transport.shm.client import encode_ranged
+
+    pool_node = PoolProcess("256MiB", args=("--max-inflight", "1MiB"))
+    try:
+        node = node_clients(pool_node.address)
+        assert node.put([b"small"], [_value(1000, 3)], 5.0) == [True]
+        sock = _region(node).channel._sock
+        sock.setblocking(True)
+        sock.settimeout(5.0)
+        meta = encode_ranged([b"too-big"], [0], [2 << 20])
+        head = protocol.pack_header(
+            protocol.Op.SHM_PUT, count=1, meta_len=len(meta), meta_end=protocol.end_byte(meta), request_id=5
+        )
+        started = time.monotonic()
+        try:
+            sock.sendall(head.tobytes() + meta)
+            header, body = _raw_reply(sock)
+            assert header is not None and header.status == protocol.Status.BAD_REQUEST and b"in-flight" in body
+            assert _raw_reply(sock)[0] is None  # the end of the channel, not a timeout
+        finally:
+            sock.setblocking(False)
+        assert time.monotonic() - started < 1.0
+    finally:
+        pool_node.cleanup()
+
+
 @pytest.mark.parametrize(
     "junk",
     [

@@ -7,7 +7,8 @@ Contract:
   RequestHandler` of the node's UCX sessions): the in-flight budget (`take` refuses, `room` answers False for misses,
   `release` gives back), value lookups (`lookup_values`, off the loop when the store may wait for a disk), the
   copies between a region and the store (`store_copies`, `read_into`), the worker threads (`executor`) for copies
-  of more than `offload_bytes`, and `serve` for the requests read off a region's channel.
+  of more than `offload_bytes`, and `serve` for the requests read off a region's channel (`answer_now` for its
+  lookups, EXISTS, answered between two reads).
 * As with `transport.handler`, shared memory depends on this protocol only, never on `ems.pool`
   (tests/transport/test_layering.py).
 """
@@ -21,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from ems.buffers import Buffer
+from ems.transport import protocol
 from ems.transport.handler import RequestChannel
 from ems.transport.shm.wire import RangedRequest
 
@@ -62,4 +64,9 @@ class ShmHost(Protocol):
 
     async def serve(self, channel: RequestChannel, prefix: bytes) -> int:
         """Serve one request read off a region's channel (as `RequestHandler.serve`)."""
+        ...
+
+    def answer_now(self, header: protocol.Header, meta: memoryview, prefix: bytes) -> bytes:
+        """The reply meta of an EXISTS read off a region's channel, answered without waiting (as
+        `RequestHandler.answer_now`)."""
         ...

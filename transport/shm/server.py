@@ -2,7 +2,7 @@
 parts: this service (the requests: SHM_OPEN, SHM_PUT, SHM_GET, over UCX or a region's channel), the ledger of regions
 (`transport.shm.regions`: limits, counting, reclaiming, copies) and the hand-over of descriptors
 (`transport.shm.handover`: the Unix socket, its slots and peer credentials); and the node's end of a region's channel
-(`NodeChannel`, `read_request`: the requests read off it, their replies written back whole).
+(`NodeChannel`, `RequestReader`: the requests read off it, their replies written back whole).
 
 Contract:
 * `ShmService(settings, handlers)` belongs to one node's handlers (`transport.shm.host.ShmHost`: its store, budget and
@@ -171,15 +171,17 @@ class ShmService:
     async def _serve_channel(self, sock: socket.socket, region: Region) -> None:
         """Serve a region's channel until its client closes it, it sends something malformed, a request is
         refused, or the region's connection ends (`forget` cancels this task, which closes the socket: never a
-        socket closed under a pending read). Up to `CHANNEL_IN_FLIGHT` requests are served at once, each as a
-        task of its own; the next request is read only once a slot is free (back-pressure on the socket), and
-        replies go out whole, one at a time."""
+        socket closed under a pending read). An EXISTS is answered here, between two reads (everything it needs is
+        in hand and its reply is a few bytes: no task, no loop turn of its own); SHM_GET and SHM_PUT are served
+        each as a task of its own, up to `CHANNEL_IN_FLIGHT` at once, and the next request is read only once a slot
+        is free (back-pressure on the socket). Replies go out whole, one at a time. A request's task that ends the
+        channel (refused, or failed) shuts the socket's reading side, which ends the pending read at once."""
         peer = region.conn.peer
+        reader = RequestReader(sock)
         slots = asyncio.Semaphore(wire.CHANNEL_IN_FLIGHT)
         sending = asyncio.Lock()
         serving: dict[int, asyncio.Task] = {}  # request id → its task
-        ended: asyncio.Future = asyncio.get_running_loop().create_future()  # a request's task ends the channel
-        reading: asyncio.Future | None = None
+        ending: list[BaseException | None] = []  # what ended the channel: a request's error, or None (refused)
 
         def finished(rid: int, task: asyncio.Task) -> None:
             serving.pop(rid, None)
@@ -187,47 +189,48 @@ class ShmService:
             if task.cancelled():
                 return
             error = task.exception()  # (retrieved whether or not the channel has ended already: never re-raised here)
-            if ended.done():
+            if ending or (error is None and task.result() is not False):
                 return
-            if error is not None:
-                ended.set_exception(error)
-            elif task.result() is False:
-                ended.set_result(None)  # refused: the channel ends after its answer
+            ending.append(error)  # refused (False: the channel ends after its answer) or failed
+            try:
+                sock.shutdown(socket.SHUT_RD)  # the pending read ends (EOF) at once
+            except OSError:
+                pass  # (already shut: the client closed it)
 
         try:
-            while region.state is RegionState.HANDED and not ended.done():
+            while region.state is RegionState.HANDED and not ending:
                 await slots.acquire()
-                reading = asyncio.ensure_future(read_request(sock))
-                await asyncio.wait([reading, ended], return_when=asyncio.FIRST_COMPLETED)
-                if not reading.done():  # a request's task ended the channel meanwhile
-                    reading.cancel()
+                request = None if ending else await reader.next()
+                if ending:
                     break
-                request = reading.result()
                 if request is None:
                     return
                 header, meta = request
                 if header.request_id in serving:
                     raise protocol.ProtocolError(f"request id {header.request_id} is already in flight on the channel")
                 channel = NodeChannel(sock, header, region.conn, meta, sending, region)
+                if header.op == _EXISTS:
+                    try:
+                        answer = self.handlers.answer_now(header, memoryview(meta), region.prefix)
+                    finally:
+                        slots.release()
+                    await channel.reply(header.op, count=header.count, meta=answer)
+                    continue
                 task = asyncio.ensure_future(self._serve_one(channel, region))
                 serving[header.request_id] = task
                 task.add_done_callback(functools.partial(finished, header.request_id))
-            if ended.done():
-                ended.result()  # a request's failure, raised here
+            if ending and ending[0] is not None:
+                raise ending[0]  # a request's failure, handled below
         except protocol.ProtocolError as error:
             log.warning("closing the shared-memory channel of %s: malformed request: %s", peer, error)
         except (OSError, ConnectionError) as error:
             if region.state is RegionState.HANDED:
                 log.info("shared-memory channel of %s ended: %r", peer, error)
         finally:
-            if reading is not None:
-                reading.cancel()
             for task in list(serving.values()):
                 task.cancel()
             if serving:
                 await asyncio.gather(*serving.values(), return_exceptions=True)
-            if ended.done() and not ended.cancelled():
-                ended.exception()  # (retrieved: asyncio would log it as never retrieved)
             sock.close()
             if region.channel is sock:
                 region.channel = None
@@ -244,6 +247,7 @@ class ShmService:
 
 
 _NOT_ON_A_CHANNEL = int(protocol.Flags.INLINE)  # a UCX framing: never on a region's channel
+_EXISTS = int(protocol.Op.EXISTS)
 
 
 class NodeChannel:
@@ -292,32 +296,42 @@ class NodeChannel:
             await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
 
 
-async def read_request(sock: socket.socket) -> tuple[protocol.Header, bytes] | None:
-    """The next request's header and meta off a region's channel; None when the client closed it between requests.
-    ProtocolError for anything but an SHM_GET, SHM_PUT or EXISTS (`CHANNEL_OPS`) within the protocol's limits (flags as the op
-    defines them, `protocol.unpack_header`; never INLINE)."""
-    head = await _recv_exactly(sock, protocol.HEADER_SIZE, allow_eof=True)
-    if head is None:
-        return None
-    header = protocol.unpack_header(head)  # checks magic, version and every limit (meta length included)
-    if header.op not in wire.CHANNEL_OPS or header.data_len or header.status or header.flags & _NOT_ON_A_CHANNEL:
-        raise protocol.ProtocolError(
-            f"op {header.op} (data {header.data_len}, flags {header.flags:#x}) on a shared-memory channel"
-        )
-    meta = await _recv_exactly(sock, header.meta_len) if header.meta_len else b""
-    protocol.check_meta_end(header, meta or b"")
-    return header, meta or b""
+class RequestReader:
+    """The requests off a region's channel, in order. Each receive takes what the socket holds, up to
+    `READ_BYTES`: one receive often holds several requests (a client's calls in flight), and their parsing costs no
+    loop turn of its own. What it holds beyond the request being read is bounded by one receive."""
 
+    READ_BYTES = 64 << 10
 
-async def _recv_exactly(sock: socket.socket, n: int, allow_eof: bool = False) -> bytes | None:
-    loop = asyncio.get_running_loop()
-    parts, got = [], 0
-    while got < n:
-        chunk = await loop.sock_recv(sock, min(n - got, 1 << 20))
-        if not chunk:
-            if allow_eof and got == 0:
-                return None
-            raise ConnectionError("the client closed the channel mid-request")
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._held = bytearray()  # received, not yet parsed
+
+    async def next(self) -> tuple[protocol.Header, bytes] | None:
+        """The next request's header and meta; None when the client closed the channel between requests.
+        ProtocolError for anything but an SHM_GET, SHM_PUT or EXISTS (`CHANNEL_OPS`) within the protocol's limits
+        (flags as the op defines them, `protocol.unpack_header`; never INLINE), checked before its meta is read."""
+        head = await self._take(protocol.HEADER_SIZE, allow_eof=True)
+        if head is None:
+            return None
+        header = protocol.unpack_header(head)  # checks magic, version and every limit (meta length included)
+        if header.op not in wire.CHANNEL_OPS or header.data_len or header.status or header.flags & _NOT_ON_A_CHANNEL:
+            raise protocol.ProtocolError(
+                f"op {header.op} (data {header.data_len}, flags {header.flags:#x}) on a shared-memory channel"
+            )
+        meta = await self._take(header.meta_len) if header.meta_len else b""
+        protocol.check_meta_end(header, meta or b"")
+        return header, meta or b""
+
+    async def _take(self, n: int, allow_eof: bool = False) -> bytes | None:
+        held = self._held
+        while len(held) < n:
+            chunk = await asyncio.get_running_loop().sock_recv(self._sock, self.READ_BYTES)
+            if not chunk:
+                if allow_eof and not held:
+                    return None
+                raise ConnectionError("the client closed the channel mid-request")
+            held += chunk
+        taken = bytes(held[:n])
+        del held[:n]
+        return taken

@@ -53,7 +53,8 @@ Contract:
   ops on UCX. Up to `CHANNEL_IN_FLIGHT` requests are in flight on it at once, told apart by their request ids (an
   id is not reused while its request is in flight: the node ends the channel if it is); a client call takes one of
   the channel's slots for its whole request, and one that finds none free goes over UCX. The node serves the
-  requests of a channel at once and writes each reply whole; replies may come in any order.
+  requests of a channel at once (a lookup between two reads, without a task) and writes each reply whole; replies
+  may come in any order.
 * The node ends a channel on anything malformed (a ProtocolError) and on a refusal (answered BAD_REQUEST first),
   and when the region's connection ends. The client drops the connection after any failure on its channel
   (a timeout included), as after any failed UCX request: the region is poisoned and a fresh connection gets a
