@@ -471,6 +471,55 @@ def test_calls_in_flight_at_once_all_travel_on_the_channel(shared_node, node_cli
     assert not _region(node).channel.closed
 
 
+def test_random_calls_from_threads_match_a_model_on_the_channel(shared_node, node_clients, monkeypatch):
+    """Four threads, each a random sequence of puts, reads and lookups (some keys missing, values of random sizes)
+    over one region's channel: lookups answered between the node's reads and data requests served as tasks share
+    the socket, and every answer matches each thread's model of what it stored; nothing goes over UCX and the
+    channel stays open."""
+    import random
+
+    node = node_clients(shared_node.address)
+    assert node.put([b"warm-model"], [_value(100, 9)], 5.0) == [True]
+    spy = _ChannelSpy(node, monkeypatch)
+    failures: list[str] = []
+
+    def work(t: int) -> None:
+        rng = random.Random(4242 + t)
+        stored: dict[bytes, bytes] = {}
+        for step in range(60):
+            keys = [b"model-%d-%d" % (t, rng.randrange(12)) for _ in range(rng.randint(1, 3))]
+            keys = list(dict.fromkeys(keys))
+            op = rng.choice(("put", "get", "exists", "exists"))
+            if op == "put":
+                values = [
+                    _value(rng.choice((0, 10, 4000, 70_000, 200_000)), seed=10_000 * t + step + i) for i in range(len(keys))
+                ]
+                if node.put(keys, values, 10.0) != [True] * len(keys):
+                    failures.append(f"put {t}/{step}")
+                    return
+                stored.update(zip(keys, (joined(v) for v in values)))
+            elif op == "get":
+                outs = [np.empty(len(stored[k]) if k in stored else 16, np.uint8) for k in keys]
+                found = node.get_into(keys, outs, 10.0)
+                if found != [k in stored for k in keys] or any(
+                    o.tobytes() != stored[k] for k, o in zip(keys, outs) if k in stored
+                ):
+                    failures.append(f"get {t}/{step}")
+                    return
+            elif node.exists(keys, 10.0) != [k in stored for k in keys]:
+                failures.append(f"exists {t}/{step}")
+                return
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not failures and not any(w.is_alive() for w in workers)
+    assert spy.ucx == 0 and spy.channel == 4 * 60
+    assert not _region(node).channel.closed
+
+
 def test_a_busy_channel_sends_the_next_call_over_ucx(shared_node, node_clients, monkeypatch):
     """Calls in flight at once share the region: one that finds every slot of the channel taken posts its request on
     UCX."""
