@@ -740,6 +740,13 @@ def record_figures(
     return str(record(run))
 
 
+def shown_arguments(argv: list[str]) -> list[str]:
+    """A run's arguments as its recorded command shows them: without `--results` and its value (a run with no
+    arguments shows none)."""
+    before = ["", *argv][: len(argv)]
+    return [arg for arg, previous in zip(argv, before, strict=True) if "--results" not in (arg, previous)]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     from bench_vllm import ems_commit
@@ -778,8 +785,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"plot: {args.out}")
     if not args.results:
         return
-    shown = [a for a, before in zip(meta["argv"], ["", *meta["argv"][:-1]], strict=True) if "--results" not in (a, before)]
-    command = " ".join(["flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_serving.py", *shown])
+    command = " ".join(["flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_serving.py", *shown_arguments(meta["argv"])])
     print(f"results: {record_figures(args, summary, meta['machine'], command, meta['commit'])}")
     header = [
         "",

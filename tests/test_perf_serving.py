@@ -83,3 +83,11 @@ def test_the_blocks_a_pooled_run_can_load():
     # the last (it holds the prompt's last token) never claimed
     assert pool_blocks(parse_args([]), 1) == 4 * 32 + 8 * 3
     assert pool_blocks(parse_args(["--quick"]), 4) == 2 * 32 + 8 * 3
+
+
+def test_the_recorded_command_drops_results_and_keeps_a_run_without_arguments():
+    from bench_serving import shown_arguments
+
+    assert shown_arguments([]) == []
+    assert shown_arguments(["--results", "/tmp/r.md", "--rounds", "3"]) == ["--rounds", "3"]
+    assert shown_arguments(["--rounds", "3", "--results", ""]) == ["--rounds", "3"]
