@@ -538,10 +538,17 @@ def archive_index(pages: list[ArchivePage]) -> str:
         "",
     ]
     for page in pages:
-        lines += [f"## [{page.title}]({Path(page.name).name})", ""]
-        lines += [f"- {h}" for h in page.sections]
-        lines.append("")
+        subjects = "; ".join(dict.fromkeys(_subject(h) for h in page.sections))
+        runs = f"{len(page.sections)} run{'s' if len(page.sections) > 1 else ''}"
+        lines += [f"## [{page.title}]({Path(page.name).name})", "", f"{runs}: {subjects}.", ""]
     return "\n".join(lines)
+
+
+def _subject(heading: str) -> str:
+    """What an archived run is about, for the archive's index: its heading up to the first colon, without the date
+    and machine in brackets (the page's title has the dates; the page itself every heading in full). The index stays
+    a few lines per page however long the log grows."""
+    return re.sub(r"\s*\(20\d\d-\d\d-\d\d[^)]*\)", "", heading.split(":")[0]).strip()
 
 
 # ---- the MkDocs hook ----
