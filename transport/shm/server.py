@@ -200,8 +200,10 @@ class ShmService:
         try:
             while region.state is RegionState.HANDED and not ending:
                 await slots.acquire()
-                request = None if ending else await reader.next()
-                if ending:
+                if ending:  # (a request's task ended the channel while this waited for a slot ...)
+                    break
+                request = await reader.next()
+                if ending:  # (... or while it waited for the next request: the read then ended at once)
                     break
                 if request is None:
                     return
