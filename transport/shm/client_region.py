@@ -69,6 +69,8 @@ class ChannelRefused(Exception):
 class ClientChannel:
     """The client's end of a region's channel (see the module docstring)."""
 
+    RECEIVE_BYTES = 64 << 10  # one receive's most: a GET's or PUT's reply meta is 8 bytes a key
+
     def __init__(self, sock: socket.socket, in_flight: int = CHANNEL_IN_FLIGHT) -> None:
         sock.setblocking(False)
         self._sock = sock
@@ -77,7 +79,10 @@ class ClientChannel:
         self.slots = threading.BoundedSemaphore(in_flight)
         self._send_lock = threading.Lock()  # one request's bytes at a time on the socket
         self._lock = threading.Lock()  # guards everything below
-        self._head = ctypes.create_string_buffer(protocol.HEADER_SIZE)  # the reader's (one at a time)
+        # the reader's (one at a time): what its receives brought and no reply has taken yet, and their buffer
+        self._inbox = bytearray()
+        self._receive_buffer = ctypes.create_string_buffer(self.RECEIVE_BYTES)
+        self._receive_at = ctypes.addressof(self._receive_buffer)
         self._next_id = 0
         # the requests sent and not yet answered, each with its own event, set to wake just that waiter (its reply
         # handed over, the reading handed on to it, or a failure): a reply wakes one thread, not every waiter
@@ -177,13 +182,7 @@ class ClientChannel:
                 raise ChannelTimeout()
         try:
             while True:
-                head = self._recv_exactly(protocol.HEADER_SIZE, deadline_at, self._head)
-                reply = protocol.unpack_header(head)
-                try:
-                    body = self._recv_exactly(reply.meta_len, deadline_at) if reply.meta_len else b""
-                except ChannelTimeout:
-                    raise ChannelTimeout(mid_frame=True) from None
-                protocol.check_meta_end(reply, body)
+                reply, body = self._next_reply(deadline_at)
                 if reply.request_id == rid:
                     return reply, body
                 with self._lock:
@@ -203,6 +202,45 @@ class ClientChannel:
                 if heir is not None:
                     heir.set()
 
+    def _next_reply(self, deadline_at: float) -> tuple[protocol.Header, bytes]:
+        """The next reply off the socket (the reader's: one at a time). What a receive brings beyond it stays in
+        `_inbox` for the next: a reply's header and meta usually come in one receive, and replies in flight together
+        often in one."""
+        inbox = self._inbox
+        while len(inbox) < protocol.HEADER_SIZE:
+            self._receive(deadline_at)
+        reply = protocol.unpack_header(bytes(inbox[: protocol.HEADER_SIZE]))
+        end = protocol.HEADER_SIZE + reply.meta_len
+        while len(inbox) < end:
+            self._receive(deadline_at)
+        body = bytes(inbox[protocol.HEADER_SIZE : end])
+        del inbox[:end]
+        protocol.check_meta_end(reply, body)
+        return reply, body
+
+    def _receive(self, deadline_at: float) -> None:
+        """Wait for the socket to be readable, then one receive of what it holds (up to `RECEIVE_BYTES`) into
+        `_inbox`. It waits first: the reader comes here for a reply it has just asked for, which is not there yet.
+        ChannelTimeout (`mid_frame` when part of a frame is held); ChannelClosed when the node closed the channel or
+        on a socket error."""
+        try:
+            self._wait(select.POLLIN, deadline_at)
+        except ChannelTimeout:
+            raise ChannelTimeout(mid_frame=bool(self._inbox)) from None
+        while True:
+            got = _libc.recv(self._fd, self._receive_at, self.RECEIVE_BYTES, _MSG_DONTWAIT)
+            if got > 0:
+                self._inbox += ctypes.string_at(self._receive_at, got)
+                return
+            if got == 0:
+                raise ChannelClosed("the node closed the channel")
+            code = ctypes.get_errno()
+            if code == errno.EINTR:
+                continue
+            if code == errno.EAGAIN:
+                return  # (a spurious wake-up: the caller waits again)
+            raise ChannelClosed(os.strerror(code))
+
     def _spend_with(self, why: str) -> None:
         """The channel fails every request on it from now on; the waiting ones are woken to see it."""
         with self._lock:
@@ -212,41 +250,23 @@ class ClientChannel:
                 event.set()
 
     def _send_all(self, data: bytes, deadline_at: float) -> None:
+        """Send all of `data` (non-blocking sends, waiting while the socket is full: the one place a send gives the
+        GIL away). ChannelClosed on a socket error; ChannelTimeout past `deadline_at`, `mid_frame` once some bytes
+        have gone."""
         buffer = (ctypes.c_char * len(data)).from_buffer_copy(data)
-        at = ctypes.addressof(buffer)
-        self._move_all(
-            lambda done: _libc.send(self._fd, at + done, len(data) - done, _MSG_DONTWAIT | _MSG_NOSIGNAL),
-            len(data),
-            select.POLLOUT,
-            deadline_at,
-        )
-
-    def _recv_exactly(self, n: int, deadline_at: float, into: ctypes.Array | None = None) -> bytes:
-        buffer = into if into is not None and len(into) >= n else ctypes.create_string_buffer(n)
-        at = ctypes.addressof(buffer)
-        self._move_all(lambda done: _libc.recv(self._fd, at + done, n - done, _MSG_DONTWAIT), n, select.POLLIN, deadline_at)
-        return buffer.raw[:n]
-
-    def _move_all(self, move: Callable[[int], int], n: int, events: int, deadline_at: float) -> None:
-        """Call `move(done)` (one non-blocking send or recv of the bytes from `done` on: libc's result) until `n`
-        bytes have moved, waiting for `events` while the socket is not ready (the one place the GIL is given away).
-        ChannelClosed when the node closed the channel (a recv of 0 bytes; a send of a non-empty rest never returns
-        0) or on a socket error; ChannelTimeout past `deadline_at`, `mid_frame` once some bytes have moved."""
-        done = 0
+        at, n, done = ctypes.addressof(buffer), len(data), 0
         while done < n:
-            moved = move(done)
-            if moved > 0:
-                done += moved
+            sent = _libc.send(self._fd, at + done, n - done, _MSG_DONTWAIT | _MSG_NOSIGNAL)
+            if sent > 0:
+                done += sent
                 continue
-            if moved == 0:
-                raise ChannelClosed("the node closed the channel")
-            code = ctypes.get_errno()
+            code = ctypes.get_errno()  # (a send of a non-empty rest never returns 0)
             if code == errno.EINTR:
                 continue
             if code != errno.EAGAIN:
                 raise ChannelClosed(os.strerror(code))
             try:
-                self._wait(events, deadline_at)
+                self._wait(select.POLLOUT, deadline_at)
             except ChannelTimeout:
                 raise ChannelTimeout(mid_frame=done > 0) from None
 

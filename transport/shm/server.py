@@ -233,6 +233,7 @@ class ShmService:
                 task.cancel()
             if serving:
                 await asyncio.gather(*serving.values(), return_exceptions=True)
+            reader.close()
             sock.close()
             if region.channel is sock:
                 region.channel = None
@@ -299,15 +300,29 @@ class NodeChannel:
 
 
 class RequestReader:
-    """The requests off a region's channel, in order. Each receive takes what the socket holds, up to
-    `READ_BYTES`: one receive often holds several requests (a client's calls in flight), and their parsing costs no
-    loop turn of its own. What it holds beyond the request being read is bounded by one receive."""
+    """The requests off a region's channel, in order. The socket stays registered with the event loop while the reader
+    wants bytes: each readiness is one receive of what the socket holds (up to `READ_BYTES`), with no receive tried
+    before it nor registration made and undone around it, and one receive often holds several requests (a client's
+    calls in flight), whose parsing costs no loop turn of its own. Reading pauses once `READ_BYTES` are held unparsed
+    (the channel's back-pressure: a client's requests wait in its socket) and resumes when the parser needs more, so
+    what it holds is bounded by `READ_BYTES` plus one receive. `close()` unregisters the socket (before it is closed:
+    never a socket closed under the loop's watch)."""
 
     READ_BYTES = 64 << 10
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
         self._held = bytearray()  # received, not yet parsed
+        self._ended: BaseException | None = None  # EOF (ConnectionError) or the socket's error, once seen
+        self._waiter: asyncio.Future[None] | None = None
+        self._watching = False
+
+    def close(self) -> None:
+        if self._watching:
+            self._watching = False
+            self._loop.remove_reader(self._fd)
 
     async def next(self) -> tuple[protocol.Header, bytes] | None:
         """The next request's header and meta; None when the client closed the channel between requests.
@@ -328,12 +343,35 @@ class RequestReader:
     async def _take(self, n: int, allow_eof: bool = False) -> bytes | None:
         held = self._held
         while len(held) < n:
-            chunk = await asyncio.get_running_loop().sock_recv(self._sock, self.READ_BYTES)
-            if not chunk:
-                if allow_eof and not held:
+            if self._ended is not None:
+                if allow_eof and not held and isinstance(self._ended, EOFError):
                     return None
-                raise ConnectionError("the client closed the channel mid-request")
-            held += chunk
+                raise ConnectionError(f"the client closed the channel mid-request ({self._ended!r})")
+            if not self._watching:
+                self._watching = True
+                self._loop.add_reader(self._fd, self._readable)
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         taken = bytes(held[:n])
         del held[:n]
         return taken
+
+    def _readable(self) -> None:
+        """(The loop's reader callback.) One receive; the waiting parser woken."""
+        try:
+            chunk = self._sock.recv(self.READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as error:
+            self._ended, chunk = error, b""
+        if chunk:
+            self._held += chunk
+        elif self._ended is None:
+            self._ended = EOFError()
+        if not chunk or len(self._held) >= self.READ_BYTES:
+            self.close()  # (ended, or enough held: the parser resumes reading when it needs more)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
