@@ -182,7 +182,7 @@ class NodeRouter:
         answers = self.fanout.writes(
             node_keys,
             len(keys),
-            lambda node, idx, d: node.put([keys[i] for i in idx], [values[i] for i in idx], d),
+            lambda node, idx, d: node.put([keys[i] for i in idx.tolist()], [values[i] for i in idx.tolist()], d),
             costs,
             deadline,
             outcome,
@@ -224,7 +224,7 @@ class NodeRouter:
             return RequestLimits.key_costs(key_lens([keys[i] for i in idx.tolist()]), reply)
 
         def get(node: NodeClient, idx: np.ndarray, d: Deadline) -> list:
-            return node.get([keys[i] for i in idx], d)
+            return node.get([keys[i] for i in idx.tolist()], d)
 
         def prepare(idx: np.ndarray) -> tuple[Any, Any, Any]:  # a hedge's values are new buffers: kept as they are
             return get, accept, results.__setitem__
@@ -259,7 +259,8 @@ class NodeRouter:
             return against is None or matches(value, against, i)
 
         def fetch(node: Any, idx: np.ndarray, d: Deadline) -> list[bool]:  # (`as_placed`: progressive nodes only)
-            wanted_keys, wanted_outs = [keys[i] for i in idx], [outs[i] for i in idx]
+            at = idx.tolist()
+            wanted_keys, wanted_outs = [keys[i] for i in at], [outs[i] for i in at]
             if progressive is not None and idx.size == len(keys) and node.places_progressively:
                 return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d, as_placed=progressive))
             return cast(list[bool], node.get_into(wanted_keys, wanted_outs, d))
@@ -307,7 +308,7 @@ class NodeRouter:
         first = self.hot.first(request, wanted, view, count=False) if copies else None
 
         def exists(node: NodeClient, idx: np.ndarray, d: Deadline) -> list:
-            return node.exists([keys[i] for i in idx], d, hold)
+            return node.exists([keys[i] for i in idx.tolist()], d, hold)
 
         def held(i: int, flag: object) -> bool:
             return bool(flag)
