@@ -71,17 +71,6 @@ GOAL_CONCURRENCY = (1, 4, 16)
 VOCAB = 4096
 BLOCK = 32
 
-SPIN = (
-    "import sys, threading\n"
-    "def spin():\n"
-    "    x = 0\n"
-    "    while True:\n"
-    "        x += 1\n"
-    "for _ in range(int(sys.argv[1]) - 1):\n"
-    "    threading.Thread(target=spin, daemon=True).start()\n"
-    "spin()\n"
-)
-
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -285,18 +274,6 @@ def start_pool(capacity: str, log_path: str) -> tuple[subprocess.Popen, str]:
     return proc, line.rsplit(" ", 1)[1]
 
 
-def stop(procs: Sequence[subprocess.Popen], grace_s: float = 30.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Bench:
     """The three servers, the pool node and the competitor of one run."""
 
@@ -342,15 +319,20 @@ class Bench:
             wait_healthy(self.urls[name], self.procs[name])
 
     def stop(self) -> None:
+        from servers import stop
+
         self.set_competitor(False)
         stop([p for n, p in self.procs.items() if n != "pool"])
         stop([self.procs["pool"]])
 
     def set_competitor(self, on: bool) -> None:
         if on and self.competitor is None:
-            argv = [sys.executable, "-c", SPIN, str(self.args.competitor_threads)]
-            self.competitor = subprocess.Popen(argv, start_new_session=True)
+            from servers import start_competitor
+
+            self.competitor = start_competitor(self.args.competitor_threads)
         elif not on and self.competitor is not None:
+            from servers import stop
+
             stop([self.competitor], 5.0)
             self.competitor = None
 

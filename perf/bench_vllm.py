@@ -1,7 +1,7 @@
 """EmsConnector in real vLLM engines: TTFT cold vs from the pool vs vLLM's prefix cache, co-running decodes with
 and without the connector while loads happen, and the worst step time with a hung pool node.
 
-    flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py [--tokens 4000] [--out perf/vllm.png]
+    flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py [--tokens 4000] [--competitor N] [--out perf/vllm.png]
 
 Writes a random Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads, vocab 4096) into a temporary folder; every
 engine is its own process (tests/integrations/vllm_connector/vllm_engine.py) on one local pool node (`EmsConnector`, no pool
@@ -22,7 +22,8 @@ configured, `read_cache_capacity` 0 so that every lookup and load crosses the no
 3. Hung node: engine B runs the 16 requests again (prefix cache reset) with its pool node SIGSTOPped: the worst
    step time against engine C's (which computes the same prompts: the hung node's lookups miss), with
    `lookup_timeout_ms` 300. The first round of engines B and C is a warm-up (not reported).
-Prints a table, saves a bar plot, appends both to RESULTS.md with this command.
+Prints a table, saves a bar plot, appends both to RESULTS.md with this command. `--competitor N`: a busy host, a
+process of N spinning Python threads (`servers.start_competitor`) beside the engines from the first to the last.
 
     flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py --pressure [--policy fail|recompute]
 
@@ -565,6 +566,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="--pressure: prompts each engine runs at once")
     parser.add_argument("--model", choices=("tiny", "bench"), default="tiny", help="--pressure: the model")
     parser.add_argument("--policy", choices=("fail", "recompute"), help="--pressure: kv_load_failure_policy")
+    parser.add_argument(
+        "--competitor",
+        type=int,
+        default=0,
+        help="modes 1-3: a process of N spinning Python threads beside the engines for the whole run (a busy host)",
+    )
     parser.add_argument("--round", action="store_true", help="only mode 5: the 16-request round, its per-step record")
     parser.add_argument("--step-policies", default="async,auto", help="--round: one engine with the connector per step_policy")
     parser.add_argument("--pd", action="store_true", help="only mode 6: P/D decode TTFT vs a prefix-cache hit")
@@ -615,6 +622,9 @@ def main() -> None:
     }
     batch = {"batch": True, "max_tokens": new_tokens, "log_stats": True}
     load_before = os.getloadavg()[0]
+    from servers import start_competitor, stop
+
+    competitor = start_competitor(args.competitor) if args.competitor else None
     try:
         node = ensure_local_pool(pool_dir, "2GiB")
         a = engine(root, "a", {**base, "rounds": [[p], [many[0]]]})  # P, and the shared prefix, into the pool
@@ -648,6 +658,8 @@ def main() -> None:
         )
     finally:
         stop_local_pool(pool_dir)
+        if competitor is not None:
+            stop([competitor], 5.0)
     a_cold = a["rounds"][0][0]
     (b_cold, b_pool_busy), (b_pool, b_prefix) = b_ttft["rounds"]
     ttft_rows = [
@@ -742,18 +754,24 @@ def main() -> None:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE, check=False
     ).stdout.strip()
+    competing = f" --competitor {args.competitor}" if args.competitor else ""
+    busy_host = (
+        f" A busy host: a process of {args.competitor} spinning Python threads beside the engines for the whole run."
+        if args.competitor
+        else ""
+    )
     lines = [
         "",
         f"## vLLM: TTFT cold / pool / prefix cache, co-running decodes, a hung node ({time.strftime('%Y-%m-%d')}, cpu)",
         "",
         (
             f"Command: `flock /tmp/ems-bench.lock .venv-vllm/bin/python perf/bench_vllm.py --tokens {args.tokens} "
-            f"--prefix {args.prefix}` at commit {commit}. Machine: {platform.processor() or platform.machine()}, "
+            f"--prefix {args.prefix}{competing}` at commit {commit}. Machine: {platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores shared with other jobs (load average {load_before:.1f} at start: noisy), vllm "
             f"{vllm.__version__} (CPU attention), torch {torch.__version__}. Random Llama, hidden 1024, 8 layers, 16 "
             "heads, 8 KV heads, bf16, block 32; one run; every engine its own process on one local pool node (read "
             "cache off). Asynchronous loads and lookups (batched per step, off the scheduler's thread), saves copied "
-            "out off the step; lookup timeout 300 ms. Plot: `perf/vllm.png`."
+            f"out off the step; lookup timeout 300 ms.{busy_host} Plot: `perf/vllm.png`."
         ),
         "",
         "| engine / prompt | tokens | cached tokens | TTFT s |",

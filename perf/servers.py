@@ -18,6 +18,9 @@ Contract:
 * `tree_cpu_seconds(pid)`: user + system CPU seconds of `pid` and its descendants so far (0 for a process gone);
   `thread_cpu_seconds(pid)` the same by thread name (digits and separators at a name's end dropped, so a pool of
   threads sums into one entry).
+* `start_competitor(threads)`: the benchmarks' CPU competitor, a process of `threads` Python threads spinning (what
+  an engine's busy Python threads cost the cores and, in their process, the interpreter), in its own session;
+  `stop(procs, grace_s)` ends processes (terminate, then kill after `grace_s`).
 """
 
 from __future__ import annotations
@@ -154,3 +157,31 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         todo += _children(p)
     return out
+
+
+SPIN = (
+    "import sys, threading\n"
+    "def spin():\n"
+    "    x = 0\n"
+    "    while True:\n"
+    "        x += 1\n"
+    "for _ in range(int(sys.argv[1]) - 1):\n"
+    "    threading.Thread(target=spin, daemon=True).start()\n"
+    "spin()\n"
+)
+
+
+def start_competitor(threads: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SPIN, str(threads)], start_new_session=True)
+
+
+def stop(procs: Sequence[subprocess.Popen], grace_s: float = 30.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
