@@ -260,7 +260,9 @@ class ClientChannel:
             if sent > 0:
                 done += sent
                 continue
-            code = ctypes.get_errno()  # (a send of a non-empty rest never returns 0)
+            if sent == 0:  # (a send of a non-empty rest never returns 0: were it to, nothing would ever move)
+                raise ChannelClosed("the channel took no bytes")
+            code = ctypes.get_errno()
             if code == errno.EINTR:
                 continue
             if code != errno.EAGAIN:

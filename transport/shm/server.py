@@ -229,11 +229,11 @@ class ShmService:
             if region.state is RegionState.HANDED:
                 log.info("shared-memory channel of %s ended: %r", peer, error)
         finally:
+            reader.close()  # (first: nothing below may leave the socket watched, a cancellation during the gather included)
             for task in list(serving.values()):
                 task.cancel()
             if serving:
                 await asyncio.gather(*serving.values(), return_exceptions=True)
-            reader.close()
             sock.close()
             if region.channel is sock:
                 region.channel = None
