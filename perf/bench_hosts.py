@@ -4,7 +4,8 @@ no netem: no delay is added, a round trip is what the veths and the bridge cost)
 side, so the ratios hold even on a busy machine. Needs root (network namespaces), iperf3 and etcd.
 
 Sections (`--only` picks some):
-* `link`: iperf3 client->node and node->client (3 s each, one TCP stream), TCP round trip (8-byte ping-pong,
+* `link`: iperf3 client->node and node->client (3 s each, one TCP stream), UCX's own tag bandwidth each way
+  (`ucx_perftest -t tag_bw`, 32 MiB messages: the transport the API rides on), TCP round trip (8-byte ping-pong,
   median of 2,000), next to `ContextCaching.exists` of one block (median of 1,000 calls) and, for its stage timings,
   a 32 MiB save and load through the API to one node (32 blocks of 1 MiB: 16 layers x 8 KV heads x 128 fp16,
   16 tokens a block), best and median of N rounds, with the stages of the best.
@@ -141,6 +142,7 @@ def section_link(rate: str, rounds: int) -> str:
     b = Bench(1, rate)
     try:
         up, down = iperf(b.hosts, "client", "n1", False), iperf(b.hosts, "client", "n1", True)
+        ucx_up, ucx_down = ucx_perftest_bw(b.hosts, "client", "n1"), ucx_perftest_bw(b.hosts, "n1", "client")
         rtt = tcp_rtt(b.hosts, "client", "n1")
         node = b.node("n1")
         e = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000, blocks=64, **BIG)
@@ -177,6 +179,11 @@ def section_link(rate: str, rounds: int) -> str:
         f"| {best_s / up:.2f}x | {med_s / up:.2f}x |",
         f"| 32 MiB load | {best_l:.3f} / {med_l:.3f} GB/s | iperf3 {down:.3f} GB/s | {best_l / down:.2f}x "
         f"| {med_l / down:.2f}x |",
+        f"| UCX's own tag bandwidth, 32 MiB messages (`ucx_perftest -t tag_bw`), client->node / node->client "
+        f"| {ucx_up:.3f} / {ucx_down:.3f} GB/s | iperf3 {up:.3f} / {down:.3f} GB/s | {ucx_up / up:.2f}x / "
+        f"{ucx_down / down:.2f}x | |",
+        f"| 32 MiB save / load through the API against UCX's own | | | {best_s / ucx_up:.2f}x / {best_l / ucx_down:.2f}x "
+        f"| {med_s / ucx_up:.2f}x / {med_l / ucx_down:.2f}x |",
         f"| exists of one block (median of 1000; p99 {pct(exists, 0.99) * 1e6:.0f} us) | {ex * 1e6:.0f} us "
         f"| TCP round trip {rtt * 1e6:.0f} us | RTT + {(ex - rtt) * 1e6:.0f} us | |",
         f"| the same, `UcxNode.exists` alone / `UcxNode.ping` (header only) | {statistics.median(probe['exists']) * 1e6:.0f}"
@@ -222,6 +229,26 @@ def ucx_perftest_rtt(hosts: HostCluster, client: str, server: str, mode: str) ->
     if not final:
         raise RuntimeError(f"ucx_perftest: {out.stdout[-2000:]} {out.stderr[-2000:]}")
     return 2 * float(final[0].split()[2]) / 1e6
+
+
+def ucx_perftest_bw(hosts: HostCluster, client: str, server: str, nbytes: int = 32 << 20) -> float:
+    """GB/s of UCX's own tag bandwidth test (`ucx_perftest -t tag_bw`, `nbytes` messages, TCP transport) from
+    `client` to `server`: what the transport the API rides on moves over the link, with no Python on either side.
+    ucx_perftest's MB/s are MiB/s."""
+    import libucx
+
+    home = Path(libucx.__file__).parent
+    env = ["env", f"LD_LIBRARY_PATH={home / 'lib'}", "UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"]
+    tool = str(home / "bin" / "ucx_perftest")
+    srv = hosts.popen(server, [*env, tool, "-p", "5296"], stdout=-3, stderr=-3)
+    time.sleep(0.5)
+    out = hosts.run(client, [*env, tool, hosts.ip(server), "-p", "5296", "-t", "tag_bw", "-s", str(nbytes), "-n", "40",
+                             "-w", "4"], timeout_s=300)  # fmt: skip
+    srv.wait(10)
+    final = [line for line in out.stdout.splitlines() if line.startswith("Final:")]
+    if not final:
+        raise RuntimeError(f"ucx_perftest: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+    return float(final[0].split()[6]) * (1 << 20) / 1e9
 
 
 def _handler_seconds(text: str, op: str) -> tuple[float, float]:
