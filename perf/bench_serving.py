@@ -319,11 +319,11 @@ class Bench:
             wait_healthy(self.urls[name], self.procs[name])
 
     def stop(self) -> None:
-        from servers import stop
+        from vllm_engine import stop_processes
 
         self.set_competitor(False)
-        stop([p for n, p in self.procs.items() if n != "pool"])
-        stop([self.procs["pool"]])
+        stop_processes([p for n, p in self.procs.items() if n != "pool"])
+        stop_processes([self.procs["pool"]])
 
     def set_competitor(self, on: bool) -> None:
         if on and self.competitor is None:
@@ -331,9 +331,9 @@ class Bench:
 
             self.competitor = start_competitor(self.args.competitor_threads)
         elif not on and self.competitor is not None:
-            from servers import stop
+            from vllm_engine import stop_processes
 
-            stop([self.competitor], 5.0)
+            stop_processes([self.competitor], 5.0)
             self.competitor = None
 
     def cpu(self) -> dict[str, float]:

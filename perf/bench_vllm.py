@@ -622,7 +622,8 @@ def main() -> None:
     }
     batch = {"batch": True, "max_tokens": new_tokens, "log_stats": True}
     load_before = os.getloadavg()[0]
-    from servers import start_competitor, stop
+    from servers import start_competitor
+    from vllm_engine import stop_processes
 
     competitor = start_competitor(args.competitor) if args.competitor else None
     try:
@@ -659,7 +660,7 @@ def main() -> None:
     finally:
         stop_local_pool(pool_dir)
         if competitor is not None:
-            stop([competitor], 5.0)
+            stop_processes([competitor], 5.0)
     a_cold = a["rounds"][0][0]
     (b_cold, b_pool_busy), (b_pool, b_prefix) = b_ttft["rounds"]
     ttft_rows = [

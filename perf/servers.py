@@ -19,8 +19,8 @@ Contract:
   `thread_cpu_seconds(pid)` the same by thread name (digits and separators at a name's end dropped, so a pool of
   threads sums into one entry).
 * `start_competitor(threads)`: the benchmarks' CPU competitor, a process of `threads` Python threads spinning (what
-  an engine's busy Python threads cost the cores and, in their process, the interpreter), in its own session;
-  `stop(procs, grace_s)` ends processes (terminate, then kill after `grace_s`).
+  an engine's busy Python threads cost the cores and, in their process, the interpreter), in its own session (ended,
+  as servers are, by `vllm_engine.stop_processes`).
 """
 
 from __future__ import annotations
@@ -173,15 +173,3 @@ SPIN = (
 
 def start_competitor(threads: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", SPIN, str(threads)], start_new_session=True)
-
-
-def stop(procs: Sequence[subprocess.Popen], grace_s: float = 30.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -315,7 +315,7 @@ class RequestReader:
         self._fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._held = bytearray()  # received, not yet parsed
-        self._ended: BaseException | None = None  # EOF (ConnectionError) or the socket's error, once seen
+        self._ended: BaseException | None = None  # EOF (EOFError) or the socket's error, once seen
         self._waiter: asyncio.Future[None] | None = None
         self._watching = False
 

@@ -188,20 +188,27 @@ def kill(pid: int) -> None:
         time.sleep(0.01)
 
 
-def stop_servers(procs: Iterable[subprocess.Popen], pool_dir: str, grace_s: float = 60.0) -> None:
-    """Stop vLLM API servers started on one local pool node (test_pd_servers.py, perf/bench_vllm.py --pd): each is
-    asked to end (SIGTERM) and killed when still running `grace_s` later, then the pool node in `pool_dir` is
-    stopped."""
-    from ems.integrations.local_pool import stop_local_pool
-
+def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """End `procs` (servers, pool nodes, a benchmark's CPU competitor): each still running is asked to end (SIGTERM),
+    killed when still running `grace_s` later, and reaped."""
     procs = list(procs)
     for proc in procs:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
     for proc in procs:
         try:
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+def stop_servers(procs: Iterable[subprocess.Popen], pool_dir: str, grace_s: float = 60.0) -> None:
+    """Stop vLLM API servers started on one local pool node (test_pd_servers.py, perf/bench_vllm.py --pd):
+    `stop_processes`, then the pool node in `pool_dir` is stopped."""
+    from ems.integrations.local_pool import stop_local_pool
+
+    stop_processes(procs, grace_s)
     stop_local_pool(pool_dir)
 
 
