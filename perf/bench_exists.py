@@ -1,11 +1,14 @@
-"""A same-host `exists` through the public API: over the region's channel (a Unix socket round trip) vs over UCX.
+"""A same-host `exists` through the public API on each path a lookup can take: the region's channel (a Unix socket
+round trip), the connection's lookup channel (a TCP socket of its own, as between hosts) and UCX.
 
-Contract: `python perf/bench_exists.py [--calls N] [--rounds R] [--no-results]`. One `python -m ems.pool` node on
-127.0.0.1 and one client process; each round starts a client with `EMS_POOL_SHM=auto` (a same-host node's lookups
-travel on the region's channel once a save has opened it) and one with `EMS_POOL_SHM=off` (every request over UCX),
-in turn, and times N one-block `ContextCaching.exists` calls after a warm-up (median per round). The figure is the
-median over rounds of the channel's median, next to UCX's from the same rounds. Prints a table and records the run in
-perf/results/exists.json (perf/results.py); the command and figures are appended to perf/RESULTS.md by hand.
+Contract: `python perf/bench_exists.py [--calls N] [--rounds R] [--no-results]`. Two `python -m ems.pool` nodes on
+127.0.0.1 (one with `--lookup-port off`) and one client process; each round starts, in turn, a client with
+`EMS_POOL_SHM=auto` (a same-host node's lookups travel on the region's channel once a save has opened it), one with
+`EMS_POOL_SHM=off` against the first node (on the lookup channel) and one with `EMS_POOL_SHM=off` against the
+second (every request over UCX), and times N one-block `ContextCaching.exists` calls after a warm-up (median per
+round). The figures are the medians over rounds of each channel's medians, next to UCX's from the same rounds.
+Prints a table and records the run in perf/results/exists.json (perf/results.py); the command and figures are
+appended to perf/RESULTS.md by hand.
 """
 
 from __future__ import annotations
@@ -64,17 +67,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-results", action="store_true", help="do not write perf/results/exists.json")
     args = ap.parse_args()
-    node = PoolProcess("64MiB")
-    channel, ucx = [], []
+    node, ucx_only = PoolProcess("64MiB"), PoolProcess("64MiB", args=("--lookup-port", "off"))
+    channel, lookup, ucx = [], [], []
     try:
         for _ in range(args.rounds):
             channel.append(median_exists_us(node.address, "auto", args.calls))
-            ucx.append(median_exists_us(node.address, "off", args.calls))
+            lookup.append(median_exists_us(node.address, "off", args.calls))
+            ucx.append(median_exists_us(ucx_only.address, "off", args.calls))
     finally:
         node.kill()
-    print("| round | channel µs | UCX µs |\n|---|---|---|")
-    for i, (c, u) in enumerate(zip(channel, ucx), 1):
-        print(f"| {i} | {c:.0f} | {u:.0f} |")
+        ucx_only.kill()
+    print("| round | region's channel µs | lookup channel µs | UCX µs |\n|---|---|---|---|")
+    for i, (c, lk, u) in enumerate(zip(channel, lookup, ucx), 1):
+        print(f"| {i} | {c:.0f} | {lk:.0f} | {u:.0f} |")
     run = Run(
         "exists",
         command_line(),
@@ -83,11 +88,20 @@ def main() -> None:
                 "same-host exists of 1 block through the API, on the region's channel (median)",
                 statistics.median(channel),
                 "µs",
-                "the same over UCX (EMS_POOL_SHM=off)",
+                "the same over UCX (EMS_POOL_SHM=off, a node with --lookup-port off)",
                 statistics.median(ucx),
                 Goal("<", 1.0),
                 note=f"{args.rounds} rounds of {args.calls} calls, in turn",
-            )
+            ),
+            Figure(
+                "same-host exists of 1 block through the API, on the lookup channel (EMS_POOL_SHM=off, median)",
+                statistics.median(lookup),
+                "µs",
+                "the same over UCX (EMS_POOL_SHM=off, a node with --lookup-port off)",
+                statistics.median(ucx),
+                Goal("<", 1.0),
+                note=f"{args.rounds} rounds of {args.calls} calls, in turn",
+            ),
         ],
     )
     print(markdown(run))

@@ -14,6 +14,10 @@ Sections (`--only` picks some):
   UCX's own tag ping-pong (`ucx_perftest`, busy polling and sleeping in epoll) between the same two hosts; one
   engine per client submission mode (`--submit`, `EMS_UCX_CLIENT_SUBMIT`; `MODE+mutex`: that mode with UCX's worker
   lock a mutex, `UCX_USE_MT_MUTEX=y`), rounds alternating, each with a 32 MiB save and load (best / median).
+* `lookups`: `ContextCaching.exists` of one block from the client host, on the lookup channel (a node host with the
+  default `--lookup-port`) and over UCX (another node host with `--lookup-port off`), one engine each, rounds of 200
+  calls alternating (median and p99 of all), next to each host's TCP round trip and the node client's own `exists`
+  and `ping` (UCX); recorded in perf/results/hosts-lookups.json.
 * `fanout`: a load of 96 blocks spread over three node hosts (each ~32 MiB) next to each node's share alone (its
   blocks only): the fan-out's time against the slowest share's, each node's requests inside the fastest, and the
   client's CPU time by thread in the fastest load of each kind.
@@ -30,7 +34,7 @@ Sections (`--only` picks some):
 
 * `sweep` (not in the default run): `link`'s save and load under other UCX and chunk settings, one at a time.
 
-Usage: python perf/bench_hosts.py [--only link,calls,fanout,scenario,repair,slow,sweep] [--rounds N] [--rate 4gbit]
+Usage: python perf/bench_hosts.py [--only link,calls,lookups,fanout,scenario,repair,slow,sweep] [--rounds N] [--rate 4gbit]
        [--submit delayed,direct]
 Prints tables (markdown) for perf/RESULTS.md.
 """
@@ -52,6 +56,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from benchlib import machine  # noqa: E402
 from cluster_testlib import Engine  # noqa: E402
 from hosts_testlib import HostCluster, HostEtcd, HostNode, unavailable  # noqa: E402
+from results import Figure, Goal, Run, command_line, markdown, record  # noqa: E402
 
 MIB = 1 << 20
 BIG = {"layers": 16, "heads": 8, "head_size": 128, "block_size": 16}  # 1 MiB blocks (fp16 K and V)
@@ -194,6 +199,67 @@ def section_link(rate: str, rounds: int) -> str:
         + "; load "
         + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in load_stages.items()),
     ]
+    return "\n".join(lines)
+
+
+def section_lookups(rate: str, rounds: int) -> str:
+    """One block's `exists` across hosts on the lookup channel against over UCX, side by side (module docstring)."""
+    b = Bench(2, rate)
+    paths = {"lookup channel": "n1", "UCX (--lookup-port off)": "n2"}
+    try:
+        rtt = {host: tcp_rtt(b.hosts, "client", host) for host in paths.values()}
+        engines = {}
+        for path, host in paths.items():
+            node = b.node(host) if host == "n1" else b.node(host, "--lookup-port", "off")
+            engines[path] = b.engine(nodes=[node.address], replicas=1, timeout_ms=60_000, blocks=8, **SMALL)
+        for e in engines.values():
+            e.call(op="save", blocks=[0])
+            e.call(op="timed", what="exists", blocks=[0], rounds=300, timeout_s=600)  # warm-up (the channel opens)
+        calls: dict[str, list[float]] = {path: [] for path in paths}
+        for _ in range(rounds):
+            for path, e in engines.items():
+                calls[path] += e.call(op="timed", what="exists", blocks=[0], rounds=200, timeout_s=600)["seconds"]
+        probes = {path: e.call(op="probe", rounds=500, timeout_s=600) for path, e in engines.items()}
+    finally:
+        b.close()
+    med = {path: statistics.median(v) for path, v in calls.items()}
+    lines = [
+        f"One block's `exists` through the API across hosts (link {rate}; {rounds} rounds of 200 calls per path, alternating)",
+        "",
+        "| path | API exists median / p99 | TCP round trip | API - RTT | `UcxNode.exists` / `UcxNode.ping` (medians) |",
+        "|---|---|---|---|---|",
+    ]
+    for path, host in paths.items():
+        lines.append(
+            f"| {path} | {med[path] * 1e6:.0f} / {pct(calls[path], 0.99) * 1e6:.0f} us | {rtt[host] * 1e6:.0f} us "
+            f"| {(med[path] - rtt[host]) * 1e6:.0f} us | {statistics.median(probes[path]['exists']) * 1e6:.0f} / "
+            f"{statistics.median(probes[path]['ping']) * 1e6:.0f} us |"
+        )
+    channel, ucx = "lookup channel", "UCX (--lookup-port off)"
+    note = f"link {rate}, {rounds} rounds of 200 calls per path, alternating; TCP RTT {rtt['n1'] * 1e6:.0f} us"
+    run = Run(
+        "hosts-lookups",
+        command_line(),
+        [
+            Figure(
+                "exists of one block across hosts through the API on the lookup channel, minus the TCP round trip",
+                (med[channel] - rtt["n1"]) * 1e6,
+                "µs",
+                goal=Goal("<=", 100),
+                note=note,
+            ),
+            Figure(
+                "exists of one block across hosts through the API on the lookup channel (median)",
+                med[channel] * 1e6,
+                "µs",
+                "the same over UCX (a node with --lookup-port off)",
+                med[ucx] * 1e6,
+                Goal("<", 1.0),
+                note=note,
+            ),
+        ],
+    )
+    lines += ["", markdown(run), f"results: {record(run)}"]
     return "\n".join(lines)
 
 
@@ -689,7 +755,7 @@ def section_slow(rate: str, rounds: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="link,calls,fanout,scenario,repair,slow")
+    parser.add_argument("--only", default="link,calls,lookups,fanout,scenario,repair,slow")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rate", default="4gbit")
     parser.add_argument("--submit", default=",".join(SUBMISSIONS), help="client submission modes `calls` compares")
@@ -705,6 +771,8 @@ def main() -> None:
             print(section_link(args.rate, args.rounds))
         elif name == "calls":
             print(section_calls(args.rate, args.rounds, args.submit.split(",")))
+        elif name == "lookups":
+            print(section_lookups(args.rate, args.rounds))
         elif name == "sweep":
             print(section_sweep(args.rate, args.rounds))
         elif name == "fanout":

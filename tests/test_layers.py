@@ -14,9 +14,9 @@ graph must be:
 * free of cycles, type-only imports included (a part's own modules may import each other).
 
 Inside the transport, by medium: its contract (the modules of `transport/` itself: `base`, `protocol`, `handler`, ...)
-imports neither medium (`ems.transport.ucx`, `ems.transport.shm`), shared memory does not import UCX (its client is
-handed what it needs of its node client), and no module of the transport imports, through any chain of the
-transport's modules, one that imports it (type-only imports included).
+imports no medium (`ems.transport.ucx`, `ems.transport.shm`, `ems.transport.tcp`), shared memory and the TCP lookup
+channel import no other medium (each client is handed what it needs of its node client), and no module of the
+transport imports, through any chain of the transport's modules, one that imports it (type-only imports included).
 
 A failure names each offending import with its file and line.
 """
@@ -40,12 +40,14 @@ NEVER = {  # importer -> imported: the one-way layers
     ("ems.cluster", "ems.backends"): "the backends build on the cluster's membership and placement, not the reverse",
 }
 TRANSPORT = "ems.transport"  # the transport's contract: the modules of transport/ itself
-MEDIA = ("ems.transport.ucx", "ems.transport.shm")  # its subpackages, one per medium
+MEDIA = ("ems.transport.ucx", "ems.transport.shm", "ems.transport.tcp")  # its subpackages, one per medium
+_HANDED = "is handed what it needs of its node client (`transport.base.NodeLink`), it does not reach into another medium"
 TRANSPORT_NEVER = {  # importer -> imported, inside the transport
-    (TRANSPORT, "ems.transport.ucx"): "the contract is what every medium shares: it names none of them",
-    (TRANSPORT, "ems.transport.shm"): "the contract is what every medium shares: it names none of them",
-    ("ems.transport.shm", "ems.transport.ucx"): "shared memory is handed what it needs of its node client "
-    "(`shm.opening.NodeLink`), it does not reach into UCX",
+    **{(TRANSPORT, medium): "the contract is what every medium shares: it names none of them" for medium in MEDIA},
+    ("ems.transport.shm", "ems.transport.ucx"): f"shared memory {_HANDED}",
+    ("ems.transport.shm", "ems.transport.tcp"): f"shared memory {_HANDED}",
+    ("ems.transport.tcp", "ems.transport.ucx"): f"the lookup channel {_HANDED}",
+    ("ems.transport.tcp", "ems.transport.shm"): f"the lookup channel {_HANDED}",
 }
 
 
@@ -247,12 +249,14 @@ def test_no_cycle_between_parts() -> None:
 
 
 def test_the_transport_media_are_found() -> None:
-    """Both media's subpackages are read, with the imports the layering rests on (a guard, as above)."""
+    """Every medium's subpackage is read, with the imports the layering rests on (a guard, as above)."""
     assert {transport_part(m) for m in MODULES if part(m) == TRANSPORT} == {TRANSPORT, *MEDIA}
     assert {
         ("ems.transport.ucx", TRANSPORT),
         ("ems.transport.shm", TRANSPORT),
+        ("ems.transport.tcp", TRANSPORT),
         ("ems.transport.ucx", "ems.transport.shm"),
+        ("ems.transport.ucx", "ems.transport.tcp"),
     } <= set(TRANSPORT_EDGES)
 
 

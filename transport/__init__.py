@@ -9,9 +9,13 @@ Layout:
 * `ucx/`: the client and the node's sessions over UCX (`ucx.client.UcxNode`, `ucx.remote.connect`,
   `ucx.server.PoolServer`);
 * `shm/`: same-host shared memory beside a UCX connection (its protocol in `shm.wire`; `shm.client`,
-  `shm.server` ...).
+  `shm.server` ...);
+* `tcp/`: a UCX connection's lookup channel, a TCP socket of its own for its lookups (its protocol in `tcp.wire`;
+  `tcp.client`, `tcp.server`); `stream` holds both ends of a request channel on a stream socket, which it and
+  shared memory's region channel use.
 
-Layering: the contract imports neither medium, and shared memory does not import UCX: `shm.client.ShmClient` is
-handed what it needs of its node client (`shm.opening.NodeLink`) by that client (tests/test_layers.py). Of `ems` the
+Layering: the contract imports no medium, and shared memory and the lookup channel import no other medium:
+`shm.client.ShmClient` and `tcp.client.TcpLookups` are handed what they need of their node client
+(`base.NodeLink`) by that client (tests/test_layers.py). Of `ems` the
 transport imports only leaf modules, never the store nor `ems.pool` (tests/transport/test_layering.py).
 """

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ems.buffers import Buffer
 from ems.errors import EmsErrorCode, EmsException
@@ -159,3 +159,46 @@ class NodeClient(abc.ABC):
 
     def close(self) -> None:
         """Release connections; further calls may reconnect."""
+
+
+class NodeLink(Protocol):
+    """What a medium beside a node client's connection needs of that client (`UcxNode` hands one to its
+    `shm.client.ShmClient` and its `tcp.client.TcpLookups`): so those media import nothing of the client's."""
+
+    @property
+    def address(self) -> str:
+        """The node's "host:port" (for messages)."""
+        ...
+
+    @property
+    def ip(self) -> str:
+        """The IP address the node client's connections reach."""
+        ...
+
+    def connection(self) -> Any:
+        """The node client's current connection (compared by identity only: a region or a lookup channel belongs
+        to one), or None."""
+        ...
+
+    def request(self, op: int, count: int, meta: bytes, deadline: Deadline, on: Any = None) -> tuple[Any, bytes] | None:
+        """One inline request on the current connection (made first when there is none), under the node client's
+        rules: (that connection, the reply's meta); a failure raises its `TransportError`. With `on`, only on that
+        connection: None, and nothing sent, when the current one is another."""
+        ...
+
+    def fail(
+        self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
+    ) -> TransportError:
+        """Record a failure the node client did not see (a request on a channel of `conn`'s, a malformed reply) as a
+        failed call of its own: `conn` dropped, a back-off after `Ending.FAILED`; the error to raise."""
+        ...
+
+    def timed_out(self, message: str) -> TransportError:
+        """Record a lookup that timed out on a channel beside the connection with the connection left as it was (the channel goes
+        on: `ClientChannel.request(..., keep_on_timeout=True)`), as the node client records its own; the error to
+        raise."""
+        ...
+
+    def close(self) -> None:
+        """Close the node client (its connection is dropped; a later call reconnects)."""
+        ...

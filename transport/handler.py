@@ -130,6 +130,10 @@ class SessionMetrics(Protocol):
         """Connections closed for sending messages on tags they had no request for."""
         ...
 
+    def request(self, op: str, ok: bool, seconds: float, nbytes: int = 0) -> None:
+        """Count one request the sessions serve themselves (a LOOKUP_OPEN), as the handlers count theirs."""
+        ...
+
 
 class SessionLimits(Protocol):
     """The limits the sessions apply (`ems.pool.budget.NodeLimits` has them)."""

@@ -29,7 +29,8 @@ Contract:
   (status OK, or AUTH_FAILED with a UTF-8 message in meta, then the node closes). The key never crosses the wire.
 * The metas of PUT, GET and EXISTS requests, of GET replies, and the data segments: `transport.metas`. PUT and
   EXISTS replies' meta: u8[count] (1 = stored / held, and kept as asked: `encode_flags`). SHM_OPEN, SHM_PUT, SHM_GET: see
-  `transport.shm.wire` (values in a region of shared memory, never in data frames).
+  `transport.shm.wire` (values in a region of shared memory, never in data frames). LOOKUP_OPEN and the lookup
+  channel it opens (EXISTS on a TCP socket of its own): `transport.tcp.wire`.
 * Every length is checked against the limits below before anything is allocated; a frame that breaks a rule raises
   `ProtocolError`, and the receiver closes that connection (never the server). Every frame must arrive with exactly
   its announced length; receivers verify it by its end byte (above), since UCX does not report a short message.
@@ -51,7 +52,8 @@ import numpy as np
 from ems.transport.auth import MAC_BYTES, NONCE_BYTES, auth_mac, check_mac  # noqa: F401 - part of the protocol
 
 MAGIC = 0x50534D45  # b"EMSP" read as little-endian u32
-# 7: every frame's last byte is stated before it arrives (flags u8 + meta_end u8 in the header, a zero end byte
+# 7 (this round's one version; LOOKUP_OPEN came within it): every frame's last byte is stated before it arrives
+# (flags u8 + meta_end u8 in the header, a zero end byte
 # closing every inline head, frame_ends in a PUT's meta, segment_ends in a GET reply's meta), flags defined per op;
 # 6: an EXISTS may ask for a lease or a pin on the keys it finds (transport/exists_holds.py); 5: a same-host GET may name a
 # progress word (`transport.shm`); 4: request tags are the base tag XOR the request
@@ -109,6 +111,7 @@ class Op(enum.IntEnum):
     SHM_OPEN = 8  # same-host shared memory (`transport.shm`): open this connection's region
     SHM_PUT = 9  # a PUT whose values are in the region
     SHM_GET = 10  # a GET whose values are placed in the region
+    LOOKUP_OPEN = 11  # a lookup channel of this connection's on TCP (`transport.tcp`): its token and port
 
 
 REPLY = 0x8000  # op | REPLY in a node's answer to a request
@@ -136,7 +139,7 @@ _INLINE = int(Flags.INLINE)  # plain ints on the per-request path (IntFlag arith
 def _allowed_flags() -> dict[int, int]:
     """op (a reply: op | REPLY) -> the flags it may carry; any other flag is malformed."""
     allowed = {int(op): 0 for op in Op} | {int(op) | REPLY: 0 for op in Op}
-    for op in (Op.PUT, Op.GET, Op.PING, Op.SHM_OPEN, Op.SHM_PUT, Op.SHM_GET):  # the requests that travel inline
+    for op in (Op.PUT, Op.GET, Op.PING, Op.SHM_OPEN, Op.SHM_PUT, Op.SHM_GET, Op.LOOKUP_OPEN):  # the requests that travel inline
         allowed[int(op)] = allowed[int(op) | REPLY] = _INLINE
     allowed[int(Op.EXISTS)] = int(Flags.INLINE | Flags.LEASE | Flags.PIN)
     allowed[int(Op.EXISTS) | REPLY] = _INLINE

@@ -3,7 +3,7 @@
     ems-pool --listen HOST:PORT --capacity 4GiB [--keys-file PATH] [--log-level info]
              [--max-inflight SIZE] [--handshake-timeout S] [--stall-timeout S]
              [--max-connections N] [--max-connections-per-peer N] [--shm-bytes SIZE] [--shm-total SIZE]
-             [--shm-tenant SIZE]
+             [--shm-tenant SIZE] [--lookup-port PORT|off]
              [--etcd http://HOST:2379 [--cluster NAME] [--advertise HOST:PORT] [--lease-ttl S] [--drain S]
                                       [--replicas K] [--repair-rate SIZE] [--repair-interval S]]
              [--metrics HOST:PORT] [--prefault-ahead SIZE] [--disk DIR --disk-capacity SIZE [--disk-queue SIZE]]
@@ -57,7 +57,7 @@ async def _run(host: str, port: int, options: NodeOptions, args: argparse.Namesp
         print(f"ems-pool: cannot use --disk {args.disk}: {error}", file=sys.stderr, flush=True)
         return 1
     extras = NodeExtras(store, args, keys)
-    server = assemble(store, keys, limits, metrics=extras.metrics, shm=shm)
+    server = assemble(store, keys, limits, metrics=extras.metrics, shm=shm, lookups=options.lookups)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

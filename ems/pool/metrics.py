@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from ems.pool.namespaces import NamespaceBook
     from ems.pool.node_store import NodeStore
     from ems.transport.shm.regions import ShmStats
+    from ems.transport.tcp.wire import LookupStats
 
 
 class _StoreCollector(Collector):
@@ -102,6 +103,24 @@ class _ShmCollector(Collector):
         )
         yield GaugeMetricFamily("ems_pool_shm_total_bytes", "--shm-total", value=stats.total_bytes)
         refusals = CounterMetricFamily("ems_pool_shm_refusals", "Regions and hand-overs refused, by reason", labels=["reason"])
+        for reason, count in sorted(stats.refusals.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
+
+
+class _LookupCollector(Collector):
+    def __init__(self, stats: Callable[[], LookupStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator:
+        stats = self.stats()
+        yield GaugeMetricFamily(
+            "ems_pool_lookup_channels", "Lookup channels open (one per connection at most)", value=stats.channels
+        )
+        yield GaugeMetricFamily(
+            "ems_pool_lookup_pending", "Lookup listener peers that have not presented a token yet", value=stats.pending
+        )
+        refusals = CounterMetricFamily("ems_pool_lookup_refusals", "Lookup listener peers closed, by reason", labels=["reason"])
         for reason, count in sorted(stats.refusals.items()):
             refusals.add_metric([reason], count)
         yield refusals
@@ -212,6 +231,10 @@ class NodeMetrics:
     def watch_shm(self, stats: Callable[[], ShmStats]) -> None:
         """Serve the same-host shared-memory figures, read from `stats()` when scraped."""
         self.registry.register(_ShmCollector(stats))
+
+    def watch_lookups(self, stats: Callable[[], LookupStats]) -> None:
+        """Serve the lookup channels' figures (`transport.tcp`), read from `stats()` when scraped."""
+        self.registry.register(_LookupCollector(stats))
 
     def request(self, op: str, ok: bool, seconds: float, nbytes: int = 0) -> None:
         """Count one request (called once per request)."""

@@ -2,8 +2,9 @@
 layer's session part (`transport.ucx.server.PoolServer`) through the handler protocol (`transport.handler`).
 
 Contract:
-* `assemble(store, access_keys, limits, metrics, shm)` builds the handlers (with their shared-memory service,
-  `transport.shm.server`, off unless `shm` enables it), registers the shared-memory figures and the handlers'
+* `assemble(store, access_keys, limits, metrics, shm, lookups)` builds the handlers (with their shared-memory service,
+  `transport.shm.server`, off unless `shm` enables it; the server's lookup channels, `transport.tcp`, on unless
+  `lookups` turns them off), registers the shared-memory and lookup channels' figures and the handlers'
   namespace book (`ems.pool.namespaces`) with `metrics`, and returns the `PoolServer` serving them; limits default
   to `NodeLimits.for_capacity` of the store. Nothing is
   started: `PoolServer.start` listens and starts the handlers, `PoolServer.stop` stops both.
@@ -20,6 +21,7 @@ from ems.pool.node_store import NodeStore
 if TYPE_CHECKING:
     from ems.pool.metrics import NodeMetrics
     from ems.transport.shm import ShmSettings
+    from ems.transport.tcp.wire import LookupSettings
     from ems.transport.ucx.server import PoolServer
 
 
@@ -29,6 +31,7 @@ def assemble(
     limits: NodeLimits | None = None,
     metrics: NodeMetrics | None = None,
     shm: ShmSettings | None = None,
+    lookups: LookupSettings | None = None,
 ) -> PoolServer:
     """The node's server over `store`; see the module docstring."""
     from ems.transport.ucx.server import PoolServer
@@ -38,4 +41,7 @@ def assemble(
     if metrics is not None:
         metrics.watch_shm(handlers.shm.stats)
         metrics.watch_namespaces(handlers.namespaces)
-    return PoolServer(handlers, limits, access_keys, metrics)
+    server = PoolServer(handlers, limits, access_keys, metrics, lookups)
+    if metrics is not None:
+        metrics.watch_lookups(server.lookups.stats)
+    return server

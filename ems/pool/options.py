@@ -16,6 +16,9 @@ the disk tier's and repair's sizes in `args` as bytes. Option by option:
   256MiB; 0 turns it off), `--shm-total` for all connections together (default 4GiB), `--shm-tenant` for one tenant's
   connections together (default: half of the total on a node with two or more keys, else the whole total). A region
   counts until the node has freed its pages, whatever its client does (`transport.shm.server`).
+* Lookup channels (`ems.transport.tcp`; docs/concepts/transport.md): `--lookup-port PORT`, the TCP port a client's
+  lookups (EXISTS) may take beside its UCX connection (default 0: any free port, which clients are told; `off`: none,
+  lookups go over UCX). A firewall between clients and nodes must let it through, as it does the UCX port.
 * `--prefault-ahead SIZE` (default 256MiB): the store's values live in one arena of the capacity, whose pages a
   background thread keeps faulted in that far ahead of the values (`ems.store.kv_store`), on spare CPU only (an engine
   on the same host keeps its cores: `ems.buffers.SpareCpuPacer`): a save into fresh memory otherwise faults page by
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # (imported where used: `ems-pool --help` and `status` load no transport)
     from ems.pool.budget import NodeLimits
     from ems.transport.shm import ShmSettings
+    from ems.transport.tcp.wire import LookupSettings
 
 _ID_RE = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII, as EmsConfig.access_id (e.g. "cc_kvstore@_@ns_001")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
@@ -158,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         "keys, else all of it)",
     )
     parser.add_argument(
+        "--lookup-port",
+        default="0",
+        help="TCP port of the connections' lookup channels (0: any free port, the default; off: none)",
+    )
+    parser.add_argument(
         "--prefault-ahead",
         default="256MiB",
         help="bytes of DRAM kept faulted in ahead of the values, in the background (0: fault on first write)",
@@ -183,6 +192,7 @@ class NodeOptions:
     keys: dict[str, str]
     limits: NodeLimits
     shm: ShmSettings
+    lookups: LookupSettings
 
 
 def resolve_options(args: argparse.Namespace) -> NodeOptions:
@@ -191,6 +201,7 @@ def resolve_options(args: argparse.Namespace) -> NodeOptions:
     from ems.pool.budget import NodeLimits
     from ems.settings import host_copy_settings
     from ems.transport.shm import ShmSettings
+    from ems.transport.tcp.wire import LookupSettings
 
     host_copy_settings()  # EMS_HOST_COPY / EMS_CACHE_DIR checked at start, not at the first value
     capacity = parse_size("--capacity", args.capacity)
@@ -218,9 +229,15 @@ def resolve_options(args: argparse.Namespace) -> NodeOptions:
     shm = ShmSettings(parse_size("--shm-bytes", args.shm_bytes), shm_total, shm_tenant)
     if shm.enabled and shm.tenant_share < shm.region_bytes:
         raise ValueError(f"--shm-tenant ({shm.tenant_share} bytes) must hold at least one region (--shm-bytes)")
+    if args.lookup_port == "off":
+        lookups = LookupSettings(port=None)
+    elif args.lookup_port.isdigit() and int(args.lookup_port) <= 0xFFFF:
+        lookups = LookupSettings(port=int(args.lookup_port))
+    else:
+        raise ValueError(f"--lookup-port must be a TCP port (0-65535) or off, not {args.lookup_port!r}")
     args.prefault_ahead = parse_size("--prefault-ahead", args.prefault_ahead)
     args.repair_rate = parse_size("--repair-rate", args.repair_rate)
     if args.replicas < 1 or args.repair_rate < 0 or not args.repair_interval > 0:
         raise ValueError("--replicas must be >= 1, --repair-rate >= 0 and --repair-interval > 0")
     _disk_options(args, capacity)
-    return NodeOptions(capacity, keys, limits, shm)
+    return NodeOptions(capacity, keys, limits, shm, lookups)

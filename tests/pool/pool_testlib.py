@@ -212,6 +212,21 @@ def joined(value: list[bytes]) -> bytes:
     return b"".join(value)
 
 
+def scrape_metrics(address: str) -> dict:
+    """A node's metrics endpoint at `address` ("host:port"): {(sample name, sorted label pairs): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def wait_until(predicate, timeout_s: float, step_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -8,22 +8,12 @@ import urllib.request
 
 import pytest
 from cluster_testlib import free_port
-from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values
+from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, scrape_metrics
 
 from ems.transport.base import TransportError
 from ems.transport.ucx.remote import connect
 
 parser = pytest.importorskip("prometheus_client.parser")
-
-
-def _scrape(address: str) -> dict:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in parser.text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_counters_follow_requests_refusals_and_connections():
@@ -35,7 +25,7 @@ def test_counters_follow_requests_refusals_and_connections():
             assert r.status == 200 and r.read() == b"ok\n"
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(f"http://{metrics}/other", timeout=5)
-        m0 = _scrape(metrics)
+        m0 = scrape_metrics(metrics)
         assert m0[("ems_pool_capacity_bytes", ())] == 4 << 20
         assert m0[("ems_pool_values", ())] == 0 and m0[("ems_pool_connections", ())] == 0
 
@@ -55,7 +45,7 @@ def test_counters_follow_requests_refusals_and_connections():
         # refusal: the last of either may still be finishing on the node
         deadline = time.monotonic() + 10
         while True:
-            m = _scrape(metrics)
+            m = scrape_metrics(metrics)
             settled = (
                 m.get(("ems_pool_requests_total", (("op", "put"), ("status", "ok")))) == 2
                 and m.get(("ems_pool_connections", ())) == 1

@@ -12,13 +12,12 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from cluster_testlib import free_port
-from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, wait_until
+from pool_testlib import KEY_A, KEY_B, PoolProcess, make_values, scrape_metrics, wait_until
 
 from ems.transport import protocol
 from ems.transport.base import TransportError
@@ -82,14 +81,6 @@ def _touch(fd: int, nbytes: int) -> None:
         np.frombuffer(m, dtype=np.uint8)[:: mmap.PAGESIZE] = 1
 
 
-def _scrape(address: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
-
-
 @pytest.fixture
 def attacked(request):
     """A node with two tenants' keys and the limits above (and metrics); the descriptors the attacker took are
@@ -129,12 +120,12 @@ def test_regions_piled_up_and_kept_never_hold_more_than_the_total(attacked, node
     assert REGION <= peak <= TOTAL, peak
     # the node's own figures say the same as the host: what it counts, and the pages its live regions hold
     held = memfd_pages(node.proc.pid, node.held)
-    metrics = _scrape(node.metrics)
+    metrics = scrape_metrics(node.metrics)
     assert metrics[("ems_pool_shm_bytes", ())] <= TOTAL
     assert metrics[("ems_pool_shm_resident_bytes", ())] <= held <= TOTAL
     client.close()  # once the connection has ended, nothing of its regions is left, descriptors kept or not
     assert wait_until(lambda: memfd_pages(node.proc.pid, node.held) == 0, 10), memfd_pages(node.proc.pid, node.held)
-    assert wait_until(lambda: _scrape(node.metrics)[("ems_pool_shm_bytes", ())] == 0, 10)
+    assert wait_until(lambda: scrape_metrics(node.metrics)[("ems_pool_shm_bytes", ())] == 0, 10)
     # and a region the attacker still maps reads as zeros: its pages are gone from every mapping
     with mmap.mmap(node.held[-1], REGION) as m:
         assert not np.frombuffer(m, dtype=np.uint8)[:: mmap.PAGESIZE * 64].any()
@@ -182,7 +173,7 @@ def test_random_sequences_of_opens_hand_overs_and_hang_ups_stay_within_the_limit
             time.sleep(float(rng.uniform(0.05, 0.5)))
         held = memfd_pages(node.proc.pid, node.held)
         assert held <= TOTAL, (step, held)
-    assert _scrape(node.metrics)[("ems_pool_shm_bytes", ())] <= TOTAL
+    assert scrape_metrics(node.metrics)[("ems_pool_shm_bytes", ())] <= TOTAL
     for client in clients.values():
         client.close()
     assert wait_until(lambda: memfd_pages(node.proc.pid, node.held) == 0, 10), memfd_pages(node.proc.pid, node.held)
@@ -200,7 +191,7 @@ def test_one_tenant_cannot_take_every_region(attacked, node_clients):
     beta = node_clients(node.address, access_id="beta", access_key=KEY_B)
     assert beta.put([b"k"], make_values(1, 1000), 5.0) == [True]
     assert beta.shm._region is not None
-    assert _scrape(node.metrics)[("ems_pool_shm_refusals_total", (("reason", "tenant"),))] >= 1
+    assert scrape_metrics(node.metrics)[("ems_pool_shm_refusals_total", (("reason", "tenant"),))] >= 1
 
 
 def test_unpresented_tokens_free_their_regions_when_they_expire(pool_nodes, node_clients):
@@ -315,7 +306,7 @@ def test_a_local_user_without_a_key_cannot_hold_the_hand_over_slots(attacked, no
 
         assert wait_until(victim_holds_a_region, 30, 0.2)
         assert flood.poll() is None  # (still flooding)
-        metrics = _scrape(node.metrics)
+        metrics = scrape_metrics(node.metrics)
         assert metrics[("ems_pool_shm_refusals_total", (("reason", "unexpected_peer"),))] >= 200
     finally:
         flood.kill()

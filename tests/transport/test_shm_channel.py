@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ems.transport import metas, protocol
-from ems.transport.shm.client_region import ChannelClosed, ChannelTimeout, ClientChannel
-from ems.transport.shm.server import RequestReader
+from ems.transport.shm.wire import CHANNEL_IN_FLIGHT, CHANNEL_OPS
+from ems.transport.stream import ChannelClosed, ChannelTimeout, ClientChannel, RequestReader
 
 EXISTS = int(protocol.Op.EXISTS)
 
@@ -61,7 +61,7 @@ def _read_request(sock: socket.socket) -> protocol.Header | None:
 def pair():
     client_end, node_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     node_end.settimeout(10.0)
-    channel = ClientChannel(client_end)
+    channel = ClientChannel(client_end, CHANNEL_IN_FLIGHT)
     yield channel, node_end
     channel.close()
     node_end.close()
@@ -212,7 +212,7 @@ def test_the_reader_parses_every_request_in_order_and_holds_a_bounded_amount():
         node_end.setblocking(False)
         writer = threading.Thread(target=client_end.sendall, args=(stream,))
         writer.start()
-        reader = RequestReader(node_end)
+        reader = RequestReader(node_end, CHANNEL_OPS)
         ids, most = [], 0
         try:
             while len(ids) < count:
@@ -243,7 +243,7 @@ def test_the_reader_sees_the_channels_ends():
         for cut, expect_none in ((0, True), (10, False), (protocol.HEADER_SIZE + 2, False)):
             node_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             node_end.setblocking(False)
-            reader = RequestReader(node_end)
+            reader = RequestReader(node_end, CHANNEL_OPS)
             whole = _exists_request(5, [b"a", b"b"])
             client_end.sendall(whole + whole[:cut])
             client_end.close()
@@ -268,7 +268,7 @@ def test_a_shut_reading_side_ends_a_pending_read():
     async def main() -> float:
         node_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         node_end.setblocking(False)
-        reader = RequestReader(node_end)
+        reader = RequestReader(node_end, CHANNEL_OPS)
         pending = asyncio.ensure_future(reader.next())
         await asyncio.sleep(0.05)
         started = time.monotonic()

@@ -4,12 +4,12 @@ Layout:
 * `wire`: the protocol and the security model (the region, SHM_OPEN and its hand-over, the SHM_PUT / SHM_GET metas,
   the progress word), what both sides keep;
 * the client's side: `client` (`ShmClient`: the calls, the region's allocator) and `opening` (SHM_OPEN, the
-  descriptor's hand-over, `NodeLink`: what it is handed of its node client);
+  descriptor's hand-over);
 * the node's side: `server` (`ShmService`), `regions` (the ledger of regions), `handover` (the Unix socket) and
   `host` (what it asks of the node);
-* `channel`: a region's request channel, both ends.
+* a region's request channel: both ends are `transport.stream`'s.
 
-Shared memory imports no other medium: a client is handed what it needs of its node client (`shm.opening.NodeLink`).
+Shared memory imports no other medium: a client is handed what it needs of its node client (`transport.base.NodeLink`).
 The names the node (`ems.pool`) takes from here are those of `wire` below.
 """
 

@@ -49,20 +49,17 @@ from ems.buffers import Buffer, copy_bytes
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
 from ems.transport import protocol
-from ems.transport.base import AsPlaced, Ending, Failure, TransportError
+from ems.transport.base import AsPlaced, Ending, Failure, NodeLink, TransportError
 from ems.transport.shm.client_region import (
-    ChannelClosed,
-    ChannelRefused,
-    ChannelTimeout,
-    ClientChannel,
     ClientRegion,
     RangeAllocator,
     ShmBuffer,
     ShmRange,
     retire_region,
 )
-from ems.transport.shm.opening import NodeLink, open_region
-from ems.transport.shm.wire import NO_PROGRESS, PREFAULT_BYTES, PROGRESS_BYTES
+from ems.transport.shm.opening import open_region
+from ems.transport.shm.wire import CHANNEL_IN_FLIGHT, NO_PROGRESS, PREFAULT_BYTES, PROGRESS_BYTES
+from ems.transport.stream import ChannelClosed, ChannelRefused, ChannelTimeout, ClientChannel
 
 RETRY_FIRST_S = 1.0  # a connection without a region asks again after this long ...
 RETRY_MAX_S = 30.0  # ... doubling up to this
@@ -343,7 +340,9 @@ class ShmClient:
             self._no_region(handed.ep)
             return None
         self._no_region_on, self._retry_s = None, RETRY_FIRST_S
-        region = ClientRegion(handed.ep, handed.array, RangeAllocator(handed.array.nbytes), ClientChannel(handed.sock))
+        region = ClientRegion(
+            handed.ep, handed.array, RangeAllocator(handed.array.nbytes), ClientChannel(handed.sock, CHANNEL_IN_FLIGHT)
+        )
         self._last_allocator = region.allocator
         previous_region, self._region = self._region, region
         if previous_region is not None:  # an older connection's: nothing of it is used again

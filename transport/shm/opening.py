@@ -2,7 +2,7 @@
 model): SHM_OPEN on the node client's connection, the descriptor's hand-over on the node's Unix socket, the mapping.
 
 Contract:
-* `NodeLink` is what a `shm.client.ShmClient` is handed of the node client it serves (`UcxNode` hands it one): the
+* `transport.base.NodeLink` is what a `shm.client.ShmClient` is handed of the node client it serves (`UcxNode` hands it one): the
   node's current connection, one request on it under the node client's rules, the record of a failure the node
   client did not see. Shared memory imports nothing of the node client's medium.
 * `open_region(link, populate_bytes, deadline)` asks the node for a region on the link's current connection, stating
@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -31,49 +31,13 @@ from ems.buffers import populate_in_background
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
 from ems.transport import protocol
-from ems.transport.base import Ending, Failure, TransportError
+from ems.transport.base import NodeLink
 from ems.transport.shm.wire import OpenReply, decode_open_reply, encode_open, map_region, peer_credentials
 
 log = logging.getLogger("ems.transport")
 
 HANDOVER_TIMEOUT_S = 2.0
 _MIB = 1 << 20
-
-
-class NodeLink(Protocol):
-    """What a `ShmClient` needs of the node client it serves (`UcxNode` hands it one)."""
-
-    @property
-    def address(self) -> str:
-        """The node's "host:port" (for messages)."""
-        ...
-
-    def connection(self) -> Any:
-        """The node client's current connection (compared by identity only: a region belongs to one), or None."""
-        ...
-
-    def request(self, op: int, count: int, meta: bytes, deadline: Deadline, on: Any = None) -> tuple[Any, bytes] | None:
-        """One inline request on the current connection (made first when there is none), under the node client's
-        rules: (that connection, the reply's meta); a failure raises its `TransportError`. With `on`, only on that
-        connection: None, and nothing sent, when the current one is another."""
-        ...
-
-    def fail(
-        self, conn: Any, code: EmsErrorCode, message: str, failure: Failure | None = None, ending: Ending = Ending.FAILED
-    ) -> TransportError:
-        """Record a failure the node client did not see (a request on `conn`'s region channel, a malformed reply) as a
-        failed call of its own: `conn` dropped, a back-off after `Ending.FAILED`; the error to raise."""
-        ...
-
-    def timed_out(self, message: str) -> TransportError:
-        """Record a lookup that timed out on a region's channel with the connection left as it was (the channel goes
-        on: `ClientChannel.request(..., keep_on_timeout=True)`), as the node client records its own; the error to
-        raise."""
-        ...
-
-    def close(self) -> None:
-        """Close the node client (its connection is dropped; a later call reconnects)."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 parts: this service (the requests: SHM_OPEN, SHM_PUT, SHM_GET, over UCX or a region's channel), the ledger of regions
 (`transport.shm.regions`: limits, counting, reclaiming, copies) and the hand-over of descriptors
 (`transport.shm.handover`: the Unix socket, its slots and peer credentials); and the node's end of a region's channel
-(`NodeChannel`, `RequestReader`: the requests read off it, their replies written back whole).
+(`NodeChannel`: one request read off it, `transport.stream.RequestReader` reading them, their replies written back
+whole).
 
 Contract:
 * `ShmService(settings, handlers)` belongs to one node's handlers (`transport.shm.host.ShmHost`: its store, budget and
@@ -59,6 +60,7 @@ from ems.transport.shm import wire
 from ems.transport.shm.handover import Handover
 from ems.transport.shm.host import ShmHost
 from ems.transport.shm.regions import Region, RegionLedger, RegionState, ShmStats
+from ems.transport.stream import RequestReader, pack_reply
 
 log = logging.getLogger("ems.pool")
 
@@ -177,7 +179,7 @@ class ShmService:
         is free (back-pressure on the socket). Replies go out whole, one at a time. A request's task that ends the
         channel (refused, or failed) shuts the socket's reading side, which ends the pending read at once."""
         peer = region.conn.peer
-        reader = RequestReader(sock)
+        reader = RequestReader(sock, wire.CHANNEL_OPS)
         slots = asyncio.Semaphore(wire.CHANNEL_IN_FLIGHT)
         sending = asyncio.Lock()
         serving: dict[int, asyncio.Task] = {}  # request id → its task
@@ -249,7 +251,6 @@ class ShmService:
         return True
 
 
-_NOT_ON_A_CHANNEL = int(protocol.Flags.INLINE)  # a UCX framing: never on a region's channel
 _EXISTS = int(protocol.Op.EXISTS)
 
 
@@ -287,91 +288,6 @@ class NodeChannel:
     ) -> None:
         if data or data_len:
             raise protocol.ProtocolError("a shared-memory reply carries no data frames")
-        header = protocol.pack_header(
-            op | protocol.REPLY,
-            count=count,
-            meta_len=len(meta),
-            status=status,
-            request_id=self.header.request_id,
-            meta_end=protocol.end_byte(meta),
-        )
+        reply = pack_reply(op, self.header.request_id, meta, count, status)
         async with self._sending:
-            await asyncio.get_running_loop().sock_sendall(self.sock, header.tobytes() + bytes(meta))
-
-
-class RequestReader:
-    """The requests off a region's channel, in order. The socket stays registered with the event loop while the reader
-    wants bytes: each readiness is one receive of what the socket holds (up to `READ_BYTES`), with no receive tried
-    before it nor registration made and undone around it, and one receive often holds several requests (a client's
-    calls in flight), whose parsing costs no loop turn of its own. Reading pauses once `READ_BYTES` are held unparsed
-    (the channel's back-pressure: a client's requests wait in its socket) and resumes when the parser needs more, so
-    what it holds is bounded by `READ_BYTES` plus one receive. `close()` unregisters the socket (before it is closed:
-    never a socket closed under the loop's watch)."""
-
-    READ_BYTES = 64 << 10
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._fd = sock.fileno()
-        self._loop = asyncio.get_running_loop()
-        self._held = bytearray()  # received, not yet parsed
-        self._ended: BaseException | None = None  # EOF (EOFError) or the socket's error, once seen
-        self._waiter: asyncio.Future[None] | None = None
-        self._watching = False
-
-    def close(self) -> None:
-        if self._watching:
-            self._watching = False
-            self._loop.remove_reader(self._fd)
-
-    async def next(self) -> tuple[protocol.Header, bytes] | None:
-        """The next request's header and meta; None when the client closed the channel between requests.
-        ProtocolError for anything but an SHM_GET, SHM_PUT or EXISTS (`CHANNEL_OPS`) within the protocol's limits
-        (flags as the op defines them, `protocol.unpack_header`; never INLINE), checked before its meta is read."""
-        head = await self._take(protocol.HEADER_SIZE, allow_eof=True)
-        if head is None:
-            return None
-        header = protocol.unpack_header(head)  # checks magic, version and every limit (meta length included)
-        if header.op not in wire.CHANNEL_OPS or header.data_len or header.status or header.flags & _NOT_ON_A_CHANNEL:
-            raise protocol.ProtocolError(
-                f"op {header.op} (data {header.data_len}, flags {header.flags:#x}) on a shared-memory channel"
-            )
-        meta = await self._take(header.meta_len) if header.meta_len else b""
-        protocol.check_meta_end(header, meta or b"")
-        return header, meta or b""
-
-    async def _take(self, n: int, allow_eof: bool = False) -> bytes | None:
-        held = self._held
-        while len(held) < n:
-            if self._ended is not None:
-                if allow_eof and not held and isinstance(self._ended, EOFError):
-                    return None
-                raise ConnectionError(f"the client closed the channel mid-request ({self._ended!r})")
-            if not self._watching:
-                self._watching = True
-                self._loop.add_reader(self._fd, self._readable)
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        taken = bytes(held[:n])
-        del held[:n]
-        return taken
-
-    def _readable(self) -> None:
-        """(The loop's reader callback.) One receive; the waiting parser woken."""
-        try:
-            chunk = self._sock.recv(self.READ_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as error:
-            self._ended, chunk = error, b""
-        if chunk:
-            self._held += chunk
-        elif self._ended is None:
-            self._ended = EOFError()
-        if not chunk or len(self._held) >= self.READ_BYTES:
-            self.close()  # (ended, or enough held: the parser resumes reading when it needs more)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            await asyncio.get_running_loop().sock_sendall(self.sock, reply)

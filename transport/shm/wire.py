@@ -126,7 +126,8 @@ class ShmSettings:
 
 
 def metric_name(op: int) -> str:
-    """A request's name in a node's metrics: SHM_PUT / SHM_GET count as the put / get they are."""
+    """A request's name in a node's metrics: SHM_PUT / SHM_GET count as the put / get they are (the sessions count a
+    LOOKUP_OPEN as `lookup_open`)."""
     if op == protocol.Op.SHM_PUT:
         return "put"
     if op == protocol.Op.SHM_GET:

@@ -30,6 +30,9 @@ Contract:
 * Same host: with a node on this host (and `shm` not OFF), values move through a shared-memory region of the
   connection (`transport.shm.client`, handed this node's connection, requests and failures as a `NodeLink`); any
   call it cannot serve goes over UCX as above.
+* Lookups across hosts (and on this host without shared memory) go over the connection's lookup channel, a TCP
+  socket of their own (`transport.tcp`), once one is open: the first lookup of a connection opens it in the
+  background and goes over UCX; `connect_now` opens it at once. Any lookup it cannot serve goes over UCX.
 * Authentication: the handshake proves `access_key` with HMAC-SHA256 over the node's nonce; the key never travels
   (`client_requests.handshake`).
 * `_call(request, deadline)` runs `request(exchange, request_id)` (a `ucx.direct.Exchange` on the connection) under
@@ -52,6 +55,7 @@ from ems.transport.base import AsPlaced, Ending, Failure, NodeClient, TransportE
 from ems.transport.exists_holds import Hold, encode_exists_meta
 from ems.transport.shm.client import ShmBuffer, ShmClient, ShmMode
 from ems.transport.shm.wire import is_local_address
+from ems.transport.tcp.client import TcpLookups
 from ems.transport.ucx import client_requests
 from ems.transport.ucx.client_requests import Refused, Reply
 from ems.transport.ucx.connector import BackingOff, Connector, ConnectTimeout, ConnectWaitTimeout
@@ -87,7 +91,9 @@ class UcxNode(NodeClient):
         self._id_lock = threading.Lock()  # the request ids
         self._next_id = 0
         wants_shm = (shm or ShmMode.AUTO) != ShmMode.OFF and is_local_address(self._link.ip)
-        self.shm: ShmClient | None = ShmClient(_ShmLink(self)) if wants_shm else None
+        self.shm: ShmClient | None = ShmClient(_NodeLink(self)) if wants_shm else None
+        # lookups beside the connection on a TCP socket of their own, where no region's channel carries them
+        self.lookups: TcpLookups | None = None if wants_shm else TcpLookups(_NodeLink(self))
 
     # ---- NodeClient ----
 
@@ -131,9 +137,13 @@ class UcxNode(NodeClient):
             return []
         meta = encode_exists_meta(metas.encode_keys_meta(keys), hold)
         flags = 0 if hold is None else hold.flags
+        deadline = Deadline.within(deadline)
         if self.shm is not None:  # a same-host node: over the region's channel, where there is one
-            deadline = Deadline.within(deadline)
             held = self.shm.exists(meta, len(keys), flags, deadline)
+            if held is not None:
+                return held
+        elif self.lookups is not None:  # over the connection's lookup channel, where there is one
+            held = self.lookups.exists(meta, len(keys), flags, deadline)
             if held is not None:
                 return held
         reply = Reply.ONE_MESSAGE if head_layout(len(keys), 0).meta_inline else Reply.FRAMES
@@ -151,11 +161,15 @@ class UcxNode(NodeClient):
         completed its requests, or by its deadline); a cancellation, not a failure: the next call reconnects at
         once (no back-off)."""
         self._link.cancel()
+        if self.lookups is not None:
+            self.lookups.abort()
 
     def close(self) -> None:
         self._link.cancel()
         if self.shm is not None:
             self.shm.close()
+        if self.lookups is not None:
+            self.lookups.close()
 
     def shm_buffer(self, nbytes: int) -> ShmBuffer | None:
         """`nbytes` of this connection's shared-memory region, which `put` / `get_into` move without a copy when
@@ -174,6 +188,11 @@ class UcxNode(NodeClient):
                 self.shm.region(limit)
             except TransportError as error:  # the connection was dropped: the next call reconnects, as after any failure
                 log.info("%s: shared-memory region not opened at connect: %s", self.address, error.message())
+        elif self.lookups is not None:
+            try:
+                self.lookups.open_now(limit)
+            except TransportError as error:  # (as above)
+                log.info("%s: lookup channel not opened at connect: %s", self.address, error.message())
 
     @property
     def last_failure(self) -> Failure:
@@ -230,9 +249,9 @@ class UcxNode(NodeClient):
                 exchange.release()
 
 
-class _ShmLink:
-    """What the node's `ShmClient` needs of it (`shm.opening.NodeLink`): its connection, inline requests on it through
-    `_call`, and the record of a failed region channel's request (`Connector.fail`)."""
+class _NodeLink:
+    """What its `ShmClient` and `TcpLookups` need of a node client (`transport.base.NodeLink`): its connection, inline
+    requests on it through `_call`, and the record of a failed request on a channel beside it (`Connector.fail`)."""
 
     def __init__(self, node: UcxNode) -> None:
         self._node = node
@@ -240,6 +259,10 @@ class _ShmLink:
     @property
     def address(self) -> str:
         return self._node.address
+
+    @property
+    def ip(self) -> str:
+        return self._node._link.ip
 
     def connection(self) -> Connection | None:
         return self._node._link.current

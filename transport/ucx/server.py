@@ -42,6 +42,9 @@ Contract:
 * Same-host clients may move value bytes through a shared-memory region of their connection (`shm`:
   `transport.shm.server`, owned by the handlers); off unless the node's settings enable it (`python -m ems.pool`
   does by default).
+* Lookup channels (`transport.tcp`): a connection may ask (LOOKUP_OPEN) for a TCP socket of its own that carries
+  its lookups (`lookups`, a `tcp.server.LookupService`, listening beside UCX from `start`); on unless `lookups`
+  (`tcp.wire.LookupSettings`) turns it off. A connection's channel ends with it.
 * With `metrics` (`SessionMetrics`; `ems.pool.metrics.NodeMetrics` in a node), each connection and refused
   handshake is counted once (and each request, by the handlers).
 """
@@ -55,6 +58,8 @@ from typing import Any
 
 from ems.transport import protocol
 from ems.transport.handler import Refusal, RequestHandler, SessionLimits, SessionMetrics
+from ems.transport.tcp.server import LookupService
+from ems.transport.tcp.wire import LookupSettings
 from ems.transport.ucx import progress as ucx_progress
 from ems.transport.ucx.channel import Channel
 from ems.transport.ucx.config import init_ucx
@@ -80,6 +85,7 @@ class PoolServer:
         limits: SessionLimits,
         access_keys: dict[str, str] | None = None,
         metrics: SessionMetrics | None = None,
+        lookups: LookupSettings | None = None,
     ) -> None:
         self.handlers = handlers
         self.metrics = metrics
@@ -89,6 +95,8 @@ class PoolServer:
         self.connections = ConnectionTable(limits, handlers.memory_report, metrics)  # admission, tags, the watchdog
         self._tasks: list[asyncio.Task] = []
         self.port = 0
+        # the connections' lookup channels (`transport.tcp`): on unless the settings turn them off
+        self.lookups = LookupService(lookups or LookupSettings(), handlers.answer_now)
 
     # ---- life cycle ----
 
@@ -112,6 +120,7 @@ class PoolServer:
             driver.sweeper = self.connections.sweep_front
         self._tasks = [asyncio.ensure_future(self.connections.watch()), asyncio.ensure_future(self._reaper())]
         self.handlers.start()
+        self.lookups.start(host)  # (OSError when its port is taken: the caller stops the server)
         return self.port
 
     async def stop(self) -> None:
@@ -123,6 +132,7 @@ class PoolServer:
         driver = ucx_progress.driver()
         if driver is not None and driver.sweeper == self.connections.sweep_front:
             driver.sweeper = None
+        self.lookups.stop()
         self.connections.abort_all()
         self.handlers.close()
 
@@ -212,6 +222,7 @@ class PoolServer:
             self.connections.release(conn)
             conn.aborted = True
             self.handlers.forget(conn)
+            self.lookups.forget(conn)
             abort(ep)  # fails the UCX requests of the inline requests still in flight: their tasks end by themselves
             if conn.tasks:
                 await asyncio.gather(*conn.tasks, return_exceptions=True)
@@ -235,6 +246,16 @@ class PoolServer:
         finally:
             conn.requests.pop(key, None)
 
+    async def _open_lookups(self, channel: Channel, conn: Connection, prefix: bytes) -> None:
+        """A LOOKUP_OPEN: the connection's lookup channel offered (`transport.tcp.server`), counted as a request."""
+        started, ok = time.perf_counter(), False
+        try:
+            await self.lookups.open(channel, conn, conn.peer, prefix)
+            ok = True
+        finally:
+            if self.metrics is not None:
+                self.metrics.request("lookup_open", ok, time.perf_counter() - started)
+
     async def _serve_request(self, channel: Channel, prefix: bytes) -> None:
         """One request, start to reply. A refusal answers BAD_REQUEST and closes the connection; any other failure
         closes it too (an inline request's failure aborts the endpoint, which ends the connection's loop)."""
@@ -242,7 +263,10 @@ class PoolServer:
         inline = channel.header.inline
         try:
             try:
-                await self.handlers.serve(channel, prefix)
+                if channel.header.op == _LOOKUP_OPEN:
+                    await self._open_lookups(channel, conn, prefix)
+                else:
+                    await self.handlers.serve(channel, prefix)
             except Refusal as refusal:
                 log.warning("refused a request from %s: %s", conn.peer, refusal)
                 await channel.reply(channel.header.op, meta=str(refusal).encode(), status=protocol.Status.BAD_REQUEST)
@@ -271,6 +295,7 @@ class PoolServer:
 # ---- helpers ----
 
 
+_LOOKUP_OPEN = int(protocol.Op.LOOKUP_OPEN)
 _AT_ONCE_OPS = frozenset((int(protocol.Op.EXISTS), int(protocol.Op.PING)))
 
 
