@@ -170,8 +170,8 @@ class LookupService:
                 self._release_pending(ip)
             offer = self._offers.pop(token, None)  # spent, right or wrong
             if offer is None:
-                self.refusals[wire.LookupRefusal.UNKNOWN_TOKEN.value] += 1
-                log.warning("lookup channel: an unknown token from %s", ip)
+                self.refusals[wire.LookupRefusal.UNKNOWN_TOKEN.value] += 1  # (counted, not logged: junk is cheap to send)
+                log.debug("lookup channel: an unknown token from %s", ip)
                 return
             if self._token_of.get(offer.conn) == token:
                 del self._token_of[offer.conn]
@@ -213,6 +213,10 @@ class LookupService:
         except protocol.ProtocolError as error:
             self.refusals[wire.LookupRefusal.MALFORMED.value] += 1
             log.warning("closing the lookup channel of %s: malformed request: %s", peer, error)
+        except (ConnectionError, OSError):
+            raise
+        except Exception:  # (a failure of the node's own: this channel ends, the node serves on)
+            log.exception("closing the lookup channel of %s", peer)
         finally:
             answering.close()  # (before the socket closes: never a socket closed under the loop's watch)
 
@@ -270,7 +274,7 @@ class _Answering:
                 header, meta = request
                 answer = self._answer(header, memoryview(meta))
                 self._unsent += pack_reply(header.op, header.request_id, answer, header.count)
-        except protocol.ProtocolError as error:
+        except Exception as error:  # malformed (ProtocolError), or the answer failed: the channel ends
             self._end(error)
             return
         if self._unsent:
