@@ -135,6 +135,9 @@ class SessionMetrics(Protocol):
         ...
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")  # a node listening on every interface
+
+
 class SessionLimits(Protocol):
     """The limits the sessions apply (`ems.pool.budget.NodeLimits` has them)."""
 

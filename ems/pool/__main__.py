@@ -138,7 +138,7 @@ def _device_of(host: str) -> str | None:
 def _restrict_ucx_devices(host: str) -> None:
     """For a specific listen address, UCX's data connections use only that address's interface (UCX_NET_DEVICES,
     unless the environment sets it): otherwise UCX opens a listening socket on every interface for them."""
-    from ems.transport.ucx.server import WILDCARD_HOSTS
+    from ems.transport.handler import WILDCARD_HOSTS
 
     if host in WILDCARD_HOSTS or "UCX_NET_DEVICES" in os.environ:
         return

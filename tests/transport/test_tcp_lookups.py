@@ -30,6 +30,16 @@ def _client(node_clients, node, **kwargs):
     return node_clients(node.address, shm=ShmMode.OFF, **kwargs)
 
 
+def _ready(pool_nodes, node_clients):
+    """A node holding b"x" and a client connected to it, its lookup channel open (`connect_now` opens it)."""
+    node = pool_nodes("64MiB")
+    client = _client(node_clients, node)
+    assert all(client.put([b"x"], make_values(1, VALUE), 10.0))
+    client.connect_now(5.0)
+    assert client.lookups.channel is not None
+    return node, client
+
+
 def _over_ucx(client, keys, hold=None):
     """The same lookup over the UCX connection (the channel set aside for it)."""
     lookups, client.lookups = client.lookups, None
@@ -93,10 +103,7 @@ def test_a_node_without_the_channel_is_asked_over_ucx(pool_nodes, node_clients):
 
 
 def test_the_channel_ends_with_its_connection(pool_nodes, node_clients):
-    node = pool_nodes("64MiB")
-    client = _client(node_clients, node)
-    assert all(client.put([b"x"], make_values(1, VALUE), 10.0))
-    client.connect_now(5.0)
+    _, client = _ready(pool_nodes, node_clients)
     first = client.lookups.channel
     assert first is not None
     client.abort()  # the connection dropped: the node ends its channel; the client's belongs to the old connection
@@ -117,10 +124,7 @@ def _closed_by_node(channel) -> bool:
 
 
 def test_a_hung_node_times_a_lookup_out_and_the_channel_serves_on(pool_nodes, node_clients):
-    node = pool_nodes("64MiB")
-    client = _client(node_clients, node)
-    assert all(client.put([b"x"], make_values(1, VALUE), 10.0))
-    client.connect_now(5.0)
+    node, client = _ready(pool_nodes, node_clients)
     channel = client.lookups.channel
     assert channel is not None
     os.kill(node.proc.pid, signal.SIGSTOP)
@@ -150,10 +154,7 @@ def test_a_dead_node_fails_a_lookup_by_its_deadline(pool_nodes, node_clients):
 
 
 def test_a_lost_channel_falls_back_to_ucx_within_the_call(pool_nodes, node_clients):
-    node = pool_nodes("64MiB")
-    client = _client(node_clients, node)
-    assert all(client.put([b"x"], make_values(1, VALUE), 10.0))
-    client.connect_now(5.0)
+    _, client = _ready(pool_nodes, node_clients)
     channel = client.lookups.channel
     channel._sock.shutdown(2)  # the socket lost under the channel (as a reset would)
     assert client.exists([b"x"], 5.0) == [True]  # over UCX, this call
@@ -227,10 +228,7 @@ def test_a_closed_client_opens_no_channel(pool_nodes, node_clients):
 def test_an_abort_fails_a_lookup_in_flight_at_once(pool_nodes, node_clients):
     """A caller that stops waiting for a slow node (a fan-out giving up on it) aborts its client: a lookup waiting on
     the channel fails now, as cancelled (no back-off), not at its deadline; the next lookup is answered."""
-    node = pool_nodes("64MiB")
-    client = _client(node_clients, node)
-    assert all(client.put([b"x"], make_values(1, VALUE), 10.0))
-    client.connect_now(5.0)
+    node, client = _ready(pool_nodes, node_clients)
     assert client.lookups.channel is not None
     failed: list[BaseException] = []
 

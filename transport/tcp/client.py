@@ -171,8 +171,7 @@ class TcpLookups:
         except OSError as error:
             if sock is not None:
                 sock.close()
-            self._retry_later(self._retry_s, f"{error!r}")
-            self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+            self._back_off(f"{error!r}")
             return False
         with self._lock:
             if self._closed or self.link.connection() is not conn:
@@ -189,11 +188,17 @@ class TcpLookups:
         with self._lock:
             self._retry_at = time.monotonic() + after_s
 
+    def _back_off(self, why: str) -> None:
+        """The next opening waits the current back-off, which doubles (up to RETRY_MAX_S) for the one after."""
+        with self._lock:
+            after_s = self._retry_s
+            self._retry_s = min(2 * after_s, RETRY_MAX_S)
+        self._retry_later(after_s, why)
+
     def _drop(self, channel: ClientChannel, why: str) -> None:
         log.info("%s: lookup channel dropped: %s", self.link.address, why)
         with self._lock:
             if self._channel is channel:
                 self._channel, self._conn = None, None
-            self._retry_at = time.monotonic() + self._retry_s
-            self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+        self._back_off(why)
         channel.close()

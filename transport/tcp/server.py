@@ -32,14 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ems.transport import protocol
-from ems.transport.handler import RequestChannel
+from ems.transport.handler import WILDCARD_HOSTS, RequestChannel
 from ems.transport.stream import pack_reply, take_request
 from ems.transport.tcp import wire
 
 log = logging.getLogger("ems.pool")
 
 Answer = Callable[[protocol.Header, memoryview, bytes], bytes]
-WILDCARD_HOSTS = ("0.0.0.0", "*", "")  # every IPv4 interface; "::" listens on both families
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class LookupService:
         if not self.settings.enabled or self._listener is not None:
             return self.port
         port = self.settings.port or 0
-        if host == "::":
+        if host == "::":  # (both families, as UCX's listener on "::")
             listener = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=512)
         else:
             bind = "0.0.0.0" if host in WILDCARD_HOSTS else host

@@ -57,7 +57,7 @@ import time
 from typing import Any
 
 from ems.transport import protocol
-from ems.transport.handler import Refusal, RequestHandler, SessionLimits, SessionMetrics
+from ems.transport.handler import WILDCARD_HOSTS, Refusal, RequestHandler, SessionLimits, SessionMetrics
 from ems.transport.tcp.server import LookupService
 from ems.transport.tcp.wire import LookupSettings
 from ems.transport.ucx import progress as ucx_progress
@@ -73,7 +73,6 @@ from ems.transport.ucx.sockets import SocketReaper
 log = logging.getLogger("ems.pool")
 
 REAP_PERIOD_S = 1.0
-WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 
 
 class PoolServer:
