@@ -16,18 +16,29 @@ share its deadline); results come back in request order, a failed node's keys as
 job.
 
 The read cache (`ReadCache`):
-* A `ReadCache` is a `KvStore` of `capacity` bytes in this process (evicting the least recently used); the pool
-  client puts it in front of its nodes for remote pools only (the embedded pool is local already).
-* `remember(keys, values, stored)` keeps the values a put stored (the caller decides when: `write_rcache`).
+* A `ReadCache` holds copies of values in this process, at most `capacity` bytes (each entry charged its key, its
+  value and `ems.store.index.ENTRY_OVERHEAD`, as a store charges), the least recently used evicted first. It is not
+  a `KvStore`: nothing is leased, pinned, handed in without a copy or checked on the way in, so it is one small
+  class on the save's path. The pool client puts it in front of its nodes for remote pools only (the embedded pool
+  is local already).
+* `remember(keys, values, stored)` copies in the values a put stored (the caller decides when: `write_rcache`). An
+  evicted value's buffer is reused for the value that made room when it is the same size and no reader holds it
+  (a full cache of one block size then copies into memory already faulted in); a value larger than the whole cache
+  is not kept.
 * `lookup`, `place` and `contains` answer what the cache holds, in request order, and leave the rest to the pool
-  (None / False). With `expected` (value i of the call is `expected`'s value i), an entry that is not exactly the
-  expected value (damaged, or written by another layout) is dropped from the cache and reported missing, so it never
-  shadows a good copy in the pool. `place` copies a value into the caller's buffer only when its length is the
-  buffer's.
+  (None / False); a hit becomes the most recently used. `lookup` gives read-only views, which stay valid while the
+  caller holds them, evicted or not. With `expected` (value i of the call is `expected`'s value i), an entry that is
+  not exactly the expected value (damaged, or written by another layout) is dropped from the cache and reported
+  missing, so it never shadows a good copy in the pool. `place` copies a value into the caller's buffer only when
+  its length is the buffer's.
+* Thread-safe: one lock, held for the index, never while copying.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +48,7 @@ from ems.backends.base import InPlaceValues, PoolCall, PoolOutcome
 from ems.backends.node_router import NodeRouter
 from ems.buffers import Buffer
 from ems.cluster.placement import Members
-from ems.store.kv_store import KvStore
+from ems.store.index import ENTRY_OVERHEAD
 from ems.store.value_format import ExpectedValues, matches
 from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer
 from ems.transport.exists_holds import Hold, HoldKind
@@ -46,34 +57,103 @@ from ems.types import CcKvOption
 
 
 class ReadCache:
-    """A client-side cache of values; see the module docstring."""
+    """A client-side cache of values, least recently used evicted first; see the module docstring."""
 
     def __init__(self, capacity: int) -> None:
-        self.store = KvStore(capacity, verify_on_put=False)
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[bytes, Buffer] = OrderedDict()  # least recently used first
+        self._used = 0  # charges of the entries and of the values being copied in
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def remember(self, keys: Sequence[bytes], values: Sequence[Sequence[Buffer]], stored: Sequence[bool]) -> None:
-        for key, value, ok in zip(keys, values, stored):
+        for key, parts, ok in zip(keys, values, stored):
             if ok:
-                self.store.put(key, value)
+                self._keep(key, parts)
+
+    def _keep(self, key: bytes, parts: Sequence[Buffer]) -> None:
+        """Copy the concatenation of `parts` in under `key`, replacing its old value."""
+        views = [memoryview(part).cast("B") for part in parts]
+        nbytes = sum(view.nbytes for view in views)
+        charge = len(key) + nbytes + ENTRY_OVERHEAD
+        with self._lock:
+            self._drop(key)
+            if charge > self.capacity:
+                return
+            reused = self._make_room(charge, nbytes)
+            self._used += charge  # reserved while the copy runs outside the lock
+        try:
+            buffer = np.empty(nbytes, dtype=np.uint8) if reused is None else reused
+            target = memoryview(buffer)
+            position = 0
+            for view in views:
+                target[position : position + view.nbytes] = view
+                position += view.nbytes
+            del target
+        except BaseException:
+            with self._lock:
+                self._used -= charge
+            raise
+        with self._lock:
+            self._drop(key)  # (another thread's copy of the same key, landed meanwhile)
+            self._entries[key] = buffer  # its reservation becomes its charge
+
+    def _drop(self, key: bytes, value: Buffer | None = None) -> None:
+        """Take `key` out (only if it still holds `value`, where given). Under the lock."""
+        old = self._entries.get(key)
+        if old is not None and (value is None or old is value):
+            del self._entries[key]
+            self._used -= len(key) + memoryview(old).nbytes + ENTRY_OVERHEAD
+
+    def _make_room(self, charge: int, nbytes: int) -> np.ndarray | None:
+        """Evict until `charge` more bytes fit; returns an evicted buffer of `nbytes` nobody else holds, if any.
+        Under the lock."""
+        entries, reusable = self._entries, None
+        while self._used + charge > self.capacity and entries:
+            key, evicted = entries.popitem(last=False)
+            self._used -= len(key) + memoryview(evicted).nbytes + ENTRY_OVERHEAD
+            # ours and unshared: references are `evicted` and getrefcount's argument (a reader's view holds one more)
+            if reusable is None and type(evicted) is np.ndarray and len(evicted) == nbytes and sys.getrefcount(evicted) <= 2:
+                reusable = evicted
+            del evicted
+        return reusable
+
+    def _hits(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """Each key's entry or None, the hits made the most recently used."""
+        entries = self._entries
+        with self._lock:
+            values = [entries.get(key) for key in keys]
+            for key, value in zip(keys, values):
+                if value is not None:
+                    entries.move_to_end(key)
+        return values
+
+    def _verified(
+        self, keys: Sequence[bytes], values: list[Buffer | None], expected: ExpectedValues | None
+    ) -> list[Buffer | None]:
+        """`values` with each entry that is not `expected`'s value dropped (from the cache too) and None."""
+        if expected is not None:
+            for i, value in enumerate(values):
+                if value is not None and not matches(value, expected, i):
+                    with self._lock:
+                        self._drop(keys[i], value)
+                    values[i] = None
+        return values
 
     def lookup(self, keys: Sequence[bytes], expected: ExpectedValues | None = None) -> list[Buffer | None]:
-        """Each key's cached value, or None."""
-        results = self.store.get_many(keys)
-        if expected is not None:
-            for i, value in enumerate(results):
-                if value is not None and not matches(value, expected, i):
-                    self.store.delete(keys[i])
-                    results[i] = None
-        return results
+        """Each key's cached value (a read-only view), or None."""
+        values = self._verified(keys, self._hits(keys), expected)
+        return [None if value is None else memoryview(value).toreadonly() for value in values]
 
     def place(self, keys: Sequence[bytes], outs: Sequence[Buffer], expected: ExpectedValues | None = None) -> list[bool]:
         """Copy each cached value into `outs[i]`; True where it was there with exactly that buffer's length."""
         placed = [False] * len(keys)
-        for i, value in enumerate(self.store.get_many(keys)):
+        for i, value in enumerate(self._verified(keys, self._hits(keys), expected)):
             if value is None:
-                continue
-            if expected is not None and not matches(value, expected, i):
-                self.store.delete(keys[i])
                 continue
             out = memoryview(outs[i]).cast("B")
             source = memoryview(value).cast("B")
@@ -83,7 +163,9 @@ class ReadCache:
         return placed
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.store.contains_many(keys)
+        entries = self._entries
+        with self._lock:
+            return [key in entries for key in keys]
 
 
 class PoolClient:
@@ -105,7 +187,7 @@ class PoolClient:
         #: where the nodes live (`NodeRouter.location`): nodes in this process get no read cache and always serve
         self.location = self.router.location
         remote = self.location is NodeLocation.REMOTE
-        self.cache: ReadCache | None = ReadCache(read_cache_capacity) if read_cache_capacity > 0 and remote else None
+        self.read_cache: ReadCache | None = ReadCache(read_cache_capacity) if read_cache_capacity > 0 and remote else None
         #: values move through put and get_into (the nodes' memory is not this process's to lend)
         self.in_place: InPlaceValues | None = None
         self._on_close: list[Callable[[], None]] = []
@@ -119,11 +201,6 @@ class PoolClient:
     def nodes(self) -> list[NodeClient]:
         """The nodes placement uses now (the live set)."""
         return self.router.nodes
-
-    @property
-    def read_cache(self) -> KvStore | None:
-        """The read cache's store, or None without one."""
-        return None if self.cache is None else self.cache.store
 
     def set_members(self, addresses: Sequence[str], incarnations: Mapping[str, object] | None = None) -> None:
         """Route to exactly these nodes from now on (membership changes; see `ems.cluster.placement.Members`:
@@ -162,14 +239,14 @@ class PoolClient:
         stored ones in the read cache when `option.write_rcache`. `value_lens` (int64 bytes of each value) saves
         measuring every part."""
         outcome = self.router.put(request, values, value_lens)
-        if self.cache is not None and request.option.write_rcache:
-            self.cache.remember(request.keys, values, outcome.results)
+        if self.read_cache is not None and request.option.write_rcache:
+            self.read_cache.remember(request.keys, values, outcome.results)
         return outcome
 
     def get(self, request: PoolCall) -> PoolOutcome[Buffer | None]:
         """Each key's stored value, or None: the read cache first, then (unless local-only) the owning nodes."""
         keys, expected = request.keys, request.expected
-        results: list = [None] * len(keys) if self.cache is None else self.cache.lookup(keys, expected)
+        results: list = [None] * len(keys) if self.read_cache is None else self.read_cache.lookup(keys, expected)
         if not self._remote_reads(request.option):
             return PoolOutcome(results)
         return self.router.get(request, results)
@@ -184,7 +261,7 @@ class PoolClient:
         keys, expected = request.keys, request.expected
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
-        results: list = [False] * len(keys) if self.cache is None else self.cache.place(keys, outs, expected)
+        results: list = [False] * len(keys) if self.read_cache is None else self.read_cache.place(keys, outs, expected)
         if not self._remote_reads(request.option) or all(results):  # (all from the read cache: no node is asked)
             return PoolOutcome(results)
         progressive = as_placed if not any(results) else None  # (its progress counts the request from its start)
@@ -194,8 +271,8 @@ class PoolClient:
         """Whether each key is held (the read cache first, then the owning nodes unless local-only). With a lease, a
         key in the read cache needs none (the load reads it there); a pin is a node's, never the cache's."""
         keys = request.keys
-        cached = self.cache is not None and (hold is None or hold.kind is HoldKind.LEASE)
-        results: list = self.cache.contains(keys) if cached and self.cache is not None else [False] * len(keys)
+        cached = self.read_cache is not None and (hold is None or hold.kind is HoldKind.LEASE)
+        results: list = self.read_cache.contains(keys) if cached and self.read_cache is not None else [False] * len(keys)
         if not self._remote_reads(request.option):
             return PoolOutcome(results)
         return self.router.exists(request, results, hold)

@@ -1,10 +1,16 @@
-"""`ReadCache` on its own: what it serves, what it drops, what it leaves to the pool."""
+"""`ReadCache` on its own: what it serves, what it drops, what it leaves to the pool, what it evicts and reuses."""
 
 from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
 from ems.backends.pool_client import ReadCache
+from ems.store.index import ENTRY_OVERHEAD
 from ems.store.value_format import ExpectedValues, ValueKind, build_headers, checksum
 
 
@@ -47,3 +53,101 @@ def test_place_needs_the_buffer_length():
     short, exact = np.zeros(4, np.uint8), np.zeros(8, np.uint8)
     assert cache.place([b"k", b"k"], [short, exact]) == [False, True]
     assert exact.tobytes() == b"12345678"
+
+
+def _charge(key: bytes, nbytes: int) -> int:
+    return len(key) + nbytes + ENTRY_OVERHEAD
+
+
+def test_evicts_the_least_recently_used_within_the_capacity():
+    cache = ReadCache(3 * _charge(b"k0", 100))
+    keys = [b"k0", b"k1", b"k2"]
+    cache.remember(keys, [[bytes([i]) * 100] for i in range(3)], [True] * 3)
+    assert cache.contains(keys) == [True, True, True]
+    cache.lookup([b"k0"])  # k0 becomes the most recently used: k1 goes first
+    cache.remember([b"k3"], [[b"\x03" * 100]], [True])
+    assert cache.contains(keys + [b"k3"]) == [True, False, True, True]
+    cache.remember([b"big"], [[b"\x09" * (3 * _charge(b"k0", 100))]], [True])  # larger than the whole cache
+    assert cache.contains([b"big"]) == [False] and len(cache) == 3
+
+
+def test_a_readers_view_keeps_its_bytes_after_eviction_and_a_free_buffer_is_reused():
+    cache = ReadCache(_charge(b"a", 64))
+    cache.remember([b"a"], [[b"\x01" * 64]], [True])
+    (view,) = cache.lookup([b"a"])
+    cache.remember([b"b"], [[b"\x02" * 64]], [True])  # evicts "a" while the reader holds it: a fresh buffer
+    assert bytes(view) == b"\x01" * 64 and view.readonly
+    (held,) = cache._hits([b"b"])
+    del view
+    cache.remember([b"c"], [[b"\x03" * 64]], [True])  # evicts "b", which only the test's reference holds
+    assert bytes(held) == b"\x02" * 64
+    del held
+    (before,) = cache._hits([b"c"])
+    address = before.__array_interface__["data"][0]
+    del before
+    cache.remember([b"d"], [[b"\x04" * 64]], [True])  # evicts "c", unheld: its buffer takes "d"
+    (after,) = cache._hits([b"d"])
+    assert after.__array_interface__["data"][0] == address and bytes(after) == b"\x04" * 64
+
+
+def test_random_calls_match_a_model_lru():
+    """Random remembers (of several parts, some replacing, some too large), lookups, places and drops against an
+    ordered-dict model of the same capacity."""
+    rng = random.Random(11)
+    capacity = 6 * _charge(b"k00", 48)
+    cache, model = ReadCache(capacity), OrderedDict()
+    for _ in range(3000):
+        key = f"k{rng.randrange(12):02d}".encode()
+        op = rng.random()
+        if op < 0.45:
+            nbytes = rng.choice([16, 48, 48, 48, 96, capacity])
+            value = bytes(rng.randrange(256) for _ in range(min(nbytes, 64))) * (nbytes // min(nbytes, 64) + 1)
+            value = value[:nbytes]
+            cut = rng.randrange(len(value) + 1)
+            cache.remember([key], [[value[:cut], value[cut:]]], [True])
+            model.pop(key, None)
+            if _charge(key, nbytes) <= capacity:
+                while model and sum(_charge(k, len(v)) for k, v in model.items()) + _charge(key, nbytes) > capacity:
+                    model.popitem(last=False)
+                model[key] = value
+        elif op < 0.75:
+            got = cache.lookup([key])[0]
+            assert (got is None) == (key not in model)
+            if got is not None:
+                assert bytes(got) == model[key]
+                model.move_to_end(key)
+        elif op < 0.9:
+            size = len(model[key]) if key in model and rng.random() < 0.8 else 48
+            out = np.zeros(size, np.uint8)
+            placed = cache.place([key], [out])[0]
+            assert placed == (key in model and len(model[key]) == size)
+            if key in model:
+                model.move_to_end(key)
+            if placed:
+                assert out.tobytes() == model[key]
+        else:
+            assert cache.contains([key]) == [key in model]
+        assert list(cache._entries) == list(model)
+        assert cache._used == sum(_charge(k, len(v)) for k, v in model.items()) <= capacity
+
+
+def test_same_key_remembered_from_threads_keeps_one_whole_value():
+    cache = ReadCache(1 << 20)
+    values = [bytes([i]) * 4096 for i in range(8)]
+
+    def remember(i: int) -> None:
+        for _ in range(200):
+            cache.remember([b"k"], [[values[i][:100], values[i][100:]]], [True])
+
+    threads = [threading.Thread(target=remember, args=(i,)) for i in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside each remember, between its locked steps
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    (got,) = cache.lookup([b"k"])
+    assert bytes(got) in values and len(cache) == 1 and cache._used == _charge(b"k", 4096)
