@@ -18,6 +18,9 @@ imports no medium (`ems.transport.ucx`, `ems.transport.shm`, `ems.transport.tcp`
 channel import no other medium (each client is handed what it needs of its node client), and no module of the
 transport imports, through any chain of the transport's modules, one that imports it (type-only imports included).
 
+No module is over `MAX_MODULE_LINES` lines: what was split too fine is merged, and what grows past the limit is
+split along its contract.
+
 A failure names each offending import with its file and line.
 """
 
@@ -35,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # where each installed package's source lies (pyproject.toml's package-dir)
 SOURCES = {"ems": ROOT / "ems", "ems.kernels": ROOT / "kernels", "ems.transport": ROOT / "transport"}
 STAGING = "ems.staging"  # the staging pool's module (`StagingPool`)
+MAX_MODULE_LINES = 400
 NEVER = {  # importer -> imported: the one-way layers
     ("ems.backends", "ems.datapath"): "the data path builds on the backends' contract, not the reverse",
     ("ems.cluster", "ems.backends"): "the backends build on the cluster's membership and placement, not the reverse",
@@ -278,6 +282,12 @@ def test_no_cycle_inside_the_transport() -> None:
                 lines.append(" -> ".join(cycle))
                 lines.extend(_show(edges[a, b]) for a, b in itertools.pairwise(cycle))
             pytest.fail(f"the transport's {what} import each other in a circle:\n" + "\n".join(lines))
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    lines = {path: len(path.read_text(encoding="utf-8").splitlines()) for path in MODULES.values()}
+    over = {str(path.relative_to(ROOT)): count for path, count in lines.items() if count > MAX_MODULE_LINES}
+    assert len(lines) > 150 and not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
 
 
 def test_the_cycle_finder_finds_cycles() -> None:

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from ems.transport import metas, protocol
 from ems.transport.shm.wire import CHANNEL_IN_FLIGHT, CHANNEL_OPS
-from ems.transport.stream import ChannelClosed, ChannelTimeout, ClientChannel, RequestReader
+from ems.transport.stream import ChannelClosed, ChannelTimeout, ClientChannel
+from ems.transport.stream_node import RequestReader
 
 EXISTS = int(protocol.Op.EXISTS)
 

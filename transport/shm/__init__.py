@@ -7,7 +7,7 @@ Layout:
   descriptor's hand-over);
 * the node's side: `server` (`ShmService`), `regions` (the ledger of regions), `handover` (the Unix socket) and
   `host` (what it asks of the node);
-* a region's request channel: both ends are `transport.stream`'s.
+* a region's request channel: both ends are `transport.stream`'s (the client's) and `transport.stream_node`'s.
 
 Shared memory imports no other medium: a client is handed what it needs of its node client (`transport.base.NodeLink`).
 The names the node (`ems.pool`) takes from here are those of `wire` below.

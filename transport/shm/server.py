@@ -2,7 +2,7 @@
 parts: this service (the requests: SHM_OPEN, SHM_PUT, SHM_GET, over UCX or a region's channel), the ledger of regions
 (`transport.shm.regions`: limits, counting, reclaiming, copies) and the hand-over of descriptors
 (`transport.shm.handover`: the Unix socket, its slots and peer credentials); and the node's end of a region's channel
-(`NodeChannel`: one request read off it, `transport.stream.RequestReader` reading them, their replies written back
+(`NodeChannel`: one request read off it, `transport.stream_node.RequestReader` reading them, their replies written back
 whole).
 
 Contract:
@@ -60,7 +60,7 @@ from ems.transport.shm import wire
 from ems.transport.shm.handover import Handover
 from ems.transport.shm.host import ShmHost
 from ems.transport.shm.regions import Region, RegionLedger, RegionState, ShmStats
-from ems.transport.stream import RequestReader, pack_reply
+from ems.transport.stream_node import RequestReader, pack_reply
 
 log = logging.getLogger("ems.pool")
 

@@ -6,8 +6,8 @@ Layout:
 * `client`: the client's end (`TcpLookups`, handed what it needs of its node client: `transport.base.NodeLink`);
 * `server`: the node's end (`LookupService`: the listener, the tokens offered, each channel's lookups answered).
 
-Both ends of the channel's socket are `transport.stream`'s, which shared memory's region channel uses too. The TCP
-medium imports no other medium.
+Both ends of the channel's socket are `transport.stream`'s (the client's) and `transport.stream_node`'s, which
+shared memory's region channel uses too. The TCP medium imports no other medium.
 """
 
 from ems.transport.tcp.wire import LookupSettings

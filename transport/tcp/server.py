@@ -14,7 +14,7 @@ Contract:
   presented from another IP address than its connection's peer, closes the socket (`refusals`, counted by
   `wire.LookupRefusal`; `stats()` for the node's metrics). A right one is answered ACCEPTED and the socket becomes
   the connection's channel, ending the connection's earlier one.
-* A channel's requests (EXISTS only, `transport.stream.take_request`) are answered in order in the loop's callback
+* A channel's requests (EXISTS only, `transport.stream_node.take_request`) are answered in order in the loop's callback
   that receives them (`_Answering`); anything malformed ends the channel (logged), as does the client's close.
 * Runs on the node's event loop only (no lock).
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 from ems.transport import protocol
 from ems.transport.handler import WILDCARD_HOSTS, RequestChannel
-from ems.transport.stream import pack_reply, take_request
+from ems.transport.stream_node import pack_reply, take_request
 from ems.transport.tcp import wire
 
 log = logging.getLogger("ems.pool")
