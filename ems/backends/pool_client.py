@@ -21,10 +21,10 @@ The read cache (`ReadCache`):
   a `KvStore`: nothing is leased, pinned, handed in without a copy or checked on the way in, so it is one small
   class on the save's path. The pool client puts it in front of its nodes for remote pools only (the embedded pool
   is local already).
-* `remember(keys, values, stored)` copies in the values a put stored (the caller decides when: `write_rcache`). An
-  evicted value's buffer is reused for the value that made room when it is the same size and no reader holds it
-  (a full cache of one block size then copies into memory already faulted in); a value larger than the whole cache
-  is not kept.
+* `remember(keys, values, stored)` copies in the values a put stored (the caller decides when: `write_rcache`). The
+  buffer of the value it replaces, or of one evicted to make room, is reused when it is the same size and no reader
+  holds it (a full cache of one block size, or a key saved again, copies into memory already faulted in); a value
+  larger than the whole cache is not kept.
 * `lookup`, `place` and `contains` answer what the cache holds, in request order, and leave the rest to the pool
   (None / False); a hit becomes the most recently used. `lookup` gives read-only views, which stay valid while the
   caller holds them, evicted or not. With `expected` (value i of the call is `expected`'s value i), an entry that is
@@ -40,7 +40,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -54,6 +54,12 @@ from ems.transport.base import AsPlaced, NodeClient, NodeLocation, SharedBuffer
 from ems.transport.exists_holds import Hold, HoldKind
 from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
+
+
+def _unshared(buffer: Buffer) -> TypeGuard[np.ndarray]:
+    """Whether a buffer the cache made is held by nothing but its caller's one local: no reader's view of it is alive,
+    so its bytes may be overwritten (references: that local, this parameter, getrefcount's argument)."""
+    return type(buffer) is np.ndarray and sys.getrefcount(buffer) <= 3
 
 
 class ReadCache:
@@ -81,10 +87,11 @@ class ReadCache:
         nbytes = sum(view.nbytes for view in views)
         charge = len(key) + nbytes + ENTRY_OVERHEAD
         with self._lock:
-            self._drop(key)
+            replaced = self._drop(key)
             if charge > self.capacity:
                 return
-            reused = self._make_room(charge, nbytes)
+            reused = self._make_room(charge, nbytes, replaced if replaced is not None and len(replaced) == nbytes else None)
+            del replaced
             self._used += charge  # reserved while the copy runs outside the lock
         try:
             buffer = np.empty(nbytes, dtype=np.uint8) if reused is None else reused
@@ -102,25 +109,27 @@ class ReadCache:
             self._drop(key)  # (another thread's copy of the same key, landed meanwhile)
             self._entries[key] = buffer  # its reservation becomes its charge
 
-    def _drop(self, key: bytes, value: Buffer | None = None) -> None:
-        """Take `key` out (only if it still holds `value`, where given). Under the lock."""
+    def _drop(self, key: bytes, value: Buffer | None = None) -> np.ndarray | None:
+        """Take `key` out (only if it still holds `value`, where given); its buffer when nobody else holds it (for
+        reuse). Under the lock."""
         old = self._entries.get(key)
-        if old is not None and (value is None or old is value):
-            del self._entries[key]
-            self._used -= len(key) + memoryview(old).nbytes + ENTRY_OVERHEAD
+        if old is None or (value is not None and old is not value):
+            return None
+        del self._entries[key]
+        self._used -= len(key) + memoryview(old).nbytes + ENTRY_OVERHEAD
+        return old if _unshared(old) else None
 
-    def _make_room(self, charge: int, nbytes: int) -> np.ndarray | None:
-        """Evict until `charge` more bytes fit; returns an evicted buffer of `nbytes` nobody else holds, if any.
-        Under the lock."""
-        entries, reusable = self._entries, None
+    def _make_room(self, charge: int, nbytes: int, spare: np.ndarray | None) -> np.ndarray | None:
+        """Evict until `charge` more bytes fit; returns `spare`, else an evicted buffer of `nbytes` that nobody else
+        holds, if any (for reuse). Under the lock."""
+        entries = self._entries
         while self._used + charge > self.capacity and entries:
             key, evicted = entries.popitem(last=False)
             self._used -= len(key) + memoryview(evicted).nbytes + ENTRY_OVERHEAD
-            # ours and unshared: references are `evicted` and getrefcount's argument (a reader's view holds one more)
-            if reusable is None and type(evicted) is np.ndarray and len(evicted) == nbytes and sys.getrefcount(evicted) <= 2:
-                reusable = evicted
+            if spare is None and _unshared(evicted) and len(evicted) == nbytes:
+                spare = evicted
             del evicted
-        return reusable
+        return spare
 
     def _hits(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """Each key's entry or None, the hits made the most recently used."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -82,12 +83,24 @@ def test_a_readers_view_keeps_its_bytes_after_eviction_and_a_free_buffer_is_reus
     cache.remember([b"c"], [[b"\x03" * 64]], [True])  # evicts "b", which only the test's reference holds
     assert bytes(held) == b"\x02" * 64
     del held
-    (before,) = cache._hits([b"c"])
-    address = before.__array_interface__["data"][0]
-    del before
+    before = weakref.ref(cache._hits([b"c"])[0])
     cache.remember([b"d"], [[b"\x04" * 64]], [True])  # evicts "c", unheld: its buffer takes "d"
     (after,) = cache._hits([b"d"])
-    assert after.__array_interface__["data"][0] == address and bytes(after) == b"\x04" * 64
+    assert after is before() and bytes(after) == b"\x04" * 64
+
+
+def test_a_key_saved_again_copies_into_its_old_buffer_unless_a_reader_holds_it():
+    cache = ReadCache(1 << 20)
+    cache.remember([b"k"], [[b"\x01" * 64]], [True])
+    first = weakref.ref(cache._hits([b"k"])[0])  # (alive only while the cache holds it)
+    cache.remember([b"k"], [[b"\x02" * 64]], [True])
+    (second,) = cache._hits([b"k"])
+    assert second is first() and bytes(second) == b"\x02" * 64
+    del second
+    (view,) = cache.lookup([b"k"])
+    cache.remember([b"k"], [[b"\x03" * 64]], [True])  # the reader's view keeps the old bytes
+    assert bytes(view) == b"\x02" * 64 and bytes(cache.lookup([b"k"])[0]) == b"\x03" * 64
+    assert len(cache) == 1 and cache._used == _charge(b"k", 64)
 
 
 def test_random_calls_match_a_model_lru():
