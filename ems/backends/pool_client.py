@@ -23,8 +23,9 @@ The read cache (`ReadCache`):
   is local already).
 * `remember(keys, values, stored)` copies in the values a put stored (the caller decides when: `write_rcache`). The
   buffer of the value it replaces, or of one evicted to make room, is reused when it is the same size and no reader
-  holds it (a full cache of one block size, or a key saved again, copies into memory already faulted in); a value
-  larger than the whole cache is not kept.
+  holds it (a full cache of one block size, or a key saved again, copies into memory already faulted in). A value
+  larger than the whole cache is not kept, and the key's older value goes (the cache never answers with a value
+  older than the one last saved).
 * `lookup`, `place` and `contains` answer what the cache holds, in request order, and leave the rest to the pool
   (None / False); a hit becomes the most recently used. `lookup` gives read-only views, which stay valid while the
   caller holds them, evicted or not. With `expected` (value i of the call is `expected`'s value i), an entry that is
