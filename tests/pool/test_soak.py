@@ -49,6 +49,8 @@ SLACK_THREADS = 4
 
 def proc_sample(pid: int) -> dict:
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    if "VmRSS" not in fields:  # exited, not yet reaped: a zombie has no memory to sample
+        raise ProcessLookupError(pid)
     return {
         "rss_kib": int(fields["VmRSS"].split()[0]),
         "threads": int(fields["Threads"]),
