@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
 sys.path.append(str(ROOT / "tests"))
 
-from benchlib import machine  # noqa: E402
+from benchlib import machine, median_us  # noqa: E402
 from mooncake_testlib import MooncakeCluster  # noqa: E402
 from pool_testlib import PoolProcess  # noqa: E402
 
@@ -88,15 +86,6 @@ class MooncakeOwn:
 
     def close(self) -> None:
         self.store.close()
-
-
-def median_us(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:

@@ -59,7 +59,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +68,7 @@ sys.path.insert(0, str(ROOT / "tests" / "pool"))
 sys.path.insert(0, str(ROOT / "tests"))  # ucx_loop: the tests' event-loop thread for raw sessions
 
 import torch  # noqa: E402
-from benchlib import best_of, machine  # noqa: E402
+from benchlib import best_of, machine, median_us  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
 from results import Figure, Goal, Run, command_line, record  # noqa: E402
 from ucx_loop import UcxRuntime  # noqa: E402
@@ -418,15 +417,6 @@ def medians_us(fns: dict, calls: int) -> dict:
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: float(np.median(t)) * 1e6 for name, t in times.items()}
-
-
-def median_us(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6
 
 
 def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, option: CcKvOption) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import machine
+from benchlib import machine, median_us
 from results import Figure, Goal, Run, command_line, markdown, record
 
 from ems.backends.pool_client import ReadCache
@@ -41,15 +41,6 @@ def cache_class_at(rev: str) -> type:
     module = types.ModuleType(f"pool_client_at_{rev}")
     exec(compile(source, f"{rev}:ems/backends/pool_client.py", "exec"), module.__dict__)
     return module.ReadCache
-
-
-def median_us(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def shape_us(cls: type, count: int, nbytes: int) -> tuple[float, float]:

@@ -1,9 +1,10 @@
-"""Helpers every benchmark in perf/ shares: the machine description and best-of timing."""
+"""Helpers every benchmark in perf/ shares: the machine description, best-of and median timing."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,16 @@ def best_of(fn: Callable[[], object], repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def median_us(fn: Callable[[], object], calls: int) -> float:
+    """Median wall time of `calls` runs, µs (a per-call figure: the typical call, not the luckiest)."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 def machine() -> str:
