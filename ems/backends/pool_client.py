@@ -57,6 +57,12 @@ from ems.transport.protocol import WIRE_LIMITS, RequestLimits
 from ems.types import CcKvOption
 
 
+def _charge(key: bytes, nbytes: int) -> int:
+    """What a value of `nbytes` under `key` counts against the cache's capacity: as a store counts it
+    (`ems.store.index.charge`, not called here: that would walk the store's module on every save)."""
+    return len(key) + nbytes + ENTRY_OVERHEAD
+
+
 def _unshared(buffer: Buffer) -> TypeGuard[np.ndarray]:
     """Whether a buffer the cache made is held by nothing but its caller's one local: no reader's view of it is alive,
     so its bytes may be overwritten (references: that local, this parameter, getrefcount's argument)."""
@@ -86,7 +92,7 @@ class ReadCache:
         """Copy the concatenation of `parts` in under `key`, replacing its old value."""
         views = [memoryview(part).cast("B") for part in parts]
         nbytes = sum(view.nbytes for view in views)
-        charge = len(key) + nbytes + ENTRY_OVERHEAD
+        charge = _charge(key, nbytes)
         with self._lock:
             replaced = self._drop(key)
             if charge > self.capacity:
@@ -117,7 +123,7 @@ class ReadCache:
         if old is None or (value is not None and old is not value):
             return None
         del self._entries[key]
-        self._used -= len(key) + memoryview(old).nbytes + ENTRY_OVERHEAD
+        self._used -= _charge(key, memoryview(old).nbytes)
         return old if _unshared(old) else None
 
     def _make_room(self, charge: int, nbytes: int, spare: np.ndarray | None) -> np.ndarray | None:
@@ -126,7 +132,7 @@ class ReadCache:
         entries = self._entries
         while self._used + charge > self.capacity and entries:
             key, evicted = entries.popitem(last=False)
-            self._used -= len(key) + memoryview(evicted).nbytes + ENTRY_OVERHEAD
+            self._used -= _charge(key, memoryview(evicted).nbytes)
             if spare is None and _unshared(evicted) and len(evicted) == nbytes:
                 spare = evicted
             del evicted
