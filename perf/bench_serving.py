@@ -224,6 +224,9 @@ def step_table(worker: list[dict], scheduler: list[dict], windows: Sequence[tupl
         "worker_wait_s": sum(r["wait_s"] for r in work),
         "in_step_loads": sum(r["in_step_loads"] for r in work),
         "in_step_load_s": sum(r["in_step_load_s"] for r in work),
+        # (records of trees before these fields: none counted)
+        "in_step_late": sum(r.get("in_step_loads_late", 0) for r in work),
+        "in_step_late_blocks": sum(r.get("in_step_late_blocks", 0) for r in work),
         "steps_with_calls_in_flight": sum(r["inflight"] > 0 for r in work),
         "lookups_sent": sum(r["lookups_sent"] for r in sched),
         "lookup_s": sum(r["lookup_s"] for r in sched),
@@ -534,6 +537,15 @@ def summarize(args: argparse.Namespace, rows: list[dict]) -> dict[tuple[str, int
                 threads[side] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
             records = mine[0]["records"]
             steps = step_table(records["worker"], records["scheduler"], [(r["pooled"].start, r["pooled"].end) for r in mine])
+            # rounds in which an in-step load of B ran out of its bound (its blocks recomputed), against the others
+            late_rounds = [
+                step_table(records["worker"], records["scheduler"], [(r["pooled"].start, r["pooled"].end)])["in_step_late"] > 0
+                for r in mine
+            ]
+            by_lateness = {
+                late: [round_ratios(r["pooled"], r["warm"])["ttft"] for r, was in zip(mine, late_rounds) if was is late]
+                for late in (True, False)
+            }
             out[(setting, c)] = {
                 "rounds": len(mine),
                 "vs_warm": warm,
@@ -543,6 +555,9 @@ def summarize(args: argparse.Namespace, rows: list[dict]) -> dict[tuple[str, int
                 "cpu": cpu,
                 "threads": threads,
                 "steps": steps,
+                "late_rounds": sum(late_rounds),
+                "ttft_late_rounds": statistics.median(by_lateness[True]) if by_lateness[True] else float("nan"),
+                "ttft_other_rounds": statistics.median(by_lateness[False]) if by_lateness[False] else float("nan"),
                 "loaded_blocks": statistics.median(r["pooled"].loaded_blocks for r in mine),
                 "loaded_short": sum(r["pooled"].loaded_blocks < pool_blocks(args, c) for r in mine),
                 "pool_blocks": pool_blocks(args, c),
@@ -626,9 +641,10 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
         "",
         "| competitor | concurrency | steps | step ms with a load started / other (median) | step ms with calls in "
         "flight / none (median) | loads started, "
-        "finished, mean load ms | worker call s / wait s | in-step loads (s) | lookups sent, lookup-thread s, "
+        "finished, mean load ms | worker call s / wait s | in-step loads (s), late (blocks recomputed) | rounds with "
+        "a late in-step load: TTFT pooled / warm in them, in the others (medians) | lookups sent, lookup-thread s, "
         "scheduler wait s | CPU s in B's run | CPU s in C-warm's run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (setting, c), s in summary.items():
         t = s["steps"]
@@ -637,7 +653,9 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
             f"| {setting} | {c} | {t['steps']} | {t['step_ms_with_load_start']:.1f} ({t['steps_with_load_start']}) / "
             f"{t['step_ms_other']:.1f} | {t['step_ms_calls_in_flight']:.1f} ({t['steps_with_calls_in_flight']}) / "
             f"{t['step_ms_no_calls_in_flight']:.1f} | {t['loads_started']}, {t['loads_done']}, {t['load_ms_mean']:.1f} | "
-            f"{t['worker_call_s']:.3f} / {t['worker_wait_s']:.3f} | {t['in_step_loads']} ({t['in_step_load_s']:.3f}) | "
+            f"{t['worker_call_s']:.3f} / {t['worker_wait_s']:.3f} | {t['in_step_loads']} ({t['in_step_load_s']:.3f}), "
+            f"{t['in_step_late']} ({t['in_step_late_blocks']}) | {s['late_rounds']} of {s['rounds']}: "
+            f"{s['ttft_late_rounds']:.2f}x, {s['ttft_other_rounds']:.2f}x | "
             f"{t['lookups_sent']}, {t['lookup_s']:.3f}, {t['scheduler_wait_s']:.3f} | {cpu['pooled']} | {cpu['warm']} |"
         )
     lines += [

@@ -8,15 +8,16 @@ is one deque append, so the record costs a step nothing measurable):
   another request's load of their prefix), the loads and
   saves it sent (requests, blocks), the lookup batches answered since the previous step and their seconds on the
   lookup thread, the seconds the step itself waited for lookups (only a step with nothing else to run waits), and
-  the step policy's in-step lookups (with their seconds) and in-step loads (requests, blocks);
+  the step policy's in-step lookups (with their seconds) and in-step loads (requests, blocks), and its estimates at
+  the step's end (the load rate and one lookup's latency: why a hit went one way or the other);
 * the worker half one `WorkerStep` per step, closed at `get_finished` (vLLM's last connector call of a step): the
   loads it started (requests, and the calls they took), left queued (the in-flight budget), and saw finish (with
   their seconds from start to end), the blocks it queued for copy-out, the seconds its calls took on the step
   (`call_s`: start_load_kv, wait_for_save, handle_preemptions, get_finished) and of those the seconds spent waiting
   (`wait_s`: an idle step's wait for a load, a preemption's wait for copy-outs, a producer's for its saves), its
   async calls in flight at the end of the step, the in-step loads it ran before the forward (requests, blocks,
-  seconds), and a producer's wait for the pool to acknowledge the step's saves (seconds, and whether it ran out of
-  its bound).
+  seconds; the requests whose load ran out of the bound and the blocks vLLM recomputes for them), and a
+  producer's wait for the pool to acknowledge the step's saves (seconds, and whether it ran out of its bound).
 `records()` returns them as dicts, oldest first, each with `at_s` (time.monotonic() at the record's end).
 """
 
@@ -49,6 +50,9 @@ class SchedulerStep:
     in_step_lookup_s: float = 0.0  # their seconds on the step
     in_step_loads: int = 0  # requests whose load runs before this step's forward (vLLM's synchronous path)
     in_step_load_blocks: int = 0
+    # the step policy's estimates at the step's end (0 until measured): what its next decisions rest on
+    policy_load_Bps: float = 0.0
+    policy_lookup_s: float = 0.0
 
 
 @dataclass
@@ -68,6 +72,8 @@ class WorkerStep:
     in_step_loads: int = 0  # requests loaded before the forward (the step policy's in-step loads)
     in_step_load_blocks: int = 0  # blocks they asked for (each distinct block read once)
     in_step_load_s: float = 0.0  # the seconds those loads held the step (part of call_s)
+    in_step_loads_late: int = 0  # of those requests, the ones whose load ran out of the bound (`in_step_ms`)
+    in_step_late_blocks: int = 0  # the blocks those did not bring: vLLM recomputes them
     save_wait_s: float = 0.0  # a producer's wait for the pool to acknowledge the step's saves (part of wait_s)
     save_waits_late: int = 0  # of those waits, the ones that ran out of `producer_wait_ms`
     layer_copies: int = 0  # layer-wise: copies of one layer between the KV cache and the mirror (saves and loads)

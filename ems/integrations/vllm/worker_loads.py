@@ -145,6 +145,8 @@ class WorkerLoads:
             if outcome.loaded < len(call.block_ids) and took >= SLOW_FRACTION * self._in_step_option.timeout / 1000:
                 # ran out of its bound (a busy host, a slow pool): the scheduler's policy learns the rate it showed
                 self._ctx.stats.add(load_late_bytes=len(call.block_ids) * self._ctx.block_bytes, load_late_seconds=took)
+                self.step.in_step_loads_late += len(call.loads)
+                self.step.in_step_late_blocks += len(call.block_ids) - outcome.loaded
             self.step.in_step_loads += len(call.loads)
             self.step.in_step_load_blocks += len(call.block_ids)
             self._settle(call, outcome.loaded, retry=False)

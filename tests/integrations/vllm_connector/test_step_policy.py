@@ -158,6 +158,9 @@ def test_a_fast_pool_looks_up_and_loads_inside_the_step(mode):
         assert record["in_step_loads"] == 1 and record["in_step_load_blocks"] == 3
         assert record["in_step_lookups"] == 1 and record["lookups_sent"] == 0
         assert worker.steps.records()[-1]["in_step_loads"] == 1
+        assert worker.steps.records()[-1]["in_step_loads_late"] == 0
+        # the policy's estimates the decision rested on: a rate and a lookup's latency, both measured
+        assert record["policy_load_Bps"] > 0 and record["policy_lookup_s"] > 0
         assert meta.saves == []  # loaded blocks are not saved again
     finally:
         sched.shutdown()
@@ -217,6 +220,9 @@ def test_a_hung_node_never_holds_a_step_past_the_bound(node):
         load_s = time.monotonic() - started
         assert [x.in_step for x in meta.loads] == [True]
         assert worker.get_block_ids_with_load_errors() == {8, 9, 10}  # vLLM recomputes them
+        worker.get_finished(set(), meta)  # closes the step's record
+        late_step = worker.steps.records()[-1]
+        assert (late_step["in_step_loads_late"], late_step["in_step_late_blocks"]) == (1, 3)
         # the load that ran out of its bound drops the measured rate at once: the next hit loads asynchronously
         late = ctx.stats.totals()
         assert late.load_late_bytes == 3 * ctx.block_bytes and late.load_late_seconds >= 0.9 * bound_ms / 1000

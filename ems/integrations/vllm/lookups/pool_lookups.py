@@ -229,6 +229,7 @@ class PoolLookups:
         policy = self.policy
         record.in_step_lookups, record.in_step_lookup_s = policy.step_lookups, policy.step_lookup_s
         record.in_step_loads, record.in_step_load_blocks = policy.step_loads, policy.step_load_blocks
+        record.policy_load_Bps, record.policy_lookup_s = policy.rate_Bps or 0.0, policy.lookup_s or 0.0
         policy.begin_step()
 
     def close(self) -> None:
