@@ -207,8 +207,9 @@ CONNECTOR_KEYS: dict[str, tuple[str, str | None]] = {
         None,
     ),
     "in_step_ms": (
-        "the step policy's bound: a step's in-step lookups together, and its in-step load, each take at most this "
-        "(0: nothing in the step)",
+        "the step policy's bound: a step's in-step lookups together take at most this, and its in-step loads are "
+        "planned within it (one that runs late goes on to twice this before its blocks are recomputed; 0: nothing "
+        "in the step)",
         None,
     ),
     "load_failure_policy": (

@@ -12,10 +12,11 @@ is the worker's record of the step under way, `steps.WorkerStep`):
   and are asked for once more on the next step when the call loaded anything (else they are recomputed: a pool that
   served nothing is not asked again). Loads the step policy placed in the step (`BlockTransfer.in_step`: vLLM's
   synchronous path, the request is computed in this step) run in `start_load_kv` itself, before the forward, their
-  calls started together and waited for under the policy's bound (`in_step_ms` as their timeout): blocks they did
-  not load go to `get_block_ids_with_load_errors` in this step (vLLM recomputes them); they are never named as
-  finished. One that ran out of its bound is counted (`load_late_bytes`, `load_late_seconds`) for the scheduler's
-  policy, which then loads asynchronously.
+  calls started together and waited for: planned within the policy's bound (`in_step_ms`), each may run to
+  `IN_STEP_LOAD_GRACE` times it (its timeout) rather than have its blocks recomputed; blocks they did not load go to
+  `get_block_ids_with_load_errors` in this step (vLLM recomputes them); they are never named as finished. One that
+  ran past the bound is counted (`load_late_bytes`, `load_late_seconds`) for the scheduler's policy, which then
+  loads asynchronously.
 * `take_done()` names each request whose load has finished (never blocks; `wait_done(timeout_s)` waits for one
   in flight); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM recomputes
   them, or fails the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's request with
@@ -42,10 +43,10 @@ import torch
 
 from ems import CcKvOption, EmsException
 from ems.integrations.block_transfer import BlockMover, LoadOutcome, PendingLoad
+from ems.integrations.connector_config import IN_STEP_LOAD_GRACE
 from ems.integrations.vllm.context import ConnectorContext
 from ems.integrations.vllm.layer_transfers import LayerStage
 from ems.integrations.vllm.load_plan import LayerLoad, LoadCall, copy_blocks, copy_from_mirror
-from ems.integrations.vllm.lookups.breaker import SLOW_FRACTION
 from ems.integrations.vllm.metadata import BlockTransfer, EmsConnectorMetadata
 from ems.integrations.vllm.steps import WorkerStep
 
@@ -71,11 +72,13 @@ class WorkerLoads:
         self._load_ended = threading.Event()
         self._layer_loads: list[LayerLoad] = []  # layer-wise: this step's in-step loads
         self._retried: set[str] = set()  # requests whose load is asked for a second time (after a short call)
-        # an in-step load holds the step: it waits at most the step policy's bound
+        # an in-step load holds the step: planned within the step policy's bound, it may run to IN_STEP_LOAD_GRACE
+        # times it (a late load's blocks are recomputed, which costs far more than the wait)
+        self._in_step_bound_s = ctx.config.in_step_ms / 1000
         self._in_step_option = CcKvOption(
             write_rcache=ctx.option.write_rcache,
             read_local_only=ctx.option.read_local_only,
-            timeout=max(1, ctx.config.in_step_ms),
+            timeout=max(1, IN_STEP_LOAD_GRACE * ctx.config.in_step_ms),
         )
 
     def attach(self, mover: BlockMover, planes: list[tuple[torch.Tensor, torch.Tensor]], stage: LayerStage | None) -> None:
@@ -142,8 +145,9 @@ class WorkerLoads:
                 outcome = polled if polled is not None else LoadOutcome(0, list(call.block_ids))
                 call.pending = None
             took = time.perf_counter() - started
-            if outcome.loaded < len(call.block_ids) and took >= SLOW_FRACTION * self._in_step_option.timeout / 1000:
-                # ran out of its bound (a busy host, a slow pool): the scheduler's policy learns the rate it showed
+            if took > self._in_step_bound_s:
+                # ran past the bound it was planned within (a busy host, a slow pool): the scheduler's policy learns
+                # the rate it showed; its blocks that did not arrive within the grace are recomputed
                 self._ctx.stats.add(load_late_bytes=len(call.block_ids) * self._ctx.block_bytes, load_late_seconds=took)
                 self.step.in_step_loads_late += len(call.loads)
                 self.step.in_step_late_blocks += len(call.block_ids) - outcome.loaded

@@ -459,13 +459,13 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     a KV cache too small for all of them (preemption), n=2 sampling (top-k 1): an engine with the connector gives the
     samples of an engine without it when it computes everything, when it loads from the pool while other
     requests run (the default step policy, "auto": in the step or asynchronously, as measured), and when its pool
-    node is SIGSTOPped (hung): then no step waits for the node past `in_step_ms` (an in-step lookup or load times
-    out within it and marks the pool slow; the lookups on the lookup thread then trip the breaker; copy-outs run off
-    the step). In the first round no copy-out runs before step 8,
+    node is SIGSTOPped (hung): then no step waits long for the node (an in-step lookup times out within `in_step_ms`,
+    an in-step load within twice it, and each marks the pool slow; the lookups on the lookup thread then trip
+    the breaker; copy-outs run off the step). In the first round no copy-out runs before step 8,
     where every running request is preempted, and each then takes 0.1 s: finished requests' blocks are held for the
     copy-outs, the preemption finds copy-outs pending and must wait for them; what the second round loads from the
     pool (those saves) still gives the same samples."""
-    from ems.integrations.connector_config import DEFAULT_IN_STEP_MS
+    from ems.integrations.connector_config import DEFAULT_IN_STEP_MS, IN_STEP_LOAD_GRACE
     from ems.integrations.local_pool import stop_local_pool
 
     rng = random.Random(11)
@@ -535,7 +535,8 @@ def test_concurrent_chunked_preempted_sampled_requests_and_a_hung_node(setup):
     hung_steps = out["step_records"]["2"]
     assert sum(r["in_step_lookups"] for r in hung_steps["scheduler"]) >= 1, hung_steps["scheduler"][:4]
     assert max(r["in_step_lookup_s"] for r in hung_steps["scheduler"]) < 2 * bound_s
-    assert max(r["in_step_load_s"] for r in hung_steps["worker"]) < 2 * bound_s
+    # (an in-step load goes on to IN_STEP_LOAD_GRACE times the bound before its blocks are recomputed)
+    assert max(r["in_step_load_s"] for r in hung_steps["worker"]) < (IN_STEP_LOAD_GRACE + 1) * bound_s
     assert out["preemptions"] > 0  # the small KV cache did preempt requests (the reference engine happened not to)
     # some preempted request's copy-out was still pending: its blocks, reused at once, were saved as they were
     assert out["held_preemptions"] > 0

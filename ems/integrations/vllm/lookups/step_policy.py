@@ -9,8 +9,10 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
 * `StepMode` (`step_policy`): `AUTO` decides per request from measured costs, `IN_STEP` and `ASYNC` force one way.
   Every mode keeps the bound: the in-step work of one step (its lookups' measured seconds plus its loads' predicted
   seconds) never exceeds `budget_s` (`in_step_ms`); what does not fit goes asynchronously, and an in-step lookup's
-  own timeout is what is left of the budget, so a slow or hung pool holds a step at most `budget_s`. With the
-  circuit breaker open (the pool counts as down) nothing runs in the step.
+  own timeout is what is left of the budget. A started in-step load that runs late may go on to
+  `IN_STEP_LOAD_GRACE` times the bound (the worker's timeout: `ems.integrations.vllm.worker_loads`) before its
+  blocks are recomputed, so a slow or hung pool holds a step at most that. With the circuit breaker open (the pool
+  counts as down) nothing runs in the step.
 * Measured costs: `record_lookup(seconds)` (every `exists` the scheduler makes, in the step or on the lookup
   thread) and `record_transfer(...)` (the workers' load and save jobs, as vLLM hands their statistics to the
   scheduler) keep exponential moving averages: the latency of one lookup and the load rate (bytes/s). Until a load
@@ -38,7 +40,7 @@ EWMA_WEIGHT = 0.3
 # An in-step lookup is tried only when its measured latency, times this margin, fits what is left of the budget.
 LOOKUP_MARGIN = 2.0
 # An in-step load is placed only when its predicted seconds, times this margin, fit what is left of the budget (the
-# margin is what it reserves): a load that then runs late still ends before its timeout, the bound.
+# margin is what it reserves): a load that then runs up to twice its prediction still ends within the bound.
 LOAD_MARGIN = 2.0
 # The least an in-step lookup's timeout may be (the SDK's timeout is in whole milliseconds).
 MIN_LOOKUP_TIMEOUT_S = 0.001
