@@ -15,8 +15,8 @@ is the worker's record of the step under way, `steps.WorkerStep`):
   calls started together and waited for: planned within the policy's bound (`in_step_ms`), each may run to
   `IN_STEP_LOAD_GRACE` times it (its timeout) rather than have its blocks recomputed; blocks they did not load go to
   `get_block_ids_with_load_errors` in this step (vLLM recomputes them); they are never named as finished. One that
-  ran past the bound is counted (`load_late_bytes`, `load_late_seconds`) for the scheduler's policy, which then
-  loads asynchronously.
+  ran out of its timeout is counted (`load_late_bytes`, `load_late_seconds`) for the scheduler's policy, which then
+  loads asynchronously; the step's record counts every one that ran past the bound.
 * `take_done()` names each request whose load has finished (never blocks; `wait_done(timeout_s)` waits for one
   in flight); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM recomputes
   them, or fails the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's request with
@@ -145,12 +145,13 @@ class WorkerLoads:
                 outcome = polled if polled is not None else LoadOutcome(0, list(call.block_ids))
                 call.pending = None
             took = time.perf_counter() - started
-            if took > self._in_step_bound_s:
-                # ran past the bound it was planned within (a busy host, a slow pool): the scheduler's policy learns
-                # the rate it showed; its blocks that did not arrive within the grace are recomputed
-                self._ctx.stats.add(load_late_bytes=len(call.block_ids) * self._ctx.block_bytes, load_late_seconds=took)
+            if took > self._in_step_bound_s:  # ran past the bound it was planned within: a busy host, a slow pool
                 self.step.in_step_loads_late += len(call.loads)
                 self.step.in_step_late_blocks += len(call.block_ids) - outcome.loaded
+                if outcome.loaded < len(call.block_ids):
+                    # and past its grace: its blocks are recomputed, and the scheduler's policy learns the rate it
+                    # showed at once (one that arrived is measured as every load job is)
+                    self._ctx.stats.add(load_late_bytes=len(call.block_ids) * self._ctx.block_bytes, load_late_seconds=took)
             self.step.in_step_loads += len(call.loads)
             self.step.in_step_load_blocks += len(call.block_ids)
             self._settle(call, outcome.loaded, retry=False)
