@@ -71,8 +71,8 @@ MAX_SAVE_WAIT_MS = 60_000
 # loads are planned to (a decode step of a mid-size model on an accelerator is tens of milliseconds).
 DEFAULT_IN_STEP_MS = 50
 # An in-step load that runs past `in_step_ms` goes on to this many times it before its blocks are recomputed: the
-# recompute of a prompt costs the running requests far more than the wait (on the 2-core host, 0.4-2.4 s steps of
-# 700-2000 tokens after loads that ran 52-77 ms against a 50 ms bound: perf/RESULTS.md).
+# recompute of a prompt costs the running requests far more than the wait (on the 2-core host, 0.8-2.4 s steps of
+# 640-2,048 tokens after loads that ran 52-77 ms against a 50 ms bound: perf/RESULTS.md).
 IN_STEP_LOAD_GRACE = 2
 # Per request from measured costs, within `in_step_ms` (measured against "async" in real engines: docs/guides/vllm.md).
 DEFAULT_STEP_MODE = StepMode.AUTO
