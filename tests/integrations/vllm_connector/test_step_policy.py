@@ -192,30 +192,40 @@ def node(tmp_path):
     stop_local_pool(str(tmp_path))
 
 
+def on_node(node) -> dict:
+    """The halves' settings for the pool node `node`, every lookup and load in the step (within the bound)."""
+    return {
+        "local_pool": "off",
+        "pool_nodes": [node.address],
+        "access_id": node.access_id,
+        "access_key": node.access_key,
+        "step_policy": "in_step",
+        "breaker_cooldown_s": 60.0,
+    }
+
+
+def hit_in_the_step(ctx, sched: EmsScheduler, worker: EmsWorker) -> Request:
+    """Request "a" computed and saved, then "b" of the same prompt: a hit of 3 blocks, admitted to load in the step
+    (vLLM's synchronous path) into blocks 8-10."""
+    compute_and_save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+    sched.update_connector_output(ctx.stats.drain().to_dict())
+    # measured fast: the load fits the bound even when this busy host slowed the save that measured the rate
+    sched.lookups.policy.record_transfer(1 << 30, 0.001)
+    b = Request("b", PROMPT)
+    tokens, load_async, _ = answer(sched, b)
+    assert (tokens, load_async) == (3 * BLOCK, False)  # a hit, to be loaded in the step
+    sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+    return b
+
+
 def test_a_hung_node_never_holds_a_step_past_the_bound(node):
     """The node stops answering after this engine measured it fast: the step's in-step lookups together end within
     `in_step_ms` and its in-step load within `IN_STEP_LOAD_GRACE` times it (the lookup thread's own timeout is 20
     times longer), the requests go asynchronously (or miss), and the load's blocks are reported failed (recomputed)."""
     bound_ms = 150
-    ctx, sched, worker, _ = make_halves(
-        local_pool="off",
-        pool_nodes=[node.address],
-        access_id=node.access_id,
-        access_key=node.access_key,
-        step_policy="in_step",
-        in_step_ms=bound_ms,
-        lookup_timeout_ms=20 * bound_ms,
-        breaker_cooldown_s=60.0,
-    )
+    ctx, sched, worker, _ = make_halves(**on_node(node), in_step_ms=bound_ms, lookup_timeout_ms=20 * bound_ms)
     try:
-        compute_and_save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
-        sched.update_connector_output(ctx.stats.drain().to_dict())
-        # measured fast: the load fits the bound even when this busy host slowed the save that measured the rate
-        sched.lookups.policy.record_transfer(1 << 30, 0.001)
-        b = Request("b", PROMPT)
-        tokens, load_async, _ = answer(sched, b)
-        assert (tokens, load_async) == (3 * BLOCK, False)  # a hit, to be loaded in the step
-        sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+        b = hit_in_the_step(ctx, sched, worker)
         os.kill(node.pid, signal.SIGSTOP)
         started = time.monotonic()
         meta = step(sched, worker, Schedule.prefill(b, [8, 9, 10, 11]))
@@ -260,24 +270,10 @@ def test_a_load_slowed_past_the_bound_is_waited_for_not_recomputed(node):
     (twice the bound), its blocks arrive and nothing is recomputed; the step's record counts it late, and the
     policy measures it as every load job (not as a load that ran out, whose rate it would take at once)."""
     bound_ms = 200
-    ctx, sched, worker, caches = make_halves(
-        local_pool="off",
-        pool_nodes=[node.address],
-        access_id=node.access_id,
-        access_key=node.access_key,
-        step_policy="in_step",
-        in_step_ms=bound_ms,
-        breaker_cooldown_s=60.0,
-    )
+    ctx, sched, worker, caches = make_halves(**on_node(node), in_step_ms=bound_ms)
     resume = threading.Timer(1.3 * bound_ms / 1000, os.kill, (node.pid, signal.SIGCONT))
     try:
-        compute_and_save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
-        sched.update_connector_output(ctx.stats.drain().to_dict())
-        sched.lookups.policy.record_transfer(1 << 30, 0.001)
-        b = Request("b", PROMPT)
-        tokens, load_async, _ = answer(sched, b)
-        assert (tokens, load_async) == (3 * BLOCK, False)
-        sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+        b = hit_in_the_step(ctx, sched, worker)
         os.kill(node.pid, signal.SIGSTOP)
         resume.start()
         meta = step(sched, worker, Schedule.prefill(b, [8, 9, 10, 11]))
