@@ -26,7 +26,7 @@ class TransferStats:
     load_failed_blocks: int = 0
     load_bytes: int = 0
     load_seconds: float = 0.0
-    # in-step loads that ran out of their bound (`in_step_ms`): the bytes they asked for and the seconds they took
+    # in-step loads that ran out of their timeout (twice `in_step_ms`): the bytes they asked for and the seconds they took
     # (the step policy's rate learns from them: `StepPolicy.record_late_load`)
     load_late_bytes: int = 0
     load_late_seconds: float = 0.0
