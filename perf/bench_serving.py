@@ -537,7 +537,8 @@ def summarize(args: argparse.Namespace, rows: list[dict]) -> dict[tuple[str, int
                 threads[side] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
             records = mine[0]["records"]
             steps = step_table(records["worker"], records["scheduler"], [(r["pooled"].start, r["pooled"].end) for r in mine])
-            # rounds in which an in-step load of B ran out of its bound (its blocks recomputed), against the others
+            # rounds in which an in-step load of B ran past its bound (recomputed where it also ran out of its grace), against
+            # the others
             late_rounds = [
                 step_table(records["worker"], records["scheduler"], [(r["pooled"].start, r["pooled"].end)])["in_step_late"] > 0
                 for r in mine

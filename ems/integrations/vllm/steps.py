@@ -16,7 +16,7 @@ is one deque append, so the record costs a step nothing measurable):
   (`call_s`: start_load_kv, wait_for_save, handle_preemptions, get_finished) and of those the seconds spent waiting
   (`wait_s`: an idle step's wait for a load, a preemption's wait for copy-outs, a producer's for its saves), its
   async calls in flight at the end of the step, the in-step loads it ran before the forward (requests, blocks,
-  seconds; the requests whose load ran out of the bound and the blocks vLLM recomputes for them), and a
+  seconds; the requests whose load ran past the bound and the blocks vLLM recomputes for them), and a
   producer's wait for the pool to acknowledge the step's saves (seconds, and whether it ran out of its bound).
 `records()` returns them as dicts, oldest first, each with `at_s` (time.monotonic() at the record's end).
 """
@@ -72,7 +72,7 @@ class WorkerStep:
     in_step_loads: int = 0  # requests loaded before the forward (the step policy's in-step loads)
     in_step_load_blocks: int = 0  # blocks they asked for (each distinct block read once)
     in_step_load_s: float = 0.0  # the seconds those loads held the step (part of call_s)
-    in_step_loads_late: int = 0  # of those requests, the ones whose load ran out of the bound (`in_step_ms`)
+    in_step_loads_late: int = 0  # of those requests, the ones whose load ran past the bound (`in_step_ms`)
     in_step_late_blocks: int = 0  # the blocks those did not bring: vLLM recomputes them
     save_wait_s: float = 0.0  # a producer's wait for the pool to acknowledge the step's saves (part of wait_s)
     save_waits_late: int = 0  # of those waits, the ones that ran out of `producer_wait_ms`
