@@ -133,12 +133,26 @@ def raw(obj) -> bytes:
     return bytes(obj.byte_array)
 
 
-def wait_puts(remote, keys, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(remote.exists_in_put_tasks(k) for k in keys):
-        if time.monotonic() > deadline:
-            raise AssertionError("puts did not finish")
-        time.sleep(0.01)
+class PutsDone:
+    """`on_complete_callback` for LMCache's put forms: `wait(keys)` returns once each key's put has completed.
+
+    LMCache 0.5.6's batched form does not list its keys in `put_tasks` (only the single form does), so
+    `exists_in_put_tasks` says nothing about a batch still running: its per-key completion callback is the one signal.
+    """
+
+    def __init__(self) -> None:
+        self.done: set = set()
+        self.cond = threading.Condition()
+
+    def __call__(self, key) -> None:
+        with self.cond:
+            self.done.add(key)
+            self.cond.notify_all()
+
+    def wait(self, keys, timeout_s: float = 20.0) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.done.issuperset(keys), timeout_s):
+                raise AssertionError(f"puts did not finish: {len(set(keys) - self.done)} of {len(keys)} pending")
 
 
 def connector(remote):
@@ -158,9 +172,10 @@ def test_two_instances_share_chunks_filled_in_place(node, instances, loop):
     keys = [key(i) for i in range(5)]
     objs = [filled(a["LocalCPUBackend"], i) for i in range(5)]
     expected = [raw(o) for o in objs]
-    remote_a.batched_submit_put_task(keys[:4], objs[:4])  # the batched form
-    remote_a.submit_put_task(keys[4], objs[4]).result(20)  # the single form
-    wait_puts(remote_a, keys)
+    puts = PutsDone()
+    remote_a.batched_submit_put_task(keys[:4], objs[:4], on_complete_callback=puts)  # the batched form
+    remote_a.submit_put_task(keys[4], objs[4], on_complete_callback=puts)  # the single form
+    puts.wait(keys)
     for obj in objs:
         obj.ref_count_down()
     assert remote_b.batched_contains(keys) == 5
