@@ -24,7 +24,9 @@ own plugin loading from `remote_storage_plugins: [NAME]` and `extra_config`
 * Results: `exists`/`exists_sync` return a bool; `batched_contains` / `batched_async_contains` the count of
   consecutive hits (one pool request per batch); `get` an object or None; `batched_get` / `batched_get_non_blocking`
   the hit prefix (the rest None, resp. left out, their objects freed). A failing pool is a miss (`False`, 0, None)
-  within `timeout_ms`; a put that the pool did not take raises, so LMCache counts it as a failed put. The blocking
+  within `timeout_ms`; a put that the pool did not take raises, so LMCache counts it as a failed put (LMCache 0.5.6
+  reads the outcome of its single form only: a batch the pool did not take is logged here as a warning, since LMCache
+  drops a batched put's exception unseen). The blocking
   SDK calls run on the connector's own threads (`io_threads`), never on LMCache's event loop.
 """
 
@@ -217,7 +219,11 @@ class EmsRemoteConnector(RemoteConnector):
         return True
 
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        await self._off_loop(lambda: self._put_all(keys, memory_objs))
+        try:
+            await self._off_loop(lambda: self._put_all(keys, memory_objs))
+        except Exception as exc:
+            logger.warning("LMCache plugin %r: a batched put of %d chunks failed: %s", self.name, len(keys), exc)
+            raise
 
     def support_batched_contains(self) -> bool:
         return True

@@ -252,6 +252,24 @@ def test_a_killed_node_gives_misses_not_errors(node, instances):
     obj.ref_count_down()
 
 
+def test_a_batched_put_the_pool_did_not_take_is_logged(node, instances, caplog):
+    """LMCache 0.5.6 drops a batched put's exception (its callback never reads the future): the plugin says it."""
+    directory, local = node
+    a = instances(plugin_extra(directory, timeout_ms=1000, lookup_timeout_ms=300))
+    remote = a["RemoteBackend-ems"]
+    keys = [key(300 + i) for i in range(2)]
+    objs = [filled(a["LocalCPUBackend"], 30 + i) for i in range(2)]
+    os.kill(local.pid, signal.SIGKILL)
+    puts = PutsDone()
+    with caplog.at_level("WARNING", logger="ems.integrations.lmcache"):
+        remote.batched_submit_put_task(keys, objs, on_complete_callback=puts)
+        puts.wait(keys)
+    assert any("a batched put of 2 chunks failed" in r.getMessage() for r in caplog.records)
+    assert remote.batched_contains(keys) == 0
+    for obj in objs:
+        obj.ref_count_down()
+
+
 def test_the_fs_backend_and_the_plugin_side_by_side(node, instances, tmp_path):
     """Two plugins of one instance, LMCache's fs and this one: each stores what it is given."""
     directory, _ = node
