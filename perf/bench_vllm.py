@@ -59,6 +59,20 @@ process of N spinning Python threads (`servers.start_competitor`) beside the eng
    cores, and an engine's OpenMP threads spinning after its forward slow the other engine's next step (measured:
    the prefix-cache hit right after the decode server's request took 285 ms with the spin, 66 ms without;
    perf/RESULTS.md, "P/D decode TTFT on a quiet host, with and without OpenMP's spin-wait").
+
+    flock /tmp/heavy.lock .venv-vllm/bin/python perf/bench_vllm.py --fair [--fair-rounds 5] [--competitor N]
+
+7. `--fair` (only this): the 16-request round measured so that both sides see the same moment (issue 45 item 0, as
+   `perf/bench_serving.py` measures a serving run): engine A (the connector) first computes and saves one fresh
+   prompt set per round (16 requests sharing a `--prefix`-token prefix, as in mode 2); then engine B (the
+   connector, its prefix cache reset before each round: every set from the pool) and engine C (no connector: each
+   set computed once, cold, then run again from vLLM's prefix cache, warm) are up at once and take turns round by
+   round (a shared turns file: C cold, then B and C warm, which of the two goes first alternating), with the
+   competitor, if any, beside both for the whole run. Round 0 is a warm-up. Per round: B / C-warm ITL,
+   throughput, TTFT and steps; the figures are the medians over the rounds of those ratios, with their minimum and
+   maximum. Prints a table, records the figures (`perf/results/vllm-fair-quiet.json` or `-busy.json`) and appends
+   the table to RESULTS.md; the plot needs matplotlib (the vLLM venv has none: `--fair-from ROWS`, with the rows file
+   the run printed, draws it and records the figures from another interpreter).
 """
 
 from __future__ import annotations
@@ -551,6 +565,196 @@ def pd_bench(args: argparse.Namespace) -> None:
             f.write("\n".join(lines))
 
 
+FAIR_GOALS = {"itl": ("<=", 1.1), "throughput": (">=", 0.9)}  # the 16-request round's goals (issue 45)
+FAIR_METRICS = ("itl", "throughput", "ttft", "steps")
+
+
+def fair_turns(rounds: int) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The turns of `--fair`: engine B's and engine C's `before_round` (C runs each set twice: cold, then warm).
+    Round r's turns are 3r (C cold), then B and C warm in the order that alternates with r."""
+    b_before: dict[str, dict] = {}
+    c_before: dict[str, dict] = {}
+    for r in range(rounds):
+        b_turn, c_warm_turn = (3 * r + 1, 3 * r + 2) if r % 2 == 0 else (3 * r + 2, 3 * r + 1)
+        b_before[str(r)] = {"reset_prefix_cache": True, "turn": b_turn}
+        c_before[str(2 * r)] = {"turn": 3 * r}
+        c_before[str(2 * r + 1)] = {"turn": c_warm_turn}
+    return b_before, c_before
+
+
+def fair_rows(b: dict, c: dict, rounds: int, generated: int) -> list[dict]:
+    """Per measured round (round 0 is the warm-up): B's round from the pool, C's cold and warm rounds."""
+    rows = []
+    for r in range(1, rounds):
+        pooled = batch_row("pooled", b["rounds"][r], generated)
+        cold = batch_row("cold", c["rounds"][2 * r], generated)
+        warm = batch_row("warm", c["rounds"][2 * r + 1], generated)
+        rows.append({"round": r, "b_first": r % 2 == 0, "pooled": pooled, "warm": warm, "cold": cold})
+    return rows
+
+
+def fair_ratios(row: dict) -> dict[str, float]:
+    pooled, warm = row["pooled"], row["warm"]
+    return {
+        "itl": pooled["itl_s"] / warm["itl_s"],
+        "throughput": pooled["tokens_per_s"] / warm["tokens_per_s"],
+        "ttft": pooled["ttft_s"] / warm["ttft_s"],
+        "steps": pooled["steps"] / warm["steps"],
+    }
+
+
+def fair_report(args: argparse.Namespace, run: dict) -> None:
+    """The table of a `--fair` run's rows (`run`: what the run wrote), its figures recorded, its plot if it can."""
+    from bench_serving import spread
+    from results import Figure, Goal, Run, record
+
+    rows = run["rows"]
+    ratios = [fair_ratios(row) for row in rows]
+    spreads = {m: spread([x[m] for x in ratios]) for m in FAIR_METRICS}
+    busy = f"competitor {run['competitor']}" if run["competitor"] else "no competitor"
+    table = [
+        "| round | first | pooled ITL ms | warm ITL ms | cold ITL ms | ITL pooled / warm | throughput pooled / warm "
+        "| TTFT pooled / warm | steps pooled / warm |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row, x in zip(rows, ratios):
+        table.append(
+            f"| {row['round']} | {'B' if row['b_first'] else 'C'} | {1000 * row['pooled']['itl_s']:.1f} | "
+            f"{1000 * row['warm']['itl_s']:.1f} | {1000 * row['cold']['itl_s']:.1f} | {x['itl']:.2f} | "
+            f"{x['throughput']:.2f} | {x['ttft']:.2f} | {x['steps']:.2f} |"
+        )
+    table.append(
+        "| median (min–max) | | | | | "
+        + " | ".join(f"**{spreads[m].median:.2f}** ({spreads[m].low:.2f}–{spreads[m].high:.2f})" for m in FAIR_METRICS)
+        + " |"
+    )
+    print("\n".join(table))
+    bench = f"vllm-fair-{'busy' if run['competitor'] else 'quiet'}"
+    out = args.out if args.out != os.path.join(HERE, "vllm.png") else os.path.join(HERE, f"{bench}.png")
+    plotted = None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no matplotlib here: `python perf/bench_vllm.py --fair-from {run['rows_file']}` plots and records it")
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for m, mark in (("itl", "o-"), ("throughput", "s-"), ("ttft", "^-")):
+            ax.plot([row["round"] for row in rows], [x[m] for x in ratios], mark, label=f"{m} pooled / warm")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel(f"round (a fresh prompt set each; {busy})")
+        ax.set_ylabel("ratio, pooled / vLLM's prefix cache")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        plotted = os.path.relpath(out, os.path.join(HERE, ".."))
+    figures = [
+        Figure(
+            f"16-request round, pooled / prefix cache (warm), {m}, {busy}",
+            spreads[m].median,
+            "x",
+            goal=Goal(*FAIR_GOALS[m]) if m in FAIR_GOALS else None,
+            plot=plotted,
+            note=f"median of {spreads[m].rounds} rounds' ratios (min {spreads[m].low:.3f}, max {spreads[m].high:.3f})",
+        )
+        for m in FAIR_METRICS
+    ]
+    recorded = Run(bench, run["command"], figures, commit=run["commit"].split(" ")[0], machine=run["machine"])
+    print(f"figures: {record(recorded)}")
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(
+                "\n".join(
+                    [
+                        "",
+                        f"## vLLM: the 16-request round, both engines up at once, {busy} ({run['date']}, cpu)",
+                        "",
+                        f"Command: `{run['command']}` at commit {run['commit']}; {run['machine']}, load average "
+                        f"{run['load_before']:.1f} at start. {len(rows)} rounds after a warm-up, each a fresh set of 16 "
+                        f"requests sharing a {run['prefix']}-token prefix (32 tokens each): B from the pool, C cold then warm "
+                        "(vLLM's prefix cache); cells: this round's pooled / warm ratio; the last row their median "
+                        "(min–max). Goals: ITL <= 1.1x, throughput >= 0.9x.",
+                        "",
+                        *table,
+                        "",
+                    ]
+                )
+            )
+
+
+def fair_bench(args: argparse.Namespace) -> None:
+    """Mode 7 (`--fair`): see the module docstring."""
+    from benchlib import machine
+    from results import command_line
+    from servers import start_competitor
+    from vllm_engine import stop_processes
+
+    from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
+
+    rounds = args.fair_rounds + 1  # round 0: the warm-up
+    root = tempfile.mkdtemp(prefix="ems-bench-fair-")
+    model = make_bench_llama(os.path.join(root, "model"), args.prefix + 256)
+    rng = random.Random(0)
+    prompts: list[list[int]] = []
+    for _ in range(rounds):  # a fresh set a round: 16 requests sharing a prefix of their own
+        prefix = [rng.randrange(4096) for _ in range(args.prefix)]
+        prompts += [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
+    sets = [list(range(16 * r, 16 * r + 16)) for r in range(rounds)]
+    pool_dir, turns = os.path.join(root, "pool"), os.path.join(root, "turns")
+    new_tokens = 32
+    extra = {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300}
+    base = {
+        "model": model,
+        "prompts": prompts,
+        "batch": True,
+        "max_tokens": new_tokens,
+        "log_stats": True,
+        "extra": extra,
+        "kv_load_failure_policy": "recompute",
+        "num_blocks": 16 * ((args.prefix + 64 + new_tokens) // 32 + 2) + 16,
+        "max_model_len": args.prefix + 256,
+        "max_num_batched_tokens": args.prefix + 256,
+        "turns_file": turns,
+    }
+    b_before, c_before = fair_turns(rounds)
+    load_before = os.getloadavg()[0]
+    competitor = None
+    procs: list[subprocess.Popen] = []
+    try:
+        ensure_local_pool(pool_dir, "2GiB")
+        engine(root, "a", {**base, "connector": True, "rounds": sets})  # every set into the pool, before B and C
+        competitor = start_competitor(args.competitor) if args.competitor else None
+        procs = [
+            start_engine(root, "b", {**base, "connector": True, "rounds": sets, "before_round": b_before}),
+            start_engine(
+                root, "c", {**base, "connector": False, "rounds": [s for s in sets for _ in (0, 1)], "before_round": c_before}
+            ),
+        ]
+        b, c = finish_engine(root, "b", procs[0], 3600.0), finish_engine(root, "c", procs[1], 3600.0)
+    finally:
+        stop_processes([p for p in procs if p.poll() is None])
+        if competitor is not None:
+            stop_processes([competitor], grace_s=5.0)
+        stop_local_pool(pool_dir)
+    run = {
+        "rows": fair_rows(b, c, rounds, 16 * new_tokens),
+        "competitor": args.competitor,
+        "command": command_line(),
+        "commit": ems_commit(),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "load_before": load_before,
+        "prefix": args.prefix,
+        "rows_file": os.path.join(root, "fair-rows.json"),
+    }
+    with open(run["rows_file"], "w") as f:
+        json.dump(run, f)
+    print(f"rows: {run['rows_file']}")
+    fair_report(args, run)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4000)
@@ -570,16 +774,26 @@ def main() -> None:
         "--competitor",
         type=int,
         default=0,
-        help="modes 1-3: a process of N spinning Python threads beside the engines for the whole run (a busy host)",
+        help="modes 1-3 and 7: a process of N spinning Python threads beside the engines for the whole run (a busy host)",
     )
     parser.add_argument("--round", action="store_true", help="only mode 5: the 16-request round, its per-step record")
     parser.add_argument("--step-policies", default="async,auto", help="--round: one engine with the connector per step_policy")
+    parser.add_argument("--fair", action="store_true", help="only mode 7: the 16-request round, both engines up at once")
+    parser.add_argument("--fair-rounds", type=int, default=5, help="--fair: rounds measured (after a warm-up)")
+    parser.add_argument("--fair-from", help="--fair: a run's rows file (table, plot and figures from it; no engines)")
     parser.add_argument("--pd", action="store_true", help="only mode 6: P/D decode TTFT vs a prefix-cache hit")
     parser.add_argument("--pd-prompts", type=int, default=3, help="--pd: prompts measured")
     parser.add_argument(
         "--pd-producer-response", choices=("after_save", "immediate"), help="--pd: the producer's producer_response"
     )
     args = parser.parse_args()
+    if args.fair_from:
+        with open(args.fair_from) as f:
+            fair_report(args, json.load(f))
+        return
+    if args.fair:
+        fair_bench(args)
+        return
     if args.pd:
         pd_bench(args)
         return

@@ -32,6 +32,8 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   prompt i (a batch round: its largest i) this engine waits until the followed file has min(i + 1 + n, t) lines
   (n may be negative). Two engines that follow each other with lags n and -(n + 2) run in step: this one reads
   prompt i while the other computes prompt i + n + 1 (the pool-pressure test).
+  "turns_file": a file engines share to take turns (perf/bench_vllm.py --fair): a batch round whose before_round has
+  "turn": t waits until the file has t lines, and appends one line once it has finished (so turn t + 1 may start).
 OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str,
                   "kv_transfer_params": {...} (what the connector returned for the request)}, ...], ...],
      "stats": {...}, "kv_cache_groups": [spec kind per group] (single-process mode), "preemptions": n,
@@ -485,9 +487,12 @@ def run(spec: dict) -> dict:
             kill_at_next_load(int(before["kill_pid_at_next_load"]))
         if before.get("sigstop_pid"):
             os.kill(int(before["sigstop_pid"]), signal.SIGSTOP)
+        turn = before.get("turn")
         if spec.get("batch"):
             if follow:
                 wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
+            if turn is not None:  # (the other engine may still be starting: minutes on a busy host)
+                wait_for_lines(spec["turns_file"], int(turn), timeout_s=1800.0)
             step_seconds.clear()
             used_blocks[0] = 0
             cpu_before = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
@@ -502,6 +507,9 @@ def run(spec: dict) -> dict:
             cpu_after = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
             round_cpu = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()}
             step_records[str(r)] = connector_steps(llm, round_start)
+            if turn is not None:
+                with open(spec["turns_file"], "a") as f:
+                    f.write(f"{os.getpid()} round {r}\n")
             if progress_file:
                 with open(progress_file, "a") as f:
                     f.write("".join(f"{i}\n" for i in indexes))
