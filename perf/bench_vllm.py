@@ -732,7 +732,9 @@ def fair_bench(args: argparse.Namespace) -> None:
                 root, "c", {**base, "connector": False, "rounds": [s for s in sets for _ in (0, 1)], "before_round": c_before}
             ),
         ]
-        b, c = finish_engine(root, "b", procs[0], 3600.0), finish_engine(root, "c", procs[1], 3600.0)
+        while all(p.poll() in (None, 0) for p in procs) and any(p.poll() is None for p in procs):
+            time.sleep(1.0)  # (one that fails stops the run: the other would wait for its turns)
+        b, c = finish_engine(root, "b", procs[0], 60.0), finish_engine(root, "c", procs[1], 60.0)
     finally:
         stop_processes([p for p in procs if p.poll() is None])
         if competitor is not None:
