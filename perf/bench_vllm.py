@@ -70,9 +70,13 @@ process of N spinning Python threads (`servers.start_competitor`) beside the eng
    round (a shared turns file: C cold, then B and C warm, which of the two goes first alternating), with the
    competitor, if any, beside both for the whole run. Round 0 is a warm-up. Per round: B / C-warm ITL,
    throughput, TTFT and steps; the figures are the medians over the rounds of those ratios, with their minimum and
-   maximum. Prints a table, records the figures (`perf/results/vllm-fair-quiet.json` or `-busy.json`) and appends
-   the table to RESULTS.md; the plot needs matplotlib (the vLLM venv has none: `--fair-from ROWS`, with the rows file
-   the run printed, draws it and records the figures from another interpreter).
+   maximum. Prints a table, records the figures (`perf/results/vllm-fair-quiet.json`, `-busy.json`, or
+   `-busy-pinned.json` with `--competitor-cpus`) and appends the table to RESULTS.md; the plot needs matplotlib (the
+   vLLM venv has none: `--fair-from ROWS`, with the rows file the run printed, draws it and records the figures
+   from another interpreter). `--competitor-cpus 1` with `VLLM_CPU_OMP_THREADS_BIND=0-1`: the competitor pinned to
+   a core the engines' OpenMP threads are bound to, so every forward meets it (unpinned, whether an engine's two
+   OpenMP threads share a core with the spinner is the OS's placement: a 10x difference in step time that falls on
+   either engine from round to round).
 """
 
 from __future__ import annotations
@@ -89,13 +93,15 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations", "vllm_connector"))
+# the engines' OpenMP threads: unbound unless the environment names cores (`--fair --competitor-cpus`)
+OMP_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def engine(root: str, name: str, spec: dict) -> dict:
     spec_path, out_path = os.path.join(root, f"{name}.json"), os.path.join(root, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND}
     with open(os.path.join(root, f"{name}.log"), "w") as log:
         subprocess.run(
             [
@@ -137,7 +143,7 @@ def start_engine(root: str, name: str, spec: dict, multiprocessing: bool = False
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     mp = "1" if multiprocessing else "0"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": mp, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": mp, "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND}
     script = os.path.join(HERE, "..", "tests", "integrations", "vllm_connector", "vllm_engine.py")
     with open(os.path.join(root, f"{name}.log"), "w") as log:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, script, spec_path, out_path], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -611,7 +617,10 @@ def fair_report(args: argparse.Namespace, run: dict) -> None:
     rows = run["rows"]
     ratios = [fair_ratios(row) for row in rows]
     spreads = {m: spread([x[m] for x in ratios]) for m in FAIR_METRICS}
+    pinned = run.get("competitor_cpus")
     busy = f"competitor {run['competitor']}" if run["competitor"] else "no competitor"
+    if run["competitor"] and pinned:
+        busy += f" pinned to CPU {pinned}, engines' OpenMP threads bound to {run.get('omp_bind')}"
     table = [
         "| round | first | pooled ITL ms | warm ITL ms | cold ITL ms | ITL pooled / warm | throughput pooled / warm "
         "| TTFT pooled / warm | steps pooled / warm |",
@@ -629,7 +638,7 @@ def fair_report(args: argparse.Namespace, run: dict) -> None:
         + " |"
     )
     print("\n".join(table))
-    bench = f"vllm-fair-{'busy' if run['competitor'] else 'quiet'}"
+    bench = f"vllm-fair-{('busy-pinned' if pinned else 'busy') if run['competitor'] else 'quiet'}"
     out = args.out if args.out != os.path.join(HERE, "vllm.png") else os.path.join(HERE, f"{bench}.png")
     plotted = None
     try:
@@ -725,7 +734,7 @@ def fair_bench(args: argparse.Namespace) -> None:
     try:
         ensure_local_pool(pool_dir, "2GiB")
         engine(root, "a", {**base, "connector": True, "rounds": sets})  # every set into the pool, before B and C
-        competitor = start_competitor(args.competitor) if args.competitor else None
+        competitor = start_competitor(args.competitor, args.competitor_cpus) if args.competitor else None
         procs = [
             start_engine(root, "b", {**base, "connector": True, "rounds": sets, "before_round": b_before}),
             start_engine(
@@ -743,7 +752,9 @@ def fair_bench(args: argparse.Namespace) -> None:
     run = {
         "rows": fair_rows(b, c, rounds, 16 * new_tokens),
         "competitor": args.competitor,
-        "command": command_line(),
+        "competitor_cpus": args.competitor_cpus,
+        "omp_bind": OMP_BIND,
+        "command": (f"VLLM_CPU_OMP_THREADS_BIND={OMP_BIND} " if OMP_BIND != "nobind" else "") + command_line(),
         "commit": ems_commit(),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
@@ -782,6 +793,11 @@ def main() -> None:
     parser.add_argument("--step-policies", default="async,auto", help="--round: one engine with the connector per step_policy")
     parser.add_argument("--fair", action="store_true", help="only mode 7: the 16-request round, both engines up at once")
     parser.add_argument("--fair-rounds", type=int, default=5, help="--fair: rounds measured (after a warm-up)")
+    parser.add_argument(
+        "--competitor-cpus",
+        help="--fair: pin the competitor to these CPUs (a taskset -c list); with VLLM_CPU_OMP_THREADS_BIND set to the "
+        "cores (e.g. 0-1) every forward then meets it, whichever engine runs (no placement luck)",
+    )
     parser.add_argument("--fair-from", help="--fair: a run's rows file (table, plot and figures from it; no engines)")
     parser.add_argument("--pd", action="store_true", help="only mode 6: P/D decode TTFT vs a prefix-cache hit")
     parser.add_argument("--pd-prompts", type=int, default=3, help="--pd: prompts measured")

@@ -18,9 +18,9 @@ Contract:
 * `tree_cpu_seconds(pid)`: user + system CPU seconds of `pid` and its descendants so far (0 for a process gone);
   `thread_cpu_seconds(pid)` the same by thread name (digits and separators at a name's end dropped, so a pool of
   threads sums into one entry).
-* `start_competitor(threads)`: the benchmarks' CPU competitor, a process of `threads` Python threads spinning (what
-  an engine's busy Python threads cost the cores and, in their process, the interpreter), in its own session (ended,
-  as servers are, by `vllm_engine.stop_processes`).
+* `start_competitor(threads, cpus=None)`: the benchmarks' CPU competitor, a process of `threads` Python threads
+  spinning (what an engine's busy Python threads cost the cores and, in their process, the interpreter), in its own
+  session (ended, as servers are, by `vllm_engine.stop_processes`); `cpus` pins it (`taskset -c`).
 """
 
 from __future__ import annotations
@@ -171,5 +171,7 @@ SPIN = (
 )
 
 
-def start_competitor(threads: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SPIN, str(threads)], start_new_session=True)
+def start_competitor(threads: int, cpus: str | None = None) -> subprocess.Popen:
+    """The competitor process; `cpus` (a `taskset -c` list, e.g. "1"): pinned there from its start."""
+    pin = ["taskset", "-c", cpus] if cpus else []
+    return subprocess.Popen([*pin, sys.executable, "-c", SPIN, str(threads)], start_new_session=True)
