@@ -30,6 +30,10 @@ class TransferStats:
     # (the step policy's rate learns from them: `StepPolicy.record_late_load`)
     load_late_bytes: int = 0
     load_late_seconds: float = 0.0
+    # in-step loads (vLLM's step mode): the bytes loaded and the seconds from their start to the last one's end, per
+    # step (timed alone, before the forward: the step policy's rate, `StepPolicy.record_transfer`)
+    load_in_step_bytes: int = 0
+    load_in_step_seconds: float = 0.0
     save_blocks: int = 0
     save_failed_blocks: int = 0
     save_bytes: int = 0

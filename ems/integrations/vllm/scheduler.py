@@ -199,7 +199,14 @@ class EmsScheduler:
         if not worker_stats:
             return
         stats = TransferStats.from_dict(worker_stats)
-        self.lookups.policy.record_transfer(stats.load_bytes, stats.load_seconds, stats.save_bytes, stats.save_seconds)
+        self.lookups.policy.record_transfer(
+            stats.load_bytes,
+            stats.load_seconds,
+            stats.save_bytes,
+            stats.save_seconds,
+            stats.load_in_step_bytes,
+            stats.load_in_step_seconds,
+        )
         self.lookups.policy.record_late_load(stats.load_late_bytes, stats.load_late_seconds)
 
     def _expected(self, request: Request, start: int, full: int) -> int:

@@ -16,7 +16,9 @@ is the worker's record of the step under way, `steps.WorkerStep`):
   `IN_STEP_LOAD_GRACE` times it (its timeout) rather than have its blocks recomputed; blocks they did not load go to
   `get_block_ids_with_load_errors` in this step (vLLM recomputes them); they are never named as finished. One that
   ran out of its timeout is counted (`load_late_bytes`, `load_late_seconds`) for the scheduler's policy, which then
-  loads asynchronously; the step's record counts every one that ran past the bound.
+  loads asynchronously; the step's record counts every one that ran past the bound. The step's in-step phase (the
+  blocks it loaded, the seconds from its start to its last call's end) is counted too (`load_in_step_bytes`,
+  `load_in_step_seconds`): the policy's rate.
 * `take_done()` names each request whose load has finished (never blocks; `wait_done(timeout_s)` waits for one
   in flight); blocks that did not arrive go to `get_block_ids_with_load_errors` in that same step (vLLM recomputes
   them, or fails the request, by its policy: `engine_checks.apply_failure_policy`); a hybrid model's request with
@@ -128,6 +130,7 @@ class WorkerLoads:
                 by_epoch.setdefault(load.epoch, []).append(load)
         calls = [(epoch, call) for epoch, group in by_epoch.items() for call in LoadCall.calls(group)]
         started = time.perf_counter()
+        loaded = 0
         if len(calls) > 1:  # loads placed by their chains, a call each: all started at once, then waited for
             for epoch, call in calls:
                 call.pending = self._mover.start_load(call.block_ids, call.hashes, epoch, self._in_step_option, call.chain_prefix)
@@ -154,7 +157,12 @@ class WorkerLoads:
                     self._ctx.stats.add(load_late_bytes=len(call.block_ids) * self._ctx.block_bytes, load_late_seconds=took)
             self.step.in_step_loads += len(call.loads)
             self.step.in_step_load_blocks += len(call.block_ids)
+            loaded += outcome.loaded
             self._settle(call, outcome.loaded, retry=False)
+        if loaded:  # the phase's bytes over its seconds: what the step policy predicts an in-step load by
+            self._ctx.stats.add(
+                load_in_step_bytes=loaded * self._ctx.block_bytes, load_in_step_seconds=time.perf_counter() - started
+            )
 
     def _load_in_layers(self, loads: list[BlockTransfer], stage: LayerStage) -> None:
         """Layer-wise: the step's in-step loads, one call per epoch into a run of the mirror; the layer copier waits

@@ -34,6 +34,7 @@ actions = st.one_of(
     st.tuples(st.just("lookup"), st.floats(0.0, 0.2), st.booleans()),  # a lookup thread's measurement
     st.tuples(st.just("transfer"), st.integers(0, 1 << 30), st.floats(0.0, 2.0)),  # workers' load bytes, seconds
     st.tuples(st.just("save"), st.integers(0, 1 << 30), st.floats(0.0, 2.0)),
+    st.tuples(st.just("in_step"), st.integers(0, 1 << 30), st.floats(0.0, 2.0)),  # in-step phases' bytes, seconds
     st.tuples(st.just("ask"), st.floats(0.0, 1.0), st.booleans()),  # an in-step lookup: fraction of timeout used
     st.tuples(st.just("load"), st.integers(0, 200), st.booleans()),  # a hit of n blocks (breaker open?)
     st.tuples(st.just("step"), st.just(0), st.just(False)),
@@ -52,9 +53,11 @@ def test_decisions_never_exceed_the_bound_and_respect_the_mode(mode, budget_ms, 
     for kind, a, b in script:
         if kind == "lookup":
             policy.record_lookup(a, timed_out=b)
-        elif kind in ("transfer", "save"):
+        elif kind in ("transfer", "save", "in_step"):
             if kind == "transfer":
                 policy.record_transfer(a, b)
+            elif kind == "in_step":
+                policy.record_transfer(a, b, in_step_bytes=a, in_step_s=b)  # (in-step loads are load jobs too)
             else:
                 policy.record_transfer(0, 0.0, a, b)
         elif kind == "ask":
@@ -101,6 +104,28 @@ def test_auto_waits_for_measurements_and_backs_off_a_slow_pool():
     forced = StepPolicy(StepMode.IN_STEP, 0.05, BLOCK_BYTES)
     assert forced.lookup_timeout_s(False) == pytest.approx(0.05) and forced.decide_load(3).placement is Placement.IN_STEP
     assert StepPolicy(StepMode.ASYNC, 0.05, BLOCK_BYTES).lookup_timeout_s(False) is None
+
+
+def test_the_rate_follows_in_step_loads_and_a_slow_job_beside_a_forward_does_not_drag_it_down():
+    policy = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
+    policy.record_transfer(100 * BLOCK_BYTES, 0.1, in_step_bytes=100 * BLOCK_BYTES, in_step_s=0.1)  # ~1 GB/s
+    measured = policy.rate_Bps
+    assert measured == pytest.approx(100 * BLOCK_BYTES / 0.1)
+    # an asynchronous 1-block load that took 250 ms beside a forward: at most the rate, no news about it
+    policy.record_transfer(BLOCK_BYTES, 0.25)
+    assert policy.rate_Bps == measured
+    assert policy.decide_load(10).placement is Placement.IN_STEP  # ~10 ms predicted, as the in-step loads showed
+    # in-step loads that ran ten times slower move it down (a moving average, not at once)
+    policy.record_transfer(10 * BLOCK_BYTES, 0.1, in_step_bytes=10 * BLOCK_BYTES, in_step_s=0.1)
+    lowered = policy.rate_Bps
+    assert lowered is not None and measured / 10 < lowered < measured
+    # a job faster than the estimate shows the rate is at least that: it raises it
+    policy.record_transfer(100 * BLOCK_BYTES, 0.05)
+    assert policy.rate_Bps is not None and policy.rate_Bps > lowered
+    # the first load measured of either kind sets the rate (here an asynchronous one)
+    fresh = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
+    fresh.record_transfer(BLOCK_BYTES, 0.25)
+    assert fresh.rate_Bps == pytest.approx(BLOCK_BYTES / 0.25)
 
 
 # ---- through the halves ----
@@ -288,6 +313,8 @@ def test_a_load_slowed_past_the_bound_is_waited_for_not_recomputed(node):
         stats = ctx.stats.drain()
         assert (stats.load_late_bytes, stats.load_failed_blocks) == (0, 0)
         assert stats.load_bytes == 3 * ctx.block_bytes and stats.load_seconds > bound_ms / 1000
+        # the in-step phase, as the policy's rate reads it: the blocks it loaded over the time it held the step
+        assert stats.load_in_step_bytes == 3 * ctx.block_bytes and stats.load_in_step_seconds > bound_ms / 1000
     finally:
         resume.cancel()
         os.kill(node.pid, signal.SIGCONT)

@@ -15,8 +15,13 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
   counts as down) nothing runs in the step.
 * Measured costs: `record_lookup(seconds)` (every `exists` the scheduler makes, in the step or on the lookup
   thread) and `record_transfer(...)` (the workers' load and save jobs, as vLLM hands their statistics to the
-  scheduler) keep exponential moving averages: the latency of one lookup and the load rate (bytes/s). Until a load
-  has been measured the save rate stands in for it (the same link, the other way). `AUTO` runs a lookup in the step
+  scheduler) keep exponential moving averages: the latency of one lookup and the load rate (bytes/s). The load rate
+  is what an in-step load costs: the workers' in-step loads (`in_step_bytes` over `in_step_s`, timed alone before
+  the forward) move it either way; every load job's bytes over its seconds (asynchronous jobs beside a forward
+  included, whose seconds are the load's own plus its waits for the cores) are at most that rate, so they only
+  raise it (an asynchronous load slowed 10-50x beside a forward used to drag it down, and the next hits that would
+  have taken milliseconds in the step went asynchronous). The first load measured of either kind sets it. Until a
+  load has been measured the save rate stands in for it (the same link, the other way). `AUTO` runs a lookup in the step
   once one has been measured and twice its latency fits what is left of the budget, and a load in the step once a
   rate is known and twice the load's predicted seconds (`blocks * block_bytes / rate`) fit (it reserves that
   much). An in-step load that ran out of its bound (`record_late_load`) drops the rate at once to what it shows
@@ -103,11 +108,24 @@ class StepPolicy:
             if self.slow and self.lookup_s * LOOKUP_MARGIN <= self.budget_s:
                 self.slow = False
 
-    def record_transfer(self, load_bytes: int, load_s: float, save_bytes: int = 0, save_s: float = 0.0) -> None:
-        """The workers' load and save jobs since the last call (their bytes and seconds, summed)."""
+    def record_transfer(
+        self,
+        load_bytes: int,
+        load_s: float,
+        save_bytes: int = 0,
+        save_s: float = 0.0,
+        in_step_bytes: int = 0,
+        in_step_s: float = 0.0,
+    ) -> None:
+        """The workers' load and save jobs since the last call (their bytes and seconds, summed), and of the loads
+        among them, those run in the step (the in-step phases' bytes and seconds)."""
         with self._lock:
-            if load_bytes > 0 and load_s > 0:
-                self.load_Bps = _ewma(self.load_Bps, load_bytes / load_s)
+            if in_step_bytes > 0 and in_step_s > 0:  # timed alone, before the forward: the rate itself
+                self.load_Bps = _ewma(self.load_Bps, in_step_bytes / in_step_s)
+            if load_bytes > 0 and load_s > 0:  # at most the rate (waits beside a forward included): raises it only
+                sample = load_bytes / load_s
+                if self.load_Bps is None or sample > self.load_Bps:
+                    self.load_Bps = _ewma(self.load_Bps, sample)
             if save_bytes > 0 and save_s > 0:
                 self.save_Bps = _ewma(self.save_Bps, save_bytes / save_s)
 
