@@ -653,6 +653,7 @@ def fair_report(args: argparse.Namespace, run: dict) -> None:
         for m, mark in (("itl", "o-"), ("throughput", "s-"), ("ttft", "^-")):
             ax.plot([row["round"] for row in rows], [x[m] for x in ratios], mark, label=f"{m} pooled / warm")
         ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")  # (a busy host's rounds span 0.1x to 10x)
         ax.set_xlabel(f"round (a fresh prompt set each; {busy})")
         ax.set_ylabel("ratio, pooled / vLLM's prefix cache")
         ax.legend()
@@ -680,8 +681,8 @@ def fair_report(args: argparse.Namespace, run: dict) -> None:
                         "",
                         f"## vLLM: the 16-request round, both engines up at once, {busy} ({run['date']}, cpu)",
                         "",
-                        f"Command: `{run['command']}` at commit {run['commit']}; {run['machine']}, load average "
-                        f"{run['load_before']:.1f} at start. {len(rows)} rounds after a warm-up, each a fresh set of 16 "
+                        f"Command: `{run['command']}` at commit {run['commit']}; {run['machine']}. "
+                        f"{len(rows)} rounds after a warm-up, each a fresh set of 16 "
                         f"requests sharing a {run['prefix']}-token prefix (32 tokens each): B from the pool, C cold then warm "
                         "(vLLM's prefix cache); cells: this round's pooled / warm ratio; the last row their median "
                         "(min–max). Goals: ITL <= 1.1x, throughput >= 0.9x.",
@@ -695,8 +696,8 @@ def fair_report(args: argparse.Namespace, run: dict) -> None:
 
 def fair_bench(args: argparse.Namespace) -> None:
     """Mode 7 (`--fair`): see the module docstring."""
+    from bench_serving import shown_arguments
     from benchlib import machine
-    from results import command_line
     from servers import start_competitor
     from vllm_engine import stop_processes
 
@@ -729,6 +730,7 @@ def fair_bench(args: argparse.Namespace) -> None:
     }
     b_before, c_before = fair_turns(rounds)
     load_before = os.getloadavg()[0]
+    described = machine()  # (its load average: at the run's start)
     competitor = None
     procs: list[subprocess.Popen] = []
     try:
@@ -754,9 +756,10 @@ def fair_bench(args: argparse.Namespace) -> None:
         "competitor": args.competitor,
         "competitor_cpus": args.competitor_cpus,
         "omp_bind": OMP_BIND,
-        "command": (f"VLLM_CPU_OMP_THREADS_BIND={OMP_BIND} " if OMP_BIND != "nobind" else "") + command_line(),
+        "command": (f"VLLM_CPU_OMP_THREADS_BIND={OMP_BIND} " if OMP_BIND != "nobind" else "")
+        + " ".join(["python perf/bench_vllm.py", *shown_arguments(sys.argv[1:])]),
         "commit": ems_commit(),
-        "machine": machine(),
+        "machine": described,
         "date": time.strftime("%Y-%m-%d"),
         "load_before": load_before,
         "prefix": args.prefix,
