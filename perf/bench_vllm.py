@@ -327,6 +327,27 @@ def plot_round(out: str, plotted: str, records: dict, steps: list[float]) -> Non
     fig.savefig(out, dpi=110)
 
 
+ROUND_NEW_TOKENS = 32  # tokens each request of the 16-request round generates
+
+
+def round_spec(model: str, prompts: list[list[int]], prefix: int, pool_dir: str) -> dict:
+    """The engine spec of the 16-request round (modes 5 and 7): batch rounds of 16 requests sharing a `prefix`-token
+    prefix with 64-token tails, vLLM's per-request timestamps, room for one round's blocks, the local pool node at
+    `pool_dir` (no read cache: every lookup and load crosses the node)."""
+    return {
+        "model": model,
+        "prompts": prompts,
+        "batch": True,
+        "max_tokens": ROUND_NEW_TOKENS,
+        "log_stats": True,
+        "extra": {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300},
+        "kv_load_failure_policy": "recompute",
+        "num_blocks": 16 * ((prefix + 64 + ROUND_NEW_TOKENS) // 32 + 2) + 16,
+        "max_model_len": prefix + 256,
+        "max_num_batched_tokens": prefix + 256,
+    }
+
+
 def round_only(args: argparse.Namespace) -> None:
     """Mode 5 (`--round`): only the 16-request round, with the connector (engine B, once per `--step-policies`: the
     prompts from the pool) and without (engine C: from vLLM's prefix cache), side by side, with the connector's
@@ -340,21 +361,9 @@ def round_only(args: argparse.Namespace) -> None:
     prefix = [rng.randrange(4096) for _ in range(args.prefix)]
     many = [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
     pool_dir = os.path.join(root, "pool")
-    new_tokens = 32
-    extra = {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300}
-    base = {
-        "model": model,
-        "prompts": many,
-        "rounds": [list(range(16)), list(range(16))],
-        "batch": True,
-        "max_tokens": new_tokens,
-        "log_stats": True,
-        "extra": extra,
-        "kv_load_failure_policy": "recompute",
-        "num_blocks": 16 * ((args.prefix + 64 + new_tokens) // 32 + 2) + 16,
-        "max_model_len": args.prefix + 256,
-        "max_num_batched_tokens": args.prefix + 256,
-    }
+    new_tokens = ROUND_NEW_TOKENS
+    base = {**round_spec(model, many, args.prefix, pool_dir), "rounds": [list(range(16)), list(range(16))]}
+    extra = base["extra"]
     load_before = os.getloadavg()[0]
     bs: dict[str, dict] = {}
     try:
@@ -713,21 +722,8 @@ def fair_bench(args: argparse.Namespace) -> None:
         prompts += [prefix + [rng.randrange(4096) for _ in range(64)] for _ in range(16)]
     sets = [list(range(16 * r, 16 * r + 16)) for r in range(rounds)]
     pool_dir, turns = os.path.join(root, "pool"), os.path.join(root, "turns")
-    new_tokens = 32
-    extra = {"local_pool_dir": pool_dir, "read_cache_capacity": 0, "lookup_timeout_ms": 300}
-    base = {
-        "model": model,
-        "prompts": prompts,
-        "batch": True,
-        "max_tokens": new_tokens,
-        "log_stats": True,
-        "extra": extra,
-        "kv_load_failure_policy": "recompute",
-        "num_blocks": 16 * ((args.prefix + 64 + new_tokens) // 32 + 2) + 16,
-        "max_model_len": args.prefix + 256,
-        "max_num_batched_tokens": args.prefix + 256,
-        "turns_file": turns,
-    }
+    new_tokens = ROUND_NEW_TOKENS
+    base = {**round_spec(model, prompts, args.prefix, pool_dir), "turns_file": turns}
     b_before, c_before = fair_turns(rounds)
     load_before = os.getloadavg()[0]
     described = machine()  # (its load average: at the run's start)
