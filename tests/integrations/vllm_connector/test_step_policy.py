@@ -21,7 +21,7 @@ from test_scheduler import step
 from ems import Ems
 from ems.integrations.connector_config import IN_STEP_LOAD_GRACE
 from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
-from ems.integrations.vllm.lookups.step_policy import Placement, StepMode, StepPolicy
+from ems.integrations.vllm.lookups.step_policy import EWMA_WEIGHT, Placement, StepMode, StepPolicy
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
 
@@ -122,6 +122,13 @@ def test_the_rate_follows_in_step_loads_and_a_slow_job_beside_a_forward_does_not
     # a job faster than the estimate shows the rate is at least that: it raises it
     policy.record_transfer(100 * BLOCK_BYTES, 0.05)
     assert policy.rate_Bps is not None and policy.rate_Bps > lowered
+    # an in-step phase slower than its own jobs (the phase also settles the blocks): the phase is the rate, its
+    # jobs' faster figure raises nothing
+    phased = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
+    phased.record_transfer(10 * BLOCK_BYTES, 0.01, in_step_bytes=10 * BLOCK_BYTES, in_step_s=0.1)
+    assert phased.rate_Bps == pytest.approx(10 * BLOCK_BYTES / 0.1)
+    phased.record_transfer(10 * BLOCK_BYTES, 0.01, in_step_bytes=10 * BLOCK_BYTES, in_step_s=0.2)
+    assert phased.rate_Bps == pytest.approx((1 - EWMA_WEIGHT) * 10 * BLOCK_BYTES / 0.1 + EWMA_WEIGHT * 10 * BLOCK_BYTES / 0.2)
     # the first load measured of either kind sets the rate (here an asynchronous one)
     fresh = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
     fresh.record_transfer(BLOCK_BYTES, 0.25)

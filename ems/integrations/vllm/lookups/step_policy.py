@@ -20,8 +20,10 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
   the forward) move it either way; every load job's bytes over its seconds (asynchronous jobs beside a forward
   included, whose seconds are the load's own plus its waits for the cores) are at most that rate, so they only
   raise it (an asynchronous load slowed 10-50x beside a forward used to drag it down, and the next hits that would
-  have taken milliseconds in the step went asynchronous). The first load measured of either kind sets it. Until a
-  load has been measured the save rate stands in for it (the same link, the other way). `AUTO` runs a lookup in the step
+  have taken milliseconds in the step went asynchronous); an account that holds an in-step phase moves it by the
+  phase only (its in-step jobs, timed without the phase's settling copies, would read faster than the phase). The
+  first load measured of either kind sets it. Until a load has been measured the save rate stands in for it (the
+  same link, the other way). `AUTO` runs a lookup in the step
   once one has been measured and twice its latency fits what is left of the budget, and a load in the step once a
   rate is known and twice the load's predicted seconds (`blocks * block_bytes / rate`) fit (it reserves that
   much). An in-step load that ran out of its bound (`record_late_load`) drops the rate at once to what it shows
@@ -122,7 +124,9 @@ class StepPolicy:
         with self._lock:
             if in_step_bytes > 0 and in_step_s > 0:  # timed alone, before the forward: the rate itself
                 self.load_Bps = _ewma(self.load_Bps, in_step_bytes / in_step_s)
-            if load_bytes > 0 and load_s > 0:  # at most the rate (waits beside a forward included): raises it only
+            elif load_bytes > 0 and load_s > 0:  # asynchronous jobs only: at most the rate (waits beside a forward
+                # included), so they only raise it. With an in-step phase in the same account, its own jobs are among
+                # the loads, timed without the phase's settling copies: faster than the phase, not a bound of it.
                 sample = load_bytes / load_s
                 if self.load_Bps is None or sample > self.load_Bps:
                     self.load_Bps = _ewma(self.load_Bps, sample)
