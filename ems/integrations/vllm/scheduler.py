@@ -128,6 +128,11 @@ class EmsScheduler:
         # requests whose asynchronous load is under way -> the hashes of the positions it loads: a request whose
         # next block is among another's waits for that load instead of loading its own copy
         self._loading: dict[str, frozenset[bytes]] = {}
+        # requests whose hit the step policy put off to the next step (room held there) -> the hashes it loads, and
+        # the same of the step before (they are asked again this step): requests sharing the prefix wait for them
+        self._deferred: dict[str, frozenset[bytes]] = {}
+        self._deferred_before: dict[str, frozenset[bytes]] = {}
+        self._loads_deferred = 0  # this step's loads put off to the next step
         self._load_waits = 0  # requests told to wait for another request's load during this step
         self._blocks = RequestBlocks(ctx)  # which of a request's blocks a lookup, load or save names
 
@@ -138,10 +143,11 @@ class EmsScheduler:
             self.lookups.skip(request.request_id, start)
             return 0, False
         full = min((request.num_prompt_tokens - 1) // block_size, len(request.block_hashes) // self._ctx.hash_stride)
-        if self._loading and start < full:
+        if (self._loading or self._deferred or self._deferred_before) and start < full:
             end = self._loaded_by_others(request, start, full)
             if end is not None and self.lookups.hold(request.request_id):
-                # another request is loading this prefix: vLLM's prefix cache holds it once that load ends. What lies
+                # another request is loading this prefix (or will, in the step after: put off to it): vLLM's prefix
+                # cache holds it once that load ends. What lies
                 # beyond it is asked now, so that the answer is in (`lookup_cache_s`) when the request asks from there
                 if end < full:
                     self.lookups.match(
@@ -171,11 +177,19 @@ class EmsScheduler:
         self._in_step.discard(request.request_id)
         if hits == 0:
             return 0, False
-        decision = self.lookups.policy.decide_load(hits, self.lookups.breaker.is_open())
+        rid = request.request_id
+        self._deferred.pop(rid, None)
+        self._deferred_before.pop(rid, None)
         # a hybrid model's loads stay asynchronous: its short load is a failed receive of the whole request, which
-        # vLLM takes only from a request waiting for its KV
+        # vLLM takes only from a request waiting for its KV (nor is it put off: it would only wait longer)
+        decision = self.lookups.policy.decide_load(hits, self.lookups.breaker.is_open(), None if self._ctx.hybrid else rid)
+        if decision.placement is Placement.NEXT_STEP:  # its answer is kept (`lookup_cache_s`): asked again next step
+            self._deferred[rid] = frozenset(self._blocks.hashes(request)[start : start + hits])
+            self._waiting_lookups += 1
+            self._loads_deferred += 1
+            return None, False
         if decision.placement is Placement.IN_STEP and not self._ctx.hybrid:
-            self._in_step.add(request.request_id)
+            self._in_step.add(rid)
             return hits * block_size, False  # vLLM's synchronous path: loaded before this step's forward
         return hits * block_size, True
 
@@ -184,9 +198,10 @@ class EmsScheduler:
         (chained hashes: the blocks it shares with that load are a run from `start`), or None: it loads none."""
         hashes = self._blocks.hashes(request)
         rid = request.request_id
-        for owner, loading in self._loading.items():
-            if owner != rid and hashes[start] in loading:
-                return bisect.bisect_left(range(start, full), True, key=lambda p: hashes[p] not in loading) + start
+        for owners in (self._loading, self._deferred, self._deferred_before):
+            for owner, loading in owners.items():
+                if owner != rid and hashes[start] in loading:
+                    return bisect.bisect_left(range(start, full), True, key=lambda p: hashes[p] not in loading) + start
         return None
 
     def update_connector_output(self, worker_stats: dict[str, Any] | None, loads_done: Iterable[str] = ()) -> None:
@@ -322,11 +337,13 @@ class EmsScheduler:
             scheduled_reqs=len(scheduler_output.num_scheduled_tokens),
             lookups_waiting=self._waiting_lookups,
             load_waits=self._load_waits,
+            loads_deferred=self._loads_deferred,
             loads_sent=len(meta.loads),
             load_blocks=sum(len(load.block_ids) for load in meta.loads),
             save_blocks=sum(len(save.block_ids) for save in meta.saves),
         )
-        self._waiting_lookups = self._load_waits = 0
+        self._waiting_lookups = self._load_waits = self._loads_deferred = 0
+        self._deferred_before, self._deferred = self._deferred, {}  # (the policy's held room turns over alike)
         # this step's lookups, one batch, off this thread; a step with nothing to run waits a little for them
         self.lookups.end_step(meta.idle, record)
         self.steps.append(record)
@@ -338,6 +355,9 @@ class EmsScheduler:
         self.lookups.forget(rid)
         self._in_step.discard(rid)
         self._loading.pop(rid, None)  # an abandoned load: whoever waits for it goes on by itself
+        self._deferred.pop(rid, None)
+        self._deferred_before.pop(rid, None)
+        self.lookups.policy.forget(rid)
         # a load not sent yet still goes to the workers: vLLM frees the blocks once they report it finished.
         # Saves copy their blocks out after the step, off it: vLLM keeps them until every worker reports the request
         # in finished_sending (each worker knows the same requests from the metadata).
@@ -357,6 +377,8 @@ class EmsScheduler:
         for load in self._loads.values():  # promised in the old epoch: recomputed, not loaded
             load.cancelled = True
         self._loading.clear()  # its loads fail or load the old epoch's blocks: nobody waits for them
+        self._deferred.clear()
+        self._deferred_before.clear()
         self._events.cleared()
         self.lookups.clear()
         self._ctx.cc.describe_namespace(parts={"epoch": _epoch_part(self.epoch.epoch)})

@@ -39,7 +39,8 @@ class SchedulerStep:
     scheduled_reqs: int = 0
     lookups_sent: int = 0  # requests whose lookup this step dispatched (one batch)
     lookups_waiting: int = 0  # requests told "ask again next step" during this step
-    load_waits: int = 0  # of which waiting for another request's asynchronous load of their prefix
+    load_waits: int = 0  # of which waiting for another request's load of their prefix (asynchronous or put off)
+    loads_deferred: int = 0  # of which hits the step policy put off to the next step (room held there)
     lookup_batches: int = 0  # batches answered since the previous step
     lookup_s: float = 0.0  # their seconds on the lookup thread
     loads_sent: int = 0
@@ -52,6 +53,7 @@ class SchedulerStep:
     in_step_load_blocks: int = 0
     # the step policy's estimates at the step's end (0 until measured): what its next decisions rest on
     policy_load_Bps: float = 0.0
+    policy_load_fixed_s: float = 0.0  # an in-step phase's fixed part (the load's cost past it: bytes / the rate)
     policy_lookup_s: float = 0.0
 
 

@@ -21,7 +21,7 @@ from test_scheduler import step
 from ems import Ems
 from ems.integrations.connector_config import IN_STEP_LOAD_GRACE
 from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
-from ems.integrations.vllm.lookups.step_policy import EWMA_WEIGHT, Placement, StepMode, StepPolicy
+from ems.integrations.vllm.lookups.step_policy import EWMA_WEIGHT, PhaseFit, Placement, StepMode, StepPolicy
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
 
@@ -37,6 +37,8 @@ actions = st.one_of(
     st.tuples(st.just("in_step"), st.integers(0, 1 << 30), st.floats(0.0, 2.0)),  # in-step phases' bytes, seconds
     st.tuples(st.just("ask"), st.floats(0.0, 1.0), st.booleans()),  # an in-step lookup: fraction of timeout used
     st.tuples(st.just("load"), st.integers(0, 200), st.booleans()),  # a hit of n blocks (breaker open?)
+    st.tuples(st.just("ask_load"), st.integers(0, 200), st.sampled_from(["r0", "r1", "r2", "r3"])),  # of a request
+    st.tuples(st.just("forget"), st.just(0), st.sampled_from(["r0", "r1", "r2", "r3"])),
     st.tuples(st.just("step"), st.just(0), st.just(False)),
 )
 
@@ -50,6 +52,8 @@ actions = st.one_of(
 def test_decisions_never_exceed_the_bound_and_respect_the_mode(mode, budget_ms, script):
     policy = StepPolicy(mode, budget_ms / 1000, BLOCK_BYTES)
     breaker_open = False
+    deferred_last: set[str] = set()  # requests put off in the step before this one (room held in this one)
+    deferred_now: set[str] = set()
     for kind, a, b in script:
         if kind == "lookup":
             policy.record_lookup(a, timed_out=b)
@@ -73,14 +77,32 @@ def test_decisions_never_exceed_the_bound_and_respect_the_mode(mode, budget_ms, 
             policy.spend_lookup(used, timed_out=a >= 0.95)
         elif kind == "load":
             decision = policy.decide_load(a, b)
+            assert decision.placement is not Placement.NEXT_STEP  # (no request named: never put off)
             if decision.placement is Placement.IN_STEP:
                 assert mode is not StepMode.ASYNC and not b and a > 0
                 if mode is StepMode.AUTO:
                     assert policy.rate_Bps is not None
+        elif kind == "ask_load":
+            was_put_off = b in deferred_last
+            decision = policy.decide_load(a, breaker_open, b)
+            if decision.placement is not Placement.ASYNC:
+                assert mode is not StepMode.ASYNC and not breaker_open and a > 0
+            if decision.placement is Placement.NEXT_STEP:
+                assert not was_put_off  # at most one step in a row
+                assert decision.predicted_s * 2 <= policy.budget_s + 1e-9  # it fits a whole step
+                deferred_now.add(b)
+            deferred_last.discard(b)
+        elif kind == "forget":
+            policy.forget(b)
+            deferred_last.discard(b)
+            deferred_now.discard(b)
         else:
             policy.begin_step()
-        # the step's in-step work (lookups measured, loads predicted) never passes the bound
-        assert policy.spent_s <= policy.budget_s + 1e-9
+            deferred_last, deferred_now = deferred_now, set()
+        # the step's in-step work (lookups measured, loads predicted) and the room it holds for requests put off
+        # from the last step never pass the bound; nor does the room promised to the next
+        assert policy.spent_s + policy.held_s() <= policy.budget_s + 1e-9
+        assert sum(policy._promised.values()) <= policy.budget_s + 1e-9
 
 
 def test_auto_waits_for_measurements_and_backs_off_a_slow_pool():
@@ -133,6 +155,74 @@ def test_the_rate_follows_in_step_loads_and_a_slow_job_beside_a_forward_does_not
     fresh = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
     fresh.record_transfer(BLOCK_BYTES, 0.25)
     assert fresh.rate_Bps == pytest.approx(BLOCK_BYTES / 0.25)
+
+
+def test_a_phase_costs_a_fixed_part_and_its_bytes_over_the_rate():
+    # as measured in a vLLM worker: prompts' tails of 3 blocks in 3 ms (1 GB/s), a prefix of 35 in 10 ms (3.7 GB/s)
+    policy = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
+    fixed_s, per_block_s = 0.002125, 0.00025  # 3 blocks: 2.875 ms; 35 blocks: 10.875 ms
+    for blocks in (3, 35, 3, 3, 6, 3, 35, 3, 3):
+        policy.record_transfer(0, 0.0, in_step_bytes=blocks * BLOCK_BYTES, in_step_s=fixed_s + blocks * per_block_s)
+    assert policy.load_fixed_s == pytest.approx(fixed_s) and policy.rate_Bps == pytest.approx(BLOCK_BYTES / per_block_s)
+    assert policy.predict_s(35) == pytest.approx(fixed_s + 35 * per_block_s)
+    decision = policy.decide_load(35, request_id="prefix")  # 2 x 10.9 ms of the 50: in the step
+    assert decision.placement is Placement.IN_STEP and decision.predicted_s == pytest.approx(0.010875)
+    # (their bytes over their seconds, a moving average: 2.1 GB/s, 17 ms predicted for those 35 blocks)
+    ratio = None
+    for blocks in (3, 35, 3, 3, 6, 3, 35, 3, 3):
+        sample = blocks * BLOCK_BYTES / (fixed_s + blocks * per_block_s)
+        ratio = sample if ratio is None else (1 - EWMA_WEIGHT) * ratio + EWMA_WEIGHT * sample
+    assert ratio is not None and 35 * BLOCK_BYTES / ratio > 1.5 * policy.predict_s(35)
+    # no line until the sizes spread; not one that falls or starts below zero
+    fit = PhaseFit()
+    fit.add(3.0, 0.003)
+    assert fit.line() is None
+    fit.add(3.0, 0.004)
+    assert fit.line() is None  # the same size twice: no slope to tell
+    falling, below = PhaseFit(), PhaseFit()
+    for x, y in ((1.0, 0.004), (10.0, 0.002)):
+        falling.add(x, y)
+    for x, y in ((1.0, 0.001), (10.0, 0.020)):
+        below.add(x, y)
+    assert falling.line() is None and below.line() is None
+
+
+def test_a_hit_that_does_not_fit_this_step_waits_for_the_next_whose_bound_holds_room_for_it():
+    policy = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
+    policy.record_transfer(0, 0.0, in_step_bytes=BLOCK_BYTES, in_step_s=0.001)  # 1 ms a block: a block needs 2
+    assert policy.decide_load(20, request_id="a").placement is Placement.IN_STEP  # 40 of the 50 ms
+    put_off = policy.decide_load(10, request_id="b")  # 20 ms: not in the 10 left, in the next step's 50
+    assert put_off.placement is Placement.NEXT_STEP and put_off.predicted_s == pytest.approx(0.01)
+    assert policy.decide_load(10).placement is Placement.ASYNC  # no request named: never put off
+    assert policy.decide_load(15, request_id="c").placement is Placement.NEXT_STEP  # 30 ms: the next step's rest
+    assert policy.decide_load(1, request_id="d").placement is Placement.IN_STEP  # what fits this step still does
+    assert policy.decide_load(5, request_id="e").placement is Placement.ASYNC  # the next step is promised
+    assert policy.decide_load(30, request_id="f").placement is Placement.ASYNC  # 60 ms: no step holds it
+    assert policy.step_deferred == 2 and policy.step_loads == 2
+    policy.begin_step()
+    assert policy.held_s() == pytest.approx(0.05) and policy.left_s() == 0.0  # b's and c's room: none for others
+    assert policy.decide_load(1, request_id="g").placement is Placement.NEXT_STEP
+    assert policy.decide_load(10, request_id="b").placement is Placement.IN_STEP  # its own room
+    assert policy.left_s() == pytest.approx(0.0) and policy.held_s() == pytest.approx(0.03)  # c's
+    policy.record_late_load(BLOCK_BYTES, 0.1)  # the rate fell a hundredfold: c no longer fits its room
+    assert policy.decide_load(15, request_id="c").placement is Placement.ASYNC  # not put off twice in a row
+    policy.begin_step()
+    assert policy.held_s() == pytest.approx(0.002)  # g's, promised before the rate fell
+    policy.forget("g")  # g ended: its room is free
+    assert policy.held_s() == 0.0 and policy.left_s() == pytest.approx(0.05)
+    # room held for a request that is not asked again lapses with the step
+    lapsing = StepPolicy(StepMode.IN_STEP, 0.05, BLOCK_BYTES)
+    lapsing.record_transfer(0, 0.0, in_step_bytes=BLOCK_BYTES, in_step_s=0.001)
+    assert lapsing.decide_load(20, request_id="x").placement is Placement.IN_STEP
+    assert lapsing.decide_load(10, request_id="y").placement is Placement.NEXT_STEP
+    lapsing.begin_step()
+    assert lapsing.left_s() == pytest.approx(0.03)  # y's 20 ms held
+    lapsing.begin_step()  # y was not asked
+    assert lapsing.left_s() == pytest.approx(0.05)
+    # forced asynchronous: never put off
+    never = StepPolicy(StepMode.ASYNC, 0.05, BLOCK_BYTES)
+    never.record_transfer(0, 0.0, in_step_bytes=BLOCK_BYTES, in_step_s=0.001)
+    assert never.decide_load(1, request_id="z").placement is Placement.ASYNC
 
 
 # ---- through the halves ----
@@ -196,6 +286,46 @@ def test_a_fast_pool_looks_up_and_loads_inside_the_step(mode):
         # the policy's estimates the decision rested on: a rate and a lookup's latency, both measured
         assert record["policy_load_Bps"] > 0 and record["policy_lookup_s"] > 0
         assert meta.saves == []  # loaded blocks are not saved again
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+        Ems.shutdown()
+
+
+def test_a_hit_past_the_steps_room_is_loaded_in_the_next_step_and_its_prefix_waits_for_it():
+    """Two saved prompts; the measured rate fits one 3-block load in a step, not two. The first hit loads in the
+    step; the second is put off to the next step (not asynchronously: that costs at least two) and loads there,
+    in the step; a third request sharing the second's prompt waits for that load rather than loading a copy."""
+    ctx, sched, worker, caches = make_halves(step_policy="auto", in_step_ms=5000)
+    other = [p + 1000 for p in PROMPT]
+    try:
+        compute_and_save(sched, worker, Request("a", PROMPT), [0, 1, 2, 3])
+        compute_and_save(sched, worker, Request("c", other), [4, 5, 6, 7])
+        sched.update_connector_output(ctx.stats.drain().to_dict())
+        # measured: 3 blocks in 1.5 s (a load reserves twice that: 3 of the 5 s bound), lookups in milliseconds
+        sched.lookups.policy.record_transfer(0, 0.0, in_step_bytes=3 * ctx.block_bytes, in_step_s=1.5)
+        b, d, e = Request("b", PROMPT), Request("d", other), Request("e", other)
+        assert sched.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)  # in this step
+        assert sched.get_num_new_matched_tokens(d, 0) == (None, False)  # the next step's
+        assert sched.get_num_new_matched_tokens(e, 0) == (None, False)  # waits for d's load of their prompt
+        sched.update_state_after_alloc(b, Blocks([8, 9, 10, 11]), 3 * BLOCK)
+        b.num_computed_tokens = 3 * BLOCK
+        step(sched, worker, Schedule.prefill(b, [8, 9, 10, 11]))
+        record = sched.steps.records()[-1]
+        assert (record["in_step_loads"], record["loads_deferred"], record["load_waits"]) == (1, 1, 1)
+        assert record["lookups_waiting"] == 2
+        # the next step: d first (vLLM puts the requests it skipped back in front), in the step, in its held room
+        assert sched.lookups.policy.held_s() == pytest.approx(3.0)
+        assert sched.get_num_new_matched_tokens(d, 0) == (3 * BLOCK, False)
+        sched.update_state_after_alloc(d, Blocks([12, 13, 14, 15]), 3 * BLOCK)
+        d.num_computed_tokens = 3 * BLOCK
+        meta = step(sched, worker, Schedule.prefill(d, [12, 13, 14, 15]))
+        assert [(x.req_id, x.block_ids, x.in_step) for x in meta.loads] == [("d", [12, 13, 14], True)]
+        for layer in caches.values():  # loaded before the forward
+            assert torch.equal(layer[12:15], layer[4:7])
+        assert worker.get_block_ids_with_load_errors() == set()
+        # e: vLLM's prefix cache now holds the prompt's blocks (d's in-step load is cached at once): nothing to load
+        assert sched.get_num_new_matched_tokens(e, 3 * BLOCK) == (0, False)
     finally:
         sched.shutdown()
         worker.shutdown()
