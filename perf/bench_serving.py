@@ -90,7 +90,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"), help="'': record and append nothing")
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--from-rows", default="", help="a run's rows.json: summarize it again (no servers)")
+    parser.add_argument(
+        "--b-config",
+        default="{}",
+        help="JSON: connector settings of B added to its kv_connector_extra_config (e.g. '{\"in_step_ms\": 100}')",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.b_config = json.loads(args.b_config)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--b-config: not JSON: {exc}")
+    if not isinstance(args.b_config, dict):
+        parser.error("--b-config: a JSON object of connector settings")
     if args.quick:
         args.rounds, args.rounds_64, args.concurrency, args.prompts = 1, 0, "4", "4:8"
         args.prefix_len, args.num_prefixes, args.output_len = 1024, 2, 8
@@ -227,6 +238,7 @@ def step_table(worker: list[dict], scheduler: list[dict], windows: Sequence[tupl
         # (records of trees before these fields: none counted)
         "in_step_late": sum(r.get("in_step_loads_late", 0) for r in work),
         "in_step_late_blocks": sum(r.get("in_step_late_blocks", 0) for r in work),
+        "loads_deferred": sum(r.get("loads_deferred", 0) for r in sched),  # put off to the next step
         "steps_with_calls_in_flight": sum(r["inflight"] > 0 for r in work),
         "lookups_sent": sum(r["lookups_sent"] for r in sched),
         "lookup_s": sum(r["lookup_s"] for r in sched),
@@ -314,6 +326,7 @@ class Bench:
                 }
                 if name == "B":
                     env["EMS_BENCH_STEPS_DIR"] = self.steps_dir
+                    transfer["kv_connector_extra_config"].update(self.args.b_config)
             port = free_port()
             argv = api_server_argv(self.model, port, self.max_len, self.num_blocks, transfer, "float32", tokenizer=True)
             self.procs[name] = start_server(argv, os.path.join(self.root, f"{name}.log"), env)
@@ -642,7 +655,8 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
         "",
         "| competitor | concurrency | steps | step ms with a load started / other (median) | step ms with calls in "
         "flight / none (median) | loads started, "
-        "finished, mean load ms | worker call s / wait s | in-step loads (s), late (blocks recomputed) | rounds with "
+        "finished, mean load ms | worker call s / wait s | in-step loads (s), late (blocks recomputed), put off a step "
+        "| rounds with "
         "a late in-step load: TTFT pooled / warm in them, in the others (medians) | lookups sent, lookup-thread s, "
         "scheduler wait s | CPU s in B's run | CPU s in C-warm's run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -655,7 +669,8 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
             f"{t['step_ms_other']:.1f} | {t['step_ms_calls_in_flight']:.1f} ({t['steps_with_calls_in_flight']}) / "
             f"{t['step_ms_no_calls_in_flight']:.1f} | {t['loads_started']}, {t['loads_done']}, {t['load_ms_mean']:.1f} | "
             f"{t['worker_call_s']:.3f} / {t['worker_wait_s']:.3f} | {t['in_step_loads']} ({t['in_step_load_s']:.3f}), "
-            f"{t['in_step_late']} ({t['in_step_late_blocks']}) | {s['late_rounds']} of {s['rounds']}: "
+            f"{t['in_step_late']} ({t['in_step_late_blocks']}), {t.get('loads_deferred', 0)} | "
+            f"{s['late_rounds']} of {s['rounds']}: "
             f"{s['ttft_late_rounds']:.2f}x, {s['ttft_other_rounds']:.2f}x | "
             f"{t['lookups_sent']}, {t['lookup_s']:.3f}, {t['scheduler_wait_s']:.3f} | {cpu['pooled']} | {cpu['warm']} |"
         )

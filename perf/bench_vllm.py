@@ -288,6 +288,7 @@ def step_summary(steps: list[float], records: dict) -> dict:
         "idle_steps": sum(r["scheduled_tokens"] == 0 for r in sched),
         "steps_with_lookups_waiting": sum(r["lookups_waiting"] > 0 for r in sched),
         "load_waits": sum(r.get("load_waits", 0) for r in sched),
+        "loads_deferred": sum(r.get("loads_deferred", 0) for r in sched),  # put off to the next step
         "lookup_batches": sum(r["lookup_batches"] for r in sched),
         "lookup_s": sum(r["lookup_s"] for r in sched),
         "scheduler_wait_s": sum(r["wait_s"] for r in sched),
