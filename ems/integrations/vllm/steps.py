@@ -53,7 +53,6 @@ class SchedulerStep:
     in_step_load_blocks: int = 0
     # the step policy's estimates at the step's end (0 until measured): what its next decisions rest on
     policy_load_Bps: float = 0.0
-    policy_load_fixed_s: float = 0.0  # an in-step phase's fixed part (the load's cost past it: bytes / the rate)
     policy_lookup_s: float = 0.0
 
 

@@ -21,7 +21,7 @@ from test_scheduler import step
 from ems import Ems
 from ems.integrations.connector_config import IN_STEP_LOAD_GRACE
 from ems.integrations.local_pool import ensure_local_pool, stop_local_pool
-from ems.integrations.vllm.lookups.step_policy import EWMA_WEIGHT, PhaseFit, Placement, StepMode, StepPolicy
+from ems.integrations.vllm.lookups.step_policy import EWMA_WEIGHT, Placement, StepMode, StepPolicy
 from ems.integrations.vllm.scheduler import EmsScheduler
 from ems.integrations.vllm.worker import EmsWorker
 
@@ -155,36 +155,6 @@ def test_the_rate_follows_in_step_loads_and_a_slow_job_beside_a_forward_does_not
     fresh = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
     fresh.record_transfer(BLOCK_BYTES, 0.25)
     assert fresh.rate_Bps == pytest.approx(BLOCK_BYTES / 0.25)
-
-
-def test_a_phase_costs_a_fixed_part_and_its_bytes_over_the_rate():
-    # as measured in a vLLM worker: prompts' tails of 3 blocks in 3 ms (1 GB/s), a prefix of 35 in 10 ms (3.7 GB/s)
-    policy = StepPolicy(StepMode.AUTO, 0.05, BLOCK_BYTES)
-    fixed_s, per_block_s = 0.002125, 0.00025  # 3 blocks: 2.875 ms; 35 blocks: 10.875 ms
-    for blocks in (3, 35, 3, 3, 6, 3, 35, 3, 3):
-        policy.record_transfer(0, 0.0, in_step_bytes=blocks * BLOCK_BYTES, in_step_s=fixed_s + blocks * per_block_s)
-    assert policy.load_fixed_s == pytest.approx(fixed_s) and policy.rate_Bps == pytest.approx(BLOCK_BYTES / per_block_s)
-    assert policy.predict_s(35) == pytest.approx(fixed_s + 35 * per_block_s)
-    decision = policy.decide_load(35, request_id="prefix")  # 2 x 10.9 ms of the 50: in the step
-    assert decision.placement is Placement.IN_STEP and decision.predicted_s == pytest.approx(0.010875)
-    # (their bytes over their seconds, a moving average: 2.1 GB/s, 17 ms predicted for those 35 blocks)
-    ratio = None
-    for blocks in (3, 35, 3, 3, 6, 3, 35, 3, 3):
-        sample = blocks * BLOCK_BYTES / (fixed_s + blocks * per_block_s)
-        ratio = sample if ratio is None else (1 - EWMA_WEIGHT) * ratio + EWMA_WEIGHT * sample
-    assert ratio is not None and 35 * BLOCK_BYTES / ratio > 1.5 * policy.predict_s(35)
-    # no line until the sizes spread; not one that falls or starts below zero
-    fit = PhaseFit()
-    fit.add(3.0, 0.003)
-    assert fit.line() is None
-    fit.add(3.0, 0.004)
-    assert fit.line() is None  # the same size twice: no slope to tell
-    falling, below = PhaseFit(), PhaseFit()
-    for x, y in ((1.0, 0.004), (10.0, 0.002)):
-        falling.add(x, y)
-    for x, y in ((1.0, 0.001), (10.0, 0.020)):
-        below.add(x, y)
-    assert falling.line() is None and below.line() is None
 
 
 def test_a_hit_that_does_not_fit_this_step_waits_for_the_next_whose_bound_holds_room_for_it():

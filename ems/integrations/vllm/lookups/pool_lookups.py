@@ -230,7 +230,6 @@ class PoolLookups:
         record.in_step_lookups, record.in_step_lookup_s = policy.step_lookups, policy.step_lookup_s
         record.in_step_loads, record.in_step_load_blocks = policy.step_loads, policy.step_load_blocks
         record.policy_load_Bps, record.policy_lookup_s = policy.rate_Bps or 0.0, policy.lookup_s or 0.0
-        record.policy_load_fixed_s = policy.load_fixed_s
         policy.begin_step()
 
     def close(self) -> None:

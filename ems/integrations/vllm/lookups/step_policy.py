@@ -16,23 +16,21 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
   counts as down) nothing runs in the step.
 * Measured costs: `record_lookup(seconds)` (every `exists` the scheduler makes, in the step or on the lookup
   thread) and `record_transfer(...)` (the workers' load and save jobs, as vLLM hands their statistics to the
-  scheduler) keep the latency of one lookup (a moving average) and what an in-step load costs: a fixed part and a
-  rate (bytes/s), `predict_s(blocks)` = fixed + blocks * block_bytes / rate. The workers' in-step phases
-  (`in_step_bytes` in `in_step_s`, timed alone before the forward) are the cost itself: a least-squares line through
-  them, recent ones weighing more (`PhaseFit`), gives both once their sizes spread; until then the fixed part is 0
-  and the rate their moving average. Every load job's bytes over its seconds (asynchronous jobs beside a forward
-  included, whose seconds are the load's own plus its waits for the cores) are at most the rate, so they only raise
-  it (an asynchronous load slowed 10-50x beside a forward used to drag it down, and the next hits that would have
-  taken milliseconds in the step went asynchronous); an account that holds an in-step phase moves it by the phase
-  only (its in-step jobs, timed without the phase's settling copies, would read faster than the phase). The first
-  load measured of either kind sets it. Until a load has been measured the save rate stands in for it (the same
-  link, the other way). `AUTO` runs a lookup in the step once one has been measured and twice its latency fits what
-  is left of the budget, and a load in the step once a rate is known and twice its predicted seconds fit (it
-  reserves that much). An in-step load that ran out of its bound (`record_late_load`) drops the rate at once to
-  what it shows (its bytes over the seconds it took: at most the true rate), so the next loads go asynchronously
-  until measured loads raise it again (an average would keep placing loads in the step that time out and are
-  recomputed). An in-step lookup that used its whole timeout marks the pool slow: `AUTO` asks asynchronously until
-  a lookup on the lookup thread is fast again.
+  scheduler) keep exponential moving averages: the latency of one lookup and the load rate (bytes/s). The load rate
+  is what an in-step load costs (`predict_s(blocks)` = blocks * block_bytes / rate): the workers' in-step loads
+  (`in_step_bytes` over `in_step_s`, timed alone before the forward) move it either way; every load job's bytes over
+  its seconds (asynchronous jobs beside a forward included, whose seconds are the load's own plus its waits for the
+  cores) are at most that rate, so they only raise it (an asynchronous load slowed 10-50x beside a forward used to
+  drag it down, and the next hits that would have taken milliseconds in the step went asynchronous); an account that
+  holds an in-step phase moves it by the phase only (its in-step jobs, timed without the phase's settling copies,
+  would read faster than the phase). The first load measured of either kind sets it. Until a load has been measured
+  the save rate stands in for it (the same link, the other way). `AUTO` runs a lookup in the step once one has been
+  measured and twice its latency fits what is left of the budget, and a load in the step once a rate is known and
+  twice its predicted seconds fit (it reserves that much). An in-step load that ran out of its bound
+  (`record_late_load`) drops the rate at once to what it shows (its bytes over the seconds it took: at most the true
+  rate), so the next loads go asynchronously until measured loads raise it again (an average would keep placing
+  loads in the step that time out and are recomputed). An in-step lookup that used its whole timeout marks the pool
+  slow: `AUTO` asks asynchronously until a lookup on the lookup thread is fast again.
 * **The next step** (`Placement.NEXT_STEP`): a hit that does not fit what is left of this step's bound but fits the
   next step's, where no earlier request holds that room yet, is asked again next step and loaded in it; the room is
   held for it through the next step (`decide_load(blocks, request_id=...)`; others there see only what is left
@@ -62,14 +60,6 @@ LOOKUP_MARGIN = 2.0
 LOAD_MARGIN = 2.0
 # The least an in-step lookup's timeout may be (the SDK's timeout is in whole milliseconds).
 MIN_LOOKUP_TIMEOUT_S = 0.001
-# An in-step phase's cost is fitted as a fixed part plus its bytes over a rate (a least-squares line through the
-# phases, each weighted by FIT_WEIGHT over the older ones): in a vLLM worker on the 2-core host a 3-block phase took
-# 2-5 ms (about 1 GB/s) and a 35-block one 7-12 ms (3-5 GB/s), so a rate alone, pulled down by the many small tails,
-# predicted the next 35-block hit past the bound and sent it asynchronously (perf/RESULTS.md).
-FIT_WEIGHT = 0.2
-# The line's slope is used only once the phases' sizes spread this much (their coefficient of variation); below it,
-# the phases' bytes over their seconds (a line through the origin).
-MIN_SIZE_SPREAD = 0.25
 
 
 class StepMode(str, enum.Enum):
@@ -96,37 +86,6 @@ def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * sample
 
 
-@dataclass
-class PhaseFit:
-    """In-step phases' seconds against their bytes: exponentially weighted moments and the line through them."""
-
-    count: int = 0
-    mean_x: float = 0.0
-    mean_y: float = 0.0
-    mean_xx: float = 0.0
-    mean_xy: float = 0.0
-
-    def add(self, nbytes: float, seconds: float) -> None:
-        w = 1.0 if self.count == 0 else FIT_WEIGHT
-        self.count += 1
-        self.mean_x += w * (nbytes - self.mean_x)
-        self.mean_y += w * (seconds - self.mean_y)
-        self.mean_xx += w * (nbytes * nbytes - self.mean_xx)
-        self.mean_xy += w * (nbytes * seconds - self.mean_xy)
-
-    def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per byte) of the fitted line, or None: sizes too alike to tell a fixed part from
-        the rate, or a line that is not a cost (a falling one, or one below zero at no bytes)."""
-        spread = self.mean_xx - self.mean_x * self.mean_x
-        if self.count < 2 or spread <= (MIN_SIZE_SPREAD * self.mean_x) ** 2:
-            return None
-        slope = (self.mean_xy - self.mean_x * self.mean_y) / spread
-        fixed = self.mean_y - slope * self.mean_x
-        if slope <= 0 or fixed < 0:
-            return None
-        return fixed, slope
-
-
 class StepPolicy:
     """See the module contract."""
 
@@ -140,9 +99,7 @@ class StepPolicy:
         self.block_bytes = block_bytes
         self._lock = threading.Lock()  # lookups are recorded from the lookup thread too
         self.lookup_s: float | None = None  # one exists call, moving average
-        self.load_Bps: float | None = None  # an in-step load's bytes per second past its fixed part
-        self.load_fixed_s = 0.0  # an in-step phase's fixed part (0 until the phases' sizes spread: `PhaseFit`)
-        self._fit = PhaseFit()
+        self.load_Bps: float | None = None  # an in-step load's bytes per second, moving average
         self.save_Bps: float | None = None  # stands in for the load rate until a load was measured
         self.slow = False  # an in-step lookup used its whole timeout: asynchronous until a fast lookup
         self.spent_s = 0.0  # this step's in-step lookups (measured) and loads (predicted)
@@ -178,14 +135,8 @@ class StepPolicy:
         """The workers' load and save jobs since the last call (their bytes and seconds, summed), and of the loads
         among them, those run in the step (the in-step phases' bytes and seconds)."""
         with self._lock:
-            if in_step_bytes > 0 and in_step_s > 0:  # timed alone, before the forward: the cost itself
-                self._fit.add(in_step_bytes, in_step_s)
-                line = self._fit.line()
-                if line is not None:
-                    self.load_fixed_s, self.load_Bps = line[0], 1.0 / line[1]
-                else:
-                    self.load_fixed_s = 0.0
-                    self.load_Bps = _ewma(self.load_Bps, in_step_bytes / in_step_s)
+            if in_step_bytes > 0 and in_step_s > 0:  # timed alone, before the forward: the rate itself
+                self.load_Bps = _ewma(self.load_Bps, in_step_bytes / in_step_s)
             elif load_bytes > 0 and load_s > 0:  # asynchronous jobs only: at most the rate (waits beside a forward
                 # included), so they only raise it. With an in-step phase in the same account, its own jobs are among
                 # the loads, timed without the phase's settling copies: faster than the phase, not a bound of it.
@@ -251,11 +202,9 @@ class StepPolicy:
             self.record_lookup(seconds, timed_out=True)
 
     def predict_s(self, blocks: int) -> float | None:
-        """An in-step load's predicted seconds: the phases' fixed part and its bytes over the rate (None: no rate)."""
-        with self._lock:
-            if self.load_Bps is not None:
-                return self.load_fixed_s + blocks * self.block_bytes / self.load_Bps
-            return None if self.save_Bps is None else blocks * self.block_bytes / self.save_Bps
+        """An in-step load's predicted seconds: its bytes over the rate (None: no rate known)."""
+        rate = self.rate_Bps
+        return None if rate is None else blocks * self.block_bytes / rate
 
     def decide_load(self, blocks: int, breaker_open: bool = False, request_id: str | None = None) -> StepDecision:
         """Where a hit of `blocks` blocks is loaded; an in-step load spends its predicted seconds of the budget, one
