@@ -339,6 +339,24 @@ def matches(value: Buffer | None, expected: ExpectedValues, i: int) -> bool:
     return valid_prefix([value], expected.range(i, i + 1)) == 1
 
 
+def valid_flags(values: Sequence[Buffer | None], expected: ExpectedValues) -> list[bool]:
+    """`matches` of every value (not only a leading run): the headers one by one, then the payloads of the values
+    whose headers are right in one batch (`payload_checksums`: one GIL hand-over for a large batch)."""
+    kind, signature = int(expected.kind), expected.layout_sig
+    candidates: list[int] = []
+    stated: list[int] = []
+    for i, (value, digest, length) in enumerate(zip(values, expected.tokens_digest.tolist(), expected.payload_len.tolist())):
+        found = _expected_checksum(value, kind, signature, digest, length)
+        if found is not None:
+            candidates.append(i)
+            stated.append(found)
+    flags = [False] * len(values)
+    computed = payload_checksums([cast(Buffer, values[i]) for i in candidates])
+    for i, computed_checksum, want in zip(candidates, computed, stated):
+        flags[i] = computed_checksum == want
+    return flags
+
+
 def stated_checksums(values: Sequence[Buffer | None], expected: ExpectedValues) -> list[int]:
     """The checksums stated by the leading values whose headers and lengths are exactly what `expected` describes
     (stopping at the first that is not, or is absent); the payloads are not read. Headers are read with `struct` (a
@@ -346,20 +364,28 @@ def stated_checksums(values: Sequence[Buffer | None], expected: ExpectedValues) 
     kind, signature = int(expected.kind), expected.layout_sig
     stated: list[int] = []
     for value, digest, length in zip(values, expected.tokens_digest.tolist(), expected.payload_len.tolist()):
-        if value is None or len(value) != HEADER_SIZE + length:
+        found = _expected_checksum(value, kind, signature, digest, length)
+        if found is None:
             break
-        magic, version, value_kind, value_signature, value_digest, value_length, value_checksum = header_struct.unpack_from(value)
-        if (
-            magic != MAGIC
-            or version != VERSION
-            or value_kind != kind
-            or value_signature != signature
-            or value_digest != digest
-            or value_length != length
-        ):
-            break
-        stated.append(value_checksum)
+        stated.append(found)
     return stated
+
+
+def _expected_checksum(value: Buffer | None, kind: int, signature: int, digest: int, length: int) -> int | None:
+    """The checksum `value`'s header states, when the value is present and its header and length are exactly these."""
+    if value is None or len(value) != HEADER_SIZE + length:
+        return None
+    magic, version, value_kind, value_signature, value_digest, value_length, value_checksum = header_struct.unpack_from(value)
+    if (
+        magic != MAGIC
+        or version != VERSION
+        or value_kind != kind
+        or value_signature != signature
+        or value_digest != digest
+        or value_length != length
+    ):
+        return None
+    return int(value_checksum)
 
 
 def valid_prefix(values: Sequence[Buffer | None], expected: ExpectedValues) -> int:

@@ -89,3 +89,29 @@ def test_unverifiable_read_cache_entry_does_not_shadow_the_node(fault_node_facto
         assert_cache_equals(cache, expected_after_load(original, poisoned, slots_of_blocks([0], BS)))
     finally:
         cc.close()
+
+
+def test_many_entries_are_placed_in_one_batch_and_a_damaged_one_in_the_middle_is_not(fault_node_factory):
+    """Four blocks kept by the save: a load from the read cache alone places the run before the damaged second
+    entry and nothing after it (the batch never copies a value that failed its check); with the node, every block
+    loads (the node's good copy replaces the damaged one)."""
+    node = fault_node_factory()
+    cc, pool, cache = _cc(node)
+    blocks, hashes = [0, 1, 2, 3], [11, 12, 13, 14]
+    try:
+        original = snapshot(cache)
+        assert cc.save(slots_of_blocks(blocks, BS), hashes, [BS] * 4).success == 4
+        key = list(pool.read_cache._entries)[1]
+        value = bytearray(pool.read_cache._entries[key])
+        value[-1] ^= 0xFF
+        pool.read_cache._entries[key] = bytes(value)
+        poisoned = poison(cache)
+        local = cc.load(slots_of_blocks(blocks, BS), hashes, [BS] * 4, CcKvOption(read_local_only=True))
+        assert local.success == 1
+        assert_cache_equals(cache, expected_after_load(original, poisoned, slots_of_blocks([0], BS)))
+        assert key not in pool.read_cache._entries  # dropped: it never shadows the node's copy
+        poisoned = poison(cache)
+        assert cc.load(slots_of_blocks(blocks, BS), hashes, [BS] * 4).success == 4
+        assert_cache_equals(cache, expected_after_load(original, poisoned, slots_of_blocks(blocks, BS)))
+    finally:
+        cc.close()

@@ -30,6 +30,7 @@ from ems.store.value_format import (
     checksum,
     is_well_formed,
     parse_header,
+    valid_flags,
     valid_prefix,
 )
 
@@ -96,6 +97,30 @@ def test_valid_prefix_checks_every_field():
     assert valid_prefix(values, other_kind) == 0
     other_tokens = ExpectedValues(ValueKind.BLOCKS_V1, 7, np.array([1, 2, 1], np.uint64), expected.payload_len)
     assert valid_prefix(values, other_tokens) == 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_valid_flags_is_matches_of_every_value(seed):
+    """Per value, not a leading run: a damaged, absent or foreign value in the middle leaves the others' flags as
+    `valid_prefix` of each one alone says; many values go through the batched checksum, one the single one."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    payloads = [rng.integers(0, 256, int(rng.integers(1, 3000)), dtype=np.uint8).tobytes() for _ in range(n)]
+    expected = ExpectedValues(
+        ValueKind.BLOCKS_V1, 7, rng.integers(0, 2**40, n, dtype=np.uint64), np.array([len(p) for p in payloads])
+    )
+    headers = build_headers(expected, [checksum([p]) for p in payloads])
+    values: list[bytes | None] = [h + p for h, p in zip(headers, payloads)]
+    for i in range(n):
+        harm = rng.integers(0, 5)
+        if harm == 1:
+            values[i] = None
+        elif harm == 2 and values[i] is not None:
+            values[i] = damage(values[i], "flip")
+        elif harm == 3:
+            values[(i + 1) % n] = values[i]  # another position's value: its tokens digest and length differ
+    alone = [valid_prefix([values[i]], expected.range(i, i + 1)) == 1 for i in range(n)]
+    assert valid_flags(values, expected) == alone
 
 
 # ------------------------------------------------------------------ KvStore
