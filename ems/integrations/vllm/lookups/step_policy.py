@@ -35,8 +35,8 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
   next step's, where no earlier request holds that room yet, is asked again next step and loaded in it; the room is
   held for it through the next step (`decide_load(blocks, request_id=...)`; others there see only what is left
   besides it). One step's wait, where an asynchronous load costs the request at least two and runs beside the
-  forwards (on a CPU host, taking the cores they run on; in-step loads that ran beside one took 2-10x their time
-  alone, perf/RESULTS.md). A request waits so at most one step in a row (held room it does not fit: asynchronously);
+  forwards (on a CPU host, taking the cores the forward runs on: perf/RESULTS.md, "the next step"). A request waits
+  so at most one step in a row (held room it does not fit: asynchronously);
   held room that its request does not use lapses with the step. The engine must ask the request again (the scheduler
   half answers "not yet"); a caller that names no request never gets this placement.
 * `begin_step()` starts a new step's budget (the scheduler calls it at the end of each step); `decide_load(blocks)`
