@@ -669,7 +669,7 @@ def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, An
             f"{t['step_ms_other']:.1f} | {t['step_ms_calls_in_flight']:.1f} ({t['steps_with_calls_in_flight']}) / "
             f"{t['step_ms_no_calls_in_flight']:.1f} | {t['loads_started']}, {t['loads_done']}, {t['load_ms_mean']:.1f} | "
             f"{t['worker_call_s']:.3f} / {t['worker_wait_s']:.3f} | {t['in_step_loads']} ({t['in_step_load_s']:.3f}), "
-            f"{t['in_step_late']} ({t['in_step_late_blocks']}), {t.get('loads_deferred', 0)} | "
+            f"{t['in_step_late']} ({t['in_step_late_blocks']}), {t['loads_deferred']} | "
             f"{s['late_rounds']} of {s['rounds']}: "
             f"{s['ttft_late_rounds']:.2f}x, {s['ttft_other_rounds']:.2f}x | "
             f"{t['lookups_sent']}, {t['lookup_s']:.3f}, {t['scheduler_wait_s']:.3f} | {cpu['pooled']} | {cpu['warm']} |"

@@ -147,8 +147,8 @@ class EmsScheduler:
             end = self._loaded_by_others(request, start, full)
             if end is not None and self.lookups.hold(request.request_id):
                 # another request is loading this prefix (or will, in the step after: put off to it): vLLM's prefix
-                # cache holds it once that load ends. What lies
-                # beyond it is asked now, so that the answer is in (`lookup_cache_s`) when the request asks from there
+                # cache holds it once that load ends. What lies beyond it is asked now, so that the answer is in
+                # (`lookup_cache_s`) when the request asks from there
                 if end < full:
                     self.lookups.match(
                         request.request_id,

@@ -9,8 +9,8 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
 * `StepMode` (`step_policy`): `AUTO` decides per request from measured costs, `IN_STEP` and `ASYNC` force one way.
   Every mode keeps the bound: the in-step work of one step (its lookups' measured seconds plus its loads' predicted
   seconds, and room held for requests put off from the last step) never exceeds `budget_s` (`in_step_ms`); what does
-  not fit waits for the next step or goes asynchronously (below), and an in-step lookup's
-  own timeout is what is left of the budget. A started in-step load that runs late may go on to
+  not fit waits for the next step or goes asynchronously (below), and an in-step lookup's own timeout is what is left
+  of the budget. A started in-step load that runs late may go on to
   `IN_STEP_LOAD_GRACE` times the bound (the worker's timeout: `ems.integrations.vllm.worker_loads`) before its
   blocks are recomputed, so a slow or hung pool holds a step at most that. With the circuit breaker open (the pool
   counts as down) nothing runs in the step.
@@ -36,9 +36,9 @@ Contract (no engine imports; the vLLM scheduler half asks it on the scheduler's 
   held for it through the next step (`decide_load(blocks, request_id=...)`; others there see only what is left
   besides it). One step's wait, where an asynchronous load costs the request at least two and runs beside the
   forwards (on a CPU host, taking the cores the forward runs on: perf/RESULTS.md, "the next step"). A request waits
-  so at most one step in a row (held room it does not fit: asynchronously);
-  held room that its request does not use lapses with the step. The engine must ask the request again (the scheduler
-  half answers "not yet"); a caller that names no request never gets this placement.
+  so at most one step in a row (held room it does not fit: asynchronously); held room that its request does not use
+  lapses with the step. The engine must ask the request again (the scheduler half answers "not yet"); a caller that
+  names no request never gets this placement.
 * `begin_step()` starts a new step's budget (the scheduler calls it at the end of each step); `decide_load(blocks)`
   and `lookup_timeout_s()` spend it. `StepDecision` is what `decide_load` answers: the placement and the predicted
   seconds. Counted per step for the record: in-step lookups and their seconds, in-step loads (requests, blocks),
