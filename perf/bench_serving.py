@@ -17,7 +17,9 @@ For each competitor setting (`--competitor`: off, on or both; on = one process o
 threads spinning beside the servers for the whole setting), for each round, for each concurrency (`--concurrency`,
 default 1, 4, 16, 64; 64 for only `--rounds-64` rounds): a fresh prompt set (the dataset's seed differs), filled by
 A (then its saves are waited for), seen cold by C, then pooled by B and warm by C, the two in alternating order
-round by round. Each run is `vllm.benchmarks.serve` in this process (streaming completions, `--ignore-eos`,
+round by round. Before each run the servers and the node are let go quiet (`servers.wait_quiet`: a vLLM server's
+workers spin for a second after its last step, and C cold runs right before the pair, so B would otherwise start
+every round beside C's spin). Each run is `vllm.benchmarks.serve` in this process (streaming completions, `--ignore-eos`,
 `--request-rate inf`, `--max-concurrency` the concurrency, `--num-prompts` `--prompts` of it).
 
 Figures: per round, pooled / warm of mean TTFT, mean TPOT and output throughput (and pooled / cold); the figure is
@@ -143,6 +145,7 @@ class Run:
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds over the run, by process
     threads_s: dict[str, float] = field(default_factory=dict)  # of B's and C's processes, by server and thread name
     loaded_blocks: float = 0.0  # B: blocks its loads brought from the pool during the run
+    quiet_wait_s: float = 0.0  # waited before the run for the servers and the node to go quiet (`servers.wait_quiet`)
 
     @classmethod
     def from_result(cls, result: dict[str, Any], start: float, end: float) -> Run:
@@ -362,7 +365,7 @@ class Bench:
 
     def serve(self, name: str, concurrency: int, seed: int) -> Run:
         """One run of vLLM's serving benchmark against server `name`."""
-        from servers import counter, thread_cpu_seconds
+        from servers import counter, thread_cpu_seconds, wait_quiet
         from vllm.benchmarks.serve import add_cli_args, main
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -385,6 +388,9 @@ class Bench:
         def threads() -> dict[str, float]:
             return {f"{s}: {t}": v for s in ("B", "C") for t, v in thread_cpu_seconds(self.procs[s].pid).items()}
 
+        # the servers and the node idle first: each run starts on the same quiet cores (the competitor excepted),
+        # not inside the previous server's spin (B would always meet C's: C cold runs right before the pair)
+        quiet_wait_s = wait_quiet([p.pid for p in self.procs.values()])
         threads_before = threads()
         cpu_before, start = self.cpu(), time.perf_counter()
         result = main(bench_args)
@@ -393,6 +399,7 @@ class Bench:
         run = Run.from_result(result, start, end)
         run.cpu_s = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
         run.threads_s = {k: v - threads_before.get(k, 0.0) for k, v in threads_after.items()}
+        run.quiet_wait_s = quiet_wait_s
         if name == "B":
             time.sleep(0.2)
             run.loaded_blocks = counter(self.urls[name], "vllm:ems_load_blocks_total") - loaded
@@ -484,6 +491,7 @@ def measure(args: argparse.Namespace, bench: Bench) -> list[dict]:
                             "tpot_ms": [round(x.tpot_ms, 1) for x in (runs["B"], runs["C"], cold)],
                             "tok_s": [round(x.throughput, 1) for x in (runs["B"], runs["C"], cold)],
                             "loaded_blocks": runs["B"].loaded_blocks,
+                            "quiet_wait_s": [round(runs[n].quiet_wait_s, 2) for n in ("B", "C")],
                         }
                     ),
                     flush=True,

@@ -15,9 +15,9 @@ Contract:
   exits first or the time runs out.
 * `counter(url, name)`: a server's Prometheus counter `name` (summed over its label sets; 0 when absent).
 * `post(url, body)`: one `/v1/completions` request: (its JSON, its wall seconds).
-* `tree_cpu_seconds(pid)`: user + system CPU seconds of `pid` and its descendants so far (0 for a process gone);
-  `thread_cpu_seconds(pid)` the same by thread name (digits and separators at a name's end dropped, so a pool of
-  threads sums into one entry).
+* `tree_cpu_seconds(pid)` and `wait_quiet(pids)` (`vllm_engine`'s, where the engines taking turns use them too);
+  `thread_cpu_seconds(pid)`: user + system CPU seconds of `pid`'s tree so far by thread name (digits and separators
+  at a name's end dropped, so a pool of threads sums into one entry).
 * `start_competitor(threads, cpus=None)`: the benchmarks' CPU competitor, a process of `threads` Python threads
   spinning (what an engine's busy Python threads cost the cores and, in their process, the interpreter), in its own
   session (ended, as servers are, by `vllm_engine.stop_processes`); `cpus` pins it (`taskset -c`).
@@ -33,6 +33,8 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+
+from vllm_engine import children, tree_cpu_seconds, wait_quiet  # noqa: F401 (this module's contract)
 
 
 def free_port() -> int:
@@ -110,32 +112,6 @@ def post(url: str, body: dict) -> tuple[dict, float]:
     return out, time.perf_counter() - start
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return found
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-        todo += _children(p)
-    return total
-
-
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -155,7 +131,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-_:")
             fields = stat[stat.rindex(")") + 2 :].split()
             out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-        todo += _children(p)
+        todo += children(p)
     return out
 
 

@@ -33,7 +33,9 @@ SPEC: {"model": dir, "prompts": [[token ids], ...], "max_tokens": int, "connecto
   (n may be negative). Two engines that follow each other with lags n and -(n + 2) run in step: this one reads
   prompt i while the other computes prompt i + n + 1 (the pool-pressure test).
   "turns_file": a file engines share to take turns (perf/bench_vllm.py --fair): a batch round whose before_round has
-  "turn": t waits until the file has t lines, and appends one line once it has finished (so turn t + 1 may start).
+  "turn": t waits until the file has t lines and the engines that wrote them are quiet (`wait_quiet`: a vLLM engine's
+  workers spin for a second after its last step), and appends one line once it has finished (so turn t + 1 may
+  start).
 OUT: {"rounds": [[{"tokens": [...], "num_cached_tokens": n, "ttft_s": s, "finish_reason": str,
                   "kv_transfer_params": {...} (what the connector returned for the request)}, ...], ...],
      "stats": {...}, "kv_cache_groups": [spec kind per group] (single-process mode), "preemptions": n,
@@ -178,6 +180,57 @@ def wait_for_lines(path: str, count: int, timeout_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not reach {count} lines in {timeout_s} s")
         time.sleep(0.01)
+
+
+def turn_takers(path: str) -> list[int]:
+    """The other engines that wrote a line to the turns file at `path` ("PID round R")."""
+    with open(path) as f:
+        pids = {int(line.split()[0]) for line in f if line.strip()}
+    return sorted(pids - {os.getpid()})
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (none for a process gone)."""
+    found = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its descendants so far (0 for a process gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+        todo += children(p)
+    return total
+
+
+def wait_quiet(pids: list[int], share: float = 0.05, window_s: float = 0.1, max_s: float = 5.0) -> float:
+    """Wait until the process trees of `pids` together use less than `share` of one core over a `window_s` window
+    (at most `max_s`); returns the seconds waited. Between two servers' runs: vLLM's multi-process workers spin
+    (`sched_yield`) for `MessageQueue.busy_loop_s` (1 s) after their last step, and a run that starts inside that
+    second shares the cores with the previous server's spin."""
+    start = time.monotonic()
+    before = sum(tree_cpu_seconds(p) for p in pids)
+    while time.monotonic() - start < max_s:
+        time.sleep(window_s)
+        now = sum(tree_cpu_seconds(p) for p in pids)
+        if now - before < share * window_s:
+            break
+        before = now
+    return time.monotonic() - start
 
 
 def kill(pid: int) -> None:
@@ -493,6 +546,7 @@ def run(spec: dict) -> dict:
                 wait_for_lines(follow["file"], min(max(indexes) + 1 + int(follow.get("lag", 0)), int(follow["total"])))
             if turn is not None:  # (the other engine may still be starting: minutes on a busy host)
                 wait_for_lines(spec["turns_file"], int(turn), timeout_s=1800.0)
+                wait_quiet(turn_takers(spec["turns_file"]))  # the turn before's engine core and workers idle first
             step_seconds.clear()
             used_blocks[0] = 0
             cpu_before = cpu_seconds(spec.get("extra", {}).get("local_pool_dir"))
