@@ -1,7 +1,8 @@
 """Engine-connector settings: the keys of vLLM's `kv_connector_extra_config`, checked, and the `EmsConfig` they make.
 
-Contract (no engine imports): `ConnectorConfig.from_extra(extra)` reads every key below (an unknown key or a bad
-value raises `EmsException(EMS_INVALID_ARGUMENT)` naming it); `ems_config(model_id, kvcache_type, pool)` builds the
+Contract (no engine imports): `ConnectorConfig.from_extra(extra, device_type)` reads every key below (an unknown key
+or a bad value raises `EmsException(EMS_INVALID_ARGUMENT)` naming it; `device_type`, the engine's, e.g. "cpu", picks
+defaults that depend on where the KV cache lives); `ems_config(model_id, kvcache_type, pool)` builds the
 `EmsConfig` every process of one engine passes to `Ems.init` (equal configs, so a process that hosts both the
 scheduler's and a worker's connector initialises once). With no pool nodes in the config nor in `EMS_POOL_NODES`
 and `local_pool="auto"`, the host's shared local pool node (`local_pool.ensure_local_pool`) is used, with this
@@ -25,7 +26,7 @@ user's local key (`resolve_pool()` returns the nodes and the credentials to use)
 | producer_response   | "after_save"               | a producer's step ends once its saves are in the pool, or at once |
 | producer_wait_ms    | 500                        | the bound of that wait: the most a slow or hung pool holds a step |
 | step_policy         | "auto"                     | lookups and loads in the step or asynchronously (`step_policy`) |
-| in_step_ms          | 50                         | the bound of a step's in-step lookups; its in-step loads planned within |
+| in_step_ms          | 50 (150: a CPU KV cache)   | the bound of a step's in-step lookups; its in-step loads planned within |
 | access_id, access_key | none                     | tenant credentials (`EMS_ACCESS_KEY` may hold the key)        |
 | cross_layer_blocks  | false                      | ask vLLM for its block-outermost layout BLHNC: one copy a block |
 | max_inflight        | `EMS_MAX_INFLIGHT`, else 8  | async calls at once: the client's limit and each worker's budget |
@@ -70,6 +71,12 @@ MAX_SAVE_WAIT_MS = 60_000
 # The step policy's bound (`in_step_ms`): a step's in-step lookups together take at most this long, and its in-step
 # loads are planned to (a decode step of a mid-size model on an accelerator is tens of milliseconds).
 DEFAULT_IN_STEP_MS = 50
+# ... with the KV cache in host memory (vLLM on CPU): there a load's copies run on the cores the forward runs on, so
+# an asynchronous load overlaps nothing (the steps beside it take its CPU and the interpreter) and costs its request
+# two steps more, and the requests sharing its prefix one more: a step may hold larger loads. Serving benchmark,
+# 16 prompts at a time on 4 shared 1,120-token prefixes (perf/RESULTS.md, "the bound for a CPU KV cache"): pooled
+# admissions took 4 steps against the prefix cache's 2 under 50 ms, 2-3 under 150.
+DEFAULT_IN_STEP_MS_CPU = 150
 # An in-step load that runs past `in_step_ms` goes on to this many times it before its blocks are recomputed: the
 # recompute of a prompt costs the running requests far more than the wait (on the 2-core host, 0.8-2.4 s steps of
 # 640-2,048 tokens after loads that ran 52-77 ms against a 50 ms bound: perf/RESULTS.md).
@@ -214,7 +221,7 @@ class ConnectorConfig:
     pool_settings: Settings | None = None  # the pool settings resolved (`from_extra`)
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    def from_extra(cls, extra: Mapping[str, Any] | None, device_type: str | None = None) -> ConnectorConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
@@ -252,7 +259,7 @@ class ConnectorConfig:
         producer_response = _choice(extra, "producer_response", DEFAULT_PRODUCER_RESPONSE)
         producer_wait = _int_in(extra, "producer_wait_ms", DEFAULT_PRODUCER_WAIT_MS, 1, MAX_SAVE_WAIT_MS)
         step_policy = _choice(extra, "step_policy", DEFAULT_STEP_MODE)
-        in_step_ms = _int_in(extra, "in_step_ms", DEFAULT_IN_STEP_MS, 0, MAX_IN_STEP_MS)
+        in_step_ms = _int_in(extra, "in_step_ms", default_in_step_ms(device_type), 0, MAX_IN_STEP_MS)
         inflight = pool.max_inflight
         cross_layer = extra.get("cross_layer_blocks", False)
         if not isinstance(cross_layer, bool):
@@ -347,6 +354,11 @@ def derive_model_id(model: str, parts: Mapping[str, str]) -> str:
 
 
 _E = TypeVar("_E", bound=enum.Enum)
+
+
+def default_in_step_ms(device_type: str | None) -> int:
+    """`in_step_ms` where the config does not set it: larger with the KV cache in host memory (see above)."""
+    return DEFAULT_IN_STEP_MS_CPU if device_type == "cpu" else DEFAULT_IN_STEP_MS
 
 
 def _int_in(extra: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:

@@ -64,6 +64,9 @@ def test_defaults_and_every_key(monkeypatch):
     assert config.save_wait_ms == 2000
     assert config.step_policy == StepMode.AUTO and config.in_step_ms == 50
     assert full.step_policy == StepMode.IN_STEP and full.in_step_ms == 20
+    # a CPU KV cache's default bound is larger (its loads' copies share the forward's cores); a set one stays
+    assert ConnectorConfig.from_extra({}, "cpu").in_step_ms == 150 and ConnectorConfig.from_extra({}, "cuda").in_step_ms == 50
+    assert ConnectorConfig.from_extra({"in_step_ms": 20}, "cpu").in_step_ms == 20
     assert config.producer_response is ProducerResponse.AFTER_SAVE and config.producer_wait_ms == 500
     assert full.producer_response is ProducerResponse.IMMEDIATE and full.producer_wait_ms == 200
     assert len(KEYS) == 22 + len(POOL_SETTINGS) - 1  # connector keys + every EmsConfig pool setting

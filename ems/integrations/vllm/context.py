@@ -91,7 +91,7 @@ class ConnectorContext:
         transfer = vllm_config.kv_transfer_config
         if transfer is None:
             raise ValueError("EmsConnector needs vLLM's kv_transfer_config")
-        config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, vllm_config.device_config.device_type)
         role = KvRole.of(transfer.kv_role)
         check_supported(vllm_config, kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
