@@ -183,9 +183,12 @@ def wait_for_lines(path: str, count: int, timeout_s: float = 300.0) -> None:
 
 
 def turn_takers(path: str) -> list[int]:
-    """The other engines that wrote a line to the turns file at `path` ("PID round R")."""
-    with open(path) as f:
-        pids = {int(line.split()[0]) for line in f if line.strip()}
+    """The other engines that wrote a line to the turns file at `path` ("PID round R"; none before the first turn)."""
+    try:
+        with open(path) as f:
+            pids = {int(line.split()[0]) for line in f if line.strip()}
+    except FileNotFoundError:
+        return []
     return sorted(pids - {os.getpid()})
 
 
