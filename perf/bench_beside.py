@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE.parent))  # this checkout's package, before an insta
 sys.path.insert(0, str(HERE.parent / "tests" / "pool"))
 
 import torch  # noqa: E402
-from benchlib import machine  # noqa: E402
+from benchlib import machine, percentile  # noqa: E402
 from pool_testlib import PoolProcess  # noqa: E402
 from results import Figure, Run, command_line, markdown, record  # noqa: E402
 
@@ -123,11 +123,6 @@ def main() -> None:
     report(args, rows)
 
 
-def _p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-
-
 def report(args: argparse.Namespace, rows: dict[str, dict[str, list[float]]]) -> None:
     lines = [
         f"{args.small}-block load (1 MiB blocks) alone and beside K asynchronous {args.large}-block loads; {args.repeats} "
@@ -142,7 +137,7 @@ def report(args: argparse.Namespace, rows: dict[str, dict[str, list[float]]]) ->
         for name, values in mine.items():
             median = statistics.median(values)
             ratio = "-" if name.startswith("large") else f"{median / alone:.2f}x"
-            lines.append(f"| {source} | {name} | {median * 1e3:.2f} | {_p90(values) * 1e3:.2f} | {ratio} |")
+            lines.append(f"| {source} | {name} | {median * 1e3:.2f} | {percentile(values, 0.9) * 1e3:.2f} | {ratio} |")
         figures += [
             Figure(
                 f"a {args.small}-block load beside {count} asynchronous {args.large}-block loads, served by the {source}",
@@ -179,7 +174,7 @@ def _plot(rows: dict[str, dict[str, list[float]]], path: Path) -> None:
         names = [n for n in mine if not n.startswith("large")]
         xs = [j + i * width for j in range(len(names))]
         ax.bar(xs, [statistics.median(mine[n]) * 1e3 for n in names], width, label=f"served by the {source} (median)")
-        ax.scatter(xs, [_p90(mine[n]) * 1e3 for n in names], color="black", zorder=3, s=12)
+        ax.scatter(xs, [percentile(mine[n], 0.9) * 1e3 for n in names], color="black", zorder=3, s=12)
         ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(names))], names)
     ax.set_ylabel("ms per small load (dots: p90)")
     ax.set_title("A small load alone and beside large asynchronous loads")

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchlib import machine  # noqa: E402
+from benchlib import machine, percentile  # noqa: E402
 from cluster_testlib import Engine  # noqa: E402
 from hosts_testlib import HostCluster, HostEtcd, HostNode, unavailable  # noqa: E402
 from results import Figure, Goal, Run, command_line, markdown, record  # noqa: E402
@@ -65,11 +65,6 @@ SMALL = {"layers": 4, "heads": 4, "head_size": 64, "block_size": 16}  # 64 KiB b
 
 def block_bytes(geometry: dict) -> int:
     return 2 * geometry["layers"] * geometry["block_size"] * geometry["heads"] * geometry["head_size"] * 2
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def iperf(hosts: HostCluster, client: str, server: str, reverse: bool, seconds: int = 3) -> float:
@@ -189,7 +184,7 @@ def section_link(rate: str, rounds: int) -> str:
         f"{ucx_down / down:.2f}x | |",
         f"| 32 MiB save / load through the API against UCX's own | | | {best_s / ucx_up:.2f}x / {best_l / ucx_down:.2f}x "
         f"| {med_s / ucx_up:.2f}x / {med_l / ucx_down:.2f}x |",
-        f"| exists of one block (median of 1000; p99 {pct(exists, 0.99) * 1e6:.0f} us) | {ex * 1e6:.0f} us "
+        f"| exists of one block (median of 1000; p99 {percentile(exists, 0.99) * 1e6:.0f} us) | {ex * 1e6:.0f} us "
         f"| TCP round trip {rtt * 1e6:.0f} us | RTT + {(ex - rtt) * 1e6:.0f} us | |",
         f"| the same, `UcxNode.exists` alone / `UcxNode.ping` (header only) | {statistics.median(probe['exists']) * 1e6:.0f}"
         f" / {statistics.median(probe['ping']) * 1e6:.0f} us | TCP round trip {rtt * 1e6:.0f} us | | |",
@@ -231,7 +226,7 @@ def section_lookups(rate: str, rounds: int) -> str:
     ]
     for path, host in paths.items():
         lines.append(
-            f"| {path} | {med[path] * 1e6:.0f} / {pct(calls[path], 0.99) * 1e6:.0f} us | {rtt[host] * 1e6:.0f} us "
+            f"| {path} | {med[path] * 1e6:.0f} / {percentile(calls[path], 0.99) * 1e6:.0f} us | {rtt[host] * 1e6:.0f} us "
             f"| {(med[path] - rtt[host]) * 1e6:.0f} us | {statistics.median(probes[path]['exists']) * 1e6:.0f} / "
             f"{statistics.median(probes[path]['ping']) * 1e6:.0f} us |"
         )
@@ -392,7 +387,7 @@ def section_calls(rate: str, rounds: int, submissions: list[str]) -> str:
         "|---|" + "---|" * len(submissions) + "---|",
     ]
     med = {m: {k: statistics.median(v) * 1e6 for k, v in st[m].items()} for m in submissions}
-    p99 = {m: pct(st[m]["node"], 0.99) * 1e6 for m in submissions}
+    p99 = {m: percentile(st[m]["node"], 0.99) * 1e6 for m in submissions}
     outside = {m: statistics.median([n - w for n, w in zip(st[m]["node"], st[m]["wait"])]) * 1e6 for m in submissions}
     hand = {m: {op: handler[m][op][0] / max(1.0, handler[m][op][1]) * 1e6 for op in ("exists", "ping")} for m in submissions}
 
@@ -696,8 +691,9 @@ def section_repair(rate: str) -> str:
             copied_bytes = _scrape_sum(e, nodes[1:], "ems_pool_repair_copied_bytes_total")
             out.append(
                 f"| {repair_rate}/s | {to_copy} | {copied:.0f} | {took:.1f} s (from the kill: a lease of 2 s first) "
-                f"| {copied_bytes / took / 1e6:.0f} | {pct(before, 0.5) * 1e3:.2f} / {pct(before, 0.99) * 1e3:.2f} ms "
-                f"| {pct(during, 0.5) * 1e3:.2f} / {pct(during, 0.99) * 1e3:.2f} ms ({len(during)} loads) |"
+                f"| {copied_bytes / took / 1e6:.0f} "
+                f"| {percentile(before, 0.5) * 1e3:.2f} / {percentile(before, 0.99) * 1e3:.2f} ms "
+                f"| {percentile(during, 0.5) * 1e3:.2f} / {percentile(during, 0.99) * 1e3:.2f} ms ({len(during)} loads) |"
             )
         finally:
             b.close()
@@ -729,7 +725,7 @@ def section_slow(rate: str, rounds: int) -> str:
             s = t["seconds"]
             out.append(
                 f"| {'n1 at 8 Mbit/s' if slow else 'none'} | {hedge} | {len(s)} | {t['hits']} | {t['wrong']} "
-                f"| {pct(s, 0.5) * 1e3:.2f} | {pct(s, 0.99) * 1e3:.2f} | {max(s) * 1e3:.1f} |"
+                f"| {percentile(s, 0.5) * 1e3:.2f} | {percentile(s, 0.99) * 1e3:.2f} | {max(s) * 1e3:.1f} |"
             )
             # a save of new blocks (hashes 5000 + b) right after the loads (whose hedges may have aborted n1's
             # connection): which blocks got their copy on n1, and how long n1's share took

@@ -597,10 +597,9 @@ def pool_blocks(args: argparse.Namespace, concurrency: int) -> int:
 
 
 def ms(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    from benchlib import percentile
+
+    return 1000 * percentile(values, q) if values else float("nan")
 
 
 def report(args: argparse.Namespace, summary: dict[tuple[str, int], dict[str, Any]], machine: str, root: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Helpers every benchmark in perf/ shares: the machine description, best-of and median timing."""
+"""Helpers every benchmark in perf/ shares: the machine description, best-of and median timing, percentiles."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -30,6 +30,13 @@ def median_us(fn: Callable[[], object], calls: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank `q` quantile of `values` (0 <= q <= 1; q = 0.5 the upper median), not interpolated: a
+    figure that one of the measured calls took."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def machine() -> str:
