@@ -34,7 +34,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
-from vllm_engine import children, tree_cpu_seconds, wait_quiet  # noqa: F401 (this module's contract)
+from vllm_engine import children, stat_cpu_seconds, tree_cpu_seconds, wait_quiet  # noqa: F401 (this module's contract)
 
 
 def free_port() -> int:
@@ -113,7 +113,6 @@ def post(url: str, body: dict) -> tuple[dict, float]:
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     todo = [pid]
     while todo:
@@ -129,8 +128,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
             except OSError:
                 continue
             name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-_:")
-            fields = stat[stat.rindex(")") + 2 :].split()
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            out[name] = out.get(name, 0.0) + stat_cpu_seconds(stat)
         todo += children(p)
     return out
 

@@ -204,18 +204,22 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds in the text of a /proc stat file (a process's or a thread's)."""
+    fields = stat.rsplit(")", 1)[1].split()  # (the name, in parentheses, may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of `pid` and its descendants so far (0 for a process gone)."""
-    tick = os.sysconf("SC_CLK_TCK")
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
         try:
             with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                total += stat_cpu_seconds(f.read())
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick
         todo += children(p)
     return total
 
@@ -385,7 +389,6 @@ def copy_backend(spec: dict):
 def cpu_seconds(pool_dir: str | None) -> dict:
     """CPU seconds so far (user + system) of each of this process's threads, summed by thread name, and of the local
     pool node recorded in `pool_dir` ("pool node"), and torch's intra-op thread count: where a round's CPU went."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict = {}
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -394,15 +397,13 @@ def cpu_seconds(pool_dir: str | None) -> dict:
         except OSError:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-_")
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + stat_cpu_seconds(stat)
     if pool_dir:
         try:
             with open(os.path.join(pool_dir, "pool.json")) as f:
                 pid = int(json.load(f)["pid"])
             with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out["pool node"] = (int(fields[11]) + int(fields[12])) / tick
+                out["pool node"] = stat_cpu_seconds(f.read())
         except (OSError, ValueError, KeyError):
             pass
     return out
