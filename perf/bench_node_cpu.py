@@ -31,9 +31,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "pool"))
 sys.path.insert(0, str(ROOT / "perf"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from benchlib import machine  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
+from proc_cpu import schedstat_seconds  # noqa: E402
 
 import ems.transport.ucx.config  # noqa: E402, F401 - UCX environment before ucxx loads
 from ems.records import Deadline  # noqa: E402
@@ -42,17 +44,6 @@ from ems.transport.ucx.client import UcxNode  # noqa: E402
 
 MiB = 1 << 20
 BULK = 32  # values of 1 MiB per bulk call
-
-
-def node_cpu_s(pid: int) -> float:
-    """The process's CPU seconds so far, all its threads (/proc schedstat: nanoseconds)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that just ended
-            continue
-    return total / 1e9
 
 
 @contextlib.contextmanager
@@ -138,10 +129,10 @@ def measure(node: PoolProcess, calls: dict[str, tuple[Callable[[], object], floa
     out: dict[str, float] = {}
     for name, (fn, _) in calls.items():
         fn()
-        start = node_cpu_s(node.proc.pid)
+        start = schedstat_seconds(node.proc.pid)
         for _ in range(n[name]):
             fn()
-        out[name] = (node_cpu_s(node.proc.pid) - start) / n[name] * 1e6
+        out[name] = (schedstat_seconds(node.proc.pid) - start) / n[name] * 1e6
     return out
 
 

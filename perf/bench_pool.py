@@ -70,6 +70,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # ucx_loop: the tests' event-loop threa
 import torch  # noqa: E402
 from benchlib import best_of, machine, median_us  # noqa: E402
 from pool_testlib import PoolProcess, make_values  # noqa: E402
+from proc_cpu import process_cpu_seconds, schedstat_seconds  # noqa: E402
 from results import Figure, Goal, Run, command_line, record  # noqa: E402
 from ucx_loop import UcxRuntime  # noqa: E402
 
@@ -441,14 +442,6 @@ def saves_per_second(pool: PoolClient, value: list, in_flight: int, total: int, 
     return per * in_flight / (time.perf_counter() - start)
 
 
-def process_cpu_s(pid: int) -> float:
-    """A process's CPU seconds so far, every thread it ever had (/proc/PID/stat: in clock ticks, so measure over
-    a second or more)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_per_save(pool: PoolClient, node: PoolProcess, value: list, saves: int, option: CcKvOption) -> tuple[float, float]:
     """CPU seconds per 1-value save, one at a time: (this process, the node). On a host of C cores, saves in flight
     can at most reach C / (their sum) saves per second, whatever the transport does. The saves overwrite 64 keys in
@@ -463,9 +456,9 @@ def cpu_per_save(pool: PoolClient, node: PoolProcess, value: list, saves: int, o
                 raise RuntimeError("a save failed")
 
     run(len(keys))
-    own, theirs = time.process_time(), process_cpu_s(node.proc.pid)
+    own, theirs = time.process_time(), process_cpu_seconds(node.proc.pid)
     run(saves)
-    return (time.process_time() - own) / saves, (process_cpu_s(node.proc.pid) - theirs) / saves
+    return (time.process_time() - own) / saves, (process_cpu_seconds(node.proc.pid) - theirs) / saves
 
 
 class BusyPythonThread:
@@ -488,18 +481,6 @@ class BusyPythonThread:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def node_cpu_s(node: PoolProcess) -> float:
-    """The node process's CPU seconds so far, all its threads (/proc schedstat: nanoseconds, unlike the 10 ms
-    ticks of /proc/PID/stat)."""
-    total = 0
-    for task in Path(f"/proc/{node.proc.pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that just ended
-            continue
-    return total / 1e9
 
 
 def api_load_beside_busy_thread(node: PoolProcess, blocks: int, rounds: int) -> tuple[float, float, float, float, str]:
@@ -583,10 +564,10 @@ def engine_like(node: PoolProcess, rounds: int, calls: int) -> tuple[str, dict]:
             ("load 1 MiB", lambda: pool.get_into(PoolCall([b"cpu-one"], [b"cpu-one"], option), one_out)),
         ):
             fn()
-            start = node_cpu_s(node)
+            start = schedstat_seconds(node.proc.pid)
             for _ in range(cpu_calls):
                 fn()
-            cpu[name] = (node_cpu_s(node) - start) / cpu_calls * 1e6  # µs of node CPU per call
+            cpu[name] = (schedstat_seconds(node.proc.pid) - start) / cpu_calls * 1e6  # µs of node CPU per call
     finally:
         pool.close()
     per_request = cpu["exists"]

@@ -365,7 +365,7 @@ class Bench:
 
     def serve(self, name: str, concurrency: int, seed: int) -> Run:
         """One run of vLLM's serving benchmark against server `name`."""
-        from servers import counter, thread_cpu_seconds, wait_quiet
+        from servers import counter, threads_cpu_seconds, wait_quiet
         from vllm.benchmarks.serve import add_cli_args, main
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -386,7 +386,7 @@ class Bench:
         loaded = counter(self.urls[name], "vllm:ems_load_blocks_total") if name == "B" else 0.0
 
         def threads() -> dict[str, float]:
-            return {f"{s}: {t}": v for s in ("B", "C") for t, v in thread_cpu_seconds(self.procs[s].pid).items()}
+            return {f"{s}: {t}": v for s in ("B", "C") for t, v in threads_cpu_seconds(self.procs[s].pid, tree=True).items()}
 
         # the servers and the node idle first: each run starts on the same quiet cores (the competitor excepted),
         # not inside the previous server's spin (B would always meet C's: C cold runs right before the pair)

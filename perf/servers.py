@@ -15,9 +15,9 @@ Contract:
   exits first or the time runs out.
 * `counter(url, name)`: a server's Prometheus counter `name` (summed over its label sets; 0 when absent).
 * `post(url, body)`: one `/v1/completions` request: (its JSON, its wall seconds).
-* `tree_cpu_seconds(pid)` and `wait_quiet(pids)` (`vllm_engine`'s, where the engines taking turns use them too);
-  `thread_cpu_seconds(pid)`: user + system CPU seconds of `pid`'s tree so far by thread name (digits and separators
-  at a name's end dropped, so a pool of threads sums into one entry).
+* `wait_quiet(pids)` (`vllm_engine`'s, where the engines taking turns use it too), `tree_cpu_seconds(pid)` and
+  `threads_cpu_seconds(pid, tree=True)` (tests/proc_cpu.py: user + system CPU seconds of `pid`'s tree so far, in all
+  and by thread name).
 * `start_competitor(threads, cpus=None)`: the benchmarks' CPU competitor, a process of `threads` Python threads
   spinning (what an engine's busy Python threads cost the cores and, in their process, the interpreter), in its own
   session (ended, as servers are, by `vllm_engine.stop_processes`); `cpus` pins it (`taskset -c`).
@@ -34,7 +34,10 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
-from vllm_engine import children, stat_cpu_seconds, tree_cpu_seconds, wait_quiet  # noqa: F401 (this module's contract)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # proc_cpu
+
+from proc_cpu import threads_cpu_seconds, tree_cpu_seconds  # noqa: F401 (this module's contract)
+from vllm_engine import wait_quiet  # noqa: F401 (this module's contract)
 
 
 def free_port() -> int:
@@ -110,27 +113,6 @@ def post(url: str, body: dict) -> tuple[dict, float]:
     with urllib.request.urlopen(request, timeout=600) as response:
         out = json.loads(response.read())
     return out, time.perf_counter() - start
-
-
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-_:")
-            out[name] = out.get(name, 0.0) + stat_cpu_seconds(stat)
-        todo += children(p)
-    return out
 
 
 SPIN = (

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: ems_testlib
 
 from ems_testlib import make_cache, poison, slots_of_blocks, snapshot, tensors
+from proc_cpu import host_busy_seconds, thread_schedstat_ns
 
 from ems import CcConfig, CcKvOption, Ems, EmsConfig, EmsException
 
@@ -148,21 +149,7 @@ def main() -> None:
         import threading
 
         python = {t.native_id: t.name for t in threading.enumerate()}
-        out = {}
-        for task in Path("/proc/self/task").iterdir():
-            try:
-                ns = int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):  # a thread that just ended
-                continue
-            out[task.name] = (python.get(int(task.name), f"native-{task.name}"), ns)
-        return out
-
-    def host_busy_s() -> float:
-        """CPU seconds the machine has spent busy so far, all CPUs (/proc/stat: user..steal minus idle, iowait)."""
-        import os
-
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        return {str(tid): (python.get(tid, f"native-{tid}"), ns) for tid, ns in thread_schedstat_ns().items()}
 
     def cpu_between(before: dict[str, tuple[str, int]], after: dict[str, tuple[str, int]]) -> dict[str, float]:
         """CPU seconds per thread name between two `thread_cpu` readings."""
@@ -192,14 +179,14 @@ def main() -> None:
         try:
             for _ in range(rounds):
                 runs.clear()
-                cpu_before, host_before = thread_cpu(), host_busy_s()
+                cpu_before, host_before = thread_cpu(), host_busy_seconds()
                 start = time.perf_counter()
                 try:
                     r = (cc.save if what == "save" else cc.load)(slots, hashes, offsets, OPTION).success
                 except EmsException:
                     r = -1
                 t = time.perf_counter() - start
-                cpu_after, host_after = thread_cpu(), host_busy_s()
+                cpu_after, host_after = thread_cpu(), host_busy_seconds()
                 seconds.append(t)
                 success.append(r)
                 if t < best:

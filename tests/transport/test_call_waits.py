@@ -3,7 +3,6 @@ answer or a TransportError, never another call's answer; UCX progressed on the l
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from pool_testlib import joined, make_values, wait_until
+from proc_cpu import process_cpu_seconds
 
 from ems.transport import protocol
 from ems.transport.base import TransportError
@@ -134,12 +134,6 @@ def test_node_killed_mid_call_fails_bounded(pool_nodes, node_clients):
         node.exists([b"k0"], 2.0)
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 _IDLE_CLIENT = """
 import sys, time
 from ems.transport.ucx.client import UcxNode
@@ -162,10 +156,10 @@ def test_idle_connection_does_not_spin(pool_nodes):
     proc = pool_nodes("64MiB", args=("--prefault-ahead", "0"))
     client = subprocess.Popen([sys.executable, "-c", _IDLE_CLIENT, proc.address], stdout=subprocess.PIPE, text=True)
     assert client.stdout is not None and client.stdout.readline().strip() == "connected"
-    node_cpu = _cpu_seconds(proc.proc.pid)  # both sides measured from the client's ping on, over its 2 s of sleep
+    node_cpu = process_cpu_seconds(proc.proc.pid)  # both sides measured from the client's ping on, over its 2 s of sleep
     out, _ = client.communicate(timeout=60)
     assert client.returncode == 0, out
-    assert _cpu_seconds(proc.proc.pid) - node_cpu < 0.6
+    assert process_cpu_seconds(proc.proc.pid) - node_cpu < 0.6
     assert float(out.strip().splitlines()[-1]) < 0.6
 
 

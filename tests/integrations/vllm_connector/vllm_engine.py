@@ -56,6 +56,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: proc_cpu, for this script run on its own too
+from proc_cpu import process_cpu_seconds, threads_cpu_seconds, tree_cpu_seconds
 
 
 def make_tiny_llama(
@@ -190,38 +194,6 @@ def turn_takers(path: str) -> list[int]:
     except FileNotFoundError:
         return []
     return sorted(pids - {os.getpid()})
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of `pid` (none for a process gone)."""
-    found = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return found
-
-
-def stat_cpu_seconds(stat: str) -> float:
-    """User + system CPU seconds in the text of a /proc stat file (a process's or a thread's)."""
-    fields = stat.rsplit(")", 1)[1].split()  # (the name, in parentheses, may hold spaces)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` and its descendants so far (0 for a process gone)."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                total += stat_cpu_seconds(f.read())
-        except OSError:
-            continue
-        todo += children(p)
-    return total
 
 
 def wait_quiet(pids: list[int], share: float = 0.05, window_s: float = 0.1, max_s: float = 5.0) -> float:
@@ -388,24 +360,15 @@ def copy_backend(spec: dict):
 
 def cpu_seconds(pool_dir: str | None) -> dict:
     """CPU seconds so far (user + system) of each of this process's threads, summed by thread name, and of the local
-    pool node recorded in `pool_dir` ("pool node"), and torch's intra-op thread count: where a round's CPU went."""
-    out: dict = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789-_")
-        out[name] = out.get(name, 0.0) + stat_cpu_seconds(stat)
+    pool node recorded in `pool_dir` ("pool node"): where a round's CPU went."""
+    out: dict = threads_cpu_seconds("self")
     if pool_dir:
         try:
             with open(os.path.join(pool_dir, "pool.json")) as f:
                 pid = int(json.load(f)["pid"])
-            with open(f"/proc/{pid}/stat") as f:
-                out["pool node"] = stat_cpu_seconds(f.read())
         except (OSError, ValueError, KeyError):
-            pass
+            return out
+        out["pool node"] = process_cpu_seconds(pid)
     return out
 
 
