@@ -34,6 +34,14 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _threads(pid: int | str) -> list[str]:
+    """The thread ids of `pid` (none for a process gone)."""
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of `pid` so far, every thread it ever had (0 for a process gone)."""
     stat = _read(f"/proc/{pid}/stat")
@@ -43,11 +51,7 @@ def process_cpu_seconds(pid: int) -> float:
 def children(pid: int) -> list[int]:
     """The child processes of `pid` (none for a process gone)."""
     found: list[int] = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tids:
+    for tid in _threads(pid):
         text = _read(f"/proc/{pid}/task/{tid}/children")
         found += [int(c) for c in (text or "").split()]
     return found
@@ -71,11 +75,7 @@ def threads_cpu_seconds(pid: int | str = "self", tree: bool = False) -> dict[str
     todo: list[int | str] = [pid]
     while todo:
         p = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
+        for tid in _threads(p):
             stat = _read(f"/proc/{p}/task/{tid}/stat")
             if not stat:
                 continue
@@ -89,11 +89,7 @@ def threads_cpu_seconds(pid: int | str = "self", tree: bool = False) -> dict[str
 def thread_schedstat_ns(pid: int | str = "self") -> dict[int, int]:
     """Each live thread of `pid`: its nanoseconds on a CPU so far, by thread id."""
     out: dict[int, int] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in _threads(pid):
         text = _read(f"/proc/{pid}/task/{tid}/schedstat")
         try:
             out[int(tid)] = int((text or "").split()[0])
