@@ -2,19 +2,20 @@
 the order first visited, how often the call moves from one file to another and how often from one folder to another.
 
 Contract: `python perf/walk_save.py [--pool embedded|nodes] [--op save|load] [--nodes N] [--keys K1,K2]
-[--threads caller|all] [--functions] [--root PATH]`. `--pool
-embedded` (default): the pool in this process (CPU tensors). `--pool nodes`: `--nodes` (default 2) real `ems.pool`
-node processes on 127.0.0.1 (the client's process is the one walked). `--op`: the call walked. `--root`: the source
-tree to walk (a checkout of another commit, its `ems`, `transport` and `kernels` on `PYTHONPATH` as that tree maps
-them; default: this tree). It saves and loads two blocks once (warm-up: registration and first-call work are not the
-walk), then profiles a second call of two other blocks (`--keys`, default 21,22: where they land decides which nodes serve
-the call; `sys.setprofile`: every Python function called, in `ems/`, `transport/` and `kernels/` of the root) and
-prints the files in the order first visited, their count, the number of file-to-file switches and folder-to-folder
-changes. `--threads caller` (default) walks the calling thread; `--threads all` also every other thread of the
-process while the call runs (the fan-out's per-node requests, the UCX progress loop), counted as one walk: the file
-counts then say what the call costs the interpreter wherever it runs. C code (the compiled host copy, numpy, torch,
-UCX) is not a file of the walk. `--functions` lists, under each file, the functions the call ran there. Counts, not
-timings.
+[--threads caller|all] [--read-cache on|off] [--functions] [--root PATH]`. `--pool embedded` (default): the pool in
+this process (CPU tensors). `--pool nodes`: `--nodes` (default 2) real `ems.pool` node processes on 127.0.0.1 (the
+client's process is the one walked). `--op`: the call walked. `--root`: the source tree to walk (a checkout of
+another commit, its `ems`, `transport` and `kernels` on `PYTHONPATH` as that tree maps them; default: this tree). It
+saves and loads two blocks once (warm-up: registration and first-call work are not the walk), then profiles a second
+call of two other blocks (`--keys`, default 21,22: where they land decides which nodes serve the call;
+`sys.setprofile`: every Python function called, in `ems/`, `transport/` and `kernels/` of the root) and prints the
+files in the order first visited, their count, the number of file-to-file switches and folder-to-folder changes.
+`--read-cache off` (with `--pool nodes`): the client keeps no read cache, so a load asks the nodes (with it on, the
+default, a load of blocks this client has just saved is served from its read cache and never reaches them).
+`--threads caller` (default) walks the calling thread; `--threads all` also every other thread of the process while
+the call runs (the fan-out's per-node requests, the UCX progress loop), counted as one walk: the file counts then say
+what the call costs the interpreter wherever it runs. C code (the compiled host copy, numpy, torch, UCX) is not a
+file of the walk. `--functions` lists, under each file, the functions the call ran there. Counts, not timings.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=2, help="node processes with --pool nodes (default: 2)")
     ap.add_argument("--keys", default="21,22", help="the two hashes of the walked call (default: 21,22)")
     ap.add_argument("--threads", choices=("caller", "all"), default="caller", help="the threads walked (default: caller)")
+    ap.add_argument("--read-cache", choices=("on", "off"), default="on", help="the client's read cache (default: on)")
     ap.add_argument("--functions", action="store_true", help="list each file's functions the call ran")
     ap.add_argument("--root", type=Path, default=HERE.parent, help="the source tree to walk (default: this one)")
     args = ap.parse_args()
@@ -82,7 +84,10 @@ def main() -> None:
         from pool_testlib import PoolProcess
 
         nodes = [PoolProcess("64MiB") for _ in range(args.nodes)]
-        config = EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_nodes=[n.address for n in nodes])
+        cache: dict[str, Any] = {"read_cache_capacity": 0} if args.read_cache == "off" else {}
+        config = EmsConfig(
+            cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_nodes=[n.address for n in nodes], **cache
+        )
     else:
         config = EmsConfig(cc_config=CcConfig(rank_id=0, device_id=0, model_id="walk"), pool_capacity="64MiB")
     Ems.init(config)
@@ -104,7 +109,7 @@ def main() -> None:
         Ems.shutdown()
         for node in nodes:
             node.kill()
-    print(f"root {root}, {args.pool} pool, {args.op} of {keys}, {args.threads} threads: {result}")
+    print(f"root {root}, {args.pool} pool, {args.op} of {keys}, {args.threads} threads, read cache {args.read_cache}: {result}")
     for i, name in enumerate(seen, 1):
         print(f"{i:2d}. {name}")
         if args.functions:
