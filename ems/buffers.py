@@ -24,6 +24,20 @@ Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]
 T = TypeVar("T")
 
 
+def byte_view(buffer: Buffer) -> memoryview:
+    """`buffer`'s bytes as a flat memoryview of format "B" (no copy)."""
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def writable_bytes(buffer: Buffer) -> memoryview:
+    """`byte_view` of a buffer to receive into; ValueError for a read-only one."""
+    view = byte_view(buffer)
+    if view.readonly:
+        raise ValueError("get_into needs writable buffers")
+    return view
+
+
 def copy_bytes(dst: Any, src: Any) -> None:
     """Copy the bytes of `src` into `dst` (writable, same length), holding the GIL: a memoryview copy. numpy's copy
     of a large array releases the GIL, and beside a busy Python thread each such copy then waits up to the

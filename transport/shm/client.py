@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ems.buffers import Buffer, copy_bytes
+from ems.buffers import Buffer, byte_view, copy_bytes
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
 from ems.transport import protocol
@@ -120,7 +120,7 @@ class ShmClient:
         region = self.region(deadline)
         if region is None:
             return None
-        parts = [[_as_bytes(p) for p in ps] for ps in values]
+        parts = [[byte_view(p) for p in ps] for ps in values]
         lens = [sum(p.nbytes for p in ps) for ps in parts]
         offsets = _offsets_in(region, parts, lens)
         taken: ShmRange | None = None
@@ -391,8 +391,3 @@ def _offsets_in(region: ClientRegion, parts: Sequence[Sequence[Any]], lens: Sequ
             at += size
         offsets.append(offset)
     return offsets
-
-
-def _as_bytes(part: Buffer) -> memoryview:
-    view = memoryview(part)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ems.buffers import Buffer
+from ems.buffers import Buffer, writable_bytes
 from ems.errors import EmsErrorCode
 from ems.records import Deadline
 from ems.transport import metas, protocol
@@ -123,7 +123,7 @@ class UcxNode(NodeClient):
             return []
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
-        views = [client_requests.writable_bytes(o) for o in outs]
+        views = [writable_bytes(o) for o in outs]
         deadline = Deadline.within(deadline)
         if self.shm is not None:
             placed = self.shm.get_into(keys, views, deadline, as_placed)

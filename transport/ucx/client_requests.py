@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ems.buffers import Buffer, copy_bytes
+from ems.buffers import Buffer, byte_view, copy_bytes
 from ems.transport import metas, protocol
 from ems.transport.scratch import RECEIVE_SCRATCH
 from ems.transport.ucx.direct import Exchange, WaitTimeout
@@ -206,24 +206,12 @@ def get(ex: Exchange, rid: int, meta: bytes, count: int, outs: list[memoryview] 
     return placed
 
 
-def writable_bytes(buffer: Buffer) -> memoryview:
-    view = memoryview(buffer)
-    if view.readonly:
-        raise ValueError("get_into needs writable buffers")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _as_bytes(part: Buffer) -> memoryview:
-    view = memoryview(part)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def build_put(keys: Sequence[bytes], values: Sequence[Sequence[Buffer]]) -> tuple[bytes, list, int]:
     """The PUT meta, its data frames and their byte count: a value big enough to be its own segment goes out part by
     part without a copy; small values are packed into one buffer per segment."""
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
-    parts = [[_as_bytes(p) for p in parts] for parts in values]
+    parts = [[byte_view(p) for p in parts] for parts in values]
     lens = np.fromiter((sum(p.nbytes for p in ps) for ps in parts), dtype=np.int64, count=len(parts))
     plan = metas.segment_plan(lens)
     offsets, sizes = metas.segment_bounds(lens, plan)
