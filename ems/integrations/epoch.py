@@ -18,10 +18,14 @@ Contract (no engine imports):
   it. A pool that cannot pin it (a Mooncake Store: its pins are set at put; a node whose pin budget is used up)
   keeps it as an ordinary value, said once in the log; an engine that then finds it gone writes a fresh epoch (only
   misses, never an old epoch's blocks).
-* Writes never go to the client's local read cache (`write_rcache=False`), so a read always asks the pool.
+* Writes never go to the client's local read cache (`write_rcache=False`), so a read always asks the pool. One
+  record's reads and writes run one at a time (they share its buffer: a read beside a reset could otherwise write
+  the old epoch back as the new one).
 * `EpochWatch(record, refresh_s)`: one engine's view of the epoch (its scheduler's): read at start, on `reset()`, and
   every `refresh_s` by a daemon thread (never on the engine's step), so a reset by another engine reaches this one
-  within `refresh_s`. A read that fails keeps the epoch it had. It reads again within `RETRY_S` while it has only a
+  within `refresh_s`. A read that fails keeps the epoch it had, and so does a read that began before a `reset()`
+  ended (it may have read the epoch the reset replaced: taking it would bring back, until the next read, the blocks
+  the reset was to hide). It reads again within `RETRY_S` while it has only a
   private epoch (the pool could not be read at start), and `RETRY_S` after it wrote the record (it created it, or
   reset): engines that start, or reset, at the same moment converge on the last one written within `RETRY_S`, not
   `refresh_s` (two engines started together used to save and look up in different epochs for 5 s). Its thread ends
@@ -66,6 +70,7 @@ class EpochRecord:
         self._cc = cc
         self._option = CcKvOption(write_rcache=False, timeout=timeout_ms)
         self._buffer = torch.zeros(EPOCH_BYTES, dtype=torch.uint8)
+        self._lock = threading.Lock()  # one read or write at a time: they share `_buffer`
         self.pinned = False  # the last pin asked for was granted
         self._said_unpinned = False
 
@@ -74,20 +79,23 @@ class EpochRecord:
 
     def read(self) -> bytes | None:
         """The recorded epoch, or None when there is none; raises EmsException when the pool cannot be read."""
-        self._buffer.zero_()
-        result = self._cc.load(self._option, [EPOCH_KEY], self._wrapper())
-        if result.success != 1:
-            return None
+        with self._lock:
+            self._buffer.zero_()
+            result = self._cc.load(self._option, [EPOCH_KEY], self._wrapper())
+            if result.success != 1:
+                return None
+            epoch = bytes(self._buffer.numpy().tobytes())
         self.pin()
-        return bytes(self._buffer.numpy().tobytes())
+        return epoch
 
     def write(self, epoch: bytes) -> bool:
-        self._buffer.copy_(torch.frombuffer(bytearray(epoch[:EPOCH_BYTES]), dtype=torch.uint8))
-        try:
-            written = self._cc.save(self._option, [EPOCH_KEY], self._wrapper()).success == 1
-        except EmsException as exc:
-            logger.warning("could not write the namespace epoch: %s", exc.message())
-            return False
+        with self._lock:
+            self._buffer.copy_(torch.frombuffer(bytearray(epoch[:EPOCH_BYTES]), dtype=torch.uint8))
+            try:
+                written = self._cc.save(self._option, [EPOCH_KEY], self._wrapper()).success == 1
+            except EmsException as exc:
+                logger.warning("could not write the namespace epoch: %s", exc.message())
+                return False
         if written:
             self.pin()
         return written
@@ -131,6 +139,7 @@ class EpochWatch:
         first = record.current()
         self._epoch = first.epoch
         self._soon = not first.ok or first.wrote  # read again within RETRY_S (see the contract)
+        self._resets = 0  # resets so far: a read that began before one ended is not taken
         self._stopped = False
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(refresh_s,), name="ems-epoch", daemon=True)
@@ -148,11 +157,16 @@ class EpochWatch:
             if self._wake.wait(wait_s):  # a reset (wait RETRY_S from now) or close
                 self._wake.clear()
                 continue
+            with self._lock:
+                resets = self._resets
             try:
                 read = self._record.current()
             except EmsException:  # the client was shut down under the watch: nothing left to read
                 return
             with self._lock:
+                if self._resets != resets:  # a reset ended during the read: it may have read the epoch replaced
+                    self._soon = True
+                    continue
                 self._soon = not read.ok or read.wrote
                 if read.ok:
                     if read.epoch != self._epoch:
@@ -166,6 +180,7 @@ class EpochWatch:
             return False
         with self._lock:
             self._epoch = epoch
+            self._resets += 1
             self._soon = True
         self._wake.set()
         return True

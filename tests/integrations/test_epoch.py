@@ -4,6 +4,7 @@ this user's key), each "engine" its own `Ems` client."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException, KvBufferWrapper, PrimaryKey
 from ems.integrations.engine_keys import block_keys, lookup_keys
-from ems.integrations.epoch import EPOCH_BYTES, EpochRecord, EpochWatch, new_epoch
+from ems.integrations.epoch import EPOCH_BYTES, EpochRead, EpochRecord, EpochWatch, new_epoch
 from ems.integrations.local_pool import LocalPool, ensure_local_pool, stop_local_pool
 
 
@@ -93,6 +94,80 @@ def test_engines_that_write_the_record_at_once_converge_soon(node):
             time.sleep(0.05)
         assert watch.epoch == again
     finally:
+        watch.close()
+
+
+def test_a_reset_holds_against_reads_running_beside_it(node):
+    """A watch's refresh reads the record while the engine resets it (a real pool, reads in a loop on another
+    thread): every reset's epoch is what the record then holds (the record's reads and writes never mix their
+    buffer), and the watch keeps it (a read that began before the reset ended is not taken: it may hold the epoch
+    the reset replaced, which would bring back, until the next read, the blocks the reset hid)."""
+    reader = record(node, "beside")
+    watch = EpochWatch(reader, refresh_s=0.001)  # reads back to back, beside every reset
+    stop = threading.Event()
+
+    def read_on() -> None:
+        while not stop.is_set():
+            reader.read()
+
+    hammer = threading.Thread(target=read_on, daemon=True)
+    hammer.start()
+    try:
+        for _ in range(30):
+            assert watch.reset()
+            new = watch.epoch
+            assert reader.read() == new  # the record holds the reset's epoch, whole
+            time.sleep(0.01)  # reads that overlapped the reset come back meanwhile: none undoes it
+            assert watch.epoch == new
+    finally:
+        stop.set()
+        hammer.join(5)
+        watch.close()
+
+
+class _SlowRecord:
+    """A record whose reads are held: the held read returns the epoch it had when it began, once `release` is set;
+    every read after it waits for `later`."""
+
+    def __init__(self, epoch: bytes) -> None:
+        self.epoch = epoch
+        self.reading = threading.Event()
+        self.release = threading.Event()
+        self.later = threading.Event()
+        self.held = 0
+
+    def current(self) -> EpochRead:
+        began = self.epoch
+        if self.reading.is_set():
+            self.held += 1
+            (self.release if self.held == 1 else self.later).wait(10)
+        return EpochRead(began, True)
+
+    def reset(self) -> bytes:
+        self.epoch = new_epoch()
+        return self.epoch
+
+
+def test_a_read_that_began_before_a_reset_is_not_taken():
+    old = new_epoch()
+    slow = _SlowRecord(old)
+    watch = EpochWatch(slow, refresh_s=0.01)  # type: ignore[arg-type]
+    try:
+        slow.reading.set()  # the watch's next read begins, with the old epoch, and waits
+        time.sleep(0.2)
+        assert slow.held == 1
+        assert watch.reset()
+        new = watch.epoch
+        assert new != old
+        slow.release.set()  # the read that began before the reset returns the old epoch
+        time.sleep(0.2)  # (the watch's next read waits meanwhile)
+        assert watch.epoch == new
+        slow.later.set()  # later reads, begun after the reset, are taken as usual
+        time.sleep(0.1)
+        assert watch.epoch == slow.epoch == new
+    finally:
+        slow.release.set()
+        slow.later.set()
         watch.close()
 
 
